@@ -62,6 +62,12 @@ class Checkpointer:
         args=ocp.args.Composite(state=ocp.args.StandardSave(leaves), meta=ocp.args.JsonSave(meta)),
         metrics=metrics, force=force)
 
+  def restore_meta(self, step: int) -> dict:
+    """The JSON dict saved at `step` (e.g. to size the restore template)."""
+    meta = dict(self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+    meta.pop("_shapes", None)
+    return meta
+
   def restore(self, step: int, template: Any) -> tuple[Any, dict]:
     """Restores into the structure (and shardings, for jax.Array leaves) of `template`."""
     leaves, treedef = jax.tree.flatten(template)

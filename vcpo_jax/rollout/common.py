@@ -1,0 +1,117 @@
+"""Turning problems and a policy snapshot into the learner's fixed-shape Batch.
+
+Every execution mode (sync, lag, async) produces batches the same way; it only
+differs in which parameters it samples with and in which process. The Batch is
+a dict of numpy arrays with fixed shapes, N = P * G rows and T = prompt length +
+response budget columns:
+
+  tokens [N, T] int32        left-padded prompt, then right-padded response
+  valid_mask [N, T] bool     real tokens (prompt or response)
+  loss_mask [N, T] bool      tokens the policy loss and the importance ratios use
+  behavior_logp [N, T] f32   log mu(token) recorded by the sampler (0 off loss_mask)
+  rewards [N] f32, correct [N] f32, group_id [N] int32 (prompt index in the batch)
+  policy_version [N] int32   parameter version that sampled the row
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from vcpo_jax import tasks
+from vcpo_jax.sampler import Sampler
+
+DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "group_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  task: str  # tasks.TASKS name
+  prompts_per_step: int  # P
+  group_size: int  # G samples per prompt
+  max_prompt_len: int  # prompt bucket (tokens); longer prompts are an error
+  max_new_tokens: int  # response budget
+  chat_template: bool = False  # wrap prompts with the tokenizer's chat template
+  num_train_problems: int = 4096  # size of the generated / loaded training pool
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.task not in tasks.TASKS:
+      raise ValueError(f"task.name={self.task!r} is unknown; choose one of {sorted(tasks.TASKS)}.")
+    for f in ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "num_train_problems"):
+      if getattr(self, f) <= 0:
+        raise ValueError(f"{f}={getattr(self, f)} must be positive.")
+
+  @property
+  def batch_size(self) -> int:
+    return self.prompts_per_step * self.group_size
+
+
+def encode_prompts(tokenizer, problems: Sequence[tasks.Problem], chat_template: bool) -> list[list[int]]:
+  from vcpo_jax.model.tokenizer import apply_chat_template_or_plain
+  out = []
+  for p in problems:
+    text = apply_chat_template_or_plain(tokenizer, p.prompt) if chat_template else p.prompt
+    out.append(list(tokenizer.encode(text, add_special_tokens=False)))
+  return out
+
+
+class RolloutMaker:
+  """problems(step) + params -> Batch. Deterministic given (step, params, seed)."""
+
+  def __init__(self, cfg: RolloutConfig, tokenizer, sampler: Sampler, problems: Sequence[tasks.Problem]):
+    self.cfg, self.tokenizer, self.sampler = cfg, tokenizer, sampler
+    self.problems = list(problems)
+
+  def problems_for_step(self, step: int) -> list[tasks.Problem]:
+    """P problems for learner step `step`: a fixed seeded order, so resuming needs only the step."""
+    stream = tasks.ProblemStream(self.problems, seed=self.cfg.seed, position=step * self.cfg.prompts_per_step)
+    return stream.next(self.cfg.prompts_per_step)
+
+  def make(self, params, step: int, rng: jax.Array, version: int) -> tuple[dict, dict]:
+    """Samples G responses for each of step's P prompts with `params`; returns (batch, host info)."""
+    cfg = self.cfg
+    problems = self.problems_for_step(step)
+    prompt_ids = encode_prompts(self.tokenizer, problems, cfg.chat_template)
+    too_long = [len(p) for p in prompt_ids if len(p) > cfg.max_prompt_len]
+    if too_long:
+      raise ValueError(f"A prompt has {max(too_long)} tokens > task.max_prompt_len={cfg.max_prompt_len}; "
+                       "raise task.max_prompt_len.")
+    ro = self.sampler.generate(params, prompt_ids, rng, num_samples=cfg.group_size,
+                               max_new_tokens=cfg.max_new_tokens)
+    return self.to_batch(ro, problems, version)
+
+  def to_batch(self, ro, problems, version: int) -> tuple[dict, dict]:
+    cfg = self.cfg
+    n, t_want = cfg.batch_size, cfg.max_prompt_len + cfg.max_new_tokens
+    texts = [self.tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True)
+             for i in range(n)]
+    rewards = np.asarray([tasks.score(problems[i // cfg.group_size].task, texts[i],
+                                      problems[i // cfg.group_size].reference) for i in range(n)], np.float32)
+    pad = lambda a, v=0: _pad_to(a, t_want, v)
+    batch = dict(
+        tokens=pad(ro.tokens.astype(np.int32), self.sampler.cfg.pad_id),
+        valid_mask=pad(ro.prompt_mask | ro.response_mask),
+        loss_mask=pad(ro.response_mask),
+        behavior_logp=pad(ro.behavior_logp.astype(np.float32)),
+        rewards=rewards,
+        correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
+        group_id=np.asarray(ro.group_id, np.int32),
+        policy_version=np.full((n,), version, np.int32),
+    )
+    info = dict(texts=texts, problem_ids=[p.id for p in problems],
+                response_len_mean=float(np.mean(ro.lengths)), finished_frac=float(np.mean(ro.finished)))
+    return batch, info
+
+
+def _pad_to(a: np.ndarray, t: int, value=0) -> np.ndarray:
+  if a.shape[1] > t:
+    raise ValueError(f"rollout has {a.shape[1]} columns > {t}; sampler buckets exceed the batch shape.")
+  return np.pad(a, ((0, 0), (0, t - a.shape[1])), constant_values=value)
+
+
+def device_batch(batch: dict[str, Any]) -> dict[str, np.ndarray]:
+  """The subset of a Batch the jitted learner step consumes."""
+  return {k: batch[k] for k in DEVICE_KEYS}

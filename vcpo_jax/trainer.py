@@ -1,0 +1,251 @@
+"""run(config, workdir): the one training loop, for every method and execution mode.
+
+Sections, top to bottom: Config -> Distributed -> Tokenizer & Model -> Warm
+start -> Optimizer & Update step -> Checkpoint / resume -> Rollouts -> Evals ->
+Loop. The mode only decides which rollout source is built:
+
+    batch = source.next(step)                   # sync / lag: sampled here; async: from the queue
+    state, metrics = train_step(state, batch)   # estimator -> grads -> ESS-scaled AdamW
+    source.publish(state.params, step + 1)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from vcpo_jax import evaluation, learner, metrics as metrics_lib, optim
+from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.model import transformer
+from vcpo_jax.rollout.common import RolloutMaker, device_batch
+from vcpo_jax.run_config import RunSpec, parse_config
+from vcpo_jax.sampler import Sampler, SamplerConfig
+
+log = logging.getLogger("vcpo_jax")
+
+
+class Interrupted(Exception):
+  pass
+
+
+def _install_signal_handlers(flag: dict):
+  def handler(signum, _frame):
+    flag["signal"] = signum
+  old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    for s in old:
+      signal.signal(s, handler)
+  except ValueError:  # not the main thread (e.g. called from a worker thread): leave signals alone
+    return {}
+  return old
+
+
+def build_policy(spec: RunSpec):
+  """(model_cfg, tokenizer, graphdef, params) from a checkpoint or a random preset."""
+  from vcpo_jax.model import tokenizer as tok_lib
+  if spec.model_checkpoint:
+    from vcpo_jax.model import hf_io
+    model_cfg, model = hf_io.load_hf(spec.model_checkpoint, dtype=spec.model_cfg.dtype)
+    tokenizer = tok_lib.load_tokenizer(spec.tokenizer_dir or spec.model_checkpoint)
+  else:
+    tokenizer = (tok_lib.load_tokenizer(spec.tokenizer_dir) if spec.tokenizer_dir
+                 else tok_lib.build_char_tokenizer())
+    model_cfg = spec.model_cfg.replace(vocab_size=max(spec.model_cfg.vocab_size, len(tokenizer)))
+    model = transformer.init(model_cfg, seed=spec.seed)
+  graphdef, params = transformer.split(model)
+  return model_cfg, tokenizer, graphdef, params
+
+
+def make_sampler_cfg(spec: RunSpec, tokenizer, *, temperature, top_p, top_k, max_new_tokens) -> SamplerConfig:
+  eos = tokenizer.eos_token_id
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+  return SamplerConfig(
+      temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos, pad_id=pad,
+      max_new_tokens=max_new_tokens, prompt_buckets=(spec.rollout.max_prompt_len,),
+      new_token_buckets=(max_new_tokens,),
+      batch_buckets=tuple(sorted({1, spec.rollout.batch_size, spec.eval_batch_size})))
+
+
+def run(config, workdir: str) -> dict:
+  """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible."""
+  # ---------------------------------------------------------------- Config
+  spec = parse_config(config)  # every check happens here, before anything compiles
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(config.to_dict(), f, indent=1, default=str)
+
+  # ---------------------------------------------------------------- Distributed
+  if spec.distributed.get("enabled"):
+    from vcpo_jax import sharding
+    sharding.maybe_initialize_distributed(
+        spec.distributed["coordinator_address"], spec.distributed["num_processes"],
+        spec.distributed["process_id"])
+
+  # ---------------------------------------------------------------- Tokenizer & Model
+  model_cfg, tokenizer, graphdef, params = build_policy(spec)
+  log.info("policy: %s, %.2fM parameters", model_cfg.model_type, model_cfg.num_params / 1e6)
+
+  # ---------------------------------------------------------------- Warm start
+  task_obj = spec.task_object()
+  train_problems = task_obj.make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  if spec.sft_steps > 0:
+    from vcpo_jax import sft
+    params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir)
+
+  # ---------------------------------------------------------------- Optimizer & Update step
+  tx = optim.make_optimizer(spec.lr, weight_decay=spec.weight_decay, clip_norm=spec.clip_norm,
+                            b1=spec.b1, b2=spec.b2, schedule=spec.schedule, total_steps=spec.steps)
+  state = learner.init_state(params, tx)
+  train_step = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
+
+  # ---------------------------------------------------------------- Rollouts
+  key = jax.random.key(spec.seed)
+  train_sampler = Sampler(graphdef, model_cfg, make_sampler_cfg(
+      spec, tokenizer, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+      max_new_tokens=spec.rollout.max_new_tokens))
+  maker = RolloutMaker(spec.rollout, tokenizer, train_sampler, train_problems)
+  source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir)
+
+  # ---------------------------------------------------------------- Checkpoint / resume
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep_last=spec.keep_last,
+                      keep_best=spec.keep_best, best_metric="eval/accuracy")
+  start, wall_offset = 0, 0.0
+  latest = ckpt.latest_step()
+  if latest is not None:
+    state, wall_offset = _restore(ckpt, latest, state, source)
+    start = latest
+    log.info("resumed from step %d in %s", start, workdir)
+  else:
+    source.publish(state.params, 0)
+
+  # ---------------------------------------------------------------- Evals
+  eval_problems = task_obj.make_problems("test", spec.eval.size, spec.seed)
+  eval_sampler = Sampler(graphdef, model_cfg, make_sampler_cfg(
+      spec, tokenizer, temperature=0.0 if spec.eval.greedy else spec.eval.temperature,
+      top_p=spec.eval.top_p, top_k=0, max_new_tokens=spec.eval.max_new_tokens))
+  eval_jsonl = os.path.join(workdir, "eval.jsonl")
+
+  def run_eval(step, params, tag=None):
+    gen = _eval_generate_fn(eval_sampler, params, tokenizer, spec, jax.random.fold_in(key, 10**9 + step))
+    rec = evaluation.evaluate(gen, eval_problems, spec.eval, step, jsonl_path=eval_jsonl, tag=tag)
+    return {"eval/accuracy": rec["mean_at_n"], "eval/mean_reward": rec["mean_reward"],
+            **{f"eval/pass@{k}": v for k, v in rec["pass_at_k"].items()}}
+
+  # ---------------------------------------------------------------- Loop
+  writer = metrics_lib.MetricsWriter(workdir, spec.steps, initial_step=start, wall_offset=wall_offset,
+                                     progress=spec.progress)
+  flag: dict = {}
+  old_handlers = _install_signal_handlers(flag)
+  last_eval: dict = {}
+  nonfinite_steps: list[int] = []
+  step = start
+  try:
+    if start == 0:
+      last_eval = run_eval(0, state.params)
+      writer.write(0, last_eval)
+    while step < spec.steps:
+      if flag.get("signal"):
+        raise Interrupted(f"signal {flag['signal']}")
+      t0 = time.time()
+      batch, info = source.next(step)
+      t1 = time.time()
+      state, m = train_step(state, device_batch(batch))
+      m = jax.device_get(m)
+      t2 = time.time()
+      step += 1
+      source.publish(state.params, step)
+      if m["nonfinite"]:
+        nonfinite_steps.append(step - 1)
+        if spec.on_nonfinite == "abort":
+          raise FloatingPointError(
+              f"non-finite loss or gradient at step {step - 1} (non-finite steps so far: {nonfinite_steps}); "
+              "set learner.on_nonfinite='skip' to skip such updates.")
+      n_tokens = float(batch["valid_mask"].sum())
+      row = {f"train/{k}": v for k, v in m.items()}
+      row.update({
+          "train/reward_mean": float(batch["rewards"].mean()),
+          "train/accuracy": float(batch["correct"].mean()),
+          "train/response_len": info["response_len_mean"],
+          "train/lag_min": info["lag_min"], "train/lag_mean": info["lag_mean"], "train/lag_max": info["lag_max"],
+          "time/rollout_s": t1 - t0, "time/learn_s": t2 - t1,
+          "time/tokens_per_s": n_tokens / max(t2 - t0, 1e-9),
+          "time/sampler_idle_frac": info.get("sampler_idle_frac", 0.0),
+          "time/learner_idle_frac": info.get("learner_wait_s", t1 - t0) / max(t2 - t0, 1e-9),
+      })
+      if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
+        last_eval = run_eval(step, state.params)
+        row.update(last_eval)
+      writer.write(step, row, advance=True)
+      if step % spec.checkpoint_every == 0 and step < spec.steps:
+        _save(ckpt, step, state, source, writer, last_eval if spec.eval_every and step % spec.eval_every == 0
+              else None)
+    final_eval = run_eval(step, state.params, tag="final")
+    writer.write(step, final_eval)
+    _save(ckpt, step, state, source, writer, final_eval)
+  except Interrupted as e:
+    log.warning("interrupted (%s): saving a checkpoint at step %d", e, step)
+    _save(ckpt, step, state, source, writer, None, force=True)
+    raise SystemExit(130)
+  finally:
+    for s, h in old_handlers.items():
+      signal.signal(s, h)
+    source.close()
+    ckpt.close()
+    writer.close()
+  if spec.plots:
+    metrics_lib.plot_run(workdir)
+  summary = {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps}
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  return summary
+
+
+def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir):
+  from vcpo_jax.rollout.lag import LagSource
+  if spec.mode in ("sync", "lag"):
+    return LagSource(maker, spec.k if spec.mode == "lag" else 0, key)
+  from vcpo_jax.rollout.async_ import AsyncSource
+  return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker)
+
+
+def _state_tree(state, source):
+  versions, plist = source.state()
+  return {"train": state, "versions": plist}, versions
+
+
+def _save(ckpt, step, state, source, writer, eval_metrics, force=False):
+  tree, versions = _state_tree(state, source)
+  meta = {"step": step, "versions": versions, "wall_time": writer.wall_time}
+  ckpt.save(step, tree, meta, metrics=eval_metrics, force=force)
+  ckpt.wait()
+
+
+def _restore(ckpt, step, state, source):
+  meta_versions = ckpt.restore_meta(step)["versions"]
+  template = {"train": state, "versions": [state.params for _ in meta_versions]}
+  tree, meta = ckpt.restore(step, template)
+  source.load_state(meta["versions"], tree["versions"])
+  return tree["train"], float(meta.get("wall_time", 0.0))
+
+
+def _eval_generate_fn(sampler: Sampler, params, tokenizer, spec: RunSpec, rng):
+  from vcpo_jax.rollout.common import encode_prompts
+  from vcpo_jax.tasks import Problem
+
+  def generate(prompts, n, temperature, top_p, max_new_tokens, greedy):
+    del temperature, top_p, greedy  # fixed in the eval sampler's config (the protocol it records)
+    probs = [Problem(id=str(i), task="", prompt=p, reference=None) for i, p in enumerate(prompts)]
+    ids = encode_prompts(tokenizer, probs, spec.rollout.chat_template)
+    ro = sampler.generate(params, ids, rng, num_samples=n, max_new_tokens=max_new_tokens)
+    texts = [tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True)
+             for i in range(len(ids) * n)]
+    return [texts[i * n:(i + 1) * n] for i in range(len(ids))]
+
+  return generate
