@@ -152,7 +152,7 @@ class _State:
     loss: list[float]
     logp: list[float]
     turn_start: int  # index in tokens where the current model turn began
-    turns: int = 0
+    turns: int = 1  # model turns started
     kinds: list[str] = dataclasses.field(default_factory=list)
     final_text: str = ""
     finish: str | None = None
@@ -216,8 +216,6 @@ def run_episodes(generate_fn: GenerateFn, tokenizer_encode: Callable[[str], Sequ
                              logp=[0.0] * len(ids), turn_start=len(ids)))
     # Episodes whose current model turn is still open.
     generating = list(range(len(states)))
-    for s in states:
-        s.turns = 1
     while generating:
         budgets = []
         for i in generating:
@@ -236,8 +234,7 @@ def run_episodes(generate_fn: GenerateFn, tokenizer_encode: Callable[[str], Sequ
             new_logps = [float(x) for x in new_logps]
             if len(new_ids) != len(new_logps):
                 raise ValueError(f"generate_fn returned {len(new_ids)} ids but {len(new_logps)} log-probs")
-            requested = budget
-            stopped_early = len(new_ids) < requested
+            stopped_early = len(new_ids) < budget
             new_ids, new_logps = new_ids[:budget], new_logps[:budget]
             hit_eos = False
             for k, t in enumerate(new_ids):
