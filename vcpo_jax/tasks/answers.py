@@ -58,6 +58,7 @@ __all__ = [
 # Extraction
 # ----------------------------------------------------------------------------
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
+_BRACE_RE = re.compile(r"[{}]")
 
 
 def _all_boxed(text: str) -> list[str]:
@@ -66,15 +67,19 @@ def _all_boxed(text: str) -> list[str]:
     One pass builds the matching-brace table with a stack, so adversarial
     inputs (thousands of unclosed `\\boxed{`) stay O(len(text)).
     """
+    first = _BOX_RE.search(text)
+    if first is None:
+        return []
     match: dict[int, int] = {}
     stack: list[int] = []
-    for i, ch in enumerate(text):
-        if ch == "{":
+    for b in _BRACE_RE.finditer(text, first.end()):  # braces before the first box cannot matter
+        i = b.start()
+        if text[i] == "{":
             stack.append(i)
-        elif ch == "}" and stack:
+        elif stack:
             match[stack.pop()] = i
     out = []
-    for m in _BOX_RE.finditer(text):
+    for m in _BOX_RE.finditer(text, first.start()):
         j = m.end()
         while j < len(text) and text[j] == " ":
             j += 1
