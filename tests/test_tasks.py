@@ -156,6 +156,23 @@ def test_math_verify_worker_killed_on_hang_and_crash():
     assert broken.equal("1", "1", timeout_s=1.0) is False and broken._broken
 
 
+def test_math_verify_worker_after_fork():
+    # In a forked child (pid differs) the worker forgets the parent's process and
+    # starts its own instead of talking over the parent's pipes. A real fork under
+    # a multithreaded JAX process is avoided here; the pid check is what matters.
+    w = answers._MathVerifyWorker()
+    try:
+        assert w.equal("2\\sqrt{2}", "\\sqrt{8}", timeout_s=5.0) is True
+        parent_proc = w._proc
+        w._pid = -1  # as seen from a child after fork
+        assert w.equal("x+1", "1+x", timeout_s=5.0) is True
+        assert w._proc is not parent_proc and parent_proc.poll() is None  # parent's worker untouched
+    finally:
+        w.close()
+        parent_proc.kill()
+        parent_proc.wait()
+
+
 def test_math_verify_real_worker():
     assert answers.math_verify_equal("2\\sqrt{2}", "\\sqrt{8}") is True
     assert answers.math_verify_equal("9^{9^{9^{9}}}", "9^{9^{9^{9}}}+1", timeout_s=2.0) is False

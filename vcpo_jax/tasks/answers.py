@@ -325,6 +325,7 @@ class _MathVerifyWorker:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._broken = False  # math-verify cannot even start: stop trying
+        self._pid = os.getpid()
 
     def _start(self, startup_timeout_s: float) -> bool:
         self._proc = subprocess.Popen(
@@ -358,7 +359,16 @@ class _MathVerifyWorker:
                 pass
         self._proc = None
 
+    def _after_fork(self):
+        # A forked child (e.g. a rollout worker) must not share the parent's pipes:
+        # forget the parent's worker without killing it and start its own.
+        if os.getpid() != self._pid:
+            self._pid = os.getpid()
+            self._proc = None
+            self._lock = threading.Lock()
+
     def equal(self, gold: str, pred: str, timeout_s: float) -> bool:
+        self._after_fork()
         with self._lock:
             if self._broken:
                 return False
@@ -379,6 +389,7 @@ class _MathVerifyWorker:
                 return False
 
     def close(self):
+        self._after_fork()
         with self._lock:
             self._kill()
 
