@@ -255,6 +255,17 @@ def test_countdown_verify(output, correct, fmt):
     assert tasks.score("countdown", output, REF) == pytest.approx(expected)
 
 
+def test_countdown_require_format_and_bad_knobs():
+    assert countdown.verify("50 + 25", REF, require_format=True)["reward"] == 0.0
+    assert countdown.verify("<answer>50 + 25</answer>", REF, require_format=True)["reward"] == 1.0
+    with pytest.raises(ValueError, match="format_weight"):
+        countdown.CountdownTask(format_weight=0.6)
+    with pytest.raises(ValueError, match="num_numbers"):
+        countdown.CountdownTask(num_numbers=(3, 9))
+    with pytest.raises(TypeError):
+        countdown.CountdownTask(num_nums=(3, 4))  # a typo'd knob must not pass silently
+
+
 def test_countdown_multiset_and_fractions():
     assert countdown.evaluate_expression("5 + 5", [5, 5])[0] == 10
     assert countdown.evaluate_expression("5 + 5", [5, 6])[0] is None

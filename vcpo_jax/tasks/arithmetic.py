@@ -112,6 +112,7 @@ class ArithmeticTask:
         if "{expression}" not in template:
             raise ValueError(f"arithmetic template must contain '{{expression}}', got {template!r}")
         self.template = template
+        generate(0, 0, **gen_kwargs)  # validate generator knobs now, not at first use
         self.gen_kwargs = gen_kwargs
 
     def make_problems(self, split: str = "train", n: int | None = 100, seed: int = 0, template: str | None = None):

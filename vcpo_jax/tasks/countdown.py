@@ -265,10 +265,13 @@ def evaluate_expression(expr: str, numbers) -> tuple[Fraction | None, str]:
     return value, ""
 
 
-def verify(model_output: str, reference: dict, format_weight: float = 0.1) -> dict[str, float]:
+def verify(
+    model_output: str, reference: dict, format_weight: float = 0.1, require_format: bool = False
+) -> dict[str, float]:
     """Named reward components: {"correct", "format", "reward"}.
 
-    correct: 1.0 iff the extracted expression is valid and equals the target.
+    correct: 1.0 iff the extracted expression is valid and equals the target
+      (and, with require_format, came inside <answer></answer> tags).
     format: 1.0 iff the answer came in <answer></answer> tags.
     reward = 1.0 if correct else format_weight * format (kept below 0.5).
     """
@@ -279,7 +282,7 @@ def verify(model_output: str, reference: dict, format_weight: float = 0.1) -> di
     correct = 0.0
     if expr is not None:
         value, _ = evaluate_expression(expr, numbers)
-        correct = float(value is not None and value == target)
+        correct = float(value is not None and value == target and (formatted or not require_format))
     fmt = float(formatted)
     reward = 1.0 if correct else format_weight * fmt
     return {"correct": correct, "format": fmt, "reward": reward}
@@ -298,7 +301,13 @@ class CountdownTask:
 
     name = "countdown"
 
-    def __init__(self, template: str = DEFAULT_TEMPLATE, format_weight: float = 0.1, **gen_kwargs):
+    def __init__(
+        self,
+        template: str = DEFAULT_TEMPLATE,
+        format_weight: float = 0.1,
+        require_format: bool = False,
+        **gen_kwargs,
+    ):
         try:
             template.format(numbers=[1, 2], target=3)
         except (KeyError, IndexError, ValueError) as e:
@@ -306,7 +315,11 @@ class CountdownTask:
                 f"countdown template may only use {{numbers}} and {{target}} fields: {e!r}"
             ) from None
         self.template = template
+        if not 0.0 <= format_weight < 0.5:
+            raise ValueError(f"format_weight must be in [0, 0.5), got {format_weight}")
         self.format_weight = format_weight
+        self.require_format = require_format
+        generate(0, 0, **gen_kwargs)  # validate generator knobs now, not at first use
         self.gen_kwargs = gen_kwargs
 
     def prompt(self, inst: CountdownInstance) -> str:
@@ -315,7 +328,7 @@ class CountdownTask:
     def make_problems(self, split: str = "train", n: int | None = 100, seed: int = 0, template: str | None = None):
         from vcpo_jax.tasks.datasets import Problem
 
-        task = self if template is None else CountdownTask(template, self.format_weight, **self.gen_kwargs)
+        task = self if template is None else CountdownTask(template, self.format_weight, self.require_format, **self.gen_kwargs)
         insts = generate(100 if n is None else n, seed, split=split, **self.gen_kwargs)
         return [
             Problem(
@@ -330,4 +343,4 @@ class CountdownTask:
         ]
 
     def score(self, model_output: str, reference: dict, extraction: str | None = None) -> float:
-        return verify(model_output, reference, self.format_weight)["reward"]
+        return verify(model_output, reference, self.format_weight, self.require_format)["reward"]
