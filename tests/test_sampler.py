@@ -1,0 +1,228 @@
+"""Tests for vcpo_jax.sampler: equivalence with the uncached forward, on-policy log-probs,
+filtering semantics, stop handling, determinism and a compile count."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vcpo_jax import sampler as S
+from vcpo_jax.model import config, transformer as tf
+
+CFG = config.tiny_qwen2()
+PROMPTS = [[3, 17, 42], [7, 8, 9, 10, 11], [5]]
+SMALL = dict(prompt_buckets=(8, 16), new_token_buckets=(8, 16), batch_buckets=(4, 8), max_new_tokens=16)
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+  gd, params = tf.split(tf.init(CFG, seed=0))
+  # Sharpened copy: scaling the (tied) embedding makes next-token distributions peaked, so
+  # nucleus sets are small and greedy runs repeat tokens (used by the top-p and stop tests).
+  sharp = jax.tree.map(lambda x: x, params)
+  sharp["embed_tokens"]["embedding"].value = params["embed_tokens"]["embedding"].value * 25.0
+  return gd, params, sharp
+
+
+@functools.lru_cache(maxsize=None)
+def _sampler(**kw):
+  gd, _, _ = _model()
+  return S.Sampler(gd, CFG, S.SamplerConfig(**{**SMALL, **kw}))
+
+
+def _full_logits(params, seq):
+  """Uncached forward of one unpadded sequence: logits [T, V]."""
+  gd = _model()[0]
+  tok = jnp.asarray(seq, jnp.int32)[None]
+  pos, mask = tf.padded_positions_and_mask(jnp.ones(tok.shape, bool))
+  return np.asarray(tf.forward(gd, params, tok, pos, mask)[0][0])
+
+
+def _log_softmax(x):
+  x = x - x.max()
+  return x - np.log(np.exp(x).sum())
+
+
+def _responses(r):
+  return [r.tokens[n][r.response_mask[n]].tolist() for n in range(r.tokens.shape[0])]
+
+
+def test_config_validation():
+  for kw, field in [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                    (dict(top_k=-2), "top_k"), (dict(logp_mode="x"), "logp_mode"),
+                    (dict(prompt_buckets=(16, 8)), "prompt_buckets"),
+                    (dict(max_new_tokens=64), "max_new_tokens")]:
+    with pytest.raises(ValueError, match=field):
+      S.SamplerConfig(**{**SMALL, **kw})
+  gd, params, _ = _model()
+  with pytest.raises(ValueError, match="eos_id"):
+    S.Sampler(gd, CFG, S.SamplerConfig(eos_id=CFG.vocab_size))
+  smp = _sampler(temperature=0.0)
+  with pytest.raises(ValueError, match="prompt length"):
+    smp.generate(params, [list(range(17))], jax.random.key(0), max_new_tokens=4)
+  with pytest.raises(ValueError, match="empty"):
+    smp.generate(params, [[1], []], jax.random.key(0), max_new_tokens=4)
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward_and_layout():
+  gd, params, _ = _model()
+  r = _sampler(temperature=0.0).generate(params, PROMPTS, jax.random.key(0), max_new_tokens=10)
+  for n, prompt in enumerate(PROMPTS):
+    seq = list(prompt)
+    for _ in range(10):
+      seq.append(int(np.argmax(_full_logits(params, seq)[-1])))
+    assert _responses(r)[n] == seq[len(prompt):]
+    # Layout: left-padded prompt in the first Tp = 8 columns, response right after it.
+    assert r.tokens[n, 8 - len(prompt):8].tolist() == prompt
+    assert r.prompt_mask[n].sum() == len(prompt) and r.prompt_mask[n, 8 - len(prompt):8].all()
+  assert r.tokens.shape == (3, 8 + 16)
+  assert not (r.prompt_mask & r.response_mask).any()
+  assert (r.lengths == 10).all() and not r.finished.any()
+  assert (r.response_mask[:, 8:18]).all() and not r.response_mask[:, 18:].any()
+  assert (r.behavior_logp == 0).all()  # greedy is a point mass under logp_mode="sampled"
+  np.testing.assert_array_equal(r.group_id, [0, 1, 2])
+
+
+def test_top_k_1_equals_greedy():
+  _, params, _ = _model()
+  greedy = _sampler(temperature=0.0).generate(params, PROMPTS, jax.random.key(0), 2, max_new_tokens=10)
+  topk1 = _sampler(temperature=1.3, top_k=1).generate(params, PROMPTS, jax.random.key(5), 2,
+                                                       max_new_tokens=10)
+  np.testing.assert_array_equal(topk1.tokens, greedy.tokens)
+  np.testing.assert_allclose(topk1.behavior_logp, 0.0, atol=1e-6)  # renormalized over one token
+
+
+def test_on_policy_logp_equals_learner_logp_and_ess_is_one():
+  gd, params, _ = _model()
+  # A stop id makes lengths vary, so the masks after a stop are exercised too.
+  smp = _sampler(temperature=1.0, eos_id=7, stop_ids=(11, 13, 17, 19, 23))
+  r = smp.generate(params, PROMPTS, jax.random.key(1), num_samples=4, max_new_tokens=16)
+  valid = r.prompt_mask | r.response_mask
+  logp = np.asarray(jax.jit(tf.sequence_logprobs, static_argnums=0)(
+      gd, params, jnp.asarray(r.tokens), jnp.asarray(valid)))
+  np.testing.assert_allclose(np.where(r.response_mask, logp, 0.0), r.behavior_logp, atol=1e-4)
+  log_w = np.sum(np.where(r.response_mask, logp - r.behavior_logp, 0.0), axis=1)
+  assert np.abs(log_w).max() < 1e-3
+  w = np.exp(log_w)
+  ess_ratio = w.sum() ** 2 / (len(w) * (w ** 2).sum())
+  assert abs(ess_ratio - 1.0) < 1e-3
+  assert (r.behavior_logp < 0).sum() == r.response_mask.sum()  # every response token has a logp
+  assert (r.behavior_logp[~r.response_mask] == 0).all()
+
+
+def _nucleus(logits, temperature, top_k, top_p):
+  """Reference: the kept token set and the renormalized log-probs (numpy, independent code)."""
+  x = logits / temperature
+  order = np.argsort(-x, kind="stable")
+  if top_k:
+    order = order[:top_k]
+  p = np.exp(x[order] - x[order].max())
+  p /= p.sum()
+  before = np.cumsum(p) - p
+  kept = order[before < top_p]
+  lp = _log_softmax(x[kept])
+  return dict(zip(kept.tolist(), lp.tolist()))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.6), (12, 0.8)])
+def test_filtered_tokens_lie_in_nucleus_and_logp_is_renormalized(top_k, top_p):
+  _, _, sharp = _model()
+  smp = _sampler(temperature=0.8, top_k=top_k, top_p=top_p)
+  tempered = _sampler(temperature=0.8, top_k=top_k, top_p=top_p, logp_mode="tempered")
+  r = smp.generate(sharp, PROMPTS, jax.random.key(2), num_samples=3, max_new_tokens=12)
+  rt = tempered.generate(sharp, PROMPTS, jax.random.key(2), num_samples=3, max_new_tokens=12)
+  np.testing.assert_array_equal(rt.tokens, r.tokens)  # the mode changes only what is recorded
+  sizes = []
+  for n in range(r.tokens.shape[0]):
+    prompt = PROMPTS[r.group_id[n]]
+    resp = _responses(r)[n]
+    logits = _full_logits(sharp, prompt + resp)
+    for t, tok in enumerate(resp):
+      row = logits[len(prompt) - 1 + t]
+      kept = _nucleus(row, 0.8, top_k, top_p)
+      sizes.append(len(kept))
+      assert tok in kept
+      np.testing.assert_allclose(r.behavior_logp[n, 8 + t], kept[tok], atol=1e-4)
+      np.testing.assert_allclose(rt.behavior_logp[n, 8 + t], _log_softmax(row / 0.8)[tok], atol=1e-4)
+  assert np.median(sizes) < CFG.vocab_size / 4  # the filter really removed most tokens
+
+
+def test_filter_logits_hand_checked():
+  # probs 0.5, 0.25, 0.125, 0.125: top_p=0.7 keeps {0, 1} (mass before token 2 is 0.75 >= 0.7).
+  logits = jnp.log(jnp.array([[0.5, 0.25, 0.125, 0.125]]))
+  kept = np.isfinite(np.asarray(S.filter_logits(logits, 1.0, 0, 0.7)))
+  np.testing.assert_array_equal(kept, [[True, True, False, False]])
+  kept = np.isfinite(np.asarray(S.filter_logits(logits, 1.0, 0, 0.76)))  # ties at the cutoff kept
+  np.testing.assert_array_equal(kept, [[True, True, True, True]])
+  kept = np.isfinite(np.asarray(S.filter_logits(logits, 1.0, 1, 1.0)))
+  np.testing.assert_array_equal(kept, [[True, False, False, False]])
+
+
+def test_deterministic_for_a_key():
+  _, params, _ = _model()
+  smp = _sampler(temperature=1.0)
+  a = smp.generate(params, PROMPTS, jax.random.key(3), num_samples=2, max_new_tokens=8)
+  b = smp.generate(params, PROMPTS, jax.random.key(3), num_samples=2, max_new_tokens=8)
+  c = smp.generate(params, PROMPTS, jax.random.key(4), num_samples=2, max_new_tokens=8)
+  for f in ("tokens", "behavior_logp", "response_mask", "lengths", "finished"):
+    np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+  assert (a.tokens != c.tokens).any()
+  assert (a.tokens[0] != a.tokens[1]).any()  # the G samples of one prompt differ
+
+
+def test_eos_and_stop_ids_end_rows_and_mask_after():
+  _, _, sharp = _model()
+  free = _sampler(temperature=0.0).generate(sharp, PROMPTS, jax.random.key(0), max_new_tokens=12)
+  resp = _responses(free)
+  eos = resp[0][4]
+  for kw in (dict(eos_id=eos), dict(stop_ids=(eos,))):
+    r = _sampler(temperature=0.0, **kw).generate(sharp, PROMPTS, jax.random.key(0), max_new_tokens=12)
+    for n, full in enumerate(resp):
+      stop = full.index(eos) + 1 if eos in full else 12
+      assert r.lengths[n] == stop and r.finished[n] == (eos in full)
+      assert _responses(r)[n] == full[:stop]
+      assert (r.tokens[n, 8 + stop:] == 0).all() and not r.response_mask[n, 8 + stop:].any()
+    assert r.finished[0] and r.lengths[0] <= 5
+
+
+def test_generate_continuations_matches_generate():
+  gd, params, _ = _model()
+  smp = _sampler(temperature=1.0, eos_id=7)
+  key = jax.random.key(6)
+  r = smp.generate(params, PROMPTS, key, max_new_tokens=8)
+  out = smp.generate_continuations(params, PROMPTS, 8, None, key)
+  for n, (ids, lps) in enumerate(out):
+    assert ids.tolist() == _responses(r)[n]
+    np.testing.assert_array_equal(lps, r.behavior_logp[n][r.response_mask[n]])
+  # Extra stop ids end the continuation at the first one, included.
+  first = out[0][0][2]
+  cut = S.generate_continuations(smp, params, PROMPTS[:1], 8, [int(first)], key)[0][0]
+  assert cut.tolist() == out[0][0][:list(out[0][0]).index(first) + 1].tolist()
+
+
+def test_chunking_over_the_largest_batch_bucket_gives_the_same_rows():
+  _, params, _ = _model()
+  one = S.Sampler(_model()[0], CFG, S.SamplerConfig(**{**SMALL, "batch_buckets": (2, 4)}))
+  r = one.generate(params, PROMPTS, jax.random.key(8), num_samples=3, max_new_tokens=8)  # 9 rows: 4+4+1
+  ref = _sampler(temperature=1.0).generate(params, PROMPTS, jax.random.key(8), num_samples=3, max_new_tokens=8)
+  np.testing.assert_array_equal(r.tokens, ref.tokens)
+  np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
+
+
+def test_no_recompile_after_warmup_within_buckets():
+  _, params, _ = _model()
+  smp = S.Sampler(_model()[0], CFG, S.SamplerConfig(**{**SMALL, "eos_id": 7}))
+  rng = np.random.default_rng(0)
+  prompts = lambda n, lo, hi: [rng.integers(1, 200, rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
+  smp.generate(params, prompts(2, 1, 8), jax.random.key(0), max_new_tokens=8)  # warm-up: B=4, Tp=8, Tn=8
+  smp.generate(params, prompts(6, 9, 16), jax.random.key(0), max_new_tokens=16)  # B=8, Tp=16, Tn=16
+  warm = smp.num_traces
+  assert warm == 2 and smp._device_fn._cache_size() == 2
+  for i in range(4):
+    smp.generate(params, prompts(1 + i % 4, 1, 8), jax.random.key(i), max_new_tokens=3 + i)
+    smp.generate(params, prompts(2, 9, 16), jax.random.key(i), num_samples=3, max_new_tokens=9 + i)
+    smp.generate_continuations(params, prompts(3, 2, 7), 5 + i, [i + 20, i + 30], jax.random.key(i))
+  assert smp.num_traces == warm and smp._device_fn._cache_size() == 2
+  smp.generate(params, prompts(5, 1, 8), jax.random.key(0), max_new_tokens=8)  # a new bucket: B=8, Tp=8
+  assert smp.num_traces == warm + 1

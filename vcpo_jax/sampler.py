@@ -1,0 +1,386 @@
+"""Jitted autoregressive generation with a KV cache: tokens, masks and behavior log-probs.
+
+Shape legend: P prompts, G samples per prompt, N = P * G rows (trajectories), B the
+batch bucket (N rows padded up to a bucket, chunked when N exceeds the largest),
+Tp the prompt-length bucket, Tn the new-token bucket, T = Tp + Tn, S = T the KV-cache
+length, V vocab.
+
+Layout (what the learner consumes, one row per trajectory):
+
+    tokens[n] = [pad ... pad, prompt_0 ... prompt_{L-1}, resp_0 ... resp_{R-1}, pad ... pad]
+                 |<--------------- Tp (left-padded) ---->|<-------- Tn (right-padded) ---->|
+
+prompt_mask marks the prompt tokens, response_mask the generated tokens up to and
+including the stop token (EOS or any stop id), behavior_logp[n, t] is the log-prob
+of tokens[n, t] under the distribution it was sampled from (0 outside the response).
+`transformer.sequence_logprobs(graphdef, params, tokens, prompt_mask | response_mask)`
+scores exactly these rows: positions count real tokens, so left padding is invisible.
+
+Behavior log-probs (`SamplerConfig.logp_mode`):
+  * "sampled" (default): log mu(y_t) where mu is the distribution the token was
+    actually drawn from: softmax(logits / temperature), then top-k, then top-p
+    (nucleus over the top-k-renormalized distribution), renormalized over the kept
+    tokens. This is the right denominator for importance ratios pi/mu: a token
+    outside the nucleus has mu = 0 and is never drawn, a kept token has mu larger
+    than its unfiltered probability.
+  * "tempered": log softmax(logits / temperature)(y_t), no filtering. This is not a
+    sampling distribution when filtering is on (it sums to < 1 over the kept set);
+    use it only to compare with other systems that record it.
+  Greedy (temperature = 0) samples from a point mass: "sampled" records 0 and
+  "tempered" records the temperature-1 full-softmax log-prob.
+  The learner scores log pi(y_t) = log softmax(logits)(y_t) at temperature 1 over the
+  full vocabulary. The two agree with equal weights iff temperature = 1, top_k = 0,
+  top_p = 1 (the RL setting of the paper); otherwise log(pi/mu) != 0 even on-policy,
+  and the importance ratios correct for the sampler's tempering and filtering.
+
+Recompilation: prompt lengths, batch sizes and new-token counts are padded to fixed
+buckets (configurable lists), so after one call per (B, Tp, Tn) bucket nothing traces
+again; max_new_tokens within a bucket and the stop-token set are runtime values.
+Randomness is per row: row n at step i uses fold_in(fold_in(rng, n), i), so a row's
+sample does not depend on which other rows share its batch.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vcpo_jax.model import transformer
+from vcpo_jax.model.config import ModelConfig
+
+LOGP_MODES = ("sampled", "tempered")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """Sampling settings and shape buckets.
+
+  Attributes:
+    temperature: softmax temperature; 0.0 means greedy (argmax).
+    top_k: keep the k most likely tokens; 0 disables.
+    top_p: nucleus mass in (0, 1]; 1.0 disables. Applied after top-k.
+    eos_id: end-of-sequence token id, or None.
+    stop_ids: further token ids that end a response (included in it, like EOS).
+    pad_id: token written in padding positions (never attended to).
+    max_new_tokens: default response budget per row.
+    prompt_buckets: allowed padded prompt lengths Tp (ascending).
+    new_token_buckets: allowed padded response lengths Tn (ascending).
+    batch_buckets: allowed padded batch sizes B (ascending); larger N is chunked.
+    logp_mode: "sampled" or "tempered", see the module docstring.
+  """
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  eos_id: int | None = None
+  stop_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+  max_new_tokens: int = 128
+  prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+  new_token_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+  batch_buckets: tuple[int, ...] = (1, 4, 16, 64, 256)
+  logp_mode: str = "sampled"
+
+  def __post_init__(self):
+    if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+      raise ValueError(f"SamplerConfig.temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+    if self.top_k < 0:
+      raise ValueError(f"SamplerConfig.top_k must be >= 0 (0 disables), got {self.top_k}.")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"SamplerConfig.top_p must be in (0, 1] (1 disables), got {self.top_p}.")
+    if self.logp_mode not in LOGP_MODES:
+      raise ValueError(f"SamplerConfig.logp_mode must be one of {LOGP_MODES}, got {self.logp_mode!r}.")
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"SamplerConfig.max_new_tokens must be positive, got {self.max_new_tokens}.")
+    for name in ("prompt_buckets", "new_token_buckets", "batch_buckets"):
+      b = tuple(getattr(self, name))
+      if not b or any(int(x) <= 0 for x in b) or list(b) != sorted(set(b)):
+        raise ValueError(f"SamplerConfig.{name} must be a non-empty strictly increasing list of "
+                         f"positive ints, got {b}.")
+      object.__setattr__(self, name, tuple(int(x) for x in b))
+    if self.max_new_tokens > self.new_token_buckets[-1]:
+      raise ValueError(f"SamplerConfig.max_new_tokens={self.max_new_tokens} exceeds the largest "
+                       f"new_token_buckets entry {self.new_token_buckets[-1]}; add a bigger bucket.")
+    object.__setattr__(self, "stop_ids", tuple(int(x) for x in self.stop_ids))
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+  @property
+  def all_stop_ids(self) -> tuple[int, ...]:
+    return tuple(sorted(set(self.stop_ids) | ({self.eos_id} if self.eos_id is not None else set())))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """Generated trajectories (numpy arrays), row n = prompt n // G, sample n % G.
+
+  Attributes:
+    tokens: int32 [N, T] left-padded prompt then right-padded response.
+    prompt_mask: bool [N, T] prompt tokens.
+    response_mask: bool [N, T] generated tokens up to and including the stop token.
+    behavior_logp: float32 [N, T] log mu(tokens[:, t]) on the response, 0 elsewhere.
+    lengths: int32 [N] response lengths (sum of response_mask).
+    prompt_lengths: int32 [N] prompt lengths (sum of prompt_mask).
+    finished: bool [N] the response ended with EOS / a stop id (False: hit the budget).
+    group_id: int32 [N] index of the prompt the row answers.
+  """
+  tokens: np.ndarray
+  prompt_mask: np.ndarray
+  response_mask: np.ndarray
+  behavior_logp: np.ndarray
+  lengths: np.ndarray
+  prompt_lengths: np.ndarray
+  finished: np.ndarray
+  group_id: np.ndarray
+
+
+# ----------------------------------------------------------------------------- token choice
+
+
+def filter_logits(logits_bv: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+  """Sampling logits: logits / temperature, then top-k, then top-p; removed tokens get -inf.
+
+  softmax of the result is the distribution mu that tokens are drawn from. Top-p keeps
+  the smallest prefix (by descending probability) whose mass reaches top_p: token j
+  is kept iff the mass of strictly more likely tokens is < top_p (the most likely token
+  is always kept; ties with the cutoff logit are kept too).
+  All settings are static Python values (one trace per setting).
+  """
+  x = logits_bv.astype(jnp.float32) / jnp.float32(temperature)
+  v = x.shape[-1]
+  if 0 < top_k < v:
+    kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  if top_p < 1.0:
+    desc = -jnp.sort(-x, axis=-1)
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.min(jnp.where(mass_before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x < cutoff, -jnp.inf, x)
+  return x
+
+
+def _choose(logits_bv, keys_b, cfg: SamplerConfig):
+  """One token per row and its behavior log-prob: (tokens [B] int32, logp [B] float32)."""
+  if cfg.greedy:
+    tok = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    if cfg.logp_mode == "sampled":
+      return tok, jnp.zeros(tok.shape, jnp.float32)  # point mass
+    ref = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
+  else:
+    x = filter_logits(logits_bv, cfg.temperature, cfg.top_k, cfg.top_p)
+    tok = jax.vmap(jax.random.categorical)(keys_b, x).astype(jnp.int32)
+    ref = jax.nn.log_softmax(x if cfg.logp_mode == "sampled" else
+                             logits_bv.astype(jnp.float32) / jnp.float32(cfg.temperature), axis=-1)
+  return tok, jnp.take_along_axis(ref, tok[:, None], axis=-1)[:, 0]
+
+
+# ----------------------------------------------------------------------------- the device loop
+
+
+def _generate_device(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, num_new: int, params, prompt_bt, prompt_valid_bt,
+                     active_b, row_ids_b, stop_v, max_new, rng):
+  """The whole generation, one jit: prefill the prompt bucket, then a while_loop of decode steps.
+
+  Args:
+    num_new: static Tn, the response buffer length.
+    prompt_bt: int32 [B, Tp] left-padded prompts; prompt_valid_bt bool [B, Tp].
+    active_b: bool [B] real rows (batch padding rows start finished).
+    row_ids_b: int32 [B] global row index (seeds the row's random stream).
+    stop_v: bool [V] stop-token set (runtime, so changing it does not recompile).
+    max_new: int32 scalar <= Tn, response budget.
+    rng: PRNG key.
+  Returns:
+    (resp_tokens [B, Tn] int32, resp_logp [B, Tn] f32, lengths [B] int32, finished [B] bool).
+  The loop exits as soon as every row is finished or max_new tokens were drawn.
+  """
+  b, tp = prompt_bt.shape
+  s = tp + num_new
+  pad = jnp.int32(cfg.pad_id)
+  row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids_b)
+  step_keys = lambda i: jax.vmap(lambda k: jax.random.fold_in(k, i))(row_keys)
+
+  # Prefill: keys beyond the prompt are not written yet, so they are masked out.
+  cache = transformer.init_cache(cfg_model, b, s)
+  positions, mask = transformer.padded_positions_and_mask(prompt_valid_bt)
+  mask = jnp.pad(mask, ((0, 0), (0, 0), (0, num_new)))
+  logits, cache = transformer.forward(graphdef, params, prompt_bt, positions, mask, cache, jnp.int32(0))
+  prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
+  kv_valid = jnp.pad(prompt_valid_bt.astype(bool), ((0, 0), (0, num_new)))  # [B, S]
+
+  def emit(i, logits_bv, state):
+    toks, logps, lengths, done = state
+    tok, logp = _choose(logits_bv, step_keys(i), cfg)
+    tok = jnp.where(done, pad, tok)
+    logp = jnp.where(done, 0.0, logp)
+    toks = toks.at[:, i].set(tok)
+    logps = logps.at[:, i].set(logp)
+    lengths = lengths + (~done).astype(jnp.int32)
+    stopped = ~done & stop_v[tok]
+    return (toks, logps, lengths, done | stopped), stopped
+
+  toks0 = jnp.full((b, num_new), pad, jnp.int32)
+  state = (toks0, jnp.zeros((b, num_new), jnp.float32), jnp.zeros((b,), jnp.int32), ~active_b)
+  state, finished = emit(0, logits[:, -1], state)  # left padding: the last column is the last prompt token
+
+  def cond(carry):
+    i, _, _, state, _ = carry
+    return (i < max_new) & ~jnp.all(state[3])
+
+  def body(carry):
+    i, cache, kv_valid, state, finished = carry
+    prev = state[0][:, i - 1]
+    idx = tp + i - 1  # cache slot of the token being fed
+    kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
+    pos = (prompt_len + i - 1)[:, None]
+    logits, cache = transformer.forward(graphdef, params, prev[:, None], pos, kv_valid[:, None, :],
+                                        cache, idx)
+    state, stopped = emit(i, logits[:, -1], state)
+    return i + 1, cache, kv_valid, state, finished | stopped
+
+  carry = (jnp.int32(1), cache, kv_valid, state, finished)
+  _, _, _, (toks, logps, lengths, _), finished = jax.lax.while_loop(cond, body, carry)
+  return toks, logps, lengths, finished
+
+
+def _bucket(value: int, buckets: Sequence[int], field: str) -> int:
+  i = bisect.bisect_left(buckets, value)
+  if i == len(buckets):
+    raise ValueError(f"{field}={value} exceeds the largest SamplerConfig bucket {buckets[-1]}; "
+                     f"add a larger bucket.")
+  return buckets[i]
+
+
+class Sampler:
+  """Host-side padding/bucketing around one jitted generation function.
+
+  Usage:
+    sampler = Sampler(graphdef, model_cfg, SamplerConfig(temperature=1.0, eos_id=2))
+    rollout = sampler.generate(params, [[5, 6, 7], [8, 9]], jax.random.key(0), num_samples=4)
+  """
+
+  def __init__(self, graphdef, cfg_model: ModelConfig, sampler_cfg: SamplerConfig):
+    if not isinstance(sampler_cfg, SamplerConfig):
+      raise ValueError(f"sampler_cfg must be a SamplerConfig, got {type(sampler_cfg).__name__}.")
+    for sid in sampler_cfg.all_stop_ids + (sampler_cfg.pad_id,):
+      if not 0 <= sid < cfg_model.vocab_size:
+        raise ValueError(f"SamplerConfig token id {sid} (eos_id/stop_ids/pad_id) is outside the "
+                         f"vocabulary [0, {cfg_model.vocab_size}).")
+    self.graphdef, self.cfg_model, self.cfg = graphdef, cfg_model, sampler_cfg
+    self.num_traces = 0  # incremented at trace time: the compile-count test reads it
+
+    def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *,
+                  num_new):
+      self.num_traces += 1
+      return _generate_device(graphdef, cfg_model, sampler_cfg, num_new, params, prompt_bt, prompt_valid_bt,
+                              active_b, row_ids_b, stop_v, max_new, rng)
+
+    self._device_fn = jax.jit(device_fn, static_argnames=("num_new",))
+
+  # -- host side
+
+  def _stop_mask(self, stop_ids) -> np.ndarray:
+    stop_v = np.zeros((self.cfg_model.vocab_size,), bool)
+    ids = np.asarray(list(stop_ids), np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= self.cfg_model.vocab_size):
+      raise ValueError(f"stop_ids {sorted(set(ids.tolist()))} must lie in [0, {self.cfg_model.vocab_size}).")
+    stop_v[ids] = True
+    return stop_v
+
+  def _run(self, params, rows: list[Sequence[int]], max_new_tokens: int, stop_v: np.ndarray, rng):
+    """Generates one response per row. Returns host arrays (prompt [N,Tp], valid, toks, logps, lengths, finished)."""
+    if not rows:
+      raise ValueError("prompt_token_lists is empty: pass at least one prompt.")
+    lens = [len(r) for r in rows]
+    if min(lens) == 0:
+      raise ValueError(f"prompt {lens.index(0)} is empty: every prompt needs at least one token "
+                       "(e.g. BOS) to condition on.")
+    if not 0 < max_new_tokens <= self.cfg.new_token_buckets[-1]:
+      raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, {self.cfg.new_token_buckets[-1]}] "
+                       "(SamplerConfig.new_token_buckets).")
+    tp = _bucket(max(lens), self.cfg.prompt_buckets, "prompt length")
+    tn = _bucket(max_new_tokens, self.cfg.new_token_buckets, "max_new_tokens")
+    if tp + tn > self.cfg_model.max_position:
+      raise ValueError(f"prompt bucket {tp} + new-token bucket {tn} exceeds ModelConfig.max_position="
+                       f"{self.cfg_model.max_position}; use smaller buckets or prompts.")
+    n = len(rows)
+    prompt = np.full((n, tp), self.cfg.pad_id, np.int32)
+    valid = np.zeros((n, tp), bool)
+    for i, r in enumerate(rows):
+      prompt[i, tp - len(r):] = np.asarray(r, np.int32)
+      valid[i, tp - len(r):] = True
+    if prompt.min() < 0 or prompt.max() >= self.cfg_model.vocab_size:
+      raise ValueError(f"prompt token ids must lie in [0, {self.cfg_model.vocab_size}).")
+    outs = []
+    max_b = self.cfg.batch_buckets[-1]
+    for start in range(0, n, max_b):  # rows beyond the largest bucket run in further chunks
+      m = min(max_b, n - start)
+      b = _bucket(m, self.cfg.batch_buckets, "batch size")
+      pb = np.full((b, tp), self.cfg.pad_id, np.int32)
+      vb = np.zeros((b, tp), bool)
+      pb[:m], vb[:m] = prompt[start:start + m], valid[start:start + m]
+      vb[m:, -1] = True  # padding rows: one dummy token keeps their attention rows non-empty
+      active = np.arange(b) < m
+      row_ids = np.arange(start, start + b, dtype=np.int32)
+      out = self._device_fn(params, pb, vb, active, row_ids, stop_v, np.int32(max_new_tokens), rng,
+                            num_new=tn)
+      outs.append([np.asarray(o)[:m] for o in jax.device_get(out)])
+    toks, logps, lengths, finished = (np.concatenate(x) for x in zip(*outs))
+    return prompt, valid, toks, logps, lengths, finished
+
+  def generate(self, params, prompt_token_lists: Sequence[Sequence[int]], rng, num_samples: int = 1,
+               max_new_tokens: int | None = None) -> Rollout:
+    """Samples num_samples (G) responses per prompt; rows are prompt-major (n = p * G + g).
+
+    Args:
+      params: the policy parameters (nnx.State from transformer.split).
+      prompt_token_lists: P lists of token ids (no padding).
+      rng: PRNG key; the result is a deterministic function of (params, prompts, rng, config).
+      num_samples: G >= 1.
+      max_new_tokens: response budget (default SamplerConfig.max_new_tokens).
+    Returns:
+      Rollout with N = P * G rows of length T = Tp + Tn (buckets).
+    """
+    if num_samples < 1:
+      raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
+    max_new = self.cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+    rows = [list(p) for p in prompt_token_lists for _ in range(num_samples)]
+    prompt, valid, toks, logps, lengths, finished = self._run(
+        params, rows, max_new, self._stop_mask(self.cfg.all_stop_ids), rng)
+    tn = toks.shape[1]
+    resp_mask = np.arange(tn)[None, :] < lengths[:, None]
+    return Rollout(
+        tokens=np.concatenate([prompt, toks], axis=1),
+        prompt_mask=np.concatenate([valid, np.zeros_like(resp_mask)], axis=1),
+        response_mask=np.concatenate([np.zeros_like(valid), resp_mask], axis=1),
+        behavior_logp=np.concatenate([np.zeros(valid.shape, np.float32), logps], axis=1),
+        lengths=lengths.astype(np.int32),
+        prompt_lengths=valid.sum(1).astype(np.int32),
+        finished=finished.astype(bool),
+        group_id=np.repeat(np.arange(len(prompt_token_lists), dtype=np.int32), num_samples),
+    )
+
+  def generate_continuations(self, params, token_id_lists: Sequence[Sequence[int]], max_new_tokens: int,
+                             stop_ids: Sequence[int] | None, rng) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One continuation per context, for multi-turn tool use.
+
+    Stops at EOS (SamplerConfig.eos_id) or any of `stop_ids` (None: the config's stop_ids),
+    the stop token included. Returns [(new_ids int32 [R_n], new_logps float32 [R_n])]
+    with behavior log-probs as in `generate`.
+    """
+    extra = self.cfg.stop_ids if stop_ids is None else tuple(stop_ids)
+    eos = () if self.cfg.eos_id is None else (self.cfg.eos_id,)
+    _, _, toks, logps, lengths, _ = self._run(
+        params, [list(r) for r in token_id_lists], int(max_new_tokens), self._stop_mask(eos + extra), rng)
+    return [(toks[i, :lengths[i]].copy(), logps[i, :lengths[i]].copy()) for i in range(len(lengths))]
+
+
+def generate_continuations(sampler: Sampler, params, token_id_lists, max_new_tokens, stop_ids, rng):
+  """Function form of Sampler.generate_continuations (bind `sampler` with functools.partial)."""
+  return sampler.generate_continuations(params, token_id_lists, max_new_tokens, stop_ids, rng)
