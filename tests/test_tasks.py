@@ -29,6 +29,8 @@ CASES = [
     ("gsm8k", "#### −7", "-7", True),  # unicode minus
     ("gsm8k", "The answer is 15.", "15", True),
     ("gsm8k", "The answer is 15.5", "15", False),
+    ("gsm8k", "The answer is: 15 apples, since 3 + 12 = 15 and 4 more", "15", True),
+    ("aime", "So the answer is 33 since 3 * 11 = 33 and 2", "33", True),
     ("gsm8k", "It costs 3 dollars each, so 4 cost 12 dollars.", "12", True),  # last number
     ("gsm8k", "It costs 12 dollars; 4 of them.", "12", False),  # last number is 4
     ("gsm8k", "\\boxed{42}", "42", True),

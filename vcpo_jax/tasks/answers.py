@@ -45,6 +45,7 @@ __all__ = [
     "extract_boxed",
     "extract_gsm8k",
     "extract_answer_is",
+    "extract_answer_is_number",
     "extract_last_number",
     "extract_aime",
     "normalize",
@@ -140,9 +141,18 @@ def extract_last_number(text: str) -> str | None:
     return last.group(0) if last else None
 
 
+def extract_answer_is_number(text: str) -> str | None:
+    """The first number after the last "answer is" ("The answer is 15 apples since ..." -> "15")."""
+    ans = extract_answer_is(text)
+    if ans is None:
+        return None
+    m = _NUMBER_RE.search(ans)
+    return m.group(0) if m else None
+
+
 def extract_aime(text: str) -> str | None:
-    """AIME: boxed, else "answer is", else the last number (an integer 0..999)."""
-    for fn in (extract_boxed, extract_answer_is, extract_last_number):
+    """AIME: boxed, else the number after "answer is", else the last number (an integer 0..999)."""
+    for fn in (extract_boxed, extract_answer_is_number, extract_last_number):
         ans = fn(text)
         if ans is not None:
             return ans
@@ -163,7 +173,7 @@ def _chain(*fns):
 # Named extraction methods; an eval protocol records which one it used.
 EXTRACTORS = {
     # GSM8K: `#### N` (the training format), then boxed, then "answer is", then last number.
-    "gsm8k": _chain(extract_gsm8k, extract_boxed, extract_answer_is, extract_last_number),
+    "gsm8k": _chain(extract_gsm8k, extract_boxed, extract_answer_is_number, extract_last_number),
     # GSM8K strict: only the `####` marker counts.
     "gsm8k_strict": extract_gsm8k,
     # MATH: last boxed, then "answer is"; no last-number guessing (answers are expressions).
