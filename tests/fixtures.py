@@ -1,0 +1,99 @@
+"""Test helpers: tiny random Hugging Face checkpoints written by transformers + torch.
+
+These are the reference side of the parity tests: the checkpoints are produced by
+transformers' own `save_pretrained`, not by our exporter. Every parameter
+(including q/k/v biases and norm scales, which transformers initializes to 0 / 1)
+is randomized so that a mis-mapped tensor cannot hide behind a constant.
+
+torch is a test-only dependency; import this module only from tests.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from vcpo_jax.model.tokenizer import build_char_tokenizer
+
+FAMILIES = ("qwen2", "llama")
+
+
+def hf_config(family: str, vocab_size: int = 101):
+  """A tiny transformers config: Qwen2 (GQA 4/2, q/k/v bias, tied) or Llama (GQA 4/1, untied)."""
+  import transformers
+  common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=256, attn_implementation="eager")
+  if family == "qwen2":
+    return transformers.Qwen2Config(
+        intermediate_size=128, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
+        **common)
+  if family == "llama":
+    return transformers.LlamaConfig(
+        intermediate_size=160, num_key_value_heads=1, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        **common)
+  raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
+
+
+def make_hf_model(family: str, vocab_size: int = 101, seed: int = 0):
+  """A transformers CausalLM (eval mode, float32) with every parameter randomized."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(hf_config(family, vocab_size),
+                                                        dtype=torch.float32)
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      noise = torch.randn(p.shape, generator=gen)
+      # Norm scales near 1, everything else ~N(0, 0.1^2): logits of order 1, so the
+      # 1e-4 parity bound is a meaningful relative check.
+      p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
+  return model.eval()
+
+
+def make_hf_checkpoint(out_dir, family: str, vocab_size: int = 101, seed: int = 0,
+                       max_shard_size: str | None = None, bf16: bool = False,
+                       tokenizer: bool = True):
+  """Writes a tiny random checkpoint with `save_pretrained`; returns (out_dir, torch model).
+
+  Args:
+    max_shard_size: e.g. "40KB" to force several shards + model.safetensors.index.json.
+    bf16: store the weights as bfloat16 (the returned model is the bf16-rounded one in float32).
+    tokenizer: also save `build_char_tokenizer()` there (vocab_size must be >= 101).
+  """
+  import copy
+
+  import torch
+  model = make_hf_model(family, vocab_size, seed)
+  out_dir = os.fspath(out_dir)
+  kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+  if bf16:
+    # Round the parameters only: model.to(bf16) would also round the float32 RoPE
+    # inv_freq buffer, which the loader rightly recomputes in float32.
+    with torch.no_grad():
+      for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).float())
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out_dir, **kw)
+  else:
+    model.save_pretrained(out_dir, **kw)
+  if tokenizer:
+    build_char_tokenizer(out_dir)
+  return out_dir, model
+
+
+def hf_logits(model, tokens_bt: np.ndarray, mask_bt: np.ndarray | None = None) -> np.ndarray:
+  """Reference float32 logits [B, T, V] from the torch model (left padding supported).
+
+  Positions follow transformers' generate(): cumsum(mask) - 1, padding positions set to 1.
+  """
+  import torch
+  tokens = torch.as_tensor(np.asarray(tokens_bt), dtype=torch.long)
+  if mask_bt is None:
+    mask_bt = np.ones(tokens.shape, np.int64)
+  mask = torch.as_tensor(np.asarray(mask_bt), dtype=torch.long)
+  position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+  with torch.no_grad():
+    out = model(input_ids=tokens, attention_mask=mask, position_ids=position_ids)
+  return out.logits.float().numpy()

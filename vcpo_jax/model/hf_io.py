@@ -1,0 +1,431 @@
+"""Hugging Face interop: safetensors checkpoints <-> the NNX `Transformer`.
+
+Loading reads `config.json` with transformers' config classes (`ModelConfig.from_hf`)
+and the weights with the `safetensors` library into numpy: no torch at run time.
+Export writes `model.safetensors` + `config.json` (Qwen2Config / LlamaConfig) that
+`transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+Name mapping (HF torch Linear weights are [out, in]; our kernels are [in, out]):
+  model.embed_tokens.weight [V, D]                  <-> embed_tokens.embedding [V, D]
+  model.layers.i.self_attn.{q,k,v,o}_proj.weight    <-> layers.i.self_attn.{q,k,v,o}_proj.kernel (transposed)
+  model.layers.i.self_attn.{q,k,v}_proj.bias        <-> layers.i.self_attn.{q,k,v}_proj.bias (Qwen2)
+  model.layers.i.mlp.{gate,up,down}_proj.weight     <-> layers.i.mlp.{gate,up,down}_proj.kernel (transposed)
+  model.layers.i.{input,post_attention}_layernorm.weight <-> layers.i.{...}_layernorm.scale
+  model.norm.weight                                 <-> norm.scale
+  lm_head.weight [V, D]                             <-> lm_head.kernel [D, V] (untied models only)
+Tied checkpoints may or may not store lm_head.weight; if they do it must equal the embedding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import json
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from vcpo_jax.model import transformer as tf
+from vcpo_jax.model.config import ModelConfig, tiny_llama, tiny_qwen2
+
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some checkpoints carry that hold no parameters of the architecture (recomputed buffers).
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+Path = tuple  # an nnx parameter path, e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  path: Path
+  transpose: bool  # HF [out, in] <-> our [in, out]
+
+
+def hf_name_map(cfg: ModelConfig) -> dict[str, _Entry]:
+  """HF tensor name -> (our parameter path, transpose?) for every parameter of `cfg`'s model."""
+  m = {"model.embed_tokens.weight": _Entry(("embed_tokens", "embedding"), False),
+       "model.norm.weight": _Entry(("norm", "scale"), False)}
+  for i in range(cfg.num_layers):
+    hf, ours = f"model.layers.{i}", ("layers", i)
+    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      m[f"{hf}.self_attn.{p}.weight"] = _Entry(ours + ("self_attn", p, "kernel"), True)
+    if cfg.qkv_bias:
+      for p in ("q_proj", "k_proj", "v_proj"):
+        m[f"{hf}.self_attn.{p}.bias"] = _Entry(ours + ("self_attn", p, "bias"), False)
+    for p in ("gate_proj", "up_proj", "down_proj"):
+      m[f"{hf}.mlp.{p}.weight"] = _Entry(ours + ("mlp", p, "kernel"), True)
+    for p in ("input_layernorm", "post_attention_layernorm"):
+      m[f"{hf}.{p}.weight"] = _Entry(ours + (p, "scale"), False)
+  if not cfg.tie_embeddings:
+    m["lm_head.weight"] = _Entry(("lm_head", "kernel"), True)
+  return m
+
+
+def _abstract(cfg: ModelConfig):
+  """(graphdef, flat abstract params) without allocating or initializing anything."""
+  model = nnx.eval_shape(lambda: tf.Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model, nnx.Param)
+  return graphdef, {tuple(p): v for p, v in nnx.to_flat_state(state)}
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """HF tensor name -> shape in HF layout, for every parameter of `cfg`'s model."""
+  _, abstract = _abstract(cfg)
+  return {n: tuple(abstract[e.path].shape)[::-1] if e.transpose else tuple(abstract[e.path].shape)
+          for n, e in hf_name_map(cfg).items()}
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _tensor_files(checkpoint_dir: str) -> dict[str, str]:
+  """Tensor name -> safetensors file holding it (index file if present, else every *.safetensors)."""
+  index_path = os.path.join(checkpoint_dir, INDEX_FILE)
+  if os.path.isfile(index_path):
+    with open(index_path) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index_path}: no 'weight_map' object; the index file is corrupt.")
+    out = {}
+    for name, fname in weight_map.items():
+      path = os.path.join(checkpoint_dir, fname)
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"{index_path} maps tensor {name!r} to {fname!r}, which does not exist.")
+      out[name] = path
+    return out
+  files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
+  if not files:
+    other = [n for n in ("pytorch_model.bin", "model.pt", "tf_model.h5") if
+             os.path.isfile(os.path.join(checkpoint_dir, n))]
+    hint = (f" Found {other}: convert it to safetensors (transformers: load it and call "
+            "save_pretrained(dir, safe_serialization=True)).") if other else ""
+    raise FileNotFoundError(f"No *.safetensors files (and no {INDEX_FILE}) in {checkpoint_dir!r}.{hint}")
+  from safetensors import safe_open
+  out = {}
+  for path in files:
+    with safe_open(path, framework="numpy") as f:
+      for name in f.keys():
+        if name in out:
+          raise ValueError(f"Tensor {name!r} is stored twice: in {out[name]!r} and {path!r}.")
+        out[name] = path
+  return out
+
+
+def _read_tensors(files: Mapping[str, str], names) -> dict[str, np.ndarray]:
+  """Reads `names` as float32 numpy arrays (bf16/f16 upcast), one open per file."""
+  from safetensors import safe_open
+  by_file: dict[str, list[str]] = {}
+  for n in names:
+    by_file.setdefault(files[n], []).append(n)
+  out = {}
+  for path, group in by_file.items():
+    with safe_open(path, framework="numpy") as f:
+      dtypes = {n: f.get_slice(n).get_dtype() for n in group}
+      for n in group:
+        if dtypes[n] != "BF16":
+          out[n] = np.asarray(f.get_tensor(n), np.float32)
+    bf16 = [n for n in group if dtypes[n] == "BF16"]
+    if bf16:  # numpy has no bfloat16: read these through JAX, which does
+      with safe_open(path, framework="flax") as f:
+        for n in bf16:
+          out[n] = np.asarray(jax.device_get(f.get_tensor(n)), np.float32)
+  return out
+
+
+def read_state_dict(checkpoint_dir) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """All tensors of a HF checkpoint as float32 numpy, and the file each came from."""
+  checkpoint_dir = os.fspath(checkpoint_dir)
+  files = _tensor_files(checkpoint_dir)
+  return _read_tensors(files, list(files)), files
+
+
+def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, *,
+                   sources: Mapping[str, str] | None = None, strict: bool = True) -> tf.Transformer:
+  """A `Transformer` holding the HF-named `tensors` (float32 parameters, cfg.dtype compute).
+
+  Args:
+    tensors: HF tensor name -> array (HF layout, [out, in] for linear weights).
+    cfg: the architecture; every tensor it needs must be present with the right shape.
+    sources: tensor name -> file, only used to name files in error messages.
+    strict: unexpected tensors raise (True) or warn (False). Dropping weights the
+      architecture does not model (e.g. Llama o_proj biases) would silently give a
+      different model, hence the strict default.
+  """
+  sources = sources or {}
+  where = lambda n: f" in {sources[n]!r}" if n in sources else ""
+  name_map = hf_name_map(cfg)
+  graphdef, abstract = _abstract(cfg)
+  missing = [n for n in name_map if n not in tensors]
+  if missing:
+    files = sorted(set(sources.values()))
+    raise ValueError(
+        f"Checkpoint is missing {len(missing)} tensor(s) the {cfg.model_type} config needs, "
+        f"e.g. {missing[:5]} (looked in {files or 'the given tensors'}).")
+  unexpected = [n for n in tensors if n not in name_map and not _IGNORED.search(n)]
+  if cfg.tie_embeddings and "lm_head.weight" in unexpected:
+    unexpected.remove("lm_head.weight")
+    lm, emb = np.asarray(tensors["lm_head.weight"]), np.asarray(tensors["model.embed_tokens.weight"])
+    if lm.shape != emb.shape or not np.array_equal(lm, emb):
+      raise ValueError(
+          f"config.json says tie_word_embeddings=true but lm_head.weight{where('lm_head.weight')} "
+          "differs from model.embed_tokens.weight; set tie_word_embeddings=false to load it.")
+  if unexpected:
+    msg = (f"Checkpoint has {len(unexpected)} tensor(s) the {cfg.model_type} architecture does not "
+           f"model: {[n + where(n) for n in unexpected[:5]]}.")
+    if strict:
+      raise ValueError(msg + " Pass strict=False to ignore them (the loaded model will differ).")
+    warnings.warn(msg + " Ignored.")
+  flat = []
+  for name, entry in name_map.items():
+    arr = np.asarray(tensors[name], np.float32)
+    arr = arr.T if entry.transpose else arr
+    var = abstract[entry.path]
+    if arr.shape != tuple(var.shape):
+      want = tuple(var.shape)[::-1] if entry.transpose else tuple(var.shape)
+      raise ValueError(f"Tensor {name!r}{where(name)} has shape {tuple(np.shape(tensors[name]))}, "
+                       f"but config.json implies {want}.")
+    flat.append((entry.path, var.replace(jnp.asarray(arr))))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_hf(checkpoint_dir, dtype: str = "float32", strict: bool = True
+            ) -> tuple[ModelConfig, tf.Transformer]:
+  """(ModelConfig, Transformer) from a local HF directory (config.json + *.safetensors).
+
+  Args:
+    checkpoint_dir: directory with config.json and model.safetensors, or sharded
+      model-*.safetensors with model.safetensors.index.json.
+    dtype: compute dtype, "float32" or "bfloat16" (parameters are float32 either way;
+      bf16/f16 checkpoints are upcast).
+    strict: see `params_from_hf`.
+  """
+  checkpoint_dir = os.fspath(checkpoint_dir)
+  if not os.path.isdir(checkpoint_dir):
+    raise FileNotFoundError(f"Checkpoint directory {checkpoint_dir!r} does not exist.")
+  cfg = ModelConfig.from_hf(checkpoint_dir, dtype=dtype)
+  _check_supported(checkpoint_dir)
+  tensors, sources = read_state_dict(checkpoint_dir)
+  return cfg, params_from_hf(tensors, cfg, sources=sources, strict=strict)
+
+
+def _check_supported(checkpoint_dir: str) -> None:
+  """Rejects config.json features the Transformer does not implement."""
+  path = os.path.join(checkpoint_dir, "config.json")
+  with open(path) as f:
+    raw = json.load(f)
+  if raw.get("use_sliding_window"):
+    raise ValueError(f"{path}: use_sliding_window=true is not supported (full attention only).")
+  if raw.get("model_type") == "llama" and raw.get("attention_bias"):
+    raise ValueError(f"{path}: Llama attention_bias=true (biases on q/k/v and o_proj) is not "
+                     "supported; only Qwen2-style q/k/v biases are.")
+  act = raw.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise ValueError(f"{path}: hidden_act={act!r} is not supported (SwiGLU with silu only).")
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _flat_params(model_or_params) -> dict[Path, np.ndarray]:
+  """Our parameter path -> float32 numpy, from a Transformer, an nnx.State or a nested dict."""
+  if isinstance(model_or_params, nnx.Module):
+    model_or_params = nnx.state(model_or_params, nnx.Param)
+  if isinstance(model_or_params, nnx.State):
+    items = nnx.to_flat_state(model_or_params)
+  elif isinstance(model_or_params, Mapping):
+    items = jax.tree_util.tree_flatten_with_path(
+        model_or_params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    items = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), v) for p, v in items]
+  else:
+    raise ValueError(f"model_or_params: expected a Transformer, an nnx.State of its params or a "
+                     f"nested dict, got {type(model_or_params).__name__}.")
+  out = {}
+  for path, v in items:
+    v = v[...] if isinstance(v, nnx.Variable) else v
+    out[tuple(path)] = np.asarray(jax.device_get(v), np.float32)
+  return out
+
+
+def params_to_hf(model_or_params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """HF-named float32 tensors (HF layout) of a Transformer's parameters."""
+  flat = _flat_params(model_or_params)
+  _, abstract = _abstract(cfg)
+  name_map = hf_name_map(cfg)
+  known = {e.path for e in name_map.values()}
+  missing = [p for p in known if p not in flat]
+  extra = [p for p in flat if p not in known]
+  if missing or extra:
+    raise ValueError(f"model_or_params does not match cfg: missing {sorted(map(str, missing))[:5]}, "
+                     f"unexpected {sorted(map(str, extra))[:5]}.")
+  out = {}
+  for name, e in name_map.items():
+    arr = flat[e.path]
+    if arr.shape != tuple(abstract[e.path].shape):
+      raise ValueError(f"Parameter {'.'.join(map(str, e.path))} has shape {arr.shape}, cfg implies "
+                       f"{tuple(abstract[e.path].shape)}.")
+    out[name] = np.ascontiguousarray(arr.T if e.transpose else arr)
+  return out
+
+
+def hf_config(cfg: ModelConfig, tokenizer=None):
+  """A transformers Qwen2Config / LlamaConfig describing `cfg` (float32 weights)."""
+  import transformers
+  common = dict(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position, rms_norm_eps=cfg.rms_eps,
+      rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+      tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype="float32")
+  if tokenizer is not None:
+    common.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+  if cfg.model_type == "qwen2":
+    if not cfg.qkv_bias:
+      raise ValueError("ModelConfig.qkv_bias=False cannot be exported as model_type='qwen2' (HF Qwen2 "
+                       "always has q/k/v biases); use model_type='llama'.")
+    hf = transformers.Qwen2Config(use_sliding_window=False, **common)
+    hf.architectures = ["Qwen2ForCausalLM"]
+  elif cfg.model_type == "llama":
+    if cfg.qkv_bias:
+      raise ValueError("ModelConfig.qkv_bias=True cannot be exported as model_type='llama' (HF Llama "
+                       "biases cover o_proj too); use model_type='qwen2'.")
+    hf = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    hf.architectures = ["LlamaForCausalLM"]
+  else:  # ModelConfig validates model_type; kept for future families
+    raise ValueError(f"Unsupported model_type {cfg.model_type!r} for export.")
+  return hf
+
+
+def save_hf(model_or_params, cfg: ModelConfig, out_dir, tokenizer=None) -> str:
+  """Writes config.json + model.safetensors (+ tokenizer files) loadable by transformers.
+
+  Args:
+    model_or_params: a Transformer, its nnx.State of params (`transformer.split(m)[1]`)
+      or the equivalent nested dict.
+    cfg: its ModelConfig.
+    out_dir: created if needed; existing files of the same names are overwritten.
+    tokenizer: optional transformers tokenizer, saved alongside (its eos/bos/pad ids
+      go into config.json).
+
+  Returns:
+    out_dir as a str.
+  """
+  return _write(params_to_hf(model_or_params, cfg), hf_config(cfg, tokenizer), out_dir, tokenizer)
+
+
+def _write(tensors: dict[str, np.ndarray], hf, out_dir, tokenizer) -> str:
+  from safetensors.numpy import save_file
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  # Stale shards from an earlier save would shadow or duplicate the new weights.
+  for stale in glob.glob(os.path.join(out_dir, "*.safetensors")) + [os.path.join(out_dir, INDEX_FILE)]:
+    if os.path.isfile(stale):
+      os.remove(stale)
+  save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+  hf.save_pretrained(out_dir)
+  if tokenizer is not None:
+    tokenizer.save_pretrained(out_dir)
+  return out_dir
+
+
+def make_tiny_checkpoint(out_dir, family: str = "qwen2", vocab_size: int | None = None,
+                         seed: int = 0, tokenizer: bool = True, **overrides) -> str:
+  """A tiny random HF checkpoint (+ char tokenizer) for CPU demos; no torch needed.
+
+  Args:
+    out_dir: where to write config.json, model.safetensors and tokenizer files.
+    family: "qwen2" (GQA, q/k/v bias, tied) or "llama" (untied, no bias); the
+      `tiny_qwen2` / `tiny_llama` presets.
+    vocab_size: defaults to the tokenizer's size (len(tokenizer)), or 256 without one.
+    seed: numpy seed of the init (N(0, 0.02^2) weights, zero biases, unit scales,
+      as `Transformer` initializes them).
+    tokenizer: also write `build_char_tokenizer()` there.
+    **overrides: ModelConfig fields to change (hidden_size=..., num_layers=...).
+
+  Returns:
+    out_dir as a str; `load_hf(out_dir)` and `load_tokenizer(out_dir)` read it back.
+  """
+  from vcpo_jax.model.tokenizer import build_char_tokenizer
+  presets = {"qwen2": tiny_qwen2, "llama": tiny_llama}
+  if family not in presets:
+    raise ValueError(f"family must be one of {sorted(presets)}, got {family!r}.")
+  tok = build_char_tokenizer() if tokenizer else None
+  if vocab_size is None:
+    vocab_size = len(tok) if tok is not None else 256
+  if tok is not None and vocab_size < len(tok):
+    raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tok)} tokens).")
+  cfg = presets[family](vocab_size=vocab_size, **overrides)
+  # The Transformer's own init, drawn in numpy: building the NNX module eagerly
+  # costs seconds of op dispatch, and only the tensors are wanted here.
+  rng = np.random.default_rng(seed)
+  def draw(name, shape):
+    if name.endswith("norm.weight"):
+      return np.ones(shape, np.float32)
+    if name.endswith(".bias"):
+      return np.zeros(shape, np.float32)
+    return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+  tensors = {n: draw(n, sh) for n, sh in hf_shapes(cfg).items()}
+  return _write(tensors, hf_config(cfg, tok), out_dir, tok)
+
+
+# ----------------------------------------------------------------------------- convenience forward
+
+_LOADED: dict[tuple, tuple[Any, Any]] = {}
+
+
+def _fingerprint(checkpoint_dir: str) -> tuple:
+  """Changes whenever a weight or config file changes, so the cache never serves stale weights."""
+  names = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")) +
+                 glob.glob(os.path.join(checkpoint_dir, "*.json")))
+  return tuple((n, os.stat(n).st_mtime_ns, os.stat(n).st_size) for n in names)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, params, tokens_bt, valid_bt):
+  positions, mask = tf.padded_positions_and_mask(valid_bt)
+  return tf.forward(graphdef, params, tokens_bt, positions, mask)[0]
+
+
+def hf_forward(checkpoint_dir, token_ids, attention_mask=None, dtype: str = "float32") -> np.ndarray:
+  """float32 logits [B, T, V] of a local HF checkpoint (loaded once, then cached).
+
+  Args:
+    checkpoint_dir: a HF directory, see `load_hf`.
+    token_ids: int [B, T] (or [T], treated as B = 1).
+    attention_mask: optional [B, T] of 0/1, 1 = real token; left or right padding.
+      Positions count real tokens (as HF's cumsum(mask) - 1); logits at padding
+      positions are meaningless.
+    dtype: compute dtype, "float32" or "bfloat16".
+  """
+  checkpoint_dir = os.path.realpath(os.fspath(checkpoint_dir))
+  tokens = np.asarray(token_ids)
+  if tokens.ndim == 1:
+    tokens = tokens[None]
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"token_ids must be integers of shape [B, T] or [T], got {tokens.dtype} "
+                     f"{tokens.shape}.")
+  valid = np.ones(tokens.shape, bool) if attention_mask is None else np.asarray(attention_mask)
+  if valid.ndim == 1:
+    valid = valid[None]
+  if valid.shape != tokens.shape:
+    raise ValueError(f"attention_mask shape {valid.shape} must equal token_ids shape {tokens.shape}.")
+  key = (checkpoint_dir, dtype, _fingerprint(checkpoint_dir))
+  if key not in _LOADED:
+    for k in [k for k in _LOADED if k[:2] == key[:2]]:  # drop stale versions of this checkpoint
+      del _LOADED[k]
+    cfg, model = load_hf(checkpoint_dir, dtype=dtype)
+    _LOADED[key] = (cfg, tf.split(model))
+  cfg, graphdef_params = _LOADED[key]
+  if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+    raise ValueError(f"token_ids must lie in [0, {cfg.vocab_size}), got range "
+                     f"[{tokens.min()}, {tokens.max()}].")
+  out = _logits(*graphdef_params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid.astype(bool)))
+  return np.asarray(out, np.float32)
