@@ -312,12 +312,14 @@ def test_countdown_parser_adversarial(expr):
     assert time.perf_counter() - t0 < 30.0
 
 
-def test_countdown_generator_solvable_and_seeded():
-    a = countdown.generate(15, seed=3)
-    b = countdown.generate(15, seed=3)
-    c = countdown.generate(15, seed=4)
+@pytest.mark.parametrize("method", ["tree", "uniform"])
+def test_countdown_generator_solvable_and_seeded(method):
+    a = countdown.generate(15, seed=3, method=method)
+    b = countdown.generate(15, seed=3, method=method)
+    c = countdown.generate(15, seed=4, method=method)
     assert a == b and a != c
     for inst in a:
+        assert countdown.solve(inst.numbers, inst.target) is not None
         assert 3 <= len(inst.numbers) <= 4
         assert 1 <= inst.target <= 99 and inst.target not in inst.numbers
         value, err = countdown.evaluate_expression(inst.solution, inst.numbers)
@@ -333,8 +335,9 @@ def test_countdown_splits_disjoint():
     def bucket(i):
         return zlib.crc32(str(i.numbers).encode()) % 1000
 
-    assert all(bucket(i) >= 100 for i in countdown.generate(40, seed=0, split="train"))
-    assert all(bucket(i) < 100 for i in countdown.generate(5, seed=0, split="test"))
+    for method in ("tree", "uniform"):
+        assert all(bucket(i) >= 100 for i in countdown.generate(40, seed=0, split="train", method=method))
+        assert all(bucket(i) < 100 for i in countdown.generate(5, seed=0, split="test", method=method))
 
 
 def test_countdown_solver_against_brute_force():

@@ -124,6 +124,19 @@ def _balanced_outer(e: str) -> bool:
     return False
 
 
+def _random_tree(numbers, rng: random.Random) -> tuple[Fraction, str]:
+    """Combine all numbers pairwise at random with + - * / into one expression."""
+    items = [(Fraction(x), str(x)) for x in numbers]
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)
+        (va, ea), (vb, eb) = items[i], items[j]
+        op = rng.choice("+-*/" if vb != 0 else "+-*")
+        value = {"+": va + vb, "-": va - vb, "*": va * vb}[op] if op != "/" else va / vb
+        items = [it for t, it in enumerate(items) if t not in (i, j)]
+        items.append((value, f"({ea} {op} {eb})" if len(items) else f"{ea} {op} {eb}"))
+    return items[0]
+
+
 def solve(numbers, target: int) -> str | None:
     """An expression over `numbers` (each at most once) equal to target, or None."""
     return reachable(numbers).get(Fraction(target))
@@ -137,12 +150,19 @@ def generate(
     target_range: tuple[int, int] = (1, 99),
     split: str = "train",
     test_fraction: float = 0.1,
+    method: str = "tree",
 ) -> list[CountdownInstance]:
     """n solvable instances from a seed.
 
     num_numbers: inclusive (min, max) count of numbers; number_range and
     target_range: inclusive value ranges. Targets equal to one of the given
-    numbers are excluded (trivial). Splits are disjoint by construction: an
+    numbers are excluded (trivial). method: "tree" combines all the numbers in
+    a random expression tree and takes its value as the target (fast, about
+    1 ms per instance with rejections; the tree is the proof; larger counts are
+    rejected more often, so with (3, 4) about 2/3 of instances have 3 numbers);
+    "uniform" draws the target
+    uniformly from every integer the exhaustive solver can reach (about 15 ms
+    per instance with 4 numbers, slow with 6). Splits are disjoint by construction: an
     instance belongs to "test" iff a hash of its numbers tuple falls in the
     first `test_fraction` of buckets, so train and test never share a number tuple.
     """
@@ -158,6 +178,8 @@ def generate(
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if method not in ("tree", "uniform"):
+        raise ValueError(f"method must be 'tree' or 'uniform', got {method!r}")
     rng = random.Random(f"countdown/{seed}/{split}")
     out: list[CountdownInstance] = []
     attempts = 0
@@ -173,6 +195,12 @@ def generate(
         # test never share a number tuple, hence never an instance.
         in_test = zlib.crc32(str(numbers).encode()) % 1000 < int(round(test_fraction * 1000))
         if in_test != (split == "test"):
+            continue
+        if method == "tree":
+            value, expr = _random_tree(numbers, rng)
+            if value.denominator != 1 or not target_range[0] <= value <= target_range[1] or int(value) in numbers:
+                continue
+            out.append(CountdownInstance(numbers, int(value), expr))
             continue
         reach = reachable(numbers)
         targets = sorted(
