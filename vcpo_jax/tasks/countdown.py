@@ -1,8 +1,10 @@
 """Countdown: combine the given numbers with + - * / to reach a target.
 
 Instances are generated from a seed and are solvable by construction: the
-target is drawn from the values the exhaustive solver can reach, and the
-solver's expression is kept as the proof (and as a warm-start solution).
+target is the value of a random expression tree over the numbers, or (method
+"uniform") drawn from the values the exhaustive solver can reach; the
+expression is kept as the proof (and as a warm-start solution), and
+`solve(numbers, target)` finds one for any instance.
 
 The verifier parses the model's expression with `ast` and a node whitelist
 (never `eval`): only integer literals, binary + - * /, and parentheses. It
