@@ -29,7 +29,7 @@ def test_resume_truncates_future_records(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(6)))
   w = metrics.MetricsWriter(str(tmp_path), total_steps=6, initial_step=3, progress=False, tensorboard=False)
-  w.write(3, {"x": 30})
+  w.write(4, {"x": 40})  # initial_step = updates done: the next record is step 4
   w.close()
   recs = metrics.read_jsonl(str(path))
-  assert [(r["step"], r["x"]) for r in recs] == [(0, 0), (1, 1), (2, 2), (3, 30)]
+  assert [(r["step"], r["x"]) for r in recs] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 40)]

@@ -61,7 +61,7 @@ def make_logp_fn(graphdef) -> Callable:
 def _gradient(graphdef, params, batch, cfg: LearnerConfig):
   if cfg.grad_path == "ghost":
     from vcpo_jax import grad_norms  # the fast path; imported lazily to keep this module light
-    return grad_norms.policy_gradient(graphdef, params, batch, cfg.pg)
+    return grad_norms.ghost_policy_gradient(make_logp_fn(graphdef), params, batch, cfg.pg)
   return estimator.policy_gradient(make_logp_fn(graphdef), params, batch, cfg.pg)
 
 

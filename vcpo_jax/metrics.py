@@ -50,8 +50,8 @@ class MetricsWriter:
     if progress:
       from tqdm.auto import tqdm
       self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
-    if initial_step:  # a resumed run drops records past the checkpoint it resumed from
-      truncate_jsonl(self.jsonl_path, initial_step)
+    if initial_step:  # a resumed run drops records logged after the checkpoint it resumed from
+      truncate_jsonl(self.jsonl_path, initial_step + 1)
 
   @property
   def wall_time(self) -> float:

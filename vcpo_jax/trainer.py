@@ -94,7 +94,9 @@ def run(config, workdir: str) -> dict:
 
   # ---------------------------------------------------------------- Warm start
   task_obj = spec.task_object()
-  train_problems = task_obj.make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  generated = spec.rollout.task in ("countdown", "arithmetic")  # others load a finite data set: use all of it
+  train_problems = task_obj.make_problems("train", spec.rollout.num_train_problems if generated else None,
+                                          spec.seed)
   if spec.sft_steps > 0:
     from vcpo_jax import sft
     params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir)
@@ -126,7 +128,8 @@ def run(config, workdir: str) -> dict:
     source.publish(state.params, 0)
 
   # ---------------------------------------------------------------- Evals
-  eval_problems = task_obj.make_problems("test", spec.eval.size, spec.seed)
+  eval_problems = task_obj.make_problems("test", spec.eval.size if generated else None, spec.seed)
+  eval_problems = eval_problems[:spec.eval.size]
   eval_sampler = Sampler(graphdef, model_cfg, make_sampler_cfg(
       spec, tokenizer, temperature=0.0 if spec.eval.greedy else spec.eval.temperature,
       top_p=spec.eval.top_p, top_k=0, max_new_tokens=spec.eval.max_new_tokens))
