@@ -10,6 +10,7 @@ Loop. The mode only decides which rollout source is built:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -130,6 +131,7 @@ def run(config, workdir: str) -> dict:
   # ---------------------------------------------------------------- Evals
   eval_problems = task_obj.make_problems("test", spec.eval.size if generated else None, spec.seed)
   eval_problems = eval_problems[:spec.eval.size]
+  eval_proto = dataclasses.replace(spec.eval, size=len(eval_problems))  # a fixture may hold fewer
   eval_sampler = Sampler(graphdef, model_cfg, make_sampler_cfg(
       spec, tokenizer, temperature=0.0 if spec.eval.greedy else spec.eval.temperature,
       top_p=spec.eval.top_p, top_k=0, max_new_tokens=spec.eval.max_new_tokens))
@@ -137,7 +139,7 @@ def run(config, workdir: str) -> dict:
 
   def run_eval(step, params, tag=None):
     gen = _eval_generate_fn(eval_sampler, params, tokenizer, spec, jax.random.fold_in(key, 10**9 + step))
-    rec = evaluation.evaluate(gen, eval_problems, spec.eval, step, jsonl_path=eval_jsonl, tag=tag)
+    rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, jsonl_path=eval_jsonl, tag=tag)
     return {"eval/accuracy": rec["mean_at_n"], "eval/mean_reward": rec["mean_reward"],
             **{f"eval/pass@{k}": v for k, v in rec["pass_at_k"].items()}}
 
