@@ -1,0 +1,590 @@
+"""Tests of vcpo_jax.estimator: hand-checked numbers, a numpy reference,
+brute-force gradients, hypothesis properties, and two Monte Carlo checks."""
+
+import math
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from vcpo_jax import estimator as E
+
+HYP = settings(max_examples=60, deadline=None, derandomize=True)
+
+# ---------------------------------------------------------------------------
+# Log-ratios, ESS, learning-rate scale
+# ---------------------------------------------------------------------------
+
+
+def test_sequence_log_ratio_hand_numbers_and_stop_gradient():
+  logp = jnp.array([[-1.0, -2.0, -0.5], [-0.1, -0.2, -9.0]])
+  beh = jnp.array([[-1.5, -1.0, -jnp.inf], [-0.3, -0.2, -1.0]])
+  mask = jnp.array([[1, 1, 0], [1, 1, 1]])
+  np.testing.assert_allclose(E.sequence_log_ratio(logp, beh, mask), [0.5 - 1.0, 0.2 - 8.0], rtol=1e-6)
+  g = jax.grad(lambda lp: E.sequence_log_ratio(lp, beh, mask).sum())(logp)
+  assert np.all(np.asarray(g) == 0.0)  # l is a coefficient: never differentiated
+
+
+def test_ess_hand_numbers():
+  assert float(E.ess(jnp.zeros(4))) == pytest.approx(4.0)
+  assert float(E.ess(jnp.log(jnp.array([1.0, 2.0])))) == pytest.approx(9.0 / 5.0, rel=1e-6)
+  # one dominant weight: ESS -> 1 (exp(l) in float32 would overflow here)
+  assert float(E.ess(jnp.array([1e4, 0.0, -1e4, 50.0]))) == pytest.approx(1.0)
+  # invalid entries are excluded; zero weights (-inf) count in n but add no mass
+  assert float(E.ess(jnp.array([0.0, 0.0, 1e4]), jnp.array([True, True, False]))) == pytest.approx(2.0)
+  assert float(E.ess_ratio(jnp.array([0.0, -jnp.inf]))) == pytest.approx(0.5)
+  assert float(E.ess_ratio(jnp.zeros(3), jnp.zeros(3, bool))) == 1.0  # no data: no brake
+  assert float(E.ess(jnp.full(3, -jnp.inf))) == 0.0
+
+
+def _ess64(lw):
+  lw = np.asarray(lw, np.float64)
+  z = lw - lw.max()
+  return np.exp(z).sum() ** 2 / np.exp(2 * z).sum()
+
+
+_ess_j = jax.jit(E.ess)
+N_H = 16
+log_w_strategy = hnp.arrays(np.float32, N_H, elements=st.floats(-1e4, 1e4, width=32))
+valid_strategy = hnp.arrays(bool, N_H).filter(lambda v: v.any())
+
+
+@HYP
+@given(log_w_strategy, valid_strategy, st.floats(-50, 50), st.randoms(use_true_random=False))
+def test_ess_properties(lw, valid, shift, rnd):
+  n = int(valid.sum())
+  e = float(_ess_j(lw, valid))
+  assert math.isfinite(e) and 1.0 <= e <= n
+  np.testing.assert_allclose(e, _ess64(lw[valid]), rtol=1e-4)
+  # multiplying every weight by a constant (shifting log w) changes nothing;
+  # rtol covers float32 rounding of l + shift at |l| ~ 1e4.
+  np.testing.assert_allclose(float(_ess_j(lw + np.float32(shift), valid)), e, rtol=1e-2)
+  perm = np.arange(N_H)
+  rnd.shuffle(perm)
+  np.testing.assert_allclose(float(_ess_j(lw[perm], valid[perm])), e, rtol=1e-5)
+
+
+def test_ess_lr_scale():
+  assert float(E.ess_lr_scale(0.25)) == pytest.approx(0.5)
+  assert float(E.ess_lr_scale(0.25, rule="linear")) == pytest.approx(0.25)
+  assert float(E.ess_lr_scale(0.8, reference=0.55)) == 1.0  # capped (review #4)
+  assert float(E.ess_lr_scale(0.11, reference=0.55)) == pytest.approx(math.sqrt(0.2), rel=1e-6)
+  assert float(E.ess_lr_scale(jnp.nan)) == 0.0  # the reference's min(1, nan) == 1 bug
+  with pytest.raises(ValueError, match="rule"):
+    E.ess_lr_scale(0.5, rule="cube")
+  with pytest.raises(ValueError, match="reference"):
+    E.ess_lr_scale(0.5, reference=0.0)
+
+
+def test_rho_on_statistics():
+  s = E.rho_on_statistics([0.9, 1.0, 0.8])
+  assert s["mean"] == pytest.approx(0.9) and s["std"] == pytest.approx(0.1) and s["n"] == 3
+
+
+# ---------------------------------------------------------------------------
+# Importance-weight variants
+# ---------------------------------------------------------------------------
+
+L_HAND = jnp.log(jnp.array([0.25, 0.5, 1.0, 3.0, 10.0]))
+
+
+@pytest.mark.parametrize("variant,kw,expected", [
+    ("none", {}, [1, 1, 1, 1, 1]),
+    ("is", {}, [0.25, 0.5, 1, 3, 10]),
+    ("tis", dict(c=8.0), [0.25, 0.5, 1, 3, 8]),  # upper-only: 0.25 stays
+    ("clip", dict(lower=0.5, upper=2.0), [0.5, 0.5, 1, 2, 2]),
+    ("mask", dict(lower=0.5, upper=2.0), [0, 0.5, 1, 0, 0]),
+])
+def test_importance_weights_hand_numbers(variant, kw, expected):
+  np.testing.assert_allclose(E.importance_weights(L_HAND, variant, **kw), expected, rtol=1e-5)
+
+
+def test_token_tis_and_geo_mask_hand_numbers():
+  d = jnp.log(jnp.array([[0.5, 4.0, 1.0]]))
+  np.testing.assert_allclose(E.importance_weights(d, "token_tis", c=2.0), [[0.5, 2.0, 1.0]], rtol=1e-6)
+  # geometric mean per token: exp(l / L) = [1.01, 1.5, 0.9] -> keep only inside [0.95, 1.05]
+  L = jnp.array([4.0, 2.0, 3.0])
+  l = jnp.log(jnp.array([1.01, 1.5, 0.9])) * L
+  np.testing.assert_allclose(E.importance_weights(l, "geo_mask", lower=0.95, upper=1.05, lengths_n=L),
+                             [1, 0, 0])
+
+
+def test_clamp_matches_reference_and_weights_are_stop_gradient():
+  w = E.importance_weights(jnp.array([25.0, -25.0]), "is")
+  np.testing.assert_allclose(w, np.exp([20.0, -20.0]), rtol=1e-6)
+  for v in E.WEIGHT_VARIANTS:
+    kw = dict(lower=0.5, upper=2.0, lengths_n=jnp.ones(3))
+    g = jax.grad(lambda l: E.importance_weights(l, v, **kw).sum())(jnp.array([0.1, 0.3, -0.2]))
+    assert np.all(np.asarray(g) == 0.0), v
+
+
+@HYP
+@given(hnp.arrays(np.float32, 8, elements=st.one_of(
+    st.floats(width=32, allow_nan=False), st.sampled_from([np.inf, -np.inf, 1e4, -1e4]))))
+def test_weight_variants_are_finite_for_extreme_log_ratios(l):
+  for v, spec in E.WEIGHT_VARIANTS.items():
+    x = l[None, :] if spec.level == "token" else l
+    w = np.asarray(E.importance_weights(x, v, c=8.0, lower=0.5, upper=2.0, lengths_n=np.full(8, 3.0)))
+    assert np.all(np.isfinite(w)) and np.all(w >= 0), v
+
+
+def test_importance_weights_bad_input():
+  with pytest.raises(ValueError, match="variant"):
+    E.importance_weights(L_HAND, "ppo")
+  with pytest.raises(ValueError, match="lower"):
+    E.importance_weights(L_HAND, "clip")
+  with pytest.raises(ValueError, match="lengths_n"):
+    E.importance_weights(L_HAND, "geo_mask", lower=0.9, upper=1.1)
+
+
+# ---------------------------------------------------------------------------
+# Advantage estimators
+# ---------------------------------------------------------------------------
+
+R16 = jnp.arange(1.0, 7.0)
+G16 = jnp.array([0, 0, 0, 1, 1, 1])
+
+
+def test_advantages_hand_numbers():
+  # RLOO on 1..6, G = 3: r_i - mean of the other two. (Including self would
+  # give [-1, 0, 1], the drgrpo numbers.)
+  np.testing.assert_allclose(E.advantages(R16, G16, "rloo"), [-1.5, 0, 1.5] * 2)
+  np.testing.assert_allclose(E.advantages(R16, G16, "drgrpo"), [-1, 0, 1] * 2)
+  # GRPO, population std sqrt(2/3): +-1.2247 (sample std would give +-1)
+  np.testing.assert_allclose(E.advantages(R16, G16, "grpo"), [-math.sqrt(1.5), 0, math.sqrt(1.5)] * 2,
+                             rtol=1e-6)
+  np.testing.assert_allclose(E.advantages(R16, G16, "grpo", std="sample"), [-1, 0, 1] * 2, rtol=1e-6)
+  # REINFORCE: batch-mean baseline 3.5, groups ignored
+  np.testing.assert_allclose(E.advantages(R16, G16, "reinforce"), R16 - 3.5)
+  np.testing.assert_allclose(E.advantages(R16, None, "reinforce"), R16 - 3.5)
+
+
+def test_advantages_layout_ids_zero_std_and_validity():
+  pg = E.advantages(R16.reshape(2, 3), None, "grpo")
+  np.testing.assert_allclose(pg.reshape(-1), E.advantages(R16, G16, "grpo"))
+  # interleaved, arbitrary ids; a zero-std group contributes nothing
+  r = jnp.array([1.0, 5.0, 0.0, 5.0, 1.0, 5.0])
+  g = jnp.array([7, 3, 7, 3, 7, 3])
+  np.testing.assert_allclose(E.advantages(r, g, "grpo")[1::2], 0.0)
+  np.testing.assert_allclose(E.advantages(r, g, "drgrpo")[0::2], [1 / 3, -2 / 3, 1 / 3], rtol=1e-6)
+  valid = jnp.array([True, True, False, True, True, True])
+  np.testing.assert_allclose(E.advantages(r, g, "drgrpo", valid_n=valid)[0::2], [0, 0, 0])
+  with pytest.raises(ValueError, match="group_ids"):
+    E.advantages(R16, None, "grpo")
+  with pytest.raises(ValueError, match="estimator"):
+    E.advantages(R16, G16, "ppo")
+
+
+@HYP
+@given(hnp.arrays(np.float32, 12, elements=st.floats(-5, 5, width=32)),
+       hnp.arrays(np.int32, 12, elements=st.integers(0, 3)),
+       st.sampled_from(sorted(E.ADVANTAGE_ESTIMATORS)), st.randoms(use_true_random=False))
+def test_advantages_permutation_equivariant(r, g, est, rnd):
+  perm = np.arange(12)
+  rnd.shuffle(perm)
+  a = np.asarray(E.advantages(r, g, est))
+  np.testing.assert_allclose(np.asarray(E.advantages(r[perm], g[perm], est)), a[perm], rtol=1e-5,
+                             atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# OPOB baseline
+# ---------------------------------------------------------------------------
+
+
+def test_opob_hand_numbers():
+  r = jnp.array([1.0, 0.0, 0.0, 1.0])
+  w = jnp.array([1.0, 2.0, 1.0, 1.0])
+  s = jnp.array([1.0, 1.0, 2.0, 2.0])
+  g = jnp.zeros(4, jnp.int32)
+  # a = w^2 s = [1, 4, 2, 2]: b = (1 + 2) / 9
+  np.testing.assert_allclose(E.opob_baseline(r, w, s, g), [1 / 3] * 4, rtol=1e-6)
+  # leave-one-out: b_0 = (0*4 + 0*2 + 1*2) / 8; b_1 = (1 + 2) / 5; b_2 = 3/7; b_3 = 1/7
+  np.testing.assert_allclose(E.opob_baseline(r, w, s, g, leave_one_out=True),
+                             [0.25, 0.6, 3 / 7, 1 / 7], rtol=1e-6)
+  # zero mass -> unweighted mean; empty set (group of one, LOO) -> 0
+  np.testing.assert_allclose(E.opob_baseline(r, jnp.zeros(4), s, g), [0.5] * 4)
+  np.testing.assert_allclose(E.opob_baseline(r, w, s, jnp.array([0, 1, 1, 2]), leave_one_out=True),
+                             [0.0, 0.0, 0.0, 0.0])
+  # huge weights do not overflow (w^2 = 1e60 in float32 would)
+  np.testing.assert_allclose(E.opob_baseline(r, jnp.array([1e30, 1.0, 1.0, 1.0]), s, g), [1.0] * 4)
+
+
+_opob_j = jax.jit(E.opob_baseline, static_argnums=4)
+
+
+@HYP
+@given(hnp.arrays(np.float32, 10, elements=st.floats(-10, 10, width=32)),
+       hnp.arrays(np.float32, 10, elements=st.one_of(st.floats(0, 1e6, width=32), st.just(0.0))),
+       hnp.arrays(np.float32, 10, elements=st.floats(0, 1e3, width=32)),
+       hnp.arrays(np.int32, 10, elements=st.integers(0, 2)), st.booleans())
+def test_opob_within_reward_range_of_its_set(r, w, s, g, loo):
+  b = np.asarray(_opob_j(r, w, s, g, loo))
+  assert np.all(np.isfinite(b))
+  for i in range(10):
+    members = (g == g[i]) & ((np.arange(10) != i) if loo else True)
+    if members.any():
+      assert r[members].min() <= b[i] <= r[members].max()
+    else:
+      assert b[i] == 0.0
+
+
+# ---------------------------------------------------------------------------
+# Exact per-example squared gradient norms
+# ---------------------------------------------------------------------------
+
+
+def _loop_sq_norms(fn, params, batch):
+  n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+  grad_fn = jax.jit(jax.grad(fn))  # one compile, then one example per call
+  out = []
+  for i in range(n):
+    ex = jax.tree_util.tree_map(lambda x: x[i], batch)
+    g = grad_fn(params, ex)
+    out.append(sum(float(jnp.sum(jnp.square(x))) for x in jax.tree_util.tree_leaves(g)))
+  return np.array(out)
+
+
+def _mlp(params, ex):
+  h = jnp.tanh(ex["x"] @ params["w1"] + params["b1"])
+  return jnp.sum((h @ params["w2"] - ex["y"]) ** 2)
+
+
+def _attention(params, ex):
+  x = ex["x"]  # [T, D]
+  q, k, v = x @ params["wq"], x @ params["wk"], x @ params["wv"]
+  t = x.shape[0]
+  scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), q @ k.T / jnp.sqrt(q.shape[-1]), -1e9)
+  out = jax.nn.softmax(scores, axis=-1) @ v @ params["wo"]
+  return jnp.sum(jax.nn.log_softmax(out, axis=-1)[jnp.arange(t), ex["y"]])
+
+
+@pytest.mark.parametrize("model", ["mlp", "attention"])
+def test_per_example_sq_grad_norms_equals_loop(model):
+  k = iter(jax.random.split(jax.random.PRNGKey(0), 8))
+  if model == "mlp":
+    fn = _mlp
+    params = dict(w1=jax.random.normal(next(k), (4, 6)), b1=jax.random.normal(next(k), (6,)),
+                  w2=jax.random.normal(next(k), (6, 3)))
+    batch = dict(x=jax.random.normal(next(k), (5, 4)), y=jax.random.normal(next(k), (5, 3)))
+  else:
+    fn = _attention
+    params = {n: jax.random.normal(next(k), (4, 4)) for n in ("wq", "wk", "wv", "wo")}
+    batch = dict(x=jax.random.normal(next(k), (5, 6, 4)), y=jax.random.randint(next(k), (5, 6), 0, 4))
+  ref = _loop_sq_norms(fn, params, batch)
+  np.testing.assert_allclose(E.per_example_sq_grad_norms(fn, params, batch), ref, rtol=1e-5)
+  np.testing.assert_allclose(E.per_example_sq_grad_norms(fn, params, batch, batch_size=2), ref,
+                             rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# PGConfig and presets
+# ---------------------------------------------------------------------------
+
+
+def test_presets_build_and_name_the_base_algorithm():
+  for name in E.PRESETS:
+    cfg = E.pg_config_from_preset(name)
+    assert cfg.advantage in E.ADVANTAGE_ESTIMATORS  # review #13
+  v = E.pg_config_from_preset("vcpo")
+  assert (v.advantage, v.is_variant, v.tis_c, v.opob, v.ess_lr) == ("grpo", "tis", 8.0, True, True)
+  assert E.needs_sq_norms(v) and not E.needs_sq_norms(E.pg_config_from_preset("seq_tis"))
+  assert E.pg_config_from_preset("vcpo", rho_on=0.55).rho_on == 0.55
+  hash(v)  # jit-static
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(advantage="ppo"), "advantage"), (dict(is_variant="gspo"), "is_variant"),
+    (dict(loss_agg="sum"), "loss_agg"), (dict(tis_c=0.0), "tis_c"), (dict(rho_on=-1.0), "rho_on"),
+    (dict(clip_lower=3.0), "clip_lower"), (dict(opob=True, is_variant="token_tis"), "opob"),
+    (dict(reference_mode=True), "reference_mode"), (dict(opob_scope="batch"), "opob_scope"),
+    (dict(std="biased"), "std"), (dict(ess_rule="log"), "ess_rule"),
+])
+def test_pgconfig_rejects_bad_fields(kw, field):
+  with pytest.raises(ValueError, match=field):
+    E.PGConfig(**kw)
+  with pytest.raises(ValueError, match="preset"):
+    E.pg_config_from_preset("vcpo2")
+
+
+# ---------------------------------------------------------------------------
+# The policy-gradient update: numpy reference, brute-force gradients
+# ---------------------------------------------------------------------------
+
+N, T, V, D = 12, 6, 7, 5
+
+
+def logp_fn(params, batch):
+  tok = batch["tokens"]  # [N, T]
+  prev = jnp.concatenate([jnp.zeros_like(tok[:, :1]), tok[:, :-1]], axis=1)
+  h = jnp.tanh(params["emb"][prev] + params["pos"][None])  # [N, T, D]
+  logp_ntv = jax.nn.log_softmax(jnp.einsum("ntd,dv->ntv", h, params["out"]), axis=-1)
+  return jnp.take_along_axis(logp_ntv, tok[..., None], axis=-1)[..., 0]
+
+
+def _problem(seed=0, stale=1.0):
+  k = iter(jax.random.split(jax.random.PRNGKey(seed), 10))
+  params = dict(emb=jax.random.normal(next(k), (V, D)), pos=jax.random.normal(next(k), (T, D)),
+                out=jax.random.normal(next(k), (D, V)))
+  tokens = jax.random.randint(next(k), (N, T), 0, V)
+  lengths = np.array([6, 5, 3, 6, 0, 4, 6, 2, 6, 5, 1, 6])  # row 4 is padding
+  mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+  rewards = np.array([1, 0, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1], np.float32)  # group 1: zero std
+  group = np.repeat(np.arange(3), 4).astype(np.int32)
+  batch = dict(tokens=tokens, loss_mask=jnp.asarray(mask), rewards=jnp.asarray(rewards),
+               group_id=jnp.asarray(group))
+  # behavior log-probs: the current ones plus per-row noise of growing size, so
+  # that some sequences are near on-policy and others far off (w > 8, w < 0.5)
+  sigma_n = stale * jnp.linspace(0.05, 1.5, N)[jax.random.permutation(next(k), N)]
+  batch["behavior_logp"] = logp_fn(params, batch) + sigma_n[:, None] * jax.random.normal(next(k), (N, T))
+  return params, batch
+
+
+def _np_reference(logp, beh, mask, r, gid, sq, cfg):
+  """Loop-by-loop numpy transcription of PAPER.md's update (float64)."""
+  logp, beh, mask, r, sq = (np.asarray(x, np.float64) for x in (logp, beh, mask, r, sq))
+  gid = np.asarray(gid)
+  n = len(r)
+  L = mask.sum(1)
+  valid = L > 0
+  nv = valid.sum()
+  l = np.where(mask > 0, logp - beh, 0).sum(1)
+  w = np.exp(np.clip(l, -20, 20))
+  tokw = mask.copy()
+  if cfg.is_variant == "none":
+    wa = np.ones(n)
+  elif cfg.is_variant == "tis":
+    wa = np.minimum(w, cfg.tis_c)
+  elif cfg.is_variant == "clip":
+    wa = np.clip(w, cfg.clip_lower, cfg.clip_upper)
+  elif cfg.is_variant == "mask":
+    wa = np.where((w >= cfg.mask_lower) & (w <= cfg.mask_upper), w, 0.0)
+  elif cfg.is_variant == "geo_mask":
+    geo = np.exp(l / np.maximum(L, 1))
+    wa = ((geo >= cfg.geo_lower) & (geo <= cfg.geo_upper)).astype(float)
+  elif cfg.is_variant == "token_tis":
+    wa = np.ones(n)
+    tokw = mask * np.minimum(np.exp(np.where(mask > 0, logp - beh, 0)), cfg.token_tis_c)
+  else:
+    raise AssertionError(cfg.is_variant)
+  adv = np.zeros(n)
+  for i in range(n):
+    if not valid[i]:
+      continue
+    grp = [j for j in range(n) if valid[j] and gid[j] == gid[i]]
+    others = [j for j in grp if j != i]
+    sigma = np.std(r[grp]) if cfg.advantage == "grpo" else 1.0
+    if cfg.advantage == "grpo" and sigma <= cfg.std_eps:
+      continue
+    b = {"reinforce": r[valid].mean(), "grpo": r[grp].mean(), "drgrpo": r[grp].mean(),
+         "rloo": r[others].mean() if others else r[i]}[cfg.advantage]
+    if cfg.opob:
+      js = others if cfg.opob_leave_one_out else grp
+      wb = w if cfg.opob_weights == "unclipped" else wa
+      s = sq / L.clip(1) ** 2 if cfg.length_normalize_norms else sq
+      if cfg.reference_mode:
+        s = s * wa ** 2
+      a = np.array([wb[j] ** 2 * s[j] for j in js])
+      b = (a @ r[js]) / a.sum() if a.sum() > 0 else (r[js].mean() if js else 0.0)
+    adv[i] = (r[i] - b) / sigma
+  norm = {"seq-mean-token-mean": 1.0 / (nv * L.clip(1)), "token-mean": np.full(n, 1.0 / mask.sum()),
+          "seq-mean-token-sum": np.full(n, 1.0 / nv)}[cfg.loss_agg]
+  return np.where(valid, adv * wa * norm, 0.0), tokw
+
+
+@jax.jit
+def _grad_one(params, ex, tokw_t):
+  return jax.grad(lambda p: jnp.sum(logp_fn(p, ex)[0] * tokw_t))(params)
+
+
+def _single_example_grad(params, batch, i, tokw_t):
+  """grad of sum_t tokw_t * logp_t for example i alone (a batch of one)."""
+  return _grad_one(params, jax.tree_util.tree_map(lambda x: x[i:i + 1], batch), tokw_t)
+
+
+def _loop_score_sq_norms(params, batch):
+  return np.array([float(sum(jnp.sum(g ** 2) for g in jax.tree_util.tree_leaves(
+      _single_example_grad(params, batch, i, batch["loss_mask"][i])))) for i in range(N)])
+
+
+@pytest.fixture(scope="module")
+def problem():
+  params, batch = _problem()
+  return params, batch, logp_fn(params, batch), _loop_score_sq_norms(params, batch)
+
+
+_pg_jit = jax.jit(E.policy_gradient, static_argnums=(0, 3))
+_coef_jit = jax.jit(E.pg_coefficients, static_argnums=6)
+
+EXTRA_CONFIGS = {
+    "rloo_opob_minibatch_token_mean": dict(advantage="rloo", is_variant="clip", opob=True,
+                                           opob_scope="minibatch", loss_agg="token-mean"),
+    "reinforce_lennorm_seqsum": dict(advantage="reinforce", is_variant="mask", opob=True,
+                                     length_normalize_norms=True, loss_agg="seq-mean-token-sum"),
+    "drgrpo_token_tis": dict(advantage="drgrpo", is_variant="token_tis", loss_agg="seq-mean-token-sum"),
+}
+ALL_CONFIGS = {**{k: E.pg_config_from_preset(k) for k in E.PRESETS},
+               **{k: E.PGConfig(**v) for k, v in EXTRA_CONFIGS.items()}}
+# this synthetic batch is far more stale per token than an LLM's: widen the
+# geometric-mean interval so that some sequences survive
+ALL_CONFIGS["geo_mask"] = ALL_CONFIGS["geo_mask"].replace(geo_lower=0.6, geo_upper=1.6)
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_CONFIGS if ALL_CONFIGS[n].opob_scope == "group"])
+def test_coefficients_match_numpy_reference(problem, name):
+  params, batch, logp, sq = problem
+  cfg = ALL_CONFIGS[name]
+  coef, aux = _coef_jit(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"],
+                        batch["group_id"], jnp.asarray(sq, jnp.float32), cfg)
+  ref, _ = _np_reference(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"],
+                         batch["group_id"], sq, cfg)
+  np.testing.assert_allclose(np.asarray(coef), ref, rtol=2e-5, atol=1e-7)
+  assert float(aux["n_valid"]) == N - 1 and not bool(aux["valid_n"][4])
+
+
+@pytest.mark.parametrize("name", sorted(ALL_CONFIGS))
+def test_policy_gradient_equals_brute_force(problem, name):
+  params, batch, logp, sq = problem
+  cfg = ALL_CONFIGS[name]
+  grads, metrics = _pg_jit(logp_fn, params, batch, cfg)
+  # coefficients from exact loop norms (not the vmap path), then one example at a time
+  coef, _ = E.pg_coefficients(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"],
+                              batch["group_id"], jnp.asarray(sq, jnp.float32), cfg)
+  tokw = E.pg_token_weights(logp, batch["behavior_logp"], batch["loss_mask"], cfg)
+  brute = jax.tree_util.tree_map(jnp.zeros_like, params)
+  for i in range(N):
+    g = _single_example_grad(params, batch, i, tokw[i])
+    brute = jax.tree_util.tree_map(lambda a, b: a - coef[i] * b, brute, g)
+  scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree_util.tree_leaves(brute))
+  assert scale > 0
+  for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(brute)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale)
+  surrogate = -float(jnp.sum(coef[:, None] * tokw * logp))
+  assert float(metrics["pg_loss"]) == pytest.approx(surrogate, rel=1e-5, abs=1e-7)
+
+
+def test_problem_exercises_the_weight_variants(problem):
+  _, batch, logp, sq = problem
+  aux = {n: _coef_jit(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"],
+                      batch["group_id"], jnp.asarray(sq, jnp.float32), ALL_CONFIGS[n])[1]
+         for n in ("seq_tis", "mask", "clip", "token_tis", "vcpo")}
+  assert float(aux["seq_tis"]["frac_clipped"]) > 0  # some w > 8 on this stale batch
+  assert 0 < float(aux["mask"]["frac_masked"]) < 1
+  assert float(aux["clip"]["frac_clipped"]) > 0 and float(aux["token_tis"]["frac_clipped"]) > 0
+  v = aux["vcpo"]
+  assert float(v["ess_ratio"]) < 0.9 and 0 < float(v["lr_scale"]) < 1
+  assert float(v["lr_scale"]) == pytest.approx(math.sqrt(float(v["ess_ratio"])), rel=1e-6)
+
+
+def _coefs(batch, logp, sq, cfg):
+  return np.asarray(E.pg_coefficients(logp, batch["behavior_logp"], batch["loss_mask"],
+                                      batch["rewards"], batch["group_id"], jnp.asarray(sq), cfg)[0])
+
+
+def test_on_policy_invariants(problem):
+  params, batch, logp, sq = problem
+  on = dict(batch, behavior_logp=logp)
+  c = {n: _coefs(on, logp, sq, E.pg_config_from_preset(n)) for n in E.PRESETS if n != "geo_mask"}
+  _, aux = E.pg_coefficients(logp, logp, batch["loss_mask"], batch["rewards"], batch["group_id"],
+                             jnp.asarray(sq), E.pg_config_from_preset("vcpo"))
+  assert float(aux["ess_ratio"]) == pytest.approx(1.0) and float(aux["lr_scale"]) == 1.0
+  # k = 0: every IS variant is the identity; VCPO equals GRPO with the OPOB baseline
+  for n in ("none", "seq_tis", "clip", "mask", "token_tis", "vcpo_no_opob"):
+    np.testing.assert_allclose(c[n], c["sync"], rtol=1e-6, atol=1e-9)
+  grpo_opob = _coefs(on, logp, sq, E.PGConfig(advantage="grpo", opob=True))
+  for n in ("vcpo", "vcpo_no_esslr", "vcpo_applied_opob", "vcpo_reference"):
+    np.testing.assert_allclose(c[n], grpo_opob, rtol=1e-6, atol=1e-9)
+  # OPOB with equal norms and unit weights is the group mean: VCPO == GRPO
+  np.testing.assert_allclose(_coefs(on, logp, np.ones(N), E.pg_config_from_preset("vcpo")), c["sync"],
+                             rtol=1e-5, atol=1e-8)
+  assert np.abs(c["vcpo"] - c["sync"]).max() > 1e-4  # unequal norms do change the baseline
+
+
+def test_vcpo_knobs_off_equals_base_estimator(problem):
+  _, batch, logp, sq = problem
+  off = E.pg_config_from_preset("vcpo", opob=False, ess_lr=False)
+  np.testing.assert_allclose(_coefs(batch, logp, sq, off),
+                             _coefs(batch, logp, sq, E.pg_config_from_preset("seq_tis")))
+
+
+def test_coefficients_permutation_within_group(problem):
+  _, batch, logp, sq = problem
+  perm = np.array([3, 1, 0, 2, 4, 7, 5, 6, 11, 8, 10, 9])  # permutes within groups
+  pb = jax.tree_util.tree_map(lambda x: x[perm], dict(batch))
+  cfg = E.pg_config_from_preset("vcpo_loo_opob")
+  np.testing.assert_allclose(_coefs(pb, logp[perm], sq[perm], cfg), _coefs(batch, logp, sq, cfg)[perm],
+                             rtol=1e-6, atol=1e-9)
+
+
+def test_pg_bad_input():
+  params, batch = _problem()
+  with pytest.raises(ValueError, match="group_id"):
+    E.policy_gradient(logp_fn, params, {k: v for k, v in batch.items() if k != "group_id"},
+                      E.PGConfig())
+  with pytest.raises(ValueError, match="sq_score_norms_n"):
+    E.pg_coefficients(batch["behavior_logp"], batch["behavior_logp"], batch["loss_mask"],
+                      batch["rewards"], batch["group_id"], None, E.pg_config_from_preset("vcpo"))
+
+
+# ---------------------------------------------------------------------------
+# Monte Carlo on a softmax bandit: bias of OPOB (LOO vs plug-in), variance
+# ---------------------------------------------------------------------------
+
+
+def _bandit_updates(cfg, theta, mu_logits, p_reward, key, n_batches, g):
+  """[n_batches, K] updates sum_n coef_n * grad log pi(a_n), one group of g each."""
+  k = theta.shape[0]
+  logpi = jax.nn.log_softmax(theta)
+  logmu = jax.nn.log_softmax(mu_logits)
+  pi = jnp.exp(logpi)
+
+  def one(key):
+    ka, kr = jax.random.split(key)
+    a = jax.random.categorical(ka, logmu, shape=(g,))
+    rew = jax.random.bernoulli(kr, p_reward[a]).astype(jnp.float32)
+    score = jax.nn.one_hot(a, k) - pi  # grad_theta log pi(a)
+    sq = jnp.sum(score ** 2, axis=1)
+    coef, _ = E.pg_coefficients(logpi[a][:, None], logmu[a][:, None], jnp.ones((g, 1)), rew,
+                                jnp.zeros(g, jnp.int32), sq, cfg)
+    return coef @ score
+
+  return jax.jit(jax.vmap(one))(jax.random.split(key, n_batches))
+
+
+def test_bandit_loo_opob_is_unbiased_and_plugin_bias_is_reported():
+  theta = jnp.array([0.5, -0.3, 1.0, 0.0, -1.0])
+  mu_logits = jnp.array([-0.5, 0.4, 0.0, 0.6, 0.2])  # behavior policy differs from the target
+  p = jnp.array([0.9, 0.2, 0.6, 0.4, 0.1])
+  pi = jax.nn.softmax(theta)
+  exact = np.asarray(jax.grad(lambda t: jnp.sum(jax.nn.softmax(t) * p))(theta))
+  base = dict(advantage="drgrpo", is_variant="is", opob=True, loss_agg="seq-mean-token-sum")
+  m = 40000
+  key = jax.random.PRNGKey(7)
+  results = {}
+  for name, loo in (("loo", True), ("plugin", False)):
+    u = np.asarray(_bandit_updates(E.PGConfig(**base, opob_leave_one_out=loo), theta, mu_logits, p,
+                                   key, m, 8), np.float64)
+    mean, se = u.mean(0), u.std(0, ddof=1) / math.sqrt(m)
+    results[name] = (mean - exact) / se
+    print(f"{name:7s} OPOB: mean-exact = {np.round(mean - exact, 5)}, z = {np.round(results[name], 2)}")
+  assert np.all(np.abs(results["loo"]) < 3.0), results["loo"]
+  del pi
+
+
+def test_heavy_tailed_variance_applied_opob_not_worse_than_group_mean():
+  theta = jnp.array([2.0, 0.0, -1.0, 1.0, -2.0, 0.5])
+  mu_logits = jnp.array([-2.0, 1.0, 1.0, -1.0, 2.0, 0.0])  # rare-under-mu arms carry big weights
+  p = jnp.array([0.8, 0.3, 0.5, 0.7, 0.1, 0.4])
+  base = dict(advantage="drgrpo", is_variant="tis", tis_c=8.0, loss_agg="seq-mean-token-sum")
+  key = jax.random.PRNGKey(3)
+  var = {}
+  for name, extra in (("group_mean", dict(opob=False)),
+                      ("opob_applied", dict(opob=True, opob_weights="applied"))):
+    u = np.asarray(_bandit_updates(E.PGConfig(**base, **extra), theta, mu_logits, p, key, 20000, 8),
+                   np.float64)
+    var[name] = float(np.sum(u.var(0)))
+  print("total update variance:", var)
+  assert var["opob_applied"] <= var["group_mean"]
