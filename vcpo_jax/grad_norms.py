@@ -317,7 +317,8 @@ def ghost_sq_norms_and_grad(logp_fn: LogpFn, params, batch, tokw: TokW, coef_fn:
   coef_n = jax.lax.stop_gradient(jnp.asarray(coef_n, _F32))
   if coef_n.shape != (n,):
     raise ValueError(f"coef_fn returned coef_n of shape {coef_n.shape}; expected ({n},).")
-  loss = -jnp.sum(coef_n * jnp.sum(tokw_nt * logp_nt, axis=1))
+  # where(): padding tokens may carry logp = -inf; they have weight 0 and must not give nan.
+  loss = -jnp.sum(coef_n * jnp.sum(jnp.where(tokw_nt != 0, tokw_nt * logp_nt, 0.0), axis=1))
 
   # The update: backprop is linear in the per-example cotangents, so contract with -coef_n.
   w_n = -coef_n
@@ -357,6 +358,33 @@ def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array) -> jax.Array:
   """||onehot_n^T D_n||^2 = sum_{t,s: tok_t = tok_s} d_t . d_s, [N] (T^2 D flops, no [V, D] buffer)."""
   same = tok_nt[:, :, None] == tok_nt[:, None, :]
   return jnp.sum(jnp.where(same, jnp.einsum("ntd,nsd->nts", d_ntd, d_ntd), 0.0), axis=(1, 2))
+
+
+def ghost_policy_gradient(logp_fn: LogpFn, params, batch, cfg, *, method: str = "auto",
+                          materialize_budget_bytes: int = 2 << 30):
+  """Drop-in fast path for `estimator.policy_gradient(logp_fn, params, batch, cfg)`.
+
+  Same arguments and result (grads, metrics): tokw_nt = estimator.pg_token_weights(...),
+  coef_n = estimator.pg_coefficients(..., sq_score_norms_n=S_n, cfg) with S_n from the ghost norms
+  (S_n is the norm of the tokw-weighted score; OPOB only runs with sequence-level weights, where
+  tokw_nt = loss_mask), and the gradient from the same single backward pass. metrics also holds
+  sq_norm_n [N] (the exact S_n, whether or not cfg uses it).
+  """
+  from vcpo_jax import estimator
+  missing = [k for k in estimator.BATCH_KEYS if k not in batch]
+  if missing:
+    raise ValueError(f"batch: missing keys {missing}; need {list(estimator.BATCH_KEYS)}")
+  beh, mask = batch["behavior_logp"], batch["loss_mask"]
+
+  def tokw(logp_nt):
+    return estimator.pg_token_weights(logp_nt, beh, mask, cfg)
+
+  def coef_fn(logp_nt, sq_n):
+    return estimator.pg_coefficients(logp_nt, beh, mask, batch["rewards"], batch["group_id"], sq_n, cfg)
+
+  res = ghost_sq_norms_and_grad(logp_fn, params, batch, tokw, coef_fn, method=method,
+                                materialize_budget_bytes=materialize_budget_bytes)
+  return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n)
 
 
 # ----------------------------------------------------------------------------- references

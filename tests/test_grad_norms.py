@@ -1,0 +1,192 @@
+"""Ghost norms: exact per-example ||s_n||^2 and the one-backward VCPO gradient.
+
+References: estimator.per_example_sq_grad_norms (vmap of per-example grads), a
+one-backward-per-trajectory loop, jax.grad of the surrogate, and
+estimator.policy_gradient. Tiny Qwen2 (tied head, q/k/v bias) and Llama
+(untied) models, left-padded prompts, right-padded responses, loss on the
+response only, tokens drawn from a small range so that embedding rows repeat
+within a sequence (the shared-row and tied cross terms are exercised).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from vcpo_jax import estimator
+from vcpo_jax import grad_norms as gn
+from vcpo_jax.model import config, transformer as tf
+
+N, P_LEN, R_LEN = 6, 6, 7
+T = P_LEN + R_LEN
+# One layer keeps compiles short; every kind of tap (linear +- bias, scale, embed, tied/untied head) occurs.
+CONFIGS = {"qwen2": config.tiny_qwen2(vocab_size=128, num_layers=1),
+           "llama": config.tiny_llama(vocab_size=128, num_layers=1)}
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+def _tree_rel(ga, gb):
+  """Global relative error ||ga - gb|| / ||gb|| over all leaves (and matching structure)."""
+  assert jax.tree.structure(ga) == jax.tree.structure(gb)
+  num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)))
+  den = sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(gb))
+  return (num / den) ** 0.5
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, 12, (N, T)).astype(np.int32)  # few distinct ids: rows repeat
+  prompt_len = rng.integers(2, P_LEN + 1, N)
+  resp_len = rng.integers(1, R_LEN + 1, N)
+  prompt = np.arange(P_LEN)[None] >= P_LEN - prompt_len[:, None]  # left-padded
+  resp = np.arange(R_LEN)[None] < resp_len[:, None]  # right-padded
+  loss_mask = np.concatenate([np.zeros_like(prompt), resp], 1)
+  valid = np.concatenate([prompt, resp], 1)
+  tokens = np.where(valid, tokens, 0)
+  group_id = np.repeat(np.arange(N // 3), 3).astype(np.int32)
+  return dict(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid),
+              loss_mask=jnp.asarray(loss_mask, jnp.float32),
+              behavior_logp=jnp.asarray(rng.normal(-2.5, 0.5, (N, T)) * loss_mask, jnp.float32),
+              rewards=jnp.asarray(rng.integers(0, 2, N), jnp.float32).at[0].set(1.0).at[1].set(0.0),
+              group_id=jnp.asarray(group_id))
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(name):
+  cfg = CONFIGS[name]
+  graphdef, params = tf.split(tf.init(cfg, seed=1))
+  # Random (non-identity) norm scales and biases so every closed form is exercised.
+  keys = iter(jax.random.split(jax.random.key(7), 100))
+  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape) if x.ndim == 1 else x, params)
+  logp_fn = gn.sequence_logp_fn(graphdef)
+  batch = _batch()
+  ref = jax.jit(gn.vmap_sq_norms, static_argnums=0)(logp_fn, params, batch, batch["loss_mask"])
+  return logp_fn, params, batch, ref
+
+
+def _random_coef(logp_nt, sq_n):
+  coef = jnp.asarray(np.random.default_rng(3).normal(size=N), jnp.float32)
+  return coef, {"sq": sq_n}
+
+
+@functools.lru_cache(maxsize=None)
+def _ghost(name, method):
+  logp_fn, params, batch, _ = _setup(name)
+  fn = jax.jit(lambda p, b: gn.ghost_sq_norms_and_grad(logp_fn, p, b, b["loss_mask"], _random_coef, method=method))
+  return fn(params, batch)
+
+
+@pytest.mark.parametrize("name,method", [("qwen2", "gram"), ("qwen2", "materialize"), ("llama", "gram"),
+                                         ("llama", "direct"), ("llama", "materialize")])
+def test_ghost_norms_equal_vmap_reference(name, method):
+  _, _, batch, ref = _setup(name)
+  res = _ghost(name, method)
+  assert _rel(res.sq_norms_n, ref) < 1e-4
+  # Norms differ a lot across examples (lengths differ), so this is not a trivial match.
+  assert float(jnp.max(ref) / jnp.min(ref)) > 1.5
+  assert res.aux["sq"].shape == (N,)
+
+
+@pytest.mark.parametrize("method", ["gram", "materialize"])
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_fast_gradient_equals_jax_grad_of_surrogate(name, method):
+  logp_fn, params, batch, _ = _setup(name)
+  res = _ghost(name, method)
+  coef, _ = _random_coef(None, None)
+  mask = batch["loss_mask"]
+
+  def surrogate(p):
+    return -jnp.sum(coef * jnp.sum(mask * logp_fn(p, batch), axis=1))
+
+  loss, grads = jax.jit(jax.value_and_grad(surrogate))(params)
+  assert _tree_rel(res.grads, grads) < 1e-5
+  np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
+  # The gradient is the params' own type (nnx.State), so optax can consume it as is.
+  assert type(res.grads) is type(params)
+
+
+def test_loop_reference_equals_vmap():
+  logp_fn, params, batch, ref = _setup("qwen2")
+  loop = jax.jit(gn.loop_sq_norms, static_argnums=0)(logp_fn, params, batch, batch["loss_mask"])
+  assert _rel(loop, ref) < 1e-5
+
+
+def test_tied_cross_term_is_material():
+  """The tied table's S_n = ||B_n||^2 + ||C_n||^2 + 2<B_n, C_n>; the cross term is not negligible here.
+
+  An untied copy (lm_head.kernel = embedding^T, same logits) has per-example norms
+  ||B||^2 + ||C||^2 for the table, so the two models' S_n differ by exactly the cross term;
+  a ghost implementation without it would fail the 1e-4 comparison with the vmap reference.
+  """
+  logp_fn, params, batch, ref = _setup("qwen2")
+  graphdef_u, params_u = tf.split(tf.init(CONFIGS["qwen2"].replace(tie_embeddings=False), seed=1))
+  flat = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+  params_u = jax.tree_util.tree_map_with_path(lambda path, x: flat.get(path, x), params_u)
+  params_u["lm_head"]["kernel"][...] = params["embed_tokens"]["embedding"][...].T
+  logp_u = gn.sequence_logp_fn(graphdef_u)
+  np.testing.assert_allclose(logp_u(params_u, batch), logp_fn(params, batch), atol=1e-6)
+  untied = jax.jit(gn.vmap_sq_norms, static_argnums=0)(logp_u, params_u, batch, batch["loss_mask"])
+  assert float(jnp.max(jnp.abs(ref - untied) / ref)) > 1e-3
+  res = jax.jit(lambda p, b: gn.ghost_sq_norms_and_grad(logp_u, p, b, b["loss_mask"], _random_coef))(
+      params_u, batch)
+  assert _rel(res.sq_norms_n, untied) < 1e-4
+
+
+@pytest.mark.parametrize("preset", ["vcpo", "vcpo_reference"])
+def test_ghost_policy_gradient_equals_estimator(preset):
+  """OPOB coefficients that depend on S_n: the one-backward path equals the brute-force path."""
+  logp_fn, params, batch, _ = _setup("qwen2")
+  cfg = estimator.pg_config_from_preset(preset)
+  g_ref, m_ref = jax.jit(estimator.policy_gradient, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  g, m = jax.jit(gn.ghost_policy_gradient, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  assert _tree_rel(g, g_ref) < 1e-5
+  np.testing.assert_allclose(m["baseline_n"], m_ref["baseline_n"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(m["pg_loss"], m_ref["pg_loss"], rtol=1e-5, atol=1e-7)
+  # The baseline really is norm-weighted (differs from the plain group mean somewhere).
+  assert float(jnp.max(jnp.abs(m["sq_norm_n"] - jnp.mean(m["sq_norm_n"])))) > 0
+
+
+def test_token_tis_weights_as_function_of_logp():
+  """tokw given as a function of logp (token-TIS): norms use those weights; gradient matches."""
+  logp_fn, params, batch, _ = _setup("llama")
+  cfg = estimator.pg_config_from_preset("token_tis", token_tis_c=1.05)
+  g_ref, m_ref = jax.jit(estimator.policy_gradient, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  g, m = jax.jit(gn.ghost_policy_gradient, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  assert _tree_rel(g, g_ref) < 1e-5
+  tokw = lambda logp: estimator.pg_token_weights(logp, batch["behavior_logp"], batch["loss_mask"], cfg)
+  ref = jax.jit(gn.vmap_sq_norms, static_argnums=(0, 3))(logp_fn, params, batch, tokw)
+  assert _rel(m["sq_norm_n"], ref) < 1e-4
+
+
+def test_plan_layers_hand_checked_costs():
+  info = {"a": gn.taps.TapInfo("linear", "a"), "b": gn.taps.TapInfo("linear", "b")}
+  ins = {"a": (4, 256, 64), "b": (4, 8, 64)}
+  outs = {"a": (4, 256, 64), "b": (4, 8, 64)}
+  # a: gram 256^2*128 = 8.4M > direct 256*64*64 + 4096 = 1.05M; b: gram 8^2*128 = 8192 < 36864.
+  plan = gn.plan_layers(info, ins, outs, "auto", materialize_budget_bytes=0)
+  assert (plan["a"].method, plan["b"].method) == ("direct", "gram")
+  # Budget for exactly one layer (4*64*64*4 bytes): the one saving most flops per byte (a).
+  plan = gn.plan_layers(info, ins, outs, "auto", materialize_budget_bytes=4 * 64 * 64 * 4)
+  assert (plan["a"].method, plan["b"].method) == ("materialize", "gram")
+  assert gn.plan_layers(info, ins, outs, "gram")["a"].method == "gram"
+  with pytest.raises(ValueError, match="method"):
+    gn.plan_layers(info, ins, outs, "fast")
+
+
+def test_bad_inputs_raise():
+  logp_fn, params, batch, _ = _setup("llama")
+  with pytest.raises(ValueError, match="tokw_nt"):
+    gn.ghost_sq_norms_and_grad(logp_fn, params, batch, jnp.ones((N, T + 1)), _random_coef)
+  # A parameter the taps do not see (its norm would silently be missing) is an error.
+  extra = dict(params.items(), stray=jnp.ones((3,)))
+  stray_fn = lambda p, b: logp_fn(nnx.State({k: v for k, v in p.items() if k != "stray"}), b) + jnp.sum(p["stray"])
+  with pytest.raises(ValueError, match="stray"):
+    gn.ghost_sq_norms_and_grad(stray_fn, extra, batch, batch["loss_mask"], _random_coef)
+  with pytest.raises(ValueError, match="no taps"):
+    gn.ghost_sq_norms_and_grad(lambda p, b: jnp.zeros((N, T)), params, batch, batch["loss_mask"], _random_coef)
