@@ -31,12 +31,22 @@ def _sampler(**kw):
   return S.Sampler(gd, CFG, S.SamplerConfig(**{**SMALL, **kw}))
 
 
-def _full_logits(params, seq):
-  """Uncached forward of one unpadded sequence: logits [T, V]."""
+@functools.lru_cache(maxsize=None)
+def _full_forward():
   gd = _model()[0]
-  tok = jnp.asarray(seq, jnp.int32)[None]
-  pos, mask = tf.padded_positions_and_mask(jnp.ones(tok.shape, bool))
-  return np.asarray(tf.forward(gd, params, tok, pos, mask)[0][0])
+
+  def fwd(params, tok_bt, valid_bt):
+    pos, mask = tf.padded_positions_and_mask(valid_bt)
+    return tf.forward(gd, params, tok_bt, pos, mask)[0]
+  return jax.jit(fwd)
+
+
+def _full_logits(params, seq, length=32):
+  """Uncached forward of one sequence (right-padded to a fixed length: one compile): logits [T, V]."""
+  tok = np.zeros((1, length), np.int32)
+  tok[0, :len(seq)] = seq
+  valid = np.arange(length)[None] < len(seq)
+  return np.asarray(_full_forward()(params, tok, valid)[0, :len(seq)])
 
 
 def _log_softmax(x):
@@ -86,8 +96,8 @@ def test_greedy_equals_stepwise_argmax_of_full_forward_and_layout():
 
 def test_top_k_1_equals_greedy():
   _, params, _ = _model()
-  greedy = _sampler(temperature=0.0).generate(params, PROMPTS, jax.random.key(0), 2, max_new_tokens=10)
-  topk1 = _sampler(temperature=1.3, top_k=1).generate(params, PROMPTS, jax.random.key(5), 2,
+  greedy = _sampler(temperature=0.0).generate(params, PROMPTS, jax.random.key(0), max_new_tokens=10)
+  topk1 = _sampler(temperature=1.3, top_k=1).generate(params, PROMPTS, jax.random.key(5),
                                                        max_new_tokens=10)
   np.testing.assert_array_equal(topk1.tokens, greedy.tokens)
   np.testing.assert_allclose(topk1.behavior_logp, 0.0, atol=1e-6)  # renormalized over one token
@@ -97,7 +107,7 @@ def test_on_policy_logp_equals_learner_logp_and_ess_is_one():
   gd, params, _ = _model()
   # A stop id makes lengths vary, so the masks after a stop are exercised too.
   smp = _sampler(temperature=1.0, eos_id=7, stop_ids=(11, 13, 17, 19, 23))
-  r = smp.generate(params, PROMPTS, jax.random.key(1), num_samples=4, max_new_tokens=16)
+  r = smp.generate(params, PROMPTS, jax.random.key(1), num_samples=2, max_new_tokens=16)
   valid = r.prompt_mask | r.response_mask
   logp = np.asarray(jax.jit(tf.sequence_logprobs, static_argnums=0)(
       gd, params, jnp.asarray(r.tokens), jnp.asarray(valid)))
@@ -109,6 +119,11 @@ def test_on_policy_logp_equals_learner_logp_and_ess_is_one():
   assert abs(ess_ratio - 1.0) < 1e-3
   assert (r.behavior_logp < 0).sum() == r.response_mask.sum()  # every response token has a logp
   assert (r.behavior_logp[~r.response_mask] == 0).all()
+  # Finished rows end with their first stop token; unfinished rows used the whole budget.
+  stops = {7, 11, 13, 17, 19, 23}
+  for n, resp in enumerate(_responses(r)):
+    assert [t in stops for t in resp] == [False] * (len(resp) - 1) + [bool(r.finished[n])]
+    assert r.finished[n] or len(resp) == 16
 
 
 def _nucleus(logits, temperature, top_k, top_p):
@@ -130,8 +145,8 @@ def test_filtered_tokens_lie_in_nucleus_and_logp_is_renormalized(top_k, top_p):
   _, _, sharp = _model()
   smp = _sampler(temperature=0.8, top_k=top_k, top_p=top_p)
   tempered = _sampler(temperature=0.8, top_k=top_k, top_p=top_p, logp_mode="tempered")
-  r = smp.generate(sharp, PROMPTS, jax.random.key(2), num_samples=3, max_new_tokens=12)
-  rt = tempered.generate(sharp, PROMPTS, jax.random.key(2), num_samples=3, max_new_tokens=12)
+  r = smp.generate(sharp, PROMPTS, jax.random.key(2), num_samples=2, max_new_tokens=12)
+  rt = tempered.generate(sharp, PROMPTS, jax.random.key(2), num_samples=2, max_new_tokens=12)
   np.testing.assert_array_equal(rt.tokens, r.tokens)  # the mode changes only what is recorded
   sizes = []
   for n in range(r.tokens.shape[0]):
@@ -176,14 +191,13 @@ def test_eos_and_stop_ids_end_rows_and_mask_after():
   free = _sampler(temperature=0.0).generate(sharp, PROMPTS, jax.random.key(0), max_new_tokens=12)
   resp = _responses(free)
   eos = resp[0][4]
-  for kw in (dict(eos_id=eos), dict(stop_ids=(eos,))):
-    r = _sampler(temperature=0.0, **kw).generate(sharp, PROMPTS, jax.random.key(0), max_new_tokens=12)
-    for n, full in enumerate(resp):
-      stop = full.index(eos) + 1 if eos in full else 12
-      assert r.lengths[n] == stop and r.finished[n] == (eos in full)
-      assert _responses(r)[n] == full[:stop]
-      assert (r.tokens[n, 8 + stop:] == 0).all() and not r.response_mask[n, 8 + stop:].any()
-    assert r.finished[0] and r.lengths[0] <= 5
+  r = _sampler(temperature=0.0, eos_id=eos).generate(sharp, PROMPTS, jax.random.key(0), max_new_tokens=12)
+  for n, full in enumerate(resp):
+    stop = full.index(eos) + 1 if eos in full else 12
+    assert r.lengths[n] == stop and r.finished[n] == (eos in full)
+    assert _responses(r)[n] == full[:stop]
+    assert (r.tokens[n, 8 + stop:] == 0).all() and not r.response_mask[n, 8 + stop:].any()
+  assert r.finished[0] and r.lengths[0] <= 5
 
 
 def test_generate_continuations_matches_generate():
@@ -203,9 +217,9 @@ def test_generate_continuations_matches_generate():
 
 def test_chunking_over_the_largest_batch_bucket_gives_the_same_rows():
   _, params, _ = _model()
-  one = S.Sampler(_model()[0], CFG, S.SamplerConfig(**{**SMALL, "batch_buckets": (2, 4)}))
-  r = one.generate(params, PROMPTS, jax.random.key(8), num_samples=3, max_new_tokens=8)  # 9 rows: 4+4+1
-  ref = _sampler(temperature=1.0).generate(params, PROMPTS, jax.random.key(8), num_samples=3, max_new_tokens=8)
+  one = S.Sampler(_model()[0], CFG, S.SamplerConfig(**{**SMALL, "batch_buckets": (4,)}))
+  r = one.generate(params, PROMPTS, jax.random.key(8), num_samples=2, max_new_tokens=8)  # 6 rows: 4 + 2
+  ref = _sampler(temperature=1.0).generate(params, PROMPTS, jax.random.key(8), num_samples=2, max_new_tokens=8)
   np.testing.assert_array_equal(r.tokens, ref.tokens)
   np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
 
@@ -216,13 +230,12 @@ def test_no_recompile_after_warmup_within_buckets():
   rng = np.random.default_rng(0)
   prompts = lambda n, lo, hi: [rng.integers(1, 200, rng.integers(lo, hi + 1)).tolist() for _ in range(n)]
   smp.generate(params, prompts(2, 1, 8), jax.random.key(0), max_new_tokens=8)  # warm-up: B=4, Tp=8, Tn=8
-  smp.generate(params, prompts(6, 9, 16), jax.random.key(0), max_new_tokens=16)  # B=8, Tp=16, Tn=16
   warm = smp.num_traces
-  assert warm == 2 and smp._device_fn._cache_size() == 2
-  for i in range(4):
-    smp.generate(params, prompts(1 + i % 4, 1, 8), jax.random.key(i), max_new_tokens=3 + i)
-    smp.generate(params, prompts(2, 9, 16), jax.random.key(i), num_samples=3, max_new_tokens=9 + i)
+  assert warm == 1 and smp._device_fn._cache_size() == 1
+  for i in range(4):  # prompt lengths 1..8, 1..4 rows, budgets 1..8, stop sets: all inside the bucket
+    smp.generate(params, prompts(1 + i % 4, 1, 8), jax.random.key(i), max_new_tokens=1 + 2 * i)
+    smp.generate(params, prompts(2, 1, 8), jax.random.key(i), num_samples=2, max_new_tokens=8 - i)
     smp.generate_continuations(params, prompts(3, 2, 7), 5 + i, [i + 20, i + 30], jax.random.key(i))
-  assert smp.num_traces == warm and smp._device_fn._cache_size() == 2
-  smp.generate(params, prompts(5, 1, 8), jax.random.key(0), max_new_tokens=8)  # a new bucket: B=8, Tp=8
+  assert smp.num_traces == warm and smp._device_fn._cache_size() == 1
+  smp.generate(params, prompts(2, 9, 16), jax.random.key(0), max_new_tokens=8)  # a new bucket: Tp=16
   assert smp.num_traces == warm + 1
