@@ -1,0 +1,235 @@
+"""Shared-memory parameter slot: the learner publishes weights + a version, samplers read the latest.
+
+Layout: one segment holding a header and two buffers, each with every array of a
+fixed schema (e.g. one flat float32 / bfloat16 vector, or a dict of arrays).
+
+Consistency (double buffer + per-buffer seqlock, header under a lock):
+  writer: b = the buffer not published last
+          seq[b] += 1                       (odd: being written)
+          copy the arrays into buffer b
+          seq[b] += 1; version[b] = v; latest = b      (even: complete)
+  reader: (v, b, s1) = (version[latest], latest, seq[b]); copy buffer b;
+          s2 = seq[b]; accept iff s1 == s2, else retry.
+A reader is only disturbed when the writer laps it (two publishes during one
+copy), so it never sees torn data and rarely retries. The header words are read
+and written under a spawn-context Lock, held for a few microseconds and never
+during a copy: its acquire/release are full memory barriers, which makes the
+seqlock correct on weakly ordered CPUs (ARM hosts) too, where plain numpy loads
+and stores into shared memory could be reordered.
+
+Ownership and cleanup are those of `shm_queue.Segment`: the creating process
+(the learner) unlinks the segment on close, on garbage collection, at exit, and
+through the resource tracker if it is killed. Pass the slot to spawned samplers
+as a `Process` argument (the lock travels by inheritance).
+
+Single writer; any number of readers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from vcpo_jax.rollout.shm_queue import SPAWN, PeerDiedError, Segment, _align, pid_alive
+
+_MAGIC = 0x5643504F50415241  # "VCPOPARA"
+_HDR_WORDS = 16
+# Header word indices: latest version, latest buffer, writer pid, creator pid, seq[2], version[2].
+_H_MAGIC, _H_VERSION, _H_LATEST, _H_WRITER, _H_CREATOR = range(5)
+_H_SEQ, _H_BUFVER = 5, 7
+_POLL_S = 0.002  # versions change once per learner step; a short sleep poll is cheap
+_LOCK_TIMEOUT_S = 10.0
+
+
+def _normalize_spec(spec: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """{name: array | ShapeDtypeStruct | (shape, dtype)} -> {name: (shape, dtype)}."""
+  if not spec:
+    raise ValueError("ParamSlot spec is empty; give {name: (shape, dtype)} for every array")
+  out = {}
+  for name, s in spec.items():
+    shape, dtype = (s.shape, s.dtype) if hasattr(s, "shape") else s
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+      raise ValueError(f"ParamSlot spec[{name!r}] has a negative dimension: {shape}")
+    out[name] = (shape, np.dtype(dtype))
+  return out
+
+
+class ParamSlot:
+  """Latest-value channel for parameter arrays with a monotone version counter.
+
+  Args:
+    spec: {name: (shape, dtype)} or {name: array-like with .shape/.dtype}; fixed.
+    ctx: multiprocessing context for the lock (spawn by default).
+  """
+
+  def __init__(self, spec: Mapping[str, Any], *, ctx=None):
+    self._init_layout(_normalize_spec(spec))
+    self._seg = Segment(size=_HDR_WORDS * 8 + 2 * self._buf_nbytes)
+    self._lock = (ctx or SPAWN).Lock()
+    self._map()
+    self._hdr[:] = 0
+    self._hdr[[_H_MAGIC, _H_VERSION, _H_LATEST, _H_CREATOR]] = [_MAGIC, -1, -1, os.getpid()]
+
+  def _init_layout(self, spec):
+    self.spec = spec
+    self._offsets, off = {}, 0
+    for name, (shape, dtype) in spec.items():
+      self._offsets[name] = off
+      off = _align(off + int(np.prod(shape)) * dtype.itemsize)
+    self._buf_nbytes = off
+
+  def _map(self):
+    self._hdr = np.ndarray((_HDR_WORDS,), np.int64, buffer=self._seg.buf)
+    self._views = [
+        {name: np.ndarray(shape, dtype, buffer=self._seg.buf,
+                          offset=_HDR_WORDS * 8 + b * self._buf_nbytes + self._offsets[name])
+         for name, (shape, dtype) in self.spec.items()}
+        for b in range(2)
+    ]
+
+  def __getstate__(self):
+    if self._seg is None:
+      raise ValueError("cannot send a closed ParamSlot to another process")
+    return dict(spec=self.spec, name=self._seg.name, lock=self._lock)
+
+  def __setstate__(self, s):
+    self._init_layout(s["spec"])
+    self._lock = s["lock"]
+    self._seg = Segment(name=s["name"])
+    self._map()
+    if self._hdr[_H_MAGIC] != _MAGIC:
+      raise RuntimeError(f"shared-memory segment {s['name']} is not a ParamSlot")
+
+  @property
+  def name(self) -> str:
+    return self._seg.name
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of one parameter copy (the segment holds two)."""
+    return self._buf_nbytes
+
+  def resource_paths(self) -> list[str]:
+    """/dev/shm paths of the segment and the lock's semaphore (Linux), for leak checks."""
+    n = getattr(self._lock._semlock, "name", None)
+    return [self._seg.path] + ([os.path.join("/dev/shm", "sem." + n.lstrip("/"))] if n else [])
+
+  @contextlib.contextmanager
+  def _locked(self):
+    """Hold the header lock; a timeout means its holder died inside the critical section."""
+    self._check_open()
+    if not self._lock.acquire(timeout=_LOCK_TIMEOUT_S):
+      raise PeerDiedError(f"ParamSlot header lock not released within {_LOCK_TIMEOUT_S} s: "
+                          f"a process died while holding it")
+    try:
+      yield
+    finally:
+      self._lock.release()
+
+  def _check_open(self):
+    if self._seg is None:
+      raise ValueError("ParamSlot is closed")
+
+  def version(self) -> int:
+    """Latest published version, -1 before the first publish."""
+    with self._locked():
+      return int(self._hdr[_H_VERSION])
+
+  def publish(self, arrays: Mapping[str, Any], version: int | None = None) -> int:
+    """Write a new parameter version (default: previous + 1) and return it.
+
+    Raises ValueError if the arrays do not match the spec or `version` is not
+    larger than the last published one (versions are monotone).
+    """
+    self._check_open()
+    if set(arrays) != set(self.spec):
+      raise ValueError(f"ParamSlot.publish: got arrays {sorted(arrays)}, the spec has "
+                       f"{sorted(self.spec)}")
+    checked = {}
+    for name, (shape, dtype) in self.spec.items():
+      a = np.asarray(arrays[name])
+      if a.shape != shape or a.dtype != dtype:
+        raise ValueError(f"ParamSlot.publish: {name!r} is {a.dtype}{a.shape}, the spec says "
+                         f"{dtype}{shape}; cast/reshape it before publishing")
+      checked[name] = a
+    with self._locked():
+      me, writer = os.getpid(), int(self._hdr[_H_WRITER])
+      if writer not in (0, me) and pid_alive(writer):
+        raise ValueError(f"ParamSlot has a single writer and process {writer} is it")
+      self._hdr[_H_WRITER] = me
+      last = int(self._hdr[_H_VERSION])
+      version = last + 1 if version is None else int(version)
+      if version <= last:
+        raise ValueError(f"ParamSlot.publish: version {version} must exceed the last published "
+                         f"version {last}")
+      b = 0 if self._hdr[_H_LATEST] != 0 else 1
+      self._hdr[_H_SEQ + b] += 1  # odd: readers of buffer b will retry
+    for name, a in checked.items():
+      np.copyto(self._views[b][name], a)
+    with self._locked():
+      self._hdr[_H_SEQ + b] += 1
+      self._hdr[_H_BUFVER + b] = version
+      self._hdr[_H_LATEST] = b
+      self._hdr[_H_VERSION] = version
+    return version
+
+  def latest(self, min_version: int | None = None, timeout: float | None = None,
+             out: Mapping[str, np.ndarray] | None = None) -> tuple[int, dict[str, np.ndarray]]:
+    """Copy of the newest parameters once their version is >= `min_version`.
+
+    Args:
+      min_version: wait until at least this version is published (None: any, i.e. >= 0).
+      timeout: seconds to wait (None: forever, still checking that the writer lives).
+      out: arrays to copy into instead of allocating.
+
+    Returns:
+      (version, {name: array}); the arrays are untorn copies of that version.
+
+    Raises:
+      TimeoutError: the version did not arrive in time.
+      PeerDiedError: the writer (or, before any publish, the creator) exited.
+    """
+    need = 0 if min_version is None else int(min_version)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+      with self._locked():
+        v = int(self._hdr[_H_VERSION])
+        b = int(self._hdr[_H_LATEST])
+        s1 = int(self._hdr[_H_SEQ + b]) if b >= 0 else -1
+        writer = int(self._hdr[_H_WRITER]) or int(self._hdr[_H_CREATOR])
+      if v >= need:
+        dst = out if out is not None else {n: np.empty(s, d) for n, (s, d) in self.spec.items()}
+        for name, view in self._views[b].items():
+          np.copyto(dst[name], view)
+        with self._locked():
+          s2 = int(self._hdr[_H_SEQ + b])
+        if s1 == s2:
+          return v, dict(dst)
+        continue  # the writer lapped this copy: read the newer buffer
+      if writer != os.getpid() and not pid_alive(writer):
+        raise PeerDiedError(f"ParamSlot writer process {writer} exited; last version {v}, "
+                            f"waiting for {need}")
+      if deadline is not None and time.monotonic() >= deadline:
+        raise TimeoutError(f"ParamSlot.latest: version {need} not published within {timeout} s "
+                           f"(latest {v})")
+      time.sleep(_POLL_S)
+
+  def close(self):
+    """Unmap; the creating process also unlinks the segment. Idempotent."""
+    if getattr(self, "_seg", None) is None:
+      return
+    self._hdr = self._views = None
+    seg, self._seg = self._seg, None
+    seg.close()
+    self._lock = None  # the last reference: multiprocessing unlinks the semaphore
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
