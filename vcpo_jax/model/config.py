@@ -108,7 +108,9 @@ class ModelConfig:
     if rope_theta is None:  # transformers 5 keeps it in rope_parameters
       rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    qkv_bias = True if model_type == "qwen2" else bool(getattr(hf, "attention_bias", False))
+    if model_type == "llama" and getattr(hf, "attention_bias", False):
+      raise ValueError("Llama checkpoints with attention_bias=True (biases on q/k/v/o) are not supported.")
+    qkv_bias = model_type == "qwen2"
     if model_type == "llama" and getattr(hf, "mlp_bias", False):
       raise ValueError("Llama checkpoints with mlp_bias=True are not supported.")
     return cls(
