@@ -40,6 +40,9 @@ with a leaked-object warning. On 3.13+ `track=False` does the same.
 The semaphores are named POSIX semaphores (`/dev/shm/sem.mp-*` on Linux) owned
 the same way by the creating process.
 
+Pids are compared without start times, so a pid reused within one poll period
+could hide a death; with Linux's pid space that window is negligible.
+
 Single producer, single consumer, one thread each. Not thread-safe.
 """
 
@@ -494,7 +497,11 @@ class ShmQueue:
       timeout: seconds to wait for a batch (None: forever, still checking liveness).
       copy: True returns fresh arrays and frees the slot at once. False returns
         read-only views into the slot, valid until the next `get`/`release`/`close`
-        (zero-copy: e.g. `jax.device_put` straight from shared memory).
+        (zero-copy). Caution: on the CPU backend `jax.device_put` of such a view
+        aliases the shared memory (no copy), so a jax array made from it changes
+        when the producer reuses the slot; keep the slot (no `get`/`release`)
+        until the step using it has finished (`jax.block_until_ready`), or use
+        `out=` / `copy=True`.
       out: arrays to copy into instead of allocating (their shapes must be the
         bucket shapes of this batch); frees the slot at once.
 
