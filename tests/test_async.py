@@ -1,0 +1,165 @@
+"""Async mode: a spawned sampler process, bounded staleness, failure handling, no shared-memory leaks.
+
+The model is tiny and every wait has a timeout, so a bug fails a test instead of hanging it. The
+sampler is a fresh spawned interpreter: monkeypatches of this process do not reach it, so these
+tests use the real countdown reward.
+"""
+import os
+import signal
+import time
+
+import jax
+import pytest
+
+from configs import countdown
+from vcpo_jax import metrics as metrics_lib
+from vcpo_jax import run_config, trainer
+from vcpo_jax.rollout import async_
+from vcpo_jax.rollout.common import RolloutMaker
+from vcpo_jax.sampler import Sampler
+
+
+def _tiny(**overrides):
+  c = countdown.get_config("smoke")
+  c.model.hidden_size = 32
+  c.model.intermediate_size = 64
+  c.model.num_layers = 1
+  c.task.max_new_tokens = 8
+  c.eval.num_problems = 2
+  c.mode = "async"
+  c.lag.k = 2
+  c.async_.timeout_s = 120.0  # only a hung sampler reaches it (compilation on a loaded machine is slow)
+  for k, v in overrides.items():
+    node = c
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return c
+
+
+def _source(config) -> async_.AsyncSource:
+  """An AsyncSource built the way trainer.run builds it, without the learner."""
+  spec = run_config.parse_config(config)
+  model_cfg, tokenizer, graphdef, params = trainer.build_policy(spec)
+  problems = spec.task_object().make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  sampler = Sampler(graphdef, model_cfg, trainer.make_sampler_cfg(
+      spec, tokenizer, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+      max_new_tokens=spec.rollout.max_new_tokens))
+  maker = RolloutMaker(spec.rollout, tokenizer, sampler, problems)
+  return async_.AsyncSource(spec, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker), params
+
+
+def _shm_mapped_by(pid: int) -> set[str]:
+  """/dev/shm objects (segments, semaphores) that process `pid` has mapped."""
+  with open(f"/proc/{pid}/maps") as f:
+    return {line.split()[-1] for line in f if "/dev/shm/" in line}
+
+
+def _assert_removed(paths):
+  assert paths, "the source should own shared-memory objects while running"
+  left = [p for p in paths if os.path.exists(p)]
+  assert not left, f"shared-memory objects left behind: {left}"
+
+
+def test_async_run_bounded_lag_and_clean_exit(tmp_path, monkeypatch):
+  """trainer.run in async mode: every row's version in [step - k, step], metrics logged, nothing leaked."""
+  k, steps = 2, 5
+  built, seen, paths = [], [], []
+  build = trainer.build_source
+
+  def recording_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt = src.next
+
+    def next_(step):
+      paths.extend([] if paths else src.resource_paths())
+      batch, info = nxt(step)
+      seen.append((step, batch["policy_version"].copy(), info))
+      return batch, info
+
+    src.next = next_
+    built.append(src)
+    return src
+
+  monkeypatch.setattr(trainer, "build_source", recording_build_source)
+  workdir = str(tmp_path / "run")
+  summary = trainer.run(_tiny(steps=steps, **{"lag.k": k}), workdir)
+  assert summary["step"] == steps
+  (src,) = built
+  assert isinstance(src, async_.AsyncSource)
+  assert [s for s, _, _ in seen] == list(range(steps))
+  for step, versions, info in seen:
+    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+    assert info["lag_max"] <= k and info["lag_min"] >= 0
+    assert 0.0 <= info["sampler_idle_frac"] <= 1.0 and info["learner_wait_s"] >= 0.0
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1))
+  assert all(0 <= r["train/lag_min"] <= r["train/lag_mean"] <= r["train/lag_max"] <= k for r in recs)
+  assert all("time/sampler_idle_frac" in r and "time/learner_idle_frac" in r for r in recs)
+  # close() stopped the worker cleanly (stop message, exit code 0) and removed every segment / semaphore.
+  assert src.proc.exitcode == 0
+  _assert_removed(paths)
+
+
+def test_staleness_bound_pauses_the_sampler_then_kill_is_reported_and_nothing_leaks():
+  """With only version 0 published the worker makes batches 0..k and then waits (a learner wait times out
+  with a clear message); after SIGKILL of the worker the learner fails fast, naming the signal."""
+  k = 2
+  src, params = _source(_tiny(steps=20, **{"lag.k": k, "async_.timeout_s": 3.0, "async_.queue_slots": k + 3}))
+  try:
+    src.publish(params, 0)
+    paths = src.resource_paths()
+    assert len(paths) == 5  # queue: segment + 2 semaphores; param slot: segment + lock
+    for step in range(k + 1):
+      batch, info = src.next(step)
+      assert (batch["policy_version"] == 0).all() and info["lag_max"] == step
+    with pytest.raises(TimeoutError, match="staleness bound"):
+      src.next(k + 1)  # the queue has room: only the bound stops the worker
+    src.publish(params, 1)
+    batch, info = src.next(k + 1)
+    assert (batch["policy_version"] == 1).all() and info["lag_max"] == k
+    # Everything the worker maps in /dev/shm is owned (and will be removed) by the learner.
+    assert _shm_mapped_by(src.pid) <= set(paths)
+
+    os.kill(src.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(async_.SamplerDiedError, match="SIGKILL") as e:
+      for step in range(k + 2, 2 * k + 3):  # batches made before the kill are still delivered
+        src.next(step)
+    assert time.monotonic() - t0 < 30.0
+    assert f"pid {src.pid}" in str(e.value)
+    with pytest.raises(async_.SamplerDiedError):
+      src.publish(params, 2)  # publishing to a dead sampler is an error too
+  finally:
+    src.close()
+  _assert_removed(paths)
+  src.close()  # idempotent
+
+
+def test_worker_exception_reaches_the_learner_with_its_traceback():
+  """A failure inside the sampler (here: prompts longer than the bucket) surfaces in next() with the cause."""
+  src, params = _source(_tiny(**{"task.max_prompt_len": 4}))
+  try:
+    src.publish(params, 0)
+    paths = src.resource_paths()
+    t0 = time.monotonic()
+    with pytest.raises(async_.SamplerDiedError, match=r"(?s)exited with code 1.*Traceback.*max_prompt_len"):
+      src.next(0)
+    assert time.monotonic() - t0 < 60.0  # the worker's imports, not a timeout
+  finally:
+    src.close()
+  _assert_removed(paths)
+
+
+def test_bad_async_settings_raise_value_errors():
+  with pytest.raises(ValueError, match="sampler_cpus"):
+    async_.parse_cpus("1,x")
+  assert async_.parse_cpus("0, 2-3") == (0, 2, 3)
+  src, _ = _source(_tiny(**{"async_.timeout_s": 5.0}))
+  with pytest.raises(RuntimeError, match="before any publish"):
+    src.next(0)
+  with pytest.raises(ValueError, match="lag mode"):
+    src.load_state([3], [None])
+  assert src.state() == ([], [])
+  src.close()

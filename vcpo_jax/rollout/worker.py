@@ -1,0 +1,211 @@
+"""The async sampler process: newest parameters (ParamSlot) -> RolloutMaker.make -> ShmQueue.
+
+`AsyncSource` (async_.py) starts `main` in a process from the multiprocessing
+"spawn" context (a fork of a process that already runs JAX can deadlock), so
+everything the worker needs crosses as picklable pieces (`WorkerArgs`): the
+frozen rollout / model / sampler configs, the tokenizer (a pickled
+`PreTrainedTokenizerFast`), the training problems and the raw RNG key data. The
+model graphdef is rebuilt here from the model config with `nnx.eval_shape`
+(no parameter init is computed) and must flatten to the names the learner
+publishes.
+
+Loop, for b = first_step, first_step + 1, ..., end_step - 1:
+
+  1. staleness bound (PipelineRL-style): wait until the published version
+     v >= b - k. The worker pauses instead of producing a batch that would be
+     more than k steps stale when the learner consumes it at step b; nothing is
+     ever generated and then dropped.
+  2. take the newest parameters (v may be anything in [b - k, b]),
+  3. batch = RolloutMaker.make(params, b, fold_in(key, b), v): every row records
+     policy_version = v, so the learner's lag b - v lies in [0, k],
+  4. put it into the queue (blocks while the queue is full: back-pressure).
+
+Idle time = time blocked in 1 (the bound) and 4 (a full queue); the totals
+travel with each batch so the learner can report the sampler's idle fraction.
+
+Control and errors travel on one duplex `Pipe`: the learner sends "stop"; the
+worker sends ("error", traceback) before exiting non-zero, so the learner can
+name the cause. The worker ignores SIGINT (Ctrl-C reaches the whole process
+group; the learner decides when the sampler stops) and, on Linux, asks the
+kernel to SIGKILL it if the learner dies (PR_SET_PDEATHSIG), besides noticing a
+dead learner in every wait.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue as queue_lib
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+_POLL_S = 0.2  # how often a blocked worker looks for "stop" and a dead learner
+
+
+class _Stop(Exception):
+  """The learner asked the worker to stop."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerArgs:
+  """Everything the sampler process needs, all picklable (no jax objects)."""
+  rollout: Any  # common.RolloutConfig
+  model_cfg: Any  # model.config.ModelConfig
+  sampler_cfg: Any  # sampler.SamplerConfig
+  tokenizer: Any  # a picklable tokenizer (PreTrainedTokenizerFast pickles)
+  problems: tuple  # tasks.Problem, the training pool (same order as the learner's)
+  key_data: np.ndarray  # jax.random.key_data(key): uint32
+  key_impl: str  # jax.random.key_impl(key), e.g. "threefry2x32"
+  k: int  # staleness bound
+  first_step: int  # first batch to make (= the version the learner published first)
+  end_step: int  # make batches first_step .. end_step - 1, then finish the queue
+  param_names: tuple[str, ...]  # ParamSlot names, in the learner's flatten order
+  meta_bytes: int  # room for one batch's JSON metadata in the queue
+  cpus: tuple[int, ...] = ()  # CPU affinity of this process (empty: inherit)
+
+
+def param_names(params) -> tuple[str, ...]:
+  """Stable names of a parameter pytree's leaves, in flatten order (the ParamSlot keys)."""
+  import jax
+  return tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
+def abstract_params(model_cfg):
+  """(graphdef, abstract params) of `transformer.init(model_cfg)` without computing the init."""
+  from flax import nnx
+
+  from vcpo_jax.model import transformer
+  return transformer.split(nnx.eval_shape(lambda: transformer.init(model_cfg, 0)))
+
+
+def _set_parent_death_signal():
+  """Linux: the kernel SIGKILLs this process when the learner dies, whatever it is doing."""
+  if not sys.platform.startswith("linux"):
+    return
+  try:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+  except (OSError, AttributeError):
+    pass
+
+
+def main(args: WorkerArgs, batch_queue, slot, conn):
+  """Process entry point (spawn target). Exits 0 on "stop", 1 with a traceback sent on error."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  _set_parent_death_signal()
+  parent = os.getppid()
+  try:
+    if args.cpus:
+      os.sched_setaffinity(0, args.cpus)
+    _Worker(args, batch_queue, slot, conn, parent).run()
+  except _Stop:
+    pass
+  except BaseException:
+    try:
+      conn.send(("error", traceback.format_exc()))
+    except (OSError, ValueError):
+      pass  # the learner is gone: nobody to tell
+    raise  # also printed to this process's stderr; exit code 1
+  finally:
+    batch_queue.close()
+    slot.close()
+
+
+class _Worker:
+  def __init__(self, args: WorkerArgs, batch_queue, slot, conn, parent_pid: int):
+    self.args, self.queue, self.slot, self.conn, self.parent = args, batch_queue, slot, conn, parent_pid
+    self.idle_s = 0.0
+    self.t_start = time.monotonic()
+    self._version, self._params = -1, None
+
+  # -- control
+
+  def _check_stop(self):
+    from vcpo_jax.rollout.shm_queue import PeerDiedError, pid_alive
+    if self.conn.poll():
+      msg = self.conn.recv()
+      if msg == "stop":
+        raise _Stop()
+    if not pid_alive(self.parent):
+      raise PeerDiedError(f"the learner process {self.parent} exited")
+
+  # -- setup
+
+  def _build(self):
+    import jax
+
+    from vcpo_jax.rollout.common import RolloutMaker
+    from vcpo_jax.sampler import Sampler
+    a = self.args
+    graphdef, abstract = abstract_params(a.model_cfg)
+    names = param_names(abstract)
+    if names != tuple(a.param_names):
+      raise ValueError(
+          "async sampler: the model rebuilt from model_cfg does not match the learner's parameters "
+          f"(rebuilt {len(names)} arrays, learner publishes {len(a.param_names)}; first difference: "
+          f"{next((x for x in zip(names, a.param_names) if x[0] != x[1]), None)}). The async worker "
+          "rebuilds the model with transformer.init(model_cfg); use a model of that structure.")
+    self.treedef = jax.tree.structure(abstract)
+    self.key = jax.random.wrap_key_data(np.asarray(a.key_data), impl=a.key_impl)
+    self.maker = RolloutMaker(a.rollout, a.tokenizer, Sampler(graphdef, a.model_cfg, a.sampler_cfg),
+                              a.problems)
+
+  # -- steps
+
+  def _params_for(self, step: int):
+    """(version, params) with version >= step - k, newest available; blocks (idle) until then."""
+    import jax
+    import jax.numpy as jnp
+    need = max(0, step - self.args.k)
+    t0 = time.monotonic()
+    while True:
+      self._check_stop()
+      if self._version >= need and self.slot.version() == self._version:
+        break  # nothing newer than the copy already on the device
+      try:
+        version, arrays = self.slot.latest(min_version=need, timeout=_POLL_S)
+      except TimeoutError:
+        continue
+      leaves = [jnp.asarray(arrays[n]) for n in self.args.param_names]
+      self._version, self._params = version, jax.tree.unflatten(self.treedef, leaves)
+      break
+    self.idle_s += time.monotonic() - t0
+    return self._version, self._params
+
+  def _put(self, batch: dict, meta: dict):
+    t0 = time.monotonic()
+    while True:
+      self._check_stop()
+      try:
+        self.queue.put(batch, meta, timeout=_POLL_S)
+        break
+      except queue_lib.Full:
+        continue
+    self.idle_s += time.monotonic() - t0
+
+  def run(self):
+    import jax
+    self._build()
+    fields = tuple(self.queue.schema.fields)
+    for step in range(self.args.first_step, self.args.end_step):
+      version, params = self._params_for(step)
+      t0 = time.monotonic()
+      batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version)
+      gen_s = time.monotonic() - t0
+      meta = dict(step=step, version=int(version), gen_s=gen_s, idle_s_total=self.idle_s,
+                  elapsed_s_total=time.monotonic() - self.t_start,
+                  response_len_mean=info["response_len_mean"], finished_frac=info["finished_frac"],
+                  problem_ids=list(info["problem_ids"]), texts=list(info["texts"]))
+      if len(json.dumps(meta, separators=(",", ":"))) > self.args.meta_bytes:
+        meta.pop("texts")  # long responses: the learner decodes tokens if it needs them
+      self._put({f: batch[f] for f in fields}, meta)
+    self.queue.finish()
+    while True:  # every batch is made; stay attached until the learner says stop
+      self._check_stop()
+      time.sleep(_POLL_S)
