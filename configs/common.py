@@ -25,6 +25,18 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.task.chat_template = False  # wrap prompts with the tokenizer's chat template
   c.task.num_train_problems = 4096  # generated / loaded training pool size
   c.task.data_path = ""  # local parquet/jsonl for gsm8k/math/aime ("" = shipped fixtures)
+  c.task.multiturn = ml_collections.ConfigDict()  # tool-use episodes (vcpo_jax/rollout/multiturn.py)
+  c.task.multiturn.enabled = False  # True: rollouts are multi-turn tool-use episodes (code runs in the sandbox)
+  c.task.multiturn.max_turns = 4  # model turns per episode (at most max_turns - 1 tool calls)
+  c.task.multiturn.max_turn_tokens = 512  # token budget of one model turn (task.max_new_tokens = whole response)
+  c.task.multiturn.max_tool_output_tokens = 256  # tool observation budget per call (head kept, rest cut)
+  c.task.multiturn.code_open = "<code>"  # the model opens a code block with this tag
+  c.task.multiturn.code_close = "</code>"  # ... and closes it with this one (its last token is a stop id)
+  c.task.multiturn.output_open = "<output>"  # tool output is wrapped in these tags (tool tokens, not in the loss)
+  c.task.multiturn.output_close = "</output>"
+  c.task.multiturn.sandbox_cpu_seconds = 2  # CPU-time limit of one execution
+  c.task.multiturn.sandbox_wall_seconds = 5.0  # wall-clock limit of one execution
+  c.task.multiturn.max_workers = 0  # parallel sandbox executions (0 = CPU count)
 
   c.model = ml_collections.ConfigDict()
   c.model.checkpoint = ""  # local Hugging Face directory ("" = random init of model.preset)

@@ -15,6 +15,7 @@ from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout.common import RolloutConfig
+from vcpo_jax.rollout.multiturn import MultiTurnConfig
 
 MODES = ("sync", "lag", "async")
 MAX_LAG = 1024
@@ -67,6 +68,7 @@ class RunSpec:
   async_cfg: dict
   progress: bool
   plots: bool
+  multiturn: MultiTurnConfig | None = None  # tool-use episodes; None = single-turn rollouts
 
   @property
   def eval_batch_size(self) -> int:
@@ -83,8 +85,8 @@ class RunSpec:
       return CountdownTask(**kw, **self.task_gen)
     if name == "arithmetic":
       return ArithmeticTask(**kw, **self.task_gen)
-    if self.task_data_path:
-      return TextTask(name, path=self.task_data_path)
+    if self.task_data_path or self.task_template:
+      return TextTask(name, path=self.task_data_path or None, template=self.task_template or None)
     return tasks.TASKS[name]
 
 
@@ -119,6 +121,8 @@ def parse_config(config) -> RunSpec:
           "group_size must be >= 2 (or use vcpo.advantage='reinforce').")
   if c.task.name not in tasks.TASKS:
     _fail("task.name", f"unknown task {c.task.name!r}; choose one of {sorted(tasks.TASKS)}.")
+  if c.task.template and c.task.name not in ("countdown", "arithmetic") and "{problem}" not in c.task.template:
+    _fail("task.template", f"a {c.task.name} prompt template must contain '{{problem}}', got {c.task.template!r}.")
   if c.task.data_path and not os.path.exists(c.task.data_path):
     _fail("task.data_path", f"{c.task.data_path!r} does not exist; point it at a local parquet/jsonl file.")
   try:
@@ -140,8 +144,11 @@ def parse_config(config) -> RunSpec:
     model_cfg = model_config.PRESETS[c.model.preset](dtype=c.model.dtype, **overrides)
   except ValueError as e:
     raise ConfigError(f"config.model: {e}") from None
-  if model_cfg.max_position < c.task.max_prompt_len + c.task.max_new_tokens and not c.model.checkpoint:
-    model_cfg = model_cfg.replace(max_position=c.task.max_prompt_len + c.task.max_new_tokens)
+  multiturn = _multiturn_config(c)
+  # A multi-turn context reaches T - 1 tokens and one call adds up to max_turn_tokens more.
+  need_pos = c.task.max_prompt_len + c.task.max_new_tokens + (multiturn.max_turn_tokens if multiturn else 0)
+  if model_cfg.max_position < need_pos and not c.model.checkpoint:
+    model_cfg = model_cfg.replace(max_position=need_pos)
   if c.model.tokenizer and not os.path.isdir(c.model.tokenizer):
     _fail("model.tokenizer", f"{c.model.tokenizer!r} is not a directory.")
   if not c.sampler.temperature > 0:
@@ -199,7 +206,28 @@ def parse_config(config) -> RunSpec:
       keep_last=int(c.checkpoint.keep_last), keep_best=int(c.checkpoint.keep_best),
       sft_steps=int(c.sft.steps), sft_lr=float(c.sft.lr), sft_batch_size=int(c.sft.batch_size),
       sft_cache_dir=c.sft.cache_dir, mesh_shape=mesh_shape, distributed=dict(c.distributed.to_dict()),
-      async_cfg=dict(c.async_.to_dict()), progress=bool(c.log.progress), plots=bool(c.log.plots))
+      async_cfg=dict(c.async_.to_dict()), progress=bool(c.log.progress), plots=bool(c.log.plots),
+      multiturn=multiturn)
+
+
+def _multiturn_config(c) -> MultiTurnConfig | None:
+  mt = c.task.multiturn
+  if not mt.enabled:
+    return None
+  if c.mode == "async":
+    _fail("task.multiturn.enabled", "multi-turn rollouts are not wired into the async sampler process yet "
+          "(it would sample single-turn); use mode='lag' with the same lag.k (exact staleness).")
+  if c.task.name in ("countdown", "arithmetic"):
+    _fail("task.multiturn.enabled", f"task.name={c.task.name!r} has no tool-use protocol; use a text data set "
+          "(gsm8k, math, math500, aime).")
+  try:
+    cfg = MultiTurnConfig(**{k: v for k, v in mt.to_dict().items() if k != "enabled"})
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.task.multiturn: {e}") from None
+  if cfg.max_turn_tokens > c.task.max_new_tokens:
+    _fail("task.multiturn.max_turn_tokens", f"{cfg.max_turn_tokens} exceeds the response budget "
+          f"task.max_new_tokens={c.task.max_new_tokens}; lower it or raise task.max_new_tokens.")
+  return cfg
 
 
 def describe(spec: RunSpec) -> dict[str, Any]:

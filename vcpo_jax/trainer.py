@@ -113,7 +113,13 @@ def run(config, workdir: str) -> dict:
   train_sampler = Sampler(graphdef, model_cfg, make_sampler_cfg(
       spec, tokenizer, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
       max_new_tokens=spec.rollout.max_new_tokens))
-  maker = RolloutMaker(spec.rollout, tokenizer, train_sampler, train_problems)
+  if spec.multiturn is None:
+    maker = RolloutMaker(spec.rollout, tokenizer, train_sampler, train_problems)
+  else:  # tool-use episodes: contexts grow each turn, so the sampler gets multi-turn buckets
+    from vcpo_jax.rollout import multiturn
+    maker = multiturn.MultiTurnRolloutMaker(spec.rollout, spec.multiturn, tokenizer, Sampler(
+        graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn)),
+        train_problems)
   source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir)
 
   # ---------------------------------------------------------------- Checkpoint / resume

@@ -1,0 +1,90 @@
+"""GSM8K with Qwen2-1.5B: the released VCPO setting (8 prompts x 8, 2048/2048 tokens, k = 12).
+
+Needs a local Hugging Face checkpoint and the GSM8K parquet files (nothing is
+fetched at run time):
+
+  huggingface-cli download Qwen/Qwen2-1.5B --local-dir ~/models/Qwen2-1.5B
+  huggingface-cli download openai/gsm8k --repo-type dataset --local-dir ~/data/gsm8k
+    # -> ~/data/gsm8k/main/train-00000-of-00001.parquet (question, answer with "#### N")
+
+Launch (one accelerator host; the sampler process gets its own devices):
+
+  python main.py --config=configs/gsm8k.py --workdir=/tmp/vcpo_gsm8k \\
+      --config.async_.sampler_devices=1
+  python main.py --config=configs/gsm8k.py --workdir=/tmp/gsm8k_k12_lag --config.mode=lag   # exact lag
+  python main.py --config=configs/gsm8k.py:smoke --workdir=/tmp/gsm8k_smoke   # CPU, tiny random model
+  # other paths: --config.model.checkpoint=/path/Qwen2-1.5B --config.task.data_path=/path/train.parquet
+
+Released values (../shared/PAPER.md, "Released hyper-parameters"): P x G = 8 x 8,
+max prompt / response 2048 / 2048, k = 12, rho_on = 1.0, AdamW lr 1e-6, wd 0.1,
+clip 1.0, constant schedule, sequence TIS c = 8, sampling temperature 1.0,
+validation temperature 0.8 / top_p 0.7 / n = 3, asynchronous. The number of
+steps, the eval / checkpoint cadence and the mesh are not in the released table.
+"""
+import os
+
+from configs import common
+
+MODEL_DIR = os.path.expanduser("~/models/Qwen2-1.5B")  # local HF checkpoint (download as above)
+DATA_PATH = os.path.expanduser("~/data/gsm8k/main/train-00000-of-00001.parquet")  # GSM8K train split
+
+
+def get_config(arg: str | None = None):
+  c = common.get_base_config()
+  c.steps = 500  # learner steps (not in the released table)
+  c.mode = "async"  # released runs are asynchronous (sampler process + shared-memory queue)
+  c.method = "vcpo"  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
+  c.lag.k = 12  # released staleness budget for GSM8K
+  c.task.name = "gsm8k"  # scored on the "#### N" answer (boxed / "answer is" as fallbacks)
+  c.task.data_path = DATA_PATH  # local parquet/jsonl in the GSM8K schema
+  c.task.template = ""  # the task default: "... output the final answer after ####"
+  c.task.chat_template = True  # wrap prompts with the checkpoint's chat template
+  c.task.prompts_per_step = 8  # P (released)
+  c.task.group_size = 8  # G (released)
+  c.task.max_prompt_len = 2048  # released max prompt length
+  c.task.max_new_tokens = 2048  # released max response length
+  c.model.checkpoint = MODEL_DIR  # Qwen2-1.5B (local directory with config.json + safetensors)
+  c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  c.sampler.temperature = 1.0  # released training temperature
+  c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
+  c.vcpo.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for GSM8K)
+  c.optim.lr = 1e-6  # released AdamW learning rate
+  c.optim.weight_decay = 0.1  # released
+  c.optim.clip_norm = 1.0  # released global-norm clip
+  c.optim.schedule = "constant"  # released: no warmup, no decay
+  c.eval.every = 20  # evaluation cadence in learner steps (not in the released table)
+  c.eval.num_problems = 1319  # the GSM8K test split size (the loader caps at the file's size)
+  c.eval.temperature = 0.8  # released validation protocol
+  c.eval.top_p = 0.7  # released validation nucleus
+  c.eval.n = 3  # released samples per validation problem (mean@3)
+  c.checkpoint.every = 50  # save cadence in learner steps
+  c.mesh.shape = (1, -1, 1)  # FSDP over the learner's devices
+  if arg == "smoke":  # tiny random model, shipped fixture, a few sync steps on CPU (tests)
+    _smoke(c)
+  elif arg:
+    raise ValueError(f"configs/gsm8k.py: unknown variant {arg!r}; use '' or 'smoke'.")
+  return c
+
+
+def _smoke(c):
+  """Shrinks a released config to seconds on CPU; shared by math.py and multiturn.py."""
+  c.steps = 2  # a couple of learner steps
+  c.mode = "sync"  # one process, k = 0
+  c.lag.k = 0
+  c.model.checkpoint = ""  # random init of model.preset ...
+  c.model.preset = "tiny_qwen2"  # ... with the built-in char tokenizer
+  c.model.dtype = "float32"
+  c.task.data_path = ""  # the shipped 22-problem fixture
+  c.task.chat_template = False  # plain prompts (no chat specials)
+  c.task.prompts_per_step = 2  # P
+  c.task.group_size = 4  # G
+  c.task.max_prompt_len = 200  # longest fixture prompt (chars = tokens) with the default template
+  c.task.max_new_tokens = 16  # response budget
+  c.optim.lr = 1e-4  # large enough to move a random model in 2 steps
+  c.eval.every = 0  # start and end only
+  c.eval.num_problems = 2
+  c.eval.n = 1
+  c.checkpoint.every = 1  # exercise saving
+  c.mesh.shape = (1, 1, 1)
+  c.log.progress = False
+  c.log.plots = False

@@ -1,0 +1,69 @@
+"""MATH with Qwen2.5-7B: the released VCPO setting (32 prompts x 16, 1024/2048 tokens, k = 10).
+
+Needs a local Hugging Face checkpoint and the MATH training set (nothing is
+fetched at run time):
+
+  huggingface-cli download Qwen/Qwen2.5-7B --local-dir ~/models/Qwen2.5-7B
+  # MATH train (hendrycks schema: problem, solution with \\boxed{...}) as one file:
+  #   ~/data/math/train.jsonl   (parquet works too: --config.task.data_path=...parquet)
+
+Launch:
+
+  python main.py --config=configs/math.py --workdir=/tmp/vcpo_math --config.async_.sampler_devices=4,5,6,7
+  python main.py --config=configs/math.py --workdir=/tmp/math_k64 --config.mode=lag --config.lag.k=64  # stress
+  python main.py --config=configs/math.py --workdir=/tmp/math_sync --config.mode=sync --config.lag.k=0 \\
+      --config.method=sync                                                         # synchronous baseline
+  python main.py --config=configs/math.py:smoke --workdir=/tmp/math_smoke   # CPU, tiny random model
+
+Released values (../shared/PAPER.md): P x G = 32 x 16, max prompt / response
+1024 / 2048, k = 10 (stress runs 16..128: use mode=lag), rho_on = 1.0, AdamW lr
+1e-6, wd 0.1, clip 1.0, constant schedule, sequence TIS c = 8, temperature 1.0,
+validation temperature 0.8 / top_p 0.7 / n = 3 (MATH-500), asynchronous.
+Steps, cadences and mesh are not in the released table.
+"""
+import os
+
+from configs import common
+from configs.gsm8k import _smoke
+
+MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B")  # local HF checkpoint (download as above)
+DATA_PATH = os.path.expanduser("~/data/math/train.jsonl")  # MATH train split (problem, solution)
+
+
+def get_config(arg: str | None = None):
+  c = common.get_base_config()
+  c.steps = 400  # learner steps (not in the released table)
+  c.mode = "async"  # released runs are asynchronous
+  c.method = "vcpo"  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
+  c.lag.k = 10  # released staleness budget for MATH (stress: 16..128 with mode=lag)
+  c.task.name = "math"  # reference = last \boxed{} of the solution; math-verify equivalence
+  c.task.data_path = DATA_PATH  # local parquet/jsonl in the MATH schema
+  c.task.template = ""  # the task default: "... put your final answer within \boxed{}"
+  c.task.chat_template = True  # wrap prompts with the checkpoint's chat template
+  c.task.prompts_per_step = 32  # P (released)
+  c.task.group_size = 16  # G (released)
+  c.task.max_prompt_len = 1024  # released max prompt length
+  c.task.max_new_tokens = 2048  # released max response length
+  c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
+  c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  c.sampler.temperature = 1.0  # released training temperature
+  c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
+  c.vcpo.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for MATH)
+  c.optim.lr = 1e-6  # released AdamW learning rate
+  c.optim.weight_decay = 0.1  # released
+  c.optim.clip_norm = 1.0  # released global-norm clip
+  c.optim.schedule = "constant"  # released: no warmup, no decay
+  c.eval.every = 20  # evaluation cadence in learner steps (not in the released table)
+  c.eval.num_problems = 500  # MATH-500 size (the loader caps at the file's size)
+  c.eval.temperature = 0.8  # released validation protocol
+  c.eval.top_p = 0.7  # released validation nucleus
+  c.eval.n = 3  # released samples per validation problem (mean@3)
+  c.checkpoint.every = 50  # save cadence in learner steps
+  c.mesh.shape = (1, -1, 1)  # FSDP over the learner's devices
+  if arg == "smoke":  # tiny random model, shipped fixture, a few lag steps on CPU (tests)
+    _smoke(c)
+    c.mode = "lag"  # exact staleness in one process
+    c.lag.k = 1
+  elif arg:
+    raise ValueError(f"configs/math.py: unknown variant {arg!r}; use '' or 'smoke'.")
+  return c

@@ -1,0 +1,96 @@
+"""Multi-turn tool use with Qwen2.5-7B: the released VCPO setting (128 x 16, 4096/12288 tokens, k = 2).
+
+The policy reasons in text and may run Python between <code> and </code>; the
+sandbox's output comes back between <output> and </output> as tool tokens
+(context for the policy, excluded from the loss and the importance ratios; see
+vcpo_jax/rollout/multiturn.py). The reward is the final turn's answer.
+
+Needs a local checkpoint and a training set of math problems with integer
+answers in the AIME schema (problem, answer), e.g. a DAPO-Math-style set
+converted to jsonl; nothing is fetched at run time:
+
+  huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir ~/models/Qwen2.5-7B-Instruct
+  #   ~/data/tool_math/train.jsonl   {"problem": "...", "answer": 42} per line
+
+Launch:
+
+  python main.py --config=configs/multiturn.py --workdir=/tmp/vcpo_tool
+  python main.py --config=configs/multiturn.py:smoke --workdir=/tmp/tool_smoke   # CPU, tiny random model
+
+Released values (../shared/PAPER.md): P x G = 128 x 16, max prompt / response
+4096 / 12288 (the response budget counts policy and tool tokens), k = 2,
+rho_on = 0.55, AdamW lr 1e-6, wd 0.1, clip 1.0, constant schedule, sequence TIS
+c = 8, temperature 1.0, validation temperature 0.8 / top_p 0.7 / n = 5 (AIME).
+Departure: the released runs are asynchronous; here mode = "lag" with the same
+k = 2 (exact staleness), because the async sampler process does not build
+multi-turn rollouts yet (parse_config refuses mode="async" with multiturn).
+Turn limits, the tool-output budget, steps and cadences are not in the released
+table.
+"""
+import os
+
+from configs import common
+from configs.gsm8k import _smoke
+
+MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B-Instruct")  # local HF checkpoint (download as above)
+DATA_PATH = os.path.expanduser("~/data/tool_math/train.jsonl")  # problems with integer answers
+TEMPLATE = ("{problem}\nYou may run Python: write code between <code> and </code>, and its output will be "
+            "shown between <output> and </output>. Put your final answer within \\boxed{{}}.")
+
+
+def get_config(arg: str | None = None):
+  c = common.get_base_config()
+  c.steps = 300  # learner steps (not in the released table)
+  c.mode = "lag"  # released: async; lag reproduces the same staleness exactly (see docstring)
+  c.method = "vcpo"  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
+  c.lag.k = 2  # released staleness budget for tool use
+  c.task.name = "aime"  # integer answers, graded like AIME (boxed / "answer is")
+  c.task.data_path = DATA_PATH  # local parquet/jsonl in the AIME schema (problem, answer)
+  c.task.template = TEMPLATE  # states the tool protocol; {problem} is the record's problem
+  c.task.chat_template = True  # wrap prompts with the checkpoint's chat template
+  c.task.prompts_per_step = 128  # P (released)
+  c.task.group_size = 16  # G (released)
+  c.task.max_prompt_len = 4096  # released max prompt length
+  c.task.max_new_tokens = 12288  # released max response length (policy + tool tokens)
+  c.task.multiturn.enabled = True  # rollouts are tool-use episodes
+  c.task.multiturn.max_turns = 8  # model turns per episode (not in the released table)
+  c.task.multiturn.max_turn_tokens = 4096  # token budget of one model turn
+  c.task.multiturn.max_tool_output_tokens = 512  # tool observation budget per call
+  c.task.multiturn.code_open = "<code>"  # protocol tags, as in TEMPLATE
+  c.task.multiturn.code_close = "</code>"
+  c.task.multiturn.output_open = "<output>"
+  c.task.multiturn.output_close = "</output>"
+  c.task.multiturn.sandbox_cpu_seconds = 5  # CPU-time limit of one execution
+  c.task.multiturn.sandbox_wall_seconds = 10.0  # wall-clock limit of one execution
+  c.task.multiturn.max_workers = 0  # parallel executions (0 = CPU count)
+  c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
+  c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  c.sampler.temperature = 1.0  # released training temperature
+  c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
+  c.vcpo.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented, review #4)
+  c.optim.lr = 1e-6  # released AdamW learning rate
+  c.optim.weight_decay = 0.1  # released
+  c.optim.clip_norm = 1.0  # released global-norm clip
+  c.optim.schedule = "constant"  # released: no warmup, no decay
+  c.eval.every = 10  # evaluation cadence in learner steps (not in the released table)
+  c.eval.num_problems = 30  # one AIME year (the loader caps at the file's size)
+  c.eval.temperature = 0.8  # released validation protocol
+  c.eval.top_p = 0.7  # released validation nucleus
+  c.eval.n = 5  # released samples per AIME problem (mean@5)
+  c.checkpoint.every = 25  # save cadence in learner steps
+  c.mesh.shape = (1, -1, 1)  # FSDP over the learner's devices
+  if arg == "smoke":  # tiny random model, shipped AIME fixture, a couple of lag steps on CPU (tests)
+    _smoke(c)
+    c.mode = "lag"  # exact staleness in one process
+    c.lag.k = 1
+    c.task.max_prompt_len = 240  # longest fixture prompt with TEMPLATE (chars = tokens)
+    c.task.max_new_tokens = 24  # response budget: policy + tool tokens
+    c.task.multiturn.max_turns = 3
+    c.task.multiturn.max_turn_tokens = 8
+    c.task.multiturn.max_tool_output_tokens = 8
+    c.task.multiturn.sandbox_cpu_seconds = 1
+    c.task.multiturn.sandbox_wall_seconds = 3.0
+    c.task.multiturn.max_workers = 2
+  elif arg:
+    raise ValueError(f"configs/multiturn.py: unknown variant {arg!r}; use '' or 'smoke'.")
+  return c

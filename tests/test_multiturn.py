@@ -1,0 +1,202 @@
+"""Multi-turn tool-use rollouts: the Batch from a scripted sampler, and the real run() end to end."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from configs import multiturn as multiturn_config
+from vcpo_jax import metrics as metrics_lib
+from vcpo_jax import run_config, trainer
+from vcpo_jax.model.tokenizer import build_char_tokenizer
+from vcpo_jax.rollout import common as rollout_common
+from vcpo_jax.rollout import multiturn
+from vcpo_jax.sampler import SamplerConfig
+from vcpo_jax.tasks import Problem
+
+TOK = build_char_tokenizer()
+EOS = TOK.eos_token_id
+ENC = lambda s: list(TOK.encode(s, add_special_tokens=False))
+
+# Per prompt, the policy text of each model turn (EOS appended to the last one).
+PLANS = {
+    "Q: six times seven?": ["ok<code>print(6*7)</code>", "so \\boxed{42}"],  # one tool call, then correct
+    "Q: three plus four?": ["\\boxed{8}"],  # answers at once, wrong (reference 7)
+}
+REFS = {"Q: six times seven?": "42", "Q: three plus four?": "7"}
+
+
+def _logp(tok_id, pos):
+  """The fake's behavior log-prob of a token: distinct, so misplaced values are visible."""
+  return -0.01 * (tok_id + 1) - 0.001 * pos
+
+
+class ScriptedSampler:
+  """Plays PLANS like the real sampler: stops after EOS, after any stop id, or at the budget."""
+
+  def __init__(self):
+    self.cfg = SamplerConfig(eos_id=EOS, pad_id=TOK.pad_token_id, max_new_tokens=32,
+                             prompt_buckets=(16, 128), new_token_buckets=(32,))
+    self.calls = []
+
+  def generate_continuations(self, params, contexts, max_new, stop_ids, rng):
+    del params, rng
+    self.calls.append((len(contexts), int(max_new), tuple(stop_ids)))
+    out = []
+    for ctx in contexts:
+      text = TOK.decode(ctx, skip_special_tokens=True)
+      prompt = next(p for p in PLANS if text.startswith(p))
+      turn = text.count("</output>")
+      done = text.rsplit("</output>\n", 1)[1] if turn else text[len(prompt):]
+      plan = PLANS[prompt]
+      ids = ENC(plan[turn][len(done):]) + ([EOS] if turn == len(plan) - 1 else [])
+      new = []
+      for t in ids[:max_new]:
+        new.append(t)
+        if t == EOS or t in stop_ids:
+          break
+      out.append((np.asarray(new, np.int32), np.asarray([_logp(t, len(ctx) + i) for i, t in enumerate(new)],
+                                                         np.float32)))
+    return out
+
+
+def _maker(sampler, **mt):
+  problems = [Problem(id=f"p{i}", task="aime", prompt=p, reference=REFS[p]) for i, p in enumerate(PLANS)]
+  cfg = rollout_common.RolloutConfig(task="aime", prompts_per_step=2, group_size=2, max_prompt_len=24,
+                                     max_new_tokens=72)
+  mt_cfg = multiturn.MultiTurnConfig(**{**dict(max_turns=3, max_turn_tokens=32, max_tool_output_tokens=16,
+                                               sandbox_cpu_seconds=1, sandbox_wall_seconds=5.0), **mt})
+  m = multiturn.MultiTurnRolloutMaker(cfg, mt_cfg, TOK, sampler, problems)
+  m.problems_for_step = lambda step: problems  # fixed order: row 2p, 2p + 1 answer problem p
+  return m
+
+
+@pytest.fixture(scope="module")
+def scripted():
+  sampler = ScriptedSampler()
+  maker = _maker(sampler)
+  batch, info = maker.make(None, 0, np.zeros((2,), np.uint32), version=5)
+  return sampler, maker, batch, info
+
+
+def test_batch_layout_and_masks(scripted):
+  sampler, maker, batch, info = scripted
+  n, tp, t = 4, 24, 24 + 72
+  # Same keys, dtypes and shapes as the single-turn RolloutMaker's Batch.
+  assert set(batch) == {"tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "correct", "group_id",
+                        "policy_version"}
+  for k, (shape, dtype) in dict(tokens=((n, t), np.int32), valid_mask=((n, t), bool), loss_mask=((n, t), bool),
+                                behavior_logp=((n, t), np.float32), rewards=((n,), np.float32),
+                                correct=((n,), np.float32), group_id=((n,), np.int32),
+                                policy_version=((n,), np.int32)).items():
+    assert batch[k].shape == shape and batch[k].dtype == dtype, k
+  np.testing.assert_array_equal(batch["group_id"], [0, 0, 1, 1])
+  np.testing.assert_array_equal(batch["policy_version"], [5, 5, 5, 5])
+  # The stop id is the last token of "</code>"; "<code>" also ends in ">", so the env must resume.
+  assert all(c[2] == (ENC("</code>")[-1],) for c in sampler.calls)
+
+  for row, prompt in enumerate(p for p in PLANS for _ in range(2)):
+    toks, valid, loss = batch["tokens"][row], batch["valid_mask"][row], batch["loss_mask"][row]
+    plen = len(ENC(prompt))
+    # Prompt left-padded to end at column Tp; valid = prompt + response, contiguous.
+    cols = np.flatnonzero(valid)
+    assert cols[0] == tp - plen and np.all(np.diff(cols) == 1)
+    assert TOK.decode(toks[tp - plen:tp]) == prompt
+    assert not loss[:tp].any()  # prompt tokens are never in the loss
+    assert not (loss & ~valid).any()
+    assert np.all(batch["behavior_logp"][row][~loss] == 0)
+    # Rebuild the response piece by piece: policy turns in the loss, tool output out of it.
+    plan = PLANS[prompt]
+    pieces = []
+    for i, text in enumerate(plan):
+      ids = ENC(text) + ([EOS] if i == len(plan) - 1 else [])
+      pieces.append((ids, True))
+      if i < len(plan) - 1:
+        pieces.append((ENC("<output>\n42\n</output>\n"), False))
+    pos = tp
+    for ids, is_policy in pieces:
+      np.testing.assert_array_equal(toks[pos:pos + len(ids)], ids)
+      assert loss[pos:pos + len(ids)].all() if is_policy else not loss[pos:pos + len(ids)].any()
+      if is_policy:  # the sampler's log-probs, at the token they belong to
+        want = [_logp(tk, pos - (tp - plen) + j) for j, tk in enumerate(ids)]
+        np.testing.assert_allclose(batch["behavior_logp"][row][pos:pos + len(ids)], want, rtol=1e-6)
+      pos += len(ids)
+    assert cols[-1] == pos - 1  # nothing valid after the episode
+    assert loss.sum() == sum(len(ids) for ids, p in pieces if p)
+  np.testing.assert_array_equal(batch["rewards"], [1.0, 1.0, 0.0, 0.0])
+  np.testing.assert_array_equal(batch["correct"], [1.0, 1.0, 0.0, 0.0])
+  assert info["tool_calls_mean"] == 0.5 and info["tool_error_frac"] == 0.0
+  assert info["turns_mean"] == 1.5 and info["finished_frac"] == 1.0
+
+
+def test_turn_limit_and_budget_hold_shapes():
+  """max_turns=1: the code block is not executed; the row keeps the fixed shape and loss covers it."""
+  maker = _maker(ScriptedSampler(), max_turns=1)
+  batch, info = maker.make(None, 0, np.zeros((2,), np.uint32), version=0)
+  assert batch["tokens"].shape == (4, 96)
+  assert info["tool_calls_mean"] == 0.0
+  row = batch["loss_mask"][0]
+  assert row.sum() == len(ENC(PLANS["Q: six times seven?"][0]))
+  assert batch["rewards"][0] == 0.0  # the unexecuted turn states no answer
+
+
+def test_bad_inputs():
+  with pytest.raises(ValueError, match="max_turns"):
+    multiturn.MultiTurnConfig(max_turns=0)
+  with pytest.raises(ValueError, match="max_turn_tokens"):
+    _maker(ScriptedSampler(), max_turn_tokens=100)  # > response budget 72
+
+
+def test_sampler_config_buckets():
+  cfg = rollout_common.RolloutConfig(task="aime", prompts_per_step=128, group_size=16, max_prompt_len=4096,
+                                     max_new_tokens=12288)
+  sc = multiturn.sampler_config(SamplerConfig(new_token_buckets=(12288,), max_new_tokens=12288), cfg,
+                                multiturn.MultiTurnConfig(max_turn_tokens=4096))
+  assert sc.prompt_buckets == (4096, 8192, 16384) and sc.new_token_buckets == (4096,)
+  assert sc.batch_buckets == (128, 512, 2048)
+
+
+def _smoke_config():
+  c = multiturn_config.get_config("smoke")
+  c.model.hidden_size = 32  # smaller than the preset: the test only needs the code path
+  c.model.intermediate_size = 64
+  c.model.num_layers = 1
+  return c
+
+
+def test_config_errors():
+  c = _smoke_config()
+  c.mode, c.lag.k = "async", 2
+  with pytest.raises(run_config.ConfigError, match="task.multiturn.enabled"):
+    run_config.parse_config(c)
+  c = _smoke_config()
+  c.task.multiturn.max_turn_tokens = 64
+  with pytest.raises(run_config.ConfigError, match="task.multiturn.max_turn_tokens"):
+    run_config.parse_config(c)
+  c = _smoke_config()
+  c.task.multiturn.max_turns = 0
+  with pytest.raises(run_config.ConfigError, match="task.multiturn"):
+    run_config.parse_config(c)
+  c = _smoke_config()
+  c.task.name, c.task.template = "countdown", ""
+  with pytest.raises(run_config.ConfigError, match="task.multiturn.enabled"):
+    run_config.parse_config(c)
+  spec = run_config.parse_config(_smoke_config())
+  assert spec.multiturn.max_turns == 3
+  assert spec.model_cfg.max_position >= 240 + 24 + 8  # contexts up to T - 1 plus one turn
+
+
+def test_smoke_run(tmp_path):
+  """configs/multiturn.py:smoke through the real run(): 2 lag steps of tool-use rollouts."""
+  workdir = str(tmp_path / "mt")
+  summary = trainer.run(_smoke_config(), workdir)
+  assert summary["step"] == 2 and summary["nonfinite_steps"] == []
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/pg_loss" in r]
+  assert [r["step"] for r in recs] == [1, 2]
+  # Step 0 is sampled with the learner's own parameters at temperature 1: the behavior log-probs the
+  # multi-turn maker records must match the learner's on the loss tokens (ratio 1, ESS ratio 1).
+  assert abs(recs[0]["train/log_ratio_max"]) < 1e-3 and abs(recs[0]["train/log_ratio_min"]) < 1e-3
+  assert recs[0]["train/ess_ratio"] == pytest.approx(1.0, abs=1e-4)
+  assert recs[1]["train/lag_max"] == 1.0
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["task"]["multiturn"]["enabled"] is True

@@ -1,0 +1,216 @@
+"""Multi-turn tool-use rollouts: problems + params -> the same fixed-shape Batch as RolloutMaker.
+
+Each of the step's P prompts is rolled out G times as a tool-use episode
+(`vcpo_jax.tasks.tool_env.run_episodes`): the policy writes text, a
+`<code>...</code>` block is run in the sandbox and its output is appended as
+tool tokens, until a final answer, `max_turns` or the response budget. The
+sampler continues every open episode once per round with
+`Sampler.generate_continuations`, stopping at EOS or at the last token of
+`code_close`; a stop on that token that does not close a code block resumes the
+same turn (tool_env's `eos_token_ids` rule).
+
+Batch layout (identical keys, dtypes and shapes to `rollout.common.RolloutMaker`,
+N = P * G rows, T = max_prompt_len + max_new_tokens columns, the response budget
+counting policy AND tool tokens):
+
+  tokens [N, T] int32        left-padded prompt (ends at column Tp), then the response, then pad
+  valid_mask [N, T] bool     prompt_mask | response_mask: every real token, tool tokens included
+  loss_mask [N, T] bool      policy-generated tokens only; tool and prompt tokens are 0, so they
+                             enter neither the policy loss nor the importance ratios l_i
+  behavior_logp [N, T] f32   sampler log-prob on policy tokens, 0 elsewhere
+  rewards [N] f32            tasks.score(task, final model turn, reference)
+  correct [N] f32, group_id [N] int32 (prompt index), policy_version [N] int32
+
+Tool tokens stay in `valid_mask` because the policy conditions on them: they are
+scored in the forward pass as context but never as actions.
+
+Sampler shapes: a context grows up to T - 1 tokens and one call generates at
+most `max_turn_tokens`, so the sampler built by `sampler_config` has prompt
+buckets Tp, 2 Tp, 4 Tp, ... up to T and a single new-token bucket; the model
+needs max_position >= T + max_turn_tokens (parse_config raises a random
+preset's max_position accordingly).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from vcpo_jax import tasks
+from vcpo_jax.rollout.common import RolloutConfig, RolloutMaker, encode_prompts
+from vcpo_jax.sampler import SamplerConfig
+from vcpo_jax.tasks import sandbox, tool_env
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+  """Episode limits and protocol of tool-use rollouts (config.task.multiturn).
+
+  Attributes:
+    max_turns: model turns per episode (at most max_turns - 1 tool executions).
+    max_turn_tokens: token budget of one model turn (the sampler's new-token bucket).
+    max_tool_output_tokens: tool observation budget per call (longer output is truncated).
+    code_open, code_close, output_open, output_close: protocol tags (tool_env).
+    sandbox_cpu_seconds, sandbox_wall_seconds: limits of one execution.
+    max_workers: parallel sandbox executions per round (0 = CPU count).
+  """
+  max_turns: int = 4
+  max_turn_tokens: int = 512
+  max_tool_output_tokens: int = 256
+  code_open: str = "<code>"
+  code_close: str = "</code>"
+  output_open: str = "<output>"
+  output_close: str = "</output>"
+  sandbox_cpu_seconds: int = 2
+  sandbox_wall_seconds: float = 5.0
+  max_workers: int = 0
+
+  def __post_init__(self):
+    for f in ("max_turns", "max_turn_tokens", "max_tool_output_tokens", "sandbox_cpu_seconds"):
+      v = getattr(self, f)
+      if not (isinstance(v, int) and v >= 1):
+        raise ValueError(f"task.multiturn.{f} must be an int >= 1, got {v!r}.")
+    if not self.sandbox_wall_seconds > 0:
+      raise ValueError(f"task.multiturn.sandbox_wall_seconds must be > 0, got {self.sandbox_wall_seconds}.")
+    if self.max_workers < 0:
+      raise ValueError(f"task.multiturn.max_workers must be >= 0 (0 = CPU count), got {self.max_workers}.")
+    for f in ("code_open", "code_close", "output_open", "output_close"):
+      if not getattr(self, f):
+        raise ValueError(f"task.multiturn.{f} must be a non-empty tag string.")
+
+
+def sampler_config(base: SamplerConfig, rollout: RolloutConfig, mt: MultiTurnConfig) -> SamplerConfig:
+  """The training SamplerConfig with the buckets multi-turn contexts need (see module docstring).
+
+  Prompt buckets: Tp, 2 Tp, 4 Tp, ... capped at T = Tp + response budget (contexts grow each turn).
+  New-token bucket: max_turn_tokens. Batch buckets: N, plus N/4 and N/16 for large N (the
+  rounds near the end of a step continue only the few episodes still open).
+  """
+  tp, t = rollout.max_prompt_len, rollout.max_prompt_len + rollout.max_new_tokens
+  prompt_buckets = []
+  b = tp
+  while b < t:
+    prompt_buckets.append(b)
+    b *= 2
+  prompt_buckets.append(t)
+  n = rollout.batch_size
+  batch = {n} | ({n // 4, n // 16} if n >= 64 else set())
+  return dataclasses.replace(base, prompt_buckets=tuple(prompt_buckets), new_token_buckets=(mt.max_turn_tokens,),
+                             max_new_tokens=mt.max_turn_tokens, batch_buckets=tuple(sorted(batch)))
+
+
+class MultiTurnRolloutMaker(RolloutMaker):
+  """problems(step) + params -> tool-use Batch; same `make` contract as RolloutMaker.
+
+  Deterministic given (step, params, rng) up to sandbox timing (a run near its wall-clock limit).
+
+  Args:
+    cfg: the RolloutConfig (max_new_tokens is the whole response budget: policy + tool tokens).
+    mt: episode limits and protocol.
+    tokenizer: encodes prompts and tool output (no special tokens), decodes turns; needs an EOS.
+    sampler: a `Sampler` (or a fake with `.cfg` and `generate_continuations`); its config should
+      come from `sampler_config` so every context length has a bucket.
+    problems: the training pool.
+  """
+
+  def __init__(self, cfg: RolloutConfig, mt: MultiTurnConfig, tokenizer, sampler, problems: Sequence[tasks.Problem]):
+    super().__init__(cfg, tokenizer, sampler, problems)
+    self.mt = mt
+    if sampler.cfg.eos_id is None:
+      raise ValueError("multi-turn rollouts need a tokenizer with an EOS token: it ends the final answer.")
+    if mt.max_turn_tokens > cfg.max_new_tokens:
+      raise ValueError(f"task.multiturn.max_turn_tokens={mt.max_turn_tokens} exceeds the response budget "
+                       f"task.max_new_tokens={cfg.max_new_tokens}; lower it or raise task.max_new_tokens.")
+    close_ids = self._encode(mt.code_close)
+    if not close_ids:
+      raise ValueError(f"task.multiturn.code_close={mt.code_close!r} encodes to no tokens.")
+    # The sampler pauses at the last token of code_close so the sandbox can run the block.
+    self.stop_ids = (int(close_ids[-1]),)
+    self.sandbox = sandbox.SandboxConfig(cpu_seconds=mt.sandbox_cpu_seconds,
+                                         wall_seconds=float(mt.sandbox_wall_seconds))
+
+  def _encode(self, s: str) -> list[int]:
+    return list(self.tokenizer.encode(s, add_special_tokens=False))
+
+  def _decode(self, ids) -> str:
+    return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+  def env_config(self, task: str) -> tool_env.ToolEnvConfig:
+    mt = self.mt
+    return tool_env.ToolEnvConfig(
+        reward_fn=functools.partial(tasks.score, task), max_turns=mt.max_turns,
+        max_new_tokens=mt.max_turn_tokens, max_response_tokens=self.cfg.max_new_tokens,
+        max_tool_output_tokens=mt.max_tool_output_tokens, code_open=mt.code_open, code_close=mt.code_close,
+        output_open=mt.output_open, output_close=mt.output_close,
+        eos_token_ids=(int(self.sampler.cfg.eos_id),),  # a stop on anything else resumes the turn
+        sandbox=self.sandbox, max_workers=mt.max_workers or None)
+
+  def make(self, params, step: int, rng: jax.Array, version: int) -> tuple[dict, dict]:
+    """Rolls out G tool-use episodes for each of step's P prompts with `params`; returns (batch, info)."""
+    cfg = self.cfg
+    problems = self.problems_for_step(step)
+    task_names = {p.task for p in problems}
+    if len(task_names) != 1:
+      raise ValueError(f"a multi-turn step mixes scoring tasks {sorted(task_names)}; use one data set.")
+    prompt_ids = encode_prompts(self.tokenizer, problems, cfg.chat_template)
+    too_long = [len(p) for p in prompt_ids if len(p) > cfg.max_prompt_len]
+    if too_long:
+      raise ValueError(f"A prompt has {max(too_long)} tokens > task.max_prompt_len={cfg.max_prompt_len}; "
+                       "raise task.max_prompt_len.")
+    contexts = [p for p in prompt_ids for _ in range(cfg.group_size)]  # row n = prompt n // G
+    references = [p.reference for p in problems for _ in range(cfg.group_size)]
+    rounds = [0]
+
+    def generate(ctx, max_new):
+      # A fresh key per round: row n of round r draws from fold_in(fold_in(rng, r), n).
+      key = jax.random.fold_in(rng, rounds[0])
+      rounds[0] += 1
+      return self.sampler.generate_continuations(params, ctx, max_new, self.stop_ids, key)
+
+    episodes = tool_env.run_episodes(generate, self._encode, self._decode, contexts, references,
+                                     self.env_config(task_names.pop()))
+    return self.episodes_to_batch(episodes, problems, version, rounds=rounds[0])
+
+  def episodes_to_batch(self, episodes: Sequence[tool_env.Episode], problems, version: int,
+                        rounds: int = 0) -> tuple[dict, dict]:
+    """N episodes (prompt-major) -> the fixed-shape Batch, prompts left-padded to end at column Tp."""
+    cfg = self.cfg
+    n, tp, t = cfg.batch_size, cfg.max_prompt_len, cfg.max_prompt_len + cfg.max_new_tokens
+    if len(episodes) != n:
+      raise ValueError(f"got {len(episodes)} episodes for a batch of N = P * G = {n}.")
+    pe = tool_env.pad_episodes(episodes, length=t, pad_id=self.sampler.cfg.pad_id)
+    valid = (pe["prompt_mask"] > 0) | (pe["response_mask"] > 0)
+    arrays = dict(tokens=pe["tokens"], valid_mask=valid, loss_mask=pe["loss_mask"] > 0,
+                  behavior_logp=pe["behavior_logp"])
+    # pad_episodes right-pads; shift each row so the response starts at column Tp, as the sampler
+    # lays out single-turn rows. Only padding wraps around: the response is <= T - Tp tokens.
+    for i, e in enumerate(episodes):
+      shift = tp - e.prompt_len
+      for k in arrays:
+        arrays[k][i] = np.roll(arrays[k][i], shift)
+    rewards = pe["rewards"].astype(np.float32)
+    batch = dict(
+        tokens=arrays["tokens"].astype(np.int32),
+        valid_mask=arrays["valid_mask"],
+        loss_mask=arrays["loss_mask"],
+        behavior_logp=arrays["behavior_logp"].astype(np.float32),
+        rewards=rewards,
+        correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
+        group_id=np.repeat(np.arange(cfg.prompts_per_step, dtype=np.int32), cfg.group_size),
+        policy_version=np.full((n,), version, np.int32),
+    )
+    resp_len = [len(e.tokens) - e.prompt_len for e in episodes]
+    calls = [len(e.tool_kinds) for e in episodes]
+    info = dict(
+        texts=[e.response_text for e in episodes], problem_ids=[p.id for p in problems],
+        response_len_mean=float(np.mean(resp_len)),
+        finished_frac=float(np.mean([e.finish_reason == "answer" for e in episodes])),
+        policy_tokens_mean=float(np.mean([e.loss_mask.sum() for e in episodes])),
+        turns_mean=float(np.mean([e.num_turns for e in episodes])),
+        tool_calls_mean=float(np.mean(calls)),
+        tool_error_frac=float(sum(e.num_tool_errors for e in episodes) / max(sum(calls), 1)),
+        sampler_rounds=int(rounds))
+    return batch, info
