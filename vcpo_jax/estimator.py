@@ -39,6 +39,7 @@ Departures from the paper / reference implementation (each is an option):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping
 
@@ -444,10 +445,12 @@ def _sq_norm(tree):
   return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree))
 
 
+@functools.partial(jax.jit, static_argnames=("fn", "batch_size"))
 def per_example_sq_grad_norms(fn, params, batch, *, batch_size=None):
   """||grad_params fn(params, example_n)||^2 for every example, [N] float32.
 
-  Exact reference path (vmap of jax.grad): memory is batch_size x params, so
+  Exact reference path (vmap of jax.grad, jitted with fn static: pass the
+  same function object to reuse the compilation): memory is N x params, so
   pass batch_size to process examples in chunks via lax.map. Faster paths
   (ghost norms, vcpo_jax/grad_norms.py) are tested against this.
 

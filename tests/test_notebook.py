@@ -1,0 +1,43 @@
+"""The estimator tour notebook runs top to bottom and matches its .py twin."""
+
+import os
+
+import jupytext
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IPYNB = os.path.join(ROOT, "examples", "estimator_tour.ipynb")
+PY = os.path.join(ROOT, "examples", "estimator_tour.py")
+
+
+def _sources(nb):
+  return [(c.cell_type, c.source.strip()) for c in nb.cells]
+
+
+def test_ipynb_is_in_sync_with_py_twin():
+  nb = nbformat.read(IPYNB, as_version=4)
+  twin = jupytext.read(PY)
+  assert _sources(nb) == _sources(twin), (
+      "examples/estimator_tour.ipynb is stale: run "
+      "`jupytext --to ipynb examples/estimator_tour.py`")
+
+
+@pytest.mark.slow
+def test_notebook_executes():
+  nb = nbformat.read(IPYNB, as_version=4)
+  env_backend = os.environ.get("MPLBACKEND")
+  # inherited by the kernel: inline figures (an Agg default from CI would hide them)
+  os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+  try:
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": ROOT}}).execute()
+  finally:
+    if env_backend is None:
+      os.environ.pop("MPLBACKEND", None)
+    else:
+      os.environ["MPLBACKEND"] = env_backend
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+  assert not [o for o in outputs if o.get("output_type") == "error"]
+  assert any("image/png" in o.get("data", {}) for o in outputs), "no plot was produced"
