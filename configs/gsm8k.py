@@ -70,10 +70,10 @@ def _smoke(c):
   """Shrinks a released config to seconds on CPU; shared by math.py and multiturn.py."""
   c.steps = 2  # a couple of learner steps
   c.mode = "sync"  # one process, k = 0
-  c.lag.k = 0
+  c.lag.k = 0  # sync samples with the current policy
   c.model.checkpoint = ""  # random init of model.preset ...
   c.model.preset = "tiny_qwen2"  # ... with the built-in char tokenizer
-  c.model.dtype = "float32"
+  c.model.dtype = "float32"  # CPU compute dtype
   c.task.data_path = ""  # the shipped 22-problem fixture
   c.task.chat_template = False  # plain prompts (no chat specials)
   c.task.prompts_per_step = 2  # P
@@ -82,9 +82,9 @@ def _smoke(c):
   c.task.max_new_tokens = 16  # response budget
   c.optim.lr = 1e-4  # large enough to move a random model in 2 steps
   c.eval.every = 0  # start and end only
-  c.eval.num_problems = 2
-  c.eval.n = 1
+  c.eval.num_problems = 2  # a tiny evaluation at start and end
+  c.eval.n = 1  # one sample per problem
   c.checkpoint.every = 1  # exercise saving
-  c.mesh.shape = (1, 1, 1)
-  c.log.progress = False
-  c.log.plots = False
+  c.mesh.shape = (1, 1, 1)  # one device
+  c.log.progress = False  # quiet in tests
+  c.log.plots = False  # no PNGs in tests

@@ -63,7 +63,7 @@ def get_config(arg: str | None = None):
   if arg == "smoke":  # tiny random model, shipped fixture, a few lag steps on CPU (tests)
     _smoke(c)
     c.mode = "lag"  # exact staleness in one process
-    c.lag.k = 1
+    c.lag.k = 1  # one step stale
   elif arg:
     raise ValueError(f"configs/math.py: unknown variant {arg!r}; use '' or 'smoke'.")
   return c

@@ -56,10 +56,10 @@ def get_config(arg: str | None = None):
   c.task.multiturn.max_turns = 8  # model turns per episode (not in the released table)
   c.task.multiturn.max_turn_tokens = 4096  # token budget of one model turn
   c.task.multiturn.max_tool_output_tokens = 512  # tool observation budget per call
-  c.task.multiturn.code_open = "<code>"  # protocol tags, as in TEMPLATE
-  c.task.multiturn.code_close = "</code>"
-  c.task.multiturn.output_open = "<output>"
-  c.task.multiturn.output_close = "</output>"
+  c.task.multiturn.code_open = "<code>"  # the model opens code with this tag (as TEMPLATE says)
+  c.task.multiturn.code_close = "</code>"  # ... and closes it with this one
+  c.task.multiturn.output_open = "<output>"  # tool output arrives between these tags
+  c.task.multiturn.output_close = "</output>"  # ... as tool tokens (not in the loss)
   c.task.multiturn.sandbox_cpu_seconds = 5  # CPU-time limit of one execution
   c.task.multiturn.sandbox_wall_seconds = 10.0  # wall-clock limit of one execution
   c.task.multiturn.max_workers = 0  # parallel executions (0 = CPU count)
@@ -82,15 +82,15 @@ def get_config(arg: str | None = None):
   if arg == "smoke":  # tiny random model, shipped AIME fixture, a couple of lag steps on CPU (tests)
     _smoke(c)
     c.mode = "lag"  # exact staleness in one process
-    c.lag.k = 1
+    c.lag.k = 1  # one step stale
     c.task.max_prompt_len = 240  # longest fixture prompt with TEMPLATE (chars = tokens)
     c.task.max_new_tokens = 24  # response budget: policy + tool tokens
-    c.task.multiturn.max_turns = 3
-    c.task.multiturn.max_turn_tokens = 8
-    c.task.multiturn.max_tool_output_tokens = 8
-    c.task.multiturn.sandbox_cpu_seconds = 1
-    c.task.multiturn.sandbox_wall_seconds = 3.0
-    c.task.multiturn.max_workers = 2
+    c.task.multiturn.max_turns = 3  # up to two tool calls
+    c.task.multiturn.max_turn_tokens = 8  # short turns: several rounds fit the budget
+    c.task.multiturn.max_tool_output_tokens = 8  # tool observation budget per call
+    c.task.multiturn.sandbox_cpu_seconds = 1  # CPU-time limit of one execution
+    c.task.multiturn.sandbox_wall_seconds = 3.0  # wall-clock limit of one execution
+    c.task.multiturn.max_workers = 2  # parallel executions
   elif arg:
     raise ValueError(f"configs/multiturn.py: unknown variant {arg!r}; use '' or 'smoke'.")
   return c
