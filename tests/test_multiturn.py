@@ -129,6 +129,13 @@ def test_batch_layout_and_masks(scripted):
   assert info["turns_mean"] == 1.5 and info["finished_frac"] == 1.0
 
 
+def test_eval_generate_returns_final_turns():
+  maker = _maker(ScriptedSampler())
+  gen = maker.eval_generate_fn(None, np.zeros((2,), np.uint32))
+  out = gen(list(PLANS), 3, 0.8, 0.7, 72, False)
+  assert out == [["so \\boxed{42}"] * 3, ["\\boxed{8}"] * 3]
+
+
 def test_turn_limit_and_budget_hold_shapes():
   """max_turns=1: the code block is not executed; the row keeps the fixed shape and loss covers it."""
   maker = _maker(ScriptedSampler(), max_turns=1)

@@ -102,6 +102,11 @@ def sampler_config(base: SamplerConfig, rollout: RolloutConfig, mt: MultiTurnCon
                              max_new_tokens=mt.max_turn_tokens, batch_buckets=tuple(sorted(batch)))
 
 
+def _no_reward(text, reference) -> float:
+  del text, reference
+  return 0.0
+
+
 class MultiTurnRolloutMaker(RolloutMaker):
   """problems(step) + params -> tool-use Batch; same `make` contract as RolloutMaker.
 
@@ -138,10 +143,11 @@ class MultiTurnRolloutMaker(RolloutMaker):
   def _decode(self, ids) -> str:
     return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-  def env_config(self, task: str) -> tool_env.ToolEnvConfig:
+  def env_config(self, reward_fn) -> tool_env.ToolEnvConfig:
+    """tool_env limits and protocol; reward_fn(final_text, reference) -> float."""
     mt = self.mt
     return tool_env.ToolEnvConfig(
-        reward_fn=functools.partial(tasks.score, task), max_turns=mt.max_turns,
+        reward_fn=reward_fn, max_turns=mt.max_turns,
         max_new_tokens=mt.max_turn_tokens, max_response_tokens=self.cfg.max_new_tokens,
         max_tool_output_tokens=mt.max_tool_output_tokens, code_open=mt.code_open, code_close=mt.code_close,
         output_open=mt.output_open, output_close=mt.output_close,
@@ -162,6 +168,12 @@ class MultiTurnRolloutMaker(RolloutMaker):
                        "raise task.max_prompt_len.")
     contexts = [p for p in prompt_ids for _ in range(cfg.group_size)]  # row n = prompt n // G
     references = [p.reference for p in problems for _ in range(cfg.group_size)]
+    reward_fn = functools.partial(tasks.score, task_names.pop())
+    episodes, rounds = self.run_episodes(params, contexts, references, self.env_config(reward_fn), rng)
+    return self.episodes_to_batch(episodes, problems, version, rounds=rounds)
+
+  def run_episodes(self, params, contexts, references, env_cfg: tool_env.ToolEnvConfig, rng):
+    """tool_env.run_episodes driven by this maker's sampler; returns (episodes, sampler rounds)."""
     rounds = [0]
 
     def generate(ctx, max_new):
@@ -170,9 +182,28 @@ class MultiTurnRolloutMaker(RolloutMaker):
       rounds[0] += 1
       return self.sampler.generate_continuations(params, ctx, max_new, self.stop_ids, key)
 
-    episodes = tool_env.run_episodes(generate, self._encode, self._decode, contexts, references,
-                                     self.env_config(task_names.pop()))
-    return self.episodes_to_batch(episodes, problems, version, rounds=rounds[0])
+    episodes = tool_env.run_episodes(generate, self._encode, self._decode, contexts, references, env_cfg)
+    return episodes, rounds[0]
+
+  def eval_generate_fn(self, params, rng):
+    """`generate(prompts, n, ...) -> [[final text] * n]` for `evaluation.evaluate`, with tool use.
+
+    Each prompt is rolled out n times as a tool-use episode with this maker's sampler (build the
+    maker with an eval-protocol sampler: temperature 0.8, top_p 0.7); the text returned is the final
+    model turn, the same text the training reward grades. Sampling settings and the token budget
+    are the sampler's and the maker's; the protocol arguments are recorded by the caller.
+    """
+    def generate(prompts, n, temperature, top_p, max_new_tokens, greedy):
+      del temperature, top_p, max_new_tokens, greedy  # fixed by the sampler and the maker (recorded)
+      problems = [tasks.Problem(id=str(i), task="", prompt=p, reference=None) for i, p in enumerate(prompts)]
+      ids = encode_prompts(self.tokenizer, problems, self.cfg.chat_template)
+      contexts = [p for p in ids for _ in range(n)]
+      # evaluation.evaluate grades the returned texts itself: no reward here.
+      episodes, _ = self.run_episodes(params, contexts, [None] * len(contexts), self.env_config(_no_reward), rng)
+      texts = [e.final_text for e in episodes]
+      return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    return generate
 
   def episodes_to_batch(self, episodes: Sequence[tool_env.Episode], problems, version: int,
                         rounds: int = 0) -> tuple[dict, dict]:
