@@ -589,3 +589,20 @@ def test_heavy_tailed_variance_applied_opob_not_worse_than_group_mean():
     var[name] = float(np.sum(u.var(0)))
   print("total update variance:", var)
   assert var["opob_applied"] <= var["group_mean"]
+
+
+def test_policy_gradient_compiles_once_per_config(problem):
+  params, batch, _, _ = problem
+  traces = []
+
+  def counted(fn, params, batch, cfg):
+    traces.append(cfg)  # runs only when jax traces (compiles)
+    return E.policy_gradient(fn, params, batch, cfg)
+
+  pg = jax.jit(counted, static_argnums=(0, 3))
+  pg(logp_fn, params, batch, E.pg_config_from_preset("vcpo"))
+  new = dict(batch, rewards=1.0 - batch["rewards"])
+  pg(logp_fn, params, new, E.pg_config_from_preset("vcpo"))  # equal config by value: cache hit
+  assert len(traces) == 1
+  pg(logp_fn, params, new, E.pg_config_from_preset("vcpo", rho_on=0.5))
+  assert len(traces) == 2

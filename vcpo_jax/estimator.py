@@ -216,7 +216,8 @@ WEIGHT_VARIANTS: dict[str, WeightVariant] = {
                       "w_nt = min(exp(d_nt), c) per token (token-level TIS)"),
         WeightVariant("geo_mask", "sequence", ("lower", "upper", "lengths_n"),
                       lambda lc, raw, L, c, a, b: jnp.where(
-                          (L > 0) & _inside(raw / jnp.maximum(L, 1.0), a, b), 1.0, 0.0),
+                          (L > 0) & _inside(raw / jnp.maximum(L, 1.0), a, b),
+                          1.0, 0.0),
                       "w = 1 if lower <= exp(l / L) <= upper else 0 (geometric-mean "
                       "rejection; no reweighting)"),
     ]
@@ -254,8 +255,6 @@ def importance_weights(log_ratio, variant, *, c=8.0, lower=None, upper=None,
     raise ValueError(f"log_clamp={log_clamp!r}: must be > 0")
   raw = sg(jnp.asarray(log_ratio, jnp.float32))
   lc = jnp.clip(raw, -log_clamp, log_clamp)
-  if variant == "geo_mask":
-    raw = jnp.clip(raw, -log_clamp * jnp.maximum(lengths_n, 1.0), log_clamp * jnp.maximum(lengths_n, 1.0))
   L = None if lengths_n is None else jnp.asarray(lengths_n, jnp.float32)
   return sg(v.fn(lc, raw, L, c, lower, upper).astype(jnp.float32))
 
@@ -473,7 +472,16 @@ def per_example_sq_grad_norms(fn, params, batch, *, batch_size=None):
 # The policy-gradient update: config, presets, coefficients
 # ---------------------------------------------------------------------------
 
-LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
+# Loss aggregation -> norm_n(L_n, n_valid, total_tokens): the per-trajectory
+# factor of coef_n that turns sum_t logp_nt into the aggregated loss.
+LOSS_AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = {
+    # mean over trajectories of the token-mean: 1 / (N L_n) (the paper's update)
+    "seq-mean-token-mean": lambda L, n, tot: 1.0 / (jnp.maximum(n, 1.0) * jnp.maximum(L, 1.0)),
+    # mean over all tokens of the batch: 1 / sum(mask)
+    "token-mean": lambda L, n, tot: jnp.full_like(L, 1.0) / jnp.maximum(tot, 1.0),
+    # mean over trajectories of the token-sum: 1 / N (Dr. GRPO-style, no length bias)
+    "seq-mean-token-sum": lambda L, n, tot: jnp.full_like(L, 1.0) / jnp.maximum(n, 1.0),
+}
 OPOB_WEIGHTS = ("unclipped", "applied")
 OPOB_SCOPES = ("group", "minibatch")
 
@@ -690,12 +698,7 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n,
   else:
     adv = normalize(r, base)
 
-  if cfg.loss_agg == "seq-mean-token-mean":
-    norm_n = 1.0 / (jnp.maximum(n_valid, 1.0) * jnp.maximum(L_n, 1.0))
-  elif cfg.loss_agg == "token-mean":
-    norm_n = jnp.full_like(L_n, 1.0 / jnp.maximum(jnp.sum(mask), 1.0))
-  else:  # "seq-mean-token-sum"
-    norm_n = jnp.full_like(L_n, 1.0 / jnp.maximum(n_valid, 1.0))
+  norm_n = LOSS_AGGREGATIONS[cfg.loss_agg](L_n, n_valid, jnp.sum(mask))
   coef_n = sg(jnp.where(valid, adv * w_seq * norm_n, 0.0))
 
   rho = ess_ratio(l_n, valid)
