@@ -125,8 +125,11 @@ def test_batch_layout_and_masks(scripted):
     assert loss.sum() == sum(len(ids) for ids, p in pieces if p)
   np.testing.assert_array_equal(batch["rewards"], [1.0, 1.0, 0.0, 0.0])
   np.testing.assert_array_equal(batch["correct"], [1.0, 1.0, 0.0, 0.0])
-  assert info["tool_calls_mean"] == 0.5 and info["tool_error_frac"] == 0.0
-  assert info["turns_mean"] == 1.5 and info["finished_frac"] == 1.0
+  m = info["metrics"]
+  assert m["rollout/tool_calls_mean"] == 0.5 and m["rollout/tool_error_frac"] == 0.0
+  assert m["rollout/turns_mean"] == 1.5 and info["finished_frac"] == 1.0
+  # Rounds: "ok<code>" stops on '>' (resumed), the block closes, then the answer turn.
+  assert m["rollout/sampler_rounds"] == len(sampler.calls) == 3
 
 
 def test_eval_generate_returns_final_turns():
@@ -141,7 +144,8 @@ def test_turn_limit_and_budget_hold_shapes():
   maker = _maker(ScriptedSampler(), max_turns=1)
   batch, info = maker.make(None, 0, np.zeros((2,), np.uint32), version=0)
   assert batch["tokens"].shape == (4, 96)
-  assert info["tool_calls_mean"] == 0.0
+  assert info["metrics"]["rollout/tool_calls_mean"] == 0.0
+  assert info["metrics"]["rollout/max_turns_frac"] == 0.5
   row = batch["loss_mask"][0]
   assert row.sum() == len(ENC(PLANS["Q: six times seven?"][0]))
   assert batch["rewards"][0] == 0.0  # the unexecuted turn states no answer

@@ -235,13 +235,17 @@ class MultiTurnRolloutMaker(RolloutMaker):
     )
     resp_len = [len(e.tokens) - e.prompt_len for e in episodes]
     calls = [len(e.tool_kinds) for e in episodes]
+    # Scalars a logger can write as they are (the trainer's row keys are its own).
+    metrics = {
+        "rollout/policy_tokens_mean": float(np.mean([e.loss_mask.sum() for e in episodes])),
+        "rollout/turns_mean": float(np.mean([e.num_turns for e in episodes])),
+        "rollout/tool_calls_mean": float(np.mean(calls)),
+        "rollout/tool_error_frac": float(sum(e.num_tool_errors for e in episodes) / max(sum(calls), 1)),
+        "rollout/max_turns_frac": float(np.mean([e.finish_reason == "max_turns" for e in episodes])),
+        "rollout/sampler_rounds": float(rounds),
+    }
     info = dict(
         texts=[e.response_text for e in episodes], problem_ids=[p.id for p in problems],
         response_len_mean=float(np.mean(resp_len)),
-        finished_frac=float(np.mean([e.finish_reason == "answer" for e in episodes])),
-        policy_tokens_mean=float(np.mean([e.loss_mask.sum() for e in episodes])),
-        turns_mean=float(np.mean([e.num_turns for e in episodes])),
-        tool_calls_mean=float(np.mean(calls)),
-        tool_error_frac=float(sum(e.num_tool_errors for e in episodes) / max(sum(calls), 1)),
-        sampler_rounds=int(rounds))
+        finished_frac=float(np.mean([e.finish_reason == "answer" for e in episodes])), metrics=metrics)
     return batch, info
