@@ -95,6 +95,20 @@ def _set_parent_death_signal():
     pass
 
 
+def pin_cpus(cpus) -> None:
+  """Restrict every thread of this process to `cpus` (sched_setaffinity on pid 0 moves only the caller)."""
+  cpus = set(int(c) for c in cpus)
+  try:
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+  except OSError:
+    tids = [0]
+  for tid in tids:
+    try:
+      os.sched_setaffinity(tid, cpus)
+    except ProcessLookupError:
+      pass  # the thread ended meanwhile
+
+
 def main(args: WorkerArgs, batch_queue, slot, conn):
   """Process entry point (spawn target). Exits 0 on "stop", 1 with a traceback sent on error."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -102,7 +116,7 @@ def main(args: WorkerArgs, batch_queue, slot, conn):
   parent = os.getppid()
   try:
     if args.cpus:
-      os.sched_setaffinity(0, args.cpus)
+      pin_cpus(args.cpus)  # before JAX builds its CPU client: its thread pools inherit the mask
     _Worker(args, batch_queue, slot, conn, parent).run()
   except _Stop:
     pass

@@ -1,0 +1,185 @@
+"""Sync vs async training throughput on the countdown config, and the speedup this machine allows.
+
+  python -m benchmarks.async_throughput                     # defaults below; ~3-5 min on 2 idle cores
+  python -m benchmarks.async_throughput --steps=40 --k=2 --hidden=64 --layers=2 --new_tokens=64
+
+Each mode runs the real `trainer.run` in its own fresh interpreter (so XLA flags and CPU affinity are set
+before JAX starts) on the same config, a random policy (responses run to the full budget, so every step
+does the same work), no SFT, evals only at the start and the end (outside the timed window):
+
+  sync_1core   learner + sampler in one process pinned to one core, single-threaded XLA
+               (XLA_FLAGS=--xla_cpu_multi_thread_eigen=false): the phase times for the limit.
+  async        learner pinned to core A, the spawned sampler to core B (async_.sampler_cpus), the same
+               single-threaded XLA in both processes.
+  sync_2core   (reference) the default: one unpinned process, XLA's own threading over both cores.
+
+The limit on the async speedup over sync_1core, from sync_1core's measured phase times (generation g,
+learning l, per step):  limit = (g + l) / max(g, l)  -- perfect overlap, each process on its own core.
+Goal: async / sync_1core >= 0.9 x limit. Timed window: steps warmup+1 .. steps (compilation excluded);
+steps/s = (steps - warmup) / (wall time between those metric rows). Idle fractions over the same window:
+sync: the sampler idles while the learner learns and vice versa; async: the learner's queue waits, and
+the sampler's time blocked on the staleness bound or a full queue (worker totals).
+Prints a table and ends with one JSON line. Other work on the machine distorts all numbers: the JSON
+records the load average before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
+
+
+def _config(a):
+  from configs import countdown
+  c = countdown.get_config("smoke")
+  c.steps = a.steps
+  c.task.prompts_per_step = a.prompts
+  c.task.group_size = a.group
+  c.task.max_new_tokens = a.new_tokens
+  c.model.hidden_size = a.hidden
+  c.model.intermediate_size = 2 * a.hidden
+  c.model.num_layers = a.layers
+  c.eval.num_problems = 4
+  c.eval.n = 1
+  c.eval.every = 0
+  c.checkpoint.every = a.steps + 1  # only the final save, after the timed window
+  c.async_.timeout_s = 600.0
+  return c
+
+
+def _run_one(a) -> dict:
+  """Child entry: one mode, pinned as requested; returns the measured figures."""
+  from vcpo_jax.rollout import worker as worker_lib
+  if a.learner_cpu >= 0:
+    worker_lib.pin_cpus([a.learner_cpu])
+  from vcpo_jax import metrics as metrics_lib, trainer
+  c = _config(a)
+  infos = []
+  if a.mode == "async":
+    c.mode, c.lag.k = "async", a.k
+    c.async_.queue_slots = a.k + 1
+    c.async_.sampler_cpus = str(a.sampler_cpu) if a.sampler_cpu >= 0 else ""
+    build = trainer.build_source
+
+    def recording_build_source(*args, **kw):
+      src = build(*args, **kw)
+      nxt = src.next
+
+      def next_(step):
+        batch, info = nxt(step)
+        infos.append({k: v for k, v in info.items() if k not in ("texts", "problem_ids")})
+        return batch, info
+
+      src.next = next_
+      return src
+
+    trainer.build_source = recording_build_source
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer.run(c, workdir)
+    all_recs = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  recs = [r for r in all_recs if "time/learn_s" in r]
+  t_start = min(r["wall_time"] for r in all_recs if r["step"] == 0)  # after the step-0 eval
+  w, s = a.warmup, a.steps
+  by_step = {r["step"]: r for r in recs}
+  window = [by_step[i] for i in range(w + 1, s + 1)]
+  wall = by_step[s]["wall_time"] - by_step[w]["wall_time"]
+  gen = sum(r["time/rollout_s"] for r in window)  # sync: generation; async: the learner's queue wait
+  learn = sum(r["time/learn_s"] for r in window)
+  out = dict(mode=a.mode, steps_per_s=(s - w) / wall, window_s=wall, wall_to_steps_s=by_step[s]["wall_time"] - t_start,
+             first_step_s=by_step[1]["wall_time"] - t_start,
+             learn_s=learn / len(window), lag_max=max(r["train/lag_max"] for r in recs),
+             lag_mean=sum(r["train/lag_mean"] for r in window) / len(window))
+  if a.mode == "async":
+    i0, i1 = infos[w - 1], infos[s - 1]  # info of batch w-1 (end of warm-up) and of the last batch
+    out.update(learner_wait_s=gen / len(window), learner_idle_frac=gen / wall,
+               sampler_idle_frac=(i1["sampler_idle_s_total"] - i0["sampler_idle_s_total"])
+               / (i1["sampler_elapsed_s_total"] - i0["sampler_elapsed_s_total"]),
+               gen_s=sum(i["sampler_gen_s"] for i in infos[w:s]) / (s - w))
+  else:
+    out.update(gen_s=gen / len(window), learner_idle_frac=1 - learn / wall, sampler_idle_frac=1 - gen / wall)
+  return out
+
+
+def _spawn(a, mode: str, env_extra: dict, pin: bool) -> dict:
+  cpus = sorted(os.sched_getaffinity(0))
+  args = [sys.executable, "-m", "benchmarks.async_throughput", f"--_child={mode}"]
+  for k in ("steps", "warmup", "k", "prompts", "group", "new_tokens", "hidden", "layers"):
+    args.append(f"--{k}={getattr(a, k)}")
+  if pin:
+    args += [f"--learner_cpu={cpus[0]}", f"--sampler_cpu={cpus[1 % len(cpus)]}"]
+  env = dict(os.environ, **env_extra)
+  if "XLA_FLAGS" not in env_extra:
+    env.pop("XLA_FLAGS", None)  # XLA's default threading
+  with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+    subprocess.run(args + [f"--_out={f.name}"], env=env, check=True, cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    return json.load(open(f.name))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--steps", type=int, default=40)
+  p.add_argument("--warmup", type=int, default=5, help="steps excluded from the timed window (compilation)")
+  p.add_argument("--k", type=int, default=2, help="async staleness bound")
+  p.add_argument("--prompts", type=int, default=8)
+  p.add_argument("--group", type=int, default=8)
+  p.add_argument("--new_tokens", type=int, default=64)
+  p.add_argument("--hidden", type=int, default=64)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--modes", default="sync_1core,async,sync_2core",
+                  help="comma list; sync_1core and async are needed for the limit and the ratio")
+  p.add_argument("--_child", default="", help=argparse.SUPPRESS)
+  p.add_argument("--_out", default="", help=argparse.SUPPRESS)
+  p.add_argument("--learner_cpu", type=int, default=-1, help=argparse.SUPPRESS)
+  p.add_argument("--sampler_cpu", type=int, default=-1, help=argparse.SUPPRESS)
+  a = p.parse_args()
+  if not 1 <= a.warmup < a.steps:
+    p.error(f"--warmup={a.warmup} must be in [1, steps)")
+  if a._child:
+    a.mode = a._child.split("_")[0]
+    json.dump(_run_one(a), open(a._out, "w"))
+    return
+
+  load_before = os.getloadavg()
+  t0 = time.time()
+  one = {"XLA_FLAGS": SINGLE_THREAD_XLA}
+  modes = a.modes.split(",")
+  settings = {"sync_1core": (one, True), "async": (one, True), "sync_2core": ({}, False)}
+  res = {m: _spawn(a, m, *settings[m]) for m in modes}
+  load_after = os.getloadavg()
+  if not {"sync_1core", "async"} <= set(res):
+    print(json.dumps(dict(benchmark="async_throughput", results=res)))
+    return
+
+  s1, asy = res["sync_1core"], res["async"]
+  limit = (s1["gen_s"] + s1["learn_s"]) / max(s1["gen_s"], s1["learn_s"])
+  ratio = asy["steps_per_s"] / s1["steps_per_s"]
+  cols = ("steps_per_s", "wall_to_steps_s", "gen_s", "learn_s", "learner_idle_frac", "sampler_idle_frac",
+          "lag_mean", "lag_max")
+  print(f"\ncountdown, N={a.prompts * a.group}, T={24 + a.new_tokens}, D={a.hidden}, L={a.layers}, "
+        f"{a.steps} steps (timed: {a.warmup + 1}..{a.steps}), async k={a.k}")
+  print(f"{'mode':<12}" + "".join(f"{c:>19}" for c in cols))
+  for name, r in res.items():
+    print(f"{name:<12}" + "".join(f"{r[c]:>19.3f}" for c in cols))
+  print(f"\nasync / sync_1core steps/s: {ratio:.3f}   limit (g + l) / max(g, l) from sync_1core: {limit:.3f}   "
+        f"fraction of limit: {ratio / limit:.3f} (goal >= 0.9)")
+  if "sync_2core" in res:
+    print(f"async / sync_2core steps/s: {asy['steps_per_s'] / res['sync_2core']['steps_per_s']:.3f}")
+  print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} CPUs; "
+        f"total {time.time() - t0:.0f} s")
+  print(json.dumps(dict(benchmark="async_throughput", config=dict(
+      N=a.prompts * a.group, new_tokens=a.new_tokens, hidden=a.hidden, layers=a.layers, steps=a.steps,
+      warmup=a.warmup, k=a.k), results=res, speedup_vs_sync_1core=ratio, limit=limit,
+      fraction_of_limit=ratio / limit, speedup_vs_sync_2core=(asy["steps_per_s"] / res["sync_2core"]["steps_per_s"]
+                                                             if "sync_2core" in res else None),
+      loadavg_before=load_before, loadavg_after=load_after)))
+
+
+if __name__ == "__main__":
+  main()
