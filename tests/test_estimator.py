@@ -559,7 +559,6 @@ def test_bandit_loo_opob_is_unbiased_and_plugin_bias_is_reported():
   theta = jnp.array([0.5, -0.3, 1.0, 0.0, -1.0])
   mu_logits = jnp.array([-0.5, 0.4, 0.0, 0.6, 0.2])  # behavior policy differs from the target
   p = jnp.array([0.9, 0.2, 0.6, 0.4, 0.1])
-  pi = jax.nn.softmax(theta)
   exact = np.asarray(jax.grad(lambda t: jnp.sum(jax.nn.softmax(t) * p))(theta))
   base = dict(advantage="drgrpo", is_variant="is", opob=True, loss_agg="seq-mean-token-sum")
   m = 20000
@@ -572,7 +571,6 @@ def test_bandit_loo_opob_is_unbiased_and_plugin_bias_is_reported():
     results[name] = (mean - exact) / se
     print(f"{name:7s} OPOB: mean-exact = {np.round(mean - exact, 5)}, z = {np.round(results[name], 2)}")
   assert np.all(np.abs(results["loo"]) < 3.0), results["loo"]
-  del pi
 
 
 def test_heavy_tailed_variance_applied_opob_not_worse_than_group_mean():

@@ -642,6 +642,10 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n,
     weight_{max,mean}, frac_clipped, frac_masked, baseline_{mean,std},
     adv_{mean,std}, n_valid) and per-example arrays whose keys end in "_n"
     (log_ratio_n, weight_n, advantage_n, baseline_n, valid_n).
+    frac_clipped: fraction of valid sequences (of tokens, for token_tis) whose
+    applied non-zero weight differs from the unclipped ratio; frac_masked:
+    fraction whose applied weight is 0. For token_tis, weight_n and
+    ess_ratio_applied use the product of the token weights.
   """
   if needs_sq_norms(cfg) and sq_score_norms_n is None:
     raise ValueError("sq_score_norms_n: None, but cfg.opob=True needs ||s_n||^2 "
@@ -670,7 +674,8 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n,
   else:
     w_seq = jnp.where(valid, importance_weights(l_n, cfg.is_variant, lengths_n=L_n, **vkw), 0.0)
     log_w_applied = jnp.log(w_seq)
-    clipped = jnp.sum(valid & (w_seq > 0) & ~jnp.isclose(w_seq, w_unclipped, rtol=1e-6)) / jnp.maximum(n_valid, 1.0)
+    changed = valid & (w_seq > 0) & ~jnp.isclose(w_seq, w_unclipped, rtol=1e-6)
+    clipped = jnp.sum(changed) / jnp.maximum(n_valid, 1.0)
     frac_masked = jnp.sum(valid & (w_seq == 0)) / jnp.maximum(n_valid, 1.0)
     weight_report = w_seq
 
