@@ -1,0 +1,184 @@
+"""Supervised warm start: targets the verifier accepts, response-only loss mask, loss decrease, cache."""
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import countdown as countdown_config
+from vcpo_jax import sft, tasks
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import tokenizer as tok_lib
+from vcpo_jax.model import transformer
+from vcpo_jax.run_config import parse_config
+from vcpo_jax.tasks.arithmetic import ArithmeticTask
+from vcpo_jax.tasks.countdown import DEFAULT_TEMPLATE, CountdownTask
+
+SHORT = "{numbers}>{target}:"
+GEN = dict(num_numbers=(2, 3), number_range=(1, 9), target_range=(1, 30))
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return tok_lib.build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+  cfg = model_config.tiny_qwen2(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
+                                num_heads=2, num_kv_heads=1, head_dim=16, max_position=64)
+  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  return cfg, graphdef, params
+
+
+def _spec(tmp_path, **over):
+  c = countdown_config.get_config("smoke")
+  c.task.template = SHORT
+  c.task.gen.num_numbers = GEN["num_numbers"]
+  c.task.num_train_problems = 32
+  c.task.max_prompt_len = 16
+  c.task.max_new_tokens = 16
+  c.sft.steps = 4
+  c.sft.batch_size = 8
+  c.sft.cache_dir = str(tmp_path / "cache")
+  spec = parse_config(c)
+  return dataclasses.replace(spec, **over)
+
+
+# ----------------------------------------------------------------------------- targets and examples
+
+
+def test_targets_are_what_the_verifier_accepts():
+  short = CountdownTask(template=SHORT, **GEN).make_problems("train", 50, seed=1)
+  for p in short:
+    y = sft.target_text(p)
+    assert " " not in y and "<answer>" not in y
+    assert tasks.score("countdown", y, p.reference) == 1.0
+  tagged = CountdownTask(template=DEFAULT_TEMPLATE, **GEN).make_problems("train", 20, seed=1)
+  for p in tagged:
+    y = sft.target_text(p)
+    assert y.startswith("<answer>") and y.endswith("</answer>")
+    assert tasks.score("countdown", y, p.reference) == 1.0
+  for p in ArithmeticTask().make_problems("train", 20, seed=1):
+    assert tasks.score("arithmetic", sft.target_text(p), p.reference) == 1.0
+  with pytest.raises(ValueError, match="no solution"):
+    sft.target_text(tasks.Problem(id="x", task="gsm8k", prompt="q", reference="1"))
+
+
+def test_loss_mask_covers_exactly_target_and_eos(tok):
+  probs = CountdownTask(template=SHORT, **GEN).make_problems("train", 12, seed=0)
+  ex = sft.build_examples(probs, tok, max_prompt_len=16, max_new_tokens=12)
+  assert ex.tokens_mt.shape == ex.valid_mt.shape == ex.loss_mt.shape == (12, 28)
+  assert not (ex.loss_mt & ~ex.valid_mt).any()  # loss only on real tokens
+  assert not ex.loss_mt[:, :16].any()  # never on the prompt bucket
+  for i, p in enumerate(probs):
+    resp = ex.tokens_mt[i][ex.loss_mt[i]].tolist()
+    assert resp[-1] == tok.eos_token_id  # the policy learns to stop
+    assert tok.decode(resp[:-1]) == sft.target_text(p)
+    prompt = ex.tokens_mt[i][ex.valid_mt[i] & ~ex.loss_mt[i]].tolist()
+    assert tok.decode(prompt) == p.prompt
+    # left-padded prompt ends right at the bucket edge; the target starts there
+    assert ex.valid_mt[i, 15] and ex.loss_mt[i, 16]
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    sft.build_examples(probs, tok, max_prompt_len=16, max_new_tokens=3)
+  with pytest.raises(ValueError, match="max_prompt_len"):
+    sft.build_examples(probs, tok, max_prompt_len=4, max_new_tokens=12)
+
+
+def test_sft_loss_equals_masked_nll_reference(tok, model):
+  cfg, graphdef, params = model
+  # Same-length rows (one compile for the reference), left-padded in the batch (8 pad tokens).
+  probs = [p for p in ArithmeticTask(max_digits=1).make_problems("train", 40, seed=0) if len(p.reference) == 2][:4]
+  ex = sft.build_examples(probs, tok, max_prompt_len=12, max_new_tokens=6)
+  loss = sft.sft_loss(graphdef, params, ex.tokens_mt, ex.valid_mt, ex.loss_mt)
+  # Reference: each row alone, unpadded, full causal forward; NLL of target tokens from the previous position.
+  fwd = jax.jit(transformer.forward, static_argnums=0)
+  nll, count = 0.0, 0
+  for i in range(len(probs)):
+    row = ex.tokens_mt[i][ex.valid_mt[i]]
+    lm = ex.loss_mt[i][ex.valid_mt[i]]
+    t = len(row)
+    logits, _ = fwd(graphdef, params, jnp.asarray(row)[None], jnp.arange(t)[None],
+                    jnp.tril(jnp.ones((t, t), bool))[None])
+    logp = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+    for j in np.nonzero(lm)[0]:
+      nll -= logp[j - 1, row[j]]
+      count += 1
+  np.testing.assert_allclose(float(loss), nll / count, rtol=1e-5)
+  # Padding content is invisible; prompt tokens change the loss only through conditioning.
+  junk = np.where(ex.valid_mt, ex.tokens_mt, 7)
+  np.testing.assert_allclose(float(sft.sft_loss(graphdef, params, junk, ex.valid_mt, ex.loss_mt)), float(loss),
+                             rtol=1e-6)
+
+
+def test_sft_loss_decreases(tok, model):
+  cfg, graphdef, params = model
+  probs = ArithmeticTask(max_digits=1).make_problems("train", 32, seed=0)
+  ex = sft.build_examples(probs, tok, max_prompt_len=8, max_new_tokens=4)
+  new_params, losses = sft.train(graphdef, params, ex, steps=40, lr=1e-2, batch_size=16, seed=0)
+  assert losses.shape == (40,) and np.isfinite(losses).all()
+  assert losses[-5:].mean() < 0.6 * losses[:5].mean()
+  assert jax.tree.structure(new_params) == jax.tree.structure(params)
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
+  cfg, graphdef, params = model
+  spec = _spec(tmp_path)
+  probs = spec.task_object().make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  first = sft.warm_start(graphdef, params, cfg, tok, probs, spec, str(tmp_path / "wd1"))
+  files = os.listdir(spec.sft_cache_dir)
+  assert len(files) == 1 and files[0].endswith(".safetensors")  # no temporary files left behind
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(params)))
+
+  def no_training(*a, **k):
+    raise AssertionError("a cached warm start must not train")
+  monkeypatch.setattr(sft, "train", no_training)
+  second = sft.warm_start(graphdef, params, cfg, tok, probs, spec, str(tmp_path / "wd2"))
+  assert jax.tree.structure(second) == jax.tree.structure(first)
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  import json
+  rec1 = json.load(open(tmp_path / "wd1" / "sft.json"))
+  rec2 = json.load(open(tmp_path / "wd2" / "sft.json"))
+  assert rec1["cached"] is False and rec2["cached"] is True and rec1["key"] == rec2["key"]
+  assert 0.0 <= rec1["greedy_accuracy"] <= 1.0 and np.isfinite(rec1["final_loss"])
+  # A different config misses the cache (and would train).
+  with pytest.raises(AssertionError, match="must not train"):
+    sft.warm_start(graphdef, params, cfg, tok, probs, dataclasses.replace(spec, sft_lr=spec.sft_lr * 2))
+
+
+def test_cache_key_changes_with_every_relevant_field(tok, model, tmp_path):
+  cfg, graphdef, params = model
+  spec = _spec(tmp_path)
+  probs = spec.task_object().make_problems("train", 32, spec.seed)
+
+  def key(params=params, cfg=cfg, tok=tok, probs=probs, **over):
+    return sft.cache_key(sft.key_fields(params, cfg, tok, probs, dataclasses.replace(spec, **over)))
+
+  base = key()
+  assert key() == base  # deterministic
+  assert key(sft_cache_dir="/elsewhere") == base  # where it is stored does not determine it
+  variants = {
+      "sft_steps": key(sft_steps=spec.sft_steps + 1),
+      "sft_lr": key(sft_lr=spec.sft_lr / 2),
+      "sft_batch_size": key(sft_batch_size=4),
+      "seed": key(seed=1),
+      "template": key(task_template="{target}<{numbers}:"),
+      "task_gen": key(task_gen={**spec.task_gen, "number_range": (1, 5)}),
+      "max_new_tokens": key(rollout=dataclasses.replace(spec.rollout, max_new_tokens=20)),
+      "chat_template": key(rollout=dataclasses.replace(spec.rollout, chat_template=True)),
+      "model_cfg": key(cfg=cfg.replace(rms_eps=1e-5)),
+      "init_params": key(params=jax.tree.map(lambda x: x + 1.0, params)),
+      "problems": key(probs=probs[:-1]),
+  }
+  t2 = tok_lib.build_char_tokenizer()
+  t2.add_tokens(["<extra>"])
+  variants["tokenizer"] = key(tok=t2)
+  for name, k in variants.items():
+    assert k != base, name
+  assert len(set(variants.values())) == len(variants)

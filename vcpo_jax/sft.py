@@ -1,0 +1,395 @@
+"""Supervised warm start: a tiny random policy -> a base policy with some signal.
+
+RL needs a policy that sometimes succeeds. For CPU-sized runs the trainer calls
+`warm_start` (when `sft.steps > 0`), which fits the policy to the task's own
+solver-written solutions by next-token cross-entropy on the response only:
+
+    loss(theta) = - sum_{n,t} m_nt log pi_theta(y_nt | y_n,<t) / sum_{n,t} m_nt
+
+m_nt (`loss_nt`) is 1 on the target tokens and on the EOS appended after
+them (so the policy learns to stop), 0 on the prompt and on padding. Rows use
+the rollout layout (left-padded prompt bucket Tp, then the right-padded
+response bucket Tn, T = Tp + Tn), so the positions the policy trains on are
+the positions the sampler later generates at. AdamW with global-norm clipping
+and a warmup-cosine schedule, one jitted step; batches are drawn from a seeded
+permutation of the examples (epochs), so the result is a pure function of the
+inputs.
+
+Targets (`target_text`) are what the task's verifier accepts:
+  * countdown: the solver's shortest expression (`countdown.solve`, canonical:
+    one deterministic answer per instance, up to 4 numbers; the generator's
+    own expression beyond); inside `<answer> </answer>` when the
+    prompt template asks for those tags (the default template), otherwise the
+    bare expression without spaces (short CPU templates: the verifier falls
+    back to the last line, and every character is a token of the char model);
+  * arithmetic: the integer answer;
+  * other tasks: `Problem.solution` as is.
+
+Cache: the trained parameters are stored as one safetensors file named by a
+SHA-256 over everything that determines them (`cache_key`: model config, a
+digest of the initial parameters, tokenizer vocabulary / EOS / chat template,
+task, template, generator knobs, prompt/response budgets, the training
+problems, SFT steps / lr / batch size, seed, code version), under
+`sft.cache_dir` or ~/.cache/vcpo_jax/sft. Writes are atomic (temporary file
+then rename), so concurrent runs never read half a file. A second run with the
+same config loads the file and trains nothing. Each call writes
+`<workdir>/sft.json` (key, losses, accuracies, wall time, cache hit or not).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from vcpo_jax import tasks
+from vcpo_jax.model import transformer
+
+log = logging.getLogger("vcpo_jax")
+
+# Bump when the training recipe or the target format changes: old caches stop matching.
+CACHE_VERSION = 1
+# Held out of the SFT examples to report the accuracy reached (capped by the pool size).
+NUM_REPORT_PROBLEMS = 64
+# Countdown targets are re-solved canonically up to this many numbers (the exhaustive solver
+# takes ~1 ms at 3 numbers, ~15 ms at 4; beyond, the generator's own expression is used).
+CANONICAL_MAX_NUMBERS = 4
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+def target_text(problem: tasks.Problem) -> str:
+  """The response the policy is trained to write for `problem` (without EOS); see module docstring."""
+  if problem.solution is None:
+    raise ValueError(f"problem {problem.id!r} has no solution: the warm start needs solver/worked solutions "
+                     "(countdown, arithmetic, or a data set with a solution column); set sft.steps=0.")
+  if problem.task == "countdown":
+    expr = problem.solution
+    numbers, target = problem.reference["numbers"], problem.reference["target"]
+    if len(numbers) <= CANONICAL_MAX_NUMBERS:
+      # The generator's random tree is one of many solutions (random order, structure); the
+      # solver's shortest expression is a deterministic function of the instance, which a tiny
+      # policy learns far faster (3 numbers: ~8% vs 0% greedy accuracy after 300 steps).
+      from vcpo_jax.tasks.countdown import solve
+      expr = solve(numbers, target) or expr
+    if "<answer>" in problem.prompt:
+      return f"<answer>{expr}</answer>"
+    return expr.replace(" ", "")
+  return str(problem.solution).strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Examples:
+  """Fixed-shape SFT rows (numpy), M examples of T = Tp + Tn tokens.
+
+  tokens_mt int32 [M, T]: left-padded prompt, then target + EOS, right-padded.
+  valid_mt bool [M, T]: real tokens.  loss_mt bool [M, T]: target + EOS tokens.
+  """
+  tokens_mt: np.ndarray
+  valid_mt: np.ndarray
+  loss_mt: np.ndarray
+
+  def __len__(self):
+    return self.tokens_mt.shape[0]
+
+
+def build_examples(problems: Sequence[tasks.Problem], tokenizer, max_prompt_len: int, max_new_tokens: int,
+                   chat_template: bool = False) -> Examples:
+  """Tokenizes (prompt, target + EOS) pairs into the rollout layout.
+
+  Raises ValueError naming task.max_prompt_len / task.max_new_tokens when a
+  prompt or a target (with its EOS) does not fit: a truncated target would
+  teach the policy never to stop.
+  """
+  from vcpo_jax.rollout.common import encode_prompts
+  if not problems:
+    raise ValueError("the warm start needs at least one training problem (task.num_train_problems).")
+  eos = tokenizer.eos_token_id
+  if eos is None:
+    raise ValueError("the tokenizer has no eos_token_id; the warm start appends EOS so the policy learns to stop.")
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+  prompts = encode_prompts(tokenizer, problems, chat_template)
+  targets = [list(tokenizer.encode(target_text(p), add_special_tokens=False)) + [eos] for p in problems]
+  lp, lt = max(map(len, prompts)), max(map(len, targets))
+  if lp > max_prompt_len:
+    raise ValueError(f"a warm-start prompt has {lp} tokens > task.max_prompt_len={max_prompt_len}; raise it.")
+  if lt > max_new_tokens:
+    raise ValueError(f"a warm-start target has {lt} tokens (EOS included) > task.max_new_tokens="
+                     f"{max_new_tokens}; raise task.max_new_tokens or use shorter instances.")
+  m, tp, t = len(problems), max_prompt_len, max_prompt_len + max_new_tokens
+  tokens = np.full((m, t), pad, np.int32)
+  valid = np.zeros((m, t), bool)
+  loss = np.zeros((m, t), bool)
+  for i, (p, y) in enumerate(zip(prompts, targets)):
+    tokens[i, tp - len(p):tp] = p
+    tokens[i, tp:tp + len(y)] = y
+    valid[i, tp - len(p):tp + len(y)] = True
+    loss[i, tp:tp + len(y)] = True
+  return Examples(tokens, valid, loss)
+
+
+# ----------------------------------------------------------------------------- loss and step
+
+
+def sft_loss(graphdef, params, tokens_bt, valid_bt, loss_bt) -> jax.Array:
+  """Token-mean negative log-likelihood of the loss-masked tokens (a float32 scalar).
+
+  tokens_bt int32 [B, T], valid_bt / loss_bt bool [B, T]; logp[:, t] is
+  log p(tokens[t] | tokens[<t]) (transformer.token_logprobs), so the first
+  target token is predicted from the last prompt token.
+  """
+  logp_bt = transformer.sequence_logprobs(graphdef, params, tokens_bt, valid_bt)
+  m_bt = loss_bt.astype(jnp.float32)
+  return -(logp_bt * m_bt).sum() / jnp.maximum(m_bt.sum(), 1.0)
+
+
+def make_optimizer(lr: float, steps: int, clip_norm: float = 1.0, weight_decay: float = 0.01):
+  """clip -> AdamW with linear warmup (5% of steps) then cosine decay to lr / 10."""
+  warmup = max(1, steps // 20)
+  sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10)
+  return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(sched, weight_decay=weight_decay))
+
+
+def make_train_step(graphdef, tx):
+  """Jitted (params, opt_state, tokens, valid, loss) -> (params, opt_state, loss)."""
+  def step(params, opt_state, tokens_bt, valid_bt, loss_bt):
+    loss, grads = jax.value_and_grad(lambda p: sft_loss(graphdef, p, tokens_bt, valid_bt, loss_bt))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return jax.jit(step)
+
+
+def train(graphdef, params, examples: Examples, *, steps: int, lr: float, batch_size: int, seed: int,
+          progress: bool = False) -> tuple[Any, np.ndarray]:
+  """`steps` AdamW steps on batches of `batch_size` examples; returns (params, losses [steps]).
+
+  Batch b takes rows order[b*B:(b+1)*B] of a per-epoch seeded permutation
+  (np.random.default_rng([seed, epoch])); the batch size is capped by the number of examples.
+  """
+  if steps < 1:
+    raise ValueError(f"sft.steps must be >= 1 to train, got {steps}.")
+  if batch_size < 1:
+    raise ValueError(f"sft.batch_size must be >= 1, got {batch_size}.")
+  if not lr > 0:
+    raise ValueError(f"sft.lr must be > 0, got {lr}.")
+  m = len(examples)
+  bs = min(batch_size, m)
+  per_epoch = m // bs
+  tx = make_optimizer(lr, steps)
+  opt_state = tx.init(params)
+  step_fn = make_train_step(graphdef, tx)
+  losses = np.zeros((steps,), np.float32)
+  from tqdm.auto import tqdm
+  bar = tqdm(range(steps), desc="sft", disable=not progress, dynamic_ncols=True)
+  order, epoch = None, -1
+  pending = []
+  for s in bar:
+    e, b = divmod(s, per_epoch)
+    if e != epoch:
+      epoch, order = e, np.random.default_rng([seed, e]).permutation(m)
+    idx = order[b * bs:(b + 1) * bs]
+    params, opt_state, loss = step_fn(params, opt_state, examples.tokens_mt[idx], examples.valid_mt[idx],
+                                      examples.loss_mt[idx])
+    pending.append((s, loss))
+    if len(pending) >= 10 or s == steps - 1:  # fetch losses in groups: no host sync every step
+      for i, l in pending:
+        losses[i] = float(l)
+      pending = []
+      bar.set_postfix(loss=f"{losses[s]:.3f}")
+  bar.close()
+  return params, losses
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+
+def accuracy(graphdef, params, model_cfg, tokenizer, problems: Sequence[tasks.Problem], *, max_prompt_len: int,
+             max_new_tokens: int, temperature: float, seed: int = 0, chat_template: bool = False) -> float:
+  """Fraction of `problems` answered correctly (tasks.score >= 0.5), one sample each.
+
+  temperature 0.0 is greedy decoding; otherwise plain sampling (no top-k/top-p).
+  """
+  from vcpo_jax.rollout.common import encode_prompts
+  from vcpo_jax.sampler import Sampler, SamplerConfig
+  eos = tokenizer.eos_token_id
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+  cfg = SamplerConfig(temperature=temperature, eos_id=eos, pad_id=pad, max_new_tokens=max_new_tokens,
+                      prompt_buckets=(max_prompt_len,), new_token_buckets=(max_new_tokens,),
+                      batch_buckets=(len(problems),))
+  ro = Sampler(graphdef, model_cfg, cfg).generate(params, encode_prompts(tokenizer, problems, chat_template),
+                                                   jax.random.key(seed))
+  texts = [tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True)
+           for i in range(len(problems))]
+  return float(np.mean([tasks.is_correct(tasks.score(p.task, x, p.reference)) for p, x in zip(problems, texts)]))
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def _digest_arrays(tree) -> str:
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(tree):
+    a = np.asarray(leaf)
+    h.update(str((a.shape, a.dtype.str)).encode())
+    h.update(np.ascontiguousarray(a).tobytes())
+  return h.hexdigest()
+
+
+def _tokenizer_fingerprint(tokenizer) -> dict:
+  vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+  return {"vocab_sha256": hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
+          "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+          "chat_template": getattr(tokenizer, "chat_template", None) or ""}
+
+
+def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], spec) -> dict:
+  """Everything the warm-start result depends on, as a JSON-able dict (see `cache_key`)."""
+  probs = hashlib.sha256()
+  for p in train_problems:
+    probs.update(json.dumps([p.task, p.prompt, p.solution, p.reference], default=str).encode())
+    probs.update(b"\0")
+  ro = spec.rollout
+  return {
+      "version": CACHE_VERSION,
+      "model_cfg": dataclasses.asdict(model_cfg),
+      "init_params_sha256": _digest_arrays(params),
+      "tokenizer": _tokenizer_fingerprint(tokenizer),
+      "task": ro.task, "template": spec.task_template, "task_gen": spec.task_gen,
+      "chat_template": ro.chat_template, "max_prompt_len": ro.max_prompt_len,
+      "max_new_tokens": ro.max_new_tokens, "num_train_problems": len(train_problems),
+      "problems_sha256": probs.hexdigest(),
+      "sft_steps": spec.sft_steps, "sft_lr": spec.sft_lr, "sft_batch_size": spec.sft_batch_size,
+      "seed": spec.seed,
+  }
+
+
+def cache_key(fields: dict) -> str:
+  """SHA-256 (hex, 24 chars) of the canonical JSON of `key_fields`."""
+  return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cache_dir(spec) -> str:
+  return spec.sft_cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "vcpo_jax", "sft")
+
+
+def _names(tree) -> list[str]:
+  return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def save_params(path: str, params, metadata: dict) -> None:
+  """Atomically writes `params` (leaves named by their tree path) and JSON metadata to a safetensors file."""
+  from safetensors.numpy import save_file
+  tensors = {n: np.asarray(x) for n, x in zip(_names(params), jax.tree.leaves(params))}
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".safetensors")
+  os.close(fd)
+  try:
+    save_file(tensors, tmp, metadata={"vcpo_jax_sft": json.dumps(metadata, default=str)})
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def load_params(path: str, like) -> tuple[Any, dict] | None:
+  """(params shaped like `like`, metadata) from `save_params`, or None if the file is absent or mismatched."""
+  if not os.path.isfile(path):
+    return None
+  from safetensors import safe_open
+  from safetensors.numpy import load_file
+  try:
+    tensors = load_file(path)
+    with safe_open(path, framework="numpy") as f:
+      meta = json.loads((f.metadata() or {}).get("vcpo_jax_sft", "{}"))
+  except Exception as e:  # a corrupt file is rebuilt, not fatal
+    log.warning("sft cache %s unreadable (%s); rebuilding", path, e)
+    return None
+  leaves, treedef = jax.tree.flatten(like)
+  names = _names(like)
+  if set(names) != set(tensors) or any(tensors[n].shape != np.shape(x) for n, x in zip(names, leaves)):
+    log.warning("sft cache %s does not match the model's parameters; rebuilding", path)
+    return None
+  return jax.tree.unflatten(treedef, [jnp.asarray(tensors[n], dtype=x.dtype) for n, x in zip(names, leaves)]), meta
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def warm_start(graphdef, params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], spec,
+               workdir: str | None = None):
+  """The warm-started parameters for this run: loaded from the cache, or trained and cached.
+
+  Args:
+    graphdef, params: the randomly initialised policy (transformer.split).
+    model_cfg: its ModelConfig.  tokenizer: a transformers tokenizer with an EOS.
+    train_problems: the run's training pool (Problem.solution holds the targets).
+    spec: run_config.RunSpec (sft_steps / sft_lr / sft_batch_size / sft_cache_dir, seed,
+      rollout budgets, template, generator knobs, temperature, progress).
+    workdir: if given, `sft.json` there records what happened.
+  Returns:
+    params, same structure as the input.
+  """
+  t0 = time.time()
+  fields = key_fields(params, model_cfg, tokenizer, train_problems, spec)
+  key = cache_key(fields)
+  path = os.path.join(cache_dir(spec), f"{key}.safetensors")
+  hit = load_params(path, params)
+  if hit is not None:
+    params, meta = hit
+    log.info("sft warm start: loaded %s (trained %d steps, final loss %.3f, greedy accuracy %.3f)", path,
+             spec.sft_steps, meta.get("final_loss", float("nan")), meta.get("greedy_accuracy", float("nan")))
+    record = dict(meta, cached=True, load_s=time.time() - t0, path=path)
+  else:
+    record = _build(graphdef, params, model_cfg, tokenizer, train_problems, spec, key, fields)
+    params = record.pop("params")
+    save_params(path, params, record)
+    record.update(cached=False, path=path)
+  if workdir:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "sft.json"), "w") as f:
+      json.dump(record, f, indent=1, default=str)
+  return params
+
+
+def _build(graphdef, params, model_cfg, tokenizer, train_problems, spec, key, fields) -> dict:
+  ro = spec.rollout
+  problems = list(train_problems)
+  # Hold out a few problems (never trained on) to report the accuracy reached.
+  n_report = min(NUM_REPORT_PROBLEMS, len(problems) // 4)
+  report, fit = problems[len(problems) - n_report:], problems[:len(problems) - n_report]
+  examples = build_examples(fit, tokenizer, ro.max_prompt_len, ro.max_new_tokens, ro.chat_template)
+  t0 = time.time()
+  params, losses = train(graphdef, params, examples, steps=spec.sft_steps, lr=spec.sft_lr,
+                         batch_size=spec.sft_batch_size, seed=spec.seed, progress=spec.progress)
+  train_s = time.time() - t0
+  acc = {}
+  if n_report:
+    kw = dict(max_prompt_len=ro.max_prompt_len, max_new_tokens=ro.max_new_tokens, seed=spec.seed,
+              chat_template=ro.chat_template)
+    acc["greedy_accuracy"] = accuracy(graphdef, params, model_cfg, tokenizer, report, temperature=0.0, **kw)
+    acc["sampled_accuracy"] = accuracy(graphdef, params, model_cfg, tokenizer, report,
+                                       temperature=spec.temperature, **kw)
+  k = max(1, min(10, len(losses) // 10))
+  record = dict(key=key, fields=fields, steps=spec.sft_steps, examples=len(examples),
+                initial_loss=float(losses[:k].mean()), final_loss=float(losses[-k:].mean()),
+                train_s=train_s, total_s=time.time() - t0, report_problems=n_report,
+                sampled_temperature=spec.temperature, **acc)
+  log.info("sft warm start: %d steps in %.1fs, loss %.3f -> %.3f, held-out accuracy greedy %s sampled %s",
+           spec.sft_steps, train_s, record["initial_loss"], record["final_loss"],
+           acc.get("greedy_accuracy"), acc.get("sampled_accuracy"))
+  print(f"sft warm start: {spec.sft_steps} steps in {train_s:.1f}s, loss {record['initial_loss']:.3f} -> "
+        f"{record['final_loss']:.3f}, held-out accuracy greedy {acc.get('greedy_accuracy')} "
+        f"sampled(T={spec.temperature}) {acc.get('sampled_accuracy')}", flush=True)
+  record["params"] = params
+  return record
