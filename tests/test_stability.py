@@ -1,0 +1,163 @@
+"""Tests of the pure exact-lag run (pure_lag.py) and the stability study's bookkeeping (stability.py)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vcpo_jax import estimator
+from vcpo_jax.experiments import pure_lag as pl
+from vcpo_jax.experiments import stability as st
+from vcpo_jax.model import transformer
+
+CFG = pl.PureLagConfig(alphabet=4, max_stride=2, resp_len=4, prompts_per_step=2, group_size=4, steps=6,
+                       eval_every=3, eval_samples=1, hidden=16, layers=1, heads=2, mlp=16, debug_trace=True)
+MAX_K = 2
+
+
+@pytest.fixture(scope="module")
+def run():
+  # One compile (k is traced) shared by every pure_lag test; vcpo exercises OPOB and the ESS rate.
+  return jax.jit(pl.make_run_fn(CFG, estimator.pg_config_from_preset("vcpo"), MAX_K))
+
+
+@pytest.fixture(scope="module")
+def runs(run):
+  key = jax.random.key(7)
+  return {k: jax.device_get(run(key, jnp.float32(3e-2), k)) for k in (0, MAX_K)}
+
+
+def test_reward_hand_computed():
+  # alphabet 4, stride token 4 + s - 1; position t correct iff y_t == (y_{t-1} + s) % 4, y_{-1} = a.
+  prompt = jnp.array([[1, 5], [1, 5], [0, 4], [3, 4]])  # (a=1, s=2), (a=1, s=2), (a=0, s=1), (a=3, s=1)
+  resp = jnp.array([[3, 1, 3, 1],  # all correct
+                    [3, 0, 2, 5],  # 3 ok; 0 != 1; 2 == (0+2)%4 ok; 5 is a stride token: wrong
+                    [1, 2, 3, 0],  # all correct (wraps)
+                    [1, 1, 2, 3]])  # 0 wanted; 1 != 2; 2 ok; 3 ok
+  np.testing.assert_allclose(pl.reward(CFG, prompt, resp), [1.0, 0.5, 1.0, 0.5])
+  assert CFG.vocab == 6 and CFG.num_prompts == 8 and CFG.chance == pytest.approx(1 / 6)
+
+
+def test_sync_on_policy_has_unit_ess_and_zero_lag(runs):
+  out = runs[0]
+  np.testing.assert_array_equal(out["version"], np.arange(CFG.steps))
+  # On-policy: learner and sampler log-probs agree up to float error (cache vs full forward).
+  np.testing.assert_allclose(out["ess_ratio"], 1.0, atol=1e-4)
+  np.testing.assert_allclose(out["lr_scale"], 1.0, atol=1e-4)
+  assert np.abs(out["log_ratio_max"]).max() < 1e-3
+  assert out["accuracy"].shape == (CFG.steps // CFG.eval_every,)
+  np.testing.assert_array_equal(out["eval_step"], [3, 6])
+
+
+def _version_params(key, trace_params, v):
+  """Parameters of version v: v = 0 is the init, v >= 1 the params after step v - 1's update."""
+  if v == 0:
+    return pl.init_params(CFG, jax.random.split(key, 3)[0])
+  return jax.tree.map(lambda x: x[v - 1], trace_params)
+
+
+def test_lag_batch_sampled_with_params_of_step_t_minus_k(runs):
+  out, k, key = runs[MAX_K], MAX_K, jax.random.key(7)
+  np.testing.assert_array_equal(out["version"], np.maximum(np.arange(CFG.steps) - k, 0))
+  graphdef = pl._graphdef(CFG)
+  score = jax.jit(lambda p, tok, val: transformer.sequence_logprobs(graphdef, p, tok, val))
+  valid = jnp.ones(out["tokens"].shape[1:], bool)
+  for t in range(CFG.steps):
+    v = max(0, t - k)
+    tokens = jnp.asarray(out["tokens"][t])
+    lp = score(_version_params(key, out["params"], v), tokens, valid)
+    np.testing.assert_allclose(np.asarray(lp)[:, 2:], out["behavior_logp"][t][:, 2:], atol=2e-5,
+                               err_msg=f"step {t}: behavior log-probs are not version {v}'s")
+    if t >= k:  # and not the next version's (the params do change every step)
+      lp_next = score(_version_params(key, out["params"], v + 1), tokens, valid)
+      assert np.abs(np.asarray(lp_next)[:, 2:] - out["behavior_logp"][t][:, 2:]).max() > 1e-3
+  # Stale data: the ratios are no longer 1 once the lag is real.
+  assert out["ess_ratio"][k:].min() < 0.999
+
+
+def test_run_is_deterministic_for_a_key(run, runs):
+  again = jax.device_get(run(jax.random.key(7), jnp.float32(3e-2), 0))
+  for name in ("accuracy", "reward", "ess_ratio", "grad_norm", "tokens"):
+    np.testing.assert_array_equal(again[name], runs[0][name])
+  other = jax.device_get(run(jax.random.key(8), jnp.float32(3e-2), 0))
+  assert not np.array_equal(other["tokens"], runs[0]["tokens"])
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match="eval_every"):
+    pl.PureLagConfig(steps=10, eval_every=3)
+  with pytest.raises(ValueError, match="grad_path"):
+    pl.PureLagConfig(grad_path="loop")
+  with pytest.raises(ValueError, match="max_k"):
+    pl.run_grid(CFG, estimator.pg_config_from_preset("none"), 3, [0], [1e-2], max_k=2)
+
+
+# ----------------------------------------------------------------------------- bookkeeping
+
+
+def test_resume_skips_finished_cells(tmp_path):
+  calls = []
+
+  def cell_fn(method, k):
+    calls.append((method, k))
+    return dict(accuracy=np.full((1, 1, 2), float(k)))
+
+  cells = [("none", 0), ("none", 8), ("vcpo", 0)]
+  assert st.run_cells(cells[:2], tmp_path, "pure_lag", "fp1", cell_fn, log=lambda s: None) == cells[:2]
+  # "Interrupted" after two cells: the rerun does only the third.
+  assert st.run_cells(cells, tmp_path, "pure_lag", "fp1", cell_fn, log=lambda s: None) == [("vcpo", 0)]
+  assert calls == cells
+  z = st.load_cell(st.cell_path(tmp_path, "pure_lag", "none", 8), "fp1")
+  np.testing.assert_array_equal(z["accuracy"], np.full((1, 1, 2), 8.0))
+  # Other settings (fingerprint) or a torn file: the cell runs again.
+  assert st.load_cell(st.cell_path(tmp_path, "pure_lag", "none", 8), "fp2") is None
+  st.cell_path(tmp_path, "pure_lag", "vcpo", 0).write_bytes(b"torn")
+  assert st.run_cells(cells, tmp_path, "pure_lag", "fp1", cell_fn, log=lambda s: None) == [("vcpo", 0)]
+
+
+def test_final_and_collapse_hand_made_curves():
+  steps = np.arange(1, 11) * 10  # evaluations at 10..100
+  rising = np.linspace(0.1, 0.9, 10)
+  crash = np.array([.1, .4, .7, .8, .6, .3, .2, .15, .1, .1])
+  # last 10% of 100 steps: only the evaluation at 100 (step > 90); 20%: steps 90 and 100.
+  np.testing.assert_allclose(st.final_value(np.stack([rising, crash]), steps, 100, 0.1), [0.9, 0.1])
+  np.testing.assert_allclose(st.final_value(crash, steps, 100, 0.2), 0.1)
+  chance = 0.1
+  # rising: final 0.9 = best: fine. crash: best 0.8 (gain 0.7), final 0.1 (gain 0) < 0.35: collapsed.
+  # flat at chance: best gain 0.02 < min_gain: never learned, not collapsed. below chance: collapsed.
+  flat = np.full(10, 0.1) + np.r_[0.02, np.zeros(9)]
+  fin = [0.9, 0.1, 0.1, 0.05]
+  best = [0.9, 0.8, 0.12, 0.3]
+  np.testing.assert_array_equal(st.collapsed(fin, best, chance, 0.5, 0.1), [False, True, False, True])
+  # collapse step: line = 0.1 + 0.5 * 0.7 = 0.45; after the best (step 40) 0.6 is above, 0.3 at step 60
+  # is below and stays below.
+  assert st.collapse_step(crash, steps, chance, 0.5) == 60.0
+  # a dip that recovers is not the collapse step
+  dip = np.array([.1, .8, .2, .7, .3, .2, .1, .1, .1, .1])
+  assert st.collapse_step(dip, steps, chance, 0.5) == 50.0
+  assert math.isnan(st.collapse_step(rising, steps, chance, 0.5))
+  del flat
+
+
+def test_alarm_and_lead_time_hand_made():
+  np.testing.assert_allclose(st.trailing_median(np.array([1., .2, .3, .9, .1]), 3), [1., .6, .3, .3, .3])
+  ess = np.array([1., 1., .2, .2, .2, 1., 1., 1.])
+  # window 3: medians 1, 1, 1, .2 (index 3) -> 1-based step 4
+  assert st.alarm_step(ess, 0.25, 3) == 4.0
+  assert math.isnan(st.alarm_step(np.ones(8), 0.25, 3))
+  steps = np.array([4, 8])
+  acc = np.array([[0.9, 0.1],    # collapsed at step 8; its ESS alarm fires at 4: lead 4
+                  [0.9, 0.1],    # collapsed, ESS always 1: missed
+                  [0.5, 0.9],    # fine, with an alarm: false alarm
+                  [0.5, 0.9]])   # fine, no alarm
+  ess_runs = np.stack([ess, np.ones(8), ess, np.ones(8)])
+  r = st.ess_predictor(ess_runs, acc, steps, 0.1, 0.5, 0.1, 0.1, 8, 0.25, 3)
+  assert r["n_collapsed"] == 2 and r["n_missed"] == 1 and r["n_ok"] == 2 and r["n_false_alarm"] == 1
+  assert r["lead_times"][0] == 4.0 and math.isnan(r["lead_times"][1])
+  assert r["false_alarm_rate"] == 0.5
+
+
+def test_select_lr_rule():
+  assert st.select_lr({1e-3: 0.5, 1e-2: 0.7, 3e-2: 0.6}) == 1e-2
+  assert st.select_lr({3e-2: 0.7, 1e-2: 0.7}) == 1e-2  # ties: the smaller lr

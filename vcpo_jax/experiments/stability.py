@@ -1,0 +1,490 @@
+"""The stability study: methods x lag k x seeds x learning rates, resumable, one command.
+
+  python -m vcpo_jax.experiments.stability --out=docs/results [--quick]
+
+Each cell (method, k) runs every (lr, seed) of the grid at once (pure_lag:
+one compile per method, vmapped runs) and is saved to
+<out>/stability_raw/<backend>/<method>_k<k>.npz as soon as it finishes,
+together with the fingerprint of the settings that produced it; a rerun skips
+cells whose file exists with the same fingerprint, so an interrupted study
+resumes where it stopped. With workers > 1, methods are split between
+subprocesses (each compiles its methods once; XLA's compile is mostly serial,
+so two processes overlap one's compile with the other's run). At the end the
+report (<out>/stability.md and PNGs) is written from whatever cells exist.
+
+Definitions (fixed before the study; configs/stability.py `analysis`):
+  final      mean accuracy over the evaluations in the last final_frac of steps.
+  best       max accuracy over evaluations.
+  collapsed  final < chance, or (best - chance >= min_gain and
+             final - chance < collapse_keep * (best - chance)):
+             the run lost at least half of what it had gained over chance.
+  t_collapse the first evaluation step after the best from which accuracy stays
+             below chance + collapse_keep * (best - chance) to the end.
+  alarm      the first step at which the trailing median (window w) of the
+             unclipped ESS ratio is below a threshold theta.
+  lead time  t_collapse - t_alarm for collapsed runs (> 0: the alarm came first);
+  false-alarm rate: fraction of non-collapsed runs with an alarm.
+  selection  per method, the lr with the best mean final accuracy at k = 0
+             (ties: the smaller lr); every lr is reported as well.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+NOTES_BEGIN, NOTES_END = "<!-- notes -->", "<!-- /notes -->"
+
+# ----------------------------------------------------------------------------- statistics (numpy, host)
+
+
+def final_value(curve: np.ndarray, steps_of_curve: np.ndarray, total_steps: int, frac: float) -> np.ndarray:
+  """Mean of curve[..., j] over the points whose step lies in the last `frac` of training.
+
+  Args:
+    curve: [..., E] values at steps_of_curve [E] (ascending, in 1..total_steps).
+  Returns [...]; at least the last point is always included.
+  """
+  steps_of_curve = np.asarray(steps_of_curve)
+  sel = steps_of_curve > total_steps * (1.0 - frac)
+  sel[-1] = True
+  return np.asarray(curve)[..., sel].mean(-1)
+
+
+def collapsed(final, best, chance: float, keep: float, min_gain: float) -> np.ndarray:
+  """Collapse flag (see module docstring), elementwise over runs."""
+  final, best = np.asarray(final, float), np.asarray(best, float)
+  gain = best - chance
+  return (final < chance) | ((gain >= min_gain) & (final - chance < keep * gain))
+
+
+def collapse_step(curve: np.ndarray, steps_of_curve: np.ndarray, chance: float, keep: float) -> float:
+  """First evaluation step after the best from which the curve stays below the half-gain line.
+
+  Args: curve [E] of one run. Returns the step (float) or nan if it never stays below.
+  """
+  curve = np.asarray(curve, float)
+  ib = int(np.argmax(curve))
+  line = chance + keep * (curve[ib] - chance)
+  below = curve < line
+  # stays below from j on: suffix-all of `below`
+  suffix = np.flip(np.cumprod(np.flip(below))).astype(bool)
+  idx = [j for j in range(ib + 1, len(curve)) if suffix[j]]
+  return float(np.asarray(steps_of_curve)[idx[0]]) if idx else math.nan
+
+
+def trailing_median(x: np.ndarray, window: int) -> np.ndarray:
+  """m[t] = median(x[max(0, t - window + 1) : t + 1]), [S] -> [S]."""
+  x = np.asarray(x, float)
+  return np.array([np.median(x[max(0, t - window + 1):t + 1]) for t in range(len(x))])
+
+
+def alarm_step(ess_ratio: np.ndarray, threshold: float, window: int) -> float:
+  """First (1-based) step whose trailing-median ESS ratio is below threshold; nan if none.
+
+  Steps are 1-based like evaluation steps: metric index t is learner step t + 1.
+  """
+  below = np.nonzero(trailing_median(ess_ratio, window) < threshold)[0]
+  return float(below[0] + 1) if below.size else math.nan
+
+
+def ess_predictor(ess_runs: np.ndarray, acc_runs: np.ndarray, eval_steps: np.ndarray, chance: float,
+                  keep: float, min_gain: float, final_frac: float, total_steps: int,
+                  threshold: float, window: int) -> dict:
+  """Lead times for collapsed runs and the false-alarm rate for the others.
+
+  Args: ess_runs [R, S], acc_runs [R, E]. Returns dict(n_collapsed, lead_times (list,
+  nan where no alarm), n_missed, n_ok, n_false_alarm, false_alarm_rate).
+  """
+  fin = final_value(acc_runs, eval_steps, total_steps, final_frac)
+  col = collapsed(fin, acc_runs.max(-1), chance, keep, min_gain)
+  lead, n_fa, n_missed = [], 0, 0
+  for r in range(acc_runs.shape[0]):
+    ta = alarm_step(ess_runs[r], threshold, window)
+    if col[r]:
+      tc = collapse_step(acc_runs[r], eval_steps, chance, keep)
+      lead.append(tc - ta)
+      n_missed += int(math.isnan(ta))
+    else:
+      n_fa += int(not math.isnan(ta))
+  n_ok = int((~col).sum())
+  return dict(n_collapsed=int(col.sum()), lead_times=lead, n_missed=n_missed, n_ok=n_ok,
+              n_false_alarm=n_fa, false_alarm_rate=(n_fa / n_ok) if n_ok else math.nan)
+
+
+def select_lr(final_k0_by_lr: dict[float, float]) -> float:
+  """The rule fixed in advance: best mean final accuracy at k = 0; ties go to the smaller lr."""
+  items = sorted(final_k0_by_lr.items())
+  best = max(v for _, v in items)
+  return next(lr for lr, v in items if v == best)
+
+
+# ----------------------------------------------------------------------------- cells and resume
+
+
+def fingerprint(settings: dict) -> str:
+  """Stable hash of everything that determines a cell's numbers."""
+  return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cell_path(out: Path, backend: str, method: str, k: int) -> Path:
+  return Path(out) / "stability_raw" / backend / f"{method}_k{k}.npz"
+
+
+def load_cell(path: Path, fp: str) -> dict | None:
+  """The saved arrays if the file exists and was made with fingerprint fp, else None."""
+  if not path.exists():
+    return None
+  try:
+    with np.load(path, allow_pickle=False) as z:
+      if str(z["fingerprint"]) != fp:
+        return None
+      return {k: z[k] for k in z.files}
+  except (OSError, ValueError, KeyError):
+    return None  # a torn or foreign file: run the cell again
+
+
+def save_cell(path: Path, arrays: dict, fp: str, seconds: float):
+  """Atomic write (tmp + rename): an interrupted save never looks finished."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + ".tmp.npz")
+  np.savez(tmp, fingerprint=np.asarray(fp), seconds=np.asarray(seconds), **arrays)
+  os.replace(tmp, path)
+
+
+def run_cells(cells: Sequence[tuple[str, int]], out: Path, backend: str, fp: str,
+              cell_fn: Callable[[str, int], dict], log=print) -> list[tuple[str, int]]:
+  """Runs the cells not yet saved with fingerprint fp, saving each when done.
+
+  Returns the cells that were actually run (the others were skipped).
+  """
+  ran = []
+  for method, k in cells:
+    path = cell_path(out, backend, method, k)
+    if load_cell(path, fp) is not None:
+      log(f"[skip] {method} k={k}: {path} exists")
+      continue
+    t0 = time.time()
+    arrays = cell_fn(method, k)
+    dt = time.time() - t0
+    save_cell(path, arrays, fp, dt)
+    ran.append((method, k))
+    log(f"[done] {method} k={k} in {dt:.0f}s -> {path}")
+  return ran
+
+
+# ----------------------------------------------------------------------------- the pure_lag backend
+
+
+def pure_lag_settings(c) -> dict:
+  return dict(backend="pure_lag", task=c.task.to_dict(), model=c.model.to_dict(), optim=c.optim.to_dict(),
+              seeds=list(c.seeds), lrs=list(c.lrs), max_k=max(c.ks))
+
+
+def pure_lag_config(c):
+  from vcpo_jax.experiments import pure_lag
+  t, m, o = c.task, c.model, c.optim
+  return pure_lag.PureLagConfig(
+      alphabet=t.alphabet, max_stride=t.max_stride, resp_len=t.resp_len,
+      prompts_per_step=t.prompts_per_step, group_size=t.group_size, steps=t.steps,
+      eval_every=t.eval_every, eval_samples=t.eval_samples, hidden=m.hidden, layers=m.layers,
+      heads=m.heads, mlp=m.mlp, weight_decay=o.weight_decay, clip_norm=o.clip_norm)
+
+
+def pure_lag_cell_fn(c) -> Callable[[str, int], dict]:
+  from vcpo_jax import estimator
+  from vcpo_jax.experiments import pure_lag
+  cfg = pure_lag_config(c)
+
+  def fn(method, k):
+    pg = estimator.pg_config_from_preset(method)
+    return pure_lag.run_grid(cfg, pg, k, c.seeds, c.lrs, max_k=max(c.ks))
+
+  return fn
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(mean, std):
+  return f"{mean:.3f} +- {std:.3f}"
+
+
+def summarize(c, out: Path) -> dict:
+  """Loads every finished cell and computes the per-(method, k, lr) statistics."""
+  fp = fingerprint(pure_lag_settings(c))
+  chance = 1.0 / (c.task.alphabet + c.task.max_stride)
+  a = c.analysis
+  cells, stats = {}, {}
+  for method in c.methods:
+    for k in c.ks:
+      z = load_cell(cell_path(out, c.backend, method, k), fp)
+      if z is None:
+        continue
+      cells[(method, k)] = z
+      ev = z["eval_step"][0, 0]
+      for i, lr in enumerate(c.lrs):
+        acc, ess = z["accuracy"][i], z["ess_ratio"][i]  # [seeds, E], [seeds, S]
+        fin = final_value(acc, ev, c.task.steps, a.final_frac)
+        best = acc.max(-1)
+        col = collapsed(fin, best, chance, a.collapse_keep, a.min_gain)
+        stats[(method, k, lr)] = dict(
+            final=(fin.mean(), fin.std()), best=(best.mean(), best.std()), collapsed=int(col.sum()),
+            n=len(fin), ess_min=float(ess.min()), ess_q10=float(np.quantile(ess, 0.1, axis=-1).mean()),
+            ess_median=float(np.median(ess, axis=-1).mean()),
+            ess_applied_q10=float(np.quantile(z["ess_ratio_applied"][i], 0.1, axis=-1).mean()),
+            lr_scale_mean=float(z["lr_scale"][i].mean()), grad_norm_max=float(z["grad_norm"][i].max()),
+            seconds=float(z["seconds"]))
+  selected = {}
+  for method in c.methods:
+    k0 = {lr: stats[(method, 0, lr)]["final"][0] for lr in c.lrs if (method, 0, lr) in stats}
+    if k0:
+      selected[method] = select_lr(k0)
+  return dict(cells=cells, stats=stats, selected=selected, chance=chance, fingerprint=fp)
+
+
+def plot(c, summary: dict, out: Path) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  cells, selected = summary["cells"], summary["selected"]
+  names = []
+  colors = plt.get_cmap("tab10")
+
+  def panel(ax, method, k, i, color, key="accuracy", steps_key="eval_step"):
+    z = cells[(method, k)]
+    y = z[key][i]
+    if key == "ess_ratio":
+      y = np.stack([trailing_median(r, c.analysis.ess_window) for r in y])
+      x = np.arange(1, y.shape[-1] + 1)
+    else:
+      x = z[steps_key][i, 0]
+    m, s = y.mean(0), y.std(0)
+    ax.plot(x, m, color=color, label=method, lw=1.2)
+    ax.fill_between(x, m - s, m + s, color=color, alpha=0.15)
+
+  for key, fname, ylabel in (("accuracy", "stability_accuracy.png", "accuracy (mean +- std over seeds)"),
+                             ("ess_ratio", "stability_ess.png",
+                              f"ESS ratio, trailing median ({c.analysis.ess_window} steps)")):
+    fig, axes = plt.subplots(1, len(c.ks), figsize=(4.2 * len(c.ks), 3.6), sharey=True, squeeze=False)
+    for j, k in enumerate(c.ks):
+      ax = axes[0, j]
+      for mi, method in enumerate(c.methods):
+        if (method, k) in cells and method in selected:
+          panel(ax, method, k, list(c.lrs).index(selected[method]), colors(mi % 10), key)
+      ax.set_title(f"k = {k} (selected lr per method)")
+      ax.set_xlabel("learner step")
+      if key == "accuracy":
+        ax.axhline(summary["chance"], color="k", ls=":", lw=0.8)
+      else:
+        ax.set_yscale("log")
+    axes[0, 0].set_ylabel(ylabel)
+    axes[0, -1].legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    fig.savefig(out / fname, dpi=110)
+    plt.close(fig)
+    names.append(fname)
+
+  fig, axes = plt.subplots(len(c.lrs), len(c.ks), figsize=(4.2 * len(c.ks), 3.0 * len(c.lrs)),
+                           sharey=True, squeeze=False)
+  for i, lr in enumerate(c.lrs):
+    for j, k in enumerate(c.ks):
+      ax = axes[i, j]
+      for mi, method in enumerate(c.methods):
+        if (method, k) in cells:
+          panel(ax, method, k, i, colors(mi % 10))
+      ax.axhline(summary["chance"], color="k", ls=":", lw=0.8)
+      ax.set_title(f"lr = {lr:g}, k = {k}", fontsize=9)
+  axes[0, -1].legend(fontsize=6, loc="best")
+  fig.tight_layout()
+  fig.savefig(out / "stability_accuracy_all_lrs.png", dpi=90)
+  plt.close(fig)
+  names.append("stability_accuracy_all_lrs.png")
+  return names
+
+
+def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: str) -> Path:
+  out = Path(out)
+  stats, selected, cells = summary["stats"], summary["selected"], summary["cells"]
+  a = c.analysis
+  path = out / "stability.md"
+  notes = ""
+  if path.exists():
+    old = path.read_text()
+    if NOTES_BEGIN in old and NOTES_END in old:
+      notes = old[old.index(NOTES_BEGIN):old.index(NOTES_END) + len(NOTES_END)]
+  done = sorted(cells)
+  missing = [(m, k) for m in c.methods for k in c.ks if (m, k) not in cells]
+  L = []
+  L.append("# Stability study (backend: `pure_lag`, synthetic stride-counting task)\n")
+  L.append(f"Generated by `{command}` (vcpo_jax/experiments/stability.py, configs/stability.py). "
+           "Every table below comes from the **pure_lag** backend: a "
+           f"{c.model.layers}-layer D={c.model.hidden} transformer (`vcpo_jax.model.transformer`), "
+           f"T = {c.task.resp_len} response tokens, {c.task.prompts_per_step} prompts x "
+           f"{c.task.group_size} samples per step, {c.task.steps} learner steps, exact lag, "
+           "the library's estimator (`pg_coefficients` via `ghost_policy_gradient`) and optimizer "
+           f"(`make_optimizer`: clip {c.optim.clip_norm}, AdamW wd {c.optim.weight_decay}, ESS scale). "
+           "Not the countdown trainer.\n")
+  L.append(f"- cells finished: {len(done)} / {len(c.methods) * len(c.ks)}"
+           + (f"; missing: {', '.join(f'{m} k={k}' for m, k in missing)}" if missing else "") + "\n")
+  L.append(f"- seeds {list(c.seeds)}, learning rates {list(c.lrs)} (the same grid for every method), "
+           f"lags k {list(c.ks)}; chance accuracy {summary['chance']:.3f}; settings fingerprint "
+           f"`{summary['fingerprint']}`\n")
+  secs = sum(float(z['seconds']) for z in cells.values())
+  L.append(f"- compute: {secs / 60:.1f} min summed over cells"
+           + (f"; this invocation's wall-clock {runtime_s / 60:.1f} min" if runtime_s is not None else "")
+           + "\n")
+  L.append("\n## Definitions (fixed before the runs)\n")
+  L.append(f"- accuracy: mean reward (fraction of correct tokens) of the current policy's samples on all "
+           f"{c.task.alphabet * c.task.max_stride} prompts x {c.task.eval_samples}, temperature 1, every "
+           f"{c.task.eval_every} steps. final = mean over evaluations in the last "
+           f"{a.final_frac:.0%} of steps; best = max over evaluations.\n")
+  L.append(f"- collapsed: final < chance, or (best - chance >= {a.min_gain} and final - chance < "
+           f"{a.collapse_keep} x (best - chance)), i.e. the run lost at least half its gain over chance.\n")
+  L.append("- ESS: unclipped sequence-weight ESS ratio of each training batch (min over all steps of all "
+           "seeds; q10 and median: per-run quantile over steps, averaged over seeds); `applied q10` uses "
+           "the weights the update applies.\n")
+  L.append(f"- lr selection: per method, the lr with the best mean final accuracy at k = 0 (ties: smaller lr). "
+           "All lrs are in the full table.\n")
+
+  L.append("\n## Headline: selected lr per method\n")
+  L.append("| method | lr | k | final | best | collapsed | ESS min | ESS q10 | ESS median | applied q10 | mean lr scale |")
+  L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+  for m in c.methods:
+    if m not in selected:
+      continue
+    lr = selected[m]
+    for k in c.ks:
+      s = stats.get((m, k, lr))
+      if s is None:
+        continue
+      L.append(f"| {m} | {lr:g} | {k} | {_fmt(*s['final'])} | {_fmt(*s['best'])} | {s['collapsed']}/{s['n']} | "
+               f"{s['ess_min']:.3f} | {s['ess_q10']:.3f} | {s['ess_median']:.3f} | {s['ess_applied_q10']:.3f} | "
+               f"{s['lr_scale_mean']:.2f} |")
+  L.append("\n![accuracy](stability_accuracy.png)\n")
+  L.append("![ESS](stability_ess.png)\n")
+
+  L.append("\n## Final accuracy, every lr (mean +- std over seeds; collapsed runs in brackets)\n")
+  L.append("| method | k | " + " | ".join(f"lr {lr:g}" for lr in c.lrs) + " |")
+  L.append("|---|---|" + "---|" * len(c.lrs))
+  for m in c.methods:
+    for k in c.ks:
+      row = []
+      for lr in c.lrs:
+        s = stats.get((m, k, lr))
+        row.append("-" if s is None else f"{_fmt(*s['final'])} [{s['collapsed']}]")
+      if any(x != "-" for x in row):
+        L.append(f"| {m} | {k} | " + " | ".join(row) + " |")
+  L.append("\n![all lrs](stability_accuracy_all_lrs.png)\n")
+
+  L.append("\n## ESS as a predictor of collapse (all methods, k, lrs pooled)\n")
+  L.append(f"Alarm: trailing median over {a.ess_window} steps of the unclipped ESS ratio below theta. "
+           "Lead time = collapse step - alarm step (positive: the alarm came first).\n")
+  L.append("| theta | collapsed runs | alarmed before collapse | lead time median [min, max] | missed | "
+           "non-collapsed runs | false alarms (rate) |")
+  L.append("|---|---|---|---|---|---|---|")
+  for th in a.ess_thresholds:
+    lead, n_col, n_missed, n_ok, n_fa = [], 0, 0, 0, 0
+    for (m, k), z in cells.items():
+      for i, _ in enumerate(c.lrs):
+        r = ess_predictor(z["ess_ratio"][i], z["accuracy"][i], z["eval_step"][i, 0], summary["chance"],
+                          a.collapse_keep, a.min_gain, a.final_frac, c.task.steps, th, a.ess_window)
+        lead += r["lead_times"]
+        n_col += r["n_collapsed"]
+        n_missed += r["n_missed"]
+        n_ok += r["n_ok"]
+        n_fa += r["n_false_alarm"]
+    lt = np.asarray([x for x in lead if not math.isnan(x)])
+    before = int((lt > 0).sum())
+    lt_s = f"{np.median(lt):.0f} [{lt.min():.0f}, {lt.max():.0f}]" if lt.size else "-"
+    rate = f"{n_fa / n_ok:.2f}" if n_ok else "-"
+    L.append(f"| {th} | {n_col} | {before} | {lt_s} | {n_missed} | {n_ok} | {n_fa} ({rate}) |")
+
+  L.append("\n## Notes\n")
+  L.append(notes or f"{NOTES_BEGIN}\n(no notes yet)\n{NOTES_END}")
+  L.append("")
+  path.write_text("\n".join(L))
+  return path
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _load_config(quick: bool, overrides: Sequence[str]):
+  sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+  from configs import stability as cfg_mod
+  c = cfg_mod.get_config("quick" if quick else None)
+  for ov in overrides:  # --config.a.b=value (python literal)
+    import ast
+    key, _, val = ov.partition("=")
+    node = c
+    parts = key.split(".")[1:]
+    for p in parts[:-1]:
+      node = node[p]
+    try:
+      node[parts[-1]] = ast.literal_eval(val)
+    except (ValueError, SyntaxError):
+      node[parts[-1]] = val
+  if c.backend != "pure_lag":
+    raise ValueError(f"config.backend={c.backend!r}: only 'pure_lag' is implemented")
+  if 0 not in c.ks:
+    raise ValueError("config.ks: must contain 0 (the lr selection rule and the sync reference use k = 0)")
+  return c
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default="docs/results")
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--worker", default=None, help="i/n: run only methods i, i+n, ... (internal)")
+  ap.add_argument("--report_only", action="store_true")
+  args, overrides = ap.parse_known_args(argv)
+  bad = [o for o in overrides if not o.startswith("--config.")]
+  if bad:
+    raise ValueError(f"unknown arguments {bad}; overrides look like --config.lrs='(1e-2,)'")
+  c = _load_config(args.quick, overrides)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  fp = fingerprint(pure_lag_settings(c))
+  t0 = time.time()
+  cells = [(m, k) for m in c.methods for k in c.ks]
+  if args.worker is not None:
+    i, n = (int(x) for x in args.worker.split("/"))
+    mine = [(m, k) for m, k in cells if c.methods.index(m) % n == i]
+    run_cells(mine, out, c.backend, fp, pure_lag_cell_fn(c), log=lambda s: print(f"[w{i}] {s}", flush=True))
+    return
+  if not args.report_only:
+    if c.workers > 1:
+      env = dict(os.environ)
+      # One intra-op thread per worker: the processes, not XLA's threads, share the cores.
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
+                          "intra_op_parallelism_threads=1").strip()
+      base = [sys.executable, "-m", "vcpo_jax.experiments.stability", f"--out={out}"] + (
+          ["--quick"] if args.quick else []) + list(overrides)
+      procs = [subprocess.Popen(base + [f"--worker={i}/{c.workers}"], env=env) for i in range(c.workers)]
+      codes = [p.wait() for p in procs]
+      if any(codes):
+        print(f"workers exited with {codes}; writing the report from the finished cells", flush=True)
+    else:
+      run_cells(cells, out, c.backend, fp, pure_lag_cell_fn(c), log=lambda s: print(s, flush=True))
+  runtime = time.time() - t0
+  summary = summarize(c, out)
+  if summary["cells"]:
+    plot(c, summary, out)
+  cmd = "python -m vcpo_jax.experiments.stability --out=" + str(args.out) + (" --quick" if args.quick else "") + (
+      " " + " ".join(overrides) if overrides else "")
+  path = write_report(c, out, summary, None if args.report_only else runtime, cmd)
+  print(f"total runtime {runtime / 60:.1f} min; report: {path}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
