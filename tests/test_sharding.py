@@ -1,90 +1,94 @@
 """Sharded vs single-device equivalence on 8 fake CPU devices (conftest sets XLA_FLAGS).
 
-For each mesh (data, fsdp, tensor) in (8,1,1), (2,2,2), (1,4,2) the sharded
-forward logits, gradients of a sequence-logprob surrogate, per-example squared
-gradient norms and one full clipped-AdamW learner step must equal the
-single-device results to 1e-5. A bug in the partition rules or in the batch
-sharding (e.g. a batch split over "tensor" too, or a gradient summed over only
-the local shard) gives errors of order 1, not 1e-7.
+For each mesh (data, fsdp, tensor) in (8,1,1), (2,2,2), (1,4,2) one jitted
+function (NamedSharding in/out, donated state) computes the forward logits, the
+gradient of a sequence-logprob surrogate, per-example squared gradient norms
+(brute-force `jax.vmap(jax.grad)`) and one full learner step (`learner.make_train_step`: VCPO
+coefficients, clip -> AdamW -> ESS scale). Every output must equal the
+single-device result to 1e-5. A bug in the partition rules or in the batch
+sharding (a batch split over "tensor" too, a gradient summed over the local
+shard only, a permuted shard) gives errors of order 1e-2..1, not 1e-7.
 """
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
+from vcpo_jax import estimator, learner, optim
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import config, transformer as tf
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
-N, T = 8, 12  # N divisible by data*fsdp for every mesh above
+N, T, G = 8, 12, 4  # N divisible by data*fsdp for every mesh above; P = N / G = 2 prompts
 TOL = 1e-5
 
+# ----------------------------------------------------------------------------- the learner-like step
 
-# ----------------------------------------------------------------------------- the learner-like functions
+# Adam's first step is g / (|g| + eps): its slope 1/eps amplifies float reordering
+# noise on gradient components near zero (with eps = 1e-8 a 1e-10 difference in a
+# 1e-9 gradient moves the update by 10% of lr). eps = 1e-6 bounds that
+# amplification so that the comparison tests the sharding, not float noise.
+TX = optim.make_optimizer(1e-3, weight_decay=0.01, clip_norm=1.0, eps=1e-6)
+LEARNER_CFG = learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), grad_path="ghost")
 
 
 def _batch(cfg, seed=0):
+  """A learner batch without behavior_logp (added from the policy in `_reference`)."""
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, cfg.vocab_size, (N, T), dtype=np.int32)
-  lengths = rng.integers(T // 2, T + 1, N)
-  valid = np.arange(T)[None] < lengths[:, None]  # right padding
+  valid = np.arange(T)[None] < rng.integers(T // 2, T + 1, N)[:, None]  # right padding
   loss_mask = valid & (np.arange(T)[None] >= 3)  # "response" tokens after a 3-token prompt
-  coef = rng.normal(size=N).astype(np.float32)  # per-trajectory PG coefficients (advantage-like)
-  return dict(tokens=tokens, valid=valid, loss_mask=loss_mask.astype(np.float32), coef=coef)
+  return dict(tokens=tokens, valid_mask=valid, loss_mask=loss_mask.astype(np.float32),
+              rewards=rng.integers(0, 2, N).astype(np.float32),
+              group_id=(np.arange(N) // G).astype(np.int32),
+              coef=rng.normal(size=N).astype(np.float32))  # surrogate coefficients (advantage-like)
 
 
-def _surrogate_n(graphdef, params, batch):
-  """Per-trajectory surrogate l_n = c_n * sum_t logp_nt * mask_nt  ->  [N]."""
-  logp_nt = tf.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid"])
-  return batch["coef"] * jnp.sum(logp_nt * batch["loss_mask"], axis=1)
+def _score_n(graphdef, params, batch):
+  """Per-trajectory score sum_t logp_nt * mask_nt -> [N]."""
+  logp_nt = tf.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"])
+  return jnp.sum(logp_nt * batch["loss_mask"], axis=1)
 
 
 def _loss(graphdef, params, batch):
-  return -jnp.mean(_surrogate_n(graphdef, params, batch))
+  """Sequence-logprob surrogate -mean_n c_n * score_n."""
+  return -jnp.mean(batch["coef"] * _score_n(graphdef, params, batch))
 
 
 def _sq_tree_norm(tree):
   return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
 
 
-def _per_example_sq_norms(graphdef, params, batch):
-  """||grad_theta l_n||^2 for each n, brute force with vmap(grad) -> [N]."""
+def _vmap_sq_norms(graphdef, params, batch):
+  """||grad_theta score_n||^2 for each n, brute force with jax.vmap(jax.grad) -> [N]."""
   def one(ex):
     ex1 = jax.tree.map(lambda x: x[None], ex)
-    return _sq_tree_norm(jax.grad(lambda p: _surrogate_n(graphdef, p, ex1)[0])(params))
+    return _sq_tree_norm(jax.grad(lambda p: _score_n(graphdef, p, ex1)[0])(params))
   return jax.vmap(one)(batch)
 
 
-# Adam's first step is g / (|g| + eps): its slope 1/eps amplifies float reordering
-# noise on gradient components near zero (with eps = 1e-8 a 1e-10 difference in a
-# 1e-9 gradient moves the update by 10% of lr). eps = 1e-6 bounds that
-# amplification so that the comparison tests the sharding, not float noise.
-TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, eps=1e-6, weight_decay=0.01))
-
-
 def _learner_step(graphdef, state, batch):
-  """One learner-style step plus every intermediate the test compares.
+  """The real learner step plus every intermediate the test compares.
 
-  Returns ((new_params, new_opt_state), aux) with aux = logits [N, T, V], grads
-  (params tree), per-example squared grad norms [N], loss and grad_norm scalars.
+  Returns (new TrainState, aux): aux = logits [N, T, V], surrogate grads, [N]
+  squared score norms (brute-force vmap) and the step's scalar metrics. The
+  learner step runs the ghost path (norms -> OPOB -> VCPO gradient), so its
+  outputs also check the ghost norms under sharding; the ghost path equals the
+  estimator's vmap reference on one device (tests/test_grad_norms.py). One path
+  per quantity keeps compiles short.
   """
-  params, opt_state = state
-  loss, grads = jax.value_and_grad(lambda p: _loss(graphdef, p, batch))(params)
-  updates, opt_state = TX.update(grads, opt_state, params)
-  params = optax.apply_updates(params, updates)
-  aux = dict(logits=_logits(graphdef, state[0], batch), grads=grads,
-             sq_norms=_per_example_sq_norms(graphdef, state[0], batch),
-             loss=loss, grad_norm=optax.global_norm(grads))
-  return (params, opt_state), aux
-
-
-def _logits(graphdef, params, batch):
-  pos, mask = tf.padded_positions_and_mask(batch["valid"])
-  return tf.forward(graphdef, params, batch["tokens"], pos, mask)[0]
+  params = state.params
+  pos, mask = tf.padded_positions_and_mask(batch["valid_mask"])
+  aux = dict(
+      logits=tf.forward(graphdef, params, batch["tokens"], pos, mask)[0],
+      grads=jax.grad(lambda p: _loss(graphdef, p, batch))(params),
+      sq_norms=_vmap_sq_norms(graphdef, params, batch),
+  )
+  new_state, metrics = learner.make_train_step(graphdef, TX, LEARNER_CFG)(state, batch)
+  return new_state, dict(aux, metrics=metrics)
 
 
 def _max_diff(a, b):
@@ -106,18 +110,24 @@ def _reference(name):
   """Single-device params, batch and step outputs for config `name`, computed once."""
   if name not in _REFERENCE:
     cfg = CONFIGS[name]
-    batch = _batch(cfg)
     graphdef, params = tf.split(tf.init(cfg, seed=3))
-    params, batch_d = jax.device_put((params, batch), jax.devices()[0])
-    state = (params, jax.jit(TX.init)(params))
-    (new_params, _), aux = jax.jit(_learner_step, static_argnums=0)(graphdef, state, batch_d)
-    _REFERENCE[name] = (cfg, batch, params, new_params, aux)
+    params = jax.device_put(params, jax.devices()[0])
+    batch = _batch(cfg)
+    # Off-policy data: behavior log-probs = policy log-probs + noise, so that the IS
+    # weights, ESS learning-rate scale and OPOB baseline are all non-trivial.
+    logp = np.asarray(jax.jit(tf.sequence_logprobs, static_argnums=0)(
+        graphdef, params, batch["tokens"], batch["valid_mask"]))
+    noise = np.random.default_rng(1).normal(scale=0.3, size=logp.shape).astype(np.float32)
+    batch["behavior_logp"] = (logp + noise) * batch["loss_mask"]
+    state = learner.init_state(params, TX)
+    new_state, aux = jax.jit(_learner_step, static_argnums=0)(graphdef, state, batch)
+    _REFERENCE[name] = (cfg, batch, params, new_state, aux)
   return _REFERENCE[name]
 
 
 @pytest.mark.parametrize("name,shape", CASES, ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c)))
 def test_sharded_equals_single_device(name, shape):
-  cfg, batch, ref_params, ref_new_params, ref = _reference(name)
+  cfg, batch, ref_params, ref_state, ref = _reference(name)
   mesh = sh.make_mesh(sh.MeshConfig(shape))
   assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 3
   graphdef, params = sh.init_sharded(cfg, 3, mesh)
@@ -133,26 +143,28 @@ def test_sharded_equals_single_device(name, shape):
 
   b_shard, rep = sh.batch_sharding(mesh), sh.replicated(mesh)
   batch_s = jax.device_put(batch, b_shard)
-  opt_state = jax.jit(TX.init, out_shardings=sh.param_shardings(
-      jax.eval_shape(TX.init, params), sh.TRANSFORMER_RULES, mesh))(params)
-  state = (params, opt_state)
-  s_shard = sh.param_shardings(state, sh.TRANSFORMER_RULES, mesh)
-  aux_shard = dict(logits=b_shard, grads=p_shard, sq_norms=b_shard, loss=rep, grad_norm=rep)
+  state_shapes = jax.eval_shape(lambda p: learner.init_state(p, TX), params)
+  s_shard = sh.param_shardings(state_shapes, sh.TRANSFORMER_RULES, mesh)
+  state = jax.jit(lambda p: learner.init_state(p, TX), out_shardings=s_shard)(params)
+  aux_shard = dict(logits=b_shard, grads=p_shard, sq_norms=b_shard, metrics=rep)
 
   # The learner step: NamedSharding in/out, donated state.
   step = jax.jit(_learner_step, static_argnums=0, in_shardings=(s_shard, b_shard),
                  out_shardings=(s_shard, aux_shard), donate_argnums=1)
-  old_leaf = jax.tree.leaves(params)[0]
-  (new_params, new_opt), aux = step(graphdef, state, batch_s)
+  old_leaf = jax.tree.leaves(state)[0]
+  new_state, aux = step(graphdef, state, batch_s)
   assert old_leaf.is_deleted()  # the state buffers were donated
 
-  assert _max_diff(aux["logits"], ref["logits"]) < TOL
-  assert _max_diff(aux["grads"], ref["grads"]) < TOL
+  for key in ("logits", "grads"):
+    assert _max_diff(aux[key], ref[key]) < TOL, key
   np.testing.assert_allclose(aux["sq_norms"], ref["sq_norms"], rtol=TOL, atol=TOL)
-  np.testing.assert_allclose(aux["loss"], ref["loss"], rtol=TOL)
-  np.testing.assert_allclose(aux["grad_norm"], ref["grad_norm"], rtol=TOL)
-  assert _max_diff(new_params, ref_new_params) < TOL
-  for x, s in zip(jax.tree.leaves((new_params, new_opt)), jax.tree.leaves(s_shard)):
+  for key, value in ref["metrics"].items():
+    np.testing.assert_allclose(aux["metrics"][key], value, rtol=TOL, atol=TOL, err_msg=key)
+  assert float(ref["metrics"]["lr_scale"]) < 0.99  # the ESS scaling is really exercised
+  assert int(new_state.step) == 1 and float(aux["metrics"]["nonfinite"]) == 0.0
+  assert _max_diff(new_state.params, ref_state.params) < TOL
+  assert _max_diff(new_state.opt_state, ref_state.opt_state) < TOL
+  for x, s in zip(jax.tree.leaves(new_state), jax.tree.leaves(s_shard)):
     assert x.sharding.is_equivalent_to(s, x.ndim)
 
 
@@ -209,7 +221,7 @@ def test_non_divisible_dim_falls_back_to_replication():
 def test_rules_shard_optimizer_state_like_params():
   mesh = sh.make_mesh(sh.MeshConfig((1, 4, 2)))
   _, params = tf.split(tf.init(config.tiny_qwen2()))
-  opt = jax.eval_shape(TX.init, params)
+  opt = jax.eval_shape(TX.init, params)  # chain(clip, adamw, scale_by_ess) state
   specs = {sh.path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
       sh.param_specs(opt, sh.TRANSFORMER_RULES, mesh), is_leaf=lambda x: isinstance(x, P))[0]}
   mu = [v for k, v in specs.items() if k.endswith("mu.layers.0.mlp.up_proj.kernel")]
@@ -234,13 +246,16 @@ def test_split_devices():
   assert sampler == devs[6:] and learner == devs[:6]
   assert not set(sampler) & set(learner)
   assert sh.split_devices(0, devs) == (devs, devs)  # colocated
-  for bad in (8, -1, 1.5):
+  assert sh.split_devices("", devs) == (devs, devs)
+  sampler, learner = sh.split_devices("1, 3", devs)
+  assert [d.id for d in sampler] == [1, 3] and [d.id for d in learner] == [0, 2, 4, 5, 6, 7]
+  assert sh.split_devices([7], devs)[0] == [devs[7]]
+  for bad in (8, -1, 1.5, True, "a,b", "9", "1,1", list(range(8))):
     with pytest.raises(ValueError, match="sampler_devices"):
       sh.split_devices(bad, devs)
 
 
 def test_maybe_initialize_distributed_validation():
-  assert sh.maybe_initialize_distributed(None, 1, 0) is False  # single process: no-op
   with pytest.raises(ValueError, match="process_id=2"):
     sh.maybe_initialize_distributed("127.0.0.1:1234", 2, 2)
   with pytest.raises(ValueError, match="num_processes"):
@@ -249,3 +264,5 @@ def test_maybe_initialize_distributed_validation():
     sh.maybe_initialize_distributed("localhost", 2, 0)
   with pytest.raises(ValueError, match="num_processes must be >= 1"):
     sh.maybe_initialize_distributed(None, 0, 0)
+  assert sh.maybe_initialize_distributed("127.0.0.1:1234", 1, 0) is False  # single process: no-op
+  assert not jax.distributed.is_initialized()

@@ -309,28 +309,56 @@ def make_global_batch(local_batch, mesh: Mesh, global_n: int):
 # ----------------------------------------------------------------------------- devices and processes
 
 
-def split_devices(n_sampler: int, devices: Sequence[jax.Device] | None = None):
+def split_devices(sampler_devices: int | str | Sequence[int], devices: Sequence[jax.Device] | None = None):
   """Splits devices into disjoint (sampler_devices, learner_devices).
 
-  The sampler gets the last `n_sampler` devices and the learner the rest, so the
-  learner mesh starts at device 0. `n_sampler = 0` means colocated: both get all
-  devices (the sync and lag modes, or a single accelerator).
-
   Args:
-    n_sampler: devices reserved for generation (config `async.sampler_devices`).
+    sampler_devices: which devices generate (config `async_.sampler_devices`):
+      an int n takes the last n devices (the learner keeps the rest, so its mesh
+      starts at device 0); a string of device ids "6,7" or a sequence of ids takes
+      those devices. 0 or "" means colocated: both get all devices (the sync and
+      lag modes, or a single accelerator).
     devices: default `jax.local_devices()`: on a multi-host pod every host splits
       its own chips the same way.
+
+  Returns:
+    (sampler, learner) lists of jax.Device, disjoint unless colocated.
   """
   devices = list(jax.local_devices() if devices is None else devices)
-  if isinstance(n_sampler, bool) or not isinstance(n_sampler, (int, np.integer)):
-    raise ValueError(f"async.sampler_devices must be an int, got {n_sampler!r}.")
-  if n_sampler == 0:
+  if isinstance(sampler_devices, str):
+    try:
+      sampler_devices = [int(x) for x in sampler_devices.replace(" ", "").split(",") if x]
+    except ValueError:
+      raise ValueError(f"async_.sampler_devices={sampler_devices!r} must be a comma-separated list of "
+                       "device ids such as '6,7' (or '' to share all devices).") from None
+  if isinstance(sampler_devices, bool):
+    raise ValueError(f"async_.sampler_devices must be an int or device ids, got {sampler_devices!r}.")
+  if isinstance(sampler_devices, (int, np.integer)):
+    n = int(sampler_devices)
+    if n == 0:
+      return devices, devices
+    if not 0 < n < len(devices):
+      raise ValueError(
+          f"async_.sampler_devices={n} must be between 0 and {len(devices) - 1}: the learner needs at "
+          f"least one of the {len(devices)} devices (0 = share all devices).")
+    return devices[-n:], devices[:-n]
+  if not isinstance(sampler_devices, Sequence):
+    raise ValueError(f"async_.sampler_devices must be an int or device ids, got {sampler_devices!r}.")
+  ids = list(sampler_devices)
+  if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+    raise ValueError(f"async_.sampler_devices must be an int or device ids, got {sampler_devices!r}.")
+  if not ids:
     return devices, devices
-  if not 0 < n_sampler < len(devices):
-    raise ValueError(
-        f"async.sampler_devices={n_sampler} must be between 0 and {len(devices) - 1}: the learner "
-        f"needs at least one of the {len(devices)} devices (0 = share all devices).")
-  return devices[-n_sampler:], devices[:-n_sampler]
+  by_id = {d.id: d for d in devices}
+  unknown = [i for i in ids if i not in by_id]
+  if unknown or len(set(ids)) != len(ids):
+    raise ValueError(f"async_.sampler_devices={ids}: ids must be distinct and among the available "
+                     f"device ids {sorted(by_id)}; unknown: {unknown}.")
+  sampler = [by_id[i] for i in ids]
+  learner = [d for d in devices if d.id not in set(ids)]
+  if not learner:
+    raise ValueError(f"async_.sampler_devices={ids} takes every device; leave at least one for the learner.")
+  return sampler, learner
 
 
 def maybe_initialize_distributed(coordinator_address: str | None = None,
@@ -339,9 +367,13 @@ def maybe_initialize_distributed(coordinator_address: str | None = None,
                                  cpu_collectives: str | None = "gloo") -> bool:
   """Joins a multi-process JAX job (config `distributed.*`); call before anything touches devices.
 
-  All three arguments None lets JAX detect the cluster (TPU VM pods, SLURM,
-  Open MPI): that is the usual call on a TPU pod. num_processes == 1 is a no-op.
-  Calling it again after a successful initialization is a no-op.
+  With a coordinator address, all three values are explicit (local CPU processes,
+  GPU hosts, or a TPU pod where the launch script computes them); num_processes
+  == 1 is then a no-op. Without one (None or ""), JAX detects the cluster from
+  its environment (TPU VM pods, SLURM, Open MPI); num_processes and process_id
+  are forwarded only when num_processes > 1, so the config defaults (1, 0) do
+  not override the detected values. Calling it again after a successful
+  initialization is a no-op.
 
   Args:
     coordinator_address: "host:port" of process 0's coordinator service.
@@ -355,17 +387,21 @@ def maybe_initialize_distributed(coordinator_address: str | None = None,
   """
   if jax.distributed.is_initialized():
     return False
+  coordinator_address = coordinator_address or None
   if num_processes is not None and num_processes < 1:
     raise ValueError(f"distributed.num_processes must be >= 1, got {num_processes}.")
-  if num_processes == 1:
-    return False
   if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
     raise ValueError(f"distributed.process_id={process_id} must be in [0, {num_processes}).")
-  if coordinator_address is not None and (num_processes is None or process_id is None):
-    raise ValueError("distributed.coordinator_address is set: also set distributed.num_processes "
-                     "and distributed.process_id (or leave all three unset to auto-detect).")
-  if coordinator_address is not None and ":" not in coordinator_address:
-    raise ValueError(f"distributed.coordinator_address={coordinator_address!r} must be 'host:port'.")
+  if coordinator_address is not None:
+    if ":" not in coordinator_address:
+      raise ValueError(f"distributed.coordinator_address={coordinator_address!r} must be 'host:port'.")
+    if num_processes is None or process_id is None:
+      raise ValueError("distributed.coordinator_address is set: also set distributed.num_processes "
+                       "and distributed.process_id (or leave the address empty to auto-detect).")
+    if num_processes == 1:
+      return False
+  elif num_processes is None or num_processes <= 1:
+    num_processes = process_id = None  # let the cluster environment say
   if cpu_collectives is not None:
     # Must happen before the CPU backend is created; without it CPU devices of
     # other processes are visible but collectives across them fail.
