@@ -335,24 +335,26 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
            f"(`make_optimizer`: clip {c.optim.clip_norm}, AdamW wd {c.optim.weight_decay}, ESS scale). "
            "Not the countdown trainer.\n")
   L.append(f"- cells finished: {len(done)} / {len(c.methods) * len(c.ks)}"
-           + (f"; missing: {', '.join(f'{m} k={k}' for m, k in missing)}" if missing else "") + "\n")
+           + (f"; missing: {', '.join(f'{m} k={k}' for m, k in missing)}" if missing else ""))
   L.append(f"- seeds {list(c.seeds)}, learning rates {list(c.lrs)} (the same grid for every method), "
            f"lags k {list(c.ks)}; chance accuracy {summary['chance']:.3f}; settings fingerprint "
-           f"`{summary['fingerprint']}`\n")
+           f"`{summary['fingerprint']}`")
   secs = sum(float(z['seconds']) for z in cells.values())
   L.append(f"- compute: {secs / 60:.1f} min summed over cells"
            + (f"; this invocation's wall-clock {runtime_s / 60:.1f} min" if runtime_s is not None else "")
-           + "\n")
+           )
+  L.append(f"- exact lag: the batch of learner step t is sampled with the parameters of version max(0, t - k) "
+           "(as `rollout.lag.LagSource`); every run starts from its seed's random init (no warm start).\n")
   L.append("\n## Definitions (fixed before the runs)\n")
   L.append(f"- accuracy: mean reward (fraction of correct tokens) of the current policy's samples on all "
            f"{c.task.alphabet * c.task.max_stride} prompts x {c.task.eval_samples}, temperature 1, every "
            f"{c.task.eval_every} steps. final = mean over evaluations in the last "
-           f"{a.final_frac:.0%} of steps; best = max over evaluations.\n")
+           f"{a.final_frac:.0%} of steps; best = max over evaluations.")
   L.append(f"- collapsed: final < chance, or (best - chance >= {a.min_gain} and final - chance < "
-           f"{a.collapse_keep} x (best - chance)), i.e. the run lost at least half its gain over chance.\n")
+           f"{a.collapse_keep} x (best - chance)), i.e. the run lost at least half its gain over chance.")
   L.append("- ESS: unclipped sequence-weight ESS ratio of each training batch (min over all steps of all "
            "seeds; q10 and median: per-run quantile over steps, averaged over seeds); `applied q10` uses "
-           "the weights the update applies.\n")
+           "the weights the update applies.")
   L.append(f"- lr selection: per method, the lr with the best mean final accuracy at k = 0 (ties: smaller lr). "
            "All lrs are in the full table.\n")
 
@@ -386,15 +388,17 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
         L.append(f"| {m} | {k} | " + " | ".join(row) + " |")
   L.append("\n![all lrs](stability_accuracy_all_lrs.png)\n")
 
-  L.append("\n## ESS as a predictor of collapse (all methods, k, lrs pooled)\n")
+  L.append("\n## ESS as a predictor of collapse (pooled over lrs and seeds)\n")
   L.append(f"Alarm: trailing median over {a.ess_window} steps of the unclipped ESS ratio below theta. "
            "Lead time = collapse step - alarm step (positive: the alarm came first).\n")
   L.append("| theta | collapsed runs | alarmed before collapse | lead time median [min, max] | missed | "
            "non-collapsed runs | false alarms (rate) |")
   L.append("|---|---|---|---|---|---|---|")
-  for th in a.ess_thresholds:
+  def predictor_row(label, th, keep_cell):
     lead, n_col, n_missed, n_ok, n_fa = [], 0, 0, 0, 0
     for (m, k), z in cells.items():
+      if not keep_cell(m, k):
+        continue
       for i, _ in enumerate(c.lrs):
         r = ess_predictor(z["ess_ratio"][i], z["accuracy"][i], z["eval_step"][i, 0], summary["chance"],
                           a.collapse_keep, a.min_gain, a.final_frac, c.task.steps, th, a.ess_window)
@@ -407,7 +411,17 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
     before = int((lt > 0).sum())
     lt_s = f"{np.median(lt):.0f} [{lt.min():.0f}, {lt.max():.0f}]" if lt.size else "-"
     rate = f"{n_fa / n_ok:.2f}" if n_ok else "-"
-    L.append(f"| {th} | {n_col} | {before} | {lt_s} | {n_missed} | {n_ok} | {n_fa} ({rate}) |")
+    L.append(f"| {label} | {th} | {n_col} | {before} | {lt_s} | {n_missed} | {n_ok} | {n_fa} ({rate}) |")
+
+  L[-2] = L[-2].replace("| theta |", "| runs | theta |")
+  L[-1] = L[-1] + "---|"
+  for th in a.ess_thresholds:
+    predictor_row("all", th, lambda m, k: True)
+  mid = a.ess_thresholds[len(a.ess_thresholds) // 2]
+  for k in c.ks:
+    predictor_row(f"k = {k}", mid, lambda m, kk, k=k: kk == k)
+  for m in c.methods:
+    predictor_row(m, mid, lambda mm, k, m=m: mm == m)
 
   L.append("\n## Notes\n")
   L.append(notes or f"{NOTES_BEGIN}\n(no notes yet)\n{NOTES_END}")
