@@ -92,6 +92,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.async_.timeout_s = 120.0  # a learner wait longer than this (dead sampler) is an error
 
   c.eval = ml_collections.ConfigDict()
+  c.eval.dataset = ""  # held-out data set name ("" = the training task), e.g. math500 or aime
+  c.eval.data_path = ""  # its local parquet/jsonl ("" = the shipped fixture / the task's own file)
   c.eval.every = 0  # evaluate every this many steps (0 = only at start and end)
   c.eval.num_problems = 64  # evaluation set size (held-out split)
   c.eval.temperature = 0.8  # reference validation protocol

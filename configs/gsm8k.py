@@ -27,6 +27,7 @@ from configs import common
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2-1.5B")  # local HF checkpoint (download as above)
 DATA_PATH = os.path.expanduser("~/data/gsm8k/main/train-00000-of-00001.parquet")  # GSM8K train split
+EVAL_PATH = os.path.expanduser("~/data/gsm8k/main/test-00000-of-00001.parquet")  # GSM8K test split
 
 
 def get_config(arg: str | None = None):
@@ -53,6 +54,8 @@ def get_config(arg: str | None = None):
   c.optim.clip_norm = 1.0  # released global-norm clip
   c.optim.schedule = "constant"  # released: no warmup, no decay
   c.eval.every = 20  # evaluation cadence in learner steps (not in the released table)
+  c.eval.dataset = "gsm8k"  # held-out GSM8K test split
+  c.eval.data_path = EVAL_PATH  # local parquet/jsonl of the test split
   c.eval.num_problems = 1319  # the GSM8K test split size (the loader caps at the file's size)
   c.eval.temperature = 0.8  # released validation protocol
   c.eval.top_p = 0.7  # released validation nucleus
@@ -75,6 +78,7 @@ def _smoke(c):
   c.model.preset = "tiny_qwen2"  # ... with the built-in char tokenizer
   c.model.dtype = "float32"  # CPU compute dtype
   c.task.data_path = ""  # the shipped 22-problem fixture
+  c.eval.data_path = ""  # the eval data set's shipped fixture
   c.task.chat_template = False  # plain prompts (no chat specials)
   c.task.prompts_per_step = 2  # P
   c.task.group_size = 4  # G

@@ -28,6 +28,7 @@ from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B")  # local HF checkpoint (download as above)
 DATA_PATH = os.path.expanduser("~/data/math/train.jsonl")  # MATH train split (problem, solution)
+EVAL_PATH = os.path.expanduser("~/data/math500/test.jsonl")  # MATH-500 (problem, answer)
 
 
 def get_config(arg: str | None = None):
@@ -54,6 +55,8 @@ def get_config(arg: str | None = None):
   c.optim.clip_norm = 1.0  # released global-norm clip
   c.optim.schedule = "constant"  # released: no warmup, no decay
   c.eval.every = 20  # evaluation cadence in learner steps (not in the released table)
+  c.eval.dataset = "math500"  # MATH-500 held-out set
+  c.eval.data_path = EVAL_PATH  # local parquet/jsonl in the MATH-500 schema
   c.eval.num_problems = 500  # MATH-500 size (the loader caps at the file's size)
   c.eval.temperature = 0.8  # released validation protocol
   c.eval.top_p = 0.7  # released validation nucleus

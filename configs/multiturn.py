@@ -34,6 +34,7 @@ from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B-Instruct")  # local HF checkpoint (download as above)
 DATA_PATH = os.path.expanduser("~/data/tool_math/train.jsonl")  # problems with integer answers
+EVAL_PATH = os.path.expanduser("~/data/aime25/test.jsonl")  # AIME 2025 (problem, answer)
 TEMPLATE = ("{problem}\nYou may run Python: write code between <code> and </code>, and its output will be "
             "shown between <output> and </output>. Put your final answer within \\boxed{{}}.")
 
@@ -73,6 +74,8 @@ def get_config(arg: str | None = None):
   c.optim.clip_norm = 1.0  # released global-norm clip
   c.optim.schedule = "constant"  # released: no warmup, no decay
   c.eval.every = 10  # evaluation cadence in learner steps (not in the released table)
+  c.eval.dataset = "aime"  # AIME, evaluated with tool use
+  c.eval.data_path = EVAL_PATH  # local parquet/jsonl in the AIME schema
   c.eval.num_problems = 30  # one AIME year (the loader caps at the file's size)
   c.eval.temperature = 0.8  # released validation protocol
   c.eval.top_p = 0.7  # released validation nucleus

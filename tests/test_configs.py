@@ -39,6 +39,7 @@ def _localize(c, ckpt):
   if c.model.checkpoint:
     c.model.checkpoint = ckpt
   c.task.data_path = ""
+  c.eval.data_path = ""
   return c
 
 

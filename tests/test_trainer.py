@@ -82,6 +82,8 @@ BAD_CONFIGS = [
     ({"learner.on_nonfinite": "ignore"}, "on_nonfinite"),
     ({"learner.grad_path": "magic"}, "grad_path"),
     ({"task.data_path": "/no/such/file.parquet"}, "task.data_path"),
+    ({"eval.dataset": "chess"}, "eval.dataset"),
+    ({"eval.data_path": "/no/such/test.jsonl"}, "eval.data_path"),
 ]
 
 

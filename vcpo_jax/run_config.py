@@ -40,6 +40,7 @@ class RunSpec:
   task_template: str
   task_gen: dict
   task_data_path: str
+  eval_data_path: str  # held-out data for text tasks ("" = the task's own file / fixture)
   model_cfg: model_config.ModelConfig
   model_checkpoint: str
   tokenizer_dir: str
@@ -73,6 +74,13 @@ class RunSpec:
   @property
   def eval_batch_size(self) -> int:
     return (self.eval.size or 1) * self.eval.n
+
+  def eval_task_object(self):
+    """The task evaluations draw from: the training task, or eval.dataset with eval.data_path."""
+    from vcpo_jax.tasks.datasets import TextTask
+    if self.eval.dataset == self.rollout.task and not self.eval_data_path:
+      return self.task_object()
+    return TextTask(self.eval.dataset, path=self.eval_data_path or None, template=self.task_template or None)
 
   def task_object(self):
     """The task with this run's template and generator knobs."""
@@ -167,13 +175,21 @@ def parse_config(config) -> RunSpec:
   except ValueError as e:
     raise ConfigError(f"config.learner: {e}") from None
   try:
-    eval_proto = EvalProtocol(dataset=c.task.name, split="test", size=c.eval.num_problems,
+    eval_dataset = c.eval.dataset or c.task.name
+    if eval_dataset not in tasks.TASKS:
+      _fail("eval.dataset", f"unknown data set {eval_dataset!r}; choose one of {sorted(tasks.TASKS)}.")
+    if eval_dataset != c.task.name and eval_dataset in ("countdown", "arithmetic"):
+      _fail("eval.dataset", f"{eval_dataset!r} is a generated task; evaluate it by training on it "
+            "(leave eval.dataset empty).")
+    eval_proto = EvalProtocol(dataset=eval_dataset, split="test", size=c.eval.num_problems,
                               temperature=c.eval.temperature, top_p=c.eval.top_p,
                               n=1 if c.eval.greedy else c.eval.n, max_new_tokens=c.task.max_new_tokens,
                               greedy=c.eval.greedy, pass_at_k=tuple(c.eval.pass_at_k),
                               prompt_template=c.task.template or None, seed=c.seed)
   except ValueError as e:
     raise ConfigError(f"config.eval: {e}") from None
+  if c.eval.data_path and not os.path.exists(c.eval.data_path):
+    _fail("eval.data_path", f"{c.eval.data_path!r} does not exist; point it at a local parquet/jsonl file.")
   if c.eval.every < 0:
     _fail("eval.every", f"must be >= 0 (0 = start and end only), got {c.eval.every}.")
   if c.checkpoint.every < 1:
@@ -197,6 +213,7 @@ def parse_config(config) -> RunSpec:
   return RunSpec(
       seed=int(c.seed), steps=int(c.steps), mode=c.mode, k=k, method=c.method, rollout=rollout,
       task_template=c.task.template, task_gen=dict(c.task.gen.to_dict()), task_data_path=c.task.data_path,
+      eval_data_path=c.eval.data_path,
       model_cfg=model_cfg, model_checkpoint=c.model.checkpoint, tokenizer_dir=c.model.tokenizer,
       temperature=float(c.sampler.temperature), top_p=float(c.sampler.top_p), top_k=int(c.sampler.top_k),
       learner=learner_cfg, lr=float(c.optim.lr), weight_decay=float(c.optim.weight_decay),

@@ -135,7 +135,8 @@ def run(config, workdir: str) -> dict:
     source.publish(state.params, 0)
 
   # ---------------------------------------------------------------- Evals
-  eval_problems = task_obj.make_problems("test", spec.eval.size if generated else None, spec.seed)
+  eval_problems = spec.eval_task_object().make_problems(
+      "test", spec.eval.size if generated and spec.eval.dataset == spec.rollout.task else None, spec.seed)
   eval_problems = eval_problems[:spec.eval.size]
   eval_proto = dataclasses.replace(spec.eval, size=len(eval_problems))  # a fixture may hold fewer
   eval_sampler = Sampler(graphdef, model_cfg, make_sampler_cfg(
@@ -143,8 +144,17 @@ def run(config, workdir: str) -> dict:
       top_p=spec.eval.top_p, top_k=0, max_new_tokens=spec.eval.max_new_tokens))
   eval_jsonl = os.path.join(workdir, "eval.jsonl")
 
+  eval_maker = None
+  if spec.multiturn is not None:  # tool-use evaluation: the same episodes as training, eval sampling
+    from vcpo_jax.rollout import multiturn
+    eval_maker = multiturn.MultiTurnRolloutMaker(spec.rollout, spec.multiturn, tokenizer, Sampler(
+        graphdef, model_cfg, multiturn.sampler_config(eval_sampler.cfg, spec.rollout, spec.multiturn)),
+        eval_problems)
+
   def run_eval(step, params, tag=None):
-    gen = _eval_generate_fn(eval_sampler, params, tokenizer, spec, jax.random.fold_in(key, 10**9 + step))
+    eval_rng = jax.random.fold_in(key, 10**9 + step)
+    gen = (eval_maker.eval_generate_fn(params, eval_rng) if eval_maker is not None
+           else _eval_generate_fn(eval_sampler, params, tokenizer, spec, eval_rng))
     rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, jsonl_path=eval_jsonl, tag=tag)
     return {"eval/accuracy": rec["mean_at_n"], "eval/mean_reward": rec["mean_reward"],
             **{f"eval/pass@{k}": v for k, v in rec["pass_at_k"].items()}}
@@ -190,6 +200,7 @@ def run(config, workdir: str) -> dict:
           "time/sampler_idle_frac": info.get("sampler_idle_frac", 0.0),
           "time/learner_idle_frac": info.get("learner_wait_s", t1 - t0) / max(t2 - t0, 1e-9),
       })
+      row.update(info.get("metrics", {}))  # source-specific statistics (e.g. multi-turn tool use)
       if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
         last_eval = run_eval(step, state.params)
         row.update(last_eval)
