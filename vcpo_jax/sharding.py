@@ -40,7 +40,7 @@ import dataclasses
 import math
 import re
 import warnings
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
