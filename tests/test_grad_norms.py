@@ -82,8 +82,7 @@ def _ghost(name, method):
   return fn(params, batch)
 
 
-@pytest.mark.parametrize("name,method", [("qwen2", "gram"), ("qwen2", "materialize"), ("llama", "gram"),
-                                         ("llama", "direct"), ("llama", "materialize")])
+@pytest.mark.parametrize("name,method", [("qwen2", "gram"), ("qwen2", "materialize"), ("llama", "direct")])
 def test_ghost_norms_equal_vmap_reference(name, method):
   _, _, batch, ref = _setup(name)
   res = _ghost(name, method)
@@ -93,8 +92,7 @@ def test_ghost_norms_equal_vmap_reference(name, method):
   assert res.aux["sq"].shape == (N,)
 
 
-@pytest.mark.parametrize("method", ["gram", "materialize"])
-@pytest.mark.parametrize("name", ["qwen2", "llama"])
+@pytest.mark.parametrize("name,method", [("qwen2", "gram"), ("qwen2", "materialize"), ("llama", "direct")])
 def test_fast_gradient_equals_jax_grad_of_surrogate(name, method):
   logp_fn, params, batch, _ = _setup(name)
   res = _ghost(name, method)
@@ -138,7 +136,7 @@ def test_tied_cross_term_is_material():
   assert _rel(res.sq_norms_n, untied) < 1e-4
 
 
-@pytest.mark.parametrize("preset", ["vcpo", "vcpo_reference"])
+@pytest.mark.parametrize("preset", ["vcpo_reference"])
 def test_ghost_policy_gradient_equals_estimator(preset):
   """OPOB coefficients that depend on S_n: the one-backward path equals the brute-force path."""
   logp_fn, params, batch, _ = _setup("qwen2")
