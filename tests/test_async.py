@@ -163,3 +163,58 @@ def test_bad_async_settings_raise_value_errors():
     src.load_state([3], [None])
   assert src.state() == ([], [])
   src.close()
+
+
+_SIGTERM_SCRIPT = r"""
+import json, sys
+from tests.test_async import _tiny
+from vcpo_jax import trainer
+out, workdir = sys.argv[1], sys.argv[2]
+build = trainer.build_source
+def recording_build_source(*a, **kw):
+  src = build(*a, **kw)
+  nxt = src.next
+  def next_(step):
+    batch, info = nxt(step)
+    if step == 0:
+      json.dump({"pid": src.pid, "paths": src.resource_paths()}, open(out, "w"))
+    return batch, info
+  src.next = next_
+  return src
+trainer.build_source = recording_build_source
+# checkpoint.every: a periodic save at the interrupted step would collide with the forced one (reported).
+trainer.run(_tiny(steps=10_000, **{"checkpoint.every": 10_000}), workdir)
+"""
+
+
+def test_sigterm_to_the_trainer_stops_the_worker_and_removes_segments(tmp_path):
+  """SIGTERM mid-run: the trainer checkpoints and exits 130; the worker is gone; /dev/shm is clean."""
+  import json
+  import subprocess
+  import sys
+  info_path, workdir = tmp_path / "worker.json", tmp_path / "run"
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_SCRIPT, str(info_path), str(workdir)], cwd=repo,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 240.0  # start-up and compilation on a loaded machine
+    metrics = workdir / "metrics.jsonl"
+    while not (metrics.exists() and sum("train/lag_max" in l for l in open(metrics)) >= 2):
+      assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+      assert time.monotonic() < deadline, "the async run made no progress"
+      time.sleep(0.2)
+    worker = json.load(open(info_path))
+    mapped = _shm_mapped_by(worker["pid"])
+    assert mapped and mapped <= set(worker["paths"])
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0].decode()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 130, out[-3000:]
+  assert not os.path.exists(f"/proc/{worker['pid']}"), "the sampler process outlived the trainer"
+  _assert_removed(worker["paths"])
+  recs = [r for r in metrics_lib.read_jsonl(str(workdir / "metrics.jsonl")) if "train/lag_max" in r]
+  assert recs and all(0 <= r["train/lag_min"] and r["train/lag_max"] <= 2 for r in recs)
+  assert os.path.isdir(workdir / "checkpoints")
