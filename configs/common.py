@@ -114,7 +114,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.sft.cache_dir = ""  # where warm starts are cached ("" = ~/.cache/vcpo_jax/sft)
 
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.shape = (1, 1, 1)  # (data, fsdp, tensor); -1 in one slot = all remaining devices
+  c.mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 in one slot = all remaining devices
 
   c.distributed = ml_collections.ConfigDict()
   c.distributed.enabled = False  # call jax.distributed.initialize (multi-host)

@@ -89,6 +89,6 @@ def _smoke(c):
   c.eval.num_problems = 2  # a tiny evaluation at start and end
   c.eval.n = 1  # one sample per problem
   c.checkpoint.every = 1  # exercise saving
-  c.mesh.shape = (1, 1, 1)  # one device
+  c.mesh.shape = (-1, 1, 1)  # data parallel over whatever devices there are
   c.log.progress = False  # quiet in tests
   c.log.plots = False  # no PNGs in tests

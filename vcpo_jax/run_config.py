@@ -197,7 +197,7 @@ def parse_config(config) -> RunSpec:
   mesh_shape = tuple(int(x) for x in c.mesh.shape)
   if len(mesh_shape) != 3:
     _fail("mesh.shape", f"needs 3 entries (data, fsdp, tensor), got {mesh_shape}.")
-  data_par = 1
+  data_par = 1  # a -1 entry is resolved against the device count when the mesh is built (trainer)
   for x in mesh_shape[:2]:
     data_par *= max(x, 1)
   if rollout.batch_size % data_par:

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vcpo_jax import evaluation, learner, metrics as metrics_lib, optim
+from vcpo_jax import evaluation, learner, metrics as metrics_lib, optim, sharding
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.model import transformer
 from vcpo_jax.rollout.common import RolloutMaker, device_batch
-from vcpo_jax.run_config import RunSpec, parse_config
+from vcpo_jax.run_config import ConfigError, RunSpec, parse_config
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
 log = logging.getLogger("vcpo_jax")
@@ -84,7 +84,6 @@ def run(config, workdir: str) -> dict:
 
   # ---------------------------------------------------------------- Distributed
   if spec.distributed.get("enabled"):
-    from vcpo_jax import sharding
     sharding.maybe_initialize_distributed(
         spec.distributed["coordinator_address"], spec.distributed["num_processes"],
         spec.distributed["process_id"])
@@ -105,8 +104,15 @@ def run(config, workdir: str) -> dict:
   # ---------------------------------------------------------------- Optimizer & Update step
   tx = optim.make_optimizer(spec.lr, weight_decay=spec.weight_decay, clip_norm=spec.clip_norm,
                             b1=spec.b1, b2=spec.b2, schedule=spec.schedule, total_steps=spec.steps)
-  state = learner.init_state(params, tx)
-  train_step = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
+  mesh = build_mesh(spec)
+  state_sh = sharding.param_shardings(jax.eval_shape(lambda p: learner.init_state(p, tx), params),
+                                      sharding.TRANSFORMER_RULES, mesh)
+  # Parameters and optimizer state are placed by the (regex, PartitionSpec) rules; the batch is split
+  # over ("data", "fsdp"); the state is donated so each step updates it in place.
+  state = jax.jit(lambda p: learner.init_state(p, tx), out_shardings=state_sh)(params)
+  batch_sh = sharding.batch_sharding(mesh)
+  train_step = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), in_shardings=(state_sh, batch_sh),
+                       out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
 
   # ---------------------------------------------------------------- Rollouts
   key = jax.random.key(spec.seed)
@@ -177,7 +183,7 @@ def run(config, workdir: str) -> dict:
       t0 = time.time()
       batch, info = source.next(step)
       t1 = time.time()
-      state, m = train_step(state, device_batch(batch))
+      state, m = train_step(state, _global_batch(device_batch(batch), mesh, spec.rollout.batch_size))
       m = jax.device_get(m)
       t2 = time.time()
       step += 1
@@ -227,6 +233,30 @@ def run(config, workdir: str) -> dict:
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
   return summary
+
+
+def build_mesh(spec: RunSpec):
+  """The learner's device mesh; the sampler's devices (async_.sampler_devices) are left out of it."""
+  devices = jax.devices()
+  if spec.mode == "async" and spec.async_cfg.get("sampler_devices") and len(devices) > 1:
+    devices = sharding.split_devices(spec.async_cfg["sampler_devices"], devices)[1]
+  try:
+    mesh = sharding.make_mesh(sharding.MeshConfig(spec.mesh_shape), devices=devices)
+  except ValueError as e:
+    raise ConfigError(f"config.mesh.shape: {e}") from None
+  data_par = mesh.shape["data"] * mesh.shape["fsdp"]
+  if spec.rollout.batch_size % data_par:
+    raise ConfigError(f"config.task.prompts_per_step: the batch N = P*G = {spec.rollout.batch_size} must be "
+                      f"divisible by data*fsdp = {data_par} of the mesh {dict(mesh.shape)}.")
+  return mesh
+
+
+def _global_batch(batch: dict, mesh, global_n: int):
+  """Host arrays -> global arrays. Every process builds the same batch; each supplies its own rows."""
+  if jax.process_count() == 1:
+    return batch
+  rows = sharding.process_rows(global_n, sharding.batch_sharding(mesh))
+  return sharding.make_global_batch({k: v[rows] for k, v in batch.items()}, mesh, global_n)
 
 
 def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir):
