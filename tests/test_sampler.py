@@ -239,3 +239,13 @@ def test_no_recompile_after_warmup_within_buckets():
   assert smp.num_traces == warm and smp._device_fn._cache_size() == 1
   smp.generate(params, prompts(2, 9, 16), jax.random.key(0), max_new_tokens=8)  # a new bucket: Tp=16
   assert smp.num_traces == warm + 1
+
+
+def test_filter_logits_matches_sort_based_nucleus_on_random_rows():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(6, 300)).astype(np.float32) * rng.uniform(0.5, 6.0, (6, 1)).astype(np.float32)
+  for top_k, top_p in [(0, 0.3), (0, 0.9), (40, 0.7)]:
+    kept = np.isfinite(np.asarray(jax.jit(S.filter_logits, static_argnums=(1, 2, 3))(
+        logits, 0.9, top_k, top_p)))
+    for row in range(6):
+      assert set(np.flatnonzero(kept[row]).tolist()) == set(_nucleus(logits[row], 0.9, top_k, top_p))

@@ -149,7 +149,7 @@ def filter_logits(logits_bv: jax.Array, temperature: float, top_k: int, top_p: f
   softmax of the result is the distribution mu that tokens are drawn from. Top-p keeps
   the smallest prefix (by descending probability) whose mass reaches top_p: token j
   is kept iff the mass of strictly more likely tokens is < top_p (the most likely token
-  is always kept; ties with the cutoff logit are kept too).
+  is always kept; tokens tied with the last kept one are kept too).
   All settings are static Python values (one trace per setting).
   """
   x = logits_bv.astype(jnp.float32) / jnp.float32(temperature)
@@ -158,12 +158,34 @@ def filter_logits(logits_bv: jax.Array, temperature: float, top_k: int, top_p: f
     kth = jax.lax.top_k(x, top_k)[0][..., -1:]
     x = jnp.where(x < kth, -jnp.inf, x)
   if top_p < 1.0:
-    desc = -jnp.sort(-x, axis=-1)
-    probs = jax.nn.softmax(desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(mass_before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x < cutoff, -jnp.inf, x)
+    x = jnp.where(jax.nn.softmax(x, axis=-1) >= _nucleus_threshold(x, top_p), x, -jnp.inf)
   return x
+
+
+def _nucleus_threshold(x_bv: jax.Array, top_p: float) -> jax.Array:
+  """Smallest probability tau with mass(probs > tau) < top_p, per row: [B, 1].
+
+  Then {j : probs_j >= tau} = {j : mass of strictly more likely tokens < top_p}, the
+  nucleus. Found by bisection over the int32 bit patterns of non-negative float32
+  (ordered like the floats), so 31 masked sums over [B, V] give tau exactly; a full
+  sort of the vocabulary per decode step is ~30x slower on CPU at V = 8192.
+  """
+  probs = jax.nn.softmax(x_bv, axis=-1)
+  mass_above = lambda bits: jnp.sum(
+      jnp.where(probs > jax.lax.bitcast_convert_type(bits, jnp.float32), probs, 0.0), axis=-1,
+      keepdims=True)
+  b = x_bv.shape[0]
+  lo = jnp.zeros((b, 1), jnp.int32)  # bits of 0.0: mass above ~1 >= top_p
+  hi = jnp.full((b, 1), np.float32(1.0).view(np.int32) + 1, jnp.int32)  # just above 1: mass 0
+
+  def step(_, lohi):
+    lo, hi = lohi
+    mid = lo + (hi - lo) // 2
+    below = mass_above(mid) < top_p
+    return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+  _, hi = jax.lax.fori_loop(0, 31, step, (lo, hi))
+  return jax.lax.bitcast_convert_type(hi, jnp.float32)
 
 
 def _choose(logits_bv, keys_b, cfg: SamplerConfig):
