@@ -154,6 +154,7 @@ def test_alarm_and_lead_time_hand_made():
   ess_runs = np.stack([ess, np.ones(8), ess, np.ones(8)])
   r = st.ess_predictor(ess_runs, acc, steps, 0.1, 0.5, 0.1, 0.1, 8, 0.25, 3)
   assert r["n_collapsed"] == 2 and r["n_missed"] == 1 and r["n_ok"] == 2 and r["n_false_alarm"] == 1
+  assert r["n_no_step"] == 0
   assert r["lead_times"][0] == 4.0 and math.isnan(r["lead_times"][1])
   assert r["false_alarm_rate"] == 0.5
 

@@ -103,21 +103,24 @@ def ess_predictor(ess_runs: np.ndarray, acc_runs: np.ndarray, eval_steps: np.nda
   """Lead times for collapsed runs and the false-alarm rate for the others.
 
   Args: ess_runs [R, S], acc_runs [R, E]. Returns dict(n_collapsed, lead_times (list,
-  nan where no alarm), n_missed, n_ok, n_false_alarm, false_alarm_rate).
+  nan where no alarm or no collapse step), n_missed (collapsed, never alarmed), n_no_step
+  (collapsed by the final-value rule, but the curve never stays below the half-gain line
+  after its best, e.g. the best is the last evaluation), n_ok, n_false_alarm, false_alarm_rate).
   """
   fin = final_value(acc_runs, eval_steps, total_steps, final_frac)
   col = collapsed(fin, acc_runs.max(-1), chance, keep, min_gain)
-  lead, n_fa, n_missed = [], 0, 0
+  lead, n_fa, n_missed, n_no_step = [], 0, 0, 0
   for r in range(acc_runs.shape[0]):
     ta = alarm_step(ess_runs[r], threshold, window)
     if col[r]:
       tc = collapse_step(acc_runs[r], eval_steps, chance, keep)
       lead.append(tc - ta)
       n_missed += int(math.isnan(ta))
+      n_no_step += int(math.isnan(tc))
     else:
       n_fa += int(not math.isnan(ta))
   n_ok = int((~col).sum())
-  return dict(n_collapsed=int(col.sum()), lead_times=lead, n_missed=n_missed, n_ok=n_ok,
+  return dict(n_collapsed=int(col.sum()), lead_times=lead, n_missed=n_missed, n_no_step=n_no_step, n_ok=n_ok,
               n_false_alarm=n_fa, false_alarm_rate=(n_fa / n_ok) if n_ok else math.nan)
 
 
@@ -390,12 +393,14 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
 
   L.append("\n## ESS as a predictor of collapse (pooled over lrs and seeds)\n")
   L.append(f"Alarm: trailing median over {a.ess_window} steps of the unclipped ESS ratio below theta. "
-           "Lead time = collapse step - alarm step (positive: the alarm came first).\n")
-  L.append("| theta | collapsed runs | alarmed before collapse | lead time median [min, max] | missed | "
+           "Lead time = collapse step - alarm step (positive: the alarm came first). `no step`: collapsed by "
+           "the final-value rule, but the curve never stays below the half-gain line after its best (no lead "
+           "time defined).\n")
+  L.append("| theta | collapsed runs | alarmed before collapse | lead time median [min, max] | missed | no step | "
            "non-collapsed runs | false alarms (rate) |")
   L.append("|---|---|---|---|---|---|---|")
   def predictor_row(label, th, keep_cell):
-    lead, n_col, n_missed, n_ok, n_fa = [], 0, 0, 0, 0
+    lead, n_col, n_missed, n_ok, n_fa, n_ns = [], 0, 0, 0, 0, 0
     for (m, k), z in cells.items():
       if not keep_cell(m, k):
         continue
@@ -405,16 +410,17 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
         lead += r["lead_times"]
         n_col += r["n_collapsed"]
         n_missed += r["n_missed"]
+        n_ns += r["n_no_step"]
         n_ok += r["n_ok"]
         n_fa += r["n_false_alarm"]
     lt = np.asarray([x for x in lead if not math.isnan(x)])
     before = int((lt > 0).sum())
     lt_s = f"{np.median(lt):.0f} [{lt.min():.0f}, {lt.max():.0f}]" if lt.size else "-"
     rate = f"{n_fa / n_ok:.2f}" if n_ok else "-"
-    L.append(f"| {label} | {th} | {n_col} | {before} | {lt_s} | {n_missed} | {n_ok} | {n_fa} ({rate}) |")
+    L.append(f"| {label} | {th} | {n_col} | {before} | {lt_s} | {n_missed} | {n_ns} | {n_ok} | {n_fa} ({rate}) |")
 
   L[-2] = L[-2].replace("| theta |", "| runs | theta |")
-  L[-1] = L[-1] + "---|"
+  L[-1] = L[-1] + "---|---|"
   for th in a.ess_thresholds:
     predictor_row("all", th, lambda m, k: True)
   mid = a.ess_thresholds[len(a.ess_thresholds) // 2]
@@ -422,6 +428,32 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
     predictor_row(f"k = {k}", mid, lambda m, kk, k=k: kk == k)
   for m in c.methods:
     predictor_row(m, mid, lambda mm, k, m=m: mm == m)
+
+  # Is a low ESS specific to collapse, or just a symptom of lag? Compare at equal k.
+  L.append("\nPer-run median and 10%-quantile of the unclipped ESS ratio (over the first half of training, "
+           "before most collapses), collapsed vs non-collapsed runs at equal k (all methods and lrs):\n")
+  L.append("| k | collapsed: n, median ESS, q10 ESS | not collapsed: n, median ESS, q10 ESS |")
+  L.append("|---|---|---|")
+  for k in c.ks:
+    groups = {True: [], False: []}
+    for (m, kk), z in cells.items():
+      if kk != k:
+        continue
+      for i, _ in enumerate(c.lrs):
+        acc = z["accuracy"][i]
+        fin = final_value(acc, z["eval_step"][i, 0], c.task.steps, a.final_frac)
+        col = collapsed(fin, acc.max(-1), summary["chance"], a.collapse_keep, a.min_gain)
+        half = z["ess_ratio"][i][:, : c.task.steps // 2]
+        for r in range(len(col)):
+          groups[bool(col[r])].append((np.median(half[r]), np.quantile(half[r], 0.1)))
+
+    def cellstr(g):
+      if not g:
+        return "0, -, -"
+      g = np.asarray(g)
+      return f"{len(g)}, {g[:, 0].mean():.3f}, {g[:, 1].mean():.3f}"
+
+    L.append(f"| {k} | {cellstr(groups[True])} | {cellstr(groups[False])} |")
 
   L.append("\n## Notes\n")
   L.append(notes or f"{NOTES_BEGIN}\n(no notes yet)\n{NOTES_END}")
