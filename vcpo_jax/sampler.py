@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
