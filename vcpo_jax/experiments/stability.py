@@ -271,13 +271,18 @@ def plot(c, summary: dict, out: Path) -> list[str]:
       x = np.arange(1, y.shape[-1] + 1)
     else:
       x = z[steps_key][i, 0]
-    m, s = y.mean(0), y.std(0)
+    if key == "ess_ratio":  # log scale: median over seeds with a min-max band (std goes negative)
+      m, lo, hi = np.median(y, 0), y.min(0), y.max(0)
+    else:
+      m, s = y.mean(0), y.std(0)
+      lo, hi = m - s, m + s
     ax.plot(x, m, color=color, label=method, lw=1.2)
-    ax.fill_between(x, m - s, m + s, color=color, alpha=0.15)
+    ax.fill_between(x, lo, hi, color=color, alpha=0.15)
 
   for key, fname, ylabel in (("accuracy", "stability_accuracy.png", "accuracy (mean +- std over seeds)"),
                              ("ess_ratio", "stability_ess.png",
-                              f"ESS ratio, trailing median ({c.analysis.ess_window} steps)")):
+                              f"ESS ratio (trailing {c.analysis.ess_window}-step median)\n"
+                              "median and min-max over seeds")):
     fig, axes = plt.subplots(1, len(c.ks), figsize=(4.2 * len(c.ks), 3.6), sharey=True, squeeze=False)
     for j, k in enumerate(c.ks):
       ax = axes[0, j]
@@ -290,6 +295,7 @@ def plot(c, summary: dict, out: Path) -> list[str]:
         ax.axhline(summary["chance"], color="k", ls=":", lw=0.8)
       else:
         ax.set_yscale("log")
+        ax.set_ylim(0.5 / (c.task.prompts_per_step * c.task.group_size), 1.2)
     axes[0, 0].set_ylabel(ylabel)
     axes[0, -1].legend(fontsize=6, loc="best")
     fig.tight_layout()
