@@ -159,6 +159,12 @@ def test_alarm_and_lead_time_hand_made():
   assert r["false_alarm_rate"] == 0.5
 
 
+def test_auc_hand_computed():
+  # pairs (pos < neg): 0.1 < {0.3, 0.5}: 2; 0.3 < 0.5: 1, 0.3 == 0.3: 1/2 -> 3.5 / 4
+  assert st.auc_lower_predicts([0.1, 0.3], [0.3, 0.5]) == pytest.approx(3.5 / 4)
+  assert math.isnan(st.auc_lower_predicts([], [0.3]))
+
+
 def test_select_lr_rule():
   assert st.select_lr({1e-3: 0.5, 1e-2: 0.7, 3e-2: 0.6}) == 1e-2
   assert st.select_lr({3e-2: 0.7, 1e-2: 0.7}) == 1e-2  # ties: the smaller lr

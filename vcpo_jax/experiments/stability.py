@@ -124,6 +124,15 @@ def ess_predictor(ess_runs: np.ndarray, acc_runs: np.ndarray, eval_steps: np.nda
               n_false_alarm=n_fa, false_alarm_rate=(n_fa / n_ok) if n_ok else math.nan)
 
 
+def auc_lower_predicts(pos: Sequence[float], neg: Sequence[float]) -> float:
+  """P(score of a positive < score of a negative), ties count 1/2: AUC of "lower predicts positive"."""
+  pos, neg = np.asarray(pos, float), np.asarray(neg, float)
+  if not pos.size or not neg.size:
+    return math.nan
+  return float(((pos[:, None] < neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum())
+               / (pos.size * neg.size))
+
+
 def select_lr(final_k0_by_lr: dict[float, float]) -> float:
   """The rule fixed in advance: best mean final accuracy at k = 0; ties go to the smaller lr."""
   items = sorted(final_k0_by_lr.items())
@@ -438,8 +447,9 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
   # Is a low ESS specific to collapse, or just a symptom of lag? Compare at equal k.
   L.append("\nPer-run median and 10%-quantile of the unclipped ESS ratio (over the first half of training, "
            "before most collapses), collapsed vs non-collapsed runs at equal k (all methods and lrs):\n")
-  L.append("| k | collapsed: n, median ESS, q10 ESS | not collapsed: n, median ESS, q10 ESS |")
-  L.append("|---|---|---|")
+  L.append("| k | collapsed: n, median ESS, q10 ESS | not collapsed: n, median ESS, q10 ESS | "
+           "AUC (lower median ESS -> collapse) |")
+  L.append("|---|---|---|---|")
   for k in c.ks:
     groups = {True: [], False: []}
     for (m, kk), z in cells.items():
@@ -459,7 +469,9 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
       g = np.asarray(g)
       return f"{len(g)}, {g[:, 0].mean():.3f}, {g[:, 1].mean():.3f}"
 
-    L.append(f"| {k} | {cellstr(groups[True])} | {cellstr(groups[False])} |")
+    auc = auc_lower_predicts([g[0] for g in groups[True]], [g[0] for g in groups[False]])
+    L.append(f"| {k} | {cellstr(groups[True])} | {cellstr(groups[False])} | "
+             + ("-" if math.isnan(auc) else f"{auc:.2f}") + " |")
 
   L.append("\n## Notes\n")
   L.append(notes or f"{NOTES_BEGIN}\n(no notes yet)\n{NOTES_END}")
