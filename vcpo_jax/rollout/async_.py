@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue as queue_lib
 import signal
+import tempfile
 import time
 import weakref
 
@@ -168,14 +170,21 @@ class AsyncSource:
         tokenizer=self.tokenizer, problems=tuple(self.maker.problems), key_data=self.key_data,
         key_impl=self.key_impl, k=self.k, first_step=int(version), end_step=self.end_step,
         param_names=tuple(arrays), meta_bytes=self.meta_bytes, cpus=self.cpus)
-    self.proc = SPAWN.Process(target=worker_lib.main, args=(args, self.queue, self.slot, child_conn),
+    # The spawn payload stays small: the arguments (problems, tokenizer: can be MBs) go through a file.
+    # CPython writes the payload into a pipe whose read end the parent holds until the write ends, so a
+    # child dying during bootstrap (e.g. a script without `if __name__ == "__main__":`) would block a large
+    # write, and start(), forever.
+    fd, self._args_path = tempfile.mkstemp(prefix="vcpo-async-args-", suffix=".pkl")
+    with os.fdopen(fd, "wb") as f:
+      pickle.dump(args, f, protocol=pickle.HIGHEST_PROTOCOL)
+    self.proc = SPAWN.Process(target=worker_lib.main, args=(self._args_path, self.queue, self.slot, child_conn),
                               name="vcpo-async-sampler", daemon=False)  # a daemon could not start graders
     with _environ(self.env):
       self.proc.start()
     child_conn.close()
     self.queue.watch(self.proc)
     # Interpreter exit without close() (an uncaught error far away) still stops the worker.
-    self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn)
+    self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self._args_path)
 
   def publish(self, params, version: int):
     """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time."""
@@ -314,8 +323,10 @@ class AsyncSource:
     self.queue = self.slot = self.conn = None
 
 
-def _shutdown(proc, conn):
+def _shutdown(proc, conn, args_path):
   """Stop the worker: a stop message, then SIGTERM, then SIGKILL; always reaps it."""
+  with contextlib.suppress(FileNotFoundError):
+    os.unlink(args_path)
   if proc.exitcode is None:
     try:
       conn.send("stop")

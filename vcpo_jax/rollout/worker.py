@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import queue as queue_lib
 import signal
 import sys
@@ -109,12 +110,17 @@ def pin_cpus(cpus) -> None:
       pass  # the thread ended meanwhile
 
 
-def main(args: WorkerArgs, batch_queue, slot, conn):
-  """Process entry point (spawn target). Exits 0 on "stop", 1 with a traceback sent on error."""
+def main(args_path: str, batch_queue, slot, conn):
+  """Process entry point (spawn target). Exits 0 on "stop", 1 with a traceback sent on error.
+
+  `args_path`: a pickled WorkerArgs (a file keeps the spawn payload small; the learner deletes it).
+  """
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   _set_parent_death_signal()
   parent = os.getppid()
   try:
+    with open(args_path, "rb") as f:
+      args = pickle.load(f)
     if args.cpus:
       pin_cpus(args.cpus)  # before JAX builds its CPU client: its thread pools inherit the mask
     _Worker(args, batch_queue, slot, conn, parent).run()
