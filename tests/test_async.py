@@ -218,3 +218,32 @@ def test_sigterm_to_the_trainer_stops_the_worker_and_removes_segments(tmp_path):
   recs = [r for r in metrics_lib.read_jsonl(str(workdir / "metrics.jsonl")) if "train/lag_max" in r]
   assert recs and all(0 <= r["train/lag_min"] and r["train/lag_max"] <= 2 for r in recs)
   assert os.path.isdir(workdir / "checkpoints")
+
+
+_NO_MAIN_GUARD_SCRIPT = r"""
+import sys
+sys.path.insert(0, {repo!r})
+from tests.test_async import _source, _tiny
+src, params = _source(_tiny())
+src.publish(params, 0)  # in the spawned child this line runs again and fails: no __main__ guard
+try:
+  src.next(0)
+except Exception as e:
+  print("LEARNER", type(e).__name__, e)
+finally:
+  src.close()
+"""
+
+
+def test_script_without_main_guard_fails_clearly_instead_of_hanging(tmp_path):
+  """Spawn re-imports the main script in the child; without a __main__ guard the child dies in bootstrap.
+  The learner must report it (and Process.start must not block on a large spawn payload)."""
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = tmp_path / "no_guard.py"
+  script.write_text(_NO_MAIN_GUARD_SCRIPT.format(repo=repo))
+  out = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), capture_output=True, text=True,
+                       timeout=180)
+  assert "LEARNER SamplerDiedError" in out.stdout, (out.stdout + out.stderr)[-3000:]
+  assert "exited with code 1" in out.stdout
