@@ -90,6 +90,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.async_.queue_slots = 4  # shared-memory queue capacity (batches)
   c.async_.sampler_devices = ""  # e.g. "0,1": device ids for the sampler process ("" = same platform default)
   c.async_.timeout_s = 120.0  # a learner wait longer than this (dead sampler) is an error
+  c.async_.startup_timeout_s = 600.0  # the first batch (worker start-up + compilation) may take this long
+  c.async_.sampler_cpus = ""  # pin the sampler process to these cores, e.g. "1" or "2-3" ("" = no pinning)
+  c.async_.sampler_env = ml_collections.ConfigDict()  # extra environment variables of the sampler process
 
   c.eval = ml_collections.ConfigDict()
   c.eval.dataset = ""  # held-out data set name ("" = the training task), e.g. math500 or aime

@@ -15,7 +15,7 @@ import ml_collections
 
 # Ordered so that the most informative cells finish first if the study is interrupted.
 METHODS = ("none", "seq_tis", "vcpo", "vcpo_no_esslr", "vcpo_no_opob", "clip", "mask", "token_tis",
-           "vcpo_applied_opob", "vcpo_loo_opob")
+           "vcpo_applied_opob", "vcpo_loo_opob", "vcpo_reference")
 
 
 def get_config(arg: str | None = None):

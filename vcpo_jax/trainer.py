@@ -137,8 +137,7 @@ def run(config, workdir: str) -> dict:
     state, wall_offset = _restore(ckpt, latest, state, source)
     start = latest
     log.info("resumed from step %d in %s", start, workdir)
-  else:
-    source.publish(state.params, 0)
+  source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
 
   # ---------------------------------------------------------------- Evals
   eval_problems = spec.eval_task_object().make_problems(
@@ -202,6 +201,8 @@ def run(config, workdir: str) -> dict:
           "train/response_len": info["response_len_mean"],
           "train/lag_min": info["lag_min"], "train/lag_mean": info["lag_mean"], "train/lag_max": info["lag_max"],
           "time/rollout_s": t1 - t0, "time/learn_s": t2 - t1,
+          # generation busy time of this batch (sync: the rollout phase itself; async: the sampler's)
+          "time/gen_s": info.get("sampler_gen_s", t1 - t0),
           "time/tokens_per_s": n_tokens / max(t2 - t0, 1e-9),
           "time/sampler_idle_frac": info.get("sampler_idle_frac", 0.0),
           "time/learner_idle_frac": info.get("learner_wait_s", t1 - t0) / max(t2 - t0, 1e-9),
@@ -273,6 +274,8 @@ def _state_tree(state, source):
 
 
 def _save(ckpt, step, state, source, writer, eval_metrics, force=False):
+  if step in ckpt.all_steps():  # e.g. a signal right after a periodic save: that checkpoint is current
+    return
   tree, versions = _state_tree(state, source)
   meta = {"step": step, "versions": versions, "wall_time": writer.wall_time}
   ckpt.save(step, tree, meta, metrics=eval_metrics, force=force)
