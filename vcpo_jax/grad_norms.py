@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax.model import taps
+from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
 
 # logp_fn(params, batch) -> logp_nt [N, T] float32; built from tapped layers.
 LogpFn = Callable[[Any, Any], jax.Array]
@@ -111,24 +112,9 @@ def sequence_logp_fn(graphdef) -> LogpFn:
 # ----------------------------------------------------------------------------- parameter paths
 
 
-def _path_str(path) -> str:
-  parts = []
-  for k in path:
-    if isinstance(k, jax.tree_util.DictKey):
-      parts.append(str(k.key))
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      parts.append(str(k.idx))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      if k.name != "value":  # nnx.Variable stores its array under .value
-        parts.append(k.name)
-    else:
-      parts.append(str(k))
-  return ".".join(parts)
-
-
 def _param_paths(params) -> dict[str, jax.ShapeDtypeStruct]:
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {_path_str(p): jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in leaves}
+  return {path_str(p): jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in leaves}
 
 
 def _tap_params(info: taps.TapInfo) -> list[str]:
@@ -350,7 +336,7 @@ def ghost_sq_norms_and_grad(logp_fn: LogpFn, params, batch, tokw: TokW, coef_fn:
           (_flat(d, n) * w_n[:, None, None]).reshape(-1, table.shape[-1]))
       add(info.param + ".embedding", rows)
 
-  grads = jax.tree_util.tree_map_with_path(lambda path, _: grads_by_path[_path_str(path)], params)
+  grads = jax.tree_util.tree_map_with_path(lambda path, _: grads_by_path[path_str(path)], params)
   return GhostResult(logp_nt, tokw_nt, sq_n, coef_n, loss, grads, aux)
 
 
