@@ -54,6 +54,7 @@ def get_config(arg: str | None = None):
     c.model.intermediate_size = None
     c.log.progress = False
     c.log.plots = False
+    c.log.norm_overhead_every = 2  # exercise the overhead timing
   elif arg:
     raise ValueError(f"configs/countdown.py: unknown variant {arg!r}; use '' or 'smoke'.")
   return c

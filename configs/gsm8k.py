@@ -92,3 +92,4 @@ def _smoke(c):
   c.mesh.shape = (-1, 1, 1)  # data parallel over whatever devices there are
   c.log.progress = False  # quiet in tests
   c.log.plots = False  # no PNGs in tests
+  c.log.norm_overhead_every = 0  # no extra timing compile in tests

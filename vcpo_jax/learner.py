@@ -85,5 +85,23 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
   return train_step
 
 
+def make_plain_grad_fn(graphdef):
+  """A plain policy-gradient step (fixed coefficients, no norms): the yardstick of the norm overhead.
+
+  Returns f(params, batch) -> global gradient norm of -sum_n R_n sum_t mask_nt logp_nt: one forward and
+  one backward pass, what a GRPO learner without per-example norms pays. The trainer times it next to
+  the real step every `log.norm_overhead_every` steps and logs the ratio.
+  """
+  logp_fn = make_logp_fn(graphdef)
+
+  def plain(params, batch):
+    def loss(p):
+      logp = logp_fn(p, batch)
+      return -jnp.sum(batch["rewards"][:, None] * batch["loss_mask"] * logp)
+    return optax.global_norm(jax.grad(loss)(params))
+
+  return plain
+
+
 def init_state(params, tx) -> TrainState:
   return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))

@@ -68,6 +68,7 @@ class RunSpec:
   distributed: dict
   async_cfg: dict
   progress: bool
+  norm_overhead_every: int
   plots: bool
   multiturn: MultiTurnConfig | None = None  # tool-use episodes; None = single-turn rollouts
 
@@ -190,6 +191,8 @@ def parse_config(config) -> RunSpec:
     raise ConfigError(f"config.eval: {e}") from None
   if c.eval.data_path and not os.path.exists(c.eval.data_path):
     _fail("eval.data_path", f"{c.eval.data_path!r} does not exist; point it at a local parquet/jsonl file.")
+  if c.log.norm_overhead_every < 0:
+    _fail("log.norm_overhead_every", f"must be >= 0 (0 = off), got {c.log.norm_overhead_every}.")
   if c.eval.every < 0:
     _fail("eval.every", f"must be >= 0 (0 = start and end only), got {c.eval.every}.")
   if c.checkpoint.every < 1:
@@ -224,6 +227,7 @@ def parse_config(config) -> RunSpec:
       sft_steps=int(c.sft.steps), sft_lr=float(c.sft.lr), sft_batch_size=int(c.sft.batch_size),
       sft_cache_dir=c.sft.cache_dir, mesh_shape=mesh_shape, distributed=dict(c.distributed.to_dict()),
       async_cfg=dict(c.async_.to_dict()), progress=bool(c.log.progress), plots=bool(c.log.plots),
+      norm_overhead_every=int(c.log.norm_overhead_every),
       multiturn=multiturn)
 
 
@@ -231,9 +235,6 @@ def _multiturn_config(c) -> MultiTurnConfig | None:
   mt = c.task.multiturn
   if not mt.enabled:
     return None
-  if c.mode == "async":
-    _fail("task.multiturn.enabled", "multi-turn rollouts are not wired into the async sampler process yet "
-          "(it would sample single-turn); use mode='lag' with the same lag.k (exact staleness).")
   if c.task.name in ("countdown", "arithmetic"):
     _fail("task.multiturn.enabled", f"task.name={c.task.name!r} has no tool-use protocol; use a text data set "
           "(gsm8k, math, math500, aime).")

@@ -114,6 +114,10 @@ def run(config, workdir: str) -> dict:
   train_step = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), in_shardings=(state_sh, batch_sh),
                        out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
 
+  plain_step = None
+  if spec.norm_overhead_every:  # the yardstick for "per-example norms cost little" (review #9)
+    plain_step = jax.jit(learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
+
   # ---------------------------------------------------------------- Rollouts
   key = jax.random.key(spec.seed)
   train_sampler = Sampler(graphdef, model_cfg, make_sampler_cfg(
@@ -162,7 +166,7 @@ def run(config, workdir: str) -> dict:
            else _eval_generate_fn(eval_sampler, params, tokenizer, spec, eval_rng))
     rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, jsonl_path=eval_jsonl, tag=tag)
     return {"eval/accuracy": rec["mean_at_n"], "eval/mean_reward": rec["mean_reward"],
-            **{f"eval/pass@{k}": v for k, v in rec["pass_at_k"].items()}}
+            **{f"eval/pass_at_{k}": v for k, v in rec["pass_at_k"].items()}}
 
   # ---------------------------------------------------------------- Loop
   writer = metrics_lib.MetricsWriter(workdir, spec.steps, initial_step=start, wall_offset=wall_offset,
@@ -208,6 +212,8 @@ def run(config, workdir: str) -> dict:
           "time/learner_idle_frac": info.get("learner_wait_s", t1 - t0) / max(t2 - t0, 1e-9),
       })
       row.update(info.get("metrics", {}))  # source-specific statistics (e.g. multi-turn tool use)
+      if plain_step is not None and step % spec.norm_overhead_every == 0:
+        row.update(_norm_overhead(plain_step, state.params, batch, mesh, spec, t2 - t1))
       if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
         last_eval = run_eval(step, state.params)
         row.update(last_eval)
@@ -250,6 +256,17 @@ def build_mesh(spec: RunSpec):
     raise ConfigError(f"config.task.prompts_per_step: the batch N = P*G = {spec.rollout.batch_size} must be "
                       f"divisible by data*fsdp = {data_par} of the mesh {dict(mesh.shape)}.")
   return mesh
+
+
+def _norm_overhead(plain_step, params, batch, mesh, spec: RunSpec, learn_s: float) -> dict:
+  """Times a plain gradient step on this step's batch (twice: the first may compile) against the real one."""
+  dev = _global_batch(device_batch(batch), mesh, spec.rollout.batch_size)
+  times = []
+  for _ in range(2):
+    t0 = time.time()
+    jax.block_until_ready(plain_step(params, dev))
+    times.append(time.time() - t0)
+  return {"time/plain_grad_s": times[-1], "time/norm_overhead": learn_s / max(times[-1], 1e-9)}
 
 
 def _global_batch(batch: dict, mesh, global_n: int):
