@@ -74,8 +74,7 @@ def test_released_hyperparameters(name, tiny_ckpt):
   assert (c.eval.temperature, c.eval.top_p, c.eval.n, c.eval.greedy) == (0.8, 0.7, eval_n, False)
   assert c.model.checkpoint.endswith(("Qwen2-1.5B" if name == "gsm8k" else "Qwen2.5-7B", "Qwen2.5-7B-Instruct"))
   assert c.task.data_path  # a local file the user downloads
-  # async everywhere, except multi-turn, which runs the same k in exact-lag mode (documented departure)
-  assert c.mode == ("lag" if name == "multiturn" else "async")
+  assert c.mode == "async"  # every released run is asynchronous, multi-turn tool use included
   assert c.task.multiturn.enabled == (name == "multiturn")
   # What the learner actually receives: VCPO on sequence TIS c = 8, ESS-scaled lr with this rho_on.
   spec = run_config.parse_config(_localize(c, tiny_ckpt))

@@ -177,10 +177,6 @@ def _smoke_config():
 
 def test_config_errors():
   c = _smoke_config()
-  c.mode, c.lag.k = "async", 2
-  with pytest.raises(run_config.ConfigError, match="task.multiturn.enabled"):
-    run_config.parse_config(c)
-  c = _smoke_config()
   c.task.multiturn.max_turn_tokens = 64
   with pytest.raises(run_config.ConfigError, match="task.multiturn.max_turn_tokens"):
     run_config.parse_config(c)
@@ -194,6 +190,9 @@ def test_config_errors():
     run_config.parse_config(c)
   spec = run_config.parse_config(_smoke_config())
   assert spec.multiturn.max_turns == 3
+  c = _smoke_config()
+  c.mode, c.lag.k = "async", 2  # the async sampler process builds tool-use episodes too
+  assert run_config.parse_config(c).multiturn == spec.multiturn
   assert spec.model_cfg.max_position >= 240 + 24 + 8  # contexts up to T - 1 plus one turn
 
 
@@ -211,3 +210,85 @@ def test_smoke_run(tmp_path):
   assert recs[1]["train/lag_max"] == 1.0
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["task"]["multiturn"]["enabled"] is True
+
+
+def test_smoke_run_async(tmp_path, monkeypatch):
+  """configs/multiturn.py:smoke with mode="async", k = 1: the spawned sampler builds tool-use episodes
+  (its sandbox runs `python -I -S` subprocesses), rows' versions lie in [step - k, step], and the maker's
+  multi-turn metrics travel through the queue's metadata into metrics.jsonl."""
+  from vcpo_jax.rollout import async_
+  k, built, seen = 1, [], []
+  build = trainer.build_source
+
+  def recording_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt = src.next
+
+    def next_(step):
+      batch, info = nxt(step)
+      seen.append((step, batch["policy_version"].copy(), info))
+      return batch, info
+
+    src.next = next_
+    built.append(src)
+    return src
+
+  monkeypatch.setattr(trainer, "build_source", recording_build_source)
+  c = _smoke_config()
+  c.mode, c.lag.k = "async", k
+  c.async_.timeout_s = 120.0  # only a hung sampler reaches it
+  workdir = str(tmp_path / "mt_async")
+  summary = trainer.run(c, workdir)
+  assert summary["step"] == 2 and summary["nonfinite_steps"] == []
+  (src,) = built
+  assert isinstance(src, async_.AsyncSource) and src.proc.exitcode == 0
+  assert [s for s, _, _ in seen] == [0, 1]
+  names = ("rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_error_frac",
+           "rollout/max_turns_frac", "rollout/policy_tokens_mean", "rollout/sampler_rounds")
+  for step, versions, info in seen:
+    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+    assert set(names) <= set(info["metrics"])
+    assert 1.0 <= info["metrics"]["rollout/turns_mean"] <= 3.0  # max_turns = 3
+    assert info["metrics"]["rollout/sampler_rounds"] >= 1.0
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/pg_loss" in r]
+  assert [r["step"] for r in recs] == [1, 2]
+  for r, (_, _, info) in zip(recs, seen):
+    assert all(r[n] == pytest.approx(info["metrics"][n]) for n in names)
+    assert 0 <= r["train/lag_min"] <= r["train/lag_max"] <= k
+
+
+def _sandbox_in_sampler_like_process(conn):
+  """Spawn target: the async worker's process setup (SIGINT ignored, parent-death signal, JAX loaded),
+  then the sandbox runs snippets in `python -I -S` children, as MultiTurnRolloutMaker does there."""
+  import signal
+
+  import jax.numpy as jnp
+
+  from vcpo_jax.rollout import worker
+  from vcpo_jax.tasks import sandbox
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  worker._set_parent_death_signal()
+  jnp.ones(2).block_until_ready()  # a live XLA client with its threads, as in the worker
+  cfg = sandbox.SandboxConfig(cpu_seconds=1, wall_seconds=3.0)
+  res = sandbox.run_many(["print(6 * 7)", "while True:\n  pass", "import socket"], cfg, max_workers=2)
+  conn.send([(r.kind, r.stdout) for r in res])
+  conn.close()
+
+
+def test_sandbox_runs_from_a_spawned_sampler_process():
+  from vcpo_jax.rollout.shm_queue import SPAWN
+  parent, child = SPAWN.Pipe(duplex=False)
+  proc = SPAWN.Process(target=_sandbox_in_sampler_like_process, args=(child,), daemon=False)
+  proc.start()
+  child.close()
+  try:
+    assert parent.poll(120), "the spawned process sent no sandbox results"
+    (ok, ok_out), (loop, _), (imp, _) = parent.recv()
+  finally:
+    proc.join(30)
+    if proc.exitcode is None:
+      proc.kill()
+      proc.join()
+  assert proc.exitcode == 0
+  assert ok == "ok" and ok_out.strip() == "42"
+  assert loop == "timeout" and imp == "forbidden"  # limits and the import hook hold there too

@@ -173,6 +173,24 @@ def test_bad_batches_raise_clear_errors():
     q.get(timeout=0)
 
 
+def test_close_unlinks_semaphores_while_references_remain():
+  """close() removes the segment and both semaphores at once, even if something (a traceback frame)
+  still references the queue's semaphores; a later collection and a second close() are harmless."""
+  import gc
+  from multiprocessing import util
+  q = ShmQueue(SCHEMA, nslots=2)
+  paths = q.resource_paths()
+  assert len(paths) == 3 and all(os.path.exists(p) for p in paths)
+  held = (q._free, q._items)  # what a frame in a traceback would keep alive
+  q.close()
+  assert not [p for p in paths if os.path.exists(p)]
+  assert not [f for f in util._finalizer_registry.values() if getattr(f, "_weakref", None) is not None
+              and f._weakref() in held]  # nothing left to unlink twice at gc / exit
+  del held
+  gc.collect()
+  q.close()
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(1, 32), min_size=1, max_size=6), st.integers(1, 3))
 def test_roundtrip_property(ts, nslots):

@@ -116,7 +116,8 @@ class AsyncSource:
     key: the run's RNG key; batch b is sampled with fold_in(key, b), as in the other modes.
     model_cfg, graphdef: the policy; the worker rebuilds graphdef from model_cfg (checked here).
     tokenizer: pickled to the worker.
-    maker: the learner's RolloutMaker: its rollout config, sampler config and problems are sent.
+    maker: the learner's RolloutMaker (or MultiTurnRolloutMaker): its rollout config, sampler config,
+      problems and, for tool use, its MultiTurnConfig `maker.mt` are sent; the worker rebuilds the same kind.
 
   The worker starts at the first `publish(params, v)` and makes batches v, v + 1, ..., spec.steps - 1.
   """
@@ -169,7 +170,8 @@ class AsyncSource:
         rollout=self.maker.cfg, model_cfg=self.model_cfg, sampler_cfg=self.maker.sampler.cfg,
         tokenizer=self.tokenizer, problems=tuple(self.maker.problems), key_data=self.key_data,
         key_impl=self.key_impl, k=self.k, first_step=int(version), end_step=self.end_step,
-        param_names=tuple(arrays), meta_bytes=self.meta_bytes, cpus=self.cpus)
+        param_names=tuple(arrays), meta_bytes=self.meta_bytes, cpus=self.cpus,
+        multiturn=getattr(self.maker, "mt", None))
     # The spawn payload stays small: the arguments (problems, tokenizer: can be MBs) go through a file.
     # CPython writes the payload into a pipe whose read end the parent holds until the write ends, so a
     # child dying during bootstrap (e.g. a script without `if __name__ == "__main__":`) would block a large
@@ -243,7 +245,8 @@ class AsyncSource:
         finished_frac=meta["finished_frac"], lag_min=int(lag.min()), lag_mean=float(lag.mean()),
         lag_max=int(lag.max()), learner_wait_s=wait_s, sampler_gen_s=meta["gen_s"],
         sampler_idle_frac=d_idle / d_elapsed if d_elapsed > 0 else 0.0,  # since the previous batch
-        sampler_idle_s_total=idle, sampler_elapsed_s_total=elapsed)
+        sampler_idle_s_total=idle, sampler_elapsed_s_total=elapsed,
+        metrics=dict(meta.get("metrics") or {}))  # the maker's scalars (multi-turn: rollout/turns_mean, ...)
     return batch, info
 
   # -- failure reporting

@@ -290,6 +290,24 @@ class Item:
 # ----------------------------------------------------------------------------
 
 
+def _unlink_semaphore(sem) -> None:
+  """Runs, now and once, multiprocessing's unlink finalizer of a semaphore this process created.
+
+  `SemLock` registers `util.Finalize(sem, SemLock._cleanup, (name,))` in its creator: sem_unlink plus
+  resource-tracker unregistration. Calling that Finalize removes it from the registry, so neither garbage
+  collection nor interpreter exit unlinks the name a second time. Copies in other processes have no
+  finalizer (nothing happens); open handles, e.g. a worker's, stay valid after the unlink (POSIX).
+  """
+  from multiprocessing import util
+  if sem is None:
+    return
+  for fin in list(util._finalizer_registry.values()):
+    ref = getattr(fin, "_weakref", None)
+    if ref is not None and ref() is sem:
+      fin()
+      return
+
+
 class ShmQueue:
   """Bounded SPSC FIFO of schema-shaped batches in shared memory.
 
@@ -562,9 +580,12 @@ class ShmQueue:
     self._held = None
     seg, self._seg = self._seg, None
     seg.close()
-    # Dropping the last references runs multiprocessing's finalizer, which
-    # unlinks the named semaphores in the creating process.
-    self._free = self._items = None
+    # Unlink the named semaphores now, not when the last reference goes: a
+    # traceback frame (or any stray reference) would otherwise keep them in
+    # /dev/shm after close(). Only the creating process holds the unlink hook.
+    free, items, self._free, self._items = self._free, self._items, None, None
+    for sem in (free, items):
+      _unlink_semaphore(sem)
     self._watch = []
 
   def __enter__(self):

@@ -3,7 +3,10 @@
 `AsyncSource` (async_.py) starts `main` in a process from the multiprocessing
 "spawn" context (a fork of a process that already runs JAX can deadlock), so
 everything the worker needs crosses as picklable pieces (`WorkerArgs`): the
-frozen rollout / model / sampler configs, the tokenizer (a pickled
+frozen rollout / model / sampler configs (and, for tool-use rollouts, the
+`MultiTurnConfig`: the worker then builds a `MultiTurnRolloutMaker`, whose
+sandbox runs each code block in a fresh `python -I -S` subprocess of this
+worker), the tokenizer (a pickled
 `PreTrainedTokenizerFast`), the training problems and the raw RNG key data. The
 model graphdef is rebuilt here from the model config with `nnx.eval_shape`
 (no parameter init is computed) and must flatten to the names the learner
@@ -16,8 +19,10 @@ Loop, for b = first_step, first_step + 1, ..., end_step - 1:
      more than k steps stale when the learner consumes it at step b; nothing is
      ever generated and then dropped.
   2. take the newest parameters (v may be anything in [b - k, b]),
-  3. batch = RolloutMaker.make(params, b, fold_in(key, b), v): every row records
-     policy_version = v, so the learner's lag b - v lies in [0, k],
+  3. batch = maker.make(params, b, fold_in(key, b), v): every row records
+     policy_version = v, so the learner's lag b - v lies in [0, k]; the maker's
+     scalar info["metrics"] (e.g. multi-turn turn counts) travel in the batch's
+     JSON metadata,
   4. put it into the queue (blocks while the queue is full: back-pressure).
 
 Idle time = time blocked in 1 (the bound) and 4 (a full queue); the totals
@@ -57,7 +62,7 @@ class WorkerArgs:
   """Everything the sampler process needs, all picklable (no jax objects)."""
   rollout: Any  # common.RolloutConfig
   model_cfg: Any  # model.config.ModelConfig
-  sampler_cfg: Any  # sampler.SamplerConfig
+  sampler_cfg: Any  # sampler.SamplerConfig (for multi-turn: multiturn.sampler_config's, with its buckets)
   tokenizer: Any  # a picklable tokenizer (PreTrainedTokenizerFast pickles)
   problems: tuple  # tasks.Problem, the training pool (same order as the learner's)
   key_data: np.ndarray  # jax.random.key_data(key): uint32
@@ -68,6 +73,7 @@ class WorkerArgs:
   param_names: tuple[str, ...]  # ParamSlot names, in the learner's flatten order
   meta_bytes: int  # room for one batch's JSON metadata in the queue
   cpus: tuple[int, ...] = ()  # CPU affinity of this process (empty: inherit)
+  multiturn: Any = None  # rollout.multiturn.MultiTurnConfig: tool-use episodes; None = single-turn
 
 
 def param_names(params) -> tuple[str, ...]:
@@ -173,8 +179,12 @@ class _Worker:
           "rebuilds the model with transformer.init(model_cfg); use a model of that structure.")
     self.treedef = jax.tree.structure(abstract)
     self.key = jax.random.wrap_key_data(np.asarray(a.key_data), impl=a.key_impl)
-    self.maker = RolloutMaker(a.rollout, a.tokenizer, Sampler(graphdef, a.model_cfg, a.sampler_cfg),
-                              a.problems)
+    sampler = Sampler(graphdef, a.model_cfg, a.sampler_cfg)
+    if a.multiturn is None:
+      self.maker = RolloutMaker(a.rollout, a.tokenizer, sampler, a.problems)
+    else:  # the sandbox spawns `python -I -S` children (never forks this JAX process)
+      from vcpo_jax.rollout.multiturn import MultiTurnRolloutMaker
+      self.maker = MultiTurnRolloutMaker(a.rollout, a.multiturn, a.tokenizer, sampler, a.problems)
 
   # -- steps
 
@@ -221,7 +231,8 @@ class _Worker:
       meta = dict(step=step, version=int(version), gen_s=gen_s, idle_s_total=self.idle_s,
                   elapsed_s_total=time.monotonic() - self.t_start,
                   response_len_mean=info["response_len_mean"], finished_frac=info["finished_frac"],
-                  problem_ids=list(info["problem_ids"]), texts=list(info["texts"]))
+                  problem_ids=list(info["problem_ids"]), texts=list(info["texts"]),
+                  metrics={str(n): float(x) for n, x in info.get("metrics", {}).items()})  # logged scalars
       if len(json.dumps(meta, separators=(",", ":"))) > self.args.meta_bytes:
         meta.pop("texts")  # long responses: the learner decodes tokens if it needs them
       self._put({f: batch[f] for f in fields}, meta)
