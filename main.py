@@ -1,4 +1,5 @@
 """Entry point: python main.py --config=configs/NAME.py[:variant] --workdir=DIR [--config.field=value ...]."""
+
 import logging
 
 from absl import app, flags
@@ -14,6 +15,7 @@ def main(argv):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
   from vcpo_jax import trainer  # after flag parsing: keeps --help fast
+
   summary = trainer.run(flags.FLAGS.config, flags.FLAGS.workdir)
   logging.info("done: %s", summary)
 

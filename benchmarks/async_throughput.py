@@ -24,6 +24,7 @@ the sampler's time blocked on the staleness bound or a full queue (worker totals
 Prints a table and ends with one JSON line. Other work on the machine distorts all numbers: the JSON
 records the load average before and after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
 
 def _config(a):
   from configs import countdown
+
   c = countdown.get_config("smoke")
   c.steps = a.steps
   c.task.prompts_per_step = a.prompts
@@ -58,9 +60,11 @@ def _config(a):
 def _run_one(a) -> dict:
   """Child entry: one mode, pinned as requested; returns the measured figures."""
   from vcpo_jax.rollout import worker as worker_lib
+
   if a.learner_cpu >= 0:
     worker_lib.pin_cpus([a.learner_cpu])
   from vcpo_jax import metrics as metrics_lib, trainer
+
   c = _config(a)
   infos = []
   if a.mode == "async":
@@ -93,16 +97,25 @@ def _run_one(a) -> dict:
   wall = by_step[s]["wall_time"] - by_step[w]["wall_time"]
   gen = sum(r["time/rollout_s"] for r in window)  # sync: generation; async: the learner's queue wait
   learn = sum(r["time/learn_s"] for r in window)
-  out = dict(mode=a.mode, steps_per_s=(s - w) / wall, window_s=wall, wall_to_steps_s=by_step[s]["wall_time"] - t_start,
-             first_step_s=by_step[1]["wall_time"] - t_start,
-             learn_s=learn / len(window), lag_max=max(r["train/lag_max"] for r in recs),
-             lag_mean=sum(r["train/lag_mean"] for r in window) / len(window))
+  out = dict(
+    mode=a.mode,
+    steps_per_s=(s - w) / wall,
+    window_s=wall,
+    wall_to_steps_s=by_step[s]["wall_time"] - t_start,
+    first_step_s=by_step[1]["wall_time"] - t_start,
+    learn_s=learn / len(window),
+    lag_max=max(r["train/lag_max"] for r in recs),
+    lag_mean=sum(r["train/lag_mean"] for r in window) / len(window),
+  )
   if a.mode == "async":
     i0, i1 = infos[w - 1], infos[s - 1]  # info of batch w-1 (end of warm-up) and of the last batch
-    out.update(learner_wait_s=gen / len(window), learner_idle_frac=gen / wall,
-               sampler_idle_frac=(i1["sampler_idle_s_total"] - i0["sampler_idle_s_total"])
-               / (i1["sampler_elapsed_s_total"] - i0["sampler_elapsed_s_total"]),
-               gen_s=sum(i["sampler_gen_s"] for i in infos[w:s]) / (s - w))
+    out.update(
+      learner_wait_s=gen / len(window),
+      learner_idle_frac=gen / wall,
+      sampler_idle_frac=(i1["sampler_idle_s_total"] - i0["sampler_idle_s_total"])
+      / (i1["sampler_elapsed_s_total"] - i0["sampler_elapsed_s_total"]),
+      gen_s=sum(i["sampler_gen_s"] for i in infos[w:s]) / (s - w),
+    )
   else:
     out.update(gen_s=gen / len(window), learner_idle_frac=1 - learn / wall, sampler_idle_frac=1 - gen / wall)
   return out
@@ -119,8 +132,9 @@ def _spawn(a, mode: str, env_extra: dict, pin: bool) -> dict:
   if "XLA_FLAGS" not in env_extra:
     env.pop("XLA_FLAGS", None)  # XLA's default threading
   with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
-    subprocess.run(args + [f"--_out={f.name}"], env=env, check=True, cwd=os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+    subprocess.run(
+      args + [f"--_out={f.name}"], env=env, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    )
     return json.load(open(f.name))
 
 
@@ -134,8 +148,11 @@ def main():
   p.add_argument("--new_tokens", type=int, default=64)
   p.add_argument("--hidden", type=int, default=64)
   p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--modes", default="sync_1core,async,sync_2core",
-                  help="comma list; sync_1core and async are needed for the limit and the ratio")
+  p.add_argument(
+    "--modes",
+    default="sync_1core,async,sync_2core",
+    help="comma list; sync_1core and async are needed for the limit and the ratio",
+  )
   p.add_argument("--_child", default="", help=argparse.SUPPRESS)
   p.add_argument("--_out", default="", help=argparse.SUPPRESS)
   p.add_argument("--learner_cpu", type=int, default=-1, help=argparse.SUPPRESS)
@@ -165,26 +182,58 @@ def main():
   # How close the async pipeline comes to its own bottleneck phase as measured during the async run (the
   # phases slow down when both cores are busy; this separates pipeline stalls from that contention).
   overlap = asy["steps_per_s"] * max(asy["gen_s"], asy["learn_s"])
-  cols = ("steps_per_s", "wall_to_steps_s", "gen_s", "learn_s", "learner_idle_frac", "sampler_idle_frac",
-          "lag_mean", "lag_max")
-  print(f"\ncountdown, N={a.prompts * a.group}, T={24 + a.new_tokens}, D={a.hidden}, L={a.layers}, "
-        f"{a.steps} steps (timed: {a.warmup + 1}..{a.steps}), async k={a.k}")
+  cols = (
+    "steps_per_s",
+    "wall_to_steps_s",
+    "gen_s",
+    "learn_s",
+    "learner_idle_frac",
+    "sampler_idle_frac",
+    "lag_mean",
+    "lag_max",
+  )
+  print(
+    f"\ncountdown, N={a.prompts * a.group}, T={24 + a.new_tokens}, D={a.hidden}, L={a.layers}, "
+    f"{a.steps} steps (timed: {a.warmup + 1}..{a.steps}), async k={a.k}"
+  )
   print(f"{'mode':<12}" + "".join(f"{c:>19}" for c in cols))
   for name, r in res.items():
     print(f"{name:<12}" + "".join(f"{r[c]:>19.3f}" for c in cols))
-  print(f"\nasync / sync_1core steps/s: {ratio:.3f}   limit (g + l) / max(g, l) from sync_1core: {limit:.3f}   "
-        f"fraction of limit: {ratio / limit:.3f} (goal >= 0.9)")
+  print(
+    f"\nasync / sync_1core steps/s: {ratio:.3f}   limit (g + l) / max(g, l) from sync_1core: {limit:.3f}   "
+    f"fraction of limit: {ratio / limit:.3f} (goal >= 0.9)"
+  )
   print(f"async steps/s x max(async gen, async learn): {overlap:.3f} (1.0 = the slower phase never waits)")
   if "sync_2core" in res:
     print(f"async / sync_2core steps/s: {asy['steps_per_s'] / res['sync_2core']['steps_per_s']:.3f}")
-  print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} CPUs; "
-        f"total {time.time() - t0:.0f} s")
-  print(json.dumps(dict(benchmark="async_throughput", config=dict(
-      N=a.prompts * a.group, new_tokens=a.new_tokens, hidden=a.hidden, layers=a.layers, steps=a.steps,
-      warmup=a.warmup, k=a.k), results=res, speedup_vs_sync_1core=ratio, limit=limit,
-      fraction_of_limit=ratio / limit, overlap_efficiency=overlap, speedup_vs_sync_2core=(asy["steps_per_s"] / res["sync_2core"]["steps_per_s"]
-                                                             if "sync_2core" in res else None),
-      loadavg_before=load_before, loadavg_after=load_after)))
+  print(
+    f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} CPUs; "
+    f"total {time.time() - t0:.0f} s"
+  )
+  print(
+    json.dumps(
+      dict(
+        benchmark="async_throughput",
+        config=dict(
+          N=a.prompts * a.group,
+          new_tokens=a.new_tokens,
+          hidden=a.hidden,
+          layers=a.layers,
+          steps=a.steps,
+          warmup=a.warmup,
+          k=a.k,
+        ),
+        results=res,
+        speedup_vs_sync_1core=ratio,
+        limit=limit,
+        fraction_of_limit=ratio / limit,
+        overlap_efficiency=overlap,
+        speedup_vs_sync_2core=(asy["steps_per_s"] / res["sync_2core"]["steps_per_s"] if "sync_2core" in res else None),
+        loadavg_before=load_before,
+        loadavg_after=load_after,
+      )
+    )
+  )
 
 
 if __name__ == "__main__":

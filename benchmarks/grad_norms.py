@@ -23,6 +23,7 @@ Times: median of --repeats after one warm-up call; memory: XLA's compiled temp b
 (`memory_analysis().temp_size_in_bytes`) per step, and the process peak RSS at the end.
 The last line of output is one JSON object with every number.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ def model_config(small: bool) -> mconfig.ModelConfig:
   if small:
     return mconfig.tiny_qwen2(vocab_size=512)
   # Qwen2-style: GQA, q/k/v bias, tied embeddings. ~10.0M parameters.
-  return mconfig.tiny_qwen2(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=10,
-                            num_heads=4, num_kv_heads=2, head_dim=64)
+  return mconfig.tiny_qwen2(
+    vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=10, num_heads=4, num_kv_heads=2, head_dim=64
+  )
 
 
 def make_batch(graphdef, params, n, t, group, seed=0):
@@ -61,9 +63,13 @@ def make_batch(graphdef, params, n, t, group, seed=0):
   valid = np.concatenate([prompt, resp], 1)
   loss_mask = np.concatenate([np.zeros_like(prompt), resp], 1).astype(np.float32)
   tokens = np.where(valid, rng.integers(0, vocab, (n, t)), 0).astype(np.int32)
-  batch = dict(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(loss_mask),
-               rewards=jnp.asarray(rng.integers(0, 2, n), jnp.float32),
-               group_id=jnp.asarray(np.repeat(np.arange(n // group), group), jnp.int32))
+  batch = dict(
+    tokens=jnp.asarray(tokens),
+    valid=jnp.asarray(valid),
+    loss_mask=jnp.asarray(loss_mask),
+    rewards=jnp.asarray(rng.integers(0, 2, n), jnp.float32),
+    group_id=jnp.asarray(np.repeat(np.arange(n // group), group), jnp.int32),
+  )
   logp = jax.jit(tf.sequence_logprobs, static_argnums=0)(graphdef, params, batch["tokens"], batch["valid"])
   # Stale behavior policy: per-token log-prob noise gives sequence log-ratios of order 1.
   batch["behavior_logp"] = (logp + 0.1 * jnp.asarray(rng.normal(size=(n, t)), jnp.float32)) * loss_mask
@@ -76,6 +82,7 @@ def make_batch(graphdef, params, n, t, group, seed=0):
 def plain_step(logp_fn, params, batch, coef_n):
   def surrogate(p):
     return -jnp.sum(coef_n * jnp.sum(batch["loss_mask"] * logp_fn(p, batch), axis=1))
+
   return jax.value_and_grad(surrogate)(params)
 
 
@@ -98,10 +105,12 @@ def loop_step(logp_fn, params, batch, cfg, group):
   """
   logp_nt = jax.lax.stop_gradient(logp_fn(params, batch))
   mask = batch["loss_mask"]
-  _, aux = estimator.pg_coefficients(logp_nt, batch["behavior_logp"], mask, batch["rewards"],
-                                     batch["group_id"], jnp.ones(mask.shape[:1]), cfg)
-  _, scale = estimator.baseline_and_scale(batch["rewards"], batch["group_id"], cfg.advantage,
-                                          valid_n=aux["valid_n"], std=cfg.std, std_eps=cfg.std_eps)
+  _, aux = estimator.pg_coefficients(
+    logp_nt, batch["behavior_logp"], mask, batch["rewards"], batch["group_id"], jnp.ones(mask.shape[:1]), cfg
+  )
+  _, scale = estimator.baseline_and_scale(
+    batch["rewards"], batch["group_id"], cfg.advantage, valid_n=aux["valid_n"], std=cfg.std, std_eps=cfg.std_eps
+  )
   n_valid = jnp.maximum(aux["n_valid"], 1.0)
   norm_n = 1.0 / (n_valid * jnp.maximum(jnp.sum(mask, 1), 1.0))  # seq-mean-token-mean
   live = aux["valid_n"] & (scale > 0)
@@ -115,8 +124,9 @@ def loop_step(logp_fn, params, batch, cfg, group):
 
   grad_one = jax.grad(score)
   zeros = jax.tree.map(jnp.zeros_like, params)
-  per_group = jax.tree.map(lambda x: x.reshape((-1, group) + x.shape[1:]),
-                           dict(batch, alpha=alpha_n, beta=beta_n, u=u_n))
+  per_group = jax.tree.map(
+    lambda x: x.reshape((-1, group) + x.shape[1:]), dict(batch, alpha=alpha_n, beta=beta_n, u=u_n)
+  )
 
   def group_body(total, grp):
     def member(carry, ex):
@@ -160,7 +170,7 @@ def measure(fn, args, repeats):
 
 def tree_rel(a, b):
   num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  return (num / sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(b))) ** 0.5
+  return (num / sum(float(jnp.sum(y**2)) for y in jax.tree.leaves(b))) ** 0.5
 
 
 def main(argv=None):
@@ -182,15 +192,26 @@ def main(argv=None):
   logp_fn = gn.sequence_logp_fn(graphdef)
   batch = make_batch(graphdef, params, args.n, args.t, args.group)
   cfg = estimator.pg_config_from_preset("vcpo")
-  print(f"model: {cfg_m.model_type} D={cfg_m.hidden_size} F={cfg_m.intermediate_size} L={cfg_m.num_layers} "
-        f"V={cfg_m.vocab_size} tied={cfg_m.tie_embeddings}: {n_params / 1e6:.2f}M params; "
-        f"batch N={args.n} T={args.t} G={args.group}; backend {jax.default_backend()}, "
-        f"{jax.device_count()} device(s); repeats={args.repeats}", flush=True)
+  print(
+    f"model: {cfg_m.model_type} D={cfg_m.hidden_size} F={cfg_m.intermediate_size} L={cfg_m.num_layers} "
+    f"V={cfg_m.vocab_size} tied={cfg_m.tie_embeddings}: {n_params / 1e6:.2f}M params; "
+    f"batch N={args.n} T={args.t} G={args.group}; backend {jax.default_backend()}, "
+    f"{jax.device_count()} device(s); repeats={args.repeats}",
+    flush=True,
+  )
 
   # Fixed coefficients for the plain step: the GRPO + TIS coefficients of this batch.
-  coef_plain, _ = jax.jit(lambda p, b: estimator.pg_coefficients(
-      jax.lax.stop_gradient(logp_fn(p, b)), b["behavior_logp"], b["loss_mask"], b["rewards"], b["group_id"],
-      None, estimator.pg_config_from_preset("seq_tis")))(params, batch)
+  coef_plain, _ = jax.jit(
+    lambda p, b: estimator.pg_coefficients(
+      jax.lax.stop_gradient(logp_fn(p, b)),
+      b["behavior_logp"],
+      b["loss_mask"],
+      b["rewards"],
+      b["group_id"],
+      None,
+      estimator.pg_config_from_preset("seq_tis"),
+    )
+  )(params, batch)
 
   rows, outs = {}, {}
   steps = [("plain", lambda p, b, c: plain_step(logp_fn, p, b, c), (params, batch, coef_plain))]
@@ -204,8 +225,10 @@ def main(argv=None):
   for name, fn, fargs in steps:
     outs[name], rows[name] = measure(fn, fargs, args.repeats)
     r = rows[name]
-    print(f"  {name:12s} {r['median_s']:8.3f} s  (compile {r['compile_s']:.1f} s, temp "
-          f"{r['temp_bytes'] / 2**20:8.1f} MiB)", flush=True)
+    print(
+      f"  {name:12s} {r['median_s']:8.3f} s  (compile {r['compile_s']:.1f} s, temp {r['temp_bytes'] / 2**20:8.1f} MiB)",
+      flush=True,
+    )
 
   base = rows["plain"]["median_s"]
   print(f"\n{'step':12s} {'median s':>9s} {'x plain':>8s} {'temp MiB':>9s}")
@@ -228,12 +251,25 @@ def main(argv=None):
   peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   print(f"process peak RSS: {peak_rss / 2**30:.2f} GiB")
   fast_ratio = min((r["ratio_to_plain"] for k, r in rows.items() if k.startswith("fast")), default=None)
-  print(json.dumps(dict(
-      benchmark="grad_norms", n_params=int(n_params), n=args.n, t=args.t, group=args.group,
-      repeats=args.repeats, backend=jax.default_backend(),
-      steps={k: {kk: v for kk, v in r.items()} for k, r in rows.items()},
-      checks=checks, peak_rss_bytes=int(peak_rss), best_fast_ratio=fast_ratio,
-      goal_fast_ratio_le=1.10, goal_met=bool(fast_ratio is not None and fast_ratio <= 1.10))))
+  print(
+    json.dumps(
+      dict(
+        benchmark="grad_norms",
+        n_params=int(n_params),
+        n=args.n,
+        t=args.t,
+        group=args.group,
+        repeats=args.repeats,
+        backend=jax.default_backend(),
+        steps={k: {kk: v for kk, v in r.items()} for k, r in rows.items()},
+        checks=checks,
+        peak_rss_bytes=int(peak_rss),
+        best_fast_ratio=fast_ratio,
+        goal_fast_ratio_le=1.10,
+        goal_met=bool(fast_ratio is not None and fast_ratio <= 1.10),
+      )
+    )
+  )
 
 
 if __name__ == "__main__":

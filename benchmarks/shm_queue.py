@@ -48,19 +48,19 @@ TRANSPORTS = ("mp.Queue", "shm copy", "shm out", "shm views")
 def schema(n: int, t: int) -> BatchSchema:
   nt = (n, "T")
   return BatchSchema(
-      {
-          "tokens": Field(np.int32, nt),
-          "behavior_logp": Field(np.float32, nt),
-          "ref_logp": Field(np.float32, nt),
-          "prompt_mask": Field(np.bool_, nt),
-          "response_mask": Field(np.bool_, nt),
-          "loss_mask": Field(np.bool_, nt),
-          "attention_mask": Field(np.bool_, nt),
-          "rewards": Field(np.float32, (n,)),
-          "group_id": Field(np.int32, (n,)),
-          "policy_version": Field(np.int32, (n,)),
-      },
-      {"T": (t // 4, t // 2, t)},
+    {
+      "tokens": Field(np.int32, nt),
+      "behavior_logp": Field(np.float32, nt),
+      "ref_logp": Field(np.float32, nt),
+      "prompt_mask": Field(np.bool_, nt),
+      "response_mask": Field(np.bool_, nt),
+      "loss_mask": Field(np.bool_, nt),
+      "attention_mask": Field(np.bool_, nt),
+      "rewards": Field(np.float32, (n,)),
+      "group_id": Field(np.int32, (n,)),
+      "policy_version": Field(np.int32, (n,)),
+    },
+    {"T": (t // 4, t // 2, t)},
   )
 
 
@@ -68,16 +68,16 @@ def make_batch(n: int, t: int, seed: int = 0) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(seed)
   resp = np.arange(t)[None, :] >= t // 4
   return {
-      "tokens": rng.integers(0, 150_000, (n, t), dtype=np.int32),
-      "behavior_logp": -rng.exponential(1.0, (n, t)).astype(np.float32),
-      "ref_logp": -rng.exponential(1.0, (n, t)).astype(np.float32),
-      "prompt_mask": np.broadcast_to(~resp, (n, t)).copy(),
-      "response_mask": np.broadcast_to(resp, (n, t)).copy(),
-      "loss_mask": rng.random((n, t)) < 0.7,
-      "attention_mask": np.ones((n, t), bool),
-      "rewards": rng.random(n).astype(np.float32),
-      "group_id": np.arange(n, dtype=np.int32) // 8,
-      "policy_version": np.full(n, 3, np.int32),
+    "tokens": rng.integers(0, 150_000, (n, t), dtype=np.int32),
+    "behavior_logp": -rng.exponential(1.0, (n, t)).astype(np.float32),
+    "ref_logp": -rng.exponential(1.0, (n, t)).astype(np.float32),
+    "prompt_mask": np.broadcast_to(~resp, (n, t)).copy(),
+    "response_mask": np.broadcast_to(resp, (n, t)).copy(),
+    "loss_mask": rng.random((n, t)) < 0.7,
+    "attention_mask": np.ones((n, t), bool),
+    "rewards": rng.random(n).astype(np.float32),
+    "group_id": np.arange(n, dtype=np.int32) // 8,
+    "policy_version": np.full(n, 3, np.int32),
   }
 
 
@@ -171,8 +171,7 @@ def main(argv=None):
 
   rows = []
   hdr = f"{'batch':<8}{'MiB':>7}  {'transport':<10}{'batches/s':>11}{'GB/s':>8}{'of memcpy':>11}{'vs mp.Queue':>13}"
-  print(f"cpus={os.cpu_count()} loadavg={os.getloadavg()[0]:.1f} nslots={args.nslots} "
-        f"trials={args.trials}")
+  print(f"cpus={os.cpu_count()} loadavg={os.getloadavg()[0]:.1f} nslots={args.nslots} trials={args.trials}")
   print(hdr)
   print("-" * len(hdr))
   for size in sizes:
@@ -186,22 +185,34 @@ def main(argv=None):
       if tr == "mp.Queue":
         base = r["batches_per_s"]
       ratio = r["batches_per_s"] / base if base else float("nan")
-      row = dict(batch=size, N=SIZES[size][0], T=SIZES[size][1], mib=b / 2**20, transport=tr,
-                 batches_per_s=r["batches_per_s"], gb_per_s=gbps, memcpy_gb_per_s=bw / 1e9,
-                 frac_of_memcpy=gbps * 1e9 / bw, ratio_vs_mp_queue=ratio,
-                 trials_batches_per_s=r["batches_per_s_trials"])
+      row = dict(
+        batch=size,
+        N=SIZES[size][0],
+        T=SIZES[size][1],
+        mib=b / 2**20,
+        transport=tr,
+        batches_per_s=r["batches_per_s"],
+        gb_per_s=gbps,
+        memcpy_gb_per_s=bw / 1e9,
+        frac_of_memcpy=gbps * 1e9 / bw,
+        ratio_vs_mp_queue=ratio,
+        trials_batches_per_s=r["batches_per_s_trials"],
+      )
       rows.append(row)
-      print(f"{size:<8}{b / 2**20:>7.1f}  {tr:<10}{r['batches_per_s']:>11.1f}{gbps:>8.2f}"
-            f"{row['frac_of_memcpy']:>11.2f}{ratio:>13.1f}", flush=True)
+      print(
+        f"{size:<8}{b / 2**20:>7.1f}  {tr:<10}{r['batches_per_s']:>11.1f}{gbps:>8.2f}"
+        f"{row['frac_of_memcpy']:>11.2f}{ratio:>13.1f}",
+        flush=True,
+      )
     print(f"{'':<8}{'':>7}  {'memcpy':<10}{bw / b:>11.1f}{bw / 1e9:>8.2f}{1.0:>11.2f}")
   large = {r["transport"]: r["ratio_vs_mp_queue"] for r in rows if r["batch"] == "large"}
   summary = {
-      "benchmark": "shm_queue",
-      "cpus": os.cpu_count(),
-      "nslots": args.nslots,
-      "large_ratio_vs_mp_queue": large,
-      "goal_8x_large": {k: v >= 8 for k, v in large.items() if k != "mp.Queue"},
-      "rows": rows,
+    "benchmark": "shm_queue",
+    "cpus": os.cpu_count(),
+    "nslots": args.nslots,
+    "large_ratio_vs_mp_queue": large,
+    "goal_8x_large": {k: v >= 8 for k, v in large.items() if k != "mp.Queue"},
+    "rows": rows,
   }
   print(json.dumps(summary))
 

@@ -3,6 +3,7 @@
 Fields left as placeholders (None) mean "use the method preset's value"; set
 them to override, e.g. `--config.vcpo.ess_lr=False`.
 """
+
 import ml_collections
 from ml_collections import config_dict
 

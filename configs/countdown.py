@@ -13,6 +13,7 @@ CPU time: docs/results/cpu_default.md). Launch:
   python main.py --config=configs/countdown.py:smoke --workdir=/tmp/smoke        # a few steps, tests
   python main.py --config=configs/countdown.py --config.mode=lag --config.lag.k=8 --config.method=seq_tis
 """
+
 from configs import common
 
 

@@ -21,6 +21,7 @@ clip 1.0, constant schedule, sequence TIS c = 8, sampling temperature 1.0,
 validation temperature 0.8 / top_p 0.7 / n = 3, asynchronous. The number of
 steps, the eval / checkpoint cadence and the mesh are not in the released table.
 """
+
 import os
 
 from configs import common

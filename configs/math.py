@@ -21,6 +21,7 @@ Released values (../shared/PAPER.md): P x G = 32 x 16, max prompt / response
 validation temperature 0.8 / top_p 0.7 / n = 3 (MATH-500), asynchronous.
 Steps, cadences and mesh are not in the released table.
 """
+
 import os
 
 from configs import common

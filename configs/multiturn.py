@@ -26,6 +26,7 @@ episodes (its sandbox runs code in `python -I -S` subprocesses) and stays at
 most k = 2 versions ahead of the learner. Turn limits, the tool-output budget, steps and cadences are not in the released
 table.
 """
+
 import os
 
 from configs import common
@@ -34,8 +35,10 @@ from configs.gsm8k import _smoke
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B-Instruct")  # local HF checkpoint (download as above)
 DATA_PATH = os.path.expanduser("~/data/tool_math/train.jsonl")  # problems with integer answers
 EVAL_PATH = os.path.expanduser("~/data/aime25/test.jsonl")  # AIME 2025 (problem, answer)
-TEMPLATE = ("{problem}\nYou may run Python: write code between <code> and </code>, and its output will be "
-            "shown between <output> and </output>. Put your final answer within \\boxed{{}}.")
+TEMPLATE = (
+  "{problem}\nYou may run Python: write code between <code> and </code>, and its output will be "
+  "shown between <output> and </output>. Put your final answer within \\boxed{{}}."
+)
 
 
 def get_config(arg: str | None = None):

@@ -11,11 +11,23 @@ synthetic stride-counting task, one fully jitted exact-lag run per (seed, lr),
 compiled once per method and vmapped. The selection rule and the collapse and
 alarm definitions below are fixed BEFORE the study runs (review #10).
 """
+
 import ml_collections
 
 # Ordered so that the most informative cells finish first if the study is interrupted.
-METHODS = ("none", "seq_tis", "vcpo", "vcpo_no_esslr", "vcpo_no_opob", "clip", "mask", "token_tis",
-           "vcpo_applied_opob", "vcpo_loo_opob", "vcpo_reference")
+METHODS = (
+  "none",
+  "seq_tis",
+  "vcpo",
+  "vcpo_no_esslr",
+  "vcpo_no_opob",
+  "clip",
+  "mask",
+  "token_tis",
+  "vcpo_applied_opob",
+  "vcpo_loo_opob",
+  "vcpo_reference",
+)
 
 
 def get_config(arg: str | None = None):

@@ -3,6 +3,7 @@
 XLA_FLAGS must be set before jax initializes its backends, so this file sets it
 at import time (pytest imports conftest.py before any test module).
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

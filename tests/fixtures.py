@@ -7,6 +7,7 @@ is randomized so that a mis-mapped tensor cannot hide behind a constant.
 
 torch is a test-only dependency; import this module only from tests.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,18 +22,33 @@ FAMILIES = ("qwen2", "llama")
 def hf_config(family: str, vocab_size: int = 101):
   """A tiny transformers config: Qwen2 (GQA 4/2, q/k/v bias, tied) or Llama (GQA 4/1, untied)."""
   import transformers
-  common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=256, attn_implementation="eager")
+
+  common = dict(
+    vocab_size=vocab_size,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    attn_implementation="eager",
+  )
   if family == "qwen2":
     return transformers.Qwen2Config(
-        intermediate_size=128, num_key_value_heads=2, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
-        **common)
+      intermediate_size=128,
+      num_key_value_heads=2,
+      rms_norm_eps=1e-6,
+      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+      tie_word_embeddings=True,
+      **common,
+    )
   if family == "llama":
     return transformers.LlamaConfig(
-        intermediate_size=160, num_key_value_heads=1, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        **common)
+      intermediate_size=160,
+      num_key_value_heads=1,
+      rms_norm_eps=1e-5,
+      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+      tie_word_embeddings=False,
+      **common,
+    )
   raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
 
 
@@ -40,9 +56,9 @@ def make_hf_model(family: str, vocab_size: int = 101, seed: int = 0):
   """A transformers CausalLM (eval mode, float32) with every parameter randomized."""
   import torch
   import transformers
+
   torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(hf_config(family, vocab_size),
-                                                        dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_config(hf_config(family, vocab_size), dtype=torch.float32)
   gen = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -53,9 +69,15 @@ def make_hf_model(family: str, vocab_size: int = 101, seed: int = 0):
   return model.eval()
 
 
-def make_hf_checkpoint(out_dir, family: str, vocab_size: int = 101, seed: int = 0,
-                       max_shard_size: str | None = None, bf16: bool = False,
-                       tokenizer: bool = True):
+def make_hf_checkpoint(
+  out_dir,
+  family: str,
+  vocab_size: int = 101,
+  seed: int = 0,
+  max_shard_size: str | None = None,
+  bf16: bool = False,
+  tokenizer: bool = True,
+):
   """Writes a tiny random checkpoint with `save_pretrained`; returns (out_dir, torch model).
 
   Args:
@@ -66,6 +88,7 @@ def make_hf_checkpoint(out_dir, family: str, vocab_size: int = 101, seed: int = 
   import copy
 
   import torch
+
   model = make_hf_model(family, vocab_size, seed)
   out_dir = os.fspath(out_dir)
   kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -89,6 +112,7 @@ def hf_logits(model, tokens_bt: np.ndarray, mask_bt: np.ndarray | None = None) -
   Positions follow transformers' generate(): cumsum(mask) - 1, padding positions set to 1.
   """
   import torch
+
   tokens = torch.as_tensor(np.asarray(tokens_bt), dtype=torch.long)
   if mask_bt is None:
     mask_bt = np.ones(tokens.shape, np.int64)

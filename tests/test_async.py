@@ -4,6 +4,7 @@ The model is tiny and every wait has a timeout, so a bug fails a test instead of
 sampler is a fresh spawned interpreter: monkeypatches of this process do not reach it, so these
 tests use the real countdown reward.
 """
+
 import os
 import signal
 import time
@@ -43,9 +44,18 @@ def _source(config) -> async_.AsyncSource:
   spec = run_config.parse_config(config)
   model_cfg, tokenizer, graphdef, params = trainer.build_policy(spec)
   problems = spec.task_object().make_problems("train", spec.rollout.num_train_problems, spec.seed)
-  sampler = Sampler(graphdef, model_cfg, trainer.make_sampler_cfg(
-      spec, tokenizer, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-      max_new_tokens=spec.rollout.max_new_tokens))
+  sampler = Sampler(
+    graphdef,
+    model_cfg,
+    trainer.make_sampler_cfg(
+      spec,
+      tokenizer,
+      temperature=spec.temperature,
+      top_p=spec.top_p,
+      top_k=spec.top_k,
+      max_new_tokens=spec.rollout.max_new_tokens,
+    ),
+  )
   maker = RolloutMaker(spec.rollout, tokenizer, sampler, problems)
   return async_.AsyncSource(spec, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker), params
 
@@ -192,10 +202,15 @@ def test_sigterm_to_the_trainer_stops_the_worker_and_removes_segments(tmp_path):
   import json
   import subprocess
   import sys
+
   info_path, workdir = tmp_path / "worker.json", tmp_path / "run"
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_SCRIPT, str(info_path), str(workdir)], cwd=repo,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  proc = subprocess.Popen(
+    [sys.executable, "-c", _SIGTERM_SCRIPT, str(info_path), str(workdir)],
+    cwd=repo,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+  )
   try:
     deadline = time.monotonic() + 240.0  # start-up and compilation on a loaded machine
     metrics = workdir / "metrics.jsonl"
@@ -240,10 +255,10 @@ def test_script_without_main_guard_fails_clearly_instead_of_hanging(tmp_path):
   The learner must report it (and Process.start must not block on a large spawn payload)."""
   import subprocess
   import sys
+
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   script = tmp_path / "no_guard.py"
   script.write_text(_NO_MAIN_GUARD_SCRIPT.format(repo=repo))
-  out = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), capture_output=True, text=True,
-                       timeout=180)
+  out = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), capture_output=True, text=True, timeout=180)
   assert "LEARNER SamplerDiedError" in out.stdout, (out.stdout + out.stderr)[-3000:]
   assert "exited with code 1" in out.stdout

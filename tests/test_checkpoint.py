@@ -1,4 +1,5 @@
 """Checkpointer: round trip, keep-last-N plus best, structure checks."""
+
 import os
 
 import jax

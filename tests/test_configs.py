@@ -1,4 +1,5 @@
 """Every config loads and parses; the released configs hold PAPER.md's values; smoke variants run."""
+
 import glob
 import importlib
 import os
@@ -11,16 +12,19 @@ from vcpo_jax import run_config, trainer
 from vcpo_jax.model import hf_io
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
-               if os.path.basename(p) not in ("__init__.py", "common.py"))
+NAMES = sorted(
+  os.path.basename(p)[:-3]
+  for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
+  if os.path.basename(p) not in ("__init__.py", "common.py")
+)
 SMOKE = ("countdown", "gsm8k", "math", "multiturn")  # configs with a ':smoke' variant
 
 # ../shared/PAPER.md, "Released hyper-parameters".
 # name: (P, G, max prompt, max response, k, rho_on, eval n)
 RELEASED = {
-    "gsm8k": (8, 8, 2048, 2048, 12, 1.0, 3),
-    "math": (32, 16, 1024, 2048, 10, 1.0, 3),
-    "multiturn": (128, 16, 4096, 12288, 2, 0.55, 5),
+  "gsm8k": (8, 8, 2048, 2048, 12, 1.0, 3),
+  "math": (32, 16, 1024, 2048, 10, 1.0, 3),
+  "multiturn": (128, 16, 4096, 12288, 2, 0.55, 5),
 }
 
 

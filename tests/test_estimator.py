@@ -91,13 +91,16 @@ def test_rho_on_statistics():
 L_HAND = jnp.log(jnp.array([0.25, 0.5, 1.0, 3.0, 10.0]))
 
 
-@pytest.mark.parametrize("variant,kw,expected", [
+@pytest.mark.parametrize(
+  "variant,kw,expected",
+  [
     ("none", {}, [1, 1, 1, 1, 1]),
     ("is", {}, [0.25, 0.5, 1, 3, 10]),
     ("tis", dict(c=8.0), [0.25, 0.5, 1, 3, 8]),  # upper-only: 0.25 stays
     ("clip", dict(lower=0.5, upper=2.0), [0.5, 0.5, 1, 2, 2]),
     ("mask", dict(lower=0.5, upper=2.0), [0, 0.5, 1, 0, 0]),
-])
+  ],
+)
 def test_importance_weights_hand_numbers(variant, kw, expected):
   np.testing.assert_allclose(E.importance_weights(L_HAND, variant, **kw), expected, rtol=1e-5)
 
@@ -108,8 +111,7 @@ def test_token_tis_and_geo_mask_hand_numbers():
   # geometric mean per token: exp(l / L) = [1.01, 1.5, 0.9] -> keep only inside [0.95, 1.05]
   L = jnp.array([4.0, 2.0, 3.0])
   l = jnp.log(jnp.array([1.01, 1.5, 0.9])) * L
-  np.testing.assert_allclose(E.importance_weights(l, "geo_mask", lower=0.95, upper=1.05, lengths_n=L),
-                             [1, 0, 0])
+  np.testing.assert_allclose(E.importance_weights(l, "geo_mask", lower=0.95, upper=1.05, lengths_n=L), [1, 0, 0])
 
 
 def test_clamp_matches_reference_and_weights_are_stop_gradient():
@@ -122,8 +124,13 @@ def test_clamp_matches_reference_and_weights_are_stop_gradient():
 
 
 @HYP
-@given(hnp.arrays(np.float32, 8, elements=st.one_of(
-    st.floats(width=32, allow_nan=False), st.sampled_from([np.inf, -np.inf, 1e4, -1e4]))))
+@given(
+  hnp.arrays(
+    np.float32,
+    8,
+    elements=st.one_of(st.floats(width=32, allow_nan=False), st.sampled_from([np.inf, -np.inf, 1e4, -1e4])),
+  )
+)
 def test_weight_variants_are_finite_for_extreme_log_ratios(l):
   for v, spec in E.WEIGHT_VARIANTS.items():
     x = l[None, :] if spec.level == "token" else l
@@ -154,8 +161,7 @@ def test_advantages_hand_numbers():
   np.testing.assert_allclose(E.advantages(R16, G16, "rloo"), [-1.5, 0, 1.5] * 2)
   np.testing.assert_allclose(E.advantages(R16, G16, "drgrpo"), [-1, 0, 1] * 2)
   # GRPO, population std sqrt(2/3): +-1.2247 (sample std would give +-1)
-  np.testing.assert_allclose(E.advantages(R16, G16, "grpo"), [-math.sqrt(1.5), 0, math.sqrt(1.5)] * 2,
-                             rtol=1e-6)
+  np.testing.assert_allclose(E.advantages(R16, G16, "grpo"), [-math.sqrt(1.5), 0, math.sqrt(1.5)] * 2, rtol=1e-6)
   np.testing.assert_allclose(E.advantages(R16, G16, "grpo", std="sample"), [-1, 0, 1] * 2, rtol=1e-6)
   # REINFORCE: batch-mean baseline 3.5, groups ignored
   np.testing.assert_allclose(E.advantages(R16, G16, "reinforce"), R16 - 3.5)
@@ -179,15 +185,17 @@ def test_advantages_layout_ids_zero_std_and_validity():
 
 
 @HYP
-@given(hnp.arrays(np.float32, 12, elements=st.floats(-5, 5, width=32)),
-       hnp.arrays(np.int32, 12, elements=st.integers(0, 3)),
-       st.sampled_from(sorted(E.ADVANTAGE_ESTIMATORS)), st.randoms(use_true_random=False))
+@given(
+  hnp.arrays(np.float32, 12, elements=st.floats(-5, 5, width=32)),
+  hnp.arrays(np.int32, 12, elements=st.integers(0, 3)),
+  st.sampled_from(sorted(E.ADVANTAGE_ESTIMATORS)),
+  st.randoms(use_true_random=False),
+)
 def test_advantages_permutation_equivariant(r, g, est, rnd):
   perm = np.arange(12)
   rnd.shuffle(perm)
   a = np.asarray(E.advantages(r, g, est))
-  np.testing.assert_allclose(np.asarray(E.advantages(r[perm], g[perm], est)), a[perm], rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(np.asarray(E.advantages(r[perm], g[perm], est)), a[perm], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -203,12 +211,12 @@ def test_opob_hand_numbers():
   # a = w^2 s = [1, 4, 2, 2]: b = (1 + 2) / 9
   np.testing.assert_allclose(E.opob_baseline(r, w, s, g), [1 / 3] * 4, rtol=1e-6)
   # leave-one-out: b_0 = (0*4 + 0*2 + 1*2) / 8; b_1 = (1 + 2) / 5; b_2 = 3/7; b_3 = 1/7
-  np.testing.assert_allclose(E.opob_baseline(r, w, s, g, leave_one_out=True),
-                             [0.25, 0.6, 3 / 7, 1 / 7], rtol=1e-6)
+  np.testing.assert_allclose(E.opob_baseline(r, w, s, g, leave_one_out=True), [0.25, 0.6, 3 / 7, 1 / 7], rtol=1e-6)
   # zero mass -> unweighted mean; empty set (group of one, LOO) -> 0
   np.testing.assert_allclose(E.opob_baseline(r, jnp.zeros(4), s, g), [0.5] * 4)
-  np.testing.assert_allclose(E.opob_baseline(r, w, s, jnp.array([0, 1, 1, 2]), leave_one_out=True),
-                             [0.0, 0.0, 0.0, 0.0])
+  np.testing.assert_allclose(
+    E.opob_baseline(r, w, s, jnp.array([0, 1, 1, 2]), leave_one_out=True), [0.0, 0.0, 0.0, 0.0]
+  )
   # huge weights do not overflow (w^2 = 1e60 in float32 would)
   np.testing.assert_allclose(E.opob_baseline(r, jnp.array([1e30, 1.0, 1.0, 1.0]), s, g), [1.0] * 4)
 
@@ -217,10 +225,13 @@ _opob_j = jax.jit(E.opob_baseline, static_argnums=4)
 
 
 @HYP
-@given(hnp.arrays(np.float32, 10, elements=st.floats(-10, 10, width=32)),
-       hnp.arrays(np.float32, 10, elements=st.one_of(st.floats(0, 1e6, width=32), st.just(0.0))),
-       hnp.arrays(np.float32, 10, elements=st.floats(0, 1e3, width=32)),
-       hnp.arrays(np.int32, 10, elements=st.integers(0, 2)), st.booleans())
+@given(
+  hnp.arrays(np.float32, 10, elements=st.floats(-10, 10, width=32)),
+  hnp.arrays(np.float32, 10, elements=st.one_of(st.floats(0, 1e6, width=32), st.just(0.0))),
+  hnp.arrays(np.float32, 10, elements=st.floats(0, 1e3, width=32)),
+  hnp.arrays(np.int32, 10, elements=st.integers(0, 2)),
+  st.booleans(),
+)
 def test_opob_within_reward_range_of_its_set(r, w, s, g, loo):
   b = np.asarray(_opob_j(r, w, s, g, loo))
   assert np.all(np.isfinite(b))
@@ -267,8 +278,9 @@ def test_per_example_sq_grad_norms_equals_loop(model):
   k = iter(jax.random.split(jax.random.PRNGKey(0), 8))
   if model == "mlp":
     fn = _mlp
-    params = dict(w1=jax.random.normal(next(k), (4, 6)), b1=jax.random.normal(next(k), (6,)),
-                  w2=jax.random.normal(next(k), (6, 3)))
+    params = dict(
+      w1=jax.random.normal(next(k), (4, 6)), b1=jax.random.normal(next(k), (6,)), w2=jax.random.normal(next(k), (6, 3))
+    )
     batch = dict(x=jax.random.normal(next(k), (5, 4)), y=jax.random.normal(next(k), (5, 3)))
   else:
     fn = _attention
@@ -276,8 +288,7 @@ def test_per_example_sq_grad_norms_equals_loop(model):
     batch = dict(x=jax.random.normal(next(k), (5, 6, 4)), y=jax.random.randint(next(k), (5, 6), 0, 4))
   ref = _loop_sq_norms(fn, params, batch)
   np.testing.assert_allclose(E.per_example_sq_grad_norms(fn, params, batch), ref, rtol=1e-5)
-  np.testing.assert_allclose(E.per_example_sq_grad_norms(fn, params, batch, batch_size=2), ref,
-                             rtol=1e-5)
+  np.testing.assert_allclose(E.per_example_sq_grad_norms(fn, params, batch, batch_size=2), ref, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -296,13 +307,22 @@ def test_presets_build_and_name_the_base_algorithm():
   hash(v)  # jit-static
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(advantage="ppo"), "advantage"), (dict(is_variant="gspo"), "is_variant"),
-    (dict(loss_agg="sum"), "loss_agg"), (dict(tis_c=0.0), "tis_c"), (dict(rho_on=-1.0), "rho_on"),
-    (dict(clip_lower=3.0), "clip_lower"), (dict(opob=True, is_variant="token_tis"), "opob"),
-    (dict(reference_mode=True), "reference_mode"), (dict(opob_scope="batch"), "opob_scope"),
-    (dict(std="biased"), "std"), (dict(ess_rule="log"), "ess_rule"),
-])
+@pytest.mark.parametrize(
+  "kw,field",
+  [
+    (dict(advantage="ppo"), "advantage"),
+    (dict(is_variant="gspo"), "is_variant"),
+    (dict(loss_agg="sum"), "loss_agg"),
+    (dict(tis_c=0.0), "tis_c"),
+    (dict(rho_on=-1.0), "rho_on"),
+    (dict(clip_lower=3.0), "clip_lower"),
+    (dict(opob=True, is_variant="token_tis"), "opob"),
+    (dict(reference_mode=True), "reference_mode"),
+    (dict(opob_scope="batch"), "opob_scope"),
+    (dict(std="biased"), "std"),
+    (dict(ess_rule="log"), "ess_rule"),
+  ],
+)
 def test_pgconfig_rejects_bad_fields(kw, field):
   with pytest.raises(ValueError, match=field):
     E.PGConfig(**kw)
@@ -327,15 +347,17 @@ def logp_fn(params, batch):
 
 def _problem(seed=0, stale=1.0):
   k = iter(jax.random.split(jax.random.PRNGKey(seed), 10))
-  params = dict(emb=jax.random.normal(next(k), (V, D)), pos=jax.random.normal(next(k), (T, D)),
-                out=jax.random.normal(next(k), (D, V)))
+  params = dict(
+    emb=jax.random.normal(next(k), (V, D)),
+    pos=jax.random.normal(next(k), (T, D)),
+    out=jax.random.normal(next(k), (D, V)),
+  )
   tokens = jax.random.randint(next(k), (N, T), 0, V)
   lengths = np.array([6, 5, 3, 6, 0, 4, 6, 2, 6, 5, 1, 6])  # row 4 is padding
   mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
   rewards = np.array([1, 0, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1], np.float32)  # group 1: zero std
   group = np.repeat(np.arange(3), 4).astype(np.int32)
-  batch = dict(tokens=tokens, loss_mask=jnp.asarray(mask), rewards=jnp.asarray(rewards),
-               group_id=jnp.asarray(group))
+  batch = dict(tokens=tokens, loss_mask=jnp.asarray(mask), rewards=jnp.asarray(rewards), group_id=jnp.asarray(group))
   # behavior log-probs: the current ones plus per-row noise of growing size, so
   # that some sequences are near on-policy and others far off (w > 8, w < 0.5)
   sigma_n = stale * jnp.linspace(0.05, 1.5, N)[jax.random.permutation(next(k), N)]
@@ -379,19 +401,26 @@ def _np_reference(logp, beh, mask, r, gid, sq, cfg):
     sigma = np.std(r[grp]) if cfg.advantage == "grpo" else 1.0
     if cfg.advantage == "grpo" and sigma <= cfg.std_eps:
       continue
-    b = {"reinforce": r[valid].mean(), "grpo": r[grp].mean(), "drgrpo": r[grp].mean(),
-         "rloo": r[others].mean() if others else r[i]}[cfg.advantage]
+    b = {
+      "reinforce": r[valid].mean(),
+      "grpo": r[grp].mean(),
+      "drgrpo": r[grp].mean(),
+      "rloo": r[others].mean() if others else r[i],
+    }[cfg.advantage]
     if cfg.opob:
       js = others if cfg.opob_leave_one_out else grp
       wb = w if cfg.opob_weights == "unclipped" else wa
       s = sq / L.clip(1) ** 2 if cfg.length_normalize_norms else sq
       if cfg.reference_mode:
-        s = s * wa ** 2
+        s = s * wa**2
       a = np.array([wb[j] ** 2 * s[j] for j in js])
       b = (a @ r[js]) / a.sum() if a.sum() > 0 else (r[js].mean() if js else 0.0)
     adv[i] = (r[i] - b) / sigma
-  norm = {"seq-mean-token-mean": 1.0 / (nv * L.clip(1)), "token-mean": np.full(n, 1.0 / mask.sum()),
-          "seq-mean-token-sum": np.full(n, 1.0 / nv)}[cfg.loss_agg]
+  norm = {
+    "seq-mean-token-mean": 1.0 / (nv * L.clip(1)),
+    "token-mean": np.full(n, 1.0 / mask.sum()),
+    "seq-mean-token-sum": np.full(n, 1.0 / nv),
+  }[cfg.loss_agg]
   return np.where(valid, adv * wa * norm, 0.0), tokw
 
 
@@ -402,12 +431,21 @@ def _grad_one(params, ex, tokw_t):
 
 def _single_example_grad(params, batch, i, tokw_t):
   """grad of sum_t tokw_t * logp_t for example i alone (a batch of one)."""
-  return _grad_one(params, jax.tree_util.tree_map(lambda x: x[i:i + 1], batch), tokw_t)
+  return _grad_one(params, jax.tree_util.tree_map(lambda x: x[i : i + 1], batch), tokw_t)
 
 
 def _loop_score_sq_norms(params, batch):
-  return np.array([float(sum(jnp.sum(g ** 2) for g in jax.tree_util.tree_leaves(
-      _single_example_grad(params, batch, i, batch["loss_mask"][i])))) for i in range(N)])
+  return np.array(
+    [
+      float(
+        sum(
+          jnp.sum(g**2)
+          for g in jax.tree_util.tree_leaves(_single_example_grad(params, batch, i, batch["loss_mask"][i]))
+        )
+      )
+      for i in range(N)
+    ]
+  )
 
 
 @pytest.fixture(scope="module")
@@ -421,14 +459,18 @@ _coef_jit = jax.jit(E.pg_coefficients, static_argnums=6)
 _tokw_jit = jax.jit(E.pg_token_weights, static_argnums=3)
 
 EXTRA_CONFIGS = {
-    "rloo_opob_minibatch_token_mean": dict(advantage="rloo", is_variant="clip", opob=True,
-                                           opob_scope="minibatch", loss_agg="token-mean"),
-    "reinforce_lennorm_seqsum": dict(advantage="reinforce", is_variant="mask", opob=True,
-                                     length_normalize_norms=True, loss_agg="seq-mean-token-sum"),
-    "drgrpo_token_tis": dict(advantage="drgrpo", is_variant="token_tis", loss_agg="seq-mean-token-sum"),
+  "rloo_opob_minibatch_token_mean": dict(
+    advantage="rloo", is_variant="clip", opob=True, opob_scope="minibatch", loss_agg="token-mean"
+  ),
+  "reinforce_lennorm_seqsum": dict(
+    advantage="reinforce", is_variant="mask", opob=True, length_normalize_norms=True, loss_agg="seq-mean-token-sum"
+  ),
+  "drgrpo_token_tis": dict(advantage="drgrpo", is_variant="token_tis", loss_agg="seq-mean-token-sum"),
 }
-ALL_CONFIGS = {**{k: E.pg_config_from_preset(k) for k in E.PRESETS},
-               **{k: E.PGConfig(**v) for k, v in EXTRA_CONFIGS.items()}}
+ALL_CONFIGS = {
+  **{k: E.pg_config_from_preset(k) for k in E.PRESETS},
+  **{k: E.PGConfig(**v) for k, v in EXTRA_CONFIGS.items()},
+}
 # this synthetic batch is far more stale per token than an LLM's: widen the
 # geometric-mean interval so that some sequences survive
 ALL_CONFIGS["geo_mask"] = ALL_CONFIGS["geo_mask"].replace(geo_lower=0.6, geo_upper=1.6)
@@ -438,10 +480,16 @@ ALL_CONFIGS["geo_mask"] = ALL_CONFIGS["geo_mask"].replace(geo_lower=0.6, geo_upp
 def test_coefficients_match_numpy_reference(problem, name):
   params, batch, logp, sq = problem
   cfg = ALL_CONFIGS[name]
-  coef, aux = _coef_jit(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"],
-                        batch["group_id"], jnp.asarray(sq, jnp.float32), cfg)
-  ref, _ = _np_reference(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"],
-                         batch["group_id"], sq, cfg)
+  coef, aux = _coef_jit(
+    logp,
+    batch["behavior_logp"],
+    batch["loss_mask"],
+    batch["rewards"],
+    batch["group_id"],
+    jnp.asarray(sq, jnp.float32),
+    cfg,
+  )
+  ref, _ = _np_reference(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq, cfg)
   np.testing.assert_allclose(np.asarray(coef), ref, rtol=2e-5, atol=1e-7)
   assert float(aux["n_valid"]) == N - 1 and not bool(aux["valid_n"][4])
 
@@ -452,8 +500,15 @@ def test_policy_gradient_equals_brute_force(problem, name):
   cfg = ALL_CONFIGS[name]
   grads, metrics = _pg_jit(logp_fn, params, batch, cfg)
   # coefficients from exact loop norms (not the vmap path), then one example at a time
-  coef, _ = _coef_jit(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"],
-                      batch["group_id"], jnp.asarray(sq, jnp.float32), cfg)
+  coef, _ = _coef_jit(
+    logp,
+    batch["behavior_logp"],
+    batch["loss_mask"],
+    batch["rewards"],
+    batch["group_id"],
+    jnp.asarray(sq, jnp.float32),
+    cfg,
+  )
   tokw = _tokw_jit(logp, batch["behavior_logp"], batch["loss_mask"], cfg)
   brute = jax.tree_util.tree_map(lambda p: np.zeros(p.shape, np.float64), params)
   for i in range(N):
@@ -469,9 +524,18 @@ def test_policy_gradient_equals_brute_force(problem, name):
 
 def test_problem_exercises_the_weight_variants(problem):
   _, batch, logp, sq = problem
-  aux = {n: _coef_jit(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"],
-                      batch["group_id"], jnp.asarray(sq, jnp.float32), ALL_CONFIGS[n])[1]
-         for n in ("seq_tis", "mask", "clip", "token_tis", "vcpo")}
+  aux = {
+    n: _coef_jit(
+      logp,
+      batch["behavior_logp"],
+      batch["loss_mask"],
+      batch["rewards"],
+      batch["group_id"],
+      jnp.asarray(sq, jnp.float32),
+      ALL_CONFIGS[n],
+    )[1]
+    for n in ("seq_tis", "mask", "clip", "token_tis", "vcpo")
+  }
   assert float(aux["seq_tis"]["frac_clipped"]) > 0  # some w > 8 on this stale batch
   assert 0 < float(aux["mask"]["frac_masked"]) < 1
   assert float(aux["clip"]["frac_clipped"]) > 0 and float(aux["token_tis"]["frac_clipped"]) > 0
@@ -481,16 +545,26 @@ def test_problem_exercises_the_weight_variants(problem):
 
 
 def _coefs(batch, logp, sq, cfg):
-  return np.asarray(_coef_jit(logp, batch["behavior_logp"], batch["loss_mask"],
-                                      batch["rewards"], batch["group_id"], jnp.asarray(sq), cfg)[0])
+  return np.asarray(
+    _coef_jit(
+      logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], jnp.asarray(sq), cfg
+    )[0]
+  )
 
 
 def test_on_policy_invariants(problem):
   params, batch, logp, sq = problem
   on = dict(batch, behavior_logp=logp)
   c = {n: _coefs(on, logp, sq, E.pg_config_from_preset(n)) for n in E.PRESETS if n != "geo_mask"}
-  _, aux = _coef_jit(logp, logp, batch["loss_mask"], batch["rewards"], batch["group_id"],
-                             jnp.asarray(sq), E.pg_config_from_preset("vcpo"))
+  _, aux = _coef_jit(
+    logp,
+    logp,
+    batch["loss_mask"],
+    batch["rewards"],
+    batch["group_id"],
+    jnp.asarray(sq),
+    E.pg_config_from_preset("vcpo"),
+  )
   assert float(aux["ess_ratio"]) == pytest.approx(1.0) and float(aux["lr_scale"]) == 1.0
   # k = 0: every IS variant is the identity; VCPO equals GRPO with the OPOB baseline
   for n in ("none", "seq_tis", "clip", "mask", "token_tis", "vcpo_no_opob"):
@@ -499,16 +573,16 @@ def test_on_policy_invariants(problem):
   for n in ("vcpo", "vcpo_no_esslr", "vcpo_applied_opob", "vcpo_reference"):
     np.testing.assert_allclose(c[n], grpo_opob, rtol=1e-6, atol=1e-9)
   # OPOB with equal norms and unit weights is the group mean: VCPO == GRPO
-  np.testing.assert_allclose(_coefs(on, logp, np.ones(N), E.pg_config_from_preset("vcpo")), c["sync"],
-                             rtol=1e-5, atol=1e-8)
+  np.testing.assert_allclose(
+    _coefs(on, logp, np.ones(N), E.pg_config_from_preset("vcpo")), c["sync"], rtol=1e-5, atol=1e-8
+  )
   assert np.abs(c["vcpo"] - c["sync"]).max() > 1e-4  # unequal norms do change the baseline
 
 
 def test_vcpo_knobs_off_equals_base_estimator(problem):
   _, batch, logp, sq = problem
   off = E.pg_config_from_preset("vcpo", opob=False, ess_lr=False)
-  np.testing.assert_allclose(_coefs(batch, logp, sq, off),
-                             _coefs(batch, logp, sq, E.pg_config_from_preset("seq_tis")))
+  np.testing.assert_allclose(_coefs(batch, logp, sq, off), _coefs(batch, logp, sq, E.pg_config_from_preset("seq_tis")))
 
 
 def test_coefficients_permutation_within_group(problem):
@@ -516,18 +590,25 @@ def test_coefficients_permutation_within_group(problem):
   perm = np.array([3, 1, 0, 2, 4, 7, 5, 6, 11, 8, 10, 9])  # permutes within groups
   pb = jax.tree_util.tree_map(lambda x: x[perm], dict(batch))
   cfg = E.pg_config_from_preset("vcpo_loo_opob")
-  np.testing.assert_allclose(_coefs(pb, logp[perm], sq[perm], cfg), _coefs(batch, logp, sq, cfg)[perm],
-                             rtol=1e-6, atol=1e-9)
+  np.testing.assert_allclose(
+    _coefs(pb, logp[perm], sq[perm], cfg), _coefs(batch, logp, sq, cfg)[perm], rtol=1e-6, atol=1e-9
+  )
 
 
 def test_pg_bad_input():
   params, batch = _problem()
   with pytest.raises(ValueError, match="group_id"):
-    E.policy_gradient(logp_fn, params, {k: v for k, v in batch.items() if k != "group_id"},
-                      E.PGConfig())
+    E.policy_gradient(logp_fn, params, {k: v for k, v in batch.items() if k != "group_id"}, E.PGConfig())
   with pytest.raises(ValueError, match="sq_score_norms_n"):
-    E.pg_coefficients(batch["behavior_logp"], batch["behavior_logp"], batch["loss_mask"],
-                      batch["rewards"], batch["group_id"], None, E.pg_config_from_preset("vcpo"))
+    E.pg_coefficients(
+      batch["behavior_logp"],
+      batch["behavior_logp"],
+      batch["loss_mask"],
+      batch["rewards"],
+      batch["group_id"],
+      None,
+      E.pg_config_from_preset("vcpo"),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -547,9 +628,10 @@ def _bandit_updates(cfg, theta, mu_logits, p_reward, key, n_batches, g):
     a = jax.random.categorical(ka, logmu, shape=(g,))
     rew = jax.random.bernoulli(kr, p_reward[a]).astype(jnp.float32)
     score = jax.nn.one_hot(a, k) - pi  # grad_theta log pi(a)
-    sq = jnp.sum(score ** 2, axis=1)
-    coef, _ = E.pg_coefficients(logpi[a][:, None], logmu[a][:, None], jnp.ones((g, 1)), rew,
-                                jnp.zeros(g, jnp.int32), sq, cfg)
+    sq = jnp.sum(score**2, axis=1)
+    coef, _ = E.pg_coefficients(
+      logpi[a][:, None], logmu[a][:, None], jnp.ones((g, 1)), rew, jnp.zeros(g, jnp.int32), sq, cfg
+    )
     return coef @ score
 
   return jax.jit(jax.vmap(one))(jax.random.split(key, n_batches))
@@ -565,8 +647,9 @@ def test_bandit_loo_opob_is_unbiased_and_plugin_bias_is_reported():
   key = jax.random.PRNGKey(7)
   results = {}
   for name, loo in (("loo", True), ("plugin", False)):
-    u = np.asarray(_bandit_updates(E.PGConfig(**base, opob_leave_one_out=loo), theta, mu_logits, p,
-                                   key, m, 8), np.float64)
+    u = np.asarray(
+      _bandit_updates(E.PGConfig(**base, opob_leave_one_out=loo), theta, mu_logits, p, key, m, 8), np.float64
+    )
     mean, se = u.mean(0), u.std(0, ddof=1) / math.sqrt(m)
     results[name] = (mean - exact) / se
     print(f"{name:7s} OPOB: mean-exact = {np.round(mean - exact, 5)}, z = {np.round(results[name], 2)}")
@@ -580,10 +663,8 @@ def test_heavy_tailed_variance_applied_opob_not_worse_than_group_mean():
   base = dict(advantage="drgrpo", is_variant="tis", tis_c=8.0, loss_agg="seq-mean-token-sum")
   key = jax.random.PRNGKey(3)
   var = {}
-  for name, extra in (("group_mean", dict(opob=False)),
-                      ("opob_applied", dict(opob=True, opob_weights="applied"))):
-    u = np.asarray(_bandit_updates(E.PGConfig(**base, **extra), theta, mu_logits, p, key, 8000, 8),
-                   np.float64)
+  for name, extra in (("group_mean", dict(opob=False)), ("opob_applied", dict(opob=True, opob_weights="applied"))):
+    u = np.asarray(_bandit_updates(E.PGConfig(**base, **extra), theta, mu_logits, p, key, 8000, 8), np.float64)
     var[name] = float(np.sum(u.var(0)))
   print("total update variance:", var)
   assert var["opob_applied"] <= var["group_mean"]

@@ -1,4 +1,5 @@
 """Tests for vcpo_jax.evaluation: protocol validation, pass@k, mean@n, eval records."""
+
 import json
 import math
 import os
@@ -17,226 +18,236 @@ from vcpo_jax import tasks
 # Protocol
 # ----------------------------------------------------------------------------
 def test_protocol_defaults_match_reference():
-    p = ev.EvalProtocol(dataset="math500")
-    assert (p.temperature, p.top_p, p.n, p.greedy) == (0.8, 0.7, 3, False)
-    assert ev.EvalProtocol(dataset="aime").n == 5
-    assert ev.EvalProtocol(dataset="gsm8k", greedy=True).n == 1
-    assert ev.EvalProtocol(dataset="aime", n=8).n == 8
+  p = ev.EvalProtocol(dataset="math500")
+  assert (p.temperature, p.top_p, p.n, p.greedy) == (0.8, 0.7, 3, False)
+  assert ev.EvalProtocol(dataset="aime").n == 5
+  assert ev.EvalProtocol(dataset="gsm8k", greedy=True).n == 1
+  assert ev.EvalProtocol(dataset="aime", n=8).n == 8
 
 
 @pytest.mark.parametrize(
-    "kwargs,field",
-    [
-        (dict(dataset="svamp"), "dataset"),
-        (dict(dataset="gsm8k", greedy=True, n=3), "greedy"),
-        (dict(dataset="gsm8k", pass_at_k=(1, 4)), "pass_at_k"),
-        (dict(dataset="gsm8k", pass_at_k=()), "pass_at_k"),
-        (dict(dataset="gsm8k", top_p=0.0), "top_p"),
-        (dict(dataset="gsm8k", temperature=-1.0), "temperature"),
-        (dict(dataset="gsm8k", n=0), "n"),
-        (dict(dataset="gsm8k", size=0), "size"),
-        (dict(dataset="gsm8k", max_new_tokens=0), "max_new_tokens"),
-        (dict(dataset="gsm8k", extraction="regex"), "extraction"),
-        (dict(dataset="countdown", extraction="boxed"), "extraction"),
-    ],
+  "kwargs,field",
+  [
+    (dict(dataset="svamp"), "dataset"),
+    (dict(dataset="gsm8k", greedy=True, n=3), "greedy"),
+    (dict(dataset="gsm8k", pass_at_k=(1, 4)), "pass_at_k"),
+    (dict(dataset="gsm8k", pass_at_k=()), "pass_at_k"),
+    (dict(dataset="gsm8k", top_p=0.0), "top_p"),
+    (dict(dataset="gsm8k", temperature=-1.0), "temperature"),
+    (dict(dataset="gsm8k", n=0), "n"),
+    (dict(dataset="gsm8k", size=0), "size"),
+    (dict(dataset="gsm8k", max_new_tokens=0), "max_new_tokens"),
+    (dict(dataset="gsm8k", extraction="regex"), "extraction"),
+    (dict(dataset="countdown", extraction="boxed"), "extraction"),
+  ],
 )
 def test_protocol_validation_names_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        ev.EvalProtocol(**kwargs)
+  with pytest.raises(ValueError, match=field):
+    ev.EvalProtocol(**kwargs)
 
 
 def test_protocol_roundtrip_and_unknown_fields():
-    p = ev.EvalProtocol(dataset="aime", pass_at_k=[1, 5], size=10)
-    assert p.pass_at_k == (1, 5)
-    d = json.loads(json.dumps(p.to_dict()))
-    assert ev.EvalProtocol.from_dict(d) == p
-    with pytest.raises(ValueError, match="temprature"):
-        ev.EvalProtocol.from_dict({"dataset": "aime", "temprature": 0.5})
-    with pytest.raises(dataclasses_frozen_error()):
-        p.n = 7
+  p = ev.EvalProtocol(dataset="aime", pass_at_k=[1, 5], size=10)
+  assert p.pass_at_k == (1, 5)
+  d = json.loads(json.dumps(p.to_dict()))
+  assert ev.EvalProtocol.from_dict(d) == p
+  with pytest.raises(ValueError, match="temprature"):
+    ev.EvalProtocol.from_dict({"dataset": "aime", "temprature": 0.5})
+  with pytest.raises(dataclasses_frozen_error()):
+    p.n = 7
 
 
 def dataclasses_frozen_error():
-    import dataclasses
+  import dataclasses
 
-    return dataclasses.FrozenInstanceError
+  return dataclasses.FrozenInstanceError
 
 
 # ----------------------------------------------------------------------------
 # pass@k and mean@n against hand-computed values
 # ----------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "n,c,k,expected",
-    [
-        (5, 2, 1, 2 / 5),  # 1 - C(3,1)/C(5,1) = 1 - 3/5
-        (5, 2, 2, 7 / 10),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
-        (5, 2, 3, 9 / 10),  # 1 - C(3,3)/C(5,3) = 1 - 1/10
-        (5, 2, 4, 1.0),  # n - c = 3 < k: every 4-subset has a correct sample
-        (3, 0, 1, 0.0),
-        (3, 3, 3, 1.0),
-        (10, 3, 5, 11 / 12),  # 1 - C(7,5)/C(10,5) = 1 - 21/252
-        (1000, 1, 1, 1 / 1000),
-    ],
+  "n,c,k,expected",
+  [
+    (5, 2, 1, 2 / 5),  # 1 - C(3,1)/C(5,1) = 1 - 3/5
+    (5, 2, 2, 7 / 10),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    (5, 2, 3, 9 / 10),  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+    (5, 2, 4, 1.0),  # n - c = 3 < k: every 4-subset has a correct sample
+    (3, 0, 1, 0.0),
+    (3, 3, 3, 1.0),
+    (10, 3, 5, 11 / 12),  # 1 - C(7,5)/C(10,5) = 1 - 21/252
+    (1000, 1, 1, 1 / 1000),
+  ],
 )
 def test_pass_at_k_hand_values(n, c, k, expected):
-    assert ev.pass_at_k(n, [c], k) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+  assert ev.pass_at_k(n, [c], k) == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
 def test_pass_at_k_means_over_problems():
-    # problems with c = 0, 1, 3 of n = 3: pass@2 = mean(0, 1 - C(2,2)/C(3,2), 1) = mean(0, 2/3, 1)
-    assert ev.pass_at_k(3, [0, 1, 3], 2) == pytest.approx((0 + 2 / 3 + 1) / 3)
+  # problems with c = 0, 1, 3 of n = 3: pass@2 = mean(0, 1 - C(2,2)/C(3,2), 1) = mean(0, 2/3, 1)
+  assert ev.pass_at_k(3, [0, 1, 3], 2) == pytest.approx((0 + 2 / 3 + 1) / 3)
 
 
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 300).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
 def test_pass_at_k_matches_exact_binomials(nck):
-    n, c, k = nck
-    exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
-    assert ev.pass_at_k(n, [c], k) == pytest.approx(float(exact), rel=1e-9, abs=1e-12)
+  n, c, k = nck
+  exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+  assert ev.pass_at_k(n, [c], k) == pytest.approx(float(exact), rel=1e-9, abs=1e-12)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.booleans(), min_size=4, max_size=4), min_size=1, max_size=10))
 def test_pass_at_1_equals_mean_at_n_and_monotone(correct):
-    arr = np.array(correct)
-    c = arr.sum(axis=1)
-    assert ev.pass_at_k(4, c, 1) == pytest.approx(ev.mean_at_n(arr))
-    vals = [ev.pass_at_k(4, c, k) for k in range(1, 5)]
-    assert all(a <= b + 1e-12 for a, b in zip(vals, vals[1:]))
-    assert vals[-1] == pytest.approx(float(np.mean(c > 0)))
+  arr = np.array(correct)
+  c = arr.sum(axis=1)
+  assert ev.pass_at_k(4, c, 1) == pytest.approx(ev.mean_at_n(arr))
+  vals = [ev.pass_at_k(4, c, k) for k in range(1, 5)]
+  assert all(a <= b + 1e-12 for a, b in zip(vals, vals[1:]))
+  assert vals[-1] == pytest.approx(float(np.mean(c > 0)))
 
 
 def test_pass_at_k_rejects_bad_input():
-    with pytest.raises(ValueError, match="k"):
-        ev.pass_at_k(3, [1], 4)
-    with pytest.raises(ValueError, match="correct counts"):
-        ev.pass_at_k(3, [4], 1)
-    with pytest.raises(ValueError, match="mean_at_n"):
-        ev.mean_at_n([])
+  with pytest.raises(ValueError, match="k"):
+    ev.pass_at_k(3, [1], 4)
+  with pytest.raises(ValueError, match="correct counts"):
+    ev.pass_at_k(3, [4], 1)
+  with pytest.raises(ValueError, match="mean_at_n"):
+    ev.mean_at_n([])
 
 
 def test_mean_at_n_hand_value():
-    assert ev.mean_at_n([[1, 0, 0], [1, 1, 0]]) == pytest.approx((1 / 3 + 2 / 3) / 2)
+  assert ev.mean_at_n([[1, 0, 0], [1, 1, 0]]) == pytest.approx((1 / 3 + 2 / 3) / 2)
 
 
 # ----------------------------------------------------------------------------
 # evaluate() with a deterministic fake generate_fn
 # ----------------------------------------------------------------------------
 class FakeWriter:
-    def __init__(self):
-        self.scalars = []
+  def __init__(self):
+    self.scalars = []
 
-    def add_scalar(self, name, value, step):
-        self.scalars.append((name, value, step))
+  def add_scalar(self, name, value, step):
+    self.scalars.append((name, value, step))
 
 
 def make_fake_generate(problems, correct_counts):
-    """Problem i gets correct_counts[i] correct completions, then wrong ones."""
-    calls = []
-    by_prompt = {p.prompt: (p, c) for p, c in zip(problems, correct_counts)}
+  """Problem i gets correct_counts[i] correct completions, then wrong ones."""
+  calls = []
+  by_prompt = {p.prompt: (p, c) for p, c in zip(problems, correct_counts)}
 
-    def generate_fn(prompts, n, temperature, top_p, max_new_tokens, greedy):
-        calls.append(dict(prompts=list(prompts), n=n, temperature=temperature, top_p=top_p,
-                          max_new_tokens=max_new_tokens, greedy=greedy))
-        out = []
-        for prompt in prompts:
-            p, c = by_prompt[prompt]
-            right, wrong = p.reference, str(int(p.reference) + 1)
-            out.append([right if j < c else wrong for j in range(n)])
-        return out
+  def generate_fn(prompts, n, temperature, top_p, max_new_tokens, greedy):
+    calls.append(
+      dict(
+        prompts=list(prompts), n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, greedy=greedy
+      )
+    )
+    out = []
+    for prompt in prompts:
+      p, c = by_prompt[prompt]
+      right, wrong = p.reference, str(int(p.reference) + 1)
+      out.append([right if j < c else wrong for j in range(n)])
+    return out
 
-    return generate_fn, calls
+  return generate_fn, calls
 
 
 def test_evaluate_record_contents(tmp_path):
-    protocol = ev.EvalProtocol(dataset="arithmetic", size=4, n=3, pass_at_k=(1, 2, 3), max_new_tokens=8)
-    problems = ev.make_eval_problems(protocol)
-    assert len(problems) == 4
-    gen, calls = make_fake_generate(problems, [0, 1, 2, 3])
-    writer = FakeWriter()
-    path = os.path.join(tmp_path, "evals", "eval.jsonl")
-    rec = ev.evaluate(gen, problems, protocol, step=120, writer=writer, jsonl_path=path, tag="final",
-                      extra={"wall_clock_s": 12.5})
-    # the sampler saw exactly the protocol's decoding settings
-    assert calls == [dict(prompts=[p.prompt for p in problems], n=3, temperature=0.8, top_p=0.7,
-                          max_new_tokens=8, greedy=False)]
-    # c = 0, 1, 2, 3 of n = 3
-    assert rec["mean_at_n"] == pytest.approx((0 + 1 / 3 + 2 / 3 + 1) / 4)
-    # pass@2 per problem: 0, 1 - C(2,2)/C(3,2) = 2/3, 1, 1
-    assert rec["pass_at_k"]["2"] == pytest.approx((0 + 2 / 3 + 1 + 1) / 4)
-    assert rec["pass_at_k"]["3"] == pytest.approx(3 / 4)
-    assert rec["pass_at_k"]["1"] == pytest.approx(rec["mean_at_n"])
-    assert rec["step"] == 120 and rec["tag"] == "final" and rec["kind"] == "eval"
-    assert rec["protocol"] == protocol.to_dict()
-    assert [r["num_correct"] for r in rec["per_problem"]] == [0, 1, 2, 3]
-    assert rec["wall_clock_s"] == 12.5
-    with open(path) as f:
-        lines = [json.loads(x) for x in f]
-    assert lines == [json.loads(json.dumps(rec))]
-    assert ev.EvalProtocol.from_dict(lines[0]["protocol"]) == protocol
-    names = {name for name, _, step in writer.scalars if step == 120}
-    assert names == {"eval/arithmetic/mean@3", "eval/arithmetic/pass@1", "eval/arithmetic/pass@2",
-                     "eval/arithmetic/pass@3", "eval/arithmetic/mean_reward"}
+  protocol = ev.EvalProtocol(dataset="arithmetic", size=4, n=3, pass_at_k=(1, 2, 3), max_new_tokens=8)
+  problems = ev.make_eval_problems(protocol)
+  assert len(problems) == 4
+  gen, calls = make_fake_generate(problems, [0, 1, 2, 3])
+  writer = FakeWriter()
+  path = os.path.join(tmp_path, "evals", "eval.jsonl")
+  rec = ev.evaluate(
+    gen, problems, protocol, step=120, writer=writer, jsonl_path=path, tag="final", extra={"wall_clock_s": 12.5}
+  )
+  # the sampler saw exactly the protocol's decoding settings
+  assert calls == [
+    dict(prompts=[p.prompt for p in problems], n=3, temperature=0.8, top_p=0.7, max_new_tokens=8, greedy=False)
+  ]
+  # c = 0, 1, 2, 3 of n = 3
+  assert rec["mean_at_n"] == pytest.approx((0 + 1 / 3 + 2 / 3 + 1) / 4)
+  # pass@2 per problem: 0, 1 - C(2,2)/C(3,2) = 2/3, 1, 1
+  assert rec["pass_at_k"]["2"] == pytest.approx((0 + 2 / 3 + 1 + 1) / 4)
+  assert rec["pass_at_k"]["3"] == pytest.approx(3 / 4)
+  assert rec["pass_at_k"]["1"] == pytest.approx(rec["mean_at_n"])
+  assert rec["step"] == 120 and rec["tag"] == "final" and rec["kind"] == "eval"
+  assert rec["protocol"] == protocol.to_dict()
+  assert [r["num_correct"] for r in rec["per_problem"]] == [0, 1, 2, 3]
+  assert rec["wall_clock_s"] == 12.5
+  with open(path) as f:
+    lines = [json.loads(x) for x in f]
+  assert lines == [json.loads(json.dumps(rec))]
+  assert ev.EvalProtocol.from_dict(lines[0]["protocol"]) == protocol
+  names = {name for name, _, step in writer.scalars if step == 120}
+  assert names == {
+    "eval/arithmetic/mean@3",
+    "eval/arithmetic/pass@1",
+    "eval/arithmetic/pass@2",
+    "eval/arithmetic/pass@3",
+    "eval/arithmetic/mean_reward",
+  }
 
 
 def test_evaluate_text_task_with_fixture():
-    protocol = ev.EvalProtocol(dataset="gsm8k", greedy=True, size=5)
-    problems = ev.make_eval_problems(protocol)
+  protocol = ev.EvalProtocol(dataset="gsm8k", greedy=True, size=5)
+  problems = ev.make_eval_problems(protocol)
 
-    def gen(prompts, n, temperature, top_p, max_new_tokens, greedy):
-        assert greedy and n == 1
-        by = {p.prompt: p for p in problems}
-        # correct answers in GSM8K format for the first three problems only
-        return [[f"#### {by[q].reference}" if i < 3 else "#### 123456"] for i, q in enumerate(prompts)]
+  def gen(prompts, n, temperature, top_p, max_new_tokens, greedy):
+    assert greedy and n == 1
+    by = {p.prompt: p for p in problems}
+    # correct answers in GSM8K format for the first three problems only
+    return [[f"#### {by[q].reference}" if i < 3 else "#### 123456"] for i, q in enumerate(prompts)]
 
-    rec = ev.evaluate(gen, problems, protocol, step=0)
-    assert rec["mean_at_n"] == pytest.approx(3 / 5)
+  rec = ev.evaluate(gen, problems, protocol, step=0)
+  assert rec["mean_at_n"] == pytest.approx(3 / 5)
 
 
 def test_evaluate_rejects_bad_shapes_and_tags():
-    protocol = ev.EvalProtocol(dataset="arithmetic", size=2)
-    problems = ev.make_eval_problems(protocol)
-    with pytest.raises(ValueError, match="completions"):
-        ev.evaluate(lambda prompts, **kw: [["1"]] * len(prompts), problems, protocol, step=0)
-    with pytest.raises(ValueError, match="tag"):
-        ev.evaluate(lambda prompts, **kw: [["1"] * 3] * len(prompts), problems, protocol, step=0, tag="last")
-    with pytest.raises(ValueError, match="size"):
-        ev.evaluate(lambda prompts, **kw: [["1"] * 3] * len(prompts), problems[:1], protocol, step=0)
+  protocol = ev.EvalProtocol(dataset="arithmetic", size=2)
+  problems = ev.make_eval_problems(protocol)
+  with pytest.raises(ValueError, match="completions"):
+    ev.evaluate(lambda prompts, **kw: [["1"]] * len(prompts), problems, protocol, step=0)
+  with pytest.raises(ValueError, match="tag"):
+    ev.evaluate(lambda prompts, **kw: [["1"] * 3] * len(prompts), problems, protocol, step=0, tag="last")
+  with pytest.raises(ValueError, match="size"):
+    ev.evaluate(lambda prompts, **kw: [["1"] * 3] * len(prompts), problems[:1], protocol, step=0)
 
 
 def test_best_and_final(tmp_path):
-    protocol = ev.EvalProtocol(dataset="arithmetic", size=3, n=3)
-    problems = ev.make_eval_problems(protocol)
-    path = os.path.join(tmp_path, "eval.jsonl")
-    for step, counts in [(10, [1, 1, 1]), (20, [3, 3, 2]), (30, [2, 2, 2]), (40, [3, 3, 2])]:
-        gen, _ = make_fake_generate(problems, counts)
-        ev.evaluate(gen, problems, protocol, step=step, jsonl_path=path)
-    out = ev.best_and_final(path)
-    assert out["final"]["step"] == 40
-    assert out["best"]["step"] == 20  # ties broken toward the earlier checkpoint
-    assert out["best"]["mean_at_n"] == pytest.approx(8 / 9)
-    # explicit tags win
-    gen, _ = make_fake_generate(problems, [0, 0, 0])
-    ev.evaluate(gen, problems, protocol, step=35, jsonl_path=path, tag="best")
-    assert ev.best_and_final(path)["best"]["step"] == 35
-    # a different protocol in the same file must not be silently mixed
-    other = ev.EvalProtocol(dataset="arithmetic", size=3, n=3, temperature=1.0)
-    gen, _ = make_fake_generate(problems, [1, 1, 1])
-    ev.evaluate(gen, problems, other, step=50, jsonl_path=path)
-    with pytest.raises(ValueError, match="protocols"):
-        ev.best_and_final(path)
+  protocol = ev.EvalProtocol(dataset="arithmetic", size=3, n=3)
+  problems = ev.make_eval_problems(protocol)
+  path = os.path.join(tmp_path, "eval.jsonl")
+  for step, counts in [(10, [1, 1, 1]), (20, [3, 3, 2]), (30, [2, 2, 2]), (40, [3, 3, 2])]:
+    gen, _ = make_fake_generate(problems, counts)
+    ev.evaluate(gen, problems, protocol, step=step, jsonl_path=path)
+  out = ev.best_and_final(path)
+  assert out["final"]["step"] == 40
+  assert out["best"]["step"] == 20  # ties broken toward the earlier checkpoint
+  assert out["best"]["mean_at_n"] == pytest.approx(8 / 9)
+  # explicit tags win
+  gen, _ = make_fake_generate(problems, [0, 0, 0])
+  ev.evaluate(gen, problems, protocol, step=35, jsonl_path=path, tag="best")
+  assert ev.best_and_final(path)["best"]["step"] == 35
+  # a different protocol in the same file must not be silently mixed
+  other = ev.EvalProtocol(dataset="arithmetic", size=3, n=3, temperature=1.0)
+  gen, _ = make_fake_generate(problems, [1, 1, 1])
+  ev.evaluate(gen, problems, other, step=50, jsonl_path=path)
+  with pytest.raises(ValueError, match="protocols"):
+    ev.best_and_final(path)
 
 
 def test_countdown_eval_counts_format_only_as_wrong():
-    protocol = ev.EvalProtocol(dataset="countdown", size=2, n=3, pass_at_k=(1, 3))
-    problems = ev.make_eval_problems(protocol)
-    sols = {p.prompt: p.solution for p in problems}
+  protocol = ev.EvalProtocol(dataset="countdown", size=2, n=3, pass_at_k=(1, 3))
+  problems = ev.make_eval_problems(protocol)
+  sols = {p.prompt: p.solution for p in problems}
 
-    def gen(prompts, n, **kw):
-        return [[f"<answer>{sols[q]}</answer>", "<answer>1</answer>", "nothing"] for q in prompts]
+  def gen(prompts, n, **kw):
+    return [[f"<answer>{sols[q]}</answer>", "<answer>1</answer>", "nothing"] for q in prompts]
 
-    rec = ev.evaluate(gen, problems, protocol, step=1)
-    assert rec["mean_at_n"] == pytest.approx(1 / 3)
-    assert rec["pass_at_k"]["3"] == 1.0
-    assert rec["mean_reward"] == pytest.approx((1.0 + 0.1 + 0.0) / 3)
-    assert tasks.is_correct(1.0) and not tasks.is_correct(0.1)
+  rec = ev.evaluate(gen, problems, protocol, step=1)
+  assert rec["mean_at_n"] == pytest.approx(1 / 3)
+  assert rec["pass_at_k"]["3"] == 1.0
+  assert rec["mean_reward"] == pytest.approx((1.0 + 0.1 + 0.0) / 3)
+  assert tasks.is_correct(1.0) and not tasks.is_correct(0.1)

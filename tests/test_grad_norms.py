@@ -7,6 +7,7 @@ estimator.policy_gradient. Tiny Qwen2 (tied head, q/k/v bias) and Llama
 response only, tokens drawn from a small range so that embedding rows repeat
 within a sequence (the shared-row and tied cross terms are exercised).
 """
+
 import functools
 
 import jax
@@ -22,8 +23,10 @@ from vcpo_jax.model import config, transformer as tf
 N, P_LEN, R_LEN = 6, 6, 7
 T = P_LEN + R_LEN
 # One layer keeps compiles short; every kind of tap (linear +- bias, scale, embed, tied/untied head) occurs.
-CONFIGS = {"qwen2": config.tiny_qwen2(vocab_size=128, num_layers=1),
-           "llama": config.tiny_llama(vocab_size=128, num_layers=1)}
+CONFIGS = {
+  "qwen2": config.tiny_qwen2(vocab_size=128, num_layers=1),
+  "llama": config.tiny_llama(vocab_size=128, num_layers=1),
+}
 
 
 def _rel(a, b):
@@ -35,7 +38,7 @@ def _tree_rel(ga, gb):
   """Global relative error ||ga - gb|| / ||gb|| over all leaves (and matching structure)."""
   assert jax.tree.structure(ga) == jax.tree.structure(gb)
   num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)))
-  den = sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(gb))
+  den = sum(float(jnp.sum(y**2)) for y in jax.tree.leaves(gb))
   return (num / den) ** 0.5
 
 
@@ -50,11 +53,14 @@ def _batch(seed=0):
   valid = np.concatenate([prompt, resp], 1)
   tokens = np.where(valid, tokens, 0)
   group_id = np.repeat(np.arange(N // 3), 3).astype(np.int32)
-  return dict(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid),
-              loss_mask=jnp.asarray(loss_mask, jnp.float32),
-              behavior_logp=jnp.asarray(rng.normal(-2.5, 0.5, (N, T)) * loss_mask, jnp.float32),
-              rewards=jnp.asarray(rng.integers(0, 2, N), jnp.float32).at[0].set(1.0).at[1].set(0.0),
-              group_id=jnp.asarray(group_id))
+  return dict(
+    tokens=jnp.asarray(tokens),
+    valid=jnp.asarray(valid),
+    loss_mask=jnp.asarray(loss_mask, jnp.float32),
+    behavior_logp=jnp.asarray(rng.normal(-2.5, 0.5, (N, T)) * loss_mask, jnp.float32),
+    rewards=jnp.asarray(rng.integers(0, 2, N), jnp.float32).at[0].set(1.0).at[1].set(0.0),
+    group_id=jnp.asarray(group_id),
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,8 +137,7 @@ def test_tied_cross_term_is_material():
   np.testing.assert_allclose(logp_u(params_u, batch), logp_fn(params, batch), atol=1e-6)
   untied = jax.jit(gn.vmap_sq_norms, static_argnums=0)(logp_u, params_u, batch, batch["loss_mask"])
   assert float(jnp.max(jnp.abs(ref - untied) / ref)) > 1e-3
-  res = jax.jit(lambda p, b: gn.ghost_sq_norms_and_grad(logp_u, p, b, b["loss_mask"], _random_coef))(
-      params_u, batch)
+  res = jax.jit(lambda p, b: gn.ghost_sq_norms_and_grad(logp_u, p, b, b["loss_mask"], _random_coef))(params_u, batch)
   assert _rel(res.sq_norms_n, untied) < 1e-4
 
 

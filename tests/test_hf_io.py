@@ -1,4 +1,5 @@
 """Hugging Face interop: parity with transformers' PyTorch models, export round trip, errors, tokenizer."""
+
 import json
 import os
 import shutil
@@ -25,9 +26,10 @@ PARITY_TOL = 1e-4
 def ckpts(tmp_path_factory):
   """family -> (dir, torch model); Llama is saved sharded to exercise the index file."""
   root = tmp_path_factory.mktemp("hf")
-  out = {"qwen2": fixtures.make_hf_checkpoint(root / "qwen2", "qwen2", V, seed=1),
-         "llama": fixtures.make_hf_checkpoint(root / "llama", "llama", V, seed=2,
-                                              max_shard_size="40KB")}
+  out = {
+    "qwen2": fixtures.make_hf_checkpoint(root / "qwen2", "qwen2", V, seed=1),
+    "llama": fixtures.make_hf_checkpoint(root / "llama", "llama", V, seed=2, max_shard_size="40KB"),
+  }
   return out
 
 
@@ -83,21 +85,32 @@ def test_sharded_and_config(ckpts):
   assert os.path.isfile(os.path.join(path, hf_io.INDEX_FILE))
   assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 1
   cfg, model = load_hf(path)
-  assert cfg == ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=160, num_layers=2,
-                            num_heads=4, num_kv_heads=1, head_dim=16, rope_theta=10000.0,
-                            rms_eps=1e-5, qkv_bias=False, tie_embeddings=False, max_position=256,
-                            dtype="float32", model_type="llama")
+  assert cfg == ModelConfig(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=160,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    qkv_bias=False,
+    tie_embeddings=False,
+    max_position=256,
+    dtype="float32",
+    model_type="llama",
+  )
   # Kernels are the transposes of torch's [out, in] weights.
   want = ref.model.layers[1].self_attn.k_proj.weight.detach().numpy().T
   np.testing.assert_array_equal(np.asarray(model.layers[1].self_attn.k_proj.kernel[...]), want)
-  np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]),
-                                ref.lm_head.weight.detach().numpy().T)
+  np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), ref.lm_head.weight.detach().numpy().T)
 
 
 def test_bf16_checkpoint_is_upcast(tmp_path):
-  path, ref = fixtures.make_hf_checkpoint(tmp_path / "bf", "qwen2", V, seed=5, bf16=True,
-                                          tokenizer=False)
+  path, ref = fixtures.make_hf_checkpoint(tmp_path / "bf", "qwen2", V, seed=5, bf16=True, tokenizer=False)
   from safetensors import safe_open
+
   with safe_open(os.path.join(path, "model.safetensors"), framework="numpy") as f:
     assert f.get_slice("model.norm.weight").get_dtype() == "BF16"
   cfg, model = load_hf(path)
@@ -105,8 +118,7 @@ def test_bf16_checkpoint_is_upcast(tmp_path):
   assert emb.dtype == np.float32
   np.testing.assert_array_equal(emb, ref.model.embed_tokens.weight.detach().numpy())
   tokens = _tokens(3, 12, seed=6)
-  np.testing.assert_array_less(
-      np.abs(hf_forward(path, tokens) - fixtures.hf_logits(ref, tokens)).max(), PARITY_TOL)
+  np.testing.assert_array_less(np.abs(hf_forward(path, tokens) - fixtures.hf_logits(ref, tokens)).max(), PARITY_TOL)
 
 
 def test_bf16_compute_close_to_fp32(ckpts):
@@ -127,8 +139,10 @@ def test_export_round_trip_through_transformers(tmp_path, family):
   cfg = preset(vocab_size=V)
   # Random values for every tensor (biases and scales too, which init leaves at 0 / 1).
   rng = np.random.default_rng(11)
-  tensors = {n: (float(n.endswith("norm.weight")) + 0.1 * rng.standard_normal(sh)).astype(np.float32)
-             for n, sh in hf_io.hf_shapes(cfg).items()}
+  tensors = {
+    n: (float(n.endswith("norm.weight")) + 0.1 * rng.standard_normal(sh)).astype(np.float32)
+    for n, sh in hf_io.hf_shapes(cfg).items()
+  }
   model = hf_io.params_from_hf(tensors, cfg)
   out = save_hf(model, cfg, tmp_path / "export", tokenizer=tk.build_char_tokenizer())
   hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
@@ -228,8 +242,14 @@ def test_unexpected_and_tied_head(broken):
   with pytest.warns(UserWarning, match="o_proj.bias"):
     load_hf(path, strict=False)
   # A tied checkpoint may carry lm_head.weight, but only as a copy of the embedding.
-  _rewrite(path, {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].copy(),
-                  "model.rotary_emb.inv_freq": np.ones(8, np.float32)})
+  _rewrite(
+    path,
+    {
+      **tensors,
+      "lm_head.weight": tensors["model.embed_tokens.weight"].copy(),
+      "model.rotary_emb.inv_freq": np.ones(8, np.float32),
+    },
+  )
   load_hf(path)
   _rewrite(path, {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1})
   with pytest.raises(ValueError, match="tie_word_embeddings"):
@@ -288,8 +308,7 @@ def test_char_tokenizer_ids_and_round_trip(tmp_path):
 def test_chat_template_or_plain():
   tok = tk.build_char_tokenizer()
   s = tk.apply_chat_template_or_plain(tok, "1+1?", system="Be brief.")
-  assert s == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n"
-               "<|im_start|>assistant\n")
+  assert s == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n")
   ids = tok(s, add_special_tokens=False)["input_ids"]
   assert ids[0] == 1 and ids.count(2) == 2
   tok.chat_template = None

@@ -1,4 +1,5 @@
 """The jitted learner step: a real update moves the parameters, a non-finite one is skipped."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,21 +13,30 @@ N, T = 8, 12
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = config.tiny_llama(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                          num_kv_heads=1, head_dim=8)
+  cfg = config.tiny_llama(
+    vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+  )
   graphdef, params = transformer.split(transformer.init(cfg, seed=0))
   tx = optim.make_optimizer(1e-2, weight_decay=0.0)
-  step = jax.jit(learner.make_train_step(
-      graphdef, tx, learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), grad_path="ghost")))
+  step = jax.jit(
+    learner.make_train_step(
+      graphdef, tx, learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), grad_path="ghost")
+    )
+  )
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 32, (N, T)).astype(np.int32)
   valid = np.ones((N, T), bool)
   loss_mask = np.zeros((N, T), bool)
   loss_mask[:, 4:] = True
   logp = np.asarray(transformer.sequence_logprobs(graphdef, params, tokens, valid))
-  batch = dict(tokens=tokens, valid_mask=valid, loss_mask=loss_mask,
-               behavior_logp=np.where(loss_mask, logp - 0.05 * rng.standard_normal((N, T)), 0).astype(np.float32),
-               rewards=rng.integers(0, 2, N).astype(np.float32), group_id=np.repeat(np.arange(2), 4).astype(np.int32))
+  batch = dict(
+    tokens=tokens,
+    valid_mask=valid,
+    loss_mask=loss_mask,
+    behavior_logp=np.where(loss_mask, logp - 0.05 * rng.standard_normal((N, T)), 0).astype(np.float32),
+    rewards=rng.integers(0, 2, N).astype(np.float32),
+    group_id=np.repeat(np.arange(2), 4).astype(np.int32),
+  )
   return params, tx, step, batch
 
 

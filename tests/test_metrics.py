@@ -1,4 +1,5 @@
 """MetricsWriter: jsonl contents, resume truncation, plots."""
+
 import json
 import os
 
@@ -8,8 +9,17 @@ from vcpo_jax import metrics
 def test_jsonl_records_and_plots(tmp_path):
   w = metrics.MetricsWriter(str(tmp_path), total_steps=3, progress=False)
   for s in range(3):
-    w.write(s, {"train/reward_mean": 0.1 * s, "train/ess_ratio": 1.0 - 0.2 * s, "train/lr_scale": 1.0,
-                "train/text": "ignored", "train/bad": float("nan")}, advance=True)
+    w.write(
+      s,
+      {
+        "train/reward_mean": 0.1 * s,
+        "train/ess_ratio": 1.0 - 0.2 * s,
+        "train/lr_scale": 1.0,
+        "train/text": "ignored",
+        "train/bad": float("nan"),
+      },
+      advance=True,
+    )
   w.close()
   recs = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
   assert [r["step"] for r in recs] == [0, 1, 2]

@@ -4,6 +4,7 @@ Parity with transformers' PyTorch implementation lives in test_hf_io.py; here th
 model is checked against itself (cache vs full pass, padded vs unpadded, GQA vs
 the equivalent multi-head model) and against small hand computations.
 """
+
 import functools
 
 import jax
@@ -38,9 +39,10 @@ def _random_model(cfg, seed):
   """
   graphdef, abstract = tf.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   rng = np.random.default_rng(seed)
-  flat = [(p, v.replace(jnp.asarray(float(p[-1] == "scale") + 0.1 * rng.standard_normal(v.shape),
-                                    jnp.float32)))
-          for p, v in nnx.to_flat_state(abstract)]
+  flat = [
+    (p, v.replace(jnp.asarray(float(p[-1] == "scale") + 0.1 * rng.standard_normal(v.shape), jnp.float32)))
+    for p, v in nnx.to_flat_state(abstract)
+  ]
   return graphdef, nnx.from_flat_state(flat)
 
 
@@ -57,10 +59,16 @@ def _tokens(b, t, seed=0):
 # ----------------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(num_kv_heads=3), "num_kv_heads"), (dict(head_dim=15), "head_dim"),
-    (dict(dtype="float16"), "dtype"), (dict(model_type="gpt2"), "model_type"),
-    (dict(hidden_size=0), "hidden_size")])
+@pytest.mark.parametrize(
+  "kw, field",
+  [
+    (dict(num_kv_heads=3), "num_kv_heads"),
+    (dict(head_dim=15), "head_dim"),
+    (dict(dtype="float16"), "dtype"),
+    (dict(model_type="gpt2"), "model_type"),
+    (dict(hidden_size=0), "hidden_size"),
+  ],
+)
 def test_config_validation_names_field(kw, field):
   with pytest.raises(ValueError, match=field):
     mconfig.tiny_qwen2(**kw)
@@ -75,22 +83,42 @@ def test_num_params_matches_model(family):
 
 def test_from_hf_config_objects():
   import transformers
-  q = transformers.Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=96,
-                               num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                               rope_parameters={"rope_type": "default", "rope_theta": 5e5},
-                               tie_word_embeddings=True, rms_norm_eps=1e-6)
+
+  q = transformers.Qwen2Config(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+  )
   cfg = ModelConfig.from_hf(q, dtype="bfloat16")
-  assert (cfg.head_dim, cfg.num_kv_heads, cfg.rope_theta, cfg.qkv_bias, cfg.tie_embeddings,
-          cfg.dtype, cfg.model_type) == (8, 2, 5e5, True, True, "bfloat16", "qwen2")
-  ll = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96,
-                                num_hidden_layers=1, num_attention_heads=4, head_dim=32,
-                                tie_word_embeddings=False)
+  assert (
+    cfg.head_dim,
+    cfg.num_kv_heads,
+    cfg.rope_theta,
+    cfg.qkv_bias,
+    cfg.tie_embeddings,
+    cfg.dtype,
+    cfg.model_type,
+  ) == (8, 2, 5e5, True, True, "bfloat16", "qwen2")
+  ll = transformers.LlamaConfig(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    head_dim=32,
+    tie_word_embeddings=False,
+  )
   cfg = ModelConfig.from_hf(ll)
   assert (cfg.head_dim, cfg.num_kv_heads, cfg.qkv_bias, cfg.tie_embeddings) == (32, 4, False, False)
   with pytest.raises(ValueError, match="gpt2"):
     ModelConfig.from_hf(transformers.GPT2Config())
-  scaled = transformers.LlamaConfig(
-      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+  scaled = transformers.LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
   with pytest.raises(ValueError, match="rope_scaling"):
     ModelConfig.from_hf(scaled)
 
@@ -119,11 +147,7 @@ def test_token_logprobs_hand_checked():
 def test_padded_positions_and_mask_hand_checked():
   pos, mask = tf.padded_positions_and_mask(jnp.asarray([[0, 0, 1, 1, 1]], bool))
   np.testing.assert_array_equal(pos, [[0, 0, 0, 1, 2]])
-  want = np.array([[1, 0, 0, 0, 0],
-                   [0, 1, 0, 0, 0],
-                   [0, 0, 1, 0, 0],
-                   [0, 0, 1, 1, 0],
-                   [0, 0, 1, 1, 1]], bool)
+  want = np.array([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]], bool)
   np.testing.assert_array_equal(mask[0], want)
 
 
@@ -148,8 +172,7 @@ def test_left_padding_is_invisible(model):
   padded = _seq_logp(graphdef, params, tokens.at[0, :3].set(0), valid)
   # Row 0 unpadded: its 5 real tokens moved to the front (right padding with junk).
   moved = jnp.concatenate([tokens[:1, 3:], _tokens(1, 3, seed=9)], axis=1)
-  alone = _seq_logp(graphdef, params, jnp.concatenate([moved, tokens[1:]]),
-                    jnp.ones((2, 8), bool).at[0, 5:].set(False))
+  alone = _seq_logp(graphdef, params, jnp.concatenate([moved, tokens[1:]]), jnp.ones((2, 8), bool).at[0, 5:].set(False))
   # logp of token t needs token t-1, so the first real token (logp 0 by convention) is skipped.
   np.testing.assert_allclose(padded[0, 4:], alone[0, 1:5], atol=2e-5)
   np.testing.assert_allclose(padded[1], alone[1], atol=2e-5)
@@ -167,8 +190,9 @@ def test_kv_cache_matches_full_pass(model):
   prefill, cache = _fwd(graphdef, params, tokens[:, :6], pos[:, :6], mask_c[:, :6], cache, 0)
   steps = [prefill]
   for i in range(6, t):  # one token at a time, as the sampler decodes
-    out, cache = _fwd(graphdef, params, tokens[:, i:i + 1], pos[:, i:i + 1], mask_c[:, i:i + 1],
-                      cache, jnp.int32(i))
+    out, cache = _fwd(
+      graphdef, params, tokens[:, i : i + 1], pos[:, i : i + 1], mask_c[:, i : i + 1], cache, jnp.int32(i)
+    )
     steps.append(out)
   inc = jnp.concatenate(steps, axis=1)
   np.testing.assert_allclose(inc[valid], full[valid], atol=2e-5)
@@ -187,7 +211,8 @@ def test_gqa_equals_expanded_multihead():
     x = flat[path][...]
     if path[-3:-1] in (("self_attn", "k_proj"), ("self_attn", "v_proj")):
       x = jnp.repeat(x.reshape(cfg.hidden_size, cfg.num_kv_heads, h), r, axis=1).reshape(
-          cfg.hidden_size, -1)  # kv head j serves query heads j*R .. j*R+R-1
+        cfg.hidden_size, -1
+      )  # kv head j serves query heads j*R .. j*R+R-1
     new.append((path, var.replace(x)))
   mha_params = nnx.from_flat_state(new)
   tokens = _tokens(2, 7, seed=4)
@@ -200,8 +225,7 @@ def test_gqa_equals_expanded_multihead():
 
 def test_bf16_compute_close_and_params_stay_f32(model):
   cfg, graphdef, params = model
-  bf_graphdef, _ = tf.split(nnx.eval_shape(lambda: Transformer(cfg.replace(dtype="bfloat16"),
-                                                               rngs=nnx.Rngs(0))))
+  bf_graphdef, _ = tf.split(nnx.eval_shape(lambda: Transformer(cfg.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))))
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
   tokens = _tokens(2, 8, seed=5)
   pos, mask = tf.padded_positions_and_mask(jnp.ones(tokens.shape, bool))

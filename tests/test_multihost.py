@@ -12,6 +12,7 @@ the same numbers, equal to the same step run in this (single) process on a
 gradient not all-reduced across processes, changes the loss and the parameters
 at the 1e-2 level.
 """
+
 import json
 import os
 import socket
@@ -50,8 +51,9 @@ def _run_step(mesh, batch_fn):
   cfg = config.tiny_qwen2(num_layers=1)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, eps=1e-6, weight_decay=0.01))
   graphdef, params = sh.init_sharded(cfg, 0, mesh)
-  opt_state = jax.jit(tx.init, out_shardings=sh.param_shardings(
-      jax.eval_shape(tx.init, params), sh.TRANSFORMER_RULES, mesh))(params)
+  opt_state = jax.jit(
+    tx.init, out_shardings=sh.param_shardings(jax.eval_shape(tx.init, params), sh.TRANSFORMER_RULES, mesh)
+  )(params)
   state = (params, opt_state)
   s_shard = sh.param_shardings(state, sh.TRANSFORMER_RULES, mesh)
   rep = sh.replicated(mesh)
@@ -67,13 +69,11 @@ def _run_step(mesh, batch_fn):
     params = optax.apply_updates(params, updates)
     leaves = jax.tree.leaves(params)
     # Position-weighted sums: a permuted or mis-assembled shard changes them.
-    checks = jnp.stack([jnp.sum(x * jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape))
-                        for x in leaves])
+    checks = jnp.stack([jnp.sum(x * jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)) for x in leaves])
     return (params, opt_state), dict(loss=loss, grad_norm=optax.global_norm(grads), param_checks=checks)
 
   batch = batch_fn(mesh)
-  step = jax.jit(step, in_shardings=(s_shard, sh.batch_sharding(mesh)), out_shardings=(s_shard, rep),
-                 donate_argnums=0)
+  step = jax.jit(step, in_shardings=(s_shard, sh.batch_sharding(mesh)), out_shardings=(s_shard, rep), donate_argnums=0)
   _, metrics = step(state, batch)
   return {k: np.asarray(v).astype(np.float64).ravel().tolist() for k, v in metrics.items()}
 
@@ -81,6 +81,7 @@ def _run_step(mesh, batch_fn):
 def _worker(process_id: int, port: int) -> None:
   """Entry point of one spawned process (XLA_FLAGS set by the parent before jax loads)."""
   import jax
+
   jax.config.update("jax_default_matmul_precision", "highest")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   from vcpo_jax import sharding as sh
@@ -91,6 +92,7 @@ def _worker(process_id: int, port: int) -> None:
 
   def batch_fn(mesh):
     from vcpo_jax.model import config
+
     full = _batch(config.tiny_qwen2().vocab_size)
     rows = sh.process_rows(N, sh.batch_sharding(mesh))
     assert rows.stop - rows.start == N // 2, rows  # each process supplies only its half
@@ -116,11 +118,23 @@ def test_two_processes_agree_with_single_process():
   from vcpo_jax.model import config
 
   port = _free_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(i), str(port)], env=env,
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+  )
+  procs = [
+    subprocess.Popen(
+      [sys.executable, os.path.abspath(__file__), str(i), str(port)],
+      env=env,
+      cwd=REPO,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outputs = []
   try:
     for p in procs:
@@ -137,7 +151,7 @@ def test_two_processes_agree_with_single_process():
   for out in outputs:
     lines = [l for l in out.splitlines() if l.startswith("CHECKSUM ")]
     assert len(lines) == 1, out[-4000:]
-    results.append(json.loads(lines[0][len("CHECKSUM "):]))
+    results.append(json.loads(lines[0][len("CHECKSUM ") :]))
   assert [r.pop("process_id") for r in results] == [0, 1]
   assert results[0] == results[1]  # every process holds the same replicated numbers
 

@@ -1,4 +1,5 @@
 """Multi-turn tool-use rollouts: the Batch from a scripted sampler, and the real run() end to end."""
+
 import json
 import os
 
@@ -20,8 +21,8 @@ ENC = lambda s: list(TOK.encode(s, add_special_tokens=False))
 
 # Per prompt, the policy text of each model turn (EOS appended to the last one).
 PLANS = {
-    "Q: six times seven?": ["ok<code>print(6*7)</code>", "so \\boxed{42}"],  # one tool call, then correct
-    "Q: three plus four?": ["\\boxed{8}"],  # answers at once, wrong (reference 7)
+  "Q: six times seven?": ["ok<code>print(6*7)</code>", "so \\boxed{42}"],  # one tool call, then correct
+  "Q: three plus four?": ["\\boxed{8}"],  # answers at once, wrong (reference 7)
 }
 REFS = {"Q: six times seven?": "42", "Q: three plus four?": "7"}
 
@@ -35,8 +36,9 @@ class ScriptedSampler:
   """Plays PLANS like the real sampler: stops after EOS, after any stop id, or at the budget."""
 
   def __init__(self):
-    self.cfg = SamplerConfig(eos_id=EOS, pad_id=TOK.pad_token_id, max_new_tokens=32,
-                             prompt_buckets=(16, 128), new_token_buckets=(32,))
+    self.cfg = SamplerConfig(
+      eos_id=EOS, pad_id=TOK.pad_token_id, max_new_tokens=32, prompt_buckets=(16, 128), new_token_buckets=(32,)
+    )
     self.calls = []
 
   def generate_continuations(self, params, contexts, max_new, stop_ids, rng):
@@ -47,25 +49,33 @@ class ScriptedSampler:
       text = TOK.decode(ctx, skip_special_tokens=True)
       prompt = next(p for p in PLANS if text.startswith(p))
       turn = text.count("</output>")
-      done = text.rsplit("</output>\n", 1)[1] if turn else text[len(prompt):]
+      done = text.rsplit("</output>\n", 1)[1] if turn else text[len(prompt) :]
       plan = PLANS[prompt]
-      ids = ENC(plan[turn][len(done):]) + ([EOS] if turn == len(plan) - 1 else [])
+      ids = ENC(plan[turn][len(done) :]) + ([EOS] if turn == len(plan) - 1 else [])
       new = []
       for t in ids[:max_new]:
         new.append(t)
         if t == EOS or t in stop_ids:
           break
-      out.append((np.asarray(new, np.int32), np.asarray([_logp(t, len(ctx) + i) for i, t in enumerate(new)],
-                                                         np.float32)))
+      out.append(
+        (np.asarray(new, np.int32), np.asarray([_logp(t, len(ctx) + i) for i, t in enumerate(new)], np.float32))
+      )
     return out
 
 
 def _maker(sampler, **mt):
   problems = [Problem(id=f"p{i}", task="aime", prompt=p, reference=REFS[p]) for i, p in enumerate(PLANS)]
-  cfg = rollout_common.RolloutConfig(task="aime", prompts_per_step=2, group_size=2, max_prompt_len=24,
-                                     max_new_tokens=72)
-  mt_cfg = multiturn.MultiTurnConfig(**{**dict(max_turns=3, max_turn_tokens=32, max_tool_output_tokens=16,
-                                               sandbox_cpu_seconds=1, sandbox_wall_seconds=5.0), **mt})
+  cfg = rollout_common.RolloutConfig(
+    task="aime", prompts_per_step=2, group_size=2, max_prompt_len=24, max_new_tokens=72
+  )
+  mt_cfg = multiturn.MultiTurnConfig(
+    **{
+      **dict(
+        max_turns=3, max_turn_tokens=32, max_tool_output_tokens=16, sandbox_cpu_seconds=1, sandbox_wall_seconds=5.0
+      ),
+      **mt,
+    }
+  )
   m = multiturn.MultiTurnRolloutMaker(cfg, mt_cfg, TOK, sampler, problems)
   m.problems_for_step = lambda step: problems  # fixed order: row 2p, 2p + 1 answer problem p
   return m
@@ -83,12 +93,26 @@ def test_batch_layout_and_masks(scripted):
   sampler, maker, batch, info = scripted
   n, tp, t = 4, 24, 24 + 72
   # Same keys, dtypes and shapes as the single-turn RolloutMaker's Batch.
-  assert set(batch) == {"tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "correct", "group_id",
-                        "policy_version"}
-  for k, (shape, dtype) in dict(tokens=((n, t), np.int32), valid_mask=((n, t), bool), loss_mask=((n, t), bool),
-                                behavior_logp=((n, t), np.float32), rewards=((n,), np.float32),
-                                correct=((n,), np.float32), group_id=((n,), np.int32),
-                                policy_version=((n,), np.int32)).items():
+  assert set(batch) == {
+    "tokens",
+    "valid_mask",
+    "loss_mask",
+    "behavior_logp",
+    "rewards",
+    "correct",
+    "group_id",
+    "policy_version",
+  }
+  for k, (shape, dtype) in dict(
+    tokens=((n, t), np.int32),
+    valid_mask=((n, t), bool),
+    loss_mask=((n, t), bool),
+    behavior_logp=((n, t), np.float32),
+    rewards=((n,), np.float32),
+    correct=((n,), np.float32),
+    group_id=((n,), np.int32),
+    policy_version=((n,), np.int32),
+  ).items():
     assert batch[k].shape == shape and batch[k].dtype == dtype, k
   np.testing.assert_array_equal(batch["group_id"], [0, 0, 1, 1])
   np.testing.assert_array_equal(batch["policy_version"], [5, 5, 5, 5])
@@ -101,7 +125,7 @@ def test_batch_layout_and_masks(scripted):
     # Prompt left-padded to end at column Tp; valid = prompt + response, contiguous.
     cols = np.flatnonzero(valid)
     assert cols[0] == tp - plen and np.all(np.diff(cols) == 1)
-    assert TOK.decode(toks[tp - plen:tp]) == prompt
+    assert TOK.decode(toks[tp - plen : tp]) == prompt
     assert not loss[:tp].any()  # prompt tokens are never in the loss
     assert not (loss & ~valid).any()
     assert np.all(batch["behavior_logp"][row][~loss] == 0)
@@ -115,11 +139,11 @@ def test_batch_layout_and_masks(scripted):
         pieces.append((ENC("<output>\n42\n</output>\n"), False))
     pos = tp
     for ids, is_policy in pieces:
-      np.testing.assert_array_equal(toks[pos:pos + len(ids)], ids)
-      assert loss[pos:pos + len(ids)].all() if is_policy else not loss[pos:pos + len(ids)].any()
+      np.testing.assert_array_equal(toks[pos : pos + len(ids)], ids)
+      assert loss[pos : pos + len(ids)].all() if is_policy else not loss[pos : pos + len(ids)].any()
       if is_policy:  # the sampler's log-probs, at the token they belong to
         want = [_logp(tk, pos - (tp - plen) + j) for j, tk in enumerate(ids)]
-        np.testing.assert_allclose(batch["behavior_logp"][row][pos:pos + len(ids)], want, rtol=1e-6)
+        np.testing.assert_allclose(batch["behavior_logp"][row][pos : pos + len(ids)], want, rtol=1e-6)
       pos += len(ids)
     assert cols[-1] == pos - 1  # nothing valid after the episode
     assert loss.sum() == sum(len(ids) for ids, p in pieces if p)
@@ -159,10 +183,14 @@ def test_bad_inputs():
 
 
 def test_sampler_config_buckets():
-  cfg = rollout_common.RolloutConfig(task="aime", prompts_per_step=128, group_size=16, max_prompt_len=4096,
-                                     max_new_tokens=12288)
-  sc = multiturn.sampler_config(SamplerConfig(new_token_buckets=(12288,), max_new_tokens=12288), cfg,
-                                multiturn.MultiTurnConfig(max_turn_tokens=4096))
+  cfg = rollout_common.RolloutConfig(
+    task="aime", prompts_per_step=128, group_size=16, max_prompt_len=4096, max_new_tokens=12288
+  )
+  sc = multiturn.sampler_config(
+    SamplerConfig(new_token_buckets=(12288,), max_new_tokens=12288),
+    cfg,
+    multiturn.MultiTurnConfig(max_turn_tokens=4096),
+  )
   assert sc.prompt_buckets == (4096, 8192, 16384) and sc.new_token_buckets == (4096,)
   assert sc.batch_buckets == (128, 512, 2048)
 
@@ -217,6 +245,7 @@ def test_smoke_run_async(tmp_path, monkeypatch):
   (its sandbox runs `python -I -S` subprocesses), rows' versions lie in [step - k, step], and the maker's
   multi-turn metrics travel through the queue's metadata into metrics.jsonl."""
   from vcpo_jax.rollout import async_
+
   k, built, seen = 1, [], []
   build = trainer.build_source
 
@@ -243,8 +272,14 @@ def test_smoke_run_async(tmp_path, monkeypatch):
   (src,) = built
   assert isinstance(src, async_.AsyncSource) and src.proc.exitcode == 0
   assert [s for s, _, _ in seen] == [0, 1]
-  names = ("rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_error_frac",
-           "rollout/max_turns_frac", "rollout/policy_tokens_mean", "rollout/sampler_rounds")
+  names = (
+    "rollout/turns_mean",
+    "rollout/tool_calls_mean",
+    "rollout/tool_error_frac",
+    "rollout/max_turns_frac",
+    "rollout/policy_tokens_mean",
+    "rollout/sampler_rounds",
+  )
   for step, versions, info in seen:
     assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
     assert set(names) <= set(info["metrics"])
@@ -266,6 +301,7 @@ def _sandbox_in_sampler_like_process(conn):
 
   from vcpo_jax.rollout import worker
   from vcpo_jax.tasks import sandbox
+
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   worker._set_parent_death_signal()
   jnp.ones(2).block_until_ready()  # a live XLA client with its threads, as in the worker
@@ -277,6 +313,7 @@ def _sandbox_in_sampler_like_process(conn):
 
 def test_sandbox_runs_from_a_spawned_sampler_process():
   from vcpo_jax.rollout.shm_queue import SPAWN
+
   parent, child = SPAWN.Pipe(duplex=False)
   proc = SPAWN.Process(target=_sandbox_in_sampler_like_process, args=(child,), daemon=False)
   proc.start()

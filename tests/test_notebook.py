@@ -20,8 +20,8 @@ def test_ipynb_is_in_sync_with_py_twin():
   nb = nbformat.read(IPYNB, as_version=4)
   twin = jupytext.read(PY)
   assert _sources(nb) == _sources(twin), (
-      "examples/estimator_tour.ipynb is stale: run "
-      "`jupytext --to ipynb examples/estimator_tour.py`")
+    "examples/estimator_tour.ipynb is stale: run `jupytext --to ipynb examples/estimator_tour.py`"
+  )
 
 
 @pytest.mark.slow
@@ -31,8 +31,7 @@ def test_notebook_executes():
   # inherited by the kernel: inline figures (an Agg default from CI would hide them)
   os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
   try:
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": ROOT}}).execute()
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
   finally:
     if env_backend is None:
       os.environ.pop("MPLBACKEND", None)

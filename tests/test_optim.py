@@ -10,17 +10,18 @@ from vcpo_jax import optim
 
 PARAMS = {"w": jnp.array([[0.5, -1.0], [2.0, 0.25]]), "b": jnp.array([0.1, -0.3])}
 GRADS = [
-    {"w": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "b": jnp.array([-1.0, 0.5])},
-    {"w": jnp.array([[-0.3, 0.7], [1.5, -0.2]]), "b": jnp.array([0.2, 0.9])},
-    {"w": jnp.array([[2.0, 0.1], [-0.4, 0.6]]), "b": jnp.array([-0.5, -0.5])},
+  {"w": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "b": jnp.array([-1.0, 0.5])},
+  {"w": jnp.array([[-0.3, 0.7], [1.5, -0.2]]), "b": jnp.array([0.2, 0.9])},
+  {"w": jnp.array([[2.0, 0.1], [-0.4, 0.6]]), "b": jnp.array([-0.5, -0.5])},
 ]
 KW = dict(weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.999, eps=1e-8)
 
 
 def _plain(lr=1e-2):
-  return optax.chain(optax.clip_by_global_norm(KW["clip_norm"]),
-                     optax.adamw(lr, b1=KW["b1"], b2=KW["b2"], eps=KW["eps"],
-                                 weight_decay=KW["weight_decay"]))
+  return optax.chain(
+    optax.clip_by_global_norm(KW["clip_norm"]),
+    optax.adamw(lr, b1=KW["b1"], b2=KW["b2"], eps=KW["eps"], weight_decay=KW["weight_decay"]),
+  )
 
 
 def _run(opt, scales, **extra):
@@ -61,8 +62,7 @@ def test_scale_multiplies_the_step_and_does_not_touch_state():
   _assert_tree_equal(u2, u2_ref)
 
 
-@pytest.mark.parametrize("scale,expected", [(2.5, 1.0), (-1.0, 0.0), (float("nan"), 0.0),
-                                            (0.49, 0.49)])
+@pytest.mark.parametrize("scale,expected", [(2.5, 1.0), (-1.0, 0.0), (float("nan"), 0.0), (0.49, 0.49)])
 def test_scale_is_capped_and_nan_safe(scale, expected):
   t = optim.scale_by_ess()
   u, _ = t.update({"a": jnp.ones(3)}, t.init(None), ess_scale=scale)
@@ -91,9 +91,14 @@ def test_schedules():
   assert float(optim.make_schedule(3e-6)(123)) == pytest.approx(3e-6)
 
 
-@pytest.mark.parametrize("kw,field", [(dict(schedule="cos"), "schedule"),
-                                      (dict(clip_norm=0.0), "clip_norm"),
-                                      (dict(schedule="warmup_cosine"), "total_steps")])
+@pytest.mark.parametrize(
+  "kw,field",
+  [
+    (dict(schedule="cos"), "schedule"),
+    (dict(clip_norm=0.0), "clip_norm"),
+    (dict(schedule="warmup_cosine"), "total_steps"),
+  ],
+)
 def test_bad_input_names_the_field(kw, field):
   with pytest.raises(ValueError, match=field):
     optim.make_optimizer(1e-3, **kw)

@@ -1,5 +1,6 @@
 """Tests for vcpo_jax.sampler: equivalence with the uncached forward, on-policy log-probs,
 filtering semantics, stop handling, determinism and a compile count."""
+
 import functools
 
 import jax
@@ -38,15 +39,16 @@ def _full_forward():
   def fwd(params, tok_bt, valid_bt):
     pos, mask = tf.padded_positions_and_mask(valid_bt)
     return tf.forward(gd, params, tok_bt, pos, mask)[0]
+
   return jax.jit(fwd)
 
 
 def _full_logits(params, seq, length=32):
   """Uncached forward of one sequence (right-padded to a fixed length: one compile): logits [T, V]."""
   tok = np.zeros((1, length), np.int32)
-  tok[0, :len(seq)] = seq
+  tok[0, : len(seq)] = seq
   valid = np.arange(length)[None] < len(seq)
-  return np.asarray(_full_forward()(params, tok, valid)[0, :len(seq)])
+  return np.asarray(_full_forward()(params, tok, valid)[0, : len(seq)])
 
 
 def _log_softmax(x):
@@ -59,10 +61,14 @@ def _responses(r):
 
 
 def test_config_validation():
-  for kw, field in [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
-                    (dict(top_k=-2), "top_k"), (dict(logp_mode="x"), "logp_mode"),
-                    (dict(prompt_buckets=(16, 8)), "prompt_buckets"),
-                    (dict(max_new_tokens=64), "max_new_tokens")]:
+  for kw, field in [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(logp_mode="x"), "logp_mode"),
+    (dict(prompt_buckets=(16, 8)), "prompt_buckets"),
+    (dict(max_new_tokens=64), "max_new_tokens"),
+  ]:
     with pytest.raises(ValueError, match=field):
       S.SamplerConfig(**{**SMALL, **kw})
   gd, params, _ = _model()
@@ -82,10 +88,10 @@ def test_greedy_equals_stepwise_argmax_of_full_forward_and_layout():
     seq = list(prompt)
     for _ in range(10):
       seq.append(int(np.argmax(_full_logits(params, seq)[-1])))
-    assert _responses(r)[n] == seq[len(prompt):]
+    assert _responses(r)[n] == seq[len(prompt) :]
     # Layout: left-padded prompt in the first Tp = 8 columns, response right after it.
-    assert r.tokens[n, 8 - len(prompt):8].tolist() == prompt
-    assert r.prompt_mask[n].sum() == len(prompt) and r.prompt_mask[n, 8 - len(prompt):8].all()
+    assert r.tokens[n, 8 - len(prompt) : 8].tolist() == prompt
+    assert r.prompt_mask[n].sum() == len(prompt) and r.prompt_mask[n, 8 - len(prompt) : 8].all()
   assert r.tokens.shape == (3, 8 + 16)
   assert not (r.prompt_mask & r.response_mask).any()
   assert (r.lengths == 10).all() and not r.finished.any()
@@ -97,8 +103,7 @@ def test_greedy_equals_stepwise_argmax_of_full_forward_and_layout():
 def test_top_k_1_equals_greedy():
   _, params, _ = _model()
   greedy = _sampler(temperature=0.0).generate(params, PROMPTS, jax.random.key(0), max_new_tokens=10)
-  topk1 = _sampler(temperature=1.3, top_k=1).generate(params, PROMPTS, jax.random.key(5),
-                                                       max_new_tokens=10)
+  topk1 = _sampler(temperature=1.3, top_k=1).generate(params, PROMPTS, jax.random.key(5), max_new_tokens=10)
   np.testing.assert_array_equal(topk1.tokens, greedy.tokens)
   np.testing.assert_allclose(topk1.behavior_logp, 0.0, atol=1e-6)  # renormalized over one token
 
@@ -109,13 +114,14 @@ def test_on_policy_logp_equals_learner_logp_and_ess_is_one():
   smp = _sampler(temperature=1.0, eos_id=7, stop_ids=(11, 13, 17, 19, 23))
   r = smp.generate(params, PROMPTS, jax.random.key(1), num_samples=2, max_new_tokens=16)
   valid = r.prompt_mask | r.response_mask
-  logp = np.asarray(jax.jit(tf.sequence_logprobs, static_argnums=0)(
-      gd, params, jnp.asarray(r.tokens), jnp.asarray(valid)))
+  logp = np.asarray(
+    jax.jit(tf.sequence_logprobs, static_argnums=0)(gd, params, jnp.asarray(r.tokens), jnp.asarray(valid))
+  )
   np.testing.assert_allclose(np.where(r.response_mask, logp, 0.0), r.behavior_logp, atol=1e-4)
   log_w = np.sum(np.where(r.response_mask, logp - r.behavior_logp, 0.0), axis=1)
   assert np.abs(log_w).max() < 1e-3
   w = np.exp(log_w)
-  ess_ratio = w.sum() ** 2 / (len(w) * (w ** 2).sum())
+  ess_ratio = w.sum() ** 2 / (len(w) * (w**2).sum())
   assert abs(ess_ratio - 1.0) < 1e-3
   assert (r.behavior_logp < 0).sum() == r.response_mask.sum()  # every response token has a logp
   assert (r.behavior_logp[~r.response_mask] == 0).all()
@@ -196,7 +202,7 @@ def test_eos_and_stop_ids_end_rows_and_mask_after():
     stop = full.index(eos) + 1 if eos in full else 12
     assert r.lengths[n] == stop and r.finished[n] == (eos in full)
     assert _responses(r)[n] == full[:stop]
-    assert (r.tokens[n, 8 + stop:] == 0).all() and not r.response_mask[n, 8 + stop:].any()
+    assert (r.tokens[n, 8 + stop :] == 0).all() and not r.response_mask[n, 8 + stop :].any()
   assert r.finished[0] and r.lengths[0] <= 5
 
 
@@ -212,7 +218,7 @@ def test_generate_continuations_matches_generate():
   # Extra stop ids end the continuation at the first one, included.
   first = out[0][0][2]
   cut = S.generate_continuations(smp, params, PROMPTS[:1], 8, [int(first)], key)[0][0]
-  assert cut.tolist() == out[0][0][:list(out[0][0]).index(first) + 1].tolist()
+  assert cut.tolist() == out[0][0][: list(out[0][0]).index(first) + 1].tolist()
 
 
 def test_chunking_over_the_largest_batch_bucket_gives_the_same_rows():
@@ -245,7 +251,6 @@ def test_filter_logits_matches_sort_based_nucleus_on_random_rows():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(6, 300)).astype(np.float32) * rng.uniform(0.5, 6.0, (6, 1)).astype(np.float32)
   for top_k, top_p in [(0, 0.3), (0, 0.9), (40, 0.7)]:
-    kept = np.isfinite(np.asarray(jax.jit(S.filter_logits, static_argnums=(1, 2, 3))(
-        logits, 0.9, top_k, top_p)))
+    kept = np.isfinite(np.asarray(jax.jit(S.filter_logits, static_argnums=(1, 2, 3))(logits, 0.9, top_k, top_p)))
     for row in range(6):
       assert set(np.flatnonzero(kept[row]).tolist()) == set(_nucleus(logits[row], 0.9, top_k, top_p))

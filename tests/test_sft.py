@@ -1,4 +1,5 @@
 """Supervised warm start: targets the verifier accepts, response-only loss mask, loss decrease, cache."""
+
 import dataclasses
 import os
 
@@ -27,8 +28,16 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-  cfg = model_config.tiny_qwen2(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
-                                num_heads=2, num_kv_heads=1, head_dim=16, max_position=64)
+  cfg = model_config.tiny_qwen2(
+    vocab_size=len(tok),
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    max_position=64,
+  )
   graphdef, params = transformer.split(transformer.init(cfg, seed=0))
   return cfg, graphdef, params
 
@@ -100,8 +109,9 @@ def test_sft_loss_equals_masked_nll_reference(tok, model):
     row = ex.tokens_mt[i][ex.valid_mt[i]]
     lm = ex.loss_mt[i][ex.valid_mt[i]]
     t = len(row)
-    logits, _ = fwd(graphdef, params, jnp.asarray(row)[None], jnp.arange(t)[None],
-                    jnp.tril(jnp.ones((t, t), bool))[None])
+    logits, _ = fwd(
+      graphdef, params, jnp.asarray(row)[None], jnp.arange(t)[None], jnp.tril(jnp.ones((t, t), bool))[None]
+    )
     logp = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
     for j in np.nonzero(lm)[0]:
       nll -= logp[j - 1, row[j]]
@@ -109,8 +119,9 @@ def test_sft_loss_equals_masked_nll_reference(tok, model):
   np.testing.assert_allclose(float(loss), nll / count, rtol=1e-5)
   # Padding content is invisible; prompt tokens change the loss only through conditioning.
   junk = np.where(ex.valid_mt, ex.tokens_mt, 7)
-  np.testing.assert_allclose(float(sft.sft_loss(graphdef, params, junk, ex.valid_mt, ex.loss_mt)), float(loss),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    float(sft.sft_loss(graphdef, params, junk, ex.valid_mt, ex.loss_mt)), float(loss), rtol=1e-6
+  )
 
 
 def test_sft_loss_decreases(tok, model):
@@ -137,12 +148,14 @@ def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
 
   def no_training(*a, **k):
     raise AssertionError("a cached warm start must not train")
+
   monkeypatch.setattr(sft, "train", no_training)
   second = sft.warm_start(graphdef, params, cfg, tok, probs, spec, str(tmp_path / "wd2"))
   assert jax.tree.structure(second) == jax.tree.structure(first)
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   import json
+
   rec1 = json.load(open(tmp_path / "wd1" / "sft.json"))
   rec2 = json.load(open(tmp_path / "wd2" / "sft.json"))
   assert rec1["cached"] is False and rec2["cached"] is True and rec1["key"] == rec2["key"]
@@ -164,17 +177,17 @@ def test_cache_key_changes_with_every_relevant_field(tok, model, tmp_path):
   assert key() == base  # deterministic
   assert key(sft_cache_dir="/elsewhere") == base  # where it is stored does not determine it
   variants = {
-      "sft_steps": key(sft_steps=spec.sft_steps + 1),
-      "sft_lr": key(sft_lr=spec.sft_lr / 2),
-      "sft_batch_size": key(sft_batch_size=4),
-      "seed": key(seed=1),
-      "template": key(task_template="{target}<{numbers}:"),
-      "task_gen": key(task_gen={**spec.task_gen, "number_range": (1, 5)}),
-      "max_new_tokens": key(rollout=dataclasses.replace(spec.rollout, max_new_tokens=20)),
-      "chat_template": key(rollout=dataclasses.replace(spec.rollout, chat_template=True)),
-      "model_cfg": key(cfg=cfg.replace(rms_eps=1e-5)),
-      "init_params": key(params=jax.tree.map(lambda x: x + 1.0, params)),
-      "problems": key(probs=probs[:-1]),
+    "sft_steps": key(sft_steps=spec.sft_steps + 1),
+    "sft_lr": key(sft_lr=spec.sft_lr / 2),
+    "sft_batch_size": key(sft_batch_size=4),
+    "seed": key(seed=1),
+    "template": key(task_template="{target}<{numbers}:"),
+    "task_gen": key(task_gen={**spec.task_gen, "number_range": (1, 5)}),
+    "max_new_tokens": key(rollout=dataclasses.replace(spec.rollout, max_new_tokens=20)),
+    "chat_template": key(rollout=dataclasses.replace(spec.rollout, chat_template=True)),
+    "model_cfg": key(cfg=cfg.replace(rms_eps=1e-5)),
+    "init_params": key(params=jax.tree.map(lambda x: x + 1.0, params)),
+    "problems": key(probs=probs[:-1]),
   }
   t2 = tok_lib.build_char_tokenizer()
   t2.add_tokens(["<extra>"])

@@ -9,6 +9,7 @@ single-device result to 1e-5. A bug in the partition rules or in the batch
 sharding (a batch split over "tensor" too, a gradient summed over the local
 shard only, a permuted shard) gives errors of order 1e-2..1, not 1e-7.
 """
+
 import warnings
 
 import jax
@@ -41,10 +42,14 @@ def _batch(cfg, seed=0):
   tokens = rng.integers(0, cfg.vocab_size, (N, T), dtype=np.int32)
   valid = np.arange(T)[None] < rng.integers(T // 2, T + 1, N)[:, None]  # right padding
   loss_mask = valid & (np.arange(T)[None] >= 3)  # "response" tokens after a 3-token prompt
-  return dict(tokens=tokens, valid_mask=valid, loss_mask=loss_mask.astype(np.float32),
-              rewards=rng.integers(0, 2, N).astype(np.float32),
-              group_id=(np.arange(N) // G).astype(np.int32),
-              coef=rng.normal(size=N).astype(np.float32))  # surrogate coefficients (advantage-like)
+  return dict(
+    tokens=tokens,
+    valid_mask=valid,
+    loss_mask=loss_mask.astype(np.float32),
+    rewards=rng.integers(0, 2, N).astype(np.float32),
+    group_id=(np.arange(N) // G).astype(np.int32),
+    coef=rng.normal(size=N).astype(np.float32),
+  )  # surrogate coefficients (advantage-like)
 
 
 def _score_n(graphdef, params, batch):
@@ -64,9 +69,11 @@ def _sq_tree_norm(tree):
 
 def _vmap_sq_norms(graphdef, params, batch):
   """||grad_theta score_n||^2 for each n, brute force with jax.vmap(jax.grad) -> [N]."""
+
   def one(ex):
     ex1 = jax.tree.map(lambda x: x[None], ex)
     return _sq_tree_norm(jax.grad(lambda p: _score_n(graphdef, p, ex1)[0])(params))
+
   return jax.vmap(one)(batch)
 
 
@@ -83,24 +90,25 @@ def _learner_step(graphdef, state, batch):
   params = state.params
   pos, mask = tf.padded_positions_and_mask(batch["valid_mask"])
   aux = dict(
-      logits=tf.forward(graphdef, params, batch["tokens"], pos, mask)[0],
-      grads=jax.grad(lambda p: _loss(graphdef, p, batch))(params),
-      sq_norms=_vmap_sq_norms(graphdef, params, batch),
+    logits=tf.forward(graphdef, params, batch["tokens"], pos, mask)[0],
+    grads=jax.grad(lambda p: _loss(graphdef, p, batch))(params),
+    sq_norms=_vmap_sq_norms(graphdef, params, batch),
   )
   new_state, metrics = learner.make_train_step(graphdef, TX, LEARNER_CFG)(state, batch)
   return new_state, dict(aux, metrics=metrics)
 
 
 def _max_diff(a, b):
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+    float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 # ----------------------------------------------------------------------------- single-device reference
 
 CONFIGS = {  # one layer: the rules are per-layer, and compile time dominates this file
-    "qwen2": config.tiny_qwen2(num_layers=1),  # GQA, q/k/v bias, tied embeddings
-    "llama": config.tiny_llama(num_layers=1),  # one kv head, untied lm_head
+  "qwen2": config.tiny_qwen2(num_layers=1),  # GQA, q/k/v bias, tied embeddings
+  "llama": config.tiny_llama(num_layers=1),  # one kv head, untied lm_head
 }
 CASES = [("qwen2", s) for s in MESHES] + [("llama", (1, 4, 2))]
 _REFERENCE = {}
@@ -115,8 +123,9 @@ def _reference(name):
     batch = _batch(cfg)
     # Off-policy data: behavior log-probs = policy log-probs + noise, so that the IS
     # weights, ESS learning-rate scale and OPOB baseline are all non-trivial.
-    logp = np.asarray(jax.jit(tf.sequence_logprobs, static_argnums=0)(
-        graphdef, params, batch["tokens"], batch["valid_mask"]))
+    logp = np.asarray(
+      jax.jit(tf.sequence_logprobs, static_argnums=0)(graphdef, params, batch["tokens"], batch["valid_mask"])
+    )
     noise = np.random.default_rng(1).normal(scale=0.3, size=logp.shape).astype(np.float32)
     batch["behavior_logp"] = (logp + noise) * batch["loss_mask"]
     state = learner.init_state(params, TX)
@@ -149,8 +158,13 @@ def test_sharded_equals_single_device(name, shape):
   aux_shard = dict(logits=b_shard, grads=p_shard, sq_norms=b_shard, metrics=rep)
 
   # The learner step: NamedSharding in/out, donated state.
-  step = jax.jit(_learner_step, static_argnums=0, in_shardings=(s_shard, b_shard),
-                 out_shardings=(s_shard, aux_shard), donate_argnums=1)
+  step = jax.jit(
+    _learner_step,
+    static_argnums=0,
+    in_shardings=(s_shard, b_shard),
+    out_shardings=(s_shard, aux_shard),
+    donate_argnums=1,
+  )
   old_leaf = jax.tree.leaves(state)[0]
   new_state, aux = step(graphdef, state, batch_s)
   assert old_leaf.is_deleted()  # the state buffers were donated
@@ -222,8 +236,12 @@ def test_rules_shard_optimizer_state_like_params():
   mesh = sh.make_mesh(sh.MeshConfig((1, 4, 2)))
   _, params = tf.split(tf.init(config.tiny_qwen2()))
   opt = jax.eval_shape(TX.init, params)  # chain(clip, adamw, scale_by_ess) state
-  specs = {sh.path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
-      sh.param_specs(opt, sh.TRANSFORMER_RULES, mesh), is_leaf=lambda x: isinstance(x, P))[0]}
+  specs = {
+    sh.path_str(p): s
+    for p, s in jax.tree_util.tree_flatten_with_path(
+      sh.param_specs(opt, sh.TRANSFORMER_RULES, mesh), is_leaf=lambda x: isinstance(x, P)
+    )[0]
+  }
   mu = [v for k, v in specs.items() if k.endswith("mu.layers.0.mlp.up_proj.kernel")]
   assert mu == [P("fsdp", "tensor")]
   assert all(v == P() for k, v in specs.items() if k.endswith("count"))

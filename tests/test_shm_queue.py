@@ -19,18 +19,17 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from vcpo_jax.rollout.param_slot import ParamSlot
-from vcpo_jax.rollout.shm_queue import (SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished,
-                                        ShmQueue)
+from vcpo_jax.rollout.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 
 N = 4
 SCHEMA = BatchSchema(
-    {
-        "tokens": Field(np.int32, (N, "T"), fill=-1),
-        "loss_mask": Field(np.bool_, (N, "T")),
-        "behavior_logp": Field(np.float32, (N, "T")),
-        "rewards": Field(np.float32, (N,)),
-    },
-    {"T": (8, 16, 32)},
+  {
+    "tokens": Field(np.int32, (N, "T"), fill=-1),
+    "loss_mask": Field(np.bool_, (N, "T")),
+    "behavior_logp": Field(np.float32, (N, "T")),
+    "rewards": Field(np.float32, (N,)),
+  },
+  {"T": (8, 16, 32)},
 )
 WAIT_S = 20.0  # generous: only a bug or a wedged machine reaches it
 
@@ -38,10 +37,10 @@ WAIT_S = 20.0  # generous: only a bug or a wedged machine reaches it
 def make_batch(i: int, t: int) -> dict:
   """Batch number i with t tokens; every value identifies (i, position)."""
   return {
-      "tokens": (np.arange(N * t, dtype=np.int32).reshape(N, t) + 1000 * i),
-      "loss_mask": (np.arange(N * t).reshape(N, t) + i) % 3 == 0,
-      "behavior_logp": np.full((N, t), -0.5 * i, np.float32),
-      "rewards": np.full((N,), i, np.float32),
+    "tokens": (np.arange(N * t, dtype=np.int32).reshape(N, t) + 1000 * i),
+    "loss_mask": (np.arange(N * t).reshape(N, t) + i) % 3 == 0,
+    "behavior_logp": np.full((N, t), -0.5 * i, np.float32),
+    "rewards": np.full((N,), i, np.float32),
   }
 
 
@@ -96,8 +95,12 @@ def _consume_one_then_die(q: ShmQueue):
 
 def _publish_versions(slot: ParamSlot, n: int):
   for v in range(n):
-    slot.publish({"flat": np.full(slot.spec["flat"][0], v, np.float32),
-                  "emb": np.full(slot.spec["emb"][0], v % 256, ml_dtypes.bfloat16)})
+    slot.publish(
+      {
+        "flat": np.full(slot.spec["flat"][0], v, np.float32),
+        "emb": np.full(slot.spec["emb"][0], v % 256, ml_dtypes.bfloat16),
+      }
+    )
 
 
 def _start(target, *args):
@@ -178,14 +181,16 @@ def test_close_unlinks_semaphores_while_references_remain():
   still references the queue's semaphores; a later collection and a second close() are harmless."""
   import gc
   from multiprocessing import util
+
   q = ShmQueue(SCHEMA, nslots=2)
   paths = q.resource_paths()
   assert len(paths) == 3 and all(os.path.exists(p) for p in paths)
   held = (q._free, q._items)  # what a frame in a traceback would keep alive
   q.close()
   assert not [p for p in paths if os.path.exists(p)]
-  assert not [f for f in util._finalizer_registry.values() if getattr(f, "_weakref", None) is not None
-              and f._weakref() in held]  # nothing left to unlink twice at gc / exit
+  assert not [
+    f for f in util._finalizer_registry.values() if getattr(f, "_weakref", None) is not None and f._weakref() in held
+  ]  # nothing left to unlink twice at gc / exit
   del held
   gc.collect()
   q.close()
@@ -210,8 +215,9 @@ def test_roundtrip_property(ts, nslots):
 # ---------------------------------------------------------------- across processes
 
 
-@pytest.mark.parametrize("producer_sleep,consumer_sleep", [(0.0, 0.003), (0.003, 0.0)],
-                         ids=["producer_faster", "producer_slower"])
+@pytest.mark.parametrize(
+  "producer_sleep,consumer_sleep", [(0.0, 0.003), (0.003, 0.0)], ids=["producer_faster", "producer_slower"]
+)
 def test_no_loss_no_duplication_across_processes(producer_sleep, consumer_sleep):
   n, seed = 60, 7
   rng = random.Random(1)
@@ -325,8 +331,7 @@ def test_no_leaks_or_tracker_warnings_in_a_fresh_interpreter(creator_dies):
   """
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   script = _SCRIPT.format(tests=os.path.join(root, "tests"), creator_dies=creator_dies)
-  r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
-                     timeout=60)
+  r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60)
   paths = r.stdout.split()
   assert len(paths) == 5, r.stderr
   if not creator_dies:
@@ -349,8 +354,10 @@ def test_param_slot_publish_and_latest():
     assert slot.version() == -1
     with pytest.raises(TimeoutError, match="version 0 not published"):
       slot.latest(timeout=0.05)
-    w = {"flat": np.arange(1 << 19, dtype=np.float32),
-         "emb": np.linspace(-1, 1, 512).reshape(64, 8).astype(ml_dtypes.bfloat16)}
+    w = {
+      "flat": np.arange(1 << 19, dtype=np.float32),
+      "emb": np.linspace(-1, 1, 512).reshape(64, 8).astype(ml_dtypes.bfloat16),
+    }
     assert slot.publish(w) == 0
     v, got = slot.latest()
     assert v == 0

@@ -1,4 +1,5 @@
 """Tests of the pure exact-lag run (pure_lag.py) and the stability study's bookkeeping (stability.py)."""
+
 import math
 
 import jax
@@ -11,8 +12,21 @@ from vcpo_jax.experiments import pure_lag as pl
 from vcpo_jax.experiments import stability as st
 from vcpo_jax.model import transformer
 
-CFG = pl.PureLagConfig(alphabet=4, max_stride=2, resp_len=4, prompts_per_step=2, group_size=4, steps=6,
-                       eval_every=3, eval_samples=1, hidden=16, layers=1, heads=2, mlp=16, debug_trace=True)
+CFG = pl.PureLagConfig(
+  alphabet=4,
+  max_stride=2,
+  resp_len=4,
+  prompts_per_step=2,
+  group_size=4,
+  steps=6,
+  eval_every=3,
+  eval_samples=1,
+  hidden=16,
+  layers=1,
+  heads=2,
+  mlp=16,
+  debug_trace=True,
+)
 MAX_K = 2
 
 
@@ -31,10 +45,14 @@ def runs(run):
 def test_reward_hand_computed():
   # alphabet 4, stride token 4 + s - 1; position t correct iff y_t == (y_{t-1} + s) % 4, y_{-1} = a.
   prompt = jnp.array([[1, 5], [1, 5], [0, 4], [3, 4]])  # (a=1, s=2), (a=1, s=2), (a=0, s=1), (a=3, s=1)
-  resp = jnp.array([[3, 1, 3, 1],  # all correct
-                    [3, 0, 2, 5],  # 3 ok; 0 != 1; 2 == (0+2)%4 ok; 5 is a stride token: wrong
-                    [1, 2, 3, 0],  # all correct (wraps)
-                    [1, 1, 2, 3]])  # 0 wanted; 1 != 2; 2 ok; 3 ok
+  resp = jnp.array(
+    [
+      [3, 1, 3, 1],  # all correct
+      [3, 0, 2, 5],  # 3 ok; 0 != 1; 2 == (0+2)%4 ok; 5 is a stride token: wrong
+      [1, 2, 3, 0],  # all correct (wraps)
+      [1, 1, 2, 3],
+    ]
+  )  # 0 wanted; 1 != 2; 2 ok; 3 ok
   np.testing.assert_allclose(pl.reward(CFG, prompt, resp), [1.0, 0.5, 1.0, 0.5])
   assert CFG.vocab == 6 and CFG.num_prompts == 8 and CFG.chance == pytest.approx(1 / 6)
 
@@ -67,8 +85,12 @@ def test_lag_batch_sampled_with_params_of_step_t_minus_k(runs):
     v = max(0, t - k)
     tokens = jnp.asarray(out["tokens"][t])
     lp = score(_version_params(key, out["params"], v), tokens, valid)
-    np.testing.assert_allclose(np.asarray(lp)[:, 2:], out["behavior_logp"][t][:, 2:], atol=2e-5,
-                               err_msg=f"step {t}: behavior log-probs are not version {v}'s")
+    np.testing.assert_allclose(
+      np.asarray(lp)[:, 2:],
+      out["behavior_logp"][t][:, 2:],
+      atol=2e-5,
+      err_msg=f"step {t}: behavior log-probs are not version {v}'s",
+    )
     if t >= k:  # and not the next version's (the params do change every step)
       lp_next = score(_version_params(key, out["params"], v + 1), tokens, valid)
       assert np.abs(np.asarray(lp_next)[:, 2:] - out["behavior_logp"][t][:, 2:]).max() > 1e-3
@@ -119,7 +141,7 @@ def test_resume_skips_finished_cells(tmp_path):
 def test_final_and_collapse_hand_made_curves():
   steps = np.arange(1, 11) * 10  # evaluations at 10..100
   rising = np.linspace(0.1, 0.9, 10)
-  crash = np.array([.1, .4, .7, .8, .6, .3, .2, .15, .1, .1])
+  crash = np.array([0.1, 0.4, 0.7, 0.8, 0.6, 0.3, 0.2, 0.15, 0.1, 0.1])
   # last 10% of 100 steps: only the evaluation at 100 (step > 90); 20%: steps 90 and 100.
   np.testing.assert_allclose(st.final_value(np.stack([rising, crash]), steps, 100, 0.1), [0.9, 0.1])
   np.testing.assert_allclose(st.final_value(crash, steps, 100, 0.2), 0.1)
@@ -134,23 +156,27 @@ def test_final_and_collapse_hand_made_curves():
   # is below and stays below.
   assert st.collapse_step(crash, steps, chance, 0.5) == 60.0
   # a dip that recovers is not the collapse step
-  dip = np.array([.1, .8, .2, .7, .3, .2, .1, .1, .1, .1])
+  dip = np.array([0.1, 0.8, 0.2, 0.7, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1])
   assert st.collapse_step(dip, steps, chance, 0.5) == 50.0
   assert math.isnan(st.collapse_step(rising, steps, chance, 0.5))
   del flat
 
 
 def test_alarm_and_lead_time_hand_made():
-  np.testing.assert_allclose(st.trailing_median(np.array([1., .2, .3, .9, .1]), 3), [1., .6, .3, .3, .3])
-  ess = np.array([1., 1., .2, .2, .2, 1., 1., 1.])
+  np.testing.assert_allclose(st.trailing_median(np.array([1.0, 0.2, 0.3, 0.9, 0.1]), 3), [1.0, 0.6, 0.3, 0.3, 0.3])
+  ess = np.array([1.0, 1.0, 0.2, 0.2, 0.2, 1.0, 1.0, 1.0])
   # window 3: medians 1, 1, 1, .2 (index 3) -> 1-based step 4
   assert st.alarm_step(ess, 0.25, 3) == 4.0
   assert math.isnan(st.alarm_step(np.ones(8), 0.25, 3))
   steps = np.array([4, 8])
-  acc = np.array([[0.9, 0.1],    # collapsed at step 8; its ESS alarm fires at 4: lead 4
-                  [0.9, 0.1],    # collapsed, ESS always 1: missed
-                  [0.5, 0.9],    # fine, with an alarm: false alarm
-                  [0.5, 0.9]])   # fine, no alarm
+  acc = np.array(
+    [
+      [0.9, 0.1],  # collapsed at step 8; its ESS alarm fires at 4: lead 4
+      [0.9, 0.1],  # collapsed, ESS always 1: missed
+      [0.5, 0.9],  # fine, with an alarm: false alarm
+      [0.5, 0.9],
+    ]
+  )  # fine, no alarm
   ess_runs = np.stack([ess, np.ones(8), ess, np.ones(8)])
   r = st.ess_predictor(ess_runs, acc, steps, 0.1, 0.5, 0.1, 0.1, 8, 0.25, 3)
   assert r["n_collapsed"] == 2 and r["n_missed"] == 1 and r["n_ok"] == 2 and r["n_false_alarm"] == 1

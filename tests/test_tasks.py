@@ -1,4 +1,5 @@
 """Tests for vcpo_jax.tasks: answer grading table, countdown, arithmetic, loaders, registry."""
+
 import json
 import os
 import random
@@ -17,119 +18,119 @@ from vcpo_jax.tasks import answers, arithmetic, countdown, datasets
 # The grading table: (task, model output, reference, expected correct?)
 # ----------------------------------------------------------------------------
 CASES = [
-    # --- GSM8K: "#### N", thousands separators, signs, units, punctuation, fallbacks
-    ("gsm8k", "3 * 12 = 36, 36 - 10 = 26\n#### 26", "26", True),
-    ("gsm8k", "#### 26", "He has 26.\n#### 26", True),  # full reference accepted
-    ("gsm8k", "So the total is\n#### 1,920", "1920", True),
-    ("gsm8k", "#### 1920", "1,920", True),
-    ("gsm8k", "#### $1,920.00", "1920", True),
-    ("gsm8k", "#### 1920 dollars", "1920", True),
-    ("gsm8k", "#### -7", "-7", True),
-    ("gsm8k", "#### 7", "-7", False),
-    ("gsm8k", "#### −7", "-7", True),  # unicode minus
-    ("gsm8k", "The answer is 15.", "15", True),
-    ("gsm8k", "The answer is 15.5", "15", False),
-    ("gsm8k", "The answer is: 15 apples, since 3 + 12 = 15 and 4 more", "15", True),
-    ("aime", "So the answer is 33 since 3 * 11 = 33 and 2", "33", True),
-    ("gsm8k", "It costs 3 dollars each, so 4 cost 12 dollars.", "12", True),  # last number
-    ("gsm8k", "It costs 12 dollars; 4 of them.", "12", False),  # last number is 4
-    ("gsm8k", "\\boxed{42}", "42", True),
-    ("gsm8k", "first #### 5 then corrected #### 6", "6", True),
-    ("gsm8k", "#### 6\n more text 7", "6", True),  # the marker beats the last number
-    ("gsm8k", "", "6", False),
-    ("gsm8k", "I don't know.", "6", False),
-    ("gsm8k", "#### 2.50", "2.5", True),
-    ("gsm8k", "#### 0.5", "1/2", True),
-    ("gsm8k", "#### 100", "1000", False),
-    ("gsm8k", "#### 1,000,000", "1000000", True),
-    # --- MATH: boxed with nested braces, \frac / \dfrac, decimals vs fractions, units, text
-    ("math", "so $\\boxed{\\frac{5}{6}}$.", "\\frac{5}{6}", True),
-    ("math", "$\\boxed{\\dfrac{5}{6}}$", "\\frac{5}{6}", True),
-    ("math", "$\\boxed{\\tfrac56}$", "\\frac{5}{6}", True),
-    ("math", "\\boxed{5/6}", "\\frac{5}{6}", True),
-    ("math", "\\boxed{0.5}", "\\frac{1}{2}", True),
-    ("math", "\\boxed{0.33}", "\\frac{1}{3}", False),  # decimals equal fractions only when exact
-    ("math", "\\boxed{\\frac{-3}{4}}", "-\\frac{3}{4}", True),
-    ("math", "\\boxed{-\\frac{3}{4}}", "\\frac{3}{4}", False),
-    ("math", "\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{2}}{2}", True),  # nested braces
-    ("math", "\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}", True),  # symbolic: math-verify
-    ("math", "\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
-    ("math", "\\boxed{3\\sqrt{2}}", "\\sqrt{8}", False),
-    ("math", "\\boxed{5 \\sqrt{2}}", "5\\sqrt{2}", True),
-    ("math", "\\boxed{9\\pi}", "9\\pi", True),
-    ("math", "\\boxed{9}", "9\\pi", False),
-    ("math", "\\boxed{12,000}", "12{,}000", True),
-    ("math", "\\boxed{720^\\circ}", "720", True),
-    ("math", "\\boxed{720 \\text{ degrees}}", "720", True),
-    ("math", "\\boxed{10\\text{ cm}^2}", "10", True),
-    ("math", "\\boxed{50\\%}", "50", True),
-    ("math", "\\boxed{x = 4}", "4", True),
-    ("math", "\\boxed{(1,4)}", "(1,4)", True),
-    ("math", "\\boxed{(1, 4)}", "(1,4)", True),
-    ("math", "\\boxed{(4,1)}", "(1,4)", False),
-    ("math", "\\boxed{x+1}", "x+1", True),
-    ("math", "\\boxed{1+x}", "x+1", True),  # commutativity via math-verify
-    ("math", "\\boxed{\\text{(B)}}", "B", True),
-    ("math", "\\boxed{(C)}", "\\text{(B)}", False),
-    ("math", "first \\boxed{3} then \\boxed{4}", "4", True),  # last box counts
-    ("math", "first \\boxed{4} then \\boxed{3}", "4", False),
-    ("math", "\\boxed 7", "7", True),
-    ("math", "\\boxed{4", "4", False),  # unclosed box, no answer
-    ("math", "The final answer is $\\frac{2}{3}$.", "\\frac{2}{3}", True),
-    ("math", "no boxed answer here, 4", "4", False),  # MATH does not guess the last number
-    ("math", "\\boxed{0.2}", "\\frac{1}{5}", True),
-    ("math", "\\boxed{.2}", "0.2", True),
-    ("math", "\\boxed{+3}", "3", True),
-    ("math", "\\boxed{\\left(\\frac{2}{3}\\right)}", "\\frac{2}{3}", True),
-    ("math", "\\boxed{4x+4}", "4x+4", True),
-    ("math", "\\boxed{4x+5}", "4x+4", False),
-    ("math", "\\boxed{(-1,4]}", "(-1,4]", True),
-    ("math500", "\\boxed{\\frac{7}{12}}", "\\frac{7}{12}", True),
-    ("math500", "\\boxed{2.25}", "\\frac{9}{4}", True),
-    # --- AIME: integers 0..999, leading zeros
-    ("aime", "\\boxed{033}", "33", True),
-    ("aime", "\\boxed{33}", "033", True),
-    ("aime", "The answer is 000.", "0", True),
-    ("aime", "so we get 142", "142", True),
-    ("aime", "\\boxed{141}", "142", False),
-    ("aime", "\\boxed{142.0}", "142", True),
-    ("aime", "", "142", False),
+  # --- GSM8K: "#### N", thousands separators, signs, units, punctuation, fallbacks
+  ("gsm8k", "3 * 12 = 36, 36 - 10 = 26\n#### 26", "26", True),
+  ("gsm8k", "#### 26", "He has 26.\n#### 26", True),  # full reference accepted
+  ("gsm8k", "So the total is\n#### 1,920", "1920", True),
+  ("gsm8k", "#### 1920", "1,920", True),
+  ("gsm8k", "#### $1,920.00", "1920", True),
+  ("gsm8k", "#### 1920 dollars", "1920", True),
+  ("gsm8k", "#### -7", "-7", True),
+  ("gsm8k", "#### 7", "-7", False),
+  ("gsm8k", "#### −7", "-7", True),  # unicode minus
+  ("gsm8k", "The answer is 15.", "15", True),
+  ("gsm8k", "The answer is 15.5", "15", False),
+  ("gsm8k", "The answer is: 15 apples, since 3 + 12 = 15 and 4 more", "15", True),
+  ("aime", "So the answer is 33 since 3 * 11 = 33 and 2", "33", True),
+  ("gsm8k", "It costs 3 dollars each, so 4 cost 12 dollars.", "12", True),  # last number
+  ("gsm8k", "It costs 12 dollars; 4 of them.", "12", False),  # last number is 4
+  ("gsm8k", "\\boxed{42}", "42", True),
+  ("gsm8k", "first #### 5 then corrected #### 6", "6", True),
+  ("gsm8k", "#### 6\n more text 7", "6", True),  # the marker beats the last number
+  ("gsm8k", "", "6", False),
+  ("gsm8k", "I don't know.", "6", False),
+  ("gsm8k", "#### 2.50", "2.5", True),
+  ("gsm8k", "#### 0.5", "1/2", True),
+  ("gsm8k", "#### 100", "1000", False),
+  ("gsm8k", "#### 1,000,000", "1000000", True),
+  # --- MATH: boxed with nested braces, \frac / \dfrac, decimals vs fractions, units, text
+  ("math", "so $\\boxed{\\frac{5}{6}}$.", "\\frac{5}{6}", True),
+  ("math", "$\\boxed{\\dfrac{5}{6}}$", "\\frac{5}{6}", True),
+  ("math", "$\\boxed{\\tfrac56}$", "\\frac{5}{6}", True),
+  ("math", "\\boxed{5/6}", "\\frac{5}{6}", True),
+  ("math", "\\boxed{0.5}", "\\frac{1}{2}", True),
+  ("math", "\\boxed{0.33}", "\\frac{1}{3}", False),  # decimals equal fractions only when exact
+  ("math", "\\boxed{\\frac{-3}{4}}", "-\\frac{3}{4}", True),
+  ("math", "\\boxed{-\\frac{3}{4}}", "\\frac{3}{4}", False),
+  ("math", "\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt{2}}{2}", True),  # nested braces
+  ("math", "\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}", True),  # symbolic: math-verify
+  ("math", "\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
+  ("math", "\\boxed{3\\sqrt{2}}", "\\sqrt{8}", False),
+  ("math", "\\boxed{5 \\sqrt{2}}", "5\\sqrt{2}", True),
+  ("math", "\\boxed{9\\pi}", "9\\pi", True),
+  ("math", "\\boxed{9}", "9\\pi", False),
+  ("math", "\\boxed{12,000}", "12{,}000", True),
+  ("math", "\\boxed{720^\\circ}", "720", True),
+  ("math", "\\boxed{720 \\text{ degrees}}", "720", True),
+  ("math", "\\boxed{10\\text{ cm}^2}", "10", True),
+  ("math", "\\boxed{50\\%}", "50", True),
+  ("math", "\\boxed{x = 4}", "4", True),
+  ("math", "\\boxed{(1,4)}", "(1,4)", True),
+  ("math", "\\boxed{(1, 4)}", "(1,4)", True),
+  ("math", "\\boxed{(4,1)}", "(1,4)", False),
+  ("math", "\\boxed{x+1}", "x+1", True),
+  ("math", "\\boxed{1+x}", "x+1", True),  # commutativity via math-verify
+  ("math", "\\boxed{\\text{(B)}}", "B", True),
+  ("math", "\\boxed{(C)}", "\\text{(B)}", False),
+  ("math", "first \\boxed{3} then \\boxed{4}", "4", True),  # last box counts
+  ("math", "first \\boxed{4} then \\boxed{3}", "4", False),
+  ("math", "\\boxed 7", "7", True),
+  ("math", "\\boxed{4", "4", False),  # unclosed box, no answer
+  ("math", "The final answer is $\\frac{2}{3}$.", "\\frac{2}{3}", True),
+  ("math", "no boxed answer here, 4", "4", False),  # MATH does not guess the last number
+  ("math", "\\boxed{0.2}", "\\frac{1}{5}", True),
+  ("math", "\\boxed{.2}", "0.2", True),
+  ("math", "\\boxed{+3}", "3", True),
+  ("math", "\\boxed{\\left(\\frac{2}{3}\\right)}", "\\frac{2}{3}", True),
+  ("math", "\\boxed{4x+4}", "4x+4", True),
+  ("math", "\\boxed{4x+5}", "4x+4", False),
+  ("math", "\\boxed{(-1,4]}", "(-1,4]", True),
+  ("math500", "\\boxed{\\frac{7}{12}}", "\\frac{7}{12}", True),
+  ("math500", "\\boxed{2.25}", "\\frac{9}{4}", True),
+  # --- AIME: integers 0..999, leading zeros
+  ("aime", "\\boxed{033}", "33", True),
+  ("aime", "\\boxed{33}", "033", True),
+  ("aime", "The answer is 000.", "0", True),
+  ("aime", "so we get 142", "142", True),
+  ("aime", "\\boxed{141}", "142", False),
+  ("aime", "\\boxed{142.0}", "142", True),
+  ("aime", "", "142", False),
 ]
 
 
 def test_table_is_large_enough():
-    assert len(CASES) >= 60
+  assert len(CASES) >= 60
 
 
 @pytest.mark.parametrize("task,output,reference,expected", CASES)
 def test_answer_table(task, output, reference, expected):
-    r = tasks.score(task, output, reference)
-    assert tasks.is_correct(r) == expected, (task, output, reference, r)
-    assert r in (0.0, 1.0)
+  r = tasks.score(task, output, reference)
+  assert tasks.is_correct(r) == expected, (task, output, reference, r)
+  assert r in (0.0, 1.0)
 
 
 def test_extract_boxed_nested_and_linear():
-    assert answers.extract_boxed("\\boxed{\\frac{a}{\\sqrt{b^{2}}}}") == "\\frac{a}{\\sqrt{b^{2}}}"
-    assert answers.extract_boxed("\\fbox{7}") == "7"
-    assert answers.extract_boxed("nothing") is None
-    # 200k unclosed boxes: the brace table keeps this linear.
-    text = "\\boxed{" * 200_000
-    assert answers.extract_boxed(text) is None
+  assert answers.extract_boxed("\\boxed{\\frac{a}{\\sqrt{b^{2}}}}") == "\\frac{a}{\\sqrt{b^{2}}}"
+  assert answers.extract_boxed("\\fbox{7}") == "7"
+  assert answers.extract_boxed("nothing") is None
+  # 200k unclosed boxes: the brace table keeps this linear.
+  text = "\\boxed{" * 200_000
+  assert answers.extract_boxed(text) is None
 
 
 def test_normalize_examples():
-    assert answers.normalize("\\dfrac{1}{2}") == "1/2"
-    assert answers.normalize("$1,234$.") == "1234"
-    assert answers.normalize("-\\frac{3}{4}") == "-3/4"
-    assert answers.normalize("\\text{(C)}") == "C"
-    assert answers.normalize("18 dollars") == "18"
+  assert answers.normalize("\\dfrac{1}{2}") == "1/2"
+  assert answers.normalize("$1,234$.") == "1234"
+  assert answers.normalize("-\\frac{3}{4}") == "-3/4"
+  assert answers.normalize("\\text{(C)}") == "C"
+  assert answers.normalize("18 dollars") == "18"
 
 
 def test_to_number_rejects_scientific_and_huge():
-    assert answers.to_number("1e999999") is None
-    assert answers.to_number("9" * 1000) is None
-    assert answers.to_number("\\frac{1}{0}") is None
-    assert answers.to_number("-.5") == answers.to_number("-1/2")
+  assert answers.to_number("1e999999") is None
+  assert answers.to_number("9" * 1000) is None
+  assert answers.to_number("\\frac{1}{0}") is None
+  assert answers.to_number("-.5") == answers.to_number("-1/2")
 
 
 _HANGING_WORKER = """
@@ -146,81 +147,85 @@ sys.stdin.readline(); os._exit(3)
 
 
 def test_math_verify_worker_killed_on_hang_and_crash():
-    hang = answers._MathVerifyWorker(code=_HANGING_WORKER)
-    t0 = time.time()
-    assert hang.equal("1", "1", timeout_s=1.0) is False
-    assert time.time() - t0 < 20
-    assert hang._proc is None  # killed, so the next call starts clean
-    crash = answers._MathVerifyWorker(code=_CRASHING_WORKER)
-    assert crash.equal("1", "1", timeout_s=5.0) is False
-    assert crash.equal("1", "1", timeout_s=5.0) is False  # restarted, crashes again, still no raise
-    broken = answers._MathVerifyWorker(code="raise SystemExit(1)")
-    assert broken.equal("1", "1", timeout_s=1.0) is False and broken._broken
+  hang = answers._MathVerifyWorker(code=_HANGING_WORKER)
+  t0 = time.time()
+  assert hang.equal("1", "1", timeout_s=1.0) is False
+  assert time.time() - t0 < 20
+  assert hang._proc is None  # killed, so the next call starts clean
+  crash = answers._MathVerifyWorker(code=_CRASHING_WORKER)
+  assert crash.equal("1", "1", timeout_s=5.0) is False
+  assert crash.equal("1", "1", timeout_s=5.0) is False  # restarted, crashes again, still no raise
+  broken = answers._MathVerifyWorker(code="raise SystemExit(1)")
+  assert broken.equal("1", "1", timeout_s=1.0) is False and broken._broken
 
 
 def test_math_verify_worker_after_fork():
-    # In a forked child (pid differs) the worker forgets the parent's process and
-    # starts its own instead of talking over the parent's pipes. A real fork under
-    # a multithreaded JAX process is avoided here; the pid check is what matters.
-    w = answers._MathVerifyWorker()
-    try:
-        assert w.equal("2\\sqrt{2}", "\\sqrt{8}", timeout_s=5.0) is True
-        parent_proc = w._proc
-        w._pid = -1  # as seen from a child after fork
-        assert w.equal("x+1", "1+x", timeout_s=5.0) is True
-        assert w._proc is not parent_proc and parent_proc.poll() is None  # parent's worker untouched
-    finally:
-        w.close()
-        parent_proc.kill()
-        parent_proc.wait()
+  # In a forked child (pid differs) the worker forgets the parent's process and
+  # starts its own instead of talking over the parent's pipes. A real fork under
+  # a multithreaded JAX process is avoided here; the pid check is what matters.
+  w = answers._MathVerifyWorker()
+  try:
+    assert w.equal("2\\sqrt{2}", "\\sqrt{8}", timeout_s=5.0) is True
+    parent_proc = w._proc
+    w._pid = -1  # as seen from a child after fork
+    assert w.equal("x+1", "1+x", timeout_s=5.0) is True
+    assert w._proc is not parent_proc and parent_proc.poll() is None  # parent's worker untouched
+  finally:
+    w.close()
+    parent_proc.kill()
+    parent_proc.wait()
 
 
 def test_math_verify_real_worker():
-    assert answers.math_verify_equal("2\\sqrt{2}", "\\sqrt{8}") is True
-    assert answers.math_verify_equal("9^{9^{9^{9}}}", "9^{9^{9^{9}}}+1", timeout_s=2.0) is False
-    assert answers.math_verify_equal("x" * 10_000, "x" * 10_000) is False  # over MAX_ANSWER_CHARS
+  assert answers.math_verify_equal("2\\sqrt{2}", "\\sqrt{8}") is True
+  assert answers.math_verify_equal("9^{9^{9^{9}}}", "9^{9^{9^{9}}}+1", timeout_s=2.0) is False
+  assert answers.math_verify_equal("x" * 10_000, "x" * 10_000) is False  # over MAX_ANSWER_CHARS
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=300))
 def test_score_never_raises_on_any_text(text):
-    for task, ref in [("gsm8k", "12"), ("aime", "7"), ("countdown", {"numbers": [1, 2, 3], "target": 6}),
-                      ("arithmetic", "19")]:
-        r = tasks.score(task, text, ref)
-        assert 0.0 <= r <= 1.0
+  for task, ref in [
+    ("gsm8k", "12"),
+    ("aime", "7"),
+    ("countdown", {"numbers": [1, 2, 3], "target": 6}),
+    ("arithmetic", "19"),
+  ]:
+    r = tasks.score(task, text, ref)
+    assert 0.0 <= r <= 1.0
 
 
 @pytest.mark.parametrize("junk", [None, 42, b"\\boxed{4}", ["#### 4"], "\x00" * 100, "\\boxed{" * 1000 + "}"])
 def test_score_never_raises_on_junk(junk):
-    for task in ("gsm8k", "math", "aime"):
-        assert tasks.score(task, junk, "4") < 0.5
-    assert tasks.score("countdown", junk, {"numbers": [1, 3], "target": 4}) < 0.5
+  for task in ("gsm8k", "math", "aime"):
+    assert tasks.score(task, junk, "4") < 0.5
+  assert tasks.score("countdown", junk, {"numbers": [1, 3], "target": 4}) < 0.5
 
 
 @pytest.mark.parametrize("task", ["gsm8k", "math", "aime"])
 def test_long_outputs_grade_correctly(task):
-    # ~1 MB of reasoning with many numbers and stray braces, answer at the end
-    t0 = time.perf_counter()
-    noise = "step 12, {x} 3.5 \\frac{1}{2} " * 30_000
-    assert tasks.score(task, noise + "so \\boxed{42}", "42") == 1.0
-    assert tasks.score(task, noise + "so \\boxed{43}", "42") == 0.0
-    assert tasks.score(task, noise + "\\boxed{" + "x" * 100_000 + "}", "\\sqrt{2}") == 0.0
-    assert time.perf_counter() - t0 < 60.0  # hang guard, not a benchmark
+  # ~1 MB of reasoning with many numbers and stray braces, answer at the end
+  t0 = time.perf_counter()
+  noise = "step 12, {x} 3.5 \\frac{1}{2} " * 30_000
+  assert tasks.score(task, noise + "so \\boxed{42}", "42") == 1.0
+  assert tasks.score(task, noise + "so \\boxed{43}", "42") == 0.0
+  assert tasks.score(task, noise + "\\boxed{" + "x" * 100_000 + "}", "\\sqrt{2}") == 0.0
+  assert time.perf_counter() - t0 < 60.0  # hang guard, not a benchmark
 
 
 def test_score_rejects_bad_task_and_reference():
-    with pytest.raises(ValueError, match="unknown"):
-        tasks.score("gsm9k", "#### 4", "4")
-    with pytest.raises(ValueError, match="numbers"):
-        tasks.score("countdown", "1+3", "4")
-    with pytest.raises(ValueError, match="extraction"):
-        tasks.score("math", "x", "4", extraction="nope")
+  with pytest.raises(ValueError, match="unknown"):
+    tasks.score("gsm9k", "#### 4", "4")
+  with pytest.raises(ValueError, match="numbers"):
+    tasks.score("countdown", "1+3", "4")
+  with pytest.raises(ValueError, match="extraction"):
+    tasks.score("math", "x", "4", extraction="nope")
 
 
 def test_extraction_methods_differ():
-    out = "blah 12\n"
-    assert tasks.score("gsm8k", out, "12") == 1.0
-    assert tasks.score("gsm8k", out, "12", extraction="gsm8k_strict") == 0.0
+  out = "blah 12\n"
+  assert tasks.score("gsm8k", out, "12") == 1.0
+  assert tasks.score("gsm8k", out, "12", extraction="gsm8k_strict") == 0.0
 
 
 # ----------------------------------------------------------------------------
@@ -230,193 +235,194 @@ REF = {"numbers": [3, 7, 25, 50], "target": 75}
 
 
 @pytest.mark.parametrize(
-    "output,correct,fmt",
-    [
-        ("<think>ok</think><answer>50 + 25</answer>", 1.0, 1.0),
-        ("<answer>(50 + 25)</answer>", 1.0, 1.0),
-        ("<answer>(7 - 3) * 25 - 25</answer>", 0.0, 1.0),  # 25 used twice
-        ("<answer>3 * 25</answer>", 1.0, 1.0),
-        ("<answer>50 + 25 = 75</answer>", 1.0, 1.0),  # trailing "= target" allowed
-        ("<answer>50 + 24 + 1</answer>", 0.0, 1.0),  # numbers not given
-        ("<answer>50 + 25.0</answer>", 0.0, 1.0),  # floats rejected
-        ("<answer>50 * 3 / 2</answer>", 0.0, 1.0),  # 2 not given
-        ("<answer>(50 * 3) / (7 - 3 - 4 + 2)</answer>", 0.0, 1.0),
-        ("<answer>-25 + 50 + 50</answer>", 0.0, 1.0),  # unary minus and reuse
-        ("<answer>50 + 25</answer> <answer>3</answer>", 0.0, 1.0),  # last answer counts
-        ("50 + 25", 1.0, 0.0),  # no tags: last line, no format credit
-        ("<answer></answer>", 0.0, 1.0),
-        ("", 0.0, 0.0),
-        ("<answer>(50 + 25 × 7) ÷ 3</answer>", 1.0, 1.0),  # unicode operators
-    ],
+  "output,correct,fmt",
+  [
+    ("<think>ok</think><answer>50 + 25</answer>", 1.0, 1.0),
+    ("<answer>(50 + 25)</answer>", 1.0, 1.0),
+    ("<answer>(7 - 3) * 25 - 25</answer>", 0.0, 1.0),  # 25 used twice
+    ("<answer>3 * 25</answer>", 1.0, 1.0),
+    ("<answer>50 + 25 = 75</answer>", 1.0, 1.0),  # trailing "= target" allowed
+    ("<answer>50 + 24 + 1</answer>", 0.0, 1.0),  # numbers not given
+    ("<answer>50 + 25.0</answer>", 0.0, 1.0),  # floats rejected
+    ("<answer>50 * 3 / 2</answer>", 0.0, 1.0),  # 2 not given
+    ("<answer>(50 * 3) / (7 - 3 - 4 + 2)</answer>", 0.0, 1.0),
+    ("<answer>-25 + 50 + 50</answer>", 0.0, 1.0),  # unary minus and reuse
+    ("<answer>50 + 25</answer> <answer>3</answer>", 0.0, 1.0),  # last answer counts
+    ("50 + 25", 1.0, 0.0),  # no tags: last line, no format credit
+    ("<answer></answer>", 0.0, 1.0),
+    ("", 0.0, 0.0),
+    ("<answer>(50 + 25 × 7) ÷ 3</answer>", 1.0, 1.0),  # unicode operators
+  ],
 )
 def test_countdown_verify(output, correct, fmt):
-    comps = countdown.verify(output, REF)
-    assert comps["correct"] == correct and comps["format"] == fmt
-    expected = 1.0 if correct else 0.1 * fmt
-    assert comps["reward"] == pytest.approx(expected)
-    assert tasks.score("countdown", output, REF) == pytest.approx(expected)
+  comps = countdown.verify(output, REF)
+  assert comps["correct"] == correct and comps["format"] == fmt
+  expected = 1.0 if correct else 0.1 * fmt
+  assert comps["reward"] == pytest.approx(expected)
+  assert tasks.score("countdown", output, REF) == pytest.approx(expected)
 
 
 def test_countdown_require_format_and_bad_knobs():
-    assert countdown.verify("50 + 25", REF, require_format=True)["reward"] == 0.0
-    assert countdown.verify("<answer>50 + 25</answer>", REF, require_format=True)["reward"] == 1.0
-    with pytest.raises(ValueError, match="format_weight"):
-        countdown.CountdownTask(format_weight=0.6)
-    with pytest.raises(ValueError, match="num_numbers"):
-        countdown.CountdownTask(num_numbers=(3, 9))
-    with pytest.raises(TypeError):
-        countdown.CountdownTask(num_nums=(3, 4))  # a typo'd knob must not pass silently
+  assert countdown.verify("50 + 25", REF, require_format=True)["reward"] == 0.0
+  assert countdown.verify("<answer>50 + 25</answer>", REF, require_format=True)["reward"] == 1.0
+  with pytest.raises(ValueError, match="format_weight"):
+    countdown.CountdownTask(format_weight=0.6)
+  with pytest.raises(ValueError, match="num_numbers"):
+    countdown.CountdownTask(num_numbers=(3, 9))
+  with pytest.raises(TypeError):
+    countdown.CountdownTask(num_nums=(3, 4))  # a typo'd knob must not pass silently
 
 
 def test_countdown_multiset_and_fractions():
-    assert countdown.evaluate_expression("5 + 5", [5, 5])[0] == 10
-    assert countdown.evaluate_expression("5 + 5", [5, 6])[0] is None
-    assert countdown.evaluate_expression("(8 / 3) * 3", [8, 3, 3])[0] == 8
+  assert countdown.evaluate_expression("5 + 5", [5, 5])[0] == 10
+  assert countdown.evaluate_expression("5 + 5", [5, 6])[0] is None
+  assert countdown.evaluate_expression("(8 / 3) * 3", [8, 3, 3])[0] == 8
 
 
 ADVERSARIAL = [
-    "9 ** 9 ** 9 ** 9",  # huge exponent: Pow is not whitelisted
-    "2**99999999",
-    "(" * 5000 + "1" + ")" * 5000,  # deep nesting, over the length cap
-    "(" * 90 + "1" + ")" * 90,  # nesting under the cap
-    "50 / (25 - 25)",  # division by zero
-    "50 / 0",
-    "3 + 3 + 3",  # reused
-    "__import__('os').system('echo hi')",
-    "open('/etc/passwd').read()",
-    "[x for x in range(10**9)]",
-    "lambda: 1",
-    "7 if 3 else 25",
-    "50 // 25",
-    "50 % 7",
-    "50 << 25",
-    "True + 50",
-    "1_000",
-    "1" * 10_000_000,  # a very long string
-    "50 + 25\x00",
-    "50 +",
-    "",
-    ")(",
-    "50 25",
+  "9 ** 9 ** 9 ** 9",  # huge exponent: Pow is not whitelisted
+  "2**99999999",
+  "(" * 5000 + "1" + ")" * 5000,  # deep nesting, over the length cap
+  "(" * 90 + "1" + ")" * 90,  # nesting under the cap
+  "50 / (25 - 25)",  # division by zero
+  "50 / 0",
+  "3 + 3 + 3",  # reused
+  "__import__('os').system('echo hi')",
+  "open('/etc/passwd').read()",
+  "[x for x in range(10**9)]",
+  "lambda: 1",
+  "7 if 3 else 25",
+  "50 // 25",
+  "50 % 7",
+  "50 << 25",
+  "True + 50",
+  "1_000",
+  "1" * 10_000_000,  # a very long string
+  "50 + 25\x00",
+  "50 +",
+  "",
+  ")(",
+  "50 25",
 ]
 
 
 @pytest.mark.parametrize("expr", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
 def test_countdown_parser_adversarial(expr):
-    t0 = time.perf_counter()
-    value, err = countdown.evaluate_expression(expr, REF["numbers"])
-    assert value is None and err
-    assert countdown.verify(f"<answer>{expr}</answer>", REF)["correct"] == 0.0
-    assert tasks.score("countdown", expr, REF) < 0.5
-    # hang guard, not a benchmark: this takes milliseconds, a hang would take forever
-    assert time.perf_counter() - t0 < 30.0
+  t0 = time.perf_counter()
+  value, err = countdown.evaluate_expression(expr, REF["numbers"])
+  assert value is None and err
+  assert countdown.verify(f"<answer>{expr}</answer>", REF)["correct"] == 0.0
+  assert tasks.score("countdown", expr, REF) < 0.5
+  # hang guard, not a benchmark: this takes milliseconds, a hang would take forever
+  assert time.perf_counter() - t0 < 30.0
 
 
 @pytest.mark.parametrize("method", ["tree", "uniform"])
 def test_countdown_generator_solvable_and_seeded(method):
-    a = countdown.generate(15, seed=3, method=method)
-    b = countdown.generate(15, seed=3, method=method)
-    c = countdown.generate(15, seed=4, method=method)
-    assert a == b and a != c
-    for inst in a:
-        assert countdown.solve(inst.numbers, inst.target) is not None
-        assert 3 <= len(inst.numbers) <= 4
-        assert 1 <= inst.target <= 99 and inst.target not in inst.numbers
-        value, err = countdown.evaluate_expression(inst.solution, inst.numbers)
-        assert value == inst.target, (inst, err)
-        out = f"<answer>{inst.solution}</answer>"
-        assert tasks.score("countdown", out, inst.reference()) == 1.0
+  a = countdown.generate(15, seed=3, method=method)
+  b = countdown.generate(15, seed=3, method=method)
+  c = countdown.generate(15, seed=4, method=method)
+  assert a == b and a != c
+  for inst in a:
+    assert countdown.solve(inst.numbers, inst.target) is not None
+    assert 3 <= len(inst.numbers) <= 4
+    assert 1 <= inst.target <= 99 and inst.target not in inst.numbers
+    value, err = countdown.evaluate_expression(inst.solution, inst.numbers)
+    assert value == inst.target, (inst, err)
+    out = f"<answer>{inst.solution}</answer>"
+    assert tasks.score("countdown", out, inst.reference()) == 1.0
 
 
 def test_countdown_splits_disjoint():
-    # Membership is a hash bucket of the numbers tuple: test iff bucket < 10% of 1000.
-    import zlib
+  # Membership is a hash bucket of the numbers tuple: test iff bucket < 10% of 1000.
+  import zlib
 
-    def bucket(i):
-        return zlib.crc32(str(i.numbers).encode()) % 1000
+  def bucket(i):
+    return zlib.crc32(str(i.numbers).encode()) % 1000
 
-    for method in ("tree", "uniform"):
-        assert all(bucket(i) >= 100 for i in countdown.generate(40, seed=0, split="train", method=method))
-        assert all(bucket(i) < 100 for i in countdown.generate(5, seed=0, split="test", method=method))
+  for method in ("tree", "uniform"):
+    assert all(bucket(i) >= 100 for i in countdown.generate(40, seed=0, split="train", method=method))
+    assert all(bucket(i) < 100 for i in countdown.generate(5, seed=0, split="test", method=method))
 
 
 def test_countdown_solver_against_brute_force():
-    # Brute force over all expression trees for 3 numbers, each used at most once.
-    from fractions import Fraction
-    from itertools import permutations
+  # Brute force over all expression trees for 3 numbers, each used at most once.
+  from fractions import Fraction
+  from itertools import permutations
 
-    def brute(nums):
-        vals = set()
+  def brute(nums):
+    vals = set()
 
-        def rec(items):
-            for v in items:
-                vals.add(v)
-            for i, j in permutations(range(len(items)), 2):
-                a, b = items[i], items[j]
-                rest = [items[t] for t in range(len(items)) if t not in (i, j)]
-                outs = [a + b, a - b, a * b] + ([a / b] if b != 0 else [])
-                for o in outs:
-                    rec(rest + [o])
+    def rec(items):
+      for v in items:
+        vals.add(v)
+      for i, j in permutations(range(len(items)), 2):
+        a, b = items[i], items[j]
+        rest = [items[t] for t in range(len(items)) if t not in (i, j)]
+        outs = [a + b, a - b, a * b] + ([a / b] if b != 0 else [])
+        for o in outs:
+          rec(rest + [o])
 
-        rec([Fraction(x) for x in nums])
-        return vals
+    rec([Fraction(x) for x in nums])
+    return vals
 
-    rng = random.Random(0)
-    for _ in range(5):
-        nums = [rng.randint(1, 12) for _ in range(3)]
-        reach = countdown.reachable(nums)
-        assert set(reach) == brute(nums)
-        for v, expr in reach.items():
-            assert countdown.evaluate_expression(expr, nums)[0] == v
+  rng = random.Random(0)
+  for _ in range(5):
+    nums = [rng.randint(1, 12) for _ in range(3)]
+    reach = countdown.reachable(nums)
+    assert set(reach) == brute(nums)
+    for v, expr in reach.items():
+      assert countdown.evaluate_expression(expr, nums)[0] == v
 
 
 def test_countdown_template():
-    task = countdown.CountdownTask(template="N={numbers} T={target}")
-    p = task.make_problems("train", 2, seed=1)[0]
-    assert p.prompt.startswith("N=[") and p.task == "countdown"
-    with pytest.raises(ValueError, match="template"):
-        countdown.CountdownTask(template="{nums}")
+  task = countdown.CountdownTask(template="N={numbers} T={target}")
+  p = task.make_problems("train", 2, seed=1)[0]
+  assert p.prompt.startswith("N=[") and p.task == "countdown"
+  with pytest.raises(ValueError, match="template"):
+    countdown.CountdownTask(template="{nums}")
 
 
 # ----------------------------------------------------------------------------
 # Arithmetic
 # ----------------------------------------------------------------------------
 def test_arithmetic_generate_and_verify():
-    pairs = arithmetic.generate(50, seed=0, max_digits=2, ops="+-*", num_terms=3)
-    assert pairs == arithmetic.generate(50, seed=0, max_digits=2, ops="+-*", num_terms=3)
-    for expr, ans in pairs:
-        # cross-check the precedence-aware evaluator on the safe generated string
-        import ast
+  pairs = arithmetic.generate(50, seed=0, max_digits=2, ops="+-*", num_terms=3)
+  assert pairs == arithmetic.generate(50, seed=0, max_digits=2, ops="+-*", num_terms=3)
+  for expr, ans in pairs:
+    # cross-check the precedence-aware evaluator on the safe generated string
+    import ast
 
-        assert int(ans) == _ast_eval(ast.parse(expr, mode="eval").body)
-        assert int(ans) >= 0
-    assert arithmetic.generate(3, seed=1)[0][0].count("+") == 1
+    assert int(ans) == _ast_eval(ast.parse(expr, mode="eval").body)
+    assert int(ans) >= 0
+  assert arithmetic.generate(3, seed=1)[0][0].count("+") == 1
 
 
 def _ast_eval(node):
-    import ast
+  import ast
 
-    if isinstance(node, ast.Constant):
-        return node.value
-    a, b = _ast_eval(node.left), _ast_eval(node.right)
-    return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}[type(node.op)]
+  if isinstance(node, ast.Constant):
+    return node.value
+  a, b = _ast_eval(node.left), _ast_eval(node.right)
+  return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}[type(node.op)]
 
 
 @pytest.mark.parametrize(
-    "out,ok", [("19", True), (" 19\n", True), ("19<eos>", True), ("191", False), ("1 9", False), ("x19", False), ("", False)]
+  "out,ok",
+  [("19", True), (" 19\n", True), ("19<eos>", True), ("191", False), ("1 9", False), ("x19", False), ("", False)],
 )
 def test_arithmetic_scoring(out, ok):
-    assert tasks.score("arithmetic", out, "19") == float(ok)
+  assert tasks.score("arithmetic", out, "19") == float(ok)
 
 
 def test_arithmetic_problems_and_splits():
-    probs = tasks.TASKS["arithmetic"].make_problems("train", 5, seed=0)
-    assert all(p.prompt.endswith("=") and p.task == "arithmetic" for p in probs)
-    tr = {e for e, _ in arithmetic.generate(300, 0, max_digits=1)}
-    te = {e for e, _ in arithmetic.generate(5, 0, max_digits=1, split="test")}
-    assert not tr & te
-    with pytest.raises(ValueError, match="ops"):
-        arithmetic.generate(3, 0, ops="/")
+  probs = tasks.TASKS["arithmetic"].make_problems("train", 5, seed=0)
+  assert all(p.prompt.endswith("=") and p.task == "arithmetic" for p in probs)
+  tr = {e for e, _ in arithmetic.generate(300, 0, max_digits=1)}
+  te = {e for e, _ in arithmetic.generate(5, 0, max_digits=1, split="test")}
+  assert not tr & te
+  with pytest.raises(ValueError, match="ops"):
+    arithmetic.generate(3, 0, ops="/")
 
 
 # ----------------------------------------------------------------------------
@@ -424,78 +430,78 @@ def test_arithmetic_problems_and_splits():
 # ----------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["gsm8k", "math", "math500", "aime"])
 def test_fixtures_load_and_solutions_grade(name):
-    recs = datasets.load_records(datasets.fixture_path(name))
-    assert len(recs) >= 20
-    probs = datasets.load_problems(name)
-    assert len({p.id for p in probs}) == len(probs)
-    for p in probs:
-        assert p.prompt and p.reference not in ("", None)
-        if name in ("gsm8k", "math"):  # the worked solution grades as correct
-            assert tasks.score(p.task, p.solution, p.reference) == 1.0
-        # a boxed reference answer grades as correct
-        assert tasks.score(p.task, f"\\boxed{{{p.reference}}}", p.reference) == 1.0
+  recs = datasets.load_records(datasets.fixture_path(name))
+  assert len(recs) >= 20
+  probs = datasets.load_problems(name)
+  assert len({p.id for p in probs}) == len(probs)
+  for p in probs:
+    assert p.prompt and p.reference not in ("", None)
+    if name in ("gsm8k", "math"):  # the worked solution grades as correct
+      assert tasks.score(p.task, p.solution, p.reference) == 1.0
+    # a boxed reference answer grades as correct
+    assert tasks.score(p.task, f"\\boxed{{{p.reference}}}", p.reference) == 1.0
 
 
 def test_aime_references_are_integers():
-    for p in datasets.load_problems("aime"):
-        assert 0 <= int(p.reference) <= 999
+  for p in datasets.load_problems("aime"):
+    assert 0 <= int(p.reference) <= 999
 
 
 def test_parquet_path(tmp_path):
-    recs = datasets.load_records(datasets.fixture_path("gsm8k"))
-    path = os.path.join(tmp_path, "gsm8k.parquet")
-    pq.write_table(pa.Table.from_pylist(recs), path)
-    a = datasets.load_problems("gsm8k", path=path)
-    b = datasets.load_problems("gsm8k")
-    assert [(p.prompt, p.reference) for p in a] == [(p.prompt, p.reference) for p in b]
+  recs = datasets.load_records(datasets.fixture_path("gsm8k"))
+  path = os.path.join(tmp_path, "gsm8k.parquet")
+  pq.write_table(pa.Table.from_pylist(recs), path)
+  a = datasets.load_problems("gsm8k", path=path)
+  b = datasets.load_problems("gsm8k")
+  assert [(p.prompt, p.reference) for p in a] == [(p.prompt, p.reference) for p in b]
 
 
 def test_loader_errors(tmp_path):
-    bad = os.path.join(tmp_path, "bad.jsonl")
-    with open(bad, "w") as f:
-        f.write(json.dumps({"question": "q"}) + "\n")
-    with pytest.raises(ValueError, match="answer"):
-        datasets.load_problems("gsm8k", path=bad)
-    with pytest.raises(ValueError, match="does not exist"):
-        datasets.load_problems("gsm8k", path=os.path.join(tmp_path, "missing.jsonl"))
-    with pytest.raises(ValueError, match="template"):
-        datasets.load_problems("gsm8k", template="no field")
-    with pytest.raises(ValueError, match="unknown"):
-        datasets.load_problems("svamp")
+  bad = os.path.join(tmp_path, "bad.jsonl")
+  with open(bad, "w") as f:
+    f.write(json.dumps({"question": "q"}) + "\n")
+  with pytest.raises(ValueError, match="answer"):
+    datasets.load_problems("gsm8k", path=bad)
+  with pytest.raises(ValueError, match="does not exist"):
+    datasets.load_problems("gsm8k", path=os.path.join(tmp_path, "missing.jsonl"))
+  with pytest.raises(ValueError, match="template"):
+    datasets.load_problems("gsm8k", template="no field")
+  with pytest.raises(ValueError, match="unknown"):
+    datasets.load_problems("svamp")
 
 
 def test_schema_aliases_and_case(tmp_path):
-    path = os.path.join(tmp_path, "aime25.jsonl")
-    with open(path, "w") as f:
-        f.write(json.dumps({"ID": "2025-I-1", "Question": "Q?", "Answer": "070"}) + "\n")
-    (p,) = datasets.load_problems("aime", path=path)
-    assert p.reference == "070" and "Q?" in p.prompt
-    assert tasks.score("aime", "\\boxed{70}", p.reference) == 1.0
+  path = os.path.join(tmp_path, "aime25.jsonl")
+  with open(path, "w") as f:
+    f.write(json.dumps({"ID": "2025-I-1", "Question": "Q?", "Answer": "070"}) + "\n")
+  (p,) = datasets.load_problems("aime", path=path)
+  assert p.reference == "070" and "Q?" in p.prompt
+  assert tasks.score("aime", "\\boxed{70}", p.reference) == 1.0
 
 
 def test_stream_deterministic_and_resumable():
-    probs = datasets.load_problems("math500")
-    s1 = datasets.ProblemStream(probs, seed=5)
-    first = [p.id for p in s1.next(50)]  # crosses two epoch boundaries (22 problems)
-    # each epoch is a permutation
-    assert sorted(first[:22]) == sorted(p.id for p in probs)
-    assert first[:22] != first[22:44]
-    s2 = datasets.ProblemStream(probs, seed=5)
-    s2.next(17)
-    s3 = datasets.ProblemStream.from_state(probs, json.loads(json.dumps(s2.state_dict())))
-    assert [p.id for p in s3.next(33)] == first[17:]
-    with pytest.raises(ValueError, match="same problem list"):
-        datasets.ProblemStream.from_state(probs[:3], s2.state_dict())
+  probs = datasets.load_problems("math500")
+  s1 = datasets.ProblemStream(probs, seed=5)
+  first = [p.id for p in s1.next(50)]  # crosses two epoch boundaries (22 problems)
+  # each epoch is a permutation
+  assert sorted(first[:22]) == sorted(p.id for p in probs)
+  assert first[:22] != first[22:44]
+  s2 = datasets.ProblemStream(probs, seed=5)
+  s2.next(17)
+  s3 = datasets.ProblemStream.from_state(probs, json.loads(json.dumps(s2.state_dict())))
+  assert [p.id for p in s3.next(33)] == first[17:]
+  with pytest.raises(ValueError, match="same problem list"):
+    datasets.ProblemStream.from_state(probs[:3], s2.state_dict())
 
 
 def test_registry_make_problems():
-    assert set(tasks.TASKS) >= {"countdown", "arithmetic", "gsm8k", "math", "math500", "aime"}
-    for name, task in tasks.TASKS.items():
-        probs = task.make_problems("test", 4, 0)
-        assert len(probs) == 4
-        assert probs == task.make_problems("test", 4, 0)
-        for p in probs:
-            assert isinstance(p, datasets.Problem) and isinstance(p.prompt, str)
-            assert 0.0 <= tasks.score(p.task, "garbage", p.reference) < 0.5
-    with pytest.raises(ValueError, match="has 22 problems"):
-        tasks.TASKS["gsm8k"].make_problems("test", 100, 0)
+  assert set(tasks.TASKS) >= {"countdown", "arithmetic", "gsm8k", "math", "math500", "aime"}
+  for name, task in tasks.TASKS.items():
+    probs = task.make_problems("test", 4, 0)
+    assert len(probs) == 4
+    assert probs == task.make_problems("test", 4, 0)
+    for p in probs:
+      assert isinstance(p, datasets.Problem) and isinstance(p.prompt, str)
+      assert 0.0 <= tasks.score(p.task, "garbage", p.reference) < 0.5
+  with pytest.raises(ValueError, match="has 22 problems"):
+    tasks.TASKS["gsm8k"].make_problems("test", 100, 0)

@@ -1,4 +1,5 @@
 """End-to-end: the real run() for a few steps, resume equivalence, config errors."""
+
 import json
 import os
 
@@ -34,8 +35,15 @@ def _tiny(**overrides):
 
 
 def _train_records(workdir):
-  keys = ("train/reward_mean", "train/grad_norm", "train/ess_ratio", "train/lr_scale", "train/pg_loss",
-          "train/lag_max", "train/baseline_mean")
+  keys = (
+    "train/reward_mean",
+    "train/grad_norm",
+    "train/ess_ratio",
+    "train/lr_scale",
+    "train/pg_loss",
+    "train/lag_max",
+    "train/baseline_mean",
+  )
   recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/pg_loss" in r]
   return [(r["step"],) + tuple(r.get(k) for k in keys) for r in recs]
 
@@ -65,32 +73,31 @@ def test_lag_run_resumes_bit_for_bit(tmp_path, dense_reward):
 
 
 BAD_CONFIGS = [
-    ({"lag.k": -1, "mode": "lag"}, "lag.k"),
-    ({"method": "ppo_magic"}, "config.method"),
-    ({"vcpo.advantage": "foo"}, "advantage"),
-    ({"task.group_size": 1}, "task.group_size"),
-    ({"mesh.shape": (3, 1, 1)}, "divisible"),
-    ({"model.checkpoint": "/nonexistent/ckpt"}, "model.checkpoint"),
-    ({"method": "clip", "vcpo.clip_lower": 3.0, "vcpo.clip_upper": 2.0}, "clip_lower"),
-    ({"mode": "turbo"}, "config.mode"),
-    ({"mode": "sync", "lag.k": 4}, "mode='lag'"),
-    ({"mode": "async", "lag.k": 0}, "k >= 1"),
-    ({"sampler.temperature": 0.0}, "sampler.temperature"),
-    ({"optim.lr": -1.0}, "optim.lr"),
-    ({"task.name": "chess"}, "task.name"),
-    ({"eval.pass_at_k": (1, 8), "eval.n": 3}, "pass_at_k"),
-    ({"learner.on_nonfinite": "ignore"}, "on_nonfinite"),
-    ({"learner.grad_path": "magic"}, "grad_path"),
-    ({"task.data_path": "/no/such/file.parquet"}, "task.data_path"),
-    ({"eval.dataset": "chess"}, "eval.dataset"),
-    ({"eval.data_path": "/no/such/test.jsonl"}, "eval.data_path"),
+  ({"lag.k": -1, "mode": "lag"}, "lag.k"),
+  ({"method": "ppo_magic"}, "config.method"),
+  ({"vcpo.advantage": "foo"}, "advantage"),
+  ({"task.group_size": 1}, "task.group_size"),
+  ({"mesh.shape": (3, 1, 1)}, "divisible"),
+  ({"model.checkpoint": "/nonexistent/ckpt"}, "model.checkpoint"),
+  ({"method": "clip", "vcpo.clip_lower": 3.0, "vcpo.clip_upper": 2.0}, "clip_lower"),
+  ({"mode": "turbo"}, "config.mode"),
+  ({"mode": "sync", "lag.k": 4}, "mode='lag'"),
+  ({"mode": "async", "lag.k": 0}, "k >= 1"),
+  ({"sampler.temperature": 0.0}, "sampler.temperature"),
+  ({"optim.lr": -1.0}, "optim.lr"),
+  ({"task.name": "chess"}, "task.name"),
+  ({"eval.pass_at_k": (1, 8), "eval.n": 3}, "pass_at_k"),
+  ({"learner.on_nonfinite": "ignore"}, "on_nonfinite"),
+  ({"learner.grad_path": "magic"}, "grad_path"),
+  ({"task.data_path": "/no/such/file.parquet"}, "task.data_path"),
+  ({"eval.dataset": "chess"}, "eval.dataset"),
+  ({"eval.data_path": "/no/such/test.jsonl"}, "eval.data_path"),
 ]
 
 
 @pytest.mark.parametrize("overrides,needle", BAD_CONFIGS, ids=[n for _, n in BAD_CONFIGS])
 def test_bad_config_is_a_clear_error(overrides, needle):
-  with pytest.raises(run_config.ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")
-                     .replace(".", r"\.")):
+  with pytest.raises(run_config.ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
     run_config.parse_config(_tiny(**overrides))
 
 

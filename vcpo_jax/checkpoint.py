@@ -11,6 +11,7 @@ The pytree is stored as a flat list of leaves; restoring needs a template of
 the same structure (built by the trainer from the config), which also checks
 that a resumed run has the architecture and optimizer it was saved with.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,16 @@ from orbax.checkpoint import checkpoint_managers as cm
 class Checkpointer:
   """Thin wrapper over `ocp.CheckpointManager` for (state pytree, JSON meta)."""
 
-  def __init__(self, directory: str, *, keep_last: int = 2, keep_best: int = 1,
-               best_metric: str | None = None, best_mode: str = "max", async_save: bool = True):
+  def __init__(
+    self,
+    directory: str,
+    *,
+    keep_last: int = 2,
+    keep_best: int = 1,
+    best_metric: str | None = None,
+    best_mode: str = "max",
+    async_save: bool = True,
+  ):
     if keep_last < 1:
       raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}.")
     if best_mode not in ("max", "min"):
@@ -35,13 +44,17 @@ class Checkpointer:
     policies = [cm.LatestN(n=keep_last)]
     if best_metric and keep_best > 0:
       sign = 1.0 if best_mode == "max" else -1.0  # BestN(reverse=False) keeps the largest
-      policies.append(cm.BestN(
-          get_metric_fn=lambda m: sign * float(m[best_metric]), reverse=False, n=keep_best,
-          keep_checkpoints_without_metrics=False))
+      policies.append(
+        cm.BestN(
+          get_metric_fn=lambda m: sign * float(m[best_metric]),
+          reverse=False,
+          n=keep_best,
+          keep_checkpoints_without_metrics=False,
+        )
+      )
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=cm.AnyPreservationPolicy(policies),
-        enable_async_checkpointing=async_save,
-        create=True)
+      preservation_policy=cm.AnyPreservationPolicy(policies), enable_async_checkpointing=async_save, create=True
+    )
     self.directory = os.path.abspath(directory)
     self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
@@ -51,16 +64,17 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._mngr.all_steps())
 
-  def save(self, step: int, state: Any, meta: dict, metrics: dict | None = None,
-           force: bool = False) -> bool:
+  def save(self, step: int, state: Any, meta: dict, metrics: dict | None = None, force: bool = False) -> bool:
     leaves = [np.asarray(x) if not isinstance(x, jax.Array) else x for x in jax.tree.leaves(state)]
     if self.best_metric and metrics is not None and self.best_metric not in metrics:
       metrics = None  # only steps with the ranking metric compete for "best"
     meta = dict(meta, _shapes=[list(np.shape(x)) for x in leaves])
     return self._mngr.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(leaves), meta=ocp.args.JsonSave(meta)),
-        metrics=metrics, force=force)
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(leaves), meta=ocp.args.JsonSave(meta)),
+      metrics=metrics,
+      force=force,
+    )
 
   def restore_meta(self, step: int) -> dict:
     """The JSON dict saved at `step` (e.g. to size the restore template)."""
@@ -72,17 +86,24 @@ class Checkpointer:
     """Restores into the structure (and shardings, for jax.Array leaves) of `template`."""
     leaves, treedef = jax.tree.flatten(template)
     abstract = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-        if isinstance(x, jax.Array) else np.asarray(x) for x in leaves]
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+      if isinstance(x, jax.Array)
+      else np.asarray(x)
+      for x in leaves
+    ]
     meta = dict(self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     shapes = [tuple(s) for s in meta.pop("_shapes")]
     if len(shapes) != len(leaves):
-      raise ValueError(f"Checkpoint at step {step} in {self.directory} holds {len(shapes)} arrays but the "
-                       f"current configuration expects {len(leaves)}: the config changed since it was saved.")
+      raise ValueError(
+        f"Checkpoint at step {step} in {self.directory} holds {len(shapes)} arrays but the "
+        f"current configuration expects {len(leaves)}: the config changed since it was saved."
+      )
     for i, (a, b) in enumerate(zip(shapes, leaves)):
       if a != tuple(np.shape(b)):
-        raise ValueError(f"Checkpoint array #{i} has shape {a}, the current configuration expects "
-                         f"{np.shape(b)}: the model or optimizer config changed since the checkpoint was saved.")
+        raise ValueError(
+          f"Checkpoint array #{i} has shape {a}, the current configuration expects "
+          f"{np.shape(b)}: the model or optimizer config changed since the checkpoint was saved."
+        )
     out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
     return jax.tree.unflatten(treedef, list(out["state"])), meta
 

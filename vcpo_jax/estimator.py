@@ -124,8 +124,8 @@ def ess_ratio(log_w_n, valid_n=None):
 
 
 ESS_LR_RULES: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "sqrt": jnp.sqrt,  # the paper: eta * sqrt(min(1, rho / rho_on))
-    "linear": lambda x: x,
+  "sqrt": jnp.sqrt,  # the paper: eta * sqrt(min(1, rho / rho_on))
+  "linear": lambda x: x,
 }
 
 
@@ -159,12 +159,12 @@ def rho_on_statistics(ess_ratios) -> dict[str, float]:
   if x.size == 0:
     raise ValueError("ess_ratios: empty; collect at least 2 on-policy steps")
   return dict(
-      mean=float(x.mean()),
-      std=float(x.std(ddof=1)) if x.size > 1 else float("nan"),
-      median=float(np.median(x)),
-      q10=float(np.quantile(x, 0.1)),
-      min=float(x.min()),
-      n=int(x.size),
+    mean=float(x.mean()),
+    std=float(x.std(ddof=1)) if x.size > 1 else float("nan"),
+    median=float(np.median(x)),
+    q10=float(np.quantile(x, 0.1)),
+    min=float(x.min()),
+    n=int(x.size),
   )
 
 
@@ -196,36 +196,52 @@ def _inside(lc, lower, upper):
 
 
 WEIGHT_VARIANTS: dict[str, WeightVariant] = {
-    v.name: v
-    for v in [
-        WeightVariant("none", "sequence", (), lambda lc, raw, L, c, a, b: jnp.ones_like(lc),
-                      "w = 1 (no correction)"),
-        WeightVariant("is", "sequence", (), lambda lc, raw, L, c, a, b: jnp.exp(lc),
-                      "w = exp(clamp(l)) (unclipped IS)"),
-        WeightVariant("tis", "sequence", ("c",),
-                      lambda lc, raw, L, c, a, b: jnp.exp(jnp.minimum(lc, math.log(c))),
-                      "w = min(exp(l), c) (upper-only truncated IS)"),
-        WeightVariant("clip", "sequence", ("lower", "upper"),
-                      lambda lc, raw, L, c, a, b: jnp.clip(jnp.exp(lc), a, b),
-                      "w = clip(exp(l), lower, upper) (two-sided)"),
-        WeightVariant("mask", "sequence", ("lower", "upper"),
-                      lambda lc, raw, L, c, a, b: jnp.where(_inside(lc, a, b), jnp.exp(lc), 0.0),
-                      "w = exp(l) if lower <= exp(l) <= upper else 0 (masked IS)"),
-        WeightVariant("token_tis", "token", ("c",),
-                      lambda lc, raw, L, c, a, b: jnp.exp(jnp.minimum(lc, math.log(c))),
-                      "w_nt = min(exp(d_nt), c) per token (token-level TIS)"),
-        WeightVariant("geo_mask", "sequence", ("lower", "upper", "lengths_n"),
-                      lambda lc, raw, L, c, a, b: jnp.where(
-                          (L > 0) & _inside(raw / jnp.maximum(L, 1.0), a, b),
-                          1.0, 0.0),
-                      "w = 1 if lower <= exp(l / L) <= upper else 0 (geometric-mean "
-                      "rejection; no reweighting)"),
-    ]
+  v.name: v
+  for v in [
+    WeightVariant("none", "sequence", (), lambda lc, raw, L, c, a, b: jnp.ones_like(lc), "w = 1 (no correction)"),
+    WeightVariant("is", "sequence", (), lambda lc, raw, L, c, a, b: jnp.exp(lc), "w = exp(clamp(l)) (unclipped IS)"),
+    WeightVariant(
+      "tis",
+      "sequence",
+      ("c",),
+      lambda lc, raw, L, c, a, b: jnp.exp(jnp.minimum(lc, math.log(c))),
+      "w = min(exp(l), c) (upper-only truncated IS)",
+    ),
+    WeightVariant(
+      "clip",
+      "sequence",
+      ("lower", "upper"),
+      lambda lc, raw, L, c, a, b: jnp.clip(jnp.exp(lc), a, b),
+      "w = clip(exp(l), lower, upper) (two-sided)",
+    ),
+    WeightVariant(
+      "mask",
+      "sequence",
+      ("lower", "upper"),
+      lambda lc, raw, L, c, a, b: jnp.where(_inside(lc, a, b), jnp.exp(lc), 0.0),
+      "w = exp(l) if lower <= exp(l) <= upper else 0 (masked IS)",
+    ),
+    WeightVariant(
+      "token_tis",
+      "token",
+      ("c",),
+      lambda lc, raw, L, c, a, b: jnp.exp(jnp.minimum(lc, math.log(c))),
+      "w_nt = min(exp(d_nt), c) per token (token-level TIS)",
+    ),
+    WeightVariant(
+      "geo_mask",
+      "sequence",
+      ("lower", "upper", "lengths_n"),
+      lambda lc, raw, L, c, a, b: jnp.where((L > 0) & _inside(raw / jnp.maximum(L, 1.0), a, b), 1.0, 0.0),
+      "w = 1 if lower <= exp(l / L) <= upper else 0 (geometric-mean rejection; no reweighting)",
+    ),
+  ]
 }
 
 
-def importance_weights(log_ratio, variant, *, c=8.0, lower=None, upper=None,
-                       lengths_n=None, log_clamp=DEFAULT_LOG_RATIO_CLAMP):
+def importance_weights(
+  log_ratio, variant, *, c=8.0, lower=None, upper=None, lengths_n=None, log_clamp=DEFAULT_LOG_RATIO_CLAMP
+):
   """Stop-gradient importance weights of a named variant (see WEIGHT_VARIANTS).
 
   Args:
@@ -245,10 +261,8 @@ def importance_weights(log_ratio, variant, *, c=8.0, lower=None, upper=None,
   v = WEIGHT_VARIANTS[variant]
   if "c" in v.needs and not (c is not None and c > 0):
     raise ValueError(f"c={c!r}: variant {variant!r} needs a truncation level c > 0")
-  if "lower" in v.needs and (lower is None or upper is None or not 0 <= lower <= upper
-                             or not upper > 0):
-    raise ValueError(f"lower={lower!r}, upper={upper!r}: variant {variant!r} needs "
-                     "0 <= lower <= upper, upper > 0")
+  if "lower" in v.needs and (lower is None or upper is None or not 0 <= lower <= upper or not upper > 0):
+    raise ValueError(f"lower={lower!r}, upper={upper!r}: variant {variant!r} needs 0 <= lower <= upper, upper > 0")
   if "lengths_n" in v.needs and lengths_n is None:
     raise ValueError(f"lengths_n: variant {variant!r} needs the token counts L_n")
   if not log_clamp > 0:
@@ -315,24 +329,19 @@ def _loo_baseline(r, same_nn, valid):
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    e.name: e
-    for e in [
-        AdvantageEstimator("reinforce", _batch_mean_baseline, False,
-                           "A = R - mean(R over the batch)"),
-        AdvantageEstimator("rloo", _loo_baseline, False,
-                           "A = R_i - mean(R_j, j != i in the group)"),
-        AdvantageEstimator("grpo", _group_mean_baseline, True,
-                           "A = (R - group mean) / group std (zero-std group: A = 0)"),
-        AdvantageEstimator("drgrpo", _group_mean_baseline, False,
-                           "A = R - group mean (Dr. GRPO: no std)"),
-    ]
+  e.name: e
+  for e in [
+    AdvantageEstimator("reinforce", _batch_mean_baseline, False, "A = R - mean(R over the batch)"),
+    AdvantageEstimator("rloo", _loo_baseline, False, "A = R_i - mean(R_j, j != i in the group)"),
+    AdvantageEstimator("grpo", _group_mean_baseline, True, "A = (R - group mean) / group std (zero-std group: A = 0)"),
+    AdvantageEstimator("drgrpo", _group_mean_baseline, False, "A = R - group mean (Dr. GRPO: no std)"),
+  ]
 }
 
 STD_KINDS = ("population", "sample")
 
 
-def baseline_and_scale(rewards_n, group_id_n, estimator, *, valid_n=None,
-                       std="population", std_eps=1e-6):
+def baseline_and_scale(rewards_n, group_id_n, estimator, *, valid_n=None, std="population", std_eps=1e-6):
   """The estimator's baseline_n and scale_n, [N] each (scale 0 = drop).
 
   Separated from `advantages` so OPOB can replace the baseline while keeping
@@ -351,8 +360,7 @@ def baseline_and_scale(rewards_n, group_id_n, estimator, *, valid_n=None,
   return sg(base), sg(jnp.where(valid, scale, 0.0))
 
 
-def advantages(rewards, group_ids=None, estimator="grpo", *, valid_n=None,
-               std="population", std_eps=1e-6):
+def advantages(rewards, group_ids=None, estimator="grpo", *, valid_n=None, std="population", std_eps=1e-6):
   """Advantages of a named estimator (see ADVANTAGE_ESTIMATORS), stop-gradient.
 
   Args:
@@ -376,12 +384,10 @@ def advantages(rewards, group_ids=None, estimator="grpo", *, valid_n=None,
     raise ValueError(f"rewards: shape {shape}; pass [N] with group_ids or [P, G] without")
   if group_ids is None:
     if estimator != "reinforce":
-      raise ValueError(f"group_ids: required for estimator {estimator!r} with [N] rewards "
-                       "(or pass rewards as [P, G])")
+      raise ValueError(f"group_ids: required for estimator {estimator!r} with [N] rewards (or pass rewards as [P, G])")
     group_ids = jnp.zeros(r.shape, jnp.int32)
   valid = _valid(r, valid_n)
-  base, scale = baseline_and_scale(r, group_ids, estimator, valid_n=valid, std=std,
-                                   std_eps=std_eps)
+  base, scale = baseline_and_scale(r, group_ids, estimator, valid_n=valid, std=std, std_eps=std_eps)
   adv = jnp.where(valid & (scale > 0), (r - base) / jnp.where(scale > 0, scale, 1.0), 0.0)
   return sg(adv.reshape(shape))
 
@@ -391,8 +397,7 @@ def advantages(rewards, group_ids=None, estimator="grpo", *, valid_n=None,
 # ---------------------------------------------------------------------------
 
 
-def opob_baseline(rewards_n, weights_n, sq_grad_norms_n, group_ids_n,
-                  leave_one_out=False, *, valid_n=None):
+def opob_baseline(rewards_n, weights_n, sq_grad_norms_n, group_ids_n, leave_one_out=False, *, valid_n=None):
   """b_i = sum_j w_j^2 s_j R_j / sum_j w_j^2 s_j over j in i's group.
 
   The set excludes j = i when leave_one_out (then b_i does not depend on
@@ -460,6 +465,7 @@ def per_example_sq_grad_norms(fn, params, batch, *, batch_size=None):
     batch: pytree whose leaves all have a leading N axis.
     batch_size: optional chunk size for lax.map (None: one vmap over N).
   """
+
   def one(example):
     return _sq_norm(jax.grad(fn)(params, example))
 
@@ -475,12 +481,12 @@ def per_example_sq_grad_norms(fn, params, batch, *, batch_size=None):
 # Loss aggregation -> norm_n(L_n, n_valid, total_tokens): the per-trajectory
 # factor of coef_n that turns sum_t logp_nt into the aggregated loss.
 LOSS_AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = {
-    # mean over trajectories of the token-mean: 1 / (N L_n) (the paper's update)
-    "seq-mean-token-mean": lambda L, n, tot: 1.0 / (jnp.maximum(n, 1.0) * jnp.maximum(L, 1.0)),
-    # mean over all tokens of the batch: 1 / sum(mask)
-    "token-mean": lambda L, n, tot: jnp.full_like(L, 1.0) / jnp.maximum(tot, 1.0),
-    # mean over trajectories of the token-sum: 1 / N (Dr. GRPO-style, no length bias)
-    "seq-mean-token-sum": lambda L, n, tot: jnp.full_like(L, 1.0) / jnp.maximum(n, 1.0),
+  # mean over trajectories of the token-mean: 1 / (N L_n) (the paper's update)
+  "seq-mean-token-mean": lambda L, n, tot: 1.0 / (jnp.maximum(n, 1.0) * jnp.maximum(L, 1.0)),
+  # mean over all tokens of the batch: 1 / sum(mask)
+  "token-mean": lambda L, n, tot: jnp.full_like(L, 1.0) / jnp.maximum(tot, 1.0),
+  # mean over trajectories of the token-sum: 1 / N (Dr. GRPO-style, no length bias)
+  "seq-mean-token-sum": lambda L, n, tot: jnp.full_like(L, 1.0) / jnp.maximum(n, 1.0),
 }
 OPOB_WEIGHTS = ("unclipped", "applied")
 OPOB_SCOPES = ("group", "minibatch")
@@ -526,8 +532,7 @@ class PGConfig:
   def __post_init__(self):
     def choose(field, options):
       if getattr(self, field) not in options:
-        raise ValueError(f"PGConfig.{field}={getattr(self, field)!r}: choose one of "
-                         f"{sorted(options)}")
+        raise ValueError(f"PGConfig.{field}={getattr(self, field)!r}: choose one of {sorted(options)}")
 
     def positive(field):
       if not getattr(self, field) > 0:
@@ -540,46 +545,57 @@ class PGConfig:
     choose("opob_scope", OPOB_SCOPES)
     choose("std", STD_KINDS)
     choose("ess_rule", ESS_LR_RULES)
-    for f in ("tis_c", "token_tis_c", "log_ratio_clamp", "rho_on", "clip_upper",
-              "mask_upper", "geo_upper"):
+    for f in ("tis_c", "token_tis_c", "log_ratio_clamp", "rho_on", "clip_upper", "mask_upper", "geo_upper"):
       positive(f)
     if not self.std_eps >= 0:
       raise ValueError(f"PGConfig.std_eps={self.std_eps!r}: must be >= 0")
-    for lo, hi in (("clip_lower", "clip_upper"), ("mask_lower", "mask_upper"),
-                   ("geo_lower", "geo_upper")):
+    for lo, hi in (("clip_lower", "clip_upper"), ("mask_lower", "mask_upper"), ("geo_lower", "geo_upper")):
       if not 0 <= getattr(self, lo) <= getattr(self, hi):
         raise ValueError(f"PGConfig.{lo}={getattr(self, lo)!r}: need 0 <= {lo} <= {hi}")
     if self.opob and WEIGHT_VARIANTS[self.is_variant].level == "token":
-      raise ValueError(f"PGConfig.opob=True with is_variant={self.is_variant!r}: OPOB is "
-                       "derived for sequence-level weights; use a sequence variant")
+      raise ValueError(
+        f"PGConfig.opob=True with is_variant={self.is_variant!r}: OPOB is "
+        "derived for sequence-level weights; use a sequence variant"
+      )
     if self.reference_mode:
       if not self.opob:
         raise ValueError("PGConfig.reference_mode=True needs opob=True (it only changes OPOB)")
       if self.opob_weights != "unclipped" or self.length_normalize_norms:
-        raise ValueError("PGConfig.reference_mode=True fixes opob_weights='unclipped' and "
-                         "length_normalize_norms=False (the reference's choices)")
+        raise ValueError(
+          "PGConfig.reference_mode=True fixes opob_weights='unclipped' and "
+          "length_normalize_norms=False (the reference's choices)"
+        )
 
   def replace(self, **kw) -> "PGConfig":
     return dataclasses.replace(self, **kw)
 
 
-_VCPO = dict(advantage="grpo", is_variant="tis", tis_c=8.0, opob=True, opob_weights="unclipped",
-             opob_scope="group", ess_lr=True, ess_rule="sqrt", rho_on=1.0)
+_VCPO = dict(
+  advantage="grpo",
+  is_variant="tis",
+  tis_c=8.0,
+  opob=True,
+  opob_weights="unclipped",
+  opob_scope="group",
+  ess_lr=True,
+  ess_rule="sqrt",
+  rho_on=1.0,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "sync": dict(advantage="grpo", is_variant="none"),  # synchronous GRPO (run with k = 0)
-    "none": dict(advantage="grpo", is_variant="none"),  # stale data, no correction
-    "seq_tis": dict(advantage="grpo", is_variant="tis", tis_c=8.0),
-    "clip": dict(advantage="grpo", is_variant="clip"),
-    "mask": dict(advantage="grpo", is_variant="mask"),
-    "token_tis": dict(advantage="grpo", is_variant="token_tis"),
-    "geo_mask": dict(advantage="grpo", is_variant="geo_mask"),
-    "vcpo": dict(_VCPO),
-    "vcpo_no_esslr": dict(_VCPO, ess_lr=False),
-    "vcpo_no_opob": dict(_VCPO, opob=False),
-    "vcpo_applied_opob": dict(_VCPO, opob_weights="applied"),
-    "vcpo_loo_opob": dict(_VCPO, opob_leave_one_out=True),
-    "vcpo_reference": dict(_VCPO, reference_mode=True),
+  "sync": dict(advantage="grpo", is_variant="none"),  # synchronous GRPO (run with k = 0)
+  "none": dict(advantage="grpo", is_variant="none"),  # stale data, no correction
+  "seq_tis": dict(advantage="grpo", is_variant="tis", tis_c=8.0),
+  "clip": dict(advantage="grpo", is_variant="clip"),
+  "mask": dict(advantage="grpo", is_variant="mask"),
+  "token_tis": dict(advantage="grpo", is_variant="token_tis"),
+  "geo_mask": dict(advantage="grpo", is_variant="geo_mask"),
+  "vcpo": dict(_VCPO),
+  "vcpo_no_esslr": dict(_VCPO, ess_lr=False),
+  "vcpo_no_opob": dict(_VCPO, opob=False),
+  "vcpo_applied_opob": dict(_VCPO, opob_weights="applied"),
+  "vcpo_loo_opob": dict(_VCPO, opob_leave_one_out=True),
+  "vcpo_reference": dict(_VCPO, reference_mode=True),
 }
 
 
@@ -598,10 +614,10 @@ def needs_sq_norms(cfg: PGConfig) -> bool:
 def _variant_kwargs(cfg: PGConfig):
   v = cfg.is_variant
   return dict(
-      c=cfg.token_tis_c if v == "token_tis" else cfg.tis_c,
-      lower={"clip": cfg.clip_lower, "mask": cfg.mask_lower, "geo_mask": cfg.geo_lower}.get(v),
-      upper={"clip": cfg.clip_upper, "mask": cfg.mask_upper, "geo_mask": cfg.geo_upper}.get(v),
-      log_clamp=cfg.log_ratio_clamp,
+    c=cfg.token_tis_c if v == "token_tis" else cfg.tis_c,
+    lower={"clip": cfg.clip_lower, "mask": cfg.mask_lower, "geo_mask": cfg.geo_lower}.get(v),
+    upper={"clip": cfg.clip_upper, "mask": cfg.mask_upper, "geo_mask": cfg.geo_upper}.get(v),
+    log_clamp=cfg.log_ratio_clamp,
   )
 
 
@@ -618,8 +634,7 @@ def pg_token_weights(logp_nt, behavior_logp_nt, mask_nt, cfg: PGConfig):
   return sg(mask * importance_weights(d_nt, cfg.is_variant, **_variant_kwargs(cfg)))
 
 
-def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n,
-                    sq_score_norms_n, cfg: PGConfig):
+def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, sq_score_norms_n, cfg: PGConfig):
   """Per-example coefficients of the policy-gradient surrogate.
 
     loss(params) = - sum_n coef_n * sum_t tokw_nt * logp_nt(params)
@@ -648,8 +663,9 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n,
     ess_ratio_applied use the product of the token weights.
   """
   if needs_sq_norms(cfg) and sq_score_norms_n is None:
-    raise ValueError("sq_score_norms_n: None, but cfg.opob=True needs ||s_n||^2 "
-                     "(per_example_sq_grad_norms or the ghost-norm path)")
+    raise ValueError(
+      "sq_score_norms_n: None, but cfg.opob=True needs ||s_n||^2 (per_example_sq_grad_norms or the ghost-norm path)"
+    )
   mask = jnp.asarray(mask_nt, jnp.float32)
   L_n = jnp.sum(mask, axis=-1)
   valid = L_n > 0
@@ -666,11 +682,11 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n,
     tw = importance_weights(d_nt, cfg.is_variant, **vkw)
     log_w_applied = jnp.sum(jnp.where(mask > 0, jnp.log(tw), 0.0), axis=-1)
     w_seq = jnp.where(valid, 1.0, 0.0)  # the weight lives in tokw_nt
-    clipped = jnp.sum((tw < jnp.exp(jnp.clip(d_nt, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)))
-                      * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    clipped = jnp.sum((tw < jnp.exp(jnp.clip(d_nt, -cfg.log_ratio_clamp, cfg.log_ratio_clamp))) * mask) / jnp.maximum(
+      jnp.sum(mask), 1.0
+    )
     frac_masked = jnp.float32(0.0)
-    weight_report = jnp.where(valid, jnp.exp(jnp.clip(log_w_applied, -cfg.log_ratio_clamp,
-                                                      cfg.log_ratio_clamp)), 0.0)
+    weight_report = jnp.where(valid, jnp.exp(jnp.clip(log_w_applied, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)), 0.0)
   else:
     w_seq = jnp.where(valid, importance_weights(l_n, cfg.is_variant, lengths_n=L_n, **vkw), 0.0)
     log_w_applied = jnp.log(w_seq)
@@ -679,8 +695,7 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n,
     frac_masked = jnp.sum(valid & (w_seq == 0)) / jnp.maximum(n_valid, 1.0)
     weight_report = w_seq
 
-  base, scale = baseline_and_scale(r, group_id_n, cfg.advantage, valid_n=valid, std=cfg.std,
-                                   std_eps=cfg.std_eps)
+  base, scale = baseline_and_scale(r, group_id_n, cfg.advantage, valid_n=valid, std=cfg.std, std_eps=cfg.std_eps)
 
   def normalize(value, b):
     return jnp.where(valid & (scale > 0), (value - b) / jnp.where(scale > 0, scale, 1.0), 0.0)
@@ -697,8 +712,7 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n,
       adv = normalize(r, base)
     else:
       a0 = normalize(r, base)
-      base = opob_baseline(a0, w_b, s_n, jnp.zeros_like(jnp.asarray(group_id_n)),
-                           cfg.opob_leave_one_out, valid_n=valid)
+      base = opob_baseline(a0, w_b, s_n, jnp.zeros_like(jnp.asarray(group_id_n)), cfg.opob_leave_one_out, valid_n=valid)
       adv = jnp.where(valid, a0 - base, 0.0)
   else:
     adv = normalize(r, base)
@@ -717,26 +731,26 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n,
 
   base_v = jnp.where(valid, base, 0.0)
   aux = dict(
-      ess_ratio=rho,
-      ess_ratio_applied=ess_ratio(log_w_applied, valid),
-      lr_scale=lr_scale,
-      log_ratio_mean=vmean(l_n),
-      log_ratio_max=jnp.max(jnp.where(valid, l_n, -jnp.inf)),
-      log_ratio_min=jnp.min(jnp.where(valid, l_n, jnp.inf)),
-      weight_max=jnp.max(weight_report),
-      weight_mean=vmean(weight_report),
-      frac_clipped=clipped.astype(jnp.float32),
-      frac_masked=jnp.asarray(frac_masked, jnp.float32),
-      baseline_mean=vmean(base_v),
-      baseline_std=vstd(base_v),
-      adv_mean=vmean(adv),
-      adv_std=vstd(adv),
-      n_valid=n_valid,
-      log_ratio_n=l_n,
-      weight_n=weight_report,
-      advantage_n=adv,
-      baseline_n=base_v,
-      valid_n=valid,
+    ess_ratio=rho,
+    ess_ratio_applied=ess_ratio(log_w_applied, valid),
+    lr_scale=lr_scale,
+    log_ratio_mean=vmean(l_n),
+    log_ratio_max=jnp.max(jnp.where(valid, l_n, -jnp.inf)),
+    log_ratio_min=jnp.min(jnp.where(valid, l_n, jnp.inf)),
+    weight_max=jnp.max(weight_report),
+    weight_mean=vmean(weight_report),
+    frac_clipped=clipped.astype(jnp.float32),
+    frac_masked=jnp.asarray(frac_masked, jnp.float32),
+    baseline_mean=vmean(base_v),
+    baseline_std=vstd(base_v),
+    adv_mean=vmean(adv),
+    adv_std=vstd(adv),
+    n_valid=n_valid,
+    log_ratio_n=l_n,
+    weight_n=weight_report,
+    advantage_n=adv,
+    baseline_n=base_v,
+    valid_n=valid,
   )
   return coef_n, aux
 
@@ -770,13 +784,15 @@ def policy_gradient(logp_fn, params, batch: Mapping[str, Any], cfg: PGConfig):
   logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
   sq = None
   if needs_sq_norms(cfg):
+
     def score(p, example):
       ex1 = jax.tree_util.tree_map(lambda x: x[None], example)
       return jnp.sum(logp_fn(p, ex1)[0].astype(jnp.float32) * ex1["loss_mask"][0].astype(jnp.float32))
 
     sq = per_example_sq_grad_norms(score, params, dict(batch))
-  coef_n, aux = pg_coefficients(logp_nt, batch["behavior_logp"], batch["loss_mask"],
-                                batch["rewards"], batch["group_id"], sq, cfg)
+  coef_n, aux = pg_coefficients(
+    logp_nt, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq, cfg
+  )
   tokw_nt = pg_token_weights(logp_nt, batch["behavior_logp"], batch["loss_mask"], cfg)
   cot_nt = -coef_n[:, None] * tokw_nt  # d loss / d logp_nt
   (grads,) = vjp(cot_nt.astype(logp_nt.dtype))

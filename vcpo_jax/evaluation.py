@@ -16,6 +16,7 @@ Metrics, over P problems with n samples each and c_p correct samples:
   pass@k  = (1/P) sum_p [1 - C(n - c_p, k) / C(n, k)]     (unbiased; Chen et al. 2021)
 A sample is correct iff `tasks.score(...) >= tasks.CORRECT_THRESHOLD`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,14 +32,14 @@ from vcpo_jax.tasks import answers
 from vcpo_jax.tasks.datasets import Problem
 
 __all__ = [
-    "EvalProtocol",
-    "GenerateFn",
-    "best_and_final",
-    "evaluate",
-    "make_eval_problems",
-    "mean_at_n",
-    "pass_at_k",
-    "pass_at_k_per_problem",
+  "EvalProtocol",
+  "GenerateFn",
+  "best_and_final",
+  "evaluate",
+  "make_eval_problems",
+  "mean_at_n",
+  "pass_at_k",
+  "pass_at_k_per_problem",
 ]
 
 # generate_fn(prompts, n, temperature, top_p, max_new_tokens, greedy) -> [P][n] completions
@@ -48,253 +49,256 @@ _TAGS = (None, "best", "final")
 
 @dataclasses.dataclass(frozen=True)
 class EvalProtocol:
-    """How an evaluation is run; recorded verbatim with its results.
+  """How an evaluation is run; recorded verbatim with its results.
 
-    dataset: a name in tasks.TASKS ("gsm8k", "math", "math500", "aime", "countdown", "arithmetic").
-    split: data split ("test" for held-out data).
-    size: number of problems (None = all the loader returns; generated tasks need it).
-    temperature, top_p: sampling parameters (ignored by the sampler when greedy).
-    n: samples per problem; None -> 1 if greedy, 5 for AIME, else 3.
-    max_new_tokens: generation budget per sample.
-    greedy: argmax decoding (then n must be 1: all samples would be identical).
-    pass_at_k: the k values to report; each must be <= n.
-    extraction: answer extraction method (answers.EXTRACTORS name) or None for the task default.
-    prompt_template: template applied when building problems; None = the task default.
-    seed: selects and orders the problem subset (and generated instances).
-    """
+  dataset: a name in tasks.TASKS ("gsm8k", "math", "math500", "aime", "countdown", "arithmetic").
+  split: data split ("test" for held-out data).
+  size: number of problems (None = all the loader returns; generated tasks need it).
+  temperature, top_p: sampling parameters (ignored by the sampler when greedy).
+  n: samples per problem; None -> 1 if greedy, 5 for AIME, else 3.
+  max_new_tokens: generation budget per sample.
+  greedy: argmax decoding (then n must be 1: all samples would be identical).
+  pass_at_k: the k values to report; each must be <= n.
+  extraction: answer extraction method (answers.EXTRACTORS name) or None for the task default.
+  prompt_template: template applied when building problems; None = the task default.
+  seed: selects and orders the problem subset (and generated instances).
+  """
 
-    dataset: str
-    split: str = "test"
-    size: int | None = None
-    temperature: float = 0.8
-    top_p: float = 0.7
-    n: int | None = None
-    max_new_tokens: int = 1024
-    greedy: bool = False
-    pass_at_k: tuple[int, ...] = (1,)
-    extraction: str | None = None
-    prompt_template: str | None = None
-    seed: int = 0
+  dataset: str
+  split: str = "test"
+  size: int | None = None
+  temperature: float = 0.8
+  top_p: float = 0.7
+  n: int | None = None
+  max_new_tokens: int = 1024
+  greedy: bool = False
+  pass_at_k: tuple[int, ...] = (1,)
+  extraction: str | None = None
+  prompt_template: str | None = None
+  seed: int = 0
 
-    def __post_init__(self):
-        if self.dataset not in tasks_lib.TASKS:
-            raise ValueError(f"EvalProtocol.dataset {self.dataset!r} unknown; choose one of {sorted(tasks_lib.TASKS)}")
-        if not isinstance(self.split, str) or not self.split:
-            raise ValueError(f"EvalProtocol.split must be a non-empty string, got {self.split!r}")
-        if self.size is not None and (not isinstance(self.size, int) or self.size < 1):
-            raise ValueError(f"EvalProtocol.size must be a positive int or None, got {self.size!r}")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"EvalProtocol.temperature must be >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"EvalProtocol.top_p must be in (0, 1], got {self.top_p!r}")
-        n = self.n
-        if n is None:
-            n = 1 if self.greedy else (5 if self.dataset == "aime" else 3)
-            object.__setattr__(self, "n", n)
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"EvalProtocol.n must be a positive int, got {n!r}")
-        if self.greedy and n != 1:
-            raise ValueError(f"EvalProtocol.greedy=True needs n=1 (greedy samples are identical), got n={n}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"EvalProtocol.max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        ks = tuple(int(k) for k in self.pass_at_k)
-        object.__setattr__(self, "pass_at_k", ks)
-        if not ks or any(k < 1 or k > n for k in ks):
-            raise ValueError(f"EvalProtocol.pass_at_k must be non-empty with 1 <= k <= n={n}, got {ks}")
-        if self.extraction is not None and self.extraction not in answers.EXTRACTORS:
-            raise ValueError(
-                f"EvalProtocol.extraction {self.extraction!r} unknown; choose one of {sorted(answers.EXTRACTORS)} or None"
-            )
-        if self.extraction is not None and self.dataset in ("countdown", "arithmetic"):
-            raise ValueError(f"EvalProtocol.extraction must be None for {self.dataset} (it has its own parser)")
+  def __post_init__(self):
+    if self.dataset not in tasks_lib.TASKS:
+      raise ValueError(f"EvalProtocol.dataset {self.dataset!r} unknown; choose one of {sorted(tasks_lib.TASKS)}")
+    if not isinstance(self.split, str) or not self.split:
+      raise ValueError(f"EvalProtocol.split must be a non-empty string, got {self.split!r}")
+    if self.size is not None and (not isinstance(self.size, int) or self.size < 1):
+      raise ValueError(f"EvalProtocol.size must be a positive int or None, got {self.size!r}")
+    if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+      raise ValueError(f"EvalProtocol.temperature must be >= 0, got {self.temperature!r}")
+    if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+      raise ValueError(f"EvalProtocol.top_p must be in (0, 1], got {self.top_p!r}")
+    n = self.n
+    if n is None:
+      n = 1 if self.greedy else (5 if self.dataset == "aime" else 3)
+      object.__setattr__(self, "n", n)
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f"EvalProtocol.n must be a positive int, got {n!r}")
+    if self.greedy and n != 1:
+      raise ValueError(f"EvalProtocol.greedy=True needs n=1 (greedy samples are identical), got n={n}")
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(f"EvalProtocol.max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+    ks = tuple(int(k) for k in self.pass_at_k)
+    object.__setattr__(self, "pass_at_k", ks)
+    if not ks or any(k < 1 or k > n for k in ks):
+      raise ValueError(f"EvalProtocol.pass_at_k must be non-empty with 1 <= k <= n={n}, got {ks}")
+    if self.extraction is not None and self.extraction not in answers.EXTRACTORS:
+      raise ValueError(
+        f"EvalProtocol.extraction {self.extraction!r} unknown; choose one of {sorted(answers.EXTRACTORS)} or None"
+      )
+    if self.extraction is not None and self.dataset in ("countdown", "arithmetic"):
+      raise ValueError(f"EvalProtocol.extraction must be None for {self.dataset} (it has its own parser)")
 
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["pass_at_k"] = list(self.pass_at_k)
-        return d
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["pass_at_k"] = list(self.pass_at_k)
+    return d
 
-    @classmethod
-    def from_dict(cls, d) -> "EvalProtocol":
-        """From a dict or ConfigDict; unknown keys are an error (typos must not pass silently)."""
-        d = dict(d)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"EvalProtocol got unknown fields {unknown}; valid fields are {sorted(names)}")
-        if "pass_at_k" in d:
-            d["pass_at_k"] = tuple(d["pass_at_k"])
-        return cls(**d)
+  @classmethod
+  def from_dict(cls, d) -> "EvalProtocol":
+    """From a dict or ConfigDict; unknown keys are an error (typos must not pass silently)."""
+    d = dict(d)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"EvalProtocol got unknown fields {unknown}; valid fields are {sorted(names)}")
+    if "pass_at_k" in d:
+      d["pass_at_k"] = tuple(d["pass_at_k"])
+    return cls(**d)
 
 
 def make_eval_problems(protocol: EvalProtocol) -> list[Problem]:
-    """The protocol's problems: TASKS[dataset].make_problems(split, size, seed, template)."""
-    task = tasks_lib.TASKS[protocol.dataset]
-    return task.make_problems(protocol.split, protocol.size, protocol.seed, template=protocol.prompt_template)
+  """The protocol's problems: TASKS[dataset].make_problems(split, size, seed, template)."""
+  task = tasks_lib.TASKS[protocol.dataset]
+  return task.make_problems(protocol.split, protocol.size, protocol.seed, template=protocol.prompt_template)
 
 
 # ----------------------------------------------------------------------------
 # Metrics
 # ----------------------------------------------------------------------------
 def pass_at_k_per_problem(n: int, c, k: int) -> np.ndarray:
-    """Unbiased pass@k per problem: 1 - C(n - c, k) / C(n, k).
+  """Unbiased pass@k per problem: 1 - C(n - c, k) / C(n, k).
 
-    Computed as 1 - prod_{i = n-c+1}^{n} (1 - k / i), which never forms the
-    (huge) binomials; equals 1 exactly when n - c < k.
-    Args: n samples per problem, c [P] correct counts (0 <= c <= n), k <= n.
-    Returns: [P] float64.
-    """
-    c_p = np.atleast_1d(np.asarray(c, dtype=np.int64))
-    if not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
-    if np.any(c_p < 0) or np.any(c_p > n):
-        raise ValueError(f"correct counts must lie in [0, n={n}], got {c_p.tolist()}")
-    out = np.empty(c_p.shape, dtype=np.float64)
-    for idx, ci in enumerate(c_p):
-        if n - ci < k:
-            out[idx] = 1.0
-        else:
-            i = np.arange(n - ci + 1, n + 1, dtype=np.float64)
-            out[idx] = 1.0 - float(np.prod(1.0 - k / i))
-    return out
+  Computed as 1 - prod_{i = n-c+1}^{n} (1 - k / i), which never forms the
+  (huge) binomials; equals 1 exactly when n - c < k.
+  Args: n samples per problem, c [P] correct counts (0 <= c <= n), k <= n.
+  Returns: [P] float64.
+  """
+  c_p = np.atleast_1d(np.asarray(c, dtype=np.int64))
+  if not 1 <= k <= n:
+    raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+  if np.any(c_p < 0) or np.any(c_p > n):
+    raise ValueError(f"correct counts must lie in [0, n={n}], got {c_p.tolist()}")
+  out = np.empty(c_p.shape, dtype=np.float64)
+  for idx, ci in enumerate(c_p):
+    if n - ci < k:
+      out[idx] = 1.0
+    else:
+      i = np.arange(n - ci + 1, n + 1, dtype=np.float64)
+      out[idx] = 1.0 - float(np.prod(1.0 - k / i))
+  return out
 
 
 def pass_at_k(n: int, c, k: int) -> float:
-    """Mean unbiased pass@k over problems (see pass_at_k_per_problem)."""
-    return float(np.mean(pass_at_k_per_problem(n, c, k)))
+  """Mean unbiased pass@k over problems (see pass_at_k_per_problem)."""
+  return float(np.mean(pass_at_k_per_problem(n, c, k)))
 
 
 def mean_at_n(correct_pn) -> float:
-    """mean@n: mean over problems of the fraction of correct samples; correct_pn [P, n] bool/0-1."""
-    arr = np.asarray(correct_pn, dtype=np.float64)
-    if arr.ndim != 2 or arr.size == 0:
-        raise ValueError(f"mean_at_n needs a non-empty [P, n] array, got shape {arr.shape}")
-    return float(arr.mean(axis=1).mean())
+  """mean@n: mean over problems of the fraction of correct samples; correct_pn [P, n] bool/0-1."""
+  arr = np.asarray(correct_pn, dtype=np.float64)
+  if arr.ndim != 2 or arr.size == 0:
+    raise ValueError(f"mean_at_n needs a non-empty [P, n] array, got shape {arr.shape}")
+  return float(arr.mean(axis=1).mean())
 
 
 # ----------------------------------------------------------------------------
 # Evaluation
 # ----------------------------------------------------------------------------
 def evaluate(
-    generate_fn: GenerateFn,
-    problems: Sequence[Problem],
-    protocol: EvalProtocol,
-    step: int,
-    writer: Any = None,
-    jsonl_path: str | None = None,
-    tag: str | None = None,
-    extra: dict | None = None,
+  generate_fn: GenerateFn,
+  problems: Sequence[Problem],
+  protocol: EvalProtocol,
+  step: int,
+  writer: Any = None,
+  jsonl_path: str | None = None,
+  tag: str | None = None,
+  extra: dict | None = None,
 ) -> dict:
-    """Sample, grade, and record one evaluation.
+  """Sample, grade, and record one evaluation.
 
-    generate_fn(prompts: list[str], n=, temperature=, top_p=, max_new_tokens=,
-    greedy=) must return a list with one list of n completion strings per
-    prompt; it runs on the host (the sampler behind it may be jitted).
-    problems: if protocol.size is set, the first `size` are used (fewer is an error).
-    writer: anything with add_scalar(name, value, step) (tensorboardX SummaryWriter).
-    jsonl_path: append the record there as one json line.
-    tag: None, "best" or "final" (for best-vs-final reporting, review #6).
-    extra: additional json-serializable fields to store (e.g. wall-clock, GPU-hours).
+  generate_fn(prompts: list[str], n=, temperature=, top_p=, max_new_tokens=,
+  greedy=) must return a list with one list of n completion strings per
+  prompt; it runs on the host (the sampler behind it may be jitted).
+  problems: if protocol.size is set, the first `size` are used (fewer is an error).
+  writer: anything with add_scalar(name, value, step) (tensorboardX SummaryWriter).
+  jsonl_path: append the record there as one json line.
+  tag: None, "best" or "final" (for best-vs-final reporting, review #6).
+  extra: additional json-serializable fields to store (e.g. wall-clock, GPU-hours).
 
-    Returns the record: {"kind": "eval", "step", "tag", "protocol", "num_problems",
-    "mean_at_n", "pass_at_k": {"k": value}, "mean_reward", "per_problem":
-    [{"id", "num_correct"}], "eval_seconds", "time"} plus `extra`.
-    """
-    if tag not in _TAGS:
-        raise ValueError(f"tag must be one of {_TAGS}, got {tag!r}")
-    problems = list(problems)
-    if protocol.size is not None:
-        if len(problems) < protocol.size:
-            raise ValueError(f"protocol.size={protocol.size} but only {len(problems)} problems were given")
-        problems = problems[: protocol.size]
-    if not problems:
-        raise ValueError("evaluate needs at least one problem")
-    n = protocol.n
-    t0 = time.time()
-    prompts = [p.prompt for p in problems]
-    outputs = generate_fn(
-        prompts,
-        n=n,
-        temperature=protocol.temperature,
-        top_p=protocol.top_p,
-        max_new_tokens=protocol.max_new_tokens,
-        greedy=protocol.greedy,
+  Returns the record: {"kind": "eval", "step", "tag", "protocol", "num_problems",
+  "mean_at_n", "pass_at_k": {"k": value}, "mean_reward", "per_problem":
+  [{"id", "num_correct"}], "eval_seconds", "time"} plus `extra`.
+  """
+  if tag not in _TAGS:
+    raise ValueError(f"tag must be one of {_TAGS}, got {tag!r}")
+  problems = list(problems)
+  if protocol.size is not None:
+    if len(problems) < protocol.size:
+      raise ValueError(f"protocol.size={protocol.size} but only {len(problems)} problems were given")
+    problems = problems[: protocol.size]
+  if not problems:
+    raise ValueError("evaluate needs at least one problem")
+  n = protocol.n
+  t0 = time.time()
+  prompts = [p.prompt for p in problems]
+  outputs = generate_fn(
+    prompts,
+    n=n,
+    temperature=protocol.temperature,
+    top_p=protocol.top_p,
+    max_new_tokens=protocol.max_new_tokens,
+    greedy=protocol.greedy,
+  )
+  if len(outputs) != len(prompts) or any(len(o) != n for o in outputs):
+    shapes = [len(o) for o in outputs][:5]
+    raise ValueError(
+      f"generate_fn must return {len(prompts)} lists of n={n} completions; got {len(outputs)} lists "
+      f"with lengths {shapes}..."
     )
-    if len(outputs) != len(prompts) or any(len(o) != n for o in outputs):
-        shapes = [len(o) for o in outputs][:5]
-        raise ValueError(
-            f"generate_fn must return {len(prompts)} lists of n={n} completions; got {len(outputs)} lists "
-            f"with lengths {shapes}..."
-        )
-    reward_pn = np.array(
-        [[tasks_lib.score(p.task, out, p.reference, protocol.extraction) for out in outs] for p, outs in zip(problems, outputs)],
-        dtype=np.float64,
-    )
-    correct_pn = reward_pn >= tasks_lib.CORRECT_THRESHOLD
-    c_p = correct_pn.sum(axis=1)
-    record = {
-        "kind": "eval",
-        "step": int(step),
-        "tag": tag,
-        "protocol": protocol.to_dict(),
-        "num_problems": len(problems),
-        "mean_at_n": mean_at_n(correct_pn),
-        "pass_at_k": {str(k): pass_at_k(n, c_p, k) for k in protocol.pass_at_k},
-        "mean_reward": float(reward_pn.mean()),
-        "per_problem": [{"id": p.id, "num_correct": int(c)} for p, c in zip(problems, c_p)],
-        "eval_seconds": time.time() - t0,
-        "time": time.time(),
-    }
-    if extra:
-        clash = set(extra) & set(record)
-        if clash:
-            raise ValueError(f"extra fields {sorted(clash)} would overwrite record fields")
-        record.update(extra)
-    if writer is not None:
-        prefix = f"eval/{protocol.dataset}"
-        writer.add_scalar(f"{prefix}/mean@{n}", record["mean_at_n"], int(step))
-        for k, v in record["pass_at_k"].items():
-            writer.add_scalar(f"{prefix}/pass@{k}", v, int(step))
-        writer.add_scalar(f"{prefix}/mean_reward", record["mean_reward"], int(step))
-    if jsonl_path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-        with open(jsonl_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    return record
+  reward_pn = np.array(
+    [
+      [tasks_lib.score(p.task, out, p.reference, protocol.extraction) for out in outs]
+      for p, outs in zip(problems, outputs)
+    ],
+    dtype=np.float64,
+  )
+  correct_pn = reward_pn >= tasks_lib.CORRECT_THRESHOLD
+  c_p = correct_pn.sum(axis=1)
+  record = {
+    "kind": "eval",
+    "step": int(step),
+    "tag": tag,
+    "protocol": protocol.to_dict(),
+    "num_problems": len(problems),
+    "mean_at_n": mean_at_n(correct_pn),
+    "pass_at_k": {str(k): pass_at_k(n, c_p, k) for k in protocol.pass_at_k},
+    "mean_reward": float(reward_pn.mean()),
+    "per_problem": [{"id": p.id, "num_correct": int(c)} for p, c in zip(problems, c_p)],
+    "eval_seconds": time.time() - t0,
+    "time": time.time(),
+  }
+  if extra:
+    clash = set(extra) & set(record)
+    if clash:
+      raise ValueError(f"extra fields {sorted(clash)} would overwrite record fields")
+    record.update(extra)
+  if writer is not None:
+    prefix = f"eval/{protocol.dataset}"
+    writer.add_scalar(f"{prefix}/mean@{n}", record["mean_at_n"], int(step))
+    for k, v in record["pass_at_k"].items():
+      writer.add_scalar(f"{prefix}/pass@{k}", v, int(step))
+    writer.add_scalar(f"{prefix}/mean_reward", record["mean_reward"], int(step))
+  if jsonl_path is not None:
+    os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+    with open(jsonl_path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+  return record
 
 
 def best_and_final(jsonl_path: str, dataset: str | None = None, metric: str = "mean_at_n") -> dict:
-    """Best and final eval records from a jsonl file (review #6).
+  """Best and final eval records from a jsonl file (review #6).
 
-    Among "eval" records (optionally of one dataset): "final" is the record
-    tagged "final" if any, else the one with the largest step; "best" is the
-    record tagged "best" if any, else the one with the highest metric
-    (earliest step on ties). metric: "mean_at_n", "mean_reward" or "pass@K".
-    Returns {"best": record, "final": record}.
-    """
-    recs = []
-    with open(jsonl_path) as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                if r.get("kind") == "eval" and (dataset is None or r["protocol"]["dataset"] == dataset):
-                    recs.append(r)
-    if not recs:
-        raise ValueError(f"no eval records{' for ' + dataset if dataset else ''} in {jsonl_path}")
-    protos = {json.dumps(r["protocol"], sort_keys=True) for r in recs}
-    if len(protos) > 1:
-        raise ValueError(
-            f"{jsonl_path} mixes {len(protos)} eval protocols; pass dataset= or compare one protocol at a time"
-        )
+  Among "eval" records (optionally of one dataset): "final" is the record
+  tagged "final" if any, else the one with the largest step; "best" is the
+  record tagged "best" if any, else the one with the highest metric
+  (earliest step on ties). metric: "mean_at_n", "mean_reward" or "pass@K".
+  Returns {"best": record, "final": record}.
+  """
+  recs = []
+  with open(jsonl_path) as f:
+    for line in f:
+      if line.strip():
+        r = json.loads(line)
+        if r.get("kind") == "eval" and (dataset is None or r["protocol"]["dataset"] == dataset):
+          recs.append(r)
+  if not recs:
+    raise ValueError(f"no eval records{' for ' + dataset if dataset else ''} in {jsonl_path}")
+  protos = {json.dumps(r["protocol"], sort_keys=True) for r in recs}
+  if len(protos) > 1:
+    raise ValueError(
+      f"{jsonl_path} mixes {len(protos)} eval protocols; pass dataset= or compare one protocol at a time"
+    )
 
-    def value(r):
-        if metric.startswith("pass@"):
-            return r["pass_at_k"][metric[5:]]
-        if metric not in ("mean_at_n", "mean_reward"):
-            raise ValueError(f"metric must be mean_at_n, mean_reward or pass@K, got {metric!r}")
-        return r[metric]
+  def value(r):
+    if metric.startswith("pass@"):
+      return r["pass_at_k"][metric[5:]]
+    if metric not in ("mean_at_n", "mean_reward"):
+      raise ValueError(f"metric must be mean_at_n, mean_reward or pass@K, got {metric!r}")
+    return r[metric]
 
-    tagged_final = [r for r in recs if r.get("tag") == "final"]
-    tagged_best = [r for r in recs if r.get("tag") == "best"]
-    final = tagged_final[-1] if tagged_final else max(recs, key=lambda r: r["step"])
-    best = tagged_best[-1] if tagged_best else max(recs, key=lambda r: (value(r), -r["step"]))
-    return {"best": best, "final": final}
+  tagged_final = [r for r in recs if r.get("tag") == "final"]
+  tagged_best = [r for r in recs if r.get("tag") == "best"]
+  final = tagged_final[-1] if tagged_final else max(recs, key=lambda r: r["step"])
+  best = tagged_best[-1] if tagged_best else max(recs, key=lambda r: (value(r), -r["step"]))
+  return {"best": best, "final": final}

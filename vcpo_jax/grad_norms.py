@@ -51,6 +51,7 @@ Three ways to get S_n, all exact:
 Shape legend: N trajectories, T tokens, V vocab, D model width, Din/Dout a
 linear layer's input/output widths.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,6 +85,7 @@ class GhostResult(NamedTuple):
   grads: gradient of `loss` wrt params, same pytree structure as params.
   aux: whatever coef_fn returned beside coef_n.
   """
+
   logp_nt: jax.Array
   tokw_nt: jax.Array
   sq_norms_n: jax.Array
@@ -96,6 +98,7 @@ class GhostResult(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
   """How one tapped matmul (linear or tied head) computes its norm and gradient."""
+
   name: str
   method: str  # "gram" | "direct" | "materialize"
   t: int
@@ -106,6 +109,7 @@ class LayerPlan:
 def sequence_logp_fn(graphdef) -> LogpFn:
   """logp_fn for `vcpo_jax.model.transformer`: batch = {"tokens": [N, T] int32, "valid": [N, T] bool}."""
   from vcpo_jax.model import transformer  # local: keep this module importable without the model
+
   return lambda params, batch: transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid"])
 
 
@@ -137,8 +141,13 @@ def _matmul_dims(info: taps.TapInfo, in_shape, out_shape) -> tuple[int, int, int
   return t, in_shape[-1], out_shape[-1]
 
 
-def plan_layers(infos: dict[str, taps.TapInfo], in_shapes: dict[str, Any], out_shapes: dict[str, Any],
-                method: str = "auto", materialize_budget_bytes: int = 2 << 30) -> dict[str, LayerPlan]:
+def plan_layers(
+  infos: dict[str, taps.TapInfo],
+  in_shapes: dict[str, Any],
+  out_shapes: dict[str, Any],
+  method: str = "auto",
+  materialize_budget_bytes: int = 2 << 30,
+) -> dict[str, LayerPlan]:
   """Chooses gram / direct / materialize per tapped matmul (static, from shapes only).
 
   Per-example flop counts (fp32): gram T^2 (Din + Dout); direct T Din Dout + Din Dout, both
@@ -182,8 +191,10 @@ def _resolve_tokw(tokw: TokW, logp_nt: jax.Array) -> jax.Array:
   tokw_nt = tokw(logp_nt) if callable(tokw) else tokw
   tokw_nt = jax.lax.stop_gradient(jnp.asarray(tokw_nt, _F32))
   if tokw_nt.shape != logp_nt.shape:
-    raise ValueError(f"tokw_nt has shape {tokw_nt.shape}; it must match logp_nt {logp_nt.shape} "
-                     "(one weight per token, 0 outside the loss mask).")
+    raise ValueError(
+      f"tokw_nt has shape {tokw_nt.shape}; it must match logp_nt {logp_nt.shape} "
+      "(one weight per token, 0 outside the loss mask)."
+    )
   return tokw_nt
 
 
@@ -194,12 +205,19 @@ def _flat(a: jax.Array, n: int) -> jax.Array:
 
 def _gram_sq_norm(a_ntk: jax.Array, d_nto: jax.Array) -> jax.Array:
   """sum_{t,s} (a_t . a_s)(d_t . d_s) = ||A_n^T D_n||_F^2, [N]."""
-  return jnp.einsum("nts,nts->n", jnp.einsum("nti,nsi->nts", a_ntk, a_ntk),
-                    jnp.einsum("nto,nso->nts", d_nto, d_nto))
+  return jnp.einsum("nts,nts->n", jnp.einsum("nti,nsi->nts", a_ntk, a_ntk), jnp.einsum("nto,nso->nts", d_nto, d_nto))
 
 
-def ghost_sq_norms_and_grad(logp_fn: LogpFn, params, batch, tokw: TokW, coef_fn: CoefFn, *,
-                            method: str = "auto", materialize_budget_bytes: int = 2 << 30) -> GhostResult:
+def ghost_sq_norms_and_grad(
+  logp_fn: LogpFn,
+  params,
+  batch,
+  tokw: TokW,
+  coef_fn: CoefFn,
+  *,
+  method: str = "auto",
+  materialize_budget_bytes: int = 2 << 30,
+) -> GhostResult:
   """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
 
   Args:
@@ -231,10 +249,17 @@ def ghost_sq_norms_and_grad(logp_fn: LogpFn, params, batch, tokw: TokW, coef_fn:
       owners.setdefault(p, []).append(name)
   missing = sorted(set(param_shapes) - set(owners))
   if missing:
-    raise ValueError(f"Parameters {missing} are not covered by any tap; their per-example norms would be "
-                     "missing. Tap the layers that use them.")
-  plans = plan_layers(infos, {k: v.shape for k, v in in_shapes.items()},
-                      {k: v.shape for k, v in out_shapes.items()}, method, materialize_budget_bytes)
+    raise ValueError(
+      f"Parameters {missing} are not covered by any tap; their per-example norms would be "
+      "missing. Tap the layers that use them."
+    )
+  plans = plan_layers(
+    infos,
+    {k: v.shape for k, v in in_shapes.items()},
+    {k: v.shape for k, v in out_shapes.items()},
+    method,
+    materialize_budget_bytes,
+  )
 
   # One forward pass, one vjp with respect to the zero perturbations only.
   zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in out_shapes.items()}
@@ -292,12 +317,15 @@ def ghost_sq_norms_and_grad(logp_fn: LogpFn, params, batch, tokw: TokW, coef_fn:
           kept[head] = g
       # 2 <B_n, C_n> = 2 sum_{t,s} D^head[s, tok_t] (d^emb_t . h_s)
       m_nts = jnp.einsum("ntd,nsd->nts", d_emb, h_nt)
-      p_nst = jnp.take_along_axis(d_head, jnp.broadcast_to(tok_nt[:, None, :], d_head.shape[:2] + tok_nt.shape[1:]),
-                                  axis=2)
+      p_nst = jnp.take_along_axis(
+        d_head, jnp.broadcast_to(tok_nt[:, None, :], d_head.shape[:2] + tok_nt.shape[1:]), axis=2
+      )
       sq_n += 2.0 * jnp.einsum("nts,nst->n", m_nts, p_nst)
     else:
-      raise ValueError(f"Parameter {p!r} is used by taps {names} of kinds {kinds}; only a tied "
-                       "embed + unembed pair may share a parameter.")
+      raise ValueError(
+        f"Parameter {p!r} is used by taps {names} of kinds {kinds}; only a tied "
+        "embed + unembed pair may share a parameter."
+      )
 
   coef_n, aux = coef_fn(logp_nt, jax.lax.stop_gradient(sq_n))
   coef_n = jax.lax.stop_gradient(jnp.asarray(coef_n, _F32))
@@ -332,8 +360,11 @@ def ghost_sq_norms_and_grad(logp_fn: LogpFn, params, batch, tokw: TokW, coef_fn:
       add(info.param + ".scale", jnp.einsum("n,ntd->d", w_n, _flat(a, n) * _flat(d, n)))
     elif info.kind == "embed":
       table = param_shapes[info.param + ".embedding"]
-      rows = jnp.zeros(table.shape, _F32).at[a.reshape(-1)].add(
-          (_flat(d, n) * w_n[:, None, None]).reshape(-1, table.shape[-1]))
+      rows = (
+        jnp.zeros(table.shape, _F32)
+        .at[a.reshape(-1)]
+        .add((_flat(d, n) * w_n[:, None, None]).reshape(-1, table.shape[-1]))
+      )
       add(info.param + ".embedding", rows)
 
   grads = jax.tree_util.tree_map_with_path(lambda path, _: grads_by_path[path_str(path)], params)
@@ -346,8 +377,9 @@ def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(same, jnp.einsum("ntd,nsd->nts", d_ntd, d_ntd), 0.0), axis=(1, 2))
 
 
-def ghost_policy_gradient(logp_fn: LogpFn, params, batch, cfg, *, method: str = "auto",
-                          materialize_budget_bytes: int = 2 << 30):
+def ghost_policy_gradient(
+  logp_fn: LogpFn, params, batch, cfg, *, method: str = "auto", materialize_budget_bytes: int = 2 << 30
+):
   """Drop-in fast path for `estimator.policy_gradient(logp_fn, params, batch, cfg)`.
 
   Same arguments and result (grads, metrics): tokw_nt = estimator.pg_token_weights(...),
@@ -357,6 +389,7 @@ def ghost_policy_gradient(logp_fn: LogpFn, params, batch, cfg, *, method: str = 
   sq_norm_n [N] (the exact S_n, whether or not cfg uses it).
   """
   from vcpo_jax import estimator
+
   missing = [k for k in estimator.BATCH_KEYS if k not in batch]
   if missing:
     raise ValueError(f"batch: missing keys {missing}; need {list(estimator.BATCH_KEYS)}")
@@ -368,8 +401,9 @@ def ghost_policy_gradient(logp_fn: LogpFn, params, batch, cfg, *, method: str = 
   def coef_fn(logp_nt, sq_n):
     return estimator.pg_coefficients(logp_nt, beh, mask, batch["rewards"], batch["group_id"], sq_n, cfg)
 
-  res = ghost_sq_norms_and_grad(logp_fn, params, batch, tokw, coef_fn, method=method,
-                                materialize_budget_bytes=materialize_budget_bytes)
+  res = ghost_sq_norms_and_grad(
+    logp_fn, params, batch, tokw, coef_fn, method=method, materialize_budget_bytes=materialize_budget_bytes
+  )
   return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n)
 
 
@@ -378,9 +412,11 @@ def ghost_policy_gradient(logp_fn: LogpFn, params, batch, cfg, *, method: str = 
 
 def _per_example_fn(logp_fn: LogpFn):
   """fn(params, example) = sum_t tokw_t logp_t for one example (leaves without the N axis)."""
+
   def fn(params, example):
     one = jax.tree.map(lambda x: x[None], example["batch"])
     return jnp.sum(example["tokw_nt"] * logp_fn(params, one)[0])
+
   return fn
 
 
@@ -393,9 +429,9 @@ def _tokw_array(logp_fn: LogpFn, params, batch, tokw: TokW) -> jax.Array:
 def vmap_sq_norms(logp_fn: LogpFn, params, batch, tokw: TokW) -> jax.Array:
   """S_n via `estimator.per_example_sq_grad_norms` (vmap of per-example grads), [N]."""
   from vcpo_jax import estimator  # local: the estimator imports nothing from here, keep it that way
+
   tokw_nt = _tokw_array(logp_fn, params, batch, tokw)
-  return estimator.per_example_sq_grad_norms(_per_example_fn(logp_fn), params,
-                                             {"batch": batch, "tokw_nt": tokw_nt})
+  return estimator.per_example_sq_grad_norms(_per_example_fn(logp_fn), params, {"batch": batch, "tokw_nt": tokw_nt})
 
 
 def loop_sq_norms(logp_fn: LogpFn, params, batch, tokw: TokW) -> jax.Array:

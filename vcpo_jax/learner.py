@@ -17,6 +17,7 @@ A step whose loss or gradient is not finite is skipped (parameters and optimizer
 state unchanged, `nonfinite` = 1 in the metrics); the trainer aborts or goes on
 according to its config.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,14 +54,17 @@ class LearnerConfig:
 
 def make_logp_fn(graphdef) -> Callable:
   """logp_fn(params, batch) -> logp_nt [N, T] of batch["tokens"] under the policy."""
+
   def logp_fn(params, batch):
     return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"])
+
   return logp_fn
 
 
 def _gradient(graphdef, params, batch, cfg: LearnerConfig):
   if cfg.grad_path == "ghost":
     from vcpo_jax import grad_norms  # the fast path; imported lazily to keep this module light
+
     return grad_norms.ghost_policy_gradient(make_logp_fn(graphdef), params, batch, cfg.pg)
   return estimator.policy_gradient(make_logp_fn(graphdef), params, batch, cfg.pg)
 
@@ -78,8 +82,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state), state.step + 1)
     metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
-    metrics.update(grad_norm=grad_norm, update_norm=optax.global_norm(updates),
-                   nonfinite=1.0 - finite.astype(jnp.float32))
+    metrics.update(
+      grad_norm=grad_norm, update_norm=optax.global_norm(updates), nonfinite=1.0 - finite.astype(jnp.float32)
+    )
     return new_state, metrics
 
   return train_step
@@ -98,6 +103,7 @@ def make_plain_grad_fn(graphdef):
     def loss(p):
       logp = logp_fn(p, batch)
       return -jnp.sum(batch["rewards"][:, None] * batch["loss_mask"] * logp)
+
     return optax.global_norm(jax.grad(loss)(params))
 
   return plain

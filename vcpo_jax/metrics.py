@@ -5,6 +5,7 @@ Every record is one flat dict of scalars keyed like "train/reward_mean" or
 continued across resumes). The jsonl file is the source of truth: plots and the
 experiment scripts read it back with `read_jsonl`.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,11 +18,11 @@ import numpy as np
 
 # Plots written at the end of a run: (file stem, title, metric keys to overlay).
 PLOTS = (
-    ("reward", "reward and accuracy", ("train/reward_mean", "train/accuracy", "eval/accuracy")),
-    ("ess", "ESS ratio", ("train/ess_ratio", "train/ess_ratio_applied")),
-    ("lr_scale", "learning-rate scale", ("train/lr_scale",)),
-    ("grad_norm", "gradient norm (before clipping)", ("train/grad_norm",)),
-    ("lag", "policy lag (learner steps)", ("train/lag_min", "train/lag_mean", "train/lag_max")),
+  ("reward", "reward and accuracy", ("train/reward_mean", "train/accuracy", "eval/accuracy")),
+  ("ess", "ESS ratio", ("train/ess_ratio", "train/ess_ratio_applied")),
+  ("lr_scale", "learning-rate scale", ("train/lr_scale",)),
+  ("grad_norm", "gradient norm (before clipping)", ("train/grad_norm",)),
+  ("lag", "policy lag (learner steps)", ("train/lag_min", "train/lag_mean", "train/lag_max")),
 )
 
 
@@ -36,8 +37,15 @@ def _scalar(v):
 class MetricsWriter:
   """Writes scalars to tensorboard + jsonl and drives a tqdm progress bar."""
 
-  def __init__(self, workdir: str, total_steps: int, initial_step: int = 0, wall_offset: float = 0.0,
-               progress: bool = True, tensorboard: bool = True):
+  def __init__(
+    self,
+    workdir: str,
+    total_steps: int,
+    initial_step: int = 0,
+    wall_offset: float = 0.0,
+    progress: bool = True,
+    tensorboard: bool = True,
+  ):
     os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
@@ -45,10 +53,12 @@ class MetricsWriter:
     self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter
+
       self._tb = SummaryWriter(os.path.join(workdir, "tb"))
     self._bar = None
     if progress:
       from tqdm.auto import tqdm
+
       self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
     if initial_step:  # a resumed run drops records logged after the checkpoint it resumed from
       truncate_jsonl(self.jsonl_path, initial_step + 1)
@@ -72,10 +82,13 @@ class MetricsWriter:
     if self._bar is not None:
       if advance:
         self._bar.update(1)
-      shown = {"R": metrics.get("train/reward_mean"), "ess": metrics.get("train/ess_ratio"),
-               "lr×": metrics.get("train/lr_scale"), "acc": metrics.get("eval/accuracy")}
-      self._bar.set_postfix({k: f"{float(v):.3f}" for k, v in shown.items() if _scalar(v) is not None},
-                            refresh=False)
+      shown = {
+        "R": metrics.get("train/reward_mean"),
+        "ess": metrics.get("train/ess_ratio"),
+        "lr×": metrics.get("train/lr_scale"),
+        "acc": metrics.get("eval/accuracy"),
+      }
+      self._bar.set_postfix({k: f"{float(v):.3f}" for k, v in shown.items() if _scalar(v) is not None}, refresh=False)
 
   def close(self):
     if self._tb is not None:
@@ -112,6 +125,7 @@ def series(records: Iterable[dict], key: str, x: str = "step") -> tuple[np.ndarr
 def plot_run(workdir: str) -> list[str]:
   """Writes one PNG per PLOTS entry (against step and wall-clock) into workdir/plots."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 

@@ -68,8 +68,14 @@ def scale_by_ess(max_scale: float = 1.0) -> optax.GradientTransformationExtraArg
 SCHEDULES = ("constant", "warmup_constant", "warmup_cosine")
 
 
-def make_schedule(learning_rate: float, schedule: str = "constant", *, warmup_steps: int = 0,
-                  total_steps: int | None = None, end_factor: float = 0.0) -> optax.Schedule:
+def make_schedule(
+  learning_rate: float,
+  schedule: str = "constant",
+  *,
+  warmup_steps: int = 0,
+  total_steps: int | None = None,
+  end_factor: float = 0.0,
+) -> optax.Schedule:
   """Learning-rate schedule by name.
 
   "constant": eta. "warmup_constant": linear 0 -> eta over warmup_steps, then eta.
@@ -85,20 +91,29 @@ def make_schedule(learning_rate: float, schedule: str = "constant", *, warmup_st
     return optax.constant_schedule(learning_rate)
   if schedule == "warmup_constant":
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-         optax.constant_schedule(learning_rate)], [warmup_steps])
+      [optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)), optax.constant_schedule(learning_rate)],
+      [warmup_steps],
+    )
   if total_steps is None or total_steps <= warmup_steps:
-    raise ValueError(f"total_steps={total_steps!r}: warmup_cosine needs total_steps > "
-                     f"warmup_steps={warmup_steps}")
-  return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, total_steps,
-                                            end_value=end_factor * learning_rate)
+    raise ValueError(f"total_steps={total_steps!r}: warmup_cosine needs total_steps > warmup_steps={warmup_steps}")
+  return optax.warmup_cosine_decay_schedule(
+    0.0, learning_rate, warmup_steps, total_steps, end_value=end_factor * learning_rate
+  )
 
 
-def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.1,
-                   clip_norm: float | None = 1.0, b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-8, schedule: str = "constant", warmup_steps: int = 0,
-                   total_steps: int | None = None,
-                   max_ess_scale: float = 1.0) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(
+  learning_rate: float | optax.Schedule,
+  *,
+  weight_decay: float = 0.1,
+  clip_norm: float | None = 1.0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  schedule: str = "constant",
+  warmup_steps: int = 0,
+  total_steps: int | None = None,
+  max_ess_scale: float = 1.0,
+) -> optax.GradientTransformationExtraArgs:
   """chain(clip_by_global_norm, adamw, scale_by_ess): the learner's optimizer.
 
   Args:
@@ -112,8 +127,11 @@ def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float
   Returns:
     GradientTransformationExtraArgs; pass ess_scale=... to update.
   """
-  lr = learning_rate if callable(learning_rate) else make_schedule(
-      learning_rate, schedule, warmup_steps=warmup_steps, total_steps=total_steps)
+  lr = (
+    learning_rate
+    if callable(learning_rate)
+    else make_schedule(learning_rate, schedule, warmup_steps=warmup_steps, total_steps=total_steps)
+  )
   parts = []
   if clip_norm is not None:
     if not clip_norm > 0:

@@ -39,6 +39,7 @@ again; max_new_tokens within a bucket and the stop-token set are runtime values.
 Randomness is per row: row n at step i uses fold_in(fold_in(rng, n), i), so a row's
 sample does not depend on which other rows share its batch.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -72,6 +73,7 @@ class SamplerConfig:
     batch_buckets: allowed padded batch sizes B (ascending); larger N is chunked.
     logp_mode: "sampled" or "tempered", see the module docstring.
   """
+
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
@@ -98,12 +100,15 @@ class SamplerConfig:
     for name in ("prompt_buckets", "new_token_buckets", "batch_buckets"):
       b = tuple(getattr(self, name))
       if not b or any(int(x) <= 0 for x in b) or list(b) != sorted(set(b)):
-        raise ValueError(f"SamplerConfig.{name} must be a non-empty strictly increasing list of "
-                         f"positive ints, got {b}.")
+        raise ValueError(
+          f"SamplerConfig.{name} must be a non-empty strictly increasing list of positive ints, got {b}."
+        )
       object.__setattr__(self, name, tuple(int(x) for x in b))
     if self.max_new_tokens > self.new_token_buckets[-1]:
-      raise ValueError(f"SamplerConfig.max_new_tokens={self.max_new_tokens} exceeds the largest "
-                       f"new_token_buckets entry {self.new_token_buckets[-1]}; add a bigger bucket.")
+      raise ValueError(
+        f"SamplerConfig.max_new_tokens={self.max_new_tokens} exceeds the largest "
+        f"new_token_buckets entry {self.new_token_buckets[-1]}; add a bigger bucket."
+      )
     object.__setattr__(self, "stop_ids", tuple(int(x) for x in self.stop_ids))
 
   @property
@@ -130,6 +135,7 @@ class Rollout:
     finished: bool [N] the response ended with EOS / a stop id (False: hit the budget).
     group_id: int32 [N] index of the prompt the row answers.
   """
+
   tokens: np.ndarray
   prompt_mask: np.ndarray
   response_mask: np.ndarray
@@ -172,8 +178,8 @@ def _nucleus_threshold(x_bv: jax.Array, top_p: float) -> jax.Array:
   """
   probs = jax.nn.softmax(x_bv, axis=-1)
   mass_above = lambda bits: jnp.sum(
-      jnp.where(probs > jax.lax.bitcast_convert_type(bits, jnp.float32), probs, 0.0), axis=-1,
-      keepdims=True)
+    jnp.where(probs > jax.lax.bitcast_convert_type(bits, jnp.float32), probs, 0.0), axis=-1, keepdims=True
+  )
   b = x_bv.shape[0]
   lo = jnp.zeros((b, 1), jnp.int32)  # bits of 0.0: mass above ~1 >= top_p
   hi = jnp.full((b, 1), np.float32(1.0).view(np.int32) + 1, jnp.int32)  # just above 1: mass 0
@@ -198,16 +204,29 @@ def _choose(logits_bv, keys_b, cfg: SamplerConfig):
   else:
     x = filter_logits(logits_bv, cfg.temperature, cfg.top_k, cfg.top_p)
     tok = jax.vmap(jax.random.categorical)(keys_b, x).astype(jnp.int32)
-    ref = jax.nn.log_softmax(x if cfg.logp_mode == "sampled" else
-                             logits_bv.astype(jnp.float32) / jnp.float32(cfg.temperature), axis=-1)
+    ref = jax.nn.log_softmax(
+      x if cfg.logp_mode == "sampled" else logits_bv.astype(jnp.float32) / jnp.float32(cfg.temperature), axis=-1
+    )
   return tok, jnp.take_along_axis(ref, tok[:, None], axis=-1)[:, 0]
 
 
 # ----------------------------------------------------------------------------- the device loop
 
 
-def _generate_device(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, num_new: int, params, prompt_bt, prompt_valid_bt,
-                     active_b, row_ids_b, stop_v, max_new, rng):
+def _generate_device(
+  graphdef,
+  cfg_model: ModelConfig,
+  cfg: SamplerConfig,
+  num_new: int,
+  params,
+  prompt_bt,
+  prompt_valid_bt,
+  active_b,
+  row_ids_b,
+  stop_v,
+  max_new,
+  rng,
+):
   """The whole generation, one jit: prefill the prompt bucket, then a while_loop of decode steps.
 
   Args:
@@ -261,8 +280,7 @@ def _generate_device(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, num_n
     idx = tp + i - 1  # cache slot of the token being fed
     kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
     pos = (prompt_len + i - 1)[:, None]
-    logits, cache = transformer.forward(graphdef, params, prev[:, None], pos, kv_valid[:, None, :],
-                                        cache, idx)
+    logits, cache = transformer.forward(graphdef, params, prev[:, None], pos, kv_valid[:, None, :], cache, idx)
     state, stopped = emit(i, logits[:, -1], state)
     return i + 1, cache, kv_valid, state, finished | stopped
 
@@ -274,8 +292,7 @@ def _generate_device(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, num_n
 def _bucket(value: int, buckets: Sequence[int], field: str) -> int:
   i = bisect.bisect_left(buckets, value)
   if i == len(buckets):
-    raise ValueError(f"{field}={value} exceeds the largest SamplerConfig bucket {buckets[-1]}; "
-                     f"add a larger bucket.")
+    raise ValueError(f"{field}={value} exceeds the largest SamplerConfig bucket {buckets[-1]}; add a larger bucket.")
   return buckets[i]
 
 
@@ -292,16 +309,29 @@ class Sampler:
       raise ValueError(f"sampler_cfg must be a SamplerConfig, got {type(sampler_cfg).__name__}.")
     for sid in sampler_cfg.all_stop_ids + (sampler_cfg.pad_id,):
       if not 0 <= sid < cfg_model.vocab_size:
-        raise ValueError(f"SamplerConfig token id {sid} (eos_id/stop_ids/pad_id) is outside the "
-                         f"vocabulary [0, {cfg_model.vocab_size}).")
+        raise ValueError(
+          f"SamplerConfig token id {sid} (eos_id/stop_ids/pad_id) is outside the "
+          f"vocabulary [0, {cfg_model.vocab_size})."
+        )
     self.graphdef, self.cfg_model, self.cfg = graphdef, cfg_model, sampler_cfg
     self.num_traces = 0  # incremented at trace time: the compile-count test reads it
 
-    def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *,
-                  num_new):
+    def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
-      return _generate_device(graphdef, cfg_model, sampler_cfg, num_new, params, prompt_bt, prompt_valid_bt,
-                              active_b, row_ids_b, stop_v, max_new, rng)
+      return _generate_device(
+        graphdef,
+        cfg_model,
+        sampler_cfg,
+        num_new,
+        params,
+        prompt_bt,
+        prompt_valid_bt,
+        active_b,
+        row_ids_b,
+        stop_v,
+        max_new,
+        rng,
+      )
 
     self._device_fn = jax.jit(device_fn, static_argnames=("num_new",))
 
@@ -321,22 +351,27 @@ class Sampler:
       raise ValueError("prompt_token_lists is empty: pass at least one prompt.")
     lens = [len(r) for r in rows]
     if min(lens) == 0:
-      raise ValueError(f"prompt {lens.index(0)} is empty: every prompt needs at least one token "
-                       "(e.g. BOS) to condition on.")
+      raise ValueError(
+        f"prompt {lens.index(0)} is empty: every prompt needs at least one token (e.g. BOS) to condition on."
+      )
     if not 0 < max_new_tokens <= self.cfg.new_token_buckets[-1]:
-      raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, {self.cfg.new_token_buckets[-1]}] "
-                       "(SamplerConfig.new_token_buckets).")
+      raise ValueError(
+        f"max_new_tokens={max_new_tokens} must be in [1, {self.cfg.new_token_buckets[-1]}] "
+        "(SamplerConfig.new_token_buckets)."
+      )
     tp = _bucket(max(lens), self.cfg.prompt_buckets, "prompt length")
     tn = _bucket(max_new_tokens, self.cfg.new_token_buckets, "max_new_tokens")
     if tp + tn > self.cfg_model.max_position:
-      raise ValueError(f"prompt bucket {tp} + new-token bucket {tn} exceeds ModelConfig.max_position="
-                       f"{self.cfg_model.max_position}; use smaller buckets or prompts.")
+      raise ValueError(
+        f"prompt bucket {tp} + new-token bucket {tn} exceeds ModelConfig.max_position="
+        f"{self.cfg_model.max_position}; use smaller buckets or prompts."
+      )
     n = len(rows)
     prompt = np.full((n, tp), self.cfg.pad_id, np.int32)
     valid = np.zeros((n, tp), bool)
     for i, r in enumerate(rows):
-      prompt[i, tp - len(r):] = np.asarray(r, np.int32)
-      valid[i, tp - len(r):] = True
+      prompt[i, tp - len(r) :] = np.asarray(r, np.int32)
+      valid[i, tp - len(r) :] = True
     if prompt.min() < 0 or prompt.max() >= self.cfg_model.vocab_size:
       raise ValueError(f"prompt token ids must lie in [0, {self.cfg_model.vocab_size}).")
     outs = []
@@ -346,18 +381,23 @@ class Sampler:
       b = _bucket(m, self.cfg.batch_buckets, "batch size")
       pb = np.full((b, tp), self.cfg.pad_id, np.int32)
       vb = np.zeros((b, tp), bool)
-      pb[:m], vb[:m] = prompt[start:start + m], valid[start:start + m]
+      pb[:m], vb[:m] = prompt[start : start + m], valid[start : start + m]
       vb[m:, -1] = True  # padding rows: one dummy token keeps their attention rows non-empty
       active = np.arange(b) < m
       row_ids = np.arange(start, start + b, dtype=np.int32)
-      out = self._device_fn(params, pb, vb, active, row_ids, stop_v, np.int32(max_new_tokens), rng,
-                            num_new=tn)
+      out = self._device_fn(params, pb, vb, active, row_ids, stop_v, np.int32(max_new_tokens), rng, num_new=tn)
       outs.append([np.asarray(o)[:m] for o in jax.device_get(out)])
     toks, logps, lengths, finished = (np.concatenate(x) for x in zip(*outs))
     return prompt, valid, toks, logps, lengths, finished
 
-  def generate(self, params, prompt_token_lists: Sequence[Sequence[int]], rng, num_samples: int = 1,
-               max_new_tokens: int | None = None) -> Rollout:
+  def generate(
+    self,
+    params,
+    prompt_token_lists: Sequence[Sequence[int]],
+    rng,
+    num_samples: int = 1,
+    max_new_tokens: int | None = None,
+  ) -> Rollout:
     """Samples num_samples (G) responses per prompt; rows are prompt-major (n = p * G + g).
 
     Args:
@@ -374,22 +414,24 @@ class Sampler:
     max_new = self.cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
     rows = [list(p) for p in prompt_token_lists for _ in range(num_samples)]
     prompt, valid, toks, logps, lengths, finished = self._run(
-        params, rows, max_new, self._stop_mask(self.cfg.all_stop_ids), rng)
+      params, rows, max_new, self._stop_mask(self.cfg.all_stop_ids), rng
+    )
     tn = toks.shape[1]
     resp_mask = np.arange(tn)[None, :] < lengths[:, None]
     return Rollout(
-        tokens=np.concatenate([prompt, toks], axis=1),
-        prompt_mask=np.concatenate([valid, np.zeros_like(resp_mask)], axis=1),
-        response_mask=np.concatenate([np.zeros_like(valid), resp_mask], axis=1),
-        behavior_logp=np.concatenate([np.zeros(valid.shape, np.float32), logps], axis=1),
-        lengths=lengths.astype(np.int32),
-        prompt_lengths=valid.sum(1).astype(np.int32),
-        finished=finished.astype(bool),
-        group_id=np.repeat(np.arange(len(prompt_token_lists), dtype=np.int32), num_samples),
+      tokens=np.concatenate([prompt, toks], axis=1),
+      prompt_mask=np.concatenate([valid, np.zeros_like(resp_mask)], axis=1),
+      response_mask=np.concatenate([np.zeros_like(valid), resp_mask], axis=1),
+      behavior_logp=np.concatenate([np.zeros(valid.shape, np.float32), logps], axis=1),
+      lengths=lengths.astype(np.int32),
+      prompt_lengths=valid.sum(1).astype(np.int32),
+      finished=finished.astype(bool),
+      group_id=np.repeat(np.arange(len(prompt_token_lists), dtype=np.int32), num_samples),
     )
 
-  def generate_continuations(self, params, token_id_lists: Sequence[Sequence[int]], max_new_tokens: int,
-                             stop_ids: Sequence[int] | None, rng) -> list[tuple[np.ndarray, np.ndarray]]:
+  def generate_continuations(
+    self, params, token_id_lists: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int] | None, rng
+  ) -> list[tuple[np.ndarray, np.ndarray]]:
     """One continuation per context, for multi-turn tool use.
 
     Stops at EOS (SamplerConfig.eos_id) or any of `stop_ids` (None: the config's stop_ids),
@@ -399,8 +441,9 @@ class Sampler:
     extra = self.cfg.stop_ids if stop_ids is None else tuple(stop_ids)
     eos = () if self.cfg.eos_id is None else (self.cfg.eos_id,)
     _, _, toks, logps, lengths, _ = self._run(
-        params, [list(r) for r in token_id_lists], int(max_new_tokens), self._stop_mask(eos + extra), rng)
-    return [(toks[i, :lengths[i]].copy(), logps[i, :lengths[i]].copy()) for i in range(len(lengths))]
+      params, [list(r) for r in token_id_lists], int(max_new_tokens), self._stop_mask(eos + extra), rng
+    )
+    return [(toks[i, : lengths[i]].copy(), logps[i, : lengths[i]].copy()) for i in range(len(lengths))]
 
 
 def generate_continuations(sampler: Sampler, params, token_id_lists, max_new_tokens, stop_ids, rng):

@@ -35,6 +35,7 @@ then rename), so concurrent runs never read half a file. A second run with the
 same config loads the file and trains nothing. Each call writes
 `<workdir>/sft.json` (key, losses, accuracies, wall time, cache hit or not).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,8 +72,10 @@ CANONICAL_MAX_NUMBERS = 4
 def target_text(problem: tasks.Problem) -> str:
   """The response the policy is trained to write for `problem` (without EOS); see module docstring."""
   if problem.solution is None:
-    raise ValueError(f"problem {problem.id!r} has no solution: the warm start needs solver/worked solutions "
-                     "(countdown, arithmetic, or a data set with a solution column); set sft.steps=0.")
+    raise ValueError(
+      f"problem {problem.id!r} has no solution: the warm start needs solver/worked solutions "
+      "(countdown, arithmetic, or a data set with a solution column); set sft.steps=0."
+    )
   if problem.task == "countdown":
     expr = problem.solution
     numbers, target = problem.reference["numbers"], problem.reference["target"]
@@ -81,6 +84,7 @@ def target_text(problem: tasks.Problem) -> str:
       # solver's shortest expression is a deterministic function of the instance, which a tiny
       # policy learns far faster (3 numbers: ~8% vs 0% greedy accuracy after 300 steps).
       from vcpo_jax.tasks.countdown import solve
+
       expr = solve(numbers, target) or expr
     if "<answer>" in problem.prompt:
       return f"<answer>{expr}</answer>"
@@ -95,6 +99,7 @@ class Examples:
   tokens_mt int32 [M, T]: left-padded prompt, then target + EOS, right-padded.
   valid_mt bool [M, T]: real tokens.  loss_mt bool [M, T]: target + EOS tokens.
   """
+
   tokens_mt: np.ndarray
   valid_mt: np.ndarray
   loss_mt: np.ndarray
@@ -103,8 +108,9 @@ class Examples:
     return self.tokens_mt.shape[0]
 
 
-def build_examples(problems: Sequence[tasks.Problem], tokenizer, max_prompt_len: int, max_new_tokens: int,
-                   chat_template: bool = False) -> Examples:
+def build_examples(
+  problems: Sequence[tasks.Problem], tokenizer, max_prompt_len: int, max_new_tokens: int, chat_template: bool = False
+) -> Examples:
   """Tokenizes (prompt, target + EOS) pairs into the rollout layout.
 
   Raises ValueError naming task.max_prompt_len / task.max_new_tokens when a
@@ -112,6 +118,7 @@ def build_examples(problems: Sequence[tasks.Problem], tokenizer, max_prompt_len:
   teach the policy never to stop.
   """
   from vcpo_jax.rollout.common import encode_prompts
+
   if not problems:
     raise ValueError("the warm start needs at least one training problem (task.num_train_problems).")
   eos = tokenizer.eos_token_id
@@ -124,17 +131,19 @@ def build_examples(problems: Sequence[tasks.Problem], tokenizer, max_prompt_len:
   if lp > max_prompt_len:
     raise ValueError(f"a warm-start prompt has {lp} tokens > task.max_prompt_len={max_prompt_len}; raise it.")
   if lt > max_new_tokens:
-    raise ValueError(f"a warm-start target has {lt} tokens (EOS included) > task.max_new_tokens="
-                     f"{max_new_tokens}; raise task.max_new_tokens or use shorter instances.")
+    raise ValueError(
+      f"a warm-start target has {lt} tokens (EOS included) > task.max_new_tokens="
+      f"{max_new_tokens}; raise task.max_new_tokens or use shorter instances."
+    )
   m, tp, t = len(problems), max_prompt_len, max_prompt_len + max_new_tokens
   tokens = np.full((m, t), pad, np.int32)
   valid = np.zeros((m, t), bool)
   loss = np.zeros((m, t), bool)
   for i, (p, y) in enumerate(zip(prompts, targets)):
-    tokens[i, tp - len(p):tp] = p
-    tokens[i, tp:tp + len(y)] = y
-    valid[i, tp - len(p):tp + len(y)] = True
-    loss[i, tp:tp + len(y)] = True
+    tokens[i, tp - len(p) : tp] = p
+    tokens[i, tp : tp + len(y)] = y
+    valid[i, tp - len(p) : tp + len(y)] = True
+    loss[i, tp : tp + len(y)] = True
   return Examples(tokens, valid, loss)
 
 
@@ -162,15 +171,18 @@ def make_optimizer(lr: float, steps: int, clip_norm: float = 1.0, weight_decay: 
 
 def make_train_step(graphdef, tx):
   """Jitted (params, opt_state, tokens, valid, loss) -> (params, opt_state, loss)."""
+
   def step(params, opt_state, tokens_bt, valid_bt, loss_bt):
     loss, grads = jax.value_and_grad(lambda p: sft_loss(graphdef, p, tokens_bt, valid_bt, loss_bt))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
   return jax.jit(step)
 
 
-def train(graphdef, params, examples: Examples, *, steps: int, lr: float, batch_size: int, seed: int,
-          progress: bool = False) -> tuple[Any, np.ndarray]:
+def train(
+  graphdef, params, examples: Examples, *, steps: int, lr: float, batch_size: int, seed: int, progress: bool = False
+) -> tuple[Any, np.ndarray]:
   """`steps` AdamW steps on batches of `batch_size` examples; returns (params, losses [steps]).
 
   Batch b takes rows order[b*B:(b+1)*B] of a per-epoch seeded permutation
@@ -190,6 +202,7 @@ def train(graphdef, params, examples: Examples, *, steps: int, lr: float, batch_
   step_fn = make_train_step(graphdef, tx)
   losses = np.zeros((steps,), np.float32)
   from tqdm.auto import tqdm
+
   bar = tqdm(range(steps), desc="sft", disable=not progress, dynamic_ncols=True)
   order, epoch = None, -1
   pending = []
@@ -197,9 +210,10 @@ def train(graphdef, params, examples: Examples, *, steps: int, lr: float, batch_
     e, b = divmod(s, per_epoch)
     if e != epoch:
       epoch, order = e, np.random.default_rng([seed, e]).permutation(m)
-    idx = order[b * bs:(b + 1) * bs]
-    params, opt_state, loss = step_fn(params, opt_state, examples.tokens_mt[idx], examples.valid_mt[idx],
-                                      examples.loss_mt[idx])
+    idx = order[b * bs : (b + 1) * bs]
+    params, opt_state, loss = step_fn(
+      params, opt_state, examples.tokens_mt[idx], examples.valid_mt[idx], examples.loss_mt[idx]
+    )
     pending.append((s, loss))
     if len(pending) >= 10 or s == steps - 1:  # fetch losses in groups: no host sync every step
       for i, l in pending:
@@ -213,23 +227,41 @@ def train(graphdef, params, examples: Examples, *, steps: int, lr: float, batch_
 # ----------------------------------------------------------------------------- accuracy
 
 
-def accuracy(graphdef, params, model_cfg, tokenizer, problems: Sequence[tasks.Problem], *, max_prompt_len: int,
-             max_new_tokens: int, temperature: float, seed: int = 0, chat_template: bool = False) -> float:
+def accuracy(
+  graphdef,
+  params,
+  model_cfg,
+  tokenizer,
+  problems: Sequence[tasks.Problem],
+  *,
+  max_prompt_len: int,
+  max_new_tokens: int,
+  temperature: float,
+  seed: int = 0,
+  chat_template: bool = False,
+) -> float:
   """Fraction of `problems` answered correctly (tasks.score >= 0.5), one sample each.
 
   temperature 0.0 is greedy decoding; otherwise plain sampling (no top-k/top-p).
   """
   from vcpo_jax.rollout.common import encode_prompts
   from vcpo_jax.sampler import Sampler, SamplerConfig
+
   eos = tokenizer.eos_token_id
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-  cfg = SamplerConfig(temperature=temperature, eos_id=eos, pad_id=pad, max_new_tokens=max_new_tokens,
-                      prompt_buckets=(max_prompt_len,), new_token_buckets=(max_new_tokens,),
-                      batch_buckets=(len(problems),))
-  ro = Sampler(graphdef, model_cfg, cfg).generate(params, encode_prompts(tokenizer, problems, chat_template),
-                                                   jax.random.key(seed))
-  texts = [tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True)
-           for i in range(len(problems))]
+  cfg = SamplerConfig(
+    temperature=temperature,
+    eos_id=eos,
+    pad_id=pad,
+    max_new_tokens=max_new_tokens,
+    prompt_buckets=(max_prompt_len,),
+    new_token_buckets=(max_new_tokens,),
+    batch_buckets=(len(problems),),
+  )
+  ro = Sampler(graphdef, model_cfg, cfg).generate(
+    params, encode_prompts(tokenizer, problems, chat_template), jax.random.key(seed)
+  )
+  texts = [tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True) for i in range(len(problems))]
   return float(np.mean([tasks.is_correct(tasks.score(p.task, x, p.reference)) for p, x in zip(problems, texts)]))
 
 
@@ -247,9 +279,12 @@ def _digest_arrays(tree) -> str:
 
 def _tokenizer_fingerprint(tokenizer) -> dict:
   vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-  return {"vocab_sha256": hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
-          "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
-          "chat_template": getattr(tokenizer, "chat_template", None) or ""}
+  return {
+    "vocab_sha256": hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
+    "eos": tokenizer.eos_token_id,
+    "pad": tokenizer.pad_token_id,
+    "chat_template": getattr(tokenizer, "chat_template", None) or "",
+  }
 
 
 def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], spec) -> dict:
@@ -260,16 +295,22 @@ def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Prob
     probs.update(b"\0")
   ro = spec.rollout
   return {
-      "version": CACHE_VERSION,
-      "model_cfg": dataclasses.asdict(model_cfg),
-      "init_params_sha256": _digest_arrays(params),
-      "tokenizer": _tokenizer_fingerprint(tokenizer),
-      "task": ro.task, "template": spec.task_template, "task_gen": spec.task_gen,
-      "chat_template": ro.chat_template, "max_prompt_len": ro.max_prompt_len,
-      "max_new_tokens": ro.max_new_tokens, "num_train_problems": len(train_problems),
-      "problems_sha256": probs.hexdigest(),
-      "sft_steps": spec.sft_steps, "sft_lr": spec.sft_lr, "sft_batch_size": spec.sft_batch_size,
-      "seed": spec.seed,
+    "version": CACHE_VERSION,
+    "model_cfg": dataclasses.asdict(model_cfg),
+    "init_params_sha256": _digest_arrays(params),
+    "tokenizer": _tokenizer_fingerprint(tokenizer),
+    "task": ro.task,
+    "template": spec.task_template,
+    "task_gen": spec.task_gen,
+    "chat_template": ro.chat_template,
+    "max_prompt_len": ro.max_prompt_len,
+    "max_new_tokens": ro.max_new_tokens,
+    "num_train_problems": len(train_problems),
+    "problems_sha256": probs.hexdigest(),
+    "sft_steps": spec.sft_steps,
+    "sft_lr": spec.sft_lr,
+    "sft_batch_size": spec.sft_batch_size,
+    "seed": spec.seed,
   }
 
 
@@ -289,6 +330,7 @@ def _names(tree) -> list[str]:
 def save_params(path: str, params, metadata: dict) -> None:
   """Atomically writes `params` (leaves named by their tree path) and JSON metadata to a safetensors file."""
   from safetensors.numpy import save_file
+
   tensors = {n: np.asarray(x) for n, x in zip(_names(params), jax.tree.leaves(params))}
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".safetensors")
@@ -308,6 +350,7 @@ def load_params(path: str, like) -> tuple[Any, dict] | None:
     return None
   from safetensors import safe_open
   from safetensors.numpy import load_file
+
   try:
     tensors = load_file(path)
     with safe_open(path, framework="numpy") as f:
@@ -326,8 +369,9 @@ def load_params(path: str, like) -> tuple[Any, dict] | None:
 # ----------------------------------------------------------------------------- entry point
 
 
-def warm_start(graphdef, params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], spec,
-               workdir: str | None = None):
+def warm_start(
+  graphdef, params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], spec, workdir: str | None = None
+):
   """The warm-started parameters for this run: loaded from the cache, or trained and cached.
 
   Args:
@@ -347,8 +391,13 @@ def warm_start(graphdef, params, model_cfg, tokenizer, train_problems: Sequence[
   hit = load_params(path, params)
   if hit is not None:
     params, meta = hit
-    log.info("sft warm start: loaded %s (trained %d steps, final loss %.3f, greedy accuracy %.3f)", path,
-             spec.sft_steps, meta.get("final_loss", float("nan")), meta.get("greedy_accuracy", float("nan")))
+    log.info(
+      "sft warm start: loaded %s (trained %d steps, final loss %.3f, greedy accuracy %.3f)",
+      path,
+      spec.sft_steps,
+      meta.get("final_loss", float("nan")),
+      meta.get("greedy_accuracy", float("nan")),
+    )
     record = dict(meta, cached=True, load_s=time.time() - t0, path=path)
   else:
     record = _build(graphdef, params, model_cfg, tokenizer, train_problems, spec, key, fields)
@@ -367,29 +416,57 @@ def _build(graphdef, params, model_cfg, tokenizer, train_problems, spec, key, fi
   problems = list(train_problems)
   # Hold out a few problems (never trained on) to report the accuracy reached.
   n_report = min(NUM_REPORT_PROBLEMS, len(problems) // 4)
-  report, fit = problems[len(problems) - n_report:], problems[:len(problems) - n_report]
+  report, fit = problems[len(problems) - n_report :], problems[: len(problems) - n_report]
   examples = build_examples(fit, tokenizer, ro.max_prompt_len, ro.max_new_tokens, ro.chat_template)
   t0 = time.time()
-  params, losses = train(graphdef, params, examples, steps=spec.sft_steps, lr=spec.sft_lr,
-                         batch_size=spec.sft_batch_size, seed=spec.seed, progress=spec.progress)
+  params, losses = train(
+    graphdef,
+    params,
+    examples,
+    steps=spec.sft_steps,
+    lr=spec.sft_lr,
+    batch_size=spec.sft_batch_size,
+    seed=spec.seed,
+    progress=spec.progress,
+  )
   train_s = time.time() - t0
   acc = {}
   if n_report:
-    kw = dict(max_prompt_len=ro.max_prompt_len, max_new_tokens=ro.max_new_tokens, seed=spec.seed,
-              chat_template=ro.chat_template)
+    kw = dict(
+      max_prompt_len=ro.max_prompt_len, max_new_tokens=ro.max_new_tokens, seed=spec.seed, chat_template=ro.chat_template
+    )
     acc["greedy_accuracy"] = accuracy(graphdef, params, model_cfg, tokenizer, report, temperature=0.0, **kw)
-    acc["sampled_accuracy"] = accuracy(graphdef, params, model_cfg, tokenizer, report,
-                                       temperature=spec.temperature, **kw)
+    acc["sampled_accuracy"] = accuracy(
+      graphdef, params, model_cfg, tokenizer, report, temperature=spec.temperature, **kw
+    )
   k = max(1, min(10, len(losses) // 10))
-  record = dict(key=key, fields=fields, steps=spec.sft_steps, examples=len(examples),
-                initial_loss=float(losses[:k].mean()), final_loss=float(losses[-k:].mean()),
-                train_s=train_s, total_s=time.time() - t0, report_problems=n_report,
-                sampled_temperature=spec.temperature, **acc)
-  log.info("sft warm start: %d steps in %.1fs, loss %.3f -> %.3f, held-out accuracy greedy %s sampled %s",
-           spec.sft_steps, train_s, record["initial_loss"], record["final_loss"],
-           acc.get("greedy_accuracy"), acc.get("sampled_accuracy"))
-  print(f"sft warm start: {spec.sft_steps} steps in {train_s:.1f}s, loss {record['initial_loss']:.3f} -> "
-        f"{record['final_loss']:.3f}, held-out accuracy greedy {acc.get('greedy_accuracy')} "
-        f"sampled(T={spec.temperature}) {acc.get('sampled_accuracy')}", flush=True)
+  record = dict(
+    key=key,
+    fields=fields,
+    steps=spec.sft_steps,
+    examples=len(examples),
+    initial_loss=float(losses[:k].mean()),
+    final_loss=float(losses[-k:].mean()),
+    train_s=train_s,
+    total_s=time.time() - t0,
+    report_problems=n_report,
+    sampled_temperature=spec.temperature,
+    **acc,
+  )
+  log.info(
+    "sft warm start: %d steps in %.1fs, loss %.3f -> %.3f, held-out accuracy greedy %s sampled %s",
+    spec.sft_steps,
+    train_s,
+    record["initial_loss"],
+    record["final_loss"],
+    acc.get("greedy_accuracy"),
+    acc.get("sampled_accuracy"),
+  )
+  print(
+    f"sft warm start: {spec.sft_steps} steps in {train_s:.1f}s, loss {record['initial_loss']:.3f} -> "
+    f"{record['final_loss']:.3f}, held-out accuracy greedy {acc.get('greedy_accuracy')} "
+    f"sampled(T={spec.temperature}) {acc.get('sampled_accuracy')}",
+    flush=True,
+  )
   record["params"] = params
   return record

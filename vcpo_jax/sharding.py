@@ -34,6 +34,7 @@ processes), after which `jax.devices()` lists every process's devices and the
 same mesh code builds the global mesh. Each process feeds its own rows of a
 global batch with `make_global_batch`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,14 +62,14 @@ Rules = Sequence[tuple[str, P]]
 # o/down row-split (one all-reduce per attention and per MLP block). Norm scales
 # are small and replicated.
 TRANSFORMER_RULES: tuple[tuple[str, P], ...] = (
-    (r"embed_tokens\.embedding$", P("tensor", "fsdp")),         # [V, D]
-    (r"self_attn\.[qkv]_proj\.kernel$", P("fsdp", "tensor")),   # [D, N*H] / [D, K*H]
-    (r"self_attn\.[qkv]_proj\.bias$", P("tensor")),             # [N*H] / [K*H]
-    (r"self_attn\.o_proj\.kernel$", P("tensor", "fsdp")),       # [N*H, D]
-    (r"mlp\.(gate|up)_proj\.kernel$", P("fsdp", "tensor")),     # [D, F]
-    (r"mlp\.down_proj\.kernel$", P("tensor", "fsdp")),          # [F, D]
-    (r"(input_layernorm|post_attention_layernorm|norm)\.scale$", P()),  # [D]
-    (r"lm_head\.kernel$", P("fsdp", "tensor")),                 # [D, V]
+  (r"embed_tokens\.embedding$", P("tensor", "fsdp")),  # [V, D]
+  (r"self_attn\.[qkv]_proj\.kernel$", P("fsdp", "tensor")),  # [D, N*H] / [D, K*H]
+  (r"self_attn\.[qkv]_proj\.bias$", P("tensor")),  # [N*H] / [K*H]
+  (r"self_attn\.o_proj\.kernel$", P("tensor", "fsdp")),  # [N*H, D]
+  (r"mlp\.(gate|up)_proj\.kernel$", P("fsdp", "tensor")),  # [D, F]
+  (r"mlp\.down_proj\.kernel$", P("tensor", "fsdp")),  # [F, D]
+  (r"(input_layernorm|post_attention_layernorm|norm)\.scale$", P()),  # [D]
+  (r"lm_head\.kernel$", P("fsdp", "tensor")),  # [D, V]
 )
 
 
@@ -85,6 +86,7 @@ class MeshConfig:
       whatever is available). After resolution the product must equal the number
       of devices the mesh is built on.
   """
+
   shape: tuple[int, int, int] = (-1, 1, 1)
 
   def __post_init__(self):
@@ -92,8 +94,9 @@ class MeshConfig:
     object.__setattr__(self, "shape", shape)
     if len(shape) != len(MESH_AXES):
       raise ValueError(
-          f"mesh.shape must have {len(MESH_AXES)} entries for axes {MESH_AXES}, got {shape}; "
-          "e.g. --config.mesh.shape='(-1, 1, 1)'.")
+        f"mesh.shape must have {len(MESH_AXES)} entries for axes {MESH_AXES}, got {shape}; "
+        "e.g. --config.mesh.shape='(-1, 1, 1)'."
+      )
     for name, s in zip(MESH_AXES, shape):
       if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or (s < 1 and s != -1):
         raise ValueError(f"mesh.shape entry for axis {name!r} must be a positive int or -1, got {s!r}.")
@@ -106,14 +109,16 @@ class MeshConfig:
     if -1 in self.shape:
       if num_devices % known:
         raise ValueError(
-            f"mesh.shape={self.shape}: {num_devices} devices are not divisible by the fixed axes "
-            f"(product {known}); choose axis sizes that divide the device count.")
+          f"mesh.shape={self.shape}: {num_devices} devices are not divisible by the fixed axes "
+          f"(product {known}); choose axis sizes that divide the device count."
+        )
       return tuple(num_devices // known if s == -1 else s for s in self.shape)
     if known != num_devices:
       raise ValueError(
-          f"mesh.shape={self.shape} has {known} devices but {num_devices} are available: the "
-          f"product of the axis sizes {MESH_AXES} must equal the device count (use -1 for one axis "
-          "to infer it).")
+        f"mesh.shape={self.shape} has {known} devices but {num_devices} are available: the "
+        f"product of the axis sizes {MESH_AXES} must equal the device count (use -1 for one axis "
+        "to infer it)."
+      )
     return self.shape
 
 
@@ -196,23 +201,27 @@ def spec_for(name: str, shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> P:
       break
   else:
     raise ValueError(
-        f"No partition rule matches parameter {name!r} (shape {shape}); add a (regex, PartitionSpec) "
-        "pair for it to the rules (use P() to replicate it).")
+      f"No partition rule matches parameter {name!r} (shape {shape}); add a (regex, PartitionSpec) "
+      "pair for it to the rules (use P() to replicate it)."
+    )
   for entry in spec:
-    for axis in (entry if isinstance(entry, tuple) else (entry,)):
+    for axis in entry if isinstance(entry, tuple) else (entry,):
       if axis is not None and axis not in mesh.shape:
-        raise ValueError(f"Partition rule {pattern!r} uses axis {axis!r} not in mesh axes "
-                         f"{tuple(mesh.shape)}.")
+        raise ValueError(f"Partition rule {pattern!r} uses axis {axis!r} not in mesh axes {tuple(mesh.shape)}.")
   if len(spec) > len(shape):
-    raise ValueError(f"Partition rule {pattern!r} gives {spec} ({len(spec)} dims) for {name!r} "
-                     f"of rank {len(shape)}; the spec may not have more entries than the array dims.")
+    raise ValueError(
+      f"Partition rule {pattern!r} gives {spec} ({len(spec)} dims) for {name!r} "
+      f"of rank {len(shape)}; the spec may not have more entries than the array dims."
+    )
   entries = list(spec)
   for d, entry in enumerate(entries):
     size = _axis_size(mesh, entry)
     if size > 1 and shape[d] % size:
       warnings.warn(
-          f"{name}: dim {d} of size {shape[d]} is not divisible by mesh axes {entry} (size {size}); "
-          "replicating that dim instead.", stacklevel=3)
+        f"{name}: dim {d} of size {shape[d]} is not divisible by mesh axes {entry} (size {size}); "
+        "replicating that dim instead.",
+        stacklevel=3,
+      )
       entries[d] = None
   while entries and entries[-1] is None:
     entries.pop()
@@ -222,7 +231,8 @@ def spec_for(name: str, shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> P:
 def param_specs(params_or_abstract, rules: Rules, mesh: Mesh):
   """PartitionSpec pytree with the structure of `params_or_abstract` (arrays or ShapeDtypeStructs)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: spec_for(path_str(path), tuple(x.shape), rules, mesh), params_or_abstract)
+    lambda path, x: spec_for(path_str(path), tuple(x.shape), rules, mesh), params_or_abstract
+  )
 
 
 def param_shardings(params_or_abstract, rules: Rules, mesh: Mesh):
@@ -231,8 +241,9 @@ def param_shardings(params_or_abstract, rules: Rules, mesh: Mesh):
   Works on parameters (an nnx.State), on abstract parameters from `jax.eval_shape`,
   and on optimizer states that embed the parameter tree (see module docstring).
   """
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params_or_abstract, rules, mesh),
-                      is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(
+    lambda s: NamedSharding(mesh, s), param_specs(params_or_abstract, rules, mesh), is_leaf=lambda x: isinstance(x, P)
+  )
 
 
 def init_sharded(cfg: ModelConfig, seed: int, mesh: Mesh, rules: Rules = TRANSFORMER_RULES):
@@ -246,6 +257,7 @@ def init_sharded(cfg: ModelConfig, seed: int, mesh: Mesh, rules: Rules = TRANSFO
   Returns:
     (graphdef, params): params an nnx.State of nnx.Param holding sharded jax.Arrays.
   """
+
   def init_params():
     return tf.split(tf.init(cfg, seed))[1]
 
@@ -279,8 +291,10 @@ def process_rows(global_n: int, sharding: NamedSharding) -> slice:
   covered = sorted(set(zip(starts, stops)))  # devices along "tensor" repeat the same rows
   for (_, b), (a, _) in zip(covered, covered[1:]):
     if a != b:
-      raise ValueError(f"This process's batch rows are not contiguous ({covered}); order the mesh "
-                       "devices so that each process's devices are adjacent along ('data', 'fsdp').")
+      raise ValueError(
+        f"This process's batch rows are not contiguous ({covered}); order the mesh "
+        "devices so that each process's devices are adjacent along ('data', 'fsdp')."
+      )
   lo, hi = covered[0][0], covered[-1][1]
   return slice(lo, hi)
 
@@ -296,8 +310,9 @@ def make_global_batch(local_batch, mesh: Mesh, global_n: int):
   sharding = batch_sharding(mesh)
   div = _axis_size(mesh, BATCH_AXES)
   if global_n % div:
-    raise ValueError(f"Global batch size N={global_n} must be divisible by data*fsdp={div}; "
-                     "change the batch size or mesh.shape.")
+    raise ValueError(
+      f"Global batch size N={global_n} must be divisible by data*fsdp={div}; change the batch size or mesh.shape."
+    )
 
   def one(x):
     x = np.asarray(x)
@@ -329,8 +344,10 @@ def split_devices(sampler_devices: int | str | Sequence[int], devices: Sequence[
     try:
       sampler_devices = [int(x) for x in sampler_devices.replace(" ", "").split(",") if x]
     except ValueError:
-      raise ValueError(f"async_.sampler_devices={sampler_devices!r} must be a comma-separated list of "
-                       "device ids such as '6,7' (or '' to share all devices).") from None
+      raise ValueError(
+        f"async_.sampler_devices={sampler_devices!r} must be a comma-separated list of "
+        "device ids such as '6,7' (or '' to share all devices)."
+      ) from None
   if isinstance(sampler_devices, bool):
     raise ValueError(f"async_.sampler_devices must be an int or device ids, got {sampler_devices!r}.")
   if isinstance(sampler_devices, (int, np.integer)):
@@ -339,8 +356,9 @@ def split_devices(sampler_devices: int | str | Sequence[int], devices: Sequence[
       return devices, devices
     if not 0 < n < len(devices):
       raise ValueError(
-          f"async_.sampler_devices={n} must be between 0 and {len(devices) - 1}: the learner needs at "
-          f"least one of the {len(devices)} devices (0 = share all devices).")
+        f"async_.sampler_devices={n} must be between 0 and {len(devices) - 1}: the learner needs at "
+        f"least one of the {len(devices)} devices (0 = share all devices)."
+      )
     return devices[-n:], devices[:-n]
   if not isinstance(sampler_devices, Sequence):
     raise ValueError(f"async_.sampler_devices must be an int or device ids, got {sampler_devices!r}.")
@@ -352,8 +370,10 @@ def split_devices(sampler_devices: int | str | Sequence[int], devices: Sequence[
   by_id = {d.id: d for d in devices}
   unknown = [i for i in ids if i not in by_id]
   if unknown or len(set(ids)) != len(ids):
-    raise ValueError(f"async_.sampler_devices={ids}: ids must be distinct and among the available "
-                     f"device ids {sorted(by_id)}; unknown: {unknown}.")
+    raise ValueError(
+      f"async_.sampler_devices={ids}: ids must be distinct and among the available "
+      f"device ids {sorted(by_id)}; unknown: {unknown}."
+    )
   sampler = [by_id[i] for i in ids]
   learner = [d for d in devices if d.id not in set(ids)]
   if not learner:
@@ -361,10 +381,12 @@ def split_devices(sampler_devices: int | str | Sequence[int], devices: Sequence[
   return sampler, learner
 
 
-def maybe_initialize_distributed(coordinator_address: str | None = None,
-                                 num_processes: int | None = None,
-                                 process_id: int | None = None,
-                                 cpu_collectives: str | None = "gloo") -> bool:
+def maybe_initialize_distributed(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  cpu_collectives: str | None = "gloo",
+) -> bool:
   """Joins a multi-process JAX job (config `distributed.*`); call before anything touches devices.
 
   With a coordinator address, all three values are explicit (local CPU processes,
@@ -396,8 +418,10 @@ def maybe_initialize_distributed(coordinator_address: str | None = None,
     if ":" not in coordinator_address:
       raise ValueError(f"distributed.coordinator_address={coordinator_address!r} must be 'host:port'.")
     if num_processes is None or process_id is None:
-      raise ValueError("distributed.coordinator_address is set: also set distributed.num_processes "
-                       "and distributed.process_id (or leave the address empty to auto-detect).")
+      raise ValueError(
+        "distributed.coordinator_address is set: also set distributed.num_processes "
+        "and distributed.process_id (or leave the address empty to auto-detect)."
+      )
     if num_processes == 1:
       return False
   elif num_processes is None or num_processes <= 1:
@@ -406,6 +430,7 @@ def maybe_initialize_distributed(coordinator_address: str | None = None,
     # Must happen before the CPU backend is created; without it CPU devices of
     # other processes are visible but collectives across them fail.
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                             process_id=process_id)
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+  )
   return True

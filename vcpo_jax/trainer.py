@@ -8,6 +8,7 @@ Loop. The mode only decides which rollout source is built:
     state, metrics = train_step(state, batch)   # estimator -> grads -> ESS-scaled AdamW
     source.publish(state.params, step + 1)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,6 +40,7 @@ class Interrupted(Exception):
 def _install_signal_handlers(flag: dict):
   def handler(signum, _frame):
     flag["signal"] = signum
+
   old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
     for s in old:
@@ -51,13 +53,14 @@ def _install_signal_handlers(flag: dict):
 def build_policy(spec: RunSpec):
   """(model_cfg, tokenizer, graphdef, params) from a checkpoint or a random preset."""
   from vcpo_jax.model import tokenizer as tok_lib
+
   if spec.model_checkpoint:
     from vcpo_jax.model import hf_io
+
     model_cfg, model = hf_io.load_hf(spec.model_checkpoint, dtype=spec.model_cfg.dtype)
     tokenizer = tok_lib.load_tokenizer(spec.tokenizer_dir or spec.model_checkpoint)
   else:
-    tokenizer = (tok_lib.load_tokenizer(spec.tokenizer_dir) if spec.tokenizer_dir
-                 else tok_lib.build_char_tokenizer())
+    tokenizer = tok_lib.load_tokenizer(spec.tokenizer_dir) if spec.tokenizer_dir else tok_lib.build_char_tokenizer()
     model_cfg = spec.model_cfg.replace(vocab_size=max(spec.model_cfg.vocab_size, len(tokenizer)))
     model = transformer.init(model_cfg, seed=spec.seed)
   graphdef, params = transformer.split(model)
@@ -68,10 +71,16 @@ def make_sampler_cfg(spec: RunSpec, tokenizer, *, temperature, top_p, top_k, max
   eos = tokenizer.eos_token_id
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
   return SamplerConfig(
-      temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos, pad_id=pad,
-      max_new_tokens=max_new_tokens, prompt_buckets=(spec.rollout.max_prompt_len,),
-      new_token_buckets=(max_new_tokens,),
-      batch_buckets=tuple(sorted({1, spec.rollout.batch_size, spec.eval_batch_size})))
+    temperature=temperature,
+    top_p=top_p,
+    top_k=top_k,
+    eos_id=eos,
+    pad_id=pad,
+    max_new_tokens=max_new_tokens,
+    prompt_buckets=(spec.rollout.max_prompt_len,),
+    new_token_buckets=(max_new_tokens,),
+    batch_buckets=tuple(sorted({1, spec.rollout.batch_size, spec.eval_batch_size})),
+  )
 
 
 def run(config, workdir: str) -> dict:
@@ -85,8 +94,8 @@ def run(config, workdir: str) -> dict:
   # ---------------------------------------------------------------- Distributed
   if spec.distributed.get("enabled"):
     sharding.maybe_initialize_distributed(
-        spec.distributed["coordinator_address"], spec.distributed["num_processes"],
-        spec.distributed["process_id"])
+      spec.distributed["coordinator_address"], spec.distributed["num_processes"], spec.distributed["process_id"]
+    )
 
   # ---------------------------------------------------------------- Tokenizer & Model
   model_cfg, tokenizer, graphdef, params = build_policy(spec)
@@ -95,24 +104,36 @@ def run(config, workdir: str) -> dict:
   # ---------------------------------------------------------------- Warm start
   task_obj = spec.task_object()
   generated = spec.rollout.task in ("countdown", "arithmetic")  # others load a finite data set: use all of it
-  train_problems = task_obj.make_problems("train", spec.rollout.num_train_problems if generated else None,
-                                          spec.seed)
+  train_problems = task_obj.make_problems("train", spec.rollout.num_train_problems if generated else None, spec.seed)
   if spec.sft_steps > 0:
     from vcpo_jax import sft
+
     params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir)
 
   # ---------------------------------------------------------------- Optimizer & Update step
-  tx = optim.make_optimizer(spec.lr, weight_decay=spec.weight_decay, clip_norm=spec.clip_norm,
-                            b1=spec.b1, b2=spec.b2, schedule=spec.schedule, total_steps=spec.steps)
+  tx = optim.make_optimizer(
+    spec.lr,
+    weight_decay=spec.weight_decay,
+    clip_norm=spec.clip_norm,
+    b1=spec.b1,
+    b2=spec.b2,
+    schedule=spec.schedule,
+    total_steps=spec.steps,
+  )
   mesh = build_mesh(spec)
-  state_sh = sharding.param_shardings(jax.eval_shape(lambda p: learner.init_state(p, tx), params),
-                                      sharding.TRANSFORMER_RULES, mesh)
+  state_sh = sharding.param_shardings(
+    jax.eval_shape(lambda p: learner.init_state(p, tx), params), sharding.TRANSFORMER_RULES, mesh
+  )
   # Parameters and optimizer state are placed by the (regex, PartitionSpec) rules; the batch is split
   # over ("data", "fsdp"); the state is donated so each step updates it in place.
   state = jax.jit(lambda p: learner.init_state(p, tx), out_shardings=state_sh)(params)
   batch_sh = sharding.batch_sharding(mesh)
-  train_step = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), in_shardings=(state_sh, batch_sh),
-                       out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
+  train_step = jax.jit(
+    learner.make_train_step(graphdef, tx, spec.learner),
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, sharding.replicated(mesh)),
+    donate_argnums=0,
+  )
 
   plain_step = None
   if spec.norm_overhead_every:  # the yardstick for "per-example norms cost little" (review #9)
@@ -120,21 +141,39 @@ def run(config, workdir: str) -> dict:
 
   # ---------------------------------------------------------------- Rollouts
   key = jax.random.key(spec.seed)
-  train_sampler = Sampler(graphdef, model_cfg, make_sampler_cfg(
-      spec, tokenizer, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-      max_new_tokens=spec.rollout.max_new_tokens))
+  train_sampler = Sampler(
+    graphdef,
+    model_cfg,
+    make_sampler_cfg(
+      spec,
+      tokenizer,
+      temperature=spec.temperature,
+      top_p=spec.top_p,
+      top_k=spec.top_k,
+      max_new_tokens=spec.rollout.max_new_tokens,
+    ),
+  )
   if spec.multiturn is None:
     maker = RolloutMaker(spec.rollout, tokenizer, train_sampler, train_problems)
   else:  # tool-use episodes: contexts grow each turn, so the sampler gets multi-turn buckets
     from vcpo_jax.rollout import multiturn
-    maker = multiturn.MultiTurnRolloutMaker(spec.rollout, spec.multiturn, tokenizer, Sampler(
-        graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn)),
-        train_problems)
+
+    maker = multiturn.MultiTurnRolloutMaker(
+      spec.rollout,
+      spec.multiturn,
+      tokenizer,
+      Sampler(graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn)),
+      train_problems,
+    )
   source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir)
 
   # ---------------------------------------------------------------- Checkpoint / resume
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep_last=spec.keep_last,
-                      keep_best=spec.keep_best, best_metric="eval/accuracy")
+  ckpt = Checkpointer(
+    os.path.join(workdir, "checkpoints"),
+    keep_last=spec.keep_last,
+    keep_best=spec.keep_best,
+    best_metric="eval/accuracy",
+  )
   start, wall_offset = 0, 0.0
   latest = ckpt.latest_step()
   if latest is not None:
@@ -145,32 +184,54 @@ def run(config, workdir: str) -> dict:
 
   # ---------------------------------------------------------------- Evals
   eval_problems = spec.eval_task_object().make_problems(
-      "test", spec.eval.size if generated and spec.eval.dataset == spec.rollout.task else None, spec.seed)
-  eval_problems = eval_problems[:spec.eval.size]
+    "test", spec.eval.size if generated and spec.eval.dataset == spec.rollout.task else None, spec.seed
+  )
+  eval_problems = eval_problems[: spec.eval.size]
   eval_proto = dataclasses.replace(spec.eval, size=len(eval_problems))  # a fixture may hold fewer
-  eval_sampler = Sampler(graphdef, model_cfg, make_sampler_cfg(
-      spec, tokenizer, temperature=0.0 if spec.eval.greedy else spec.eval.temperature,
-      top_p=spec.eval.top_p, top_k=0, max_new_tokens=spec.eval.max_new_tokens))
+  eval_sampler = Sampler(
+    graphdef,
+    model_cfg,
+    make_sampler_cfg(
+      spec,
+      tokenizer,
+      temperature=0.0 if spec.eval.greedy else spec.eval.temperature,
+      top_p=spec.eval.top_p,
+      top_k=0,
+      max_new_tokens=spec.eval.max_new_tokens,
+    ),
+  )
   eval_jsonl = os.path.join(workdir, "eval.jsonl")
 
   eval_maker = None
   if spec.multiturn is not None:  # tool-use evaluation: the same episodes as training, eval sampling
     from vcpo_jax.rollout import multiturn
-    eval_maker = multiturn.MultiTurnRolloutMaker(spec.rollout, spec.multiturn, tokenizer, Sampler(
-        graphdef, model_cfg, multiturn.sampler_config(eval_sampler.cfg, spec.rollout, spec.multiturn)),
-        eval_problems)
+
+    eval_maker = multiturn.MultiTurnRolloutMaker(
+      spec.rollout,
+      spec.multiturn,
+      tokenizer,
+      Sampler(graphdef, model_cfg, multiturn.sampler_config(eval_sampler.cfg, spec.rollout, spec.multiturn)),
+      eval_problems,
+    )
 
   def run_eval(step, params, tag=None):
     eval_rng = jax.random.fold_in(key, 10**9 + step)
-    gen = (eval_maker.eval_generate_fn(params, eval_rng) if eval_maker is not None
-           else _eval_generate_fn(eval_sampler, params, tokenizer, spec, eval_rng))
+    gen = (
+      eval_maker.eval_generate_fn(params, eval_rng)
+      if eval_maker is not None
+      else _eval_generate_fn(eval_sampler, params, tokenizer, spec, eval_rng)
+    )
     rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, jsonl_path=eval_jsonl, tag=tag)
-    return {"eval/accuracy": rec["mean_at_n"], "eval/mean_reward": rec["mean_reward"],
-            **{f"eval/pass_at_{k}": v for k, v in rec["pass_at_k"].items()}}
+    return {
+      "eval/accuracy": rec["mean_at_n"],
+      "eval/mean_reward": rec["mean_reward"],
+      **{f"eval/pass_at_{k}": v for k, v in rec["pass_at_k"].items()},
+    }
 
   # ---------------------------------------------------------------- Loop
-  writer = metrics_lib.MetricsWriter(workdir, spec.steps, initial_step=start, wall_offset=wall_offset,
-                                     progress=spec.progress)
+  writer = metrics_lib.MetricsWriter(
+    workdir, spec.steps, initial_step=start, wall_offset=wall_offset, progress=spec.progress
+  )
   flag: dict = {}
   old_handlers = _install_signal_handlers(flag)
   last_eval: dict = {}
@@ -195,22 +256,28 @@ def run(config, workdir: str) -> dict:
         nonfinite_steps.append(step - 1)
         if spec.on_nonfinite == "abort":
           raise FloatingPointError(
-              f"non-finite loss or gradient at step {step - 1} (non-finite steps so far: {nonfinite_steps}); "
-              "set learner.on_nonfinite='skip' to skip such updates.")
+            f"non-finite loss or gradient at step {step - 1} (non-finite steps so far: {nonfinite_steps}); "
+            "set learner.on_nonfinite='skip' to skip such updates."
+          )
       n_tokens = float(batch["valid_mask"].sum())
       row = {f"train/{k}": v for k, v in m.items()}
-      row.update({
+      row.update(
+        {
           "train/reward_mean": float(batch["rewards"].mean()),
           "train/accuracy": float(batch["correct"].mean()),
           "train/response_len": info["response_len_mean"],
-          "train/lag_min": info["lag_min"], "train/lag_mean": info["lag_mean"], "train/lag_max": info["lag_max"],
-          "time/rollout_s": t1 - t0, "time/learn_s": t2 - t1,
+          "train/lag_min": info["lag_min"],
+          "train/lag_mean": info["lag_mean"],
+          "train/lag_max": info["lag_max"],
+          "time/rollout_s": t1 - t0,
+          "time/learn_s": t2 - t1,
           # generation busy time of this batch (sync: the rollout phase itself; async: the sampler's)
           "time/gen_s": info.get("sampler_gen_s", t1 - t0),
           "time/tokens_per_s": n_tokens / max(t2 - t0, 1e-9),
           "time/sampler_idle_frac": info.get("sampler_idle_frac", 0.0),
           "time/learner_idle_frac": info.get("learner_wait_s", t1 - t0) / max(t2 - t0, 1e-9),
-      })
+        }
+      )
       row.update(info.get("metrics", {}))  # source-specific statistics (e.g. multi-turn tool use)
       if plain_step is not None and step % spec.norm_overhead_every == 0:
         row.update(_norm_overhead(plain_step, state.params, batch, mesh, spec, t2 - t1))
@@ -219,8 +286,7 @@ def run(config, workdir: str) -> dict:
         row.update(last_eval)
       writer.write(step, row, advance=True)
       if step % spec.checkpoint_every == 0 and step < spec.steps:
-        _save(ckpt, step, state, source, writer, last_eval if spec.eval_every and step % spec.eval_every == 0
-              else None)
+        _save(ckpt, step, state, source, writer, last_eval if spec.eval_every and step % spec.eval_every == 0 else None)
     final_eval = run_eval(step, state.params, tag="final")
     writer.write(step, final_eval)
     _save(ckpt, step, state, source, writer, final_eval)
@@ -253,8 +319,10 @@ def build_mesh(spec: RunSpec):
     raise ConfigError(f"config.mesh.shape: {e}") from None
   data_par = mesh.shape["data"] * mesh.shape["fsdp"]
   if spec.rollout.batch_size % data_par:
-    raise ConfigError(f"config.task.prompts_per_step: the batch N = P*G = {spec.rollout.batch_size} must be "
-                      f"divisible by data*fsdp = {data_par} of the mesh {dict(mesh.shape)}.")
+    raise ConfigError(
+      f"config.task.prompts_per_step: the batch N = P*G = {spec.rollout.batch_size} must be "
+      f"divisible by data*fsdp = {data_par} of the mesh {dict(mesh.shape)}."
+    )
   return mesh
 
 
@@ -279,9 +347,11 @@ def _global_batch(batch: dict, mesh, global_n: int):
 
 def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir):
   from vcpo_jax.rollout.lag import LagSource
+
   if spec.mode in ("sync", "lag"):
     return LagSource(maker, spec.k if spec.mode == "lag" else 0, key)
   from vcpo_jax.rollout.async_ import AsyncSource
+
   return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker)
 
 
@@ -316,8 +386,7 @@ def _eval_generate_fn(sampler: Sampler, params, tokenizer, spec: RunSpec, rng):
     probs = [Problem(id=str(i), task="", prompt=p, reference=None) for i, p in enumerate(prompts)]
     ids = encode_prompts(tokenizer, probs, spec.rollout.chat_template)
     ro = sampler.generate(params, ids, rng, num_samples=n, max_new_tokens=max_new_tokens)
-    texts = [tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True)
-             for i in range(len(ids) * n)]
-    return [texts[i * n:(i + 1) * n] for i in range(len(ids))]
+    texts = [tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True) for i in range(len(ids) * n)]
+    return [texts[i * n : (i + 1) * n] for i in range(len(ids))]
 
   return generate

@@ -36,6 +36,7 @@ policy), ess_ratio (unclipped weights), ess_ratio_applied, lr_scale, grad_norm
 frac_clipped, log_ratio_max, version; per evaluation ([S // eval_every]):
 accuracy, success, eval_step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,8 +74,20 @@ class PureLagConfig:
   debug_trace: bool = False  # also return every batch and every parameter version (tests only)
 
   def __post_init__(self):
-    for f in ("alphabet", "max_stride", "resp_len", "prompts_per_step", "group_size", "steps",
-              "eval_every", "eval_samples", "hidden", "layers", "heads", "mlp"):
+    for f in (
+      "alphabet",
+      "max_stride",
+      "resp_len",
+      "prompts_per_step",
+      "group_size",
+      "steps",
+      "eval_every",
+      "eval_samples",
+      "hidden",
+      "layers",
+      "heads",
+      "mlp",
+    ):
       if int(getattr(self, f)) <= 0:
         raise ValueError(f"PureLagConfig.{f}={getattr(self, f)!r}: must be > 0")
     if self.steps % self.eval_every:
@@ -99,10 +112,21 @@ class PureLagConfig:
     return 1.0 / self.vocab
 
   def model_config(self) -> ModelConfig:
-    return ModelConfig(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.mlp,
-                       num_layers=self.layers, num_heads=self.heads, num_kv_heads=self.heads,
-                       head_dim=self.hidden // self.heads, rope_theta=10000.0, rms_eps=1e-6,
-                       qkv_bias=False, tie_embeddings=False, max_position=64, model_type="llama")
+    return ModelConfig(
+      vocab_size=self.vocab,
+      hidden_size=self.hidden,
+      intermediate_size=self.mlp,
+      num_layers=self.layers,
+      num_heads=self.heads,
+      num_kv_heads=self.heads,
+      head_dim=self.hidden // self.heads,
+      rope_theta=10000.0,
+      rms_eps=1e-6,
+      qkv_bias=False,
+      tie_embeddings=False,
+      max_position=64,
+      model_type="llama",
+    )
 
 
 # ----------------------------------------------------------------------------- task
@@ -159,8 +183,7 @@ def sample(graphdef, cfg: PureLagConfig, params, prompt_n2, key):
     cache, prev = carry
     idx = tp + i - 1  # cache slot of the token fed now
     m = jnp.broadcast_to((jnp.arange(t) <= idx)[None, None, :], (n, 1, t))
-    lg, cache = transformer.forward(graphdef, params, prev[:, None], jnp.full((n, 1), idx, jnp.int32),
-                                    m, cache, idx)
+    lg, cache = transformer.forward(graphdef, params, prev[:, None], jnp.full((n, 1), idx, jnp.int32), m, cache, idx)
     y, lp = draw(lg[:, -1], keys[i])
     return (cache, y), (y, lp)
 
@@ -184,8 +207,9 @@ def init_params(cfg: PureLagConfig, key):
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(key, len(leaves))
   # Same init as the model (normal(0.02) kernels, unit norm scales), but drawn from `key`.
-  new = [jnp.ones_like(x) if x.ndim == 1 else 0.02 * jax.random.normal(kk, x.shape, x.dtype)
-         for x, kk in zip(leaves, keys)]
+  new = [
+    jnp.ones_like(x) if x.ndim == 1 else 0.02 * jax.random.normal(kk, x.shape, x.dtype) for x, kk in zip(leaves, keys)
+  ]
   return jax.tree.unflatten(treedef, new)
 
 
@@ -198,9 +222,14 @@ def make_batch(cfg: PureLagConfig, graphdef, params, key):
   tokens, behavior = sample(graphdef, cfg, params, prompt_n2, ks)
   n, t = tokens.shape
   loss_mask = jnp.broadcast_to(jnp.arange(t) >= 2, (n, t)).astype(jnp.float32)
-  return dict(tokens=tokens, valid=jnp.ones((n, t), bool), behavior_logp=behavior, loss_mask=loss_mask,
-              rewards=reward(cfg, prompt_n2, tokens[:, 2:]),
-              group_id=jnp.repeat(jnp.arange(cfg.prompts_per_step, dtype=jnp.int32), cfg.group_size))
+  return dict(
+    tokens=tokens,
+    valid=jnp.ones((n, t), bool),
+    behavior_logp=behavior,
+    loss_mask=loss_mask,
+    rewards=reward(cfg, prompt_n2, tokens[:, 2:]),
+    group_id=jnp.repeat(jnp.arange(cfg.prompts_per_step, dtype=jnp.int32), cfg.group_size),
+  )
 
 
 def evaluate(cfg: PureLagConfig, graphdef, params, key):
@@ -254,11 +283,17 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
         grads, aux = estimator.policy_gradient(logp_fn, params, batch, pg)
       updates, opt_state = opt.update(grads, opt_state, params, ess_scale=aux["lr_scale"])
       params = optax.apply_updates(params, updates)
-      out = dict(reward=jnp.mean(batch["rewards"]), ess_ratio=aux["ess_ratio"],
-                 ess_ratio_applied=aux["ess_ratio_applied"], lr_scale=aux["lr_scale"],
-                 grad_norm=optax.global_norm(grads), update_norm=optax.global_norm(updates),
-                 frac_clipped=aux["frac_clipped"], log_ratio_max=aux["log_ratio_max"],
-                 version=ring_version[read])
+      out = dict(
+        reward=jnp.mean(batch["rewards"]),
+        ess_ratio=aux["ess_ratio"],
+        ess_ratio_applied=aux["ess_ratio_applied"],
+        lr_scale=aux["lr_scale"],
+        grad_norm=optax.global_norm(grads),
+        update_norm=optax.global_norm(updates),
+        frac_clipped=aux["frac_clipped"],
+        log_ratio_max=aux["log_ratio_max"],
+        version=ring_version[read],
+      )
       if cfg.debug_trace:
         out.update(tokens=batch["tokens"], behavior_logp=batch["behavior_logp"], params=params)
       return (params, opt_state, ring, ring_version), out
@@ -271,8 +306,7 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
     carry = (params, opt_state, ring, ring_version)
     _, (out, acc, succ) = jax.lax.scan(chunk, carry, jnp.arange(chunks))
     out = jax.tree.map(lambda x: x.reshape((chunks * every,) + x.shape[2:]), out)
-    out.update(accuracy=acc, success=succ,
-               eval_step=(jnp.arange(chunks, dtype=jnp.int32) + 1) * every)
+    out.update(accuracy=acc, success=succ, eval_step=(jnp.arange(chunks, dtype=jnp.int32) + 1) * every)
     return out
 
   return run
@@ -284,8 +318,9 @@ def _compiled_grid(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
   return jax.jit(jax.vmap(make_run_fn(cfg, pg, max_k), in_axes=(0, 0, None)))
 
 
-def run_grid(cfg: PureLagConfig, pg: estimator.PGConfig, k: int, seeds, lrs,
-             max_k: int | None = None) -> dict[str, np.ndarray]:
+def run_grid(
+  cfg: PureLagConfig, pg: estimator.PGConfig, k: int, seeds, lrs, max_k: int | None = None
+) -> dict[str, np.ndarray]:
   """Runs every (lr, seed) pair of one (method, k) cell at once.
 
   Args:

@@ -27,6 +27,7 @@ Definitions (fixed before the study; configs/stability.py `analysis`):
   selection  per method, the lr with the best mean final accuracy at k = 0
              (ties: the smaller lr); every lr is reported as well.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,7 +86,7 @@ def collapse_step(curve: np.ndarray, steps_of_curve: np.ndarray, chance: float, 
 def trailing_median(x: np.ndarray, window: int) -> np.ndarray:
   """m[t] = median(x[max(0, t - window + 1) : t + 1]), [S] -> [S]."""
   x = np.asarray(x, float)
-  return np.array([np.median(x[max(0, t - window + 1):t + 1]) for t in range(len(x))])
+  return np.array([np.median(x[max(0, t - window + 1) : t + 1]) for t in range(len(x))])
 
 
 def alarm_step(ess_ratio: np.ndarray, threshold: float, window: int) -> float:
@@ -97,9 +98,18 @@ def alarm_step(ess_ratio: np.ndarray, threshold: float, window: int) -> float:
   return float(below[0] + 1) if below.size else math.nan
 
 
-def ess_predictor(ess_runs: np.ndarray, acc_runs: np.ndarray, eval_steps: np.ndarray, chance: float,
-                  keep: float, min_gain: float, final_frac: float, total_steps: int,
-                  threshold: float, window: int) -> dict:
+def ess_predictor(
+  ess_runs: np.ndarray,
+  acc_runs: np.ndarray,
+  eval_steps: np.ndarray,
+  chance: float,
+  keep: float,
+  min_gain: float,
+  final_frac: float,
+  total_steps: int,
+  threshold: float,
+  window: int,
+) -> dict:
   """Lead times for collapsed runs and the false-alarm rate for the others.
 
   Args: ess_runs [R, S], acc_runs [R, E]. Returns dict(n_collapsed, lead_times (list,
@@ -120,8 +130,15 @@ def ess_predictor(ess_runs: np.ndarray, acc_runs: np.ndarray, eval_steps: np.nda
     else:
       n_fa += int(not math.isnan(ta))
   n_ok = int((~col).sum())
-  return dict(n_collapsed=int(col.sum()), lead_times=lead, n_missed=n_missed, n_no_step=n_no_step, n_ok=n_ok,
-              n_false_alarm=n_fa, false_alarm_rate=(n_fa / n_ok) if n_ok else math.nan)
+  return dict(
+    n_collapsed=int(col.sum()),
+    lead_times=lead,
+    n_missed=n_missed,
+    n_no_step=n_no_step,
+    n_ok=n_ok,
+    n_false_alarm=n_fa,
+    false_alarm_rate=(n_fa / n_ok) if n_ok else math.nan,
+  )
 
 
 def auc_lower_predicts(pos: Sequence[float], neg: Sequence[float]) -> float:
@@ -129,8 +146,9 @@ def auc_lower_predicts(pos: Sequence[float], neg: Sequence[float]) -> float:
   pos, neg = np.asarray(pos, float), np.asarray(neg, float)
   if not pos.size or not neg.size:
     return math.nan
-  return float(((pos[:, None] < neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum())
-               / (pos.size * neg.size))
+  return float(
+    ((pos[:, None] < neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (pos.size * neg.size)
+  )
 
 
 def select_lr(final_k0_by_lr: dict[float, float]) -> float:
@@ -173,8 +191,9 @@ def save_cell(path: Path, arrays: dict, fp: str, seconds: float):
   os.replace(tmp, path)
 
 
-def run_cells(cells: Sequence[tuple[str, int]], out: Path, backend: str, fp: str,
-              cell_fn: Callable[[str, int], dict], log=print) -> list[tuple[str, int]]:
+def run_cells(
+  cells: Sequence[tuple[str, int]], out: Path, backend: str, fp: str, cell_fn: Callable[[str, int], dict], log=print
+) -> list[tuple[str, int]]:
   """Runs the cells not yet saved with fingerprint fp, saving each when done.
 
   Returns the cells that were actually run (the others were skipped).
@@ -198,23 +217,43 @@ def run_cells(cells: Sequence[tuple[str, int]], out: Path, backend: str, fp: str
 
 
 def pure_lag_settings(c) -> dict:
-  return dict(backend="pure_lag", task=c.task.to_dict(), model=c.model.to_dict(), optim=c.optim.to_dict(),
-              seeds=list(c.seeds), lrs=list(c.lrs), max_k=max(c.ks))
+  return dict(
+    backend="pure_lag",
+    task=c.task.to_dict(),
+    model=c.model.to_dict(),
+    optim=c.optim.to_dict(),
+    seeds=list(c.seeds),
+    lrs=list(c.lrs),
+    max_k=max(c.ks),
+  )
 
 
 def pure_lag_config(c):
   from vcpo_jax.experiments import pure_lag
+
   t, m, o = c.task, c.model, c.optim
   return pure_lag.PureLagConfig(
-      alphabet=t.alphabet, max_stride=t.max_stride, resp_len=t.resp_len,
-      prompts_per_step=t.prompts_per_step, group_size=t.group_size, steps=t.steps,
-      eval_every=t.eval_every, eval_samples=t.eval_samples, hidden=m.hidden, layers=m.layers,
-      heads=m.heads, mlp=m.mlp, weight_decay=o.weight_decay, clip_norm=o.clip_norm)
+    alphabet=t.alphabet,
+    max_stride=t.max_stride,
+    resp_len=t.resp_len,
+    prompts_per_step=t.prompts_per_step,
+    group_size=t.group_size,
+    steps=t.steps,
+    eval_every=t.eval_every,
+    eval_samples=t.eval_samples,
+    hidden=m.hidden,
+    layers=m.layers,
+    heads=m.heads,
+    mlp=m.mlp,
+    weight_decay=o.weight_decay,
+    clip_norm=o.clip_norm,
+  )
 
 
 def pure_lag_cell_fn(c) -> Callable[[str, int], dict]:
   from vcpo_jax import estimator
   from vcpo_jax.experiments import pure_lag
+
   cfg = pure_lag_config(c)
 
   def fn(method, k):
@@ -250,12 +289,18 @@ def summarize(c, out: Path) -> dict:
         best = acc.max(-1)
         col = collapsed(fin, best, chance, a.collapse_keep, a.min_gain)
         stats[(method, k, lr)] = dict(
-            final=(fin.mean(), fin.std()), best=(best.mean(), best.std()), collapsed=int(col.sum()),
-            n=len(fin), ess_min=float(ess.min()), ess_q10=float(np.quantile(ess, 0.1, axis=-1).mean()),
-            ess_median=float(np.median(ess, axis=-1).mean()),
-            ess_applied_q10=float(np.quantile(z["ess_ratio_applied"][i], 0.1, axis=-1).mean()),
-            lr_scale_mean=float(z["lr_scale"][i].mean()), grad_norm_max=float(z["grad_norm"][i].max()),
-            seconds=float(z["seconds"]))
+          final=(fin.mean(), fin.std()),
+          best=(best.mean(), best.std()),
+          collapsed=int(col.sum()),
+          n=len(fin),
+          ess_min=float(ess.min()),
+          ess_q10=float(np.quantile(ess, 0.1, axis=-1).mean()),
+          ess_median=float(np.median(ess, axis=-1).mean()),
+          ess_applied_q10=float(np.quantile(z["ess_ratio_applied"][i], 0.1, axis=-1).mean()),
+          lr_scale_mean=float(z["lr_scale"][i].mean()),
+          grad_norm_max=float(z["grad_norm"][i].max()),
+          seconds=float(z["seconds"]),
+        )
   selected = {}
   for method in c.methods:
     k0 = {lr: stats[(method, 0, lr)]["final"][0] for lr in c.lrs if (method, 0, lr) in stats}
@@ -266,8 +311,10 @@ def summarize(c, out: Path) -> dict:
 
 def plot(c, summary: dict, out: Path) -> list[str]:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   cells, selected = summary["cells"], summary["selected"]
   names = []
   colors = plt.get_cmap("tab10")
@@ -288,10 +335,14 @@ def plot(c, summary: dict, out: Path) -> list[str]:
     ax.plot(x, m, color=color, label=method, lw=1.2)
     ax.fill_between(x, lo, hi, color=color, alpha=0.15)
 
-  for key, fname, ylabel in (("accuracy", "stability_accuracy.png", "accuracy (mean +- std over seeds)"),
-                             ("ess_ratio", "stability_ess.png",
-                              f"ESS ratio (trailing {c.analysis.ess_window}-step median)\n"
-                              "median and min-max over seeds")):
+  for key, fname, ylabel in (
+    ("accuracy", "stability_accuracy.png", "accuracy (mean +- std over seeds)"),
+    (
+      "ess_ratio",
+      "stability_ess.png",
+      f"ESS ratio (trailing {c.analysis.ess_window}-step median)\nmedian and min-max over seeds",
+    ),
+  ):
     fig, axes = plt.subplots(1, len(c.ks), figsize=(4.2 * len(c.ks), 3.6), sharey=True, squeeze=False)
     for j, k in enumerate(c.ks):
       ax = axes[0, j]
@@ -312,8 +363,9 @@ def plot(c, summary: dict, out: Path) -> list[str]:
     plt.close(fig)
     names.append(fname)
 
-  fig, axes = plt.subplots(len(c.lrs), len(c.ks), figsize=(4.2 * len(c.ks), 3.0 * len(c.lrs)),
-                           sharey=True, squeeze=False)
+  fig, axes = plt.subplots(
+    len(c.lrs), len(c.ks), figsize=(4.2 * len(c.ks), 3.0 * len(c.lrs)), sharey=True, squeeze=False
+  )
   for i, lr in enumerate(c.lrs):
     for j, k in enumerate(c.ks):
       ax = axes[i, j]
@@ -339,45 +391,64 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
   if path.exists():
     old = path.read_text()
     if NOTES_BEGIN in old and NOTES_END in old:
-      notes = old[old.index(NOTES_BEGIN):old.index(NOTES_END) + len(NOTES_END)]
+      notes = old[old.index(NOTES_BEGIN) : old.index(NOTES_END) + len(NOTES_END)]
   done = sorted(cells)
   missing = [(m, k) for m in c.methods for k in c.ks if (m, k) not in cells]
   L = []
   L.append("# Stability study (backend: `pure_lag`, synthetic stride-counting task)\n")
-  L.append(f"Generated by `{command}` (vcpo_jax/experiments/stability.py, configs/stability.py). "
-           "Every table below comes from the **pure_lag** backend: a "
-           f"{c.model.layers}-layer D={c.model.hidden} transformer (`vcpo_jax.model.transformer`), "
-           f"T = {c.task.resp_len} response tokens, {c.task.prompts_per_step} prompts x "
-           f"{c.task.group_size} samples per step, {c.task.steps} learner steps, exact lag, "
-           "the library's estimator (`pg_coefficients` via `ghost_policy_gradient`) and optimizer "
-           f"(`make_optimizer`: clip {c.optim.clip_norm}, AdamW wd {c.optim.weight_decay}, ESS scale). "
-           "Not the countdown trainer.\n")
-  L.append(f"- cells finished: {len(done)} / {len(c.methods) * len(c.ks)}"
-           + (f"; missing: {', '.join(f'{m} k={k}' for m, k in missing)}" if missing else ""))
-  L.append(f"- seeds {list(c.seeds)}, learning rates {list(c.lrs)} (the same grid for every method), "
-           f"lags k {list(c.ks)}; chance accuracy {summary['chance']:.3f}; settings fingerprint "
-           f"`{summary['fingerprint']}`")
+  L.append(
+    f"Generated by `{command}` (vcpo_jax/experiments/stability.py, configs/stability.py). "
+    "Every table below comes from the **pure_lag** backend: a "
+    f"{c.model.layers}-layer D={c.model.hidden} transformer (`vcpo_jax.model.transformer`), "
+    f"T = {c.task.resp_len} response tokens, {c.task.prompts_per_step} prompts x "
+    f"{c.task.group_size} samples per step, {c.task.steps} learner steps, exact lag, "
+    "the library's estimator (`pg_coefficients` via `ghost_policy_gradient`) and optimizer "
+    f"(`make_optimizer`: clip {c.optim.clip_norm}, AdamW wd {c.optim.weight_decay}, ESS scale). "
+    "Not the countdown trainer.\n"
+  )
+  L.append(
+    f"- cells finished: {len(done)} / {len(c.methods) * len(c.ks)}"
+    + (f"; missing: {', '.join(f'{m} k={k}' for m, k in missing)}" if missing else "")
+  )
+  L.append(
+    f"- seeds {list(c.seeds)}, learning rates {list(c.lrs)} (the same grid for every method), "
+    f"lags k {list(c.ks)}; chance accuracy {summary['chance']:.3f}; settings fingerprint "
+    f"`{summary['fingerprint']}`"
+  )
   secs = sum(float(z['seconds']) for z in cells.values())
-  L.append(f"- compute: {secs / 60:.1f} min summed over cells"
-           + (f"; this invocation's wall-clock {runtime_s / 60:.1f} min" if runtime_s is not None else "")
-           )
-  L.append(f"- exact lag: the batch of learner step t is sampled with the parameters of version max(0, t - k) "
-           "(as `rollout.lag.LagSource`); every run starts from its seed's random init (no warm start).\n")
+  L.append(
+    f"- compute: {secs / 60:.1f} min summed over cells"
+    + (f"; this invocation's wall-clock {runtime_s / 60:.1f} min" if runtime_s is not None else "")
+  )
+  L.append(
+    f"- exact lag: the batch of learner step t is sampled with the parameters of version max(0, t - k) "
+    "(as `rollout.lag.LagSource`); every run starts from its seed's random init (no warm start).\n"
+  )
   L.append("\n## Definitions (fixed before the runs)\n")
-  L.append(f"- accuracy: mean reward (fraction of correct tokens) of the current policy's samples on all "
-           f"{c.task.alphabet * c.task.max_stride} prompts x {c.task.eval_samples}, temperature 1, every "
-           f"{c.task.eval_every} steps. final = mean over evaluations in the last "
-           f"{a.final_frac:.0%} of steps; best = max over evaluations.")
-  L.append(f"- collapsed: final < chance, or (best - chance >= {a.min_gain} and final - chance < "
-           f"{a.collapse_keep} x (best - chance)), i.e. the run lost at least half its gain over chance.")
-  L.append("- ESS: unclipped sequence-weight ESS ratio of each training batch (min over all steps of all "
-           "seeds; q10 and median: per-run quantile over steps, averaged over seeds); `applied q10` uses "
-           "the weights the update applies.")
-  L.append(f"- lr selection: per method, the lr with the best mean final accuracy at k = 0 (ties: smaller lr). "
-           "All lrs are in the full table.\n")
+  L.append(
+    f"- accuracy: mean reward (fraction of correct tokens) of the current policy's samples on all "
+    f"{c.task.alphabet * c.task.max_stride} prompts x {c.task.eval_samples}, temperature 1, every "
+    f"{c.task.eval_every} steps. final = mean over evaluations in the last "
+    f"{a.final_frac:.0%} of steps; best = max over evaluations."
+  )
+  L.append(
+    f"- collapsed: final < chance, or (best - chance >= {a.min_gain} and final - chance < "
+    f"{a.collapse_keep} x (best - chance)), i.e. the run lost at least half its gain over chance."
+  )
+  L.append(
+    "- ESS: unclipped sequence-weight ESS ratio of each training batch (min over all steps of all "
+    "seeds; q10 and median: per-run quantile over steps, averaged over seeds); `applied q10` uses "
+    "the weights the update applies."
+  )
+  L.append(
+    f"- lr selection: per method, the lr with the best mean final accuracy at k = 0 (ties: smaller lr). "
+    "All lrs are in the full table.\n"
+  )
 
   L.append("\n## Headline: selected lr per method\n")
-  L.append("| method | lr | k | final | best | collapsed | ESS min | ESS q10 | ESS median | applied q10 | mean lr scale |")
+  L.append(
+    "| method | lr | k | final | best | collapsed | ESS min | ESS q10 | ESS median | applied q10 | mean lr scale |"
+  )
   L.append("|---|---|---|---|---|---|---|---|---|---|---|")
   for m in c.methods:
     if m not in selected:
@@ -387,9 +458,11 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
       s = stats.get((m, k, lr))
       if s is None:
         continue
-      L.append(f"| {m} | {lr:g} | {k} | {_fmt(*s['final'])} | {_fmt(*s['best'])} | {s['collapsed']}/{s['n']} | "
-               f"{s['ess_min']:.3f} | {s['ess_q10']:.3f} | {s['ess_median']:.3f} | {s['ess_applied_q10']:.3f} | "
-               f"{s['lr_scale_mean']:.2f} |")
+      L.append(
+        f"| {m} | {lr:g} | {k} | {_fmt(*s['final'])} | {_fmt(*s['best'])} | {s['collapsed']}/{s['n']} | "
+        f"{s['ess_min']:.3f} | {s['ess_q10']:.3f} | {s['ess_median']:.3f} | {s['ess_applied_q10']:.3f} | "
+        f"{s['lr_scale_mean']:.2f} |"
+      )
   L.append("\n![accuracy](stability_accuracy.png)\n")
   L.append("![ESS](stability_ess.png)\n")
 
@@ -407,21 +480,36 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
   L.append("\n![all lrs](stability_accuracy_all_lrs.png)\n")
 
   L.append("\n## ESS as a predictor of collapse (pooled over lrs and seeds)\n")
-  L.append(f"Alarm: trailing median over {a.ess_window} steps of the unclipped ESS ratio below theta. "
-           "Lead time = collapse step - alarm step (positive: the alarm came first). `no step`: collapsed by "
-           "the final-value rule, but the curve never stays below the half-gain line after its best (no lead "
-           "time defined).\n")
-  L.append("| theta | collapsed runs | alarmed before collapse | lead time median [min, max] | missed | no step | "
-           "non-collapsed runs | false alarms (rate) |")
+  L.append(
+    f"Alarm: trailing median over {a.ess_window} steps of the unclipped ESS ratio below theta. "
+    "Lead time = collapse step - alarm step (positive: the alarm came first). `no step`: collapsed by "
+    "the final-value rule, but the curve never stays below the half-gain line after its best (no lead "
+    "time defined).\n"
+  )
+  L.append(
+    "| theta | collapsed runs | alarmed before collapse | lead time median [min, max] | missed | no step | "
+    "non-collapsed runs | false alarms (rate) |"
+  )
   L.append("|---|---|---|---|---|---|---|")
+
   def predictor_row(label, th, keep_cell):
     lead, n_col, n_missed, n_ok, n_fa, n_ns = [], 0, 0, 0, 0, 0
     for (m, k), z in cells.items():
       if not keep_cell(m, k):
         continue
       for i, _ in enumerate(c.lrs):
-        r = ess_predictor(z["ess_ratio"][i], z["accuracy"][i], z["eval_step"][i, 0], summary["chance"],
-                          a.collapse_keep, a.min_gain, a.final_frac, c.task.steps, th, a.ess_window)
+        r = ess_predictor(
+          z["ess_ratio"][i],
+          z["accuracy"][i],
+          z["eval_step"][i, 0],
+          summary["chance"],
+          a.collapse_keep,
+          a.min_gain,
+          a.final_frac,
+          c.task.steps,
+          th,
+          a.ess_window,
+        )
         lead += r["lead_times"]
         n_col += r["n_collapsed"]
         n_missed += r["n_missed"]
@@ -445,10 +533,14 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
     predictor_row(m, mid, lambda mm, k, m=m: mm == m)
 
   # Is a low ESS specific to collapse, or just a symptom of lag? Compare at equal k.
-  L.append("\nPer-run median and 10%-quantile of the unclipped ESS ratio (over the first half of training, "
-           "before most collapses), collapsed vs non-collapsed runs at equal k (all methods and lrs):\n")
-  L.append("| k | collapsed: n, median ESS, q10 ESS | not collapsed: n, median ESS, q10 ESS | "
-           "AUC (lower median ESS -> collapse) |")
+  L.append(
+    "\nPer-run median and 10%-quantile of the unclipped ESS ratio (over the first half of training, "
+    "before most collapses), collapsed vs non-collapsed runs at equal k (all methods and lrs):\n"
+  )
+  L.append(
+    "| k | collapsed: n, median ESS, q10 ESS | not collapsed: n, median ESS, q10 ESS | "
+    "AUC (lower median ESS -> collapse) |"
+  )
   L.append("|---|---|---|---|")
   for k in c.ks:
     groups = {True: [], False: []}
@@ -470,8 +562,11 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
       return f"{len(g)}, {g[:, 0].mean():.3f}, {g[:, 1].mean():.3f}"
 
     auc = auc_lower_predicts([g[0] for g in groups[True]], [g[0] for g in groups[False]])
-    L.append(f"| {k} | {cellstr(groups[True])} | {cellstr(groups[False])} | "
-             + ("-" if math.isnan(auc) else f"{auc:.2f}") + " |")
+    L.append(
+      f"| {k} | {cellstr(groups[True])} | {cellstr(groups[False])} | "
+      + ("-" if math.isnan(auc) else f"{auc:.2f}")
+      + " |"
+    )
 
   L.append("\n## Notes\n")
   L.append(notes or f"{NOTES_BEGIN}\n(no notes yet)\n{NOTES_END}")
@@ -486,9 +581,11 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
 def _load_config(quick: bool, overrides: Sequence[str]):
   sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
   from configs import stability as cfg_mod
+
   c = cfg_mod.get_config("quick" if quick else None)
   for ov in overrides:  # --config.a.b=value (python literal)
     import ast
+
     key, _, val = ov.partition("=")
     node = c
     parts = key.split(".")[1:]
@@ -530,10 +627,14 @@ def main(argv=None):
     if c.workers > 1:
       env = dict(os.environ)
       # One intra-op thread per worker: the processes, not XLA's threads, share the cores.
-      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
-                          "intra_op_parallelism_threads=1").strip()
-      base = [sys.executable, "-m", "vcpo_jax.experiments.stability", f"--out={out}"] + (
-          ["--quick"] if args.quick else []) + list(overrides)
+      env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+      ).strip()
+      base = (
+        [sys.executable, "-m", "vcpo_jax.experiments.stability", f"--out={out}"]
+        + (["--quick"] if args.quick else [])
+        + list(overrides)
+      )
       procs = [subprocess.Popen(base + [f"--worker={i}/{c.workers}"], env=env) for i in range(c.workers)]
       codes = [p.wait() for p in procs]
       if any(codes):
@@ -544,8 +645,12 @@ def main(argv=None):
   summary = summarize(c, out)
   if summary["cells"]:
     plot(c, summary, out)
-  cmd = "python -m vcpo_jax.experiments.stability --out=" + str(args.out) + (" --quick" if args.quick else "") + (
-      " " + " ".join(overrides) if overrides else "")
+  cmd = (
+    "python -m vcpo_jax.experiments.stability --out="
+    + str(args.out)
+    + (" --quick" if args.quick else "")
+    + (" " + " ".join(overrides) if overrides else "")
+  )
   path = write_report(c, out, summary, None if args.report_only else runtime, cmd)
   print(f"total runtime {runtime / 60:.1f} min; report: {path}", flush=True)
 

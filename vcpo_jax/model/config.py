@@ -5,6 +5,7 @@ built from a Hugging Face `config.json` (read with transformers' config classes,
 so every alias and default is the one transformers uses) or from a preset for
 CPU-sized tests and demos.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,6 +37,7 @@ class ModelConfig:
     dtype: compute dtype, "float32" or "bfloat16" (parameters stay float32).
     model_type: "qwen2" or "llama" (for export back to Hugging Face format).
   """
+
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -52,21 +54,29 @@ class ModelConfig:
   model_type: str = "llama"
 
   def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                 "num_heads", "num_kv_heads", "head_dim", "max_position"):
+    for name in (
+      "vocab_size",
+      "hidden_size",
+      "intermediate_size",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "max_position",
+    ):
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}.")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
-          f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-          f"({self.num_kv_heads}) for grouped-query attention.")
+        f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+        f"({self.num_kv_heads}) for grouped-query attention."
+      )
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}.")
     if self.dtype not in _DTYPES:
       raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}.")
     if self.model_type not in SUPPORTED_MODEL_TYPES:
-      raise ValueError(f"ModelConfig.model_type must be one of {SUPPORTED_MODEL_TYPES}, "
-                       f"got {self.model_type!r}.")
+      raise ValueError(f"ModelConfig.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}.")
 
   @property
   def compute_dtype(self):
@@ -90,17 +100,20 @@ class ModelConfig:
       path = os.fspath(config_or_dir)
       if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
-            f"No config.json in checkpoint directory {path!r}: pass a Hugging Face model directory "
-            "(config.json + *.safetensors).")
+          f"No config.json in checkpoint directory {path!r}: pass a Hugging Face model directory "
+          "(config.json + *.safetensors)."
+        )
       import transformers  # local import: only needed for HF interop
+
       hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     else:
       hf = config_or_dir
     model_type = getattr(hf, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(
-          f"Unsupported architecture model_type={model_type!r} in config.json; supported: "
-          f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5 and Llama families).")
+        f"Unsupported architecture model_type={model_type!r} in config.json; supported: "
+        f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5 and Llama families)."
+      )
     rope_scaling = getattr(hf, "rope_scaling", None)
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
       raise ValueError(f"rope_scaling={rope_scaling} is not supported (only default RoPE).")
@@ -114,37 +127,61 @@ class ModelConfig:
     if model_type == "llama" and getattr(hf, "mlp_bias", False):
       raise ValueError("Llama checkpoints with mlp_bias=True are not supported.")
     return cls(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        head_dim=head_dim,
-        rope_theta=float(rope_theta),
-        rms_eps=float(hf.rms_norm_eps),
-        qkv_bias=qkv_bias,
-        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        max_position=int(getattr(hf, "max_position_embeddings", 2048)),
-        dtype=dtype,
-        model_type=model_type,
+      vocab_size=hf.vocab_size,
+      hidden_size=hf.hidden_size,
+      intermediate_size=hf.intermediate_size,
+      num_layers=hf.num_hidden_layers,
+      num_heads=hf.num_attention_heads,
+      num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+      head_dim=head_dim,
+      rope_theta=float(rope_theta),
+      rms_eps=float(hf.rms_norm_eps),
+      qkv_bias=qkv_bias,
+      tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+      max_position=int(getattr(hf, "max_position_embeddings", 2048)),
+      dtype=dtype,
+      model_type=model_type,
     )
 
 
 def tiny_qwen2(vocab_size: int = 256, **kw) -> ModelConfig:
   """A few-layer Qwen2-style config (GQA, q/k/v bias, tied embeddings) for tests."""
-  base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
-              num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, rms_eps=1e-6,
-              qkv_bias=True, tie_embeddings=True, max_position=512, model_type="qwen2")
+  base = dict(
+    vocab_size=vocab_size,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=1e6,
+    rms_eps=1e-6,
+    qkv_bias=True,
+    tie_embeddings=True,
+    max_position=512,
+    model_type="qwen2",
+  )
   base.update(kw)
   return ModelConfig(**base)
 
 
 def tiny_llama(vocab_size: int = 256, **kw) -> ModelConfig:
   """A few-layer Llama-style config (GQA, no bias, untied head) for tests."""
-  base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_layers=2,
-              num_heads=4, num_kv_heads=1, head_dim=16, rope_theta=10000.0, rms_eps=1e-5,
-              qkv_bias=False, tie_embeddings=False, max_position=512, model_type="llama")
+  base = dict(
+    vocab_size=vocab_size,
+    hidden_size=64,
+    intermediate_size=160,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    qkv_bias=False,
+    tie_embeddings=False,
+    max_position=512,
+    model_type="llama",
+  )
   base.update(kw)
   return ModelConfig(**base)
 

@@ -15,6 +15,7 @@ Name mapping (HF torch Linear weights are [out, in]; our kernels are [in, out]):
   lm_head.weight [V, D]                             <-> lm_head.kernel [D, V] (untied models only)
 Tied checkpoints may or may not store lm_head.weight; if they do it must equal the embedding.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,10 @@ class _Entry:
 
 def hf_name_map(cfg: ModelConfig) -> dict[str, _Entry]:
   """HF tensor name -> (our parameter path, transpose?) for every parameter of `cfg`'s model."""
-  m = {"model.embed_tokens.weight": _Entry(("embed_tokens", "embedding"), False),
-       "model.norm.weight": _Entry(("norm", "scale"), False)}
+  m = {
+    "model.embed_tokens.weight": _Entry(("embed_tokens", "embedding"), False),
+    "model.norm.weight": _Entry(("norm", "scale"), False),
+  }
   for i in range(cfg.num_layers):
     hf, ours = f"model.layers.{i}", ("layers", i)
     for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -78,8 +81,10 @@ def _abstract(cfg: ModelConfig):
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """HF tensor name -> shape in HF layout, for every parameter of `cfg`'s model."""
   _, abstract = _abstract(cfg)
-  return {n: tuple(abstract[e.path].shape)[::-1] if e.transpose else tuple(abstract[e.path].shape)
-          for n, e in hf_name_map(cfg).items()}
+  return {
+    n: tuple(abstract[e.path].shape)[::-1] if e.transpose else tuple(abstract[e.path].shape)
+    for n, e in hf_name_map(cfg).items()
+  }
 
 
 # ----------------------------------------------------------------------------- reading
@@ -102,12 +107,20 @@ def _tensor_files(checkpoint_dir: str) -> dict[str, str]:
     return out
   files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
   if not files:
-    other = [n for n in ("pytorch_model.bin", "model.pt", "tf_model.h5") if
-             os.path.isfile(os.path.join(checkpoint_dir, n))]
-    hint = (f" Found {other}: convert it to safetensors (transformers: load it and call "
-            "save_pretrained(dir, safe_serialization=True)).") if other else ""
+    other = [
+      n for n in ("pytorch_model.bin", "model.pt", "tf_model.h5") if os.path.isfile(os.path.join(checkpoint_dir, n))
+    ]
+    hint = (
+      (
+        f" Found {other}: convert it to safetensors (transformers: load it and call "
+        "save_pretrained(dir, safe_serialization=True))."
+      )
+      if other
+      else ""
+    )
     raise FileNotFoundError(f"No *.safetensors files (and no {INDEX_FILE}) in {checkpoint_dir!r}.{hint}")
   from safetensors import safe_open
+
   out = {}
   for path in files:
     with safe_open(path, framework="numpy") as f:
@@ -121,6 +134,7 @@ def _tensor_files(checkpoint_dir: str) -> dict[str, str]:
 def _read_tensors(files: Mapping[str, str], names) -> dict[str, np.ndarray]:
   """Reads `names` as float32 numpy arrays (bf16/f16 upcast), one open per file."""
   from safetensors import safe_open
+
   by_file: dict[str, list[str]] = {}
   for n in names:
     by_file.setdefault(files[n], []).append(n)
@@ -146,8 +160,9 @@ def read_state_dict(checkpoint_dir) -> tuple[dict[str, np.ndarray], dict[str, st
   return _read_tensors(files, list(files)), files
 
 
-def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, *,
-                   sources: Mapping[str, str] | None = None, strict: bool = True) -> tf.Transformer:
+def params_from_hf(
+  tensors: Mapping[str, np.ndarray], cfg: ModelConfig, *, sources: Mapping[str, str] | None = None, strict: bool = True
+) -> tf.Transformer:
   """A `Transformer` holding the HF-named `tensors` (float32 parameters, cfg.dtype compute).
 
   Args:
@@ -166,19 +181,23 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, *,
   if missing:
     files = sorted(set(sources.values()))
     raise ValueError(
-        f"Checkpoint is missing {len(missing)} tensor(s) the {cfg.model_type} config needs, "
-        f"e.g. {missing[:5]} (looked in {files or 'the given tensors'}).")
+      f"Checkpoint is missing {len(missing)} tensor(s) the {cfg.model_type} config needs, "
+      f"e.g. {missing[:5]} (looked in {files or 'the given tensors'})."
+    )
   unexpected = [n for n in tensors if n not in name_map and not _IGNORED.search(n)]
   if cfg.tie_embeddings and "lm_head.weight" in unexpected:
     unexpected.remove("lm_head.weight")
     lm, emb = np.asarray(tensors["lm_head.weight"]), np.asarray(tensors["model.embed_tokens.weight"])
     if lm.shape != emb.shape or not np.array_equal(lm, emb):
       raise ValueError(
-          f"config.json says tie_word_embeddings=true but lm_head.weight{where('lm_head.weight')} "
-          "differs from model.embed_tokens.weight; set tie_word_embeddings=false to load it.")
+        f"config.json says tie_word_embeddings=true but lm_head.weight{where('lm_head.weight')} "
+        "differs from model.embed_tokens.weight; set tie_word_embeddings=false to load it."
+      )
   if unexpected:
-    msg = (f"Checkpoint has {len(unexpected)} tensor(s) the {cfg.model_type} architecture does not "
-           f"model: {[n + where(n) for n in unexpected[:5]]}.")
+    msg = (
+      f"Checkpoint has {len(unexpected)} tensor(s) the {cfg.model_type} architecture does not "
+      f"model: {[n + where(n) for n in unexpected[:5]]}."
+    )
     if strict:
       raise ValueError(msg + " Pass strict=False to ignore them (the loaded model will differ).")
     warnings.warn(msg + " Ignored.")
@@ -189,14 +208,14 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, *,
     var = abstract[entry.path]
     if arr.shape != tuple(var.shape):
       want = tuple(var.shape)[::-1] if entry.transpose else tuple(var.shape)
-      raise ValueError(f"Tensor {name!r}{where(name)} has shape {tuple(np.shape(tensors[name]))}, "
-                       f"but config.json implies {want}.")
+      raise ValueError(
+        f"Tensor {name!r}{where(name)} has shape {tuple(np.shape(tensors[name]))}, but config.json implies {want}."
+      )
     flat.append((entry.path, var.replace(jnp.asarray(arr))))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def load_hf(checkpoint_dir, dtype: str = "float32", strict: bool = True
-            ) -> tuple[ModelConfig, tf.Transformer]:
+def load_hf(checkpoint_dir, dtype: str = "float32", strict: bool = True) -> tuple[ModelConfig, tf.Transformer]:
   """(ModelConfig, Transformer) from a local HF directory (config.json + *.safetensors).
 
   Args:
@@ -223,8 +242,10 @@ def _check_supported(checkpoint_dir: str) -> None:
   if raw.get("use_sliding_window"):
     raise ValueError(f"{path}: use_sliding_window=true is not supported (full attention only).")
   if raw.get("model_type") == "llama" and raw.get("attention_bias"):
-    raise ValueError(f"{path}: Llama attention_bias=true (biases on q/k/v and o_proj) is not "
-                     "supported; only Qwen2-style q/k/v biases are.")
+    raise ValueError(
+      f"{path}: Llama attention_bias=true (biases on q/k/v and o_proj) is not "
+      "supported; only Qwen2-style q/k/v biases are."
+    )
   act = raw.get("hidden_act", "silu")
   if act not in ("silu", "swish"):
     raise ValueError(f"{path}: hidden_act={act!r} is not supported (SwiGLU with silu only).")
@@ -240,12 +261,13 @@ def _flat_params(model_or_params) -> dict[Path, np.ndarray]:
   if isinstance(model_or_params, nnx.State):
     items = nnx.to_flat_state(model_or_params)
   elif isinstance(model_or_params, Mapping):
-    items = jax.tree_util.tree_flatten_with_path(
-        model_or_params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    items = jax.tree_util.tree_flatten_with_path(model_or_params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     items = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), v) for p, v in items]
   else:
-    raise ValueError(f"model_or_params: expected a Transformer, an nnx.State of its params or a "
-                     f"nested dict, got {type(model_or_params).__name__}.")
+    raise ValueError(
+      f"model_or_params: expected a Transformer, an nnx.State of its params or a "
+      f"nested dict, got {type(model_or_params).__name__}."
+    )
   out = {}
   for path, v in items:
     v = v[...] if isinstance(v, nnx.Variable) else v
@@ -262,14 +284,17 @@ def params_to_hf(model_or_params, cfg: ModelConfig) -> dict[str, np.ndarray]:
   missing = [p for p in known if p not in flat]
   extra = [p for p in flat if p not in known]
   if missing or extra:
-    raise ValueError(f"model_or_params does not match cfg: missing {sorted(map(str, missing))[:5]}, "
-                     f"unexpected {sorted(map(str, extra))[:5]}.")
+    raise ValueError(
+      f"model_or_params does not match cfg: missing {sorted(map(str, missing))[:5]}, "
+      f"unexpected {sorted(map(str, extra))[:5]}."
+    )
   out = {}
   for name, e in name_map.items():
     arr = flat[e.path]
     if arr.shape != tuple(abstract[e.path].shape):
-      raise ValueError(f"Parameter {'.'.join(map(str, e.path))} has shape {arr.shape}, cfg implies "
-                       f"{tuple(abstract[e.path].shape)}.")
+      raise ValueError(
+        f"Parameter {'.'.join(map(str, e.path))} has shape {arr.shape}, cfg implies {tuple(abstract[e.path].shape)}."
+      )
     out[name] = np.ascontiguousarray(arr.T if e.transpose else arr)
   return out
 
@@ -277,26 +302,40 @@ def params_to_hf(model_or_params, cfg: ModelConfig) -> dict[str, np.ndarray]:
 def hf_config(cfg: ModelConfig, tokenizer=None):
   """A transformers Qwen2Config / LlamaConfig describing `cfg` (float32 weights)."""
   import transformers
+
   common = dict(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-      head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position, rms_norm_eps=cfg.rms_eps,
-      rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-      tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", dtype="float32")
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.hidden_size,
+    intermediate_size=cfg.intermediate_size,
+    num_hidden_layers=cfg.num_layers,
+    num_attention_heads=cfg.num_heads,
+    num_key_value_heads=cfg.num_kv_heads,
+    head_dim=cfg.head_dim,
+    max_position_embeddings=cfg.max_position,
+    rms_norm_eps=cfg.rms_eps,
+    rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+    tie_word_embeddings=cfg.tie_embeddings,
+    hidden_act="silu",
+    dtype="float32",
+  )
   if tokenizer is not None:
-    common.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
+    common.update(
+      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
   if cfg.model_type == "qwen2":
     if not cfg.qkv_bias:
-      raise ValueError("ModelConfig.qkv_bias=False cannot be exported as model_type='qwen2' (HF Qwen2 "
-                       "always has q/k/v biases); use model_type='llama'.")
+      raise ValueError(
+        "ModelConfig.qkv_bias=False cannot be exported as model_type='qwen2' (HF Qwen2 "
+        "always has q/k/v biases); use model_type='llama'."
+      )
     hf = transformers.Qwen2Config(use_sliding_window=False, **common)
     hf.architectures = ["Qwen2ForCausalLM"]
   elif cfg.model_type == "llama":
     if cfg.qkv_bias:
-      raise ValueError("ModelConfig.qkv_bias=True cannot be exported as model_type='llama' (HF Llama "
-                       "biases cover o_proj too); use model_type='qwen2'.")
+      raise ValueError(
+        "ModelConfig.qkv_bias=True cannot be exported as model_type='llama' (HF Llama "
+        "biases cover o_proj too); use model_type='qwen2'."
+      )
     hf = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     hf.architectures = ["LlamaForCausalLM"]
   else:  # ModelConfig validates model_type; kept for future families
@@ -323,6 +362,7 @@ def save_hf(model_or_params, cfg: ModelConfig, out_dir, tokenizer=None) -> str:
 
 def _write(tensors: dict[str, np.ndarray], hf, out_dir, tokenizer) -> str:
   from safetensors.numpy import save_file
+
   out_dir = os.fspath(out_dir)
   os.makedirs(out_dir, exist_ok=True)
   # Stale shards from an earlier save would shadow or duplicate the new weights.
@@ -336,8 +376,9 @@ def _write(tensors: dict[str, np.ndarray], hf, out_dir, tokenizer) -> str:
   return out_dir
 
 
-def make_tiny_checkpoint(out_dir, family: str = "qwen2", vocab_size: int | None = None,
-                         seed: int = 0, tokenizer: bool = True, **overrides) -> str:
+def make_tiny_checkpoint(
+  out_dir, family: str = "qwen2", vocab_size: int | None = None, seed: int = 0, tokenizer: bool = True, **overrides
+) -> str:
   """A tiny random HF checkpoint (+ char tokenizer) for CPU demos; no torch needed.
 
   Args:
@@ -354,6 +395,7 @@ def make_tiny_checkpoint(out_dir, family: str = "qwen2", vocab_size: int | None 
     out_dir as a str; `load_hf(out_dir)` and `load_tokenizer(out_dir)` read it back.
   """
   from vcpo_jax.model.tokenizer import build_char_tokenizer
+
   presets = {"qwen2": tiny_qwen2, "llama": tiny_llama}
   if family not in presets:
     raise ValueError(f"family must be one of {sorted(presets)}, got {family!r}.")
@@ -366,12 +408,14 @@ def make_tiny_checkpoint(out_dir, family: str = "qwen2", vocab_size: int | None 
   # The Transformer's own init, drawn in numpy: building the NNX module eagerly
   # costs seconds of op dispatch, and only the tensors are wanted here.
   rng = np.random.default_rng(seed)
+
   def draw(name, shape):
     if name.endswith("norm.weight"):
       return np.ones(shape, np.float32)
     if name.endswith(".bias"):
       return np.zeros(shape, np.float32)
     return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+
   tensors = {n: draw(n, sh) for n, sh in hf_shapes(cfg).items()}
   return _write(tensors, hf_config(cfg, tok), out_dir, tok)
 
@@ -383,8 +427,9 @@ _LOADED: dict[tuple, tuple[Any, Any]] = {}
 
 def _fingerprint(checkpoint_dir: str) -> tuple:
   """Changes whenever a weight or config file changes, so the cache never serves stale weights."""
-  names = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")) +
-                 glob.glob(os.path.join(checkpoint_dir, "*.json")))
+  names = sorted(
+    glob.glob(os.path.join(checkpoint_dir, "*.safetensors")) + glob.glob(os.path.join(checkpoint_dir, "*.json"))
+  )
   return tuple((n, os.stat(n).st_mtime_ns, os.stat(n).st_size) for n in names)
 
 
@@ -410,8 +455,7 @@ def hf_forward(checkpoint_dir, token_ids, attention_mask=None, dtype: str = "flo
   if tokens.ndim == 1:
     tokens = tokens[None]
   if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"token_ids must be integers of shape [B, T] or [T], got {tokens.dtype} "
-                     f"{tokens.shape}.")
+    raise ValueError(f"token_ids must be integers of shape [B, T] or [T], got {tokens.dtype} {tokens.shape}.")
   valid = np.ones(tokens.shape, bool) if attention_mask is None else np.asarray(attention_mask)
   if valid.ndim == 1:
     valid = valid[None]
@@ -425,7 +469,6 @@ def hf_forward(checkpoint_dir, token_ids, attention_mask=None, dtype: str = "flo
     _LOADED[key] = (cfg, tf.split(model))
   cfg, graphdef_params = _LOADED[key]
   if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
-    raise ValueError(f"token_ids must lie in [0, {cfg.vocab_size}), got range "
-                     f"[{tokens.min()}, {tokens.max()}].")
+    raise ValueError(f"token_ids must lie in [0, {cfg.vocab_size}), got range [{tokens.min()}, {tokens.max()}].")
   out = _logits(*graphdef_params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid.astype(bool)))
   return np.asarray(out, np.float32)

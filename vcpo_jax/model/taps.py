@@ -19,6 +19,7 @@ Tap kinds (what A is, and which parameter the pair (A, D) belongs to):
   "scale":   Y = A * scale (RMSNorm); A = normalized input [B, T, D], D [B, T, D].
   "unembed": Y = A @ embedding^T (tied LM head); A [B, T, D], D [B, T, V].
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,6 +41,7 @@ class TapInfo:
 @dataclasses.dataclass
 class Tape:
   """Collects tapped inputs; supplies perturbations (or records their shapes)."""
+
   perturbations: dict[str, jax.Array] | None = None
   inputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
   out_shapes: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)

@@ -9,6 +9,7 @@ Ids (fixed, so tests can hard-code them):
   0 <|endoftext|> (pad), 1 <|im_start|>, 2 <|im_end|> (eos), 3 <unk>,
   4 "\\n", 5 "\\t", 6.. printable ASCII 32..126 (char c has id ord(c) - 26: space 6, "0" 22, "a" 71).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,11 @@ CHARS = ("\n", "\t") + tuple(chr(i) for i in range(32, 127))
 
 # ChatML, as Qwen2 instruct models use it (no default system prompt).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+  "{% for message in messages %}"
+  "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+  "{% endfor %}"
+  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def build_char_tokenizer(save_dir: str | os.PathLike | None = None):
@@ -50,8 +52,13 @@ def build_char_tokenizer(save_dir: str | os.PathLike | None = None):
   tok.decoder = decoders.Fuse()  # join characters back without spaces
   tok.add_special_tokens(list(SPECIAL_TOKENS))
   out = PreTrainedTokenizerFast(
-      tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN,
-      chat_template=CHAT_TEMPLATE, padding_side="left")
+    tokenizer_object=tok,
+    eos_token=IM_END,
+    pad_token=PAD_TOKEN,
+    unk_token=UNK_TOKEN,
+    chat_template=CHAT_TEMPLATE,
+    padding_side="left",
+  )
   if save_dir is not None:
     out.save_pretrained(os.fspath(save_dir))
   return out
@@ -65,9 +72,11 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike):
   names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
   if not any(os.path.isfile(os.path.join(path, n)) for n in names):
     raise FileNotFoundError(
-        f"No tokenizer files in {path!r} (expected one of {names}); save one there with "
-        "tokenizer.save_pretrained(dir) or vcpo_jax.model.tokenizer.build_char_tokenizer(dir).")
+      f"No tokenizer files in {path!r} (expected one of {names}); save one there with "
+      "tokenizer.save_pretrained(dir) or vcpo_jax.model.tokenizer.build_char_tokenizer(dir)."
+    )
   from transformers import AutoTokenizer
+
   return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
@@ -89,15 +98,18 @@ def apply_chat_template_or_plain(tokenizer, prompt, system: str | None = None) -
   """
   if getattr(tokenizer, "chat_template", None):
     if isinstance(prompt, str):
-      messages = ([{"role": "system", "content": system}] if system is not None else [])
+      messages = [{"role": "system", "content": system}] if system is not None else []
       messages.append({"role": "user", "content": prompt})
     else:
       messages = list(prompt)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
   if not isinstance(prompt, str):
-    raise ValueError("prompt: a list of chat messages needs a tokenizer with a chat_template; "
-                     "pass a plain string prompt instead.")
+    raise ValueError(
+      "prompt: a list of chat messages needs a tokenizer with a chat_template; pass a plain string prompt instead."
+    )
   if system is not None:
-    raise ValueError("system: the tokenizer has no chat_template, so a system message cannot be "
-                     "placed; prepend it to the prompt yourself or pass system=None.")
+    raise ValueError(
+      "system: the tokenizer has no chat_template, so a system message cannot be "
+      "placed; prepend it to the prompt yourself or pass system=None."
+    )
   return prompt

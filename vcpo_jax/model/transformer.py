@@ -12,6 +12,7 @@ The functional entry points (`forward`, `token_logprobs`, `sequence_logprobs`)
 take (graphdef, params) so that they can be jitted, vmapped and sharded like
 any pure JAX function; see `split`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -137,7 +138,8 @@ class Block(nnx.Module):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, name=f"{name}.input_layernorm", dtype=dt)
     self.self_attn = Attention(cfg, name=f"{name}.self_attn", rngs=rngs)
     self.post_attention_layernorm = RMSNorm(
-        cfg.hidden_size, cfg.rms_eps, name=f"{name}.post_attention_layernorm", dtype=dt)
+      cfg.hidden_size, cfg.rms_eps, name=f"{name}.post_attention_layernorm", dtype=dt
+    )
     self.mlp = MLP(cfg, name=f"{name}.mlp", rngs=rngs)
 
   def __call__(self, x, positions_bt, mask_bts, cache, cache_index):
@@ -156,11 +158,13 @@ class Transformer(nnx.Module):
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens", dtype=dt, rngs=rngs)
     self.layers = nnx.List([Block(cfg, name=f"layers.{i}", rngs=rngs) for i in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, name="norm", dtype=dt)
-    self.lm_head = None if cfg.tie_embeddings else Linear(
-        cfg.hidden_size, cfg.vocab_size, name="lm_head", use_bias=False, dtype=dt, rngs=rngs)
+    self.lm_head = (
+      None
+      if cfg.tie_embeddings
+      else Linear(cfg.hidden_size, cfg.vocab_size, name="lm_head", use_bias=False, dtype=dt, rngs=rngs)
+    )
 
-  def __call__(self, tokens_bt, positions_bt, mask_bts, cache: list[LayerCache] | None = None,
-               cache_index=None):
+  def __call__(self, tokens_bt, positions_bt, mask_bts, cache: list[LayerCache] | None = None, cache_index=None):
     """Returns (logits [B, T, V] float32, new cache or None).
 
     Args:

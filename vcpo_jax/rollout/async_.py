@@ -30,6 +30,7 @@ SIGTERM, then SIGKILL) and removes every shared-memory segment and semaphore;
 if the learner itself is killed the worker gets SIGKILL from the kernel
 (PR_SET_PDEATHSIG) and the resource tracker unlinks the segments.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,12 +60,19 @@ class SamplerDiedError(RuntimeError):
 def batch_schema(n: int, t: int) -> BatchSchema:
   """The queue schema of one rollout Batch (rollout/common.py): N rows, T columns, fixed shapes."""
   nt = (n, t)
-  return BatchSchema({
-      "tokens": Field(np.int32, nt), "valid_mask": Field(np.bool_, nt), "loss_mask": Field(np.bool_, nt),
-      "behavior_logp": Field(np.float32, nt), "rewards": Field(np.float32, (n,)),
-      "correct": Field(np.float32, (n,)), "group_id": Field(np.int32, (n,)),
+  return BatchSchema(
+    {
+      "tokens": Field(np.int32, nt),
+      "valid_mask": Field(np.bool_, nt),
+      "loss_mask": Field(np.bool_, nt),
+      "behavior_logp": Field(np.float32, nt),
+      "rewards": Field(np.float32, (n,)),
+      "correct": Field(np.float32, (n,)),
+      "group_id": Field(np.int32, (n,)),
       "policy_version": Field(np.int32, (n,)),
-  }, {})
+    },
+    {},
+  )
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -143,8 +151,10 @@ class AsyncSource:
     self.env = env
     rebuilt, _ = worker_lib.abstract_params(model_cfg)
     if rebuilt != graphdef:
-      raise ValueError("async mode: the policy's graphdef differs from transformer.init(model_cfg)'s, which the "
-                       "sampler process rebuilds; use a model built by vcpo_jax.model.transformer.")
+      raise ValueError(
+        "async mode: the policy's graphdef differs from transformer.init(model_cfg)'s, which the "
+        "sampler process rebuilds; use a model built by vcpo_jax.model.transformer."
+      )
     self.model_cfg, self.tokenizer, self.maker = model_cfg, tokenizer, maker
     self.key_data = np.asarray(jax.random.key_data(key))
     self.key_impl = str(jax.random.key_impl(key))
@@ -167,11 +177,21 @@ class AsyncSource:
     self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes)
     self.conn, child_conn = SPAWN.Pipe(duplex=True)
     args = worker_lib.WorkerArgs(
-        rollout=self.maker.cfg, model_cfg=self.model_cfg, sampler_cfg=self.maker.sampler.cfg,
-        tokenizer=self.tokenizer, problems=tuple(self.maker.problems), key_data=self.key_data,
-        key_impl=self.key_impl, k=self.k, first_step=int(version), end_step=self.end_step,
-        param_names=tuple(arrays), meta_bytes=self.meta_bytes, cpus=self.cpus,
-        multiturn=getattr(self.maker, "mt", None))
+      rollout=self.maker.cfg,
+      model_cfg=self.model_cfg,
+      sampler_cfg=self.maker.sampler.cfg,
+      tokenizer=self.tokenizer,
+      problems=tuple(self.maker.problems),
+      key_data=self.key_data,
+      key_impl=self.key_impl,
+      k=self.k,
+      first_step=int(version),
+      end_step=self.end_step,
+      param_names=tuple(arrays),
+      meta_bytes=self.meta_bytes,
+      cpus=self.cpus,
+      multiturn=getattr(self.maker, "mt", None),
+    )
     # The spawn payload stays small: the arguments (problems, tokenizer: can be MBs) go through a file.
     # CPython writes the payload into a pipe whose read end the parent holds until the write ends, so a
     # child dying during bootstrap (e.g. a script without `if __name__ == "__main__":`) would block a large
@@ -179,8 +199,12 @@ class AsyncSource:
     fd, self._args_path = tempfile.mkstemp(prefix="vcpo-async-args-", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
       pickle.dump(args, f, protocol=pickle.HIGHEST_PROTOCOL)
-    self.proc = SPAWN.Process(target=worker_lib.main, args=(self._args_path, self.queue, self.slot, child_conn),
-                              name="vcpo-async-sampler", daemon=False)  # a daemon could not start graders
+    self.proc = SPAWN.Process(
+      target=worker_lib.main,
+      args=(self._args_path, self.queue, self.slot, child_conn),
+      name="vcpo-async-sampler",
+      daemon=False,
+    )  # a daemon could not start graders
     with _environ(self.env):
       self.proc.start()
     child_conn.close()
@@ -205,8 +229,9 @@ class AsyncSource:
     """Batch `step` from the queue; raises SamplerDiedError / TimeoutError instead of hanging."""
     if self.proc is None:
       raise RuntimeError(
-          f"AsyncSource.next({step}) before any publish(): the sampler starts at the first published version. "
-          "After a resume, publish the restored parameters (version = the restored step) first.")
+        f"AsyncSource.next({step}) before any publish(): the sampler starts at the first published version. "
+        "After a resume, publish the restored parameters (version = the restored step) first."
+      )
     t0 = time.monotonic()
     timeout = self.timeout_s if self._received else self.startup_timeout_s
     deadline = t0 + timeout
@@ -222,8 +247,10 @@ class AsyncSource:
         if time.monotonic() >= deadline:
           failure = TimeoutError(self._timeout_message(step, timeout))
       except QueueFinished:
-        failure = RuntimeError(f"async source: batch {step} requested but the sampler made only batches up "
-                               f"to spec.steps - 1 = {self.end_step - 1}.")
+        failure = RuntimeError(
+          f"async source: batch {step} requested but the sampler made only batches up "
+          f"to spec.steps - 1 = {self.end_step - 1}."
+        )
       except PeerDiedError as e:
         failure = self._died_error(f"while the learner waited for batch {step}: {e}")
       if failure is not None:
@@ -232,8 +259,10 @@ class AsyncSource:
     self._received += 1
     batch, meta = item.arrays, item.meta
     if meta["step"] != step:
-      raise RuntimeError(f"async source: received batch {meta['step']} at learner step {step}; the learner must "
-                         "consume batches in order, one per step, starting at the first published version.")
+      raise RuntimeError(
+        f"async source: received batch {meta['step']} at learner step {step}; the learner must "
+        "consume batches in order, one per step, starting at the first published version."
+      )
     lag = step - batch["policy_version"]
     if lag.min() < 0 or lag.max() > self.k:
       raise RuntimeError(f"async source: batch {step} has lags [{lag.min()}, {lag.max()}] outside [0, {self.k}].")
@@ -241,12 +270,20 @@ class AsyncSource:
     d_idle, d_elapsed = idle - self._prev_idle[0], elapsed - self._prev_idle[1]
     self._prev_idle = (idle, elapsed)
     info = dict(
-        texts=meta.get("texts"), problem_ids=meta["problem_ids"], response_len_mean=meta["response_len_mean"],
-        finished_frac=meta["finished_frac"], lag_min=int(lag.min()), lag_mean=float(lag.mean()),
-        lag_max=int(lag.max()), learner_wait_s=wait_s, sampler_gen_s=meta["gen_s"],
-        sampler_idle_frac=d_idle / d_elapsed if d_elapsed > 0 else 0.0,  # since the previous batch
-        sampler_idle_s_total=idle, sampler_elapsed_s_total=elapsed,
-        metrics=dict(meta.get("metrics") or {}))  # the maker's scalars (multi-turn: rollout/turns_mean, ...)
+      texts=meta.get("texts"),
+      problem_ids=meta["problem_ids"],
+      response_len_mean=meta["response_len_mean"],
+      finished_frac=meta["finished_frac"],
+      lag_min=int(lag.min()),
+      lag_mean=float(lag.mean()),
+      lag_max=int(lag.max()),
+      learner_wait_s=wait_s,
+      sampler_gen_s=meta["gen_s"],
+      sampler_idle_frac=d_idle / d_elapsed if d_elapsed > 0 else 0.0,  # since the previous batch
+      sampler_idle_s_total=idle,
+      sampler_elapsed_s_total=elapsed,
+      metrics=dict(meta.get("metrics") or {}),
+    )  # the maker's scalars (multi-turn: rollout/turns_mean, ...)
     return batch, info
 
   # -- failure reporting
@@ -281,18 +318,25 @@ class AsyncSource:
     if self._error:
       msg += f". Its traceback:\n{self._error}"
     else:
-      msg += (". It sent no traceback: it was killed from outside (out of memory? a signal?) or crashed in native "
-              "code; see its stderr above.")
+      msg += (
+        ". It sent no traceback: it was killed from outside (out of memory? a signal?) or crashed in native "
+        "code; see its stderr above."
+      )
     return SamplerDiedError(msg)
 
   def _timeout_message(self, step: int, timeout: float) -> str:
     need = step - self.k
-    why = (f"it may only make batch {step} once version >= {need} is published (latest: {self._published}), "
-           "so it is paused on the staleness bound" if self._published < need else
-           "the sampler is alive but slower than the timeout (compilation? an overloaded machine?)")
+    why = (
+      f"it may only make batch {step} once version >= {need} is published (latest: {self._published}), "
+      "so it is paused on the staleness bound"
+      if self._published < need
+      else "the sampler is alive but slower than the timeout (compilation? an overloaded machine?)"
+    )
     name = "timeout_s" if self._received else "startup_timeout_s"
-    return (f"async source: no batch {step} within async_.{name}={timeout:g} s; {why}. Raise "
-            f"async_.{name} if generation is legitimately that slow.")
+    return (
+      f"async source: no batch {step} within async_.{name}={timeout:g} s; {why}. Raise "
+      f"async_.{name} if generation is legitimately that slow."
+    )
 
   # ------------------------------------------------------------------ checkpointing, lifetime
 
@@ -302,8 +346,10 @@ class AsyncSource:
 
   def load_state(self, versions: list[int], params_list: list):
     if versions:
-      raise ValueError(f"async source: a checkpoint with kept versions {versions} came from lag mode; resume it "
-                       "with mode='lag', or start the async run in a fresh workdir.")
+      raise ValueError(
+        f"async source: a checkpoint with kept versions {versions} came from lag mode; resume it "
+        "with mode='lag', or start the async run in a fresh workdir."
+      )
 
   def resource_paths(self) -> list[str]:
     """/dev/shm paths this source owns (segments and semaphores), for leak checks."""

@@ -12,6 +12,7 @@ response budget columns:
   rewards [N] f32, correct [N] f32, group_id [N] int32 (prompt index in the batch)
   policy_version [N] int32   parameter version that sampled the row
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,6 +52,7 @@ class RolloutConfig:
 
 def encode_prompts(tokenizer, problems: Sequence[tasks.Problem], chat_template: bool) -> list[list[int]]:
   from vcpo_jax.model.tokenizer import apply_chat_template_or_plain
+
   out = []
   for p in problems:
     text = apply_chat_template_or_plain(tokenizer, p.prompt) if chat_template else p.prompt
@@ -77,32 +79,40 @@ class RolloutMaker:
     prompt_ids = encode_prompts(self.tokenizer, problems, cfg.chat_template)
     too_long = [len(p) for p in prompt_ids if len(p) > cfg.max_prompt_len]
     if too_long:
-      raise ValueError(f"A prompt has {max(too_long)} tokens > task.max_prompt_len={cfg.max_prompt_len}; "
-                       "raise task.max_prompt_len.")
-    ro = self.sampler.generate(params, prompt_ids, rng, num_samples=cfg.group_size,
-                               max_new_tokens=cfg.max_new_tokens)
+      raise ValueError(
+        f"A prompt has {max(too_long)} tokens > task.max_prompt_len={cfg.max_prompt_len}; raise task.max_prompt_len."
+      )
+    ro = self.sampler.generate(params, prompt_ids, rng, num_samples=cfg.group_size, max_new_tokens=cfg.max_new_tokens)
     return self.to_batch(ro, problems, version)
 
   def to_batch(self, ro, problems, version: int) -> tuple[dict, dict]:
     cfg = self.cfg
     n, t_want = cfg.batch_size, cfg.max_prompt_len + cfg.max_new_tokens
-    texts = [self.tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True)
-             for i in range(n)]
-    rewards = np.asarray([tasks.score(problems[i // cfg.group_size].task, texts[i],
-                                      problems[i // cfg.group_size].reference) for i in range(n)], np.float32)
+    texts = [self.tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True) for i in range(n)]
+    rewards = np.asarray(
+      [
+        tasks.score(problems[i // cfg.group_size].task, texts[i], problems[i // cfg.group_size].reference)
+        for i in range(n)
+      ],
+      np.float32,
+    )
     pad = lambda a, v=0: _pad_to(a, t_want, v)
     batch = dict(
-        tokens=pad(ro.tokens.astype(np.int32), self.sampler.cfg.pad_id),
-        valid_mask=pad(ro.prompt_mask | ro.response_mask),
-        loss_mask=pad(ro.response_mask),
-        behavior_logp=pad(ro.behavior_logp.astype(np.float32)),
-        rewards=rewards,
-        correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
-        group_id=np.asarray(ro.group_id, np.int32),
-        policy_version=np.full((n,), version, np.int32),
+      tokens=pad(ro.tokens.astype(np.int32), self.sampler.cfg.pad_id),
+      valid_mask=pad(ro.prompt_mask | ro.response_mask),
+      loss_mask=pad(ro.response_mask),
+      behavior_logp=pad(ro.behavior_logp.astype(np.float32)),
+      rewards=rewards,
+      correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
+      group_id=np.asarray(ro.group_id, np.int32),
+      policy_version=np.full((n,), version, np.int32),
     )
-    info = dict(texts=texts, problem_ids=[p.id for p in problems],
-                response_len_mean=float(np.mean(ro.lengths)), finished_frac=float(np.mean(ro.finished)))
+    info = dict(
+      texts=texts,
+      problem_ids=[p.id for p in problems],
+      response_len_mean=float(np.mean(ro.lengths)),
+      finished_frac=float(np.mean(ro.finished)),
+    )
     return batch, info
 
 

@@ -10,6 +10,7 @@ copies; the learner donates its own buffers), i.e. (k + 1) x the parameter
 bytes. For k = 128 and a 1.5B-parameter fp32 model that is ~770 GB, which is
 why large-k stability studies use small models; `async` mode needs no copies.
 """
+
 from __future__ import annotations
 
 import jax
@@ -36,8 +37,10 @@ class LagSource:
   def next(self, step: int) -> tuple[dict, dict]:
     version = max(0, step - self.k)
     if version not in self.versions:
-      raise RuntimeError(f"lag source: parameters of version {version} needed at step {step} were not "
-                         f"published (have {sorted(self.versions)}).")
+      raise RuntimeError(
+        f"lag source: parameters of version {version} needed at step {step} were not "
+        f"published (have {sorted(self.versions)})."
+      )
     batch, info = self.maker.make(self.versions[version], step, jax.random.fold_in(self.key, step), version)
     lag = step - batch["policy_version"]
     info.update(lag_min=int(lag.min()), lag_mean=float(lag.mean()), lag_max=int(lag.max()))

@@ -30,6 +30,7 @@ buckets Tp, 2 Tp, 4 Tp, ... up to T and a single new-token bucket; the model
 needs max_position >= T + max_turn_tokens (parse_config raises a random
 preset's max_position accordingly).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,6 +58,7 @@ class MultiTurnConfig:
     sandbox_cpu_seconds, sandbox_wall_seconds: limits of one execution.
     max_workers: parallel sandbox executions per round (0 = CPU count).
   """
+
   max_turns: int = 4
   max_turn_tokens: int = 512
   max_tool_output_tokens: int = 256
@@ -98,8 +100,13 @@ def sampler_config(base: SamplerConfig, rollout: RolloutConfig, mt: MultiTurnCon
   prompt_buckets.append(t)
   n = rollout.batch_size
   batch = {n} | ({n // 4, n // 16} if n >= 64 else set())
-  return dataclasses.replace(base, prompt_buckets=tuple(prompt_buckets), new_token_buckets=(mt.max_turn_tokens,),
-                             max_new_tokens=mt.max_turn_tokens, batch_buckets=tuple(sorted(batch)))
+  return dataclasses.replace(
+    base,
+    prompt_buckets=tuple(prompt_buckets),
+    new_token_buckets=(mt.max_turn_tokens,),
+    max_new_tokens=mt.max_turn_tokens,
+    batch_buckets=tuple(sorted(batch)),
+  )
 
 
 def _no_reward(text, reference) -> float:
@@ -127,15 +134,18 @@ class MultiTurnRolloutMaker(RolloutMaker):
     if sampler.cfg.eos_id is None:
       raise ValueError("multi-turn rollouts need a tokenizer with an EOS token: it ends the final answer.")
     if mt.max_turn_tokens > cfg.max_new_tokens:
-      raise ValueError(f"task.multiturn.max_turn_tokens={mt.max_turn_tokens} exceeds the response budget "
-                       f"task.max_new_tokens={cfg.max_new_tokens}; lower it or raise task.max_new_tokens.")
+      raise ValueError(
+        f"task.multiturn.max_turn_tokens={mt.max_turn_tokens} exceeds the response budget "
+        f"task.max_new_tokens={cfg.max_new_tokens}; lower it or raise task.max_new_tokens."
+      )
     close_ids = self._encode(mt.code_close)
     if not close_ids:
       raise ValueError(f"task.multiturn.code_close={mt.code_close!r} encodes to no tokens.")
     # The sampler pauses at the last token of code_close so the sandbox can run the block.
     self.stop_ids = (int(close_ids[-1]),)
-    self.sandbox = sandbox.SandboxConfig(cpu_seconds=mt.sandbox_cpu_seconds,
-                                         wall_seconds=float(mt.sandbox_wall_seconds))
+    self.sandbox = sandbox.SandboxConfig(
+      cpu_seconds=mt.sandbox_cpu_seconds, wall_seconds=float(mt.sandbox_wall_seconds)
+    )
 
   def _encode(self, s: str) -> list[int]:
     return list(self.tokenizer.encode(s, add_special_tokens=False))
@@ -147,12 +157,19 @@ class MultiTurnRolloutMaker(RolloutMaker):
     """tool_env limits and protocol; reward_fn(final_text, reference) -> float."""
     mt = self.mt
     return tool_env.ToolEnvConfig(
-        reward_fn=reward_fn, max_turns=mt.max_turns,
-        max_new_tokens=mt.max_turn_tokens, max_response_tokens=self.cfg.max_new_tokens,
-        max_tool_output_tokens=mt.max_tool_output_tokens, code_open=mt.code_open, code_close=mt.code_close,
-        output_open=mt.output_open, output_close=mt.output_close,
-        eos_token_ids=(int(self.sampler.cfg.eos_id),),  # a stop on anything else resumes the turn
-        sandbox=self.sandbox, max_workers=mt.max_workers or None)
+      reward_fn=reward_fn,
+      max_turns=mt.max_turns,
+      max_new_tokens=mt.max_turn_tokens,
+      max_response_tokens=self.cfg.max_new_tokens,
+      max_tool_output_tokens=mt.max_tool_output_tokens,
+      code_open=mt.code_open,
+      code_close=mt.code_close,
+      output_open=mt.output_open,
+      output_close=mt.output_close,
+      eos_token_ids=(int(self.sampler.cfg.eos_id),),  # a stop on anything else resumes the turn
+      sandbox=self.sandbox,
+      max_workers=mt.max_workers or None,
+    )
 
   def make(self, params, step: int, rng: jax.Array, version: int) -> tuple[dict, dict]:
     """Rolls out G tool-use episodes for each of step's P prompts with `params`; returns (batch, info)."""
@@ -164,8 +181,9 @@ class MultiTurnRolloutMaker(RolloutMaker):
     prompt_ids = encode_prompts(self.tokenizer, problems, cfg.chat_template)
     too_long = [len(p) for p in prompt_ids if len(p) > cfg.max_prompt_len]
     if too_long:
-      raise ValueError(f"A prompt has {max(too_long)} tokens > task.max_prompt_len={cfg.max_prompt_len}; "
-                       "raise task.max_prompt_len.")
+      raise ValueError(
+        f"A prompt has {max(too_long)} tokens > task.max_prompt_len={cfg.max_prompt_len}; raise task.max_prompt_len."
+      )
     contexts = [p for p in prompt_ids for _ in range(cfg.group_size)]  # row n = prompt n // G
     references = [p.reference for p in problems for _ in range(cfg.group_size)]
     reward_fn = functools.partial(tasks.score, task_names.pop())
@@ -193,6 +211,7 @@ class MultiTurnRolloutMaker(RolloutMaker):
     model turn, the same text the training reward grades. Sampling settings and the token budget
     are the sampler's and the maker's; the protocol arguments are recorded by the caller.
     """
+
     def generate(prompts, n, temperature, top_p, max_new_tokens, greedy):
       del temperature, top_p, max_new_tokens, greedy  # fixed by the sampler and the maker (recorded)
       problems = [tasks.Problem(id=str(i), task="", prompt=p, reference=None) for i, p in enumerate(prompts)]
@@ -201,12 +220,13 @@ class MultiTurnRolloutMaker(RolloutMaker):
       # evaluation.evaluate grades the returned texts itself: no reward here.
       episodes, _ = self.run_episodes(params, contexts, [None] * len(contexts), self.env_config(_no_reward), rng)
       texts = [e.final_text for e in episodes]
-      return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
+      return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     return generate
 
-  def episodes_to_batch(self, episodes: Sequence[tool_env.Episode], problems, version: int,
-                        rounds: int = 0) -> tuple[dict, dict]:
+  def episodes_to_batch(
+    self, episodes: Sequence[tool_env.Episode], problems, version: int, rounds: int = 0
+  ) -> tuple[dict, dict]:
     """N episodes (prompt-major) -> the fixed-shape Batch, prompts left-padded to end at column Tp."""
     cfg = self.cfg
     n, tp, t = cfg.batch_size, cfg.max_prompt_len, cfg.max_prompt_len + cfg.max_new_tokens
@@ -214,8 +234,9 @@ class MultiTurnRolloutMaker(RolloutMaker):
       raise ValueError(f"got {len(episodes)} episodes for a batch of N = P * G = {n}.")
     pe = tool_env.pad_episodes(episodes, length=t, pad_id=self.sampler.cfg.pad_id)
     valid = (pe["prompt_mask"] > 0) | (pe["response_mask"] > 0)
-    arrays = dict(tokens=pe["tokens"], valid_mask=valid, loss_mask=pe["loss_mask"] > 0,
-                  behavior_logp=pe["behavior_logp"])
+    arrays = dict(
+      tokens=pe["tokens"], valid_mask=valid, loss_mask=pe["loss_mask"] > 0, behavior_logp=pe["behavior_logp"]
+    )
     # pad_episodes right-pads; shift each row so the response starts at column Tp, as the sampler
     # lays out single-turn rows. Only padding wraps around: the response is <= T - Tp tokens.
     for i, e in enumerate(episodes):
@@ -224,28 +245,31 @@ class MultiTurnRolloutMaker(RolloutMaker):
         arrays[k][i] = np.roll(arrays[k][i], shift)
     rewards = pe["rewards"].astype(np.float32)
     batch = dict(
-        tokens=arrays["tokens"].astype(np.int32),
-        valid_mask=arrays["valid_mask"],
-        loss_mask=arrays["loss_mask"],
-        behavior_logp=arrays["behavior_logp"].astype(np.float32),
-        rewards=rewards,
-        correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
-        group_id=np.repeat(np.arange(cfg.prompts_per_step, dtype=np.int32), cfg.group_size),
-        policy_version=np.full((n,), version, np.int32),
+      tokens=arrays["tokens"].astype(np.int32),
+      valid_mask=arrays["valid_mask"],
+      loss_mask=arrays["loss_mask"],
+      behavior_logp=arrays["behavior_logp"].astype(np.float32),
+      rewards=rewards,
+      correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
+      group_id=np.repeat(np.arange(cfg.prompts_per_step, dtype=np.int32), cfg.group_size),
+      policy_version=np.full((n,), version, np.int32),
     )
     resp_len = [len(e.tokens) - e.prompt_len for e in episodes]
     calls = [len(e.tool_kinds) for e in episodes]
     # Scalars a logger can write as they are (the trainer's row keys are its own).
     metrics = {
-        "rollout/policy_tokens_mean": float(np.mean([e.loss_mask.sum() for e in episodes])),
-        "rollout/turns_mean": float(np.mean([e.num_turns for e in episodes])),
-        "rollout/tool_calls_mean": float(np.mean(calls)),
-        "rollout/tool_error_frac": float(sum(e.num_tool_errors for e in episodes) / max(sum(calls), 1)),
-        "rollout/max_turns_frac": float(np.mean([e.finish_reason == "max_turns" for e in episodes])),
-        "rollout/sampler_rounds": float(rounds),
+      "rollout/policy_tokens_mean": float(np.mean([e.loss_mask.sum() for e in episodes])),
+      "rollout/turns_mean": float(np.mean([e.num_turns for e in episodes])),
+      "rollout/tool_calls_mean": float(np.mean(calls)),
+      "rollout/tool_error_frac": float(sum(e.num_tool_errors for e in episodes) / max(sum(calls), 1)),
+      "rollout/max_turns_frac": float(np.mean([e.finish_reason == "max_turns" for e in episodes])),
+      "rollout/sampler_rounds": float(rounds),
     }
     info = dict(
-        texts=[e.response_text for e in episodes], problem_ids=[p.id for p in problems],
-        response_len_mean=float(np.mean(resp_len)),
-        finished_frac=float(np.mean([e.finish_reason == "answer" for e in episodes])), metrics=metrics)
+      texts=[e.response_text for e in episodes],
+      problem_ids=[p.id for p in problems],
+      response_len_mean=float(np.mean(resp_len)),
+      finished_frac=float(np.mean([e.finish_reason == "answer" for e in episodes])),
+      metrics=metrics,
+    )
     return batch, info

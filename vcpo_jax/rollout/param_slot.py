@@ -86,10 +86,13 @@ class ParamSlot:
   def _map(self):
     self._hdr = np.ndarray((_HDR_WORDS,), np.int64, buffer=self._seg.buf)
     self._views = [
-        {name: np.ndarray(shape, dtype, buffer=self._seg.buf,
-                          offset=_HDR_WORDS * 8 + b * self._buf_nbytes + self._offsets[name])
-         for name, (shape, dtype) in self.spec.items()}
-        for b in range(2)
+      {
+        name: np.ndarray(
+          shape, dtype, buffer=self._seg.buf, offset=_HDR_WORDS * 8 + b * self._buf_nbytes + self._offsets[name]
+        )
+        for name, (shape, dtype) in self.spec.items()
+      }
+      for b in range(2)
     ]
 
   def __getstate__(self):
@@ -124,8 +127,9 @@ class ParamSlot:
     """Hold the header lock; a timeout means its holder died inside the critical section."""
     self._check_open()
     if not self._lock.acquire(timeout=_LOCK_TIMEOUT_S):
-      raise PeerDiedError(f"ParamSlot header lock not released within {_LOCK_TIMEOUT_S} s: "
-                          f"a process died while holding it")
+      raise PeerDiedError(
+        f"ParamSlot header lock not released within {_LOCK_TIMEOUT_S} s: a process died while holding it"
+      )
     try:
       yield
     finally:
@@ -148,14 +152,15 @@ class ParamSlot:
     """
     self._check_open()
     if set(arrays) != set(self.spec):
-      raise ValueError(f"ParamSlot.publish: got arrays {sorted(arrays)}, the spec has "
-                       f"{sorted(self.spec)}")
+      raise ValueError(f"ParamSlot.publish: got arrays {sorted(arrays)}, the spec has {sorted(self.spec)}")
     checked = {}
     for name, (shape, dtype) in self.spec.items():
       a = np.asarray(arrays[name])
       if a.shape != shape or a.dtype != dtype:
-        raise ValueError(f"ParamSlot.publish: {name!r} is {a.dtype}{a.shape}, the spec says "
-                         f"{dtype}{shape}; cast/reshape it before publishing")
+        raise ValueError(
+          f"ParamSlot.publish: {name!r} is {a.dtype}{a.shape}, the spec says "
+          f"{dtype}{shape}; cast/reshape it before publishing"
+        )
       checked[name] = a
     with self._locked():
       me, writer = os.getpid(), int(self._hdr[_H_WRITER])
@@ -165,8 +170,7 @@ class ParamSlot:
       last = int(self._hdr[_H_VERSION])
       version = last + 1 if version is None else int(version)
       if version <= last:
-        raise ValueError(f"ParamSlot.publish: version {version} must exceed the last published "
-                         f"version {last}")
+        raise ValueError(f"ParamSlot.publish: version {version} must exceed the last published version {last}")
       b = 0 if self._hdr[_H_LATEST] != 0 else 1
       self._hdr[_H_SEQ + b] += 1  # odd: readers of buffer b will retry
     for name, a in checked.items():
@@ -178,8 +182,9 @@ class ParamSlot:
       self._hdr[_H_VERSION] = version
     return version
 
-  def latest(self, min_version: int | None = None, timeout: float | None = None,
-             out: Mapping[str, np.ndarray] | None = None) -> tuple[int, dict[str, np.ndarray]]:
+  def latest(
+    self, min_version: int | None = None, timeout: float | None = None, out: Mapping[str, np.ndarray] | None = None
+  ) -> tuple[int, dict[str, np.ndarray]]:
     """Copy of the newest parameters once their version is >= `min_version`.
 
     Args:
@@ -212,11 +217,9 @@ class ParamSlot:
           return v, dict(dst)
         continue  # the writer lapped this copy: read the newer buffer
       if writer != os.getpid() and not pid_alive(writer):
-        raise PeerDiedError(f"ParamSlot writer process {writer} exited; last version {v}, "
-                            f"waiting for {need}")
+        raise PeerDiedError(f"ParamSlot writer process {writer} exited; last version {v}, waiting for {need}")
       if deadline is not None and time.monotonic() >= deadline:
-        raise TimeoutError(f"ParamSlot.latest: version {need} not published within {timeout} s "
-                           f"(latest {v})")
+        raise TimeoutError(f"ParamSlot.latest: version {need} not published within {timeout} s (latest {v})")
       time.sleep(_POLL_S)
 
   def close(self):

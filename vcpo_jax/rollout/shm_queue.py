@@ -217,8 +217,9 @@ class BatchSchema:
       for d in f.shape:
         if isinstance(d, str) and d not in buckets:
           raise ValueError(
-              f"field {name!r} uses dimension {d!r} which has no entry in BatchSchema.buckets; "
-              f"add buckets[{d!r}] = (sizes, ...)")
+            f"field {name!r} uses dimension {d!r} which has no entry in BatchSchema.buckets; "
+            f"add buckets[{d!r}] = (sizes, ...)"
+          )
     object.__setattr__(self, "fields", fields)
     object.__setattr__(self, "buckets", buckets)
 
@@ -239,9 +240,10 @@ class BatchSchema:
       if length <= b:
         return b
     raise ValueError(
-        f"field {field!r}: dimension {dim!r} has length {length}, larger than the largest "
-        f"bucket {self.buckets[dim][-1]}; add a bucket to BatchSchema.buckets[{dim!r}] "
-        f"or truncate the batch")
+      f"field {field!r}: dimension {dim!r} has length {length}, larger than the largest "
+      f"bucket {self.buckets[dim][-1]}; add a bucket to BatchSchema.buckets[{dim!r}] "
+      f"or truncate the batch"
+    )
 
   def validate(self, arrays: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Check names, dtypes and fixed dims; return (numpy arrays, actual size per bucketed dim)."""
@@ -249,24 +251,27 @@ class BatchSchema:
     extra = set(arrays) - set(self.fields)
     if missing or extra:
       raise ValueError(
-          f"batch fields do not match the schema: missing {sorted(missing)}, unexpected "
-          f"{sorted(extra)}; declare them in BatchSchema.fields or fix the batch")
+        f"batch fields do not match the schema: missing {sorted(missing)}, unexpected "
+        f"{sorted(extra)}; declare them in BatchSchema.fields or fix the batch"
+      )
     out, sizes = {}, {}
     for name, f in self.fields.items():
       a = np.asarray(arrays[name])
       if a.dtype != f.dtype:
-        raise ValueError(f"field {name!r} has dtype {a.dtype}, the schema says {f.dtype}; "
-                         f"cast it with .astype(np.{f.dtype.name})")
+        raise ValueError(
+          f"field {name!r} has dtype {a.dtype}, the schema says {f.dtype}; cast it with .astype(np.{f.dtype.name})"
+        )
       if a.ndim != len(f.shape):
         raise ValueError(f"field {name!r} has shape {a.shape}, the schema says {f.shape}")
       for axis, (n, d) in enumerate(zip(a.shape, f.shape)):
         if isinstance(d, str):
           if sizes.setdefault(d, n) != n:
-            raise ValueError(f"field {name!r} axis {axis} ({d}) has length {n} but another field "
-                             f"has {d} = {sizes[d]}; every field must agree on {d}")
+            raise ValueError(
+              f"field {name!r} axis {axis} ({d}) has length {n} but another field "
+              f"has {d} = {sizes[d]}; every field must agree on {d}"
+            )
         elif n != d:
-          raise ValueError(f"field {name!r} has shape {a.shape}, the schema fixes axis {axis} "
-                           f"to {d}")
+          raise ValueError(f"field {name!r} has shape {a.shape}, the schema fixes axis {axis} to {d}")
       out[name] = a
     return out, sizes
 
@@ -299,6 +304,7 @@ def _unlink_semaphore(sem) -> None:
   finalizer (nothing happens); open handles, e.g. a worker's, stay valid after the unlink (POSIX).
   """
   from multiprocessing import util
+
   if sem is None:
     return
   for fin in list(util._finalizer_registry.values()):
@@ -356,8 +362,8 @@ class ShmQueue:
     self._hdr = np.ndarray((_HDR_WORDS,), np.int64, buffer=self._seg.buf)
     base = _HDR_WORDS * 8
     self._slot_hdr = [
-        np.ndarray((self._slot_words,), np.int64, buffer=self._seg.buf, offset=base + i * self._stride)
-        for i in range(self.nslots)
+      np.ndarray((self._slot_words,), np.int64, buffer=self._seg.buf, offset=base + i * self._stride)
+      for i in range(self.nslots)
     ]
     self._base = base
 
@@ -365,8 +371,14 @@ class ShmQueue:
   def __getstate__(self):
     if self._seg is None:
       raise ValueError("cannot send a closed ShmQueue to another process")
-    return dict(schema=self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes,
-                name=self._seg.name, free=self._free, items=self._items)
+    return dict(
+      schema=self.schema,
+      nslots=self.nslots,
+      meta_bytes=self.meta_bytes,
+      name=self._seg.name,
+      free=self._free,
+      items=self._items,
+    )
 
   def __setstate__(self, s):
     self._init_layout(s["schema"], s["nslots"], s["meta_bytes"])
@@ -442,8 +454,10 @@ class ShmQueue:
           return
         if finished:
           raise QueueFinished(f"the producer finished; all {int(self._hdr[_H_GET])} batches received")
-        raise PeerDiedError(f"{what}: the peer {gone}. Its traceback (if any) is in its own log; "
-                            f"{int(self._hdr[_H_GET])} batches had been received.")
+        raise PeerDiedError(
+          f"{what}: the peer {gone}. Its traceback (if any) is in its own log; "
+          f"{int(self._hdr[_H_GET])} batches had been received."
+        )
       if deadline is not None and time.monotonic() >= deadline:
         raise empty_exc(f"{what}: timed out after {timeout} s")
 
@@ -463,8 +477,10 @@ class ShmQueue:
     """
     self._check_open()
     arrays, sizes = self.schema.validate(arrays)
-    buckets = {d: self.schema.bucket_for(d, n, next(
-        k for k, f in self.schema.fields.items() if d in f.shape)) for d, n in sizes.items()}
+    buckets = {
+      d: self.schema.bucket_for(d, n, next(k for k, f in self.schema.fields.items() if d in f.shape))
+      for d, n in sizes.items()
+    }
     for d in self.schema.dims:  # dims no field uses are impossible (schema checks), but be safe
       buckets.setdefault(d, self.schema.buckets[d][0])
       sizes.setdefault(d, buckets[d])
@@ -473,8 +489,10 @@ class ShmQueue:
     except (TypeError, ValueError) as e:
       raise ValueError(f"meta must be a JSON-serializable dict of small values: {e}") from None
     if len(meta_b) > self.meta_bytes:
-      raise ValueError(f"meta is {len(meta_b)} bytes once JSON-encoded, more than meta_bytes="
-                       f"{self.meta_bytes}; raise ShmQueue(meta_bytes=...) or send less metadata")
+      raise ValueError(
+        f"meta is {len(meta_b)} bytes once JSON-encoded, more than meta_bytes="
+        f"{self.meta_bytes}; raise ShmQueue(meta_bytes=...) or send less metadata"
+      )
     self._claim("producer", _H_PRODUCER)
     self._wait(self._free, timeout, _H_CONSUMER, "ShmQueue.put", queue_lib.Full)
 
@@ -492,7 +510,7 @@ class ShmQueue:
           if n < b:  # pad only the tail region of each bucketed axis
             dst[(slice(None),) * axis + (slice(n, None),)] = fill
     off = self._base + slot * self._stride + self._meta_off
-    self._seg.buf[off:off + len(meta_b)] = meta_b
+    self._seg.buf[off : off + len(meta_b)] = meta_b
     words = [seq, len(meta_b)]
     for d in self.schema.dims:
       words += [buckets[d], sizes[d]]
@@ -507,8 +525,7 @@ class ShmQueue:
 
   # ------------------------------------------------------------------ consumer
 
-  def get(self, timeout: float | None = None, copy: bool = True,
-          out: Mapping[str, np.ndarray] | None = None) -> Item:
+  def get(self, timeout: float | None = None, copy: bool = True, out: Mapping[str, np.ndarray] | None = None) -> Item:
     """Take the oldest batch.
 
     Args:
@@ -537,10 +554,12 @@ class ShmQueue:
     slot = seq % self.nslots
     words = self._slot_hdr[slot].tolist()
     if words[0] != seq:
-      raise RuntimeError(f"ShmQueue slot {slot} holds batch {words[0]}, expected {seq}: "
-                         f"more than one producer or consumer is using this queue")
+      raise RuntimeError(
+        f"ShmQueue slot {slot} holds batch {words[0]}, expected {seq}: "
+        f"more than one producer or consumer is using this queue"
+      )
     off = self._base + slot * self._stride + self._meta_off
-    meta = json.loads(bytes(self._seg.buf[off:off + words[1]]))
+    meta = json.loads(bytes(self._seg.buf[off : off + words[1]]))
     buckets = {d: words[2 + 2 * i] for i, d in enumerate(self.schema.dims)}
     sizes = {d: words[3 + 2 * i] for i, d in enumerate(self.schema.dims)}
     arrays = {}
@@ -549,8 +568,7 @@ class ShmQueue:
       if out is not None:
         dst = out[name]
         if dst.shape != view.shape or dst.dtype != view.dtype:
-          raise ValueError(f"out[{name!r}] is {dst.dtype}{dst.shape}, this batch needs "
-                           f"{view.dtype}{view.shape}")
+          raise ValueError(f"out[{name!r}] is {dst.dtype}{dst.shape}, this batch needs {view.dtype}{view.shape}")
         np.copyto(dst, view)
         arrays[name] = dst
       elif copy:

@@ -35,6 +35,7 @@ group; the learner decides when the sampler stops) and, on Linux, asks the
 kernel to SIGKILL it if the learner dies (PR_SET_PDEATHSIG), besides noticing a
 dead learner in every wait.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,6 +61,7 @@ class _Stop(Exception):
 @dataclasses.dataclass(frozen=True)
 class WorkerArgs:
   """Everything the sampler process needs, all picklable (no jax objects)."""
+
   rollout: Any  # common.RolloutConfig
   model_cfg: Any  # model.config.ModelConfig
   sampler_cfg: Any  # sampler.SamplerConfig (for multi-turn: multiturn.sampler_config's, with its buckets)
@@ -79,6 +81,7 @@ class WorkerArgs:
 def param_names(params) -> tuple[str, ...]:
   """Stable names of a parameter pytree's leaves, in flatten order (the ParamSlot keys)."""
   import jax
+
   return tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
@@ -87,6 +90,7 @@ def abstract_params(model_cfg):
   from flax import nnx
 
   from vcpo_jax.model import transformer
+
   return transformer.split(nnx.eval_shape(lambda: transformer.init(model_cfg, 0)))
 
 
@@ -96,6 +100,7 @@ def _set_parent_death_signal():
     return
   try:
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
   except (OSError, AttributeError):
@@ -154,6 +159,7 @@ class _Worker:
 
   def _check_stop(self):
     from vcpo_jax.rollout.shm_queue import PeerDiedError, pid_alive
+
     if self.conn.poll():
       msg = self.conn.recv()
       if msg == "stop":
@@ -168,15 +174,17 @@ class _Worker:
 
     from vcpo_jax.rollout.common import RolloutMaker
     from vcpo_jax.sampler import Sampler
+
     a = self.args
     graphdef, abstract = abstract_params(a.model_cfg)
     names = param_names(abstract)
     if names != tuple(a.param_names):
       raise ValueError(
-          "async sampler: the model rebuilt from model_cfg does not match the learner's parameters "
-          f"(rebuilt {len(names)} arrays, learner publishes {len(a.param_names)}; first difference: "
-          f"{next((x for x in zip(names, a.param_names) if x[0] != x[1]), None)}). The async worker "
-          "rebuilds the model with transformer.init(model_cfg); use a model of that structure.")
+        "async sampler: the model rebuilt from model_cfg does not match the learner's parameters "
+        f"(rebuilt {len(names)} arrays, learner publishes {len(a.param_names)}; first difference: "
+        f"{next((x for x in zip(names, a.param_names) if x[0] != x[1]), None)}). The async worker "
+        "rebuilds the model with transformer.init(model_cfg); use a model of that structure."
+      )
     self.treedef = jax.tree.structure(abstract)
     self.key = jax.random.wrap_key_data(np.asarray(a.key_data), impl=a.key_impl)
     sampler = Sampler(graphdef, a.model_cfg, a.sampler_cfg)
@@ -184,6 +192,7 @@ class _Worker:
       self.maker = RolloutMaker(a.rollout, a.tokenizer, sampler, a.problems)
     else:  # the sandbox spawns `python -I -S` children (never forks this JAX process)
       from vcpo_jax.rollout.multiturn import MultiTurnRolloutMaker
+
       self.maker = MultiTurnRolloutMaker(a.rollout, a.multiturn, a.tokenizer, sampler, a.problems)
 
   # -- steps
@@ -192,6 +201,7 @@ class _Worker:
     """(version, params) with version >= step - k, newest available; blocks (idle) until then."""
     import jax
     import jax.numpy as jnp
+
     need = max(0, step - self.args.k)
     t0 = time.monotonic()
     while True:
@@ -221,6 +231,7 @@ class _Worker:
 
   def run(self):
     import jax
+
     self._build()
     fields = tuple(self.queue.schema.fields)
     for step in range(self.args.first_step, self.args.end_step):
@@ -228,11 +239,18 @@ class _Worker:
       t0 = time.monotonic()
       batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version)
       gen_s = time.monotonic() - t0
-      meta = dict(step=step, version=int(version), gen_s=gen_s, idle_s_total=self.idle_s,
-                  elapsed_s_total=time.monotonic() - self.t_start,
-                  response_len_mean=info["response_len_mean"], finished_frac=info["finished_frac"],
-                  problem_ids=list(info["problem_ids"]), texts=list(info["texts"]),
-                  metrics={str(n): float(x) for n, x in info.get("metrics", {}).items()})  # logged scalars
+      meta = dict(
+        step=step,
+        version=int(version),
+        gen_s=gen_s,
+        idle_s_total=self.idle_s,
+        elapsed_s_total=time.monotonic() - self.t_start,
+        response_len_mean=info["response_len_mean"],
+        finished_frac=info["finished_frac"],
+        problem_ids=list(info["problem_ids"]),
+        texts=list(info["texts"]),
+        metrics={str(n): float(x) for n, x in info.get("metrics", {}).items()},
+      )  # logged scalars
       if len(json.dumps(meta, separators=(",", ":"))) > self.args.meta_bytes:
         meta.pop("texts")  # long responses: the learner decodes tokens if it needs them
       self._put({f: batch[f] for f in fields}, meta)

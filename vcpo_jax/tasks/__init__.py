@@ -13,6 +13,7 @@ task name or a malformed reference, which are caller bugs.
 The multi-turn tool environment (tool_env.py, sandbox.py) lives beside these
 but is not imported here, so that grading stays cheap to import.
 """
+
 from __future__ import annotations
 
 from vcpo_jax.tasks.arithmetic import ArithmeticTask
@@ -27,49 +28,49 @@ CORRECT_THRESHOLD = 0.5
 # name -> task object with .make_problems(split, n, seed) and .score(output, reference, extraction).
 # Text datasets load the shipped fixtures by default; construct TextTask(name, path=...) for real data.
 TASKS = {
-    "countdown": CountdownTask(),
-    "arithmetic": ArithmeticTask(),
-    "gsm8k": TextTask("gsm8k"),
-    "math": TextTask("math"),
-    "math500": TextTask("math500"),
-    "aime": TextTask("aime"),
+  "countdown": CountdownTask(),
+  "arithmetic": ArithmeticTask(),
+  "gsm8k": TextTask("gsm8k"),
+  "math": TextTask("math"),
+  "math500": TextTask("math500"),
+  "aime": TextTask("aime"),
 }
 
 
 def score(task: str, model_output, reference, extraction: str | None = None) -> float:
-    """Reward of one model output against a reference, in [0, 1].
+  """Reward of one model output against a reference, in [0, 1].
 
-    task: "gsm8k" | "math" | "math500" | "aime" | "countdown" | "arithmetic".
-    reference: the bare answer string (a full GSM8K answer with "#### N" or a
-      MATH solution with \\boxed{} is also accepted); for countdown a dict
-      {"numbers": [...], "target": int}; for arithmetic the integer string.
-    extraction: a method name from answers.EXTRACTORS (text tasks only);
-      None picks the task's default.
-    """
-    if task not in TASKS:
-        raise ValueError(f"task {task!r} unknown; choose one of {sorted(TASKS)}")
-    if task == "countdown":
-        from vcpo_jax.tasks.countdown import _check_reference
+  task: "gsm8k" | "math" | "math500" | "aime" | "countdown" | "arithmetic".
+  reference: the bare answer string (a full GSM8K answer with "#### N" or a
+    MATH solution with \\boxed{} is also accepted); for countdown a dict
+    {"numbers": [...], "target": int}; for arithmetic the integer string.
+  extraction: a method name from answers.EXTRACTORS (text tasks only);
+    None picks the task's default.
+  """
+  if task not in TASKS:
+    raise ValueError(f"task {task!r} unknown; choose one of {sorted(TASKS)}")
+  if task == "countdown":
+    from vcpo_jax.tasks.countdown import _check_reference
 
-        _check_reference(reference)  # malformed references are caller bugs: raise
-    elif task == "arithmetic":
-        try:
-            int(str(reference).strip())
-        except ValueError:
-            raise ValueError(f"arithmetic reference must be an integer string, got {reference!r}") from None
-    if extraction is not None:
-        from vcpo_jax.tasks.answers import EXTRACTORS
-
-        if extraction not in EXTRACTORS:
-            raise ValueError(f"extraction {extraction!r} unknown; choose one of {sorted(EXTRACTORS)}")
-    if not isinstance(model_output, str):
-        return 0.0
+    _check_reference(reference)  # malformed references are caller bugs: raise
+  elif task == "arithmetic":
     try:
-        return float(TASKS[task].score(model_output, reference, extraction))
-    except Exception:  # a grading bug must not kill a training run: grade as wrong
-        return 0.0
+      int(str(reference).strip())
+    except ValueError:
+      raise ValueError(f"arithmetic reference must be an integer string, got {reference!r}") from None
+  if extraction is not None:
+    from vcpo_jax.tasks.answers import EXTRACTORS
+
+    if extraction not in EXTRACTORS:
+      raise ValueError(f"extraction {extraction!r} unknown; choose one of {sorted(EXTRACTORS)}")
+  if not isinstance(model_output, str):
+    return 0.0
+  try:
+    return float(TASKS[task].score(model_output, reference, extraction))
+  except Exception:  # a grading bug must not kill a training run: grade as wrong
+    return 0.0
 
 
 def is_correct(reward: float) -> bool:
-    """Whether a `score` value counts as a correct answer."""
-    return reward >= CORRECT_THRESHOLD
+  """Whether a `score` value counts as a correct answer."""
+  return reward >= CORRECT_THRESHOLD

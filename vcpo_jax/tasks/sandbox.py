@@ -31,6 +31,7 @@ as such); see docs/tool_use.md for what this does and does not stop.
 whose ``kind`` is one of ``ok | timeout | memory | output_limit | forbidden |
 exception``.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -60,94 +61,112 @@ _NOBODY = 65534
 # may live under a directory uid nobody cannot read); any import of a module
 # not already loaded is then refused.
 ALLOWED_MODULES = (
-    "array", "bisect", "cmath", "collections", "copy", "datetime", "decimal",
-    "enum", "fractions", "functools", "heapq", "itertools", "json", "math",
-    "numbers", "operator", "random", "re", "statistics", "string", "textwrap",
-    "unicodedata",
+  "array",
+  "bisect",
+  "cmath",
+  "collections",
+  "copy",
+  "datetime",
+  "decimal",
+  "enum",
+  "fractions",
+  "functools",
+  "heapq",
+  "itertools",
+  "json",
+  "math",
+  "numbers",
+  "operator",
+  "random",
+  "re",
+  "statistics",
+  "string",
+  "textwrap",
+  "unicodedata",
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxConfig:
-    """Limits for one execution.
+  """Limits for one execution.
 
-    Attributes:
-      cpu_seconds: RLIMIT_CPU soft limit (integer seconds; the hard limit, which
-        SIGKILLs, is one second above).
-      wall_seconds: wall-clock deadline after which the parent kills the process
-        group (covers ``sleep`` and blocking reads, which use no CPU).
-      memory_bytes: RLIMIT_AS (virtual address space; the interpreter itself
-        needs ~30 MB).
-      output_bytes: RLIMIT_FSIZE: cap on stdout, on stderr and on any file the
-        code writes in its scratch directory; writing past it ends the run with
-        kind ``output_limit``.
-      max_code_bytes: UTF-8 size above which code is refused without running
-        (kind ``forbidden``).
-      max_processes: RLIMIT_NPROC (1 = the interpreter itself, no fork, no
-        threads). Only enforced for non-root users, hence the uid drop.
-      max_open_files: RLIMIT_NOFILE.
-      network: "auto" (new network namespace when ``unshare -n`` works here,
-        else audit hook only), "netns" (require it; ValueError if unavailable),
-        or "audit" (audit hook only).
-      drop_privileges: when the parent runs as root, switch the child to
-        uid/gid 65534 (nobody) before user code.
-      audit_hooks: install the restricted-Python hook. Tests set False to check
-        the outer OS layers alone; never turn it off for model code.
-      python: interpreter to start (default: this one).
-    """
+  Attributes:
+    cpu_seconds: RLIMIT_CPU soft limit (integer seconds; the hard limit, which
+      SIGKILLs, is one second above).
+    wall_seconds: wall-clock deadline after which the parent kills the process
+      group (covers ``sleep`` and blocking reads, which use no CPU).
+    memory_bytes: RLIMIT_AS (virtual address space; the interpreter itself
+      needs ~30 MB).
+    output_bytes: RLIMIT_FSIZE: cap on stdout, on stderr and on any file the
+      code writes in its scratch directory; writing past it ends the run with
+      kind ``output_limit``.
+    max_code_bytes: UTF-8 size above which code is refused without running
+      (kind ``forbidden``).
+    max_processes: RLIMIT_NPROC (1 = the interpreter itself, no fork, no
+      threads). Only enforced for non-root users, hence the uid drop.
+    max_open_files: RLIMIT_NOFILE.
+    network: "auto" (new network namespace when ``unshare -n`` works here,
+      else audit hook only), "netns" (require it; ValueError if unavailable),
+      or "audit" (audit hook only).
+    drop_privileges: when the parent runs as root, switch the child to
+      uid/gid 65534 (nobody) before user code.
+    audit_hooks: install the restricted-Python hook. Tests set False to check
+      the outer OS layers alone; never turn it off for model code.
+    python: interpreter to start (default: this one).
+  """
 
-    cpu_seconds: int = 2
-    wall_seconds: float = 5.0
-    memory_bytes: int = 512 * 2**20
-    output_bytes: int = 64 * 2**10
-    max_code_bytes: int = 256 * 2**10
-    max_processes: int = 1
-    max_open_files: int = 64
-    network: str = "auto"
-    drop_privileges: bool = True
-    audit_hooks: bool = True
-    python: str = sys.executable
+  cpu_seconds: int = 2
+  wall_seconds: float = 5.0
+  memory_bytes: int = 512 * 2**20
+  output_bytes: int = 64 * 2**10
+  max_code_bytes: int = 256 * 2**10
+  max_processes: int = 1
+  max_open_files: int = 64
+  network: str = "auto"
+  drop_privileges: bool = True
+  audit_hooks: bool = True
+  python: str = sys.executable
 
-    def __post_init__(self):
-        if not (isinstance(self.cpu_seconds, int) and self.cpu_seconds >= 1):
-            raise ValueError(f"cpu_seconds must be an int >= 1, got {self.cpu_seconds!r}")
-        if not self.wall_seconds > 0:
-            raise ValueError(f"wall_seconds must be > 0, got {self.wall_seconds!r}")
-        if self.memory_bytes < 64 * 2**20:
-            raise ValueError(
-                f"memory_bytes={self.memory_bytes} is below the ~64 MiB the interpreter "
-                "needs to start; raise it")
-        for name in ("output_bytes", "max_code_bytes", "max_processes", "max_open_files"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.network not in ("auto", "netns", "audit"):
-            raise ValueError(f"network must be 'auto', 'netns' or 'audit', got {self.network!r}")
+  def __post_init__(self):
+    if not (isinstance(self.cpu_seconds, int) and self.cpu_seconds >= 1):
+      raise ValueError(f"cpu_seconds must be an int >= 1, got {self.cpu_seconds!r}")
+    if not self.wall_seconds > 0:
+      raise ValueError(f"wall_seconds must be > 0, got {self.wall_seconds!r}")
+    if self.memory_bytes < 64 * 2**20:
+      raise ValueError(
+        f"memory_bytes={self.memory_bytes} is below the ~64 MiB the interpreter needs to start; raise it"
+      )
+    for name in ("output_bytes", "max_code_bytes", "max_processes", "max_open_files"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+    if self.network not in ("auto", "netns", "audit"):
+      raise ValueError(f"network must be 'auto', 'netns' or 'audit', got {self.network!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
-    """Outcome of one execution.
+  """Outcome of one execution.
 
-    Attributes:
-      stdout, stderr: decoded output (UTF-8, invalid bytes replaced), each cut
-        to ``output_bytes``.
-      kind: one of ``KINDS``.
-      exit_code: the child's status (negative = killed by that signal; None if
-        the code never ran).
-      wall_time: seconds from spawn to exit.
-      message: one line for the model explaining a non-ok ``kind``.
-    """
+  Attributes:
+    stdout, stderr: decoded output (UTF-8, invalid bytes replaced), each cut
+      to ``output_bytes``.
+    kind: one of ``KINDS``.
+    exit_code: the child's status (negative = killed by that signal; None if
+      the code never ran).
+    wall_time: seconds from spawn to exit.
+    message: one line for the model explaining a non-ok ``kind``.
+  """
 
-    stdout: str
-    stderr: str
-    kind: str
-    exit_code: int | None
-    wall_time: float
-    message: str = ""
+  stdout: str
+  stderr: str
+  kind: str
+  exit_code: int | None
+  wall_time: float
+  message: str = ""
 
-    @property
-    def ok(self) -> bool:
-        return self.kind == "ok"
+  @property
+  def ok(self) -> bool:
+    return self.kind == "ok"
 
 
 # --------------------------------------------------------------------------
@@ -320,131 +339,149 @@ _main(source, cfg)
 
 @functools.lru_cache(maxsize=None)
 def netns_available(python: str = sys.executable) -> bool:
-    """Whether ``unshare -n`` can start ``python`` here (root or user namespaces)."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
-    try:
-        r = subprocess.run([unshare, "-n", python, "-I", "-S", "-c", "pass"],
-                           stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
+  """Whether ``unshare -n`` can start ``python`` here (root or user namespaces)."""
+  unshare = shutil.which("unshare")
+  if unshare is None:
+    return False
+  try:
+    r = subprocess.run(
+      [unshare, "-n", python, "-I", "-S", "-c", "pass"], stdin=subprocess.DEVNULL, capture_output=True, timeout=10
+    )
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+  return r.returncode == 0
 
 
 def _use_netns(cfg: SandboxConfig) -> bool:
-    if cfg.network == "audit":
-        return False
-    available = netns_available(cfg.python)
-    if cfg.network == "netns" and not available:
-        raise ValueError(
-            "SandboxConfig.network='netns' but `unshare -n` does not work on this host "
-            "(needs root or unprivileged user namespaces); use network='auto' or 'audit'")
-    return available
+  if cfg.network == "audit":
+    return False
+  available = netns_available(cfg.python)
+  if cfg.network == "netns" and not available:
+    raise ValueError(
+      "SandboxConfig.network='netns' but `unshare -n` does not work on this host "
+      "(needs root or unprivileged user namespaces); use network='auto' or 'audit'"
+    )
+  return available
 
 
 def _read_capped(path: str, limit: int) -> tuple[str, bool]:
-    """Reads at most ``limit`` bytes; returns (text, was_longer)."""
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    # Writes stop at RLIMIT_FSIZE == limit, so a full file means output was cut.
-    return data[:limit].decode("utf-8", "replace"), len(data) >= limit
+  """Reads at most ``limit`` bytes; returns (text, was_longer)."""
+  with open(path, "rb") as f:
+    data = f.read(limit + 1)
+  # Writes stop at RLIMIT_FSIZE == limit, so a full file means output was cut.
+  return data[:limit].decode("utf-8", "replace"), len(data) >= limit
 
 
 def run_code(code: str, cfg: SandboxConfig = SandboxConfig()) -> SandboxResult:
-    """Executes ``code`` in a fresh sandboxed interpreter and reports the outcome.
+  """Executes ``code`` in a fresh sandboxed interpreter and reports the outcome.
 
-    Never raises on model input (any ``str``, including NUL bytes, lone
-    surrogates or megabytes of text); raises only on host failures such as a
-    missing interpreter.
-    """
-    if not isinstance(code, str):
-        raise ValueError(f"code must be str, got {type(code).__name__}")
-    payload = code.encode("utf-8", "replace")
-    if len(payload) > cfg.max_code_bytes:
-        return SandboxResult("", "", "forbidden", None, 0.0,
-                             f"code is {len(payload)} bytes; the limit is {cfg.max_code_bytes}")
-    netns = _use_netns(cfg)
-    as_nobody = cfg.drop_privileges and os.geteuid() == 0
-    root = tempfile.mkdtemp(prefix="vcpo_sandbox_")
-    try:
-        workdir = os.path.join(root, "work")
-        os.mkdir(workdir, 0o700)
-        if as_nobody:
-            # nobody must traverse root/ to reach work/ but not list it (it holds
-            # the code and output files, opened by the parent / before the drop).
-            os.chmod(root, 0o711)
-            os.chown(workdir, _NOBODY, _NOBODY)
-        code_path = os.path.join(root, "code.py")
-        with open(code_path, "wb") as f:
-            f.write(payload)
-        settings = dict(
-            code_path=code_path, workdir=workdir, cpu=cfg.cpu_seconds, mem=cfg.memory_bytes,
-            fsize=cfg.output_bytes, nproc=cfg.max_processes, nofile=cfg.max_open_files,
-            uid=_NOBODY if as_nobody else None, audit=cfg.audit_hooks,
-            allowed_modules=list(ALLOWED_MODULES))
-        argv = [cfg.python, "-I", "-S", "-c", _PREAMBLE, json.dumps(settings)]
-        if netns:
-            argv = [shutil.which("unshare"), "-n"] + argv
-        out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
-        env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": workdir}
-        with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
-            t0 = time.monotonic()
-            # start_new_session: the child leads its own process group, so one
-            # killpg reaches anything it might have spawned.
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f,
-                                    cwd=workdir, env=env, start_new_session=True,
-                                    close_fds=True)
-            wall_killed = False
-            try:
-                proc.wait(timeout=cfg.wall_seconds)
-            except subprocess.TimeoutExpired:
-                wall_killed = True
-            _kill_group(proc.pid)
-            rc = proc.wait()
-            wall = time.monotonic() - t0
-        stdout, out_long = _read_capped(out_path, cfg.output_bytes)
-        stderr, err_long = _read_capped(err_path, cfg.output_bytes)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    kind, message = _classify(rc, wall_killed, out_long or err_long, cfg)
-    return SandboxResult(stdout, stderr, kind, rc, wall, message)
+  Never raises on model input (any ``str``, including NUL bytes, lone
+  surrogates or megabytes of text); raises only on host failures such as a
+  missing interpreter.
+  """
+  if not isinstance(code, str):
+    raise ValueError(f"code must be str, got {type(code).__name__}")
+  payload = code.encode("utf-8", "replace")
+  if len(payload) > cfg.max_code_bytes:
+    return SandboxResult(
+      "", "", "forbidden", None, 0.0, f"code is {len(payload)} bytes; the limit is {cfg.max_code_bytes}"
+    )
+  netns = _use_netns(cfg)
+  as_nobody = cfg.drop_privileges and os.geteuid() == 0
+  root = tempfile.mkdtemp(prefix="vcpo_sandbox_")
+  try:
+    workdir = os.path.join(root, "work")
+    os.mkdir(workdir, 0o700)
+    if as_nobody:
+      # nobody must traverse root/ to reach work/ but not list it (it holds
+      # the code and output files, opened by the parent / before the drop).
+      os.chmod(root, 0o711)
+      os.chown(workdir, _NOBODY, _NOBODY)
+    code_path = os.path.join(root, "code.py")
+    with open(code_path, "wb") as f:
+      f.write(payload)
+    settings = dict(
+      code_path=code_path,
+      workdir=workdir,
+      cpu=cfg.cpu_seconds,
+      mem=cfg.memory_bytes,
+      fsize=cfg.output_bytes,
+      nproc=cfg.max_processes,
+      nofile=cfg.max_open_files,
+      uid=_NOBODY if as_nobody else None,
+      audit=cfg.audit_hooks,
+      allowed_modules=list(ALLOWED_MODULES),
+    )
+    argv = [cfg.python, "-I", "-S", "-c", _PREAMBLE, json.dumps(settings)]
+    if netns:
+      argv = [shutil.which("unshare"), "-n"] + argv
+    out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": workdir}
+    with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
+      t0 = time.monotonic()
+      # start_new_session: the child leads its own process group, so one
+      # killpg reaches anything it might have spawned.
+      proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=out_f,
+        stderr=err_f,
+        cwd=workdir,
+        env=env,
+        start_new_session=True,
+        close_fds=True,
+      )
+      wall_killed = False
+      try:
+        proc.wait(timeout=cfg.wall_seconds)
+      except subprocess.TimeoutExpired:
+        wall_killed = True
+      _kill_group(proc.pid)
+      rc = proc.wait()
+      wall = time.monotonic() - t0
+    stdout, out_long = _read_capped(out_path, cfg.output_bytes)
+    stderr, err_long = _read_capped(err_path, cfg.output_bytes)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  kind, message = _classify(rc, wall_killed, out_long or err_long, cfg)
+  return SandboxResult(stdout, stderr, kind, rc, wall, message)
 
 
 def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # already gone
+  try:
+    os.killpg(pgid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass  # already gone
 
 
 def _classify(rc: int, wall_killed: bool, too_long: bool, cfg: SandboxConfig) -> tuple[str, str]:
-    if wall_killed:
-        return "timeout", f"wall-clock limit of {cfg.wall_seconds:g} s exceeded"
-    if rc in (-signal.SIGXCPU, -signal.SIGKILL):
-        return "timeout", f"CPU-time limit of {cfg.cpu_seconds} s exceeded"
-    if rc in (-signal.SIGXFSZ, _EXIT_OUTPUT) or too_long:
-        return "output_limit", f"output limit of {cfg.output_bytes} bytes exceeded"
-    if rc == _EXIT_MEMORY:
-        return "memory", f"memory limit of {cfg.memory_bytes // 2**20} MiB exceeded"
-    if rc == _EXIT_FORBIDDEN:
-        return "forbidden", "operation not allowed in the sandbox"
-    if rc == 0:
-        return "ok", ""
-    if rc < 0:
-        try:
-            name = signal.Signals(-rc).name
-        except ValueError:
-            name = str(-rc)
-        return "exception", f"killed by signal {name}"
-    return "exception", f"exited with status {rc}"
+  if wall_killed:
+    return "timeout", f"wall-clock limit of {cfg.wall_seconds:g} s exceeded"
+  if rc in (-signal.SIGXCPU, -signal.SIGKILL):
+    return "timeout", f"CPU-time limit of {cfg.cpu_seconds} s exceeded"
+  if rc in (-signal.SIGXFSZ, _EXIT_OUTPUT) or too_long:
+    return "output_limit", f"output limit of {cfg.output_bytes} bytes exceeded"
+  if rc == _EXIT_MEMORY:
+    return "memory", f"memory limit of {cfg.memory_bytes // 2**20} MiB exceeded"
+  if rc == _EXIT_FORBIDDEN:
+    return "forbidden", "operation not allowed in the sandbox"
+  if rc == 0:
+    return "ok", ""
+  if rc < 0:
+    try:
+      name = signal.Signals(-rc).name
+    except ValueError:
+      name = str(-rc)
+    return "exception", f"killed by signal {name}"
+  return "exception", f"exited with status {rc}"
 
 
-def run_many(codes: Sequence[str], cfg: SandboxConfig = SandboxConfig(),
-             max_workers: int | None = None) -> list[SandboxResult]:
-    """``run_code`` over many snippets concurrently (threads only wait on children)."""
-    if not codes:
-        return []
-    workers = max_workers or min(len(codes), os.cpu_count() or 1)
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda c: run_code(c, cfg), codes))
+def run_many(
+  codes: Sequence[str], cfg: SandboxConfig = SandboxConfig(), max_workers: int | None = None
+) -> list[SandboxResult]:
+  """``run_code`` over many snippets concurrently (threads only wait on children)."""
+  if not codes:
+    return []
+  workers = max_workers or min(len(codes), os.cpu_count() or 1)
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return list(pool.map(lambda c: run_code(c, cfg), codes))
