@@ -121,3 +121,22 @@ def hf_logits(model, tokens_bt: np.ndarray, mask_bt: np.ndarray | None = None) -
   with torch.no_grad():
     out = model(input_ids=tokens, attention_mask=mask, position_ids=position_ids)
   return out.logits.float().numpy()
+
+
+def tiny_countdown_config(**overrides):
+  """configs/countdown.py:smoke shrunk to a 1-layer D=32 policy; overrides by dotted path ("lag.k": 2)."""
+  from configs import countdown
+
+  c = countdown.get_config("smoke")
+  c.model.hidden_size = 32
+  c.model.intermediate_size = 64
+  c.model.num_layers = 1
+  c.task.max_new_tokens = 8
+  c.eval.num_problems = 2
+  for key, value in overrides.items():
+    node = c
+    *path, last = key.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return c

@@ -12,7 +12,7 @@ import time
 import jax
 import pytest
 
-from configs import countdown
+from tests import fixtures
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax import run_config, trainer
 from vcpo_jax.rollout import async_
@@ -21,22 +21,8 @@ from vcpo_jax.sampler import Sampler
 
 
 def _tiny(**overrides):
-  c = countdown.get_config("smoke")
-  c.model.hidden_size = 32
-  c.model.intermediate_size = 64
-  c.model.num_layers = 1
-  c.task.max_new_tokens = 8
-  c.eval.num_problems = 2
-  c.mode = "async"
-  c.lag.k = 2
-  c.async_.timeout_s = 120.0  # only a hung sampler reaches it (compilation on a loaded machine is slow)
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  # timeout_s: only a hung sampler reaches it (compilation on a loaded machine is slow)
+  return fixtures.tiny_countdown_config(**{"mode": "async", "lag.k": 2, "async_.timeout_s": 120.0, **overrides})
 
 
 def _source(config) -> async_.AsyncSource:

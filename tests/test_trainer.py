@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from configs import countdown
+from tests import fixtures
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax import run_config, trainer
 from vcpo_jax.rollout import common as rollout_common
@@ -18,20 +18,7 @@ def _dense_score(task, text, reference, extraction=None):
 
 
 def _tiny(**overrides):
-  c = countdown.get_config("smoke")
-  c.model.hidden_size = 32
-  c.model.intermediate_size = 64
-  c.model.num_layers = 1
-  c.task.max_new_tokens = 8
-  c.optim.lr = 1e-2
-  c.eval.num_problems = 2
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return fixtures.tiny_countdown_config(**{"optim.lr": 1e-2, **overrides})
 
 
 def _train_records(workdir):
