@@ -140,3 +140,33 @@ def tiny_countdown_config(**overrides):
       node = node[p]
     node[last] = value
   return c
+
+
+def record_sources(monkeypatch):
+  """Wraps trainer.build_source so a test sees every (step, policy_version, info) the trainer consumed.
+
+  Returns (built, seen, paths): the sources built, the per-step records, and the first source's
+  shared-memory resource paths (async sources only), captured before the run closes them.
+  """
+  from vcpo_jax import trainer
+
+  built, seen, paths = [], [], []
+  build = trainer.build_source
+
+  def recording_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt = src.next
+
+    def next_(step):
+      if not paths and hasattr(src, "resource_paths"):
+        paths.extend(src.resource_paths())
+      batch, info = nxt(step)
+      seen.append((step, batch["policy_version"].copy(), info))
+      return batch, info
+
+    src.next = next_
+    built.append(src)
+    return src
+
+  monkeypatch.setattr(trainer, "build_source", recording_build_source)
+  return built, seen, paths

@@ -61,24 +61,7 @@ def _assert_removed(paths):
 def test_async_run_bounded_lag_and_clean_exit(tmp_path, monkeypatch):
   """trainer.run in async mode: every row's version in [step - k, step], metrics logged, nothing leaked."""
   k, steps = 2, 5
-  built, seen, paths = [], [], []
-  build = trainer.build_source
-
-  def recording_build_source(*a, **kw):
-    src = build(*a, **kw)
-    nxt = src.next
-
-    def next_(step):
-      paths.extend([] if paths else src.resource_paths())
-      batch, info = nxt(step)
-      seen.append((step, batch["policy_version"].copy(), info))
-      return batch, info
-
-    src.next = next_
-    built.append(src)
-    return src
-
-  monkeypatch.setattr(trainer, "build_source", recording_build_source)
+  built, seen, paths = fixtures.record_sources(monkeypatch)
   workdir = str(tmp_path / "run")
   summary = trainer.run(_tiny(steps=steps, **{"lag.k": k}), workdir)
   assert summary["step"] == steps

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from configs import multiturn as multiturn_config
+from tests import fixtures
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax import run_config, trainer
 from vcpo_jax.model.tokenizer import build_char_tokenizer
@@ -246,23 +247,8 @@ def test_smoke_run_async(tmp_path, monkeypatch):
   multi-turn metrics travel through the queue's metadata into metrics.jsonl."""
   from vcpo_jax.rollout import async_
 
-  k, built, seen = 1, [], []
-  build = trainer.build_source
-
-  def recording_build_source(*a, **kw):
-    src = build(*a, **kw)
-    nxt = src.next
-
-    def next_(step):
-      batch, info = nxt(step)
-      seen.append((step, batch["policy_version"].copy(), info))
-      return batch, info
-
-    src.next = next_
-    built.append(src)
-    return src
-
-  monkeypatch.setattr(trainer, "build_source", recording_build_source)
+  k = 1
+  built, seen, _ = fixtures.record_sources(monkeypatch)
   c = _smoke_config()
   c.mode, c.lag.k = "async", k
   c.async_.timeout_s = 120.0  # only a hung sampler reaches it

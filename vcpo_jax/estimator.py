@@ -677,7 +677,6 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, s
   l_n = sequence_log_ratio(logp_nt, behavior_logp_nt, mask_nt)
   w_unclipped = jnp.where(valid, importance_weights(l_n, "is", log_clamp=cfg.log_ratio_clamp), 0.0)
   if variant.level == "token":
-    tokw_nt = pg_token_weights(logp_nt, behavior_logp_nt, mask_nt, cfg)
     d_nt = token_log_ratio(logp_nt, behavior_logp_nt, mask_nt)
     tw = importance_weights(d_nt, cfg.is_variant, **vkw)
     log_w_applied = jnp.sum(jnp.where(mask > 0, jnp.log(tw), 0.0), axis=-1)

@@ -19,9 +19,6 @@ import signal
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
 from vcpo_jax import evaluation, learner, metrics as metrics_lib, optim, sharding
 from vcpo_jax.checkpoint import Checkpointer

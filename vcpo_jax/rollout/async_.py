@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from vcpo_jax.rollout import worker as worker_lib
+from vcpo_jax.rollout.common import lag_stats
 from vcpo_jax.rollout.param_slot import ParamSlot
 from vcpo_jax.rollout.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 
@@ -274,9 +275,7 @@ class AsyncSource:
       problem_ids=meta["problem_ids"],
       response_len_mean=meta["response_len_mean"],
       finished_frac=meta["finished_frac"],
-      lag_min=int(lag.min()),
-      lag_mean=float(lag.mean()),
-      lag_max=int(lag.max()),
+      **lag_stats(step, batch["policy_version"]),
       learner_wait_s=wait_s,
       sampler_gen_s=meta["gen_s"],
       sampler_idle_frac=d_idle / d_elapsed if d_elapsed > 0 else 0.0,  # since the previous batch

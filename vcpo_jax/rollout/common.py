@@ -125,3 +125,9 @@ def _pad_to(a: np.ndarray, t: int, value=0) -> np.ndarray:
 def device_batch(batch: dict[str, Any]) -> dict[str, np.ndarray]:
   """The subset of a Batch the jitted learner step consumes."""
   return {k: batch[k] for k in DEVICE_KEYS}
+
+
+def lag_stats(step: int, versions: np.ndarray) -> dict:
+  """Min / mean / max staleness (learner steps) of a batch consumed at `step`."""
+  lag = step - np.asarray(versions)
+  return dict(lag_min=int(lag.min()), lag_mean=float(lag.mean()), lag_max=int(lag.max()))

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from vcpo_jax.rollout.common import RolloutMaker
+from vcpo_jax.rollout.common import RolloutMaker, lag_stats
 
 
 class LagSource:
@@ -42,8 +41,7 @@ class LagSource:
         f"published (have {sorted(self.versions)})."
       )
     batch, info = self.maker.make(self.versions[version], step, jax.random.fold_in(self.key, step), version)
-    lag = step - batch["policy_version"]
-    info.update(lag_min=int(lag.min()), lag_mean=float(lag.mean()), lag_max=int(lag.max()))
+    info.update(lag_stats(step, batch["policy_version"]))
     return batch, info
 
   # -- checkpointing: the kept versions are part of the training state
@@ -57,8 +55,3 @@ class LagSource:
 
   def close(self):
     self.versions.clear()
-
-
-def lag_stats(step: int, versions: np.ndarray) -> dict:
-  lag = step - np.asarray(versions)
-  return dict(lag_min=int(lag.min()), lag_mean=float(lag.mean()), lag_max=int(lag.max()))
