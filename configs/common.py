@@ -34,7 +34,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.task.multiturn.code_open = "<code>"  # the model opens a code block with this tag
   c.task.multiturn.code_close = "</code>"  # ... and closes it with this one (its last token is a stop id)
   c.task.multiturn.output_open = "<output>"  # tool output is wrapped in these tags (tool tokens, not in the loss)
-  c.task.multiturn.output_close = "</output>"
+  c.task.multiturn.output_close = "</output>"  # the tool output closes with this tag
   c.task.multiturn.sandbox_cpu_seconds = 2  # CPU-time limit of one execution
   c.task.multiturn.sandbox_wall_seconds = 5.0  # wall-clock limit of one execution
   c.task.multiturn.max_workers = 0  # parallel sandbox executions (0 = CPU count)
@@ -43,8 +43,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.checkpoint = ""  # local Hugging Face directory ("" = random init of model.preset)
   c.model.preset = "tiny_qwen2"  # vcpo_jax.model.config.PRESETS name when no checkpoint
   c.model.hidden_size = config_dict.placeholder(int)  # preset overrides (None = preset value)
-  c.model.num_layers = config_dict.placeholder(int)
-  c.model.intermediate_size = config_dict.placeholder(int)
+  c.model.num_layers = config_dict.placeholder(int)  # transformer blocks (None = preset value)
+  c.model.intermediate_size = config_dict.placeholder(int)  # SwiGLU width (None = preset value)
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
   c.model.tokenizer = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
 
@@ -57,16 +57,16 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.vcpo.advantage = config_dict.placeholder(str)  # reinforce | rloo | grpo | drgrpo
   c.vcpo.is_variant = config_dict.placeholder(str)  # none | is | tis | clip | mask | token_tis | geo_mask
   c.vcpo.tis_c = config_dict.placeholder(float)  # upper truncation c (8 in released runs)
-  c.vcpo.clip_lower = config_dict.placeholder(float)
-  c.vcpo.clip_upper = config_dict.placeholder(float)
-  c.vcpo.mask_lower = config_dict.placeholder(float)
-  c.vcpo.mask_upper = config_dict.placeholder(float)
-  c.vcpo.token_tis_c = config_dict.placeholder(float)
+  c.vcpo.clip_lower = config_dict.placeholder(float)  # "clip": lower end a of the interval [a, b]
+  c.vcpo.clip_upper = config_dict.placeholder(float)  # "clip": upper end b
+  c.vcpo.mask_lower = config_dict.placeholder(float)  # "mask": weights below this are masked (weight 0)
+  c.vcpo.mask_upper = config_dict.placeholder(float)  # "mask": weights above this are masked
+  c.vcpo.token_tis_c = config_dict.placeholder(float)  # "token_tis": per-token truncation level
   c.vcpo.loss_agg = config_dict.placeholder(str)  # seq-mean-token-mean | token-mean | seq-mean-token-sum
   c.vcpo.opob = config_dict.placeholder(bool)  # off-policy optimal baseline on/off
   c.vcpo.opob_weights = config_dict.placeholder(str)  # unclipped (paper) | applied (review #1)
   c.vcpo.opob_leave_one_out = config_dict.placeholder(bool)  # unbiased leave-one-out baseline
-  c.vcpo.length_normalize_norms = config_dict.placeholder(bool)
+  c.vcpo.length_normalize_norms = config_dict.placeholder(bool)  # OPOB weights use ||s_i||^2 / L_i^2 (token-mean score)
   c.vcpo.reference_mode = config_dict.placeholder(bool)  # reproduce the reference's two inconsistencies
   c.vcpo.ess_lr = config_dict.placeholder(bool)  # ESS-scaled learning rate on/off
   c.vcpo.ess_rule = config_dict.placeholder(str)  # sqrt | linear
@@ -74,7 +74,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 1e-6  # base learning rate eta (AdamW)
-  c.optim.weight_decay = 0.1
+  c.optim.weight_decay = 0.1  # decoupled AdamW decay (released runs: 0.1)
   c.optim.clip_norm = 1.0  # global-norm clip before AdamW
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999
@@ -101,20 +101,20 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.eval.every = 0  # evaluate every this many steps (0 = only at start and end)
   c.eval.num_problems = 64  # evaluation set size (held-out split)
   c.eval.temperature = 0.8  # reference validation protocol
-  c.eval.top_p = 0.7
+  c.eval.top_p = 0.7  # reference validation nucleus
   c.eval.n = 3  # samples per problem (5 for AIME)
-  c.eval.greedy = False
+  c.eval.greedy = False  # argmax decoding instead (then n = 1)
   c.eval.pass_at_k = (1,)  # pass@k list
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # save every this many steps (and at the end / on SIGTERM)
-  c.checkpoint.keep_last = 2
+  c.checkpoint.keep_last = 2  # newest checkpoints kept (plus keep_best)
   c.checkpoint.keep_best = 1  # ranked by eval accuracy
 
   c.sft = ml_collections.ConfigDict()
   c.sft.steps = 0  # supervised warm start on solver solutions (0 = off); cached per config
-  c.sft.lr = 3e-3
-  c.sft.batch_size = 64
+  c.sft.lr = 3e-3  # warm-start AdamW peak rate (warmup-cosine)
+  c.sft.batch_size = 64  # warm-start examples per step
   c.sft.cache_dir = ""  # where warm starts are cached ("" = ~/.cache/vcpo_jax/sft)
 
   c.mesh = ml_collections.ConfigDict()
@@ -122,9 +122,9 @@ def get_base_config() -> ml_collections.ConfigDict:
 
   c.distributed = ml_collections.ConfigDict()
   c.distributed.enabled = False  # call jax.distributed.initialize (multi-host)
-  c.distributed.coordinator_address = ""
-  c.distributed.num_processes = 1
-  c.distributed.process_id = 0
+  c.distributed.coordinator_address = ""  # host:port of process 0
+  c.distributed.num_processes = 1  # processes in the job
+  c.distributed.process_id = 0  # this process's index
 
   c.log = ml_collections.ConfigDict()
   c.log.progress = True  # console progress bar

@@ -51,9 +51,9 @@ def get_config(arg: str | None = None):
 
   c.model = ml_collections.ConfigDict()
   c.model.hidden = 32  # D
-  c.model.layers = 1
-  c.model.heads = 2
-  c.model.mlp = 64
+  c.model.layers = 1  # transformer blocks
+  c.model.heads = 2  # attention heads
+  c.model.mlp = 64  # MLP width
 
   c.optim = ml_collections.ConfigDict()
   c.optim.weight_decay = 0.1  # AdamW (released runs)
