@@ -5,6 +5,7 @@ Launch (writes docs/results/stability.md and PNGs; resumes finished cells):
   python -m vcpo_jax.experiments.stability --out=docs/results
   python -m vcpo_jax.experiments.stability --out=/tmp/stab --quick        # minutes, smoke
   python -m vcpo_jax.experiments.stability --out=docs/results --config.seeds="(0,1,2)"
+  python -m vcpo_jax.experiments.stability --out=docs/results --variant=countdown   # the real trainer, ~1.5 h
 
 Backend "pure_lag" (vcpo_jax/experiments/pure_lag.py): a tiny transformer on the
 synthetic stride-counting task, one fully jitted exact-lag run per (seed, lr),
@@ -29,10 +30,13 @@ METHODS = (
   "vcpo_reference",
 )
 
+# The issue's ten methods (the reference's exact inconsistencies, vcpo_reference, are in the synthetic study).
+COUNTDOWN_METHODS = tuple(m for m in METHODS if m != "vcpo_reference")
+
 
 def get_config(arg: str | None = None):
   c = ml_collections.ConfigDict()
-  c.backend = "pure_lag"  # "pure_lag" (the grid) ; the real trainer backend is not part of this study yet
+  c.backend = "pure_lag"  # "pure_lag" (synthetic, vmapped runs) or "trainer" (vcpo_jax.trainer.run, one run at a time)
   c.methods = METHODS  # estimator.PRESETS names; seq_tis uses c = 8
   c.ks = (0, 8, 32, 128)  # exact lag k (0 = synchronous)
   c.seeds = (0, 1, 2, 3, 4)  # one PRNG key per seed: init, sampling and evaluation streams
@@ -67,13 +71,40 @@ def get_config(arg: str | None = None):
   c.analysis.ess_window = 10  # steps in the trailing median
   c.analysis.select = "best_final_at_k0"  # per method: lr with the best mean final accuracy at k = 0
 
-  if arg == "quick":  # a few minutes: the pipeline end to end, not a result
+  c.trainer = ml_collections.ConfigDict()
+  c.trainer.config = "countdown"  # backend "trainer": configs/<this>.py is the run config
+  c.trainer.variant = ""  # its variant ('' or 'smoke')
+  c.trainer.runs = "runs/stability_countdown"  # one directory per run (metrics.jsonl); resumable
+
+  if arg in ("countdown", "countdown_quick"):  # the real trainer on the CPU countdown config (issue 6)
+    c.backend = "trainer"
+    c.methods = COUNTDOWN_METHODS
+    c.seeds = (0, 1, 2)
+    c.lrs = (3e-4, 1e-3)  # the CPU default's lr and 3.3x it (which first costs accuracy even at k = 0)
+    c.task = ml_collections.ConfigDict()
+    c.task.steps = 120  # learner steps (the CPU default); k = 128 >= steps: every batch is the warm start's
+    c.task.eval_every = 20  # evaluations at steps 0, 20, ..., 120
+    c.analysis.chance = 0.0  # a verified task: a policy that learned nothing scores ~0
+    c.analysis.final_frac = 0.2  # final = mean of the evaluations at steps 100 and 120 (2 x 384 samples)
+    c.analysis.min_gain = 0.1  # with chance 0, collapsed = final < 0.5 x best (best includes the warm start)
+    del c.model, c.optim  # the run config (configs/countdown.py) owns them
+  if arg == "countdown_quick":  # the trainer backend end to end in seconds (tests): smoke-sized runs
+    c.methods = ("none", "vcpo")
+    c.ks = (0, 2)
+    c.seeds = (0,)
+    c.lrs = (3e-4,)
+    c.workers = 1
+    c.trainer.variant = "smoke"
+    c.trainer.runs = "runs/stability_countdown_quick"
+    c.task.steps = 3
+    c.task.eval_every = 3
+  elif arg == "quick":  # a few minutes: the pipeline end to end, not a result
     c.methods = ("none", "seq_tis", "vcpo")
     c.ks = (0, 32)
     c.seeds = (0, 1)
     c.lrs = (3e-3,)
     c.task.steps = 40
     c.workers = 1
-  elif arg:
-    raise ValueError(f"configs/stability.py: unknown variant {arg!r}; use '' or 'quick'.")
+  elif arg and arg != "countdown":
+    raise ValueError(f"configs/stability.py: unknown variant {arg!r}; use '', quick, countdown or countdown_quick.")
   return c

@@ -194,3 +194,65 @@ def test_auc_hand_computed():
 def test_select_lr_rule():
   assert st.select_lr({1e-3: 0.5, 1e-2: 0.7, 3e-2: 0.6}) == 1e-2
   assert st.select_lr({3e-2: 0.7, 1e-2: 0.7}) == 1e-2  # ties: the smaller lr
+
+
+# ----------------------------------------------------------------------------- the trainer backend
+
+
+def test_trainer_backend_end_to_end_and_resumes_per_run(tmp_path):
+  """configs/stability.py:countdown_quick through vcpo_jax.trainer.run: arrays, report, run-level resume."""
+  c = st._load_config("countdown_quick", [f"--config.trainer.runs={tmp_path / 'runs'}"])
+  c.methods, c.ks = ("vcpo",), (0, 2)
+  assert c.backend == "trainer" and st.chance(c) == 0.0 and st.batch_size(c) == 8
+  fp = st.fingerprint(st.settings(c))
+  logs = []
+  fn = st.trainer_cell_fn(c, log=logs.append)
+  out = tmp_path / "out"
+  assert st.run_cells([("vcpo", 0), ("vcpo", 2)], out, c.backend, fp, fn, log=logs.append) == [("vcpo", 0), ("vcpo", 2)]
+  z = st.load_cell(st.cell_path(out, "trainer", "vcpo", 2), fp)
+  steps = c.task.steps
+  assert z["accuracy"].shape == (1, 1, 2) and z["eval_step"][0, 0].tolist() == [0, steps]
+  assert z["ess_ratio"].shape == z["lr_scale"].shape == (1, 1, steps)
+  assert ((z["ess_ratio"] > 0) & (z["ess_ratio"] <= 1 + 1e-6)).all()
+  # k = 0 is the synchronous reference: ratios are 1 up to sampler/learner numerics.
+  np.testing.assert_allclose(st.load_cell(st.cell_path(out, "trainer", "vcpo", 0), fp)["ess_ratio"], 1.0, atol=1e-4)
+  wd = st.run_dir(c, "vcpo", 2, c.lrs[0], c.seeds[0])
+  assert (wd / "summary.json").exists() and not (wd / "checkpoints").exists()
+  # A lost cell file with its runs on disk: the cell is rebuilt from metrics.jsonl without training again.
+  st.cell_path(out, "trainer", "vcpo", 2).unlink()
+  n_runs = sum(s.startswith("  run ") for s in logs)
+  assert st.run_cells([("vcpo", 0), ("vcpo", 2)], out, c.backend, fp, fn, log=logs.append) == [("vcpo", 2)]
+  assert sum(s.startswith("  run ") for s in logs) == n_runs == 2
+  np.testing.assert_array_equal(st.load_cell(st.cell_path(out, "trainer", "vcpo", 2), fp)["accuracy"], z["accuracy"])
+  summary = st.summarize(c, out)
+  assert set(summary["stats"]) == {("vcpo", 0, c.lrs[0]), ("vcpo", 2, c.lrs[0])}
+  path = st.write_report(c, out, summary, None, "cmd")
+  assert path.name == "stability_countdown.md" and "backend: `trainer`" in path.read_text()
+
+
+def test_read_run_rejects_incomplete_metrics(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text(
+    '{"step": 0, "eval/accuracy": 0.5}\n{"step": 1, "train/pg_loss": 0.0, "train/ess_ratio": 1.0}\n'
+  )
+  with pytest.raises(ValueError, match="expected 1..2"):
+    st.read_run(tmp_path, steps=2)
+
+
+def test_countdown_study_config_matches_issue():
+  c = st._load_config("countdown", [])
+  assert c.backend == "trainer" and c.ks == (0, 8, 32, 128) and len(c.seeds) >= 3 and len(c.lrs) >= 2
+  assert set(c.methods) == {
+    "none",
+    "seq_tis",
+    "clip",
+    "mask",
+    "token_tis",
+    "vcpo",
+    "vcpo_no_esslr",
+    "vcpo_no_opob",
+    "vcpo_applied_opob",
+    "vcpo_loo_opob",
+  }
+  rc = st.trainer_run_config(c, "vcpo", 8, 1, 1e-3)
+  assert (rc.mode, rc.lag.k, rc.seed, rc.optim.lr, rc.steps) == ("lag", 8, 1, 1e-3, c.task.steps)
+  assert st.trainer_run_config(c, "vcpo", 0, 1, 1e-3).mode == "sync"

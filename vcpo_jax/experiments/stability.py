@@ -1,9 +1,15 @@
 """The stability study: methods x lag k x seeds x learning rates, resumable, one command.
 
-  python -m vcpo_jax.experiments.stability --out=docs/results [--quick]
+  python -m vcpo_jax.experiments.stability --out=docs/results [--quick]          # synthetic (pure_lag)
+  python -m vcpo_jax.experiments.stability --out=docs/results --variant=countdown  # the real trainer
 
-Each cell (method, k) runs every (lr, seed) of the grid at once (pure_lag:
-one compile per method, vmapped runs) and is saved to
+Two backends share the grid, the bookkeeping and the report. `pure_lag`: the
+synthetic stride-counting task, each cell's (lr, seed) runs vmapped in one
+compile. `trainer`: every run is `vcpo_jax.trainer.run` on a run config
+(configs/countdown.py) in `lag` mode, one run at a time, each in its own
+directory (resumable at run granularity); report stability_<config>.md.
+
+Each cell (method, k) runs every (lr, seed) of the grid and is saved to
 <out>/stability_raw/<backend>/<method>_k<k>.npz as soon as it finishes,
 together with the fingerprint of the settings that produced it; a rerun skips
 cells whose file exists with the same fingerprint, so an interrupted study
@@ -263,6 +269,125 @@ def pure_lag_cell_fn(c) -> Callable[[str, int], dict]:
   return fn
 
 
+# ----------------------------------------------------------------------------- the trainer backend (countdown)
+
+
+def trainer_run_config(c, method: str, k: int, seed: int, lr: float):
+  """The real trainer's config for one run: configs/<c.trainer.config>.py with the study's fields set."""
+  import importlib
+
+  sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+  base = importlib.import_module(f"configs.{c.trainer.config}").get_config(c.trainer.variant or None)
+  base.seed, base.steps, base.method = seed, c.task.steps, method
+  base.mode = "lag" if k else "sync"  # k = 0: the synchronous reference (same batches as lag with k = 0)
+  base.lag.k = k
+  base.optim.lr = lr
+  base.eval.every = c.task.eval_every
+  base.checkpoint.every = c.task.steps  # one checkpoint at the end: the study keeps only metrics
+  base.log.progress = False
+  base.log.plots = False
+  base.log.norm_overhead_every = 0
+  return base
+
+
+def trainer_settings(c) -> dict:
+  return dict(
+    backend="trainer",
+    run_config=json.loads(trainer_run_config(c, "none", 0, 0, 0.0).to_json()),  # everything but the grid
+    seeds=list(c.seeds),
+    lrs=list(c.lrs),
+  )
+
+
+def run_dir(c, method: str, k: int, lr: float, seed: int) -> Path:
+  return Path(c.trainer.runs) / f"{method}_k{k}_lr{lr:g}_seed{seed}"
+
+
+def read_run(workdir: Path, steps: int) -> dict:
+  """Per-run arrays from the trainer's metrics.jsonl: evaluation curve and per-step training statistics."""
+  from vcpo_jax import metrics as metrics_lib
+
+  recs = metrics_lib.read_jsonl(str(workdir / "metrics.jsonl"))
+  evals = sorted({r["step"]: r["eval/accuracy"] for r in recs if "eval/accuracy" in r}.items())
+  train = {r["step"]: r for r in recs if "train/pg_loss" in r}
+  if sorted(train) != list(range(1, steps + 1)):
+    raise ValueError(f"{workdir}: metrics.jsonl has training steps {sorted(train)[:3]}..., expected 1..{steps}")
+  col = lambda key: np.asarray([train[t][key] for t in range(1, steps + 1)], np.float64)
+  return dict(
+    accuracy=np.asarray([a for _, a in evals]),
+    eval_step=np.asarray([s for s, _ in evals]),
+    ess_ratio=col("train/ess_ratio"),
+    ess_ratio_applied=col("train/ess_ratio_applied"),
+    lr_scale=col("train/lr_scale"),
+    grad_norm=col("train/grad_norm"),
+  )
+
+
+def trainer_cell_fn(c, log=print) -> Callable[[str, int], dict]:
+  """Runs (or reuses) every (lr, seed) run of a cell through `vcpo_jax.trainer.run`; returns [L, S, ...] arrays.
+
+  Each run has its own directory under c.trainer.runs, marked finished by the trainer's summary.json, so an
+  interrupted cell resumes at run granularity; an unfinished directory is wiped and run again.
+  """
+  import shutil
+
+  from vcpo_jax import trainer
+
+  def fn(method, k):
+    per = []
+    for lr in c.lrs:
+      row = []
+      for seed in c.seeds:
+        wd = run_dir(c, method, k, lr, seed)
+        if not (wd / "summary.json").exists():
+          shutil.rmtree(wd, ignore_errors=True)
+          t0 = time.time()
+          trainer.run(trainer_run_config(c, method, k, seed, lr), str(wd))
+          shutil.rmtree(wd / "checkpoints", ignore_errors=True)  # ~30 MB a run; the study reads metrics only
+          log(f"  run {wd.name}: {time.time() - t0:.0f}s")
+        row.append(read_run(wd, c.task.steps))
+      per.append(row)
+    return {key: np.stack([np.stack([r[key] for r in row]) for row in per]) for key in per[0][0]}
+
+  return fn
+
+
+def cell_fn(c, log=print) -> Callable[[str, int], dict]:
+  """The backend's cell function. For the trainer backend this also turns on XLA's persistent compilation
+  cache for the process (the command's processes only): every run compiles the same step functions, and
+  the cache turns all but the first compile of each into a load (about 2x fewer seconds a run on CPU)."""
+  if c.backend == "pure_lag":
+    return pure_lag_cell_fn(c)
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", str(Path(c.trainer.runs) / "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return trainer_cell_fn(c, log)
+
+
+def settings(c) -> dict:
+  return pure_lag_settings(c) if c.backend == "pure_lag" else trainer_settings(c)
+
+
+def chance(c) -> float:
+  """Accuracy of a policy that has learned nothing: uniform tokens (pure_lag); 0 for a verified task."""
+  return 1.0 / (c.task.alphabet + c.task.max_stride) if c.backend == "pure_lag" else float(c.analysis.chance)
+
+
+def batch_size(c) -> int:
+  """Trajectories per learner step (the ESS ratio's resolution is 1 / batch_size)."""
+  if c.backend == "pure_lag":
+    return c.task.prompts_per_step * c.task.group_size
+  rc = trainer_run_config(c, "none", 0, 0, 0.0)
+  return rc.task.prompts_per_step * rc.task.group_size
+
+
+def report_name(c) -> str:
+  """Stem of the report and its PNGs: stability (pure_lag), stability_<config> (trainer)."""
+  return "stability" if c.backend == "pure_lag" else f"stability_{c.trainer.config}"
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -272,8 +397,8 @@ def _fmt(mean, std):
 
 def summarize(c, out: Path) -> dict:
   """Loads every finished cell and computes the per-(method, k, lr) statistics."""
-  fp = fingerprint(pure_lag_settings(c))
-  chance = 1.0 / (c.task.alphabet + c.task.max_stride)
+  fp = fingerprint(settings(c))
+  chance_acc = chance(c)
   a = c.analysis
   cells, stats = {}, {}
   for method in c.methods:
@@ -287,7 +412,7 @@ def summarize(c, out: Path) -> dict:
         acc, ess = z["accuracy"][i], z["ess_ratio"][i]  # [seeds, E], [seeds, S]
         fin = final_value(acc, ev, c.task.steps, a.final_frac)
         best = acc.max(-1)
-        col = collapsed(fin, best, chance, a.collapse_keep, a.min_gain)
+        col = collapsed(fin, best, chance_acc, a.collapse_keep, a.min_gain)
         stats[(method, k, lr)] = dict(
           final=(fin.mean(), fin.std()),
           best=(best.mean(), best.std()),
@@ -306,7 +431,7 @@ def summarize(c, out: Path) -> dict:
     k0 = {lr: stats[(method, 0, lr)]["final"][0] for lr in c.lrs if (method, 0, lr) in stats}
     if k0:
       selected[method] = select_lr(k0)
-  return dict(cells=cells, stats=stats, selected=selected, chance=chance, fingerprint=fp)
+  return dict(cells=cells, stats=stats, selected=selected, chance=chance_acc, fingerprint=fp)
 
 
 def plot(c, summary: dict, out: Path) -> list[str]:
@@ -316,6 +441,7 @@ def plot(c, summary: dict, out: Path) -> list[str]:
   import matplotlib.pyplot as plt
 
   cells, selected = summary["cells"], summary["selected"]
+  stem = report_name(c)
   names = []
   colors = plt.get_cmap("tab10")
 
@@ -336,10 +462,10 @@ def plot(c, summary: dict, out: Path) -> list[str]:
     ax.fill_between(x, lo, hi, color=color, alpha=0.15)
 
   for key, fname, ylabel in (
-    ("accuracy", "stability_accuracy.png", "accuracy (mean +- std over seeds)"),
+    ("accuracy", f"{stem}_accuracy.png", "accuracy (mean +- std over seeds)"),
     (
       "ess_ratio",
-      "stability_ess.png",
+      f"{stem}_ess.png",
       f"ESS ratio (trailing {c.analysis.ess_window}-step median)\nmedian and min-max over seeds",
     ),
   ):
@@ -355,7 +481,7 @@ def plot(c, summary: dict, out: Path) -> list[str]:
         ax.axhline(summary["chance"], color="k", ls=":", lw=0.8)
       else:
         ax.set_yscale("log")
-        ax.set_ylim(0.5 / (c.task.prompts_per_step * c.task.group_size), 1.2)
+        ax.set_ylim(0.5 / batch_size(c), 1.2)
     axes[0, 0].set_ylabel(ylabel)
     axes[0, -1].legend(fontsize=6, loc="best")
     fig.tight_layout()
@@ -376,17 +502,56 @@ def plot(c, summary: dict, out: Path) -> list[str]:
       ax.set_title(f"lr = {lr:g}, k = {k}", fontsize=9)
   axes[0, -1].legend(fontsize=6, loc="best")
   fig.tight_layout()
-  fig.savefig(out / "stability_accuracy_all_lrs.png", dpi=90)
+  fig.savefig(out / f"{stem}_accuracy_all_lrs.png", dpi=90)
   plt.close(fig)
-  names.append("stability_accuracy_all_lrs.png")
+  names.append(f"{stem}_accuracy_all_lrs.png")
   return names
+
+
+def describe(c) -> tuple[str, str, str]:
+  """(title, what was run, accuracy definition) for the report of either backend."""
+  if c.backend == "pure_lag":
+    return (
+      "Stability study (backend: `pure_lag`, synthetic stride-counting task)",
+      (
+        "Every table below comes from the **pure_lag** backend: a "
+        f"{c.model.layers}-layer D={c.model.hidden} transformer (`vcpo_jax.model.transformer`), "
+        f"T = {c.task.resp_len} response tokens, {c.task.prompts_per_step} prompts x "
+        f"{c.task.group_size} samples per step, {c.task.steps} learner steps, exact lag, "
+        "the library's estimator (`pg_coefficients` via `ghost_policy_gradient`) and optimizer "
+        f"(`make_optimizer`: clip {c.optim.clip_norm}, AdamW wd {c.optim.weight_decay}, ESS scale). "
+        "Not the countdown trainer."
+      ),
+      (
+        "mean reward (fraction of correct tokens) of the current policy's samples on all "
+        f"{c.task.alphabet * c.task.max_stride} prompts x {c.task.eval_samples}, temperature 1"
+      ),
+    )
+  rc = trainer_run_config(c, "none", 0, 0, 0.0)
+  return (
+    f"Stability study (backend: `trainer`, configs/{c.trainer.config}.py)",
+    (
+      "Every run is `vcpo_jax.trainer.run` itself (sampler, verifier, ghost-norm learner, optimizer) in "
+      f"`lag` mode on configs/{c.trainer.config}.py: a {rc.model.preset} policy"
+      + (f" ({rc.model.num_layers} layers, width {rc.model.hidden_size})" if rc.model.num_layers else "")
+      + f" warm-started by {rc.sft.steps} SFT steps, {rc.task.prompts_per_step} prompts x "
+      f"{rc.task.group_size} samples per step, up to {rc.task.max_new_tokens} response tokens, {c.task.steps} "
+      f"learner steps, AdamW (clip {rc.optim.clip_norm}, wd {rc.optim.weight_decay}). Run directories: "
+      f"`{c.trainer.runs}/` (metrics.jsonl per run)."
+    ),
+    (
+      f"eval accuracy (verifier reward, mean over {rc.eval.n} samples at temperature {rc.eval.temperature}, "
+      f"top_p {rc.eval.top_p}) on {rc.eval.num_problems} held-out problems"
+    ),
+  )
 
 
 def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: str) -> Path:
   out = Path(out)
   stats, selected, cells = summary["stats"], summary["selected"], summary["cells"]
   a = c.analysis
-  path = out / "stability.md"
+  stem = report_name(c)
+  path = out / f"{stem}.md"
   notes = ""
   if path.exists():
     old = path.read_text()
@@ -395,17 +560,9 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
   done = sorted(cells)
   missing = [(m, k) for m in c.methods for k in c.ks if (m, k) not in cells]
   L = []
-  L.append("# Stability study (backend: `pure_lag`, synthetic stride-counting task)\n")
-  L.append(
-    f"Generated by `{command}` (vcpo_jax/experiments/stability.py, configs/stability.py). "
-    "Every table below comes from the **pure_lag** backend: a "
-    f"{c.model.layers}-layer D={c.model.hidden} transformer (`vcpo_jax.model.transformer`), "
-    f"T = {c.task.resp_len} response tokens, {c.task.prompts_per_step} prompts x "
-    f"{c.task.group_size} samples per step, {c.task.steps} learner steps, exact lag, "
-    "the library's estimator (`pg_coefficients` via `ghost_policy_gradient`) and optimizer "
-    f"(`make_optimizer`: clip {c.optim.clip_norm}, AdamW wd {c.optim.weight_decay}, ESS scale). "
-    "Not the countdown trainer.\n"
-  )
+  title, what, accuracy_def = describe(c)
+  L.append(f"# {title}\n")
+  L.append(f"Generated by `{command}` (vcpo_jax/experiments/stability.py, configs/stability.py). {what}\n")
   L.append(
     f"- cells finished: {len(done)} / {len(c.methods) * len(c.ks)}"
     + (f"; missing: {', '.join(f'{m} k={k}' for m, k in missing)}" if missing else "")
@@ -420,15 +577,14 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
     f"- compute: {secs / 60:.1f} min summed over cells"
     + (f"; this invocation's wall-clock {runtime_s / 60:.1f} min" if runtime_s is not None else "")
   )
+  start = "its seed's random init (no warm start)" if c.backend == "pure_lag" else "the shared SFT warm start"
   L.append(
     f"- exact lag: the batch of learner step t is sampled with the parameters of version max(0, t - k) "
-    "(as `rollout.lag.LagSource`); every run starts from its seed's random init (no warm start).\n"
+    f"(as `rollout.lag.LagSource`); every run starts from {start}.\n"
   )
   L.append("\n## Definitions (fixed before the runs)\n")
   L.append(
-    f"- accuracy: mean reward (fraction of correct tokens) of the current policy's samples on all "
-    f"{c.task.alphabet * c.task.max_stride} prompts x {c.task.eval_samples}, temperature 1, every "
-    f"{c.task.eval_every} steps. final = mean over evaluations in the last "
+    f"- accuracy: {accuracy_def}, every {c.task.eval_every} steps. final = mean over evaluations in the last "
     f"{a.final_frac:.0%} of steps; best = max over evaluations."
   )
   L.append(
@@ -441,7 +597,7 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
     "the weights the update applies."
   )
   L.append(
-    f"- lr selection: per method, the lr with the best mean final accuracy at k = 0 (ties: smaller lr). "
+    "- lr selection: per method, the lr with the best mean final accuracy at k = 0 (ties: smaller lr). "
     "All lrs are in the full table.\n"
   )
 
@@ -463,8 +619,8 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
         f"{s['ess_min']:.3f} | {s['ess_q10']:.3f} | {s['ess_median']:.3f} | {s['ess_applied_q10']:.3f} | "
         f"{s['lr_scale_mean']:.2f} |"
       )
-  L.append("\n![accuracy](stability_accuracy.png)\n")
-  L.append("![ESS](stability_ess.png)\n")
+  L.append(f"\n![accuracy]({stem}_accuracy.png)\n")
+  L.append(f"![ESS]({stem}_ess.png)\n")
 
   L.append("\n## Final accuracy, every lr (mean +- std over seeds; collapsed runs in brackets)\n")
   L.append("| method | k | " + " | ".join(f"lr {lr:g}" for lr in c.lrs) + " |")
@@ -477,7 +633,7 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
         row.append("-" if s is None else f"{_fmt(*s['final'])} [{s['collapsed']}]")
       if any(x != "-" for x in row):
         L.append(f"| {m} | {k} | " + " | ".join(row) + " |")
-  L.append("\n![all lrs](stability_accuracy_all_lrs.png)\n")
+  L.append(f"\n![all lrs]({stem}_accuracy_all_lrs.png)\n")
 
   L.append("\n## ESS as a predictor of collapse (pooled over lrs and seeds)\n")
   L.append(
@@ -578,11 +734,11 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
 # ----------------------------------------------------------------------------- command line
 
 
-def _load_config(quick: bool, overrides: Sequence[str]):
+def _load_config(variant: str, overrides: Sequence[str]):
   sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
   from configs import stability as cfg_mod
 
-  c = cfg_mod.get_config("quick" if quick else None)
+  c = cfg_mod.get_config(variant or None)
   for ov in overrides:  # --config.a.b=value (python literal)
     import ast
 
@@ -595,8 +751,10 @@ def _load_config(quick: bool, overrides: Sequence[str]):
       node[parts[-1]] = ast.literal_eval(val)
     except (ValueError, SyntaxError):
       node[parts[-1]] = val
-  if c.backend != "pure_lag":
-    raise ValueError(f"config.backend={c.backend!r}: only 'pure_lag' is implemented")
+  if c.backend not in ("pure_lag", "trainer"):
+    raise ValueError(
+      f"config.backend={c.backend!r}: use 'pure_lag' (synthetic) or 'trainer' (configs/<trainer.config>.py)"
+    )
   if 0 not in c.ks:
     raise ValueError("config.ks: must contain 0 (the lr selection rule and the sync reference use k = 0)")
   return c
@@ -605,23 +763,26 @@ def _load_config(quick: bool, overrides: Sequence[str]):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default="docs/results")
-  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--quick", action="store_true", help="same as --variant=quick")
+  ap.add_argument("--variant", default="", help="configs/stability.py variant: '', quick, countdown, countdown_quick")
   ap.add_argument("--worker", default=None, help="i/n: run only methods i, i+n, ... (internal)")
   ap.add_argument("--report_only", action="store_true")
   args, overrides = ap.parse_known_args(argv)
   bad = [o for o in overrides if not o.startswith("--config.")]
   if bad:
     raise ValueError(f"unknown arguments {bad}; overrides look like --config.lrs='(1e-2,)'")
-  c = _load_config(args.quick, overrides)
+  variant = "quick" if args.quick else args.variant
+  c = _load_config(variant, overrides)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  fp = fingerprint(pure_lag_settings(c))
+  fp = fingerprint(settings(c))
   t0 = time.time()
   cells = [(m, k) for m in c.methods for k in c.ks]
   if args.worker is not None:
     i, n = (int(x) for x in args.worker.split("/"))
     mine = [(m, k) for m, k in cells if c.methods.index(m) % n == i]
-    run_cells(mine, out, c.backend, fp, pure_lag_cell_fn(c), log=lambda s: print(f"[w{i}] {s}", flush=True))
+    log = lambda s: print(f"[w{i}] {s}", flush=True)
+    run_cells(mine, out, c.backend, fp, cell_fn(c, log), log=log)
     return
   if not args.report_only:
     if c.workers > 1:
@@ -632,7 +793,7 @@ def main(argv=None):
       ).strip()
       base = (
         [sys.executable, "-m", "vcpo_jax.experiments.stability", f"--out={out}"]
-        + (["--quick"] if args.quick else [])
+        + ([f"--variant={variant}"] if variant else [])
         + list(overrides)
       )
       procs = [subprocess.Popen(base + [f"--worker={i}/{c.workers}"], env=env) for i in range(c.workers)]
@@ -640,7 +801,8 @@ def main(argv=None):
       if any(codes):
         print(f"workers exited with {codes}; writing the report from the finished cells", flush=True)
     else:
-      run_cells(cells, out, c.backend, fp, pure_lag_cell_fn(c), log=lambda s: print(s, flush=True))
+      log = lambda s: print(s, flush=True)
+      run_cells(cells, out, c.backend, fp, cell_fn(c, log), log=log)
   runtime = time.time() - t0
   summary = summarize(c, out)
   if summary["cells"]:
@@ -648,7 +810,7 @@ def main(argv=None):
   cmd = (
     "python -m vcpo_jax.experiments.stability --out="
     + str(args.out)
-    + (" --quick" if args.quick else "")
+    + (f" --variant={variant}" if variant else "")
     + (" " + " ".join(overrides) if overrides else "")
   )
   path = write_report(c, out, summary, None if args.report_only else runtime, cmd)
