@@ -228,6 +228,10 @@ def test_trainer_backend_end_to_end_and_resumes_per_run(tmp_path):
   assert set(summary["stats"]) == {("vcpo", 0, c.lrs[0]), ("vcpo", 2, c.lrs[0])}
   path = st.write_report(c, out, summary, None, "cmd")
   assert path.name == "stability_countdown.md" and "backend: `trainer`" in path.read_text()
+  names = st.plot(c, summary, out)
+  assert "stability_countdown_accuracy_grid.png" in names
+  for name in names:
+    assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name})" in path.read_text()
 
 
 def test_read_run_rejects_incomplete_metrics(tmp_path):

@@ -415,6 +415,8 @@ def summarize(c, out: Path) -> dict:
         col = collapsed(fin, best, chance_acc, a.collapse_keep, a.min_gain)
         stats[(method, k, lr)] = dict(
           final=(fin.mean(), fin.std()),
+          # Paired change from the step-0 evaluation (the warm start on this seed's problems), when there is one.
+          change=((fin - acc[:, 0]).mean(), (fin - acc[:, 0]).std()) if ev[0] == 0 else None,
           best=(best.mean(), best.std()),
           collapsed=int(col.sum()),
           n=len(fin),
@@ -505,6 +507,36 @@ def plot(c, summary: dict, out: Path) -> list[str]:
   fig.savefig(out / f"{stem}_accuracy_all_lrs.png", dpi=90)
   plt.close(fig)
   names.append(f"{stem}_accuracy_all_lrs.png")
+
+  # Small multiples: one panel per (method, k) at the method's selected lr, every seed drawn, so that
+  # ten overlapping bands do not hide a single collapsing run.
+  shown = [m for m in c.methods if m in selected]
+  if shown:
+    fig, axes = plt.subplots(
+      len(shown), len(c.ks), figsize=(2.6 * len(c.ks), 1.6 * len(shown)), sharex=True, sharey=True, squeeze=False
+    )
+    for i, method in enumerate(shown):
+      lr_i = list(c.lrs).index(selected[method])
+      for j, k in enumerate(c.ks):
+        ax = axes[i, j]
+        if (method, k) in cells:
+          z = cells[(method, k)]
+          x, y = z["eval_step"][lr_i, 0], z["accuracy"][lr_i]
+          for run in y:
+            ax.plot(x, run, color=colors(i % 10), lw=0.6, alpha=0.5)
+          ax.plot(x, y.mean(0), color=colors(i % 10), lw=1.6)
+          ax.fill_between(x, y.min(0), y.max(0), color=colors(i % 10), alpha=0.15)
+        ax.axhline(summary["chance"], color="k", ls=":", lw=0.6)
+        ax.tick_params(labelsize=6)
+        if i == 0:
+          ax.set_title(f"k = {k}", fontsize=8)
+        if j == 0:
+          ax.set_ylabel(f"{method}\nlr {selected[method]:g}", fontsize=7)
+    fig.suptitle("accuracy per method and k: mean (thick), each seed (thin), min-max band", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}_accuracy_grid.png", dpi=90)
+    plt.close(fig)
+    names.append(f"{stem}_accuracy_grid.png")
   return names
 
 
@@ -585,7 +617,8 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
   L.append("\n## Definitions (fixed before the runs)\n")
   L.append(
     f"- accuracy: {accuracy_def}, every {c.task.eval_every} steps. final = mean over evaluations in the last "
-    f"{a.final_frac:.0%} of steps; best = max over evaluations."
+    f"{a.final_frac:.0%} of steps; best = max over evaluations"
+    + ("; final - step 0: paired change from the same seed's step-0 evaluation." if c.backend == "trainer" else ".")
   )
   L.append(
     f"- collapsed: final < chance, or (best - chance >= {a.min_gain} and final - chance < "
@@ -602,10 +635,13 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
   )
 
   L.append("\n## Headline: selected lr per method\n")
+  has_change = bool(stats) and all(s["change"] is not None for s in stats.values())
   L.append(
-    "| method | lr | k | final | best | collapsed | ESS min | ESS q10 | ESS median | applied q10 | mean lr scale |"
+    "| method | lr | k | final | best |"
+    + (" final - step 0 |" if has_change else "")
+    + " collapsed | ESS min | ESS q10 | ESS median | applied q10 | mean lr scale |"
   )
-  L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+  L.append("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if has_change else ""))
   for m in c.methods:
     if m not in selected:
       continue
@@ -615,11 +651,14 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
       if s is None:
         continue
       L.append(
-        f"| {m} | {lr:g} | {k} | {_fmt(*s['final'])} | {_fmt(*s['best'])} | {s['collapsed']}/{s['n']} | "
+        f"| {m} | {lr:g} | {k} | {_fmt(*s['final'])} | {_fmt(*s['best'])} | "
+        + (f"{s['change'][0]:+.3f} +- {s['change'][1]:.3f} | " if has_change else "")
+        + f"{s['collapsed']}/{s['n']} | "
         f"{s['ess_min']:.3f} | {s['ess_q10']:.3f} | {s['ess_median']:.3f} | {s['ess_applied_q10']:.3f} | "
         f"{s['lr_scale_mean']:.2f} |"
       )
   L.append(f"\n![accuracy]({stem}_accuracy.png)\n")
+  L.append(f"![accuracy per method and k]({stem}_accuracy_grid.png)\n")
   L.append(f"![ESS]({stem}_ess.png)\n")
 
   L.append("\n## Final accuracy, every lr (mean +- std over seeds; collapsed runs in brackets)\n")
