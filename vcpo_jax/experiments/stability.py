@@ -16,7 +16,8 @@ cells whose file exists with the same fingerprint, so an interrupted study
 resumes where it stopped. With workers > 1, methods are split between
 subprocesses (each compiles its methods once; XLA's compile is mostly serial,
 so two processes overlap one's compile with the other's run). At the end the
-report (<out>/stability.md and PNGs) is written from whatever cells exist.
+report (<out>/stability.md or stability_<config>.md, and PNGs) is written from
+whatever cells exist.
 
 Definitions (fixed before the study; configs/stability.py `analysis`):
   final      mean accuracy over the evaluations in the last final_frac of steps.
@@ -276,7 +277,9 @@ def trainer_run_config(c, method: str, k: int, seed: int, lr: float):
   """The real trainer's config for one run: configs/<c.trainer.config>.py with the study's fields set."""
   import importlib
 
-  sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+  root = str(Path(__file__).resolve().parents[2])  # configs/ lives at the repository root
+  if root not in sys.path:
+    sys.path.insert(0, root)
   base = importlib.import_module(f"configs.{c.trainer.config}").get_config(c.trainer.variant or None)
   base.seed, base.steps, base.method = seed, c.task.steps, method
   base.mode = "lag" if k else "sync"  # k = 0: the synchronous reference (same batches as lag with k = 0)
