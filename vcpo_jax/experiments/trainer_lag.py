@@ -22,19 +22,12 @@ from vcpo_jax import metrics as metrics_lib
 
 
 def _config(method: str, k: int, seed: int, steps: int, lr: float, eval_every: int):
-  from configs import countdown
+  """The stability study's trainer-backend run config (configs/countdown.py in lag mode) at these settings."""
+  from vcpo_jax.experiments import stability
 
-  c = countdown.get_config()
-  c.seed, c.steps, c.method = seed, steps, method
-  c.mode = "lag" if k else "sync"
-  c.lag.k = k
-  c.optim.lr = lr
-  c.eval.every = eval_every
-  c.checkpoint.every = steps
-  c.log.progress = False
-  c.log.plots = False
-  c.log.norm_overhead_every = 0
-  return c
+  c = stability._load_config("countdown", [])
+  c.task.steps, c.task.eval_every = steps, eval_every
+  return stability.trainer_run_config(c, method, k, seed, lr)
 
 
 def _summary(workdir: str) -> dict:
@@ -97,6 +90,7 @@ def main(argv=None):
         f"{np.mean([r['ess_median'] for r in rs]):.3f} | {np.mean([r['ess_q10'] for r in rs]):.3f} | "
         f"{np.mean([r['lr_scale'] for r in rs]):.2f} |"
       )
+  os.makedirs(a.out, exist_ok=True)
   path = os.path.join(a.out, "trainer_lag.md")
   with open(path, "w") as fh:
     fh.write("\n".join(lines) + "\n")
