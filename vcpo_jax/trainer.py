@@ -162,7 +162,13 @@ def run(config, workdir: str) -> dict:
       Sampler(graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn)),
       train_problems,
     )
-  source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir)
+  flag: dict = {}  # the signal handlers (Loop) set flag["signal"]; every source wait polls check_signal
+
+  def check_signal():
+    if flag.get("signal"):
+      raise Interrupted(f"signal {flag['signal']}")
+
+  source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=check_signal)
 
   # ---------------------------------------------------------------- Checkpoint / resume
   ckpt = Checkpointer(
@@ -229,7 +235,6 @@ def run(config, workdir: str) -> dict:
   writer = metrics_lib.MetricsWriter(
     workdir, spec.steps, initial_step=start, wall_offset=wall_offset, progress=spec.progress
   )
-  flag: dict = {}
   old_handlers = _install_signal_handlers(flag)
   last_eval: dict = {}
   nonfinite_steps: list[int] = []
@@ -239,8 +244,7 @@ def run(config, workdir: str) -> dict:
       last_eval = run_eval(0, state.params)
       writer.write(0, last_eval)
     while step < spec.steps:
-      if flag.get("signal"):
-        raise Interrupted(f"signal {flag['signal']}")
+      check_signal()
       t0 = time.time()
       batch, info = source.next(step)
       t1 = time.time()
@@ -342,14 +346,14 @@ def _global_batch(batch: dict, mesh, global_n: int):
   return sharding.make_global_batch({k: v[rows] for k, v in batch.items()}, mesh, global_n)
 
 
-def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir):
+def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=None):
   from vcpo_jax.rollout.lag import LagSource
 
   if spec.mode in ("sync", "lag"):
     return LagSource(maker, spec.k if spec.mode == "lag" else 0, key)
   from vcpo_jax.rollout.async_ import AsyncSource
 
-  return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker)
+  return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
 
 
 def _state_tree(state, source):
