@@ -38,7 +38,7 @@ def test_jsonl_records_and_plots(tmp_path):
 def test_resume_truncates_future_records(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(6)))
-  w = metrics.MetricsWriter(str(tmp_path), total_steps=6, initial_step=3, progress=False, tensorboard=False)
+  w = metrics.MetricsWriter(str(tmp_path), total_steps=6, resume_step=3, progress=False, tensorboard=False)
   w.write(4, {"x": 40})  # initial_step = updates done: the next record is step 4
   w.close()
   recs = metrics.read_jsonl(str(path))

@@ -5,7 +5,8 @@ the parameter versions that `lag` mode still needs, RNG keys, ...) and one JSON
 dict (data-stream position, config fingerprint, metrics). Orbax writes each
 step into a temporary directory and renames it when complete, so a crash
 during a save never leaves a half-written checkpoint that a resume would pick
-up.
+up. `directory` may be a local path, a file:// URL or a gs:// / s3:// URL
+(through etils.epath; see vcpo_jax.fs.orbax_directory).
 
 The pytree is stored as a flat list of leaves; restoring needs a template of
 the same structure (built by the trainer from the config), which also checks
@@ -14,13 +15,14 @@ that a resumed run has the architecture and optimizer it was saved with.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
+
+from vcpo_jax import fs
 
 
 class Checkpointer:
@@ -55,7 +57,8 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
       preservation_policy=cm.AnyPreservationPolicy(policies), enable_async_checkpointing=async_save, create=True
     )
-    self.directory = os.path.abspath(directory)
+    # A local path or an etils path for gs:// etc. (orbax writes through etils + tensorstore).
+    self.directory = fs.orbax_directory(directory)
     self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:

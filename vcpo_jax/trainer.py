@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
+import pathlib
 import signal
+import tempfile
 import time
 
 import jax
 
-from vcpo_jax import evaluation, learner, metrics as metrics_lib, optim, sharding
+from vcpo_jax import evaluation, fs, learner, optim, sharding
+from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.model import transformer
 from vcpo_jax.rollout.common import RolloutMaker, device_batch
@@ -84,9 +86,9 @@ def run(config, workdir: str) -> dict:
   """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible."""
   # ---------------------------------------------------------------- Config
   spec = parse_config(config)  # every check happens here, before anything compiles
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(config.to_dict(), f, indent=1, default=str)
+  fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
+  fs.makedirs(workdir)
+  fs.write_text(fs.join(workdir, "config.json"), json.dumps(config.to_dict(), indent=1, default=str))
 
   # ---------------------------------------------------------------- Distributed
   if spec.distributed.get("enabled"):
@@ -105,7 +107,9 @@ def run(config, workdir: str) -> dict:
   if spec.sft_steps > 0:
     from vcpo_jax import sft
 
-    params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir)
+    with tempfile.TemporaryDirectory() as tmp:  # sft writes sft.json locally; the layer copies it to workdir
+      params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, tmp)
+      fs.write_bytes(fs.join(workdir, "sft.json"), pathlib.Path(tmp, "sft.json").read_bytes())
 
   # ---------------------------------------------------------------- Optimizer & Update step
   tx = optim.make_optimizer(
@@ -132,9 +136,11 @@ def run(config, workdir: str) -> dict:
     donate_argnums=0,
   )
 
-  plain_step = None
-  if spec.norm_overhead_every:  # the yardstick for "per-example norms cost little" (review #9)
-    plain_step = jax.jit(learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
+  # Opt-in yardstick for "per-example norms cost little" (review #9): a plain gradient step, compiled at
+  # the first step (not when first timed), so that the timing adds no compile in the middle of the run.
+  plain_jit = plain_step = None
+  if spec.norm_overhead_every:
+    plain_jit = jax.jit(learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
 
   # ---------------------------------------------------------------- Rollouts
   key = jax.random.key(spec.seed)
@@ -166,7 +172,7 @@ def run(config, workdir: str) -> dict:
 
   # ---------------------------------------------------------------- Checkpoint / resume
   ckpt = Checkpointer(
-    os.path.join(workdir, "checkpoints"),
+    fs.join(workdir, "checkpoints"),
     keep_last=spec.keep_last,
     keep_best=spec.keep_best,
     best_metric="eval/accuracy",
@@ -197,7 +203,6 @@ def run(config, workdir: str) -> dict:
       max_new_tokens=spec.eval.max_new_tokens,
     ),
   )
-  eval_jsonl = os.path.join(workdir, "eval.jsonl")
 
   eval_maker = None
   if spec.multiturn is not None:  # tool-use evaluation: the same episodes as training, eval sampling
@@ -218,24 +223,25 @@ def run(config, workdir: str) -> dict:
       if eval_maker is not None
       else _eval_generate_fn(eval_sampler, params, tokenizer, spec, eval_rng)
     )
-    rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, jsonl_path=eval_jsonl, tag=tag)
-    return {
-      "eval/accuracy": rec["mean_at_n"],
-      "eval/mean_reward": rec["mean_reward"],
-      **{f"eval/pass_at_{k}": v for k, v in rec["pass_at_k"].items()},
-    }
+    rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, tag=tag)
+    writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
+    return _eval_metrics(rec)
 
   # ---------------------------------------------------------------- Loop
+  # Every log is cut back to the restored step (or emptied on a fresh start): rows of a crashed attempt
+  # after its last checkpoint belong to a discarded timeline and are logged again by this one.
   writer = metrics_lib.MetricsWriter(
-    workdir, spec.steps, initial_step=start, wall_offset=wall_offset, progress=spec.progress
+    workdir, spec.steps, resume_step=latest, wall_offset=wall_offset, progress=spec.progress
   )
+  summary_path = fs.join(workdir, "summary.json")
+  fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
   flag: dict = {}
   old_handlers = _install_signal_handlers(flag)
   last_eval: dict = {}
   nonfinite_steps: list[int] = []
   step = start
   try:
-    if start == 0:
+    if latest is None:  # a checkpoint at step 0 (a signal before the first update) follows this eval
       last_eval = run_eval(0, state.params)
       writer.write(0, last_eval)
     while step < spec.steps:
@@ -244,7 +250,10 @@ def run(config, workdir: str) -> dict:
       t0 = time.time()
       batch, info = source.next(step)
       t1 = time.time()
-      state, m = train_step(state, _global_batch(device_batch(batch), mesh, spec.rollout.batch_size))
+      dev_batch = _global_batch(device_batch(batch), mesh, spec.rollout.batch_size)
+      if plain_jit is not None and plain_step is None:
+        plain_step = plain_jit.lower(state.params, dev_batch).compile()
+      state, m = train_step(state, dev_batch)
       m = jax.device_get(m)
       t2 = time.time()
       step += 1
@@ -277,15 +286,17 @@ def run(config, workdir: str) -> dict:
       )
       row.update(info.get("metrics", {}))  # source-specific statistics (e.g. multi-turn tool use)
       if plain_step is not None and step % spec.norm_overhead_every == 0:
-        row.update(_norm_overhead(plain_step, state.params, batch, mesh, spec, t2 - t1))
+        row.update(_norm_overhead(plain_step, state.params, dev_batch, t2 - t1))
       if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
         last_eval = run_eval(step, state.params)
         row.update(last_eval)
       writer.write(step, row, advance=True)
       if step % spec.checkpoint_every == 0 and step < spec.steps:
         _save(ckpt, step, state, source, writer, last_eval if spec.eval_every and step % spec.eval_every == 0 else None)
-    final_eval = run_eval(step, state.params, tag="final")
-    writer.write(step, final_eval)
+    final_eval = _logged_final_eval(writer, step)  # a rerun of a finished run: evaluated and logged already
+    if final_eval is None:
+      final_eval = run_eval(step, state.params, tag="final")
+      writer.write(step, final_eval)
     _save(ckpt, step, state, source, writer, final_eval)
   except Interrupted as e:
     log.warning("interrupted (%s): saving a checkpoint at step %d", e, step)
@@ -300,8 +311,7 @@ def run(config, workdir: str) -> dict:
   if spec.plots:
     metrics_lib.plot_run(workdir)
   summary = {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps}
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=1)
+  fs.write_text(summary_path, json.dumps(summary, indent=1))
   return summary
 
 
@@ -323,13 +333,12 @@ def build_mesh(spec: RunSpec):
   return mesh
 
 
-def _norm_overhead(plain_step, params, batch, mesh, spec: RunSpec, learn_s: float) -> dict:
-  """Times a plain gradient step on this step's batch (twice: the first may compile) against the real one."""
-  dev = _global_batch(device_batch(batch), mesh, spec.rollout.batch_size)
+def _norm_overhead(plain_step, params, dev_batch, learn_s: float) -> dict:
+  """Times the (compiled) plain gradient step on this step's batch against the real one (second of two runs)."""
   times = []
   for _ in range(2):
     t0 = time.time()
-    jax.block_until_ready(plain_step(params, dev))
+    jax.block_until_ready(plain_step(params, dev_batch))
     times.append(time.time() - t0)
   return {"time/plain_grad_s": times[-1], "time/norm_overhead": learn_s / max(times[-1], 1e-9)}
 
@@ -357,9 +366,28 @@ def _state_tree(state, source):
   return {"train": state, "versions": plist}, versions
 
 
+def _eval_metrics(rec: dict) -> dict:
+  """The metrics.jsonl / checkpoint-ranking scalars of one evaluation.evaluate record."""
+  return {
+    "eval/accuracy": rec["mean_at_n"],
+    "eval/mean_reward": rec["mean_reward"],
+    **{f"eval/pass_at_{k}": v for k, v in rec["pass_at_k"].items()},
+  }
+
+
+def _logged_final_eval(writer, step: int) -> dict | None:
+  """The final evaluation at `step` if this timeline already logged it (the run finished before), else None."""
+  recs = [
+    r for r in metrics_lib.read_jsonl(writer.eval_jsonl_path) if r.get("step") == step and r.get("tag") == "final"
+  ]
+  writer.flush()
+  return _eval_metrics(recs[-1]) if recs else None
+
+
 def _save(ckpt, step, state, source, writer, eval_metrics, force=False):
   if step in ckpt.all_steps():  # e.g. a signal right after a periodic save: that checkpoint is current
     return
+  writer.flush()  # every row this checkpoint covers is stored before it (object stores buffer rows)
   tree, versions = _state_tree(state, source)
   meta = {"step": step, "versions": versions, "wall_time": writer.wall_time}
   ckpt.save(step, tree, meta, metrics=eval_metrics, force=force)
