@@ -1,5 +1,6 @@
-"""Checkpointer: round trip, keep-last-N plus best, structure checks."""
+"""Checkpointer: round trip, keep-last-N plus best, structure checks, URL directories."""
 
+import importlib.util
 import os
 
 import jax
@@ -8,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from vcpo_jax import fs
 from vcpo_jax.checkpoint import Checkpointer
 
 
@@ -66,3 +68,23 @@ def test_no_partial_checkpoint_visible(tmp_path):
 def test_bad_options():
   with pytest.raises(ValueError, match="keep_last"):
     Checkpointer("/tmp/unused_ck", keep_last=0)
+
+
+def test_file_url_directory(tmp_path):
+  """A file:// workdir checkpoints into the local directory it names (not ./file:/...)."""
+  ck = Checkpointer(f"file://{tmp_path}/ck", async_save=False)
+  ck.save(2, _state(2), {"n": 1})
+  ck.wait()
+  assert ck.latest_step() == 2 and os.path.isdir(tmp_path / "ck" / "2")
+  restored, meta = ck.restore(2, _state(0))
+  np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.asarray(_state(2)["params"]["w"]))
+  assert meta == {"n": 1}
+  ck.close()
+
+
+def test_unusable_url_is_a_clear_error():
+  with pytest.raises(ValueError, match="orbax cannot write to memory://"):
+    Checkpointer("memory://run/checkpoints")
+  if importlib.util.find_spec("gcsfs") is None:  # the real case here: no gcsfs installed
+    with pytest.raises(fs.MissingDependency, match="pip install gcsfs"):
+      Checkpointer("gs://bucket/run/checkpoints")

@@ -76,7 +76,10 @@ class MetricsWriter:
       from tensorboardX import SummaryWriter
 
       # purge_step: tensorboard hides events at steps >= it written before this one (the discarded timeline).
-      self._tb = SummaryWriter(fs.tensorboard_logdir(fs.join(workdir, "tb")), purge_step=keep_through + 1)
+      # The ns suffix keeps a rerun within the same second from reusing (and overwriting) the last event file.
+      self._tb = SummaryWriter(
+        fs.tensorboard_logdir(fs.join(workdir, "tb")), purge_step=keep_through + 1, filename_suffix=f".{time.time_ns()}"
+      )
     self._bar = None
     if progress:
       from tqdm.auto import tqdm
