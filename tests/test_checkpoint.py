@@ -1,13 +1,17 @@
 """Checkpointer: round trip, keep-last-N plus best, structure checks, URL directories."""
 
+import contextlib
 import importlib.util
 import os
 
 import jax
+import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from vcpo_jax import fs
 from vcpo_jax.checkpoint import Checkpointer
@@ -88,3 +92,38 @@ def test_unusable_url_is_a_clear_error():
   if importlib.util.find_spec("gcsfs") is None:  # the real case here: no gcsfs installed
     with pytest.raises(fs.MissingDependency, match="pip install gcsfs"):
       Checkpointer("gs://bucket/run/checkpoints")
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Counts XLA backend compiles inside the block (jax.monitoring's compile-duration event)."""
+  seen = []
+
+  def listener(event, duration, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      seen.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_saving_replicated_and_sharded_arrays_compiles_nothing(tmp_path):
+  """A replicated array is saved without orbax's replica-parallel slicing, whose per-shape programs would
+  compile at the run's first checkpoint; a sharded one keeps its sharding; both restore exactly."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+  rep = jax.device_put(jnp.arange(64.0 * len(jax.devices())).reshape(-1, 8), NamedSharding(mesh, P()))
+  shd = jax.device_put(jnp.arange(8.0 * len(jax.devices())).reshape(-1, 2), NamedSharding(mesh, P("data")))
+  assert len(jax.devices()) > 1 and rep.is_fully_replicated and not shd.is_fully_replicated
+  ck = Checkpointer(str(tmp_path / "ck"), async_save=True)
+  with count_compiles() as compiles:
+    ck.save(1, {"rep": rep, "shd": shd}, {})
+    ck.wait()
+  assert compiles == []
+  restored, _ = ck.restore(1, {"rep": rep, "shd": shd})
+  np.testing.assert_array_equal(np.asarray(restored["rep"]), np.asarray(rep))
+  np.testing.assert_array_equal(np.asarray(restored["shd"]), np.asarray(shd))
+  assert restored["shd"].sharding == shd.sharding and restored["rep"].sharding == rep.sharding
+  ck.close()

@@ -25,6 +25,18 @@ from orbax.checkpoint import checkpoint_managers as cm
 from vcpo_jax import fs
 
 
+def _to_saveable(x):
+  """A leaf as orbax gets it: host arrays as numpy; sharded jax.Arrays as they are (each process writes its
+  shards); fully replicated ones copied to the host once. Orbax would split a replicated array among its
+  replicas (replica-parallel save) with one small slicing program per shape, compiled at the first save,
+  i.e. in the middle of the run; one device-to-host copy of it costs no compile."""
+  if not isinstance(x, jax.Array):
+    return np.asarray(x)
+  if x.is_fully_replicated and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+    return np.asarray(x)
+  return x
+
+
 class Checkpointer:
   """Thin wrapper over `ocp.CheckpointManager` for (state pytree, JSON meta)."""
 
@@ -68,7 +80,7 @@ class Checkpointer:
     return list(self._mngr.all_steps())
 
   def save(self, step: int, state: Any, meta: dict, metrics: dict | None = None, force: bool = False) -> bool:
-    leaves = [np.asarray(x) if not isinstance(x, jax.Array) else x for x in jax.tree.leaves(state)]
+    leaves = [_to_saveable(x) for x in jax.tree.leaves(state)]
     if self.best_metric and metrics is not None and self.best_metric not in metrics:
       metrics = None  # only steps with the ranking metric compete for "best"
     meta = dict(meta, _shapes=[list(np.shape(x)) for x in leaves])
