@@ -132,3 +132,14 @@ def test_plots_and_tensorboard_through_memory_url():
     ("train/reward_mean", 0),
     ("train/reward_mean", 1),
   ]
+
+
+def test_only_the_primary_process_writes(tmp_path):
+  """On a multi-host run every process runs the loop; only process 0 touches the (shared) workdir."""
+  (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5}) + "\n")
+  w = metrics.MetricsWriter(str(tmp_path), total_steps=3, primary=False)
+  w.write(1, {"x": 1.0})
+  w.write_eval({"kind": "eval", "step": 1})
+  w.close()
+  assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no eval.jsonl, no tb/
+  assert metrics.read_jsonl(str(tmp_path / "metrics.jsonl")) == [{"step": 5}]  # not truncated either

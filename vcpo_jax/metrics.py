@@ -49,7 +49,8 @@ class MetricsWriter:
   tensorboard purges events at steps >= s + 1. Rows reach an appendable file
   system at once; on object stores they are buffered until `flush` (the
   trainer flushes before each checkpoint, so every row a checkpoint covers is
-  stored with it).
+  stored with it). Only the primary process (`primary=True`) writes anything;
+  the others keep the clock.
   """
 
   def __init__(
@@ -60,15 +61,19 @@ class MetricsWriter:
     wall_offset: float = 0.0,
     progress: bool = True,
     tensorboard: bool = True,
+    primary: bool = True,
   ):
-    fs.makedirs(workdir)
-    self.workdir = workdir
+    self.workdir, self.primary = workdir, primary
     self.jsonl_path = fs.join(workdir, "metrics.jsonl")
     self.eval_jsonl_path = fs.join(workdir, "eval.jsonl")
     keep_through = -1 if resume_step is None else int(resume_step)
-    for name in LOGS:
-      truncate_jsonl(fs.join(workdir, name), keep_through + 1)
-    self._buffered = not fs.supports_append(workdir)
+    tensorboard = tensorboard and primary
+    progress = progress and primary
+    if primary:
+      fs.makedirs(workdir)
+      for name in LOGS:
+        truncate_jsonl(fs.join(workdir, name), keep_through + 1)
+    self._buffered = primary and not fs.supports_append(workdir)
     self._pending: dict[str, list[str]] = {self.jsonl_path: [], self.eval_jsonl_path: []}
     self._t0 = time.time() - wall_offset
     self._tb = None
@@ -91,6 +96,8 @@ class MetricsWriter:
     return time.time() - self._t0
 
   def _append(self, path: str, record: dict):
+    if not self.primary:
+      return
     line = json.dumps(record) + "\n"
     if self._buffered:
       self._pending[path].append(line)

@@ -87,14 +87,16 @@ def run(config, workdir: str) -> dict:
   # ---------------------------------------------------------------- Config
   spec = parse_config(config)  # every check happens here, before anything compiles
   fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
-  fs.makedirs(workdir)
-  fs.write_text(fs.join(workdir, "config.json"), json.dumps(config.to_dict(), indent=1, default=str))
 
   # ---------------------------------------------------------------- Distributed
   if spec.distributed.get("enabled"):
     sharding.maybe_initialize_distributed(
       spec.distributed["coordinator_address"], spec.distributed["num_processes"], spec.distributed["process_id"]
     )
+  primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
+  if primary:
+    fs.makedirs(workdir)
+    fs.write_text(fs.join(workdir, "config.json"), json.dumps(config.to_dict(), indent=1, default=str))
 
   # ---------------------------------------------------------------- Tokenizer & Model
   model_cfg, tokenizer, graphdef, params = build_policy(spec)
@@ -109,7 +111,8 @@ def run(config, workdir: str) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:  # sft writes sft.json locally; the layer copies it to workdir
       params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, tmp)
-      fs.write_bytes(fs.join(workdir, "sft.json"), pathlib.Path(tmp, "sft.json").read_bytes())
+      if primary:
+        fs.write_bytes(fs.join(workdir, "sft.json"), pathlib.Path(tmp, "sft.json").read_bytes())
 
   # ---------------------------------------------------------------- Optimizer & Update step
   tx = optim.make_optimizer(
@@ -177,10 +180,10 @@ def run(config, workdir: str) -> dict:
     keep_best=spec.keep_best,
     best_metric="eval/accuracy",
   )
-  start, wall_offset = 0, 0.0
+  start, meta = 0, {}
   latest = ckpt.latest_step()
   if latest is not None:
-    state, wall_offset = _restore(ckpt, latest, state, source)
+    state, meta = _restore(ckpt, latest, state, source)
     start = latest
     log.info("resumed from step %d in %s", start, workdir)
   source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
@@ -231,10 +234,16 @@ def run(config, workdir: str) -> dict:
   # Every log is cut back to the restored step (or emptied on a fresh start): rows of a crashed attempt
   # after its last checkpoint belong to a discarded timeline and are logged again by this one.
   writer = metrics_lib.MetricsWriter(
-    workdir, spec.steps, resume_step=latest, wall_offset=wall_offset, progress=spec.progress
+    workdir,
+    spec.steps,
+    resume_step=latest,
+    wall_offset=float(meta.get("wall_time", 0.0)),
+    progress=spec.progress,
+    primary=primary,
   )
   summary_path = fs.join(workdir, "summary.json")
-  fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
+  if primary:
+    fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
   flag: dict = {}
   old_handlers = _install_signal_handlers(flag)
   last_eval: dict = {}
@@ -293,11 +302,12 @@ def run(config, workdir: str) -> dict:
       writer.write(step, row, advance=True)
       if step % spec.checkpoint_every == 0 and step < spec.steps:
         _save(ckpt, step, state, source, writer, last_eval if spec.eval_every and step % spec.eval_every == 0 else None)
-    final_eval = _logged_final_eval(writer, step)  # a rerun of a finished run: evaluated and logged already
+    # A rerun of a finished run restores the final checkpoint, whose evaluation is logged already.
+    final_eval = meta.get("final_eval") if step == start else None
     if final_eval is None:
       final_eval = run_eval(step, state.params, tag="final")
       writer.write(step, final_eval)
-    _save(ckpt, step, state, source, writer, final_eval)
+    _save(ckpt, step, state, source, writer, final_eval, final=True)
   except Interrupted as e:
     log.warning("interrupted (%s): saving a checkpoint at step %d", e, step)
     _save(ckpt, step, state, source, writer, None, force=True)
@@ -308,10 +318,11 @@ def run(config, workdir: str) -> dict:
     source.close()
     ckpt.close()
     writer.close()
-  if spec.plots:
-    metrics_lib.plot_run(workdir)
   summary = {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps}
-  fs.write_text(summary_path, json.dumps(summary, indent=1))
+  if primary:
+    if spec.plots:
+      metrics_lib.plot_run(workdir)
+    fs.write_text(summary_path, json.dumps(summary, indent=1))
   return summary
 
 
@@ -375,21 +386,16 @@ def _eval_metrics(rec: dict) -> dict:
   }
 
 
-def _logged_final_eval(writer, step: int) -> dict | None:
-  """The final evaluation at `step` if this timeline already logged it (the run finished before), else None."""
-  recs = [
-    r for r in metrics_lib.read_jsonl(writer.eval_jsonl_path) if r.get("step") == step and r.get("tag") == "final"
-  ]
-  writer.flush()
-  return _eval_metrics(recs[-1]) if recs else None
-
-
-def _save(ckpt, step, state, source, writer, eval_metrics, force=False):
+def _save(ckpt, step, state, source, writer, eval_metrics, force=False, final=False):
+  """Saves the checkpoint at `step` (after the rows it covers are stored); `final`: the run's last, whose
+  meta keeps the final evaluation so that a rerun of the finished run neither repeats nor re-logs it."""
   if step in ckpt.all_steps():  # e.g. a signal right after a periodic save: that checkpoint is current
     return
   writer.flush()  # every row this checkpoint covers is stored before it (object stores buffer rows)
   tree, versions = _state_tree(state, source)
   meta = {"step": step, "versions": versions, "wall_time": writer.wall_time}
+  if final:
+    meta["final_eval"] = {k: float(v) for k, v in eval_metrics.items()}
   ckpt.save(step, tree, meta, metrics=eval_metrics, force=force)
   ckpt.wait()
 
@@ -399,7 +405,7 @@ def _restore(ckpt, step, state, source):
   template = {"train": state, "versions": [state.params for _ in meta_versions]}
   tree, meta = ckpt.restore(step, template)
   source.load_state(meta["versions"], tree["versions"])
-  return tree["train"], float(meta.get("wall_time", 0.0))
+  return tree["train"], meta
 
 
 def _eval_generate_fn(sampler: Sampler, params, tokenizer, spec: RunSpec, rng):
