@@ -83,7 +83,12 @@ def make_sampler_cfg(spec: RunSpec, tokenizer, *, temperature, top_p, top_k, max
 
 
 def run(config, workdir: str) -> dict:
-  """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible."""
+  """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible.
+
+  `workdir` is a local path or a URL (file://, gs://, s3://; every output goes through vcpo_jax.fs, and
+  orbax checkpoints need a scheme etils knows: not memory://). On every start the logs are cut back to
+  the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
+  """
   # ---------------------------------------------------------------- Config
   spec = parse_config(config)  # every check happens here, before anything compiles
   fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
