@@ -152,9 +152,11 @@ def extract_boxed(text: str) -> str | None:
 
 # Text allowed between two boxes of one answer group: whitespace, math
 # delimiters, spacing, commas, "and"/"or" (bare or in \text{}), `&`, `\\`,
-# and a variable being assigned (`x = \boxed{2}, y = \boxed{3}`).
+# and a variable being assigned (`x = \boxed{2}, y = \boxed{3}`). Single-character
+# alternatives only (no `\s+` inside the `*`), so a failing match cannot backtrack
+# exponentially; gaps are also capped at _MAX_GAP_CHARS.
 _CONNECTOR_RE = re.compile(
-  r"(?:\s+|\$+|\\[\[\]()]|\\q?quad\b|\\[,;: !]|[,;&.]|\\\\|\band\b|\bor\b|"
+  r"(?:\s|\$|\\[\[\]()]|\\q?quad\b|\\[,;: !]|[,;&.]|\\\\|\band\b|\bor\b|"
   r"\\(?:text|textnormal|mathrm)\s*\{\s*(?:and|or|,)?\s*\}|[a-zA-Z](?:_\{?\w+\}?)?\s*=)*",
   re.IGNORECASE,
 )
@@ -343,7 +345,8 @@ _LONG_UNITS = (
 )
 # Letters glued to a number are a product with a variable (`10m`), so these need a space.
 _SHORT_UNITS = "sq|cm|mm|km|m|in|ft|lb|oz|g|kg|l|ml"
-_UNIT = r"(?:%s|%s)\b\s*(?:\^\{?\d\}?)?\s*" % (_LONG_UNITS, _SHORT_UNITS)
+# One place for whitespace per unit: nested optional \s* would backtrack exponentially.
+_UNIT = r"(?:%s|%s)\b(?:\s*\^\{?\d\}?)?\s*" % (_LONG_UNITS, _SHORT_UNITS)
 _TRAILING_UNITS_RE = re.compile(r"^(.*?\d)(?:\s+|(?=(?:%s)\b))(?:%s)+$" % (_LONG_UNITS, _UNIT), re.IGNORECASE)
 _GLUED_RE = re.compile(r"^[+-]?\d+(?:\.\d+)?(?:%s)$" % _SHORT_UNITS)
 _PERCENT_RE = re.compile(r"(?:\\?%|\bpercent(?:age)?\b|\bpct\b)\s*[.]?\s*$", re.IGNORECASE)
