@@ -72,6 +72,8 @@ MAX_ANSWER_CHARS = 512
 # Only the last this-many characters of a model output are graded (1 MiB):
 # bounds every call's cost; a final answer sits at the end of the output.
 MAX_OUTPUT_CHARS = 1 << 20
+# Wall-clock limit of one math-verify call (seconds), read at call time.
+MATH_VERIFY_TIMEOUT_S = 5.0
 # Digits allowed in a number parsed on the fast path (bounds Fraction cost).
 _MAX_NUMBER_CHARS = 64
 # Items in a list answer compared on the fast path (bounds the matching cost).
@@ -80,6 +82,7 @@ _MAX_LIST_ITEMS = 32
 __all__ = [
   "EXTRACTORS",
   "MAX_ANSWER_CHARS",
+  "MATH_VERIFY_TIMEOUT_S",
   "MAX_OUTPUT_CHARS",
   "answers_match",
   "configure_math_verify",
@@ -770,22 +773,22 @@ def configure_math_verify(workers: int) -> None:
   old.close()
 
 
-def math_verify_equal(gold: str, pred: str, timeout_s: float = 5.0) -> bool:
+def math_verify_equal(gold: str, pred: str, timeout_s: float | None = None) -> bool:
   """math-verify equivalence of two answer strings, in a killable pooled worker process.
 
   Returns False on timeout, worker crash, parse failure, or inputs longer than
   MAX_ANSWER_CHARS; never raises, never blocks longer than about timeout_s
-  (plus a one-off worker start of about a second, plus the wait for a free
+  (default MATH_VERIFY_TIMEOUT_S; plus a one-off worker start of about a second, plus the wait for a free
   worker when more than the pool's size of calls run at once).
   """
   if not isinstance(gold, str) or not isinstance(pred, str):
     return False
   if len(gold) > MAX_ANSWER_CHARS or len(pred) > MAX_ANSWER_CHARS:
     return False
-  return _POOL.equal(gold, pred, timeout_s)
+  return _POOL.equal(gold, pred, MATH_VERIFY_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
-def math_verify_many(pairs, timeout_s: float = 5.0) -> list[bool]:
+def math_verify_many(pairs, timeout_s: float | None = None) -> list[bool]:
   """math_verify_equal over (gold, pred) pairs, up to the pool's size at once.
 
   k slow pairs finish in about ceil(k / pool size) timeouts, not k.
@@ -797,7 +800,7 @@ def math_verify_many(pairs, timeout_s: float = 5.0) -> list[bool]:
     return list(ex.map(lambda gp: math_verify_equal(gp[0], gp[1], timeout_s), pairs))
 
 
-def answers_match(pred: str | None, ref: str, use_math_verify: bool = True, timeout_s: float = 5.0) -> bool:
+def answers_match(pred: str | None, ref: str, use_math_verify: bool = True, timeout_s: float | None = None) -> bool:
   """Whether an extracted answer equals the reference answer.
 
   Exact fast path first (atoms, unordered bare lists, ordered tuples and
