@@ -237,9 +237,10 @@ def _statement_answer(span: str) -> str | None:
   if end:  # the first sentence only
     span = span[: end.start()]
   words = None
-  for words in _IS_RE.finditer(span):
-    pass
-  if words is not None and words.end() < len(span):  # "The largest $n$ is 34" -> "34"
+  if span[:1].isalpha():  # a sentence, not the answer itself: "The largest $n$ is 34" -> "34"
+    for words in _IS_RE.finditer(span):
+      pass
+  if words is not None and words.end() < len(span):
     span = span[words.end() :]
   seg = _MATH_SEGMENT_RE.match(span.strip())
   if seg:

@@ -2,7 +2,7 @@
 
 Schemas (as published; field names are matched case-insensitively):
   gsm8k    question, answer            (answer ends in "#### N")
-  math     problem, solution           (final answer in the last \\boxed{...})
+  math     problem, solution           (final answer: the last \\boxed{...} group, see answers.py)
   math500  problem, answer             (solution optional)
   aime     problem, answer             ("question" accepted for problem; integer answer)
 An optional "id" / "unique_id" / "idx" field becomes Problem.id.
@@ -125,7 +125,8 @@ def load_problems(
   """Problems of a dataset from a local file (default: the shipped fixture).
 
   The reference is reduced to the bare answer: GSM8K's "#### N" number, the
-  last \\boxed{} of a MATH solution, MATH-500/AIME's answer field as a string.
+  final \\boxed{} group of a MATH solution (`\\boxed{1}, \\boxed{2}` -> "1, 2"),
+  MATH-500/AIME's answer field as a string.
   """
   if dataset not in SCHEMAS:
     raise ValueError(f"dataset {dataset!r} unknown; choose one of {sorted(SCHEMAS)}")
@@ -162,7 +163,9 @@ class TextTask:
   """Registry entry for a loaded dataset (gsm8k, math, math500, aime).
 
   make_problems loads `path` (default: the shipped fixture), shuffles with the
-  seed and takes the first n; scoring extracts with a named method.
+  seed and takes the first n; scoring extracts with a named method from the
+  output's last answers.MAX_OUTPUT_CHARS characters and compares with
+  answers.answers_match (exact fast path, then math-verify; AIME: integers only).
   """
 
   def __init__(self, dataset: str, path: str | None = None, template: str | None = None):
