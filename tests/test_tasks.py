@@ -590,21 +590,31 @@ def _as_output(pred: str) -> str:
 PEER_CASES = os.path.join(os.path.dirname(__file__), "data", "grading_cases.jsonl")
 
 
+def peer_agreement() -> tuple[float, list]:
+  """(agreement, disagreements) of tasks.score("math") with the peer cases' expected verdicts.
+
+  python -c "from tests.test_tasks import peer_agreement as f; a, w = f(); print(a, len(w))"
+  """
+  with open(PEER_CASES) as f:
+    rows = [json.loads(line) for line in f][1:]
+  assert len(rows) >= 200 and all(r["source"] and isinstance(r["expected"], bool) for r in rows)
+  rewards, failures = tasks.score_batch("math", [_as_output(r["pred"]) for r in rows], [r["gold"] for r in rows])
+  assert failures == 0
+  wrong = [(r["gold"], r["pred"], r["expected"]) for r, x in zip(rows, rewards) if tasks.is_correct(x) != r["expected"]]
+  return 1 - len(wrong) / len(rows), wrong
+
+
 def test_peer_grading_agreement(monkeypatch):
   # Answer-only cases of Math-Verify, hendrycks MATH, MARIO and Qwen2.5-Math's own
   # tests (tests/data/grading_cases.jsonl, each with its source). Before issue 12
   # this grader agreed on 186/216 (86.1%); the remaining disagreements are by
   # policy: approximate decimals (0.0833 vs 1/12), decimal commas (1,22 vs 1.22),
   # hendrycks's ordered bare lists.
-  with open(PEER_CASES) as f:
-    rows = [json.loads(line) for line in f][1:]
-  assert len(rows) >= 200 and all(r["source"] and isinstance(r["expected"], bool) for r in rows)
-  # A loaded test machine must not turn slow-but-decidable math-verify cases into timeouts.
-  monkeypatch.setattr(answers, "MATH_VERIFY_TIMEOUT_S", 10.0)
-  rewards, failures = tasks.score_batch("math", [_as_output(r["pred"]) for r in rows], [r["gold"] for r in rows])
-  assert failures == 0
-  wrong = [(r["gold"], r["pred"], r["expected"]) for r, x in zip(rows, rewards) if tasks.is_correct(x) != r["expected"]]
-  agreement = 1 - len(wrong) / len(rows)
+  # A loaded test machine must not turn slow-but-decidable math-verify cases into
+  # timeouts; the calls run in parallel, so the one case that always times out
+  # ([1, oo) vs [2^(2^-1000), oo)) costs no extra wall time.
+  monkeypatch.setattr(answers, "MATH_VERIFY_TIMEOUT_S", 20.0)
+  agreement, wrong = peer_agreement()
   assert agreement >= 0.92, f"agreement {agreement:.3f}; disagreements:\n" + "\n".join(map(repr, wrong))
 
 
