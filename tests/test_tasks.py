@@ -187,6 +187,7 @@ def test_math_verify_real_worker():
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=300))
 def test_score_never_raises_on_any_text(text):
+  before = tasks.grading_failures()
   for task, ref in [
     ("gsm8k", "12"),
     ("aime", "7"),
@@ -195,6 +196,21 @@ def test_score_never_raises_on_any_text(text):
   ]:
     r = tasks.score(task, text, ref)
     assert 0.0 <= r <= 1.0
+  # answers' fast path alone (no math-verify calls): any text, as output and as reference
+  assert answers.answers_match(text, "1, (2, 3]", use_math_verify=False) in (True, False)
+  assert answers.answers_match("\\frac{1}{2}", text, use_math_verify=False) in (True, False)
+  answers.extract_math(text)
+  assert tasks.grading_failures() == before  # junk is graded, not a grading bug
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet="0123456789,.-+ ()[]{}\\$%/:=xmabc\n", max_size=80))
+def test_fast_path_total_on_answer_like_text(text):
+  # Answer-shaped junk (brackets, commas, signs, units) through every fast-path branch.
+  for ref in ("1, 2", "(1, 2]", "10\\%", "1 1/2", "12,000", "x"):
+    assert answers.answers_match(text, ref, use_math_verify=False) in (True, False)
+    assert answers.answers_match(ref, text, use_math_verify=False) in (True, False)
+  assert answers.answers_match(text, text, use_math_verify=False) in (True, False)
 
 
 @pytest.mark.parametrize("junk", [None, 42, b"\\boxed{4}", ["#### 4"], "\x00" * 100, "\\boxed{" * 1000 + "}"])

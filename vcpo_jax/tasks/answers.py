@@ -552,8 +552,10 @@ def _compare(a: _Answer, b: _Answer) -> bool | None:
   """True / False when the fast path decides, None when math-verify must."""
   decided_false = False if a.numeric and b.numeric else None
   if a.kind == "atom" and b.kind == "atom":
+    if not a.norm or not b.norm:
+      return False  # an empty answer matches nothing
     if a.norm == b.norm:
-      return bool(a.norm)
+      return True
     if a.values is not None and b.values is not None:
       return bool(a.values & b.values)
     if (a.values is not None and _GLUED_RE.match(b.norm)) or (b.values is not None and _GLUED_RE.match(a.norm)):
