@@ -775,3 +775,9 @@ def test_grading_failures_are_counted_not_hidden(monkeypatch, caplog):
   rewards, failures = tasks.score_batch("math", ["\\boxed{1}", "\\boxed{2}", None], ["1", "1", "1"])
   assert rewards == [0.0, 0.0, 0.0] and failures == 2  # None is junk output, not a bug
   assert tasks.grading_failures(reset=True) == 4 and tasks.grading_failures() == 0
+
+
+def test_generic_answer_mentions_do_not_override_a_box():
+  assert tasks.score("math", "so \\boxed{42}. The answer is correct.", "42") == 1.0
+  assert tasks.score("math", "so \\boxed{42}.\nCheck the answer: 6 * 7 = 42 and 41 < 42", "42") == 1.0
+  assert tasks.score("math", "so \\boxed{41}. Final answer: $42$", "42") == 1.0

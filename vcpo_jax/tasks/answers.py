@@ -21,11 +21,13 @@ hang the trainer:
    killed on timeout can. A timeout, crash or error grades as "not equal".
 
 Which answer counts (MATH-style outputs, `extract_math`):
-  * The answer is the last answer *statement* in the text: either a `\\boxed{}`
-    group or a "final answer is X" / "answer: X" line, whichever comes later.
-    So "... \\boxed{255} ... The final answer is $10,455$." grades 10,455 (a
-    model that boxes intermediate values and then states its answer means the
-    statement), while "The final answer is $\\boxed{5}$" grades 5.
+  * The answer is the final `\\boxed{}` group, unless an explicit "final answer
+    is X" / "Final Answer: X" statement comes after it: "... \\boxed{255} ...
+    The final answer is $10,455$." grades 10,455 (a model that boxes
+    intermediate values and then states its answer means the statement), while
+    "The final answer is $\\boxed{5}$" grades 5. A later plain "the answer is
+    correct" / "check the answer: ..." is commentary and does not override a
+    box. Without any box, the last "answer is X" / "answer: X" statement counts.
   * A box group is the last box together with the boxes just before it that
     are separated from it only by connectors (whitespace, `$`, `\\[ \\]`,
     `\\quad`, commas, "and", "or", `\\text{and}`, `x =`):
@@ -203,14 +205,17 @@ _ANSWER_IS_RE = re.compile(
   r"(?:final answer|answer)\s*(?:is|:|=)\s*:?\s*([^\n]{1,%d})" % MAX_ANSWER_CHARS,
   re.IGNORECASE,
 )
+# Only an explicit *final* answer overrides an earlier box ("the answer is correct",
+# "check the answer: ..." after a box are commentary).
+_FINAL_ANSWER_RE = re.compile(r"final answer\s*(?:is|:|=)\s*:?\s*([^\n]{1,%d})" % MAX_ANSWER_CHARS, re.IGNORECASE)
 _MATH_SEGMENT_RE = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]")
 _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)")
 _IS_RE = re.compile(r"\b(?:is|are|equals|=)\s+")
 
 
-def _last_statement(text: str) -> re.Match | None:
+def _last_statement(text: str, pattern: re.Pattern = _ANSWER_IS_RE) -> re.Match | None:
   last = None
-  for last in _ANSWER_IS_RE.finditer(text):
+  for last in pattern.finditer(text):
     pass
   return last
 
@@ -255,12 +260,18 @@ def extract_answer_is(text: str) -> str | None:
 
 
 def extract_math(text: str) -> str | None:
-  """MATH: the later of the final box group and the last "answer is" statement (module docstring)."""
+  """MATH: the final box group, unless a "final answer is" statement comes later (module docstring).
+
+  Without a box, the last "answer is" / "answer:" statement.
+  """
   boxes = _box_spans(text)
-  stmt = _last_statement(text)
-  if boxes and (stmt is None or stmt.start() < boxes[-1][0]):
-    return ", ".join(c for _, _, c in _box_group(boxes, text))
-  return _statement_answer(stmt.group(1)) if stmt else None
+  if not boxes:
+    stmt = _last_statement(text)
+    return _statement_answer(stmt.group(1)) if stmt else None
+  final = _last_statement(text, _FINAL_ANSWER_RE)
+  if final is not None and final.start() > boxes[-1][0]:
+    return _statement_answer(final.group(1))
+  return ", ".join(c for _, _, c in _box_group(boxes, text))
 
 
 def extract_last_number(text: str) -> str | None:
