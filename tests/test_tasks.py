@@ -781,3 +781,19 @@ def test_generic_answer_mentions_do_not_override_a_box():
   assert tasks.score("math", "so \\boxed{42}. The answer is correct.", "42") == 1.0
   assert tasks.score("math", "so \\boxed{42}.\nCheck the answer: 6 * 7 = 42 and 41 < 42", "42") == 1.0
   assert tasks.score("math", "so \\boxed{41}. Final answer: $42$", "42") == 1.0
+
+
+def test_configure_math_verify_pool(monkeypatch):
+  old = answers._POOL
+  try:
+    answers.configure_math_verify(3)
+    assert answers._POOL.size == 3 and answers._POOL is not old
+    assert answers.math_verify_equal("2\\sqrt{2}", "\\sqrt{8}") is True
+  finally:
+    answers._POOL.close()
+    answers._POOL = old
+  monkeypatch.setenv("VCPO_MATH_VERIFY_WORKERS", "many")
+  with pytest.raises(ValueError, match="VCPO_MATH_VERIFY_WORKERS"):
+    answers._default_pool_size()
+  monkeypatch.setenv("VCPO_MATH_VERIFY_WORKERS", "6")
+  assert answers._default_pool_size() == 6
