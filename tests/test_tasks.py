@@ -797,3 +797,28 @@ def test_configure_math_verify_pool(monkeypatch):
     answers._default_pool_size()
   monkeypatch.setenv("VCPO_MATH_VERIFY_WORKERS", "6")
   assert answers._default_pool_size() == 6
+
+
+def test_problems_carry_their_configured_grader():
+  import pickle
+
+  out = "<answer>3 + 3</answer>"  # well formed, wrong
+  quiet = countdown.CountdownTask(format_weight=0.0)
+  p = quiet.make_problems("train", 2, seed=0)
+  q = tasks.TASKS["countdown"].make_problems("train", 2, seed=0)
+  assert p == q and p[0].grader is quiet  # same problems; equality ignores the grader
+  assert tasks.score_problem(p[0], out) == 0.0 and tasks.score_problem(q[0], out) == pytest.approx(0.1)
+  assert tasks.score(p[0].task, out, p[0].reference) == pytest.approx(0.1)  # a bare name: the default instance
+  moved = pickle.loads(pickle.dumps(p[0]))  # as sent to an async sampler process
+  assert moved.grader.format_weight == 0.0 and tasks.score_problem(moved, out) == 0.0
+  # The rollout's call: G samples per problem, mixed graders, failures counted.
+  per_sample = [p[0], p[0], q[1], q[1]]
+  sol = p[0].solution
+  rewards, failures = tasks.score_problems(per_sample, [out, f"<answer>{sol}</answer>", out, None])
+  assert rewards == [0.0, 1.0, pytest.approx(0.1), 0.0] and failures == 0
+  bare = datasets.Problem(id="x", task="aime", prompt="?", reference="33")  # hand-made: registry default
+  assert tasks.score_problem(bare, "\\boxed{033}") == 1.0
+  text = datasets.TextTask("aime").make_problems("test", 2, 0)
+  assert all(isinstance(t.grader, datasets.TextTask) for t in text)
+  with pytest.raises(ValueError, match="one per output"):
+    tasks.score_problems(per_sample, [out])

@@ -3,9 +3,10 @@
     from vcpo_jax import tasks
     probs = tasks.TASKS["countdown"].make_problems("train", n=64, seed=0)
     r = tasks.score(probs[0].task, model_output, probs[0].reference)
-    task = CountdownTask(format_weight=0.0)   # a configured task: pass the object
+    task = CountdownTask(format_weight=0.0)   # a configured task: grade with the object
     r = tasks.score(task, model_output, probs[0].reference)
-    rewards, failures = tasks.score_batch(task, outputs, references)
+    r = tasks.score_problem(task.make_problems("train", 1)[0], model_output)  # the same
+    rewards, failures = tasks.score_problems(problems_per_sample, outputs)
 
 `score` contract: 1.0 for a correct answer; below 0.5 for a wrong or missing
 one (countdown's named format component adds 0.1 for a well-formed wrong
@@ -18,8 +19,10 @@ first occurrences are logged with a traceback, instead of vanishing.
 
 `task` is a registry name (the registry's default instance) or a task object
 (anything with `.name` and `.score(output, reference, extraction)`): a run
-with configured task options must pass its own object, or those options
-(e.g. countdown's format_weight) never reach the reward.
+with configured task options must grade with its own object, or those options
+(e.g. countdown's format_weight) never reach the reward. Problems remember the
+task object that made them (`Problem.grader`), so the rollout's call is
+`score_problems(problems_per_sample, texts)` (or `score_problem(p, text)`).
 
 Cost: every call is bounded by its input size (outputs are read up to
 answers.MAX_OUTPUT_CHARS = 1 MiB from the end; all scans are linear) plus at
@@ -51,6 +54,8 @@ __all__ = [
   "load_problems",
   "score",
   "score_batch",
+  "score_problem",
+  "score_problems",
 ]
 
 _log = logging.getLogger(__name__)
@@ -174,6 +179,38 @@ def score_batch(
   else:
     graded = [grade(p) for p in pairs]
   return [r for r, _ in graded], sum(f for _, f in graded)
+
+
+def score_problem(problem: Problem, model_output, extraction: str | None = None) -> float:
+  """`score` of an output for a problem, with the task object that made the problem (its configured options)."""
+  return score(
+    problem.grader if problem.grader is not None else problem.task, model_output, problem.reference, extraction
+  )
+
+
+def score_problems(
+  problems: Sequence[Problem], outputs: Sequence, extraction: str | None = None
+) -> tuple[list[float], int]:
+  """(rewards, failures) of outputs[i] for problems[i], each graded by its problem's task object.
+
+  The rollout's call: problems repeat G times for G samples; consecutive runs of
+  one grader go through `score_batch` (parallel math-verify).
+  """
+  if len(outputs) != len(problems):
+    raise ValueError(f"score_problems: {len(outputs)} outputs but {len(problems)} problems; pass one per output")
+  rewards: list[float] = []
+  failures = 0
+  i = 0
+  while i < len(problems):
+    task = problems[i].grader if problems[i].grader is not None else problems[i].task
+    j = i
+    while j < len(problems) and (problems[j].grader if problems[j].grader is not None else problems[j].task) is task:
+      j += 1
+    r, f = score_batch(task, outputs[i:j], [p.reference for p in problems[i:j]], extraction)
+    rewards += r
+    failures += f
+    i = j
+  return rewards, failures
 
 
 def is_correct(reward: float) -> bool:

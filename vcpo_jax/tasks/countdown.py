@@ -382,6 +382,7 @@ class CountdownTask:
         reference=inst.reference(),
         dataset="countdown",
         solution=inst.solution,
+        grader=task,
       )
       for i, inst in enumerate(insts)
     ]

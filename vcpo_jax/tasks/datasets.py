@@ -63,7 +63,11 @@ class Problem:
   ("gsm8k", "math", "aime", "countdown", "arithmetic"); prompt: the full
   plain-string prompt; reference: the bare answer string (or the countdown
   dict {"numbers", "target"}); dataset: where it came from ("math500");
-  solution: a worked solution when the source has one (for warm starts).
+  solution: a worked solution when the source has one (for warm starts);
+  grader: the task object that made it, with its configured options (e.g.
+  countdown's format_weight), which `tasks.score_problem` grades with (None:
+  the registry's default instance for `task`). It travels with the problem to
+  sampler processes; it takes no part in equality.
   """
 
   id: str
@@ -72,6 +76,7 @@ class Problem:
   reference: Any
   dataset: str = ""
   solution: str | None = None
+  grader: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def fixture_path(dataset: str) -> str:
@@ -183,7 +188,7 @@ class TextTask:
       if not 0 <= n <= len(probs):
         raise ValueError(f"n={n} but {self.name} at {self.path or 'fixture'} has {len(probs)} problems")
       order = order[:n]
-    return [probs[i] for i in order]
+    return [dataclasses.replace(probs[i], grader=self) for i in order]
 
   def score(self, model_output: str, reference: str, extraction: str | None = None) -> float:
     method = extraction or ("gsm8k" if self.task == "gsm8k" else self.task)
