@@ -249,7 +249,7 @@ def extract_expression(text: str) -> tuple[str | None, bool]:
   formatted = expr is not None
   if expr is None:
     tail = text.rstrip()
-    if not tail.strip():
+    if not tail:
       return None, False
     expr = tail[tail.rfind("\n") + 1 :]  # after rstrip the last line is non-empty
   expr = expr.strip().replace("×", "*").replace("÷", "/").replace("−", "-")
