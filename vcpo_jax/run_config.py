@@ -79,7 +79,7 @@ def _config_message(msg: str, section: str, cls, names: dict[str, str]) -> str:
     if "." in field and field.split(".")[0] == section.split(".")[0]:  # already a config path: "optim.b1=..."
       return f"config.{field}{rest}"
     if field in known:
-      return f"config.{section}.{names.get(field, field)}{rest}"
+      return f"config.{section}.{names.get(field) or field}{rest}"
   return f"config.{section}: {msg}"
 
 
@@ -558,8 +558,16 @@ def _check_prompt_lengths(spec: RunSpec):
     )
   )
   if key not in _PROMPT_LENGTHS:
-    with _section("task.gen" if spec.rollout.task in GENERATED_TASKS else "task"):
-      train = spec.make_train_problems()
+    try:
+      with _section("task.gen" if spec.rollout.task in GENERATED_TASKS else "task", names=dict.fromkeys(spec.task_gen)):
+        train = spec.make_train_problems()
+    except ConfigError as e:
+      if m := re.search(r"unexpected keyword argument '(\w+)'", str(e)):  # e.g. --config.task.gen.foo=1
+        v = spec.task_gen[m.group(1)]
+        raise ConfigError(
+          f"config.task.gen.{m.group(1)}={v!r}: not a knob of the {spec.rollout.task} generator."
+        ) from None
+      raise
     with _section("eval"):
       held_out = spec.make_eval_problems()
     with _section("model.tokenizer" if spec.tokenizer_dir else "model.checkpoint"):
