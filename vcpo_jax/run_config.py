@@ -140,6 +140,7 @@ class AsyncConfig:
   startup_timeout_s: float = 600.0
   sampler_cpus: str = ""
   sampler_env: dict = dataclasses.field(default_factory=dict)
+  extra: dict = dataclasses.field(default_factory=dict)  # config.async_ keys not modelled here, passed on
 
   def __post_init__(self):
     _check(self.queue_slots >= 1, "async_.queue_slots", self.queue_slots, "must be >= 1 (batches the queue holds).")
@@ -156,8 +157,9 @@ class AsyncConfig:
     cpu_ids(self.sampler_cpus)
 
   def as_dict(self) -> dict:
-    """The dict rollout.async_.AsyncSource reads (spec.async_cfg)."""
-    return dict(dataclasses.asdict(self), sampler_env=dict(self.sampler_env))
+    """The dict rollout.async_.AsyncSource reads (spec.async_cfg): every config.async_ key."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+    return {**d, "sampler_env": dict(self.sampler_env), **self.extra}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +180,11 @@ class DistributedConfig:
   coordinator_address: str = ""
   num_processes: int = 1
   process_id: int = 0
+  extra: dict = dataclasses.field(default_factory=dict)  # config.distributed keys not modelled here
+
+  def as_dict(self) -> dict:
+    """spec.distributed: every config.distributed key."""
+    return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}, **self.extra}
 
   def __post_init__(self):
     _check(self.num_processes >= 1, "distributed.num_processes", self.num_processes, "must be >= 1.")
@@ -282,7 +289,7 @@ class RunSpec:
   progress = property(lambda self: self.log.progress)
   plots = property(lambda self: self.log.plots)
   norm_overhead_every = property(lambda self: self.log.norm_overhead_every)
-  distributed = property(lambda self: dataclasses.asdict(self.dist))
+  distributed = property(lambda self: self.dist.as_dict())
   async_cfg = property(lambda self: self.async_.as_dict())
 
   @property
@@ -422,6 +429,16 @@ def _eval_protocol(c) -> EvalProtocol:
     )
 
 
+def _component(cls, section: str, d: dict):
+  """cls(**the section's fields); keys cls does not model go to its `extra` dict if it has one, else stay unused."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  kw = {k: v for k, v in d.items() if k in names and k != "extra"}
+  if "extra" in names:
+    kw["extra"] = {k: v for k, v in d.items() if k not in names}
+  with _section(section, cls):
+    return cls(**kw)
+
+
 def _exists(field: str, path: str, what: str):
   _check(not path or os.path.exists(path), field, path, f"does not exist; {what}")
 
@@ -479,8 +496,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
   model_cfg = _model_config(c, t.max_prompt_len + t.max_new_tokens + (multiturn.max_turn_tokens if multiturn else 0))
   with _section("learner", LearnerConfig):
     learner_cfg = LearnerConfig(pg=pg, grad_path=c.learner.grad_path)
-  with _section("optim", OptimConfig):
-    optim_cfg = OptimConfig(**c.optim.to_dict())
+  optim_cfg = _component(OptimConfig, "optim", c.optim.to_dict())
   mesh_shape = _mesh_shape(c.mesh.shape, rollout)
   spec = RunSpec(
     seed=c.seed,
@@ -496,21 +512,21 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
     model_cfg=model_cfg,
     model_checkpoint=c.model.checkpoint,
     tokenizer_dir=c.model.tokenizer,
-    sampling=SamplingConfig(**c.sampler.to_dict()),
+    sampling=_component(SamplingConfig, "sampler", c.sampler.to_dict()),
     learner=learner_cfg,
     optim=optim_cfg,
     on_nonfinite=c.learner.on_nonfinite,
     eval=_eval_protocol(c),
     eval_every=c.eval.every,
-    checkpoint=CheckpointConfig(**c.checkpoint.to_dict()),
+    checkpoint=_component(CheckpointConfig, "checkpoint", c.checkpoint.to_dict()),
     sft_steps=c.sft.steps,
     sft_lr=c.sft.lr,
     sft_batch_size=c.sft.batch_size,
     sft_cache_dir=c.sft.cache_dir,
     mesh_shape=mesh_shape,
-    dist=DistributedConfig(**c.distributed.to_dict()),
-    async_=AsyncConfig(**c.async_.to_dict()),
-    log=LogConfig(**c.log.to_dict()),
+    dist=_component(DistributedConfig, "distributed", c.distributed.to_dict()),
+    async_=_component(AsyncConfig, "async_", c.async_.to_dict()),
+    log=_component(LogConfig, "log", c.log.to_dict()),
     multiturn=multiturn,
   )
   if check_prompts:
