@@ -27,7 +27,9 @@ def _die(error: Exception, argv, msg: str | None = None):
   """One line on stderr and exit 2; the traceback instead if --verbosity asks for it."""
   if _verbose(argv):
     raise error
-  msg = msg or str(error)
+  lines = [ln.strip() for ln in (msg or str(error)).splitlines() if ln.strip()]
+  # A config file that fails to load: ml_collections embeds the traceback; its first and last lines say it all.
+  msg = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
   print(f"error: {msg}", file=sys.stderr)
   sys.exit(2)
 
@@ -46,7 +48,7 @@ def parse_flags(argv):
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    _die(e, argv, f"{e} (--config_help lists every field and its type)")
+    _die(e, argv, f"{e}" if "Traceback" in str(e) else f"{e} (--config_help lists every field and its type)")
   except (AttributeError, KeyError):  # ml_collections' answer to an unknown --config.FIELD
     config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith(("--config=", "-config="))), None)
     if config_arg is None:
@@ -64,6 +66,11 @@ def parse_flags(argv):
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
+  try:
+    if FLAGS.config is not None:
+      FLAGS.config.keys()  # a config file that could not be loaded raises its error here
+  except (OSError, ImportError, SyntaxError) as e:
+    _die(e, sys.argv, f"--config: {e}")
   if FLAGS.config_help:
     from configs import common
 
