@@ -6,9 +6,10 @@ estimator.PGConfig, `sampler` -> SamplingConfig, `checkpoint` ->
 CheckpointConfig, `async_` -> AsyncConfig, `log` -> LogConfig, `distributed` ->
 DistributedConfig, `task` -> RolloutConfig (+ MultiTurnConfig), `eval` ->
 EvalProtocol, `model` -> ModelConfig; RunSpec itself checks the top-level
-fields and the constraints that span sections. `parse_config` only maps fields
-and turns a component's error into one ConfigError line that names the config
-field, its value and the fix, e.g.
+fields and the constraints between them. `parse_config` maps fields, adds the
+checks that need several sections or the file system, and turns a component's
+error into one ConfigError line that names the config field, its value and the
+fix, e.g.
 
   config.optim.b1=1.5: Adam's moment decay must be in [0, 1) (usual: 0.9)
 
@@ -117,19 +118,6 @@ class CheckpointConfig:
     _check(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "must be >= 0 (0 = keep no best).")
 
 
-def cpu_ids(text: str) -> tuple[int, ...]:
-  """ "1" / "0,2" / "2-3" -> CPU ids; ConfigError naming async_.sampler_cpus otherwise."""
-  out: list[int] = []
-  for part in str(text).replace(" ", "").split(","):
-    if not part:
-      continue
-    lo, _, hi = part.partition("-")
-    ok = lo.isdigit() and (hi.isdigit() or not hi) and int(hi or lo) >= int(lo)
-    _check(ok, "async_.sampler_cpus", text, "use CPU ids like '1', '0,2' or '2-3' ('' = no pinning).")
-    out.extend(range(int(lo), int(hi or lo) + 1))
-  return tuple(out)
-
-
 @dataclasses.dataclass(frozen=True)
 class AsyncConfig:
   """The sampler process of mode='async' (config.async_)."""
@@ -154,7 +142,10 @@ class AsyncConfig:
       self.sampler_devices,
       "use distinct device ids like '1' or '6,7' ('' = share the learner's devices).",
     )
-    cpu_ids(self.sampler_cpus)
+    from vcpo_jax.rollout.async_ import parse_cpus  # the one parser of CPU lists ("1", "0,2", "2-3")
+
+    with _section("async_"):
+      parse_cpus(self.sampler_cpus)
 
   def as_dict(self) -> dict:
     """The dict rollout.async_.AsyncSource reads (spec.async_cfg): every config.async_ key."""
