@@ -542,6 +542,7 @@ def _mesh_shape(shape, rollout: RolloutConfig) -> tuple:
 
 
 _PROMPT_LENGTHS: dict[str, dict] = {}  # data setting -> longest prompts; tests parse the same config often
+_TOKENIZERS: dict[tuple, object] = {}  # (model.tokenizer, model.checkpoint) -> tokenizer, only for counting here
 
 
 def _check_prompt_lengths(spec: RunSpec):
@@ -578,7 +579,8 @@ def _check_prompt_lengths(spec: RunSpec):
     with _section("eval"):
       held_out = spec.make_eval_problems()
     with _section("model.tokenizer" if spec.tokenizer_dir else "model.checkpoint"):
-      tokenizer = spec.load_tokenizer()
+      src = (spec.tokenizer_dir, spec.model_checkpoint)
+      tokenizer = _TOKENIZERS[src] = _TOKENIZERS.get(src) or spec.load_tokenizer()
     longest = {}
     for name, problems in (("training", train), ("evaluation", held_out)):
       lengths = [len(ids) for ids in encode_prompts(tokenizer, problems, spec.rollout.chat_template)]
