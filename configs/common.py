@@ -135,8 +135,8 @@ def get_base_config() -> ml_collections.ConfigDict:
 # One line per PGConfig field for --config_help. A field missing here (e.g. one just added to PGConfig)
 # falls back to the comment on its line in PGConfig; tests/test_configs.py fails if neither exists.
 VCPO_COMMENTS = {
-  "advantage": "reinforce | rloo | grpo | drgrpo",
-  "is_variant": "none | is | tis | clip | mask | token_tis | geo_mask",
+  "advantage": "base estimator",
+  "is_variant": "importance-weight variant",
   "tis_c": "upper truncation c (8 in released runs)",
   "clip_lower": '"clip": lower end a of the interval [a, b]',
   "clip_upper": '"clip": upper end b',
@@ -145,19 +145,30 @@ VCPO_COMMENTS = {
   "token_tis_c": '"token_tis": per-token truncation level',
   "geo_lower": '"geo_mask": rows whose exp(l / L) is below this are masked',
   "geo_upper": '"geo_mask": rows whose exp(l / L) is above this are masked',
-  "log_ratio_clamp": "the sequence log-ratio l is clamped to [-c, c] before exp",
-  "loss_agg": "seq-mean-token-mean | token-mean | seq-mean-token-sum",
+  "log_ratio_clamp": "c of the applied weights exp(clamp(l, -c, c))",
+  "loss_agg": "loss aggregation",
   "opob": "off-policy optimal baseline on/off",
-  "opob_weights": "unclipped (paper) | applied (review #1)",
+  "opob_weights": "OPOB weights: unclipped (paper) or applied (review #1)",
   "opob_leave_one_out": "unbiased leave-one-out baseline",
-  "opob_scope": "group (raw rewards per prompt) | minibatch (advantages over the batch)",
+  "opob_scope": "OPOB over a prompt's group (raw rewards) or the minibatch (advantages)",
   "length_normalize_norms": "OPOB weights use ||s_i||^2 / L_i^2 (token-mean score)",
   "reference_mode": "reproduce the reference's two inconsistencies",
-  "std": 'group std of "grpo": population | sample',
+  "std": 'group std of "grpo"',
   "std_eps": "groups with std <= std_eps contribute nothing",
   "ess_lr": "ESS-scaled learning rate on/off",
-  "ess_rule": "sqrt | linear",
+  "ess_rule": "ESS learning-rate rule",
   "rho_on": "on-policy reference ESS ratio",
+}
+# Fields chosen by name from an estimator registry: --config_help lists the registry's current names.
+VCPO_CHOICES = {
+  "advantage": "ADVANTAGE_ESTIMATORS",
+  "is_variant": "WEIGHT_VARIANTS",
+  "loss_agg": "LOSS_AGGREGATIONS",
+  "mask_normalizer": "MASK_NORMALIZERS",
+  "opob_weights": "OPOB_WEIGHTS",
+  "opob_scope": "OPOB_SCOPES",
+  "std": "STD_KINDS",
+  "ess_rule": "ESS_LR_RULES",
 }
 
 
@@ -172,7 +183,8 @@ def vcpo_overrides() -> ml_collections.ConfigDict:
 
 
 def vcpo_comments() -> dict[str, str]:
-  """{PGConfig field: one-line comment}: VCPO_COMMENTS, else the comment on the field's line in PGConfig."""
+  """{PGConfig field: one-line comment}: VCPO_COMMENTS, else the comment on the field's line in PGConfig,
+  followed by the registry's names for a field chosen by name (VCPO_CHOICES)."""
   source = inspect.getsource(estimator.PGConfig)
   comments = _line_comments(source)
   own = {
@@ -180,7 +192,14 @@ def vcpo_comments() -> dict[str, str]:
     for node in ast.parse(source).body[0].body
     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
   }
-  return {f.name: VCPO_COMMENTS.get(f.name) or own.get(f.name, "") for f in dataclasses.fields(estimator.PGConfig)}
+  out = {}
+  for f in dataclasses.fields(estimator.PGConfig):
+    text = VCPO_COMMENTS.get(f.name) or own.get(f.name, "")
+    choices = list(getattr(estimator, VCPO_CHOICES.get(f.name, ""), None) or ())
+    if choices and not all(c in text for c in choices):
+      text = f"{text}: {' | '.join(choices)}" if text else " | ".join(choices)
+    out[f.name] = text
+  return out
 
 
 # ----------------------------------------------------------------------------- --config_help
