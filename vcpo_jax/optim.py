@@ -153,7 +153,7 @@ class OptimConfig:
     weight_decay: AdamW decoupled decay >= 0.
     clip_norm: global-norm clip > 0, applied before AdamW.
     b1, b2: Adam moment decays in [0, 1).
-    schedule: a SCHEDULES name (no warm-up: the config has no warmup_steps).
+    schedule: a SCHEDULES name (make_optimizer builds it with warmup_steps=0).
   """
 
   lr: float = 1e-6
@@ -178,15 +178,3 @@ class OptimConfig:
         bad(f, f"Adam's moment decay must be in [0, 1) (usual: {usual})")
     if self.schedule not in SCHEDULES:
       bad("schedule", f"choose one of {SCHEDULES}")
-
-  def make(self, total_steps: int) -> optax.GradientTransformationExtraArgs:
-    """make_optimizer with these settings, for a run of `total_steps` updates."""
-    return make_optimizer(
-      self.lr,
-      weight_decay=self.weight_decay,
-      clip_norm=self.clip_norm,
-      b1=self.b1,
-      b2=self.b2,
-      schedule=self.schedule,
-      total_steps=total_steps,
-    )
