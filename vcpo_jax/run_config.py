@@ -359,7 +359,7 @@ def _model_config(c, need_pos: int) -> model_config.ModelConfig:
       _check(m[f] >= 1, f"model.{f}", m[f], "must be >= 1 (or None for the preset's value).")
       overrides[f] = m[f]
   h = overrides.get("hidden_size")
-  if h is not None:  # Qwen2 / Llama: width = heads x head_dim, so a width must split evenly over the heads
+  if h is not None and not m.checkpoint:  # Qwen2 / Llama: width = heads x head_dim: it splits over the heads
     n = base.num_heads
     _check(
       h % n == 0,
