@@ -86,6 +86,7 @@ def test_names_carry_run_pid_and_start_and_a_live_owner_is_kept():
 
 def test_run_id_is_a_stable_hash_of_the_workdir():
   assert cleanup.run_id("/a/b") == cleanup.run_id("/a/b/") != cleanup.run_id("/a/c")
+  assert cleanup.run_id("gs://bucket/run") == cleanup.run_id("gs://bucket/run/") != cleanup.run_id("gs://bucket/r")
   assert len(cleanup.run_id()) == 8
   with pytest.raises(ValueError, match="hex"):
     cleanup.owner_prefix("my-run")

@@ -78,10 +78,12 @@ def process_start(pid: int) -> int:
 
 
 def run_id(workdir: str | None = None) -> str:
-  """8 hex digits naming a run: a hash of the workdir's absolute path, or random without one."""
+  """8 hex digits naming a run: a hash of the workdir (its absolute path, or the URL as given), random without."""
   if workdir is None:
     return secrets.token_hex(4)
-  return hashlib.sha1(os.path.abspath(os.fspath(workdir)).encode()).hexdigest()[:8]
+  path = os.fspath(workdir)
+  key = path.rstrip("/") if "://" in path else os.path.abspath(path)  # gs://bucket/run: not a local path
+  return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 
 def owner_prefix(run: str) -> str:
