@@ -220,7 +220,7 @@ def test_sigint_while_the_sampler_is_stopped_checkpoints_and_exits_130(tmp_path)
     )
   try:
     deadline = time.monotonic() + 240.0  # start-up and compilation on a loaded machine
-    while _train_rows(workdir) < 3:  # past step 2's one-off compile (log.norm_overhead_every)
+    while _train_rows(workdir) < 3:  # past step 2's periodic save: the interrupted save is a warm one
       assert proc.poll() is None, log_path.read_text()[-3000:]
       assert time.monotonic() < deadline, "the async run made no progress"
       time.sleep(0.1)

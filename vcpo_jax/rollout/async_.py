@@ -343,7 +343,7 @@ class AsyncSource:
     self._poll_error()
     if self._error is not None:
       if self.proc.exitcode is None:
-        self.proc.join(2.0)
+        self.proc.join(1.0)  # it exits right after sending its traceback
       raise self._died_error("")
 
   def _raise_if_dead(self):
