@@ -290,6 +290,8 @@ def run(config, workdir: str) -> dict:
           "train/reward_mean": float(batch["rewards"].mean()),
           "train/accuracy": float(batch["correct"].mean()),
           "train/response_len": info["response_len_mean"],
+          # outputs whose grader raised (graded 0.0 and logged): a bug in a task's scorer, not a bad answer
+          "train/grading_failures": info.get("grading_failures", 0),
           "train/lag_min": info["lag_min"],
           "train/lag_mean": info["lag_mean"],
           "train/lag_max": info["lag_max"],
