@@ -168,7 +168,81 @@ def test_bad_async_settings_raise_value_errors():
   with pytest.raises(ValueError, match="lag mode"):
     src.load_state([3], [None])
   assert src.state() == ([], [])
+  with pytest.raises(ValueError, match="consecutive"):
+    src.load_queued([{}, {}], [{"step": 3}, {"step": 5}])
   src.close()
+
+
+def test_resume_consumes_queued_batches_exactly_once(tmp_path, monkeypatch):
+  """SIGINT after step 3 with batches waiting in the queue: the checkpoint keeps them, and the resumed run
+  consumes exactly those (same producer tag, same tokens) first, then new ones from its own sampler from the
+  next step on; no batch consumed before the interrupt is consumed again, and every step is trained once."""
+  steps, stop_after = 8, 3
+  config = _tiny(steps=steps, checkpoint_every=100, **{"lag.k": 2, "async_.queue_slots": 4})
+  workdir = str(tmp_path / "run")
+  built, consumed, saved = [], [], []  # sources; (step, tokens, info) per consumed batch; queued_state() results
+  build = trainer.build_source
+
+  def recording_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt, qs = src.next, src.queued_state
+    interrupting = not built
+    built.append(src)
+
+    def next_(step):
+      batch, info = nxt(step)
+      consumed.append((step, batch["tokens"].copy(), info))
+      if interrupting and step == stop_after:
+        deadline = time.monotonic() + 120.0
+        while src.queue.qsize() < 1:  # the worker runs ahead (batch 4 is within the bound): wait for it
+          assert time.monotonic() < deadline, "the sampler made no batch ahead of the learner"
+          time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the trainer's handler: checkpoint at step 4, exit 130
+      return batch, info
+
+    def queued_state():
+      arrays, metas = qs()
+      saved.append(([b["tokens"].copy() for b in arrays], metas))
+      return arrays, metas
+
+    src.next, src.queued_state = next_, queued_state
+    return src
+
+  monkeypatch.setattr(trainer, "build_source", recording_build_source)
+  with pytest.raises(SystemExit) as e:
+    trainer.run(config, workdir)
+  assert e.value.code == 130
+  first, del_at = list(consumed), len(consumed)
+  assert [s for s, _, _ in first] == list(range(stop_after + 1))
+  assert not any(info["restored"] for _, _, info in first)
+  q_tokens, q_metas = saved[-1]  # the interrupted save
+  n = len(q_metas)
+  assert n >= 1 and [m["step"] for m in q_metas] == list(range(stop_after + 1, stop_after + 1 + n))
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    assert ckpt.latest_step() == stop_after + 1
+    assert [m["seq"] for m in ckpt.restore_meta(stop_after + 1)["queued"]] == [m["seq"] for m in q_metas]
+  finally:
+    ckpt.close()
+
+  summary = trainer.run(config, workdir)  # resumes at step 4
+  assert summary["step"] == steps
+  second = consumed[del_at:]
+  assert [s for s, _, _ in second] == list(range(stop_after + 1, steps))
+  # exactly the queued batches first, with their producer tags and contents
+  for (_, tokens, info), m, q in zip(second[:n], q_metas, q_tokens):
+    assert info["restored"] and info["producer"] == (m["sampler_pid"], m["seq"])
+    assert (tokens == q).all()
+  # then new batches, from the new sampler's first batch on (it started at step 4 + n)
+  assert [info["producer"] for _, _, info in second[n:]] == [
+    (built[1].pid, i) for i in range(steps - stop_after - 1 - n)
+  ]
+  assert not any(info["restored"] for _, _, info in second[n:])
+  # nothing consumed twice across the resume
+  producers = [info["producer"] for _, _, info in first + second]
+  assert len(set(producers)) == len(producers) == steps
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1))
 
 
 _SIGNAL_SCRIPT = r"""

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 
 from vcpo_jax import evaluation, fs, learner, optim, sharding
 from vcpo_jax import metrics as metrics_lib
@@ -275,7 +276,10 @@ def run(config, workdir: str) -> dict:
       m = jax.device_get(m)
       t2 = time.time()
       step += 1
-      source.publish(state.params, step)
+      try:
+        source.publish(state.params, step)
+      except Interrupted:
+        pass  # raised again at the top of the loop, once this step's row is logged (and checkpointed)
       if m["nonfinite"]:
         nonfinite_steps.append(step - 1)
         if spec.on_nonfinite == "abort":
@@ -384,8 +388,13 @@ def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, work
 
 
 def _state_tree(state, source):
+  """(tree, versions, queued metadata): the arrays a checkpoint saves and the JSON it records about them.
+
+  tree["queued"]: async mode's received-but-unconsumed batches (AsyncSource.queued_state); an empty list adds
+  no leaves, so checkpoints without queued batches (every other mode) keep their layout."""
   versions, plist = source.state()
-  return {"train": state, "versions": plist}, versions
+  queued, queued_meta = source.queued_state() if hasattr(source, "queued_state") else ([], [])
+  return {"train": state, "versions": plist, "queued": queued}, versions, queued_meta
 
 
 def _eval_metrics(rec: dict) -> dict:
@@ -403,8 +412,8 @@ def _save(ckpt, step, state, source, writer, eval_metrics, force=False, final=Fa
   if step in ckpt.all_steps():  # e.g. a signal right after a periodic save: that checkpoint is current
     return
   writer.flush()  # every row this checkpoint covers is stored before it (object stores buffer rows)
-  tree, versions = _state_tree(state, source)
-  meta = {"step": step, "versions": versions, "wall_time": writer.wall_time}
+  tree, versions, queued_meta = _state_tree(state, source)
+  meta = {"step": step, "versions": versions, "queued": queued_meta, "wall_time": writer.wall_time}
   if final:
     meta["final_eval"] = {k: float(v) for k, v in eval_metrics.items()}
   ckpt.save(step, tree, meta, metrics=eval_metrics, force=force)
@@ -412,10 +421,19 @@ def _save(ckpt, step, state, source, writer, eval_metrics, force=False, final=Fa
 
 
 def _restore(ckpt, step, state, source):
-  meta_versions = ckpt.restore_meta(step)["versions"]
-  template = {"train": state, "versions": [state.params for _ in meta_versions]}
+  saved = ckpt.restore_meta(step)
+  queued_meta = saved.get("queued", [])  # checkpoints from before queued batches were kept have none
+  if queued_meta and not hasattr(source, "load_queued"):
+    raise ValueError(
+      f"the checkpoint at step {step} holds {len(queued_meta)} queued async batches; resume it with "
+      "mode='async', or start this run in a fresh workdir."
+    )
+  queued = source.queued_template(len(queued_meta)) if queued_meta else []
+  template = {"train": state, "versions": [state.params for _ in saved["versions"]], "queued": queued}
   tree, meta = ckpt.restore(step, template)
   source.load_state(meta["versions"], tree["versions"])
+  if queued_meta:
+    source.load_queued([{k: np.asarray(v) for k, v in b.items()} for b in tree["queued"]], queued_meta)
   return tree["train"], meta
 
 

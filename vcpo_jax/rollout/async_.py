@@ -9,7 +9,19 @@ learner has published version >= b - k, and the learner consumes batch b at
 step b, so every row's lag b - policy_version is in [0, k]. The worker pauses
 rather than produce a staler batch; nothing is generated and then discarded.
 Unlike `lag` mode the lag is not exact (the worker takes the newest version it
-finds), so runs are not bit-for-bit reproducible; `state()` keeps nothing.
+finds), so runs are not bit-for-bit reproducible; `state()` keeps no versions.
+
+Resume keeps queued rollouts: `queued_state()` (called by every checkpoint save:
+periodic, final, SIGINT / SIGTERM) drains the shared-memory queue into a host
+list of batches the learner has received but not consumed (arrays + metadata:
+step, version, the producing sampler's pid and sequence number) and returns
+them; the trainer stores the arrays in the checkpoint tree and the metadata in
+its JSON, so they are written atomically with the step. `next()` serves that
+host list first. After a resume, `load_queued()` refills it and the new worker
+starts at the first step not covered (restored step + number restored), so a
+batch produced before the checkpoint and not consumed is consumed exactly once
+after the resume, and a batch consumed before it never again. A batch the
+sampler was still generating at save time is not saved: it is made again.
 
 Devices: `async_cfg["sampler_devices"]` (e.g. "2,3") is written to the child's
 CUDA_VISIBLE_DEVICES before it imports JAX, so on a multi-GPU host the sampler
@@ -45,6 +57,7 @@ worker deletes the argument file as soon as it has read it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -191,6 +204,9 @@ class AsyncSource:
     self._prev_idle = (0.0, 0.0)  # the worker's (idle_s_total, elapsed_s_total) at the previous batch
     self._published = -1
     self._received = 0  # batches taken from the queue
+    # Batches received (drained at a checkpoint, or restored from one) but not consumed yet, oldest first:
+    # (arrays, meta, restored) with restored=True for those of an earlier run (their idle totals are its own).
+    self._pending: collections.deque = collections.deque()
     self._finalizer = None
 
   # ------------------------------------------------------------------ learner side
@@ -203,6 +219,12 @@ class AsyncSource:
         len(stale),
         sum(x.nbytes for x in stale) / 1e6,
         ", ".join(sorted({f"run {x.run} (pid {x.pid})" for x in stale})),
+      )
+    first = int(version) + len(self._pending)  # restored batches cover steps version .. first - 1
+    if self._pending and self._pending[0][1]["step"] != int(version):
+      raise RuntimeError(
+        f"async source: restored queued batches start at step {self._pending[0][1]['step']} but the first "
+        f"published version is {version}; publish the restored parameters with version = the restored step."
       )
     self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id)
     self.slot.publish(arrays, version)  # before the start: the worker's first wait succeeds at once
@@ -218,7 +240,7 @@ class AsyncSource:
       key_data=self.key_data,
       key_impl=self.key_impl,
       k=self.k,
-      first_step=int(version),
+      first_step=first,
       end_step=self.end_step,
       param_names=tuple(arrays),
       meta_bytes=self.meta_bytes,
@@ -273,6 +295,14 @@ class AsyncSource:
         "After a resume, publish the restored parameters (version = the restored step) first."
       )
     t0 = time.monotonic()
+    if self._pending:
+      batch, meta, restored = self._pending.popleft()
+      if meta["step"] != step:
+        raise RuntimeError(
+          f"async source: the oldest unconsumed batch is batch {meta['step']}, requested at learner step {step}; "
+          "the learner must consume batches in order, one per step."
+        )
+      return self._info(step, batch, meta, time.monotonic() - t0, restored=restored)
     timeout = self.timeout_s if self._received else self.startup_timeout_s
     deadline = t0 + timeout
     item = None
@@ -301,7 +331,10 @@ class AsyncSource:
         raise failure
     wait_s = time.monotonic() - t0
     self._received += 1
-    batch, meta = item.arrays, item.meta
+    return self._info(step, item.arrays, item.meta, wait_s)
+
+  def _info(self, step: int, batch: dict, meta: dict, wait_s: float, restored: bool = False) -> tuple[dict, dict]:
+    """Checks batch `step` (order, lag bound) and builds next()'s info dict."""
     if meta["step"] != step:
       raise RuntimeError(
         f"async source: received batch {meta['step']} at learner step {step}; the learner must "
@@ -312,7 +345,10 @@ class AsyncSource:
       raise RuntimeError(f"async source: batch {step} has lags [{lag.min()}, {lag.max()}] outside [0, {self.k}].")
     idle, elapsed = meta["idle_s_total"], meta["elapsed_s_total"]
     d_idle, d_elapsed = idle - self._prev_idle[0], elapsed - self._prev_idle[1]
-    self._prev_idle = (idle, elapsed)
+    if restored:  # totals of the previous run's sampler: no idle fraction for this batch
+      d_idle = d_elapsed = 0.0
+    else:
+      self._prev_idle = (idle, elapsed)
     info = dict(
       texts=meta.get("texts"),
       problem_ids=meta["problem_ids"],
@@ -325,6 +361,8 @@ class AsyncSource:
       sampler_idle_s_total=idle,
       sampler_elapsed_s_total=elapsed,
       metrics=dict(meta.get("metrics") or {}),
+      producer=(meta.get("sampler_pid"), meta.get("seq")),  # which sampler made it, its n-th batch
+      restored=restored,  # True: queued when the checkpoint this run resumed from was saved
     )  # the maker's scalars (multi-turn: rollout/turns_mean, ...)
     return batch, info
 
@@ -394,6 +432,40 @@ class AsyncSource:
         f"async source: a checkpoint with kept versions {versions} came from lag mode; resume it "
         "with mode='lag', or start the async run in a fresh workdir."
       )
+
+  def _drain(self):
+    """Moves every complete batch in the shared-memory queue to the host list (non-blocking)."""
+    while self.queue is not None:
+      try:
+        item = self.queue.get(timeout=0.0)
+      except (queue_lib.Empty, QueueFinished, PeerDiedError):
+        return  # a dead worker is reported by the next next(); what it completed is kept
+      self._received += 1
+      self._pending.append((item.arrays, item.meta, False))
+
+  def queued_state(self) -> tuple[list[dict], list[dict]]:
+    """(arrays, metas) of every batch received or queued and not consumed, oldest first, for a checkpoint.
+
+    Drains the queue into host memory first (the batches stay in this source and are served by next()).
+    arrays[i] = {field: array of batch_schema's shape}; metas[i] = the worker's JSON metadata (step, ...).
+    """
+    self._drain()
+    return [dict(a) for a, _, _ in self._pending], [dict(m) for _, m, _ in self._pending]
+
+  def queued_template(self, count: int) -> list[dict]:
+    """Restore template of `count` queued batches (zeros of the queue schema's shapes and dtypes)."""
+    return [{n: np.zeros(f.shape, f.dtype) for n, f in self.schema.fields.items()} for _ in range(count)]
+
+  def load_queued(self, arrays: list[dict], metas: list[dict]):
+    """Restores queued_state()'s batches (before the first publish); next() serves them first."""
+    if self.proc is not None:
+      raise RuntimeError("async source: load_queued() must come before the first publish() starts the sampler.")
+    if len(arrays) != len(metas):
+      raise ValueError(f"async source: {len(arrays)} queued batches but {len(metas)} metadata records.")
+    steps = [int(m["step"]) for m in metas]
+    if steps and steps != list(range(steps[0], steps[0] + len(steps))):
+      raise ValueError(f"async source: restored queued batches have steps {steps}; expected consecutive steps.")
+    self._pending.extend((dict(a), dict(m), True) for a, m in zip(arrays, metas))
 
   def resource_paths(self) -> list[str]:
     """/dev/shm paths this source owns (segments and semaphores), for leak checks."""

@@ -249,7 +249,7 @@ class _Worker:
 
     self._build()
     fields = tuple(self.queue.schema.fields)
-    for step in range(self.args.first_step, self.args.end_step):
+    for seq, step in enumerate(range(self.args.first_step, self.args.end_step)):
       version, params = self._params_for(step)
       t0 = time.monotonic()
       batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version)
@@ -257,6 +257,8 @@ class _Worker:
       meta = {
         "step": step,
         "version": int(version),
+        "sampler_pid": os.getpid(),  # with seq: names this batch across runs (resume tests, debugging)
+        "seq": seq,
         "gen_s": gen_s,
         "idle_s_total": self.idle_s,
         "elapsed_s_total": time.monotonic() - self.t_start,
