@@ -245,6 +245,36 @@ def test_resume_consumes_queued_batches_exactly_once(tmp_path, monkeypatch):
   assert [r["step"] for r in recs] == list(range(1, steps + 1))
 
 
+def test_sigint_during_startup_exits_130_and_reclaims_the_sampler(tmp_path, monkeypatch):
+  """SIGINT while the first publish() starts the sampler (before any step): the handlers are installed
+  already, so the trainer closes the source (worker gone, /dev/shm clean) and exits 130 without a checkpoint."""
+  built = []
+  build = trainer.build_source
+
+  def interrupting_build_source(*a, **kw):
+    src = build(*a, **kw)
+    publish = src.publish
+
+    def publish_(params, version):
+      publish(params, version)
+      built.append((src, src.resource_paths()))
+      os.kill(os.getpid(), signal.SIGINT)  # lands during start-up: the worker is still importing
+
+    src.publish = publish_
+    return src
+
+  monkeypatch.setattr(trainer, "build_source", interrupting_build_source)
+  old = signal.getsignal(signal.SIGINT)
+  with pytest.raises(SystemExit) as e:
+    trainer.run(_tiny(steps=3), str(tmp_path / "run"))
+  assert e.value.code == 130
+  assert signal.getsignal(signal.SIGINT) is old  # the trainer's handlers are removed again
+  ((src, paths),) = built
+  assert src.proc.exitcode is not None, "the sampler outlived the interrupted start-up"
+  _assert_removed(paths)
+  assert Checkpointer(str(tmp_path / "run" / "checkpoints")).latest_step() is None
+
+
 _SIGNAL_SCRIPT = r"""
 import json, sys
 from tests.test_async import _tiny

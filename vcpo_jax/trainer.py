@@ -177,29 +177,6 @@ def run(config, workdir: str) -> dict:
       Sampler(graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn)),
       train_problems,
     )
-  flag: dict = {}  # the signal handlers (Loop) set flag["signal"]; every source wait polls check_signal
-
-  def check_signal():
-    if flag.get("signal"):
-      raise Interrupted(f"signal {flag['signal']}")
-
-  source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=check_signal)
-
-  # ---------------------------------------------------------------- Checkpoint / resume
-  ckpt = Checkpointer(
-    fs.join(workdir, "checkpoints"),
-    keep_last=spec.keep_last,
-    keep_best=spec.keep_best,
-    best_metric="eval/accuracy",
-  )
-  start, meta = 0, {}
-  latest = ckpt.latest_step()
-  if latest is not None:
-    state, meta = _restore(ckpt, latest, state, source)
-    start = latest
-    log.info("resumed from step %d in %s", start, workdir)
-  source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
-
   # ---------------------------------------------------------------- Evals
   eval_problems = spec.eval_task_object().make_problems(
     "test", spec.eval.size if generated and spec.eval.dataset == spec.rollout.task else None, spec.seed
@@ -242,21 +219,58 @@ def run(config, workdir: str) -> dict:
     writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
     return _eval_metrics(rec)
 
-  # ---------------------------------------------------------------- Loop
-  # Every log is cut back to the restored step (or emptied on a fresh start): rows of a crashed attempt
-  # after its last checkpoint belong to a discarded timeline and are logged again by this one.
-  writer = metrics_lib.MetricsWriter(
-    workdir,
-    spec.steps,
-    resume_step=latest,
-    wall_offset=float(meta.get("wall_time", 0.0)),
-    progress=spec.progress,
-    primary=primary,
-  )
-  summary_path = fs.join(workdir, "summary.json")
-  if primary:
-    fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
+  # ---------------------------------------------------------------- Checkpoint / resume
+  # The signal handlers go in before the source exists: SIGINT / SIGTERM during start-up (the async sampler's
+  # spawn, a restore) only set the flag, and the guard below closes whatever was built (the sampler, its
+  # shared memory) and exits 130; nothing was trained, so there is nothing to checkpoint. From the loop on,
+  # a signal checkpoints the last completed step. It is noticed in every source wait and at the top of each
+  # step: a signal during an evaluation or a compile is acted on once that returns.
+  flag: dict = {}  # set by the signal handlers; every source wait and every step polls check_signal
+
+  def check_signal():
+    if flag.get("signal"):
+      raise Interrupted(f"signal {flag['signal']}")
+
   old_handlers = _install_signal_handlers(flag)
+  source = ckpt = writer = None
+  try:
+    source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=check_signal)
+    ckpt = Checkpointer(
+      fs.join(workdir, "checkpoints"),
+      keep_last=spec.keep_last,
+      keep_best=spec.keep_best,
+      best_metric="eval/accuracy",
+    )
+    start, meta = 0, {}
+    latest = ckpt.latest_step()
+    if latest is not None:
+      state, meta = _restore(ckpt, latest, state, source)
+      start = latest
+      log.info("resumed from step %d in %s", start, workdir)
+    source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
+
+    # Every log is cut back to the restored step (or emptied on a fresh start): rows of a crashed attempt
+    # after its last checkpoint belong to a discarded timeline and are logged again by this one.
+    writer = metrics_lib.MetricsWriter(
+      workdir,
+      spec.steps,
+      resume_step=latest,
+      wall_offset=float(meta.get("wall_time", 0.0)),
+      progress=spec.progress,
+      primary=primary,
+    )
+    summary_path = fs.join(workdir, "summary.json")
+    if primary:
+      fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
+    check_signal()
+  except BaseException as e:
+    _close_all(old_handlers, source, ckpt, writer)
+    if isinstance(e, Interrupted):
+      log.warning("interrupted during start-up (%s): nothing trained since the last checkpoint; exiting", e)
+      raise SystemExit(130) from None
+    raise
+
+  # ---------------------------------------------------------------- Loop
   last_eval: dict = {}
   nonfinite_steps: list[int] = []
   step = start
@@ -328,17 +342,22 @@ def run(config, workdir: str) -> dict:
     _save(ckpt, step, state, source, writer, None, force=True)
     raise SystemExit(130)
   finally:
-    for s, h in old_handlers.items():
-      signal.signal(s, h)
-    source.close()
-    ckpt.close()
-    writer.close()
+    _close_all(old_handlers, source, ckpt, writer)
   summary = {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps}
   if primary:
     if spec.plots:
       metrics_lib.plot_run(workdir)
     fs.write_text(summary_path, json.dumps(summary, indent=1))
   return summary
+
+
+def _close_all(old_handlers: dict, *closeables):
+  """Restores the signal handlers, then closes each of `closeables` that was built (None: not yet)."""
+  for s, h in old_handlers.items():
+    signal.signal(s, h)
+  for c in closeables:
+    if c is not None:
+      c.close()
 
 
 def build_mesh(spec: RunSpec):
