@@ -275,6 +275,41 @@ def test_sigint_during_startup_exits_130_and_reclaims_the_sampler(tmp_path, monk
   assert Checkpointer(str(tmp_path / "run" / "checkpoints")).latest_step() is None
 
 
+def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum():
+  """publish() returns before the copy (background thread); the on-device snapshot survives donation of the
+  published params right after; each batch echoes the checksum of exactly the version it was made from."""
+  import numpy as np
+
+  from vcpo_jax.rollout import worker as worker_lib
+  from vcpo_jax.rollout.param_slot import checksum
+
+  k = 2
+  src, params = _source(_tiny(steps=6, **{"lag.k": k, "async_.queue_slots": k + 2}))
+  names = worker_lib.param_names(params)
+  host = lambda p: {n: np.array(a) for n, a in zip(names, jax.tree.leaves(p))}
+  params1 = jax.tree.map(lambda x: x * 2.0, params)
+  want = {0: checksum(host(params)), 1: checksum(host(params1))}
+  assert want[0] != want[1] and src.publish_dtype == np.float32  # CPU: today's numerics
+  try:
+    src.publish(params, 0)
+    batch, info = src.next(0)
+    assert (batch["policy_version"] == 0).all() and info["params_checksum"] == want[0]
+    src.publish(params1, 1)  # background: returns before the copy
+    jax.jit(lambda p: jax.tree.map(lambda x: x * 0.0, p), donate_argnums=0)(params1)  # what train_step does
+    src.flush()
+    assert src._checksums[1] == want[1]  # the snapshot, not the donated (zeroed) buffers, was written
+    versions = []
+    for step in range(1, k + 2):  # batch k + 1 needs version >= 1
+      batch, info = src.next(step)
+      v = int(batch["policy_version"][0])
+      assert info["params_checksum"] == want[v], (step, v)
+      versions.append(v)
+    assert versions[-1] == 1
+    assert len(src.publish_blocking_s) == 2
+  finally:
+    src.close()
+
+
 _SIGNAL_SCRIPT = r"""
 import json, sys
 from tests.test_async import _tiny

@@ -65,16 +65,18 @@ import pickle
 import queue as queue_lib
 import signal
 import tempfile
+import threading
 import time
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax import cleanup
 from vcpo_jax.rollout import worker as worker_lib
 from vcpo_jax.rollout.common import lag_stats
-from vcpo_jax.rollout.param_slot import ParamSlot
+from vcpo_jax.rollout.param_slot import ParamSlot, checksum
 from vcpo_jax.rollout.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 
 _POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
@@ -180,6 +182,15 @@ class AsyncSource:
     if self.nslots < 1:
       raise ValueError(f"async_.queue_slots={self.nslots} must be >= 1.")
     self.cpus = parse_cpus(cfg.get("sampler_cpus", "") or "")
+    self.background = bool(cfg.get("background_publish", True))
+    dt = str(cfg.get("publish_dtype", "auto") or "auto")
+    if dt not in ("auto", "float32", "bfloat16"):
+      raise ValueError(
+        f"async_.publish_dtype={dt!r}: use 'auto' (bfloat16 on accelerators, float32 on CPU), 'float32' or 'bfloat16'."
+      )
+    if dt == "auto":
+      dt = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    self.publish_dtype = jnp.dtype(dt)  # of floating parameters in the slot; integer leaves keep theirs
     env = {str(k): str(v) for k, v in dict(cfg.get("sampler_env") or {}).items()}
     if cfg.get("sampler_devices"):
       env.setdefault("CUDA_VISIBLE_DEVICES", str(cfg["sampler_devices"]))
@@ -208,6 +219,15 @@ class AsyncSource:
     # (arrays, meta, restored) with restored=True for those of an earlier run (their idle totals are its own).
     self._pending: collections.deque = collections.deque()
     self._finalizer = None
+    self._checksums: dict[int, int] = {}  # version -> checksum of what was written into the slot (recent ones)
+    self._snap = jax.jit(lambda leaves: [_snapshot_leaf(x, self.publish_dtype) for x in leaves])
+    # The background publisher (async_.background_publish): publish() hands it the newest snapshot and returns.
+    self._cv = threading.Condition()
+    self._todo = None  # (snapshot leaves, version) not yet taken by the thread; a newer one replaces it
+    self._busy = self._closing = False
+    self._thread_error: BaseException | None = None
+    self._thread = None
+    self.publish_blocking_s: list[float] = []  # learner-side time inside publish(), per call (perf_counter)
 
   # ------------------------------------------------------------------ learner side
 
@@ -227,7 +247,7 @@ class AsyncSource:
         f"published version is {version}; publish the restored parameters with version = the restored step."
       )
     self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id)
-    self.slot.publish(arrays, version)  # before the start: the worker's first wait succeeds at once
+    self._write(arrays, version, None)  # before the start: the worker's first wait succeeds at once
     self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
     log.info("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
     self.conn, child_conn = SPAWN.Pipe(duplex=True)
@@ -269,17 +289,87 @@ class AsyncSource:
     self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self._args_path)
 
   def publish(self, params, version: int):
-    """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time."""
+    """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time.
+
+    Off the critical path (async_.background_publish, default): an on-device snapshot in the publish dtype is
+    dispatched (fresh buffers, so the next step may donate `params`) and handed to a background thread, which
+    does the device_get and the copy into the slot and records the checksum; this call returns without waiting
+    for either. A snapshot the thread has not taken yet is replaced by a newer one (the sampler only ever
+    takes the newest; the staleness bound needs no intermediate version). Without it (or the first time,
+    which starts the sampler) the copy happens here, as before.
+    """
+    t0 = time.perf_counter()
     version = int(version)
-    leaves = jax.device_get(jax.tree.leaves(params))
-    names = worker_lib.param_names(params)
-    arrays = {n: np.asarray(a) for n, a in zip(names, leaves)}
     if self.proc is None:
-      self._start(arrays, version)
-    else:
+      self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
+    elif not self.background:
       self._poll_publish()
-      self.slot.publish(arrays, version, poll=self._poll_publish)
+      self._write(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version, self._poll_publish)
+    else:
+      self._raise_if_dead()
+      self._raise_thread_error()
+      snap = self._snap(jax.tree.leaves(params))  # dispatched, not waited for
+      with self._cv:
+        self._todo = (snap, version, worker_lib.param_names(params))
+        self._cv.notify_all()
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._publisher, name="vcpo-async-publish", daemon=True)
+        self._thread.start()
     self._published = version
+    self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def _host_arrays(self, snap: list, params=None, names=None) -> dict:
+    names = names or worker_lib.param_names(params)
+    return {n: np.asarray(a) for n, a in zip(names, jax.device_get(snap))}
+
+  def _write(self, arrays: dict, version: int, poll):
+    csum = checksum(arrays)
+    self.slot.publish(arrays, version, poll=poll)
+    self._checksums[version] = csum
+    for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
+      del self._checksums[v]  # older versions can no longer arrive in a batch
+
+  def _publisher(self):
+    """Background thread: the newest pending snapshot -> host -> slot, until close()."""
+    while True:
+      with self._cv:
+        while self._todo is None and not self._closing:
+          self._cv.wait()
+        if self._closing:
+          return
+        (snap, version, names), self._todo = self._todo, None
+        self._busy = True
+      try:
+        self._write(self._host_arrays(snap, names=names), version, self._thread_poll)
+      except _Closing:
+        return
+      except Exception as e:  # noqa: BLE001 -- any failure is re-raised by the next publish() / next()
+        self._thread_error = e
+        return
+      finally:
+        with self._cv:
+          self._busy = False
+          self._cv.notify_all()
+
+  def _thread_poll(self):
+    if self._closing:
+      raise _Closing()
+
+  def _raise_thread_error(self):
+    if self._thread_error is not None:
+      e, self._thread_error = self._thread_error, None
+      if isinstance(e, PeerDiedError):
+        raise self._died_error(f"while publishing in the background: {e}")
+      raise RuntimeError(f"async source: the background publisher failed: {e!r}") from e
+
+  def flush(self, timeout: float = 60.0):
+    """Waits until the background publisher has written the newest version (tests, benchmarks)."""
+    deadline = time.monotonic() + timeout
+    with self._cv:
+      while (self._todo is not None or self._busy) and self._thread_error is None:
+        if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+          raise TimeoutError(f"async source: the background publisher did not finish within {timeout} s")
+    self._raise_thread_error()
 
   def _poll_publish(self):
     """Before and between lock-wait slices of publish(): a signal (first) or a dead worker ends the wait."""
@@ -310,6 +400,7 @@ class AsyncSource:
       if self._interrupt is not None:
         self._interrupt()  # raises (e.g. the trainer's Interrupted) once a signal has arrived
       self._raise_if_error()
+      self._raise_thread_error()
       # Exceptions are raised outside the `except` blocks: a chained __context__ would keep the queue's
       # frames (and its semaphores) alive in the traceback after close().
       failure = None
@@ -343,6 +434,12 @@ class AsyncSource:
     lag = step - batch["policy_version"]
     if lag.min() < 0 or lag.max() > self.k:
       raise RuntimeError(f"async source: batch {step} has lags [{lag.min()}, {lag.max()}] outside [0, {self.k}].")
+    want = self._checksums.get(int(meta["version"])) if not restored else None
+    if want is not None and meta.get("params_checksum") != want:
+      raise RuntimeError(
+        f"async source: batch {step} was made from parameters with checksum {meta.get('params_checksum')}, "
+        f"but version {meta['version']} was published with checksum {want}: the parameter copy was corrupted."
+      )
     idle, elapsed = meta["idle_s_total"], meta["elapsed_s_total"]
     d_idle, d_elapsed = idle - self._prev_idle[0], elapsed - self._prev_idle[1]
     if restored:  # totals of the previous run's sampler: no idle fraction for this batch
@@ -361,6 +458,7 @@ class AsyncSource:
       sampler_idle_s_total=idle,
       sampler_elapsed_s_total=elapsed,
       metrics=dict(meta.get("metrics") or {}),
+      params_checksum=meta.get("params_checksum"),  # the sampler's echo, checked against the published one
       producer=(meta.get("sampler_pid"), meta.get("seq")),  # which sampler made it, its n-th batch
       restored=restored,  # True: queued when the checkpoint this run resumed from was saved
     )  # the maker's scalars (multi-turn: rollout/turns_mean, ...)
@@ -476,7 +574,13 @@ class AsyncSource:
     return self.proc.pid if self.proc is not None else None
 
   def close(self):
-    """Stops the worker and removes every shared-memory segment. Idempotent."""
+    """Stops the publisher thread and the worker; removes every shared-memory segment. Idempotent."""
+    with self._cv:
+      self._closing = True
+      self._cv.notify_all()
+    if self._thread is not None:
+      self._thread.join(30.0)  # a copy in progress finishes (it cannot be cut short); a lock wait ends at once
+      self._thread = None
     if self._finalizer is not None:
       self._finalizer()  # runs _shutdown once
     if self.queue is not None:
@@ -486,6 +590,17 @@ class AsyncSource:
     if self.conn is not None:
       self.conn.close()
     self.queue = self.slot = self.conn = None
+
+
+class _Closing(Exception):
+  """close() ended the background publisher's wait."""
+
+
+def _snapshot_leaf(x, dtype):
+  """Inside jit: a fresh copy of `x` (floating leaves cast to `dtype`), never an alias of the (donated) input."""
+  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+    return x.astype(dtype)
+  return jnp.copy(x)
 
 
 def _stopped(pid: int | None) -> bool:

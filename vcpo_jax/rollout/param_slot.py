@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +54,15 @@ _H_SEQ, _H_BUFVER = 5, 7
 _POLL_S = 0.002  # versions change once per learner step; a short sleep poll is cheap
 _LOCK_TIMEOUT_S = 10.0
 _LOCK_SLICE_S = 0.1  # lock-wait slice: `poll` runs between slices
+
+
+def checksum(arrays: Mapping[str, Any], names=None) -> int:
+  """Adler-32 of the arrays' bytes, chained in `names` order (default: the mapping's); the learner records it
+  per published version and the sampler echoes the one of the parameters it read (end-to-end check)."""
+  value = 1
+  for n in names if names is not None else arrays:
+    value = zlib.adler32(np.ascontiguousarray(arrays[n]).reshape(-1).view(np.uint8), value)
+  return value
 
 
 def _normalize_spec(spec: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
