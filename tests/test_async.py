@@ -292,6 +292,7 @@ def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum
   assert want[0] != want[1] and src.publish_dtype == np.float32  # CPU: today's numerics
   try:
     src.publish(params, 0)
+    assert src.slot.nbuf == 1  # one parameter copy in /dev/shm
     batch, info = src.next(0)
     assert (batch["policy_version"] == 0).all() and info["params_checksum"] == want[0]
     src.publish(params1, 1)  # background: returns before the copy

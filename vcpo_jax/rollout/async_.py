@@ -23,6 +23,17 @@ batch produced before the checkpoint and not consumed is consumed exactly once
 after the resume, and a batch consumed before it never again. A batch the
 sampler was still generating at save time is not saved: it is made again.
 
+Publishing (`async_cfg["background_publish"]`, default True) is off the
+learner's critical path: publish() dispatches an on-device snapshot (fresh
+buffers in the publish dtype: bfloat16 on accelerators, float32 on CPU, so
+the CPU numerics are today's; `async_cfg["publish_dtype"]` overrides) and hands
+it to a thread that does the device_get, the copy into the slot and the
+checksum (param_slot.checksum, recorded per version). The slot then holds one
+parameter copy (ParamSlot nbuf=1: the thread's write waits for the sampler's
+read, never the learner). The sampler echoes the checksum of what it read in
+each batch's metadata and next() checks it against the published version's.
+Only this host-memory path exists and is tested (no device-to-device path).
+
 Devices: `async_cfg["sampler_devices"]` (e.g. "2,3") is written to the child's
 CUDA_VISIBLE_DEVICES before it imports JAX, so on a multi-GPU host the sampler
 runs on its own GPUs (the learner should then be given the others). On TPU and
@@ -246,7 +257,9 @@ class AsyncSource:
         f"async source: restored queued batches start at step {self._pending[0][1]['step']} but the first "
         f"published version is {version}; publish the restored parameters with version = the restored step."
       )
-    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id)
+    # Background publishing: one parameter copy in /dev/shm (the thread's write waits for the sampler's read);
+    # a synchronous publish keeps the double buffer, so the learner never waits for the sampler.
+    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id, nbuf=1 if self.background else 2)
     self._write(arrays, version, None)  # before the start: the worker's first wait succeeds at once
     self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
     log.info("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
