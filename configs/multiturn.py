@@ -29,8 +29,11 @@ table.
 
 import os
 
+import ml_collections
+
 from configs import common
 from configs.gsm8k import _smoke
+from configs.math import QWEN2_5_7B
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B-Instruct")  # local HF checkpoint (download as above)
 DATA_PATH = os.path.expanduser("~/data/tool_math/train.jsonl")  # problems with integer answers
@@ -68,6 +71,7 @@ def get_config(arg: str | None = None):
   c.task.multiturn.max_workers = 0  # parallel executions (0 = CPU count)
   c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
   c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  c.model.shape = ml_collections.ConfigDict(QWEN2_5_7B)  # the checkpoint's architecture (sizing, benchmarks/memory.py)
   c.sampler.temperature = 1.0  # released training temperature
   c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
   c.vcpo.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented, review #4)
