@@ -166,8 +166,8 @@ def _is_oom(e: Exception) -> bool:
 # ----------------------------------------------------------------------------- learner
 
 
-def learner_part(model_overrides: dict, shape: dict, repeats: int, seed: int) -> dict:
-  """VCPO step vs plain steps on one batch; halves the rows on OOM (down to one group)."""
+def learner_part(model_overrides: dict, shape: dict, repeats: int, seed: int, retry_until: float) -> dict:
+  """VCPO step vs plain steps on one batch; halves the rows on OOM (down to one group, until retry_until)."""
   from benchmarks import memory
 
   rows = shape["rows"]
@@ -179,7 +179,7 @@ def learner_part(model_overrides: dict, shape: dict, repeats: int, seed: int) ->
       return out
     except Exception as e:
       group = memory.load_setting("gsm8k", model_overrides).spec.rollout.group_size
-      if not _is_oom(e) or rows // 2 < group:
+      if not _is_oom(e) or rows // 2 < group or time.monotonic() > retry_until:
         raise
       attempts.append({"rows": rows, "error": str(e)[:500]})
       _log(f"learner: out of memory at N={rows}; retrying at N={rows // 2}")
@@ -401,7 +401,9 @@ def main(argv=None):
   }
   _log(f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform}); tiny={tiny}; shape {shape}")
   if "learner" in parts:
-    run_part("learner", lambda: learner_part(overrides, shape, args.repeats, args.seed), report, deadline)
+    # OOM retries stop at 60% of the deadline so that the sampler part keeps its time.
+    retry_until = t_start + 0.6 * args.deadline_s
+    run_part("learner", lambda: learner_part(overrides, shape, args.repeats, args.seed, retry_until), report, deadline)
   if "sampler" in parts:
     run_part("sampler", lambda: sampler_part(overrides, shape, args.repeats, args.seed), report, deadline)
   report["memory"] = _memory(devices)

@@ -18,7 +18,8 @@ Parts (what is compiled, per config):
   sampler_prefill  one forward over the prompt bucket that writes a fresh KV cache [B, S, K, H] per layer:
                    (params, prompts [B, Tp], valid [B, Tp]) -> (last logits [B, V], cache).
   sampler_decode   one decode step at the full cache length S = Tp + Tn: (params, cache, token [B, 1],
-                   position, mask [B, 1, S], index) -> (logits [B, V], cache), the cache donated.
+                   position, kv_valid [B, S], index) -> (logits [B, V], cache), the cache donated.
+  Both follow `sampler._generate_device` (the same transformer.forward calls and mask API).
   B, Tp, Tn are the training sampler's buckets as the trainer builds them (`trainer.make_sampler_cfg`,
   and `rollout.multiturn.sampler_config` for tool-use episodes, whose largest context bucket is taken).
   The sampler parts are compiled on a mesh over the same N devices (`--sampler_mesh`, default the
@@ -47,9 +48,11 @@ The last line printed is one JSON object {"results": [...], ...}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -153,7 +156,8 @@ def load_setting(
     c.task.max_new_tokens = new_tokens
     if c.task.multiturn.enabled:
       c.task.multiturn.max_turn_tokens = min(c.task.multiturn.max_turn_tokens, new_tokens)
-  spec = run_config.parse_config(c)
+  kw = {"check_prompts": False} if "check_prompts" in inspect.signature(run_config.parse_config).parameters else {}
+  spec = run_config.parse_config(c, **kw)  # prompts are not tokenized: only shapes matter here
   shape.update(model_overrides or {})
   t = spec.rollout.max_prompt_len + spec.rollout.max_new_tokens
   need = t + (spec.multiturn.max_turn_tokens if spec.multiturn else 0)
@@ -242,7 +246,41 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
     out_shardings=(state_sh, sharding.replicated(mesh)),
     donate_argnums=0,
   )
-  return step.lower(abs_state, abs_batch).compile()
+  with _mesh_context(mesh):
+    return step.lower(abs_state, abs_batch).compile()
+
+
+def _mesh_context(mesh):
+  """`jax.set_mesh(mesh)` around tracing, as the trainer does: the model's activation constraints read it."""
+  import jax
+
+  return jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else contextlib.nullcontext()
+
+
+def _prefill_mask(valid_bt, tn: int):
+  """(positions, mask, cache_index) of a prefill that writes slots [0, Tp) of a cache of Tp + tn slots.
+
+  Follows the model's mask API: a per-key validity object (`kv_valid` [B, S], with a static cache
+  index so attention reads only the written prefix) or, in older code, an explicit [B, T, S] mask.
+  """
+  import jax.numpy as jnp
+
+  from vcpo_jax.model import transformer
+
+  positions, mask = transformer.padded_positions_and_mask(valid_bt)
+  if hasattr(mask, "kv_valid"):
+    return positions, type(mask)(jnp.pad(mask.kv_valid, ((0, 0), (0, tn)))), 0
+  return positions, jnp.pad(mask, ((0, 0), (0, 0), (0, tn))), jnp.int32(0)
+
+
+def _decode_mask(kv_valid_bs):
+  """The decode step's mask over the cache, in the model's mask API (see _prefill_mask)."""
+  import jax.numpy as jnp
+
+  from vcpo_jax.model import transformer
+
+  _, probe = transformer.padded_positions_and_mask(jnp.ones((1, 1), bool))
+  return type(probe)(kv_valid_bs) if hasattr(probe, "kv_valid") else kv_valid_bs[:, None, :]
 
 
 def _cache_spec(model_cfg, mesh):
@@ -278,16 +316,16 @@ def compile_sampler(setting: Setting, model_cfg, mesh, part: str, b: int):
 
     def prefill(params, prompt_bt, valid_bt):
       cache = transformer.init_cache(model_cfg, b, s)
-      positions, mask = transformer.padded_positions_and_mask(valid_bt)
-      mask = jnp.pad(mask, ((0, 0), (0, 0), (0, tn)))
-      logits, cache = transformer.forward(graphdef, params, prompt_bt, positions, mask, cache, jnp.int32(0))
+      positions, mask, index = _prefill_mask(valid_bt, tn)
+      logits, cache = transformer.forward(graphdef, params, prompt_bt, positions, mask, cache, index)
       return logits[:, -1], cache
 
     fn = jax.jit(prefill, in_shardings=(params_sh, rows, rows), out_shardings=(rows, cache_shardings))
-    return fn.lower(abs_params, _sds((b, tp), jnp.int32, rows), _sds((b, tp), jnp.bool_, rows)).compile()
+    with _mesh_context(mesh):
+      return fn.lower(abs_params, _sds((b, tp), jnp.int32, rows), _sds((b, tp), jnp.bool_, rows)).compile()
 
-  def decode(params, cache, tok_b1, pos_b1, kv_valid_b1s, idx):
-    logits, cache = transformer.forward(graphdef, params, tok_b1, pos_b1, kv_valid_b1s, cache, idx)
+  def decode(params, cache, tok_b1, pos_b1, kv_valid_bs, idx):
+    logits, cache = transformer.forward(graphdef, params, tok_b1, pos_b1, _decode_mask(kv_valid_bs), cache, idx)
     return logits[:, -1], cache
 
   abs_cache = jax.eval_shape(lambda: transformer.init_cache(model_cfg, b, s))
@@ -303,10 +341,11 @@ def compile_sampler(setting: Setting, model_cfg, mesh, part: str, b: int):
     abs_cache,
     _sds((b, 1), jnp.int32, rows),
     _sds((b, 1), jnp.int32, rows),
-    _sds((b, 1, s), jnp.bool_, rows),
+    _sds((b, s), jnp.bool_, rows),
     _sds((), jnp.int32, rep),
   )
-  return fn.lower(*args).compile()
+  with _mesh_context(mesh):
+    return fn.lower(*args).compile()
 
 
 def memory_stats(compiled) -> dict:
