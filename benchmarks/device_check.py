@@ -265,16 +265,16 @@ def _learner_once(memory, model_overrides, shape, rows, repeats, seed) -> dict:
     return go
 
   out = {"rows": rows, "seq_len": setting.t, "mesh": list(mesh.devices.shape), "num_params": cfg.num_params}
-  # Interleave the three so a clock change or a neighbour's load hits all of them alike.
-  for name, fn in (
-    ("vcpo", run_step(vcpo)),
-    ("plain_step", run_step(plain)),
-    ("plain_grad", lambda: jax.block_until_ready(plain_grad(holder["state"].params, batch))),
-  ):
-    _log(f"learner: compiling and timing {name} (N={rows}, T={setting.t})")
-    med, times, first = _time(fn, repeats)
-    out[f"{name}_s"], out[f"{name}_times_s"], out[f"{name}_first_call_s"] = med, times, first
-  metrics = jax.device_get(run_step(vcpo)())
+  with memory._mesh_context(mesh):  # traced under the mesh, as the trainer does (activation constraints)
+    for name, fn in (
+      ("vcpo", run_step(vcpo)),
+      ("plain_step", run_step(plain)),
+      ("plain_grad", lambda: jax.block_until_ready(plain_grad(holder["state"].params, batch))),
+    ):
+      _log(f"learner: compiling and timing {name} (N={rows}, T={setting.t})")
+      med, times, first = _time(fn, repeats)
+      out[f"{name}_s"], out[f"{name}_times_s"], out[f"{name}_first_call_s"] = med, times, first
+    metrics = jax.device_get(run_step(vcpo)())
   out["vcpo_metrics"] = {k: float(v) for k, v in metrics.items()}
   out["ratio_vcpo_over_plain_step"] = out["vcpo_s"] / out["plain_step_s"]
   out["ratio_vcpo_over_plain_grad"] = out["vcpo_s"] / out["plain_grad_s"]

@@ -433,6 +433,9 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
       row["batch_gib"] = (ref["temp"] - small["temp"]) * rows / (rows - half) / GIB
       row["batch_layers"] = layers[0]
   out_new = max(stats["output"] - stats["alias"], 0)
+  row["compiled_gib"] = {
+    str(k): {f"{key}_gib": v[key] / GIB for key in ("argument", "temp")} for k, v in by_layers.items()
+  }
   row.update(
     argument_gib=stats["argument"] / GIB,
     temp_gib=stats["temp"] / GIB,
