@@ -571,11 +571,12 @@ def main(argv=None):
     f"--prompt_len={args.prompt_len}",
     f"--new_tokens={args.new_tokens}",
   ] + (["--batch_dependent"] if args.batch_dependent else [])
+  commit, date = _git_commit(), time.strftime("%Y-%m-%d")  # what is measured: the tree as the run starts
   results = []
   for n_dev in (int(x) for x in args.devices.split(",")):
     results += _run_device_count(args, n_dev, passthrough)
   print_table(results)
-  print(json.dumps({"results": results, "commit": _git_commit(), "date": time.strftime("%Y-%m-%d")}))
+  print(json.dumps({"results": results, "commit": commit, "date": date}))
 
 
 if __name__ == "__main__":
