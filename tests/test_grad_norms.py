@@ -171,15 +171,30 @@ def test_plan_layers_hand_checked_costs():
   info = {"a": gn.taps.TapInfo("linear", "a"), "b": gn.taps.TapInfo("linear", "b")}
   ins = {"a": (4, 256, 64), "b": (4, 8, 64)}
   outs = {"a": (4, 256, 64), "b": (4, 8, 64)}
-  # a: gram 256^2*128 = 8.4M > direct 256*64*64 + 4096 = 1.05M; b: gram 8^2*128 = 8192 < 36864.
-  plan = gn.plan_layers(info, ins, outs, "auto", materialize_budget_bytes=0)
-  assert (plan["a"].method, plan["b"].method) == ("direct", "gram")
-  # Budget for exactly one layer (4*64*64*4 bytes): the one saving most flops per byte (a).
-  plan = gn.plan_layers(info, ins, outs, "auto", materialize_budget_bytes=4 * 64 * 64 * 4)
-  assert (plan["a"].method, plan["b"].method) == ("materialize", "gram")
+  # a: gram 256^2*128 = 8.4M > direct 256*64*64 + 4096 = 1.05M flops; b: gram 8^2*128 = 8192 < 36864.
+  # Temporaries: a gram 2*4*256^2*4 = 2 MiB, direct 4*64*64*4 = 64 KiB (16 KiB per example);
+  # b gram 2*4*8^2*4 = 2 KiB.
+  plan = gn.plan_layers(info, ins, outs, "direct", memory_budget_bytes=1 << 20)
+  assert (plan["a"].method, plan["a"].block, plan["a"].temp_bytes) == ("direct", 4, 65536)
+  assert gn.plan_layers(info, ins, outs, "direct", memory_budget_bytes=40000)["a"].block == 2
+  assert gn.plan_layers(info, ins, outs, "gram")["b"].temp_bytes == 2048
+  # A budget that fits nothing: the smallest temporaries, direct one example at a time.
+  plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=0)
+  assert (plan["a"].method, plan["a"].block, plan["b"].method) == ("direct", 1, "gram")
+  # Room for a's kept per-example gradients (64 KiB) and b's gram temporaries (2 KiB): a, which
+  # saves the most flops per byte, is materialized; one byte less and it is not.
+  plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=65536 + 2048)
+  assert (plan["a"].method, plan["a"].kept_bytes, plan["b"].method) == ("materialize", 65536, "gram")
+  plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=65536 + 2047)
+  assert plan["a"].method == "direct" and plan["a"].block == 4
+  # Per device: the batch split over 4 devices leaves 1 example each, 16 KiB kept for a.
+  plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=16384 + 512, batch_shards=4)
+  assert (plan["a"].method, plan["a"].n, plan["b"].method) == ("materialize", 1, "gram")
   assert gn.plan_layers(info, ins, outs, "gram")["a"].method == "gram"
   with pytest.raises(ValueError, match="method"):
     gn.plan_layers(info, ins, outs, "fast")
+  with pytest.raises(ValueError, match="batch_shards"):
+    gn.plan_layers(info, ins, outs, "auto", batch_shards=0)
 
 
 def test_bad_inputs_raise():
