@@ -22,11 +22,26 @@ from vcpo_jax.model import config, transformer as tf
 
 N, P_LEN, R_LEN = 6, 6, 7
 T = P_LEN + R_LEN
+V = 160
 # One layer keeps compiles short; every kind of tap (linear +- bias, scale, embed, tied/untied head) occurs.
+# The log-prob head is chunked (4 positions, 48 vocab entries: neither divides T - 1 = 12 or V), so the
+# references (vmap, jax.grad) differentiate through the chunked scans and the ghost path reads its lse.
+CHUNKS = dict(logprob_chunk=5, logprob_vocab_chunk=48)
 CONFIGS = {
-  "qwen2": config.tiny_qwen2(vocab_size=128, num_layers=1),
-  "llama": config.tiny_llama(vocab_size=128, num_layers=1),
+  "qwen2": config.tiny_qwen2(vocab_size=V, num_layers=1, **CHUNKS),
+  "llama": config.tiny_llama(vocab_size=V, num_layers=1, **CHUNKS),
 }
+# (model, method, per-device budget): budget 0 forces the smallest temporaries, i.e. the ghost head's
+# own vocab chunks of 128 (160 = 128 + a clamped, overlap-masked chunk) and direct one example at a time.
+CASES = [
+  ("qwen2", "gram", 0),
+  ("qwen2", "direct", 0),
+  ("qwen2", "materialize", gn.DEFAULT_BUDGET_BYTES),
+  ("llama", "gram", gn.DEFAULT_BUDGET_BYTES),
+  ("llama", "direct", gn.DEFAULT_BUDGET_BYTES),
+  ("llama", "materialize", 0),
+  ("qwen2", "auto", gn.DEFAULT_BUDGET_BYTES),
+]
 
 
 def _rel(a, b):
@@ -44,7 +59,9 @@ def _tree_rel(ga, gb):
 
 def _batch(seed=0):
   rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, 12, (N, T)).astype(np.int32)  # few distinct ids: rows repeat
+  # Few distinct ids (rows repeat) spread over every vocab chunk, overlaps of clamped chunks included.
+  ids = np.array([0, 3, 47, 48, 90, 101, 120, 127, 128, 140, 150, 159])
+  tokens = ids[rng.integers(0, len(ids), (N, T))].astype(np.int32)
   prompt_len = rng.integers(2, P_LEN + 1, N)
   resp_len = rng.integers(1, R_LEN + 1, N)
   prompt = np.arange(P_LEN)[None] >= P_LEN - prompt_len[:, None]  # left-padded
@@ -82,26 +99,43 @@ def _random_coef(logp_nt, sq_n):
 
 
 @functools.lru_cache(maxsize=None)
-def _ghost(name, method):
+def _ghost(name, method, budget):
   logp_fn, params, batch, _ = _setup(name)
-  fn = jax.jit(lambda p, b: gn.ghost_sq_norms_and_grad(logp_fn, p, b, b["loss_mask"], _random_coef, method=method))
+  fn = jax.jit(
+    lambda p, b: gn.ghost_sq_norms_and_grad(
+      logp_fn, p, b, b["loss_mask"], _random_coef, method=method, memory_budget_bytes=budget
+    )
+  )
   return fn(params, batch)
 
 
-@pytest.mark.parametrize("name,method", [("qwen2", "gram"), ("qwen2", "materialize"), ("llama", "direct")])
-def test_ghost_norms_equal_vmap_reference(name, method):
+def test_cases_cover_the_head_paths():
+  """The CASES really exercise chunked head scans and blocked direct (plans read off the shapes)."""
+  logp_fn, params, batch, _ = _setup("qwen2")
+  infos, ins, _, outs = gn._tapped_forward(logp_fn, params, batch)
+  assert [i.kind for i in infos.values()].count("head") == 1
+  small = gn.plan_layers(infos, ins, outs, "direct", 0)
+  head = next(p for p in small.values() if p.kind == "head")
+  assert (head.block, head.dout, head.t) == (128, V, T - 1)
+  assert all(p.block == 1 for p in small.values() if p.kind == "linear")
+  big = gn.plan_layers(infos, ins, outs, "direct", gn.DEFAULT_BUDGET_BYTES)
+  assert all(p.block == (V if p.kind == "head" else N) for p in big.values())
+
+
+@pytest.mark.parametrize("name,method,budget", CASES)
+def test_ghost_norms_equal_vmap_reference(name, method, budget):
   _, _, batch, ref = _setup(name)
-  res = _ghost(name, method)
+  res = _ghost(name, method, budget)
   assert _rel(res.sq_norms_n, ref) < 1e-4
   # Norms differ a lot across examples (lengths differ), so this is not a trivial match.
   assert float(jnp.max(ref) / jnp.min(ref)) > 1.5
   assert res.aux["sq"].shape == (N,)
 
 
-@pytest.mark.parametrize("name,method", [("qwen2", "gram"), ("qwen2", "materialize"), ("llama", "direct")])
-def test_fast_gradient_equals_jax_grad_of_surrogate(name, method):
+@pytest.mark.parametrize("name,method,budget", CASES)
+def test_fast_gradient_equals_jax_grad_of_surrogate(name, method, budget):
   logp_fn, params, batch, _ = _setup(name)
-  res = _ghost(name, method)
+  res = _ghost(name, method, budget)
   coef, _ = _random_coef(None, None)
   mask = batch["loss_mask"]
 
@@ -113,6 +147,17 @@ def test_fast_gradient_equals_jax_grad_of_surrogate(name, method):
   np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
   # The gradient is the params' own type (nnx.State), so optax can consume it as is.
   assert type(res.grads) is type(params)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_taps_grad_equals_jax_grad_of_surrogate(name):
+  """The fair plain step (same taps-based backward, fixed coefficients, no norms) is the same gradient."""
+  logp_fn, params, batch, _ = _setup(name)
+  coef, _ = _random_coef(None, None)
+  mask = batch["loss_mask"]
+  res = jax.jit(lambda p, b: gn.taps_grad(logp_fn, p, b, b["loss_mask"], coef, memory_budget_bytes=0))(params, batch)
+  grads = jax.jit(jax.grad(lambda p: -jnp.sum(coef * jnp.sum(mask * logp_fn(p, batch), axis=1))))(params)
+  assert _tree_rel(res.grads, grads) < 1e-5 and res.sq_norms_n is None
 
 
 def test_loop_reference_equals_vmap():
@@ -137,7 +182,9 @@ def test_tied_cross_term_is_material():
   np.testing.assert_allclose(logp_u(params_u, batch), logp_fn(params, batch), atol=1e-6)
   untied = jax.jit(gn.vmap_sq_norms, static_argnums=0)(logp_u, params_u, batch, batch["loss_mask"])
   assert float(jnp.max(jnp.abs(ref - untied) / ref)) > 1e-3
-  res = jax.jit(lambda p, b: gn.ghost_sq_norms_and_grad(logp_u, p, b, b["loss_mask"], _random_coef))(params_u, batch)
+  res = jax.jit(
+    lambda p, b: gn.ghost_sq_norms_and_grad(logp_u, p, b, b["loss_mask"], _random_coef, memory_budget_bytes=0)
+  )(params_u, batch)
   assert _rel(res.sq_norms_n, untied) < 1e-4
 
 
