@@ -28,6 +28,7 @@ temp bytes per step. The last line of output is one JSON object with every numbe
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -239,6 +240,9 @@ def run_t(graphdef, params, logp_fn, cfg, t, n, group, rounds, method, extra):
 def memory_table(args):
   """Compiled temp bytes (no run) of the VCPO step and value_and_grad, 1 layer, dense vs chunked head."""
   cfg = estimator.pg_config_from_preset("vcpo")
+  # The budget steers the plan (kept gradients, vocab chunks of the head); older trees lack it.
+  has_budget = "memory_budget_bytes" in inspect.signature(gn.ghost_policy_gradient).parameters
+  budget = dict(memory_budget_bytes=args.memory_budget) if has_budget else {}
   out = []
   for n, t in [tuple(int(x) for x in nt.split("x")) for nt in args.memory_shapes.split(",")]:
     for chunk in (0, args.memory_chunk):
@@ -262,7 +266,7 @@ def memory_table(args):
         n=n, t=t, v=args.memory_vocab, logprob_chunk=chunk if kw else "n/a", ntv_f32_bytes=n * t * cfg_m.vocab_size * 4
       )
       for name, fn in [
-        ("vcpo", lambda p, b: gn.ghost_policy_gradient(logp_fn, p, b, cfg)),
+        ("vcpo", lambda p, b: gn.ghost_policy_gradient(logp_fn, p, b, cfg, **budget)),
         ("plain_vag", lambda p, b: plain_vag(logp_fn, p, b, b["rewards"])),
       ]:
         row[name + "_temp_bytes"] = compile_step(fn, (params, batch))[1]["temp_bytes"]
@@ -292,6 +296,7 @@ def main(argv=None):
   ap.add_argument("--memory-shapes", default="4x512,8x512,4x1024", help="NxT list for --memory")
   ap.add_argument("--memory-vocab", type=int, default=8192)
   ap.add_argument("--memory-chunk", type=int, default=64, help="logprob_chunk of the chunked rows of --memory")
+  ap.add_argument("--memory-budget", type=int, default=64 << 20, help="ghost memory_budget_bytes for --memory")
   args = ap.parse_args(argv)
   if args.memory:
     return memory_table(args)

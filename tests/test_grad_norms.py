@@ -255,3 +255,28 @@ def test_bad_inputs_raise():
     gn.ghost_sq_norms_and_grad(stray_fn, extra, batch, batch["loss_mask"], _random_coef)
   with pytest.raises(ValueError, match="no taps"):
     gn.ghost_sq_norms_and_grad(lambda p, b: jnp.zeros((N, T)), params, batch, batch["loss_mask"], _random_coef)
+
+
+def test_ghost_step_memory_does_not_scale_with_n_t_v():
+  """Compiled temp bytes of the VCPO ghost step grow far less than N T dV floats when V grows.
+
+  Before the chunked head the step held D = dlogp/dlogits [N, T, V] (and the logits): at least
+  N T dV * 4 bytes more for dV more vocabulary. Compilation is deterministic (not a timing).
+  """
+  n, t = 4, 128
+
+  def temp(v):
+    cfg = config.tiny_llama(vocab_size=v, num_layers=1, hidden_size=32, intermediate_size=64, logprob_chunk=16)
+    graphdef, params = tf.split(nnx.eval_shape(lambda: tf.Transformer(cfg, rngs=nnx.Rngs(0))))
+    logp_fn = gn.sequence_logp_fn(graphdef)
+    sds = jax.ShapeDtypeStruct
+    batch = dict(tokens=sds((n, t), jnp.int32), valid=sds((n, t), bool), loss_mask=sds((n, t), jnp.float32))
+    fn = lambda p, b: (
+      gn.ghost_sq_norms_and_grad(
+        logp_fn, p, b, b["loss_mask"], lambda lp, sq: (sq, None), memory_budget_bytes=1 << 20
+      ).grads
+    )
+    return jax.jit(fn).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+  small, big = temp(1024), temp(8192)
+  assert big - small < 0.25 * n * t * (8192 - 1024) * 4, (small, big)
