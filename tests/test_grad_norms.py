@@ -22,17 +22,19 @@ from vcpo_jax.model import config, transformer as tf
 
 N, P_LEN, R_LEN = 6, 6, 7
 T = P_LEN + R_LEN
-V = 160
+V = 144
 # One layer keeps compiles short; every kind of tap (linear +- bias, scale, embed, tied/untied head) occurs.
-# The log-prob head is chunked (4 positions, 48 vocab entries: neither divides T - 1 = 12 or V), so the
+# The log-prob head is chunked (5 positions, 40 vocab entries: neither divides T - 1 = 12 or V), so the
 # references (vmap, jax.grad) differentiate through the chunked scans and the ghost path reads its lse.
-CHUNKS = dict(logprob_chunk=5, logprob_vocab_chunk=48)
+CHUNKS = dict(logprob_chunk=5, logprob_vocab_chunk=40)
 CONFIGS = {
   "qwen2": config.tiny_qwen2(vocab_size=V, num_layers=1, **CHUNKS),
   "llama": config.tiny_llama(vocab_size=V, num_layers=1, **CHUNKS),
 }
 # (model, method, per-device budget): budget 0 forces the smallest temporaries, i.e. the ghost head's
-# own vocab chunks of 128 (160 = 128 + a clamped, overlap-masked chunk) and direct one example at a time.
+# own vocab chunks of 128 (144 = 128 + a clamped, overlap-masked chunk), direct one example at a time,
+# and the gram form of the embedding norm (with the tied [N, M, T] cross term); the default budget
+# takes the scatter form (T^2 = 169 > T + V = 157), and with a materialized tied head ||B_n + C_n||^2.
 CASES = [
   ("qwen2", "gram", 0),
   ("qwen2", "direct", 0),
@@ -60,7 +62,7 @@ def _tree_rel(ga, gb):
 def _batch(seed=0):
   rng = np.random.default_rng(seed)
   # Few distinct ids (rows repeat) spread over every vocab chunk, overlaps of clamped chunks included.
-  ids = np.array([0, 3, 47, 48, 90, 101, 120, 127, 128, 140, 150, 159])
+  ids = np.array([0, 3, 39, 40, 90, 101, 120, 127, 128, 135, 140, 143])
   tokens = ids[rng.integers(0, len(ids), (N, T))].astype(np.int32)
   prompt_len = rng.integers(2, P_LEN + 1, N)
   resp_len = rng.integers(1, R_LEN + 1, N)
@@ -238,6 +240,11 @@ def test_plan_layers_hand_checked_costs():
   plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=16384 + 512, batch_shards=4)
   assert (plan["a"].method, plan["a"].n, plan["b"].method) == ("materialize", 1, "gram")
   assert gn.plan_layers(info, ins, outs, "gram")["a"].method == "gram"
+  # Embedding lookups: scatter (T D + V D flops) when T^2 > T + V and one example's [V, D] fits.
+  assert gn.embed_plan(4, 13, 64, 144, 1 << 30) == ("scatter", 4)
+  assert gn.embed_plan(4, 13, 64, 144, 2 * 144 * 64 * 4) == ("scatter", 2)
+  assert gn.embed_plan(4, 13, 64, 144, 144 * 64 * 4 - 1) == ("gram", 4)
+  assert gn.embed_plan(4, 12, 64, 144, 1 << 30) == ("gram", 4)  # 144 < 12 + 144
   with pytest.raises(ValueError, match="method"):
     gn.plan_layers(info, ins, outs, "fast")
   with pytest.raises(ValueError, match="batch_shards"):

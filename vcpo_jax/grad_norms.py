@@ -69,8 +69,8 @@ entries per chunk, D model width, Din/Dout a linear layer's input/output widths.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -280,6 +280,18 @@ def _matmul_dims(in_shape, out_shape) -> tuple[int, int, int]:
   return t, in_shape[-1], out_shape[-1]
 
 
+def embed_plan(n: int, t: int, d: int, v: int, avail: int) -> tuple[str, int]:
+  """(method, examples per block) for an embedding lookup's ||onehot_n^T D_n||^2.
+
+  "gram": sum_{t,s: tok_t = tok_s} d_t . d_s, T^2 D flops and [N, T, T] floats; "scatter": form
+  the per-example row gradient B_n [V, D] (segment sum, T D + V D flops) for `block` examples at
+  a time, b V D floats. Scatter when it is cheaper (T^2 > T + V) and one example's rows fit.
+  """
+  if t * t > t + v and v * d * _B <= avail:
+    return "scatter", int(min(n, max(1, avail // (v * d * _B))))
+  return "gram", n
+
+
 # ----------------------------------------------------------------------------- the fast path
 
 
@@ -327,10 +339,27 @@ def _direct_sq_norm(a_nti: jax.Array, d_nto: jax.Array, block: int) -> jax.Array
   return jax.lax.map(one, (a_nti, d_nto), batch_size=block)
 
 
-def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array) -> jax.Array:
-  """||onehot_n^T D_n||^2 = sum_{t,s: tok_t = tok_s} d_t . d_s, [N] (T^2 D flops, no [V, D] buffer)."""
-  same = tok_nt[:, :, None] == tok_nt[:, None, :]
-  return jnp.sum(jnp.where(same, jnp.einsum("ntd,nsd->nts", d_ntd, d_ntd), 0.0), axis=(1, 2))
+def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array, v: int = 0, block: int = 0, kept_nvd=None) -> jax.Array:
+  """||B_n||^2 with B_n = onehot_n^T D_n [V, D] the lookup's row gradient, [N].
+
+  block = 0: sum_{t,s: tok_t = tok_s} d_t . d_s (T^2 D flops, no [V, D] buffer). block > 0: B_n by a
+  segment sum, `block` examples at a time; with kept_nvd (the tied head's materialized per-example
+  gradient C_n [N, V, D]) returns ||B_n + C_n||^2 - ||C_n||^2 = ||B_n||^2 + 2 <B_n, C_n>, the
+  lookup's part of the tied table's norm, cross term included.
+  """
+  if block <= 0:
+    same = tok_nt[:, :, None] == tok_nt[:, None, :]
+    return jnp.sum(jnp.where(same, jnp.einsum("ntd,nsd->nts", d_ntd, d_ntd), 0.0), axis=(1, 2))
+
+  def one(x):
+    b = jax.ops.segment_sum(x["d"], x["tok"], num_segments=v)  # [V, D]
+    sq = jnp.sum(b * b)
+    return sq + 2.0 * jnp.sum(b * x["c"]) if "c" in x else sq
+
+  xs = {"tok": tok_nt, "d": d_ntd} | ({"c": kept_nvd} if kept_nvd is not None else {})
+  if block >= tok_nt.shape[0]:
+    return jax.vmap(one)(xs)
+  return jax.lax.map(one, xs, batch_size=block)
 
 
 def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None):
@@ -459,6 +488,15 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       grads_by_path[k] = gw
   (outgrads,) = vjp_fn((tokw_nt.astype(logp_nt.dtype), dh))
 
+  # What the kept per-example gradients leave of the budget goes to the embedding lookups' norms.
+  kept_bytes = sum(pl.kept_bytes for pl in plans.values() if pl.method == "materialize")
+  avail = memory_budget_bytes - kept_bytes
+
+  def embed_block(tok, d_emb, v):  # 0: the gram form; else examples per block of the scatter form
+    t = tok.size // n
+    meth, block = embed_plan(-(-n // batch_shards), t, d_emb.shape[-1], v, avail)
+    return block if meth == "scatter" else 0
+
   # Per-example squared norms, parameter by parameter; keep what the update needs.
   for p, names in owners.items() if norms else ():
     kinds = sorted(infos[k].kind for k in names)
@@ -485,15 +523,21 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       elif info.kind == "scale":
         sq_n += jnp.sum(jnp.sum(_flat(a, n) * _flat(d, n), axis=1) ** 2, axis=-1)
       elif info.kind == "embed":
-        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n))
+        v = param_shapes[p].shape[0]
+        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v))
       else:
         raise ValueError(f"Unsupported tap kind {info.kind!r} for parameter {p!r}.")
     elif kinds == ["embed", "head"]:  # tied embeddings: lookup + LM head share the table
       emb = next(k for k in names if infos[k].kind == "embed")
       head = next(k for k in names if infos[k].kind == "head")
       tok_nt, d_emb = acts[emb].reshape(n, -1), _flat(outgrads[emb], n)
-      sq_n += _embed_sq_norm(tok_nt, d_emb)  # ||B_n||^2; ||C_n||^2 came from the head scan
-      sq_n += _tied_cross_term(acts[head], infos[head].spec, c_nm, tok_nt, d_emb)
+      v = param_shapes[p].shape[0]
+      block = embed_block(acts[emb], outgrads[emb], v)
+      if head in kept and block:  # ||B_n||^2 + 2 <B_n, C_n> from B_n and the kept C_n
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head])
+      else:  # ||B_n||^2, and the cross term from [N, M, T] values; ||C_n||^2 came from the head scan
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block)
+        sq_n += _tied_cross_term(acts[head], infos[head].spec, c_nm, tok_nt, d_emb)
     else:
       raise ValueError(
         f"Parameter {p!r} is used by taps {names} of kinds {kinds}; only a tied "
