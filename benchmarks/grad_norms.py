@@ -1,6 +1,6 @@
 """Cost of exact per-example gradient norms in a VCPO learner step, against fair plain steps.
 
-    python -m benchmarks.grad_norms                       # T = 256, 1024, 4096, 16384 tokens per step
+    python -m benchmarks.grad_norms                       # T = 256, 1024, 4096 at 8192 tokens per step
     python -m benchmarks.grad_norms --small               # seconds: a smoke run of the same code
     python -m benchmarks.grad_norms --ts=1024 --rounds=7 --extra=vmap,loop
     python -m benchmarks.grad_norms --memory              # compiled temp bytes only (no timing)
@@ -285,8 +285,8 @@ def memory_table(args):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--ts", default="256,1024,4096", help="sequence lengths T, comma-separated")
-  ap.add_argument("--tokens", type=int, default=16384, help="tokens per step: N = tokens // T rows")
-  ap.add_argument("--group", type=int, default=4)
+  ap.add_argument("--tokens", type=int, default=8192, help="tokens per step: N = tokens // T rows (32, 8, 2)")
+  ap.add_argument("--group", type=int, default=2)
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each runs every step once)")
   ap.add_argument("--method", default="auto", help="ghost plan method: auto | gram | direct | materialize")

@@ -29,7 +29,9 @@ Three ways to get S_n, all exact:
                        instead of another T Din Dout contraction;  N Din Dout floats kept
     linear bias:        ||sum_t d_t||^2
     RMSNorm scale:      ||sum_t xhat_t * d_t||^2
-    embedding lookup:   sum_{t,s: tok_t = tok_s} d_t . d_s         (rows shared by tokens)
+    embedding lookup:   sum_{t,s: tok_t = tok_s} d_t . d_s         T^2 D flops (rows shared by tokens),
+                        or ||B_n||^2 with B_n = onehot_n^T D_n [V, D] by a segment sum (T D + V D flops,
+                        V D floats per example), whichever is cheaper and fits (`embed_plan`)
 
   The LM head ("head" tap, the chunked log-prob head of `vcpo_jax.model.logprobs`) has
   no [N, T, V] D: with h_t its input, y_t the next token and c_t = tokw_{t+1}, its output
@@ -42,7 +44,8 @@ Three ways to get S_n, all exact:
   lookup part B_n = onehot_n^T D^emb_n and a head part C_n = sum_s d_s h_s^T, and
   ||B_n + C_n||^2 = ||B_n||^2 + ||C_n||^2 + 2<B_n, C_n> with the exact cross term
   <B_n, C_n> = sum_{t,s} d_s[tok_t] (d^emb_t . h_s), d_s[tok_t] = c_s([y_s = tok_t] - p_s[tok_t]),
-  p_s[tok_t] = exp(h_s . E[tok_t] - lse_s): [N, T, T] values, no [N, T, V].
+  p_s[tok_t] = exp(h_s . E[tok_t] - lse_s): [N, T, T] values, no [N, T, V]. With the head
+  materialized (C_n kept) and B_n formed by the segment sum, ||B_n + C_n||^2 is summed directly.
 
   Backprop is linear in the per-example cotangents, so the update gradient is
   formed from the same (A, D) by contracting with coef_n (e.g. kernel:
