@@ -251,7 +251,7 @@ def memory_table(args):
         vocab_size=args.memory_vocab, hidden_size=256, intermediate_size=768, num_layers=1, num_heads=4,
         num_kv_heads=2, head_dim=64, max_position=t, **kw,
       )  # fmt: skip
-      graphdef, params = tf.split(nnx.eval_shape(lambda: tf.Transformer(cfg_m, rngs=nnx.Rngs(0))))
+      graphdef, params = tf.split(nnx.eval_shape(lambda c=cfg_m: tf.Transformer(c, rngs=nnx.Rngs(0))))
       logp_fn = gn.sequence_logp_fn(graphdef)
       sds = jax.ShapeDtypeStruct
       batch = dict(
@@ -265,9 +265,10 @@ def memory_table(args):
       row = dict(
         n=n, t=t, v=args.memory_vocab, logprob_chunk=chunk if kw else "n/a", ntv_f32_bytes=n * t * cfg_m.vocab_size * 4
       )
+      row["budget_bytes"] = budget.get("memory_budget_bytes")
       for name, fn in [
-        ("vcpo", lambda p, b: gn.ghost_policy_gradient(logp_fn, p, b, cfg, **budget)),
-        ("plain_vag", lambda p, b: plain_vag(logp_fn, p, b, b["rewards"])),
+        ("vcpo", lambda p, b, f=logp_fn: gn.ghost_policy_gradient(f, p, b, cfg, **budget)),
+        ("plain_vag", lambda p, b, f=logp_fn: plain_vag(f, p, b, b["rewards"])),
       ]:
         row[name + "_temp_bytes"] = compile_step(fn, (params, batch))[1]["temp_bytes"]
       out.append(row)
@@ -308,7 +309,7 @@ def main(argv=None):
   n_params = sum(x.size for x in jax.tree.leaves(params))
   logp_fn = gn.sequence_logp_fn(graphdef)
   cfg = estimator.pg_config_from_preset("vcpo")
-  extra = set(x for x in args.extra.split(",") if x)
+  extra = {x for x in args.extra.split(",") if x}
   print(
     f"model: {cfg_m.model_type} D={cfg_m.hidden_size} F={cfg_m.intermediate_size} L={cfg_m.num_layers} "
     f"V={cfg_m.vocab_size} tied={cfg_m.tie_embeddings} logprob_chunk={cfg_m.logprob_chunk}: "

@@ -18,7 +18,8 @@ from flax import nnx
 
 from vcpo_jax import estimator
 from vcpo_jax import grad_norms as gn
-from vcpo_jax.model import config, transformer as tf
+from vcpo_jax.model import config
+from vcpo_jax.model import transformer as tf
 
 N, P_LEN, R_LEN = 6, 6, 7
 T = P_LEN + R_LEN
