@@ -315,9 +315,9 @@ class AsyncSource:
     version = int(version)
     if self.proc is None:
       self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
-    elif not self.background:
+    elif not self.background:  # today's path: device_get, one copy into the slot; no checksum on this path
       self._poll_publish()
-      self._write(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version, self._poll_publish)
+      self.slot.publish(self._host_arrays(jax.tree.leaves(params), params), version, poll=self._poll_publish)
     else:
       self._raise_if_dead()
       self._raise_thread_error()
@@ -333,7 +333,11 @@ class AsyncSource:
 
   def _host_arrays(self, snap: list, params=None, names=None) -> dict:
     names = names or worker_lib.param_names(params)
-    return {n: np.asarray(a) for n, a in zip(names, jax.device_get(snap))}
+    out = {n: np.asarray(a) for n, a in zip(names, jax.device_get(snap))}
+    for n, a in out.items():  # a snapshot is cast already; the synchronous path casts here
+      if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != self.publish_dtype:  # jnp: knows bfloat16
+        out[n] = a.astype(self.publish_dtype)
+    return out
 
   def _write(self, arrays: dict, version: int, poll):
     csum = checksum(arrays)
