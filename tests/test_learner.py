@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from vcpo_jax import estimator, learner, optim
@@ -114,3 +115,136 @@ def test_ess_brake_scales_the_update_exactly(setup):
   assert float(m_vcpo["update_norm"]) == pytest.approx(s * float(m_off["update_norm"]), rel=1e-5)
   for a, b in zip(jax.tree.leaves(d_vcpo), jax.tree.leaves(d_off)):
     np.testing.assert_allclose(a, s * b, rtol=1e-3, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Micro-batched step == single-pass step (issue 10 item 5)
+# ---------------------------------------------------------------------------
+
+MB_CONFIGS = {
+  **{name: {} for name in estimator.PRESETS},
+  "geo_mask": dict(preset="geo_mask", geo_lower=0.8, geo_upper=1.25),  # its default interval rejects this batch
+  # the whole-batch normalisers in their other forms: kept-row counts, token counts, a constant T
+  "mask_kept_token_mean": dict(preset="mask", mask_normalizer="kept", loss_agg="token-mean"),
+  "geo_mask_kept": dict(preset="geo_mask", mask_normalizer="kept", geo_lower=0.8, geo_upper=1.25),
+  "vcpo_token_sum_norm": dict(preset="vcpo", loss_agg="seq-mean-token-sum-norm"),
+}
+
+
+@pytest.fixture(scope="module")
+def mb_setup(setup):
+  """A stale batch of N = 8 rows in 4 groups of G = 2, with ragged loss masks and one padding row."""
+  params, _, _, batch, graphdef = setup
+  # Plain SGD behind the learner's clip and ESS scale: the update is linear in the gradient (Adam's first
+  # step, ~lr * sign(g), would amplify float noise in gradient entries near 0), and the global-norm
+  # clip is engaged (grad_norm > 1e-3 is asserted), so it must run after accumulation.
+  # lr 100 makes the update (norm <= 0.1) large against the float32 rounding of the parameters it is added to.
+  tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(100.0), optim.scale_by_ess())
+  rng = np.random.default_rng(2)
+  mb = dict(batch, group_id=np.repeat(np.arange(4), 2).astype(np.int32))
+  loss_mask = batch["loss_mask"].copy()
+  loss_mask[1, 9:] = False
+  loss_mask[4, 6:] = False
+  loss_mask[6] = False  # padding: out of every count
+  noise = rng.standard_normal((N, T)) * np.linspace(0.05, 0.6, N)[rng.permutation(N)][:, None]
+  mb["loss_mask"] = loss_mask
+  mb["behavior_logp"] = np.where(loss_mask, batch["behavior_logp"] + noise, 0).astype(np.float32)
+  mb["rewards"] = np.array([1, 0, 1, 1, 0, 1, 1, 0], np.float32)  # group 1 has zero std
+  return params, tx, mb, graphdef
+
+
+def _mb_pg(name):
+  kw = dict(MB_CONFIGS[name])
+  return estimator.pg_config_from_preset(kw.pop("preset", name), **kw)
+
+
+def _assert_same_step(out1, out4, params):
+  (s1, m1), (s4, m4) = out1, out4
+  assert set(m1) == set(m4)
+  assert float(m1["nonfinite"]) == 0.0 and float(m1["grad_norm"]) > 1e-3  # the clip is engaged
+  for k in m1:
+    assert float(m4[k]) == pytest.approx(float(m1[k]), rel=1e-5, abs=1e-7), k
+  d1 = [
+    np.asarray(a, np.float64) - np.asarray(p, np.float64)
+    for a, p in zip(jax.tree.leaves(s1.params), jax.tree.leaves(params))
+  ]
+  d4 = [
+    np.asarray(a, np.float64) - np.asarray(p, np.float64)
+    for a, p in zip(jax.tree.leaves(s4.params), jax.tree.leaves(params))
+  ]
+  scale = max(np.abs(d).max() for d in d1)
+  assert scale > 0
+  for a, b in zip(d4, d1):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
+
+
+def _lcfg(pg, mbs, grad_path="ghost"):
+  return learner.LearnerConfig(pg=pg, grad_path=grad_path, microbatch_size=mbs, group_size=2, batch_size=N)
+
+
+@pytest.mark.parametrize("name", sorted(MB_CONFIGS))
+def test_microbatched_step_equals_single_pass(mb_setup, name):
+  # Every preset (and the other whole-batch normalisers): 2 micro-batches of 2 groups == 1 pass, to 1e-5.
+  # Run op by op (jax.disable_jit: the scan is a Python loop over the same body) so that the 16 configs
+  # share compiled primitives; the compiled scan is checked below.
+  params, tx, batch, graphdef = mb_setup
+  pg = _mb_pg(name)
+  out = {}
+  with jax.disable_jit():
+    for mbs in (None, 4):
+      state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+      out[mbs] = learner.make_train_step(graphdef, tx, _lcfg(pg, mbs))(state, batch)
+  _assert_same_step(out[None], out[4], params)
+
+
+def test_microbatched_step_compiled_and_smaller(mb_setup):
+  # The jitted lax.scan gives the single-pass step too, and holds one micro-batch's activations:
+  # its compiled temporary memory is below the single pass's (deterministic, not a timing).
+  params, tx, batch, graphdef = mb_setup
+  pg = estimator.pg_config_from_preset("vcpo")
+  out, temp = {}, {}
+  for mbs in (None, 2):
+    state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+    compiled = jax.jit(learner.make_train_step(graphdef, tx, _lcfg(pg, mbs))).lower(state, batch).compile()
+    temp[mbs] = compiled.memory_analysis().temp_size_in_bytes
+    out[mbs] = compiled(state, batch)
+  _assert_same_step(out[None], out[2], params)
+  print("temp bytes, single pass vs 4 micro-batches:", temp)
+  assert temp[2] < 0.7 * temp[None]
+
+
+@pytest.mark.parametrize("name", ["vcpo", "token_tis"])
+def test_microbatched_vmap_path_equals_single_pass(mb_setup, name):
+  params, tx, batch, graphdef = mb_setup
+  pg = _mb_pg(name)
+  out = {}
+  with jax.disable_jit():
+    for mbs in (None, 4):
+      state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+      out[mbs] = learner.make_train_step(graphdef, tx, _lcfg(pg, mbs, "vmap"))(state, batch)
+  _assert_same_step(out[None], out[4], params)
+
+
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    (dict(microbatch_size=3, group_size=2), r"learner\.microbatch_size=3 is not a multiple of the group size 2"),
+    (dict(microbatch_size=4, group_size=2, batch_size=6), r"learner\.microbatch_size=4 does not divide .*N=6"),
+    (dict(microbatch_size=-1), r"learner\.microbatch_size=-1"),
+    (dict(microbatch_size=4, pg=estimator.PGConfig(advantage="reinforce")), r"microbatch_size=4 with vcpo\.advantage"),
+    (dict(microbatch_size=4, pg=estimator.PGConfig(opob=True, opob_scope="minibatch")), "opob_scope"),
+  ],
+)
+def test_microbatch_config_errors(kw, match):
+  kw = {"pg": estimator.pg_config_from_preset("vcpo"), **kw}
+  with pytest.raises(ValueError, match=match):
+    learner.LearnerConfig(**kw)
+
+
+def test_microbatch_off_is_the_single_pass():
+  pg = estimator.pg_config_from_preset("vcpo")
+  for mbs in (None, 0, 8, 16):
+    assert learner.LearnerConfig(pg=pg, microbatch_size=mbs).microbatches(8) == 1
+  assert learner.LearnerConfig(pg=pg, microbatch_size=2).microbatches(8) == 4
+  with pytest.raises(ValueError, match="microbatch_size=3 does not divide"):
+    learner.LearnerConfig(pg=pg, microbatch_size=3).microbatches(8)

@@ -378,7 +378,14 @@ def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array) -> jax.Array:
 
 
 def ghost_policy_gradient(
-  logp_fn: LogpFn, params, batch, cfg, *, method: str = "auto", materialize_budget_bytes: int = 2 << 30
+  logp_fn: LogpFn,
+  params,
+  batch,
+  cfg,
+  *,
+  method: str = "auto",
+  materialize_budget_bytes: int = 2 << 30,
+  divisor=None,
 ):
   """Drop-in fast path for `estimator.policy_gradient(logp_fn, params, batch, cfg)`.
 
@@ -386,7 +393,8 @@ def ghost_policy_gradient(
   coef_n = estimator.pg_coefficients(..., sq_score_norms_n=S_n, cfg) with S_n from the ghost norms
   (S_n is the norm of the tokw-weighted score; OPOB only runs with sequence-level weights, where
   tokw_nt = loss_mask), and the gradient from the same single backward pass. metrics also holds
-  sq_norm_n [N] (the exact S_n, whether or not cfg uses it).
+  sq_norm_n [N] (the exact S_n, whether or not cfg uses it). divisor: as in pg_coefficients (a
+  micro-batch passes 1.0).
   """
   from vcpo_jax import estimator
 
@@ -399,7 +407,9 @@ def ghost_policy_gradient(
     return estimator.pg_token_weights(logp_nt, beh, mask, cfg)
 
   def coef_fn(logp_nt, sq_n):
-    return estimator.pg_coefficients(logp_nt, beh, mask, batch["rewards"], batch["group_id"], sq_n, cfg)
+    return estimator.pg_coefficients(
+      logp_nt, beh, mask, batch["rewards"], batch["group_id"], sq_n, cfg, divisor=divisor
+    )
 
   res = ghost_sq_norms_and_grad(
     logp_fn, params, batch, tokw, coef_fn, method=method, materialize_budget_bytes=materialize_budget_bytes

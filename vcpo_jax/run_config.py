@@ -196,7 +196,13 @@ def parse_config(config) -> RunSpec:
   if c.learner.on_nonfinite not in ("skip", "abort"):
     _fail("learner.on_nonfinite", f"choose 'skip' or 'abort', got {c.learner.on_nonfinite!r}.")
   try:
-    learner_cfg = LearnerConfig(pg=pg, grad_path=c.learner.grad_path)
+    learner_cfg = LearnerConfig(
+      pg=pg,
+      grad_path=c.learner.grad_path,
+      microbatch_size=c.learner.get("microbatch_size") or None,
+      group_size=rollout.group_size,
+      batch_size=rollout.batch_size,
+    )
   except ValueError as e:
     raise ConfigError(f"config.learner: {e}") from None
   try:
