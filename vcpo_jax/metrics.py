@@ -220,7 +220,7 @@ def figure(records: list[dict], title: str, keys: Iterable[str], ylabel: str):
   all_y = np.concatenate([series(records, k)[1] for k in present])
   limits = _fraction_limits(all_y)
   for ax, x in zip(axes, ("step", "wall_time")):
-    for k, style in zip(present, _STYLES):
+    for k, style in zip(present, _STYLES if len(present) > 1 else ({"linewidth": 1.5},)):
       xs, ys = series(records, k, x)
       style = dict(style)
       if xs.size < 50 or k.startswith("eval/"):  # sparse series (few steps, evaluations): show the points
