@@ -176,7 +176,13 @@ def run(config, workdir: str) -> dict:
       Sampler(graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn)),
       train_problems,
     )
-  source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir)
+  flag: dict = {}  # the signal handlers (Loop) set flag["signal"]; every source wait polls check_signal
+
+  def check_signal():
+    if flag.get("signal"):
+      raise Interrupted(f"signal {flag['signal']}")
+
+  source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=check_signal)
 
   # ---------------------------------------------------------------- Checkpoint / resume
   ckpt = Checkpointer(
@@ -249,7 +255,6 @@ def run(config, workdir: str) -> dict:
   summary_path = fs.join(workdir, "summary.json")
   if primary:
     fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
-  flag: dict = {}
   old_handlers = _install_signal_handlers(flag)
   last_eval: dict = {}
   nonfinite_steps: list[int] = []
@@ -259,8 +264,7 @@ def run(config, workdir: str) -> dict:
       last_eval = run_eval(0, state.params)
       writer.write(0, last_eval)
     while step < spec.steps:
-      if flag.get("signal"):
-        raise Interrupted(f"signal {flag['signal']}")
+      check_signal()
       t0 = time.time()
       batch, info = source.next(step)
       t1 = time.time()
@@ -369,14 +373,14 @@ def _global_batch(batch: dict, mesh, global_n: int):
   return sharding.make_global_batch({k: v[rows] for k, v in batch.items()}, mesh, global_n)
 
 
-def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir):
+def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=None):
   from vcpo_jax.rollout.lag import LagSource
 
   if spec.mode in ("sync", "lag"):
     return LagSource(maker, spec.k if spec.mode == "lag" else 0, key)
   from vcpo_jax.rollout.async_ import AsyncSource
 
-  return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker)
+  return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
 
 
 def _state_tree(state, source):
