@@ -15,7 +15,7 @@ Launch (one accelerator host; the sampler process gets its own devices):
   python main.py --config=configs/gsm8k.py:smoke --workdir=/tmp/gsm8k_smoke   # CPU, tiny random model
   # other paths: --config.model.checkpoint=/path/Qwen2-1.5B --config.task.data_path=/path/train.parquet
 
-Released values (../shared/PAPER.md, "Released hyper-parameters"): P x G = 8 x 8,
+Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 8 x 8,
 max prompt / response 2048 / 2048, k = 12, rho_on = 1.0, AdamW lr 1e-6, wd 0.1,
 clip 1.0, constant schedule, sequence TIS c = 8, sampling temperature 1.0,
 validation temperature 0.8 / top_p 0.7 / n = 3, asynchronous. The number of

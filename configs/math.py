@@ -15,7 +15,7 @@ Launch:
       --config.method=sync                                                         # synchronous baseline
   python main.py --config=configs/math.py:smoke --workdir=/tmp/math_smoke   # CPU, tiny random model
 
-Released values (../shared/PAPER.md): P x G = 32 x 16, max prompt / response
+Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 32 x 16, max prompt / response
 1024 / 2048, k = 10 (stress runs 16..128: use mode=lag), rho_on = 1.0, AdamW lr
 1e-6, wd 0.1, clip 1.0, constant schedule, sequence TIS c = 8, temperature 1.0,
 validation temperature 0.8 / top_p 0.7 / n = 3 (MATH-500), asynchronous.

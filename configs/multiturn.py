@@ -17,7 +17,7 @@ Launch:
   python main.py --config=configs/multiturn.py --workdir=/tmp/vcpo_tool
   python main.py --config=configs/multiturn.py:smoke --workdir=/tmp/tool_smoke   # CPU, tiny random model
 
-Released values (../shared/PAPER.md): P x G = 128 x 16, max prompt / response
+Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 128 x 16, max prompt / response
 4096 / 12288 (the response budget counts policy and tool tokens), k = 2,
 rho_on = 0.55, AdamW lr 1e-6, wd 0.1, clip 1.0, constant schedule, sequence TIS
 c = 8, temperature 1.0, validation temperature 0.8 / top_p 0.7 / n = 5 (AIME).

@@ -366,7 +366,7 @@ def _problem(seed=0, stale=1.0):
 
 
 def _np_reference(logp, beh, mask, r, gid, sq, cfg):
-  """Loop-by-loop numpy transcription of PAPER.md's update (float64).
+  """Loop-by-loop numpy transcription of the paper's update (float64).
 
   Returns (coef_n, tokw_nt, rho, lr_scale): rho is the ESS ratio of the
   UNCLIPPED, UNCLAMPED weights exp(l_n) over the finite rows, lr_scale the
