@@ -2,7 +2,7 @@
 
 Dimension legend: N trajectories, P prompts, G group size, T tokens.
 
-Notation (VCPO, arXiv 2602.17616, Sec. 3):
+Notation (VCPO, arXiv 2602.17616):
   l_n   = sum_t mask_nt * (sg[logp_nt] - behavior_logp_nt)   sequence log-ratio
   w_n   = exp(l_n)                                           sequence IS ratio
   ESS   = (sum w)^2 / sum w^2 ;  rho = ESS / N               in (0, 1]
