@@ -10,8 +10,8 @@ m_nt (`loss_nt`) is 1 on the target tokens and on the EOS appended after
 them (so the policy learns to stop), 0 on the prompt and on padding. Rows use
 the rollout layout (left-padded prompt bucket Tp, then the right-padded
 response bucket Tn, T = Tp + Tn), so the positions the policy trains on are
-the positions the sampler later generates at. AdamW with global-norm clipping
-and a warmup-cosine schedule, one jitted step; batches are drawn from a seeded
+the positions the sampler later generates at. AdamW with global-norm clipping (the
+learner's optim.make_optimizer) on a warmup-cosine schedule, one jitted step; batches are drawn from a seeded
 permutation of the examples (epochs), so the result is a pure function of the
 inputs.
 
