@@ -225,6 +225,9 @@ def decode_attention(q_btnh, k_bskh, v_bskh, mask: AttentionMask, q_offset, *, b
     jnp.zeros((b, kh, r, t), jnp.float32),
     jnp.zeros((b, kh, r, t, h), jnp.float32),
   )
-  _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+  if blk == s:  # one block (short caches, e.g. on CPU): no loop, the masked dense softmax
+    _, l, acc = body(0, init)
+  else:
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
   out = acc / l[..., None]  # [B, K, R, T, H]
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(q_btnh.dtype)

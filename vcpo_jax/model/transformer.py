@@ -29,6 +29,8 @@ from vcpo_jax.model.taps import TapInfo, tap
 
 _INIT = nnx.initializers.normal(stddev=0.02)
 
+AttentionMask = attn.AttentionMask  # the mask type `forward` takes (re-exported for callers)
+
 # One layer's KV cache: (k [B, S, K, H], v [B, S, K, H]) in the compute dtype.
 LayerCache = tuple[jax.Array, jax.Array]
 
@@ -119,6 +121,7 @@ class Attention(nnx.Module):
       ck, cv = cache
       ck = jax.lax.dynamic_update_slice(ck, kk.astype(ck.dtype), (0, cache_index, 0, 0))
       cv = jax.lax.dynamic_update_slice(cv, vv.astype(cv.dtype), (0, cache_index, 0, 0))
+      ck, cv = sh.constrain(ck, sh.CACHE_BSKH), sh.constrain(cv, sh.CACHE_BSKH)
       cache = (ck, cv)
       if not isinstance(mask, attn.AttentionMask):  # an explicit [B, T, S] mask over the whole cache
         out = attn.attention(q, ck, cv, mask, **kw)
