@@ -146,7 +146,7 @@ def _splash(q_btnh, k_bskh, v_bskh, kv_valid_bs) -> jax.Array:
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 
 
-def attention(q_btnh, k_bskh, v_bskh, mask, *, q_offset: int = 0, implementation: str = "xla", chunk: int = 512):
+def attention(q_btnh, k_bskh, v_bskh, mask, *, q_offset: int = 0, implementation: str = "dense", chunk: int = 512):
   """Attention output [B, T, N, H] for queries at cache slots q_offset + [0, T).
 
   Args:
@@ -192,6 +192,7 @@ def decode_attention(q_btnh, k_bskh, v_bskh, mask: AttentionMask, q_offset, *, b
   softmax (running max m, normalizer l, weighted sum acc, all float32), up to the
   block holding slot q_offset + T - 1: a decode step at slot i reads
   ceil((i + T) / block) blocks, not S. Equal to the dense softmax up to rounding.
+  A cache of one block (S <= block, or no divisor of S >= 16) runs the dense softmax.
 
   Args:
     q_btnh: [B, T, N, H]; k_bskh, v_bskh: the cache [B, S, K, H] (this step's keys written).
@@ -202,6 +203,8 @@ def decode_attention(q_btnh, k_bskh, v_bskh, mask: AttentionMask, q_offset, *, b
   s, kh = k_bskh.shape[1], k_bskh.shape[2]
   r = n // kh
   blk = _decode_block(s, block)
+  if blk == s:  # one block (short caches, e.g. on CPU): the dense softmax, no loop
+    return _dense(q_btnh, k_bskh, v_bskh, _block_allowed(mask.kv_valid, t, 0, q_offset))
   q = q_btnh.reshape(b, t, kh, r, h).astype(jnp.float32) / jnp.sqrt(jnp.float32(h))
   num_blocks = jnp.minimum((q_offset + t + blk - 1) // blk, s // blk)
 
@@ -225,9 +228,6 @@ def decode_attention(q_btnh, k_bskh, v_bskh, mask: AttentionMask, q_offset, *, b
     jnp.zeros((b, kh, r, t), jnp.float32),
     jnp.zeros((b, kh, r, t, h), jnp.float32),
   )
-  if blk == s:  # one block (short caches, e.g. on CPU): no loop, the masked dense softmax
-    _, l, acc = body(0, init)
-  else:
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+  _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
   out = acc / l[..., None]  # [B, K, R, T, H]
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(q_btnh.dtype)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-ATTENTION_IMPLEMENTATIONS = ("xla", "dense", "chunked", "cudnn", "splash")  # see vcpo_jax.model.attention
+ATTENTION_IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn", "splash")  # see vcpo_jax.model.attention
 REMAT_CHOICES = ("none", "block")
 # jax.checkpoint_policies that are policies themselves (the others are factories taking names).
 REMAT_POLICIES = (
@@ -48,9 +48,10 @@ class ModelConfig:
     max_position: longest sequence the model is used with (cache size bound).
     dtype: compute dtype, "float32" or "bfloat16" (parameters stay float32).
     model_type: "qwen2" or "llama" (for export back to Hugging Face format).
-    attention: attention implementation (`vcpo_jax.model.attention`): "xla" (jax.nn.dot_product_attention,
-      dense), "dense" (the einsum reference), "chunked" (query chunks over their causal key prefix, never
-      [B, N, T, T]; any backend), "cudnn" (GPU flash attention), "splash" (TPU Pallas kernel).
+    attention: attention implementation (`vcpo_jax.model.attention`): "dense" (the einsum reference, the
+      default: bitwise the model's attention before the option existed), "xla" (jax.nn.dot_product_attention,
+      dense too), "chunked" (query chunks, never [B, N, T, T]; any backend: the choice for long sequences
+      without a fused kernel), "cudnn" (GPU flash attention), "splash" (TPU Pallas kernel).
     attention_chunk: query chunk of "chunked" and key block of the cached decode attention, in tokens.
     remat: rematerialization of each block in the backward pass: "none", "block" (save only the block
       inputs) or the name of a `jax.checkpoint_policies` policy (e.g. "dots_with_no_batch_dims_saveable").
@@ -70,7 +71,7 @@ class ModelConfig:
   max_position: int = 2048
   dtype: str = "float32"
   model_type: str = "llama"
-  attention: str = "xla"
+  attention: str = "dense"
   attention_chunk: int = 512
   remat: str = "none"
 
