@@ -29,8 +29,9 @@ Implementations (`ModelConfig.attention`), all exact:
              [B, N, T, S]). Same flops as dense (masked blocks are computed).
   "splash":  the TPU Pallas splash-attention kernel (segment ids: valid = 1, pad = 0,
              causal), imported lazily. Needs TPU, T a multiple of its 512 block, and
-             a shard_map over the mesh when sharded; self-attention only, like "cudnn".
-             Not run in this repository's tests.
+             a shard_map over the mesh when sharded (not wired here: under GSPMD a Pallas
+             call is not partitioned); self-attention only, like "cudnn". Checked against
+             "dense" in the Pallas interpreter on CPU (tests), never run on a TPU here.
 
 Decoding with a KV cache at a traced slot (`decode_attention`) always runs
 blockwise with an online softmax over only the filled blocks of the cache
@@ -122,8 +123,11 @@ def _cudnn(q_btnh, k_bskh, v_bskh, kv_valid_bs) -> jax.Array:
   return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, bias=bias, is_causal=True, implementation="cudnn")
 
 
-def _splash(q_btnh, k_bskh, v_bskh, kv_valid_bs) -> jax.Array:
-  """TPU splash attention: per kv head an MQA kernel over its R query heads (no K/V repeat)."""
+def _splash(q_btnh, k_bskh, v_bskh, kv_valid_bs, *, block: int = 512, interpret: bool = False) -> jax.Array:
+  """TPU splash attention: per kv head an MQA kernel over its R query heads (no K/V repeat).
+
+  `interpret=True` runs the Pallas kernel in the interpreter (any backend: the tests' CPU check).
+  """
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -131,7 +135,18 @@ def _splash(q_btnh, k_bskh, v_bskh, kv_valid_bs) -> jax.Array:
   kh = k_bskh.shape[2]
   r = n // kh
   mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(r)])
-  kernel = sk.make_splash_mqa_single_device(mask)
+  blk = min(block, t)
+  sizes = sk.BlockSizes(
+    block_q=blk,
+    block_kv=blk,
+    block_kv_compute=blk,
+    block_q_dkv=blk,
+    block_kv_dkv=blk,
+    block_kv_dkv_compute=blk,
+    block_q_dq=blk,
+    block_kv_dq=blk,
+  )
+  kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
   seg = kv_valid_bs.astype(jnp.int32)  # pad tokens form segment 0: they see only each other
   q = (q_btnh / jnp.sqrt(jnp.float32(h)).astype(q_btnh.dtype)).reshape(b, t, kh, r, h)
   q = jnp.transpose(q, (0, 2, 3, 1, 4))  # [B, K, R, T, H]
