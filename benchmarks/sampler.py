@@ -1,17 +1,20 @@
 """Generation throughput: vcpo_jax.sampler vs transformers' PyTorch `generate`, side by side.
 
-    python -m benchmarks.sampler                      # batch 16, prompt 32, new 128, best of 3
-    python -m benchmarks.sampler --batch 16 --prompt 32 --new 128 --repeats 3 --models tiny,small
+    python -m benchmarks.sampler                      # batch 16, prompt 32, new 128, 5 rounds, all cores
+    python -m benchmarks.sampler --batch 16 --prompt 32 --new 128 --rounds 5 --models tiny,small --threads 2
 
 Both sides get the same tiny Qwen2 config and weights (a random transformers
 Qwen2ForCausalLM, copied into our model with `hf_io.params_from_hf`; the logits
 difference is printed), the same prompts (no padding), the same sampling settings,
-and always generate exactly `--new` tokens (no EOS). Times are wall-clock per full
-generate call, best of `--repeats` after one warm-up call (our warm-up includes the
-compile, reported separately). tokens/s = batch * new / time. PyTorch is timed with
-each of --torch-threads (default: 1 and torch's default count) and the fastest is used (on a shared,
-loaded machine the multi-threaded OpenMP path can be 20x slower than one thread;
-taking the best keeps the comparison conservative).
+and always generate exactly `--new` tokens (no EOS).
+
+Fairness: both sides get the SAME threads. The process is pinned to `--threads`
+cores (os.sched_setaffinity, before jax starts, so XLA's thread pool sees only
+those cores) and torch runs `torch.set_num_threads(--threads)`. After one warm-up
+call per side (ours includes the compile, reported separately), the sides run
+interleaved, round by round (ours, theirs, ours, theirs, ...), so a change of
+machine load hits both; each round gives one ratio theirs/ours, and the table
+reports the median and range of the per-round ratios, with the load average.
 Prints a table and ends with one JSON line.
 """
 
@@ -20,7 +23,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+
+
+def _pin_threads(argv) -> int:
+  """Pins this process to the first --threads cores before jax/torch start; returns the count."""
+  threads = os.cpu_count() or 1
+  args = list(sys.argv[1:] if argv is None else argv)
+  for i, a in enumerate(args):
+    if a.startswith("--threads"):
+      threads = int(a.split("=", 1)[1] if "=" in a else args[i + 1])
+  if hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+  return threads
+
+
+if __name__ == "__main__":
+  _THREADS = _pin_threads(None)
 
 import jax
 import numpy as np
@@ -57,13 +77,19 @@ def build_pair(cfg, seed=0):
   return hf, graphdef, params
 
 
-def best_of(fn, repeats):
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return min(times)
+def _timed(fn) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
+
+
+def interleaved(ours, theirs, rounds: int) -> tuple[list[float], list[float]]:
+  """Runs ours and theirs alternately `rounds` times; returns both lists of wall times."""
+  t_ours, t_theirs = [], []
+  for _ in range(rounds):
+    t_ours.append(_timed(ours))
+    t_theirs.append(_timed(theirs))
+  return t_ours, t_theirs
 
 
 def main(argv=None):
@@ -71,20 +97,20 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--prompt", type=int, default=32)
   ap.add_argument("--new", type=int, default=128)
-  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (one call per side each)")
   ap.add_argument("--models", default="tiny,small")
   ap.add_argument("--settings", default=",".join(SETTINGS))
-  ap.add_argument(
-    "--torch-threads",
-    default="1,default",
-    help="PyTorch thread counts to try (the fastest is compared); 'default' = torch's own",
-  )
+  ap.add_argument("--threads", type=int, default=os.cpu_count(), help="cores (and torch threads) for BOTH sides")
   args = ap.parse_args(argv)
+  if argv is not None:  # called as a function: pin here (jax may already run; then only torch is limited)
+    _pin_threads(argv)
+  torch.set_num_threads(args.threads)
   b, tp, tn = args.batch, args.prompt, args.new
+  cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
   print(
     f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
     f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-    f"cpus {os.cpu_count()}; batch {b}, prompt {tp}, new {tn}, best of {args.repeats}"
+    f"cores {cores} of {os.cpu_count()}; batch {b}, prompt {tp}, new {tn}, {args.rounds} interleaved rounds"
   )
   rows = []
   for model_name in args.models.split(","):
@@ -112,7 +138,7 @@ def main(argv=None):
       out = smp.generate(params, prompt_lists, key)
       first_call = time.perf_counter() - t0
       assert (out.lengths == tn).all()
-      ours = best_of(lambda: smp.generate(params, prompt_lists, key), args.repeats)
+      compile_s = first_call - _timed(lambda: smp.generate(params, prompt_lists, key))
 
       ids = torch.as_tensor(prompts)
       # top_k=0 must be explicit: None falls back to transformers' default top_k=50.
@@ -132,16 +158,11 @@ def main(argv=None):
         assert res.shape == (b, tp + tn)
 
       torch.manual_seed(0)
-      default_threads = torch.get_num_threads()
-      per_threads = {}
-      thread_options = {default_threads if t == "default" else int(t) for t in args.torch_threads.split(",")}
-      for threads in sorted(thread_options):
-        torch.set_num_threads(threads)
-        hf_generate()  # warm-up
-        per_threads[threads] = best_of(hf_generate, args.repeats)
-      torch.set_num_threads(default_threads)
-      hf_threads = min(per_threads, key=per_threads.get)
-      theirs = per_threads[hf_threads]
+      hf_generate()  # warm-up
+      load_before = os.getloadavg()[0]
+      t_ours, t_hf = interleaved(lambda: smp.generate(params, prompt_lists, key), hf_generate, args.rounds)
+      ratios = [h / o for o, h in zip(t_ours, t_hf)]
+      ours, theirs = float(np.median(t_ours)), float(np.median(t_hf))
       rows.append(
         dict(
           model=model_name,
@@ -154,27 +175,35 @@ def main(argv=None):
           hf_s=theirs,
           ours_tok_s=b * tn / ours,
           hf_tok_s=b * tn / theirs,
-          hf_threads=hf_threads,
-          hf_s_by_threads=per_threads,
-          speedup=theirs / ours,
-          compile_s=first_call - ours,
+          threads=args.threads,
+          ours_round_s=t_ours,
+          hf_round_s=t_hf,
+          speedup=float(np.median(ratios)),
+          speedup_min=min(ratios),
+          speedup_max=max(ratios),
+          load_avg=[load_before, os.getloadavg()[0]],
+          compile_s=compile_s,
           logits_max_abs_diff=parity,
         )
       )
 
   hdr = (
-    f"{'model':6} {'params':>8} {'setting':17} {'ours tok/s':>11} {'HF tok/s':>10} {'HF thr':>6} {'speedup':>8} "
-    f"{'ours s':>7} {'HF s':>7} {'compile s':>9} {'|dlogits|':>9}"
+    f"{'model':6} {'params':>8} {'setting':17} {'ours tok/s':>11} {'HF tok/s':>10} {'thr':>3} {'speedup':>8} "
+    f"{'range':>13} {'load':>9} {'compile s':>9} {'|dlogits|':>9}"
   )
   print(hdr)
   print("-" * len(hdr))
   for r in rows:
     print(
-      f"{r['model']:6} {r['params']:>8} {r['setting']:17} {r['ours_tok_s']:>11.0f} {r['hf_tok_s']:>10.0f} {r['hf_threads']:>6} "
-      f"{r['speedup']:>7.2f}x {r['ours_s']:>7.3f} {r['hf_s']:>7.3f} {r['compile_s']:>9.2f} "
-      f"{r['logits_max_abs_diff']:>9.1e}"
+      f"{r['model']:6} {r['params']:>8} {r['setting']:17} {r['ours_tok_s']:>11.0f} {r['hf_tok_s']:>10.0f} {r['threads']:>3} "
+      f"{r['speedup']:>7.2f}x {r['speedup_min']:>5.2f}-{r['speedup_max']:<5.2f}x "
+      f"{r['load_avg'][0]:>4.1f}-{r['load_avg'][1]:<4.1f} {r['compile_s']:>9.2f} {r['logits_max_abs_diff']:>9.1e}"
     )
-  print(json.dumps(dict(benchmark="sampler", goal_speedup=1.5, min_speedup=min(r["speedup"] for r in rows), rows=rows)))
+  print(
+    json.dumps(
+      dict(benchmark="sampler", goal_speedup=1.5, min_median_speedup=min(r["speedup"] for r in rows), rows=rows)
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,11 @@ Transports (both with room for `--nslots` batches, so both apply back-pressure):
               handed back at the next get.
 The producer side is the same for the three shm modes: one memcpy into the slot.
 
-Throughput is bytes delivered per second over `--reps` batches after a warm-up,
-median over `--trials` windows. "of memcpy" divides it by the bandwidth of a
+The consumer READS every byte it receives (an xor checksum, `read_all`), in every
+transport, so a zero-copy view is charged for the data it hands over. All transports
+run at once (each with its own producer) and are timed interleaved, round by round
+(`--trials` rounds, one window of batches per transport each); the table gives the
+median throughput and the median and range of the per-round ratios to mp.Queue. "of memcpy" divides it by the bandwidth of a
 plain in-process numpy copy of the same batch into preallocated arrays (best of
 several), the ceiling for any transport that copies the data once. The last
 line of output is one JSON object with every number.
@@ -94,52 +97,77 @@ def _producer(q, transport: str, n: int, t: int, count: int):
       q.put(batch, {"i": i}, timeout=120)
 
 
-def measure(transport: str, size: str, nslots: int, reps: int, trials: int, warmup: int) -> dict:
-  """Median batches/s over `trials` windows of `reps` batches, taken by this process."""
-  n, t = SIZES[size]
-  total = warmup + reps * trials
-  if transport == "mp.Queue":
-    q = SPAWN.Queue(maxsize=nslots)
-  else:
-    q = ShmQueue(schema(n, t), nslots=nslots)
-  p = SPAWN.Process(target=_producer, args=(q, transport, n, t, total), daemon=True)
-  p.start()
-  out = None
-  if transport == "shm out":
-    out = {k: np.empty_like(v) for k, v in make_batch(n, t).items()}
-  if transport != "mp.Queue":
-    q.watch(p)
+def read_all(arrays: dict[str, np.ndarray]) -> int:
+  """Reads every byte of the batch (an xor checksum), as a learner's host-to-device copy would.
 
-  def take(i):
-    if transport == "mp.Queue":
-      arrays, meta = q.get(timeout=120)
+  Every transport's consumer calls it, so a zero-copy view is charged for the bytes it hands over.
+  """
+  acc = 0
+  for a in arrays.values():
+    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    word = flat[: flat.size // 8 * 8].view(np.uint64)
+    acc ^= int(np.bitwise_xor.reduce(word)) if word.size else 0
+    acc ^= int(np.bitwise_xor.reduce(flat[word.size * 8 :])) if flat.size % 8 else 0
+  return acc
+
+
+class Channel:
+  """One transport between a spawned producer and this process; `take()` returns one read batch."""
+
+  def __init__(self, transport: str, size: str, nslots: int, total: int):
+    n, t = SIZES[size]
+    self.transport, self.i = transport, 0
+    self.q = SPAWN.Queue(maxsize=nslots) if transport == "mp.Queue" else ShmQueue(schema(n, t), nslots=nslots)
+    self.out = {k: np.empty_like(v) for k, v in make_batch(n, t).items()} if transport == "shm out" else None
+    self.p = SPAWN.Process(target=_producer, args=(self.q, transport, n, t, total), daemon=True)
+    self.p.start()
+    if transport != "mp.Queue":
+      self.q.watch(self.p)
+
+  def take(self) -> int:
+    if self.transport == "mp.Queue":
+      arrays, meta = self.q.get(timeout=120)
     else:
-      item = q.get(timeout=120, copy=transport != "shm views", out=out)
+      item = self.q.get(timeout=120, copy=self.transport != "shm views", out=self.out)
       arrays, meta = item.arrays, item.meta
-    assert meta["i"] == i, (meta, i)
-    return arrays
+    assert meta["i"] == self.i, (meta, self.i)
+    self.i += 1
+    return read_all(arrays)
 
-  try:
-    for i in range(warmup):
-      take(i)
-    rates, i = [], warmup
-    for _ in range(trials):
-      t0 = time.perf_counter()
-      for _ in range(reps):
-        take(i)
-        i += 1
-      rates.append(reps / (time.perf_counter() - t0))
-    p.join(60)
-  finally:
-    if p.is_alive():
-      p.kill()
-      p.join()
-    if transport == "mp.Queue":
-      q.close()
-      q.join_thread()
+  def close(self):
+    self.p.join(60)
+    if self.p.is_alive():
+      self.p.kill()
+      self.p.join()
+    if self.transport == "mp.Queue":
+      self.q.close()
+      self.q.join_thread()
     else:
-      q.close()
-  return {"batches_per_s": statistics.median(rates), "batches_per_s_trials": rates}
+      self.q.close()
+
+
+def measure(transports, size: str, nslots: int, reps: int, rounds: int, warmup: int) -> dict[str, list[float]]:
+  """Batches/s per round for every transport, the transports timed INTERLEAVED round by round.
+
+  All producers start first; an idle producer blocks on its full queue (back-pressure), so only the
+  transport being timed moves data. Each round times one window of `reps` batches per transport.
+  """
+  chans = {tr: Channel(tr, size, nslots, warmup + reps * rounds) for tr in transports}
+  try:
+    for ch in chans.values():
+      for _ in range(warmup):
+        ch.take()
+    rates = {tr: [] for tr in transports}
+    for _ in range(rounds):
+      for tr, ch in chans.items():
+        t0 = time.perf_counter()
+        for _ in range(reps):
+          ch.take()
+        rates[tr].append(reps / (time.perf_counter() - t0))
+  finally:
+    for ch in chans.values():
+      ch.close()
+  return rates
 
 
 def memcpy_bandwidth(size: str, repeats: int = 10) -> float:
@@ -162,7 +190,7 @@ def main(argv=None):
   ap.add_argument("--sizes", default="small,medium,large")
   ap.add_argument("--transports", default=",".join(TRANSPORTS))
   ap.add_argument("--nslots", type=int, default=4)
-  ap.add_argument("--trials", type=int, default=3)
+  ap.add_argument("--trials", type=int, default=3, help="interleaved rounds (one window per transport each)")
   ap.add_argument("--scale", type=float, default=1.0, help="multiplies the batch counts")
   args = ap.parse_args(argv)
   sizes = args.sizes.split(",")
@@ -170,7 +198,7 @@ def main(argv=None):
   reps_for = {"small": 200, "medium": 30, "large": 10}
 
   rows = []
-  hdr = f"{'batch':<8}{'MiB':>7}  {'transport':<10}{'batches/s':>11}{'GB/s':>8}{'of memcpy':>11}{'vs mp.Queue':>13}"
+  hdr = f"{'batch':<8}{'MiB':>7}  {'transport':<10}{'batches/s':>11}{'GB/s':>8}{'of memcpy':>11}  vs mp.Queue (range)"
   print(f"cpus={os.cpu_count()} loadavg={os.getloadavg()[0]:.1f} nslots={args.nslots} trials={args.trials}")
   print(hdr)
   print("-" * len(hdr))
@@ -178,30 +206,30 @@ def main(argv=None):
     b = nbytes(make_batch(*SIZES[size]))
     bw = memcpy_bandwidth(size)
     reps = max(2, int(reps_for[size] * args.scale))
-    base = None
+    rates = measure(transports, size, args.nslots, reps, args.trials, warmup=max(2, args.nslots + 1))
+    base = rates.get("mp.Queue")
     for tr in transports:
-      r = measure(tr, size, args.nslots, reps, args.trials, warmup=max(2, args.nslots + 1))
-      gbps = r["batches_per_s"] * b / 1e9
-      if tr == "mp.Queue":
-        base = r["batches_per_s"]
-      ratio = r["batches_per_s"] / base if base else float("nan")
-      row = dict(
-        batch=size,
-        N=SIZES[size][0],
-        T=SIZES[size][1],
-        mib=b / 2**20,
-        transport=tr,
-        batches_per_s=r["batches_per_s"],
-        gb_per_s=gbps,
-        memcpy_gb_per_s=bw / 1e9,
-        frac_of_memcpy=gbps * 1e9 / bw,
-        ratio_vs_mp_queue=ratio,
-        trials_batches_per_s=r["batches_per_s_trials"],
-      )
+      med = statistics.median(rates[tr])
+      gbps = med * b / 1e9
+      ratios = [x / y for x, y in zip(rates[tr], base)] if base else [float("nan")]
+      row = {
+        "batch": size,
+        "N": SIZES[size][0],
+        "T": SIZES[size][1],
+        "mib": b / 2**20,
+        "transport": tr,
+        "batches_per_s": med,
+        "gb_per_s": gbps,
+        "memcpy_gb_per_s": bw / 1e9,
+        "frac_of_memcpy": gbps * 1e9 / bw,
+        "ratio_vs_mp_queue": statistics.median(ratios),
+        "ratio_range": [min(ratios), max(ratios)],
+        "rounds_batches_per_s": rates[tr],
+      }
       rows.append(row)
       print(
-        f"{size:<8}{b / 2**20:>7.1f}  {tr:<10}{r['batches_per_s']:>11.1f}{gbps:>8.2f}"
-        f"{row['frac_of_memcpy']:>11.2f}{ratio:>13.1f}",
+        f"{size:<8}{b / 2**20:>7.1f}  {tr:<10}{med:>11.1f}{gbps:>8.2f}"
+        f"{row['frac_of_memcpy']:>11.2f}{row['ratio_vs_mp_queue']:>9.1f} ({min(ratios):.1f}-{max(ratios):.1f})",
         flush=True,
       )
     print(f"{'':<8}{'':>7}  {'memcpy':<10}{bw / b:>11.1f}{bw / 1e9:>8.2f}{1.0:>11.2f}")
@@ -210,6 +238,7 @@ def main(argv=None):
     "benchmark": "shm_queue",
     "cpus": os.cpu_count(),
     "nslots": args.nslots,
+    "loadavg_end": os.getloadavg()[0],
     "large_ratio_vs_mp_queue": large,
     "goal_8x_large": {k: v >= 8 for k, v in large.items() if k != "mp.Queue"},
     "rows": rows,

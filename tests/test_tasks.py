@@ -3,6 +3,8 @@
 import json
 import os
 import random
+import re
+import threading
 import time
 
 import pyarrow as pa
@@ -185,6 +187,7 @@ def test_math_verify_real_worker():
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=300))
 def test_score_never_raises_on_any_text(text):
+  before = tasks.grading_failures()
   for task, ref in [
     ("gsm8k", "12"),
     ("aime", "7"),
@@ -193,6 +196,21 @@ def test_score_never_raises_on_any_text(text):
   ]:
     r = tasks.score(task, text, ref)
     assert 0.0 <= r <= 1.0
+  # answers' fast path alone (no math-verify calls): any text, as output and as reference
+  assert answers.answers_match(text, "1, (2, 3]", use_math_verify=False) in (True, False)
+  assert answers.answers_match("\\frac{1}{2}", text, use_math_verify=False) in (True, False)
+  answers.extract_math(text)
+  assert tasks.grading_failures() == before  # junk is graded, not a grading bug
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet="0123456789,.-+ ()[]{}\\$%/:=xmabc\n", max_size=80))
+def test_fast_path_total_on_answer_like_text(text):
+  # Answer-shaped junk (brackets, commas, signs, units) through every fast-path branch.
+  for ref in ("1, 2", "(1, 2]", "10\\%", "1 1/2", "12,000", "x"):
+    assert answers.answers_match(text, ref, use_math_verify=False) in (True, False)
+    assert answers.answers_match(ref, text, use_math_verify=False) in (True, False)
+  assert answers.answers_match(text, text, use_math_verify=False) in (True, False)
 
 
 @pytest.mark.parametrize("junk", [None, 42, b"\\boxed{4}", ["#### 4"], "\x00" * 100, "\\boxed{" * 1000 + "}"])
@@ -505,3 +523,302 @@ def test_registry_make_problems():
       assert 0.0 <= tasks.score(p.task, "garbage", p.reference) < 0.5
   with pytest.raises(ValueError, match="has 22 problems"):
     tasks.TASKS["gsm8k"].make_problems("test", 100, 0)
+
+
+# ----------------------------------------------------------------------------
+# Issue 12 items 2 and 14, issue 11: answer sets, peer agreement, bounded cost,
+# parallel math-verify, configured task objects, counted grading failures
+# ----------------------------------------------------------------------------
+ISSUE_CASES = [
+  # several boxes joined by connectors are one answer, graded as a set
+  ("math", r"\[\boxed{-2}\quad\text{and}\quad\boxed{1}\]", "1,-2", True),
+  ("math", r"The integers are $\boxed{-2}$ and $\boxed{1}$.", "1, -2", True),
+  ("math", r"The integers are $\boxed{-2}$ and $\boxed{1}$.", "1", False),  # a list is not one of its items
+  ("math", r"$x = \boxed{2}$, $y = \boxed{3}$", "2, 3", True),
+  ("math", r"\boxed{1,2}", r"$\boxed{1}\boxed{2}$", True),  # a boxed reference reads the same way
+  ("math", r"first \boxed{3}, but wait: then \boxed{4}", "3, 4", False),  # a correction, not a list
+  # lists vs thousands separators
+  ("math", r"is $\boxed{32, 349}$", "32349", False),  # a list of two numbers
+  ("math", r"is $\boxed{32,\! 349}$", "32349", True),  # LaTeX's thousands idiom
+  ("math", r"\boxed{32,349}", "32349", True),  # one grouped number
+  ("math", r"\boxed{11,\! 111,\! 111,\! 100}", "11111111100", True),
+  ("math", r"\boxed{-2,1}", "1, -2", True),
+  ("math", r"\boxed{1,22}", "1.22", False),  # a list, never a decimal comma
+  ("math", r"\boxed{3, 1, 2}", "1, 2, 3", True),  # bare lists are unordered
+  ("math", r"\boxed{1, 2}", "1, 2, 3", False),
+  ("math", r"\boxed{1, 1, 2}", "1, 2", False),  # a multiset: every item once
+  ("math", r"\boxed{(2, 1)}", "(1, 2)", False),  # tuples are ordered
+  ("math", r"\boxed{[1, 2]}", "(1, 2)", False),  # and their brackets count
+  ("math", r"\boxed{(1, 4.5)}", r"(1, \frac{9}{2})", True),
+  ("math", r"$\boxed{1, 2, 3, \ldots}$", "1, 2, 3", False),
+  # the later final-answer statement beats an earlier box
+  (
+    "math",
+    r"so $0.05 \cdot 10,200 / 2 = \boxed{255}$. Final Answer: The final answer is $10,455$. I hope it is correct.",
+    "10455",
+    True,
+  ),
+  ("math", r"so $\boxed{255}$. Final Answer: The final answer is $10,455$.", "255", False),
+  ("math", r"The final answer is $\boxed{5}$.", "5", True),
+  ("math", "Final Answer: The largest $n$ is 34.", "34", True),
+  # percent: X% is X or X/100; a bare number is never its 100-fold
+  ("math", r"\boxed{10\%}", "0.1", True),
+  ("math", r"\boxed{0.1}", r"10\%", True),
+  ("math", r"\boxed{10\%}", "10", True),
+  ("math", r"\boxed{10}", "0.1", False),
+  ("math", r"\boxed{28 percent}", "0.28", True),
+  ("math", r"\boxed{28}", "0.28", False),
+  # the exact-decimal policy is unchanged
+  ("math", r"\boxed{0.0833}", r"\frac{1}{12}", False),
+  ("math", r"\boxed{0.333}", "1/3", False),
+  ("math", r"\boxed{0.125}", r"\frac{1}{8}", True),
+  # mixed numbers, clock times, glued letters, function names
+  ("math", r"\boxed{1 1/2}", "1.5", True),
+  ("math", r"\boxed{2\frac58}", "2.625", True),
+  ("math", r"\boxed{8:34 \text{ p.m.}}", "20:34", True),
+  ("math", r"\boxed{10m}", "10", False),  # 10 times m
+  ("math", r"\boxed{10 m}", "10", True),  # 10 metres
+  ("math", r"\boxed{y = 2x + 3}", "f(x) = 2x + 3", True),
+]
+
+
+@pytest.mark.parametrize("task,output,reference,expected", ISSUE_CASES)
+def test_issue_grading_examples(task, output, reference, expected):
+  r = tasks.score(task, output, reference)
+  assert tasks.is_correct(r) == expected, (output, reference, r)
+
+
+def test_extract_math_rules():
+  assert answers.extract_math(r"\boxed{-2} \quad \text{and} \quad \boxed{1}") == "-2, 1"
+  assert answers.extract_math(r"first \boxed{3} then \boxed{4}") == "4"
+  assert answers.extract_math(r"\boxed{200} ... \boxed{255} ... The final answer is $10,455$.") == "10,455"
+  assert answers.extract_math(r"The answer is $\boxed{\frac{1}{2}}$") == r"\frac{1}{2}"
+  assert answers.extract_math("Final Answer: The final answer is $(0, 1)$. I hope it is correct.") == "(0, 1)"
+  assert answers.extract_math("nothing") is None
+  assert answers.reference_answer(r"so $\boxed{1}\boxed{2}$", "math") == "1, 2"
+
+
+def _as_output(pred: str) -> str:
+  """A peer case's prediction as a model output: boxed, unless it already has a box or an answer statement."""
+  return pred if ("\\boxed" in pred or "answer" in pred.lower()) else "\\boxed{" + pred + "}"
+
+
+PEER_CASES = os.path.join(os.path.dirname(__file__), "data", "grading_cases.jsonl")
+
+
+def peer_agreement() -> tuple[float, list]:
+  """(agreement, disagreements) of tasks.score("math") with the peer cases' expected verdicts.
+
+  python -c "from tests.test_tasks import peer_agreement as f; a, w = f(); print(a, len(w))"
+  """
+  with open(PEER_CASES) as f:
+    rows = [json.loads(line) for line in f][1:]
+  assert len(rows) >= 200 and all(r["source"] and isinstance(r["expected"], bool) for r in rows)
+  rewards, failures = tasks.score_batch("math", [_as_output(r["pred"]) for r in rows], [r["gold"] for r in rows])
+  assert failures == 0
+  wrong = [(r["gold"], r["pred"], r["expected"]) for r, x in zip(rows, rewards) if tasks.is_correct(x) != r["expected"]]
+  return 1 - len(wrong) / len(rows), wrong
+
+
+def test_peer_grading_agreement(monkeypatch):
+  # Answer-only cases of Math-Verify, hendrycks MATH, MARIO and Qwen2.5-Math's own
+  # tests (tests/data/grading_cases.jsonl, each with its source). Before issue 12
+  # this grader agreed on 186/216 (86.1%); the remaining disagreements are by
+  # policy: approximate decimals (0.0833 vs 1/12), decimal commas (1,22 vs 1.22),
+  # hendrycks's ordered bare lists.
+  # A loaded test machine must not turn slow-but-decidable math-verify cases into
+  # timeouts; the calls run in parallel, so the one case that always times out
+  # ([1, oo) vs [2^(2^-1000), oo)) costs no extra wall time.
+  monkeypatch.setattr(answers, "MATH_VERIFY_TIMEOUT_S", 20.0)
+  agreement, wrong = peer_agreement()
+  assert agreement >= 0.92, f"agreement {agreement:.3f}; disagreements:\n" + "\n".join(map(repr, wrong))
+
+
+class _CountingRe:
+  """Stands in for the `re` module inside countdown: records the length of every string a regex sees."""
+
+  def __init__(self):
+    self.lengths = []
+
+  def __getattr__(self, name):
+    fn = getattr(re, name)
+    if name not in ("fullmatch", "match", "search", "findall", "finditer", "sub", "split"):
+      return fn
+
+    def wrapped(pattern, string, *args, **kwargs):
+      self.lengths.append(len(string))
+      return fn(pattern, string, *args, **kwargs)
+
+    return wrapped
+
+
+def test_countdown_grading_cost_bounded_on_unclosed_tags(monkeypatch):
+  # 128 KB of unclosed <answer> tags used to cost 7.9 s (a lazy regex rescanning from
+  # every tag). Now the whole output is only scanned by two str.rfind calls; every
+  # regex and the parser see at most the expression itself.
+  spy = _CountingRe()
+  parsed = []
+  real_parse = countdown.ast.parse
+  monkeypatch.setattr(countdown, "re", spy)
+  monkeypatch.setattr(countdown.ast, "parse", lambda s, *a, **k: parsed.append(len(s)) or real_parse(s, *a, **k))
+  assert not [v for v in vars(countdown).values() if isinstance(v, re.Pattern)]  # no precompiled regex bypasses the spy
+  bad = "<answer>" * (128 * 1024 // len("<answer>"))
+  assert countdown.verify(bad + "\n50 + 25", REF) == {"correct": 1.0, "format": 0.0, "reward": 1.0}
+  assert countdown.verify(bad + "<answer>50 + 25</answer>", REF)["reward"] == 1.0
+  assert countdown.verify(bad, REF)["reward"] == 0.0
+  assert countdown.verify("</answer>" * 16384 + "<answer>" * 16384, REF)["reward"] == 0.0
+  assert max(spy.lengths) <= countdown.MAX_EXPRESSION_CHARS and len(spy.lengths) <= 4
+  assert max(parsed) <= countdown.MAX_EXPRESSION_CHARS and len(parsed) <= 2
+  # Only the last MAX_OUTPUT_CHARS characters are read (documented cap).
+  far = "<answer>50 + 25</answer>" + " " * countdown.MAX_OUTPUT_CHARS + "x"
+  assert countdown.extract_expression(far) == ("x", False)
+
+
+def test_math_grading_adversarial_inputs_stay_fast():
+  # Inputs that make nested-quantifier regexes backtrack exponentially or naive
+  # scans quadratic; linear scans finish these in well under a second. Generous
+  # hang guard, not a benchmark.
+  t0 = time.perf_counter()
+  gap = " " * 150 + "x"  # a long non-connector gap between boxes
+  assert tasks.score("math", "\\boxed{1}" + gap + "\\boxed{2}", "2") == 1.0
+  assert tasks.score("math", "\\boxed{1 " + "m " * 200 + "x}", "1") == 0.0  # unit-like words, then a failure
+  assert tasks.score("math", "answer is " * 20_000, "1") == 0.0
+  assert tasks.score("math", "\\boxed{" * 20_000 + "answer: 3", "3") == 1.0
+  assert tasks.score("math", "$" * 100_000 + "\\boxed{3}", "3") == 1.0
+  assert time.perf_counter() - t0 < 30.0
+
+
+_BARRIER_WORKER = """
+import json, os, sys, time
+d, n = {dir!r}, {n}
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+for line in sys.stdin:
+    open(os.path.join(d, "%d-%d" % (os.getpid(), time.monotonic_ns())), "w").close()
+    deadline = time.time() + 20  # a serial pool would stall here and answer False
+    while len(os.listdir(d)) < n and time.time() < deadline:
+        time.sleep(0.01)
+    sys.stdout.write(json.dumps({{"ok": len(os.listdir(d)) >= n}}) + "\\n"); sys.stdout.flush()
+"""
+
+
+@pytest.mark.parametrize("via", ["math_verify_many", "score_batch"])
+def test_math_verify_pool_runs_calls_concurrently(tmp_path, monkeypatch, via):
+  # Each fake worker answers True only once all n requests are in flight at the same
+  # time: a pool that ran them one after another (the old single worker) would answer
+  # False after 20 s. So all-True proves n concurrent calls in n distinct processes:
+  # n slow (timeout-bound) cases cost about one timeout, not n.
+  n = 3
+  pool = answers._MathVerifyPool(n, code=_BARRIER_WORKER.format(dir=str(tmp_path), n=n))
+  monkeypatch.setattr(answers, "_POOL", pool)
+  try:
+    if via == "math_verify_many":
+      got = answers.math_verify_many([("x+%d" % i, "%d+x" % i) for i in range(n)], timeout_s=60.0)
+    else:  # symbolic answers go to math-verify; score_batch grades them in parallel
+      got, failures = tasks.score_batch("math", ["\\boxed{x+%d}" % i for i in range(n)], ["%d+x" % i for i in range(n)])
+      assert failures == 0
+    assert all(got), got
+    assert len({name.split("-")[0] for name in os.listdir(tmp_path)}) == n  # n worker processes
+  finally:
+    pool.close()
+
+
+def test_math_verify_pool_call_is_bounded_when_all_workers_are_busy(monkeypatch):
+  pool = answers._MathVerifyPool(1, code=_HANGING_WORKER, wait_s=0.5)
+  monkeypatch.setattr(answers, "_POOL", pool)
+  try:
+    busy = threading.Thread(target=answers.math_verify_equal, args=("x", "y", 3.0))
+    busy.start()
+    time.sleep(0.2)
+    assert answers.math_verify_equal("x", "x+0", timeout_s=3.0) is False  # no free worker within wait_s
+    busy.join()
+    assert pool._free.qsize() == 1  # the hung worker was killed and handed back
+  finally:
+    pool.close()
+  with pytest.raises(ValueError, match="pool size"):
+    answers._MathVerifyPool(0)
+
+
+def test_score_uses_a_configured_task_object():
+  out = "<answer>3 + 3</answer>"  # well formed, wrong
+  assert tasks.score("countdown", out, REF) == pytest.approx(0.1)  # the registry's default instance
+  assert tasks.score(countdown.CountdownTask(format_weight=0.0), out, REF) == 0.0
+  assert tasks.score(countdown.CountdownTask(format_weight=0.3), out, REF) == pytest.approx(0.3)
+  strict = countdown.CountdownTask(require_format=True)
+  assert tasks.score(strict, "50 + 25", REF) == 0.0 and tasks.score("countdown", "50 + 25", REF) == 1.0
+  assert tasks.score(datasets.TextTask("aime"), "\\boxed{033}", "33") == 1.0
+  rewards, failures = tasks.score_batch(countdown.CountdownTask(format_weight=0.0), [out, "50 + 25"], [REF, REF])
+  assert rewards == [0.0, 1.0] and failures == 0
+  with pytest.raises(ValueError, match="numbers"):
+    tasks.score(countdown.CountdownTask(), out, "75")  # malformed reference still raises
+  with pytest.raises(ValueError, match="task object"):
+    tasks.score(object(), out, REF)
+  with pytest.raises(ValueError, match="one per output"):
+    tasks.score_batch("math", ["a", "b"], ["1"])
+
+
+class _BuggyTask:
+  name = "buggy"
+
+  def score(self, output, reference, extraction=None):
+    raise KeyError("a grading bug")
+
+
+def test_grading_failures_are_counted_not_hidden(monkeypatch, caplog):
+  tasks.grading_failures(reset=True)
+  assert tasks.score(_BuggyTask(), "x", "1") == 0.0
+  assert tasks.score(_BuggyTask(), "y", "1") == 0.0
+  assert tasks.score("math", "\\boxed{1}", "1") == 1.0  # a healthy call counts nothing
+  assert tasks.grading_failures() == 2
+  assert "grading bug" in caplog.text and "KeyError" in caplog.text
+  # A bug inside the real MATH path is counted too (it used to vanish as reward 0.0).
+  monkeypatch.setattr(answers, "answers_match", lambda *a, **k: 1 / 0)
+  rewards, failures = tasks.score_batch("math", ["\\boxed{1}", "\\boxed{2}", None], ["1", "1", "1"])
+  assert rewards == [0.0, 0.0, 0.0] and failures == 2  # None is junk output, not a bug
+  assert tasks.grading_failures(reset=True) == 4 and tasks.grading_failures() == 0
+
+
+def test_generic_answer_mentions_do_not_override_a_box():
+  assert tasks.score("math", "so \\boxed{42}. The answer is correct.", "42") == 1.0
+  assert tasks.score("math", "so \\boxed{42}.\nCheck the answer: 6 * 7 = 42 and 41 < 42", "42") == 1.0
+  assert tasks.score("math", "so \\boxed{41}. Final answer: $42$", "42") == 1.0
+
+
+def test_configure_math_verify_pool(monkeypatch):
+  old = answers._POOL
+  try:
+    answers.configure_math_verify(3)
+    assert answers._POOL.size == 3 and answers._POOL is not old
+    assert answers.math_verify_equal("2\\sqrt{2}", "\\sqrt{8}") is True
+  finally:
+    answers._POOL.close()
+    answers._POOL = old
+  monkeypatch.setenv("VCPO_MATH_VERIFY_WORKERS", "many")
+  with pytest.raises(ValueError, match="VCPO_MATH_VERIFY_WORKERS"):
+    answers._default_pool_size()
+  monkeypatch.setenv("VCPO_MATH_VERIFY_WORKERS", "6")
+  assert answers._default_pool_size() == 6
+
+
+def test_problems_carry_their_configured_grader():
+  import pickle
+
+  out = "<answer>3 + 3</answer>"  # well formed, wrong
+  quiet = countdown.CountdownTask(format_weight=0.0)
+  p = quiet.make_problems("train", 2, seed=0)
+  q = tasks.TASKS["countdown"].make_problems("train", 2, seed=0)
+  assert p == q and p[0].grader is quiet  # same problems; equality ignores the grader
+  assert tasks.score_problem(p[0], out) == 0.0 and tasks.score_problem(q[0], out) == pytest.approx(0.1)
+  assert tasks.score(p[0].task, out, p[0].reference) == pytest.approx(0.1)  # a bare name: the default instance
+  moved = pickle.loads(pickle.dumps(p[0]))  # as sent to an async sampler process
+  assert moved.grader.format_weight == 0.0 and tasks.score_problem(moved, out) == 0.0
+  # The rollout's call: G samples per problem, mixed graders, failures counted.
+  per_sample = [p[0], p[0], q[1], q[1]]
+  sol = p[0].solution
+  rewards, failures = tasks.score_problems(per_sample, [out, f"<answer>{sol}</answer>", out, None])
+  assert rewards == [0.0, 1.0, pytest.approx(0.1), 0.0] and failures == 0
+  bare = datasets.Problem(id="x", task="aime", prompt="?", reference="33")  # hand-made: registry default
+  assert tasks.score_problem(bare, "\\boxed{033}") == 1.0
+  text = datasets.TextTask("aime").make_problems("test", 2, 0)
+  assert all(isinstance(t.grader, datasets.TextTask) for t in text)
+  with pytest.raises(ValueError, match="one per output"):
+    tasks.score_problems(per_sample, [out])

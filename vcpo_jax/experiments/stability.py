@@ -1,7 +1,11 @@
 """The stability study: methods x lag k x seeds x learning rates, resumable, one command.
 
-  python -m vcpo_jax.experiments.stability --out=docs/results [--quick]          # synthetic (pure_lag)
-  python -m vcpo_jax.experiments.stability --out=docs/results --variant=countdown  # the real trainer
+  python -m vcpo_jax.experiments.stability [--quick]          # synthetic (pure_lag), computed into runs/stability
+  python -m vcpo_jax.experiments.stability --variant=countdown  # the real trainer, ~80 min on 2 cores
+
+Finished cells in --out are reused (the grid is resumable), so `--out=docs/results` does not train: it
+rebuilds the committed report and plots from the committed cells in seconds. The default --out
+(runs/stability, not tracked) recomputes every run.
 
 Two backends share the grid, the bookkeeping and the report. `pure_lag`: the
 synthetic stride-counting task, each cell's (lr, seed) runs vmapped in one
@@ -804,7 +808,11 @@ def _load_config(variant: str, overrides: Sequence[str]):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--out", default="docs/results")
+  ap.add_argument(
+    "--out",
+    default="runs/stability",
+    help="results folder; finished cells there are reused (docs/results holds the committed ones)",
+  )
   ap.add_argument("--quick", action="store_true", help="same as --variant=quick")
   ap.add_argument("--variant", default="", help="configs/stability.py variant: '', quick, countdown, countdown_quick")
   ap.add_argument("--worker", default=None, help="i/n: run only methods i, i+n, ... (internal)")

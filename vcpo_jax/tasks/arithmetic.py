@@ -129,6 +129,7 @@ class ArithmeticTask:
         reference=ans,
         dataset="arithmetic",
         solution=ans,
+        grader=self,
       )
       for i, (expr, ans) in enumerate(pairs)
     ]

@@ -51,7 +51,10 @@ DEFAULT_TEMPLATE = (
 # from its nesting limits.
 MAX_EXPRESSION_CHARS = 200
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Only the last this-many characters of an output are read (1 MiB, the same
+# cap as the text tasks): with the linear scan below, every call costs O(cap).
+MAX_OUTPUT_CHARS = 1 << 20
+_OPEN, _CLOSE = "<answer>", "</answer>"
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
@@ -217,25 +220,41 @@ def generate(
 # ----------------------------------------------------------------------------
 # Verifier
 # ----------------------------------------------------------------------------
+def _last_tagged(text: str) -> str | None:
+  """Content of the last complete `<answer>...</answer>`: the last close tag and the last open tag before it.
+
+  Two `str.rfind` scans, so the cost is linear in len(text) however many
+  unclosed `<answer>` tags it holds (a lazy `<answer>(.*?)</answer>` regex
+  rescans the rest of the text from every open tag: quadratic). With nested
+  tags the innermost content counts.
+  """
+  close = text.rfind(_CLOSE)
+  if close < 0:
+    return None
+  start = text.rfind(_OPEN, 0, close)
+  return None if start < 0 else text[start + len(_OPEN) : close]
+
+
 def extract_expression(text: str) -> tuple[str | None, bool]:
   """(expression, well_formatted): the last `<answer>...</answer>` content.
 
   Without answer tags, falls back to the last non-empty line (not well
-  formatted). A trailing `= target` is dropped.
+  formatted). A trailing `= target` is dropped. Reads only the last
+  MAX_OUTPUT_CHARS characters; no regex sees more than the expression.
   """
   if not isinstance(text, str):
     return None, False
-  hits = _ANSWER_RE.findall(text)
-  if hits:
-    expr, formatted = hits[-1], True
-  else:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    if not lines:
+  text = text[-MAX_OUTPUT_CHARS:]
+  expr = _last_tagged(text)
+  formatted = expr is not None
+  if expr is None:
+    tail = text.rstrip()
+    if not tail:
       return None, False
-    expr, formatted = lines[-1], False
+    expr = tail[tail.rfind("\n") + 1 :]  # after rstrip the last line is non-empty
   expr = expr.strip().replace("×", "*").replace("÷", "/").replace("−", "-")
   if "=" in expr:
-    expr = expr.split("=")[0].strip()
+    expr = expr.split("=", 1)[0].strip()
   return (expr or None), formatted
 
 
@@ -363,6 +382,7 @@ class CountdownTask:
         reference=inst.reference(),
         dataset="countdown",
         solution=inst.solution,
+        grader=task,
       )
       for i, inst in enumerate(insts)
     ]

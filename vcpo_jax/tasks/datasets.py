@@ -2,7 +2,7 @@
 
 Schemas (as published; field names are matched case-insensitively):
   gsm8k    question, answer            (answer ends in "#### N")
-  math     problem, solution           (final answer in the last \\boxed{...})
+  math     problem, solution           (final answer: the last \\boxed{...} group, see answers.py)
   math500  problem, answer             (solution optional)
   aime     problem, answer             ("question" accepted for problem; integer answer)
 An optional "id" / "unique_id" / "idx" field becomes Problem.id.
@@ -63,7 +63,11 @@ class Problem:
   ("gsm8k", "math", "aime", "countdown", "arithmetic"); prompt: the full
   plain-string prompt; reference: the bare answer string (or the countdown
   dict {"numbers", "target"}); dataset: where it came from ("math500");
-  solution: a worked solution when the source has one (for warm starts).
+  solution: a worked solution when the source has one (for warm starts);
+  grader: the task object that made it, with its configured options (e.g.
+  countdown's format_weight), which `tasks.score_problem` grades with (None:
+  the registry's default instance for `task`). It travels with the problem to
+  sampler processes; it takes no part in equality.
   """
 
   id: str
@@ -72,6 +76,7 @@ class Problem:
   reference: Any
   dataset: str = ""
   solution: str | None = None
+  grader: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def fixture_path(dataset: str) -> str:
@@ -125,7 +130,8 @@ def load_problems(
   """Problems of a dataset from a local file (default: the shipped fixture).
 
   The reference is reduced to the bare answer: GSM8K's "#### N" number, the
-  last \\boxed{} of a MATH solution, MATH-500/AIME's answer field as a string.
+  final \\boxed{} group of a MATH solution (`\\boxed{1}, \\boxed{2}` -> "1, 2"),
+  MATH-500/AIME's answer field as a string.
   """
   if dataset not in SCHEMAS:
     raise ValueError(f"dataset {dataset!r} unknown; choose one of {sorted(SCHEMAS)}")
@@ -162,7 +168,9 @@ class TextTask:
   """Registry entry for a loaded dataset (gsm8k, math, math500, aime).
 
   make_problems loads `path` (default: the shipped fixture), shuffles with the
-  seed and takes the first n; scoring extracts with a named method.
+  seed and takes the first n; scoring extracts with a named method from the
+  output's last answers.MAX_OUTPUT_CHARS characters and compares with
+  answers.answers_match (exact fast path, then math-verify; AIME: integers only).
   """
 
   def __init__(self, dataset: str, path: str | None = None, template: str | None = None):
@@ -180,7 +188,7 @@ class TextTask:
       if not 0 <= n <= len(probs):
         raise ValueError(f"n={n} but {self.name} at {self.path or 'fixture'} has {len(probs)} problems")
       order = order[:n]
-    return [probs[i] for i in order]
+    return [dataclasses.replace(probs[i], grader=self) for i in order]
 
   def score(self, model_output: str, reference: str, extraction: str | None = None) -> float:
     method = extraction or ("gsm8k" if self.task == "gsm8k" else self.task)
