@@ -28,7 +28,7 @@ Implementations (`ModelConfig.attention`), all exact:
              [B, N, chunk, S] float32 scores exist at a time (the dense paths hold
              [B, N, T, S]). Same flops as dense (masked blocks are computed).
   "splash":  the TPU Pallas splash-attention kernel (segment ids: valid = 1, pad = 0,
-             causal), imported lazily. Needs TPU, T a multiple of its 512 block, and
+             causal), imported lazily. Needs TPU, T a multiple of its block (`chunk`), and
              a shard_map over the mesh when sharded (not wired here: under GSPMD a Pallas
              call is not partitioned); self-attention only, like "cudnn". Checked against
              "dense" in the Pallas interpreter on CPU (tests), never run on a TPU here.
@@ -171,7 +171,7 @@ def attention(q_btnh, k_bskh, v_bskh, mask, *, q_offset: int = 0, implementation
       (always run densely: callers that build their own masks keep working).
     q_offset: static int, slot of the first query (0 without a cache).
     implementation: one of IMPLEMENTATIONS (see the module docstring).
-    chunk: query chunk of "chunked".
+    chunk: query chunk of "chunked", block size of "splash".
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {implementation!r}: choose one of {IMPLEMENTATIONS}.")
@@ -191,7 +191,7 @@ def attention(q_btnh, k_bskh, v_bskh, mask, *, q_offset: int = 0, implementation
     )
   if implementation == "cudnn":
     return _cudnn(q_btnh, k_bskh, v_bskh, kv_valid)
-  return _splash(q_btnh, k_bskh, v_bskh, kv_valid)
+  return _splash(q_btnh, k_bskh, v_bskh, kv_valid, block=chunk)
 
 
 def _decode_block(s: int, block: int) -> int:
