@@ -175,6 +175,12 @@ def _remat_block(layer: Block, policy, x, positions_bt, mask):
   the outer tape here, outside the checkpoint. The tapped inputs are then saved
   for the backward pass anyway (the ghost norms need them); everything else in
   the block (attention scores, RoPE, SiLU) is recomputed.
+
+  Memory analysis on XLA:CPU: its default concurrency-optimized scheduler keeps
+  buffers of many blocks alive, so compile with
+  XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false to see remat's
+  effect (3 layers, D=512, F=4096, B=8, T=1024: 2684 -> 1116 MiB temporaries; with
+  the default scheduler 2778 -> 2522 MiB).
   """
   graphdef, state = nnx.split(layer)
   tape = taps._ACTIVE.get()  # the recording context, if any (read at trace time, like taps.tap)
