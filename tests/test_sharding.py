@@ -192,10 +192,8 @@ def _logp_grad_step(cfg, mesh, n, t):
   graphdef, abstract = tf.split(nnx.eval_shape(lambda: tf.init(cfg, 0)))
   p_shard, b_shard = sh.param_shardings(abstract, sh.TRANSFORMER_RULES, mesh), sh.batch_sharding(mesh)
   loss = lambda p, tok, valid: jnp.sum(tf.sequence_logprobs(graphdef, p, tok, valid))
-  fn = jax.jit(jax.value_and_grad(loss), in_shardings=(p_shard, b_shard, b_shard))
   args = (abstract, jax.ShapeDtypeStruct((n, t), jnp.int32), jax.ShapeDtypeStruct((n, t), jnp.bool_))
-  with jax.set_mesh(mesh):
-    return fn.lower(*args)
+  return sh.MeshJit(mesh, jax.value_and_grad(loss), in_shardings=(p_shard, b_shard, b_shard)).lower(*args)
 
 
 def test_batch_dependent_memory_falls_with_fsdp():

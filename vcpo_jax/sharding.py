@@ -167,8 +167,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def constrain(x: jax.Array, layout: tuple) -> jax.Array:
   """`with_sharding_constraint(x, layout)` under the mesh being traced with, else the identity.
 
-  The mesh is the one set with `jax.set_mesh(mesh)` around the jitted call (the learner and
-  sampler do so); without one (plain CPU tests, the HF parity tests) nothing happens. Per
+  The mesh is the one set with `jax.set_mesh(mesh)` around the jitted call (`MeshJit`; the
+  sampler does so when given a mesh); without one (plain CPU tests, the HF parity tests) nothing happens. Per
   dimension, axes that are not in the mesh, not Auto/Explicit (e.g. Manual inside a
   shard_map) or that do not divide the dimension (a batch of 1 in a decode step) are
   dropped, so a constraint never fails or pads: that dimension is left to the compiler
@@ -194,6 +194,27 @@ def constrain(x: jax.Array, layout: tuple) -> jax.Array:
   if all(e is None or e is P.UNCONSTRAINED for e in entries):
     return x
   return jax.lax.with_sharding_constraint(x, P(*entries))
+
+
+class MeshJit:
+  """`jax.jit(fn, **jit_kwargs)` whose calls and lowerings run under `jax.set_mesh(mesh)`.
+
+  Tracing under the mesh is what activates the model's activation constraints
+  (`constrain`); without it they are no-ops. Use it for every jitted function that runs
+  the model on a mesh: `train_step = sharding.MeshJit(mesh, step_fn, in_shardings=...,
+  donate_argnums=0)`, then `train_step(state, batch)` or `train_step.lower(...)`.
+  """
+
+  def __init__(self, mesh: Mesh, fn, **jit_kwargs):
+    self.mesh, self.jitted = mesh, jax.jit(fn, **jit_kwargs)
+
+  def __call__(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- partition rules
