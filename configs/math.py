@@ -50,6 +50,10 @@ def get_config(arg: str | None = None):
   c.task.max_new_tokens = 2048  # released max response length
   c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
   c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  c.model.attention = "chunked"  # no [B, H, T, T] (on TPU: "splash", on GPU: "cudnn")
+  c.model.remat = "block"  # keep only block inputs for the backward pass
+  c.model.logprob_chunk = 256  # log-prob head in 256-position chunks (never [N, T, V] logits)
+  c.learner.microbatch_size = 64  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
   # Qwen/Qwen2.5-7B's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
   # loads the checkpoint's own config.json):
   c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights

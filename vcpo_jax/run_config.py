@@ -367,6 +367,8 @@ def _model_config(c, need_pos: int) -> model_config.ModelConfig:
       h,
       f"must be a multiple of the {m.preset} preset's num_heads={n}, e.g. {-(-h // n) * n}.",
     )
+  for f in model_config.EXECUTION_FIELDS:  # how the model is computed: applies to checkpoints too
+    overrides[f] = m[f]
   with _section("model", model_config.ModelConfig):
     cfg = base.replace(**overrides)
   if cfg.max_position < need_pos and not m.checkpoint:

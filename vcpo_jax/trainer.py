@@ -24,6 +24,7 @@ import jax
 from vcpo_jax import evaluation, fs, learner, optim, sharding
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer
 from vcpo_jax.rollout.common import RolloutMaker, device_batch
 from vcpo_jax.run_config import ConfigError, RunSpec, parse_config
@@ -56,7 +57,8 @@ def build_policy(spec: RunSpec):
   if spec.model_checkpoint:
     from vcpo_jax.model import hf_io
 
-    model_cfg, model = hf_io.load_hf(spec.model_checkpoint, dtype=spec.model_cfg.dtype)
+    execution = {f: getattr(spec.model_cfg, f) for f in model_config.EXECUTION_FIELDS}
+    model_cfg, model = hf_io.load_hf(spec.model_checkpoint, dtype=spec.model_cfg.dtype, **execution)
     tokenizer = tok_lib.load_tokenizer(spec.tokenizer_dir or spec.model_checkpoint)
   else:
     tokenizer = tok_lib.load_tokenizer(spec.tokenizer_dir) if spec.tokenizer_dir else tok_lib.build_char_tokenizer()
@@ -137,7 +139,9 @@ def run(config, workdir: str) -> dict:
   # over ("data", "fsdp"); the state is donated so each step updates it in place.
   state = jax.jit(lambda p: learner.init_state(p, tx), out_shardings=state_sh)(params)
   batch_sh = sharding.batch_sharding(mesh)
-  train_step = jax.jit(
+  # Traced under the mesh (MeshJit), so the model's activation constraints keep the batch split.
+  train_step = sharding.MeshJit(
+    mesh,
     learner.make_train_step(graphdef, tx, spec.learner),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, sharding.replicated(mesh)),
@@ -148,7 +152,7 @@ def run(config, workdir: str) -> dict:
   # the first step (not when first timed), so that the timing adds no compile in the middle of the run.
   plain_jit = plain_step = None
   if spec.norm_overhead_every:
-    plain_jit = jax.jit(learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
+    plain_jit = sharding.MeshJit(mesh, learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
 
   # ---------------------------------------------------------------- Rollouts
   key = jax.random.key(spec.seed)

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION_IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn", "splash")  # see vcpo_jax.model.attention
+# How the model is computed, not what it is: set from the run config for presets AND checkpoints
+# (a checkpoint's config.json gives the architecture, never these).
+EXECUTION_FIELDS = ("attention", "attention_chunk", "remat", "logprob_chunk", "logprob_vocab_chunk")
 REMAT_CHOICES = ("none", "block")
 # jax.checkpoint_policies that are policies themselves (the others are factories taking names).
 REMAT_POLICIES = (
