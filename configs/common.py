@@ -60,6 +60,13 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.num_layers = config_dict.placeholder(int)  # transformer blocks (None = preset value)
   c.model.intermediate_size = config_dict.placeholder(int)  # SwiGLU width (None = preset value)
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+  c.model.attention = (
+    "dense"  # attention kernel: dense (reference) | xla | chunked (long T, no [B,H,T,T]) | cudnn | splash
+  )
+  c.model.attention_chunk = 512  # query chunk of "chunked", key block of the cached decode attention (tokens)
+  c.model.remat = "none"  # per-block rematerialization: none | block | a jax.checkpoint_policies name
+  c.model.logprob_chunk = 512  # positions per chunk of the log-prob head (0 = all at once: [N, T, V] logits)
+  c.model.logprob_vocab_chunk = 0  # vocabulary entries per head chunk (0 = whole vocabulary)
   c.model.tokenizer = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
 
   c.sampler = ml_collections.ConfigDict()
@@ -79,6 +86,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
   c.learner = ml_collections.ConfigDict()
   c.learner.grad_path = "ghost"  # ghost (fast exact norms) | vmap (reference path)
+  c.learner.microbatch_size = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
   c.learner.on_nonfinite = "skip"  # skip the update and log | abort with the step range
 
   c.lag = ml_collections.ConfigDict()

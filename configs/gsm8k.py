@@ -15,7 +15,7 @@ Launch (one accelerator host; the sampler process gets its own devices):
   python main.py --config=configs/gsm8k.py:smoke --workdir=/tmp/gsm8k_smoke   # CPU, tiny random model
   # other paths: --config.model.checkpoint=/path/Qwen2-1.5B --config.task.data_path=/path/train.parquet
 
-Released values (../shared/PAPER.md, "Released hyper-parameters"): P x G = 8 x 8,
+Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 8 x 8,
 max prompt / response 2048 / 2048, k = 12, rho_on = 1.0, AdamW lr 1e-6, wd 0.1,
 clip 1.0, constant schedule, sequence TIS c = 8, sampling temperature 1.0,
 validation temperature 0.8 / top_p 0.7 / n = 3, asynchronous. The number of
@@ -49,6 +49,10 @@ def get_config(arg: str | None = None):
   c.task.max_new_tokens = 2048  # released max response length
   c.model.checkpoint = MODEL_DIR  # Qwen2-1.5B (local directory with config.json + safetensors)
   c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  c.model.attention = "chunked"  # no [B, H, T, T] (on TPU: "splash", on GPU: "cudnn")
+  c.model.remat = "block"  # keep only block inputs for the backward pass
+  c.model.logprob_chunk = 256  # log-prob head in 256-position chunks (never [N, T, V] logits)
+  c.learner.microbatch_size = 16  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
   # Qwen/Qwen2-1.5B's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
   # loads the checkpoint's own config.json):
   c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights
@@ -95,6 +99,8 @@ def _smoke(c):
   c.model.checkpoint = ""  # random init of model.preset ...
   c.model.preset = "tiny_qwen2"  # ... with the built-in char tokenizer
   c.model.dtype = "float32"  # CPU compute dtype
+  c.model.attention, c.model.remat = "dense", "none"  # tiny CPU model: the reference kernels
+  c.learner.microbatch_size = 0  # one pass
   c.task.data_path = ""  # the shipped 22-problem fixture
   c.eval.data_path = ""  # the eval data set's shipped fixture
   c.task.chat_template = False  # plain prompts (no chat specials)

@@ -15,7 +15,7 @@ Launch:
       --config.method=sync                                                         # synchronous baseline
   python main.py --config=configs/math.py:smoke --workdir=/tmp/math_smoke   # CPU, tiny random model
 
-Released values (../shared/PAPER.md): P x G = 32 x 16, max prompt / response
+Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 32 x 16, max prompt / response
 1024 / 2048, k = 10 (stress runs 16..128: use mode=lag), rho_on = 1.0, AdamW lr
 1e-6, wd 0.1, clip 1.0, constant schedule, sequence TIS c = 8, temperature 1.0,
 validation temperature 0.8 / top_p 0.7 / n = 3 (MATH-500), asynchronous.
@@ -50,6 +50,10 @@ def get_config(arg: str | None = None):
   c.task.max_new_tokens = 2048  # released max response length
   c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
   c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  c.model.attention = "chunked"  # no [B, H, T, T] (on TPU: "splash", on GPU: "cudnn")
+  c.model.remat = "block"  # keep only block inputs for the backward pass
+  c.model.logprob_chunk = 256  # log-prob head in 256-position chunks (never [N, T, V] logits)
+  c.learner.microbatch_size = 64  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
   # Qwen/Qwen2.5-7B's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
   # loads the checkpoint's own config.json):
   c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights

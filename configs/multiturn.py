@@ -17,7 +17,7 @@ Launch:
   python main.py --config=configs/multiturn.py --workdir=/tmp/vcpo_tool
   python main.py --config=configs/multiturn.py:smoke --workdir=/tmp/tool_smoke   # CPU, tiny random model
 
-Released values (../shared/PAPER.md): P x G = 128 x 16, max prompt / response
+Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 128 x 16, max prompt / response
 4096 / 12288 (the response budget counts policy and tool tokens), k = 2,
 rho_on = 0.55, AdamW lr 1e-6, wd 0.1, clip 1.0, constant schedule, sequence TIS
 c = 8, temperature 1.0, validation temperature 0.8 / top_p 0.7 / n = 5 (AIME).
@@ -70,6 +70,10 @@ def get_config(arg: str | None = None):
   c.task.multiturn.max_workers = 0  # parallel executions (0 = CPU count)
   c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
   c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  c.model.attention = "chunked"  # no [B, H, T, T] (on TPU: "splash", on GPU: "cudnn")
+  c.model.remat = "block"  # keep only block inputs for the backward pass
+  c.model.logprob_chunk = 256  # log-prob head in 256-position chunks (never [N, T, V] logits)
+  c.learner.microbatch_size = 64  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
   # Qwen/Qwen2.5-7B-Instruct's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
   # loads the checkpoint's own config.json):
   c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights

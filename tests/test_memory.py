@@ -73,12 +73,6 @@ def test_arguments_are_sharded(run):
   assert 3.5 < ratio <= 4.0
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="issue 10 item 1: on 2c26132 (main before the activation-sharding work) the compiler does not keep "
-  "the batch split over fsdp inside the learner step (logits, log-softmax), the prefill (dense attention) "
-  "or, at this tiny width, the decode step; remove this marker when that work makes it pass",
-)
 @pytest.mark.parametrize("part", memory.PARTS)
 def test_batch_memory_falls_with_devices(run, part):
   """Batch-dependent temp memory per device falls in proportion to data x fsdp (4x from 2 to 8 devices).

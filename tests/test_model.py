@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from vcpo_jax.model import ModelConfig, Transformer
+from vcpo_jax.model import attention as attn
 from vcpo_jax.model import config as mconfig
 from vcpo_jax.model import transformer as tf
 
@@ -148,7 +149,7 @@ def test_padded_positions_and_mask_hand_checked():
   pos, mask = tf.padded_positions_and_mask(jnp.asarray([[0, 0, 1, 1, 1]], bool))
   np.testing.assert_array_equal(pos, [[0, 0, 0, 1, 2]])
   want = np.array([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]], bool)
-  np.testing.assert_array_equal(mask[0], want)
+  np.testing.assert_array_equal(mask.dense(5)[0], want)
 
 
 # ----------------------------------------------------------------------------- invariances
@@ -179,23 +180,28 @@ def test_left_padding_is_invisible(model):
 
 
 def test_kv_cache_matches_full_pass(model):
+  """Chunked prefill (static slots: prefix-only attention), then traced decode steps (blockwise)."""
   cfg, graphdef, params = model
   b, t, s = 2, 9, 12
   tokens = _tokens(b, t, seed=3)
   valid = jnp.ones((b, t), bool).at[0, :2].set(False)
   pos, mask = tf.padded_positions_and_mask(valid)
   full, _ = _fwd(graphdef, params, tokens, pos, mask)
-  mask_c = jnp.zeros((b, t, s), bool).at[:, :, :t].set(mask)
+  mask_c = attn.AttentionMask(jnp.zeros((b, s), bool).at[:, :t].set(valid))
   cache = tf.init_cache(cfg, b, s)
-  prefill, cache = _fwd(graphdef, params, tokens[:, :6], pos[:, :6], mask_c[:, :6], cache, 0)
-  steps = [prefill]
+  steps = []
+  for lo, hi in ((0, 4), (4, 6)):  # two prefill chunks at static slots
+    out, cache = _fwd(graphdef, params, tokens[:, lo:hi], pos[:, lo:hi], mask_c, cache, lo)
+    steps.append(out)
   for i in range(6, t):  # one token at a time, as the sampler decodes
-    out, cache = _fwd(
-      graphdef, params, tokens[:, i : i + 1], pos[:, i : i + 1], mask_c[:, i : i + 1], cache, jnp.int32(i)
-    )
+    out, cache = _fwd(graphdef, params, tokens[:, i : i + 1], pos[:, i : i + 1], mask_c, cache, jnp.int32(i))
     steps.append(out)
   inc = jnp.concatenate(steps, axis=1)
   np.testing.assert_allclose(inc[valid], full[valid], atol=2e-5)
+  # The explicit dense [B, T, S] mask (the pre-AttentionMask interface) gives the same decode.
+  dense_c = jnp.zeros((b, t, s), bool).at[:, :, :t].set(mask.dense(t))
+  out, _ = _fwd(graphdef, params, tokens[:, 8:9], pos[:, 8:9], dense_c[:, 8:9], cache, jnp.int32(8))
+  np.testing.assert_allclose(out[:, 0], full[:, 8], atol=2e-5)
 
 
 def test_gqa_equals_expanded_multihead():

@@ -650,6 +650,7 @@ def ghost_policy_gradient(
   method: str = "auto",
   memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
   batch_shards: int = 1,
+  divisor=None,
 ):
   """Drop-in fast path for `estimator.policy_gradient(logp_fn, params, batch, cfg)`.
 
@@ -659,7 +660,8 @@ def ghost_policy_gradient(
   tokw_nt = loss_mask), and the gradient from the same single backward pass. metrics also holds
   sq_norm_n [N] (the exact S_n, whether or not cfg uses it). Call it per micro-batch: the plan
   (`plan_layers`) is chosen from that micro-batch's shapes against memory_budget_bytes per device
-  (batch_shards: the devices its batch axis is split over).
+  (batch_shards: the devices its batch axis is split over). divisor: as in pg_coefficients (a
+  micro-batch passes 1.0).
   """
   from vcpo_jax import estimator
 
@@ -672,7 +674,9 @@ def ghost_policy_gradient(
     return estimator.pg_token_weights(logp_nt, beh, mask, cfg)
 
   def coef_fn(logp_nt, sq_n):
-    return estimator.pg_coefficients(logp_nt, beh, mask, batch["rewards"], batch["group_id"], sq_n, cfg)
+    return estimator.pg_coefficients(
+      logp_nt, beh, mask, batch["rewards"], batch["group_id"], sq_n, cfg, divisor=divisor
+    )
 
   res = ghost_sq_norms_and_grad(
     logp_fn,

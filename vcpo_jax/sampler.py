@@ -43,6 +43,7 @@ sample does not depend on which other rows share its batch.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -50,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vcpo_jax import sharding as sh
 from vcpo_jax.model import transformer
 from vcpo_jax.model.config import ModelConfig
 
@@ -72,6 +74,12 @@ class SamplerConfig:
     new_token_buckets: allowed padded response lengths Tn (ascending).
     batch_buckets: allowed padded batch sizes B (ascending); larger N is chunked.
     logp_mode: "sampled" or "tempered", see the module docstring.
+    prefill_chunk: prompt tokens per prefill pass (0: the whole prompt bucket in one pass). Chunk c
+      attends to the cache prefix written so far, so prefill holds [B, heads, chunk, c * chunk]
+      scores instead of [B, heads, Tp, Tp] (and [B, chunk, V] logits).
+    param_dtype: "" (use the parameters as given) or "bfloat16": `Sampler.prepare_params` casts the
+      float32 parameters once (half the weight memory and bandwidth per decode step). The KV cache
+      is always in the model's compute dtype (ModelConfig.dtype).
   """
 
   temperature: float = 1.0
@@ -85,6 +93,8 @@ class SamplerConfig:
   new_token_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
   batch_buckets: tuple[int, ...] = (1, 4, 16, 64, 256)
   logp_mode: str = "sampled"
+  prefill_chunk: int = 0
+  param_dtype: str = ""
 
   def __post_init__(self):
     if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -95,6 +105,10 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.top_p must be in (0, 1] (1 disables), got {self.top_p}.")
     if self.logp_mode not in LOGP_MODES:
       raise ValueError(f"SamplerConfig.logp_mode must be one of {LOGP_MODES}, got {self.logp_mode!r}.")
+    if self.prefill_chunk < 0:
+      raise ValueError(f"SamplerConfig.prefill_chunk must be >= 0 (0 = one pass), got {self.prefill_chunk}.")
+    if self.param_dtype not in ("", "float32", "bfloat16"):
+      raise ValueError(f"SamplerConfig.param_dtype must be '', 'float32' or 'bfloat16', got {self.param_dtype!r}.")
     if self.max_new_tokens <= 0:
       raise ValueError(f"SamplerConfig.max_new_tokens must be positive, got {self.max_new_tokens}.")
     for name in ("prompt_buckets", "new_token_buckets", "batch_buckets"):
@@ -247,13 +261,17 @@ def _generate_device(
   row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids_b)
   step_keys = lambda i: jax.vmap(lambda k: jax.random.fold_in(k, i))(row_keys)
 
-  # Prefill: keys beyond the prompt are not written yet, so they are masked out.
-  cache = transformer.init_cache(cfg_model, b, s)
-  positions, mask = transformer.padded_positions_and_mask(prompt_valid_bt)
-  mask = jnp.pad(mask, ((0, 0), (0, 0), (0, num_new)))
-  logits, cache = transformer.forward(graphdef, params, prompt_bt, positions, mask, cache, jnp.int32(0))
-  prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
+  # Prefill at static cache slots: each chunk attends to the cache prefix written so far
+  # (nothing beyond it is read); only the last chunk's last position is needed.
+  cache = [tuple(sh.constrain(x, sh.CACHE_BSKH) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  positions, _ = transformer.padded_positions_and_mask(prompt_valid_bt)
   kv_valid = jnp.pad(prompt_valid_bt.astype(bool), ((0, 0), (0, num_new)))  # [B, S]
+  mask = transformer.AttentionMask(kv_valid)
+  chunk = cfg.prefill_chunk or tp
+  for lo in range(0, tp, chunk):
+    hi = min(tp, lo + chunk)
+    logits, cache = transformer.forward(graphdef, params, prompt_bt[:, lo:hi], positions[:, lo:hi], mask, cache, lo)
+  prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
 
   def emit(i, logits_bv, state):
     toks, logps, lengths, done = state
@@ -280,7 +298,8 @@ def _generate_device(
     idx = tp + i - 1  # cache slot of the token being fed
     kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
     pos = (prompt_len + i - 1)[:, None]
-    logits, cache = transformer.forward(graphdef, params, prev[:, None], pos, kv_valid[:, None, :], cache, idx)
+    mask = transformer.AttentionMask(kv_valid)  # decode reads only the cache blocks up to slot idx
+    logits, cache = transformer.forward(graphdef, params, prev[:, None], pos, mask, cache, idx)
     state, stopped = emit(i, logits[:, -1], state)
     return i + 1, cache, kv_valid, state, finished | stopped
 
@@ -304,7 +323,18 @@ class Sampler:
     rollout = sampler.generate(params, [[5, 6, 7], [8, 9]], jax.random.key(0), num_samples=4)
   """
 
-  def __init__(self, graphdef, cfg_model: ModelConfig, sampler_cfg: SamplerConfig):
+  def __init__(
+    self, graphdef, cfg_model: ModelConfig, sampler_cfg: SamplerConfig, mesh=None, rules=sh.TRANSFORMER_RULES
+  ):
+    """Args:
+    graphdef, cfg_model: the policy (`transformer.split`) and its config.
+    sampler_cfg: sampling settings and buckets.
+    mesh: optional ("data", "fsdp", "tensor") mesh over the sampler's own devices
+      (`sharding.make_mesh(..., devices=sampler_devices)`): parameters are split by `rules`
+      (tensor parallel over "tensor" when one device cannot hold the model and its cache),
+      batch rows over ("data", "fsdp"), the KV cache's kv heads over "tensor". None: one device.
+    rules: (regex, PartitionSpec) parameter rules (default: the learner's).
+    """
     if not isinstance(sampler_cfg, SamplerConfig):
       raise ValueError(f"sampler_cfg must be a SamplerConfig, got {type(sampler_cfg).__name__}.")
     for sid in sampler_cfg.all_stop_ids + (sampler_cfg.pad_id,):
@@ -334,6 +364,47 @@ class Sampler:
       )
 
     self._device_fn = jax.jit(device_fn, static_argnames=("num_new",))
+    self.mesh, self.rules = mesh, rules
+
+  def _mesh_context(self):
+    # Traced under the sampler's mesh, the model's activation constraints (batch, heads, cache) apply.
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def prepare_params(self, params):
+    """The parameters as the sampler keeps them: cast to `param_dtype`, placed on the sampler mesh.
+
+    Call once per published parameter version (not per generate call): the cast and the
+    transfer then happen once, and bf16 halves the weight memory and per-step bandwidth.
+    """
+    if self.cfg.param_dtype:
+      dt = jnp.dtype(self.cfg.param_dtype)
+      params = jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    if self.mesh is not None:
+      params = jax.device_put(params, sh.param_shardings(params, self.rules, self.mesh))
+    return params
+
+  def lower(self, params, batch: int, prompt_len: int, num_new: int):
+    """The jitted generation for one (B, Tp, Tn) bucket, lowered (not run): `.compile().memory_analysis()`.
+
+    params may be abstract (ShapeDtypeStructs, e.g. from `jax.eval_shape`); with a mesh they are
+    given the sampler's parameter shardings, so the compiled program is the sharded one.
+    """
+    if self.mesh is not None:
+      shardings = sh.param_shardings(params, self.rules, self.mesh)
+      params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+    b, tp, v = batch, prompt_len, self.cfg_model.vocab_size
+    args = (
+      params,
+      jax.ShapeDtypeStruct((b, tp), jnp.int32),
+      jax.ShapeDtypeStruct((b, tp), jnp.bool_),
+      jax.ShapeDtypeStruct((b,), jnp.bool_),
+      jax.ShapeDtypeStruct((b,), jnp.int32),
+      jax.ShapeDtypeStruct((v,), jnp.bool_),
+      jax.ShapeDtypeStruct((), jnp.int32),
+      jax.eval_shape(lambda: jax.random.key(0)),
+    )
+    with self._mesh_context():
+      return self._device_fn.lower(*args, num_new=num_new)
 
   # -- host side
 
@@ -385,7 +456,8 @@ class Sampler:
       vb[m:, -1] = True  # padding rows: one dummy token keeps their attention rows non-empty
       active = np.arange(b) < m
       row_ids = np.arange(start, start + b, dtype=np.int32)
-      out = self._device_fn(params, pb, vb, active, row_ids, stop_v, np.int32(max_new_tokens), rng, num_new=tn)
+      with self._mesh_context():
+        out = self._device_fn(params, pb, vb, active, row_ids, stop_v, np.int32(max_new_tokens), rng, num_new=tn)
       outs.append([np.asarray(o)[:m] for o in jax.device_get(out)])
     toks, logps, lengths, finished = (np.concatenate(x) for x in zip(*outs))
     return prompt, valid, toks, logps, lengths, finished

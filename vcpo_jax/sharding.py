@@ -46,9 +46,9 @@ from typing import Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from vcpo_jax.model import transformer as tf
 from vcpo_jax.model.config import ModelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -72,6 +72,16 @@ TRANSFORMER_RULES: tuple[tuple[str, P], ...] = (
   (r"lm_head\.kernel$", P("fsdp", "tensor")),  # [D, V]
 )
 
+
+# Activation layouts (one entry per dimension; an entry names mesh axes). Batch rows stay split
+# over ("data", "fsdp") through every block, so batch-dependent memory per device falls with
+# data x fsdp; with a tensor axis the heads and the MLP width are split over it, the residual
+# stream is replicated over it (Megatron layout: one all-reduce after o_proj and down_proj).
+RESIDUAL_BTD = (BATCH_AXES, None, None)  # [B, T, D] embeddings, block outputs
+HEADS_BTNH = (BATCH_AXES, None, "tensor", None)  # [B, T, N or K, H] q, k, v
+HIDDEN_BTF = (BATCH_AXES, None, "tensor")  # [B, T, F] SwiGLU hidden
+LOGITS_BTV = (BATCH_AXES, None, "tensor")  # [B, T, V] vocab-parallel LM head
+CACHE_BSKH = (BATCH_AXES, None, "tensor", None)  # [B, S, K, H] KV cache
 
 # ----------------------------------------------------------------------------- mesh
 
@@ -152,6 +162,59 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def constrain(x: jax.Array, layout: tuple) -> jax.Array:
+  """`with_sharding_constraint(x, layout)` under the mesh being traced with, else the identity.
+
+  The mesh is the one set with `jax.set_mesh(mesh)` around the jitted call (`MeshJit`; the
+  sampler does so when given a mesh); without one (plain CPU tests, the HF parity tests) nothing happens. Per
+  dimension, axes that are not in the mesh, not Auto/Explicit (e.g. Manual inside a
+  shard_map) or that do not divide the dimension (a batch of 1 in a decode step) are
+  dropped, so a constraint never fails or pads: that dimension is left to the compiler
+  (unconstrained). Dimensions whose entry is None are kept whole (replicated).
+
+  Args:
+    x: an activation, e.g. [B, T, D].
+    layout: one entry per leading dimension of x (None, an axis name or a tuple of names),
+      e.g. RESIDUAL_BTD.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or x.ndim < len(layout):
+    return x
+  usable = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Manual}
+  entries = []
+  for dim, entry in zip(x.shape, layout):
+    names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None and a in usable)
+    size = math.prod(mesh.shape[a] for a in names)
+    if names and size > 1 and dim % size == 0:
+      entries.append(names)
+    else:  # nothing to split over here: replicate a dim meant to be whole, else let the compiler choose
+      entries.append(None if entry is None else P.UNCONSTRAINED)
+  if all(e is None or e is P.UNCONSTRAINED for e in entries):
+    return x
+  return jax.lax.with_sharding_constraint(x, P(*entries))
+
+
+class MeshJit:
+  """`jax.jit(fn, **jit_kwargs)` whose calls and lowerings run under `jax.set_mesh(mesh)`.
+
+  Tracing under the mesh is what activates the model's activation constraints
+  (`constrain`); without it they are no-ops. Use it for every jitted function that runs
+  the model on a mesh: `train_step = sharding.MeshJit(mesh, step_fn, in_shardings=...,
+  donate_argnums=0)`, then `train_step(state, batch)` or `train_step.lower(...)`.
+  """
+
+  def __init__(self, mesh: Mesh, fn, **jit_kwargs):
+    self.mesh, self.jitted = mesh, jax.jit(fn, **jit_kwargs)
+
+  def __call__(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- partition rules
@@ -257,6 +320,8 @@ def init_sharded(cfg: ModelConfig, seed: int, mesh: Mesh, rules: Rules = TRANSFO
   Returns:
     (graphdef, params): params an nnx.State of nnx.Param holding sharded jax.Arrays.
   """
+
+  from vcpo_jax.model import transformer as tf  # local: the model imports this module (activation constraints)
 
   def init_params():
     return tf.split(tf.init(cfg, seed))[1]

@@ -25,6 +25,7 @@ import numpy as np
 from vcpo_jax import evaluation, fs, learner, optim, sharding
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer
 from vcpo_jax.rollout.common import RolloutMaker, device_batch
 from vcpo_jax.run_config import ConfigError, RunSpec, parse_config
@@ -57,7 +58,8 @@ def build_policy(spec: RunSpec):
   if spec.model_checkpoint:
     from vcpo_jax.model import hf_io
 
-    model_cfg, model = hf_io.load_hf(spec.model_checkpoint, dtype=spec.model_cfg.dtype)
+    execution = {f: getattr(spec.model_cfg, f) for f in model_config.EXECUTION_FIELDS}
+    model_cfg, model = hf_io.load_hf(spec.model_checkpoint, dtype=spec.model_cfg.dtype, **execution)
     tokenizer = tok_lib.load_tokenizer(spec.tokenizer_dir or spec.model_checkpoint)
   else:
     tokenizer = tok_lib.load_tokenizer(spec.tokenizer_dir) if spec.tokenizer_dir else tok_lib.build_char_tokenizer()
@@ -138,7 +140,9 @@ def run(config, workdir: str) -> dict:
   # over ("data", "fsdp"); the state is donated so each step updates it in place.
   state = jax.jit(lambda p: learner.init_state(p, tx), out_shardings=state_sh)(params)
   batch_sh = sharding.batch_sharding(mesh)
-  train_step = jax.jit(
+  # Traced under the mesh (MeshJit), so the model's activation constraints keep the batch split.
+  train_step = sharding.MeshJit(
+    mesh,
     learner.make_train_step(graphdef, tx, spec.learner),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, sharding.replicated(mesh)),
@@ -149,7 +153,7 @@ def run(config, workdir: str) -> dict:
   # the first step (not when first timed), so that the timing adds no compile in the middle of the run.
   plain_jit = plain_step = None
   if spec.norm_overhead_every:
-    plain_jit = jax.jit(learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
+    plain_jit = sharding.MeshJit(mesh, learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
 
   # ---------------------------------------------------------------- Rollouts
   key = jax.random.key(spec.seed)
@@ -178,43 +182,32 @@ def run(config, workdir: str) -> dict:
       train_problems,
     )
   # ---------------------------------------------------------------- Evals
-  eval_problems = spec.eval_task_object().make_problems(
-    "test", spec.eval.size if generated and spec.eval.dataset == spec.rollout.task else None, spec.seed
-  )
-  eval_problems = eval_problems[: spec.eval.size]
+  eval_problems = spec.make_eval_problems()
   eval_proto = dataclasses.replace(spec.eval, size=len(eval_problems))  # a fixture may hold fewer
-  eval_sampler = Sampler(
-    graphdef,
-    model_cfg,
-    make_sampler_cfg(
-      spec,
-      tokenizer,
-      temperature=0.0 if spec.eval.greedy else spec.eval.temperature,
-      top_p=spec.eval.top_p,
-      top_k=0,
-      max_new_tokens=spec.eval.max_new_tokens,
-    ),
+  # One generation path (evaluation.EvalSampling): every eval decodes with a sampler built from the
+  # protocol's own temperature / top_p / greedy / max_new_tokens, the settings eval.jsonl records.
+  eval_base = make_sampler_cfg(
+    spec,
+    tokenizer,
+    temperature=spec.eval.temperature,
+    top_p=spec.eval.top_p,
+    top_k=0,
+    max_new_tokens=spec.eval.max_new_tokens,
   )
-
-  eval_maker = None
+  eval_episodes = None
   if spec.multiturn is not None:  # tool-use evaluation: the same episodes as training, eval sampling
-    from vcpo_jax.rollout import multiturn
-
-    eval_maker = multiturn.MultiTurnRolloutMaker(
-      spec.rollout,
-      spec.multiturn,
-      tokenizer,
-      Sampler(graphdef, model_cfg, multiturn.sampler_config(eval_sampler.cfg, spec.rollout, spec.multiturn)),
-      eval_problems,
-    )
+    eval_base = multiturn.sampler_config(eval_base, spec.rollout, spec.multiturn)
+    eval_episodes = maker.eval_episodes
+  eval_sampling = evaluation.EvalSampling(
+    lambda cfg: Sampler(graphdef, model_cfg, cfg),
+    eval_base,
+    tokenizer,
+    chat_template=spec.rollout.chat_template,
+    episodes=eval_episodes,
+  )
 
   def run_eval(step, params, tag=None):
-    eval_rng = jax.random.fold_in(key, 10**9 + step)
-    gen = (
-      eval_maker.eval_generate_fn(params, eval_rng)
-      if eval_maker is not None
-      else _eval_generate_fn(eval_sampler, params, tokenizer, spec, eval_rng)
-    )
+    gen = eval_sampling.generate_fn(params, jax.random.fold_in(key, 10**9 + step))
     rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, tag=tag)
     writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
     return _eval_metrics(rec)
@@ -454,18 +447,3 @@ def _restore(ckpt, step, state, source):
   if queued_meta:
     source.load_queued([{k: np.asarray(v) for k, v in b.items()} for b in tree["queued"]], queued_meta)
   return tree["train"], meta
-
-
-def _eval_generate_fn(sampler: Sampler, params, tokenizer, spec: RunSpec, rng):
-  from vcpo_jax.rollout.common import encode_prompts
-  from vcpo_jax.tasks import Problem
-
-  def generate(prompts, n, temperature, top_p, max_new_tokens, greedy):
-    del temperature, top_p, greedy  # fixed in the eval sampler's config (the protocol it records)
-    probs = [Problem(id=str(i), task="", prompt=p, reference=None) for i, p in enumerate(prompts)]
-    ids = encode_prompts(tokenizer, probs, spec.rollout.chat_template)
-    ro = sampler.generate(params, ids, rng, num_samples=n, max_new_tokens=max_new_tokens)
-    texts = [tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True) for i in range(len(ids) * n)]
-    return [texts[i * n : (i + 1) * n] for i in range(len(ids))]
-
-  return generate

@@ -11,10 +11,25 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ATTENTION_IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn", "splash")  # see vcpo_jax.model.attention
+# How the model is computed, not what it is: set from the run config for presets AND checkpoints
+# (a checkpoint's config.json gives the architecture, never these).
+EXECUTION_FIELDS = ("attention", "attention_chunk", "remat", "logprob_chunk", "logprob_vocab_chunk")
+REMAT_CHOICES = ("none", "block")
+# jax.checkpoint_policies that are policies themselves (the others are factories taking names).
+REMAT_POLICIES = (
+  "everything_saveable",
+  "nothing_saveable",
+  "dots_saveable",
+  "checkpoint_dots",
+  "dots_with_no_batch_dims_saveable",
+  "checkpoint_dots_with_no_batch_dims",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +51,13 @@ class ModelConfig:
     max_position: longest sequence the model is used with (cache size bound).
     dtype: compute dtype, "float32" or "bfloat16" (parameters stay float32).
     model_type: "qwen2" or "llama" (for export back to Hugging Face format).
+    attention: attention implementation (`vcpo_jax.model.attention`): "dense" (the einsum reference, the
+      default: bitwise the model's attention before the option existed), "xla" (jax.nn.dot_product_attention,
+      dense too), "chunked" (query chunks, never [B, N, T, T]; any backend: the choice for long sequences
+      without a fused kernel), "cudnn" (GPU flash attention), "splash" (TPU Pallas kernel).
+    attention_chunk: query chunk of "chunked" and key block of the cached decode attention, in tokens.
+    remat: rematerialization of each block in the backward pass: "none", "block" (save only the block
+      inputs) or the name of a `jax.checkpoint_policies` policy (e.g. "dots_with_no_batch_dims_saveable").
     logprob_chunk: positions along T per chunk of the log-prob head (0 = all at once); sequences of
       at most logprob_chunk + 1 tokens take the dense path (today's numerics).
     logprob_vocab_chunk: vocabulary entries per chunk inside a token chunk (0 = whole vocabulary;
@@ -56,6 +78,9 @@ class ModelConfig:
   max_position: int = 2048
   dtype: str = "float32"
   model_type: str = "llama"
+  attention: str = "dense"
+  attention_chunk: int = 512
+  remat: str = "none"
   logprob_chunk: int = 512
   logprob_vocab_chunk: int = 0
 
@@ -69,6 +94,7 @@ class ModelConfig:
       "num_kv_heads",
       "head_dim",
       "max_position",
+      "attention_chunk",
     ):
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}.")
@@ -86,10 +112,26 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}.")
     if self.model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(f"ModelConfig.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}.")
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(
+        f"ModelConfig.attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r} "
+        "(use 'chunked' for long sequences on any backend)."
+      )
+    if self.remat not in REMAT_CHOICES + REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat must be one of {REMAT_CHOICES + REMAT_POLICIES}, got {self.remat!r}.")
 
   @property
   def compute_dtype(self):
     return _DTYPES[self.dtype]
+
+  @property
+  def remat_policy(self):
+    """None (no remat), or the jax.checkpoint policy of each block ("block": save nothing inside it)."""
+    if self.remat == "none":
+      return None
+    if self.remat == "block":
+      return jax.checkpoint_policies.nothing_saveable
+    return getattr(jax.checkpoint_policies, self.remat)
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)

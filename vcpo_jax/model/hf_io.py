@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from vcpo_jax.model import transformer as tf
-from vcpo_jax.model.config import ModelConfig, tiny_llama, tiny_qwen2
+from vcpo_jax.model.config import EXECUTION_FIELDS, ModelConfig, tiny_llama, tiny_qwen2
 
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that hold no parameters of the architecture (recomputed buffers).
@@ -215,7 +215,9 @@ def params_from_hf(
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def load_hf(checkpoint_dir, dtype: str = "float32", strict: bool = True) -> tuple[ModelConfig, tf.Transformer]:
+def load_hf(
+  checkpoint_dir, dtype: str = "float32", strict: bool = True, **execution
+) -> tuple[ModelConfig, tf.Transformer]:
   """(ModelConfig, Transformer) from a local HF directory (config.json + *.safetensors).
 
   Args:
@@ -224,11 +226,16 @@ def load_hf(checkpoint_dir, dtype: str = "float32", strict: bool = True) -> tupl
     dtype: compute dtype, "float32" or "bfloat16" (parameters are float32 either way;
       bf16/f16 checkpoints are upcast).
     strict: see `params_from_hf`.
+    **execution: ModelConfig fields of `EXECUTION_FIELDS` (attention, remat, log-prob chunks).
   """
   checkpoint_dir = os.fspath(checkpoint_dir)
   if not os.path.isdir(checkpoint_dir):
     raise FileNotFoundError(f"Checkpoint directory {checkpoint_dir!r} does not exist.")
   cfg = ModelConfig.from_hf(checkpoint_dir, dtype=dtype)
+  unknown = set(execution) - set(EXECUTION_FIELDS)
+  if unknown:
+    raise TypeError(f"load_hf: {sorted(unknown)} are not execution fields {EXECUTION_FIELDS}")
+  cfg = cfg.replace(**execution)
   _check_supported(checkpoint_dir)
   tensors, sources = read_state_dict(checkpoint_dir)
   return cfg, params_from_hf(tensors, cfg, sources=sources, strict=strict)

@@ -21,11 +21,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from vcpo_jax.model import logprobs
+from vcpo_jax import sharding as sh
+from vcpo_jax.model import attention as attn
+from vcpo_jax.model import logprobs, taps
 from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.model.taps import TapInfo, forbid, tap, tap_head
 
 _INIT = nnx.initializers.normal(stddev=0.02)
+
+AttentionMask = attn.AttentionMask  # the mask type `forward` takes (re-exported for callers)
 
 # One layer's KV cache: (k [B, S, K, H], v [B, S, K, H]) in the compute dtype.
 LayerCache = tuple[jax.Array, jax.Array]
@@ -102,25 +106,33 @@ class Attention(nnx.Module):
     self.o_proj = Linear(cfg.num_heads * h, d, name=f"{name}.o_proj", use_bias=False, dtype=dt, rngs=rngs)
     self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, h
     self.rope_theta = cfg.rope_theta
+    self.implementation, self.chunk = cfg.attention, cfg.attention_chunk
 
-  def __call__(self, x_btd, positions_bt, mask_bts, cache: LayerCache | None, cache_index):
+  def __call__(self, x_btd, positions_bt, mask, cache: LayerCache | None, cache_index):
     b, t, _ = x_btd.shape
     n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
     q = rope(self.q_proj(x_btd).reshape(b, t, n, h), positions_bt, self.rope_theta)
     kk = rope(self.k_proj(x_btd).reshape(b, t, k, h), positions_bt, self.rope_theta)
     vv = self.v_proj(x_btd).reshape(b, t, k, h)
-    if cache is not None:
+    q, kk, vv = (sh.constrain(a, sh.HEADS_BTNH) for a in (q, kk, vv))
+    kw = {"implementation": self.implementation, "chunk": self.chunk}
+    if cache is None:
+      out = attn.attention(q, kk, vv, mask, **kw)
+    else:
       ck, cv = cache
-      kk = jax.lax.dynamic_update_slice(ck, kk.astype(ck.dtype), (0, cache_index, 0, 0))
-      vv = jax.lax.dynamic_update_slice(cv, vv.astype(cv.dtype), (0, cache_index, 0, 0))
-      cache = (kk, vv)
-    q = q.reshape(b, t, k, n // k, h)  # [B, T, K, R, H]: grouped-query heads share a kv head
-    scores = jnp.einsum("btkrh,bskh->bkrts", q, kk.astype(q.dtype)).astype(jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(h))
-    scores = jnp.where(mask_bts[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vv.dtype)
-    out = jnp.einsum("bkrts,bskh->btkrh", probs, vv).reshape(b, t, n * h)
-    return self.o_proj(out), cache
+      ck = jax.lax.dynamic_update_slice(ck, kk.astype(ck.dtype), (0, cache_index, 0, 0))
+      cv = jax.lax.dynamic_update_slice(cv, vv.astype(cv.dtype), (0, cache_index, 0, 0))
+      ck, cv = sh.constrain(ck, sh.CACHE_BSKH), sh.constrain(cv, sh.CACHE_BSKH)
+      cache = (ck, cv)
+      if not isinstance(mask, attn.AttentionMask):  # an explicit [B, T, S] mask over the whole cache
+        out = attn.attention(q, ck, cv, mask, **kw)
+      elif isinstance(cache_index, int):  # static slot (prefill chunks): read the filled prefix only
+        end = cache_index + t
+        prefix = attn.AttentionMask(mask.kv_valid[:, :end])
+        out = attn.attention(q, ck[:, :end], cv[:, :end], prefix, q_offset=cache_index, **kw)
+      else:  # traced slot (decode): blockwise over the filled blocks
+        out = attn.decode_attention(q, ck, cv, mask, cache_index, block=self.chunk)
+    return self.o_proj(out.reshape(b, t, n * h)), cache
 
 
 class MLP(nnx.Module):
@@ -131,12 +143,14 @@ class MLP(nnx.Module):
     self.down_proj = Linear(f, d, name=f"{name}.down_proj", use_bias=False, dtype=dt, rngs=rngs)
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+    return self.down_proj(sh.constrain(hidden, sh.HIDDEN_BTF))
 
 
 class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, name: str, rngs: nnx.Rngs):
     dt = cfg.compute_dtype
+    self.name = name
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, name=f"{name}.input_layernorm", dtype=dt)
     self.self_attn = Attention(cfg, name=f"{name}.self_attn", rngs=rngs)
     self.post_attention_layernorm = RMSNorm(
@@ -144,11 +158,57 @@ class Block(nnx.Module):
     )
     self.mlp = MLP(cfg, name=f"{name}.mlp", rngs=rngs)
 
-  def __call__(self, x, positions_bt, mask_bts, cache, cache_index):
-    a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask_bts, cache, cache_index)
-    x = x + a
+  def __call__(self, x, positions_bt, mask, cache, cache_index):
+    a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask, cache, cache_index)
+    x = sh.constrain(x + a, sh.RESIDUAL_BTD)
     x = x + self.mlp(self.post_attention_layernorm(x))
-    return x, cache
+    return sh.constrain(x, sh.RESIDUAL_BTD), cache
+
+
+def _remat_block(layer: Block, policy, x, positions_bt, mask):
+  """layer(x, ...) under jax.checkpoint (no cache), composing with an active taps.Tape.
+
+  A tape records layer inputs into a Python object at trace time; inside
+  jax.checkpoint those would be the checkpoint's own tracers and leak. So the
+  checkpointed function runs its own recording (with this block's zero
+  perturbations passed in as arguments, so the vjp with respect to them still
+  flows through) and returns the tapped inputs as outputs; they are written to
+  the outer tape here, outside the checkpoint. The tapped inputs are then saved
+  for the backward pass anyway (the ghost norms need them); everything else in
+  the block (attention scores, RoPE, SiLU) is recomputed.
+
+  Memory analysis on XLA:CPU: its default concurrency-optimized scheduler keeps
+  buffers of many blocks alive, so compile with
+  XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false to see remat's
+  effect (3 layers, D=512, F=4096, B=8, T=1024: 2684 -> 1116 MiB temporaries; with
+  the default scheduler 2778 -> 2522 MiB).
+  """
+  graphdef, state = nnx.split(layer)
+  tape = taps._ACTIVE.get()  # the recording context, if any (read at trace time, like taps.tap)
+  prefix = layer.name + "."
+  perts = None
+  if tape is not None and tape.perturbations is not None:
+    perts = {k: v for k, v in tape.perturbations.items() if k.startswith(prefix)}
+  meta = {}
+
+  def run(state, x, positions_bt, mask, perts):
+    block = nnx.merge(graphdef, state)
+    if tape is None:
+      return block(x, positions_bt, mask, None, None)[0], {}
+    with taps.recording(perts) as inner:
+      y = block(x, positions_bt, mask, None, None)[0]
+    meta.update(info=dict(inner.info), out_shapes=dict(inner.out_shapes))  # static metadata only
+    return y, dict(inner.inputs)
+
+  y, inputs = jax.checkpoint(run, policy=policy)(state, x, positions_bt, mask, perts)
+  if tape is not None:
+    for name, a in inputs.items():
+      if name in tape.inputs:
+        raise ValueError(f"Tap {name!r} fired twice in one recording; layer names must be unique.")
+      tape.inputs[name] = a
+      tape.info[name] = meta["info"][name]
+      tape.out_shapes[name] = meta["out_shapes"][name]
+  return y
 
 
 class Transformer(nnx.Module):
@@ -167,7 +227,7 @@ class Transformer(nnx.Module):
     )
 
   def __call__(
-    self, tokens_bt, positions_bt, mask_bts, cache: list[LayerCache] | None = None, cache_index=None, *, hidden=False
+    self, tokens_bt, positions_bt, mask, cache: list[LayerCache] | None = None, cache_index=None, *, hidden=False
   ):
     """Returns (logits [B, T, V] float32, new cache or None); with hidden=True the final normed
     hidden states [B, T, D] instead of the logits (for `head_logprobs`).
@@ -175,15 +235,23 @@ class Transformer(nnx.Module):
     Args:
       tokens_bt: int32 [B, T].
       positions_bt: int32 [B, T] RoPE positions (count of real tokens before each one).
-      mask_bts: bool [B, T, S]: query t may attend to key s. S = T without a cache,
-        the cache length with one (keys written at cache_index..cache_index+T-1).
+      mask: an `attention.AttentionMask` (kv_valid [B, S]: causal attention over the valid
+        keys, see `vcpo_jax.model.attention`), or an explicit bool [B, T, S] mask (run
+        densely). S = T without a cache, the cache length with one (keys written at
+        cache_index..cache_index+T-1).
       cache: per-layer (k, v) [B, S, K, H] or None.
-      cache_index: int32 scalar, where this call's keys go in the cache.
+      cache_index: where this call's keys go in the cache: a Python int (static: attention
+        reads the cache prefix [0, cache_index + T) only), or an int32 scalar (traced: the
+        decode path, blockwise over the filled blocks).
     """
-    x = self.embed_tokens(tokens_bt)
+    x = sh.constrain(self.embed_tokens(tokens_bt), sh.RESIDUAL_BTD)
     new_cache = [] if cache is not None else None
+    policy = self.cfg.remat_policy
     for i, layer in enumerate(self.layers):
-      x, c = layer(x, positions_bt, mask_bts, None if cache is None else cache[i], cache_index)
+      if cache is None and policy is not None:
+        x = _remat_block(layer, policy, x, positions_bt, mask)
+        continue
+      x, c = layer(x, positions_bt, mask, None if cache is None else cache[i], cache_index)
       if cache is not None:
         new_cache.append(c)
     x = self.norm(x)
@@ -222,27 +290,24 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[La
   return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
 
 
-def forward(graphdef, params, tokens_bt, positions_bt, mask_bts, cache=None, cache_index=None):
+def forward(graphdef, params, tokens_bt, positions_bt, mask, cache=None, cache_index=None):
   """Pure forward pass: see Transformer.__call__."""
   model = nnx.merge(graphdef, params)
-  return model(tokens_bt, positions_bt, mask_bts, cache, cache_index)
+  return model(tokens_bt, positions_bt, mask, cache, cache_index)
 
 
-def padded_positions_and_mask(valid_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """RoPE positions and causal attention mask for (possibly left- or right-) padded rows.
+def padded_positions_and_mask(valid_bt: jax.Array) -> tuple[jax.Array, attn.AttentionMask]:
+  """RoPE positions and the causal attention mask for (possibly left- or right-) padded rows.
 
   Positions count real tokens before each token, so a left-padded prompt gets the
   same positions as the unpadded one. Padding keys are never attended to; padding
   queries attend to themselves only (their outputs are ignored, this keeps the
-  softmax finite).
+  softmax finite). The mask is the per-key validity (`attention.AttentionMask`),
+  O(B T); `mask.dense(T)` is the equivalent [B, T, T] bool array.
   """
   valid_bt = valid_bt.astype(bool)
   positions = jnp.maximum(jnp.cumsum(valid_bt, axis=1) - 1, 0).astype(jnp.int32)
-  t = valid_bt.shape[1]
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  mask = causal[None] & valid_bt[:, None, :]
-  mask = mask | jnp.eye(t, dtype=bool)[None]
-  return positions, mask
+  return positions, attn.AttentionMask(valid_bt)
 
 
 def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
