@@ -168,7 +168,147 @@ def test_bad_async_settings_raise_value_errors():
   with pytest.raises(ValueError, match="lag mode"):
     src.load_state([3], [None])
   assert src.state() == ([], [])
+  with pytest.raises(ValueError, match="consecutive"):
+    src.load_queued([{}, {}], [{"step": 3}, {"step": 5}])
   src.close()
+
+
+def test_resume_consumes_queued_batches_exactly_once(tmp_path, monkeypatch):
+  """SIGINT after step 3 with batches waiting in the queue: the checkpoint keeps them, and the resumed run
+  consumes exactly those (same producer tag, same tokens) first, then new ones from its own sampler from the
+  next step on; no batch consumed before the interrupt is consumed again, and every step is trained once."""
+  steps, stop_after = 8, 3
+  config = _tiny(steps=steps, checkpoint_every=100, **{"lag.k": 2, "async_.queue_slots": 4})
+  workdir = str(tmp_path / "run")
+  built, consumed, saved = [], [], []  # sources; (step, tokens, info) per consumed batch; queued_state() results
+  build = trainer.build_source
+
+  def recording_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt, qs = src.next, src.queued_state
+    interrupting = not built
+    built.append(src)
+
+    def next_(step):
+      batch, info = nxt(step)
+      consumed.append((step, batch["tokens"].copy(), info))
+      if interrupting and step == stop_after:
+        deadline = time.monotonic() + 120.0
+        while src.queue.qsize() < 1:  # the worker runs ahead (batch 4 is within the bound): wait for it
+          assert time.monotonic() < deadline, "the sampler made no batch ahead of the learner"
+          time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the trainer's handler: checkpoint at step 4, exit 130
+      return batch, info
+
+    def queued_state():
+      arrays, metas = qs()
+      saved.append(([b["tokens"].copy() for b in arrays], metas))
+      return arrays, metas
+
+    src.next, src.queued_state = next_, queued_state
+    return src
+
+  monkeypatch.setattr(trainer, "build_source", recording_build_source)
+  with pytest.raises(SystemExit) as e:
+    trainer.run(config, workdir)
+  assert e.value.code == 130
+  first, del_at = list(consumed), len(consumed)
+  assert [s for s, _, _ in first] == list(range(stop_after + 1))
+  assert not any(info["restored"] for _, _, info in first)
+  q_tokens, q_metas = saved[-1]  # the interrupted save
+  n = len(q_metas)
+  assert n >= 1 and [m["step"] for m in q_metas] == list(range(stop_after + 1, stop_after + 1 + n))
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    assert ckpt.latest_step() == stop_after + 1
+    assert [m["seq"] for m in ckpt.restore_meta(stop_after + 1)["queued"]] == [m["seq"] for m in q_metas]
+  finally:
+    ckpt.close()
+
+  summary = trainer.run(config, workdir)  # resumes at step 4
+  assert summary["step"] == steps
+  second = consumed[del_at:]
+  assert [s for s, _, _ in second] == list(range(stop_after + 1, steps))
+  # exactly the queued batches first, with their producer tags and contents
+  for (_, tokens, info), m, q in zip(second[:n], q_metas, q_tokens):
+    assert info["restored"] and info["producer"] == (m["sampler_pid"], m["seq"])
+    assert (tokens == q).all()
+  # then new batches, from the new sampler's first batch on (it started at step 4 + n)
+  assert [info["producer"] for _, _, info in second[n:]] == [
+    (built[1].pid, i) for i in range(steps - stop_after - 1 - n)
+  ]
+  assert not any(info["restored"] for _, _, info in second[n:])
+  # nothing consumed twice across the resume
+  producers = [info["producer"] for _, _, info in first + second]
+  assert len(set(producers)) == len(producers) == steps
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1))
+
+
+def test_sigint_during_startup_exits_130_and_reclaims_the_sampler(tmp_path, monkeypatch):
+  """SIGINT while the first publish() starts the sampler (before any step): the handlers are installed
+  already, so the trainer closes the source (worker gone, /dev/shm clean) and exits 130 without a checkpoint."""
+  built = []
+  build = trainer.build_source
+
+  def interrupting_build_source(*a, **kw):
+    src = build(*a, **kw)
+    publish = src.publish
+
+    def publish_(params, version):
+      publish(params, version)
+      built.append((src, src.resource_paths()))
+      os.kill(os.getpid(), signal.SIGINT)  # lands during start-up: the worker is still importing
+
+    src.publish = publish_
+    return src
+
+  monkeypatch.setattr(trainer, "build_source", interrupting_build_source)
+  old = signal.getsignal(signal.SIGINT)
+  with pytest.raises(SystemExit) as e:
+    trainer.run(_tiny(steps=3), str(tmp_path / "run"))
+  assert e.value.code == 130
+  assert signal.getsignal(signal.SIGINT) is old  # the trainer's handlers are removed again
+  ((src, paths),) = built
+  assert src.proc.exitcode is not None, "the sampler outlived the interrupted start-up"
+  _assert_removed(paths)
+  assert Checkpointer(str(tmp_path / "run" / "checkpoints")).latest_step() is None
+
+
+def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum():
+  """publish() returns before the copy (background thread); the on-device snapshot survives donation of the
+  published params right after; each batch echoes the checksum of exactly the version it was made from."""
+  import numpy as np
+
+  from vcpo_jax.rollout import worker as worker_lib
+  from vcpo_jax.rollout.param_slot import checksum
+
+  k = 2
+  src, params = _source(_tiny(steps=6, **{"lag.k": k, "async_.queue_slots": k + 2}))
+  names = worker_lib.param_names(params)
+  host = lambda p: {n: np.array(a) for n, a in zip(names, jax.tree.leaves(p))}
+  params1 = jax.tree.map(lambda x: x * 2.0, params)
+  want = {0: checksum(host(params)), 1: checksum(host(params1))}
+  assert want[0] != want[1] and src.publish_dtype == np.float32  # CPU: today's numerics
+  try:
+    src.publish(params, 0)
+    assert src.slot.nbuf == 1  # one parameter copy in /dev/shm
+    batch, info = src.next(0)
+    assert (batch["policy_version"] == 0).all() and info["params_checksum"] == want[0]
+    src.publish(params1, 1)  # background: returns before the copy
+    jax.jit(lambda p: jax.tree.map(lambda x: x * 0.0, p), donate_argnums=0)(params1)  # what train_step does
+    src.flush()
+    assert src._checksums[1] == want[1]  # the snapshot, not the donated (zeroed) buffers, was written
+    versions = []
+    for step in range(1, k + 2):  # batch k + 1 needs version >= 1
+      batch, info = src.next(step)
+      v = int(batch["policy_version"][0])
+      assert info["params_checksum"] == want[v], (step, v)
+      versions.append(v)
+    assert versions[-1] == 1
+    assert len(src.publish_blocking_s) == 2
+  finally:
+    src.close()
 
 
 _SIGNAL_SCRIPT = r"""

@@ -377,9 +377,13 @@ def test_param_slot_publish_and_latest():
       slot.latest(min_version=6, timeout=0.05)
 
 
-def test_param_slot_never_torn_and_monotone_under_concurrent_writes():
+@pytest.mark.parametrize("nbuf", [2, 1])
+def test_param_slot_never_torn_and_monotone_under_concurrent_writes(nbuf):
+  """nbuf=2: double-buffered seqlock; nbuf=1: one copy (half the memory), the writer waits for the reader."""
   n = 400
-  with ParamSlot(SPEC) as slot:
+  with ParamSlot(SPEC, nbuf=nbuf) as slot:
+    size = os.path.getsize(slot._seg.path)  # the segment: header + nbuf parameter copies
+    assert nbuf * slot.nbytes <= size < (nbuf + 1) * slot.nbytes
     p = _start(_publish_versions, slot, n)
     try:
       last, reads, versions = -1, 0, set()

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 
 from vcpo_jax import evaluation, fs, learner, optim, sharding
 from vcpo_jax import metrics as metrics_lib
@@ -180,29 +181,6 @@ def run(config, workdir: str) -> dict:
       Sampler(graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn)),
       train_problems,
     )
-  flag: dict = {}  # the signal handlers (Loop) set flag["signal"]; every source wait polls check_signal
-
-  def check_signal():
-    if flag.get("signal"):
-      raise Interrupted(f"signal {flag['signal']}")
-
-  source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=check_signal)
-
-  # ---------------------------------------------------------------- Checkpoint / resume
-  ckpt = Checkpointer(
-    fs.join(workdir, "checkpoints"),
-    keep_last=spec.keep_last,
-    keep_best=spec.keep_best,
-    best_metric="eval/accuracy",
-  )
-  start, meta = 0, {}
-  latest = ckpt.latest_step()
-  if latest is not None:
-    state, meta = _restore(ckpt, latest, state, source)
-    start = latest
-    log.info("resumed from step %d in %s", start, workdir)
-  source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
-
   # ---------------------------------------------------------------- Evals
   eval_problems = spec.make_eval_problems()
   eval_proto = dataclasses.replace(spec.eval, size=len(eval_problems))  # a fixture may hold fewer
@@ -234,21 +212,58 @@ def run(config, workdir: str) -> dict:
     writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
     return _eval_metrics(rec)
 
-  # ---------------------------------------------------------------- Loop
-  # Every log is cut back to the restored step (or emptied on a fresh start): rows of a crashed attempt
-  # after its last checkpoint belong to a discarded timeline and are logged again by this one.
-  writer = metrics_lib.MetricsWriter(
-    workdir,
-    spec.steps,
-    resume_step=latest,
-    wall_offset=float(meta.get("wall_time", 0.0)),
-    progress=spec.progress,
-    primary=primary,
-  )
-  summary_path = fs.join(workdir, "summary.json")
-  if primary:
-    fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
+  # ---------------------------------------------------------------- Checkpoint / resume
+  # The signal handlers go in before the source exists: SIGINT / SIGTERM during start-up (the async sampler's
+  # spawn, a restore) only set the flag, and the guard below closes whatever was built (the sampler, its
+  # shared memory) and exits 130; nothing was trained, so there is nothing to checkpoint. From the loop on,
+  # a signal checkpoints the last completed step. It is noticed in every source wait and at the top of each
+  # step: a signal during an evaluation or a compile is acted on once that returns.
+  flag: dict = {}  # set by the signal handlers; every source wait and every step polls check_signal
+
+  def check_signal():
+    if flag.get("signal"):
+      raise Interrupted(f"signal {flag['signal']}")
+
   old_handlers = _install_signal_handlers(flag)
+  source = ckpt = writer = None
+  try:
+    source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=check_signal)
+    ckpt = Checkpointer(
+      fs.join(workdir, "checkpoints"),
+      keep_last=spec.keep_last,
+      keep_best=spec.keep_best,
+      best_metric="eval/accuracy",
+    )
+    start, meta = 0, {}
+    latest = ckpt.latest_step()
+    if latest is not None:
+      state, meta = _restore(ckpt, latest, state, source)
+      start = latest
+      log.info("resumed from step %d in %s", start, workdir)
+    source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
+
+    # Every log is cut back to the restored step (or emptied on a fresh start): rows of a crashed attempt
+    # after its last checkpoint belong to a discarded timeline and are logged again by this one.
+    writer = metrics_lib.MetricsWriter(
+      workdir,
+      spec.steps,
+      resume_step=latest,
+      wall_offset=float(meta.get("wall_time", 0.0)),
+      progress=spec.progress,
+      primary=primary,
+    )
+    summary_path = fs.join(workdir, "summary.json")
+    if primary:
+      fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
+    check_signal()
+  except BaseException as e:
+    _close_all(old_handlers, source, ckpt, writer)
+    if isinstance(e, Interrupted):
+      log.warning("interrupted during start-up (%s): nothing trained since the last checkpoint; exiting", e)
+      raise SystemExit(130) from None
+    raise
+
+  # ---------------------------------------------------------------- Loop
   last_eval: dict = {}
   nonfinite_steps: list[int] = []
   step = start
@@ -268,7 +283,10 @@ def run(config, workdir: str) -> dict:
       m = jax.device_get(m)
       t2 = time.time()
       step += 1
-      source.publish(state.params, step)
+      try:
+        source.publish(state.params, step)
+      except Interrupted:
+        pass  # raised again at the top of the loop, once this step's row is logged (and checkpointed)
       if m["nonfinite"]:
         nonfinite_steps.append(step - 1)
         if spec.on_nonfinite == "abort":
@@ -317,17 +335,22 @@ def run(config, workdir: str) -> dict:
     _save(ckpt, step, state, source, writer, None, force=True)
     raise SystemExit(130)
   finally:
-    for s, h in old_handlers.items():
-      signal.signal(s, h)
-    source.close()
-    ckpt.close()
-    writer.close()
+    _close_all(old_handlers, source, ckpt, writer)
   summary = {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps}
   if primary:
     if spec.plots:
       metrics_lib.plot_run(workdir)
     fs.write_text(summary_path, json.dumps(summary, indent=1))
   return summary
+
+
+def _close_all(old_handlers: dict, *closeables):
+  """Restores the signal handlers, then closes each of `closeables` that was built (None: not yet)."""
+  for s, h in old_handlers.items():
+    signal.signal(s, h)
+  for c in closeables:
+    if c is not None:
+      c.close()
 
 
 def build_mesh(spec: RunSpec):
@@ -377,8 +400,13 @@ def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, work
 
 
 def _state_tree(state, source):
+  """(tree, versions, queued metadata): the arrays a checkpoint saves and the JSON it records about them.
+
+  tree["queued"]: async mode's received-but-unconsumed batches (AsyncSource.queued_state); an empty list adds
+  no leaves, so checkpoints without queued batches (every other mode) keep their layout."""
   versions, plist = source.state()
-  return {"train": state, "versions": plist}, versions
+  queued, queued_meta = source.queued_state() if hasattr(source, "queued_state") else ([], [])
+  return {"train": state, "versions": plist, "queued": queued}, versions, queued_meta
 
 
 def _eval_metrics(rec: dict) -> dict:
@@ -396,8 +424,8 @@ def _save(ckpt, step, state, source, writer, eval_metrics, force=False, final=Fa
   if step in ckpt.all_steps():  # e.g. a signal right after a periodic save: that checkpoint is current
     return
   writer.flush()  # every row this checkpoint covers is stored before it (object stores buffer rows)
-  tree, versions = _state_tree(state, source)
-  meta = {"step": step, "versions": versions, "wall_time": writer.wall_time}
+  tree, versions, queued_meta = _state_tree(state, source)
+  meta = {"step": step, "versions": versions, "queued": queued_meta, "wall_time": writer.wall_time}
   if final:
     meta["final_eval"] = {k: float(v) for k, v in eval_metrics.items()}
   ckpt.save(step, tree, meta, metrics=eval_metrics, force=force)
@@ -405,8 +433,17 @@ def _save(ckpt, step, state, source, writer, eval_metrics, force=False, final=Fa
 
 
 def _restore(ckpt, step, state, source):
-  meta_versions = ckpt.restore_meta(step)["versions"]
-  template = {"train": state, "versions": [state.params for _ in meta_versions]}
+  saved = ckpt.restore_meta(step)
+  queued_meta = saved.get("queued", [])  # checkpoints from before queued batches were kept have none
+  if queued_meta and not hasattr(source, "load_queued"):
+    raise ValueError(
+      f"the checkpoint at step {step} holds {len(queued_meta)} queued async batches; resume it with "
+      "mode='async', or start this run in a fresh workdir."
+    )
+  queued = source.queued_template(len(queued_meta)) if queued_meta else []
+  template = {"train": state, "versions": [state.params for _ in saved["versions"]], "queued": queued}
   tree, meta = ckpt.restore(step, template)
   source.load_state(meta["versions"], tree["versions"])
+  if queued_meta:
+    source.load_queued([{k: np.asarray(v) for k, v in b.items()} for b in tree["queued"]], queued_meta)
   return tree["train"], meta

@@ -9,7 +9,30 @@ learner has published version >= b - k, and the learner consumes batch b at
 step b, so every row's lag b - policy_version is in [0, k]. The worker pauses
 rather than produce a staler batch; nothing is generated and then discarded.
 Unlike `lag` mode the lag is not exact (the worker takes the newest version it
-finds), so runs are not bit-for-bit reproducible; `state()` keeps nothing.
+finds), so runs are not bit-for-bit reproducible; `state()` keeps no versions.
+
+Resume keeps queued rollouts: `queued_state()` (called by every checkpoint save:
+periodic, final, SIGINT / SIGTERM) drains the shared-memory queue into a host
+list of batches the learner has received but not consumed (arrays + metadata:
+step, version, the producing sampler's pid and sequence number) and returns
+them; the trainer stores the arrays in the checkpoint tree and the metadata in
+its JSON, so they are written atomically with the step. `next()` serves that
+host list first. After a resume, `load_queued()` refills it and the new worker
+starts at the first step not covered (restored step + number restored), so a
+batch produced before the checkpoint and not consumed is consumed exactly once
+after the resume, and a batch consumed before it never again. A batch the
+sampler was still generating at save time is not saved: it is made again.
+
+Publishing (`async_cfg["background_publish"]`, default True) is off the
+learner's critical path: publish() dispatches an on-device snapshot (fresh
+buffers in the publish dtype: bfloat16 on accelerators, float32 on CPU, so
+the CPU numerics are today's; `async_cfg["publish_dtype"]` overrides) and hands
+it to a thread that does the device_get, the copy into the slot and the
+checksum (param_slot.checksum, recorded per version). The slot then holds one
+parameter copy (ParamSlot nbuf=1: the thread's write waits for the sampler's
+read, never the learner). The sampler echoes the checksum of what it read in
+each batch's metadata and next() checks it against the published version's.
+Only this host-memory path exists and is tested (no device-to-device path).
 
 Devices: `async_cfg["sampler_devices"]` (e.g. "2,3") is written to the child's
 CUDA_VISIBLE_DEVICES before it imports JAX, so on a multi-GPU host the sampler
@@ -45,6 +68,7 @@ worker deletes the argument file as soon as it has read it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -52,16 +76,18 @@ import pickle
 import queue as queue_lib
 import signal
 import tempfile
+import threading
 import time
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax import cleanup
 from vcpo_jax.rollout import worker as worker_lib
 from vcpo_jax.rollout.common import lag_stats
-from vcpo_jax.rollout.param_slot import ParamSlot
+from vcpo_jax.rollout.param_slot import ParamSlot, checksum
 from vcpo_jax.rollout.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 
 _POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
@@ -167,6 +193,15 @@ class AsyncSource:
     if self.nslots < 1:
       raise ValueError(f"async_.queue_slots={self.nslots} must be >= 1.")
     self.cpus = parse_cpus(cfg.get("sampler_cpus", "") or "")
+    self.background = bool(cfg.get("background_publish", True))
+    dt = str(cfg.get("publish_dtype", "auto") or "auto")
+    if dt not in ("auto", "float32", "bfloat16"):
+      raise ValueError(
+        f"async_.publish_dtype={dt!r}: use 'auto' (bfloat16 on accelerators, float32 on CPU), 'float32' or 'bfloat16'."
+      )
+    if dt == "auto":
+      dt = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    self.publish_dtype = jnp.dtype(dt)  # of floating parameters in the slot; integer leaves keep theirs
     env = {str(k): str(v) for k, v in dict(cfg.get("sampler_env") or {}).items()}
     if cfg.get("sampler_devices"):
       env.setdefault("CUDA_VISIBLE_DEVICES", str(cfg["sampler_devices"]))
@@ -191,7 +226,19 @@ class AsyncSource:
     self._prev_idle = (0.0, 0.0)  # the worker's (idle_s_total, elapsed_s_total) at the previous batch
     self._published = -1
     self._received = 0  # batches taken from the queue
+    # Batches received (drained at a checkpoint, or restored from one) but not consumed yet, oldest first:
+    # (arrays, meta, restored) with restored=True for those of an earlier run (their idle totals are its own).
+    self._pending: collections.deque = collections.deque()
     self._finalizer = None
+    self._checksums: dict[int, int] = {}  # version -> checksum of what was written into the slot (recent ones)
+    self._snap = jax.jit(lambda leaves: [_snapshot_leaf(x, self.publish_dtype) for x in leaves])
+    # The background publisher (async_.background_publish): publish() hands it the newest snapshot and returns.
+    self._cv = threading.Condition()
+    self._todo = None  # (snapshot leaves, version) not yet taken by the thread; a newer one replaces it
+    self._busy = self._closing = False
+    self._thread_error: BaseException | None = None
+    self._thread = None
+    self.publish_blocking_s: list[float] = []  # learner-side time inside publish(), per call (perf_counter)
 
   # ------------------------------------------------------------------ learner side
 
@@ -204,8 +251,16 @@ class AsyncSource:
         sum(x.nbytes for x in stale) / 1e6,
         ", ".join(sorted({f"run {x.run} (pid {x.pid})" for x in stale})),
       )
-    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id)
-    self.slot.publish(arrays, version)  # before the start: the worker's first wait succeeds at once
+    first = int(version) + len(self._pending)  # restored batches cover steps version .. first - 1
+    if self._pending and self._pending[0][1]["step"] != int(version):
+      raise RuntimeError(
+        f"async source: restored queued batches start at step {self._pending[0][1]['step']} but the first "
+        f"published version is {version}; publish the restored parameters with version = the restored step."
+      )
+    # Background publishing: one parameter copy in /dev/shm (the thread's write waits for the sampler's read);
+    # a synchronous publish keeps the double buffer, so the learner never waits for the sampler.
+    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id, nbuf=1 if self.background else 2)
+    self._write(arrays, version, None)  # before the start: the worker's first wait succeeds at once
     self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
     log.info("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
     self.conn, child_conn = SPAWN.Pipe(duplex=True)
@@ -218,7 +273,7 @@ class AsyncSource:
       key_data=self.key_data,
       key_impl=self.key_impl,
       k=self.k,
-      first_step=int(version),
+      first_step=first,
       end_step=self.end_step,
       param_names=tuple(arrays),
       meta_bytes=self.meta_bytes,
@@ -247,17 +302,91 @@ class AsyncSource:
     self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self._args_path)
 
   def publish(self, params, version: int):
-    """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time."""
+    """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time.
+
+    Off the critical path (async_.background_publish, default): an on-device snapshot in the publish dtype is
+    dispatched (fresh buffers, so the next step may donate `params`) and handed to a background thread, which
+    does the device_get and the copy into the slot and records the checksum; this call returns without waiting
+    for either. A snapshot the thread has not taken yet is replaced by a newer one (the sampler only ever
+    takes the newest; the staleness bound needs no intermediate version). Without it (or the first time,
+    which starts the sampler) the copy happens here, as before.
+    """
+    t0 = time.perf_counter()
     version = int(version)
-    leaves = jax.device_get(jax.tree.leaves(params))
-    names = worker_lib.param_names(params)
-    arrays = {n: np.asarray(a) for n, a in zip(names, leaves)}
     if self.proc is None:
-      self._start(arrays, version)
-    else:
+      self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
+    elif not self.background:  # today's path: device_get, one copy into the slot; no checksum on this path
       self._poll_publish()
-      self.slot.publish(arrays, version, poll=self._poll_publish)
+      self.slot.publish(self._host_arrays(jax.tree.leaves(params), params), version, poll=self._poll_publish)
+    else:
+      self._raise_if_dead()
+      self._raise_thread_error()
+      snap = self._snap(jax.tree.leaves(params))  # dispatched, not waited for
+      with self._cv:
+        self._todo = (snap, version, worker_lib.param_names(params))
+        self._cv.notify_all()
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._publisher, name="vcpo-async-publish", daemon=True)
+        self._thread.start()
     self._published = version
+    self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def _host_arrays(self, snap: list, params=None, names=None) -> dict:
+    names = names or worker_lib.param_names(params)
+    out = {n: np.asarray(a) for n, a in zip(names, jax.device_get(snap))}
+    for n, a in out.items():  # a snapshot is cast already; the synchronous path casts here
+      if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != self.publish_dtype:  # jnp: knows bfloat16
+        out[n] = a.astype(self.publish_dtype)
+    return out
+
+  def _write(self, arrays: dict, version: int, poll):
+    csum = checksum(arrays)
+    self.slot.publish(arrays, version, poll=poll)
+    self._checksums[version] = csum
+    for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
+      del self._checksums[v]  # older versions can no longer arrive in a batch
+
+  def _publisher(self):
+    """Background thread: the newest pending snapshot -> host -> slot, until close()."""
+    while True:
+      with self._cv:
+        while self._todo is None and not self._closing:
+          self._cv.wait()
+        if self._closing:
+          return
+        (snap, version, names), self._todo = self._todo, None
+        self._busy = True
+      try:
+        self._write(self._host_arrays(snap, names=names), version, self._thread_poll)
+      except _Closing:
+        return
+      except Exception as e:  # noqa: BLE001 -- any failure is re-raised by the next publish() / next()
+        self._thread_error = e
+        return
+      finally:
+        with self._cv:
+          self._busy = False
+          self._cv.notify_all()
+
+  def _thread_poll(self):
+    if self._closing:
+      raise _Closing()
+
+  def _raise_thread_error(self):
+    if self._thread_error is not None:
+      e, self._thread_error = self._thread_error, None
+      if isinstance(e, PeerDiedError):
+        raise self._died_error(f"while publishing in the background: {e}")
+      raise RuntimeError(f"async source: the background publisher failed: {e!r}") from e
+
+  def flush(self, timeout: float = 60.0):
+    """Waits until the background publisher has written the newest version (tests, benchmarks)."""
+    deadline = time.monotonic() + timeout
+    with self._cv:
+      while (self._todo is not None or self._busy) and self._thread_error is None:
+        if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+          raise TimeoutError(f"async source: the background publisher did not finish within {timeout} s")
+    self._raise_thread_error()
 
   def _poll_publish(self):
     """Before and between lock-wait slices of publish(): a signal (first) or a dead worker ends the wait."""
@@ -273,6 +402,14 @@ class AsyncSource:
         "After a resume, publish the restored parameters (version = the restored step) first."
       )
     t0 = time.monotonic()
+    if self._pending:
+      batch, meta, restored = self._pending.popleft()
+      if meta["step"] != step:
+        raise RuntimeError(
+          f"async source: the oldest unconsumed batch is batch {meta['step']}, requested at learner step {step}; "
+          "the learner must consume batches in order, one per step."
+        )
+      return self._info(step, batch, meta, time.monotonic() - t0, restored=restored)
     timeout = self.timeout_s if self._received else self.startup_timeout_s
     deadline = t0 + timeout
     item = None
@@ -280,6 +417,7 @@ class AsyncSource:
       if self._interrupt is not None:
         self._interrupt()  # raises (e.g. the trainer's Interrupted) once a signal has arrived
       self._raise_if_error()
+      self._raise_thread_error()
       # Exceptions are raised outside the `except` blocks: a chained __context__ would keep the queue's
       # frames (and its semaphores) alive in the traceback after close().
       failure = None
@@ -301,7 +439,10 @@ class AsyncSource:
         raise failure
     wait_s = time.monotonic() - t0
     self._received += 1
-    batch, meta = item.arrays, item.meta
+    return self._info(step, item.arrays, item.meta, wait_s)
+
+  def _info(self, step: int, batch: dict, meta: dict, wait_s: float, restored: bool = False) -> tuple[dict, dict]:
+    """Checks batch `step` (order, lag bound) and builds next()'s info dict."""
     if meta["step"] != step:
       raise RuntimeError(
         f"async source: received batch {meta['step']} at learner step {step}; the learner must "
@@ -310,9 +451,18 @@ class AsyncSource:
     lag = step - batch["policy_version"]
     if lag.min() < 0 or lag.max() > self.k:
       raise RuntimeError(f"async source: batch {step} has lags [{lag.min()}, {lag.max()}] outside [0, {self.k}].")
+    want = self._checksums.get(int(meta["version"])) if not restored else None
+    if want is not None and meta.get("params_checksum") != want:
+      raise RuntimeError(
+        f"async source: batch {step} was made from parameters with checksum {meta.get('params_checksum')}, "
+        f"but version {meta['version']} was published with checksum {want}: the parameter copy was corrupted."
+      )
     idle, elapsed = meta["idle_s_total"], meta["elapsed_s_total"]
     d_idle, d_elapsed = idle - self._prev_idle[0], elapsed - self._prev_idle[1]
-    self._prev_idle = (idle, elapsed)
+    if restored:  # totals of the previous run's sampler: no idle fraction for this batch
+      d_idle = d_elapsed = 0.0
+    else:
+      self._prev_idle = (idle, elapsed)
     info = dict(
       texts=meta.get("texts"),
       problem_ids=meta["problem_ids"],
@@ -325,6 +475,9 @@ class AsyncSource:
       sampler_idle_s_total=idle,
       sampler_elapsed_s_total=elapsed,
       metrics=dict(meta.get("metrics") or {}),
+      params_checksum=meta.get("params_checksum"),  # the sampler's echo, checked against the published one
+      producer=(meta.get("sampler_pid"), meta.get("seq")),  # which sampler made it, its n-th batch
+      restored=restored,  # True: queued when the checkpoint this run resumed from was saved
     )  # the maker's scalars (multi-turn: rollout/turns_mean, ...)
     return batch, info
 
@@ -395,6 +548,40 @@ class AsyncSource:
         "with mode='lag', or start the async run in a fresh workdir."
       )
 
+  def _drain(self):
+    """Moves every complete batch in the shared-memory queue to the host list (non-blocking)."""
+    while self.queue is not None:
+      try:
+        item = self.queue.get(timeout=0.0)
+      except (queue_lib.Empty, QueueFinished, PeerDiedError):
+        return  # a dead worker is reported by the next next(); what it completed is kept
+      self._received += 1
+      self._pending.append((item.arrays, item.meta, False))
+
+  def queued_state(self) -> tuple[list[dict], list[dict]]:
+    """(arrays, metas) of every batch received or queued and not consumed, oldest first, for a checkpoint.
+
+    Drains the queue into host memory first (the batches stay in this source and are served by next()).
+    arrays[i] = {field: array of batch_schema's shape}; metas[i] = the worker's JSON metadata (step, ...).
+    """
+    self._drain()
+    return [dict(a) for a, _, _ in self._pending], [dict(m) for _, m, _ in self._pending]
+
+  def queued_template(self, count: int) -> list[dict]:
+    """Restore template of `count` queued batches (zeros of the queue schema's shapes and dtypes)."""
+    return [{n: np.zeros(f.shape, f.dtype) for n, f in self.schema.fields.items()} for _ in range(count)]
+
+  def load_queued(self, arrays: list[dict], metas: list[dict]):
+    """Restores queued_state()'s batches (before the first publish); next() serves them first."""
+    if self.proc is not None:
+      raise RuntimeError("async source: load_queued() must come before the first publish() starts the sampler.")
+    if len(arrays) != len(metas):
+      raise ValueError(f"async source: {len(arrays)} queued batches but {len(metas)} metadata records.")
+    steps = [int(m["step"]) for m in metas]
+    if steps and steps != list(range(steps[0], steps[0] + len(steps))):
+      raise ValueError(f"async source: restored queued batches have steps {steps}; expected consecutive steps.")
+    self._pending.extend((dict(a), dict(m), True) for a, m in zip(arrays, metas))
+
   def resource_paths(self) -> list[str]:
     """/dev/shm paths this source owns (segments and semaphores), for leak checks."""
     return (self.queue.resource_paths() if self.queue else []) + (self.slot.resource_paths() if self.slot else [])
@@ -404,7 +591,13 @@ class AsyncSource:
     return self.proc.pid if self.proc is not None else None
 
   def close(self):
-    """Stops the worker and removes every shared-memory segment. Idempotent."""
+    """Stops the publisher thread and the worker; removes every shared-memory segment. Idempotent."""
+    with self._cv:
+      self._closing = True
+      self._cv.notify_all()
+    if self._thread is not None:
+      self._thread.join(30.0)  # a copy in progress finishes (it cannot be cut short); a lock wait ends at once
+      self._thread = None
     if self._finalizer is not None:
       self._finalizer()  # runs _shutdown once
     if self.queue is not None:
@@ -414,6 +607,17 @@ class AsyncSource:
     if self.conn is not None:
       self.conn.close()
     self.queue = self.slot = self.conn = None
+
+
+class _Closing(Exception):
+  """close() ended the background publisher's wait."""
+
+
+def _snapshot_leaf(x, dtype):
+  """Inside jit: a fresh copy of `x` (floating leaves cast to `dtype`), never an alias of the (donated) input."""
+  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+    return x.astype(dtype)
+  return jnp.copy(x)
 
 
 def _stopped(pid: int | None) -> bool:

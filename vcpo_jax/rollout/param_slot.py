@@ -1,7 +1,8 @@
 """Shared-memory parameter slot: the learner publishes weights + a version, samplers read the latest.
 
-Layout: one segment holding a header and two buffers, each with every array of a
-fixed schema (e.g. one flat float32 / bfloat16 vector, or a dict of arrays).
+Layout: one segment holding a header and `nbuf` buffers (2 by default, 1 for one
+parameter copy in shared memory), each with every array of a fixed schema (e.g.
+one flat float32 / bfloat16 vector, or a dict of arrays).
 
 Consistency (double buffer + per-buffer seqlock, header under a lock):
   writer: b = the buffer not published last
@@ -11,7 +12,17 @@ Consistency (double buffer + per-buffer seqlock, header under a lock):
   reader: (v, b, s1) = (version[latest], latest, seq[b]); copy buffer b;
           s2 = seq[b]; accept iff s1 == s2, else retry.
 A reader is only disturbed when the writer laps it (two publishes during one
-copy), so it never sees torn data and rarely retries. The header words are read
+copy), so it never sees torn data and rarely retries.
+
+One buffer (nbuf=1; half the shared memory) adds reader exclusion to the seqlock:
+  reader: under the lock, wait while seq is odd (a write in progress), then
+          record reading = its pid; copy; under the lock clear reading and
+          accept iff seq did not change (it cannot, unless the protocol broke).
+  writer: under the lock, wait while reading names a live process (a dead
+          reader's mark is cleared), then seq += 1 (odd), write, seq += 1.
+So a write waits for at most one reader's copy (meant for a writer off the
+critical path: AsyncSource's background publisher), and readers wait for the
+write in progress instead of reading the other buffer. One reader at a time. The header words are read
 and written under a spawn-context Lock, held for a few microseconds and never
 during a copy: its acquire/release are full memory barriers, which makes the
 seqlock correct on weakly ordered CPUs (ARM hosts) too, where plain numpy loads
@@ -37,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,12 +59,22 @@ from vcpo_jax.rollout.shm_queue import SPAWN, NamedLock, PeerDiedError, Segment,
 
 _MAGIC = 0x5643504F50415241  # "VCPOPARA"
 _HDR_WORDS = 16
-# Header word indices: latest version, latest buffer, writer pid, creator pid, seq[2], version[2].
+# Header word indices: latest version, latest buffer, writer pid, creator pid, seq[2], version[2], reader
+# pid copying now (nbuf=1), nbuf.
 _H_MAGIC, _H_VERSION, _H_LATEST, _H_WRITER, _H_CREATOR = range(5)
-_H_SEQ, _H_BUFVER = 5, 7
+_H_SEQ, _H_BUFVER, _H_READING, _H_NBUF = 5, 7, 9, 10
 _POLL_S = 0.002  # versions change once per learner step; a short sleep poll is cheap
 _LOCK_TIMEOUT_S = 10.0
 _LOCK_SLICE_S = 0.1  # lock-wait slice: `poll` runs between slices
+
+
+def checksum(arrays: Mapping[str, Any], names=None) -> int:
+  """Adler-32 of the arrays' bytes, chained in `names` order (default: the mapping's); the learner records it
+  per published version and the sampler echoes the one of the parameters it read (end-to-end check)."""
+  value = 1
+  for n in names if names is not None else arrays:
+    value = zlib.adler32(np.ascontiguousarray(arrays[n]).reshape(-1).view(np.uint8), value)
+  return value
 
 
 def _normalize_spec(spec: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -76,19 +98,22 @@ class ParamSlot:
     spec: {name: (shape, dtype)} or {name: array-like with .shape/.dtype}; fixed.
     ctx: multiprocessing context for the lock (spawn by default).
     run: the run id stamped into the segment's and the lock's names (default: a random id).
+    nbuf: 2 (double buffer: writes never wait) or 1 (one copy: a write waits for the reader's copy).
   """
 
-  def __init__(self, spec: Mapping[str, Any], *, ctx=None, run: str | None = None):
-    self._init_layout(_normalize_spec(spec))
+  def __init__(self, spec: Mapping[str, Any], *, ctx=None, run: str | None = None, nbuf: int = 2):
+    if nbuf not in (1, 2):
+      raise ValueError(f"ParamSlot(nbuf={nbuf}): use 2 (double buffer) or 1 (one parameter copy).")
+    self._init_layout(_normalize_spec(spec), nbuf)
     run = run or cleanup.run_id()
-    self._seg = Segment(_HDR_WORDS * 8 + 2 * self._buf_nbytes, cleanup.new_name(run, "p"), create=True)
+    self._seg = Segment(_HDR_WORDS * 8 + nbuf * self._buf_nbytes, cleanup.new_name(run, "p"), create=True)
     self._lock = NamedLock(run=run, kind="pl", ctx=ctx or SPAWN)
     self._map()
     self._hdr[:] = 0
-    self._hdr[[_H_MAGIC, _H_VERSION, _H_LATEST, _H_CREATOR]] = [_MAGIC, -1, -1, os.getpid()]
+    self._hdr[[_H_MAGIC, _H_VERSION, _H_LATEST, _H_CREATOR, _H_NBUF]] = [_MAGIC, -1, -1, os.getpid(), nbuf]
 
-  def _init_layout(self, spec):
-    self.spec = spec
+  def _init_layout(self, spec, nbuf):
+    self.spec, self.nbuf = spec, nbuf
     self._offsets, off = {}, 0
     for name, (shape, dtype) in spec.items():
       self._offsets[name] = off
@@ -104,16 +129,16 @@ class ParamSlot:
         )
         for name, (shape, dtype) in self.spec.items()
       }
-      for b in range(2)
+      for b in range(self.nbuf)
     ]
 
   def __getstate__(self):
     if self._seg is None:
       raise ValueError("cannot send a closed ParamSlot to another process")
-    return {"spec": self.spec, "name": self._seg.name, "lock": self._lock}
+    return {"spec": self.spec, "nbuf": self.nbuf, "name": self._seg.name, "lock": self._lock}
 
   def __setstate__(self, s):
-    self._init_layout(s["spec"])
+    self._init_layout(s["spec"], s["nbuf"])
     self._lock = s["lock"]
     self._seg = Segment(name=s["name"])
     self._map()
@@ -126,7 +151,7 @@ class ParamSlot:
 
   @property
   def nbytes(self) -> int:
-    """Bytes of one parameter copy (the segment holds two)."""
+    """Bytes of one parameter copy (the segment holds `nbuf`)."""
     return self._buf_nbytes
 
   def resource_paths(self) -> list[str]:
@@ -180,17 +205,29 @@ class ParamSlot:
           f"{dtype}{shape}; cast/reshape it before publishing"
         )
       checked[name] = a
-    with self._locked(poll):
-      me, writer = os.getpid(), int(self._hdr[_H_WRITER])
-      if writer not in (0, me) and pid_alive(writer):
-        raise ValueError(f"ParamSlot has a single writer and process {writer} is it")
-      self._hdr[_H_WRITER] = me
-      last = int(self._hdr[_H_VERSION])
-      version = last + 1 if version is None else int(version)
-      if version <= last:
-        raise ValueError(f"ParamSlot.publish: version {version} must exceed the last published version {last}")
-      b = 0 if self._hdr[_H_LATEST] != 0 else 1
-      self._hdr[_H_SEQ + b] += 1  # odd: readers of buffer b will retry
+    while True:
+      with self._locked(poll):
+        me, writer = os.getpid(), int(self._hdr[_H_WRITER])
+        if writer not in (0, me) and pid_alive(writer):
+          raise ValueError(f"ParamSlot has a single writer and process {writer} is it")
+        reader = int(self._hdr[_H_READING])
+        if self.nbuf == 1 and reader and pid_alive(reader):
+          busy = True  # one buffer: wait until the reader's copy is done
+        else:
+          busy = False
+          self._hdr[_H_READING] = 0  # a dead reader's mark
+          self._hdr[_H_WRITER] = me
+          last = int(self._hdr[_H_VERSION])
+          version = last + 1 if version is None else int(version)
+          if version <= last:
+            raise ValueError(f"ParamSlot.publish: version {version} must exceed the last published version {last}")
+          b = 0 if self.nbuf == 1 or self._hdr[_H_LATEST] != 0 else 1
+          self._hdr[_H_SEQ + b] += 1  # odd: readers of buffer b will retry (nbuf=1: wait)
+      if not busy:
+        break
+      if poll is not None:
+        poll()
+      time.sleep(_POLL_S)
     for name, a in checked.items():
       np.copyto(self._views[b][name], a)
     with self._locked(poll):
@@ -225,17 +262,31 @@ class ParamSlot:
     need = 0 if min_version is None else int(min_version)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+      writing = False
       with self._locked(poll):
         v = int(self._hdr[_H_VERSION])
         b = int(self._hdr[_H_LATEST])
         s1 = int(self._hdr[_H_SEQ + b]) if b >= 0 else -1
         writer = int(self._hdr[_H_WRITER]) or int(self._hdr[_H_CREATOR])
+        if self.nbuf == 1 and v >= need:
+          writing = s1 % 2 == 1  # a write in progress: wait for it (there is no other buffer)
+          if not writing:
+            self._hdr[_H_READING] = os.getpid()  # the writer waits until this copy is done
+      if writing:
+        if deadline is not None and time.monotonic() >= deadline:
+          raise TimeoutError(f"ParamSlot.latest: version {v} still being written after {timeout} s")
+        time.sleep(_POLL_S)
+        continue
       if v >= need:
         dst = out if out is not None else {n: np.empty(s, d) for n, (s, d) in self.spec.items()}
-        for name, view in self._views[b].items():
-          np.copyto(dst[name], view)
-        with self._locked(poll):
-          s2 = int(self._hdr[_H_SEQ + b])
+        try:
+          for name, view in self._views[b].items():
+            np.copyto(dst[name], view)
+        finally:
+          with self._locked(poll):
+            s2 = int(self._hdr[_H_SEQ + b])
+            if self.nbuf == 1:
+              self._hdr[_H_READING] = 0
         if s1 == s2:
           return v, dict(dst)
         continue  # the writer lapped this copy: read the newer buffer

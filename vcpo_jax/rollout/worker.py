@@ -168,7 +168,7 @@ class _Worker:
     self.args, self.queue, self.slot, self.conn, self.parent = args, batch_queue, slot, conn, parent_pid
     self.idle_s = 0.0
     self.t_start = time.monotonic()
-    self._version, self._params = -1, None
+    self._version, self._params, self._checksum = -1, None, None
 
   # -- control
 
@@ -201,6 +201,7 @@ class _Worker:
         "rebuilds the model with transformer.init(model_cfg); use a model of that structure."
       )
     self.treedef = jax.tree.structure(abstract)
+    self.dtypes = [x.dtype for x in jax.tree.leaves(abstract)]
     self.key = jax.random.wrap_key_data(np.asarray(a.key_data), impl=a.key_impl)
     sampler = Sampler(graphdef, a.model_cfg, a.sampler_cfg)
     if a.multiturn is None:
@@ -217,6 +218,8 @@ class _Worker:
     import jax
     import jax.numpy as jnp
 
+    from vcpo_jax.rollout.param_slot import checksum
+
     need = max(0, step - self.args.k)
     t0 = time.monotonic()
     while True:
@@ -227,7 +230,9 @@ class _Worker:
         version, arrays = self.slot.latest(min_version=need, timeout=_POLL_S, poll=self._check_stop)
       except TimeoutError:
         continue
-      leaves = [jnp.asarray(arrays[n]) for n in self.args.param_names]
+      self._checksum = checksum(arrays, self.args.param_names)  # of exactly what was read: echoed per batch
+      # Published in the learner's publish dtype (bf16 on accelerators); the model gets its parameter dtype.
+      leaves = [jnp.asarray(arrays[n], dtype=d) for n, d in zip(self.args.param_names, self.dtypes)]
       self._version, self._params = version, jax.tree.unflatten(self.treedef, leaves)
       break
     self.idle_s += time.monotonic() - t0
@@ -249,7 +254,7 @@ class _Worker:
 
     self._build()
     fields = tuple(self.queue.schema.fields)
-    for step in range(self.args.first_step, self.args.end_step):
+    for seq, step in enumerate(range(self.args.first_step, self.args.end_step)):
       version, params = self._params_for(step)
       t0 = time.monotonic()
       batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version)
@@ -257,6 +262,9 @@ class _Worker:
       meta = {
         "step": step,
         "version": int(version),
+        "sampler_pid": os.getpid(),  # with seq: names this batch across runs (resume tests, debugging)
+        "seq": seq,
+        "params_checksum": self._checksum,  # param_slot.checksum of the version-`version` arrays it read
         "gen_s": gen_s,
         "idle_s_total": self.idle_s,
         "elapsed_s_total": time.monotonic() - self.t_start,
