@@ -761,6 +761,42 @@ def tis_ess_log_weights(log_w_n, target, *, valid_n=None, c_min=1.0, iters=64):
 
 
 # ---------------------------------------------------------------------------
+# The gradient through a model: one forward, one backward (what the learner calls)
+# ---------------------------------------------------------------------------
+
+
+def loss_gradient(loss_fn, logp_fn, params, batch, advantages, old_logp_nt=None):
+  """Parameter gradient of loss_fn(logp_fn(params, batch), ...) from one forward and one backward pass.
+
+    logp_nt, vjp = jax.vjp(logp_fn(., batch), params)          one forward
+    cot_nt       = d loss / d logp_nt  (jax.grad of the loss)    cheap: [N, T] elementwise
+    grads        = vjp(cot_nt)                                   one backward
+
+  The chain rule makes this exactly jax.grad(params -> loss) (tested); splitting it keeps the learner's
+  structure (forward, per-token cotangent, backward) that the surrogate -sum coef tokw logp already has:
+  there cot_nt = -coef_n tokw_nt, here it is whatever the method's loss gives.
+
+  Args:
+    loss_fn: a bound loss, f(logp_nt, old_logp_nt, behavior_logp_nt, advantages, mask_nt) -> (loss, metrics)
+      (`make_policy_loss`).
+    logp_fn: logp_fn(params, batch) -> [N, T] log-probs of the batch's tokens.
+    params: parameter pytree.
+    batch: needs behavior_logp [N, T] and loss_mask [N, T] (+ what logp_fn reads).
+    advantages: [N] or [N, T], stop-gradient (e.g. the estimator's advantage_n).
+    old_logp_nt: pi_old recomputed at the start of the trainer step; None = this forward's own values
+      (sg(logp_nt): the single-update case, no extra forward pass).
+  Returns:
+    (grads, loss, metrics).
+  """
+  logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
+  old = sg(logp_nt) if old_logp_nt is None else old_logp_nt
+  args = (old, batch["behavior_logp"], advantages, batch["loss_mask"])
+  (loss, metrics), cot_nt = jax.value_and_grad(lambda lp: loss_fn(lp, *args), has_aux=True)(logp_nt)
+  (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
+  return grads, loss, metrics
+
+
+# ---------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------
 
