@@ -1,24 +1,96 @@
-"""Entry point: python main.py --config=configs/NAME.py[:variant] --workdir=DIR [--config.field=value ...]."""
+"""Entry point: python main.py --config=configs/NAME.py[:variant] --workdir=DIR [--config.field=value ...].
+
+`--config_help` lists every config field with its value and comment, then exits. A bad config value
+(unknown field, wrong type, out of range) is reported on one line naming the field, before anything is
+built, with exit code 2; `--verbosity=1` shows the traceback too.
+"""
 
 import logging
+import re
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py[:variant]).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, plots. Reused to resume.")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.DEFINE_bool("config_help", False, "Print every field of --config (default: configs/common.py) and exit.")
+
+
+def _verbose(argv) -> bool:
+  """--verbosity=N / -v=N >= 1 asks for tracebacks (read from argv: flags may not be parsed yet)."""
+  found = [m.group(1) for a in argv if (m := re.fullmatch(r"--?(?:verbosity|v)=(-?\d+)", a))]
+  return bool(found) and int(found[-1]) >= 1
+
+
+def _die(error: Exception, argv, msg: str | None = None):
+  """One line on stderr and exit 2; the traceback instead if --verbosity asks for it."""
+  if _verbose(argv):
+    raise error
+  lines = [ln.strip() for ln in (msg or str(error)).splitlines() if ln.strip()]
+  # A config file that fails to load: ml_collections embeds the traceback; its first and last lines say it all.
+  msg = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+  print(f"error: {msg}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _overrides(argv) -> dict[str, str]:
+  """{"optim.lr": "3e-4"} for every --config.optim.lr=3e-4 (or --config.optim.lr 3e-4) on the command line."""
+  out = {}
+  for i, a in enumerate(argv):
+    if m := re.match(r"--?(?:no)?config\.([^=]+)(?:=(.*))?$", a):
+      out[m.group(1)] = m.group(2) if m.group(2) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
+  return out
+
+
+def parse_flags(argv):
+  """absl's flag parsing, with an unknown --config.FIELD or a bad flag value reported on one line."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _die(e, argv, f"{e}" if "Traceback" in str(e) else f"{e} (--config_help lists every field and its type)")
+  except (AttributeError, KeyError):  # ml_collections' answer to an unknown --config.FIELD
+    config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith(("--config=", "-config="))), None)
+    if config_arg is None:
+      raise
+    from vcpo_jax import run_config
+
+    config = config_flags.config_flags.ConfigFileFlagParser(name="config").parse(config_arg)
+    try:
+      run_config.check_override_paths(config, _overrides(argv))
+    except run_config.ConfigError as e:
+      _die(e, argv)
+    raise
 
 
 def main(argv):
   del argv
+  FLAGS = flags.FLAGS
+  try:
+    if FLAGS.config is not None:
+      FLAGS.config.keys()  # a config file that could not be loaded raises its error here
+  except (OSError, ImportError, SyntaxError) as e:
+    _die(e, sys.argv, f"--config: {e}")
+  if FLAGS.config_help:
+    from configs import common
+
+    if FLAGS.config is None:
+      print(common.help_text(common.get_base_config()))
+    else:
+      print(common.help_text(FLAGS.config, FLAGS["config"].config_filename.split(":")[0]))
+    return
+  if FLAGS.config is None or FLAGS.workdir is None:
+    raise app.UsageError("--config and --workdir are required (or --config_help to list the config fields).")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
-  from vcpo_jax import trainer  # after flag parsing: keeps --help fast
+  from vcpo_jax import run_config, trainer  # after flag parsing: keeps --help fast
 
-  summary = trainer.run(flags.FLAGS.config, flags.FLAGS.workdir)
-  logging.info("done: %s", summary)
+  try:
+    summary = trainer.run(FLAGS.config, FLAGS.workdir)
+  except run_config.ConfigError as e:
+    _die(e, sys.argv)
+  logging.getLogger("vcpo_jax").info("done: %s", summary)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

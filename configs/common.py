@@ -1,11 +1,25 @@
 """Defaults shared by every config; each experiment config overrides what it needs.
 
-Fields left as placeholders (None) mean "use the method preset's value"; set
-them to override, e.g. `--config.vcpo.ess_lr=False`.
+Every field carries a one-line comment; `python main.py --config=FILE --config_help`
+prints them with that config's values (`field_comments` reads them from this
+file, then from the experiment file). The `c.vcpo` block is generated from
+`dataclasses.fields(estimator.PGConfig)`, so every estimator field can be set
+from the command line; its placeholders (None) mean "use the method preset's
+value", e.g. `--config.vcpo.ess_lr=False`.
 """
+
+import ast
+import dataclasses
+import inspect
+import io
+import os
+import tokenize
+import typing
 
 import ml_collections
 from ml_collections import config_dict
+
+from vcpo_jax import estimator
 
 
 def get_base_config() -> ml_collections.ConfigDict:
@@ -53,32 +67,15 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.sampler.top_p = 1.0  # 1.0 = off (keeps behavior log-probs equal to the policy's)
   c.sampler.top_k = 0  # 0 = off
 
-  c.vcpo = ml_collections.ConfigDict()  # overrides of the method preset (estimator.PGConfig fields)
-  c.vcpo.advantage = config_dict.placeholder(str)  # reinforce | rloo | grpo | drgrpo
-  c.vcpo.is_variant = config_dict.placeholder(str)  # none | is | tis | clip | mask | token_tis | geo_mask
-  c.vcpo.tis_c = config_dict.placeholder(float)  # upper truncation c (8 in released runs)
-  c.vcpo.clip_lower = config_dict.placeholder(float)  # "clip": lower end a of the interval [a, b]
-  c.vcpo.clip_upper = config_dict.placeholder(float)  # "clip": upper end b
-  c.vcpo.mask_lower = config_dict.placeholder(float)  # "mask": weights below this are masked (weight 0)
-  c.vcpo.mask_upper = config_dict.placeholder(float)  # "mask": weights above this are masked
-  c.vcpo.token_tis_c = config_dict.placeholder(float)  # "token_tis": per-token truncation level
-  c.vcpo.loss_agg = config_dict.placeholder(str)  # seq-mean-token-mean | token-mean | seq-mean-token-sum
-  c.vcpo.opob = config_dict.placeholder(bool)  # off-policy optimal baseline on/off
-  c.vcpo.opob_weights = config_dict.placeholder(str)  # unclipped (paper) | applied (review #1)
-  c.vcpo.opob_leave_one_out = config_dict.placeholder(bool)  # unbiased leave-one-out baseline
-  c.vcpo.length_normalize_norms = config_dict.placeholder(bool)  # OPOB weights use ||s_i||^2 / L_i^2 (token-mean score)
-  c.vcpo.reference_mode = config_dict.placeholder(bool)  # reproduce the reference's two inconsistencies
-  c.vcpo.ess_lr = config_dict.placeholder(bool)  # ESS-scaled learning rate on/off
-  c.vcpo.ess_rule = config_dict.placeholder(str)  # sqrt | linear
-  c.vcpo.rho_on = config_dict.placeholder(float)  # on-policy reference ESS ratio
+  c.vcpo = vcpo_overrides()  # overrides of the method preset: one None placeholder per estimator.PGConfig field
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 1e-6  # base learning rate eta (AdamW)
   c.optim.weight_decay = 0.1  # decoupled AdamW decay (released runs: 0.1)
   c.optim.clip_norm = 1.0  # global-norm clip before AdamW
-  c.optim.b1 = 0.9
-  c.optim.b2 = 0.999
-  c.optim.schedule = "constant"  # constant | warmup_cosine
+  c.optim.b1 = 0.9  # Adam first-moment decay, in [0, 1)
+  c.optim.b2 = 0.999  # Adam second-moment decay, in [0, 1)
+  c.optim.schedule = "constant"  # optim.SCHEDULES: constant | warmup_cosine (decay to 0 over the run; warm-up 0 steps)
 
   c.learner = ml_collections.ConfigDict()
   c.learner.grad_path = "ghost"  # ghost (fast exact norms) | vmap (reference path)
@@ -129,5 +126,133 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.log = ml_collections.ConfigDict()
   c.log.progress = True  # console progress bar
   c.log.plots = True  # PNG plots at the end of the run
-  c.log.norm_overhead_every = 10  # time a plain gradient step every this many steps; logs time/norm_overhead
+  c.log.norm_overhead_every = 0  # opt-in (0 = off): time a plain gradient step every N steps (time/norm_overhead)
   return c
+
+
+# ----------------------------------------------------------------------------- the generated c.vcpo block
+
+# One line per PGConfig field for --config_help. A field missing here (e.g. one just added to PGConfig)
+# falls back to the comment on its line in PGConfig; tests/test_configs.py fails if neither exists.
+VCPO_COMMENTS = {
+  "advantage": "base estimator",
+  "is_variant": "importance-weight variant",
+  "tis_c": "upper truncation c (8 in released runs)",
+  "clip_lower": '"clip": lower end a of the interval [a, b]',
+  "clip_upper": '"clip": upper end b',
+  "mask_lower": '"mask": weights below this are masked (weight 0)',
+  "mask_upper": '"mask": weights above this are masked',
+  "token_tis_c": '"token_tis": per-token truncation level',
+  "geo_lower": '"geo_mask": rows whose exp(l / L) is below this are masked',
+  "geo_upper": '"geo_mask": rows whose exp(l / L) is above this are masked',
+  "log_ratio_clamp": "c of the applied weights exp(clamp(l, -c, c))",
+  "loss_agg": "loss aggregation",
+  "opob": "off-policy optimal baseline on/off",
+  "opob_weights": "OPOB weights: unclipped (paper) or applied (review #1)",
+  "opob_leave_one_out": "unbiased leave-one-out baseline",
+  "opob_scope": "OPOB over a prompt's group (raw rewards) or the minibatch (advantages)",
+  "length_normalize_norms": "OPOB weights use ||s_i||^2 / L_i^2 (token-mean score)",
+  "reference_mode": "reproduce the reference's two inconsistencies",
+  "std": 'group std of "grpo"',
+  "std_eps": "groups with std <= std_eps contribute nothing",
+  "ess_lr": "ESS-scaled learning rate on/off",
+  "ess_rule": "ESS learning-rate rule",
+  "rho_on": "on-policy reference ESS ratio",
+}
+# Fields chosen by name from an estimator registry: --config_help lists the registry's current names.
+VCPO_CHOICES = {
+  "advantage": "ADVANTAGE_ESTIMATORS",
+  "is_variant": "WEIGHT_VARIANTS",
+  "loss_agg": "LOSS_AGGREGATIONS",
+  "mask_normalizer": "MASK_NORMALIZERS",
+  "opob_weights": "OPOB_WEIGHTS",
+  "opob_scope": "OPOB_SCOPES",
+  "std": "STD_KINDS",
+  "ess_rule": "ESS_LR_RULES",
+}
+
+
+def vcpo_overrides() -> ml_collections.ConfigDict:
+  """c.vcpo: one None placeholder (= the preset's value) per estimator.PGConfig field, typed like it."""
+  hints = typing.get_type_hints(estimator.PGConfig)
+  v = ml_collections.ConfigDict()
+  for f in dataclasses.fields(estimator.PGConfig):
+    args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]  # `float | None` -> float
+    v[f.name] = config_dict.placeholder(args[0] if args else hints[f.name])
+  return v
+
+
+def vcpo_comments() -> dict[str, str]:
+  """{PGConfig field: one-line comment}: VCPO_COMMENTS, else the comment on the field's line in PGConfig,
+  followed by the registry's names for a field chosen by name (VCPO_CHOICES)."""
+  source = inspect.getsource(estimator.PGConfig)
+  comments = _line_comments(source)
+  own = {
+    node.target.id: comments.get(node.end_lineno, "")
+    for node in ast.parse(source).body[0].body
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+  }
+  out = {}
+  for f in dataclasses.fields(estimator.PGConfig):
+    text = VCPO_COMMENTS.get(f.name) or own.get(f.name, "")
+    choices = list(getattr(estimator, VCPO_CHOICES.get(f.name, ""), None) or ())
+    if choices and not all(c in text for c in choices):
+      text = f"{text}: {' | '.join(choices)}" if text else " | ".join(choices)
+    out[f.name] = text
+  return out
+
+
+# ----------------------------------------------------------------------------- --config_help
+
+
+def _line_comments(source: str) -> dict[int, str]:
+  """{line number: text of the comment on that line}."""
+  toks = tokenize.generate_tokens(io.StringIO(source).readline)
+  return {t.start[0]: t.string.lstrip("#").strip() for t in toks if t.type == tokenize.COMMENT}
+
+
+def _assignment_comments(path: str) -> dict[str, str]:
+  """{"task.name": comment} for every `c.task.name = ...  # comment` statement of a config file."""
+  with open(path) as f:
+    source = f.read()
+  comments = _line_comments(source)
+  out: dict[str, str] = {}
+  for node in sorted((n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
+    text = comments.get(node.end_lineno) or comments.get(node.lineno)
+    for target in node.targets:
+      parts = []
+      while isinstance(target, ast.Attribute):
+        parts.append(target.attr)
+        target = target.value
+      if parts and isinstance(target, ast.Name) and target.id == "c" and text:
+        out.setdefault(".".join(reversed(parts)), text)  # the first comment of a field (its main path) wins
+  return out
+
+
+def field_comments(config_file: str | None = None) -> dict[str, str]:
+  """{dotted field: one-line comment}: this file's (what a field is), then config_file's (the fields it adds)."""
+  out = {f"vcpo.{k}": v for k, v in vcpo_comments().items()}
+  out.update(_assignment_comments(__file__))
+  if config_file:
+    for k, v in _assignment_comments(config_file).items():
+      out.setdefault(k, v)
+  return out
+
+
+def leaves(c: ml_collections.ConfigDict, prefix: str = ""):
+  """(dotted path, value, type name) of every field, sorted by name (ConfigDict order); an empty sub-dict is one."""
+  for k, v in c.items(preserve_field_references=False):
+    if isinstance(v, ml_collections.ConfigDict) and len(v):
+      yield from leaves(v, f"{prefix}{k}.")
+    else:
+      t = "dict" if isinstance(v, ml_collections.ConfigDict) else getattr(c.get_type(k), "__name__", "?")
+      yield f"{prefix}{k}", (v.to_dict() if isinstance(v, ml_collections.ConfigDict) else v), t
+
+
+def help_text(c: ml_collections.ConfigDict, config_file: str | None = None) -> str:
+  """Every field of `c` with its value and one-line comment (what `python main.py --config_help` prints)."""
+  comments = field_comments(config_file)
+  lines = [f"Fields of {config_file or os.path.relpath(__file__)} (set with --config.FIELD=VALUE; None = preset):"]
+  for path, value, type_name in leaves(c):
+    lines.append(f"  {path}: {type_name} = {value!r}  # {comments.get(path, '(no comment)')}")
+  return "\n".join(lines)

@@ -1,14 +1,18 @@
-"""Every config loads and parses; the released configs hold PAPER.md's values; smoke variants run."""
+"""Every config loads and parses; the released configs hold PAPER.md's values; smoke variants run;
+every bad value fails at parse time on one line naming the field; every field is on the command line."""
 
+import dataclasses
 import glob
 import importlib
 import os
+import subprocess
+import sys
 
 import pytest
 
 from configs import common
+from vcpo_jax import estimator, run_config, trainer
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax import run_config, trainer
 from vcpo_jax.model import hf_io
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -118,3 +122,241 @@ def test_smoke_variants_run(tmp_path):
     assert [r["step"] for r in recs] == [1, 2]
     assert recs[1]["train/lag_max"] == (1.0 if name == "math" else 0.0)
     assert recs[0]["train/ess_ratio"] == pytest.approx(1.0, abs=1e-4)  # step 0 is on-policy
+
+
+# ----------------------------------------------------------------------------- bad values fail at parse time
+
+# (field, bad value, config to start from): issue 12 item 10's values first, then one per remaining check.
+BAD = [
+  ("optim.b1", 1.5, "countdown"),
+  ("optim.weight_decay", -1.0, "countdown"),
+  ("model.hidden_size", 7, "countdown"),
+  ("seed", -1, "countdown"),
+  ("sampler.top_k", -1, "countdown"),
+  ("checkpoint.keep_last", 0, "countdown"),
+  ("optim.schedule", "foo", "countdown"),
+  ("async_.queue_slots", 0, "countdown"),
+  ("async_.timeout_s", 0.0, "countdown"),
+  ("async_.startup_timeout_s", -1.0, "countdown"),
+  ("task.max_prompt_len", 5, "countdown"),
+  ("optim.b2", 1.0, "countdown"),
+  ("optim.lr", 0.0, "countdown"),
+  ("optim.clip_norm", 0.0, "countdown"),
+  ("model.num_layers", 0, "countdown"),
+  ("model.intermediate_size", 0, "countdown"),
+  ("model.preset", "big", "countdown"),
+  ("model.dtype", "float16", "countdown"),
+  ("steps", 0, "countdown"),
+  ("mode", "fast", "countdown"),
+  ("method", "foo", "countdown"),
+  ("lag.k", 3, "countdown"),  # mode = sync
+  ("sampler.temperature", 0.0, "countdown"),
+  ("sampler.top_p", 0.0, "countdown"),
+  ("checkpoint.every", 0, "countdown"),
+  ("checkpoint.keep_best", -1, "countdown"),
+  ("async_.sampler_cpus", "a-b", "countdown"),
+  ("async_.sampler_devices", "gpu0", "countdown"),
+  ("task.prompts_per_step", 0, "countdown"),
+  ("task.group_size", 1, "countdown"),
+  ("task.name", "chess", "countdown"),
+  ("task.data_path", "/nonexistent/train.jsonl", "countdown"),
+  ("task.gen.num_numbers", (0, 0), "countdown"),
+  ("task.gen.foo", 1, "countdown"),
+  ("vcpo.tis_c", -1.0, "countdown"),
+  ("vcpo.geo_lower", 2.0, "countdown"),
+  ("vcpo.log_ratio_clamp", 0.0, "countdown"),
+  ("vcpo.opob_scope", "world", "countdown"),
+  ("vcpo.std", "biased", "countdown"),
+  ("vcpo.std_eps", -1.0, "countdown"),
+  ("learner.grad_path", "loop", "countdown"),
+  ("learner.on_nonfinite", "ignore", "countdown"),
+  ("eval.num_problems", 0, "countdown"),
+  ("eval.n", 0, "countdown"),
+  ("eval.every", -1, "countdown"),
+  ("eval.dataset", "chess", "countdown"),
+  ("log.norm_overhead_every", -1, "countdown"),
+  ("sft.steps", -1, "countdown"),
+  ("sft.lr", 0.0, "countdown"),
+  ("sft.batch_size", 0, "countdown"),
+  ("mesh.shape", (1, 1), "countdown"),
+  ("distributed.process_id", 1, "countdown"),
+  ("model.tokenizer", "/nonexistent/tok", "countdown"),
+  ("task.max_prompt_len", 100, "gsm8k"),  # the fixture's longest prompt is longer
+  ("task.multiturn.max_turns", 0, "multiturn"),
+  ("task.multiturn.max_turn_tokens", 64, "multiturn"),  # > task.max_new_tokens
+]
+
+
+def _set(c, path, value):
+  *parents, name = path.split(".")
+  for p in parents:
+    c = c[p]
+  with c.unlocked():
+    c[name] = value
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+  """Any attempt to build a model (random init or checkpoint load) fails the test."""
+
+  def fail(*a, **k):
+    raise AssertionError("the model was built before the config was checked")
+
+  monkeypatch.setattr(trainer, "build_policy", fail)
+  monkeypatch.setattr(trainer.transformer, "init", fail)
+  monkeypatch.setattr(hf_io, "load_hf", fail)
+
+
+@pytest.mark.parametrize("field,value,name", BAD, ids=[f"{f}={v}" for f, v, _ in BAD])
+def test_bad_value_fails_in_parsing_naming_the_field(field, value, name, tmp_path, nothing_built):
+  c = _load(name, "smoke")
+  _set(c, field, value)
+  workdir = tmp_path / "run"
+  with pytest.raises(run_config.ConfigError) as e:
+    trainer.run(c, str(workdir))
+  msg = str(e.value)
+  assert "\n" not in msg and msg.startswith("config."), msg
+  if field == "distributed.process_id":
+    assert "config.distributed.process_id=1" in msg
+  else:
+    assert f"config.{field}" in msg, msg
+  assert repr(value) in msg or str(value) in msg, msg
+  assert not workdir.exists()  # failed before the run wrote anything
+
+
+def test_prompt_length_message_gives_the_fix():
+  c = _load("countdown", "smoke")
+  c.task.max_prompt_len = 5
+  with pytest.raises(run_config.ConfigError, match=r"config.task.max_prompt_len=5: .* 13 tokens; .* >= 13"):
+    run_config.parse_config(c)
+  c.task.max_prompt_len = 13  # exactly the longest "[a, b, c]>tt:" prompt
+  assert run_config.parse_config(c).rollout.max_prompt_len == 13
+
+
+def test_async_and_mesh_checks_do_not_depend_on_the_mode():
+  """An async_ value is checked even in sync mode: switching --config.mode=async later must not surprise."""
+  c = _load("countdown", "smoke")
+  c.async_.queue_slots = 0
+  with pytest.raises(run_config.ConfigError, match="async_.queue_slots=0"):
+    run_config.parse_config(c, check_prompts=False)
+
+
+def test_flat_views_equal_the_config():
+  c = _load("countdown")
+  spec = run_config.parse_config(c, check_prompts=False)
+  assert (spec.lr, spec.weight_decay, spec.clip_norm, spec.b1, spec.b2, spec.schedule) == (
+    3e-4,
+    0.0,
+    1.0,
+    0.9,
+    0.999,
+    "constant",
+  )
+  assert (spec.temperature, spec.top_p, spec.top_k) == (1.0, 1.0, 0)
+  assert (spec.checkpoint_every, spec.keep_last, spec.keep_best) == (40, 2, 1)
+  assert spec.async_cfg == dict(c.async_.to_dict()) and spec.distributed == dict(c.distributed.to_dict())
+  assert (spec.progress, spec.plots, spec.norm_overhead_every) == (True, True, c.log.norm_overhead_every)
+
+
+# ----------------------------------------------------------------------------- command line
+
+ROOT = os.path.dirname(CONFIG_DIR)
+
+
+def _parse_cli(*args):
+  """The config main.py would get from these command-line arguments (its own absl FlagValues)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  argv = ["main.py", *args]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True, sys_argv=argv)
+  fv(argv)
+  return fv.config
+
+
+def test_every_pgconfig_field_is_settable_from_the_command_line():
+  fields = [f.name for f in dataclasses.fields(estimator.PGConfig)]
+  base = common.get_base_config()
+  assert sorted(fields) == sorted(base.vcpo)  # generated: no field is missing, none is stale
+  # A command-line value of each field's type (the test checks that it arrives, not that it is sensible).
+  by_type = {bool: ("true", True), int: ("3", 3), float: ("0.25", 0.25), str: ("x", "x")}
+  values = {n: by_type[base.vcpo.get_type(n)] for n in fields}
+  c = _parse_cli(
+    f"--config={CONFIG_DIR}/countdown.py:smoke", *[f"--config.vcpo.{n}={s}" for n, (s, _) in values.items()]
+  )
+  assert {n: c.vcpo[n] for n in fields} == {n: v for n, (_, v) in values.items()}
+
+
+def test_every_vcpo_override_reaches_pgconfig(monkeypatch):
+  """parse_config forwards each set c.vcpo field to the preset (set every field to its PGConfig default)."""
+  seen = {}
+  real = estimator.pg_config_from_preset
+
+  def spy(name, **overrides):
+    seen.update(overrides)
+    return real(name, **overrides)
+
+  monkeypatch.setattr(estimator, "pg_config_from_preset", spy)
+  c = _load("countdown", "smoke")
+  c.method = "sync"
+  defaults = {f.name: f.default for f in dataclasses.fields(estimator.PGConfig) if f.default is not None}
+  for name, v in defaults.items():
+    c.vcpo[name] = v
+  pg = run_config.parse_config(c, check_prompts=False).learner.pg
+  assert seen == defaults
+  assert pg == estimator.PGConfig()
+
+
+def test_every_pgconfig_field_has_a_comment():
+  comments = common.vcpo_comments()
+  assert set(common.VCPO_COMMENTS) <= set(comments)  # no entry for a field PGConfig no longer has
+  assert not [n for n, t in comments.items() if not t]
+
+
+@pytest.mark.parametrize("name,variant", [(n, "") for n in NAMES] + [(n, "smoke") for n in SMOKE if n in NAMES])
+def test_config_help_lists_every_field_with_a_comment(name, variant):
+  c = _load(name, variant)
+  path = os.path.join(CONFIG_DIR, f"{name}.py")
+  text = common.help_text(c, path)
+  rows = text.splitlines()[1:]
+  assert len(rows) == len(list(common.leaves(c)))
+  assert not [r for r in rows if r.endswith("(no comment)")], "add a one-line comment to these fields"
+  if "vcpo" in c:
+    assert "  vcpo.geo_lower: float = None  # " in text and "  optim.b1: float = 0.9  # Adam" in text
+
+
+@pytest.mark.parametrize(
+  "path,guess", [("optim.b3", "optim.b2"), ("sed", "seed"), ("vcpo.tis", "vcpo.tis_c"), ("optimm.lr", "optim.lr")]
+)
+def test_unknown_field_suggests_the_closest_name(path, guess):
+  with pytest.raises(run_config.ConfigError, match=rf"config.{path}='1': unknown field; did you mean config.{guess}\?"):
+    run_config.check_override_paths(common.get_base_config(), {"seed": "0", path: "1"})
+  run_config.check_override_paths(common.get_base_config(), {"vcpo.std": "sample", "task.multiturn.max_turns": "2"})
+
+
+def _main(*args):
+  return subprocess.run(
+    [sys.executable, "main.py", *args],
+    check=False,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=dict(os.environ),
+  )
+
+
+def test_main_reports_an_unknown_field_on_one_line(tmp_path):
+  r = _main("--config=configs/countdown.py:smoke", "--config.foo=1", f"--workdir={tmp_path / 'run'}")
+  assert r.returncode == 2, r.stderr
+  assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr  # one line, no traceback
+  assert "config.foo='1': unknown field; did you mean config." in r.stderr
+  assert not (tmp_path / "run").exists()
+
+
+def test_main_config_help(tmp_path):
+  r = _main("--config=configs/countdown.py:smoke", "--config_help")
+  assert r.returncode == 0, r.stderr
+  assert r.stdout == common.help_text(_load("countdown", "smoke"), "configs/countdown.py") + "\n"
+  assert "task.gen.num_numbers: tuple = (3, 3)  # 3 numbers" in r.stdout  # a field only countdown.py defines

@@ -1,9 +1,13 @@
-"""MetricsWriter: jsonl contents, resume truncation, plots."""
+"""MetricsWriter: jsonl contents, truncation on every (re)start, tensorboard purge, plots, fs URLs."""
 
 import json
 import os
+import struct
+import uuid
 
-from vcpo_jax import metrics
+import pytest
+
+from vcpo_jax import fs, metrics
 
 
 def test_jsonl_records_and_plots(tmp_path):
@@ -38,8 +42,104 @@ def test_jsonl_records_and_plots(tmp_path):
 def test_resume_truncates_future_records(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(6)))
-  w = metrics.MetricsWriter(str(tmp_path), total_steps=6, initial_step=3, progress=False, tensorboard=False)
+  w = metrics.MetricsWriter(str(tmp_path), total_steps=6, resume_step=3, progress=False, tensorboard=False)
   w.write(4, {"x": 40})  # initial_step = updates done: the next record is step 4
   w.close()
   recs = metrics.read_jsonl(str(path))
   assert [(r["step"], r["x"]) for r in recs] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 40)]
+
+
+def read_tensorboard(logdir: str) -> list[tuple[str, int, float]]:
+  """(tag, step, value) of every scalar tensorboard shows: event files in name order, purges applied.
+
+  A SessionLog START event at step s (tensorboardX's purge_step) hides the scalars at steps >= s that
+  earlier files hold, which is how tensorboard itself reads a restarted run.
+  """
+  from tensorboardX.proto import event_pb2
+
+  shown: list[tuple[str, int, float]] = []
+  for name in sorted(n for n in fs.listdir(logdir) if ".tfevents." in n):
+    data, pos = fs.read_bytes(fs.join(logdir, name)), 0
+    while pos < len(data):
+      (n,) = struct.unpack("Q", data[pos : pos + 8])
+      event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+      pos += 12 + n + 4  # length, its crc, the record, its crc
+      if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+        shown = [s for s in shown if s[1] < event.step]
+      for v in event.summary.value:
+        shown.append((v.tag, int(event.step), v.simple_value))
+  return shown
+
+
+def _run_logs(workdir, steps, resume_step=None, crash_after=None, **kw):
+  """A writer logging steps (resume_step or 0) + 1 .. steps, an eval every 2 steps; stops after crash_after."""
+  w = metrics.MetricsWriter(workdir, total_steps=steps, resume_step=resume_step, progress=False, **kw)
+  for s in range((resume_step or 0) + 1, steps + 1):
+    w.write(s, {"x": float(s), "attempt": float(crash_after or 0)})
+    if s % 2 == 0:
+      w.write_eval({"kind": "eval", "step": s, "tag": None, "mean_at_n": 0.1 * s})
+    if s == crash_after:
+      break
+  w.close()
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "object_store"])
+def test_crash_and_rerun_log_each_step_once(where, tmp_path, monkeypatch):
+  """A crash before any checkpoint, then one after the checkpoint at step 2, then a resume from it:
+  every log (metrics.jsonl, eval.jsonl, tensorboard) shows steps 1..6 once, from the surviving attempts."""
+  if where == "local":
+    workdir = str(tmp_path)
+  else:
+    workdir = f"memory://test_metrics/{uuid.uuid4().hex}"
+  if where == "object_store":  # memory:// without append: rows are buffered and the object rewritten
+    monkeypatch.setattr(fs, "_APPENDABLE", frozenset({"file", "local"}))
+  _run_logs(workdir, 6, crash_after=3)  # no checkpoint: its rows are a discarded timeline
+  _run_logs(workdir, 6, crash_after=5)  # fresh rerun (no checkpoint exists); checkpoint at 2, crash after 5
+  _run_logs(workdir, 6, resume_step=2)  # resumed from step 2: rows 3..5 of the crashed attempt go
+  recs = metrics.read_jsonl(fs.join(workdir, "metrics.jsonl"))
+  assert [(r["step"], r["attempt"]) for r in recs] == [(1, 5), (2, 5), (3, 0), (4, 0), (5, 0), (6, 0)]
+  evals = metrics.read_jsonl(fs.join(workdir, "eval.jsonl"))
+  assert [r["step"] for r in evals] == [2, 4, 6]
+  tb = read_tensorboard(fs.join(workdir, "tb"))
+  got = sorted((s, v) for tag, s, v in tb if tag == "attempt")
+  assert got == [(1, 5.0), (2, 5.0), (3, 0.0), (4, 0.0), (5, 0.0), (6, 0.0)]
+
+
+def test_torn_last_line_is_dropped(tmp_path):
+  """A SIGKILL mid-append leaves a partial last line: readers skip it, a resume rewrites the file without it."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(3)) + '{"step": 3, "x')
+  assert [r["step"] for r in metrics.read_jsonl(str(path))] == [0, 1, 2]
+  metrics.truncate_jsonl(str(path), 2)
+  assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
+  path.write_text('{"step": 0}\n{"ste\n{"step": 2}\n')  # a corrupt line in the middle is an error
+  with pytest.raises(ValueError, match="line 2"):
+    metrics.read_jsonl(str(path))
+
+
+def test_plots_and_tensorboard_through_memory_url():
+  root = f"memory://test_metrics/{uuid.uuid4().hex}"
+  w = metrics.MetricsWriter(root, total_steps=2, progress=False)
+  for s in range(2):
+    w.write(s, {"train/reward_mean": 0.5 * s, "train/lr_scale": 1.0})
+  w.close()
+  paths = metrics.plot_run(root)
+  assert sorted(paths) == [fs.join(root, "plots", "lr_scale.png"), fs.join(root, "plots", "reward.png")]
+  assert all(fs.read_bytes(p).startswith(b"\x89PNG") for p in paths)
+  assert sorted((t, s) for t, s, _ in read_tensorboard(fs.join(root, "tb")) if t.startswith("train/")) == [
+    ("train/lr_scale", 0),
+    ("train/lr_scale", 1),
+    ("train/reward_mean", 0),
+    ("train/reward_mean", 1),
+  ]
+
+
+def test_only_the_primary_process_writes(tmp_path):
+  """On a multi-host run every process runs the loop; only process 0 touches the (shared) workdir."""
+  (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5}) + "\n")
+  w = metrics.MetricsWriter(str(tmp_path), total_steps=3, primary=False)
+  w.write(1, {"x": 1.0})
+  w.write_eval({"kind": "eval", "step": 1})
+  w.close()
+  assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no eval.jsonl, no tb/
+  assert metrics.read_jsonl(str(tmp_path / "metrics.jsonl")) == [{"step": 5}]  # not truncated either

@@ -1,14 +1,23 @@
-"""End-to-end: the real run() for a few steps, resume equivalence, config errors."""
+"""End-to-end: the real run() for a few steps, crash / resume equivalence of state and logs, URLs, config errors."""
 
+import importlib.util
 import json
 import os
+import uuid
 
+import jax
+import jax.monitoring
+import jax.numpy as jnp
 import pytest
 
 from tests import fixtures
+from tests.test_metrics import read_tensorboard
+from vcpo_jax import fs, run_config, trainer
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax import run_config, trainer
 from vcpo_jax.rollout import common as rollout_common
+from vcpo_jax.rollout.lag import LagSource
+
+real_build_source = trainer.build_source
 
 
 def _dense_score(task, text, reference, extraction=None):
@@ -31,7 +40,7 @@ def _train_records(workdir):
     "train/lag_max",
     "train/baseline_mean",
   )
-  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/pg_loss" in r]
+  recs = [r for r in metrics_lib.read_jsonl(fs.join(workdir, "metrics.jsonl")) if "train/pg_loss" in r]
   return [(r["step"],) + tuple(r.get(k) for k in keys) for r in recs]
 
 
@@ -40,23 +49,129 @@ def dense_reward(monkeypatch):
   monkeypatch.setattr(rollout_common.tasks, "score", _dense_score)
 
 
-def test_lag_run_resumes_bit_for_bit(tmp_path, dense_reward):
-  """A 6-step lag run equals a 3-step run resumed for 3 more (parameters, optimizer, kept versions)."""
-  base = dict(mode="lag", **{"lag.k": 2, "checkpoint.every": 3, "method": "vcpo"})
-  full = str(tmp_path / "full")
-  trainer.run(_tiny(steps=6, **base), full)
-  part = str(tmp_path / "part")
-  trainer.run(_tiny(steps=3, **base), part)
-  trainer.run(_tiny(steps=6, **base), part)  # same workdir: resumes from step 3
+class InjectedCrash(RuntimeError):
+  pass
+
+
+def _hook_source(monkeypatch, crash_at=None, on_step=None):
+  """Wraps trainer.build_source: source.next(step) calls on_step(step), and raises InjectedCrash at crash_at
+  (a crash after `crash_at` updates, their rows logged: what a fault or the OOM killer leaves behind)."""
+  build = trainer.build_source
+
+  def hooked_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt = src.next
+
+    def next_(step):
+      if on_step is not None:
+        on_step(step)
+      if step == crash_at:
+        raise InjectedCrash(f"injected crash before update {step + 1}")
+      return nxt(step)
+
+    src.next = next_
+    return src
+
+  monkeypatch.setattr(trainer, "build_source", hooked_build_source)
+
+
+def _log_rows(workdir):
+  """metrics.jsonl as (step, keys) and eval.jsonl as (step, tag, accuracy): what must match a clean run."""
+  metrics_rows = [(r["step"], tuple(sorted(r))) for r in metrics_lib.read_jsonl(fs.join(workdir, "metrics.jsonl"))]
+  evals = [(r["step"], r["tag"], r["mean_at_n"]) for r in metrics_lib.read_jsonl(fs.join(workdir, "eval.jsonl"))]
+  return metrics_rows, evals
+
+
+def test_lag_run_resumes_bit_for_bit_and_logs_each_step_once(tmp_path, dense_reward, monkeypatch):
+  """A clean 6-step lag run (file:// workdir) against the same run crashed and rerun in a memory:// workdir:
+
+  attempt 1 crashes after update 1 (no checkpoint yet); attempt 2 starts afresh, checkpoints at 3,
+  evaluates at 4 and crashes; attempt 3 resumes from step 3 and finishes; attempt 4 reruns the finished
+  run. The training rows equal the clean run's bit for bit (parameters, optimizer and kept versions
+  restored), every log (metrics.jsonl, eval.jsonl, tensorboard) holds each step once, as the clean run
+  does, and eval.jsonl has no evaluation of a discarded timeline. The clean run (which evaluates at 0, 4
+  and 6, checkpoints at 3 and 6, and times the plain gradient step every 2 steps) compiles nothing after
+  its first update. Orbax cannot write to memory://, so attempt 2-4's checkpoints go to a file:// URL.
+  """
+  base = dict(mode="lag", **{"lag.k": 2, "checkpoint.every": 3, "eval.every": 4, "method": "vcpo"})
+  assert _tiny().log.norm_overhead_every == 2  # the smoke preset exercises the opt-in timing
+  compiles, armed = [], []
+
+  def listener(event, duration, **kw):
+    if event == "/jax/core/compile/backend_compile_duration" and armed:
+      compiles.append(duration)
+
+  _hook_source(monkeypatch, on_step=lambda step: armed.append(step) if step >= 1 else None)
+  full = f"file://{tmp_path}/full"
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    trainer.run(_tiny(steps=6, **base), full)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert armed and compiles == [], f"{len(compiles)} compiles after the first update"
+
+  part = f"memory://test_trainer/{uuid.uuid4().hex}"
+  real_checkpointer = trainer.Checkpointer
+  monkeypatch.setattr(
+    trainer, "Checkpointer", lambda d, **kw: real_checkpointer(d.replace(part, f"file://{tmp_path}/part"), **kw)
+  )
+  monkeypatch.chdir(tmp_path)
+  for crash_at in (1, 4):
+    _hook_source(monkeypatch, crash_at=crash_at)
+    with pytest.raises(InjectedCrash):
+      trainer.run(_tiny(steps=6, **base, **{"log.plots": True}), part)
+  monkeypatch.setattr(trainer, "build_source", real_build_source)
+  trainer.run(_tiny(steps=6, **base, **{"log.plots": True}), part)
+  after_finish = _log_rows(part)
+  trainer.run(_tiny(steps=6, **base, **{"log.plots": True}), part)  # a finished run: nothing logged again
+
   a, b = _train_records(full), _train_records(part)
   assert [r[0] for r in a] == [1, 2, 3, 4, 5, 6]
   assert a == b
   # The run learned something (a zero gradient would make resume equality vacuous) and was stale.
   assert max(r[2] for r in a) > 0
   assert max(r[6] for r in a) == 2
-  summary = json.load(open(os.path.join(part, "summary.json")))
-  assert summary["step"] == 6
-  assert os.path.exists(os.path.join(full, "eval.jsonl"))
+  rows_full, evals_full = _log_rows(full)
+  assert [e[:2] for e in evals_full] == [(0, None), (4, None), (6, "final")]
+  assert [r[0] for r in rows_full] == [0, 1, 2, 3, 4, 5, 6, 6]  # step 6: the last update, the final eval
+  assert _log_rows(part) == (rows_full, evals_full) == after_finish
+  tb = [(t, s) for t, s, _ in read_tensorboard(fs.join(part, "tb")) if t == "train/pg_loss"]
+  assert tb == [("train/pg_loss", s) for s in range(1, 7)]
+  summary = json.loads(fs.read_text(fs.join(part, "summary.json")))
+  assert summary["step"] == 6 and summary["eval/accuracy"] == evals_full[-1][2]
+  for name in ("config.json", "plots/reward.png", "plots/lag.png"):
+    assert fs.exists(fs.join(part, name)), name
+  assert sorted(os.listdir(tmp_path)) == ["full", "part"]  # no ./memory:/... directory
+  assert sorted(os.listdir(tmp_path / "part" / "checkpoints")) == ["3", "6"]
+
+
+def test_remote_workdir_without_its_backend_is_one_clear_line(tmp_path, monkeypatch):
+  """gs:// without gcsfs: one line naming the package, before anything is built or written locally."""
+  if importlib.util.find_spec("gcsfs") is not None:
+    pytest.skip("gcsfs is installed")
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(fs.MissingDependency, match="pip install gcsfs") as e:
+    trainer.run(_tiny(), "gs://bucket/run")
+  assert "\n" not in str(e.value)
+  assert os.listdir(tmp_path) == []  # the bug made ./gs:/bucket/run here
+
+
+def test_lag_source_copies_only_when_lagged():
+  """k = 0 samples before the update that donates the parameters: it keeps a reference, k > 0 a copy.
+  The newest version (the learner's own parameters) is never checkpointed twice."""
+  params = {"w": jnp.arange(3.0)}
+  sync = LagSource(maker=None, k=0, key=jax.random.key(0))
+  sync.publish(params, 0)
+  assert sync.versions[0]["w"] is params["w"]
+  sync.publish({"w": params["w"] + 1}, 1)
+  assert sorted(sync.versions) == [1] and sync.state() == ([], [])
+  lag = LagSource(maker=None, k=2, key=jax.random.key(0))
+  for v in range(4):
+    lag.publish({"w": params["w"] + v}, v)
+  assert sorted(lag.versions) == [1, 2, 3]
+  assert lag.versions[3]["w"] is not params["w"]
+  versions, kept = lag.state()
+  assert versions == [1, 2] and [float(p["w"][0]) for p in kept] == [1.0, 2.0]
 
 
 BAD_CONFIGS = [

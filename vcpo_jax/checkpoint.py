@@ -5,7 +5,8 @@ the parameter versions that `lag` mode still needs, RNG keys, ...) and one JSON
 dict (data-stream position, config fingerprint, metrics). Orbax writes each
 step into a temporary directory and renames it when complete, so a crash
 during a save never leaves a half-written checkpoint that a resume would pick
-up.
+up. `directory` may be a local path, a file:// URL or a gs:// / s3:// URL
+(through etils.epath; see vcpo_jax.fs.orbax_directory).
 
 The pytree is stored as a flat list of leaves; restoring needs a template of
 the same structure (built by the trainer from the config), which also checks
@@ -14,13 +15,26 @@ that a resumed run has the architecture and optimizer it was saved with.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
+
+from vcpo_jax import fs
+
+
+def _to_saveable(x):
+  """A leaf as orbax gets it: host arrays as numpy; sharded jax.Arrays as they are (each process writes its
+  shards); fully replicated ones copied to the host once. Orbax would split a replicated array among its
+  replicas (replica-parallel save) with one small slicing program per shape, compiled at the first save,
+  i.e. in the middle of the run; one device-to-host copy of it costs no compile."""
+  if not isinstance(x, jax.Array):
+    return np.asarray(x)
+  if x.is_fully_replicated and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+    return np.asarray(x)
+  return x
 
 
 class Checkpointer:
@@ -55,7 +69,8 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
       preservation_policy=cm.AnyPreservationPolicy(policies), enable_async_checkpointing=async_save, create=True
     )
-    self.directory = os.path.abspath(directory)
+    # A local path or an etils path for gs:// etc. (orbax writes through etils + tensorstore).
+    self.directory = fs.orbax_directory(directory)
     self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -65,7 +80,7 @@ class Checkpointer:
     return list(self._mngr.all_steps())
 
   def save(self, step: int, state: Any, meta: dict, metrics: dict | None = None, force: bool = False) -> bool:
-    leaves = [np.asarray(x) if not isinstance(x, jax.Array) else x for x in jax.tree.leaves(state)]
+    leaves = [_to_saveable(x) for x in jax.tree.leaves(state)]
     if self.best_metric and metrics is not None and self.best_metric not in metrics:
       metrics = None  # only steps with the ranking metric compete for "best"
     meta = dict(meta, _shapes=[list(np.shape(x)) for x in leaves])

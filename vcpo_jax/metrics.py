@@ -3,18 +3,20 @@
 Every record is one flat dict of scalars keyed like "train/reward_mean" or
 "eval/accuracy", plus "step" and "wall_time" (seconds since the run started,
 continued across resumes). The jsonl file is the source of truth: plots and the
-experiment scripts read it back with `read_jsonl`.
+experiment scripts read it back with `read_jsonl`. Every path may be a local
+path or an fsspec URL: all I/O goes through `vcpo_jax.fs`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
+
+from vcpo_jax import fs
 
 # Plots written at the end of a run: (file stem, title, metric keys to overlay).
 PLOTS = (
@@ -34,38 +36,73 @@ def _scalar(v):
   return f
 
 
+LOGS = ("metrics.jsonl", "eval.jsonl")  # the run's jsonl logs, all truncated together on (re)start
+
+
 class MetricsWriter:
-  """Writes scalars to tensorboard + jsonl and drives a tqdm progress bar."""
+  """Writes scalars to tensorboard + metrics.jsonl, eval records to eval.jsonl, and drives a progress bar.
+
+  The logs describe one timeline. `resume_step=None` is a fresh run: earlier
+  records in workdir (a crashed attempt that saved no checkpoint) are dropped;
+  `resume_step=s` is a run resumed from the checkpoint at step s: records with
+  step > s are dropped (they belong to the discarded timeline after s), and
+  tensorboard purges events at steps >= s + 1. Rows reach an appendable file
+  system at once; on object stores they are buffered until `flush` (the
+  trainer flushes before each checkpoint, so every row a checkpoint covers is
+  stored with it). Only the primary process (`primary=True`) writes anything;
+  the others keep the clock.
+  """
 
   def __init__(
     self,
     workdir: str,
     total_steps: int,
-    initial_step: int = 0,
+    resume_step: int | None = None,
     wall_offset: float = 0.0,
     progress: bool = True,
     tensorboard: bool = True,
+    primary: bool = True,
   ):
-    os.makedirs(workdir, exist_ok=True)
-    self.workdir = workdir
-    self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
+    self.workdir, self.primary = workdir, primary
+    self.jsonl_path = fs.join(workdir, "metrics.jsonl")
+    self.eval_jsonl_path = fs.join(workdir, "eval.jsonl")
+    keep_through = -1 if resume_step is None else int(resume_step)
+    tensorboard = tensorboard and primary
+    progress = progress and primary
+    if primary:
+      fs.makedirs(workdir)
+      for name in LOGS:
+        truncate_jsonl(fs.join(workdir, name), keep_through + 1)
+    self._buffered = primary and not fs.supports_append(workdir)
+    self._pending: dict[str, list[str]] = {self.jsonl_path: [], self.eval_jsonl_path: []}
     self._t0 = time.time() - wall_offset
     self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter
 
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+      # purge_step: tensorboard hides events at steps >= it written before this one (the discarded timeline).
+      # The ns suffix keeps a rerun within the same second from reusing (and overwriting) the last event file.
+      self._tb = SummaryWriter(
+        fs.tensorboard_logdir(fs.join(workdir, "tb")), purge_step=keep_through + 1, filename_suffix=f".{time.time_ns()}"
+      )
     self._bar = None
     if progress:
       from tqdm.auto import tqdm
 
-      self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
-    if initial_step:  # a resumed run drops records logged after the checkpoint it resumed from
-      truncate_jsonl(self.jsonl_path, initial_step + 1)
+      self._bar = tqdm(total=total_steps, initial=max(keep_through, 0), desc="train", dynamic_ncols=True)
 
   @property
   def wall_time(self) -> float:
     return time.time() - self._t0
+
+  def _append(self, path: str, record: dict):
+    if not self.primary:
+      return
+    line = json.dumps(record) + "\n"
+    if self._buffered:
+      self._pending[path].append(line)
+    else:
+      fs.append_text(path, line)
 
   def write(self, step: int, metrics: dict, advance: bool = False):
     record = {"step": int(step), "wall_time": round(self.wall_time, 3)}
@@ -73,8 +110,7 @@ class MetricsWriter:
       f = _scalar(v)
       if f is not None:
         record[k] = f if math.isfinite(f) else str(f)
-    with open(self.jsonl_path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+    self._append(self.jsonl_path, record)
     if self._tb is not None:
       for k, v in record.items():
         if k != "step" and isinstance(v, float):
@@ -90,7 +126,21 @@ class MetricsWriter:
       }
       self._bar.set_postfix({k: f"{float(v):.3f}" for k, v in shown.items() if _scalar(v) is not None}, refresh=False)
 
+  def write_eval(self, record: dict):
+    """Appends one evaluation.evaluate record (with its "step") to eval.jsonl."""
+    self._append(self.eval_jsonl_path, record)
+
+  def flush(self):
+    """Stores buffered rows (object stores) and tensorboard's pending events."""
+    for path, lines in self._pending.items():
+      if lines:
+        fs.append_text(path, "".join(lines))
+        lines.clear()
+    if self._tb is not None:
+      self._tb.flush()
+
   def close(self):
+    self.flush()
     if self._tb is not None:
       self._tb.close()
     if self._bar is not None:
@@ -98,20 +148,26 @@ class MetricsWriter:
 
 
 def read_jsonl(path: str) -> list[dict]:
-  if not os.path.exists(path):
+  """The records of a jsonl file ([] if absent). A torn last line (a crash mid-write) is ignored."""
+  if not fs.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  lines = [line for line in fs.read_text(path).splitlines() if line.strip()]
+  out = []
+  for i, line in enumerate(lines):
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      if i < len(lines) - 1:
+        raise ValueError(f"{path}: line {i + 1} is not valid json: {line[:80]!r}") from None
+  return out
 
 
 def truncate_jsonl(path: str, first_dropped_step: int):
-  """Keeps records with step < first_dropped_step (used on resume, so no step is logged twice)."""
+  """Keeps records with step < first_dropped_step (used on (re)start, so no step is logged twice)."""
+  if not fs.exists(path):
+    return
   records = [r for r in read_jsonl(path) if r.get("step", 0) < first_dropped_step]
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    for r in records:
-      f.write(json.dumps(r) + "\n")
-  os.replace(tmp, path)
+  fs.write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def series(records: Iterable[dict], key: str, x: str = "step") -> tuple[np.ndarray, np.ndarray]:
@@ -123,15 +179,14 @@ def series(records: Iterable[dict], key: str, x: str = "step") -> tuple[np.ndarr
 
 
 def plot_run(workdir: str) -> list[str]:
-  """Writes one PNG per PLOTS entry (against step and wall-clock) into workdir/plots."""
+  """Writes one PNG per PLOTS entry (against step and wall-clock) into workdir/plots (any fs URL)."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  out_dir = os.path.join(workdir, "plots")
-  os.makedirs(out_dir, exist_ok=True)
+  records = read_jsonl(fs.join(workdir, "metrics.jsonl"))
+  out_dir = fs.join(workdir, "plots")
   written = []
   for stem, title, keys in PLOTS:
     present = [k for k in keys if series(records, k)[0].size]
@@ -147,8 +202,9 @@ def plot_run(workdir: str) -> list[str]:
     axes[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    path = os.path.join(out_dir, f"{stem}.png")
-    fig.savefig(path, dpi=100)
+    path = fs.join(out_dir, f"{stem}.png")
+    with fs.open(path, "wb") as f:
+      fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     written.append(path)
   return written

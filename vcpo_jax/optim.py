@@ -24,6 +24,8 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -140,3 +142,39 @@ def make_optimizer(
   parts.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
   parts.append(scale_by_ess(max_ess_scale))
   return optax.chain(*parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """The learner's optimizer settings (config section `optim`), checked when built.
+
+  Attributes:
+    lr: base learning rate eta > 0.
+    weight_decay: AdamW decoupled decay >= 0.
+    clip_norm: global-norm clip > 0, applied before AdamW.
+    b1, b2: Adam moment decays in [0, 1).
+    schedule: a SCHEDULES name (make_optimizer builds it with warmup_steps=0).
+  """
+
+  lr: float = 1e-6
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.999
+  schedule: str = "constant"
+
+  def __post_init__(self):
+    def bad(field, fix):
+      raise ValueError(f"optim.{field}={getattr(self, field)!r}: {fix}")
+
+    if not (self.lr > 0 and math.isfinite(self.lr)):
+      bad("lr", "must be a finite rate > 0 (released runs: 1e-6)")
+    if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+      bad("weight_decay", "must be >= 0 (0 = no decay; released runs: 0.1)")
+    if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
+      bad("clip_norm", "must be a finite norm > 0 (released runs: 1.0)")
+    for f, usual in (("b1", 0.9), ("b2", 0.999)):
+      if not 0 <= getattr(self, f) < 1:
+        bad(f, f"Adam's moment decay must be in [0, 1) (usual: {usual})")
+    if self.schedule not in SCHEDULES:
+      bad("schedule", f"choose one of {SCHEDULES}")

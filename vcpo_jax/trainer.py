@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
+import pathlib
 import signal
+import tempfile
 import time
 
 import jax
 
-from vcpo_jax import evaluation, learner, metrics as metrics_lib, optim, sharding
+from vcpo_jax import evaluation, fs, learner, optim, sharding
+from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.model import transformer
 from vcpo_jax.rollout.common import RolloutMaker, device_batch
@@ -81,18 +83,25 @@ def make_sampler_cfg(spec: RunSpec, tokenizer, *, temperature, top_p, top_k, max
 
 
 def run(config, workdir: str) -> dict:
-  """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible."""
+  """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible.
+
+  `workdir` is a local path or a URL (file://, gs://, s3://; every output goes through vcpo_jax.fs, and
+  orbax checkpoints need a scheme etils knows: not memory://). On every start the logs are cut back to
+  the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
+  """
   # ---------------------------------------------------------------- Config
   spec = parse_config(config)  # every check happens here, before anything compiles
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(config.to_dict(), f, indent=1, default=str)
+  fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
 
   # ---------------------------------------------------------------- Distributed
   if spec.distributed.get("enabled"):
     sharding.maybe_initialize_distributed(
       spec.distributed["coordinator_address"], spec.distributed["num_processes"], spec.distributed["process_id"]
     )
+  primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
+  if primary:
+    fs.makedirs(workdir)
+    fs.write_text(fs.join(workdir, "config.json"), json.dumps(config.to_dict(), indent=1, default=str))
 
   # ---------------------------------------------------------------- Tokenizer & Model
   model_cfg, tokenizer, graphdef, params = build_policy(spec)
@@ -105,7 +114,10 @@ def run(config, workdir: str) -> dict:
   if spec.sft_steps > 0:
     from vcpo_jax import sft
 
-    params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir)
+    with tempfile.TemporaryDirectory() as tmp:  # sft writes sft.json locally; the layer copies it to workdir
+      params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, tmp)
+      if primary:
+        fs.write_bytes(fs.join(workdir, "sft.json"), pathlib.Path(tmp, "sft.json").read_bytes())
 
   # ---------------------------------------------------------------- Optimizer & Update step
   tx = optim.make_optimizer(
@@ -132,9 +144,11 @@ def run(config, workdir: str) -> dict:
     donate_argnums=0,
   )
 
-  plain_step = None
-  if spec.norm_overhead_every:  # the yardstick for "per-example norms cost little" (review #9)
-    plain_step = jax.jit(learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
+  # Opt-in yardstick for "per-example norms cost little" (review #9): a plain gradient step, compiled at
+  # the first step (not when first timed), so that the timing adds no compile in the middle of the run.
+  plain_jit = plain_step = None
+  if spec.norm_overhead_every:
+    plain_jit = jax.jit(learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
 
   # ---------------------------------------------------------------- Rollouts
   key = jax.random.key(spec.seed)
@@ -166,15 +180,15 @@ def run(config, workdir: str) -> dict:
 
   # ---------------------------------------------------------------- Checkpoint / resume
   ckpt = Checkpointer(
-    os.path.join(workdir, "checkpoints"),
+    fs.join(workdir, "checkpoints"),
     keep_last=spec.keep_last,
     keep_best=spec.keep_best,
     best_metric="eval/accuracy",
   )
-  start, wall_offset = 0, 0.0
+  start, meta = 0, {}
   latest = ckpt.latest_step()
   if latest is not None:
-    state, wall_offset = _restore(ckpt, latest, state, source)
+    state, meta = _restore(ckpt, latest, state, source)
     start = latest
     log.info("resumed from step %d in %s", start, workdir)
   source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
@@ -197,7 +211,6 @@ def run(config, workdir: str) -> dict:
       max_new_tokens=spec.eval.max_new_tokens,
     ),
   )
-  eval_jsonl = os.path.join(workdir, "eval.jsonl")
 
   eval_maker = None
   if spec.multiturn is not None:  # tool-use evaluation: the same episodes as training, eval sampling
@@ -218,24 +231,31 @@ def run(config, workdir: str) -> dict:
       if eval_maker is not None
       else _eval_generate_fn(eval_sampler, params, tokenizer, spec, eval_rng)
     )
-    rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, jsonl_path=eval_jsonl, tag=tag)
-    return {
-      "eval/accuracy": rec["mean_at_n"],
-      "eval/mean_reward": rec["mean_reward"],
-      **{f"eval/pass_at_{k}": v for k, v in rec["pass_at_k"].items()},
-    }
+    rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, tag=tag)
+    writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
+    return _eval_metrics(rec)
 
   # ---------------------------------------------------------------- Loop
+  # Every log is cut back to the restored step (or emptied on a fresh start): rows of a crashed attempt
+  # after its last checkpoint belong to a discarded timeline and are logged again by this one.
   writer = metrics_lib.MetricsWriter(
-    workdir, spec.steps, initial_step=start, wall_offset=wall_offset, progress=spec.progress
+    workdir,
+    spec.steps,
+    resume_step=latest,
+    wall_offset=float(meta.get("wall_time", 0.0)),
+    progress=spec.progress,
+    primary=primary,
   )
+  summary_path = fs.join(workdir, "summary.json")
+  if primary:
+    fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
   flag: dict = {}
   old_handlers = _install_signal_handlers(flag)
   last_eval: dict = {}
   nonfinite_steps: list[int] = []
   step = start
   try:
-    if start == 0:
+    if latest is None:  # a checkpoint at step 0 (a signal before the first update) follows this eval
       last_eval = run_eval(0, state.params)
       writer.write(0, last_eval)
     while step < spec.steps:
@@ -244,7 +264,10 @@ def run(config, workdir: str) -> dict:
       t0 = time.time()
       batch, info = source.next(step)
       t1 = time.time()
-      state, m = train_step(state, _global_batch(device_batch(batch), mesh, spec.rollout.batch_size))
+      dev_batch = _global_batch(device_batch(batch), mesh, spec.rollout.batch_size)
+      if plain_jit is not None and plain_step is None:
+        plain_step = plain_jit.lower(state.params, dev_batch).compile()
+      state, m = train_step(state, dev_batch)
       m = jax.device_get(m)
       t2 = time.time()
       step += 1
@@ -263,6 +286,8 @@ def run(config, workdir: str) -> dict:
           "train/reward_mean": float(batch["rewards"].mean()),
           "train/accuracy": float(batch["correct"].mean()),
           "train/response_len": info["response_len_mean"],
+          # outputs whose grader raised (graded 0.0 and logged): a bug in a task's scorer, not a bad answer
+          "train/grading_failures": info.get("grading_failures", 0),
           "train/lag_min": info["lag_min"],
           "train/lag_mean": info["lag_mean"],
           "train/lag_max": info["lag_max"],
@@ -277,16 +302,19 @@ def run(config, workdir: str) -> dict:
       )
       row.update(info.get("metrics", {}))  # source-specific statistics (e.g. multi-turn tool use)
       if plain_step is not None and step % spec.norm_overhead_every == 0:
-        row.update(_norm_overhead(plain_step, state.params, batch, mesh, spec, t2 - t1))
+        row.update(_norm_overhead(plain_step, state.params, dev_batch, t2 - t1))
       if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
         last_eval = run_eval(step, state.params)
         row.update(last_eval)
       writer.write(step, row, advance=True)
       if step % spec.checkpoint_every == 0 and step < spec.steps:
         _save(ckpt, step, state, source, writer, last_eval if spec.eval_every and step % spec.eval_every == 0 else None)
-    final_eval = run_eval(step, state.params, tag="final")
-    writer.write(step, final_eval)
-    _save(ckpt, step, state, source, writer, final_eval)
+    # A rerun of a finished run restores the final checkpoint, whose evaluation is logged already.
+    final_eval = meta.get("final_eval") if step == start else None
+    if final_eval is None:
+      final_eval = run_eval(step, state.params, tag="final")
+      writer.write(step, final_eval)
+    _save(ckpt, step, state, source, writer, final_eval, final=True)
   except Interrupted as e:
     log.warning("interrupted (%s): saving a checkpoint at step %d", e, step)
     _save(ckpt, step, state, source, writer, None, force=True)
@@ -297,11 +325,11 @@ def run(config, workdir: str) -> dict:
     source.close()
     ckpt.close()
     writer.close()
-  if spec.plots:
-    metrics_lib.plot_run(workdir)
   summary = {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps}
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=1)
+  if primary:
+    if spec.plots:
+      metrics_lib.plot_run(workdir)
+    fs.write_text(summary_path, json.dumps(summary, indent=1))
   return summary
 
 
@@ -323,13 +351,12 @@ def build_mesh(spec: RunSpec):
   return mesh
 
 
-def _norm_overhead(plain_step, params, batch, mesh, spec: RunSpec, learn_s: float) -> dict:
-  """Times a plain gradient step on this step's batch (twice: the first may compile) against the real one."""
-  dev = _global_batch(device_batch(batch), mesh, spec.rollout.batch_size)
+def _norm_overhead(plain_step, params, dev_batch, learn_s: float) -> dict:
+  """Times the (compiled) plain gradient step on this step's batch against the real one (second of two runs)."""
   times = []
   for _ in range(2):
     t0 = time.time()
-    jax.block_until_ready(plain_step(params, dev))
+    jax.block_until_ready(plain_step(params, dev_batch))
     times.append(time.time() - t0)
   return {"time/plain_grad_s": times[-1], "time/norm_overhead": learn_s / max(times[-1], 1e-9)}
 
@@ -357,11 +384,25 @@ def _state_tree(state, source):
   return {"train": state, "versions": plist}, versions
 
 
-def _save(ckpt, step, state, source, writer, eval_metrics, force=False):
+def _eval_metrics(rec: dict) -> dict:
+  """The metrics.jsonl / checkpoint-ranking scalars of one evaluation.evaluate record."""
+  return {
+    "eval/accuracy": rec["mean_at_n"],
+    "eval/mean_reward": rec["mean_reward"],
+    **{f"eval/pass_at_{k}": v for k, v in rec["pass_at_k"].items()},
+  }
+
+
+def _save(ckpt, step, state, source, writer, eval_metrics, force=False, final=False):
+  """Saves the checkpoint at `step` (after the rows it covers are stored); `final`: the run's last, whose
+  meta keeps the final evaluation so that a rerun of the finished run neither repeats nor re-logs it."""
   if step in ckpt.all_steps():  # e.g. a signal right after a periodic save: that checkpoint is current
     return
+  writer.flush()  # every row this checkpoint covers is stored before it (object stores buffer rows)
   tree, versions = _state_tree(state, source)
   meta = {"step": step, "versions": versions, "wall_time": writer.wall_time}
+  if final:
+    meta["final_eval"] = {k: float(v) for k, v in eval_metrics.items()}
   ckpt.save(step, tree, meta, metrics=eval_metrics, force=force)
   ckpt.wait()
 
@@ -371,7 +412,7 @@ def _restore(ckpt, step, state, source):
   template = {"train": state, "versions": [state.params for _ in meta_versions]}
   tree, meta = ckpt.restore(step, template)
   source.load_state(meta["versions"], tree["versions"])
-  return tree["train"], float(meta.get("wall_time", 0.0))
+  return tree["train"], meta
 
 
 def _eval_generate_fn(sampler: Sampler, params, tokenizer, spec: RunSpec, rng):

@@ -89,13 +89,9 @@ class RolloutMaker:
     cfg = self.cfg
     n, t_want = cfg.batch_size, cfg.max_prompt_len + cfg.max_new_tokens
     texts = [self.tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True) for i in range(n)]
-    rewards = np.asarray(
-      [
-        tasks.score(problems[i // cfg.group_size].task, texts[i], problems[i // cfg.group_size].reference)
-        for i in range(n)
-      ],
-      np.float32,
-    )
+    # Each problem is graded by the task object that made it (its configured options reach the reward).
+    rewards, failures = tasks.score_problems([problems[i // cfg.group_size] for i in range(n)], texts)
+    rewards = np.asarray(rewards, np.float32)
     pad = lambda a, v=0: _pad_to(a, t_want, v)
     batch = dict(
       tokens=pad(ro.tokens.astype(np.int32), self.sampler.cfg.pad_id),
@@ -112,6 +108,7 @@ class RolloutMaker:
       problem_ids=[p.id for p in problems],
       response_len_mean=float(np.mean(ro.lengths)),
       finished_frac=float(np.mean(ro.finished)),
+      grading_failures=failures,
     )
     return batch, info
 

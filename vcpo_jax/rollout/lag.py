@@ -6,8 +6,9 @@ mode (sample with the current policy, then learn). Both keep their sampling RNG
 as fold_in(key, step), so a run is a deterministic function of its config.
 
 Memory: the source keeps the k + 1 most recent parameter versions (device
-copies; the learner donates its own buffers), i.e. (k + 1) x the parameter
-bytes. For k = 128 and a 1.5B-parameter fp32 model that is ~770 GB, which is
+copies, since the learner donates its own buffers), i.e. (k + 1) x the parameter
+bytes. `k = 0` keeps no copy: the batch of step t is sampled from the current
+parameters before the update that donates them. For k = 128 and a 1.5B-parameter fp32 model that is ~770 GB, which is
 why large-k stability studies use small models; `async` mode needs no copies.
 """
 
@@ -28,7 +29,9 @@ class LagSource:
 
   def publish(self, params, version: int):
     """Registers the parameters after `version` updates; drops versions no longer needed."""
-    self.versions[int(version)] = jax.tree.map(jnp.copy, params)
+    # k > 0 samples with these parameters after later updates have donated (freed) the learner's
+    # buffers, so it needs a copy; k = 0 samples before the next update and can hold a reference.
+    self.versions[int(version)] = jax.tree.map(jnp.copy, params) if self.k else params
     oldest_needed = int(version) - self.k  # the next step (= version) samples with version - k
     for v in [v for v in self.versions if v < oldest_needed]:
       del self.versions[v]
@@ -47,7 +50,9 @@ class LagSource:
   # -- checkpointing: the kept versions are part of the training state
 
   def state(self) -> tuple[list[int], list]:
-    vs = sorted(self.versions)
+    """(versions, params) to checkpoint: all kept versions but the newest, which is the learner's own
+    parameters (saved with the train state and re-published on resume), so k = 0 saves none."""
+    vs = sorted(self.versions)[:-1]
     return vs, [self.versions[v] for v in vs]
 
   def load_state(self, versions: list[int], params_list: list):

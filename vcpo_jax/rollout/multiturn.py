@@ -178,6 +178,7 @@ class MultiTurnRolloutMaker(RolloutMaker):
     task_names = {p.task for p in problems}
     if len(task_names) != 1:
       raise ValueError(f"a multi-turn step mixes scoring tasks {sorted(task_names)}; use one data set.")
+    grader = problems[0].grader if problems[0].grader is not None else problems[0].task
     prompt_ids = encode_prompts(self.tokenizer, problems, cfg.chat_template)
     too_long = [len(p) for p in prompt_ids if len(p) > cfg.max_prompt_len]
     if too_long:
@@ -186,7 +187,7 @@ class MultiTurnRolloutMaker(RolloutMaker):
       )
     contexts = [p for p in prompt_ids for _ in range(cfg.group_size)]  # row n = prompt n // G
     references = [p.reference for p in problems for _ in range(cfg.group_size)]
-    reward_fn = functools.partial(tasks.score, task_names.pop())
+    reward_fn = functools.partial(tasks.score, grader)
     episodes, rounds = self.run_episodes(params, contexts, references, self.env_config(reward_fn), rng)
     return self.episodes_to_batch(episodes, problems, version, rounds=rounds)
 
