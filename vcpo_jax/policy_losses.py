@@ -541,8 +541,9 @@ def m2po_released(
   defaults 0.3 / 0.5 (the issue's) are kept here; pass min_eps_low=None / min_eps_high=None for the
   scripts' behaviour.
 
-  Metrics: tau, eps_low, eps_high, m2 (before), m2_after (mean min(delta^2, tau^2) over the harmful tokens),
-  frac_harmful, clip_frac.
+  Metrics: tau (0 when the budget is not exceeded), budget_active (1 when it is: the bounds come from tau),
+  eps_low, eps_high, m2 (before), m2_after (mean min(delta^2, tau^2) over the harmful tokens), frac_harmful,
+  clip_frac.
   """
   _check(budget > 0, "budget", budget, "the M2 budget must be > 0 (the authors use 0.04)")
   _check(min_eps_low is None or min_eps_low >= 0, "min_eps_low", min_eps_low, "must be >= 0 or None")
@@ -565,7 +566,8 @@ def m2po_released(
   loss_nt, clipped, _ = _ppo_token_loss(lp - beh, adv, eps_low, eps_high, None)
   m2_after = jnp.where(need_clip, _token_mean(jnp.minimum(d2, jnp.square(tau)), harmful), m2_now)
   metrics = dict(
-    tau=jnp.where(need_clip, tau, jnp.inf),
+    tau=jnp.where(need_clip, tau, 0.0),
+    budget_active=need_clip.astype(jnp.float32),
     eps_low=eps_low,
     eps_high=eps_high,
     m2=m2_now,
