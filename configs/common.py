@@ -79,6 +79,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
   c.learner = ml_collections.ConfigDict()
   c.learner.grad_path = "ghost"  # ghost (fast exact norms) | vmap (reference path)
+  c.learner.microbatch_size = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
   c.learner.on_nonfinite = "skip"  # skip the update and log | abort with the step range
 
   c.lag = ml_collections.ConfigDict()

@@ -15,7 +15,7 @@ Launch (one accelerator host; the sampler process gets its own devices):
   python main.py --config=configs/gsm8k.py:smoke --workdir=/tmp/gsm8k_smoke   # CPU, tiny random model
   # other paths: --config.model.checkpoint=/path/Qwen2-1.5B --config.task.data_path=/path/train.parquet
 
-Released values (../shared/PAPER.md, "Released hyper-parameters"): P x G = 8 x 8,
+Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 8 x 8,
 max prompt / response 2048 / 2048, k = 12, rho_on = 1.0, AdamW lr 1e-6, wd 0.1,
 clip 1.0, constant schedule, sequence TIS c = 8, sampling temperature 1.0,
 validation temperature 0.8 / top_p 0.7 / n = 3, asynchronous. The number of
@@ -23,6 +23,8 @@ steps, the eval / checkpoint cadence and the mesh are not in the released table.
 """
 
 import os
+
+import ml_collections
 
 from configs import common
 
@@ -47,6 +49,21 @@ def get_config(arg: str | None = None):
   c.task.max_new_tokens = 2048  # released max response length
   c.model.checkpoint = MODEL_DIR  # Qwen2-1.5B (local directory with config.json + safetensors)
   c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  # Qwen/Qwen2-1.5B's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
+  # loads the checkpoint's own config.json):
+  c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights
+  c.model.shape.vocab_size = 151936  # config.json vocab_size
+  c.model.shape.hidden_size = 1536  # hidden_size (D)
+  c.model.shape.intermediate_size = 8960  # intermediate_size (F)
+  c.model.shape.num_layers = 28  # num_hidden_layers
+  c.model.shape.num_heads = 12  # num_attention_heads
+  c.model.shape.num_kv_heads = 2  # num_key_value_heads (grouped-query attention)
+  c.model.shape.head_dim = 128  # hidden_size // num_attention_heads
+  c.model.shape.rope_theta = 1000000.0  # rope_theta
+  c.model.shape.rms_eps = 1e-6  # rms_norm_eps
+  c.model.shape.tie_embeddings = True  # tie_word_embeddings
+  c.model.shape.qkv_bias = True  # Qwen2 family: q/k/v projections carry a bias
+  c.model.shape.model_type = "qwen2"  # model_type
   c.sampler.temperature = 1.0  # released training temperature
   c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
   c.vcpo.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for GSM8K)

@@ -15,7 +15,7 @@ Launch:
       --config.method=sync                                                         # synchronous baseline
   python main.py --config=configs/math.py:smoke --workdir=/tmp/math_smoke   # CPU, tiny random model
 
-Released values (../shared/PAPER.md): P x G = 32 x 16, max prompt / response
+Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 32 x 16, max prompt / response
 1024 / 2048, k = 10 (stress runs 16..128: use mode=lag), rho_on = 1.0, AdamW lr
 1e-6, wd 0.1, clip 1.0, constant schedule, sequence TIS c = 8, temperature 1.0,
 validation temperature 0.8 / top_p 0.7 / n = 3 (MATH-500), asynchronous.
@@ -23,6 +23,8 @@ Steps, cadences and mesh are not in the released table.
 """
 
 import os
+
+import ml_collections
 
 from configs import common
 from configs.gsm8k import _smoke
@@ -48,6 +50,21 @@ def get_config(arg: str | None = None):
   c.task.max_new_tokens = 2048  # released max response length
   c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
   c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  # Qwen/Qwen2.5-7B's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
+  # loads the checkpoint's own config.json):
+  c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights
+  c.model.shape.vocab_size = 152064  # config.json vocab_size
+  c.model.shape.hidden_size = 3584  # hidden_size (D)
+  c.model.shape.intermediate_size = 18944  # intermediate_size (F)
+  c.model.shape.num_layers = 28  # num_hidden_layers
+  c.model.shape.num_heads = 28  # num_attention_heads
+  c.model.shape.num_kv_heads = 4  # num_key_value_heads (grouped-query attention)
+  c.model.shape.head_dim = 128  # hidden_size // num_attention_heads
+  c.model.shape.rope_theta = 1000000.0  # rope_theta
+  c.model.shape.rms_eps = 1e-6  # rms_norm_eps
+  c.model.shape.tie_embeddings = False  # tie_word_embeddings
+  c.model.shape.qkv_bias = True  # Qwen2 family: q/k/v projections carry a bias
+  c.model.shape.model_type = "qwen2"  # model_type
   c.sampler.temperature = 1.0  # released training temperature
   c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
   c.vcpo.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for MATH)

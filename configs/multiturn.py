@@ -17,7 +17,7 @@ Launch:
   python main.py --config=configs/multiturn.py --workdir=/tmp/vcpo_tool
   python main.py --config=configs/multiturn.py:smoke --workdir=/tmp/tool_smoke   # CPU, tiny random model
 
-Released values (../shared/PAPER.md): P x G = 128 x 16, max prompt / response
+Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 128 x 16, max prompt / response
 4096 / 12288 (the response budget counts policy and tool tokens), k = 2,
 rho_on = 0.55, AdamW lr 1e-6, wd 0.1, clip 1.0, constant schedule, sequence TIS
 c = 8, temperature 1.0, validation temperature 0.8 / top_p 0.7 / n = 5 (AIME).
@@ -28,6 +28,8 @@ table.
 """
 
 import os
+
+import ml_collections
 
 from configs import common
 from configs.gsm8k import _smoke
@@ -68,6 +70,21 @@ def get_config(arg: str | None = None):
   c.task.multiturn.max_workers = 0  # parallel executions (0 = CPU count)
   c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
   c.model.dtype = "bfloat16"  # compute dtype on accelerators
+  # Qwen/Qwen2.5-7B-Instruct's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
+  # loads the checkpoint's own config.json):
+  c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights
+  c.model.shape.vocab_size = 152064  # config.json vocab_size
+  c.model.shape.hidden_size = 3584  # hidden_size (D)
+  c.model.shape.intermediate_size = 18944  # intermediate_size (F)
+  c.model.shape.num_layers = 28  # num_hidden_layers
+  c.model.shape.num_heads = 28  # num_attention_heads
+  c.model.shape.num_kv_heads = 4  # num_key_value_heads (grouped-query attention)
+  c.model.shape.head_dim = 128  # hidden_size // num_attention_heads
+  c.model.shape.rope_theta = 1000000.0  # rope_theta
+  c.model.shape.rms_eps = 1e-6  # rms_norm_eps
+  c.model.shape.tie_embeddings = False  # tie_word_embeddings
+  c.model.shape.qkv_bias = True  # Qwen2 family: q/k/v projections carry a bias
+  c.model.shape.model_type = "qwen2"  # model_type
   c.sampler.temperature = 1.0  # released training temperature
   c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
   c.vcpo.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented, review #4)

@@ -5,16 +5,21 @@ sampler is a fresh spawned interpreter: monkeypatches of this process do not rea
 tests use the real countdown reward.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import jax
 import pytest
 
 from tests import fixtures
+from tests.test_cleanup import orphans
+from vcpo_jax import cleanup, run_config, trainer
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax import run_config, trainer
+from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.common import RolloutMaker
 from vcpo_jax.sampler import Sampler
@@ -25,8 +30,8 @@ def _tiny(**overrides):
   return fixtures.tiny_countdown_config(**{"mode": "async", "lag.k": 2, "async_.timeout_s": 120.0, **overrides})
 
 
-def _source(config) -> async_.AsyncSource:
-  """An AsyncSource built the way trainer.run builds it, without the learner."""
+def _source(config, **kw) -> async_.AsyncSource:
+  """An AsyncSource built the way trainer.run builds it, without the learner; `kw` go to AsyncSource."""
   # check_prompts=False: a test below makes the worker fail on a prompt longer than the bucket.
   spec = run_config.parse_config(config, check_prompts=False)
   model_cfg, tokenizer, graphdef, params = trainer.build_policy(spec)
@@ -44,7 +49,7 @@ def _source(config) -> async_.AsyncSource:
     ),
   )
   maker = RolloutMaker(spec.rollout, tokenizer, sampler, problems)
-  return async_.AsyncSource(spec, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker), params
+  return async_.AsyncSource(spec, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker, **kw), params
 
 
 def _shm_mapped_by(pid: int) -> set[str]:
@@ -82,20 +87,41 @@ def test_async_run_bounded_lag_and_clean_exit(tmp_path, monkeypatch):
   _assert_removed(paths)
 
 
-def test_staleness_bound_pauses_the_sampler_then_kill_is_reported_and_nothing_leaks():
+class _Signal(Exception):
+  """What the trainer's interrupt() raises once SIGINT / SIGTERM has arrived."""
+
+
+def test_staleness_bound_pauses_the_sampler_then_kill_is_reported_and_nothing_leaks(tmp_path):
   """With only version 0 published the worker makes batches 0..k and then waits (a learner wait times out
-  with a clear message); after SIGKILL of the worker the learner fails fast, naming the signal."""
+  with a clear message, or ends with the interrupt's exception); after SIGKILL of the worker the learner
+  fails fast, naming the signal. Starting removes what a SIGKILLed process group left; nothing leaks."""
   k = 2
-  src, params = _source(_tiny(steps=20, **{"lag.k": k, "async_.timeout_s": 3.0, "async_.queue_slots": k + 3}))
+  armed = []
+
+  def interrupt():
+    if armed:
+      raise _Signal()
+
+  config = _tiny(steps=20, **{"lag.k": k, "async_.timeout_s": 3.0, "async_.queue_slots": k + 3})
+  src, params = _source(config, workdir=str(tmp_path), interrupt=interrupt)
+  dead = orphans(cleanup.run_id())  # a previous run killed with its whole process group
   try:
     src.publish(params, 0)
+    assert not [p for p in dead if os.path.exists(p)], "starting did not remove a dead run's leftovers"
     paths = src.resource_paths()
     assert len(paths) == 5  # queue: segment + 2 semaphores; param slot: segment + lock
+    prefix = f"vcpo-{cleanup.run_id(str(tmp_path))}-{os.getpid()}-"
+    assert all(os.path.basename(p).removeprefix("sem.").startswith(prefix) for p in paths)
     for step in range(k + 1):
       batch, info = src.next(step)
       assert (batch["policy_version"] == 0).all() and info["lag_max"] == step
+    assert not os.path.exists(src._args_path)  # the worker deleted its argument file once read
     with pytest.raises(TimeoutError, match="staleness bound"):
       src.next(k + 1)  # the queue has room: only the bound stops the worker
+    armed.append(True)  # a signal arrived: the wait ends with the trainer's exception, not after timeout_s
+    with pytest.raises(_Signal):
+      src.next(k + 1)
+    armed.clear()
     src.publish(params, 1)
     batch, info = src.next(k + 1)
     assert (batch["policy_version"] == 1).all() and info["lag_max"] == k
@@ -145,7 +171,7 @@ def test_bad_async_settings_raise_value_errors():
   src.close()
 
 
-_SIGTERM_SCRIPT = r"""
+_SIGNAL_SCRIPT = r"""
 import json, sys
 from tests.test_async import _tiny
 from vcpo_jax import trainer
@@ -157,52 +183,77 @@ def recording_build_source(*a, **kw):
   def next_(step):
     batch, info = nxt(step)
     if step == 0:
-      json.dump({"pid": src.pid, "paths": src.resource_paths()}, open(out, "w"))
+      json.dump({"pid": src.pid, "paths": src.resource_paths(), "args": src._args_path}, open(out, "w"))
     return batch, info
   src.next = next_
   return src
 trainer.build_source = recording_build_source
-# checkpoint.every: a periodic save at the interrupted step would collide with the forced one (reported).
-trainer.run(_tiny(steps=10_000, **{"checkpoint.every": 10_000}), workdir)
+# queue_slots=1: once the sampler is stopped the learner drains at most one batch, then waits; timeout_s: a
+# wait that ignored the signal would last far longer than the test allows. The smoke config's periodic
+# saves (every 2 steps) make the interrupted save a warm one (orbax's first save in a process is slow).
+trainer.run(_tiny(steps=10_000, **{"async_.queue_slots": 1, "async_.timeout_s": 600.0}), workdir)
 """
 
 
-def test_sigterm_to_the_trainer_stops_the_worker_and_removes_segments(tmp_path):
-  """SIGTERM mid-run: the trainer checkpoints and exits 130; the worker is gone; /dev/shm is clean."""
-  import json
-  import subprocess
-  import sys
+def _train_rows(workdir) -> int:
+  path = workdir / "metrics.jsonl"
+  if not path.exists():
+    return 0
+  with open(path) as f:
+    return sum("train/lag_max" in line for line in f)
 
-  info_path, workdir = tmp_path / "worker.json", tmp_path / "run"
+
+def test_sigint_while_the_sampler_is_stopped_checkpoints_and_exits_130(tmp_path):
+  """The sampler frozen by SIGSTOP, the learner waiting for its next batch: SIGINT to the learner saves a
+  checkpoint at the last completed step and exits 130 at once (not after async_.timeout_s); the stopped
+  sampler is killed and /dev/shm and the temp dir are clean."""
+  info_path, workdir, log_path = tmp_path / "worker.json", tmp_path / "run", tmp_path / "log.txt"
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  proc = subprocess.Popen(
-    [sys.executable, "-c", _SIGTERM_SCRIPT, str(info_path), str(workdir)],
-    cwd=repo,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-  )
+  with open(log_path, "w") as log:  # a file: a pipe nobody reads during the run blocks the child once full
+    proc = subprocess.Popen(
+      [sys.executable, "-c", _SIGNAL_SCRIPT, str(info_path), str(workdir)],
+      cwd=repo,
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      start_new_session=True,  # its own process group: the cleanup below reaches the sampler too
+      env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # one CPU device: compiles faster
+    )
   try:
     deadline = time.monotonic() + 240.0  # start-up and compilation on a loaded machine
-    metrics = workdir / "metrics.jsonl"
-    while not (metrics.exists() and sum("train/lag_max" in l for l in open(metrics)) >= 2):
-      assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+    while _train_rows(workdir) < 3:  # past step 2's periodic save: the interrupted save is a warm one
+      assert proc.poll() is None, log_path.read_text()[-3000:]
       assert time.monotonic() < deadline, "the async run made no progress"
-      time.sleep(0.2)
-    worker = json.load(open(info_path))
+      time.sleep(0.1)
+    with open(info_path) as f:
+      worker = json.load(f)
     mapped = _shm_mapped_by(worker["pid"])
     assert mapped and mapped <= set(worker["paths"])
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0].decode()
+    os.kill(worker["pid"], signal.SIGSTOP)
+    rows, still = _train_rows(workdir), time.monotonic()
+    deadline = still + 60.0
+    while time.monotonic() - still < 2.0:  # the learner has drained the queue and waits in next()
+      assert time.monotonic() < deadline, "the learner kept training without its sampler"
+      if _train_rows(workdir) != rows:
+        rows, still = _train_rows(workdir), time.monotonic()
+      time.sleep(0.1)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)  # far below timeout_s: the wait saw the signal
+    print(f"SIGINT -> exit {proc.returncode} in {time.monotonic() - t0:.2f} s")
   finally:
     if proc.poll() is None:
-      proc.kill()
+      os.killpg(proc.pid, signal.SIGKILL)
       proc.wait()
-  assert proc.returncode == 130, out[-3000:]
-  assert not os.path.exists(f"/proc/{worker['pid']}"), "the sampler process outlived the trainer"
+      cleanup.remove_stale()  # what the group SIGKILL left
+  assert proc.returncode == 130, log_path.read_text()[-3000:]
+  assert not os.path.exists(f"/proc/{worker['pid']}"), "the stopped sampler outlived the trainer"
   _assert_removed(worker["paths"])
-  recs = [r for r in metrics_lib.read_jsonl(str(workdir / "metrics.jsonl")) if "train/lag_max" in r]
-  assert recs and all(0 <= r["train/lag_min"] and r["train/lag_max"] <= 2 for r in recs)
-  assert os.path.isdir(workdir / "checkpoints")
+  assert not os.path.exists(worker["args"])
+  ckpt = Checkpointer(str(workdir / "checkpoints"))
+  try:
+    assert ckpt.latest_step() == rows == _train_rows(workdir)  # the interrupted step, nothing lost
+  finally:
+    ckpt.close()
 
 
 _NO_MAIN_GUARD_SCRIPT = r"""
@@ -229,6 +280,8 @@ def test_script_without_main_guard_fails_clearly_instead_of_hanging(tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   script = tmp_path / "no_guard.py"
   script.write_text(_NO_MAIN_GUARD_SCRIPT.format(repo=repo))
-  out = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), capture_output=True, text=True, timeout=180)
+  out = subprocess.run(
+    [sys.executable, str(script)], cwd=str(tmp_path), capture_output=True, text=True, timeout=180, check=False
+  )
   assert "LEARNER SamplerDiedError" in out.stdout, (out.stdout + out.stderr)[-3000:]
   assert "exited with code 1" in out.stdout

@@ -1,4 +1,4 @@
-"""Every config loads and parses; the released configs hold PAPER.md's values; smoke variants run;
+"""Every config loads and parses; the released configs hold the paper's released values; smoke variants run;
 every bad value fails at parse time on one line naming the field; every field is on the command line."""
 
 import dataclasses
@@ -23,7 +23,7 @@ NAMES = sorted(
 )
 SMOKE = ("countdown", "gsm8k", "math", "multiturn")  # configs with a ':smoke' variant
 
-# ../shared/PAPER.md, "Released hyper-parameters".
+# The VCPO paper's released hyper-parameters (arXiv 2602.17616).
 # name: (P, G, max prompt, max response, k, rho_on, eval n)
 RELEASED = {
   "gsm8k": (8, 8, 2048, 2048, 12, 1.0, 3),

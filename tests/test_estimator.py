@@ -366,16 +366,22 @@ def _problem(seed=0, stale=1.0):
 
 
 def _np_reference(logp, beh, mask, r, gid, sq, cfg):
-  """Loop-by-loop numpy transcription of PAPER.md's update (float64)."""
+  """Loop-by-loop numpy transcription of the paper's update (float64).
+
+  Returns (coef_n, tokw_nt, rho, lr_scale): rho is the ESS ratio of the
+  UNCLIPPED, UNCLAMPED weights exp(l_n) over the finite rows, lr_scale the
+  paper's sqrt(min(1, rho / rho_on)) (or 1 without ESS scaling).
+  """
   logp, beh, mask, r, sq = (np.asarray(x, np.float64) for x in (logp, beh, mask, r, sq))
   gid = np.asarray(gid)
   n = len(r)
   L = mask.sum(1)
-  valid = L > 0
-  nv = valid.sum()
-  l = np.where(mask > 0, logp - beh, 0).sum(1)
-  w = np.exp(np.clip(l, -20, 20))
-  tokw = mask.copy()
+  with np.errstate(invalid="ignore"):
+    l = np.where(mask > 0, logp - beh, 0).sum(1)
+  valid = (L > 0) & np.isfinite(l)  # non-finite rows are masked out
+  l = np.where(valid, l, 0.0)
+  w = np.exp(np.clip(l, -20, 20))  # the applied weights are defined with the clamp
+  tokw = mask * valid[:, None]
   if cfg.is_variant == "none":
     wa = np.ones(n)
   elif cfg.is_variant == "tis":
@@ -389,7 +395,8 @@ def _np_reference(logp, beh, mask, r, gid, sq, cfg):
     wa = ((geo >= cfg.geo_lower) & (geo <= cfg.geo_upper)).astype(float)
   elif cfg.is_variant == "token_tis":
     wa = np.ones(n)
-    tokw = mask * np.minimum(np.exp(np.where(mask > 0, logp - beh, 0)), cfg.token_tis_c)
+    d = np.where(mask > 0, logp - beh, 0)
+    tokw = mask * valid[:, None] * np.minimum(np.exp(np.where(valid[:, None], d, 0)), cfg.token_tis_c)
   else:
     raise AssertionError(cfg.is_variant)
   adv = np.zeros(n)
@@ -398,9 +405,12 @@ def _np_reference(logp, beh, mask, r, gid, sq, cfg):
       continue
     grp = [j for j in range(n) if valid[j] and gid[j] == gid[i]]
     others = [j for j in grp if j != i]
-    sigma = np.std(r[grp]) if cfg.advantage == "grpo" else 1.0
-    if cfg.advantage == "grpo" and sigma <= cfg.std_eps:
-      continue
+    if cfg.advantage == "grpo":
+      sigma = np.std(r[grp], ddof=0 if cfg.std == "population" else 1) if len(grp) > (cfg.std == "sample") else 0.0
+      if sigma <= cfg.std_eps:
+        continue
+    else:
+      sigma = 1.0
     b = {
       "reinforce": r[valid].mean(),
       "grpo": r[grp].mean(),
@@ -409,19 +419,27 @@ def _np_reference(logp, beh, mask, r, gid, sq, cfg):
     }[cfg.advantage]
     if cfg.opob:
       js = others if cfg.opob_leave_one_out else grp
-      wb = w if cfg.opob_weights == "unclipped" else wa
+      # OPOB weighs by the UNCLAMPED ratio exp(l) (the paper), or by the applied weight
+      log_wb = l if cfg.opob_weights == "unclipped" else np.log(np.maximum(wa, 1e-300))
       s = sq / L.clip(1) ** 2 if cfg.length_normalize_norms else sq
       if cfg.reference_mode:
         s = s * wa**2
-      a = np.array([wb[j] ** 2 * s[j] for j in js])
+      log_a = np.array([2 * log_wb[j] + np.log(s[j]) for j in js])
+      a = np.exp(log_a - log_a.max()) if js else np.zeros(0)
       b = (a @ r[js]) / a.sum() if a.sum() > 0 else (r[js].mean() if js else 0.0)
     adv[i] = (r[i] - b) / sigma
+  rows = valid & (wa > 0) if cfg.mask_normalizer == "kept" else valid
+  nv = max(rows.sum(), 1)
   norm = {
     "seq-mean-token-mean": 1.0 / (nv * L.clip(1)),
-    "token-mean": np.full(n, 1.0 / mask.sum()),
+    "token-mean": np.full(n, 1.0 / max((L * rows).sum(), 1)),
     "seq-mean-token-sum": np.full(n, 1.0 / nv),
+    "seq-mean-token-sum-norm": np.full(n, 1.0 / (cfg.loss_norm_tokens or mask.shape[1])),
   }[cfg.loss_agg]
-  return np.where(valid, adv * wa * norm, 0.0), tokw
+  wu = np.exp(l[valid] - l[valid].max())  # unclipped, unclamped
+  rho = wu.sum() ** 2 / (wu**2).sum() / valid.sum()
+  lr_scale = math.sqrt(min(1.0, rho / cfg.rho_on)) if cfg.ess_lr else 1.0
+  return np.where(valid, adv * wa * norm, 0.0), tokw, rho, lr_scale
 
 
 @jax.jit
@@ -466,6 +484,10 @@ EXTRA_CONFIGS = {
     advantage="reinforce", is_variant="mask", opob=True, length_normalize_norms=True, loss_agg="seq-mean-token-sum"
   ),
   "drgrpo_token_tis": dict(advantage="drgrpo", is_variant="token_tis", loss_agg="seq-mean-token-sum"),
+  "mask_kept_token_mean": dict(is_variant="mask", mask_normalizer="kept", loss_agg="token-mean", std="sample"),
+  "geo_mask_kept": dict(is_variant="geo_mask", geo_lower=0.6, geo_upper=1.6, mask_normalizer="kept"),
+  "drgrpo_token_sum_norm": dict(advantage="drgrpo", is_variant="tis", loss_agg="seq-mean-token-sum-norm"),
+  "rloo_token_sum_norm_fixed_t": dict(advantage="rloo", loss_agg="seq-mean-token-sum-norm", loss_norm_tokens=64),
 }
 ALL_CONFIGS = {
   **{k: E.pg_config_from_preset(k) for k in E.PRESETS},
@@ -489,9 +511,17 @@ def test_coefficients_match_numpy_reference(problem, name):
     jnp.asarray(sq, jnp.float32),
     cfg,
   )
-  ref, _ = _np_reference(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq, cfg)
+  ref, tokw, rho, lr_scale = _np_reference(
+    logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq, cfg
+  )
   np.testing.assert_allclose(np.asarray(coef), ref, rtol=2e-5, atol=1e-7)
-  assert float(aux["n_valid"]) == N - 1 and not bool(aux["valid_n"][4])
+  np.testing.assert_allclose(
+    np.asarray(_tokw_jit(logp, batch["behavior_logp"], batch["loss_mask"], cfg)), tokw, rtol=1e-5
+  )
+  # the brake: ESS of the unclipped weights (mutant: of the clipped ones) and the rate it gives
+  assert float(aux["ess_ratio"]) == pytest.approx(rho, rel=1e-5)
+  assert float(aux["lr_scale"]) == pytest.approx(lr_scale, rel=1e-5)
+  assert float(aux["n_valid"]) == N - 1 and not bool(aux["valid_n"][4]) and float(aux["nonfinite_rows"]) == 0
 
 
 @pytest.mark.parametrize("name", sorted(ALL_CONFIGS))
@@ -520,6 +550,155 @@ def test_policy_gradient_equals_brute_force(problem, name):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale)
   surrogate = -float(jnp.sum(coef[:, None] * tokw * logp))
   assert float(metrics["pg_loss"]) == pytest.approx(surrogate, rel=1e-5, abs=1e-7)
+
+
+# ---------------------------------------------------------------------------
+# Hand-checked numbers of issue 12 (items 1, 3, 4, 5, 15)
+# ---------------------------------------------------------------------------
+
+
+def _seq_batch(l_n, length=1):
+  """logp / behavior / mask [N, length] whose sequence log-ratios are l_n."""
+  l_n = np.asarray(l_n, np.float32)
+  logp = np.repeat((l_n / length)[:, None], length, axis=1).astype(np.float32)
+  return jnp.asarray(logp), jnp.zeros_like(logp), jnp.ones_like(logp)
+
+
+def test_opob_weighs_by_the_unclamped_ratio_worked_example():
+  # Issue 12 item 1: one group, l = [25, 30, -1, 0], R = [1, 0, 1, 0], ||s||^2 = 100, L = 10.
+  # log a = 2 l + log 100: the l = 30 row dominates, so b = (e^50 + e^-2) / (e^50 + e^60 + e^-2 + 1)
+  # = 4.54e-5. sigma (population) = 0.5, w~ = min(exp(clamp(l)), 8) = [8, 8, e^-1, 1], 1 / (N L) = 1/40:
+  # coef = 2 (R - b) w~ / 40 = [0.4, -1.8e-5, 0.0184, -2.3e-6].
+  # (Clamping l at 20 before the baseline, the bug, gives b = 0.5 and [0.2, -0.2, 0.0092, -0.025].)
+  logp, beh, mask = _seq_batch([25.0, 30.0, -1.0, 0.0], length=10)
+  r = jnp.array([1.0, 0.0, 1.0, 0.0])
+  coef, aux = _coef_jit(
+    logp, beh, mask, r, jnp.zeros(4, jnp.int32), jnp.full(4, 100.0), E.pg_config_from_preset("vcpo")
+  )
+  b = (math.exp(50) + math.exp(-2)) / (math.exp(50) + math.exp(60) + math.exp(-2) + 1)
+  assert b == pytest.approx(4.54e-5, rel=1e-3)
+  np.testing.assert_allclose(aux["baseline_n"], [b] * 4, rtol=1e-4)
+  expected = [2 * (1 - b) * 8 / 40, -2 * b * 8 / 40, 2 * (1 - b) * math.exp(-1) / 40, -2 * b / 40]
+  np.testing.assert_allclose(coef, expected, rtol=1e-4)
+  np.testing.assert_allclose(coef, [0.4, 0.0, 0.018, 0.0], atol=5e-4)
+  # opob_baseline itself: log weights in, no overflow (exp(60) is finite but exp(2 * 60) is not in float32)
+  lw = jnp.array([25.0, 30.0, -1.0, 0.0])
+  np.testing.assert_allclose(
+    E.opob_baseline(r, None, jnp.full(4, 100.0), jnp.zeros(4, jnp.int32), log_weights_n=lw), [b] * 4, rtol=1e-4
+  )
+  with pytest.raises(ValueError, match="exactly one"):
+    E.opob_baseline(r, jnp.ones(4), jnp.ones(4), jnp.zeros(4, jnp.int32), log_weights_n=lw)
+  # applied-weight OPOB keeps the clamp-defined weights: w~ = [8, 8, e^-1, 1] -> b = (64 + e^-2) / (128 + e^-2 + 1)
+  _, aux_a = _coef_jit(
+    logp, beh, mask, r, jnp.zeros(4, jnp.int32), jnp.full(4, 100.0), E.pg_config_from_preset("vcpo_applied_opob")
+  )
+  ba = (64 + math.exp(-2)) / (129 + math.exp(-2))
+  np.testing.assert_allclose(aux_a["baseline_n"], [ba] * 4, rtol=1e-5)
+
+
+def test_ess_brake_uses_the_unclipped_weights_hand_numbers():
+  # Issue 12 item 15b: l = [3, 0, 0, 0], c = 8. Unclipped: w = [e^3, 1, 1, 1],
+  # ESS / N = (e^3 + 3)^2 / (e^6 + 3) / 4 = 0.3279; clipped w = [8, 1, 1, 1] would give 121 / 67 / 4 = 0.4515.
+  logp, beh, mask = _seq_batch([3.0, 0.0, 0.0, 0.0])
+  cfg = E.pg_config_from_preset("vcpo")
+  _, aux = _coef_jit(logp, beh, mask, jnp.array([1.0, 0, 1, 0]), jnp.zeros(4, jnp.int32), jnp.ones(4), cfg)
+  rho = (math.exp(3) + 3) ** 2 / (math.exp(6) + 3) / 4
+  assert rho == pytest.approx(0.328, abs=5e-4)
+  assert float(aux["ess_ratio"]) == pytest.approx(rho, rel=1e-5)
+  assert float(aux["ess_ratio_applied"]) == pytest.approx(121 / 67 / 4, rel=1e-5)  # the clipped one, reported apart
+  assert float(aux["lr_scale"]) == pytest.approx(math.sqrt(rho), rel=1e-5)
+
+
+def test_grpo_group_with_std_below_eps_contributes_nothing():
+  # Issue 12 item 15c: 0 < std <= std_eps -> A = 0 (a bug testing std > 0 would give A = +-1).
+  r = jnp.array([0.0, 0.1, 0.0, 0.3])  # group 0: population std 0.05; group 1: 0.15
+  g = jnp.array([0, 0, 1, 1])
+  np.testing.assert_allclose(E.advantages(r, g, "grpo", std_eps=0.1), [0, 0, -1, 1], rtol=1e-5)
+  np.testing.assert_allclose(E.advantages(r, g, "grpo", std_eps=0.01), [-1, 1, -1, 1], rtol=1e-5)
+  # at the default eps 1e-6: a float32 group [1, 1 + 1.5e-6] has std ~7e-7
+  r2 = jnp.array([1.0, 1.0 + 1.5e-6], jnp.float32)
+  assert 0 < float(jnp.std(r2)) <= 1e-6
+  np.testing.assert_allclose(E.advantages(r2, jnp.zeros(2, jnp.int32), "grpo"), [0.0, 0.0])
+  # through pg_coefficients: that group's coefficients are 0, the other group's are not
+  logp, beh, mask = _seq_batch(np.zeros(4))
+  coef, _ = _coef_jit(logp, beh, mask, r, g, None, E.pg_config_from_preset("sync", std_eps=0.1))
+  assert np.all(np.asarray(coef)[:2] == 0) and np.all(np.asarray(coef)[2:] != 0)
+
+
+def test_grpo_std_is_explicit_per_preset():
+  # Issue 12 item 3: the reference's GRPO divides by torch.std (sample, ddof 1); its OPOB path by the
+  # population std. At G = 2, R = [0, 1]: sample std 0.7071 -> A = +-0.7071; population 0.5 -> A = +-1.
+  for name, kw in E.PRESETS.items():
+    assert "std" in kw, name  # explicit, not the dataclass default
+    want = "population" if kw.get("opob") else "sample"
+    assert E.pg_config_from_preset(name).std == want, name
+  logp, beh, mask = _seq_batch(np.zeros(2))
+  r, g = jnp.array([0.0, 1.0]), jnp.zeros(2, jnp.int32)
+  _, a_sync = _coef_jit(logp, beh, mask, r, g, None, E.pg_config_from_preset("sync"))
+  np.testing.assert_allclose(a_sync["advantage_n"], [-math.sqrt(0.5), math.sqrt(0.5)], rtol=1e-6)
+  _, a_vcpo = _coef_jit(logp, beh, mask, r, g, jnp.ones(2), E.pg_config_from_preset("vcpo"))
+  np.testing.assert_allclose(a_vcpo["advantage_n"], [-1.0, 1.0], rtol=1e-6)  # equal norms: b = mean
+
+
+@pytest.mark.parametrize(
+  "loss_agg,normalizer,expected",
+  [
+    # mask [0.5, 2]: w = [1, 1.5, 4, 0.25] -> rows 2, 3 rejected. A = (R - 0.5) / 0.5774 (sample std) = +-0.866.
+    # L = [2, 4, 2, 4], T = 4. coef = A * w * norm:
+    ("seq-mean-token-mean", "all", [0.866 / 8, -0.866 * 1.5 / 16, 0, 0]),  # 1 / (4 L)
+    ("seq-mean-token-mean", "kept", [0.866 / 4, -0.866 * 1.5 / 8, 0, 0]),  # 1 / (2 L)
+    ("token-mean", "all", [0.866 / 12, -0.866 * 1.5 / 12, 0, 0]),  # 1 / 12 tokens
+    ("token-mean", "kept", [0.866 / 6, -0.866 * 1.5 / 6, 0, 0]),  # 1 / 6 kept tokens
+    ("seq-mean-token-sum", "kept", [0.866 / 2, -0.866 * 1.5 / 2, 0, 0]),
+    ("seq-mean-token-sum-norm", "all", [0.866 / 4, -0.866 * 1.5 / 4, 0, 0]),  # 1 / T, a sum over rows
+    ("seq-mean-token-sum-norm", "kept", [0.866 / 4, -0.866 * 1.5 / 4, 0, 0]),  # no count: unchanged
+  ],
+)
+def test_mask_normalizer_and_aggregations_hand_numbers(loss_agg, normalizer, expected):
+  L = np.array([2, 4, 2, 4])
+  l_n = np.log([1.0, 1.5, 4.0, 0.25])
+  logp = np.where(np.arange(4)[None] < L[:, None], (l_n / L)[:, None], 0.0).astype(np.float32)
+  mask = (np.arange(4)[None] < L[:, None]).astype(np.float32)
+  cfg = E.pg_config_from_preset("mask", loss_agg=loss_agg, mask_normalizer=normalizer)
+  r = jnp.array([1.0, 0.0, 1.0, 0.0])
+  coef, _ = _coef_jit(jnp.asarray(logp), jnp.zeros((4, 4)), jnp.asarray(mask), r, jnp.zeros(4, jnp.int32), None, cfg)
+  a = 0.5 / np.std([1.0, 0, 1, 0], ddof=1)
+  assert a == pytest.approx(0.866, abs=1e-3)
+  np.testing.assert_allclose(coef, np.asarray(expected) * a / 0.866, rtol=1e-5)
+
+
+def test_pgconfig_new_fields_bad_values():
+  with pytest.raises(ValueError, match="mask_normalizer"):
+    E.PGConfig(mask_normalizer="rejected")
+  with pytest.raises(ValueError, match="loss_norm_tokens"):
+    E.PGConfig(loss_norm_tokens=-1)
+
+
+def test_nonfinite_log_ratios_are_masked_out_and_counted():
+  # Issue 12 item 5: rows with l = NaN, +inf, -inf (a corrupt behavior log-prob, an overflow) are
+  # masked out like padding, counted in nonfinite_rows; ESS stays in [1/n, 1] over the finite rows.
+  _, batch = _problem(seed=1)
+  beh = np.array(batch["behavior_logp"])
+  beh[0, 1], beh[5, 0], beh[9, 2] = np.nan, -np.inf, np.inf  # l_0 = nan, l_5 = +inf, l_9 = -inf
+  bad = dict(batch, behavior_logp=jnp.asarray(beh))
+  pad = dict(batch, loss_mask=batch["loss_mask"].at[jnp.array([0, 5, 9])].set(0.0))
+  params, _ = _problem(seed=1)
+  for name in ("vcpo", "seq_tis", "token_tis", "mask", "sync"):
+    cfg = E.pg_config_from_preset(name)
+    g_bad, m_bad = _pg_jit(logp_fn, params, bad, cfg)
+    g_pad, m_pad = _pg_jit(logp_fn, params, pad, cfg)
+    assert float(m_bad["nonfinite_rows"]) == 3 and float(m_pad["nonfinite_rows"]) == 0, name
+    assert not np.any(np.asarray(m_bad["valid_n"])[[0, 5, 9]]), name
+    for k in ("ess_ratio", "lr_scale", "pg_loss", "n_valid", "adv_std"):
+      assert np.isfinite(float(m_bad[k])), (name, k)
+      assert float(m_bad[k]) == pytest.approx(float(m_pad[k]), rel=1e-5, abs=1e-7), (name, k)
+    assert 1 / 8 <= float(m_bad["ess_ratio"]) <= 1 and 0 <= float(m_bad["lr_scale"]) <= 1, name
+    for a, b in zip(jax.tree_util.tree_leaves(g_bad), jax.tree_util.tree_leaves(g_pad)):
+      assert np.all(np.isfinite(np.asarray(a))), name
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+  # ess itself: a NaN / +inf log-weight is excluded, not an ESS of 0 (and lr scale 0)
+  assert float(E.ess_ratio(jnp.array([0.0, 0.0, jnp.inf, jnp.nan]))) == pytest.approx(1.0)
+  assert float(E.ess(jnp.array([0.0, jnp.log(2.0), jnp.inf]))) == pytest.approx(9 / 5, rel=1e-6)
 
 
 def test_problem_exercises_the_weight_variants(problem):
@@ -569,20 +748,24 @@ def test_on_policy_invariants(problem):
   # k = 0: every IS variant is the identity; VCPO equals GRPO with the OPOB baseline
   for n in ("none", "seq_tis", "clip", "mask", "token_tis", "vcpo_no_opob"):
     np.testing.assert_allclose(c[n], c["sync"], rtol=1e-6, atol=1e-9)
-  grpo_opob = _coefs(on, logp, sq, E.PGConfig(advantage="grpo", opob=True))
+  grpo_opob = _coefs(on, logp, sq, E.PGConfig(advantage="grpo", opob=True, std="population"))
   for n in ("vcpo", "vcpo_no_esslr", "vcpo_applied_opob", "vcpo_reference"):
     np.testing.assert_allclose(c[n], grpo_opob, rtol=1e-6, atol=1e-9)
-  # OPOB with equal norms and unit weights is the group mean: VCPO == GRPO
+  # OPOB with equal norms and unit weights is the group mean: VCPO == GRPO with VCPO's (population) std
+  sync_pop = _coefs(on, logp, sq, E.pg_config_from_preset("sync", std="population"))
   np.testing.assert_allclose(
-    _coefs(on, logp, np.ones(N), E.pg_config_from_preset("vcpo")), c["sync"], rtol=1e-5, atol=1e-8
+    _coefs(on, logp, np.ones(N), E.pg_config_from_preset("vcpo")), sync_pop, rtol=1e-5, atol=1e-8
   )
-  assert np.abs(c["vcpo"] - c["sync"]).max() > 1e-4  # unequal norms do change the baseline
+  assert np.abs(c["vcpo"] - sync_pop).max() > 1e-4  # unequal norms do change the baseline
 
 
 def test_vcpo_knobs_off_equals_base_estimator(problem):
   _, batch, logp, sq = problem
-  off = E.pg_config_from_preset("vcpo", opob=False, ess_lr=False)
-  np.testing.assert_allclose(_coefs(batch, logp, sq, off), _coefs(batch, logp, sq, E.pg_config_from_preset("seq_tis")))
+  seq_tis = _coefs(batch, logp, sq, E.pg_config_from_preset("seq_tis"))
+  off = E.pg_config_from_preset("vcpo", opob=False, ess_lr=False, std="sample")
+  np.testing.assert_allclose(_coefs(batch, logp, sq, off), seq_tis)
+  # the preset without OPOB runs the reference's GRPO advantage (sample std): seq_tis + the ESS brake
+  np.testing.assert_allclose(_coefs(batch, logp, sq, E.pg_config_from_preset("vcpo_no_opob")), seq_tis)
 
 
 def test_coefficients_permutation_within_group(problem):

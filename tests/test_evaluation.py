@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import types
 from fractions import Fraction
 
 import numpy as np
@@ -131,6 +132,11 @@ class FakeWriter:
     self.scalars.append((name, value, step))
 
 
+def _problems(protocol):
+  """The protocol's problems, as RunSpec.make_eval_problems makes them for a generated task."""
+  return tasks.TASKS[protocol.dataset].make_problems(protocol.split, protocol.size, protocol.seed)
+
+
 def make_fake_generate(problems, correct_counts):
   """Problem i gets correct_counts[i] correct completions, then wrong ones."""
   calls = []
@@ -154,7 +160,7 @@ def make_fake_generate(problems, correct_counts):
 
 def test_evaluate_record_contents(tmp_path):
   protocol = ev.EvalProtocol(dataset="arithmetic", size=4, n=3, pass_at_k=(1, 2, 3), max_new_tokens=8)
-  problems = ev.make_eval_problems(protocol)
+  problems = _problems(protocol)
   assert len(problems) == 4
   gen, calls = make_fake_generate(problems, [0, 1, 2, 3])
   writer = FakeWriter()
@@ -192,7 +198,7 @@ def test_evaluate_record_contents(tmp_path):
 
 def test_evaluate_text_task_with_fixture():
   protocol = ev.EvalProtocol(dataset="gsm8k", greedy=True, size=5)
-  problems = ev.make_eval_problems(protocol)
+  problems = _problems(protocol)
 
   def gen(prompts, n, temperature, top_p, max_new_tokens, greedy):
     assert greedy and n == 1
@@ -206,7 +212,7 @@ def test_evaluate_text_task_with_fixture():
 
 def test_evaluate_rejects_bad_shapes_and_tags():
   protocol = ev.EvalProtocol(dataset="arithmetic", size=2)
-  problems = ev.make_eval_problems(protocol)
+  problems = _problems(protocol)
   with pytest.raises(ValueError, match="completions"):
     ev.evaluate(lambda prompts, **kw: [["1"]] * len(prompts), problems, protocol, step=0)
   with pytest.raises(ValueError, match="tag"):
@@ -217,7 +223,7 @@ def test_evaluate_rejects_bad_shapes_and_tags():
 
 def test_best_and_final(tmp_path):
   protocol = ev.EvalProtocol(dataset="arithmetic", size=3, n=3)
-  problems = ev.make_eval_problems(protocol)
+  problems = _problems(protocol)
   path = os.path.join(tmp_path, "eval.jsonl")
   for step, counts in [(10, [1, 1, 1]), (20, [3, 3, 2]), (30, [2, 2, 2]), (40, [3, 3, 2])]:
     gen, _ = make_fake_generate(problems, counts)
@@ -240,7 +246,7 @@ def test_best_and_final(tmp_path):
 
 def test_countdown_eval_counts_format_only_as_wrong():
   protocol = ev.EvalProtocol(dataset="countdown", size=2, n=3, pass_at_k=(1, 3))
-  problems = ev.make_eval_problems(protocol)
+  problems = _problems(protocol)
   sols = {p.prompt: p.solution for p in problems}
 
   def gen(prompts, n, **kw):
@@ -251,3 +257,111 @@ def test_countdown_eval_counts_format_only_as_wrong():
   assert rec["pass_at_k"]["3"] == 1.0
   assert rec["mean_reward"] == pytest.approx((1.0 + 0.1 + 0.0) / 3)
   assert tasks.is_correct(1.0) and not tasks.is_correct(0.1)
+
+
+# ----------------------------------------------------------------------------
+# EvalSampling: the protocol's settings reach the sampler
+# ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def policy():
+  import jax
+
+  from vcpo_jax.model import config as model_config
+  from vcpo_jax.model import tokenizer as tok_lib
+  from vcpo_jax.model import transformer
+  from vcpo_jax.sampler import SamplerConfig
+
+  tok = tok_lib.build_char_tokenizer()
+  cfg = model_config.tiny_qwen2(
+    vocab_size=len(tok),
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    max_position=64,
+  )
+  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  # a sharp random policy: scaled logits make temperature matter
+  params = jax.tree.map(lambda x: x * 3.0, params)
+  base = SamplerConfig(
+    eos_id=tok.eos_token_id,
+    pad_id=tok.pad_token_id,
+    prompt_buckets=(16,),
+    new_token_buckets=(8,),
+    max_new_tokens=8,
+    batch_buckets=(1, 4, 8),
+  )
+  return tok, cfg, graphdef, params, base
+
+
+def _sampling(policy, built=None):
+  from vcpo_jax.sampler import Sampler
+
+  tok, cfg, graphdef, _, base = policy
+  return ev.EvalSampling(lambda c: (built is None or built.append(c), Sampler(graphdef, cfg, c))[1], base, tok)
+
+
+def test_eval_sampling_honours_greedy_temperature_and_top_p(policy):
+  import jax
+  import jax.numpy as jnp
+
+  from vcpo_jax.model import transformer
+
+  tok, _, graphdef, params, _ = policy
+  built = []
+  gen = _sampling(policy, built).generate_fn(params, jax.random.key(1))
+  prompts = ["12+3=", "2+2="]
+  greedy = gen(prompts, n=1, temperature=0.8, top_p=0.7, max_new_tokens=4, greedy=True)
+  # greedy is the argmax continuation of a full (cache-free) forward pass, one token at a time
+  for prompt, (text,) in zip(prompts, greedy):
+    ids, new = list(tok.encode(prompt, add_special_tokens=False)), []
+    while len(new) < 4 and (not new or new[-1] != tok.eos_token_id):
+      x = jnp.asarray([ids + new], jnp.int32)
+      pos, mask = transformer.padded_positions_and_mask(jnp.ones(x.shape, bool))
+      new.append(int(jnp.argmax(transformer.forward(graphdef, params, x, pos, mask)[0][0, -1])))
+    assert text == tok.decode(new, skip_special_tokens=True)
+  # a nucleus of mass 1e-6 keeps only the most likely token: sampling at any temperature is greedy
+  assert gen(prompts, n=1, temperature=1.0, top_p=1e-6, max_new_tokens=4, greedy=False) == greedy
+  # hot sampling draws different texts per sample (the greedy policy would repeat itself n times)
+  hot = gen(prompts, n=3, temperature=5.0, top_p=1.0, max_new_tokens=4, greedy=False)
+  assert all(len(set(row)) == 3 for row in hot)
+  settings = [(c.temperature, c.top_p, c.top_k, c.max_new_tokens) for c in built]
+  assert settings == [(0.0, 0.7, 0, 4), (1.0, 1e-6, 0, 4), (5.0, 1.0, 0, 4)]
+  gen(prompts, n=1, temperature=1.0, top_p=1e-6, max_new_tokens=4, greedy=False)
+  assert len(built) == 3  # one sampler (one compile) per distinct setting
+  with pytest.raises(ValueError, match="max_new_tokens=9"):
+    gen(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=9, greedy=False)
+
+
+class RecordingSampler:
+  """Records what generate is asked for; every response is empty."""
+
+  def __init__(self, cfg, calls):
+    self.cfg, self.calls = cfg, calls
+
+  def generate(self, params, ids, rng, num_samples, max_new_tokens):
+    self.calls.append((self.cfg, len(ids), num_samples, max_new_tokens))
+    rows = len(ids) * num_samples
+    return types.SimpleNamespace(tokens=np.zeros((rows, 2), np.int32), response_mask=np.zeros((rows, 2), bool))
+
+
+def test_eval_record_protocol_is_the_decoding_used(policy, tmp_path):
+  tok, _, _, _, base = policy
+  calls = []
+  es = ev.EvalSampling(lambda c: RecordingSampler(c, calls), base, tok)
+  path = os.path.join(tmp_path, "eval.jsonl")
+  for protocol in (
+    ev.EvalProtocol(dataset="arithmetic", size=2, n=3, temperature=0.6, top_p=0.9, max_new_tokens=5),
+    ev.EvalProtocol(dataset="arithmetic", size=2, greedy=True, max_new_tokens=7),
+  ):
+    ev.evaluate(es.generate_fn(None, None), _problems(protocol), protocol, step=3, jsonl_path=path)
+  with open(path) as f:
+    recs = [json.loads(x) for x in f]
+  used = [
+    {"temperature": c.temperature, "top_p": c.top_p, "n": n, "max_new_tokens": m, "prompts": p} for c, p, n, m in calls
+  ]
+  want = [{**{k: r["protocol"][k] for k in ("top_p", "n", "max_new_tokens")}, "prompts": 2} for r in recs]
+  want[0]["temperature"], want[1]["temperature"] = recs[0]["protocol"]["temperature"], 0.0  # greedy: argmax
+  assert used == want and recs[1]["protocol"]["greedy"]

@@ -18,15 +18,33 @@ from flax import nnx
 
 from vcpo_jax import estimator
 from vcpo_jax import grad_norms as gn
-from vcpo_jax.model import config, transformer as tf
+from vcpo_jax.model import config
+from vcpo_jax.model import transformer as tf
 
 N, P_LEN, R_LEN = 6, 6, 7
 T = P_LEN + R_LEN
+V = 144
 # One layer keeps compiles short; every kind of tap (linear +- bias, scale, embed, tied/untied head) occurs.
+# The log-prob head is chunked (5 positions, 40 vocab entries: neither divides T - 1 = 12 or V), so the
+# references (vmap, jax.grad) differentiate through the chunked scans and the ghost path reads its lse.
+CHUNKS = dict(logprob_chunk=5, logprob_vocab_chunk=40)
 CONFIGS = {
-  "qwen2": config.tiny_qwen2(vocab_size=128, num_layers=1),
-  "llama": config.tiny_llama(vocab_size=128, num_layers=1),
+  "qwen2": config.tiny_qwen2(vocab_size=V, num_layers=1, **CHUNKS),
+  "llama": config.tiny_llama(vocab_size=V, num_layers=1, **CHUNKS),
 }
+# (model, method, per-device budget): budget 0 forces the smallest temporaries, i.e. the ghost head's
+# own vocab chunks of 128 (144 = 128 + a clamped, overlap-masked chunk), direct one example at a time,
+# and the gram form of the embedding norm (with the tied [N, M, T] cross term); the default budget
+# takes the scatter form (T^2 = 169 > T + V = 157), and with a materialized tied head ||B_n + C_n||^2.
+CASES = [
+  ("qwen2", "gram", 0),
+  ("qwen2", "direct", 0),
+  ("qwen2", "materialize", gn.DEFAULT_BUDGET_BYTES),
+  ("llama", "gram", gn.DEFAULT_BUDGET_BYTES),
+  ("llama", "direct", gn.DEFAULT_BUDGET_BYTES),
+  ("llama", "materialize", 0),
+  ("qwen2", "auto", gn.DEFAULT_BUDGET_BYTES),
+]
 
 
 def _rel(a, b):
@@ -44,7 +62,9 @@ def _tree_rel(ga, gb):
 
 def _batch(seed=0):
   rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, 12, (N, T)).astype(np.int32)  # few distinct ids: rows repeat
+  # Few distinct ids (rows repeat) spread over every vocab chunk, overlaps of clamped chunks included.
+  ids = np.array([0, 3, 39, 40, 90, 101, 120, 127, 128, 135, 140, 143])
+  tokens = ids[rng.integers(0, len(ids), (N, T))].astype(np.int32)
   prompt_len = rng.integers(2, P_LEN + 1, N)
   resp_len = rng.integers(1, R_LEN + 1, N)
   prompt = np.arange(P_LEN)[None] >= P_LEN - prompt_len[:, None]  # left-padded
@@ -82,26 +102,43 @@ def _random_coef(logp_nt, sq_n):
 
 
 @functools.lru_cache(maxsize=None)
-def _ghost(name, method):
+def _ghost(name, method, budget):
   logp_fn, params, batch, _ = _setup(name)
-  fn = jax.jit(lambda p, b: gn.ghost_sq_norms_and_grad(logp_fn, p, b, b["loss_mask"], _random_coef, method=method))
+  fn = jax.jit(
+    lambda p, b: gn.ghost_sq_norms_and_grad(
+      logp_fn, p, b, b["loss_mask"], _random_coef, method=method, memory_budget_bytes=budget
+    )
+  )
   return fn(params, batch)
 
 
-@pytest.mark.parametrize("name,method", [("qwen2", "gram"), ("qwen2", "materialize"), ("llama", "direct")])
-def test_ghost_norms_equal_vmap_reference(name, method):
+def test_cases_cover_the_head_paths():
+  """The CASES really exercise chunked head scans and blocked direct (plans read off the shapes)."""
+  logp_fn, params, batch, _ = _setup("qwen2")
+  infos, ins, _, outs = gn._tapped_forward(logp_fn, params, batch)
+  assert [i.kind for i in infos.values()].count("head") == 1
+  small = gn.plan_layers(infos, ins, outs, "direct", 0)
+  head = next(p for p in small.values() if p.kind == "head")
+  assert (head.block, head.dout, head.t) == (128, V, T - 1)
+  assert all(p.block == 1 for p in small.values() if p.kind == "linear")
+  big = gn.plan_layers(infos, ins, outs, "direct", gn.DEFAULT_BUDGET_BYTES)
+  assert all(p.block == (V if p.kind == "head" else N) for p in big.values())
+
+
+@pytest.mark.parametrize("name,method,budget", CASES)
+def test_ghost_norms_equal_vmap_reference(name, method, budget):
   _, _, batch, ref = _setup(name)
-  res = _ghost(name, method)
+  res = _ghost(name, method, budget)
   assert _rel(res.sq_norms_n, ref) < 1e-4
   # Norms differ a lot across examples (lengths differ), so this is not a trivial match.
   assert float(jnp.max(ref) / jnp.min(ref)) > 1.5
   assert res.aux["sq"].shape == (N,)
 
 
-@pytest.mark.parametrize("name,method", [("qwen2", "gram"), ("qwen2", "materialize"), ("llama", "direct")])
-def test_fast_gradient_equals_jax_grad_of_surrogate(name, method):
+@pytest.mark.parametrize("name,method,budget", CASES)
+def test_fast_gradient_equals_jax_grad_of_surrogate(name, method, budget):
   logp_fn, params, batch, _ = _setup(name)
-  res = _ghost(name, method)
+  res = _ghost(name, method, budget)
   coef, _ = _random_coef(None, None)
   mask = batch["loss_mask"]
 
@@ -113,6 +150,17 @@ def test_fast_gradient_equals_jax_grad_of_surrogate(name, method):
   np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
   # The gradient is the params' own type (nnx.State), so optax can consume it as is.
   assert type(res.grads) is type(params)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_taps_grad_equals_jax_grad_of_surrogate(name):
+  """The fair plain step (same taps-based backward, fixed coefficients, no norms) is the same gradient."""
+  logp_fn, params, batch, _ = _setup(name)
+  coef, _ = _random_coef(None, None)
+  mask = batch["loss_mask"]
+  res = jax.jit(lambda p, b: gn.taps_grad(logp_fn, p, b, b["loss_mask"], coef, memory_budget_bytes=0))(params, batch)
+  grads = jax.jit(jax.grad(lambda p: -jnp.sum(coef * jnp.sum(mask * logp_fn(p, batch), axis=1))))(params)
+  assert _tree_rel(res.grads, grads) < 1e-5 and res.sq_norms_n is None
 
 
 def test_loop_reference_equals_vmap():
@@ -137,7 +185,9 @@ def test_tied_cross_term_is_material():
   np.testing.assert_allclose(logp_u(params_u, batch), logp_fn(params, batch), atol=1e-6)
   untied = jax.jit(gn.vmap_sq_norms, static_argnums=0)(logp_u, params_u, batch, batch["loss_mask"])
   assert float(jnp.max(jnp.abs(ref - untied) / ref)) > 1e-3
-  res = jax.jit(lambda p, b: gn.ghost_sq_norms_and_grad(logp_u, p, b, b["loss_mask"], _random_coef))(params_u, batch)
+  res = jax.jit(
+    lambda p, b: gn.ghost_sq_norms_and_grad(logp_u, p, b, b["loss_mask"], _random_coef, memory_budget_bytes=0)
+  )(params_u, batch)
   assert _rel(res.sq_norms_n, untied) < 1e-4
 
 
@@ -171,15 +221,35 @@ def test_plan_layers_hand_checked_costs():
   info = {"a": gn.taps.TapInfo("linear", "a"), "b": gn.taps.TapInfo("linear", "b")}
   ins = {"a": (4, 256, 64), "b": (4, 8, 64)}
   outs = {"a": (4, 256, 64), "b": (4, 8, 64)}
-  # a: gram 256^2*128 = 8.4M > direct 256*64*64 + 4096 = 1.05M; b: gram 8^2*128 = 8192 < 36864.
-  plan = gn.plan_layers(info, ins, outs, "auto", materialize_budget_bytes=0)
-  assert (plan["a"].method, plan["b"].method) == ("direct", "gram")
-  # Budget for exactly one layer (4*64*64*4 bytes): the one saving most flops per byte (a).
-  plan = gn.plan_layers(info, ins, outs, "auto", materialize_budget_bytes=4 * 64 * 64 * 4)
-  assert (plan["a"].method, plan["b"].method) == ("materialize", "gram")
+  # a: gram 256^2*128 = 8.4M > direct 256*64*64 + 4096 = 1.05M flops; b: gram 8^2*128 = 8192 < 36864.
+  # Temporaries: a gram 2*4*256^2*4 = 2 MiB, direct 4*64*64*4 = 64 KiB (16 KiB per example);
+  # b gram 2*4*8^2*4 = 2 KiB.
+  plan = gn.plan_layers(info, ins, outs, "direct", memory_budget_bytes=1 << 20)
+  assert (plan["a"].method, plan["a"].block, plan["a"].temp_bytes) == ("direct", 4, 65536)
+  assert gn.plan_layers(info, ins, outs, "direct", memory_budget_bytes=40000)["a"].block == 2
+  assert gn.plan_layers(info, ins, outs, "gram")["b"].temp_bytes == 2048
+  # A budget that fits nothing: the smallest temporaries, direct one example at a time.
+  plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=0)
+  assert (plan["a"].method, plan["a"].block, plan["b"].method) == ("direct", 1, "gram")
+  # Room for a's kept per-example gradients (64 KiB) and b's gram temporaries (2 KiB): a, which
+  # saves the most flops per byte, is materialized; one byte less and it is not.
+  plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=65536 + 2048)
+  assert (plan["a"].method, plan["a"].kept_bytes, plan["b"].method) == ("materialize", 65536, "gram")
+  plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=65536 + 2047)
+  assert plan["a"].method == "direct" and plan["a"].block == 4
+  # Per device: the batch split over 4 devices leaves 1 example each, 16 KiB kept for a.
+  plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=16384 + 512, batch_shards=4)
+  assert (plan["a"].method, plan["a"].n, plan["b"].method) == ("materialize", 1, "gram")
   assert gn.plan_layers(info, ins, outs, "gram")["a"].method == "gram"
+  # Embedding lookups: scatter (T D + V D flops) when T^2 > T + V and one example's [V, D] fits.
+  assert gn.embed_plan(4, 13, 64, 144, 1 << 30) == ("scatter", 4)
+  assert gn.embed_plan(4, 13, 64, 144, 2 * 144 * 64 * 4) == ("scatter", 2)
+  assert gn.embed_plan(4, 13, 64, 144, 144 * 64 * 4 - 1) == ("gram", 4)
+  assert gn.embed_plan(4, 12, 64, 144, 1 << 30) == ("gram", 4)  # 144 < 12 + 144
   with pytest.raises(ValueError, match="method"):
     gn.plan_layers(info, ins, outs, "fast")
+  with pytest.raises(ValueError, match="batch_shards"):
+    gn.plan_layers(info, ins, outs, "auto", batch_shards=0)
 
 
 def test_bad_inputs_raise():
@@ -193,3 +263,28 @@ def test_bad_inputs_raise():
     gn.ghost_sq_norms_and_grad(stray_fn, extra, batch, batch["loss_mask"], _random_coef)
   with pytest.raises(ValueError, match="no taps"):
     gn.ghost_sq_norms_and_grad(lambda p, b: jnp.zeros((N, T)), params, batch, batch["loss_mask"], _random_coef)
+
+
+def test_ghost_step_memory_does_not_scale_with_n_t_v():
+  """Compiled temp bytes of the VCPO ghost step grow far less than N T dV floats when V grows.
+
+  Before the chunked head the step held D = dlogp/dlogits [N, T, V] (and the logits): at least
+  N T dV * 4 bytes more for dV more vocabulary. Compilation is deterministic (not a timing).
+  """
+  n, t = 4, 128
+
+  def temp(v):
+    cfg = config.tiny_llama(vocab_size=v, num_layers=1, hidden_size=32, intermediate_size=64, logprob_chunk=16)
+    graphdef, params = tf.split(nnx.eval_shape(lambda: tf.Transformer(cfg, rngs=nnx.Rngs(0))))
+    logp_fn = gn.sequence_logp_fn(graphdef)
+    sds = jax.ShapeDtypeStruct
+    batch = dict(tokens=sds((n, t), jnp.int32), valid=sds((n, t), bool), loss_mask=sds((n, t), jnp.float32))
+    fn = lambda p, b: (
+      gn.ghost_sq_norms_and_grad(
+        logp_fn, p, b, b["loss_mask"], lambda lp, sq: (sq, None), memory_budget_bytes=1 << 20
+      ).grads
+    )
+    return jax.jit(fn).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+  small, big = temp(1024), temp(8192)
+  assert big - small < 0.25 * n * t * (8192 - 1024) * 4, (small, big)

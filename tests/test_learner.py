@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from vcpo_jax import estimator, learner, optim
@@ -18,11 +19,7 @@ def setup():
   )
   graphdef, params = transformer.split(transformer.init(cfg, seed=0))
   tx = optim.make_optimizer(1e-2, weight_decay=0.0)
-  step = jax.jit(
-    learner.make_train_step(
-      graphdef, tx, learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), grad_path="ghost")
-    )
-  )
+  step = _step(graphdef, tx, "vcpo")
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 32, (N, T)).astype(np.int32)
   valid = np.ones((N, T), bool)
@@ -37,7 +34,12 @@ def setup():
     rewards=rng.integers(0, 2, N).astype(np.float32),
     group_id=np.repeat(np.arange(2), 4).astype(np.int32),
   )
-  return params, tx, step, batch
+  return params, tx, step, batch, graphdef
+
+
+def _step(graphdef, tx, preset, **lkw):
+  pg = estimator.pg_config_from_preset(preset)
+  return jax.jit(learner.make_train_step(graphdef, tx, learner.LearnerConfig(pg=pg, grad_path="ghost", **lkw)))
 
 
 def _same(a, b):
@@ -45,7 +47,7 @@ def _same(a, b):
 
 
 def test_finite_step_updates_and_reports(setup):
-  params, tx, step, batch = setup
+  params, tx, step, batch, _ = setup
   state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
   new, m = step(state, batch)
   assert float(m["nonfinite"]) == 0.0
@@ -56,12 +58,10 @@ def test_finite_step_updates_and_reports(setup):
   assert not _same(new.params, params)
 
 
-@pytest.mark.parametrize("field", ["rewards", "behavior_logp"])
-def test_nonfinite_step_is_skipped(setup, field):
-  params, tx, step, batch = setup
-  bad = dict(batch)
-  bad[field] = batch[field].copy()
-  bad[field][0] = np.nan  # a corrupt row from the sampler or the reward function
+def test_nonfinite_step_is_skipped(setup):
+  params, tx, step, batch, _ = setup
+  bad = dict(batch, rewards=batch["rewards"].copy())
+  bad["rewards"][0] = np.nan  # a corrupt reward: its group's statistics are NaN
   state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
   opt_before = jax.tree.map(np.asarray, state.opt_state)
   new, m = step(state, bad)
@@ -69,3 +69,182 @@ def test_nonfinite_step_is_skipped(setup, field):
   assert _same(new.params, params)  # parameters untouched ...
   assert _same(new.opt_state, opt_before)  # ... and so are the Adam moments
   assert int(new.step) == 1  # the step still counts (the trainer logs it and decides skip / abort)
+
+
+def test_nonfinite_log_ratio_row_is_masked_and_counted(setup):
+  # A NaN behavior log-prob (a corrupt sampler row) masks that row out (issue 12 item 5): the step
+  # is applied, equals the step with the row's loss mask emptied, and train/nonfinite_rows counts it.
+  params, tx, step, batch, _ = setup
+  bad = dict(batch, behavior_logp=batch["behavior_logp"].copy())
+  bad["behavior_logp"][0, 5] = np.nan
+  pad = dict(batch, loss_mask=batch["loss_mask"].copy())
+  pad["loss_mask"][0] = False
+  new_b, m_b = step(learner.init_state(jax.tree.map(jnp.copy, params), tx), bad)
+  new_p, m_p = step(learner.init_state(jax.tree.map(jnp.copy, params), tx), pad)
+  assert float(m_b["nonfinite"]) == 0.0 and float(m_b["nonfinite_rows"]) == 1.0
+  assert float(m_p["nonfinite_rows"]) == 0.0
+  for k in ("ess_ratio", "lr_scale", "grad_norm", "update_norm", "pg_loss"):
+    assert float(m_b[k]) == pytest.approx(float(m_p[k]), rel=1e-5, abs=1e-8), k
+  for a, b in zip(jax.tree.leaves(new_b.params), jax.tree.leaves(new_p.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_ess_brake_scales_the_update_exactly(setup):
+  # Issue 12 item 15a: on a batch with stale rows, the VCPO update is lr_scale times the update of the
+  # same method without the ESS brake (the scale multiplies the final AdamW update; the gradients and
+  # Adam's moments do not see it). A learner that forgot ess_scale=lr_scale would fail here.
+  params, tx, _, batch, graphdef = setup
+  rng = np.random.default_rng(1)
+  stale = dict(batch)
+  noise = rng.standard_normal((N, T)) * np.linspace(0.1, 1.0, N)[:, None]  # rows from near to far off-policy
+  stale["behavior_logp"] = np.where(batch["loss_mask"], batch["behavior_logp"] + noise, 0).astype(np.float32)
+  runs = {}
+  for preset in ("vcpo", "vcpo_no_esslr"):
+    state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+    new, m = _step(graphdef, tx, preset)(state, stale)
+    runs[preset] = (
+      jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), new.params, params),
+      m,
+    )
+  (d_vcpo, m_vcpo), (d_off, m_off) = runs["vcpo"], runs["vcpo_no_esslr"]
+  s = float(m_vcpo["lr_scale"])
+  assert 0.05 < s < 0.8  # the brake is engaged (an almost on-policy batch would not test it)
+  assert s == pytest.approx(np.sqrt(float(m_vcpo["ess_ratio"])), rel=1e-6)
+  assert float(m_off["lr_scale"]) == 1.0
+  assert float(m_vcpo["grad_norm"]) == pytest.approx(float(m_off["grad_norm"]), rel=1e-6)  # same gradient
+  assert float(m_vcpo["update_norm"]) == pytest.approx(s * float(m_off["update_norm"]), rel=1e-5)
+  for a, b in zip(jax.tree.leaves(d_vcpo), jax.tree.leaves(d_off)):
+    np.testing.assert_allclose(a, s * b, rtol=1e-3, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Micro-batched step == single-pass step (issue 10 item 5)
+# ---------------------------------------------------------------------------
+
+MB_CONFIGS = {
+  **{name: {} for name in estimator.PRESETS},
+  "geo_mask": dict(preset="geo_mask", geo_lower=0.8, geo_upper=1.25),  # its default interval rejects this batch
+  # the whole-batch normalisers in their other forms: kept-row counts, token counts, a constant T
+  "mask_kept_token_mean": dict(preset="mask", mask_normalizer="kept", loss_agg="token-mean"),
+  "geo_mask_kept": dict(preset="geo_mask", mask_normalizer="kept", geo_lower=0.8, geo_upper=1.25),
+  "vcpo_token_sum_norm": dict(preset="vcpo", loss_agg="seq-mean-token-sum-norm"),
+}
+
+
+@pytest.fixture(scope="module")
+def mb_setup(setup):
+  """A stale batch of N = 8 rows in 4 groups of G = 2, with ragged loss masks and one padding row."""
+  params, _, _, batch, graphdef = setup
+  # Plain SGD behind the learner's clip and ESS scale: the update is linear in the gradient (Adam's first
+  # step, ~lr * sign(g), would amplify float noise in gradient entries near 0), and the global-norm
+  # clip is engaged (grad_norm > 1e-3 is asserted), so it must run after accumulation.
+  # lr 100 makes the update (norm <= 0.1) large against the float32 rounding of the parameters it is added to.
+  tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(100.0), optim.scale_by_ess())
+  rng = np.random.default_rng(2)
+  mb = dict(batch, group_id=np.repeat(np.arange(4), 2).astype(np.int32))
+  loss_mask = batch["loss_mask"].copy()
+  loss_mask[1, 9:] = False
+  loss_mask[4, 6:] = False
+  loss_mask[6] = False  # padding: out of every count
+  noise = rng.standard_normal((N, T)) * np.linspace(0.05, 0.6, N)[rng.permutation(N)][:, None]
+  mb["loss_mask"] = loss_mask
+  mb["behavior_logp"] = np.where(loss_mask, batch["behavior_logp"] + noise, 0).astype(np.float32)
+  mb["rewards"] = np.array([1, 0, 1, 1, 0, 1, 1, 0], np.float32)  # group 1 has zero std
+  return params, tx, mb, graphdef
+
+
+def _mb_pg(name):
+  kw = dict(MB_CONFIGS[name])
+  return estimator.pg_config_from_preset(kw.pop("preset", name), **kw)
+
+
+def _assert_same_step(out1, out4, params):
+  (s1, m1), (s4, m4) = out1, out4
+  assert set(m1) == set(m4)
+  assert float(m1["nonfinite"]) == 0.0 and float(m1["grad_norm"]) > 1e-3  # the clip is engaged
+  for k in m1:
+    assert float(m4[k]) == pytest.approx(float(m1[k]), rel=1e-5, abs=1e-7), k
+  d1 = [
+    np.asarray(a, np.float64) - np.asarray(p, np.float64)
+    for a, p in zip(jax.tree.leaves(s1.params), jax.tree.leaves(params))
+  ]
+  d4 = [
+    np.asarray(a, np.float64) - np.asarray(p, np.float64)
+    for a, p in zip(jax.tree.leaves(s4.params), jax.tree.leaves(params))
+  ]
+  scale = max(np.abs(d).max() for d in d1)
+  assert scale > 0
+  for a, b in zip(d4, d1):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
+
+
+def _lcfg(pg, mbs, grad_path="ghost"):
+  return learner.LearnerConfig(pg=pg, grad_path=grad_path, microbatch_size=mbs, group_size=2, batch_size=N)
+
+
+@pytest.mark.parametrize("name", sorted(MB_CONFIGS))
+def test_microbatched_step_equals_single_pass(mb_setup, name):
+  # Every preset (and the other whole-batch normalisers): 2 micro-batches of 2 groups == 1 pass, to 1e-5.
+  # Run op by op (jax.disable_jit: the scan is a Python loop over the same body) so that the 16 configs
+  # share compiled primitives; the compiled scan is checked below.
+  params, tx, batch, graphdef = mb_setup
+  pg = _mb_pg(name)
+  out = {}
+  with jax.disable_jit():
+    for mbs in (None, 4):
+      state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+      out[mbs] = learner.make_train_step(graphdef, tx, _lcfg(pg, mbs))(state, batch)
+  _assert_same_step(out[None], out[4], params)
+
+
+def test_microbatched_step_compiled_and_smaller(mb_setup):
+  # The jitted lax.scan gives the single-pass step too, and holds one micro-batch's activations:
+  # its compiled temporary memory is below the single pass's (deterministic, not a timing).
+  params, tx, batch, graphdef = mb_setup
+  pg = estimator.pg_config_from_preset("vcpo")
+  out, temp = {}, {}
+  for mbs in (None, 2):
+    state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+    compiled = jax.jit(learner.make_train_step(graphdef, tx, _lcfg(pg, mbs))).lower(state, batch).compile()
+    temp[mbs] = compiled.memory_analysis().temp_size_in_bytes
+    out[mbs] = compiled(state, batch)
+  _assert_same_step(out[None], out[2], params)
+  print("temp bytes, single pass vs 4 micro-batches:", temp)
+  assert temp[2] < 0.7 * temp[None]
+
+
+@pytest.mark.parametrize("name", ["vcpo", "token_tis"])
+def test_microbatched_vmap_path_equals_single_pass(mb_setup, name):
+  params, tx, batch, graphdef = mb_setup
+  pg = _mb_pg(name)
+  out = {}
+  with jax.disable_jit():
+    for mbs in (None, 4):
+      state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+      out[mbs] = learner.make_train_step(graphdef, tx, _lcfg(pg, mbs, "vmap"))(state, batch)
+  _assert_same_step(out[None], out[4], params)
+
+
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    (dict(microbatch_size=3, group_size=2), r"learner\.microbatch_size=3 is not a multiple of the group size 2"),
+    (dict(microbatch_size=4, group_size=2, batch_size=6), r"learner\.microbatch_size=4 does not divide .*N=6"),
+    (dict(microbatch_size=-1), r"learner\.microbatch_size=-1"),
+    (dict(microbatch_size=4, pg=estimator.PGConfig(advantage="reinforce")), r"microbatch_size=4 with vcpo\.advantage"),
+    (dict(microbatch_size=4, pg=estimator.PGConfig(opob=True, opob_scope="minibatch")), "opob_scope"),
+  ],
+)
+def test_microbatch_config_errors(kw, match):
+  kw = {"pg": estimator.pg_config_from_preset("vcpo"), **kw}
+  with pytest.raises(ValueError, match=match):
+    learner.LearnerConfig(**kw)
+
+
+def test_microbatch_off_is_the_single_pass():
+  pg = estimator.pg_config_from_preset("vcpo")
+  for mbs in (None, 0, 8, 16):
+    assert learner.LearnerConfig(pg=pg, microbatch_size=mbs).microbatches(8) == 1
+  assert learner.LearnerConfig(pg=pg, microbatch_size=2).microbatches(8) == 4
+  with pytest.raises(ValueError, match="microbatch_size=3 does not divide"):
+    learner.LearnerConfig(pg=pg, microbatch_size=3).microbatches(8)

@@ -5,6 +5,7 @@ import os
 import struct
 import uuid
 
+import numpy as np
 import pytest
 
 from vcpo_jax import fs, metrics
@@ -37,6 +38,76 @@ def test_jsonl_records_and_plots(tmp_path):
   assert names == ["ess.png", "lr_scale.png", "reward.png"]
   assert all(os.path.getsize(p) > 1000 for p in paths)
   assert os.listdir(tmp_path / "tb")
+
+
+def _sync_records(n=30):
+  """Metrics of a sync-mode run: ESS ratio and lr scale are 1 up to float32 rounding; reward = accuracy (0/1)."""
+  rng = np.random.default_rng(0)
+  recs = []
+  for s in range(1, n + 1):
+    acc = float(np.float32(0.1 + 0.01 * s))
+    recs.append(
+      {
+        "step": s,
+        "wall_time": 2.0 * s,
+        "train/reward_mean": acc,
+        "train/accuracy": acc,
+        "train/ess_ratio": float(np.float32(1.0) - np.float32(rng.integers(0, 3)) * np.float32(6e-8)),
+        "train/ess_ratio_applied": 1.0,
+        "train/lr_scale": float(np.float32(1.0) + np.float32(rng.integers(-1, 2)) * np.float32(1.2e-7)),
+        "train/grad_norm": 2.0 + 0.1 * s,
+      }
+    )
+    if s % 10 == 0:
+      recs[-1]["eval/accuracy"] = 0.2 + 0.01 * s
+  return recs
+
+
+def test_plots_have_labelled_axes_readable_ratios_and_every_series_visible():
+  """Each panel: x "learner step" / wall-clock, a y label with its unit, plain tick labels (no 1e-7 offset), ratios
+  on [0, 1.05]; reward_mean and accuracy (equal for a 0/1 reward) drawn in different widths and dashes, in the legend."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  recs = _sync_records()
+  figs = {stem: metrics.figure(recs, title, keys, ylabel) for stem, title, keys, ylabel in metrics.PLOTS}
+  assert figs["lag"] is None  # no lag keys logged: no plot
+  assert all("(" in ylabel and ylabel.endswith(")") for *_, ylabel in metrics.PLOTS)  # name (unit)
+  for stem, fig in figs.items():
+    if fig is None:
+      continue
+    fig.canvas.draw()  # tick labels and the offset text exist only after a draw
+    step_ax, wall_ax = fig.axes[:2]
+    assert step_ax.get_xlabel() == "learner step"
+    assert wall_ax.get_xlabel().startswith("wall-clock (s")
+    for ax in (step_ax, wall_ax):
+      ylabel = {s: y for s, _, _, y in metrics.PLOTS}[stem]
+      assert ax.get_ylabel() == ylabel and ylabel
+      assert ax.yaxis.get_offset_text().get_text() == ""  # no "1e-7 + 9.9999e-1" offset
+      assert ax.get_legend() is not None
+      if stem in ("ess", "lr_scale", "reward"):
+        assert ax.get_ylim() == (0.0, 1.05)
+  assert figs["grad_norm"].axes[0].get_ylim() != (0.0, 1.05)  # not a fraction: autoscaled
+  lines = {ln.get_label(): ln for ln in figs["reward"].axes[0].get_lines()}
+  assert set(lines) == {"train/reward_mean", "train/accuracy", "eval/accuracy"}
+  reward, acc = lines["train/reward_mean"], lines["train/accuracy"]
+  assert list(reward.get_ydata()) == list(acc.get_ydata())  # the same values...
+  assert (
+    reward.get_linewidth() > 2 * acc.get_linewidth() and reward.get_linestyle() != acc.get_linestyle()
+  )  # ...both seen
+  assert lines["eval/accuracy"].get_marker() not in (None, "None", "")  # 3 eval points are drawn as points
+  legend_texts = [t.get_text() for t in figs["reward"].axes[0].get_legend().get_texts()]
+  assert legend_texts == ["train/reward_mean", "train/accuracy", "eval/accuracy"]
+  plt.close("all")
+
+
+def test_plot_limits_follow_the_data():
+  """A fraction series slightly above 1 by float32 rounding still gets [0, 1.05]; a reward in [-1, 1] is autoscaled."""
+  assert metrics._fraction_limits(np.array([0.2, 1.0000001])) == (0.0, 1.05)
+  assert metrics._fraction_limits(np.array([-1.0, 0.5])) is None
+  assert metrics._fraction_limits(np.array([0.0, 3.0])) is None
 
 
 def test_resume_truncates_future_records(tmp_path):

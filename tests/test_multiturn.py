@@ -8,6 +8,7 @@ import pytest
 
 from configs import multiturn as multiturn_config
 from tests import fixtures
+from vcpo_jax import evaluation
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax import run_config, trainer
 from vcpo_jax.model.tokenizer import build_char_tokenizer
@@ -157,11 +158,37 @@ def test_batch_layout_and_masks(scripted):
   assert m["rollout/sampler_rounds"] == len(sampler.calls) == 3
 
 
+def _eval_sampling(maker, built):
+  """EvalSampling over tool-use episodes; `built` collects the SamplerConfig of every sampler it builds."""
+
+  def make_sampler(cfg):
+    built.append(cfg)
+    s = ScriptedSampler()
+    s.cfg = cfg
+    return s
+
+  return evaluation.EvalSampling(make_sampler, ScriptedSampler().cfg, TOK, episodes=maker.eval_episodes)
+
+
 def test_eval_generate_returns_final_turns():
-  maker = _maker(ScriptedSampler())
-  gen = maker.eval_generate_fn(None, np.zeros((2,), np.uint32))
+  maker, built = _maker(ScriptedSampler()), []
+  gen = _eval_sampling(maker, built).generate_fn(None, np.zeros((2,), np.uint32))
   out = gen(list(PLANS), 3, 0.8, 0.7, 72, False)
   assert out == [["so \\boxed{42}"] * 3, ["\\boxed{8}"] * 3]
+  # the eval sampler decodes with the settings it was handed; the per-turn budget stays the maker's
+  assert [(c.temperature, c.top_p, c.top_k, c.max_new_tokens) for c in built] == [(0.8, 0.7, 0, 32)]
+  gen(list(PLANS), 1, 0.8, 0.7, 72, True)  # greedy: a second sampler at temperature 0
+  assert [(c.temperature, c.top_p) for c in built] == [(0.8, 0.7), (0.0, 0.7)]
+
+
+def test_eval_episode_budget_is_the_protocols():
+  maker = _maker(ScriptedSampler())
+  gen = _eval_sampling(maker, []).generate_fn(None, np.zeros((2,), np.uint32))
+  # 12 tokens: "\\boxed{8}" + EOS (10) fits; the other episode is cut inside its first turn
+  out = gen(list(PLANS), 1, 0.8, 0.7, 12, False)
+  assert out[1] == ["\\boxed{8}"] and "42" not in out[0][0]
+  with pytest.raises(ValueError, match="eval max_new_tokens=73"):
+    gen(list(PLANS), 1, 0.8, 0.7, 73, False)
 
 
 def test_turn_limit_and_budget_hold_shapes():

@@ -134,7 +134,47 @@ def test_sft_loss_decreases(tok, model):
   assert jax.tree.structure(new_params) == jax.tree.structure(params)
 
 
+def test_optimizer_is_optim_builder_with_the_old_chain_updates(model):
+  """sft builds through optim.make_optimizer; its updates equal the former clip -> adamw(schedule) chain."""
+  import optax
+
+  _, _, params = model
+  steps, lr = 40, 3e-3
+  new = sft.make_optimizer(lr, steps)
+  warmup = max(1, steps // 20)
+  sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
+  old = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+  p_new = p_old = params
+  s_new, s_old = new.init(params), old.init(params)
+  for i in range(3):
+    key = jax.random.key(i)
+    grads = jax.tree.map(lambda x: jax.random.normal(key, x.shape, x.dtype) * (0.1 + 5.0 * i), params)  # clips at i>0
+    u_new, s_new = new.update(grads, s_new, p_new)
+    u_old, s_old = old.update(grads, s_old, p_old)
+    p_new, p_old = optax.apply_updates(p_new, u_new), optax.apply_updates(p_old, u_old)
+    for a, b in zip(jax.tree.leaves(p_new), jax.tree.leaves(p_old)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert float(sft.make_schedule(lr, steps)(steps)) == pytest.approx(lr / 10)
+
+
 # ----------------------------------------------------------------------------- cache
+
+
+def test_cache_names_leaves_like_the_partition_rules(model, tmp_path):
+  from safetensors.numpy import load_file
+
+  from vcpo_jax import sharding
+
+  _, _, params = model
+  path = str(tmp_path / "p.safetensors")
+  sft.save_params(path, params, {"a": 1})
+  want = [sharding.path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  assert sorted(load_file(path)) == sorted(want) and len(set(want)) == len(want)
+  assert not any("[" in n for n in want)  # dotted names, not jax keystr brackets
+  loaded, meta = sft.load_params(path, params)
+  assert meta == {"a": 1}
+  for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vcpo_jax.rollout.param_slot import ParamSlot
 from vcpo_jax.rollout.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
@@ -331,7 +332,7 @@ def test_no_leaks_or_tracker_warnings_in_a_fresh_interpreter(creator_dies):
   """
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   script = _SCRIPT.format(tests=os.path.join(root, "tests"), creator_dies=creator_dies)
-  r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60)
+  r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60, check=False)
   paths = r.stdout.split()
   assert len(paths) == 5, r.stderr
   if not creator_dies:
@@ -398,3 +399,29 @@ def test_param_slot_never_torn_and_monotone_under_concurrent_writes():
         slot.latest(min_version=n, timeout=WAIT_S)
     finally:
       _stop(p)
+
+
+def test_param_slot_lock_waits_call_poll_which_can_end_them():
+  """A lock held by a peer that is stopped (SIGSTOP) or died inside the critical section: publish() keeps
+  calling poll() between slices and ends with what it raises, instead of blocking for the lock timeout."""
+
+  class Interrupted(Exception):
+    pass
+
+  calls = []
+
+  def poll():
+    calls.append(time.monotonic())
+    if len(calls) == 3:
+      raise Interrupted()
+
+  w = {"w": np.arange(4, dtype=np.float32)}
+  with ParamSlot({"w": ((4,), np.float32)}) as slot:
+    assert slot._lock.acquire(timeout=1)  # what a peer frozen inside the critical section looks like
+    with pytest.raises(Interrupted):
+      slot.publish(w, poll=poll)
+    assert len(calls) == 3
+    slot._lock.release()
+    assert slot.publish(w, poll=poll) == 0  # a free lock: poll is not needed
+    assert len(calls) == 3
+    assert slot.latest(timeout=1, poll=poll)[0] == 0

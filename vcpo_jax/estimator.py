@@ -2,7 +2,7 @@
 
 Dimension legend: N trajectories, P prompts, G group size, T tokens.
 
-Notation (PAPER.md):
+Notation (VCPO, arXiv 2602.17616):
   l_n   = sum_t mask_nt * (sg[logp_nt] - behavior_logp_nt)   sequence log-ratio
   w_n   = exp(l_n)                                           sequence IS ratio
   ESS   = (sum w)^2 / sum w^2 ;  rho = ESS / N               in (0, 1]
@@ -34,6 +34,19 @@ Departures from the paper / reference implementation (each is an option):
     `WEIGHT_VARIANTS` and `ADVANTAGE_ESTIMATORS`.
   * Trajectories with an empty loss mask are treated as padding: excluded from
     ESS, baselines, group statistics and the normalizers.
+  * A trajectory whose log-ratio l_n is not finite (NaN or +-inf: a corrupt
+    behavior log-prob, an overflow) is masked out the same way and counted in
+    the metric `nonfinite_rows` (logged as train/nonfinite_rows); the ESS stays
+    in [1/n, 1] over the finite rows instead of NaN / 0 (the reference's
+    min(1, nan) == 1 disables the brake).
+  * OPOB's baseline weights w_n^2 ||s_n||^2 use the UNCLAMPED ratio, formed in
+    log space (2 l_n + log ||s_n||^2), as the paper and the reference do; the
+    +-log_ratio_clamp (20) clamp only enters the applied weights, which the
+    reference defines with it. (Clamping the baseline weights would make every
+    row with l > 20 weigh the same: exactly the high-lag regime VCPO is for.)
+  * GRPO's group std is a per-preset choice (`PGConfig.std`): the reference's
+    GRPO uses the sample std (torch.std, ddof 1), its OPOB path the population
+    std (ddof 0); the presets follow the reference accordingly (see PRESETS).
 """
 
 from __future__ import annotations
@@ -86,6 +99,11 @@ def _valid(log_w_n, valid_n):
   return jnp.asarray(valid_n).astype(bool)
 
 
+def _usable(log_w_n, valid_n):
+  # NaN / +inf log-weights have no defined share of the mass: exclude them.
+  return _valid(log_w_n, valid_n) & ~jnp.isnan(log_w_n) & (log_w_n < jnp.inf)
+
+
 def ess(log_w_n, valid_n=None):
   """Effective sample size (sum w)^2 / sum w^2 from LOG weights, in samples.
 
@@ -94,14 +112,15 @@ def ess(log_w_n, valid_n=None):
   Invariant to adding a constant to all log-weights and to permutations.
 
   Args:
-    log_w_n: [N] log importance weights (-inf allowed: a zero weight).
+    log_w_n: [N] log importance weights (-inf allowed: a zero weight; NaN and
+      +inf entries carry no usable weight and are excluded like invalid ones).
     valid_n: optional [N] bool; False entries are excluded.
   Returns:
-    scalar float32 in [1, n_valid] for finite inputs; 0 when no valid entry or
-    every valid weight is zero.
+    scalar float32 in [1, n_valid]; 0 when no valid entry or every valid weight
+    is zero.
   """
   log_w_n = sg(jnp.asarray(log_w_n, jnp.float32))
-  valid_n = _valid(log_w_n, valid_n)
+  valid_n = _usable(log_w_n, valid_n)
   lw = jnp.where(valid_n, log_w_n, -jnp.inf)
   m = jnp.max(lw, initial=-jnp.inf)
   has_mass = jnp.isfinite(m)
@@ -116,9 +135,11 @@ def ess(log_w_n, valid_n=None):
 def ess_ratio(log_w_n, valid_n=None):
   """rho = ESS / n_valid in [1/n_valid, 1] (1.0 when there is no valid entry).
 
-  Args / conventions as `ess`.
+  Args / conventions as `ess` (n_valid counts the valid entries that are not
+  NaN / +inf).
   """
-  valid = _valid(log_w_n, valid_n)
+  log_w_n = sg(jnp.asarray(log_w_n, jnp.float32))
+  valid = _usable(log_w_n, valid_n)
   n_valid = jnp.sum(valid).astype(jnp.float32)
   return jnp.where(n_valid > 0, ess(log_w_n, valid) / jnp.maximum(n_valid, 1.0), 1.0)
 
@@ -304,13 +325,15 @@ class AdvantageEstimator:
   """A named estimator A_n = (R_n - baseline_n) / scale_n (0 where scale_n = 0).
 
   baseline(R_n, same_nn, valid_n) -> [N]; std_normalized: scale is the
-  group reward std (else 1).
+  group reward std (else 1); batch_wide: the baseline reads rows outside the
+  group (so the method cannot be micro-batched by groups).
   """
 
   name: str
   baseline: Callable[..., jax.Array]
   std_normalized: bool
   doc: str
+  batch_wide: bool = False
 
 
 def _batch_mean_baseline(r, same_nn, valid):
@@ -331,7 +354,7 @@ def _loo_baseline(r, same_nn, valid):
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
   e.name: e
   for e in [
-    AdvantageEstimator("reinforce", _batch_mean_baseline, False, "A = R - mean(R over the batch)"),
+    AdvantageEstimator("reinforce", _batch_mean_baseline, False, "A = R - mean(R over the batch)", batch_wide=True),
     AdvantageEstimator("rloo", _loo_baseline, False, "A = R_i - mean(R_j, j != i in the group)"),
     AdvantageEstimator("grpo", _group_mean_baseline, True, "A = (R - group mean) / group std (zero-std group: A = 0)"),
     AdvantageEstimator("drgrpo", _group_mean_baseline, False, "A = R - group mean (Dr. GRPO: no std)"),
@@ -369,8 +392,10 @@ def advantages(rewards, group_ids=None, estimator="grpo", *, valid_n=None, std="
       allowed for "reinforce", whose baseline is the batch mean).
     estimator: "reinforce" | "rloo" | "grpo" | "drgrpo".
     valid_n: optional [N] bool; invalid entries get 0 and are excluded.
-    std: "population" (ddof 0, as in the reference) or "sample" (ddof 1) for
-      "grpo"; groups with std <= std_eps get advantage 0.
+    std: "population" (ddof 0; the reference's OPOB path) or "sample" (ddof 1;
+      the reference's GRPO, torch.std) for "grpo"; groups with std <= std_eps
+      (and groups of one under "sample") get advantage 0. The two differ by
+      sqrt(G / (G - 1)) (1.41x at G = 2).
   Returns:
     advantages with the shape of `rewards`.
   """
@@ -397,36 +422,48 @@ def advantages(rewards, group_ids=None, estimator="grpo", *, valid_n=None, std="
 # ---------------------------------------------------------------------------
 
 
-def opob_baseline(rewards_n, weights_n, sq_grad_norms_n, group_ids_n, leave_one_out=False, *, valid_n=None):
+def opob_baseline(
+  rewards_n, weights_n, sq_grad_norms_n, group_ids_n, leave_one_out=False, *, valid_n=None, log_weights_n=None
+):
   """b_i = sum_j w_j^2 s_j R_j / sum_j w_j^2 s_j over j in i's group.
 
   The set excludes j = i when leave_one_out (then b_i does not depend on
   trajectory i, so the baseline term has zero mean: unbiased, review #3).
   Where the denominator is 0 (all w_j^2 s_j zero) the baseline falls back to
   the unweighted mean of R over the same set, and to 0 for an empty set. The
-  weights a_j = w_j^2 s_j are formed in log space per row, so huge weights
-  cannot overflow; the result is clipped into [min R, max R] of the set (a
-  convex combination, guarded against rounding).
+  weights a_j = w_j^2 s_j are formed in log space, log a_j = 2 log w_j +
+  log s_j, normalised by the set's max, so no weight can overflow; the result
+  is clipped into [min R, max R] of the set (a convex combination, guarded
+  against rounding).
 
   Args:
     rewards_n: [N] values R (raw rewards for scope "group"; advantages for
       scope "minibatch", i.e. one group id).
-    weights_n: [N] w >= 0: unclipped (the paper) or applied (review #1).
+    weights_n: [N] w >= 0: unclipped (the paper) or applied (review #1); None
+      when log_weights_n is given.
     sq_grad_norms_n: [N] s >= 0, the squared score norms.
     group_ids_n: [N] integer group of each trajectory.
     leave_one_out: exclude j = i from i's set.
     valid_n: optional [N] bool; invalid entries join no set (their b is 0).
+    log_weights_n: [N] log w instead of weights_n: pass the UNCLAMPED
+      log-ratio l_n here, since exp(l_n) overflows float32 beyond l = 88 and a
+      clamp at 20 would make every large weight equal.
   Returns:
     [N] float32 baselines, stop-gradient.
   """
+  if (weights_n is None) == (log_weights_n is None):
+    raise ValueError("opob_baseline: pass exactly one of weights_n and log_weights_n")
   r = sg(jnp.asarray(rewards_n, jnp.float32))
-  w = sg(jnp.asarray(weights_n, jnp.float32))
+  if log_weights_n is None:
+    log_w = jnp.log(jnp.abs(sg(jnp.asarray(weights_n, jnp.float32))))  # -inf for a zero weight
+  else:
+    log_w = sg(jnp.asarray(log_weights_n, jnp.float32))
   s = sg(jnp.asarray(sq_grad_norms_n, jnp.float32))
   valid = _valid(r, valid_n)
   same = _same_group(group_ids_n, valid)
   if leave_one_out:
     same = same & ~jnp.eye(r.shape[0], dtype=bool)
-  log_a = 2.0 * jnp.log(jnp.abs(w)) + jnp.log(jnp.abs(s))  # -inf for a zero weight
+  log_a = 2.0 * log_w + jnp.log(jnp.abs(s))
   log_a_nn = jnp.where(same, log_a[None, :], -jnp.inf)
   lm = jnp.max(log_a_nn, axis=1, keepdims=True, initial=-jnp.inf)
   has_mass = jnp.isfinite(lm[:, 0])
@@ -478,16 +515,46 @@ def per_example_sq_grad_norms(fn, params, batch, *, batch_size=None):
 # The policy-gradient update: config, presets, coefficients
 # ---------------------------------------------------------------------------
 
-# Loss aggregation -> norm_n(L_n, n_valid, total_tokens): the per-trajectory
-# factor of coef_n that turns sum_t logp_nt into the aggregated loss.
-LOSS_AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = {
-  # mean over trajectories of the token-mean: 1 / (N L_n) (the paper's update)
-  "seq-mean-token-mean": lambda L, n, tot: 1.0 / (jnp.maximum(n, 1.0) * jnp.maximum(L, 1.0)),
-  # mean over all tokens of the batch: 1 / sum(mask)
-  "token-mean": lambda L, n, tot: jnp.full_like(L, 1.0) / jnp.maximum(tot, 1.0),
-  # mean over trajectories of the token-sum: 1 / N (Dr. GRPO-style, no length bias)
-  "seq-mean-token-sum": lambda L, n, tot: jnp.full_like(L, 1.0) / jnp.maximum(n, 1.0),
+# Loss aggregation: coef_n's factor norm_n = per_row(L_n, T) / Z, where Z is a
+# whole-batch count (rows or tokens, over the valid or the kept rows: see
+# PGConfig.mask_normalizer) or 1. Keeping Z apart lets a micro-batched step use
+# the per-row part inside each micro-batch and divide the accumulated gradient
+# by the whole batch's Z once (`loss_divisor`).
+
+
+@dataclasses.dataclass(frozen=True)
+class LossAggregation:
+  """A named loss aggregation: norm_n = per_row(L_n, T) / Z.
+
+  per_row(L_n [N], T) -> [N]; divisor: "rows" (Z = number of counted rows),
+  "tokens" (Z = their total token count) or "none" (Z = 1).
+  """
+
+  name: str
+  per_row: Callable[[jax.Array, jax.Array], jax.Array]
+  divisor: str
+  doc: str
+
+
+LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
+  a.name: a
+  for a in [
+    LossAggregation(
+      "seq-mean-token-mean", lambda L, T: 1.0 / jnp.maximum(L, 1.0), "rows", "1 / (N L_n): the paper's update"
+    ),
+    LossAggregation("token-mean", lambda L, T: jnp.ones_like(L), "tokens", "1 / sum_n L_n: mean over the tokens"),
+    LossAggregation(
+      "seq-mean-token-sum", lambda L, T: jnp.ones_like(L), "rows", "1 / N: mean of token-sums (no length bias)"
+    ),
+    LossAggregation(
+      "seq-mean-token-sum-norm",
+      lambda L, T: jnp.full_like(L, 1.0) / T,
+      "none",
+      "1 / T: SUM of token-sums over a constant T (the reference's Dr. GRPO mode; PGConfig.loss_norm_tokens)",
+    ),
+  ]
 }
+MASK_NORMALIZERS = ("all", "kept")
 OPOB_WEIGHTS = ("unclipped", "applied")
 OPOB_SCOPES = ("group", "minibatch")
 
@@ -502,7 +569,15 @@ class PGConfig:
              replace the baseline)
     w_n    = applied sequence weight (1 for token-level variants, whose weight
              sits in tokw_nt = mask_nt * min(exp(d_nt), c))
-    norm_n = 1 / (N L_n) | 1 / sum(mask) | 1 / N   (loss aggregation)
+    norm_n = 1 / (N L_n) | 1 / sum_n L_n | 1 / N | 1 / T   (loss aggregation)
+
+  mask_normalizer: which rows the counts N and sum_n L_n of norm_n include.
+  "all": every valid row, rejected ones too (a rejected row adds 0 to the sum
+  but still counts; the presets' choice, so that a batch's step size does not
+  grow as more rows are rejected); "kept": only the rows whose applied weight
+  is not 0 (the reference's masked IS, which drops rejected rows from the
+  loss mask). It changes only the rejection variants "mask" and "geo_mask"
+  (the others reject nothing).
   """
 
   advantage: str = "grpo"  # ADVANTAGE_ESTIMATORS name: the base algorithm (review #13)
@@ -515,15 +590,17 @@ class PGConfig:
   token_tis_c: float = 2.0  # "token_tis" per-token truncation level
   geo_lower: float = 0.99  # "geo_mask" interval on exp(l / L)
   geo_upper: float = 1.01
-  log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP  # l clamped to [-c, c] before exp
+  log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP  # applied weights use exp(clamp(l, -c, c))
   loss_agg: str = "seq-mean-token-mean"  # LOSS_AGGREGATIONS
+  mask_normalizer: str = "all"  # rows counted in the loss normaliser: all (valid) | kept (weight != 0)
+  loss_norm_tokens: int = 0  # "seq-mean-token-sum-norm" divisor T; 0: the batch's token axis length
   opob: bool = False  # replace the estimator's baseline by OPOB
   opob_weights: str = "unclipped"  # "unclipped" (paper) | "applied" (review #1)
   opob_leave_one_out: bool = False  # exclude i from its own baseline (unbiased)
   opob_scope: str = "group"  # "group": raw rewards per prompt; "minibatch": A over batch
   length_normalize_norms: bool = False  # ||s_n||^2 / L_n^2 (norm of the token-mean score)
   reference_mode: bool = False  # reproduce the reference: norms w~^2 ||s||^2, weights w^2
-  std: str = "population"  # group std for "grpo": "population" | "sample"
+  std: str = "population"  # group std for "grpo": population (ddof 0) | sample (ddof 1); presets set it
   std_eps: float = 1e-6  # groups with std <= std_eps contribute nothing
   ess_lr: bool = False  # scale the step's learning rate by the ESS rule
   ess_rule: str = "sqrt"  # ESS_LR_RULES name
@@ -541,6 +618,7 @@ class PGConfig:
     choose("advantage", ADVANTAGE_ESTIMATORS)
     choose("is_variant", WEIGHT_VARIANTS)
     choose("loss_agg", LOSS_AGGREGATIONS)
+    choose("mask_normalizer", MASK_NORMALIZERS)
     choose("opob_weights", OPOB_WEIGHTS)
     choose("opob_scope", OPOB_SCOPES)
     choose("std", STD_KINDS)
@@ -549,6 +627,10 @@ class PGConfig:
       positive(f)
     if not self.std_eps >= 0:
       raise ValueError(f"PGConfig.std_eps={self.std_eps!r}: must be >= 0")
+    if not (isinstance(self.loss_norm_tokens, int) and self.loss_norm_tokens >= 0):
+      raise ValueError(
+        f"PGConfig.loss_norm_tokens={self.loss_norm_tokens!r}: must be an int >= 0 (0: the batch's token length)"
+      )
     for lo, hi in (("clip_lower", "clip_upper"), ("mask_lower", "mask_upper"), ("geo_lower", "geo_upper")):
       if not 0 <= getattr(self, lo) <= getattr(self, hi):
         raise ValueError(f"PGConfig.{lo}={getattr(self, lo)!r}: need 0 <= {lo} <= {hi}")
@@ -577,22 +659,27 @@ _VCPO = dict(
   opob=True,
   opob_weights="unclipped",
   opob_scope="group",
+  std="population",  # the reference's OPOB path: sigma_g is the population std
   ess_lr=True,
   ess_rule="sqrt",
   rho_on=1.0,
 )
+# The reference's GRPO advantage (no OPOB) divides by torch.std: the sample std.
+_GRPO = dict(advantage="grpo", std="sample")
 
+# Every preset names its std and its mask normaliser; "all" keeps rejected rows
+# in the normaliser (PGConfig docstring).
 PRESETS: dict[str, dict[str, Any]] = {
-  "sync": dict(advantage="grpo", is_variant="none"),  # synchronous GRPO (run with k = 0)
-  "none": dict(advantage="grpo", is_variant="none"),  # stale data, no correction
-  "seq_tis": dict(advantage="grpo", is_variant="tis", tis_c=8.0),
-  "clip": dict(advantage="grpo", is_variant="clip"),
-  "mask": dict(advantage="grpo", is_variant="mask"),
-  "token_tis": dict(advantage="grpo", is_variant="token_tis"),
-  "geo_mask": dict(advantage="grpo", is_variant="geo_mask"),
+  "sync": dict(_GRPO, is_variant="none"),  # synchronous GRPO (run with k = 0)
+  "none": dict(_GRPO, is_variant="none"),  # stale data, no correction
+  "seq_tis": dict(_GRPO, is_variant="tis", tis_c=8.0),
+  "clip": dict(_GRPO, is_variant="clip"),
+  "mask": dict(_GRPO, is_variant="mask", mask_normalizer="all"),
+  "token_tis": dict(_GRPO, is_variant="token_tis"),
+  "geo_mask": dict(_GRPO, is_variant="geo_mask", mask_normalizer="all"),
   "vcpo": dict(_VCPO),
   "vcpo_no_esslr": dict(_VCPO, ess_lr=False),
-  "vcpo_no_opob": dict(_VCPO, opob=False),
+  "vcpo_no_opob": dict(_VCPO, opob=False, std="sample"),  # without OPOB the reference runs its GRPO advantage
   "vcpo_applied_opob": dict(_VCPO, opob_weights="applied"),
   "vcpo_loo_opob": dict(_VCPO, opob_leave_one_out=True),
   "vcpo_reference": dict(_VCPO, reference_mode=True),
@@ -611,6 +698,21 @@ def needs_sq_norms(cfg: PGConfig) -> bool:
   return bool(cfg.opob)
 
 
+def batch_wide_coefficients(cfg: PGConfig) -> str | None:
+  """Why a row's coefficient depends on rows outside its group (None: it does not).
+
+  Such a method cannot be micro-batched by whole groups: the REINFORCE batch
+  mean baseline and OPOB over the minibatch read every row. The loss
+  normaliser Z and the ESS scale are whole-batch too, but scalar factors
+  (`loss_divisor`, lr_scale), applied after accumulation.
+  """
+  if ADVANTAGE_ESTIMATORS[cfg.advantage].batch_wide:
+    return f"vcpo.advantage={cfg.advantage!r} (its baseline is the mean over the whole batch)"
+  if cfg.opob and cfg.opob_scope == "minibatch":
+    return "vcpo.opob_scope='minibatch' (its baseline weighs every row's norm)"
+  return None
+
+
 def _variant_kwargs(cfg: PGConfig):
   v = cfg.is_variant
   return dict(
@@ -621,78 +723,65 @@ def _variant_kwargs(cfg: PGConfig):
   )
 
 
+def _finite_rows(logp_nt, behavior_logp_nt, mask_nt):
+  """l_n [N], L_n [N], valid_n [N] (non-empty mask and finite l_n), nonfinite_n [N]."""
+  mask = jnp.asarray(mask_nt, jnp.float32)
+  L_n = jnp.sum(mask, axis=-1)
+  l_n = sequence_log_ratio(logp_nt, behavior_logp_nt, mask_nt)
+  finite = jnp.isfinite(l_n)
+  return l_n, L_n, (L_n > 0) & finite, (L_n > 0) & ~finite
+
+
 def pg_token_weights(logp_nt, behavior_logp_nt, mask_nt, cfg: PGConfig):
   """tokw_nt multiplying logp_nt inside the surrogate's token sum, stop-gradient.
 
   mask_nt for sequence-level variants; mask_nt * min(exp(d_nt), c) for
-  "token_tis" (its per-token weight cannot be folded into coef_n).
+  "token_tis" (its per-token weight cannot be folded into coef_n). Rows whose
+  log-ratio is not finite get 0 (they are masked out, see pg_coefficients), so
+  no NaN can reach the backward pass through them.
   """
   mask = jnp.asarray(mask_nt, jnp.float32)
+  _, _, valid, _ = _finite_rows(logp_nt, behavior_logp_nt, mask_nt)
   if WEIGHT_VARIANTS[cfg.is_variant].level != "token":
-    return mask
+    return jnp.where(valid[:, None], mask, 0.0)
   d_nt = token_log_ratio(logp_nt, behavior_logp_nt, mask_nt)
-  return sg(mask * importance_weights(d_nt, cfg.is_variant, **_variant_kwargs(cfg)))
+  tw = importance_weights(d_nt, cfg.is_variant, **_variant_kwargs(cfg))
+  return sg(jnp.where(valid[:, None], mask * tw, 0.0))
 
 
-def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, sq_score_norms_n, cfg: PGConfig):
-  """Per-example coefficients of the policy-gradient surrogate.
+def _pg_rows(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, sq_score_norms_n, cfg: PGConfig):
+  """Everything of pg_coefficients that is per row: a dict of [N] arrays.
 
-    loss(params) = - sum_n coef_n * sum_t tokw_nt * logp_nt(params)
-    coef_n = A_n * w_n * norm_n                      (stop-gradient)
-
-  Args:
-    logp_nt: [N, T] learner log-probs (stop-gradient is applied here).
-    behavior_logp_nt: [N, T] sampler log-probs.
-    mask_nt: [N, T] loss mask; rows with an empty mask are padding.
-    rewards_n: [N] rewards. group_id_n: [N] prompt group of each trajectory.
-    sq_score_norms_n: [N] ||s_n||^2 with s_n = grad sum_t mask_nt logp_nt (the
-      exact token-SUM score); None allowed when not needs_sq_norms(cfg). The
-      variant OPOB uses is derived here: / L_n^2 if length_normalize_norms,
-      * w~_n^2 in reference_mode (the reference measures the norm of the
-      w~-weighted token-sum loss).
-    cfg: PGConfig.
-  Returns:
-    coef_n [N] float32 and aux: scalar metrics (ess_ratio of the unclipped
-    weights, ess_ratio_applied, lr_scale, log_ratio_{mean,max,min},
-    weight_{max,mean}, frac_clipped, frac_masked, baseline_{mean,std},
-    adv_{mean,std}, n_valid) and per-example arrays whose keys end in "_n"
-    (log_ratio_n, weight_n, advantage_n, baseline_n, valid_n).
-    frac_clipped: fraction of valid sequences (of tokens, for token_tis) whose
-    applied non-zero weight differs from the unclipped ratio; frac_masked:
-    fraction whose applied weight is 0. For token_tis, weight_n and
-    ess_ratio_applied use the product of the token weights.
+  unnormalized_coef_n = A_n * w_n * per_row(L_n, T): coef_n before the
+  division by the whole-batch count Z (`loss_divisor`). Rows only interact
+  within their group (unless batch_wide_coefficients(cfg)), so the rows of a
+  micro-batch of whole groups equal the whole batch's.
   """
-  if needs_sq_norms(cfg) and sq_score_norms_n is None:
-    raise ValueError(
-      "sq_score_norms_n: None, but cfg.opob=True needs ||s_n||^2 (per_example_sq_grad_norms or the ghost-norm path)"
-    )
   mask = jnp.asarray(mask_nt, jnp.float32)
-  L_n = jnp.sum(mask, axis=-1)
-  valid = L_n > 0
-  n_valid = jnp.sum(valid).astype(jnp.float32)
+  l_n, L_n, valid, nonfinite = _finite_rows(logp_nt, behavior_logp_nt, mask_nt)
+  l_safe = jnp.where(valid, l_n, 0.0)  # invalid rows: any finite stand-in, masked everywhere below
   r = sg(jnp.asarray(rewards_n, jnp.float32))
   vkw = _variant_kwargs(cfg)
   variant = WEIGHT_VARIANTS[cfg.is_variant]
 
-  l_n = sequence_log_ratio(logp_nt, behavior_logp_nt, mask_nt)
-  w_unclipped = jnp.where(valid, importance_weights(l_n, "is", log_clamp=cfg.log_ratio_clamp), 0.0)
+  lc = jnp.clip(l_safe, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
   if variant.level == "token":
-    d_nt = token_log_ratio(logp_nt, behavior_logp_nt, mask_nt)
+    d_nt = jnp.where(valid[:, None], token_log_ratio(logp_nt, behavior_logp_nt, mask_nt), 0.0)
     tw = importance_weights(d_nt, cfg.is_variant, **vkw)
     log_w_applied = jnp.sum(jnp.where(mask > 0, jnp.log(tw), 0.0), axis=-1)
     w_seq = jnp.where(valid, 1.0, 0.0)  # the weight lives in tokw_nt
-    clipped = jnp.sum((tw < jnp.exp(jnp.clip(d_nt, -cfg.log_ratio_clamp, cfg.log_ratio_clamp))) * mask) / jnp.maximum(
-      jnp.sum(mask), 1.0
-    )
-    frac_masked = jnp.float32(0.0)
+    d_c = jnp.clip(d_nt, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    clipped_n = jnp.where(valid, jnp.sum((tw < jnp.exp(d_c)) * mask, axis=-1), 0.0)  # tokens
+    masked_n = jnp.zeros_like(valid)
     weight_report = jnp.where(valid, jnp.exp(jnp.clip(log_w_applied, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)), 0.0)
   else:
-    w_seq = jnp.where(valid, importance_weights(l_n, cfg.is_variant, lengths_n=L_n, **vkw), 0.0)
+    w_seq = jnp.where(valid, importance_weights(l_safe, cfg.is_variant, lengths_n=L_n, **vkw), 0.0)
     log_w_applied = jnp.log(w_seq)
-    changed = valid & (w_seq > 0) & ~jnp.isclose(w_seq, w_unclipped, rtol=1e-6)
-    clipped = jnp.sum(changed) / jnp.maximum(n_valid, 1.0)
-    frac_masked = jnp.sum(valid & (w_seq == 0)) / jnp.maximum(n_valid, 1.0)
+    changed = valid & (w_seq > 0) & ~jnp.isclose(w_seq, jnp.exp(lc), rtol=1e-6)
+    clipped_n = changed.astype(jnp.float32)  # rows
+    masked_n = valid & (w_seq == 0)
     weight_report = w_seq
+  kept = valid & (w_seq > 0)
 
   base, scale = baseline_and_scale(r, group_id_n, cfg.advantage, valid_n=valid, std=cfg.std, std_eps=cfg.std_eps)
 
@@ -705,20 +794,60 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, s
       s_n = s_n / jnp.square(jnp.maximum(L_n, 1.0))
     if cfg.reference_mode:
       s_n = s_n * jnp.square(w_seq)  # norm of the w~-weighted loss: w~ enters twice
-    w_b = w_unclipped if cfg.opob_weights == "unclipped" else w_seq
+    # The baseline weights: log w = l_n unclamped (the paper), or the applied weight.
+    log_w_b = l_safe if cfg.opob_weights == "unclipped" else log_w_applied
     if cfg.opob_scope == "group":
-      base = opob_baseline(r, w_b, s_n, group_id_n, cfg.opob_leave_one_out, valid_n=valid)
+      base = opob_baseline(r, None, s_n, group_id_n, cfg.opob_leave_one_out, valid_n=valid, log_weights_n=log_w_b)
       adv = normalize(r, base)
     else:
       a0 = normalize(r, base)
-      base = opob_baseline(a0, w_b, s_n, jnp.zeros_like(jnp.asarray(group_id_n)), cfg.opob_leave_one_out, valid_n=valid)
+      zeros = jnp.zeros_like(jnp.asarray(group_id_n))
+      base = opob_baseline(a0, None, s_n, zeros, cfg.opob_leave_one_out, valid_n=valid, log_weights_n=log_w_b)
       adv = jnp.where(valid, a0 - base, 0.0)
   else:
     adv = normalize(r, base)
 
-  norm_n = LOSS_AGGREGATIONS[cfg.loss_agg](L_n, n_valid, jnp.sum(mask))
-  coef_n = sg(jnp.where(valid, adv * w_seq * norm_n, 0.0))
+  T = cfg.loss_norm_tokens or mask.shape[-1]
+  per_row = LOSS_AGGREGATIONS[cfg.loss_agg].per_row(L_n, jnp.float32(T))
+  return dict(
+    unnormalized_coef_n=sg(jnp.where(valid, adv * w_seq * per_row, 0.0)),
+    log_ratio_n=jnp.where(valid, l_n, 0.0),
+    log_weight_applied_n=jnp.where(valid, log_w_applied, 0.0),
+    weight_n=weight_report,
+    advantage_n=adv,
+    baseline_n=jnp.where(valid, base, 0.0),
+    length_n=L_n,
+    clipped_n=clipped_n,
+    valid_n=valid,
+    kept_n=kept,
+    masked_n=masked_n,
+    nonfinite_n=nonfinite,
+  )
 
+
+def loss_divisor(aux_n: Mapping[str, jax.Array], cfg: PGConfig) -> jax.Array:
+  """Z of norm_n = per_row(L_n, T) / Z from the per-row arrays of a WHOLE batch (>= 1).
+
+  aux_n: needs valid_n, kept_n, length_n ([N] each, as pg_coefficients returns).
+  """
+  divisor = LOSS_AGGREGATIONS[cfg.loss_agg].divisor
+  if divisor == "none":
+    return jnp.float32(1.0)
+  rows = aux_n["kept_n"] if cfg.mask_normalizer == "kept" else aux_n["valid_n"]
+  rows = jnp.asarray(rows, jnp.float32)
+  count = jnp.sum(rows) if divisor == "rows" else jnp.sum(rows * jnp.asarray(aux_n["length_n"], jnp.float32))
+  return jnp.maximum(count, 1.0)
+
+
+def pg_metrics(aux_n: Mapping[str, jax.Array], cfg: PGConfig) -> dict[str, jax.Array]:
+  """The scalar metrics of pg_coefficients from its per-row arrays (of the whole batch).
+
+  A function of the [N] arrays only, so a micro-batched step that stacks its
+  micro-batches' rows gets the single-pass numbers. See pg_coefficients.
+  """
+  valid = jnp.asarray(aux_n["valid_n"], bool)
+  n_valid = jnp.sum(valid).astype(jnp.float32)
+  l_n = aux_n["log_ratio_n"]
   rho = ess_ratio(l_n, valid)
   lr_scale = ess_lr_scale(rho, cfg.rho_on, cfg.ess_rule) if cfg.ess_lr else jnp.float32(1.0)
 
@@ -728,36 +857,84 @@ def pg_coefficients(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, s
   def vstd(x):
     return jnp.sqrt(vmean(jnp.square(x - vmean(x))))
 
-  base_v = jnp.where(valid, base, 0.0)
-  aux = dict(
+  if WEIGHT_VARIANTS[cfg.is_variant].level == "token":  # a fraction of the valid rows' tokens
+    clip_den = jnp.sum(jnp.where(valid, aux_n["length_n"], 0.0))
+  else:
+    clip_den = n_valid
+  adv, base, w = aux_n["advantage_n"], aux_n["baseline_n"], aux_n["weight_n"]
+  return dict(
     ess_ratio=rho,
-    ess_ratio_applied=ess_ratio(log_w_applied, valid),
+    ess_ratio_applied=ess_ratio(aux_n["log_weight_applied_n"], valid),
     lr_scale=lr_scale,
     log_ratio_mean=vmean(l_n),
     log_ratio_max=jnp.max(jnp.where(valid, l_n, -jnp.inf)),
     log_ratio_min=jnp.min(jnp.where(valid, l_n, jnp.inf)),
-    weight_max=jnp.max(weight_report),
-    weight_mean=vmean(weight_report),
-    frac_clipped=clipped.astype(jnp.float32),
-    frac_masked=jnp.asarray(frac_masked, jnp.float32),
-    baseline_mean=vmean(base_v),
-    baseline_std=vstd(base_v),
+    weight_max=jnp.max(w),
+    weight_mean=vmean(w),
+    frac_clipped=(jnp.sum(aux_n["clipped_n"]) / jnp.maximum(clip_den, 1.0)).astype(jnp.float32),
+    frac_masked=(jnp.sum(aux_n["masked_n"]) / jnp.maximum(n_valid, 1.0)).astype(jnp.float32),
+    baseline_mean=vmean(base),
+    baseline_std=vstd(base),
     adv_mean=vmean(adv),
     adv_std=vstd(adv),
     n_valid=n_valid,
-    log_ratio_n=l_n,
-    weight_n=weight_report,
-    advantage_n=adv,
-    baseline_n=base_v,
-    valid_n=valid,
+    nonfinite_rows=jnp.sum(aux_n["nonfinite_n"]).astype(jnp.float32),
   )
-  return coef_n, aux
+
+
+def pg_coefficients(
+  logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, sq_score_norms_n, cfg: PGConfig, *, divisor=None
+):
+  """Per-example coefficients of the policy-gradient surrogate.
+
+    loss(params) = - sum_n coef_n * sum_t tokw_nt * logp_nt(params)
+    coef_n = A_n * w_n * per_row(L_n, T) / Z          (stop-gradient)
+
+  Args:
+    logp_nt: [N, T] learner log-probs (stop-gradient is applied here).
+    behavior_logp_nt: [N, T] sampler log-probs.
+    mask_nt: [N, T] loss mask; rows with an empty mask are padding, rows whose
+      log-ratio l_n is NaN / +-inf are masked out too (coef 0, counted in
+      nonfinite_rows).
+    rewards_n: [N] rewards. group_id_n: [N] prompt group of each trajectory.
+    sq_score_norms_n: [N] ||s_n||^2 with s_n = grad sum_t mask_nt logp_nt (the
+      exact token-SUM score); None allowed when not needs_sq_norms(cfg). The
+      variant OPOB uses is derived here: / L_n^2 if length_normalize_norms,
+      * w~_n^2 in reference_mode (the reference measures the norm of the
+      w~-weighted token-sum loss).
+    cfg: PGConfig.
+    divisor: Z to use instead of loss_divisor(rows of this batch, cfg): a
+      micro-batch of whole groups passes 1.0 and the step divides its
+      accumulated gradient by the whole batch's Z (the scalar metrics then
+      describe the micro-batch only; pg_metrics of the stacked rows gives the
+      batch's).
+  Returns:
+    coef_n [N] float32 and aux: scalar metrics (pg_metrics: ess_ratio of the
+    unclipped weights, ess_ratio_applied, lr_scale, log_ratio_{mean,max,min},
+    weight_{max,mean}, frac_clipped, frac_masked, baseline_{mean,std},
+    adv_{mean,std}, n_valid, nonfinite_rows) and per-example arrays whose keys
+    end in "_n" (log_ratio_n, log_weight_applied_n, weight_n, advantage_n,
+    baseline_n, length_n, clipped_n, valid_n, kept_n, masked_n, nonfinite_n).
+    frac_clipped: fraction of valid sequences (of tokens, for token_tis) whose
+    applied non-zero weight differs from the (clamped) ratio; frac_masked:
+    fraction whose applied weight is 0. For token_tis, weight_n and
+    ess_ratio_applied use the product of the token weights. ess_ratio is in
+    [1/n_valid, 1] (1 when no row is valid) and lr_scale in [0, 1].
+  """
+  if needs_sq_norms(cfg) and sq_score_norms_n is None:
+    raise ValueError(
+      "sq_score_norms_n: None, but cfg.opob=True needs ||s_n||^2 (per_example_sq_grad_norms or the ghost-norm path)"
+    )
+  rows = _pg_rows(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, sq_score_norms_n, cfg)
+  z = loss_divisor(rows, cfg) if divisor is None else jnp.asarray(divisor, jnp.float32)
+  coef_n = sg(rows.pop("unnormalized_coef_n") / z)
+  return coef_n, dict(pg_metrics(rows, cfg), **rows)
 
 
 BATCH_KEYS = ("tokens", "behavior_logp", "loss_mask", "rewards", "group_id")
 
 
-def policy_gradient(logp_fn, params, batch: Mapping[str, Any], cfg: PGConfig):
+def policy_gradient(logp_fn, params, batch: Mapping[str, Any], cfg: PGConfig, *, divisor=None):
   """Gradient of the configured surrogate: the reference path.
 
   One forward (jax.vjp of logp_fn), coefficients from pg_coefficients, one
@@ -773,6 +950,7 @@ def policy_gradient(logp_fn, params, batch: Mapping[str, Any], cfg: PGConfig):
       rewards [N], group_id [N] (+ anything logp_fn needs); every leaf has a
       leading N axis.
     cfg: PGConfig (static under jit).
+    divisor: see pg_coefficients (None: this batch is the whole batch).
   Returns:
     (grads, metrics): grads has the structure of params; metrics is the aux
     dict of pg_coefficients plus pg_loss (the surrogate's value).
@@ -790,10 +968,11 @@ def policy_gradient(logp_fn, params, batch: Mapping[str, Any], cfg: PGConfig):
 
     sq = per_example_sq_grad_norms(score, params, dict(batch))
   coef_n, aux = pg_coefficients(
-    logp_nt, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq, cfg
+    logp_nt, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq, cfg, divisor=divisor
   )
   tokw_nt = pg_token_weights(logp_nt, batch["behavior_logp"], batch["loss_mask"], cfg)
   cot_nt = -coef_n[:, None] * tokw_nt  # d loss / d logp_nt
   (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
+  # where(): masked-out positions may hold logp = -inf; their cotangent is 0 and must not give nan.
   pg_loss = jnp.sum(jnp.where(tokw_nt != 0, cot_nt * sg(logp_nt).astype(jnp.float32), 0.0))
   return grads, dict(aux, pg_loss=pg_loss)

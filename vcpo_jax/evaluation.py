@@ -5,6 +5,9 @@ protocol is unstated. `EvalProtocol` names every choice (data set, split,
 size, temperature, top_p, n, max new tokens, greedy, pass@k list, extraction
 method, prompt template), and `evaluate` writes one jsonl record per call that
 embeds the full protocol next to the checkpoint step, mean@n and pass@k.
+`EvalSampling` is the one generation path behind it (trainer, multi-turn, sft):
+each call decodes with a sampler built from the settings it is handed, so the
+recorded protocol is the decoding that ran.
 Records can be tagged "best" or "final" so reports state both (finding #6);
 `best_and_final` reads them back.
 
@@ -23,7 +26,8 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,12 +35,15 @@ from vcpo_jax import tasks as tasks_lib
 from vcpo_jax.tasks import answers
 from vcpo_jax.tasks.datasets import Problem
 
+if TYPE_CHECKING:
+  from vcpo_jax.sampler import Sampler, SamplerConfig
+
 __all__ = [
   "EvalProtocol",
+  "EvalSampling",
   "GenerateFn",
   "best_and_final",
   "evaluate",
-  "make_eval_problems",
   "mean_at_n",
   "pass_at_k",
   "pass_at_k_per_problem",
@@ -115,7 +122,7 @@ class EvalProtocol:
     return d
 
   @classmethod
-  def from_dict(cls, d) -> "EvalProtocol":
+  def from_dict(cls, d) -> EvalProtocol:
     """From a dict or ConfigDict; unknown keys are an error (typos must not pass silently)."""
     d = dict(d)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -127,10 +134,89 @@ class EvalProtocol:
     return cls(**d)
 
 
-def make_eval_problems(protocol: EvalProtocol) -> list[Problem]:
-  """The protocol's problems: TASKS[dataset].make_problems(split, size, seed, template)."""
-  task = tasks_lib.TASKS[protocol.dataset]
-  return task.make_problems(protocol.split, protocol.size, protocol.seed, template=protocol.prompt_template)
+# ----------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------
+# episodes(sampler, params, contexts [N][token ids], max_new_tokens, rng) -> N final texts (multi-turn)
+EpisodesFn = Callable[..., list]
+
+
+class EvalSampling:
+  """The one evaluation-generation path: protocol settings -> a sampler with exactly those -> texts.
+
+  `generate_fn(params, rng)` is the GenerateFn `evaluate` calls. Each call decodes with the sampler
+  whose config is `sampler_config(temperature, top_p, greedy, max_new_tokens)`:
+
+    temperature' = 0 if greedy else temperature,  top_p' = top_p,  top_k' = 0,
+    max_new_tokens' = max_new_tokens (single-turn; multi-turn: the whole episode budget),
+
+  everything else (EOS, pad, stop ids, buckets, logp mode) from `base`. Samplers are built once per
+  distinct setting (a run's fixed protocol compiles one) and reused.
+
+  Args:
+    make_sampler: SamplerConfig -> Sampler (e.g. `lambda c: Sampler(graphdef, model_cfg, c)`).
+    base: the sampler config the settings are written into; its new-token buckets must hold the
+      protocol's max_new_tokens (single-turn).
+    tokenizer: encodes prompts (no special tokens; chat template if asked) and decodes responses.
+    chat_template: wrap prompts in the tokenizer's chat template (RolloutConfig.chat_template).
+    episodes: None for single-turn sampling; else multi-turn tool-use episodes
+      (`MultiTurnRolloutMaker.eval_episodes`), which receive the sampler and return the final turns.
+  """
+
+  def __init__(
+    self,
+    make_sampler: Callable[[SamplerConfig], Sampler],
+    base: SamplerConfig,
+    tokenizer,
+    *,
+    chat_template: bool = False,
+    episodes: EpisodesFn | None = None,
+  ):
+    self.make_sampler, self.base, self.tokenizer = make_sampler, base, tokenizer
+    self.chat_template, self.episodes = chat_template, episodes
+    self._samplers: dict = {}
+
+  def sampler_config(self, temperature: float, top_p: float, greedy: bool, max_new_tokens: int) -> SamplerConfig:
+    """`base` with the protocol's decoding settings written in (see the class docstring)."""
+    cfg = {"temperature": 0.0 if greedy else float(temperature), "top_p": float(top_p), "top_k": 0}
+    if self.episodes is None:  # multi-turn: the sampler's budget is one turn; the episode takes max_new_tokens
+      if max_new_tokens > self.base.new_token_buckets[-1]:
+        raise ValueError(
+          f"eval max_new_tokens={max_new_tokens} exceeds the eval sampler's largest new-token bucket "
+          f"{self.base.new_token_buckets[-1]}; build EvalSampling with a base config that holds it."
+        )
+      cfg["max_new_tokens"] = int(max_new_tokens)
+    return dataclasses.replace(self.base, **cfg)
+
+  def sampler(self, temperature: float, top_p: float, greedy: bool, max_new_tokens: int) -> Sampler:
+    cfg = self.sampler_config(temperature, top_p, greedy, max_new_tokens)
+    if cfg not in self._samplers:
+      self._samplers[cfg] = self.make_sampler(cfg)
+    return self._samplers[cfg]
+
+  def generate_fn(self, params, rng) -> GenerateFn:
+    """generate(prompts, n, temperature, top_p, max_new_tokens, greedy) -> [P][n] texts with `params`.
+
+    Rows are prompt-major (row p * n + j is sample j of prompt p); rng seeds every row (Sampler's
+    per-row streams), so the texts are a pure function of (params, prompts, settings, rng).
+    """
+    from vcpo_jax.rollout.common import encode_prompts
+
+    def generate(prompts, n, temperature, top_p, max_new_tokens, greedy):
+      sampler = self.sampler(temperature, top_p, greedy, max_new_tokens)
+      probs = [Problem(id=str(i), task="", prompt=p, reference=None) for i, p in enumerate(prompts)]
+      ids = encode_prompts(self.tokenizer, probs, self.chat_template)
+      if self.episodes is not None:
+        texts = self.episodes(sampler, params, [p for p in ids for _ in range(n)], max_new_tokens, rng)
+      else:
+        ro = sampler.generate(params, ids, rng, num_samples=n, max_new_tokens=max_new_tokens)
+        texts = [
+          self.tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True)
+          for i in range(len(ids) * n)
+        ]
+      return [texts[i * n : (i + 1) * n] for i in range(len(ids))]
+
+    return generate
 
 
 # ----------------------------------------------------------------------------

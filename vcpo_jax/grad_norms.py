@@ -21,26 +21,40 @@ Three ways to get S_n, all exact:
   matmuls. Per-example weight gradients are A_n^T D_n, and:
 
     linear kernel [Din, Dout]:  ||A_n^T D_n||_F^2, by one of
-        "gram":        sum_{t,s} (a_t . a_s)(d_t . d_s)           T^2 (Din + Dout) flops
-        "direct":      form A_n^T D_n, square, discard             T Din Dout + Din Dout
+        "gram":        sum_{t,s} (a_t . a_s)(d_t . d_s)           T^2 (Din + Dout) flops, 2 N T^2 floats
+        "direct":      form A_n^T D_n, square, discard             T Din Dout flops, b Din Dout floats
+                       (b examples at a time, b <= N, so that it fits the budget)
         "materialize": form A_n^T D_n and KEEP it, so the update is
                        sum_n coef_n (A_n^T D_n), a weighted sum     T Din Dout + 2 Din Dout,
                        instead of another T Din Dout contraction;  N Din Dout floats kept
     linear bias:        ||sum_t d_t||^2
     RMSNorm scale:      ||sum_t xhat_t * d_t||^2
-    embedding lookup:   sum_{t,s: tok_t = tok_s} d_t . d_s         (rows shared by tokens)
-    tied LM head:       the table gets lookup part B_n = onehot_n^T D^emb_n and head part
-                        C_n = D^head_n^T H_n; ||B_n + C_n||^2 = ||B_n||^2 + ||C_n||^2 + 2<B_n, C_n>,
-                        <B_n, C_n> = sum_{t,s} D^head_n[s, tok_t] (d^emb_t . h_s).
+    embedding lookup:   sum_{t,s: tok_t = tok_s} d_t . d_s         T^2 D flops (rows shared by tokens),
+                        or ||B_n||^2 with B_n = onehot_n^T D_n [V, D] by a segment sum (T D + V D flops,
+                        V D floats per example), whichever is cheaper and fits (`embed_plan`)
+
+  The LM head ("head" tap, the chunked log-prob head of `vcpo_jax.model.logprobs`) has
+  no [N, T, V] D: with h_t its input, y_t the next token and c_t = tokw_{t+1}, its output
+  gradient is d_t = c_t (e_{y_t} - p_t), p_t = softmax(h_t W) rebuilt chunk by chunk from
+  h, W and the forward pass's logsumexp. One scan over vocab chunks [Vc] computes
+  dL/dh = sum_v d^v W_v^T (fed into the vjp of the layers below by hand) and the head's
+  norm, by "gram" (sum_{t,s} (h_t . h_s)(d^v_t . d^v_s), summed over chunks v) or
+  "direct"/"materialize" (G^v_n = H_n^T D^v_n [D, Vc] per chunk). A second scan forms
+  the update h^T (coef d) (skipped when materialized). Tied embeddings: the table gets a
+  lookup part B_n = onehot_n^T D^emb_n and a head part C_n = sum_s d_s h_s^T, and
+  ||B_n + C_n||^2 = ||B_n||^2 + ||C_n||^2 + 2<B_n, C_n> with the exact cross term
+  <B_n, C_n> = sum_{t,s} d_s[tok_t] (d^emb_t . h_s), d_s[tok_t] = c_s([y_s = tok_t] - p_s[tok_t]),
+  p_s[tok_t] = exp(h_s . E[tok_t] - lse_s): [N, T, T] values, no [N, T, V]. With the head
+  materialized (C_n kept) and B_n formed by the segment sum, ||B_n + C_n||^2 is summed directly.
 
   Backprop is linear in the per-example cotangents, so the update gradient is
   formed from the same (A, D) by contracting with coef_n (e.g. kernel:
   -sum_n coef_n A_n^T D_n = -einsum('nti,nto->io', A, coef_n D)) -- no second
-  backward pass. With "gram"/"direct" the update costs the weight-gradient
-  matmuls the plain backward would have done; with "materialize" it costs a
-  weighted sum. `method="auto"` materializes the layers that fit a memory budget
-  (most flops saved per byte first) and picks the cheaper of gram/direct for the
-  rest.
+  backward pass. `plan_layers` chooses the method per layer from the (micro-)batch's
+  shapes against a per-device memory budget: materialize the layers that fit (most
+  flops saved per byte first), then the cheaper of gram/direct whose temporaries fit
+  what is left (direct in blocks of examples if need be), and for the head the largest
+  vocab chunk that fits.
 
 * `vmap_sq_norms`: the reference, `estimator.per_example_sq_grad_norms` (vmap of
   a per-example grad).
@@ -48,19 +62,23 @@ Three ways to get S_n, all exact:
 * `loop_sq_norms`: the released reference's method, one backward pass per
   trajectory (lax.map), for benchmarks.
 
-Shape legend: N trajectories, T tokens, V vocab, D model width, Din/Dout a
-linear layer's input/output widths.
+`taps_grad` is the same taps-based backward with fixed coefficients and no norms (the fair
+yardstick of the norms' cost: one forward, the same vjp, the same contractions).
+
+Shape legend: N trajectories, T tokens, M = T - 1 predicting positions, V vocab, Vc vocab
+entries per chunk, D model width, Din/Dout a linear layer's input/output widths.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from vcpo_jax.model import taps
+from vcpo_jax.model import logprobs, taps
 from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
 
 # logp_fn(params, batch) -> logp_nt [N, T] float32; built from tapped layers.
@@ -71,7 +89,10 @@ CoefFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, Any]]
 TokW = jax.Array | Callable[[jax.Array], jax.Array]
 
 METHODS = ("auto", "gram", "direct", "materialize")
+DEFAULT_BUDGET_BYTES = 4 << 30  # per device, for the norms' temporaries and kept per-example gradients
 _F32 = jnp.float32
+_B = 4  # bytes per float32
+_MIN_VOCAB_CHUNK = 128
 
 
 class GhostResult(NamedTuple):
@@ -79,7 +100,7 @@ class GhostResult(NamedTuple):
 
   logp_nt: [N, T] per-token log-probs from the forward pass (no gradient flows from them).
   tokw_nt: [N, T] the token weights used.
-  sq_norms_n: [N] exact ||grad_params sum_t tokw_nt logp_nt||^2.
+  sq_norms_n: [N] exact ||grad_params sum_t tokw_nt logp_nt||^2 (None from `taps_grad`).
   coef_n: [N] coefficients returned by coef_fn.
   loss: scalar -sum_n coef_n sum_t tokw_nt logp_nt.
   grads: gradient of `loss` wrt params, same pytree structure as params.
@@ -88,7 +109,7 @@ class GhostResult(NamedTuple):
 
   logp_nt: jax.Array
   tokw_nt: jax.Array
-  sq_norms_n: jax.Array
+  sq_norms_n: jax.Array | None
   coef_n: jax.Array
   loss: jax.Array
   grads: Any
@@ -97,13 +118,24 @@ class GhostResult(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-  """How one tapped matmul (linear or tied head) computes its norm and gradient."""
+  """How one tapped matmul (a linear kernel or the LM head) computes its norm and gradient.
+
+  n: examples per device; t: tokens per example (M = T - 1 for the head); din/dout: the matmul's
+  widths (D, V for the head). block: "direct" on a linear layer: examples per block (n = all at
+  once); the head: vocabulary entries per chunk. temp_bytes: transient float32 bytes while this
+  layer's norm is formed; kept_bytes: bytes kept until the update ("materialize").
+  """
 
   name: str
+  kind: str  # "linear" | "head"
   method: str  # "gram" | "direct" | "materialize"
+  n: int
   t: int
   din: int
   dout: int
+  block: int
+  temp_bytes: int
+  kept_bytes: int
 
 
 def sequence_logp_fn(graphdef) -> LogpFn:
@@ -124,8 +156,10 @@ def _param_paths(params) -> dict[str, jax.ShapeDtypeStruct]:
 def _tap_params(info: taps.TapInfo) -> list[str]:
   if info.kind == "linear":
     return [info.param + ".kernel"] + ([info.param + ".bias"] if info.has_bias else [])
-  if info.kind in ("embed", "unembed"):
+  if info.kind == "embed":
     return [info.param + ".embedding"]
+  if info.kind == "head":
+    return [info.param + (".embedding" if info.spec.tied else ".kernel")]
   if info.kind == "scale":
     return [info.param + ".scale"]
   raise ValueError(f"Unknown tap kind {info.kind!r} for {info.param!r}.")
@@ -134,11 +168,35 @@ def _tap_params(info: taps.TapInfo) -> list[str]:
 # ----------------------------------------------------------------------------- planning
 
 
-def _matmul_dims(info: taps.TapInfo, in_shape, out_shape) -> tuple[int, int, int]:
-  t = 1
-  for s in in_shape[1:-1]:
-    t *= s
-  return t, in_shape[-1], out_shape[-1]
+def _linear_option(method: str, n: int, t: int, din: int, dout: int, avail: int) -> tuple[int, int, int, int]:
+  """(flops per example beyond the plain backward, block, temp bytes, kept bytes) of one linear layer."""
+  if method == "gram":
+    return t * t * (din + dout), n, 2 * n * t * t * _B, 0
+  if method == "direct":
+    block = int(min(n, max(1, avail // (din * dout * _B))))
+    return t * din * dout + din * dout, block, block * din * dout * _B, 0
+  # materialize: forming A^T D is the norm's cost; the update's T Din Dout contraction is saved.
+  return 2 * din * dout - t * din * dout, n, 0, n * din * dout * _B
+
+
+def _head_option(method: str, n: int, m: int, d: int, v: int, avail: int) -> tuple[int, int, int, int]:
+  """(flops per example beyond the plain backward, vocab chunk, temp bytes, kept bytes) of the head.
+
+  Per vocab chunk Vc the pass holds logits, softmax and D^v [N, M, Vc] (3 N M Vc floats), dL/dh
+  [N, M, D] throughout, plus [N, M, M] twice (gram) or G^v [N, D, Vc] (direct). Non-materialized
+  heads pay a second scan for the update (recompute the logits, contract): 2 M D V.
+  """
+  fixed = n * m * d * _B + (2 * n * m * m * _B if method == "gram" else 0)
+  per_vc = 3 * n * m * _B + (n * d * _B if method != "gram" else 0)
+  vc = max(min(v, _MIN_VOCAB_CHUNK), min(v, (avail - fixed) // per_vc if avail > fixed else 0))
+  if vc < v and vc >= _MIN_VOCAB_CHUNK:
+    vc -= vc % _MIN_VOCAB_CHUNK
+  temp = fixed + per_vc * vc
+  if method == "gram":
+    return m * m * (d + v) + 2 * m * d * v, vc, temp, 0
+  if method == "direct":
+    return m * d * v + 2 * m * d * v, vc, temp, 0
+  return m * d * v + d * v, vc, temp, n * d * v * _B
 
 
 def plan_layers(
@@ -146,45 +204,112 @@ def plan_layers(
   in_shapes: dict[str, Any],
   out_shapes: dict[str, Any],
   method: str = "auto",
-  materialize_budget_bytes: int = 2 << 30,
+  memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+  batch_shards: int = 1,
 ) -> dict[str, LayerPlan]:
-  """Chooses gram / direct / materialize per tapped matmul (static, from shapes only).
+  """Chooses gram / direct / materialize per tapped matmul, from shapes only (per (micro-)batch).
 
-  Per-example flop counts (fp32): gram T^2 (Din + Dout); direct T Din Dout + Din Dout, both
-  followed by the T Din Dout update contraction; materialize T Din Dout + 2 Din Dout with
-  N Din Dout * 4 bytes kept until the coefficients are known. "auto" materializes layers in order
-  of flops saved per byte until `materialize_budget_bytes` is used, the rest take min(gram, direct).
+  Args:
+    infos, in_shapes, out_shapes: per tap (in/out shapes of the matmul; for a "head" tap the
+      shape of its input h [N, T, D], out_shapes[name] = (V,)).
+    method: "auto", or one method forced on every layer ("direct" still blocks by the budget).
+    memory_budget_bytes: per-device bytes for the norms: kept per-example gradients of the
+      materialized layers plus the largest transient of the others must fit.
+    batch_shards: devices the batch axis is split over (data x fsdp); N per device = N / shards.
+
+  Per-example flops beyond the plain backward (which includes the T Din Dout weight-gradient
+  contraction): gram T^2 (Din + Dout); direct T Din Dout; materialize 2 Din Dout - T Din Dout
+  (the update becomes a weighted sum). "auto" first materializes layers in order of flops saved
+  per kept byte while the kept bytes plus the largest minimal transient of the rest fit, then
+  gives every other layer the cheaper of gram/direct among those whose temporaries fit what is
+  left (direct in blocks of examples, the head in vocab chunks); if none fits, the smallest.
   """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-  plans, candidates = {}, []
+  if batch_shards < 1:
+    raise ValueError(f"batch_shards={batch_shards}: must be >= 1 (data x fsdp devices).")
+  dims = {}
   for name, info in infos.items():
-    if info.kind not in ("linear", "unembed"):
-      continue
-    t, din, dout = _matmul_dims(info, in_shapes[name], out_shapes[name])
-    gram, direct = t * t * (din + dout), t * din * dout + din * dout
-    cheap = "gram" if gram < direct else "direct"
-    plans[name] = LayerPlan(name, cheap if method == "auto" else method, t, din, dout)
-    n = in_shapes[name][0]
-    saved_per_byte = (min(gram, direct) + t * din * dout - (t * din * dout + 2 * din * dout)) / (din * dout * 4)
-    candidates.append((saved_per_byte, name, n * din * dout * 4))
-  if method == "auto":
-    used = 0
-    for _, name, nbytes in sorted(candidates, reverse=True):
-      if used + nbytes <= materialize_budget_bytes:
-        used += nbytes
-        plans[name] = dataclasses.replace(plans[name], method="materialize")
-  return plans
+    n = -(-in_shapes[name][0] // batch_shards)
+    if info.kind == "linear":
+      t, din, dout = _matmul_dims(in_shapes[name], out_shapes[name])
+      dims[name] = ("linear", n, t, din, dout)
+    elif info.kind == "head":
+      dims[name] = ("head", n, in_shapes[name][1] - 1, in_shapes[name][2], out_shapes[name][0])
+  option = lambda kind, meth, n, t, a, b, avail: (_linear_option if kind == "linear" else _head_option)(
+    meth, n, t, a, b, avail
+  )
+
+  def plan(name, meth, avail):
+    kind, n, t, a, b = dims[name]
+    _, block, temp, kept = option(kind, meth, n, t, a, b, avail)
+    return LayerPlan(name, kind, meth, n, t, a, b, block, temp, kept)
+
+  if method != "auto":
+    return {k: plan(k, method, memory_budget_bytes) for k in dims}
+
+  def min_temp(name):  # the smallest transient a non-materialized layer can get by with
+    kind, n, t, a, b = dims[name]
+    return min(option(kind, m, n, t, a, b, 0)[2] for m in ("gram", "direct"))
+
+  def best(name, avail):  # the cheaper of gram/direct that fits, else the smaller
+    kind, n, t, a, b = dims[name]
+    opts = [(option(kind, m, n, t, a, b, avail), m) for m in ("gram", "direct")]
+    fits = [(o[0], m) for o, m in opts if o[2] <= avail]
+    return min(fits)[1] if fits else min((o[2], m) for o, m in opts)[1]
+
+  saved = {}
+  for name, (kind, n, t, a, b) in dims.items():
+    cheap = min(option(kind, m, n, t, a, b, memory_budget_bytes)[0] for m in ("gram", "direct"))
+    mat = option(kind, "materialize", n, t, a, b, memory_budget_bytes)
+    saved[name] = ((cheap - mat[0]) / max(mat[3] / n, 1), name)
+  kept_used, materialized = 0, set()
+  for s, name in sorted(saved.values(), reverse=True):
+    if s <= 0:
+      break
+    mat = plan(name, "materialize", memory_budget_bytes - kept_used)
+    rest = [min_temp(k) for k in dims if k not in materialized and k != name]
+    if kept_used + mat.kept_bytes + max(rest + [mat.temp_bytes]) <= memory_budget_bytes:
+      kept_used += mat.kept_bytes
+      materialized.add(name)
+  avail = memory_budget_bytes - kept_used
+  return {k: plan(k, "materialize" if k in materialized else best(k, avail), avail) for k in dims}
+
+
+def _matmul_dims(in_shape, out_shape) -> tuple[int, int, int]:
+  t = 1
+  for s in in_shape[1:-1]:
+    t *= s
+  return t, in_shape[-1], out_shape[-1]
+
+
+def embed_plan(n: int, t: int, d: int, v: int, avail: int) -> tuple[str, int]:
+  """(method, examples per block) for an embedding lookup's ||onehot_n^T D_n||^2.
+
+  "gram": sum_{t,s: tok_t = tok_s} d_t . d_s, T^2 D flops and [N, T, T] floats; "scatter": form
+  the per-example row gradient B_n [V, D] (segment sum, T D + V D flops) for `block` examples at
+  a time, b V D floats. Scatter when it is cheaper (T^2 > T + V) and one example's rows fit.
+  """
+  if t * t > t + v and v * d * _B <= avail:
+    return "scatter", int(min(n, max(1, avail // (v * d * _B))))
+  return "gram", n
 
 
 # ----------------------------------------------------------------------------- the fast path
 
 
 def _tapped_forward(logp_fn: LogpFn, params, batch):
-  """Shapes and infos of every tap, from an abstract (eval_shape) forward pass."""
+  """Infos, input shapes and output shapes of every tap, from an abstract (eval_shape) forward."""
   with taps.recording() as tape:
     inputs = jax.eval_shape(lambda: (logp_fn(params, batch), dict(tape.inputs))[1])
-  return tape.info, inputs, tape.out_shapes
+  in_shapes, out_shapes = {}, {}
+  for name, info in tape.info.items():
+    if info.kind == "head":
+      w = inputs[name]["w"]
+      in_shapes[name], out_shapes[name] = inputs[name]["h"].shape, (logprobs.vocab_size(w, info.spec),)
+    else:
+      in_shapes[name], out_shapes[name] = inputs[name].shape, tape.out_shapes[name].shape
+  return tape.info, in_shapes, tape.out_shapes, out_shapes
 
 
 def _resolve_tokw(tokw: TokW, logp_nt: jax.Array) -> jax.Array:
@@ -208,35 +333,113 @@ def _gram_sq_norm(a_ntk: jax.Array, d_nto: jax.Array) -> jax.Array:
   return jnp.einsum("nts,nts->n", jnp.einsum("nti,nsi->nts", a_ntk, a_ntk), jnp.einsum("nto,nso->nts", d_nto, d_nto))
 
 
-def ghost_sq_norms_and_grad(
-  logp_fn: LogpFn,
-  params,
-  batch,
-  tokw: TokW,
-  coef_fn: CoefFn,
-  *,
-  method: str = "auto",
-  materialize_budget_bytes: int = 2 << 30,
-) -> GhostResult:
-  """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
+def _direct_sq_norm(a_nti: jax.Array, d_nto: jax.Array, block: int) -> jax.Array:
+  """||A_n^T D_n||_F^2 by forming the per-example gradient, `block` examples at a time, [N]."""
+  if block >= a_nti.shape[0]:
+    g = jnp.einsum("nti,nto->nio", a_nti, d_nto)
+    return jnp.sum(g * g, axis=(1, 2))
+  one = lambda ad: jnp.sum(jnp.square(ad[0].T @ ad[1]))
+  return jax.lax.map(one, (a_nti, d_nto), batch_size=block)
 
-  Args:
-    logp_fn: (params, batch) -> logp_nt [N, T]; every parameter must belong to a tapped layer
-      (`vcpo_jax.model.taps`), else ValueError. Examples must not interact (no batch norm etc.).
-    params: parameter pytree (nnx.State of the policy).
-    batch: pytree with a leading N axis, passed to logp_fn.
-    tokw: token weights [N, T] (loss mask, or token-TIS weights), or a function logp_nt -> tokw_nt.
-      Treated as stop-gradient.
-    coef_fn: (logp_nt, sq_norms_n) -> (coef_n [N], aux), e.g. a closure over
-      `estimator.pg_coefficients`. Its inputs are stop-gradient; coef_n is treated as a constant.
-    method: "auto" | "gram" | "direct" | "materialize" for linear kernels and the tied head (see
-      module docstring); biases, scales and embedding lookups are always exact closed forms.
-    materialize_budget_bytes: for "auto", memory allowed for kept per-example kernel gradients.
 
-  Returns:
-    GhostResult(logp_nt, tokw_nt, sq_norms_n, coef_n, loss, grads, aux); grads has params' structure.
+def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array, v: int = 0, block: int = 0, kept_nvd=None) -> jax.Array:
+  """||B_n||^2 with B_n = onehot_n^T D_n [V, D] the lookup's row gradient, [N].
+
+  block = 0: sum_{t,s: tok_t = tok_s} d_t . d_s (T^2 D flops, no [V, D] buffer). block > 0: B_n by a
+  segment sum, `block` examples at a time; with kept_nvd (the tied head's materialized per-example
+  gradient C_n [N, V, D]) returns ||B_n + C_n||^2 - ||C_n||^2 = ||B_n||^2 + 2 <B_n, C_n>, the
+  lookup's part of the tied table's norm, cross term included.
   """
-  infos, in_shapes, out_shapes = _tapped_forward(logp_fn, params, batch)
+  if block <= 0:
+    same = tok_nt[:, :, None] == tok_nt[:, None, :]
+    return jnp.sum(jnp.where(same, jnp.einsum("ntd,nsd->nts", d_ntd, d_ntd), 0.0), axis=(1, 2))
+
+  def one(x):
+    b = jax.ops.segment_sum(x["d"], x["tok"], num_segments=v)  # [V, D]
+    sq = jnp.sum(b * b)
+    return sq + 2.0 * jnp.sum(b * x["c"]) if "c" in x else sq
+
+  xs = {"tok": tok_nt, "d": d_ntd} | ({"c": kept_nvd} if kept_nvd is not None else {})
+  if block >= tok_nt.shape[0]:
+    return jax.vmap(one)(xs)
+  return jax.lax.map(one, xs, batch_size=block)
+
+
+def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None):
+  """One scan over the head's vocab chunks, recomputing logits from h, W and the forward's lse.
+
+  With D^v = c * (onehot(y) - softmax)[:, :, chunk v] ([N, M, Vc], the head's output gradient):
+    want_dh: dL/dh [N, T, D] = sum_v D^v W_v^T (0 at the last position, which predicts nothing);
+    want_sq: the head's S_n (gram or direct by plan.method) and, for "materialize", the kept
+      per-example gradients G_n [N, D, V] (tied: [N, V, D]);
+    w_n [N]: the update gradient sum_n w_n H_n^T D_n in w's layout.
+  Returns (dh or None, sq_n or None, kept or None, grad_w or None).
+  """
+  h, w, lse, y = rec["h"], rec["w"], rec["lse"], rec["tokens"][:, 1:]
+  n, t, d = h.shape
+  h_m = h[:, :-1]
+  h32 = h_m.astype(_F32)
+  v = logprobs.vocab_size(w, spec)
+  vc, nv = logprobs.vocab_chunks(v, plan.block)
+  gram = want_sq and plan.method == "gram"
+  keep = want_sq and plan.method == "materialize"
+  hh = jnp.einsum("ntd,nsd->nts", h32, h32) if gram else None
+  # The layout of a [.., D] x [.., Vc] product in w's orientation (tied w is [V, D]).
+  g_eq = "ntd,ntv->nvd" if spec.tied else "ntd,ntv->ndv"
+  axis = 1 if spec.tied else 2  # vocab axis of G_n
+  carry = (
+    jnp.zeros((n, t - 1, d), _F32) if want_dh else None,
+    jnp.zeros((n,), _F32) if want_sq else None,
+    jnp.zeros((n,) + w.shape, _F32) if keep else None,
+    jnp.zeros(w.shape, _F32) if w_n is not None else None,
+  )
+
+  def add_cols(buf, part, start, ax):
+    cur = jax.lax.dynamic_slice_in_dim(buf, start, vc, axis=ax)
+    return jax.lax.dynamic_update_slice_in_dim(buf, cur + part, start, axis=ax)
+
+  def body(carry, i):
+    dh, sq, kept, gw = carry
+    start, live = logprobs.chunk_columns(i, v, vc)
+    w_c = logprobs.vocab_slice(w, spec, start, vc)
+    p = jnp.exp(logprobs.logits(h_m, w_c, spec) - lse[..., None])
+    onehot = (start + jnp.arange(vc)) == y[..., None]
+    d_c = jnp.where(live, c_nm[..., None] * (onehot.astype(_F32) - p), 0.0)  # [N, M, Vc]
+    if dh is not None:
+      eq = "nmv,vd->nmd" if spec.tied else "nmv,dv->nmd"
+      dh = dh + jnp.einsum(eq, d_c.astype(spec.dtype), w_c.astype(spec.dtype), preferred_element_type=_F32)
+    if gram:
+      sq = sq + jnp.einsum("nts,nts->n", hh, jnp.einsum("ntv,nsv->nts", d_c, d_c))
+    elif sq is not None:
+      g = jnp.einsum(g_eq, h32, d_c)
+      sq = sq + jnp.sum(g * g, axis=(1, 2))
+      if kept is not None:
+        kept = add_cols(kept, g, start, axis)
+    if gw is not None:
+      gw = add_cols(gw, jnp.einsum(g_eq, h32, d_c * w_n[:, None, None]).sum(0), start, axis - 1)
+    return (dh, sq, kept, gw), None
+
+  (dh, sq, kept, gw), _ = jax.lax.scan(body, carry, jnp.arange(nv))
+  if dh is not None:
+    dh = jnp.pad(dh, ((0, 0), (0, 1), (0, 0))).astype(h.dtype)
+  return dh, sq, kept, gw
+
+
+def _tied_cross_term(rec, spec, c_nm, tok_nt, d_emb) -> jax.Array:
+  """2 <B_n, C_n> = 2 sum_{s,t} d_s[tok_t] (h_s . d^emb_t), [N]; [N, M, T] values, no [N, T, V]."""
+  h, w, lse, y = rec["h"], rec["w"], rec["lse"], rec["tokens"][:, 1:]
+  h_m = h[:, :-1]
+  e_tok = jnp.take(w, tok_nt, axis=0)  # [N, T, D]: the table rows of the looked-up tokens
+  lg = jnp.einsum("nsd,ntd->nst", h_m.astype(spec.dtype), e_tok.astype(spec.dtype)).astype(_F32)
+  d_st = c_nm[..., None] * ((y[..., None] == tok_nt[:, None, :]).astype(_F32) - jnp.exp(lg - lse[..., None]))
+  m_st = jnp.einsum("nsd,ntd->nst", h_m.astype(_F32), d_emb)
+  return 2.0 * jnp.sum(d_st * m_st, axis=(1, 2))
+
+
+def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_bytes, batch_shards):
+  """The shared body of `ghost_sq_norms_and_grad` (coef_fn given) and `taps_grad` (coef_n given)."""
+  norms = coef_fn is not None
+  infos, in_shapes, pert_shapes, out_shapes = _tapped_forward(logp_fn, params, batch)
   if not infos:
     raise ValueError("logp_fn recorded no taps: build it from vcpo_jax.model layers (Linear, Embed, RMSNorm).")
   # Coverage: every parameter leaf is owned by a tap and every tap names a parameter.
@@ -253,37 +456,60 @@ def ghost_sq_norms_and_grad(
       f"Parameters {missing} are not covered by any tap; their per-example norms would be "
       "missing. Tap the layers that use them."
     )
-  plans = plan_layers(
-    infos,
-    {k: v.shape for k, v in in_shapes.items()},
-    {k: v.shape for k, v in out_shapes.items()},
-    method,
-    materialize_budget_bytes,
-  )
+  plans = plan_layers(infos, in_shapes, out_shapes, method, memory_budget_bytes, batch_shards)
+  heads = [k for k, info in infos.items() if info.kind == "head"]
 
-  # One forward pass, one vjp with respect to the zero perturbations only.
-  zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in out_shapes.items()}
+  # One forward pass; the head's log-probs come from stop_gradient(h), h is an output of its own.
+  zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in pert_shapes.items()}
 
   def tapped(perts):
     with taps.recording(perts) as tape:
       logp = logp_fn(params, batch)
-    return logp, dict(tape.inputs)
+    acts = dict(tape.inputs)
+    return (logp, {k: acts[k]["h"] for k in heads}), acts
 
-  logp_nt, vjp_fn, acts = jax.vjp(tapped, zeros, has_aux=True)
+  (logp_nt, _), vjp_fn, acts = jax.vjp(tapped, zeros, has_aux=True)
   logp_nt = jax.lax.stop_gradient(logp_nt)
   n = logp_nt.shape[0]
   tokw_nt = _resolve_tokw(tokw, logp_nt)
-  (outgrads,) = vjp_fn(tokw_nt.astype(logp_nt.dtype))
+  if not norms:
+    coef_n = jax.lax.stop_gradient(jnp.asarray(coef_n, _F32))
+  # The head's pass over vocab chunks: dL/dh for the backward below, and its norm (or, without
+  # norms, its weight gradient in the same pass).
+  c_nm = tokw_nt[:, 1:]
+  sq_n = jnp.zeros((n,), _F32)
+  dh, kept, grads_by_path = {}, {}, {}
+  for k in heads:
+    dh[k], sq_k, kept_k, gw = _head_scan(
+      acts[k], infos[k].spec, c_nm, plans[k], want_dh=True, want_sq=norms, w_n=None if norms else -coef_n
+    )
+    if norms:
+      sq_n += sq_k
+    if kept_k is not None:
+      kept[k] = kept_k
+    if gw is not None:
+      grads_by_path[k] = gw
+  (outgrads,) = vjp_fn((tokw_nt.astype(logp_nt.dtype), dh))
+
+  # What the kept per-example gradients leave of the budget goes to the embedding lookups' norms.
+  kept_bytes = sum(pl.kept_bytes for pl in plans.values() if pl.method == "materialize")
+  avail = memory_budget_bytes - kept_bytes
+
+  def embed_block(tok, d_emb, v):  # 0: the gram form; else examples per block of the scatter form
+    t = tok.size // n
+    meth, block = embed_plan(-(-n // batch_shards), t, d_emb.shape[-1], v, avail)
+    return block if meth == "scatter" else 0
 
   # Per-example squared norms, parameter by parameter; keep what the update needs.
-  sq_n = jnp.zeros((n,), _F32)
-  kept = {}  # tap name -> per-example gradient [N, ...] for "materialize"
-  for p, names in owners.items():
+  for p, names in owners.items() if norms else ():
     kinds = sorted(infos[k].kind for k in names)
     if len(names) == 1:
       name = names[0]
-      info, a, d = infos[name], acts[name], outgrads[name]
-      if info.kind in ("linear", "unembed"):
+      info = infos[name]
+      if info.kind == "head":
+        continue  # its S_n came from the head scan
+      a, d = acts[name], outgrads[name]
+      if info.kind == "linear":
         a_nt, d_nt = _flat(a, n), _flat(d, n)
         if p.endswith(".bias"):
           sq_n += jnp.sum(jnp.sum(d_nt, axis=1) ** 2, axis=-1)
@@ -291,58 +517,63 @@ def ghost_sq_norms_and_grad(
         plan = plans[name]
         if plan.method == "gram":
           sq_n += _gram_sq_norm(a_nt, d_nt)
+        elif plan.method == "direct":
+          sq_n += _direct_sq_norm(a_nt, d_nt, plan.block)
         else:
-          g = jnp.einsum("nti,nto->nio", a_nt, d_nt)  # per-example kernel gradient
+          g = jnp.einsum("nti,nto->nio", a_nt, d_nt)  # per-example kernel gradient, kept
           sq_n += jnp.sum(g * g, axis=(1, 2))
-          if plan.method == "materialize":
-            kept[name] = g
+          kept[name] = g
       elif info.kind == "scale":
         sq_n += jnp.sum(jnp.sum(_flat(a, n) * _flat(d, n), axis=1) ** 2, axis=-1)
       elif info.kind == "embed":
-        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n))
+        v = param_shapes[p].shape[0]
+        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v))
       else:
         raise ValueError(f"Unsupported tap kind {info.kind!r} for parameter {p!r}.")
-    elif kinds == ["embed", "unembed"]:  # tied embeddings: lookup + LM head share the table
+    elif kinds == ["embed", "head"]:  # tied embeddings: lookup + LM head share the table
       emb = next(k for k in names if infos[k].kind == "embed")
-      head = next(k for k in names if infos[k].kind == "unembed")
-      tok_nt = acts[emb].reshape(n, -1)
-      d_emb, h_nt, d_head = _flat(outgrads[emb], n), _flat(acts[head], n), _flat(outgrads[head], n)
-      sq_n += _embed_sq_norm(tok_nt, d_emb)
-      if plans[head].method == "gram":
-        sq_n += _gram_sq_norm(h_nt, d_head)
-      else:
-        g = jnp.einsum("nti,nto->nio", h_nt, d_head)  # [N, D, V]
-        sq_n += jnp.sum(g * g, axis=(1, 2))
-        if plans[head].method == "materialize":
-          kept[head] = g
-      # 2 <B_n, C_n> = 2 sum_{t,s} D^head[s, tok_t] (d^emb_t . h_s)
-      m_nts = jnp.einsum("ntd,nsd->nts", d_emb, h_nt)
-      p_nst = jnp.take_along_axis(
-        d_head, jnp.broadcast_to(tok_nt[:, None, :], d_head.shape[:2] + tok_nt.shape[1:]), axis=2
-      )
-      sq_n += 2.0 * jnp.einsum("nts,nst->n", m_nts, p_nst)
+      head = next(k for k in names if infos[k].kind == "head")
+      tok_nt, d_emb = acts[emb].reshape(n, -1), _flat(outgrads[emb], n)
+      v = param_shapes[p].shape[0]
+      block = embed_block(acts[emb], outgrads[emb], v)
+      if head in kept and block:  # ||B_n||^2 + 2 <B_n, C_n> from B_n and the kept C_n
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head])
+      else:  # ||B_n||^2, and the cross term from [N, M, T] values; ||C_n||^2 came from the head scan
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block)
+        sq_n += _tied_cross_term(acts[head], infos[head].spec, c_nm, tok_nt, d_emb)
     else:
       raise ValueError(
         f"Parameter {p!r} is used by taps {names} of kinds {kinds}; only a tied "
-        "embed + unembed pair may share a parameter."
+        "embed + head pair may share a parameter."
       )
 
-  coef_n, aux = coef_fn(logp_nt, jax.lax.stop_gradient(sq_n))
-  coef_n = jax.lax.stop_gradient(jnp.asarray(coef_n, _F32))
+  aux = None
+  if norms:
+    coef_n, aux = coef_fn(logp_nt, jax.lax.stop_gradient(sq_n))
+    coef_n = jax.lax.stop_gradient(jnp.asarray(coef_n, _F32))
   if coef_n.shape != (n,):
-    raise ValueError(f"coef_fn returned coef_n of shape {coef_n.shape}; expected ({n},).")
+    raise ValueError(f"coef_n has shape {coef_n.shape}; expected ({n},), one coefficient per trajectory.")
   # where(): padding tokens may carry logp = -inf; they have weight 0 and must not give nan.
   loss = -jnp.sum(coef_n * jnp.sum(jnp.where(tokw_nt != 0, tokw_nt * logp_nt, 0.0), axis=1))
 
   # The update: backprop is linear in the per-example cotangents, so contract with -coef_n.
   w_n = -coef_n
-  grads_by_path: dict[str, jax.Array] = {}
+  grads: dict[str, jax.Array] = {}
 
   def add(path, g):
     g = g.astype(param_shapes[path].dtype)
-    grads_by_path[path] = grads_by_path[path] + g if path in grads_by_path else g
+    grads[path] = grads[path] + g if path in grads else g
 
   for name, info in infos.items():
+    if info.kind == "head":
+      path = _tap_params(info)[0]
+      if name in grads_by_path:  # taps_grad: formed in the head scan
+        add(path, grads_by_path[name])
+      elif name in kept:
+        add(path, jnp.einsum("n,n...->...", w_n, kept[name]))
+      else:
+        add(path, _head_scan(acts[name], info.spec, c_nm, plans[name], want_dh=False, want_sq=False, w_n=w_n)[3])
+      continue
     a, d = acts[name], outgrads[name]
     if info.kind == "linear":
       if name in kept:
@@ -351,11 +582,6 @@ def ghost_sq_norms_and_grad(
         add(info.param + ".kernel", jnp.einsum("nti,nto->io", _flat(a, n), _flat(d, n) * w_n[:, None, None]))
       if info.has_bias:
         add(info.param + ".bias", jnp.einsum("n,nto->o", w_n, _flat(d, n)))
-    elif info.kind == "unembed":
-      if name in kept:
-        add(info.param + ".embedding", jnp.einsum("n,ndv->vd", w_n, kept[name]))
-      else:
-        add(info.param + ".embedding", jnp.einsum("ntv,ntd->vd", _flat(d, n) * w_n[:, None, None], _flat(a, n)))
     elif info.kind == "scale":
       add(info.param + ".scale", jnp.einsum("n,ntd->d", w_n, _flat(a, n) * _flat(d, n)))
     elif info.kind == "embed":
@@ -367,18 +593,64 @@ def ghost_sq_norms_and_grad(
       )
       add(info.param + ".embedding", rows)
 
-  grads = jax.tree_util.tree_map_with_path(lambda path, _: grads_by_path[path_str(path)], params)
-  return GhostResult(logp_nt, tokw_nt, sq_n, coef_n, loss, grads, aux)
+  grads = jax.tree_util.tree_map_with_path(lambda path, _: grads[path_str(path)], params)
+  return GhostResult(logp_nt, tokw_nt, sq_n if norms else None, coef_n, loss, grads, aux)
 
 
-def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array) -> jax.Array:
-  """||onehot_n^T D_n||^2 = sum_{t,s: tok_t = tok_s} d_t . d_s, [N] (T^2 D flops, no [V, D] buffer)."""
-  same = tok_nt[:, :, None] == tok_nt[:, None, :]
-  return jnp.sum(jnp.where(same, jnp.einsum("ntd,nsd->nts", d_ntd, d_ntd), 0.0), axis=(1, 2))
+def ghost_sq_norms_and_grad(
+  logp_fn: LogpFn,
+  params,
+  batch,
+  tokw: TokW,
+  coef_fn: CoefFn,
+  *,
+  method: str = "auto",
+  memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+  batch_shards: int = 1,
+) -> GhostResult:
+  """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
+
+  Args:
+    logp_fn: (params, batch) -> logp_nt [N, T]; every parameter must belong to a tapped layer
+      (`vcpo_jax.model.taps`), else ValueError. Examples must not interact (no batch norm etc.).
+    params: parameter pytree (nnx.State of the policy).
+    batch: pytree with a leading N axis, passed to logp_fn.
+    tokw: token weights [N, T] (loss mask, or token-TIS weights), or a function logp_nt -> tokw_nt.
+      Treated as stop-gradient.
+    coef_fn: (logp_nt, sq_norms_n) -> (coef_n [N], aux), e.g. a closure over
+      `estimator.pg_coefficients`. Its inputs are stop-gradient; coef_n is treated as a constant.
+    method: "auto" | "gram" | "direct" | "materialize" for linear kernels and the LM head (see
+      `plan_layers`); biases, scales and embedding lookups are always exact closed forms.
+    memory_budget_bytes: per-device bytes for the norms' temporaries and kept gradients.
+    batch_shards: devices the batch axis is split over (data x fsdp), for the per-device budget.
+
+  Returns:
+    GhostResult(logp_nt, tokw_nt, sq_norms_n, coef_n, loss, grads, aux); grads has params' structure.
+  """
+  return _ghost(logp_fn, params, batch, tokw, coef_fn, None, method, memory_budget_bytes, batch_shards)
+
+
+def taps_grad(
+  logp_fn: LogpFn, params, batch, tokw: TokW, coef_n: jax.Array, *, memory_budget_bytes=DEFAULT_BUDGET_BYTES
+) -> GhostResult:
+  """The same taps-based backward with fixed coef_n [N] and no norms (sq_norms_n = None, aux = None).
+
+  One forward, the vjp to the layer outputs, the head's dL/dh and weight gradient in one scan over
+  vocab chunks, then the weight-gradient contractions: the fair plain step next to the VCPO step.
+  """
+  return _ghost(logp_fn, params, batch, tokw, None, coef_n, "direct", memory_budget_bytes, 1)
 
 
 def ghost_policy_gradient(
-  logp_fn: LogpFn, params, batch, cfg, *, method: str = "auto", materialize_budget_bytes: int = 2 << 30
+  logp_fn: LogpFn,
+  params,
+  batch,
+  cfg,
+  *,
+  method: str = "auto",
+  memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+  batch_shards: int = 1,
+  divisor=None,
 ):
   """Drop-in fast path for `estimator.policy_gradient(logp_fn, params, batch, cfg)`.
 
@@ -386,7 +658,10 @@ def ghost_policy_gradient(
   coef_n = estimator.pg_coefficients(..., sq_score_norms_n=S_n, cfg) with S_n from the ghost norms
   (S_n is the norm of the tokw-weighted score; OPOB only runs with sequence-level weights, where
   tokw_nt = loss_mask), and the gradient from the same single backward pass. metrics also holds
-  sq_norm_n [N] (the exact S_n, whether or not cfg uses it).
+  sq_norm_n [N] (the exact S_n, whether or not cfg uses it). Call it per micro-batch: the plan
+  (`plan_layers`) is chosen from that micro-batch's shapes against memory_budget_bytes per device
+  (batch_shards: the devices its batch axis is split over). divisor: as in pg_coefficients (a
+  micro-batch passes 1.0).
   """
   from vcpo_jax import estimator
 
@@ -399,10 +674,19 @@ def ghost_policy_gradient(
     return estimator.pg_token_weights(logp_nt, beh, mask, cfg)
 
   def coef_fn(logp_nt, sq_n):
-    return estimator.pg_coefficients(logp_nt, beh, mask, batch["rewards"], batch["group_id"], sq_n, cfg)
+    return estimator.pg_coefficients(
+      logp_nt, beh, mask, batch["rewards"], batch["group_id"], sq_n, cfg, divisor=divisor
+    )
 
   res = ghost_sq_norms_and_grad(
-    logp_fn, params, batch, tokw, coef_fn, method=method, materialize_budget_bytes=materialize_budget_bytes
+    logp_fn,
+    params,
+    batch,
+    tokw,
+    coef_fn,
+    method=method,
+    memory_budget_bytes=memory_budget_bytes,
+    batch_shards=batch_shards,
   )
   return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n)
 

@@ -18,14 +18,28 @@ import numpy as np
 
 from vcpo_jax import fs
 
-# Plots written at the end of a run: (file stem, title, metric keys to overlay).
+# Plots written at the end of a run: (file stem, title, metric keys to overlay, y-axis label with unit).
+# Every plot has two panels with the same y-axis: against the learner step and against wall-clock seconds.
 PLOTS = (
-  ("reward", "reward and accuracy", ("train/reward_mean", "train/accuracy", "eval/accuracy")),
-  ("ess", "ESS ratio", ("train/ess_ratio", "train/ess_ratio_applied")),
-  ("lr_scale", "learning-rate scale", ("train/lr_scale",)),
-  ("grad_norm", "gradient norm (before clipping)", ("train/grad_norm",)),
-  ("lag", "policy lag (learner steps)", ("train/lag_min", "train/lag_mean", "train/lag_max")),
+  (
+    "reward",
+    "reward and accuracy",
+    ("train/reward_mean", "train/accuracy", "eval/accuracy"),
+    "reward, accuracy (mean over rollouts)",
+  ),
+  ("ess", "ESS ratio", ("train/ess_ratio", "train/ess_ratio_applied"), "ESS / N (fraction of the batch)"),
+  ("lr_scale", "learning-rate scale", ("train/lr_scale",), "lr scale (x configured lr)"),
+  ("grad_norm", "gradient norm (before clipping)", ("train/grad_norm",), "gradient norm (global L2)"),
+  ("lag", "policy lag (learner steps)", ("train/lag_min", "train/lag_mean", "train/lag_max"), "lag (learner steps)"),
 )
+# Overlaid series are drawn widest first, each narrower and in its own dash pattern on top, so a series equal
+# to another (train/reward_mean is train/accuracy for a 0/1 reward) still shows as a wide band around a line.
+_STYLES = (
+  {"linestyle": "-", "linewidth": 4.0, "alpha": 0.45},
+  {"linestyle": "--", "linewidth": 1.8},
+  {"linestyle": ":", "linewidth": 1.8, "marker": "o", "markersize": 3},
+)
+X_LABELS = {"step": "learner step", "wall_time": "wall-clock (s since the run started)"}
 
 
 def _scalar(v):
@@ -178,8 +192,54 @@ def series(records: Iterable[dict], key: str, x: str = "step") -> tuple[np.ndarr
   return a[:, 0], a[:, 1]
 
 
+def _fraction_limits(values: np.ndarray) -> tuple[float, float] | None:
+  """(0, 1.05) when every value is a fraction in [0, 1] (ESS ratio, lr scale, accuracy), else None (autoscale).
+
+  Fixed limits keep a constant series readable: in sync mode the ESS ratio and the lr scale are 1 up to
+  float32 rounding, which autoscaling would blow up into noise on a 1e-7 axis.
+  """
+  finite = values[np.isfinite(values)]
+  tol = 1e-5  # float32 rounding: a sync-mode ESS ratio can read 1.0000001
+  if finite.size and finite.min() >= -tol and finite.max() <= 1.0 + tol:
+    return (0.0, 1.05)
+  return None
+
+
+def figure(records: list[dict], title: str, keys: Iterable[str], ylabel: str):
+  """The matplotlib Figure of one PLOTS entry (None if no key has data): panels vs learner step and wall-clock.
+
+  Each panel: x labelled by X_LABELS, y by `ylabel`, tick labels in plain numbers (no offset / scientific
+  notation), y limits [0, 1.05] for fractions (`_fraction_limits`), a legend naming each series' key.
+  """
+  import matplotlib.pyplot as plt
+
+  present = [k for k in keys if series(records, k)[0].size]
+  if not present:
+    return None
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+  all_y = np.concatenate([series(records, k)[1] for k in present])
+  limits = _fraction_limits(all_y)
+  for ax, x in zip(axes, ("step", "wall_time")):
+    for k, style in zip(present, _STYLES if len(present) > 1 else ({"linewidth": 1.5},)):
+      xs, ys = series(records, k, x)
+      style = dict(style)
+      if xs.size < 50 or k.startswith("eval/"):  # sparse series (few steps, evaluations): show the points
+        style.setdefault("marker", ".")
+      ax.plot(xs, ys, label=k, **style)
+    ax.set_xlabel(X_LABELS[x])
+    ax.set_ylabel(ylabel)
+    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+    if limits is not None:
+      ax.set_ylim(*limits)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  return fig
+
+
 def plot_run(workdir: str) -> list[str]:
-  """Writes one PNG per PLOTS entry (against step and wall-clock) into workdir/plots (any fs URL)."""
+  """Writes one PNG per PLOTS entry (`figure`) into workdir/plots (any fs URL); returns the paths written."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -188,20 +248,10 @@ def plot_run(workdir: str) -> list[str]:
   records = read_jsonl(fs.join(workdir, "metrics.jsonl"))
   out_dir = fs.join(workdir, "plots")
   written = []
-  for stem, title, keys in PLOTS:
-    present = [k for k in keys if series(records, k)[0].size]
-    if not present:
+  for stem, title, keys, ylabel in PLOTS:
+    fig = figure(records, title, keys, ylabel)
+    if fig is None:
       continue
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, x in zip(axes, ("step", "wall_time")):
-      for k in present:
-        xs, ys = series(records, k, x)
-        ax.plot(xs, ys, marker="." if xs.size < 50 else None, label=k)
-      ax.set_xlabel("learner step" if x == "step" else "wall-clock (s)")
-      ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
     path = fs.join(out_dir, f"{stem}.png")
     with fs.open(path, "wb") as f:
       fig.savefig(f, format="png", dpi=100)

@@ -1,6 +1,6 @@
 """Optax transforms of the learner: ESS-scaled learning rate, AdamW + clip chain.
 
-VCPO part 1 (PAPER.md): eta_step = eta * rule(min(1, rho / rho_on)), applied to
+VCPO part 1 (arXiv 2602.17616): eta_step = eta * rule(min(1, rho / rho_on)), applied to
 that step only. Here the rate multiplier arrives as an EXTRA ARGUMENT of the
 update (`optax.GradientTransformationExtraArgs`), not through
 `inject_hyperparams`: the scale is a per-step input computed from the batch,

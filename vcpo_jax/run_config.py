@@ -486,7 +486,13 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
   # A multi-turn context reaches T - 1 tokens and one call adds up to max_turn_tokens more.
   model_cfg = _model_config(c, t.max_prompt_len + t.max_new_tokens + (multiturn.max_turn_tokens if multiturn else 0))
   with _section("learner", LearnerConfig):
-    learner_cfg = LearnerConfig(pg=pg, grad_path=c.learner.grad_path)
+    learner_cfg = LearnerConfig(
+      pg=pg,
+      grad_path=c.learner.grad_path,
+      microbatch_size=c.learner.get("microbatch_size") or None,
+      group_size=rollout.group_size,
+      batch_size=rollout.batch_size,
+    )
   optim_cfg = _component(OptimConfig, "optim", c.optim.to_dict())
   mesh_shape = _mesh_shape(c.mesh.shape, rollout)
   spec = RunSpec(

@@ -10,8 +10,8 @@ m_nt (`loss_nt`) is 1 on the target tokens and on the EOS appended after
 them (so the policy learns to stop), 0 on the prompt and on padding. Rows use
 the rollout layout (left-padded prompt bucket Tp, then the right-padded
 response bucket Tn, T = Tp + Tn), so the positions the policy trains on are
-the positions the sampler later generates at. AdamW with global-norm clipping
-and a warmup-cosine schedule, one jitted step; batches are drawn from a seeded
+the positions the sampler later generates at. AdamW with global-norm clipping (the
+learner's optim.make_optimizer) on a warmup-cosine schedule, one jitted step; batches are drawn from a seeded
 permutation of the examples (epochs), so the result is a pure function of the
 inputs.
 
@@ -52,13 +52,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vcpo_jax import tasks
+from vcpo_jax import optim, tasks
 from vcpo_jax.model import transformer
+from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
 
 log = logging.getLogger("vcpo_jax")
 
 # Bump when the training recipe or the target format changes: old caches stop matching.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: leaves named by sharding.path_str (1: jax keystr)
 # Held out of the SFT examples to report the accuracy reached (capped by the pool size).
 NUM_REPORT_PROBLEMS = 64
 # Countdown targets are re-solved canonically up to this many numbers (the exhaustive solver
@@ -162,11 +163,16 @@ def sft_loss(graphdef, params, tokens_bt, valid_bt, loss_bt) -> jax.Array:
   return -(logp_bt * m_bt).sum() / jnp.maximum(m_bt.sum(), 1.0)
 
 
-def make_optimizer(lr: float, steps: int, clip_norm: float = 1.0, weight_decay: float = 0.01):
-  """clip -> AdamW with linear warmup (5% of steps) then cosine decay to lr / 10."""
+def make_schedule(lr: float, steps: int) -> optax.Schedule:
+  """Linear warmup 0 -> lr over max(1, steps // 20) steps, then cosine decay to lr / 10 at `steps`."""
   warmup = max(1, steps // 20)
-  sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10)
-  return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(sched, weight_decay=weight_decay))
+  return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10)
+
+
+def make_optimizer(lr: float, steps: int, clip_norm: float = 1.0, weight_decay: float = 0.01):
+  """The learner's builder (optim.make_optimizer: clip -> AdamW -> ESS scale, which is 1 here) on
+  `make_schedule`; updates equal those of chain(clip_by_global_norm, adamw(schedule)) exactly."""
+  return optim.make_optimizer(make_schedule(lr, steps), weight_decay=weight_decay, clip_norm=clip_norm)
 
 
 def make_train_step(graphdef, tx):
@@ -244,13 +250,12 @@ def accuracy(
 
   temperature 0.0 is greedy decoding; otherwise plain sampling (no top-k/top-p).
   """
-  from vcpo_jax.rollout.common import encode_prompts
+  from vcpo_jax import evaluation
   from vcpo_jax.sampler import Sampler, SamplerConfig
 
   eos = tokenizer.eos_token_id
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-  cfg = SamplerConfig(
-    temperature=temperature,
+  base = SamplerConfig(
     eos_id=eos,
     pad_id=pad,
     max_new_tokens=max_new_tokens,
@@ -258,10 +263,18 @@ def accuracy(
     new_token_buckets=(max_new_tokens,),
     batch_buckets=(len(problems),),
   )
-  ro = Sampler(graphdef, model_cfg, cfg).generate(
-    params, encode_prompts(tokenizer, problems, chat_template), jax.random.key(seed)
+  sampling = evaluation.EvalSampling(
+    lambda c: Sampler(graphdef, model_cfg, c), base, tokenizer, chat_template=chat_template
   )
-  texts = [tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True) for i in range(len(problems))]
+  outs = sampling.generate_fn(params, jax.random.key(seed))(
+    [p.prompt for p in problems],
+    n=1,
+    temperature=temperature,
+    top_p=1.0,
+    max_new_tokens=max_new_tokens,
+    greedy=temperature == 0.0,
+  )
+  texts = [o[0] for o in outs]
   return float(np.mean([tasks.is_correct(tasks.score(p.task, x, p.reference)) for p, x in zip(problems, texts)]))
 
 
@@ -324,7 +337,11 @@ def cache_dir(spec) -> str:
 
 
 def _names(tree) -> list[str]:
-  return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  """Leaf names in flatten order (sharding.path_str: the one parameter-naming helper)."""
+  names = [path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  if len(set(names)) != len(names):
+    raise ValueError(f"parameter leaf names are not unique: {sorted(n for n in set(names) if names.count(n) > 1)}")
+  return names
 
 
 def save_params(path: str, params, metadata: dict) -> None:

@@ -176,7 +176,13 @@ def run(config, workdir: str) -> dict:
       Sampler(graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn)),
       train_problems,
     )
-  source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir)
+  flag: dict = {}  # the signal handlers (Loop) set flag["signal"]; every source wait polls check_signal
+
+  def check_signal():
+    if flag.get("signal"):
+      raise Interrupted(f"signal {flag['signal']}")
+
+  source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=check_signal)
 
   # ---------------------------------------------------------------- Checkpoint / resume
   ckpt = Checkpointer(
@@ -194,43 +200,32 @@ def run(config, workdir: str) -> dict:
   source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
 
   # ---------------------------------------------------------------- Evals
-  eval_problems = spec.eval_task_object().make_problems(
-    "test", spec.eval.size if generated and spec.eval.dataset == spec.rollout.task else None, spec.seed
-  )
-  eval_problems = eval_problems[: spec.eval.size]
+  eval_problems = spec.make_eval_problems()
   eval_proto = dataclasses.replace(spec.eval, size=len(eval_problems))  # a fixture may hold fewer
-  eval_sampler = Sampler(
-    graphdef,
-    model_cfg,
-    make_sampler_cfg(
-      spec,
-      tokenizer,
-      temperature=0.0 if spec.eval.greedy else spec.eval.temperature,
-      top_p=spec.eval.top_p,
-      top_k=0,
-      max_new_tokens=spec.eval.max_new_tokens,
-    ),
+  # One generation path (evaluation.EvalSampling): every eval decodes with a sampler built from the
+  # protocol's own temperature / top_p / greedy / max_new_tokens, the settings eval.jsonl records.
+  eval_base = make_sampler_cfg(
+    spec,
+    tokenizer,
+    temperature=spec.eval.temperature,
+    top_p=spec.eval.top_p,
+    top_k=0,
+    max_new_tokens=spec.eval.max_new_tokens,
   )
-
-  eval_maker = None
+  eval_episodes = None
   if spec.multiturn is not None:  # tool-use evaluation: the same episodes as training, eval sampling
-    from vcpo_jax.rollout import multiturn
-
-    eval_maker = multiturn.MultiTurnRolloutMaker(
-      spec.rollout,
-      spec.multiturn,
-      tokenizer,
-      Sampler(graphdef, model_cfg, multiturn.sampler_config(eval_sampler.cfg, spec.rollout, spec.multiturn)),
-      eval_problems,
-    )
+    eval_base = multiturn.sampler_config(eval_base, spec.rollout, spec.multiturn)
+    eval_episodes = maker.eval_episodes
+  eval_sampling = evaluation.EvalSampling(
+    lambda cfg: Sampler(graphdef, model_cfg, cfg),
+    eval_base,
+    tokenizer,
+    chat_template=spec.rollout.chat_template,
+    episodes=eval_episodes,
+  )
 
   def run_eval(step, params, tag=None):
-    eval_rng = jax.random.fold_in(key, 10**9 + step)
-    gen = (
-      eval_maker.eval_generate_fn(params, eval_rng)
-      if eval_maker is not None
-      else _eval_generate_fn(eval_sampler, params, tokenizer, spec, eval_rng)
-    )
+    gen = eval_sampling.generate_fn(params, jax.random.fold_in(key, 10**9 + step))
     rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, tag=tag)
     writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
     return _eval_metrics(rec)
@@ -249,7 +244,6 @@ def run(config, workdir: str) -> dict:
   summary_path = fs.join(workdir, "summary.json")
   if primary:
     fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
-  flag: dict = {}
   old_handlers = _install_signal_handlers(flag)
   last_eval: dict = {}
   nonfinite_steps: list[int] = []
@@ -259,8 +253,7 @@ def run(config, workdir: str) -> dict:
       last_eval = run_eval(0, state.params)
       writer.write(0, last_eval)
     while step < spec.steps:
-      if flag.get("signal"):
-        raise Interrupted(f"signal {flag['signal']}")
+      check_signal()
       t0 = time.time()
       batch, info = source.next(step)
       t1 = time.time()
@@ -369,14 +362,14 @@ def _global_batch(batch: dict, mesh, global_n: int):
   return sharding.make_global_batch({k: v[rows] for k, v in batch.items()}, mesh, global_n)
 
 
-def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir):
+def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=None):
   from vcpo_jax.rollout.lag import LagSource
 
   if spec.mode in ("sync", "lag"):
     return LagSource(maker, spec.k if spec.mode == "lag" else 0, key)
   from vcpo_jax.rollout.async_ import AsyncSource
 
-  return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker)
+  return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
 
 
 def _state_tree(state, source):
@@ -413,18 +406,3 @@ def _restore(ckpt, step, state, source):
   tree, meta = ckpt.restore(step, template)
   source.load_state(meta["versions"], tree["versions"])
   return tree["train"], meta
-
-
-def _eval_generate_fn(sampler: Sampler, params, tokenizer, spec: RunSpec, rng):
-  from vcpo_jax.rollout.common import encode_prompts
-  from vcpo_jax.tasks import Problem
-
-  def generate(prompts, n, temperature, top_p, max_new_tokens, greedy):
-    del temperature, top_p, greedy  # fixed in the eval sampler's config (the protocol it records)
-    probs = [Problem(id=str(i), task="", prompt=p, reference=None) for i, p in enumerate(prompts)]
-    ids = encode_prompts(tokenizer, probs, spec.rollout.chat_template)
-    ro = sampler.generate(params, ids, rng, num_samples=n, max_new_tokens=max_new_tokens)
-    texts = [tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True) for i in range(len(ids) * n)]
-    return [texts[i * n : (i + 1) * n] for i in range(len(ids))]
-
-  return generate

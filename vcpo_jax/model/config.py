@@ -36,6 +36,10 @@ class ModelConfig:
     max_position: longest sequence the model is used with (cache size bound).
     dtype: compute dtype, "float32" or "bfloat16" (parameters stay float32).
     model_type: "qwen2" or "llama" (for export back to Hugging Face format).
+    logprob_chunk: positions along T per chunk of the log-prob head (0 = all at once); sequences of
+      at most logprob_chunk + 1 tokens take the dense path (today's numerics).
+    logprob_vocab_chunk: vocabulary entries per chunk inside a token chunk (0 = whole vocabulary;
+      keep 0 when a "tensor" axis shards the vocabulary).
   """
 
   vocab_size: int
@@ -52,6 +56,8 @@ class ModelConfig:
   max_position: int = 2048
   dtype: str = "float32"
   model_type: str = "llama"
+  logprob_chunk: int = 512
+  logprob_vocab_chunk: int = 0
 
   def __post_init__(self):
     for name in (
@@ -71,6 +77,9 @@ class ModelConfig:
         f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
         f"({self.num_kv_heads}) for grouped-query attention."
       )
+    for name in ("logprob_chunk", "logprob_vocab_chunk"):
+      if int(getattr(self, name)) < 0:
+        raise ValueError(f"ModelConfig.{name} must be >= 0 (0 = no chunking), got {getattr(self, name)}.")
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}.")
     if self.dtype not in _DTYPES:

@@ -17,7 +17,13 @@ Tap kinds (what A is, and which parameter the pair (A, D) belongs to):
   "linear":  Y = A @ kernel (+ bias); A [B, T, Din], D [B, T, Dout].
   "embed":   Y = embedding[A]; A int32 token ids [B, T], D [B, T, D].
   "scale":   Y = A * scale (RMSNorm); A = normalized input [B, T, D], D [B, T, D].
-  "unembed": Y = A @ embedding^T (tied LM head); A [B, T, D], D [B, T, V].
+  "head":    logp = log-softmax(A @ W)[next token], the (chunked) LM head and its log-probs
+             (`vcpo_jax.model.logprobs`); W = lm_head.kernel [D, V] or the tied embedding [V, D].
+             No perturbation: its output gradient D = dlogp/dlogits = e_y - softmax would be
+             [B, T, V]. Instead, while perturbations are supplied, the head records
+             {h, tokens, w, lse} and its log-probs are computed from stop_gradient(h), so the
+             caller forms D chunk by chunk itself and feeds dL/dh into the backward pass by hand
+             (`vcpo_jax.grad_norms`).
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class TapInfo:
-  kind: str  # "linear" | "embed" | "scale" | "unembed"
+  kind: str  # "linear" | "embed" | "scale" | "head"
   param: str  # dotted path of the parameter's module, e.g. "layers.0.mlp.up_proj"
   has_bias: bool = False
+  spec: Any = None  # "head": its logprobs.HeadSpec (tied or not, chunking, dtype)
 
 
 @dataclasses.dataclass
@@ -62,16 +69,43 @@ def recording(perturbations: dict[str, jax.Array] | None = None):
     _ACTIVE.reset(token)
 
 
+def _record(tape: Tape, name: str, info: TapInfo, a: Any) -> None:
+  if name in tape.inputs:
+    raise ValueError(f"Tap {name!r} fired twice in one recording; layer names must be unique.")
+  tape.inputs[name] = a
+  tape.info[name] = info
+
+
 def tap(name: str, info: TapInfo, a: Any, y: jax.Array) -> jax.Array:
   """Identity on y unless a Tape is recording; then stores `a` and adds the perturbation."""
   tape = _ACTIVE.get()
   if tape is None:
     return y
-  if name in tape.inputs:
-    raise ValueError(f"Tap {name!r} fired twice in one recording; layer names must be unique.")
-  tape.inputs[name] = a
-  tape.info[name] = info
+  _record(tape, name, info, a)
   tape.out_shapes[name] = jax.ShapeDtypeStruct(y.shape, jnp.float32)
   if tape.perturbations is not None:
     y = y + tape.perturbations[name].astype(y.dtype)
   return y
+
+
+def tap_head(name: str, info: TapInfo, h: jax.Array, tokens: jax.Array, w: jax.Array, head_fn) -> jax.Array:
+  """The LM head's log-probs, head_fn(h, w, tokens, return_lse) -> logp [B, T] or (logp, lse).
+
+  Outside a recording: head_fn(h, w, tokens). While recording: stores {h, tokens, w, lse}; with
+  perturbations, the log-probs come from stop_gradient(h) (see the module docstring, "head").
+  """
+  tape = _ACTIVE.get()
+  if tape is None:
+    return head_fn(h, w, tokens, False)
+  if tape.perturbations is None:
+    logp, lse = head_fn(h, w, tokens, True)
+  else:
+    logp, lse = head_fn(jax.lax.stop_gradient(h), w, tokens, True)
+  _record(tape, name, info, {"h": h, "tokens": tokens, "w": w, "lse": lse})
+  return logp
+
+
+def forbid(name: str, why: str) -> None:
+  """Raises if a Tape is recording: for layers whose parameters the taps cannot account for."""
+  if _ACTIVE.get() is not None:
+    raise ValueError(f"{name}: {why}")

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from vcpo_jax.model import logprobs
 from vcpo_jax.model.config import ModelConfig
-from vcpo_jax.model.taps import TapInfo, tap
+from vcpo_jax.model.taps import TapInfo, forbid, tap, tap_head
 
 _INIT = nnx.initializers.normal(stddev=0.02)
 
@@ -58,9 +59,10 @@ class Embed(nnx.Module):
     return tap(self.name, TapInfo("embed", self.name), tokens_bt, y)
 
   def attend(self, h_btd: jax.Array) -> jax.Array:
+    # Ghost norms see the tied head only through the log-prob head (Transformer.head_logprobs).
+    forbid(self.name, "the tied LM head is tapped only via Transformer.head_logprobs (sequence_logprobs).")
     h_btd = h_btd.astype(self.dtype)
-    y = jnp.einsum("btd,vd->btv", h_btd, self.embedding[...].astype(self.dtype))
-    return tap(self.name + "@unembed", TapInfo("unembed", self.name), h_btd, y)
+    return jnp.einsum("btd,vd->btv", h_btd, self.embedding[...].astype(self.dtype))
 
 
 class RMSNorm(nnx.Module):
@@ -164,8 +166,11 @@ class Transformer(nnx.Module):
       else Linear(cfg.hidden_size, cfg.vocab_size, name="lm_head", use_bias=False, dtype=dt, rngs=rngs)
     )
 
-  def __call__(self, tokens_bt, positions_bt, mask_bts, cache: list[LayerCache] | None = None, cache_index=None):
-    """Returns (logits [B, T, V] float32, new cache or None).
+  def __call__(
+    self, tokens_bt, positions_bt, mask_bts, cache: list[LayerCache] | None = None, cache_index=None, *, hidden=False
+  ):
+    """Returns (logits [B, T, V] float32, new cache or None); with hidden=True the final normed
+    hidden states [B, T, D] instead of the logits (for `head_logprobs`).
 
     Args:
       tokens_bt: int32 [B, T].
@@ -182,8 +187,21 @@ class Transformer(nnx.Module):
       if cache is not None:
         new_cache.append(c)
     x = self.norm(x)
+    if hidden:
+      return x, new_cache
     logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
     return logits.astype(jnp.float32), new_cache
+
+  def head_logprobs(self, h_btd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+    """logp [B, T] of tokens from the final hidden states: the LM head + float32 log-softmax in
+    chunks of `cfg.logprob_chunk` positions (and `cfg.logprob_vocab_chunk` vocab entries), never
+    [B, T, V] when chunked (vcpo_jax.model.logprobs). Tapped as kind "head" for ghost norms."""
+    tied = self.lm_head is None
+    w = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
+    param = self.embed_tokens.name if tied else self.lm_head.name
+    spec = logprobs.HeadSpec(tied, self.cfg.logprob_chunk, self.cfg.logprob_vocab_chunk, self.cfg.compute_dtype)
+    fn = lambda h, w, tok, lse: logprobs.head_logprobs(h, w, tok, spec, return_lse=lse)
+    return tap_head(param + "@head", TapInfo("head", param, spec=spec), h_btd, tokens_bt, w, fn)
 
 
 # ----------------------------------------------------------------------------- functional API
@@ -228,14 +246,20 @@ def padded_positions_and_mask(valid_bt: jax.Array) -> tuple[jax.Array, jax.Array
 
 
 def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
-  """logp [B, T] aligned with tokens: logp[:, t] = log p(tokens[t] | tokens[<t]); logp[:, 0] = 0."""
+  """logp [B, T] aligned with tokens: logp[:, t] = log p(tokens[t] | tokens[<t]); logp[:, 0] = 0.
+
+  The dense reference (holds [B, T, V]); `sequence_logprobs` uses the chunked head instead."""
   logp = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
   picked = jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1)[..., 0]
   return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
 def sequence_logprobs(graphdef, params, tokens_bt, valid_bt):
-  """Per-token log-probs [B, T] of full sequences (prompt + response) under the policy."""
+  """Per-token log-probs [B, T] of full sequences (prompt + response) under the policy.
+
+  Equals token_logprobs(forward(...)[0], tokens_bt) (to float32 rounding when chunked), without
+  the [B, T, V] logits: see Transformer.head_logprobs."""
   positions, mask = padded_positions_and_mask(valid_bt)
-  logits, _ = forward(graphdef, params, tokens_bt, positions, mask)
-  return token_logprobs(logits, tokens_bt)
+  model = nnx.merge(graphdef, params)
+  h, _ = model(tokens_bt, positions, mask, hidden=True)
+  return model.head_logprobs(h, tokens_bt)

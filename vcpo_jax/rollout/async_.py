@@ -19,21 +19,34 @@ e.g. {"TPU_VISIBLE_CHIPS": "3"}). On CPU the sampler is simply another process;
 `async_cfg["sampler_cpus"]` (e.g. "1" or "2-3") pins it to those cores with
 sched_setaffinity (XLA's CPU thread pools follow XLA_FLAGS, inherited).
 
-Failures: every learner wait polls the queue in short slices and checks the
-worker (exit code, error pipe); a dead worker raises `SamplerDiedError` naming
-the exit code or signal and the worker's traceback within a fraction of a second,
-and no batch within `async_cfg["timeout_s"]` (the first batch, which includes the
-worker's start-up and compilation: `async_cfg.get("startup_timeout_s", 600)`)
-raises TimeoutError saying what the worker is waiting for. `close()` (normal exit, exception, or the
-trainer's SIGINT/SIGTERM handling) stops the worker (stop message, then
-SIGTERM, then SIGKILL) and removes every shared-memory segment and semaphore;
-if the learner itself is killed the worker gets SIGKILL from the kernel
-(PR_SET_PDEATHSIG) and the resource tracker unlinks the segments.
+Failures: every learner wait (the queue in `next`, the parameter slot's lock in
+`publish`) runs in slices of at most `_POLL_S`; between slices it calls the
+trainer's `interrupt()` (which raises once SIGINT / SIGTERM has arrived, so the
+trainer checkpoints and exits 130 even while the sampler hangs or is stopped)
+and checks the worker (exit code, error pipe). A dead worker raises
+`SamplerDiedError` naming the exit code or signal and the worker's traceback
+within a fraction of a second, and no batch within `async_cfg["timeout_s"]`
+(the first batch, which includes the worker's start-up and compilation:
+`async_cfg.get("startup_timeout_s", 600)`) raises TimeoutError saying what the
+worker is waiting for (and whether it is stopped, e.g. by SIGSTOP). `close()`
+(normal exit, exception, or the trainer's signal handling) stops the worker
+within about `2 * _STOP_GRACE_S` (stop message, then SIGTERM, then SIGKILL; a
+stopped worker gets SIGKILL at once) and removes every shared-memory segment
+and semaphore. If the learner itself is killed the worker gets SIGKILL from the
+kernel (PR_SET_PDEATHSIG) and the resource tracker unlinks the segments.
+
+Leftovers: every segment, semaphore and the spawn-argument file are named with
+the run id (a hash of the workdir) and the learner's pid (`vcpo_jax.cleanup`).
+When the whole process group is SIGKILLed (OOM killer, container stop) the
+resource tracker dies too; the next async run removes what dead runs left
+(`cleanup.remove_stale()`, logged), as does `python -m vcpo_jax.cleanup`. The
+worker deletes the argument file as soon as it has read it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import queue as queue_lib
@@ -45,13 +58,18 @@ import weakref
 import jax
 import numpy as np
 
+from vcpo_jax import cleanup
 from vcpo_jax.rollout import worker as worker_lib
 from vcpo_jax.rollout.common import lag_stats
 from vcpo_jax.rollout.param_slot import ParamSlot
 from vcpo_jax.rollout.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 
-_POLL_S = 0.5  # learner-side wait slice: between slices it checks the worker and the deadline
-_STOP_GRACE_S = 5.0  # how long close() waits for a clean exit before SIGTERM / SIGKILL
+_POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
+# close(): how long to wait for the stop message to be obeyed (a worker inside generation only reads it when
+# the batch is done), then for SIGTERM; short enough that a signal still exits within a few seconds.
+_STOP_GRACE_S = 1.0
+
+log = logging.getLogger("vcpo_jax")
 
 
 class SamplerDiedError(RuntimeError):
@@ -127,11 +145,14 @@ class AsyncSource:
     tokenizer: pickled to the worker.
     maker: the learner's RolloutMaker (or MultiTurnRolloutMaker): its rollout config, sampler config,
       problems and, for tool use, its MultiTurnConfig `maker.mt` are sent; the worker rebuilds the same kind.
+    workdir: the run's directory; its hash is the run id in every shared-memory name (None: a random id).
+    interrupt: called between the slices of every wait; it raises to abandon the wait (the trainer's
+      check of its SIGINT / SIGTERM flag). None: waits end only with a batch, a dead worker or a timeout.
 
   The worker starts at the first `publish(params, v)` and makes batches v, v + 1, ..., spec.steps - 1.
   """
 
-  def __init__(self, spec, key, model_cfg, graphdef, tokenizer, maker):
+  def __init__(self, spec, key, model_cfg, graphdef, tokenizer, maker, *, workdir=None, interrupt=None):
     if spec.k < 1:
       raise ValueError(f"lag.k={spec.k}: async mode needs a staleness budget k >= 1.")
     cfg = dict(spec.async_cfg)
@@ -157,6 +178,8 @@ class AsyncSource:
         "sampler process rebuilds; use a model built by vcpo_jax.model.transformer."
       )
     self.model_cfg, self.tokenizer, self.maker = model_cfg, tokenizer, maker
+    self.run_id = cleanup.run_id(workdir)
+    self._interrupt = interrupt
     self.key_data = np.asarray(jax.random.key_data(key))
     self.key_impl = str(jax.random.key_impl(key))
     n = maker.cfg.batch_size
@@ -173,9 +196,18 @@ class AsyncSource:
   # ------------------------------------------------------------------ learner side
 
   def _start(self, arrays: dict, version: int):
-    self.slot = ParamSlot({n: a for n, a in arrays.items()})
+    stale = cleanup.remove_stale()  # what runs killed with their whole process group left behind
+    if stale:
+      log.warning(
+        "async: removed %d shared-memory objects / files (%.1f MB) of dead runs: %s",
+        len(stale),
+        sum(x.nbytes for x in stale) / 1e6,
+        ", ".join(sorted({f"run {x.run} (pid {x.pid})" for x in stale})),
+      )
+    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id)
     self.slot.publish(arrays, version)  # before the start: the worker's first wait succeeds at once
-    self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes)
+    self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
+    log.info("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
     self.conn, child_conn = SPAWN.Pipe(duplex=True)
     args = worker_lib.WorkerArgs(
       rollout=self.maker.cfg,
@@ -197,7 +229,8 @@ class AsyncSource:
     # CPython writes the payload into a pipe whose read end the parent holds until the write ends, so a
     # child dying during bootstrap (e.g. a script without `if __name__ == "__main__":`) would block a large
     # write, and start(), forever.
-    fd, self._args_path = tempfile.mkstemp(prefix="vcpo-async-args-", suffix=".pkl")
+    # Named with the owner (cleanup removes it if this process dies before the worker has read it).
+    fd, self._args_path = tempfile.mkstemp(prefix=cleanup.owner_prefix(self.run_id) + "-a-", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
       pickle.dump(args, f, protocol=pickle.HIGHEST_PROTOCOL)
     self.proc = SPAWN.Process(
@@ -222,9 +255,15 @@ class AsyncSource:
     if self.proc is None:
       self._start(arrays, version)
     else:
-      self._raise_if_dead()
-      self.slot.publish(arrays, version)
+      self._poll_publish()
+      self.slot.publish(arrays, version, poll=self._poll_publish)
     self._published = version
+
+  def _poll_publish(self):
+    """Before and between lock-wait slices of publish(): a signal (first) or a dead worker ends the wait."""
+    if self._interrupt is not None:
+      self._interrupt()
+    self._raise_if_dead()
 
   def next(self, step: int) -> tuple[dict, dict]:
     """Batch `step` from the queue; raises SamplerDiedError / TimeoutError instead of hanging."""
@@ -238,6 +277,8 @@ class AsyncSource:
     deadline = t0 + timeout
     item = None
     while item is None:
+      if self._interrupt is not None:
+        self._interrupt()  # raises (e.g. the trainer's Interrupted) once a signal has arrived
       self._raise_if_error()
       # Exceptions are raised outside the `except` blocks: a chained __context__ would keep the queue's
       # frames (and its semaphores) alive in the traceback after close().
@@ -255,6 +296,8 @@ class AsyncSource:
       except PeerDiedError as e:
         failure = self._died_error(f"while the learner waited for batch {step}: {e}")
       if failure is not None:
+        if self._interrupt is not None:
+          self._interrupt()  # a signal to the whole group may also have ended the sampler: signal first
         raise failure
     wait_s = time.monotonic() - t0
     self._received += 1
@@ -300,7 +343,7 @@ class AsyncSource:
     self._poll_error()
     if self._error is not None:
       if self.proc.exitcode is None:
-        self.proc.join(2.0)
+        self.proc.join(1.0)  # it exits right after sending its traceback
       raise self._died_error("")
 
   def _raise_if_dead(self):
@@ -331,6 +374,8 @@ class AsyncSource:
       if self._published < need
       else "the sampler is alive but slower than the timeout (compilation? an overloaded machine?)"
     )
+    if _stopped(self.proc.pid):
+      why = f"the sampler process (pid {self.proc.pid}) is stopped (SIGSTOP / SIGTSTP?); `kill -CONT` resumes it"
     name = "timeout_s" if self._received else "startup_timeout_s"
     return (
       f"async source: no batch {step} within async_.{name}={timeout:g} s; {why}. Raise "
@@ -371,19 +416,35 @@ class AsyncSource:
     self.queue = self.slot = self.conn = None
 
 
+def _stopped(pid: int | None) -> bool:
+  """True if `pid` is stopped (state T: SIGSTOP, SIGTSTP) or traced (t): it cannot act on messages or SIGTERM."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+  except (OSError, IndexError, TypeError):
+    return False
+
+
+def _join(proc, timeout: float) -> None:
+  """Wait up to `timeout` for `proc` to exit; give up early if it is stopped (it would not exit)."""
+  deadline = time.monotonic() + timeout
+  while proc.exitcode is None and time.monotonic() < deadline and not _stopped(proc.pid):
+    proc.join(0.05)
+
+
 def _shutdown(proc, conn, args_path):
-  """Stop the worker: a stop message, then SIGTERM, then SIGKILL; always reaps it."""
+  """Stop the worker: a stop message, then SIGTERM, then SIGKILL (at once if it is stopped); always reaps it."""
   with contextlib.suppress(FileNotFoundError):
-    os.unlink(args_path)
+    os.unlink(args_path)  # normally the worker deleted it already
   if proc.exitcode is None:
     try:
       conn.send("stop")
     except (OSError, ValueError):
       pass
-    proc.join(_STOP_GRACE_S)
-  if proc.exitcode is None:
+    _join(proc, _STOP_GRACE_S)
+  if proc.exitcode is None and not _stopped(proc.pid):
     proc.terminate()
-    proc.join(_STOP_GRACE_S)
+    _join(proc, _STOP_GRACE_S)
   if proc.exitcode is None:
-    proc.kill()
+    proc.kill()  # SIGKILL also ends a stopped process
     proc.join()

@@ -153,14 +153,17 @@ class MultiTurnRolloutMaker(RolloutMaker):
   def _decode(self, ids) -> str:
     return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-  def env_config(self, reward_fn) -> tool_env.ToolEnvConfig:
-    """tool_env limits and protocol; reward_fn(final_text, reference) -> float."""
+  def env_config(self, reward_fn, max_response_tokens: int | None = None) -> tool_env.ToolEnvConfig:
+    """tool_env limits and protocol; reward_fn(final_text, reference) -> float.
+
+    max_response_tokens: the episode budget (policy + tool tokens); None = task.max_new_tokens.
+    """
     mt = self.mt
     return tool_env.ToolEnvConfig(
       reward_fn=reward_fn,
       max_turns=mt.max_turns,
       max_new_tokens=mt.max_turn_tokens,
-      max_response_tokens=self.cfg.max_new_tokens,
+      max_response_tokens=self.cfg.max_new_tokens if max_response_tokens is None else int(max_response_tokens),
       max_tool_output_tokens=mt.max_tool_output_tokens,
       code_open=mt.code_open,
       code_close=mt.code_close,
@@ -191,39 +194,37 @@ class MultiTurnRolloutMaker(RolloutMaker):
     episodes, rounds = self.run_episodes(params, contexts, references, self.env_config(reward_fn), rng)
     return self.episodes_to_batch(episodes, problems, version, rounds=rounds)
 
-  def run_episodes(self, params, contexts, references, env_cfg: tool_env.ToolEnvConfig, rng):
-    """tool_env.run_episodes driven by this maker's sampler; returns (episodes, sampler rounds)."""
+  def run_episodes(self, params, contexts, references, env_cfg: tool_env.ToolEnvConfig, rng, sampler=None):
+    """tool_env.run_episodes driven by `sampler` (None: this maker's); returns (episodes, sampler rounds)."""
+    sampler = self.sampler if sampler is None else sampler
     rounds = [0]
 
     def generate(ctx, max_new):
       # A fresh key per round: row n of round r draws from fold_in(fold_in(rng, r), n).
       key = jax.random.fold_in(rng, rounds[0])
       rounds[0] += 1
-      return self.sampler.generate_continuations(params, ctx, max_new, self.stop_ids, key)
+      return sampler.generate_continuations(params, ctx, max_new, self.stop_ids, key)
 
     episodes = tool_env.run_episodes(generate, self._encode, self._decode, contexts, references, env_cfg)
     return episodes, rounds[0]
 
-  def eval_generate_fn(self, params, rng):
-    """`generate(prompts, n, ...) -> [[final text] * n]` for `evaluation.evaluate`, with tool use.
+  def eval_episodes(self, sampler, params, contexts, max_new_tokens: int, rng) -> list[str]:
+    """Final model turns of tool-use episodes, for `evaluation.EvalSampling(episodes=...)`.
 
-    Each prompt is rolled out n times as a tool-use episode with this maker's sampler (build the
-    maker with an eval-protocol sampler: temperature 0.8, top_p 0.7); the text returned is the final
-    model turn, the same text the training reward grades. Sampling settings and the token budget
-    are the sampler's and the maker's; the protocol arguments are recorded by the caller.
+    contexts: N prompt token lists (prompt-major, n samples each); sampler: the eval sampler
+    (EvalSampling writes the protocol's temperature / top_p / greedy into `sampler_config`'s
+    multi-turn buckets); max_new_tokens: the protocol's whole-episode budget (policy + tool
+    tokens), at most task.max_new_tokens (the sampler's prompt buckets end at Tp + that).
+    Returns the N final texts, the text the training reward grades; evaluation.evaluate grades them.
     """
-
-    def generate(prompts, n, temperature, top_p, max_new_tokens, greedy):
-      del temperature, top_p, max_new_tokens, greedy  # fixed by the sampler and the maker (recorded)
-      problems = [tasks.Problem(id=str(i), task="", prompt=p, reference=None) for i, p in enumerate(prompts)]
-      ids = encode_prompts(self.tokenizer, problems, self.cfg.chat_template)
-      contexts = [p for p in ids for _ in range(n)]
-      # evaluation.evaluate grades the returned texts itself: no reward here.
-      episodes, _ = self.run_episodes(params, contexts, [None] * len(contexts), self.env_config(_no_reward), rng)
-      texts = [e.final_text for e in episodes]
-      return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-    return generate
+    if max_new_tokens > self.cfg.max_new_tokens:
+      raise ValueError(
+        f"eval max_new_tokens={max_new_tokens} exceeds the multi-turn response budget "
+        f"task.max_new_tokens={self.cfg.max_new_tokens}; the sampler's context buckets end there."
+      )
+    env_cfg = self.env_config(_no_reward, max_response_tokens=max_new_tokens)
+    episodes, _ = self.run_episodes(params, contexts, [None] * len(contexts), env_cfg, rng, sampler=sampler)
+    return [e.final_text for e in episodes]
 
   def episodes_to_batch(
     self, episodes: Sequence[tool_env.Episode], problems, version: int, rounds: int = 0

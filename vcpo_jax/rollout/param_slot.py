@@ -18,9 +18,16 @@ seqlock correct on weakly ordered CPUs (ARM hosts) too, where plain numpy loads
 and stores into shared memory could be reordered.
 
 Ownership and cleanup are those of `shm_queue.Segment`: the creating process
-(the learner) unlinks the segment on close, on garbage collection, at exit, and
-through the resource tracker if it is killed. Pass the slot to spawned samplers
-as a `Process` argument (the lock travels by inheritance).
+(the learner) unlinks the segment and the lock's semaphore on close, on garbage
+collection, at exit, and through the resource tracker if it is killed; both
+names carry the run id and the owner's pid (`vcpo_jax.cleanup` removes them
+when the whole process group was killed). Pass the slot to spawned samplers as
+a `Process` argument (the lock travels by inheritance).
+
+Waits: the lock is taken in short slices; between them an optional `poll()`
+callable runs (the learner's signal flag, the peer's liveness) and may raise
+to abandon the wait, so a peer stopped or killed inside the critical section
+never holds the caller for longer than one slice once `poll` knows.
 
 Single writer; any number of readers.
 """
@@ -30,11 +37,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from vcpo_jax.rollout.shm_queue import SPAWN, PeerDiedError, Segment, _align, pid_alive
+from vcpo_jax import cleanup
+from vcpo_jax.rollout.shm_queue import SPAWN, NamedLock, PeerDiedError, Segment, _align, _unlink_semaphore, pid_alive
 
 _MAGIC = 0x5643504F50415241  # "VCPOPARA"
 _HDR_WORDS = 16
@@ -43,6 +52,7 @@ _H_MAGIC, _H_VERSION, _H_LATEST, _H_WRITER, _H_CREATOR = range(5)
 _H_SEQ, _H_BUFVER = 5, 7
 _POLL_S = 0.002  # versions change once per learner step; a short sleep poll is cheap
 _LOCK_TIMEOUT_S = 10.0
+_LOCK_SLICE_S = 0.1  # lock-wait slice: `poll` runs between slices
 
 
 def _normalize_spec(spec: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -65,12 +75,14 @@ class ParamSlot:
   Args:
     spec: {name: (shape, dtype)} or {name: array-like with .shape/.dtype}; fixed.
     ctx: multiprocessing context for the lock (spawn by default).
+    run: the run id stamped into the segment's and the lock's names (default: a random id).
   """
 
-  def __init__(self, spec: Mapping[str, Any], *, ctx=None):
+  def __init__(self, spec: Mapping[str, Any], *, ctx=None, run: str | None = None):
     self._init_layout(_normalize_spec(spec))
-    self._seg = Segment(size=_HDR_WORDS * 8 + 2 * self._buf_nbytes)
-    self._lock = (ctx or SPAWN).Lock()
+    run = run or cleanup.run_id()
+    self._seg = Segment(_HDR_WORDS * 8 + 2 * self._buf_nbytes, cleanup.new_name(run, "p"), create=True)
+    self._lock = NamedLock(run=run, kind="pl", ctx=ctx or SPAWN)
     self._map()
     self._hdr[:] = 0
     self._hdr[[_H_MAGIC, _H_VERSION, _H_LATEST, _H_CREATOR]] = [_MAGIC, -1, -1, os.getpid()]
@@ -98,7 +110,7 @@ class ParamSlot:
   def __getstate__(self):
     if self._seg is None:
       raise ValueError("cannot send a closed ParamSlot to another process")
-    return dict(spec=self.spec, name=self._seg.name, lock=self._lock)
+    return {"spec": self.spec, "name": self._seg.name, "lock": self._lock}
 
   def __setstate__(self, s):
     self._init_layout(s["spec"])
@@ -123,13 +135,18 @@ class ParamSlot:
     return [self._seg.path] + ([os.path.join("/dev/shm", "sem." + n.lstrip("/"))] if n else [])
 
   @contextlib.contextmanager
-  def _locked(self):
-    """Hold the header lock; a timeout means its holder died inside the critical section."""
+  def _locked(self, poll=None):
+    """Hold the header lock; a timeout means its holder died (or stopped) inside the critical section."""
     self._check_open()
-    if not self._lock.acquire(timeout=_LOCK_TIMEOUT_S):
-      raise PeerDiedError(
-        f"ParamSlot header lock not released within {_LOCK_TIMEOUT_S} s: a process died while holding it"
-      )
+    deadline = time.monotonic() + _LOCK_TIMEOUT_S
+    while not self._lock.acquire(timeout=_LOCK_SLICE_S):
+      if poll is not None:
+        poll()
+      if time.monotonic() >= deadline:
+        raise PeerDiedError(
+          f"ParamSlot header lock not released within {_LOCK_TIMEOUT_S} s: a process died (or was stopped) "
+          "while holding it"
+        )
     try:
       yield
     finally:
@@ -144,9 +161,10 @@ class ParamSlot:
     with self._locked():
       return int(self._hdr[_H_VERSION])
 
-  def publish(self, arrays: Mapping[str, Any], version: int | None = None) -> int:
+  def publish(self, arrays: Mapping[str, Any], version: int | None = None, poll=None) -> int:
     """Write a new parameter version (default: previous + 1) and return it.
 
+    `poll()` runs while the lock is busy (see the module docstring); whatever it raises propagates.
     Raises ValueError if the arrays do not match the spec or `version` is not
     larger than the last published one (versions are monotone).
     """
@@ -162,7 +180,7 @@ class ParamSlot:
           f"{dtype}{shape}; cast/reshape it before publishing"
         )
       checked[name] = a
-    with self._locked():
+    with self._locked(poll):
       me, writer = os.getpid(), int(self._hdr[_H_WRITER])
       if writer not in (0, me) and pid_alive(writer):
         raise ValueError(f"ParamSlot has a single writer and process {writer} is it")
@@ -175,7 +193,7 @@ class ParamSlot:
       self._hdr[_H_SEQ + b] += 1  # odd: readers of buffer b will retry
     for name, a in checked.items():
       np.copyto(self._views[b][name], a)
-    with self._locked():
+    with self._locked(poll):
       self._hdr[_H_SEQ + b] += 1
       self._hdr[_H_BUFVER + b] = version
       self._hdr[_H_LATEST] = b
@@ -183,7 +201,11 @@ class ParamSlot:
     return version
 
   def latest(
-    self, min_version: int | None = None, timeout: float | None = None, out: Mapping[str, np.ndarray] | None = None
+    self,
+    min_version: int | None = None,
+    timeout: float | None = None,
+    out: Mapping[str, np.ndarray] | None = None,
+    poll=None,
   ) -> tuple[int, dict[str, np.ndarray]]:
     """Copy of the newest parameters once their version is >= `min_version`.
 
@@ -191,6 +213,7 @@ class ParamSlot:
       min_version: wait until at least this version is published (None: any, i.e. >= 0).
       timeout: seconds to wait (None: forever, still checking that the writer lives).
       out: arrays to copy into instead of allocating.
+      poll: called while the lock is busy (bound the version wait with `timeout`); what it raises propagates.
 
     Returns:
       (version, {name: array}); the arrays are untorn copies of that version.
@@ -202,7 +225,7 @@ class ParamSlot:
     need = 0 if min_version is None else int(min_version)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-      with self._locked():
+      with self._locked(poll):
         v = int(self._hdr[_H_VERSION])
         b = int(self._hdr[_H_LATEST])
         s1 = int(self._hdr[_H_SEQ + b]) if b >= 0 else -1
@@ -211,7 +234,7 @@ class ParamSlot:
         dst = out if out is not None else {n: np.empty(s, d) for n, (s, d) in self.spec.items()}
         for name, view in self._views[b].items():
           np.copyto(dst[name], view)
-        with self._locked():
+        with self._locked(poll):
           s2 = int(self._hdr[_H_SEQ + b])
         if s1 == s2:
           return v, dict(dst)
@@ -229,7 +252,9 @@ class ParamSlot:
     self._hdr = self._views = None
     seg, self._seg = self._seg, None
     seg.close()
-    self._lock = None  # the last reference: multiprocessing unlinks the semaphore
+    # Unlink the lock's semaphore now: a stray reference (a traceback frame) would keep it in /dev/shm.
+    lock, self._lock = self._lock, None
+    _unlink_semaphore(lock)
 
   def __enter__(self):
     return self

@@ -37,8 +37,12 @@ tracker: on Python < 3.13 `SharedMemory(name)` registers every attachment, and
 because spawned children share the parent's tracker a late registration racing
 with the owner's unlink leaves a stale entry that the tracker later "cleans up"
 with a leaked-object warning. On 3.13+ `track=False` does the same.
-The semaphores are named POSIX semaphores (`/dev/shm/sem.mp-*` on Linux) owned
-the same way by the creating process.
+The semaphores are named POSIX semaphores (`/dev/shm/sem.vcpo-*` on Linux) owned
+the same way by the creating process. Every name carries the run id and the
+owner's pid and start time (`vcpo_jax.cleanup`), because when the whole process
+group is SIGKILLed the resource tracker dies too and nothing unlinks them:
+`cleanup.remove_stale()` (run by the next async run, or `python -m
+vcpo_jax.cleanup`) then removes the objects of owners that are gone.
 
 Pids are compared without start times, so a pid reused within one poll period
 could hide a death; with Linux's pid space that window is negligible.
@@ -57,10 +61,14 @@ import queue as queue_lib
 import sys
 import time
 import weakref
-from multiprocessing import shared_memory
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from multiprocessing import shared_memory, synchronize
+from typing import Any
 
 import numpy as np
+
+from vcpo_jax import cleanup
+from vcpo_jax.cleanup import pid_alive
 
 SPAWN = mp.get_context("spawn")
 
@@ -85,24 +93,6 @@ def _align(n: int) -> int:
   return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def pid_alive(pid: int) -> bool:
-  """True if `pid` runs and is not a zombie (a killed, not yet reaped child)."""
-  if pid <= 0:
-    return False
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  try:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-      state = f.read().rsplit(b")", 1)[1].split()[0]
-    return state not in (b"Z", b"X")
-  except (OSError, IndexError):  # no procfs (macOS): trust os.kill
-    return True
-
-
 # ----------------------------------------------------------------------------
 # Segments
 # ----------------------------------------------------------------------------
@@ -123,15 +113,15 @@ def _destroy_segment(shm: shared_memory.SharedMemory) -> None:
 class Segment:
   """A POSIX shared-memory segment, either created (and owned) or attached.
 
-  The owner unlinks the segment on `close()`, on garbage collection and at exit.
+  Segment(size, name, create=True) creates `name`; Segment(name=name) attaches. The owner unlinks the segment on `close()`, on garbage collection and at exit.
   An attached segment is never registered with the resource tracker (see the
   module docstring) and only unmaps on `close()`.
   """
 
-  def __init__(self, size: int = 0, name: str | None = None):
-    self.owner = name is None
-    if self.owner:
-      self._shm = shared_memory.SharedMemory(create=True, size=max(size, 1))
+  def __init__(self, size: int = 0, name: str | None = None, *, create: bool | None = None):
+    self.owner = name is None if create is None else create
+    if self.owner:  # name None: multiprocessing picks one (psm_*); owners in this package pass cleanup names
+      self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
       self.name = self._shm.name
       self.buf = self._shm.buf
       self._finalizer = weakref.finalize(self, _destroy_segment, self._shm)
@@ -166,6 +156,31 @@ def _close_mapping(buf: memoryview, mm: mmap.mmap) -> None:
     mm.close()
   except BufferError:
     pass
+
+
+class _Named:
+  """Mixin: a multiprocessing semaphore / lock created under a name we choose (`cleanup.new_name`).
+
+  multiprocessing names its semaphores '/mp-<random>', which say nothing about their owner; SemLock asks
+  `self._make_name()` for the name, so overriding it is enough. Ownership is unchanged: the creator
+  registers the name with the resource tracker and unlinks it at garbage collection / exit (or earlier
+  with `_unlink_semaphore`); copies sent to spawned children reopen it by name.
+  """
+
+  def __init__(self, *args, run: str, kind: str, ctx):
+    self._run_kind = (run, kind)
+    super().__init__(*args, ctx=ctx)
+
+  def _make_name(self):
+    return "/" + cleanup.new_name(*self._run_kind)  # fresh random part on each (rare) retry
+
+
+class NamedSemaphore(_Named, synchronize.Semaphore):
+  pass
+
+
+class NamedLock(_Named, synchronize.Lock):
+  pass
 
 
 # ----------------------------------------------------------------------------
@@ -326,18 +341,23 @@ class ShmQueue:
     meta_bytes: room for the JSON-encoded metadata of one batch.
     ctx: multiprocessing context whose semaphores are used (must be spawn or forkserver
       for jax processes).
+    run: the run id stamped into the names of the segment and semaphores with this process's pid
+      (`cleanup.new_name`; default: a random id), so `vcpo_jax.cleanup` can tell whose they are.
   """
 
-  def __init__(self, schema: BatchSchema, nslots: int = 4, meta_bytes: int = 1 << 16, *, ctx=None):
+  def __init__(
+    self, schema: BatchSchema, nslots: int = 4, meta_bytes: int = 1 << 16, *, ctx=None, run: str | None = None
+  ):
     if nslots < 1:
       raise ValueError(f"nslots must be >= 1, got {nslots}")
     if meta_bytes < 2:
       raise ValueError(f"meta_bytes must be >= 2 (room for '{{}}'), got {meta_bytes}")
     ctx = ctx or SPAWN
     self._init_layout(schema, nslots, meta_bytes)
-    self._seg = Segment(size=_HDR_WORDS * 8 + nslots * self._stride)
-    self._free = ctx.Semaphore(nslots)
-    self._items = ctx.Semaphore(0)
+    run = run or cleanup.run_id()
+    self._seg = Segment(_HDR_WORDS * 8 + nslots * self._stride, cleanup.new_name(run, "q"), create=True)
+    self._free = NamedSemaphore(nslots, run=run, kind="qf", ctx=ctx)
+    self._items = NamedSemaphore(0, run=run, kind="qi", ctx=ctx)
     self._map()
     self._hdr[:] = 0
     self._hdr[[_H_MAGIC, _H_NSLOTS, _H_STRIDE, _H_CREATOR]] = [_MAGIC, nslots, self._stride, os.getpid()]
@@ -371,14 +391,14 @@ class ShmQueue:
   def __getstate__(self):
     if self._seg is None:
       raise ValueError("cannot send a closed ShmQueue to another process")
-    return dict(
-      schema=self.schema,
-      nslots=self.nslots,
-      meta_bytes=self.meta_bytes,
-      name=self._seg.name,
-      free=self._free,
-      items=self._items,
-    )
+    return {
+      "schema": self.schema,
+      "nslots": self.nslots,
+      "meta_bytes": self.meta_bytes,
+      "name": self._seg.name,
+      "free": self._free,
+      "items": self._items,
+    }
 
   def __setstate__(self, s):
     self._init_layout(s["schema"], s["nslots"], s["meta_bytes"])
@@ -394,16 +414,12 @@ class ShmQueue:
   def name(self) -> str:
     return self._seg.name
 
-  @property
-  def slot_nbytes(self) -> int:
-    return self._stride
-
   def resource_paths(self) -> list[str]:
     """/dev/shm paths of the segment and semaphores (Linux), for leak checks."""
     sems = [getattr(s._semlock, "name", None) for s in (self._free, self._items)]
     return [self._seg.path] + [os.path.join("/dev/shm", "sem." + n.lstrip("/")) for n in sems if n]
 
-  def watch(self, *processes) -> "ShmQueue":
+  def watch(self, *processes) -> ShmQueue:
     """Treat the exit of any of these `multiprocessing.Process` handles as peer death."""
     self._watch.extend(processes)
     return self

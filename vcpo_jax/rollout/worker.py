@@ -38,6 +38,7 @@ dead learner in every wait.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -109,7 +110,7 @@ def _set_parent_death_signal():
 
 def pin_cpus(cpus) -> None:
   """Restrict every thread of this process to `cpus` (sched_setaffinity on pid 0 moves only the caller)."""
-  cpus = set(int(c) for c in cpus)
+  cpus = {int(c) for c in cpus}
   try:
     tids = [int(t) for t in os.listdir("/proc/self/task")]
   except OSError:
@@ -124,19 +125,25 @@ def pin_cpus(cpus) -> None:
 def main(args_path: str, batch_queue, slot, conn):
   """Process entry point (spawn target). Exits 0 on "stop", 1 with a traceback sent on error.
 
-  `args_path`: a pickled WorkerArgs (a file keeps the spawn payload small; the learner deletes it).
+  `args_path`: a pickled WorkerArgs (a file keeps the spawn payload small). Deleted once read, so a
+  learner killed later leaves no file behind (the learner also deletes it on close, if still there).
   """
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   _set_parent_death_signal()
   parent = os.getppid()
+  stopped = False
   try:
     with open(args_path, "rb") as f:
       args = pickle.load(f)
+    try:
+      os.unlink(args_path)
+    except FileNotFoundError:
+      pass  # the learner closed meanwhile
     if args.cpus:
       pin_cpus(args.cpus)  # before JAX builds its CPU client: its thread pools inherit the mask
     _Worker(args, batch_queue, slot, conn, parent).run()
   except _Stop:
-    pass
+    stopped = True
   except BaseException:
     try:
       conn.send(("error", traceback.format_exc()))
@@ -146,6 +153,14 @@ def main(args_path: str, batch_queue, slot, conn):
   finally:
     batch_queue.close()
     slot.close()
+  if stopped:
+    # Asked to stop: exit at once. The atexit handlers run (e.g. a grader subprocess is closed), but not the
+    # interpreter's teardown of JAX and friends, which takes seconds on a loaded machine and would outlast the
+    # learner's grace period (it then sends SIGTERM). Nothing here needs it: this process owns no shared memory.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Worker:
@@ -209,7 +224,7 @@ class _Worker:
       if self._version >= need and self.slot.version() == self._version:
         break  # nothing newer than the copy already on the device
       try:
-        version, arrays = self.slot.latest(min_version=need, timeout=_POLL_S)
+        version, arrays = self.slot.latest(min_version=need, timeout=_POLL_S, poll=self._check_stop)
       except TimeoutError:
         continue
       leaves = [jnp.asarray(arrays[n]) for n in self.args.param_names]
@@ -239,18 +254,18 @@ class _Worker:
       t0 = time.monotonic()
       batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version)
       gen_s = time.monotonic() - t0
-      meta = dict(
-        step=step,
-        version=int(version),
-        gen_s=gen_s,
-        idle_s_total=self.idle_s,
-        elapsed_s_total=time.monotonic() - self.t_start,
-        response_len_mean=info["response_len_mean"],
-        finished_frac=info["finished_frac"],
-        problem_ids=list(info["problem_ids"]),
-        texts=list(info["texts"]),
-        metrics={str(n): float(x) for n, x in info.get("metrics", {}).items()},
-      )  # logged scalars
+      meta = {
+        "step": step,
+        "version": int(version),
+        "gen_s": gen_s,
+        "idle_s_total": self.idle_s,
+        "elapsed_s_total": time.monotonic() - self.t_start,
+        "response_len_mean": info["response_len_mean"],
+        "finished_frac": info["finished_frac"],
+        "problem_ids": list(info["problem_ids"]),
+        "texts": list(info["texts"]),
+        "metrics": {str(n): float(x) for n, x in info.get("metrics", {}).items()},
+      }  # logged scalars
       if len(json.dumps(meta, separators=(",", ":"))) > self.args.meta_bytes:
         meta.pop("texts")  # long responses: the learner decodes tokens if it needs them
       self._put({f: batch[f] for f in fields}, meta)

@@ -1,0 +1,583 @@
+"""Per-device memory of the released configs' learner and sampler steps, from compilation alone.
+
+Nothing runs and nothing is allocated: the real shapes are built abstractly
+(`jax.eval_shape`, `jax.ShapeDtypeStruct`), jitted with the real shardings on N
+fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set in a
+subprocess per device count, before jax starts), lowered, compiled, and read with
+`compiled.memory_analysis()`, which reports the bytes of ONE device's program.
+
+  python -m benchmarks.memory                                   # 3 configs x 8/16/64 devices x 3 parts
+  python -m benchmarks.memory --configs=math --devices=64 --parts=learner --layers=1
+  python -m benchmarks.memory --layers=full                     # compile all 28 layers (slow, heavy)
+
+Parts (what is compiled, per config):
+  learner          `learner.make_train_step` (the VCPO step the trainer jits: gradient path, ESS, clip ->
+                   AdamW), jitted like `trainer.run` does: state sharded by `sharding.TRANSFORMER_RULES`,
+                   batch [N, T] split over ("data", "fsdp"), the state donated. N = P * G,
+                   T = max_prompt_len + max_new_tokens.
+  sampler_prefill  one forward over the prompt bucket that writes a fresh KV cache [B, S, K, H] per layer:
+                   (params, prompts [B, Tp], valid [B, Tp]) -> (last logits [B, V], cache).
+  sampler_decode   one decode step at the full cache length S = Tp + Tn: (params, cache, token [B, 1],
+                   position, kv_valid [B, S], index) -> (logits [B, V], cache), the cache donated.
+  Both follow `sampler._generate_device` (the same transformer.forward calls and mask API).
+  B, Tp, Tn are the training sampler's buckets as the trainer builds them (`trainer.make_sampler_cfg`,
+  and `rollout.multiturn.sampler_config` for tool-use episodes, whose largest context bucket is taken).
+  The sampler parts are compiled on a mesh over the same N devices (`--sampler_mesh`, default the
+  config's mesh.shape), parameters sharded by the same rules, cache rows split over ("data", "fsdp").
+
+Every setting the configs give (method preset, learner options such as a micro-batch size, model
+options such as remat) reaches the compiled step through `run_config.parse_config`, so improvements of
+the learner, model and sharding code show up here without changes to this file.
+
+Layers (`--layers`): "1,2" (default) compiles 1- and 2-layer models and extrapolates every byte count
+per layer to the checkpoint's depth L: m(L) = m(1) + (L - 1) * (m(2) - m(1)) (exact for the parameter
+and optimizer-state arguments, a linear model for the temporaries); "full" compiles all L layers;
+a single number k reports k layers as compiled. `layers_compiled` in each result says which.
+
+Numbers, per device, GiB = 2^30 bytes:
+  argument_gib  inputs (parameters + optimizer state + batch, or parameters + cache + inputs)
+  temp_gib      XLA temporaries (activations, gradients, all-gathered weights, ...)
+  output_gib    outputs not aliased to a donated input (the donated state is counted once, as argument)
+  peak_gib      argument + temp + output (for the learner: argument + temp, the metrics are bytes)
+  batch_gib     (with --batch_dependent) the part of temp that grows with the batch:
+                2 * (temp(N) - temp(N / 2)), from a second compile at half the batch (whole groups), at
+                the first compiled depth (`batch_layers`, 1 by default: one block's activations + the head)
+The last line printed is one JSON object {"results": [...], ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONFIGS = ("gsm8k", "math", "multiturn")
+PARTS = ("learner", "sampler_prefill", "sampler_decode")
+DEVICES = (8, 16, 64)
+GIB = float(2**30)
+# Per-device goal of issue 10: half of an H100 (80 GiB) for gsm8k, half of a TPU v5p chip (95 GiB) for the 7B
+# configs, leaving the rest to XLA and the runtime.
+BUDGET_GIB = {"gsm8k": 40.0, "math": 48.0, "multiturn": 48.0}
+# ModelConfig fields that describe the architecture; --model overrides may set these (tiny-width runs).
+ARCH_FIELDS = (
+  "vocab_size",
+  "hidden_size",
+  "intermediate_size",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "rope_theta",
+  "rms_eps",
+  "qkv_bias",
+  "tie_embeddings",
+  "model_type",
+)
+STAT_KEYS = ("argument", "temp", "output", "alias")
+
+
+# ----------------------------------------------------------------------------- building the run
+
+
+def _parse_overrides(text: str) -> dict:
+  """'hidden_size=64,vocab_size=512' -> {"hidden_size": 64, "vocab_size": 512} (ints, floats, bools)."""
+  out = {}
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    if "=" not in item:
+      raise ValueError(f"--model entry {item!r} must be field=value, e.g. --model=hidden_size=64,vocab_size=512.")
+    k, v = item.split("=", 1)
+    if k not in ARCH_FIELDS:
+      raise ValueError(f"--model field {k!r} is not an architecture field; choose from {ARCH_FIELDS}.")
+    if v in ("True", "False", "true", "false"):
+      out[k] = v.lower() == "true"
+    else:
+      try:
+        out[k] = int(v)
+      except ValueError:
+        out[k] = float(v) if k in ("rope_theta", "rms_eps") else v
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One config as the benchmark compiles it."""
+
+  name: str
+  spec: object  # run_config.RunSpec of the released config (data paths cleared)
+  model_cfg: object  # ModelConfig at full depth (num_layers = L)
+  n: int  # learner batch rows N = P * G
+  t: int  # learner sequence length T
+  sampler_b: int  # sampler batch bucket B
+  sampler_tp: int  # prompt bucket Tp (the largest, for multi-turn contexts)
+  sampler_tn: int  # new-token bucket Tn
+
+
+class _FakeTokenizer:
+  """What trainer.make_sampler_cfg reads from a tokenizer (ids of Qwen2's <|endoftext|>)."""
+
+  eos_token_id = 151643
+  pad_token_id = 151643
+
+
+def load_setting(
+  name: str, model_overrides: dict | None = None, batch: int = 0, prompt_len: int = 0, new_tokens: int = 0
+):
+  """The released config `configs/<name>.py` with its real architecture (config.model.shape).
+
+  The config goes through `run_config.parse_config` like a real run (its data paths and checkpoint
+  cleared: nothing is read), so every learner / model option it sets reaches the compiled step.
+  batch / prompt_len / new_tokens (0 = the config's) shrink the run for quick checks and tests.
+  """
+  from vcpo_jax import run_config, trainer
+  from vcpo_jax.rollout import multiturn
+
+  c = importlib.import_module(f"configs.{name}").get_config(None)
+  if "shape" not in c.model:
+    raise ValueError(f"configs/{name}.py has no model.shape block (the checkpoint's config.json architecture).")
+  shape = dict(c.model.shape.to_dict())
+  c.model.checkpoint = ""  # the architecture comes from model.shape; no weights are read
+  c.task.data_path = ""
+  c.eval.data_path = ""
+  if batch:
+    if batch % c.task.group_size:
+      raise ValueError(f"--batch={batch} must be a multiple of the group size G={c.task.group_size} of {name}.")
+    c.task.prompts_per_step = batch // c.task.group_size
+  if prompt_len:
+    c.task.max_prompt_len = prompt_len
+  if new_tokens:
+    c.task.max_new_tokens = new_tokens
+    if c.task.multiturn.enabled:
+      c.task.multiturn.max_turn_tokens = min(c.task.multiturn.max_turn_tokens, new_tokens)
+  kw = {"check_prompts": False} if "check_prompts" in inspect.signature(run_config.parse_config).parameters else {}
+  spec = run_config.parse_config(c, **kw)  # prompts are not tokenized: only shapes matter here
+  shape.update(model_overrides or {})
+  t = spec.rollout.max_prompt_len + spec.rollout.max_new_tokens
+  need = t + (spec.multiturn.max_turn_tokens if spec.multiturn else 0)
+  # spec.model_cfg carries the config's model options (dtype and whatever else parse_config sets);
+  # only the architecture is replaced by the checkpoint's.
+  model_cfg = spec.model_cfg.replace(**{k: v for k, v in shape.items() if k in ARCH_FIELDS}, max_position=need)
+  scfg = trainer.make_sampler_cfg(
+    spec,
+    _FakeTokenizer(),
+    temperature=spec.temperature,
+    top_p=spec.top_p,
+    top_k=spec.top_k,
+    max_new_tokens=spec.rollout.max_new_tokens,
+  )
+  if spec.multiturn is not None:
+    scfg = multiturn.sampler_config(scfg, spec.rollout, spec.multiturn)
+  n = spec.rollout.batch_size
+  b = min(n, scfg.batch_buckets[-1])  # the sampler chunks rows beyond its largest bucket
+  b = next(x for x in scfg.batch_buckets if x >= b)
+  tn = next(x for x in scfg.new_token_buckets if x >= scfg.max_new_tokens)
+  return Setting(name, spec, model_cfg, n, t, b, scfg.prompt_buckets[-1], tn)
+
+
+def _optimizer(spec):
+  from vcpo_jax import optim
+
+  return optim.make_optimizer(
+    spec.lr,
+    weight_decay=spec.weight_decay,
+    clip_norm=spec.clip_norm,
+    b1=spec.b1,
+    b2=spec.b2,
+    schedule=spec.schedule,
+    total_steps=spec.steps,
+  )
+
+
+def _abstract_params(model_cfg):
+  from flax import nnx
+
+  from vcpo_jax.model import transformer
+
+  return transformer.split(nnx.eval_shape(lambda: transformer.init(model_cfg, 0)))
+
+
+def _sds(shape, dtype, sharding):
+  import jax
+
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _mesh(shape, devices):
+  from vcpo_jax import sharding
+
+  return sharding.make_mesh(sharding.MeshConfig(tuple(shape)), devices)
+
+
+def compile_learner(setting: Setting, model_cfg, mesh, n: int):
+  """The trainer's jitted learner step, compiled on `mesh` for a batch of n rows; returns the Compiled."""
+  import jax
+  import jax.numpy as jnp
+
+  from vcpo_jax import learner, sharding
+
+  spec = setting.spec
+  tx = _optimizer(spec)
+  graphdef, abs_params = _abstract_params(model_cfg)
+  abs_state = jax.eval_shape(lambda p: learner.init_state(p, tx), abs_params)
+  state_sh = sharding.param_shardings(abs_state, sharding.TRANSFORMER_RULES, mesh)
+  batch_sh = sharding.batch_sharding(mesh)
+  t = setting.t
+  abs_batch = {
+    "tokens": _sds((n, t), jnp.int32, batch_sh),
+    "valid_mask": _sds((n, t), jnp.bool_, batch_sh),
+    "loss_mask": _sds((n, t), jnp.bool_, batch_sh),
+    "behavior_logp": _sds((n, t), jnp.float32, batch_sh),
+    "rewards": _sds((n,), jnp.float32, batch_sh),
+    "group_id": _sds((n,), jnp.int32, batch_sh),
+  }
+  missing = set(learner.BATCH_KEYS) - set(abs_batch)
+  if missing:
+    raise ValueError(f"learner.BATCH_KEYS has keys this benchmark does not build: {sorted(missing)}.")
+  step = jax.jit(
+    learner.make_train_step(graphdef, tx, spec.learner),
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, sharding.replicated(mesh)),
+    donate_argnums=0,
+  )
+  with _mesh_context(mesh):
+    return step.lower(abs_state, abs_batch).compile()
+
+
+def _mesh_context(mesh):
+  """`jax.set_mesh(mesh)` around tracing, as the trainer does: the model's activation constraints read it."""
+  import jax
+
+  return jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else contextlib.nullcontext()
+
+
+def _prefill_mask(valid_bt, tn: int):
+  """(positions, mask, cache_index) of a prefill that writes slots [0, Tp) of a cache of Tp + tn slots.
+
+  Follows the model's mask API: a per-key validity object (`kv_valid` [B, S], with a static cache
+  index so attention reads only the written prefix) or, in older code, an explicit [B, T, S] mask.
+  """
+  import jax.numpy as jnp
+
+  from vcpo_jax.model import transformer
+
+  positions, mask = transformer.padded_positions_and_mask(valid_bt)
+  if hasattr(mask, "kv_valid"):
+    return positions, type(mask)(jnp.pad(mask.kv_valid, ((0, 0), (0, tn)))), 0
+  return positions, jnp.pad(mask, ((0, 0), (0, 0), (0, tn))), jnp.int32(0)
+
+
+def _decode_mask(kv_valid_bs):
+  """The decode step's mask over the cache, in the model's mask API (see _prefill_mask)."""
+  import jax.numpy as jnp
+
+  from vcpo_jax.model import transformer
+
+  _, probe = transformer.padded_positions_and_mask(jnp.ones((1, 1), bool))
+  return type(probe)(kv_valid_bs) if hasattr(probe, "kv_valid") else kv_valid_bs[:, None, :]
+
+
+def _cache_spec(model_cfg, mesh):
+  from jax.sharding import PartitionSpec as P
+
+  from vcpo_jax import sharding
+
+  tensor = mesh.shape["tensor"]
+  heads = "tensor" if tensor > 1 and model_cfg.num_kv_heads % tensor == 0 else None
+  return P(sharding.BATCH_AXES, None, heads)  # [B, S, K, H]: rows over (data, fsdp), kv heads over tensor
+
+
+def compile_sampler(setting: Setting, model_cfg, mesh, part: str, b: int):
+  """The sampler's prefill or one decode step, as in `sampler._generate_device`, compiled on `mesh`."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+
+  from vcpo_jax import sharding
+  from vcpo_jax.model import transformer
+
+  tp, tn = setting.sampler_tp, setting.sampler_tn
+  s = tp + tn
+  graphdef, abs_params = _abstract_params(model_cfg)
+  params_sh = sharding.param_shardings(abs_params, sharding.TRANSFORMER_RULES, mesh)
+  abs_params = jax.tree.map(lambda x, sh: _sds(x.shape, x.dtype, sh), abs_params, params_sh)
+  rows = sharding.batch_sharding(mesh)
+  cache_sh = NamedSharding(mesh, _cache_spec(model_cfg, mesh))
+  cache_shardings = [(cache_sh, cache_sh)] * model_cfg.num_layers
+  rep = sharding.replicated(mesh)
+
+  if part == "sampler_prefill":
+
+    def prefill(params, prompt_bt, valid_bt):
+      cache = transformer.init_cache(model_cfg, b, s)
+      positions, mask, index = _prefill_mask(valid_bt, tn)
+      logits, cache = transformer.forward(graphdef, params, prompt_bt, positions, mask, cache, index)
+      return logits[:, -1], cache
+
+    fn = jax.jit(prefill, in_shardings=(params_sh, rows, rows), out_shardings=(rows, cache_shardings))
+    with _mesh_context(mesh):
+      return fn.lower(abs_params, _sds((b, tp), jnp.int32, rows), _sds((b, tp), jnp.bool_, rows)).compile()
+
+  def decode(params, cache, tok_b1, pos_b1, kv_valid_bs, idx):
+    logits, cache = transformer.forward(graphdef, params, tok_b1, pos_b1, _decode_mask(kv_valid_bs), cache, idx)
+    return logits[:, -1], cache
+
+  abs_cache = jax.eval_shape(lambda: transformer.init_cache(model_cfg, b, s))
+  abs_cache = jax.tree.map(lambda x: _sds(x.shape, x.dtype, cache_sh), abs_cache)
+  fn = jax.jit(
+    decode,
+    in_shardings=(params_sh, cache_shardings, rows, rows, rows, rep),
+    out_shardings=(rows, cache_shardings),
+    donate_argnums=1,
+  )
+  args = (
+    abs_params,
+    abs_cache,
+    _sds((b, 1), jnp.int32, rows),
+    _sds((b, 1), jnp.int32, rows),
+    _sds((b, s), jnp.bool_, rows),
+    _sds((), jnp.int32, rep),
+  )
+  with _mesh_context(mesh):
+    return fn.lower(*args).compile()
+
+
+def memory_stats(compiled) -> dict:
+  """Per-device byte counts of a compiled program (see the module docstring)."""
+  m = compiled.memory_analysis()
+  return {
+    "argument": int(m.argument_size_in_bytes),
+    "temp": int(m.temp_size_in_bytes),
+    "output": int(m.output_size_in_bytes),
+    "alias": int(m.alias_size_in_bytes),
+  }
+
+
+# ----------------------------------------------------------------------------- one device count (worker)
+
+
+def _compile_part(setting, part, layers, mesh, n_or_b):
+  import jax
+
+  cfg = setting.model_cfg.replace(num_layers=layers)
+  t0 = time.perf_counter()
+  if part == "learner":
+    compiled = compile_learner(setting, cfg, mesh, n_or_b)
+  else:
+    compiled = compile_sampler(setting, cfg, mesh, part, n_or_b)
+  stats = memory_stats(compiled)
+  stats["compile_s"] = time.perf_counter() - t0
+  del compiled
+  jax.clear_caches()
+  gc.collect()
+  return stats
+
+
+def _extrapolate(by_layers: dict, depth: int) -> dict:
+  """Linear per-layer model through the 1- and 2-layer compiles (exact for the parameter bytes)."""
+  m1, m2 = by_layers[1], by_layers[2]
+  return {k: m1[k] + (depth - 1) * (m2[k] - m1[k]) for k in STAT_KEYS}
+
+
+def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh, batch_dependent: bool) -> dict:
+  """One result row: compile(s) of `part` on a mesh over `devices`, bytes per device."""
+  depth = setting.model_cfg.num_layers
+  if layer_mode == "full":
+    layers = [depth]
+  elif layer_mode == "1,2":
+    layers = [1, 2]
+  else:
+    layers = [int(layer_mode)]
+  mesh_shape = setting.spec.mesh_shape if part == "learner" or not sampler_mesh else sampler_mesh
+  mesh = _mesh(mesh_shape, devices)
+  rows = setting.n if part == "learner" else setting.sampler_b
+  row = {
+    "config": setting.name,
+    "devices": len(devices),
+    "part": part,
+    "mesh": [int(mesh.shape[a]) for a in mesh.axis_names],
+    "rows": rows,
+    "seq_len": setting.t if part == "learner" else setting.sampler_tp + setting.sampler_tn,
+    "num_layers": depth if len(layers) == 2 else layers[0],
+    "layers_compiled": layers,
+    "extrapolated": len(layers) == 2,
+    "dtype": setting.model_cfg.dtype,
+  }
+  if part == "sampler_prefill":
+    row["prompt_len"] = setting.sampler_tp
+  by_layers = {}
+  compile_s = 0.0
+  for k in layers:
+    by_layers[k] = _compile_part(setting, part, k, mesh, rows)
+    compile_s += by_layers[k]["compile_s"]
+  stats = _extrapolate(by_layers, depth) if len(layers) == 2 else by_layers[layers[0]]
+  if batch_dependent:
+    half = rows // 2
+    if part == "learner":
+      g = setting.spec.rollout.group_size
+      half = max(g, (rows // 2) // g * g)  # whole groups
+    div = mesh.shape["data"] * mesh.shape["fsdp"]
+    if half % div or half == rows:
+      row["batch_error"] = f"half batch {half} is not a smaller multiple of data*fsdp={div}"
+    else:
+      small = _compile_part(setting, part, layers[0], mesh, half)
+      compile_s += small["compile_s"]
+      ref = by_layers[layers[0]]
+      # temp(N) - temp(N') scaled to the whole batch: the temporaries that grow with the rows.
+      row["batch_gib"] = (ref["temp"] - small["temp"]) * rows / (rows - half) / GIB
+      row["batch_layers"] = layers[0]
+  out_new = max(stats["output"] - stats["alias"], 0)
+  row["compiled_gib"] = {
+    str(k): {f"{key}_gib": v[key] / GIB for key in ("argument", "temp")} for k, v in by_layers.items()
+  }
+  row.update(
+    argument_gib=stats["argument"] / GIB,
+    temp_gib=stats["temp"] / GIB,
+    output_gib=out_new / GIB,
+    peak_gib=(stats["argument"] + stats["temp"] + out_new) / GIB,
+    compile_s=compile_s,
+  )
+  budget = BUDGET_GIB.get(setting.name)
+  if budget is not None:
+    row["budget_gib"] = budget
+    row["fits"] = bool(row["peak_gib"] <= budget)
+  return row
+
+
+def worker(args) -> list[dict]:
+  import jax
+
+  n_dev = int(args.devices)
+  if jax.device_count() < n_dev:
+    raise SystemExit(
+      f"--worker needs {n_dev} devices but jax sees {jax.device_count()}: run without --worker (the driver sets "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={n_dev} in a subprocess)."
+    )
+  devices = jax.devices()[:n_dev]
+  results = []
+  overrides = _parse_overrides(args.model)
+  sampler_mesh = tuple(int(x) for x in args.sampler_mesh.split(",")) if args.sampler_mesh else None
+  for name in args.configs.split(","):
+    setting = load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens)
+    for part in args.parts.split(","):
+      print(f"[memory] {name} {part} devices={n_dev} layers={args.layers} ...", file=sys.stderr, flush=True)
+      try:
+        row = measure(setting, part, devices, args.layers, sampler_mesh, args.batch_dependent)
+      except Exception as e:  # noqa: BLE001 - one failing compile (e.g. an indivisible mesh) must not lose the others
+        row = {"config": name, "devices": n_dev, "part": part, "error": f"{type(e).__name__}: {e}"[:2000]}
+      print(f"[memory]   -> {json.dumps(row)}", file=sys.stderr, flush=True)
+      results.append(row)
+  return results
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _run_device_count(args, n_dev: int, passthrough: list[str]) -> list[dict]:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=", "--ignored_device_count=")
+    + f" --xla_force_host_platform_device_count={n_dev}"
+  ).strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  cmd = [sys.executable, "-m", "benchmarks.memory", "--worker", f"--devices={n_dev}", *passthrough]
+  proc = subprocess.run(cmd, check=False, env=env, cwd=root, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if proc.returncode or not lines:
+    return [{"devices": n_dev, "error": f"worker exited with {proc.returncode}; see its stderr above"}]
+  return json.loads(lines[-1])["results"]
+
+
+def _fmt(x, spec=".1f"):
+  return "-" if x is None else format(x, spec)
+
+
+def print_table(results: list[dict]):
+  head = ("config", "dev", "part", "mesh", "rows", "T", "layers", "arg", "temp", "peak", "batch@L", "budget", "fits")
+  print(" | ".join(head))
+  print(" | ".join("---" for _ in head))
+  for r in results:
+    if "error" in r:
+      print(f"{r.get('config', '?')} | {r['devices']} | {r.get('part', '?')} | ERROR: {r['error'][:200]}")
+      continue
+    layers = ",".join(map(str, r["layers_compiled"])) + (f"->{r['num_layers']}" if r["extrapolated"] else "")
+    cells = (
+      r["config"],
+      str(r["devices"]),
+      r["part"],
+      "x".join(map(str, r["mesh"])),
+      str(r["rows"]),
+      str(r["seq_len"]),
+      layers,
+      _fmt(r["argument_gib"]),
+      _fmt(r["temp_gib"]),
+      _fmt(r["peak_gib"]),
+      _fmt(r.get("batch_gib")) + (f"@{r['batch_layers']}" if "batch_layers" in r else ""),
+      _fmt(r.get("budget_gib"), ".0f"),
+      {True: "yes", False: "no"}.get(r.get("fits"), "-"),
+    )
+    print(" | ".join(cells))
+
+
+def _git_commit() -> str:
+  try:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return ""
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs/ names")
+  p.add_argument("--devices", default=",".join(map(str, DEVICES)), help="fake CPU device counts, one subprocess each")
+  p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+  p.add_argument("--layers", default="1,2", help="'1,2' (extrapolate per layer), 'full', or a layer count")
+  p.add_argument("--sampler_mesh", default="", help="sampler mesh (data,fsdp,tensor), e.g. 1,1,4 ('' = config's)")
+  p.add_argument("--model", default="", help="architecture overrides, e.g. hidden_size=64,vocab_size=512")
+  p.add_argument("--batch", type=int, default=0, help="learner rows N (0 = the config's P * G)")
+  p.add_argument("--prompt_len", type=int, default=0, help="max prompt length (0 = the config's)")
+  p.add_argument("--new_tokens", type=int, default=0, help="response budget (0 = the config's)")
+  p.add_argument("--batch_dependent", action="store_true", help="also compile at half the batch: batch_gib")
+  p.add_argument("--timeout", type=float, default=3600.0, help="seconds per device-count subprocess")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  for part in args.parts.split(","):
+    if part not in PARTS:
+      p.error(f"--parts: unknown part {part!r}; choose from {PARTS}.")
+  if args.layers not in ("1,2", "full") and not args.layers.isdigit():
+    p.error(f"--layers={args.layers!r}: use '1,2', 'full' or a positive layer count.")
+  _parse_overrides(args.model)  # fail here, not in every subprocess
+  if args.worker:
+    print(json.dumps({"results": worker(args)}))
+    return
+  passthrough = [
+    f"--configs={args.configs}",
+    f"--parts={args.parts}",
+    f"--layers={args.layers}",
+    f"--sampler_mesh={args.sampler_mesh}",
+    f"--model={args.model}",
+    f"--batch={args.batch}",
+    f"--prompt_len={args.prompt_len}",
+    f"--new_tokens={args.new_tokens}",
+  ] + (["--batch_dependent"] if args.batch_dependent else [])
+  commit, date = _git_commit(), time.strftime("%Y-%m-%d")  # what is measured: the tree as the run starts
+  results = []
+  for n_dev in (int(x) for x in args.devices.split(",")):
+    results += _run_device_count(args, n_dev, passthrough)
+  print_table(results)
+  print(json.dumps({"results": results, "commit": commit, "date": date}))
+
+
+if __name__ == "__main__":
+  main()

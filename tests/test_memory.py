@@ -1,0 +1,131 @@
+"""benchmarks/memory.py: compile-only memory of the learner and sampler steps on fake CPU devices.
+
+Memory from compilation is deterministic (XLA's buffer assignment, not a timing). One driver run
+compiles a 1-layer, tiny-width version of configs/gsm8k.py on 2 and 8 fake devices (one subprocess
+each) for every part, at the full batch and at half of it; the tests read its JSON line.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import memory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = "hidden_size=64,intermediate_size=128,num_heads=4,num_kv_heads=2,head_dim=16,vocab_size=2048"
+FIELDS = ("config", "devices", "part", "argument_gib", "temp_gib", "peak_gib", "layers_compiled")
+
+
+@pytest.fixture(scope="module")
+def run():
+  """The driver's stdout on 2 and 8 devices: (table lines, parsed last JSON line)."""
+  cmd = [
+    sys.executable,
+    "-m",
+    "benchmarks.memory",
+    "--configs=gsm8k",
+    "--devices=2,8",
+    "--layers=1",
+    f"--model={TINY}",
+    "--prompt_len=64",
+    "--new_tokens=64",
+    "--batch=64",
+    "--batch_dependent",
+  ]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the driver sets it per subprocess
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.strip().splitlines()
+  return lines, json.loads(lines[-1])
+
+
+def _rows(out):
+  return {(r["devices"], r["part"]): r for r in out["results"]}
+
+
+def test_json_line_has_the_documented_fields(run):
+  lines, out = run
+  assert lines[0].startswith("config | dev | part")  # the table comes first
+  rows = _rows(out)
+  assert set(rows) == {(d, p) for d in (2, 8) for p in memory.PARTS}
+  for r in out["results"]:
+    assert "error" not in r, r
+    assert set(FIELDS) <= set(r)
+    assert r["config"] == "gsm8k" and r["layers_compiled"] == [1] and not r["extrapolated"]
+    # peak = argument + temp + outputs that are not donated-input aliases (>= argument + temp)
+    assert r["peak_gib"] == pytest.approx(r["argument_gib"] + r["temp_gib"] + r["output_gib"])
+    assert r["temp_gib"] > 0 and r["argument_gib"] > 0
+  assert rows[(2, "learner")]["rows"] == 64 and rows[(2, "learner")]["seq_len"] == 128  # N = 8 x 8, T = 64 + 64
+  assert rows[(2, "sampler_prefill")]["prompt_len"] == 64
+
+
+def test_arguments_are_sharded(run):
+  """Parameters + optimizer state are FSDP-sharded: 4x fewer bytes per device on 8 devices than on 2.
+
+  The learner's arguments are params (f32) + Adam mu, nu (f32) + the [64, 128] batch, all split over
+  fsdp; only a few small leaves (norm scales, the step count) are replicated, hence the tolerance.
+  """
+  rows = _rows(run[1])
+  ratio = rows[(2, "learner")]["argument_gib"] / rows[(8, "learner")]["argument_gib"]
+  assert 3.5 < ratio <= 4.0
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="issue 10 item 1: on 2c26132 (main before the activation-sharding work) the compiler does not keep "
+  "the batch split over fsdp inside the learner step (logits, log-softmax), the prefill (dense attention) "
+  "or, at this tiny width, the decode step; remove this marker when that work makes it pass",
+)
+@pytest.mark.parametrize("part", memory.PARTS)
+def test_batch_memory_falls_with_devices(run, part):
+  """Batch-dependent temp memory per device falls in proportion to data x fsdp (4x from 2 to 8 devices).
+
+  batch_gib = temp(N) - temp(N / 2), scaled to N, per device: what a bug that replicates an [N, ...]
+  activation over the mesh keeps constant as devices are added.
+  """
+  rows = _rows(run[1])
+  assert rows[(2, part)]["batch_gib"] > 0
+  assert rows[(2, part)]["batch_gib"] / rows[(8, part)]["batch_gib"] >= 3.0
+
+
+def test_released_shapes_match_the_published_parameter_counts():
+  """The configs' model.shape blocks give the checkpoints' published sizes (Qwen2: 1.54B, Qwen2.5: 7.62B)."""
+  counts = {}
+  for name in memory.CONFIGS:
+    s = memory.load_setting(name)
+    cfg = s.model_cfg
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    counts[name] = (cfg.num_params, cfg.num_params - embed)
+  assert counts["gsm8k"][0] == pytest.approx(1.54e9, rel=0.005)  # Qwen2-1.5B: 1.54B, 1.31B non-embedding
+  assert counts["gsm8k"][1] == pytest.approx(1.31e9, rel=0.005)
+  assert counts["math"][0] == 7_615_616_512  # Qwen2.5-7B model card: 7.61B, 6.53B non-embedding
+  assert counts["math"][1] == pytest.approx(6.53e9, rel=0.002)
+  assert counts["multiturn"] == counts["math"]
+
+
+def test_released_run_shapes():
+  """What the benchmark compiles: the learner batch [N, T] and the sampler buckets of each config."""
+  g, m, mt = (memory.load_setting(n) for n in memory.CONFIGS)
+  assert (g.n, g.t, g.sampler_b, g.sampler_tp, g.sampler_tn) == (64, 4096, 64, 2048, 2048)
+  assert (m.n, m.t, m.sampler_b, m.sampler_tp, m.sampler_tn) == (512, 3072, 512, 1024, 2048)
+  # tool use: contexts grow to T = 4096 + 12288, each call adds up to max_turn_tokens = 4096
+  assert (mt.n, mt.t, mt.sampler_b, mt.sampler_tp, mt.sampler_tn) == (2048, 16384, 2048, 16384, 4096)
+  assert g.model_cfg.dtype == m.model_cfg.dtype == "bfloat16"
+
+
+def test_extrapolation_is_linear_per_layer():
+  by = {
+    1: {"argument": 10, "temp": 100, "output": 1, "alias": 0},
+    2: {"argument": 16, "temp": 130, "output": 1, "alias": 0},
+  }
+  assert memory._extrapolate(by, 28) == {"argument": 10 + 27 * 6, "temp": 100 + 27 * 30, "output": 1, "alias": 0}
+
+
+def test_bad_flags_are_one_line_errors():
+  with pytest.raises(ValueError, match="not an architecture field"):
+    memory._parse_overrides("hiden_size=3")
+  with pytest.raises(ValueError, match="multiple of the group size"):
+    memory.load_setting("gsm8k", batch=12)
