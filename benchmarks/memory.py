@@ -484,6 +484,9 @@ def _run_device_count(args, n_dev: int, passthrough: list[str]) -> list[dict]:
   env["XLA_FLAGS"] = (
     env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=", "--ignored_device_count=")
     + f" --xla_force_host_platform_device_count={n_dev}"
+    # XLA:CPU's default scheduler orders for concurrency and keeps rematerialized values alive, hiding
+    # what remat saves; accelerator schedulers are memory-aware. Schedule for memory, as they would.
+    + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
   ).strip()
   env["JAX_PLATFORMS"] = "cpu"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -46,7 +46,14 @@ def _train_records(workdir):
 
 @pytest.fixture()
 def dense_reward(monkeypatch):
-  monkeypatch.setattr(rollout_common.tasks, "score", _dense_score)
+  monkeypatch.setattr(
+    rollout_common.tasks,
+    "score_problems",
+    lambda problems, outputs, extraction=None: (
+      [_dense_score(p.task, o, p.reference) for p, o in zip(problems, outputs)],
+      0,
+    ),
+  )
 
 
 class InjectedCrash(RuntimeError):
