@@ -60,9 +60,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.num_layers = config_dict.placeholder(int)  # transformer blocks (None = preset value)
   c.model.intermediate_size = config_dict.placeholder(int)  # SwiGLU width (None = preset value)
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
-  c.model.attention = (
-    "dense"  # attention kernel: dense (reference) | xla | chunked (long T, no [B,H,T,T]) | cudnn | splash
-  )
+  c.model.attention = "dense"  # kernel: dense (reference) | xla | chunked (no [B,H,T,T]) | cudnn | splash
   c.model.attention_chunk = 512  # query chunk of "chunked", key block of the cached decode attention (tokens)
   c.model.remat = "none"  # per-block rematerialization: none | block | a jax.checkpoint_policies name
   c.model.logprob_chunk = 512  # positions per chunk of the log-prob head (0 = all at once: [N, T, V] logits)
