@@ -170,3 +170,22 @@ def record_sources(monkeypatch):
 
   monkeypatch.setattr(trainer, "build_source", recording_build_source)
   return built, seen, paths
+
+
+def tiny_char_policy(tokenizer, seed: int = 0):
+  """(cfg, graphdef, params): a 1-layer Qwen2-style policy over the char tokenizer's vocabulary."""
+  from vcpo_jax.model import config as model_config
+  from vcpo_jax.model import transformer
+
+  cfg = model_config.tiny_qwen2(
+    vocab_size=len(tokenizer),
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    max_position=64,
+  )
+  graphdef, params = transformer.split(transformer.init(cfg, seed=seed))
+  return cfg, graphdef, params

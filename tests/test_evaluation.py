@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests import fixtures
 from vcpo_jax import evaluation as ev
 from vcpo_jax import tasks
 
@@ -266,23 +267,11 @@ def test_countdown_eval_counts_format_only_as_wrong():
 def policy():
   import jax
 
-  from vcpo_jax.model import config as model_config
   from vcpo_jax.model import tokenizer as tok_lib
-  from vcpo_jax.model import transformer
   from vcpo_jax.sampler import SamplerConfig
 
   tok = tok_lib.build_char_tokenizer()
-  cfg = model_config.tiny_qwen2(
-    vocab_size=len(tok),
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    max_position=64,
-  )
-  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  cfg, graphdef, params = fixtures.tiny_char_policy(tok)
   # a sharp random policy: scaled logits make temperature matter
   params = jax.tree.map(lambda x: x * 3.0, params)
   base = SamplerConfig(

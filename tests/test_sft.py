@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from configs import countdown as countdown_config
+from tests import fixtures
 from vcpo_jax import sft, tasks
-from vcpo_jax.model import config as model_config
 from vcpo_jax.model import tokenizer as tok_lib
 from vcpo_jax.model import transformer
 from vcpo_jax.run_config import parse_config
@@ -28,18 +28,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-  cfg = model_config.tiny_qwen2(
-    vocab_size=len(tok),
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    max_position=64,
-  )
-  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
-  return cfg, graphdef, params
+  return fixtures.tiny_char_policy(tok)
 
 
 def _spec(tmp_path, **over):
