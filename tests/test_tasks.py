@@ -758,9 +758,17 @@ def test_score_uses_a_configured_task_object():
 
 class _BuggyTask:
   name = "buggy"
+  generated = True
+  uses_extraction = False
+
+  def make_problems(self, split="train", n=1, seed=0, template=None):
+    return [tasks.Problem(id=f"buggy-{i}", task="buggy", prompt="1+1=", reference="2", grader=self) for i in range(n)]
 
   def score(self, output, reference, extraction=None):
     raise KeyError("a grading bug")
+
+  def check_reference(self, reference):
+    pass
 
 
 def test_grading_failures_are_counted_not_hidden(monkeypatch, caplog):

@@ -113,7 +113,7 @@ class EvalProtocol:
       raise ValueError(
         f"EvalProtocol.extraction {self.extraction!r} unknown; choose one of {sorted(answers.EXTRACTORS)} or None"
       )
-    if self.extraction is not None and self.dataset in ("countdown", "arithmetic"):
+    if self.extraction is not None and not tasks_lib.TASKS[self.dataset].uses_extraction:
       raise ValueError(f"EvalProtocol.extraction must be None for {self.dataset} (it has its own parser)")
 
   def to_dict(self) -> dict:

@@ -111,9 +111,7 @@ def run(config, workdir: str) -> dict:
   log.info("policy: %s, %.2fM parameters", model_cfg.model_type, model_cfg.num_params / 1e6)
 
   # ---------------------------------------------------------------- Warm start
-  task_obj = spec.task_object()
-  generated = spec.rollout.task in ("countdown", "arithmetic")  # others load a finite data set: use all of it
-  train_problems = task_obj.make_problems("train", spec.rollout.num_train_problems if generated else None, spec.seed)
+  train_problems = spec.make_train_problems()  # made by spec.task, the run's one configured task (its grader)
   if spec.sft_steps > 0:
     from vcpo_jax import sft
 
