@@ -224,7 +224,7 @@ def make_batch(cfg: PureLagConfig, graphdef, params, key):
   loss_mask = jnp.broadcast_to(jnp.arange(t) >= 2, (n, t)).astype(jnp.float32)
   return dict(
     tokens=tokens,
-    valid=jnp.ones((n, t), bool),
+    valid_mask=jnp.ones((n, t), bool),
     behavior_logp=behavior,
     loss_mask=loss_mask,
     rewards=reward(cfg, prompt_n2, tokens[:, 2:]),

@@ -177,11 +177,11 @@ class MultiTurnRolloutMaker(RolloutMaker):
     """Rolls out G tool-use episodes for each of step's P prompts with `params`; returns (batch, info)."""
     cfg = self.cfg
     problems = self.problems_for_step(step)
-    graders = {id(p.grader if p.grader is not None else p.task): p for p in problems}
+    graders = {p.grader if p.grader is not None else p.task for p in problems}  # task objects hash by identity
     if len(graders) != 1:
-      names = sorted({p.task for p in graders.values()})
+      names = sorted({p.task for p in problems})
       raise ValueError(f"a multi-turn step mixes task objects (scoring tasks {names}); use one configured task.")
-    grader = problems[0].grader if problems[0].grader is not None else problems[0].task
+    (grader,) = graders
     prompt_ids = encode_prompts(self.tokenizer, problems, cfg.chat_template)
     too_long = [len(p) for p in prompt_ids if len(p) > cfg.max_prompt_len]
     if too_long:

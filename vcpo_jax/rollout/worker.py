@@ -270,6 +270,7 @@ class _Worker:
         "elapsed_s_total": time.monotonic() - self.t_start,
         "response_len_mean": info["response_len_mean"],
         "finished_frac": info["finished_frac"],
+        "grading_failures": int(info.get("grading_failures", 0)),  # graders that raised (counted, graded 0)
         "problem_ids": list(info["problem_ids"]),
         "texts": list(info["texts"]),
         "metrics": {str(n): float(x) for n, x in info.get("metrics", {}).items()},
