@@ -55,7 +55,7 @@ def test_batch_is_a_pytree_and_a_mapping():
   assert isinstance(doubled, Batch)
   np.testing.assert_array_equal(doubled.group_id, 2 * a["group_id"])
   dev = b.device()
-  assert tuple(dev) == batch_lib.DEVICE_KEYS and "correct" not in dev and "policy_version" not in dev
+  assert tuple(dev) == batch_lib.DEVICE_KEYS and "correct" not in dev
   with pytest.raises(KeyError):
     b["valid"]  # the one spelling is valid_mask
 

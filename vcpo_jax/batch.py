@@ -45,8 +45,9 @@ FIELDS: dict[str, tuple[Any, str]] = {
   "policy_version": (np.int32, "N"),
 }
 
-# What the jitted learner step consumes (correct and policy_version stay on the host).
-DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "group_id")
+# What the jitted learner step consumes (correct stays on the host). policy_version: the version-aware
+# policy losses (decoupled PPO's log-linear proximal policy) read it.
+DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "group_id", "policy_version")
 
 # What estimator.policy_gradient / grad_norms.ghost_policy_gradient read themselves (logp_fn reads the rest).
 PG_KEYS = ("tokens", "behavior_logp", "loss_mask", "rewards", "group_id")
