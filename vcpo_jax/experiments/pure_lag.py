@@ -214,7 +214,7 @@ def init_params(cfg: PureLagConfig, key):
 
 
 def make_batch(cfg: PureLagConfig, graphdef, params, key):
-  """One training batch: P random prompts x G samples, fields as `estimator.BATCH_KEYS`."""
+  """One training batch: P random prompts x G samples, fields as `vcpo_jax.batch.PG_KEYS` (+ valid_mask for the logp function)."""
   kp, ks = jax.random.split(key)
   prompts = all_prompts(cfg)
   pid_p = jax.random.randint(kp, (cfg.prompts_per_step,), 0, cfg.num_prompts)
