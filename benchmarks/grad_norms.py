@@ -76,12 +76,12 @@ def make_batch(graphdef, params, n, t, group, seed=0):
   tokens = np.where(valid, rng.integers(0, vocab, (n, t)), 0).astype(np.int32)
   batch = dict(
     tokens=jnp.asarray(tokens),
-    valid=jnp.asarray(valid),
+    valid_mask=jnp.asarray(valid),
     loss_mask=jnp.asarray(loss_mask),
     rewards=jnp.asarray(rng.integers(0, 2, n), jnp.float32),
     group_id=jnp.asarray(np.repeat(np.arange(n // group), group), jnp.int32),
   )
-  logp = jax.jit(tf.sequence_logprobs, static_argnums=0)(graphdef, params, batch["tokens"], batch["valid"])
+  logp = jax.jit(tf.sequence_logprobs, static_argnums=0)(graphdef, params, batch["tokens"], batch["valid_mask"])
   # Stale behavior policy: per-token log-prob noise gives sequence log-ratios of order 1.
   batch["behavior_logp"] = (logp + 0.1 * jnp.asarray(rng.normal(size=(n, t)), jnp.float32)) * loss_mask
   return batch
@@ -256,7 +256,7 @@ def memory_table(args):
       sds = jax.ShapeDtypeStruct
       batch = dict(
         tokens=sds((n, t), jnp.int32),
-        valid=sds((n, t), jnp.bool_),
+        valid_mask=sds((n, t), jnp.bool_),
         loss_mask=sds((n, t), jnp.float32),
         behavior_logp=sds((n, t), jnp.float32),
         rewards=sds((n,), jnp.float32),

@@ -218,8 +218,8 @@ def _mesh(shape, devices):
 def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   """The trainer's jitted learner step, compiled on `mesh` for a batch of n rows; returns the Compiled."""
   import jax
-  import jax.numpy as jnp
 
+  from vcpo_jax import batch as batch_lib
   from vcpo_jax import learner, sharding
 
   spec = setting.spec
@@ -229,17 +229,8 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   state_sh = sharding.param_shardings(abs_state, sharding.TRANSFORMER_RULES, mesh)
   batch_sh = sharding.batch_sharding(mesh)
   t = setting.t
-  abs_batch = {
-    "tokens": _sds((n, t), jnp.int32, batch_sh),
-    "valid_mask": _sds((n, t), jnp.bool_, batch_sh),
-    "loss_mask": _sds((n, t), jnp.bool_, batch_sh),
-    "behavior_logp": _sds((n, t), jnp.float32, batch_sh),
-    "rewards": _sds((n,), jnp.float32, batch_sh),
-    "group_id": _sds((n,), jnp.int32, batch_sh),
-  }
-  missing = set(learner.BATCH_KEYS) - set(abs_batch)
-  if missing:
-    raise ValueError(f"learner.BATCH_KEYS has keys this benchmark does not build: {sorted(missing)}.")
+  # The learner's device batch, from the one Batch definition (vcpo_jax/batch.py).
+  abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t).items() if k in batch_lib.DEVICE_KEYS}
   step = jax.jit(
     learner.make_train_step(graphdef, tx, spec.learner),
     in_shardings=(state_sh, batch_sh),

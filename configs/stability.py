@@ -3,9 +3,9 @@
 Launch (writes docs/results/stability.md and PNGs; resumes finished cells):
 
   python -m vcpo_jax.experiments.stability --out=docs/results
-  python -m vcpo_jax.experiments.stability --out=/tmp/stab --quick        # minutes, smoke
+  python -m vcpo_jax.experiments.stability --out=/tmp/stab --config=configs/stability.py:quick   # minutes, smoke
   python -m vcpo_jax.experiments.stability --out=docs/results --config.seeds="(0,1,2)"
-  python -m vcpo_jax.experiments.stability --out=docs/results --variant=countdown   # the real trainer, ~1.5 h
+  python -m vcpo_jax.experiments.stability --out=docs/results --config=configs/stability.py:countdown   # the real trainer, ~1.5 h
 
 Backend "pure_lag" (vcpo_jax/experiments/pure_lag.py): a tiny transformer on the
 synthetic stride-counting task, one fully jitted exact-lag run per (seed, lr),

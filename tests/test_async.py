@@ -35,7 +35,7 @@ def _source(config, **kw) -> async_.AsyncSource:
   # check_prompts=False: a test below makes the worker fail on a prompt longer than the bucket.
   spec = run_config.parse_config(config, check_prompts=False)
   model_cfg, tokenizer, graphdef, params = trainer.build_policy(spec)
-  problems = spec.task_object().make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  problems = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
   sampler = Sampler(
     graphdef,
     model_cfg,

@@ -75,7 +75,7 @@ def _batch(seed=0):
   group_id = np.repeat(np.arange(N // 3), 3).astype(np.int32)
   return dict(
     tokens=jnp.asarray(tokens),
-    valid=jnp.asarray(valid),
+    valid_mask=jnp.asarray(valid),
     loss_mask=jnp.asarray(loss_mask, jnp.float32),
     behavior_logp=jnp.asarray(rng.normal(-2.5, 0.5, (N, T)) * loss_mask, jnp.float32),
     rewards=jnp.asarray(rng.integers(0, 2, N), jnp.float32).at[0].set(1.0).at[1].set(0.0),
@@ -278,7 +278,7 @@ def test_ghost_step_memory_does_not_scale_with_n_t_v():
     graphdef, params = tf.split(nnx.eval_shape(lambda: tf.Transformer(cfg, rngs=nnx.Rngs(0))))
     logp_fn = gn.sequence_logp_fn(graphdef)
     sds = jax.ShapeDtypeStruct
-    batch = dict(tokens=sds((n, t), jnp.int32), valid=sds((n, t), bool), loss_mask=sds((n, t), jnp.float32))
+    batch = dict(tokens=sds((n, t), jnp.int32), valid_mask=sds((n, t), bool), loss_mask=sds((n, t), jnp.float32))
     fn = lambda p, b: (
       gn.ghost_sq_norms_and_grad(
         logp_fn, p, b, b["loss_mask"], lambda lp, sq: (sq, None), memory_budget_bytes=1 << 20

@@ -8,6 +8,7 @@ import pytest
 
 from configs import multiturn as multiturn_config
 from tests import fixtures
+from vcpo_jax import batch as batch_lib
 from vcpo_jax import evaluation
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax import run_config, trainer
@@ -15,6 +16,7 @@ from vcpo_jax.model.tokenizer import build_char_tokenizer
 from vcpo_jax.rollout import common as rollout_common
 from vcpo_jax.rollout import multiturn
 from vcpo_jax.sampler import SamplerConfig
+from vcpo_jax.batch import Batch
 from vcpo_jax.tasks import Problem
 
 TOK = build_char_tokenizer()
@@ -94,28 +96,12 @@ def scripted():
 def test_batch_layout_and_masks(scripted):
   sampler, maker, batch, info = scripted
   n, tp, t = 4, 24, 24 + 72
-  # Same keys, dtypes and shapes as the single-turn RolloutMaker's Batch.
-  assert set(batch) == {
-    "tokens",
-    "valid_mask",
-    "loss_mask",
-    "behavior_logp",
-    "rewards",
-    "correct",
-    "group_id",
-    "policy_version",
-  }
-  for k, (shape, dtype) in dict(
-    tokens=((n, t), np.int32),
-    valid_mask=((n, t), bool),
-    loss_mask=((n, t), bool),
-    behavior_logp=((n, t), np.float32),
-    rewards=((n,), np.float32),
-    correct=((n,), np.float32),
-    group_id=((n,), np.int32),
-    policy_version=((n,), np.int32),
-  ).items():
+  # The one Batch (vcpo_jax/batch.py), as the single-turn RolloutMaker makes it: same keys, dtypes, shapes.
+  assert isinstance(batch, Batch) and list(batch) == list(batch_lib.FIELDS)
+  for k, (dtype, shape) in batch_lib.schema(n, t).items():
     assert batch[k].shape == shape and batch[k].dtype == dtype, k
+  assert batch["valid_mask"].dtype == bool and batch["tokens"].dtype == np.int32  # by hand, not only the schema
+  assert info["grading_failures"] == 0
   np.testing.assert_array_equal(batch["group_id"], [0, 0, 1, 1])
   np.testing.assert_array_equal(batch["policy_version"], [5, 5, 5, 5])
   # The stop id is the last token of "</code>"; "<code>" also ends in ">", so the env must resume.

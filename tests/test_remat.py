@@ -28,7 +28,7 @@ def _batch():
   loss = valid & (np.arange(T)[None] >= 4)
   return {
     "tokens": jnp.asarray(rng.integers(0, 12, (N, T)), jnp.int32),
-    "valid": jnp.asarray(valid),
+    "valid_mask": jnp.asarray(valid),
     "loss_mask": jnp.asarray(loss, jnp.float32),
   }
 

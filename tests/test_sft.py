@@ -169,7 +169,7 @@ def test_cache_names_leaves_like_the_partition_rules(model, tmp_path):
 def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
   cfg, graphdef, params = model
   spec = _spec(tmp_path)
-  probs = spec.task_object().make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  probs = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
   first = sft.warm_start(graphdef, params, cfg, tok, probs, spec, str(tmp_path / "wd1"))
   files = os.listdir(spec.sft_cache_dir)
   assert len(files) == 1 and files[0].endswith(".safetensors")  # no temporary files left behind
@@ -197,7 +197,7 @@ def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
 def test_cache_key_changes_with_every_relevant_field(tok, model, tmp_path):
   cfg, graphdef, params = model
   spec = _spec(tmp_path)
-  probs = spec.task_object().make_problems("train", 32, spec.seed)
+  probs = spec.task.make_problems("train", 32, spec.seed)
 
   def key(params=params, cfg=cfg, tok=tok, probs=probs, **over):
     return sft.cache_key(sft.key_fields(params, cfg, tok, probs, dataclasses.replace(spec, **over)))

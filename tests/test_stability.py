@@ -201,7 +201,7 @@ def test_select_lr_rule():
 
 def test_trainer_backend_end_to_end_and_resumes_per_run(tmp_path):
   """configs/stability.py:countdown_quick through vcpo_jax.trainer.run: arrays, report, run-level resume."""
-  c = st._load_config("countdown_quick", [f"--config.trainer.runs={tmp_path / 'runs'}"])
+  c = st.load_config("countdown_quick", {"trainer.runs": str(tmp_path / "runs")})
   c.methods, c.ks = ("vcpo",), (0, 2)
   assert c.backend == "trainer" and st.chance(c) == 0.0 and st.batch_size(c) == 8
   fp = st.fingerprint(st.settings(c))
@@ -243,7 +243,7 @@ def test_read_run_rejects_incomplete_metrics(tmp_path):
 
 
 def test_countdown_study_config_matches_issue():
-  c = st._load_config("countdown", [])
+  c = st.load_config("countdown")
   assert c.backend == "trainer" and c.ks == (0, 8, 32, 128) and len(c.seeds) >= 3 and len(c.lrs) >= 2
   assert set(c.methods) == {
     "none",

@@ -758,9 +758,17 @@ def test_score_uses_a_configured_task_object():
 
 class _BuggyTask:
   name = "buggy"
+  generated = True
+  uses_extraction = False
+
+  def make_problems(self, split="train", n=1, seed=0, template=None):
+    return [tasks.Problem(id=f"buggy-{i}", task="buggy", prompt="1+1=", reference="2", grader=self) for i in range(n)]
 
   def score(self, output, reference, extraction=None):
     raise KeyError("a grading bug")
+
+  def check_reference(self, reference):
+    pass
 
 
 def test_grading_failures_are_counted_not_hidden(monkeypatch, caplog):
@@ -822,3 +830,112 @@ def test_problems_carry_their_configured_grader():
   assert all(isinstance(t.grader, datasets.TextTask) for t in text)
   with pytest.raises(ValueError, match="one per output"):
     tasks.score_problems(per_sample, [out])
+
+
+# ----------------------------------------------------------------------------- the Task protocol and tasks.build
+
+
+def test_every_registry_task_follows_the_protocol():
+  for name, task in tasks.TASKS.items():
+    assert isinstance(task, tasks.Task) and task.name == name
+    assert task.generated == (name in ("countdown", "arithmetic"))  # the only generated ones
+    assert task.uses_extraction == (not task.generated)
+  assert not isinstance(object(), tasks.Task)
+
+
+def test_build_makes_one_configured_instance():
+  task = tasks.build("countdown", options={"format_weight": 0.0, "num_numbers": (3, 3)})
+  assert isinstance(task, countdown.CountdownTask) and task.format_weight == 0.0
+  probs = task.make_problems("train", 3, seed=1)
+  assert all(p.grader is task and len(p.reference["numbers"]) == 3 for p in probs)
+  wrong = "<answer>0</answer>"  # well formed; 0 is never one of the numbers
+  assert tasks.score_problems(probs, [wrong] * 3) == ([0.0, 0.0, 0.0], 0)
+  assert tasks.score_problem(tasks.build("countdown").make_problems("train", 1)[0], wrong) == pytest.approx(0.1)
+  assert tasks.build("arithmetic", template="Q: {expression}=").make_problems("train", 1)[0].prompt.startswith("Q: ")
+  text = tasks.build("gsm8k", template="{problem} ?")
+  assert isinstance(text, datasets.TextTask) and not text.generated and text.make_problems("test", 1)[0].grader is text
+  with pytest.raises(ValueError, match="unknown"):
+    tasks.build("gsm9k")
+  with pytest.raises(ValueError, match="num_numbers: task 'gsm8k' is a data set"):
+    tasks.build("gsm8k", options={"num_numbers": 3})
+  with pytest.raises(ValueError, match="data_path='x.jsonl': task 'countdown' is generated"):
+    tasks.build("countdown", data_path="x.jsonl")
+  with pytest.raises(TypeError, match="unexpected keyword argument 'foo'"):
+    tasks.build("countdown", options={"foo": 1})
+
+
+def _countdown_spec(**options):
+  from configs import countdown as countdown_config
+  from vcpo_jax import run_config
+
+  c = countdown_config.get_config("smoke")
+  c.task.num_train_problems = 8  # a small pool: generating the default 4096 solver-checked instances takes seconds
+  for k, v in options.items():
+    c.task.gen[k] = v
+  return run_config.parse_config(c, check_prompts=False)
+
+
+def _rollout_rewards(spec, text: str):
+  """Rewards RolloutMaker.to_batch gives `text` as every response of step 0 (a scripted sampler output)."""
+  import types
+
+  import numpy as np
+
+  from vcpo_jax.model.tokenizer import build_char_tokenizer
+  from vcpo_jax.rollout.common import RolloutMaker
+  from vcpo_jax.sampler import Rollout
+
+  tok = build_char_tokenizer()
+  maker = RolloutMaker(
+    spec.rollout, tok, types.SimpleNamespace(cfg=types.SimpleNamespace(pad_id=0)), spec.make_train_problems()
+  )
+  resp = list(tok.encode(text, add_special_tokens=False))
+  n, tp, r = spec.rollout.batch_size, 4, len(resp)
+  tokens = np.tile(np.asarray([5] * tp + resp, np.int32), (n, 1))
+  cols = np.arange(tp + r)[None]
+  ro = Rollout(
+    tokens=tokens,
+    prompt_mask=np.broadcast_to(cols < tp, (n, tp + r)),
+    response_mask=np.broadcast_to(cols >= tp, (n, tp + r)),
+    behavior_logp=np.zeros((n, tp + r), np.float32),
+    lengths=np.full((n,), r, np.int32),
+    prompt_lengths=np.full((n,), tp, np.int32),
+    finished=np.ones((n,), bool),
+    group_id=np.repeat(np.arange(spec.rollout.prompts_per_step), spec.rollout.group_size),
+  )
+  batch, info = maker.to_batch(ro, maker.problems_for_step(0), version=0)
+  assert info["texts"] == [text] * n
+  return batch["rewards"], info["grading_failures"]
+
+
+@pytest.mark.parametrize("format_weight", [None, 0.0, 0.3])
+def test_configured_format_weight_reaches_rollout_and_eval_rewards(format_weight):
+  from vcpo_jax import evaluation
+
+  spec = _countdown_spec(**({} if format_weight is None else {"format_weight": format_weight}))
+  want = 0.1 if format_weight is None else format_weight  # None: the task's default
+  assert spec.task.format_weight == want and spec.eval_task is spec.task  # one instance, shared
+  wrong = "<answer>0</answer>"  # well formed and wrong: the reward is the format weight alone
+  rewards, failures = _rollout_rewards(spec, wrong)
+  assert list(rewards) == pytest.approx([want] * spec.rollout.batch_size) and failures == 0
+  eval_problems = spec.make_eval_problems()
+  assert all(p.grader is spec.task for p in eval_problems)
+  gen = lambda prompts, n, **_: [[wrong] * n for _ in prompts]
+  rec = evaluation.evaluate(gen, eval_problems, spec.eval, step=0)
+  assert rec["mean_reward"] == pytest.approx(want) and rec["mean_at_n"] == 0.0 and rec["grading_failures"] == 0
+
+
+def test_grading_failures_reach_the_rollout_and_eval_counts():
+  import dataclasses
+
+  from vcpo_jax import evaluation
+
+  buggy = _BuggyTask()
+  spec = dataclasses.replace(_countdown_spec(), task=buggy, eval_task=buggy)
+  rewards, failures = _rollout_rewards(spec, "2")
+  assert list(rewards) == [0.0] * spec.rollout.batch_size and failures == spec.rollout.batch_size
+  gen = lambda prompts, n, **_: [["2"] * n for _ in prompts]
+  proto = evaluation.EvalProtocol(dataset="countdown", size=2, n=2, pass_at_k=(1,))
+  rec = evaluation.evaluate(gen, buggy.make_problems("train", 2), proto, step=0)
+  assert rec["grading_failures"] == 4 and rec["mean_reward"] == 0.0  # 2 problems x 2 samples, each raised
+  tasks.grading_failures(reset=True)

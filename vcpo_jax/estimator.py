@@ -60,6 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vcpo_jax.batch import PG_KEYS
+
 sg = jax.lax.stop_gradient
 
 # The reference clamps l_n to [-20, 20] before exponentiating.
@@ -931,7 +933,7 @@ def pg_coefficients(
   return coef_n, dict(pg_metrics(rows, cfg), **rows)
 
 
-BATCH_KEYS = ("tokens", "behavior_logp", "loss_mask", "rewards", "group_id")
+BATCH_KEYS = PG_KEYS  # the keys policy_gradient reads itself (vcpo_jax/batch.py defines them once)
 
 
 def policy_gradient(logp_fn, params, batch: Mapping[str, Any], cfg: PGConfig, *, divisor=None):

@@ -113,7 +113,7 @@ class EvalProtocol:
       raise ValueError(
         f"EvalProtocol.extraction {self.extraction!r} unknown; choose one of {sorted(answers.EXTRACTORS)} or None"
       )
-    if self.extraction is not None and self.dataset in ("countdown", "arithmetic"):
+    if self.extraction is not None and not tasks_lib.TASKS[self.dataset].uses_extraction:
       raise ValueError(f"EvalProtocol.extraction must be None for {self.dataset} (it has its own parser)")
 
   def to_dict(self) -> dict:
@@ -283,7 +283,7 @@ def evaluate(
   extra: additional json-serializable fields to store (e.g. wall-clock, GPU-hours).
 
   Returns the record: {"kind": "eval", "step", "tag", "protocol", "num_problems",
-  "mean_at_n", "pass_at_k": {"k": value}, "mean_reward", "per_problem":
+  "mean_at_n", "pass_at_k": {"k": value}, "mean_reward", "grading_failures", "per_problem":
   [{"id", "num_correct"}], "eval_seconds", "time"} plus `extra`.
   """
   if tag not in _TAGS:
@@ -312,13 +312,12 @@ def evaluate(
       f"generate_fn must return {len(prompts)} lists of n={n} completions; got {len(outputs)} lists "
       f"with lengths {shapes}..."
     )
-  reward_pn = np.array(
-    [
-      [tasks_lib.score(p.task, out, p.reference, protocol.extraction) for out in outs]
-      for p, outs in zip(problems, outputs)
-    ],
-    dtype=np.float64,
+  # Graded by each problem's own task object (the run's configured task: its options reach the reward);
+  # a grader that raises counts in record["grading_failures"] instead of vanishing as a 0.
+  rewards, failures = tasks_lib.score_problems(
+    [p for p, outs in zip(problems, outputs) for _ in outs], [o for outs in outputs for o in outs], protocol.extraction
   )
+  reward_pn = np.asarray(rewards, np.float64).reshape(len(problems), n)
   correct_pn = reward_pn >= tasks_lib.CORRECT_THRESHOLD
   c_p = correct_pn.sum(axis=1)
   record = {
@@ -330,6 +329,7 @@ def evaluate(
     "mean_at_n": mean_at_n(correct_pn),
     "pass_at_k": {str(k): pass_at_k(n, c_p, k) for k in protocol.pass_at_k},
     "mean_reward": float(reward_pn.mean()),
+    "grading_failures": int(failures),
     "per_problem": [{"id": p.id, "num_correct": int(c)} for p, c in zip(problems, c_p)],
     "eval_seconds": time.time() - t0,
     "time": time.time(),

@@ -139,10 +139,10 @@ class LayerPlan:
 
 
 def sequence_logp_fn(graphdef) -> LogpFn:
-  """logp_fn for `vcpo_jax.model.transformer`: batch = {"tokens": [N, T] int32, "valid": [N, T] bool}."""
+  """logp_fn for `vcpo_jax.model.transformer`: batch = {"tokens": [N, T] int32, "valid_mask": [N, T] bool}."""
   from vcpo_jax.model import transformer  # local: keep this module importable without the model
 
-  return lambda params, batch: transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid"])
+  return lambda params, batch: transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"])
 
 
 # ----------------------------------------------------------------------------- parameter paths

@@ -49,9 +49,6 @@ from vcpo_jax.model import transformer
 
 GRAD_PATHS = ("ghost", "vmap")
 
-# Keys of the device batch (fixed shapes; see trainer / rollout).
-BATCH_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "group_id")
-
 
 class TrainState(NamedTuple):
   params: Any  # nnx.State of float32 parameters

@@ -4,7 +4,8 @@ Each config section becomes a frozen component config that checks its own
 fields in `__post_init__`: `optim` -> optim.OptimConfig, `vcpo` + `method` ->
 estimator.PGConfig, `sampler` -> SamplingConfig, `checkpoint` ->
 CheckpointConfig, `async_` -> AsyncConfig, `log` -> LogConfig, `distributed` ->
-DistributedConfig, `task` -> RolloutConfig (+ MultiTurnConfig), `eval` ->
+DistributedConfig, `task` -> RolloutConfig (+ MultiTurnConfig) and the run's one
+configured tasks.Task (tasks.build, shared by rollouts and evaluation), `eval` ->
 EvalProtocol, `model` -> ModelConfig; RunSpec itself checks the top-level
 fields and the constraints between them. `parse_config` maps fields, adds the
 checks that need several sections or the file system, and turns a component's
@@ -38,7 +39,6 @@ from vcpo_jax.rollout.multiturn import MultiTurnConfig
 MODES = ("sync", "lag", "async")
 MAX_LAG = 1024
 MAX_SEED = 2**32 - 1  # numpy's and JAX's seeds are unsigned 32-bit
-GENERATED_TASKS = ("countdown", "arithmetic")  # made by a generator (count = task.num_train_problems)
 
 
 class ConfigError(ValueError):
@@ -231,6 +231,10 @@ class RunSpec:
   async_: AsyncConfig
   log: LogConfig
   multiturn: MultiTurnConfig | None = None  # tool-use episodes; None = single-turn rollouts
+  # The run's one configured task (tasks.build of config.task) and the one evaluations draw from (the same
+  # object unless eval.dataset / eval.data_path name another): every reward is graded by these objects.
+  task: tasks.Task | None = None
+  eval_task: tasks.Task | None = None
 
   def __post_init__(self):
     _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "seed", self.seed, f"must be in [0, {MAX_SEED}].")
@@ -287,39 +291,13 @@ class RunSpec:
   def eval_batch_size(self) -> int:
     return (self.eval.size or 1) * self.eval.n
 
-  def eval_task_object(self):
-    """The task evaluations draw from: the training task, or eval.dataset with eval.data_path."""
-    from vcpo_jax.tasks.datasets import TextTask
-
-    if self.eval.dataset == self.rollout.task and not self.eval_data_path:
-      return self.task_object()
-    return TextTask(self.eval.dataset, path=self.eval_data_path or None, template=self.task_template or None)
-
-  def task_object(self):
-    """The task with this run's template and generator knobs."""
-    from vcpo_jax.tasks.arithmetic import ArithmeticTask
-    from vcpo_jax.tasks.countdown import CountdownTask
-    from vcpo_jax.tasks.datasets import TextTask
-
-    name = self.rollout.task
-    kw = {"template": self.task_template} if self.task_template else {}
-    if name == "countdown":
-      return CountdownTask(**kw, **self.task_gen)
-    if name == "arithmetic":
-      return ArithmeticTask(**kw, **self.task_gen)
-    if self.task_data_path or self.task_template:
-      return TextTask(name, path=self.task_data_path or None, template=self.task_template or None)
-    return tasks.TASKS[name]
-
   def make_train_problems(self):
     """The training pool (as the trainer makes it): num_train_problems generated, or the whole data set."""
-    generated = self.rollout.task in GENERATED_TASKS
-    return self.task_object().make_problems("train", self.rollout.num_train_problems if generated else None, self.seed)
+    return self.task.make_problems("train", self.rollout.num_train_problems if self.task.generated else None, self.seed)
 
   def make_eval_problems(self):
     """The held-out problems (as the trainer makes them), at most eval.num_problems."""
-    generated = self.rollout.task in GENERATED_TASKS and self.eval.dataset == self.rollout.task
-    return self.eval_task_object().make_problems("test", self.eval.size if generated else None, self.seed)[
+    return self.eval_task.make_problems("test", self.eval.size if self.eval_task.generated else None, self.seed)[
       : self.eval.size
     ]
 
@@ -381,7 +359,7 @@ def _multiturn_config(c) -> MultiTurnConfig | None:
   if not mt.enabled:
     return None
   _check(
-    c.task.name not in GENERATED_TASKS,
+    not tasks.TASKS[c.task.name].generated,
     "task.multiturn.enabled",
     True,
     f"task.name={c.task.name!r} has no tool-use protocol; use a text data set (gsm8k, math, math500, aime).",
@@ -401,7 +379,7 @@ def _eval_protocol(c) -> EvalProtocol:
   dataset = c.eval.dataset or c.task.name
   _check(dataset in tasks.TASKS, "eval.dataset", dataset, f"unknown data set; choose one of {sorted(tasks.TASKS)}.")
   _check(
-    dataset == c.task.name or dataset not in GENERATED_TASKS,
+    dataset == c.task.name or not tasks.TASKS[dataset].generated,
     "eval.dataset",
     dataset,
     "is a generated task; evaluate it by training on it (leave eval.dataset empty).",
@@ -420,6 +398,26 @@ def _eval_protocol(c) -> EvalProtocol:
       prompt_template=c.task.template or None,
       seed=c.seed,
     )
+
+
+def _tasks(c) -> dict:
+  """{"task": the run's configured task, "eval_task": the one evaluations draw from}, each built once."""
+  t = c.task
+  gen = dict(t.gen.to_dict())
+  try:
+    with _section("task.gen" if tasks.TASKS[t.name].generated else "task", names=dict.fromkeys(gen)):
+      task = tasks.build(t.name, template=t.template, options=gen, data_path=t.data_path)
+  except ConfigError as e:
+    if m := re.search(r"unexpected keyword argument '(\w+)'", str(e)):  # e.g. --config.task.gen.foo=1
+      raise ConfigError(
+        f"config.task.gen.{m.group(1)}={gen[m.group(1)]!r}: not a knob of the {t.name} generator."
+      ) from None
+    raise
+  dataset = c.eval.dataset or t.name
+  if dataset == t.name and not c.eval.data_path:
+    return {"task": task, "eval_task": task}
+  with _section("eval", names={"data_path": "data_path"}):
+    return {"task": task, "eval_task": tasks.build(dataset, template=t.template, data_path=c.eval.data_path)}
 
 
 def _component(cls, section: str, d: dict):
@@ -454,7 +452,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
   )
   _check(t.name in tasks.TASKS, "task.name", t.name, f"unknown task; choose one of {sorted(tasks.TASKS)}.")
   _check(
-    not t.template or t.name in GENERATED_TASKS or "{problem}" in t.template,
+    not t.template or tasks.TASKS[t.name].generated or "{problem}" in t.template,
     "task.template",
     t.template,
     f"a {t.name} prompt template must contain '{{problem}}'.",
@@ -527,6 +525,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
     async_=_component(AsyncConfig, "async_", c.async_.to_dict()),
     log=_component(LogConfig, "log", c.log.to_dict()),
     multiturn=multiturn,
+    **_tasks(c),
   )
   if check_prompts:
     _check_prompt_lengths(spec)
@@ -574,16 +573,8 @@ def _check_prompt_lengths(spec: RunSpec):
     )
   )
   if key not in _PROMPT_LENGTHS:
-    try:
-      with _section("task.gen" if spec.rollout.task in GENERATED_TASKS else "task", names=dict.fromkeys(spec.task_gen)):
-        train = spec.make_train_problems()
-    except ConfigError as e:
-      if m := re.search(r"unexpected keyword argument '(\w+)'", str(e)):  # e.g. --config.task.gen.foo=1
-        v = spec.task_gen[m.group(1)]
-        raise ConfigError(
-          f"config.task.gen.{m.group(1)}={v!r}: not a knob of the {spec.rollout.task} generator."
-        ) from None
-      raise
+    with _section("task.gen" if spec.task.generated else "task", names=dict.fromkeys(spec.task_gen)):
+      train = spec.make_train_problems()
     with _section("eval"):
       held_out = spec.make_eval_problems()
     with _section("model.tokenizer" if spec.tokenizer_dir else "model.checkpoint"):

@@ -214,7 +214,7 @@ def init_params(cfg: PureLagConfig, key):
 
 
 def make_batch(cfg: PureLagConfig, graphdef, params, key):
-  """One training batch: P random prompts x G samples, fields as `estimator.BATCH_KEYS`."""
+  """One training batch: P random prompts x G samples, fields as `vcpo_jax.batch.PG_KEYS` (+ valid_mask for the logp function)."""
   kp, ks = jax.random.split(key)
   prompts = all_prompts(cfg)
   pid_p = jax.random.randint(kp, (cfg.prompts_per_step,), 0, cfg.num_prompts)
@@ -224,7 +224,7 @@ def make_batch(cfg: PureLagConfig, graphdef, params, key):
   loss_mask = jnp.broadcast_to(jnp.arange(t) >= 2, (n, t)).astype(jnp.float32)
   return dict(
     tokens=tokens,
-    valid=jnp.ones((n, t), bool),
+    valid_mask=jnp.ones((n, t), bool),
     behavior_logp=behavior,
     loss_mask=loss_mask,
     rewards=reward(cfg, prompt_n2, tokens[:, 2:]),

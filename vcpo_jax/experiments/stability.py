@@ -1,7 +1,8 @@
 """The stability study: methods x lag k x seeds x learning rates, resumable, one command.
 
-  python -m vcpo_jax.experiments.stability [--quick]          # synthetic (pure_lag), computed into runs/stability
-  python -m vcpo_jax.experiments.stability --variant=countdown  # the real trainer, ~80 min on 2 cores
+  python -m vcpo_jax.experiments.stability [--config=configs/stability.py:quick]  # synthetic (pure_lag), into runs/stability
+  python -m vcpo_jax.experiments.stability --config=configs/stability.py:countdown  # the real trainer, ~80 min on 2 cores
+  ... --config.seeds="(0,1,2)"                                    # any field: absl + ml_collections config_flags
 
 Finished cells in --out are reused (the grid is resumable), so `--out=docs/results` does not train: it
 rebuilds the committed report and plots from the committed cells in seconds. The default --out
@@ -41,7 +42,6 @@ Definitions (fixed before the study; configs/stability.py `analysis`):
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -780,23 +780,12 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
 # ----------------------------------------------------------------------------- command line
 
 
-def _load_config(variant: str, overrides: Sequence[str]):
-  sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-  from configs import stability as cfg_mod
+_ROOT = Path(__file__).resolve().parents[2]  # the repository: configs/ lives there
+_CONFIG_FILE = _ROOT / "configs" / "stability.py"
 
-  c = cfg_mod.get_config(variant or None)
-  for ov in overrides:  # --config.a.b=value (python literal)
-    import ast
 
-    key, _, val = ov.partition("=")
-    node = c
-    parts = key.split(".")[1:]
-    for p in parts[:-1]:
-      node = node[p]
-    try:
-      node[parts[-1]] = ast.literal_eval(val)
-    except (ValueError, SyntaxError):
-      node[parts[-1]] = val
+def check_config(c):
+  """Raises ValueError for a study config the grid cannot run."""
   if c.backend not in ("pure_lag", "trainer"):
     raise ValueError(
       f"config.backend={c.backend!r}: use 'pure_lag' (synthetic) or 'trainer' (configs/<trainer.config>.py)"
@@ -806,47 +795,67 @@ def _load_config(variant: str, overrides: Sequence[str]):
   return c
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument(
-    "--out",
-    default="runs/stability",
-    help="results folder; finished cells there are reused (docs/results holds the committed ones)",
+def load_config(variant: str = "", overrides: dict | None = None):
+  """configs/stability.py's get_config(variant) with {"a.b": value} overrides, checked (programmatic use)."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("_stability_config", _CONFIG_FILE)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config(variant or None)
+  for path, value in (overrides or {}).items():
+    *parents, leaf = path.split(".")
+    node = c
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  return check_config(c)
+
+
+def _define_flags():
+  """The command line (absl + ml_collections.config_flags, as main.py); defined only when run as a script."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  config_flags.DEFINE_config_file(
+    "config",
+    str(_CONFIG_FILE),
+    "The study: configs/stability.py[:variant] (quick, countdown, countdown_quick); --config.FIELD=VALUE overrides.",
+    lock_config=True,
   )
-  ap.add_argument("--quick", action="store_true", help="same as --variant=quick")
-  ap.add_argument("--variant", default="", help="configs/stability.py variant: '', quick, countdown, countdown_quick")
-  ap.add_argument("--worker", default=None, help="i/n: run only methods i, i+n, ... (internal)")
-  ap.add_argument("--report_only", action="store_true")
-  args, overrides = ap.parse_known_args(argv)
-  bad = [o for o in overrides if not o.startswith("--config.")]
-  if bad:
-    raise ValueError(f"unknown arguments {bad}; overrides look like --config.lrs='(1e-2,)'")
-  variant = "quick" if args.quick else args.variant
-  c = _load_config(variant, overrides)
-  out = Path(args.out)
+  flags.DEFINE_string("out", "runs/stability", "results folder; finished cells there are reused (docs/results)")
+  flags.DEFINE_string("worker", None, "i/n: run only methods i, i+n, ... (internal)")
+  flags.DEFINE_bool("report_only", False, "only rebuild the report and plots from the cells in --out")
+
+
+def main(argv):
+  from absl import flags
+
+  F = flags.FLAGS
+  c = check_config(F.config)
+  config_arg = F["config"].config_filename  # path[:variant], passed on to the workers as given
+  del argv  # absl has parsed it; the --config.FIELD=VALUE overrides are re-read to pass on and to record
+  overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
+  out = Path(F.out)
   out.mkdir(parents=True, exist_ok=True)
   fp = fingerprint(settings(c))
   t0 = time.time()
   cells = [(m, k) for m in c.methods for k in c.ks]
-  if args.worker is not None:
-    i, n = (int(x) for x in args.worker.split("/"))
+  if F.worker is not None:
+    i, n = (int(x) for x in F.worker.split("/"))
     mine = [(m, k) for m, k in cells if c.methods.index(m) % n == i]
     log = lambda s: print(f"[w{i}] {s}", flush=True)
     run_cells(mine, out, c.backend, fp, cell_fn(c, log), log=log)
     return
-  if not args.report_only:
+  if not F.report_only:
     if c.workers > 1:
       env = dict(os.environ)
       # One intra-op thread per worker: the processes, not XLA's threads, share the cores.
       env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
       ).strip()
-      base = (
-        [sys.executable, "-m", "vcpo_jax.experiments.stability", f"--out={out}"]
-        + ([f"--variant={variant}"] if variant else [])
-        + list(overrides)
-      )
-      procs = [subprocess.Popen(base + [f"--worker={i}/{c.workers}"], env=env) for i in range(c.workers)]
+      base = [sys.executable, "-m", "vcpo_jax.experiments.stability", f"--out={out}", f"--config={config_arg}"]
+      procs = [subprocess.Popen(base + overrides + [f"--worker={i}/{c.workers}"], env=env) for i in range(c.workers)]
       codes = [p.wait() for p in procs]
       if any(codes):
         print(f"workers exited with {codes}; writing the report from the finished cells", flush=True)
@@ -857,15 +866,18 @@ def main(argv=None):
   summary = summarize(c, out)
   if summary["cells"]:
     plot(c, summary, out)
-  cmd = (
-    "python -m vcpo_jax.experiments.stability --out="
-    + str(args.out)
-    + (f" --variant={variant}" if variant else "")
-    + (" " + " ".join(overrides) if overrides else "")
+  shown = os.path.relpath(config_arg, _ROOT) if os.path.isabs(config_arg) else config_arg
+  cmd = " ".join(
+    ["python -m vcpo_jax.experiments.stability", f"--out={F.out}"]
+    + ([f"--config={shown}"] if shown != "configs/stability.py" else [])
+    + overrides
   )
-  path = write_report(c, out, summary, None if args.report_only else runtime, cmd)
+  path = write_report(c, out, summary, None if F.report_only else runtime, cmd)
   print(f"total runtime {runtime / 60:.1f} min; report: {path}", flush=True)
 
 
 if __name__ == "__main__":
-  main()
+  from absl import app
+
+  _define_flags()
+  app.run(main)

@@ -25,7 +25,7 @@ def _config(method: str, k: int, seed: int, steps: int, lr: float, eval_every: i
   """The stability study's trainer-backend run config (configs/countdown.py in lag mode) at these settings."""
   from vcpo_jax.experiments import stability
 
-  c = stability._load_config("countdown", [])
+  c = stability.load_config("countdown")
   c.task.steps, c.task.eval_every = steps, eval_every
   return stability.trainer_run_config(c, method, k, seed, lr)
 

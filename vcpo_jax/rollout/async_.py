@@ -84,6 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vcpo_jax import batch as batch_lib
 from vcpo_jax import cleanup
 from vcpo_jax.rollout import worker as worker_lib
 from vcpo_jax.rollout.common import lag_stats
@@ -103,21 +104,8 @@ class SamplerDiedError(RuntimeError):
 
 
 def batch_schema(n: int, t: int) -> BatchSchema:
-  """The queue schema of one rollout Batch (rollout/common.py): N rows, T columns, fixed shapes."""
-  nt = (n, t)
-  return BatchSchema(
-    {
-      "tokens": Field(np.int32, nt),
-      "valid_mask": Field(np.bool_, nt),
-      "loss_mask": Field(np.bool_, nt),
-      "behavior_logp": Field(np.float32, nt),
-      "rewards": Field(np.float32, (n,)),
-      "correct": Field(np.float32, (n,)),
-      "group_id": Field(np.int32, (n,)),
-      "policy_version": Field(np.int32, (n,)),
-    },
-    {},
-  )
+  """The queue schema of one rollout Batch (vcpo_jax/batch.py): N rows, T columns, fixed shapes."""
+  return BatchSchema({k: Field(dtype, shape) for k, (dtype, shape) in batch_lib.schema(n, t).items()}, {})
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -394,7 +382,7 @@ class AsyncSource:
       self._interrupt()
     self._raise_if_dead()
 
-  def next(self, step: int) -> tuple[dict, dict]:
+  def next(self, step: int) -> tuple[batch_lib.Batch, dict]:
     """Batch `step` from the queue; raises SamplerDiedError / TimeoutError instead of hanging."""
     if self.proc is None:
       raise RuntimeError(
@@ -441,7 +429,9 @@ class AsyncSource:
     self._received += 1
     return self._info(step, item.arrays, item.meta, wait_s)
 
-  def _info(self, step: int, batch: dict, meta: dict, wait_s: float, restored: bool = False) -> tuple[dict, dict]:
+  def _info(
+    self, step: int, batch: dict, meta: dict, wait_s: float, restored: bool = False
+  ) -> tuple[batch_lib.Batch, dict]:
     """Checks batch `step` (order, lag bound) and builds next()'s info dict."""
     if meta["step"] != step:
       raise RuntimeError(
@@ -478,8 +468,9 @@ class AsyncSource:
       params_checksum=meta.get("params_checksum"),  # the sampler's echo, checked against the published one
       producer=(meta.get("sampler_pid"), meta.get("seq")),  # which sampler made it, its n-th batch
       restored=restored,  # True: queued when the checkpoint this run resumed from was saved
+      grading_failures=int(meta.get("grading_failures", 0)),  # the sampler process's count for this batch
     )  # the maker's scalars (multi-turn: rollout/turns_mean, ...)
-    return batch, info
+    return batch_lib.Batch.from_arrays(batch), info
 
   # -- failure reporting
 

@@ -1,35 +1,34 @@
 """Turning problems and a policy snapshot into the learner's fixed-shape Batch.
 
 Every execution mode (sync, lag, async) produces batches the same way; it only
-differs in which parameters it samples with and in which process. The Batch is
-a dict of numpy arrays with fixed shapes, N = P * G rows and T = prompt length +
-response budget columns:
+differs in which parameters it samples with and in which process. The Batch
+(vcpo_jax/batch.py: fields, shapes and dtypes are documented there, once) has
+N = P * G rows and T = prompt length + response budget columns; `make` returns
+it with a host-side info dict (texts, problem ids, response length, grading
+failures).
 
-  tokens [N, T] int32        left-padded prompt, then right-padded response
-  valid_mask [N, T] bool     real tokens (prompt or response)
-  loss_mask [N, T] bool      tokens the policy loss and the importance ratios use
-  behavior_logp [N, T] f32   log mu(token) recorded by the sampler (0 off loss_mask)
-  rewards [N] f32, correct [N] f32, group_id [N] int32 (prompt index in the batch)
-  policy_version [N] int32   parameter version that sampled the row
+Rewards: each problem is graded by the task object that made it
+(`Problem.grader`: the run's one configured task, see tasks.build), so its
+options reach the reward; a grader that raises is counted in
+info["grading_failures"] instead of vanishing as a 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
 
 from vcpo_jax import tasks
+from vcpo_jax.batch import Batch
 from vcpo_jax.sampler import Sampler
-
-DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "group_id")
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-  task: str  # tasks.TASKS name
+  task: str  # tasks.TASKS name of the run's task (for checks and messages; rewards come from Problem.grader)
   prompts_per_step: int  # P
   group_size: int  # G samples per prompt
   max_prompt_len: int  # prompt bucket (tokens); longer prompts are an error
@@ -72,7 +71,7 @@ class RolloutMaker:
     stream = tasks.ProblemStream(self.problems, seed=self.cfg.seed, position=step * self.cfg.prompts_per_step)
     return stream.next(self.cfg.prompts_per_step)
 
-  def make(self, params, step: int, rng: jax.Array, version: int) -> tuple[dict, dict]:
+  def make(self, params, step: int, rng: jax.Array, version: int) -> tuple[Batch, dict]:
     """Samples G responses for each of step's P prompts with `params`; returns (batch, host info)."""
     cfg = self.cfg
     problems = self.problems_for_step(step)
@@ -85,7 +84,7 @@ class RolloutMaker:
     ro = self.sampler.generate(params, prompt_ids, rng, num_samples=cfg.group_size, max_new_tokens=cfg.max_new_tokens)
     return self.to_batch(ro, problems, version)
 
-  def to_batch(self, ro, problems, version: int) -> tuple[dict, dict]:
+  def to_batch(self, ro, problems, version: int) -> tuple[Batch, dict]:
     cfg = self.cfg
     n, t_want = cfg.batch_size, cfg.max_prompt_len + cfg.max_new_tokens
     texts = [self.tokenizer.decode(ro.tokens[i][ro.response_mask[i]], skip_special_tokens=True) for i in range(n)]
@@ -93,15 +92,17 @@ class RolloutMaker:
     rewards, failures = tasks.score_problems([problems[i // cfg.group_size] for i in range(n)], texts)
     rewards = np.asarray(rewards, np.float32)
     pad = lambda a, v=0: _pad_to(a, t_want, v)
-    batch = dict(
-      tokens=pad(ro.tokens.astype(np.int32), self.sampler.cfg.pad_id),
-      valid_mask=pad(ro.prompt_mask | ro.response_mask),
-      loss_mask=pad(ro.response_mask),
-      behavior_logp=pad(ro.behavior_logp.astype(np.float32)),
-      rewards=rewards,
-      correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
-      group_id=np.asarray(ro.group_id, np.int32),
-      policy_version=np.full((n,), version, np.int32),
+    batch = Batch.from_arrays(
+      dict(
+        tokens=pad(ro.tokens.astype(np.int32), self.sampler.cfg.pad_id),
+        valid_mask=pad(ro.prompt_mask | ro.response_mask),
+        loss_mask=pad(ro.response_mask),
+        behavior_logp=pad(ro.behavior_logp.astype(np.float32)),
+        rewards=rewards,
+        correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
+        group_id=np.asarray(ro.group_id, np.int32),
+        policy_version=np.full((n,), version, np.int32),
+      )
     )
     info = dict(
       texts=texts,
@@ -117,11 +118,6 @@ def _pad_to(a: np.ndarray, t: int, value=0) -> np.ndarray:
   if a.shape[1] > t:
     raise ValueError(f"rollout has {a.shape[1]} columns > {t}; sampler buckets exceed the batch shape.")
   return np.pad(a, ((0, 0), (0, t - a.shape[1])), constant_values=value)
-
-
-def device_batch(batch: dict[str, Any]) -> dict[str, np.ndarray]:
-  """The subset of a Batch the jitted learner step consumes."""
-  return {k: batch[k] for k in DEVICE_KEYS}
 
 
 def lag_stats(step: int, versions: np.ndarray) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax.batch import Batch
 from vcpo_jax.rollout.common import RolloutMaker, lag_stats
 
 
@@ -36,7 +37,7 @@ class LagSource:
     for v in [v for v in self.versions if v < oldest_needed]:
       del self.versions[v]
 
-  def next(self, step: int) -> tuple[dict, dict]:
+  def next(self, step: int) -> tuple[Batch, dict]:
     version = max(0, step - self.k)
     if version not in self.versions:
       raise RuntimeError(

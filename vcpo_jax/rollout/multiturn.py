@@ -9,17 +9,16 @@ sampler continues every open episode once per round with
 `code_close`; a stop on that token that does not close a code block resumes the
 same turn (tool_env's `eos_token_ids` rule).
 
-Batch layout (identical keys, dtypes and shapes to `rollout.common.RolloutMaker`,
+Batch layout: the one `vcpo_jax.batch.Batch` (as `rollout.common.RolloutMaker`),
 N = P * G rows, T = max_prompt_len + max_new_tokens columns, the response budget
-counting policy AND tool tokens):
+counting policy AND tool tokens. What is particular to episodes:
 
-  tokens [N, T] int32        left-padded prompt (ends at column Tp), then the response, then pad
-  valid_mask [N, T] bool     prompt_mask | response_mask: every real token, tool tokens included
-  loss_mask [N, T] bool      policy-generated tokens only; tool and prompt tokens are 0, so they
-                             enter neither the policy loss nor the importance ratios l_i
-  behavior_logp [N, T] f32   sampler log-prob on policy tokens, 0 elsewhere
-  rewards [N] f32            tasks.score(task, final model turn, reference)
-  correct [N] f32, group_id [N] int32 (prompt index), policy_version [N] int32
+  tokens         left-padded prompt (ends at column Tp), then the response, then pad
+  valid_mask     prompt_mask | response_mask: every real token, tool tokens included
+  loss_mask      policy-generated tokens only; tool and prompt tokens are 0, so they
+                 enter neither the policy loss nor the importance ratios l_i
+  behavior_logp  sampler log-prob on policy tokens, 0 elsewhere
+  rewards        the configured task's score of the final model turn against the reference
 
 Tool tokens stay in `valid_mask` because the policy conditions on them: they are
 scored in the forward pass as context but never as actions.
@@ -34,13 +33,13 @@ preset's max_position accordingly).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
 import numpy as np
 
 from vcpo_jax import tasks
+from vcpo_jax.batch import Batch
 from vcpo_jax.rollout.common import RolloutConfig, RolloutMaker, encode_prompts
 from vcpo_jax.sampler import SamplerConfig
 from vcpo_jax.tasks import sandbox, tool_env
@@ -174,14 +173,15 @@ class MultiTurnRolloutMaker(RolloutMaker):
       max_workers=mt.max_workers or None,
     )
 
-  def make(self, params, step: int, rng: jax.Array, version: int) -> tuple[dict, dict]:
+  def make(self, params, step: int, rng: jax.Array, version: int) -> tuple[Batch, dict]:
     """Rolls out G tool-use episodes for each of step's P prompts with `params`; returns (batch, info)."""
     cfg = self.cfg
     problems = self.problems_for_step(step)
-    task_names = {p.task for p in problems}
-    if len(task_names) != 1:
-      raise ValueError(f"a multi-turn step mixes scoring tasks {sorted(task_names)}; use one data set.")
-    grader = problems[0].grader if problems[0].grader is not None else problems[0].task
+    graders = {p.grader if p.grader is not None else p.task for p in problems}  # task objects hash by identity
+    if len(graders) != 1:
+      names = sorted({p.task for p in problems})
+      raise ValueError(f"a multi-turn step mixes task objects (scoring tasks {names}); use one configured task.")
+    (grader,) = graders
     prompt_ids = encode_prompts(self.tokenizer, problems, cfg.chat_template)
     too_long = [len(p) for p in prompt_ids if len(p) > cfg.max_prompt_len]
     if too_long:
@@ -190,9 +190,17 @@ class MultiTurnRolloutMaker(RolloutMaker):
       )
     contexts = [p for p in prompt_ids for _ in range(cfg.group_size)]  # row n = prompt n // G
     references = [p.reference for p in problems for _ in range(cfg.group_size)]
-    reward_fn = functools.partial(tasks.score, grader)
+    failures = [0]
+
+    def reward_fn(text, reference):  # the configured task's reward; a grader that raises is counted
+      (reward,), failed = tasks.score_batch(grader, [text], [reference])
+      failures[0] += failed
+      return reward
+
     episodes, rounds = self.run_episodes(params, contexts, references, self.env_config(reward_fn), rng)
-    return self.episodes_to_batch(episodes, problems, version, rounds=rounds)
+    batch, info = self.episodes_to_batch(episodes, problems, version, rounds=rounds)
+    info["grading_failures"] = failures[0]
+    return batch, info
 
   def run_episodes(self, params, contexts, references, env_cfg: tool_env.ToolEnvConfig, rng, sampler=None):
     """tool_env.run_episodes driven by `sampler` (None: this maker's); returns (episodes, sampler rounds)."""
@@ -228,7 +236,7 @@ class MultiTurnRolloutMaker(RolloutMaker):
 
   def episodes_to_batch(
     self, episodes: Sequence[tool_env.Episode], problems, version: int, rounds: int = 0
-  ) -> tuple[dict, dict]:
+  ) -> tuple[Batch, dict]:
     """N episodes (prompt-major) -> the fixed-shape Batch, prompts left-padded to end at column Tp."""
     cfg = self.cfg
     n, tp, t = cfg.batch_size, cfg.max_prompt_len, cfg.max_prompt_len + cfg.max_new_tokens
@@ -246,15 +254,17 @@ class MultiTurnRolloutMaker(RolloutMaker):
       for k in arrays:
         arrays[k][i] = np.roll(arrays[k][i], shift)
     rewards = pe["rewards"].astype(np.float32)
-    batch = dict(
-      tokens=arrays["tokens"].astype(np.int32),
-      valid_mask=arrays["valid_mask"],
-      loss_mask=arrays["loss_mask"],
-      behavior_logp=arrays["behavior_logp"].astype(np.float32),
-      rewards=rewards,
-      correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
-      group_id=np.repeat(np.arange(cfg.prompts_per_step, dtype=np.int32), cfg.group_size),
-      policy_version=np.full((n,), version, np.int32),
+    batch = Batch.from_arrays(
+      dict(
+        tokens=arrays["tokens"].astype(np.int32),
+        valid_mask=arrays["valid_mask"],
+        loss_mask=arrays["loss_mask"],
+        behavior_logp=arrays["behavior_logp"].astype(np.float32),
+        rewards=rewards,
+        correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
+        group_id=np.repeat(np.arange(cfg.prompts_per_step, dtype=np.int32), cfg.group_size),
+        policy_version=np.full((n,), version, np.int32),
+      )
     )
     resp_len = [len(e.tokens) - e.prompt_len for e in episodes]
     calls = [len(e.tool_kinds) for e in episodes]

@@ -80,10 +80,14 @@ class WorkerArgs:
 
 
 def param_names(params) -> tuple[str, ...]:
-  """Stable names of a parameter pytree's leaves, in flatten order (the ParamSlot keys)."""
+  """Stable names of a parameter pytree's leaves, in flatten order (the ParamSlot keys).
+
+  sharding.path_str: the one naming of parameter leaves (partition rules, sft cache, ghost norms)."""
   import jax
 
-  return tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+  from vcpo_jax.sharding import path_str
+
+  return tuple(path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
 def abstract_params(model_cfg):
@@ -270,6 +274,7 @@ class _Worker:
         "elapsed_s_total": time.monotonic() - self.t_start,
         "response_len_mean": info["response_len_mean"],
         "finished_frac": info["finished_frac"],
+        "grading_failures": int(info.get("grading_failures", 0)),  # graders that raised (counted, graded 0)
         "problem_ids": list(info["problem_ids"]),
         "texts": list(info["texts"]),
         "metrics": {str(n): float(x) for n, x in info.get("metrics", {}).items()},

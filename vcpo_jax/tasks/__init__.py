@@ -1,7 +1,9 @@
-"""Tasks and verifiable rewards: a registry by name and one grading entry point.
+"""Tasks and verifiable rewards: the Task protocol, a registry by name, one builder, one grading entry point.
 
     from vcpo_jax import tasks
-    probs = tasks.TASKS["countdown"].make_problems("train", n=64, seed=0)
+    task = tasks.build("countdown", options={"format_weight": 0.0})  # the run's one configured task
+    probs = task.make_problems("train", n=64, seed=0)                 # each Problem carries `task`
+    probs = tasks.TASKS["countdown"].make_problems("train", n=64, seed=0)  # a registry default
     r = tasks.score(probs[0].task, model_output, probs[0].reference)
     task = CountdownTask(format_weight=0.0)   # a configured task: grade with the object
     r = tasks.score(task, model_output, probs[0].reference)
@@ -18,7 +20,8 @@ a task's scorer is a grading bug: the sample grades 0.0, the bug is counted
 first occurrences are logged with a traceback, instead of vanishing.
 
 `task` is a registry name (the registry's default instance) or a task object
-(anything with `.name` and `.score(output, reference, extraction)`): a run
+(a `Task`, tasks/base.py: name, generated, uses_extraction, make_problems,
+score, check_reference): a run
 with configured task options must grade with its own object, or those options
 (e.g. countdown's format_weight) never reach the reward. Problems remember the
 task object that made them (`Problem.grader`), so the rollout's call is
@@ -41,6 +44,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from vcpo_jax.tasks.arithmetic import ArithmeticTask
+from vcpo_jax.tasks.base import Task
 from vcpo_jax.tasks.countdown import CountdownTask
 from vcpo_jax.tasks.datasets import Problem, ProblemStream, TextTask, load_problems
 
@@ -49,6 +53,8 @@ __all__ = [
   "TASKS",
   "Problem",
   "ProblemStream",
+  "Task",
+  "build",
   "grading_failures",
   "is_correct",
   "load_problems",
@@ -63,9 +69,9 @@ _log = logging.getLogger(__name__)
 # score >= this counts as a correct answer (format bonuses stay below it).
 CORRECT_THRESHOLD = 0.5
 
-# name -> task object with .make_problems(split, n, seed) and .score(output, reference, extraction).
-# Text datasets load the shipped fixtures by default; construct TextTask(name, path=...) for real data.
-TASKS = {
+# name -> the default instance of each Task (tasks/base.py). Text datasets load the shipped fixtures by
+# default; a run builds its own configured instance with `build` (a data file, a template, options).
+TASKS: dict[str, Task] = {
   "countdown": CountdownTask(),
   "arithmetic": ArithmeticTask(),
   "gsm8k": TextTask("gsm8k"),
@@ -99,28 +105,37 @@ def _record_failure(name: str) -> None:
     _log.warning("grading bug in task %r (graded 0.0, counted in grading_failures())", name, exc_info=True)
 
 
-def _resolve(task):
+def build(name: str, *, template: str = "", options: dict | None = None, data_path: str = "") -> Task:
+  """The configured task: registry `name` with a prompt template ("" = the task's default), a generated
+  task's options (its generator knobs, countdown's format_weight / require_format) or a data set's local
+  file ("" = the shipped fixture). Raises ValueError / TypeError naming a bad option."""
+  if name not in TASKS:
+    raise ValueError(f"task {name!r} unknown; choose one of {sorted(TASKS)}")
+  options = dict(options or {})
+  kw = {"template": template} if template else {}
+  if TASKS[name].generated:
+    if data_path:
+      raise ValueError(f"data_path={data_path!r}: task {name!r} is generated, it reads no file; leave it empty.")
+    return type(TASKS[name])(**kw, **options)
+  if options:
+    raise ValueError(f"{sorted(options)[0]}: task {name!r} is a data set and takes no generator options.")
+  return TextTask(name, path=data_path or None, template=template or None)
+
+
+def _resolve(task) -> tuple[str, Task]:
   """(name, task object) for a registry name or a task object."""
   if isinstance(task, str):
     if task not in TASKS:
       raise ValueError(f"task {task!r} unknown; choose one of {sorted(TASKS)}")
     return task, TASKS[task]
-  if callable(getattr(task, "score", None)) and isinstance(getattr(task, "name", None), str):
+  if isinstance(task, Task) and isinstance(task.name, str):
     return task.name, task
-  raise ValueError(f"task must be a name in {sorted(TASKS)} or a task object with .name and .score, got {task!r}")
+  raise ValueError(f"task must be a name in {sorted(TASKS)} or a task object (tasks.Task), got {task!r}")
 
 
-def _check(obj, reference, extraction) -> None:
+def _check(obj: Task, reference, extraction) -> None:
   """Raise ValueError for caller bugs: a malformed reference or an unknown extraction."""
-  if isinstance(obj, CountdownTask):
-    from vcpo_jax.tasks.countdown import _check_reference
-
-    _check_reference(reference)  # malformed references are caller bugs: raise
-  elif isinstance(obj, ArithmeticTask):
-    try:
-      int(str(reference).strip())
-    except ValueError:
-      raise ValueError(f"arithmetic reference must be an integer string, got {reference!r}") from None
+  obj.check_reference(reference)  # malformed references are caller bugs: raise
   if extraction is not None:
     from vcpo_jax.tasks.answers import EXTRACTORS
 
@@ -171,7 +186,7 @@ def score_batch(
     _check(obj, ref, extraction)
   grade = lambda pair: _grade(name, obj, pair[0], pair[1], extraction)
   pairs = list(zip(outputs, references))
-  if isinstance(obj, TextTask) and len(pairs) > 1:
+  if obj.uses_extraction and len(pairs) > 1:  # a data set: math-verify may be slow
     from vcpo_jax.tasks import answers
 
     with ThreadPoolExecutor(max_workers=min(answers._POOL.size, len(pairs))) as ex:

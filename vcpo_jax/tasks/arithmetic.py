@@ -105,9 +105,11 @@ def verify(model_output: str, reference: str) -> float:
 
 
 class ArithmeticTask:
-  """Registry entry: generated problems, prompt "{expression}=", exact-integer reward."""
+  """A generated task (tasks.Task): prompt "{expression}=", exact-integer reward."""
 
   name = "arithmetic"
+  generated = True
+  uses_extraction = False  # the leading integer is parsed by `verify`
 
   def __init__(self, template: str = "{expression}=", **gen_kwargs):
     if "{expression}" not in template:
@@ -136,3 +138,9 @@ class ArithmeticTask:
 
   def score(self, model_output: str, reference: str, extraction: str | None = None) -> float:
     return verify(model_output, reference)
+
+  def check_reference(self, reference) -> None:
+    try:
+      int(str(reference).strip())
+    except ValueError:
+      raise ValueError(f"arithmetic reference must be an integer string, got {reference!r}") from None

@@ -341,9 +341,11 @@ def _check_reference(reference) -> tuple[list[int], int]:
 
 
 class CountdownTask:
-  """Registry entry: generated problems and the countdown reward."""
+  """A generated task (tasks.Task): solver-checked instances and the countdown reward."""
 
   name = "countdown"
+  generated = True
+  uses_extraction = False  # the expression is parsed by `verify`
 
   def __init__(
     self,
@@ -389,3 +391,6 @@ class CountdownTask:
 
   def score(self, model_output: str, reference: dict, extraction: str | None = None) -> float:
     return verify(model_output, reference, self.format_weight, self.require_format)["reward"]
+
+  def check_reference(self, reference) -> None:
+    _check_reference(reference)

@@ -165,13 +165,16 @@ def load_problems(
 
 
 class TextTask:
-  """Registry entry for a loaded dataset (gsm8k, math, math500, aime).
+  """A data-set task (tasks.Task) for a loaded dataset (gsm8k, math, math500, aime).
 
   make_problems loads `path` (default: the shipped fixture), shuffles with the
   seed and takes the first n; scoring extracts with a named method from the
   output's last answers.MAX_OUTPUT_CHARS characters and compares with
   answers.answers_match (exact fast path, then math-verify; AIME: integers only).
   """
+
+  generated = False
+  uses_extraction = True
 
   def __init__(self, dataset: str, path: str | None = None, template: str | None = None):
     if dataset not in SCHEMAS:
@@ -199,6 +202,9 @@ class TextTask:
     if self.task == "aime":  # AIME answers are integers 0..999; "007" == "7"
       return float(answers.answers_match(pred, ref, use_math_verify=False))
     return float(answers.answers_match(pred, ref))
+
+  def check_reference(self, reference) -> None:
+    """Any reference string is well formed (reference_answer reduces a full solution to its answer)."""
 
 
 class ProblemStream:

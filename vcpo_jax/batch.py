@@ -1,0 +1,116 @@
+"""The Batch: what every rollout source hands the learner, defined once.
+
+N = P * G rows (rows of a group are contiguous), T = prompt bucket + response
+budget columns; shapes are fixed per run, so the jitted step compiles once.
+
+  field           shape   dtype    meaning
+  tokens          [N, T]  int32    left-padded prompt, then right-padded response (pad id elsewhere)
+  valid_mask      [N, T]  bool     real tokens (prompt or response, tool tokens included): attention + positions
+  loss_mask       [N, T]  bool     tokens the policy loss and the importance ratios use (model tokens only)
+  behavior_logp   [N, T]  float32  log mu(token) recorded by the sampler (0 off loss_mask)
+  rewards         [N]     float32  task reward in [0, 1]
+  correct         [N]     float32  1.0 where the reward counts as correct (tasks.is_correct)
+  group_id        [N]     int32    prompt index in the batch (advantages compare within a group)
+  policy_version  [N]     int32    parameter version that sampled the row (lag statistics)
+
+Every consumer derives its key set from here: the learner's device input
+(`DEVICE_KEYS`, `Batch.device()`), the estimator's required keys (`PG_KEYS`)
+and the async queue's schema (`schema(n, t)`). Host-side metadata (texts,
+problem ids, response lengths, grading failures) travels beside the Batch in
+the rollout's `info` dict; it never enters jit.
+
+`Batch` is a registered pytree dataclass (every field a leaf) and reads like a
+mapping (`batch["rewards"]`, `dict(batch)`), so host code and the queue treat
+it as the dict of arrays it replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+# name -> (dtype, dimensions): "NT" for [N, T], "N" for [N].
+FIELDS: dict[str, tuple[Any, str]] = {
+  "tokens": (np.int32, "NT"),
+  "valid_mask": (np.bool_, "NT"),
+  "loss_mask": (np.bool_, "NT"),
+  "behavior_logp": (np.float32, "NT"),
+  "rewards": (np.float32, "N"),
+  "correct": (np.float32, "N"),
+  "group_id": (np.int32, "N"),
+  "policy_version": (np.int32, "N"),
+}
+
+# What the jitted learner step consumes (correct stays on the host). policy_version: the version-aware
+# policy losses (decoupled PPO's log-linear proximal policy) read it.
+DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "group_id", "policy_version")
+
+# What estimator.policy_gradient / grad_norms.ghost_policy_gradient read themselves (logp_fn reads the rest).
+PG_KEYS = ("tokens", "behavior_logp", "loss_mask", "rewards", "group_id")
+
+
+def shape(name: str, n: int, t: int) -> tuple[int, ...]:
+  """The shape of field `name` in a batch of n rows and t columns."""
+  return (n, t) if FIELDS[name][1] == "NT" else (n,)
+
+
+def schema(n: int, t: int) -> dict[str, tuple[Any, tuple[int, ...]]]:
+  """{field: (dtype, shape)} of a batch of n rows and t columns (the async queue is built from this)."""
+  return {name: (dtype, shape(name, n, t)) for name, (dtype, _) in FIELDS.items()}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class Batch(Mapping):
+  """One rollout batch (fields and shapes: the module docstring). Construct with `Batch.from_arrays`."""
+
+  tokens: Any
+  valid_mask: Any
+  loss_mask: Any
+  behavior_logp: Any
+  rewards: Any
+  correct: Any
+  group_id: Any
+  policy_version: Any
+
+  @classmethod
+  def from_arrays(cls, arrays: Mapping[str, Any]) -> Batch:
+    """A Batch from a mapping holding exactly FIELDS, each cast to its dtype and checked against [N] / [N, T]."""
+    missing, extra = sorted(set(FIELDS) - set(arrays)), sorted(set(arrays) - set(FIELDS))
+    if missing or extra:
+      raise ValueError(f"Batch: missing fields {missing}, unknown fields {extra}; a Batch holds {list(FIELDS)}.")
+    out = {k: np.asarray(arrays[k], FIELDS[k][0]) for k in FIELDS}
+    n, t = out["tokens"].shape if out["tokens"].ndim == 2 else (None, None)
+    for k, a in out.items():
+      if n is None or a.shape != shape(k, n, t):
+        want = "[N, T]" if FIELDS[k][1] == "NT" else "[N]"
+        raise ValueError(f"Batch.{k}: shape {a.shape}, want {want} with N, T = tokens.shape {out['tokens'].shape}.")
+    return cls(**out)
+
+  @property
+  def n(self) -> int:
+    return int(self.tokens.shape[0])
+
+  @property
+  def t(self) -> int:
+    return int(self.tokens.shape[1])
+
+  def device(self) -> dict[str, Any]:
+    """The learner step's input: the DEVICE_KEYS arrays, as a dict (the jitted step's pytree)."""
+    return {k: getattr(self, k) for k in DEVICE_KEYS}
+
+  # Mapping access: batch["rewards"], dict(batch), batch.items() (host code, the queue, checkpoints).
+  def __getitem__(self, key: str):
+    if key not in FIELDS:
+      raise KeyError(key)
+    return getattr(self, key)
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(FIELDS)
+
+  def __len__(self) -> int:
+    return len(FIELDS)
