@@ -24,7 +24,8 @@ import numpy as np
 from vcpo_jax import tasks
 from vcpo_jax.sampler import Sampler
 
-DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "group_id")
+# policy_version: decoupled_ppo's log-linear pi_prox needs it
+DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "group_id", "policy_version")
 
 
 @dataclasses.dataclass(frozen=True)
