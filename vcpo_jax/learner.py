@@ -112,9 +112,10 @@ class LearnerConfig:
     if self.updates_per_step == 1:
       return
     if self.pg.policy_loss == "pg":
+      f = "minibatches" if self.minibatches > 1 else "ppo_epochs"
       raise ValueError(
-        f"learner.ppo_epochs={self.ppo_epochs}, learner.minibatches={self.minibatches} with a single-update method "
-        "(the 'pg' surrogate has no ratio to pi_old): use a policy-loss method (ppo_clip, gspo, ...) or 1 and 1."
+        f"learner.{f}={getattr(self, f)}: several updates per step need a policy-loss method (ppo_clip, gspo, ...); "
+        "this method's surrogate has no ratio to pi_old. Set learner.ppo_epochs=1 and learner.minibatches=1."
       )
     if self.microbatch_size:
       raise ValueError(
