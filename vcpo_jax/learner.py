@@ -30,6 +30,14 @@ whose coefficients read rows outside the group (`estimator.
 batch_wide_coefficients`: the REINFORCE batch-mean baseline, minibatch-scope
 OPOB) are rejected with micro-batching; no preset is one.
 
+The stabilizers of issue 13 (`pg.policy_loss` != "pg": PPO clip, decoupled PPO, GSPO, CISPO, M2PO,
+IcePop, DPPO-TV; vcpo_jax/policy_losses.py) replace the surrogate by their own loss of (log pi_theta,
+log pi_old, log mu, A, mask): one forward, the loss's cotangent d loss / d logp_nt, one backward
+(`estimator.policy_loss_gradient`; no norms, so both gradient paths are the same). With
+`ppo_epochs * minibatches` > 1 a trainer step makes that many optimizer updates on minibatches of whole
+groups, with pi_old recomputed once at the start (`_multi_update_step`); 1 x 1, the default, is the single
+update above. Neither combines with micro-batching (rejected at config time).
+
 A step whose loss or gradient is not finite is skipped (parameters and optimizer
 state unchanged, `nonfinite` = 1 in the metrics); the trainer aborts or goes on
 according to its config.
