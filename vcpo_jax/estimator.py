@@ -290,10 +290,13 @@ def importance_weights(
 
   Args:
     log_ratio: l_n [N] for sequence variants, d_nt [N, T] for "token_tis".
-    variant: "none" | "is" | "tis" | "clip" | "mask" | "token_tis" | "geo_mask".
+    variant: "none" | "is" | "tis" | "tis_ess" | "clip" | "mask" | "token_tis" | "geo_mask".
     c: truncation level for "tis" / "token_tis" (> 0).
     lower, upper: interval for "clip", "mask", "geo_mask" (0 <= lower <= upper).
-    lengths_n: [N] token counts L_n, needed by "geo_mask" (ratio exp(l / L)).
+    lengths_n: [N] token counts L_n, needed by "geo_mask" (ratio exp(l / L)) and by "tis_ess" (rows with
+      L_n = 0 are left out of its solve).
+    target: "tis_ess"'s target ESS ratio in (0, 1]: the cap c_t is solved for this batch
+      (policy_losses.ess_target_truncation, a bisection on log c; c_t >= 1).
     log_clamp: log-ratios are clamped to [-log_clamp, log_clamp] before exp
       (the reference uses 20), so every weight is finite.
   Returns:
