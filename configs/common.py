@@ -27,7 +27,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.seed = 0  # master seed: model init, problem order, sampling (fold_in(key, step))
   c.steps = 100  # learner steps (optimizer updates)
   c.mode = "sync"  # "sync" (k = 0) | "lag" (exact staleness k, one process) | "async" (sampler process)
-  c.method = "vcpo"  # estimator preset: sync none seq_tis clip mask token_tis geo_mask vcpo vcpo_*
+  # estimator.PRESETS name: sync none seq_tis clip mask token_tis geo_mask vcpo vcpo_* | policy losses (issue 13):
+  # ppo_clip decoupled_ppo gspo cispo m2po_paper m2po_released icepop dppo_tv | vcpo_tis_ess (ESS-targeted cap)
+  c.method = "vcpo"  # estimator preset (estimator.PRESETS): vcpo, seq_tis, ppo_clip, gspo, vcpo_tis_ess, ...
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "countdown"  # vcpo_jax.tasks.TASKS name
@@ -85,6 +87,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.learner = ml_collections.ConfigDict()
   c.learner.grad_path = "ghost"  # ghost (fast exact norms) | vmap (reference path)
   c.learner.microbatch_size = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
+  c.learner.ppo_epochs = 1  # passes over each batch per step (policy-loss methods only; 1: one update per step)
+  c.learner.minibatches = 1  # updates per pass, each on whole groups; pi_old is recomputed once per trainer step
   c.learner.on_nonfinite = "skip"  # skip the update and log | abort with the step range
 
   c.lag = ml_collections.ConfigDict()

@@ -124,6 +124,37 @@ def test_smoke_variants_run(tmp_path):
     assert recs[0]["train/ess_ratio"] == pytest.approx(1.0, abs=1e-4)  # step 0 is on-policy
 
 
+@pytest.mark.parametrize(
+  "mode,method,extra",
+  [
+    # decoupled PPO with its log-linear pi_prox (reads each row's policy_version) and 2 x 2 updates per step
+    ("lag", "decoupled_ppo", {"vcpo.decoupled_prox": "loglinear", "learner.ppo_epochs": 2, "learner.minibatches": 2}),
+    ("sync", "vcpo_tis_ess", {"vcpo.tis_ess_target": 0.99}),  # VCPO with the ESS-targeted cap, logged as tis_c
+  ],
+)
+def test_issue13_methods_run(tmp_path, mode, method, extra):
+  """Issue 13's methods through the real run() (every preset's learner step: tests/test_learner.py; the
+  27-run matrix of presets x modes: by hand, see the issue's report)."""
+  c = _load("countdown", "smoke")
+  c.model.hidden_size, c.model.intermediate_size, c.model.num_layers = 32, 64, 1
+  c.steps, c.checkpoint.every, c.log.norm_overhead_every = 2, 100, 0
+  c.mode, c.method = mode, method
+  if mode == "lag":
+    c.lag.k = 1
+  for k, v in extra.items():
+    _set(c, k, v)
+  workdir = str(tmp_path / "run")
+  summary = trainer.run(c, workdir)
+  assert summary["step"] == 2 and summary["nonfinite_steps"] == []
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/pg_loss" in r]
+  assert [r["step"] for r in recs] == [1, 2]
+  assert all(0 < r["train/ess_ratio"] <= 1 for r in recs)  # every method reports the same ESS metrics
+  if method == "vcpo_tis_ess":
+    assert all(r["train/tis_c"] >= 1.0 for r in recs)
+  else:
+    assert all(r["train/updates"] == 4.0 and "train/loss/clip_frac" in r for r in recs)
+
+
 # ----------------------------------------------------------------------------- bad values fail at parse time
 
 # (field, bad value, config to start from): issue 12 item 10's values first, then one per remaining check.
@@ -169,6 +200,11 @@ BAD = [
   ("vcpo.std", "biased", "countdown"),
   ("vcpo.std_eps", -1.0, "countdown"),
   ("learner.grad_path", "loop", "countdown"),
+  ("learner.ppo_epochs", 0, "countdown"),
+  ("learner.minibatches", 2, "countdown"),  # countdown's method (vcpo) is a single-update method
+  ("vcpo.policy_loss", "trpo", "countdown"),
+  ("vcpo.tis_ess_target", 1.5, "countdown"),
+  ("vcpo.decoupled_prox", "linear", "countdown"),
   ("learner.on_nonfinite", "ignore", "countdown"),
   ("eval.num_problems", 0, "countdown"),
   ("eval.n", 0, "countdown"),
@@ -222,6 +258,27 @@ def test_bad_value_fails_in_parsing_naming_the_field(field, value, name, tmp_pat
     assert f"config.{field}" in msg, msg
   assert repr(value) in msg or str(value) in msg, msg
   assert not workdir.exists()  # failed before the run wrote anything
+
+
+@pytest.mark.parametrize(
+  "overrides,match",
+  [
+    ({"learner.minibatches": 3}, r"config\.learner\.minibatches=3 does not divide the batch size N=8"),
+    ({"learner.minibatches": 4}, r"config\.learner\.minibatches=4: a minibatch of N / 4 = 2 rows is not whole groups"),
+    ({"vcpo.policy_loss_kw": "eps_low=-1"}, r"config\.vcpo\.policy_loss_kw='eps_low=-1': eps_low=-1\.0: must be >= 0"),
+    ({"vcpo.policy_loss_kw": "eps"}, r"config\.vcpo\.policy_loss_kw='eps': 'eps' is not name=value"),
+    ({"vcpo.policy_loss_kw": "foo=1"}, r"config\.vcpo\.policy_loss_kw='foo=1': .*unknown hyper-parameters \['foo'\]"),
+  ],
+)
+def test_policy_loss_method_errors_name_the_field(overrides, match, nothing_built, tmp_path):
+  # issue 13: a policy-loss method (ppo_clip) with minibatches that split groups, or bad loss keywords
+  c = _load("countdown", "smoke")
+  c.method = "ppo_clip"
+  for k, v in overrides.items():
+    _set(c, k, v)
+  with pytest.raises(run_config.ConfigError, match=match) as e:
+    trainer.run(c, str(tmp_path / "run"))
+  assert "\n" not in str(e.value)
 
 
 def test_prompt_length_message_gives_the_fix():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tests import test_policy_losses as TPL
 from vcpo_jax import estimator as E
 
 HYP = settings(max_examples=60, deadline=None, derandomize=True)
@@ -365,12 +366,33 @@ def _problem(seed=0, stale=1.0):
   return params, batch
 
 
-def _np_reference(logp, beh, mask, r, gid, sq, cfg):
+def np_ess_target_cap(w, target, c_min=1.0):
+  """The largest cap c in [c_min, max w] with ESS(min(w, c)) / n >= target, by a float64 grid search.
+
+  rho(c) is non-increasing in c; between two consecutive sorted weights it is smooth, so the crossing
+  is located on a fine log grid (no bisection: an independent route to the same number).
+  """
+  w = np.asarray(w, np.float64)
+
+  def rho(c):  # c: [K] caps -> [K] ESS ratios
+    x = np.minimum(w[None, :], np.asarray(c, np.float64)[:, None])
+    return x.sum(1) ** 2 / (x**2).sum(1) / len(w)
+
+  if rho([w.max()])[0] >= target or c_min >= w.max():
+    return w.max()
+  if rho([c_min])[0] < target:
+    return c_min
+  grid = np.exp(np.linspace(np.log(c_min), np.log(w.max()), 200_001))
+  return grid[np.nonzero(rho(grid) >= target)[0].max()]
+
+
+def _np_reference(logp, beh, mask, r, gid, sq, cfg, out=None):
   """Loop-by-loop numpy transcription of the paper's update (float64).
 
   Returns (coef_n, tokw_nt, rho, lr_scale): rho is the ESS ratio of the
   UNCLIPPED, UNCLAMPED weights exp(l_n) over the finite rows, lr_scale the
-  paper's sqrt(min(1, rho / rho_on)) (or 1 without ESS scaling).
+  paper's sqrt(min(1, rho / rho_on)) (or 1 without ESS scaling). A dict `out`
+  receives the advantages A_n and the valid rows (what a policy loss reads).
   """
   logp, beh, mask, r, sq = (np.asarray(x, np.float64) for x in (logp, beh, mask, r, sq))
   gid = np.asarray(gid)
@@ -386,6 +408,8 @@ def _np_reference(logp, beh, mask, r, gid, sq, cfg):
     wa = np.ones(n)
   elif cfg.is_variant == "tis":
     wa = np.minimum(w, cfg.tis_c)
+  elif cfg.is_variant == "tis_ess":
+    wa = np.minimum(w, np_ess_target_cap(w[valid], cfg.tis_ess_target))
   elif cfg.is_variant == "clip":
     wa = np.clip(w, cfg.clip_lower, cfg.clip_upper)
   elif cfg.is_variant == "mask":
@@ -439,6 +463,8 @@ def _np_reference(logp, beh, mask, r, gid, sq, cfg):
   wu = np.exp(l[valid] - l[valid].max())  # unclipped, unclamped
   rho = wu.sum() ** 2 / (wu**2).sum() / valid.sum()
   lr_scale = math.sqrt(min(1.0, rho / cfg.rho_on)) if cfg.ess_lr else 1.0
+  if out is not None:
+    out.update(adv=adv, valid=valid)
   return np.where(valid, adv * wa * norm, 0.0), tokw, rho, lr_scale
 
 
@@ -476,6 +502,7 @@ _pg_jit = jax.jit(E.policy_gradient, static_argnums=(0, 3))
 _coef_jit = jax.jit(E.pg_coefficients, static_argnums=6)
 _tokw_jit = jax.jit(E.pg_token_weights, static_argnums=3)
 
+VCPO_CFG = E.pg_config_from_preset("vcpo")
 EXTRA_CONFIGS = {
   "rloo_opob_minibatch_token_mean": dict(
     advantage="rloo", is_variant="clip", opob=True, opob_scope="minibatch", loss_agg="token-mean"
@@ -529,6 +556,9 @@ def test_policy_gradient_equals_brute_force(problem, name):
   params, batch, logp, sq = problem
   cfg = ALL_CONFIGS[name]
   grads, metrics = _pg_jit(logp_fn, params, batch, cfg)
+  if cfg.policy_loss != "pg":
+    _assert_policy_loss_gradient(problem, cfg, grads, metrics)
+    return
   # coefficients from exact loop norms (not the vmap path), then one example at a time
   coef, _ = _coef_jit(
     logp,
@@ -550,6 +580,40 @@ def test_policy_gradient_equals_brute_force(problem, name):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale)
   surrogate = -float(jnp.sum(coef[:, None] * tokw * logp))
   assert float(metrics["pg_loss"]) == pytest.approx(surrogate, rel=1e-5, abs=1e-7)
+
+
+def _assert_policy_loss_gradient(problem, cfg, grads, metrics):
+  """A policy-loss preset (issue 13): the gradient equals the chain rule through the numpy transcription.
+
+  The loss is tests/test_policy_losses' float64 transcription of the source's formula, fed with the numpy
+  reference's advantages and pi_old = pi_theta (one update per step); d loss / d logp_nt by central
+  finite differences of it, then sum_n grad_params sum_t (d loss / d logp_nt) logp_nt, one example at a
+  time. No code of vcpo_jax.policy_losses is on this side.
+  """
+  params, batch, logp, sq = problem
+  ref = TPL.REFS[cfg.policy_loss]
+  info = {}
+  _np_reference(logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq, cfg, info)
+  lp = np.asarray(logp, np.float64)
+  beh = np.asarray(batch["behavior_logp"], np.float64)
+  mask = np.asarray(batch["loss_mask"], np.float64) * info["valid"][:, None]
+  adv = np.broadcast_to(info["adv"][:, None], lp.shape)
+  cot = TPL.fd_grad(ref, lp, lp, beh, adv, mask)  # d loss / d logp_nt
+  brute = jax.tree_util.tree_map(lambda p: np.zeros(p.shape, np.float64), params)
+  for i in range(N):
+    g = _single_example_grad(params, batch, i, jnp.asarray(cot[i], jnp.float32))
+    brute = jax.tree_util.tree_map(lambda a, b: a + np.asarray(b), brute, g)
+  scale = max(float(np.max(np.abs(x))) for x in jax.tree_util.tree_leaves(brute))
+  assert scale > 0
+  for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(brute)):
+    np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-4 * scale)
+  assert float(metrics["pg_loss"]) == pytest.approx(ref(lp, lp, lp, beh, adv, mask), rel=1e-4, abs=1e-6)
+  # every method reports the ESS of its log-ratio l_n = sum_t log pi_theta - log mu, like VCPO
+  vcpo_aux = _coef_jit(
+    logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], jnp.asarray(sq), VCPO_CFG
+  )[1]
+  assert float(metrics["ess_ratio"]) == pytest.approx(float(vcpo_aux["ess_ratio"]), rel=1e-6)
+  assert float(metrics["loss/ess_ratio"]) == pytest.approx(float(vcpo_aux["ess_ratio"]), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """The jitted learner step: a real update moves the parameters, a non-finite one is skipped."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from vcpo_jax import estimator, learner, optim
+from tests import test_policy_losses as TPL
+from vcpo_jax import estimator, learner, optim, policy_losses
 from vcpo_jax.model import config, transformer
 
 N, T = 8, 12
@@ -121,8 +124,9 @@ def test_ess_brake_scales_the_update_exactly(setup):
 # Micro-batched step == single-pass step (issue 10 item 5)
 # ---------------------------------------------------------------------------
 
+# The presets micro-batching accepts (the policy losses and tis_ess are rejected: test_microbatch_config_errors).
 MB_CONFIGS = {
-  **{name: {} for name in estimator.PRESETS},
+  **{n: {} for n in estimator.PRESETS if not estimator.batch_wide_coefficients(estimator.pg_config_from_preset(n))},
   "geo_mask": dict(preset="geo_mask", geo_lower=0.8, geo_upper=1.25),  # its default interval rejects this batch
   # the whole-batch normalisers in their other forms: kept-row counts, token counts, a constant T
   "mask_kept_token_mean": dict(preset="mask", mask_normalizer="kept", loss_agg="token-mean"),
@@ -213,7 +217,7 @@ def test_microbatched_step_compiled_and_smaller(mb_setup):
   assert temp[2] < 0.7 * temp[None]
 
 
-@pytest.mark.parametrize("name", ["vcpo", "token_tis"])
+@pytest.mark.parametrize("name", ["vcpo"])  # the vmap path differs from ghost only in the norms: OPOB
 def test_microbatched_vmap_path_equals_single_pass(mb_setup, name):
   params, tx, batch, graphdef = mb_setup
   pg = _mb_pg(name)
@@ -233,6 +237,8 @@ def test_microbatched_vmap_path_equals_single_pass(mb_setup, name):
     (dict(microbatch_size=-1), r"learner\.microbatch_size=-1"),
     (dict(microbatch_size=4, pg=estimator.PGConfig(advantage="reinforce")), r"microbatch_size=4 with vcpo\.advantage"),
     (dict(microbatch_size=4, pg=estimator.PGConfig(opob=True, opob_scope="minibatch")), "opob_scope"),
+    (dict(microbatch_size=4, pg=estimator.pg_config_from_preset("ppo_clip")), r"vcpo\.policy_loss='ppo_clip'"),
+    (dict(microbatch_size=4, pg=estimator.pg_config_from_preset("vcpo_tis_ess")), r"is_variant='tis_ess'"),
   ],
 )
 def test_microbatch_config_errors(kw, match):
@@ -248,3 +254,182 @@ def test_microbatch_off_is_the_single_pass():
   assert learner.LearnerConfig(pg=pg, microbatch_size=2).microbatches(8) == 4
   with pytest.raises(ValueError, match="microbatch_size=3 does not divide"):
     learner.LearnerConfig(pg=pg, microbatch_size=3).microbatches(8)
+
+
+# ---------------------------------------------------------------------------
+# The policy-loss presets (issue 13): learner update == the numpy-transcribed loss's gradient
+# ---------------------------------------------------------------------------
+
+POLICY_LOSS_PRESETS = sorted(policy_losses.POLICY_LOSSES)
+
+
+def _np_grpo_advantages(r, gid, valid):
+  """(R - group mean) / group sample std over the valid rows; 0 for a group with std <= 1e-6."""
+  adv = np.zeros(len(r))
+  for i in np.nonzero(valid)[0]:
+    grp = [j for j in range(len(r)) if valid[j] and gid[j] == gid[i]]
+    sd = np.std(r[grp], ddof=1) if len(grp) > 1 else 0.0
+    adv[i] = (r[i] - np.mean(r[grp])) / sd if sd > 1e-6 else 0.0
+  return adv
+
+
+def _sgd_tx():
+  # update = -grad * lr_scale exactly (lr 1, no clip): the update IS the gradient
+  return optax.chain(optax.sgd(1.0), optim.scale_by_ess())
+
+
+def _np_loss_grad(graphdef, params, batch, name, old_logp=None, rows=None):
+  """jax.grad over params of sum_nt c_nt logp_nt with c_nt = d loss / d logp_nt by central differences of
+  the float64 numpy transcription (tests/test_policy_losses.REFS), advantages from _np_grpo_advantages over
+  the WHOLE batch, pi_old = old_logp (default: the current log-probs). rows: the minibatch's row indices."""
+  logp = np.asarray(learner.make_logp_fn(graphdef)(params, batch), np.float64)
+  old = logp if old_logp is None else np.asarray(old_logp, np.float64)
+  mask = np.asarray(batch["loss_mask"], np.float64)
+  valid = mask.sum(1) > 0
+  adv = _np_grpo_advantages(np.asarray(batch["rewards"], np.float64), np.asarray(batch["group_id"]), valid)
+  rows = np.arange(len(adv)) if rows is None else rows
+  beh = np.asarray(batch["behavior_logp"], np.float64)
+  A = np.broadcast_to(adv[rows, None], logp[rows].shape)
+  cot = np.zeros_like(logp)
+  cot[rows] = TPL.fd_grad(TPL.REFS[name], logp[rows], old[rows], beh[rows], A, mask[rows])
+  return _cot_grad(graphdef)(params, batch, jnp.asarray(cot, jnp.float32))
+
+
+@functools.cache
+def _cot_grad(graphdef):
+  """jit(params, batch, cot_nt -> grad_params sum_nt cot_nt logp_nt): one compile per batch shape."""
+  lp_fn = learner.make_logp_fn(graphdef)
+  return jax.jit(jax.grad(lambda p, batch, cot: jnp.sum(cot * lp_fn(p, batch))))
+
+
+def _update(new_params, params):
+  return [
+    np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(params))
+  ]
+
+
+def _assert_close_trees(got, want, rtol=2e-4):
+  scale = max(np.abs(np.asarray(w)).max() for w in want)
+  assert scale > 0
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, np.asarray(b, np.float64), rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("name", POLICY_LOSS_PRESETS)
+def test_policy_loss_preset_update_equals_numpy_loss_gradient(mb_setup, name):
+  # One update per step (the default): new params - params = -grad of the transcribed loss (pi_old = pi_theta).
+  # Op by op (jax.disable_jit), so that the presets share compiled primitives with the sweep above.
+  params, _, batch, graphdef = mb_setup
+  tx = _sgd_tx()
+  cfg = learner.LearnerConfig(pg=estimator.pg_config_from_preset(name), group_size=2, batch_size=N)
+  with jax.disable_jit():
+    new, m = learner.make_train_step(graphdef, tx, cfg)(learner.init_state(params, tx), batch)
+    want = _np_loss_grad(graphdef, params, batch, name)
+  assert float(m["nonfinite"]) == 0.0 and float(m["lr_scale"]) == 1.0
+  _assert_close_trees(_update(new.params, params), [-np.asarray(g) for g in jax.tree.leaves(want)])
+  # the same ESS metric as every method: of l_n = sum_t log pi_theta - log mu, at pi_old
+  assert float(m["ess_ratio"]) == pytest.approx(float(m["loss/ess_ratio"]), rel=1e-5)
+  assert float(m["ess_ratio"]) < 0.9  # the batch is stale: the metric is informative
+
+
+def test_ppo_epochs_and_minibatches_equal_sequential_updates_with_one_pi_old(mb_setup):
+  # 2 epochs x 2 minibatches of whole groups = 4 SGD updates, pi_old computed ONCE at the start: each one
+  # the numpy transcription's gradient on its minibatch (a learner that recomputed pi_old per update, or
+  # split groups, or skipped an epoch, differs).
+  params, _, batch, graphdef = mb_setup
+  tx = _sgd_tx()
+  name = "ppo_clip"
+  cfg = learner.LearnerConfig(
+    pg=estimator.pg_config_from_preset(name), group_size=2, batch_size=N, ppo_epochs=2, minibatches=2
+  )
+  new, m = jax.jit(learner.make_train_step(graphdef, tx, cfg))(learner.init_state(params, tx), batch)
+  old = learner.make_logp_fn(graphdef)(params, batch)
+  p = params
+  for _ in range(2):
+    for rows in (np.arange(4), np.arange(4, 8)):
+      # the minibatch's loss (its rows only, its own token-mean) on the full-batch shapes (one compile);
+      # advantages over the whole batch equal the minibatch's own: its groups are whole
+      g = _np_loss_grad(graphdef, p, batch, name, old_logp=old, rows=rows)
+      p = jax.tree.map(lambda a, b: a - b, p, g)
+  assert float(m["updates"]) == 4.0 and float(m["nonfinite"]) == 0.0
+  assert float(m["loss/clip_frac_first"]) == 0.0 < float(m["loss/clip_frac"])  # r = 1 at the first update only
+  _assert_close_trees(_update(new.params, params), _update(p, params), rtol=5e-4)
+  assert int(new.step) == 1  # one trainer step (one policy version), four optimizer updates
+
+
+def test_one_epoch_one_minibatch_is_the_single_update(mb_setup):
+  # The multi-update machinery with 1 x 1 gives the default step's numbers (to float rounding).
+  params, _, batch, graphdef = mb_setup
+  tx = _sgd_tx()
+  for name in ("ppo_clip", "m2po_paper"):
+    cfg = learner.LearnerConfig(pg=estimator.pg_config_from_preset(name), group_size=2, batch_size=N)
+    with jax.disable_jit():
+      s1, m1 = learner.make_train_step(graphdef, tx, cfg)(learner.init_state(params, tx), batch)
+      s2, m2 = learner._multi_update_step(graphdef, tx, cfg, learner.init_state(params, tx), batch)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-7, atol=1e-7)
+    for k in ("pg_loss", "grad_norm", "ess_ratio", "loss/token_log_ratio_abs_mean"):
+      assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-6, abs=1e-7), (name, k)
+
+
+def test_decoupled_ppo_loglinear_uses_the_step_version(mb_setup):
+  # decoupled_prox="loglinear": pi_prox = mu + alpha (pi_theta - mu), alpha = (v - v_mu) / (v + 1 - v_mu) with
+  # v = state.step (the parameters at the start of the step; the update produces v + 1). Rows sampled with
+  # the current version (v_mu = v: alpha = 0, pi_prox = mu) and older ones (v_mu = v - 2: alpha = 2 / 3).
+  params, _, batch, graphdef = mb_setup
+  tx = _sgd_tx()
+  v = 5
+  vb = dict(batch, policy_version=np.array([5, 5, 3, 3, 5, 5, 3, 3], np.int32))
+  pg = estimator.pg_config_from_preset("decoupled_ppo", decoupled_prox="loglinear")
+  cfg = learner.LearnerConfig(pg=pg, group_size=2, batch_size=N)
+  with jax.disable_jit():
+    state = learner.init_state(params, tx)._replace(step=jnp.int32(v))
+    new, m = learner.make_train_step(graphdef, tx, cfg)(state, vb)
+    logp = np.asarray(learner.make_logp_fn(graphdef)(params, vb), np.float64)
+  mask = np.asarray(vb["loss_mask"], np.float64)
+  beh = np.asarray(vb["behavior_logp"], np.float64)
+  adv = _np_grpo_advantages(np.asarray(vb["rewards"], np.float64), np.asarray(vb["group_id"]), mask.sum(1) > 0)
+  A = np.broadcast_to(adv[:, None], logp.shape)
+  kw = dict(versions=(vb["policy_version"], v + 1))
+  cot = TPL.fd_grad(TPL.ref_decoupled, logp, logp, beh, A, mask, **kw)
+  want = _cot_grad(graphdef)(params, batch, jnp.asarray(cot, jnp.float32))
+  _assert_close_trees(_update(new.params, params), [-np.asarray(g) for g in jax.tree.leaves(want)])
+  assert float(m["pg_loss"]) == pytest.approx(TPL.ref_decoupled(logp, logp, logp, beh, A, mask, **kw), rel=1e-4)
+  with pytest.raises(ValueError, match="policy_version"):
+    with jax.disable_jit():
+      learner.make_train_step(graphdef, tx, cfg)(state, batch)
+
+
+def test_tis_ess_learner_step_logs_its_cap(mb_setup):
+  # vcpo_tis_ess on the stale batch (unclipped ESS ratio 0.82; 0.86 with every weight > 1 cut to 1): the cap is active (c_t below the largest weight) and logged; the applied
+  # weights' ESS ratio meets the target while the unclipped one (VCPO's brake) is below it.
+  params, _, batch, graphdef = mb_setup
+  tx = _sgd_tx()
+  pg = estimator.pg_config_from_preset("vcpo_tis_ess", tis_ess_target=0.85)
+  with jax.disable_jit():
+    _, m = learner.make_train_step(graphdef, tx, learner.LearnerConfig(pg=pg))(learner.init_state(params, tx), batch)
+  assert float(m["ess_ratio"]) < 0.85 <= float(m["ess_ratio_applied"]) + 1e-5
+  assert float(m["ess_ratio_applied"]) == pytest.approx(0.85, abs=1e-3)  # the largest cap meeting the target
+  assert float(m["tis_c"]) == pytest.approx(np.exp(float(m["tis_log_c"])), rel=1e-6)
+  assert 1.0 <= float(m["tis_c"]) < float(m["weight_max"]) * 1.0001 and float(m["tis_ess_reached"]) == 1.0
+
+
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    (dict(ppo_epochs=0), r"learner\.ppo_epochs=0: must be an int >= 1"),
+    (dict(minibatches=2.0), r"learner\.minibatches=2\.0: must be an int"),
+    (dict(minibatches=3, batch_size=8, group_size=2), r"learner\.minibatches=3 does not divide the batch size N=8"),
+    (dict(minibatches=8, batch_size=8, group_size=2), r"learner\.minibatches=8: .* not whole groups of G=2"),
+    (dict(ppo_epochs=2, microbatch_size=4), r"learner\.microbatch_size=4 with ppo_epochs"),
+    (
+      dict(ppo_epochs=2, pg=estimator.pg_config_from_preset("vcpo")),
+      r"learner\.ppo_epochs=2: several updates per step need a policy-loss method",
+    ),
+  ],
+)
+def test_ppo_epochs_minibatches_config_errors(kw, match):
+  kw = {"pg": estimator.pg_config_from_preset("ppo_clip"), **kw}
+  with pytest.raises(ValueError, match=match):
+    learner.LearnerConfig(**kw)

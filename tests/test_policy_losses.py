@@ -587,3 +587,27 @@ def test_registry_names_and_source_defaults():
 def test_bad_hyper_parameters_fail_at_build_time(name, hp, match):
   with pytest.raises(ValueError, match=match):
     P.make_policy_loss(name, **hp)
+
+
+def test_building_the_presets_starts_no_backend():
+  # Config parsing builds every policy loss (its values are checked by an abstract trace) BEFORE
+  # jax.distributed.initialize, which fails once a backend exists: building must not start one.
+  import subprocess
+  import sys
+
+  code = (
+    "from jax._src import xla_bridge as xb\n"
+    "from vcpo_jax import estimator as E\n"
+    "for n in E.PRESETS: E.pg_config_from_preset(n)\n"
+    "assert not xb._backends, xb._backends\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_every_policy_loss_has_its_preset():
+  from vcpo_jax import estimator
+
+  for name in P.POLICY_LOSSES:
+    assert estimator.pg_config_from_preset(name).policy_loss == name
+  assert estimator.pg_config_from_preset("vcpo_tis_ess").is_variant == "tis_ess"

@@ -231,6 +231,14 @@ WEIGHT_VARIANTS: dict[str, WeightVariant] = {
       "w = min(exp(l), c) (upper-only truncated IS)",
     ),
     WeightVariant(
+      "tis_ess",
+      "sequence",
+      ("target", "lengths_n"),
+      lambda lc, raw, L, c, a, b: jnp.exp(_policy_losses().tis_ess_log_weights(lc, c, valid_n=L > 0)[0]),
+      "w = min(exp(l), c_t), c_t solved per step (bisection on log c) so that ESS(w) / n = target "
+      "(fn gets the target in the c slot; rows with L_n = 0 are left out of the solve)",
+    ),
+    WeightVariant(
       "clip",
       "sequence",
       ("lower", "upper"),
@@ -262,17 +270,35 @@ WEIGHT_VARIANTS: dict[str, WeightVariant] = {
 }
 
 
+def _policy_losses():
+  # policy_losses imports this module (ESS): import it lazily, at trace / config time
+  from vcpo_jax import policy_losses
+
+  return policy_losses
+
+
 def importance_weights(
-  log_ratio, variant, *, c=8.0, lower=None, upper=None, lengths_n=None, log_clamp=DEFAULT_LOG_RATIO_CLAMP
+  log_ratio,
+  variant,
+  *,
+  c=8.0,
+  lower=None,
+  upper=None,
+  lengths_n=None,
+  log_clamp=DEFAULT_LOG_RATIO_CLAMP,
+  target=0.5,
 ):
   """Stop-gradient importance weights of a named variant (see WEIGHT_VARIANTS).
 
   Args:
     log_ratio: l_n [N] for sequence variants, d_nt [N, T] for "token_tis".
-    variant: "none" | "is" | "tis" | "clip" | "mask" | "token_tis" | "geo_mask".
+    variant: "none" | "is" | "tis" | "tis_ess" | "clip" | "mask" | "token_tis" | "geo_mask".
     c: truncation level for "tis" / "token_tis" (> 0).
     lower, upper: interval for "clip", "mask", "geo_mask" (0 <= lower <= upper).
-    lengths_n: [N] token counts L_n, needed by "geo_mask" (ratio exp(l / L)).
+    lengths_n: [N] token counts L_n, needed by "geo_mask" (ratio exp(l / L)) and by "tis_ess" (rows with
+      L_n = 0 are left out of its solve).
+    target: "tis_ess"'s target ESS ratio in (0, 1]: the cap c_t is solved for this batch
+      (policy_losses.ess_target_truncation, a bisection on log c; c_t >= 1).
     log_clamp: log-ratios are clamped to [-log_clamp, log_clamp] before exp
       (the reference uses 20), so every weight is finite.
   Returns:
@@ -286,6 +312,10 @@ def importance_weights(
     raise ValueError(f"c={c!r}: variant {variant!r} needs a truncation level c > 0")
   if "lower" in v.needs and (lower is None or upper is None or not 0 <= lower <= upper or not upper > 0):
     raise ValueError(f"lower={lower!r}, upper={upper!r}: variant {variant!r} needs 0 <= lower <= upper, upper > 0")
+  if "target" in v.needs:
+    if not 0 < target <= 1:
+      raise ValueError(f"target={target!r}: variant {variant!r} needs a target ESS ratio in (0, 1]")
+    c = target  # the variant's fn receives the target in the c slot
   if "lengths_n" in v.needs and lengths_n is None:
     raise ValueError(f"lengths_n: variant {variant!r} needs the token counts L_n")
   if not log_clamp > 0:
@@ -557,6 +587,7 @@ LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
   ]
 }
 MASK_NORMALIZERS = ("all", "kept")
+DECOUPLED_PROX = ("exact", "loglinear")
 OPOB_WEIGHTS = ("unclipped", "applied")
 OPOB_SCOPES = ("group", "minibatch")
 
@@ -607,6 +638,10 @@ class PGConfig:
   ess_lr: bool = False  # scale the step's learning rate by the ESS rule
   ess_rule: str = "sqrt"  # ESS_LR_RULES name
   rho_on: float = 1.0  # on-policy reference ESS ratio (docs/rho_on_protocol.md)
+  tis_ess_target: float = 0.5  # "tis_ess": target ESS ratio of the truncated weights, in (0, 1]
+  policy_loss: str = "pg"  # "pg" (the surrogate above) | a policy_losses.POLICY_LOSSES name (its own loss_agg)
+  policy_loss_kw: str = ""  # its hyper-parameters "name=value,...", e.g. "eps_high=0.28,loss_agg=token-mean"
+  decoupled_prox: str = "exact"  # decoupled_ppo's pi_prox: exact (pi_old, recomputed) | loglinear (AReaL approx.)
 
   def __post_init__(self):
     def choose(field, options):
@@ -636,6 +671,24 @@ class PGConfig:
     for lo, hi in (("clip_lower", "clip_upper"), ("mask_lower", "mask_upper"), ("geo_lower", "geo_upper")):
       if not 0 <= getattr(self, lo) <= getattr(self, hi):
         raise ValueError(f"PGConfig.{lo}={getattr(self, lo)!r}: need 0 <= {lo} <= {hi}")
+    if not 0 < self.tis_ess_target <= 1:
+      raise ValueError(f"PGConfig.tis_ess_target={self.tis_ess_target!r}: must be in (0, 1]")
+    choose("decoupled_prox", DECOUPLED_PROX)
+    kw = policy_loss_kwargs(self)  # raises on a malformed string
+    if self.policy_loss != "pg":
+      pl = _policy_losses()
+      choose("policy_loss", ["pg", *pl.POLICY_LOSSES])
+      if self.is_variant != "none" or self.opob:
+        raise ValueError(
+          f"PGConfig.policy_loss={self.policy_loss!r} with is_variant={self.is_variant!r}, opob={self.opob}: "
+          "the loss carries its own correction; use is_variant='none', opob=False"
+        )
+      try:
+        pl.make_policy_loss(self.policy_loss, **kw)  # checks the names and values of the hyper-parameters
+      except ValueError as e:
+        raise ValueError(f"PGConfig.policy_loss_kw={self.policy_loss_kw!r}: {e}") from None
+    elif kw:
+      raise ValueError(f"PGConfig.policy_loss_kw={self.policy_loss_kw!r}: only with a policy_loss other than 'pg'")
     if self.opob and WEIGHT_VARIANTS[self.is_variant].level == "token":
       raise ValueError(
         f"PGConfig.opob=True with is_variant={self.is_variant!r}: OPOB is "
@@ -685,6 +738,12 @@ PRESETS: dict[str, dict[str, Any]] = {
   "vcpo_applied_opob": dict(_VCPO, opob_weights="applied"),
   "vcpo_loo_opob": dict(_VCPO, opob_leave_one_out=True),
   "vcpo_reference": dict(_VCPO, reference_mode=True),
+  # issue 13: the stabilizers the field uses (vcpo_jax/policy_losses.py), on the reference GRPO advantage
+  **{
+    name: dict(_GRPO, is_variant="none", policy_loss=name)
+    for name in ("ppo_clip", "decoupled_ppo", "gspo", "cispo", "m2po_paper", "m2po_released", "icepop", "dppo_tv")
+  },
+  "vcpo_tis_ess": dict(_VCPO, is_variant="tis_ess", tis_ess_target=0.5),  # VCPO with the ESS-targeted cap
 }
 
 
@@ -712,6 +771,10 @@ def batch_wide_coefficients(cfg: PGConfig) -> str | None:
     return f"vcpo.advantage={cfg.advantage!r} (its baseline is the mean over the whole batch)"
   if cfg.opob and cfg.opob_scope == "minibatch":
     return "vcpo.opob_scope='minibatch' (its baseline weighs every row's norm)"
+  if cfg.is_variant == "tis_ess":
+    return "vcpo.is_variant='tis_ess' (its cap c_t is solved over the whole batch)"
+  if cfg.policy_loss != "pg":
+    return f"vcpo.policy_loss={cfg.policy_loss!r} (its normalizer and masks are over the whole batch)"
   return None
 
 
@@ -719,6 +782,7 @@ def _variant_kwargs(cfg: PGConfig):
   v = cfg.is_variant
   return dict(
     c=cfg.token_tis_c if v == "token_tis" else cfg.tis_c,
+    target=cfg.tis_ess_target,
     lower={"clip": cfg.clip_lower, "mask": cfg.mask_lower, "geo_mask": cfg.geo_lower}.get(v),
     upper={"clip": cfg.clip_upper, "mask": cfg.mask_upper, "geo_mask": cfg.geo_upper}.get(v),
     log_clamp=cfg.log_ratio_clamp,
@@ -777,7 +841,9 @@ def _pg_rows(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, sq_score
     masked_n = jnp.zeros_like(valid)
     weight_report = jnp.where(valid, jnp.exp(jnp.clip(log_w_applied, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)), 0.0)
   else:
-    w_seq = jnp.where(valid, importance_weights(l_safe, cfg.is_variant, lengths_n=L_n, **vkw), 0.0)
+    # lengths 0 on invalid rows: the variants that read L_n (geo_mask, tis_ess's solve) leave them out
+    L_valid = jnp.where(valid, L_n, 0.0)
+    w_seq = jnp.where(valid, importance_weights(l_safe, cfg.is_variant, lengths_n=L_valid, **vkw), 0.0)
     log_w_applied = jnp.log(w_seq)
     changed = valid & (w_seq > 0) & ~jnp.isclose(w_seq, jnp.exp(lc), rtol=1e-6)
     clipped_n = changed.astype(jnp.float32)  # rows
@@ -881,7 +947,20 @@ def pg_metrics(aux_n: Mapping[str, jax.Array], cfg: PGConfig) -> dict[str, jax.A
     adv_std=vstd(adv),
     n_valid=n_valid,
     nonfinite_rows=jnp.sum(aux_n["nonfinite_n"]).astype(jnp.float32),
+    **_tis_ess_metrics(aux_n, cfg),
   )
+
+
+def _tis_ess_metrics(aux_n, cfg: PGConfig) -> dict[str, jax.Array]:
+  """c_t of "tis_ess" (train/tis_c, train/tis_log_c; re-solved from the [N] rows, cheap), else nothing.
+
+  tis_ess_reached is 0 when even c = 1 cannot reach the target (then c_t = 1).
+  """
+  if cfg.is_variant != "tis_ess":
+    return {}
+  lc = jnp.clip(aux_n["log_ratio_n"], -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+  info = _policy_losses().ess_target_truncation(lc, cfg.tis_ess_target, valid_n=aux_n["valid_n"])
+  return {"tis_c": info["c"], "tis_log_c": info["log_c"], "tis_ess_reached": info["reached"]}
 
 
 def pg_coefficients(
@@ -960,6 +1039,8 @@ def policy_gradient(logp_fn, params, batch: Mapping[str, Any], cfg: PGConfig, *,
   missing = [k for k in BATCH_KEYS if k not in batch]
   if missing:
     raise ValueError(f"batch: missing keys {missing}; need {list(BATCH_KEYS)}")
+  if cfg.policy_loss != "pg":
+    return policy_loss_gradient(logp_fn, params, batch, cfg)
   logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
   sq = None
   if needs_sq_norms(cfg):
@@ -978,3 +1059,65 @@ def policy_gradient(logp_fn, params, batch: Mapping[str, Any], cfg: PGConfig, *,
   # where(): masked-out positions may hold logp = -inf; their cotangent is 0 and must not give nan.
   pg_loss = jnp.sum(jnp.where(tokw_nt != 0, cot_nt * sg(logp_nt).astype(jnp.float32), 0.0))
   return grads, dict(aux, pg_loss=pg_loss)
+
+
+def policy_loss_kwargs(cfg: PGConfig) -> dict[str, Any]:
+  """cfg.policy_loss_kw "name=value,..." -> {name: value}: None / True / False, a number, else the string.
+
+  E.g. "eps_high=0.28,dual_clip_c=3,loss_agg=token-mean". The names and values are checked by
+  policy_losses.make_policy_loss (PGConfig.__post_init__ calls it).
+  """
+  kw: dict[str, Any] = {}
+  special = {"None": None, "True": True, "False": False}
+  for item in filter(None, (x.strip() for x in cfg.policy_loss_kw.split(","))):
+    name, eq, value = (x.strip() for x in item.partition("="))
+    if not eq or not name or not value:
+      raise ValueError(f"PGConfig.policy_loss_kw={cfg.policy_loss_kw!r}: {item!r} is not name=value")
+    if value in special:
+      kw[name] = special[value]
+      continue
+    try:
+      kw[name] = float(value)
+    except ValueError:
+      kw[name] = value  # a name, e.g. loss_agg=token-mean
+  return kw
+
+
+def bound_policy_loss(cfg: PGConfig, batch: Mapping[str, Any], current_version=None):
+  """cfg's policy loss with its hyper-parameters (and, for decoupled_prox='loglinear', the versions) bound.
+
+  current_version: the version the update produces (the learner's step + 1), so that AReaL's proximal
+  version current_version - 1 is the learner's parameters at the start of the step (what "exact" uses).
+  """
+  kw = policy_loss_kwargs(cfg)
+  if cfg.policy_loss == "decoupled_ppo" and cfg.decoupled_prox == "loglinear":
+    if current_version is None or "policy_version" not in batch:
+      raise ValueError("vcpo.decoupled_prox='loglinear' needs batch['policy_version'] and the learner's version")
+    kw.update(behavior_version=batch["policy_version"], current_version=current_version)
+  return _policy_losses().make_policy_loss(cfg.policy_loss, **kw)
+
+
+def policy_loss_gradient(logp_fn, params, batch, cfg: PGConfig, *, current_version=None):
+  """Gradient of a policy_losses loss (cfg.policy_loss != "pg") in one update: one forward, one backward.
+
+    logp_nt, vjp = jax.vjp(logp_fn(., batch), params)
+    pi_old       = sg(logp_nt)          (the step's single update starts at pi_old: r_t = 1 in value)
+    A_n          = pg_coefficients(pi_old, ...)["advantage_n"]   (GRPO advantage, std as configured)
+    cot_nt       = d loss(logp_nt, pi_old, mu, A, mask) / d logp_nt;   grads = vjp(cot_nt)
+
+  The ESS metrics are pg_coefficients' (of l_n = sum_t log pi_old - log mu, as for every method); the loss
+  brings its own ratio, clip / mask and aggregation, and its metrics come back under "loss/<name>". Rows
+  with a non-finite log-ratio are masked out, as in the surrogate. Several updates per step (learner.
+  ppo_epochs / minibatches) are learner._multi_update_step. Returns (grads, aux) like policy_gradient.
+  """
+  logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
+  old = sg(logp_nt)
+  _, aux = pg_coefficients(
+    old, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], None, cfg
+  )
+  mask = jnp.where(aux["valid_n"][:, None], jnp.asarray(batch["loss_mask"], jnp.float32), 0.0)
+  fn = bound_policy_loss(cfg, batch, current_version)
+  args = (old, batch["behavior_logp"], aux["advantage_n"], mask)
+  (loss, m), cot_nt = jax.value_and_grad(lambda lp: fn(lp, *args), has_aux=True)(logp_nt)
+  (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
+  return grads, dict(aux, pg_loss=loss, **{f"loss/{k}": v for k, v in m.items()})

@@ -30,6 +30,14 @@ whose coefficients read rows outside the group (`estimator.
 batch_wide_coefficients`: the REINFORCE batch-mean baseline, minibatch-scope
 OPOB) are rejected with micro-batching; no preset is one.
 
+The stabilizers of issue 13 (`pg.policy_loss` != "pg": PPO clip, decoupled PPO, GSPO, CISPO, M2PO,
+IcePop, DPPO-TV; vcpo_jax/policy_losses.py) replace the surrogate by their own loss of (log pi_theta,
+log pi_old, log mu, A, mask): one forward, the loss's cotangent d loss / d logp_nt, one backward
+(`estimator.policy_loss_gradient`; no norms, so both gradient paths are the same). With
+`ppo_epochs * minibatches` > 1 a trainer step makes that many optimizer updates on minibatches of whole
+groups, with pi_old recomputed once at the start (`_multi_update_step`); 1 x 1, the default, is the single
+update above. Neither combines with micro-batching (rejected at config time).
+
 A step whose loss or gradient is not finite is skipped (parameters and optimizer
 state unchanged, `nonfinite` = 1 in the metrics); the trainer aborts or goes on
 according to its config.
@@ -63,6 +71,9 @@ class LearnerConfig:
   microbatch_size: rows per micro-batch; None or 0 runs the whole batch in one pass. It must be a
     multiple of the group size G (rows of a group are contiguous in every Batch) and divide the batch
     size N; give group_size / batch_size to have that checked here, at config time.
+  ppo_epochs, minibatches: ppo_epochs * minibatches optimizer updates per trainer step, each on N /
+    minibatches rows of whole groups, with pi_old recomputed once per step (_multi_update_step); only for
+    a policy loss (pg.policy_loss != "pg"). 1 and 1: today's single update, the same computation.
   """
 
   pg: estimator.PGConfig
@@ -70,10 +81,13 @@ class LearnerConfig:
   microbatch_size: int | None = None  # rows per micro-batch (whole groups); None / 0: one pass
   group_size: int | None = None  # G, only for the config-time check of microbatch_size
   batch_size: int | None = None  # N = P * G, only for the config-time check of microbatch_size
+  ppo_epochs: int = 1  # passes over the batch per trainer step (issue 13; 1: today's single update)
+  minibatches: int = 1  # optimizer updates per pass, each on N / minibatches rows of whole groups
 
   def __post_init__(self):
     if self.grad_path not in GRAD_PATHS:
       raise ValueError(f"learner.grad_path={self.grad_path!r}: choose one of {GRAD_PATHS}.")
+    self._check_updates()
     mb = self.microbatch_size
     if mb is None or mb == 0:
       return
@@ -93,6 +107,39 @@ class LearnerConfig:
         f"learner.microbatch_size={mb} with {why}: micro-batches of whole groups cannot be exact; "
         "set learner.microbatch_size=0."
       )
+
+  def _check_updates(self):
+    """ppo_epochs / minibatches (issue 13): ints >= 1; several updates need a policy loss and whole groups."""
+    for f in ("ppo_epochs", "minibatches"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"learner.{f}={v!r}: must be an int >= 1 (1: one update per trainer step).")
+    if self.updates_per_step == 1:
+      return
+    if self.pg.policy_loss == "pg":
+      f = "minibatches" if self.minibatches > 1 else "ppo_epochs"
+      raise ValueError(
+        f"learner.{f}={getattr(self, f)}: several updates per step need a policy-loss method (ppo_clip, gspo, ...); "
+        "this method's surrogate has no ratio to pi_old. Set learner.ppo_epochs=1 and learner.minibatches=1."
+      )
+    if self.microbatch_size:
+      raise ValueError(
+        f"learner.microbatch_size={self.microbatch_size} with ppo_epochs * minibatches = {self.updates_per_step} "
+        "updates per step: set learner.microbatch_size=0."
+      )
+    m, g, n = self.minibatches, self.group_size, self.batch_size
+    if n and n % m:
+      raise ValueError(f"learner.minibatches={m} does not divide the batch size N={n}; use a divisor of {n}.")
+    if n and g and (n // m) % g:
+      raise ValueError(
+        f"learner.minibatches={m}: a minibatch of N / {m} = {n // m} rows is not whole groups of G={g}; "
+        f"use a divisor of the number of prompts {n // g}."
+      )
+
+  @property
+  def updates_per_step(self) -> int:
+    """Optimizer updates per trainer step: ppo_epochs * minibatches (1: the single update)."""
+    return self.ppo_epochs * self.minibatches
 
   def microbatches(self, n: int) -> int:
     """Number of micro-batches for a batch of n rows (1: the single-pass step)."""
@@ -127,10 +174,16 @@ def policy_gradient(path: str) -> Callable:
   return estimator.policy_gradient
 
 
-def _gradient(graphdef, params, batch, cfg: LearnerConfig):
-  """(grads, aux) of the whole batch: one pass, or a scan over micro-batches (same result)."""
-  grad_fn = policy_gradient(cfg.grad_path)
+def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None):
+  """(grads, aux) of the whole batch: one pass, or a scan over micro-batches (same result).
+
+  step: the learner's step (state.step), read only by decoupled_ppo's log-linear pi_prox.
+  """
   logp_fn = make_logp_fn(graphdef)
+  if cfg.pg.policy_loss != "pg":  # a policy_losses loss: no norms, one forward + one backward on either path
+    version = None if step is None else step + 1  # the version this update produces
+    return estimator.policy_loss_gradient(logp_fn, params, batch, cfg.pg, current_version=version)
+  grad_fn = policy_gradient(cfg.grad_path)
   n = batch["tokens"].shape[0]
   k = cfg.microbatches(n)
   if k == 1:
@@ -156,11 +209,74 @@ def _gradient(graphdef, params, batch, cfg: LearnerConfig):
   return grads, dict(estimator.pg_metrics(rows, cfg.pg), **rows, pg_loss=jnp.sum(losses) / z)
 
 
+def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batch: dict):
+  """ppo_epochs x minibatches optimizer updates on one batch; pi_old recomputed ONCE, at the start.
+
+    pi_old   = sg(logp_fn(state.params, batch))                       one extra forward per trainer step
+    A_n, ESS = pg_coefficients(pi_old, ...) over the WHOLE batch       (advantages, ESS metrics, lr scale)
+    for epoch in range(ppo_epochs): for mb in the minibatches (whole groups, contiguous, same split each
+      epoch): grads = grad of the policy loss on mb (its own aggregation, as verl / AReaL) -> optimizer
+
+  pi_old is also decoupled PPO's exact pi_prox: the learner's parameters at the start of the step (in lag
+  mode the newest version of the ring, in async mode the version last published); its log-linear
+  approximation uses the version each update produces, state.step + 1 (AReaL's v_theta). A non-finite
+  update is skipped (the others apply; `nonfinite` is the max over updates). state.step counts trainer
+  steps (the policy version); the optimizer's count advances once per update, so a schedule advances
+  ppo_epochs * minibatches times per trainer step. Metrics: the whole-batch ones at pi_old, the per-update
+  ones (pg_loss, grad_norm, update_norm, loss/*) averaged over the updates, and loss/*_first / grad_norm_first
+  of the first update.
+  """
+  from vcpo_jax import policy_losses  # imported lazily, as in estimator
+
+  logp_fn = make_logp_fn(graphdef)
+  old_logp = jax.lax.stop_gradient(logp_fn(state.params, batch))
+  _, aux0 = estimator.pg_coefficients(
+    old_logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], None, cfg.pg
+  )
+  mask = jnp.where(aux0["valid_n"][:, None], jnp.asarray(batch["loss_mask"], jnp.float32), 0.0)
+  full = dict(batch, loss_mask=mask, old_logp=old_logp, advantage=aux0["advantage_n"])
+  n, m = batch["tokens"].shape[0], cfg.minibatches
+  if n % m:
+    raise ValueError(f"learner.minibatches={m} does not divide the batch size N={n}; use a divisor of {n}.")
+  # [M, N / M, ...]: minibatch i holds rows i * N / M ... (whole groups: rows of a group are contiguous)
+  mbs = jax.tree.map(lambda x: x.reshape((m, n // m) + x.shape[1:]), full)
+  lr_scale = aux0["lr_scale"]
+  version = state.step + 1
+
+  def update(carry, mb):
+    params, opt_state = carry
+    fn = estimator.bound_policy_loss(cfg.pg, mb, version)
+    grads, loss, lm = policy_losses.loss_gradient(fn, logp_fn, params, mb, mb["advantage"], mb["old_logp"])
+    grad_norm = optax.global_norm(grads)
+    updates, new_opt = tx.update(grads, opt_state, params, ess_scale=lr_scale)
+    new_params = optax.apply_updates(params, updates)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    out = {f"loss/{k}": v for k, v in lm.items()}
+    out.update(pg_loss=loss, grad_norm=grad_norm, update_norm=optax.global_norm(updates))
+    out["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+    return (keep(new_params, params), keep(new_opt, opt_state)), out
+
+  def epoch(carry, _):
+    return jax.lax.scan(update, carry, mbs)
+
+  (params, opt_state), per_update = jax.lax.scan(epoch, (state.params, state.opt_state), None, cfg.ppo_epochs)
+  per_update = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), per_update)  # [epochs * M]
+  metrics = {k: v for k, v in aux0.items() if jnp.ndim(v) == 0}
+  metrics.update({k: jnp.mean(v) for k, v in per_update.items()})
+  metrics.update({f"{k}_first": v[0] for k, v in per_update.items() if k.startswith("loss/") or k == "grad_norm"})
+  metrics["nonfinite"] = jnp.max(per_update["nonfinite"])
+  metrics["updates"] = jnp.float32(cfg.updates_per_step)
+  return TrainState(params, opt_state, state.step + 1), metrics
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: LearnerConfig):
   """Returns train_step(state, batch) -> (state, metrics); jit it (donate state)."""
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    grads, aux = _gradient(graphdef, state.params, batch, cfg)
+    if cfg.updates_per_step > 1:
+      return _multi_update_step(graphdef, tx, cfg, state, batch)
+    grads, aux = _gradient(graphdef, state.params, batch, cfg, state.step)
     grad_norm = optax.global_norm(grads)
     lr_scale = aux["lr_scale"]
     # clip -> AdamW -> x lr_scale, once per step (after accumulation when micro-batched)

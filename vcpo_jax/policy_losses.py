@@ -846,7 +846,9 @@ def make_policy_loss(name: str, **hyper_parameters) -> Callable[..., tuple[jax.A
     raise ValueError(f"{name}: unknown hyper-parameters {unknown}; it takes {sorted(loss.defaults)}")
   fn = functools.partial(loss.fn, **hyper_parameters)
   if not any(isinstance(v, jax.Array) for v in hyper_parameters.values()):
-    # Trace once on a tiny batch so a bad value fails here, with its one-line message, not inside a jit.
-    z = jnp.zeros((1, 1), jnp.float32)
-    jax.eval_shape(fn, z, z, z, jnp.zeros((1,), jnp.float32), jnp.ones((1, 1), jnp.float32))
+    # Trace once, abstractly, so a bad value fails here, with its one-line message, not inside a jit.
+    # Abstract inputs only: config parsing calls this before jax.distributed.initialize, so it must not
+    # start a backend (tests/test_policy_losses.py checks that).
+    z, a = jax.ShapeDtypeStruct((1, 1), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)
+    jax.eval_shape(fn, z, z, z, a, z)
   return fn

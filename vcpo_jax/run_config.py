@@ -490,6 +490,8 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
       pg=pg,
       grad_path=c.learner.grad_path,
       microbatch_size=c.learner.get("microbatch_size") or None,
+      ppo_epochs=c.learner.get("ppo_epochs", 1),
+      minibatches=c.learner.get("minibatches", 1),
       group_size=rollout.group_size,
       batch_size=rollout.batch_size,
     )
