@@ -78,6 +78,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax import sharding
 from vcpo_jax.model import logprobs, taps
 from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
 
@@ -333,20 +334,49 @@ def _gram_sq_norm(a_ntk: jax.Array, d_nto: jax.Array) -> jax.Array:
   return jnp.einsum("nts,nts->n", jnp.einsum("nti,nsi->nts", a_ntk, a_ntk), jnp.einsum("nto,nso->nts", d_nto, d_nto))
 
 
-def _direct_sq_norm(a_nti: jax.Array, d_nto: jax.Array, block: int) -> jax.Array:
-  """||A_n^T D_n||_F^2 by forming the per-example gradient, `block` examples at a time, [N]."""
-  if block >= a_nti.shape[0]:
-    g = jnp.einsum("nti,nto->nio", a_nti, d_nto)
+def _map_rows(fn, xs, block: int, shards: int) -> jax.Array:
+  """fn(rows) -> [rows] over the leading (batch) axis, `block` rows per device at a time, [N].
+
+  The batch axis is split over `shards` devices (contiguous rows per device). A plain
+  `lax.map(..., batch_size=block)` would scan over that sharded axis and make the partitioner
+  gather every row on every device; here the rows are regrouped [N] -> [steps, shards, block'] so
+  that each step takes block' <= block rows of every device at once (block' divides N / shards)
+  and the scan runs over an unsharded axis.
+  """
+  n = jax.tree.leaves(xs)[0].shape[0]
+  shards = shards if shards >= 1 and n % shards == 0 else 1
+  per = n // shards
+  if block >= per:
+    return fn(xs)
+  b = max(d for d in range(1, max(1, block) + 1) if per % d == 0)
+  steps = per // b
+
+  def regroup(x):  # [N, ...] -> [steps, shards * b, ...], axis 1 split over the batch axes
+    x = x.reshape((shards, steps, b) + x.shape[1:]).swapaxes(0, 1)
+    x = sharding.constrain(x, (None, sharding.BATCH_AXES))
+    return x.reshape((steps, shards * b) + x.shape[3:])
+
+  out = jax.lax.map(fn, jax.tree.map(regroup, xs))  # [steps, shards * b]
+  return out.reshape(steps, shards, b).swapaxes(0, 1).reshape(n)
+
+
+def _direct_sq_norm(a_nti: jax.Array, d_nto: jax.Array, block: int, shards: int = 1) -> jax.Array:
+  """||A_n^T D_n||_F^2 by forming the per-example gradient, `block` examples per device at a time, [N]."""
+
+  def rows(ad):
+    g = jnp.einsum("nti,nto->nio", ad[0], ad[1])
     return jnp.sum(g * g, axis=(1, 2))
-  one = lambda ad: jnp.sum(jnp.square(ad[0].T @ ad[1]))
-  return jax.lax.map(one, (a_nti, d_nto), batch_size=block)
+
+  return _map_rows(rows, (a_nti, d_nto), block, shards)
 
 
-def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array, v: int = 0, block: int = 0, kept_nvd=None) -> jax.Array:
+def _embed_sq_norm(
+  tok_nt: jax.Array, d_ntd: jax.Array, v: int = 0, block: int = 0, kept_nvd=None, shards: int = 1
+) -> jax.Array:
   """||B_n||^2 with B_n = onehot_n^T D_n [V, D] the lookup's row gradient, [N].
 
   block = 0: sum_{t,s: tok_t = tok_s} d_t . d_s (T^2 D flops, no [V, D] buffer). block > 0: B_n by a
-  segment sum, `block` examples at a time; with kept_nvd (the tied head's materialized per-example
+  segment sum, `block` examples per device at a time (`_map_rows`); with kept_nvd (the tied head's materialized per-example
   gradient C_n [N, V, D]) returns ||B_n + C_n||^2 - ||C_n||^2 = ||B_n||^2 + 2 <B_n, C_n>, the
   lookup's part of the tied table's norm, cross term included.
   """
@@ -360,9 +390,7 @@ def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array, v: int = 0, block: int =
     return sq + 2.0 * jnp.sum(b * x["c"]) if "c" in x else sq
 
   xs = {"tok": tok_nt, "d": d_ntd} | ({"c": kept_nvd} if kept_nvd is not None else {})
-  if block >= tok_nt.shape[0]:
-    return jax.vmap(one)(xs)
-  return jax.lax.map(one, xs, batch_size=block)
+  return _map_rows(jax.vmap(one), xs, block, shards)
 
 
 def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None):
@@ -376,6 +404,7 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
   Returns (dh or None, sq_n or None, kept or None, grad_w or None).
   """
   h, w, lse, y = rec["h"], rec["w"], rec["lse"], rec["tokens"][:, 1:]
+  w = w.astype(spec.dtype)  # once: an FSDP-sharded head is all-gathered in the compute dtype
   n, t, d = h.shape
   h_m = h[:, :-1]
   h32 = h_m.astype(_F32)
@@ -456,6 +485,8 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       f"Parameters {missing} are not covered by any tap; their per-example norms would be "
       "missing. Tap the layers that use them."
     )
+  if batch_shards is None:  # the devices the traced mesh splits this (micro-)batch over
+    batch_shards = sharding.batch_shards(jax.tree.leaves(batch)[0].shape[0])
   plans = plan_layers(infos, in_shapes, out_shapes, method, memory_budget_bytes, batch_shards)
   heads = [k for k, info in infos.items() if info.kind == "head"]
 
@@ -518,7 +549,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
         if plan.method == "gram":
           sq_n += _gram_sq_norm(a_nt, d_nt)
         elif plan.method == "direct":
-          sq_n += _direct_sq_norm(a_nt, d_nt, plan.block)
+          sq_n += _direct_sq_norm(a_nt, d_nt, plan.block, batch_shards)
         else:
           g = jnp.einsum("nti,nto->nio", a_nt, d_nt)  # per-example kernel gradient, kept
           sq_n += jnp.sum(g * g, axis=(1, 2))
@@ -527,7 +558,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
         sq_n += jnp.sum(jnp.sum(_flat(a, n) * _flat(d, n), axis=1) ** 2, axis=-1)
       elif info.kind == "embed":
         v = param_shapes[p].shape[0]
-        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v))
+        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v), shards=batch_shards)
       else:
         raise ValueError(f"Unsupported tap kind {info.kind!r} for parameter {p!r}.")
     elif kinds == ["embed", "head"]:  # tied embeddings: lookup + LM head share the table
@@ -537,9 +568,9 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       v = param_shapes[p].shape[0]
       block = embed_block(acts[emb], outgrads[emb], v)
       if head in kept and block:  # ||B_n||^2 + 2 <B_n, C_n> from B_n and the kept C_n
-        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head])
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head], batch_shards)
       else:  # ||B_n||^2, and the cross term from [N, M, T] values; ||C_n||^2 came from the head scan
-        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block)
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, shards=batch_shards)
         sq_n += _tied_cross_term(acts[head], infos[head].spec, c_nm, tok_nt, d_emb)
     else:
       raise ValueError(
@@ -606,7 +637,7 @@ def ghost_sq_norms_and_grad(
   *,
   method: str = "auto",
   memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
-  batch_shards: int = 1,
+  batch_shards: int | None = None,
 ) -> GhostResult:
   """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
 
@@ -622,7 +653,9 @@ def ghost_sq_norms_and_grad(
     method: "auto" | "gram" | "direct" | "materialize" for linear kernels and the LM head (see
       `plan_layers`); biases, scales and embedding lookups are always exact closed forms.
     memory_budget_bytes: per-device bytes for the norms' temporaries and kept gradients.
-    batch_shards: devices the batch axis is split over (data x fsdp), for the per-device budget.
+    batch_shards: devices the batch axis is split over (data x fsdp), for the per-device budget and the
+      per-device blocks of the direct / scatter forms; None: read off the mesh being traced with
+      (`sharding.batch_shards`, 1 without one).
 
   Returns:
     GhostResult(logp_nt, tokw_nt, sq_norms_n, coef_n, loss, grads, aux); grads has params' structure.
@@ -638,7 +671,7 @@ def taps_grad(
   One forward, the vjp to the layer outputs, the head's dL/dh and weight gradient in one scan over
   vocab chunks, then the weight-gradient contractions: the fair plain step next to the VCPO step.
   """
-  return _ghost(logp_fn, params, batch, tokw, None, coef_n, "direct", memory_budget_bytes, 1)
+  return _ghost(logp_fn, params, batch, tokw, None, coef_n, "direct", memory_budget_bytes, None)
 
 
 def ghost_policy_gradient(
@@ -649,7 +682,7 @@ def ghost_policy_gradient(
   *,
   method: str = "auto",
   memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
-  batch_shards: int = 1,
+  batch_shards: int | None = None,
   divisor=None,
 ):
   """Drop-in fast path for `estimator.policy_gradient(logp_fn, params, batch, cfg)`.

@@ -196,6 +196,20 @@ def constrain(x: jax.Array, layout: tuple) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, P(*entries))
 
 
+def batch_shards(n: int | None = None) -> int:
+  """Devices the batch axis is split over under the mesh being traced with: data x fsdp (1 without one).
+
+  Counts the BATCH_AXES that `constrain` would use (present, not Manual); with n given, 1 when n is
+  not divisible by that product (constrain then leaves the batch dimension to the compiler).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+  size = math.prod(mesh.shape[a] for a in BATCH_AXES if a in kinds and kinds[a] != AxisType.Manual)
+  return 1 if n is not None and n % size else size
+
+
 class MeshJit:
   """`jax.jit(fn, **jit_kwargs)` whose calls and lowerings run under `jax.set_mesh(mesh)`.
 

@@ -138,6 +138,8 @@ def head_logprobs(h_btd: jax.Array, w: jax.Array, tokens_bt: jax.Array, spec: He
   """
   b, t, _ = h_btd.shape
   v = vocab_size(w, spec)
+  # Cast once, outside the scans: an FSDP-sharded head is then all-gathered in the compute dtype.
+  w = w.astype(spec.dtype)
   h_m, y_m = h_btd[:, :-1], tokens_bt[:, 1:]
   if is_dense(spec, t, v):
     lg = logits(h_m, w, spec)  # [B, M, V]: today's path

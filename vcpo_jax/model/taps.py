@@ -82,7 +82,9 @@ def tap(name: str, info: TapInfo, a: Any, y: jax.Array) -> jax.Array:
   if tape is None:
     return y
   _record(tape, name, info, a)
-  tape.out_shapes[name] = jax.ShapeDtypeStruct(y.shape, jnp.float32)
+  # The perturbation (and so D) has the output's dtype: D is the cotangent of y, which backprop forms
+  # in y's dtype anyway, so a bfloat16 D is exact and half the bytes of a float32 copy.
+  tape.out_shapes[name] = jax.ShapeDtypeStruct(y.shape, y.dtype)
   if tape.perturbations is not None:
     y = y + tape.perturbations[name].astype(y.dtype)
   return y
