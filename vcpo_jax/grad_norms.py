@@ -284,14 +284,17 @@ def _matmul_dims(in_shape, out_shape) -> tuple[int, int, int]:
   return t, in_shape[-1], out_shape[-1]
 
 
-def embed_plan(n: int, t: int, d: int, v: int, avail: int) -> tuple[str, int]:
+def embed_plan(n: int, t: int, d: int, v: int, avail: int, kept: bool = False) -> tuple[str, int]:
   """(method, examples per block) for an embedding lookup's ||onehot_n^T D_n||^2.
 
   "gram": sum_{t,s: tok_t = tok_s} d_t . d_s, T^2 D flops and [N, T, T] floats; "scatter": form
   the per-example row gradient B_n [V, D] (segment sum, T D + V D flops) for `block` examples at
-  a time, b V D floats. Scatter when it is cheaper (T^2 > T + V) and one example's rows fit.
+  a time, b V D floats. Scatter when it is cheaper (T^2 > T + V), one example's rows fit, and
+  they are no more floats than gram's [T, T] (V D <= T^2) -- or `kept`: a tied head whose
+  per-example [V, D] gradients are materialized anyway, so B_n + C_n is summed directly. (At a
+  real vocabulary V D >> T^2, and gram's T^2 D flops are a rounding error of the step.)
   """
-  if t * t > t + v and v * d * _B <= avail:
+  if t * t > t + v and v * d * _B <= avail and (kept or v * d <= t * t):
     return "scatter", int(min(n, max(1, avail // (v * d * _B))))
   return "gram", n
 
@@ -393,7 +396,7 @@ def _embed_sq_norm(
   return _map_rows(jax.vmap(one), xs, block, shards)
 
 
-def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None):
+def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None, path: str = ""):
   """One scan over the head's vocab chunks, recomputing logits from h, W and the forward's lse.
 
   With D^v = c * (onehot(y) - softmax)[:, :, chunk v] ([N, M, Vc], the head's output gradient):
@@ -401,6 +404,8 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
     want_sq: the head's S_n (gram or direct by plan.method) and, for "materialize", the kept
       per-example gradients G_n [N, D, V] (tied: [N, V, D]);
     w_n [N]: the update gradient sum_n w_n H_n^T D_n in w's layout.
+  path: the head parameter's dotted name; under a mesh the kept and update buffers take its
+    partition-rule layout (`sharding.constrain_param`), so they stay sharded like the weights.
   Returns (dh or None, sq_n or None, kept or None, grad_w or None).
   """
   h, w, lse, y = rec["h"], rec["w"], rec["lse"], rec["tokens"][:, 1:]
@@ -419,9 +424,10 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
   carry = (
     jnp.zeros((n, t - 1, d), _F32) if want_dh else None,
     jnp.zeros((n,), _F32) if want_sq else None,
-    jnp.zeros((n,) + w.shape, _F32) if keep else None,
-    jnp.zeros(w.shape, _F32) if w_n is not None else None,
+    sharding.constrain_param(jnp.zeros((n,) + w.shape, _F32), path, lead=(sharding.BATCH_AXES,)) if keep else None,
+    sharding.constrain_param(jnp.zeros(w.shape, _F32), path) if w_n is not None else None,
   )
+  gw_eq = "ntd,ntv->vd" if spec.tied else "ntd,ntv->dv"
 
   def add_cols(buf, part, start, ax):
     cur = jax.lax.dynamic_slice_in_dim(buf, start, vc, axis=ax)
@@ -443,9 +449,10 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
       g = jnp.einsum(g_eq, h32, d_c)
       sq = sq + jnp.sum(g * g, axis=(1, 2))
       if kept is not None:
-        kept = add_cols(kept, g, start, axis)
+        kept = sharding.constrain_param(add_cols(kept, g, start, axis), path, lead=(sharding.BATCH_AXES,))
     if gw is not None:
-      gw = add_cols(gw, jnp.einsum(g_eq, h32, d_c * w_n[:, None, None]).sum(0), start, axis - 1)
+      gw = add_cols(gw, jnp.einsum(gw_eq, h32, d_c * w_n[:, None, None]), start, axis - 1)
+      gw = sharding.constrain_param(gw, path)
     return (dh, sq, kept, gw), None
 
   (dh, sq, kept, gw), _ = jax.lax.scan(body, carry, jnp.arange(nv))
@@ -512,7 +519,14 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   dh, kept, grads_by_path = {}, {}, {}
   for k in heads:
     dh[k], sq_k, kept_k, gw = _head_scan(
-      acts[k], infos[k].spec, c_nm, plans[k], want_dh=True, want_sq=norms, w_n=None if norms else -coef_n
+      acts[k],
+      infos[k].spec,
+      c_nm,
+      plans[k],
+      want_dh=True,
+      want_sq=norms,
+      w_n=None if norms else -coef_n,
+      path=_tap_params(infos[k])[0],
     )
     if norms:
       sq_n += sq_k
@@ -526,9 +540,9 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   kept_bytes = sum(pl.kept_bytes for pl in plans.values() if pl.method == "materialize")
   avail = memory_budget_bytes - kept_bytes
 
-  def embed_block(tok, d_emb, v):  # 0: the gram form; else examples per block of the scatter form
+  def embed_block(tok, d_emb, v, kept=False):  # 0: the gram form; else examples per block of the scatter form
     t = tok.size // n
-    meth, block = embed_plan(-(-n // batch_shards), t, d_emb.shape[-1], v, avail)
+    meth, block = embed_plan(-(-n // batch_shards), t, d_emb.shape[-1], v, avail, kept)
     return block if meth == "scatter" else 0
 
   # Per-example squared norms, parameter by parameter; keep what the update needs.
@@ -566,7 +580,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       head = next(k for k in names if infos[k].kind == "head")
       tok_nt, d_emb = acts[emb].reshape(n, -1), _flat(outgrads[emb], n)
       v = param_shapes[p].shape[0]
-      block = embed_block(acts[emb], outgrads[emb], v)
+      block = embed_block(acts[emb], outgrads[emb], v, head in kept)
       if head in kept and block:  # ||B_n||^2 + 2 <B_n, C_n> from B_n and the kept C_n
         sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head], batch_shards)
       else:  # ||B_n||^2, and the cross term from [N, M, T] values; ||C_n||^2 came from the head scan
@@ -591,9 +605,9 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   w_n = -coef_n
   grads: dict[str, jax.Array] = {}
 
-  def add(path, g):
+  def add(path, g):  # under a mesh, each gradient takes its parameter's layout (reduce-scattered, not replicated)
     g = g.astype(param_shapes[path].dtype)
-    grads[path] = grads[path] + g if path in grads else g
+    grads[path] = sharding.constrain_param(grads[path] + g if path in grads else g, path)
 
   for name, info in infos.items():
     if info.kind == "head":
@@ -603,7 +617,10 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       elif name in kept:
         add(path, jnp.einsum("n,n...->...", w_n, kept[name]))
       else:
-        add(path, _head_scan(acts[name], info.spec, c_nm, plans[name], want_dh=False, want_sq=False, w_n=w_n)[3])
+        add(
+          path,
+          _head_scan(acts[name], info.spec, c_nm, plans[name], want_dh=False, want_sq=False, w_n=w_n, path=path)[3],
+        )
       continue
     a, d = acts[name], outgrads[name]
     if info.kind == "linear":

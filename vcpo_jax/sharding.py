@@ -210,6 +210,28 @@ def batch_shards(n: int | None = None) -> int:
   return 1 if n is not None and n % size else size
 
 
+def constrain_param(x: jax.Array, name: str, rules: Rules | None = None, lead: tuple = ()) -> jax.Array:
+  """`constrain` x to the layout the partition rules give parameter `name` (e.g. a gradient of it).
+
+  Under the mesh being traced with; the identity without one or when no rule matches `name`.
+  lead: layout entries of extra leading dimensions (e.g. (BATCH_AXES,) for per-example gradients
+  [N, ...] of the parameter); mesh axes they use are dropped from the parameter's own entries.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  for pattern, spec in TRANSFORMER_RULES if rules is None else rules:
+    if re.search(pattern, name):
+      break
+  else:
+    return x
+  used = {a for e in lead for a in (e if isinstance(e, tuple) else (e,)) if a is not None}
+  drop = lambda e: tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a not in used) or None
+  layout = tuple(lead) + tuple(None if e is None else drop(e) for e in spec)  # an axis maps to one dim only
+  layout = layout + (None,) * (x.ndim - len(layout))
+  return constrain(x, layout[: x.ndim])
+
+
 class MeshJit:
   """`jax.jit(fn, **jit_kwargs)` whose calls and lowerings run under `jax.set_mesh(mesh)`.
 
