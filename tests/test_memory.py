@@ -2,7 +2,8 @@
 
 Memory from compilation is deterministic (XLA's buffer assignment, not a timing). One driver run
 compiles a 1-layer, tiny-width version of configs/gsm8k.py on 2 and 8 fake devices (one subprocess
-each) for every part, at the full batch and at half of it; the tests read its JSON line.
+each) for both parts, at T = 64 + 64 tokens and at the tiny T0 = 32 + 32 of batch_gib; the tests read
+its JSON line.
 """
 
 import json
@@ -15,7 +16,8 @@ import pytest
 from benchmarks import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = "hidden_size=64,intermediate_size=128,num_heads=4,num_kv_heads=2,head_dim=16,vocab_size=2048"
+# Tiny widths and vocabulary: the activations [N, T, D] still dominate what grows with the batch.
+TINY = "hidden_size=64,intermediate_size=128,num_heads=4,num_kv_heads=2,head_dim=16,vocab_size=512"
 FIELDS = ("config", "devices", "part", "argument_gib", "temp_gib", "peak_gib", "layers_compiled")
 
 
@@ -59,7 +61,8 @@ def test_json_line_has_the_documented_fields(run):
     assert r["peak_gib"] == pytest.approx(r["argument_gib"] + r["temp_gib"] + r["output_gib"])
     assert r["temp_gib"] > 0 and r["argument_gib"] > 0
   assert rows[(2, "learner")]["rows"] == 64 and rows[(2, "learner")]["seq_len"] == 128  # N = 8 x 8, T = 64 + 64
-  assert rows[(2, "sampler_prefill")]["prompt_len"] == 64
+  assert rows[(2, "sampler")]["prompt_len"] == 64 and rows[(2, "sampler")]["new_tokens"] == 64
+  assert rows[(2, "learner")]["tiny_seq_len"] == memory.TINY_TOKENS
 
 
 def test_arguments_are_sharded(run):
@@ -77,8 +80,8 @@ def test_arguments_are_sharded(run):
 def test_batch_memory_falls_with_devices(run, part):
   """Batch-dependent temp memory per device falls in proportion to data x fsdp (4x from 2 to 8 devices).
 
-  batch_gib = temp(N) - temp(N / 2), scaled to N, per device: what a bug that replicates an [N, ...]
-  activation over the mesh keeps constant as devices are added.
+  batch_gib = temp(N, T) - temp(N, T0) per device, the same rows at a tiny sequence: what a bug that
+  replicates an [N, T, ...] activation over the mesh keeps constant as devices are added.
   """
   rows = _rows(run[1])
   assert rows[(2, part)]["batch_gib"] > 0

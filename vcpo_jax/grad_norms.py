@@ -409,6 +409,7 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
   Returns (dh or None, sq_n or None, kept or None, grad_w or None).
   """
   h, w, lse, y = rec["h"], rec["w"], rec["lse"], rec["tokens"][:, 1:]
+  h, w = sharding.tie(h, w)  # the head's gather stays here, not hoisted out of a micro-batch loop
   w = w.astype(spec.dtype)  # once: an FSDP-sharded head is all-gathered in the compute dtype
   n, t, d = h.shape
   h_m = h[:, :-1]

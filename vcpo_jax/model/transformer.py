@@ -44,8 +44,8 @@ class Linear(nnx.Module):
     self.name, self.dtype = name, dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = x.astype(self.dtype)
-    y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(self.dtype))
+    x, kernel = sh.tie(x.astype(self.dtype), self.kernel[...])  # gather the kernel here, not hoisted
+    y = jnp.einsum("...i,io->...o", x, kernel.astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return tap(self.name, TapInfo("linear", self.name, self.bias is not None), x, y)
