@@ -58,6 +58,11 @@ class Tape:
 _ACTIVE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("vcpo_tape", default=None)
 
 
+def active_tape() -> Tape | None:
+  """The Tape recording in this context, or None (read at trace time, as `tap` does)."""
+  return _ACTIVE.get()
+
+
 @contextlib.contextmanager
 def recording(perturbations: dict[str, jax.Array] | None = None):
   """Records taps while active. Pass perturbations (zeros) to obtain D by differentiation."""

@@ -184,7 +184,7 @@ def _remat_block(layer: Block, policy, x, positions_bt, mask):
   the default scheduler 2778 -> 2522 MiB).
   """
   graphdef, state = nnx.split(layer)
-  tape = taps._ACTIVE.get()  # the recording context, if any (read at trace time, like taps.tap)
+  tape = taps.active_tape()  # the recording context, if any (read at trace time, like taps.tap)
   prefix = layer.name + "."
   perts = None
   if tape is not None and tape.perturbations is not None:
