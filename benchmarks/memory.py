@@ -14,7 +14,9 @@ Parts (what is compiled, per config):
   learner   `learner.make_train_step` (the VCPO step the trainer jits: gradient path, ESS, clip ->
             AdamW), jitted like `trainer.run` does: state sharded by `sharding.TRANSFORMER_RULES`,
             batch [N, T] split over ("data", "fsdp"), the state donated, traced under the mesh.
-            N = P * G, T = max_prompt_len + max_new_tokens.
+            N = P * G, T = max_prompt_len + max_new_tokens. The config's learner.microbatch_size,
+            raised where a mesh has more devices than it has rows (`microbatch_rows`; the
+            `microbatch` field of each result row says what was compiled).
   sampler   the sampler's generation program itself, `sampler.Sampler(...).lower(params, B, Tp, Tn)`:
             the prefill of the prompt bucket into a fresh KV cache [B, S, K, H] per layer, then the
             while-loop of decode steps over S = Tp + Tn cache slots, in one jit; its peak is that of
@@ -221,6 +223,27 @@ def _mesh(shape, devices):
   return sharding.make_mesh(sharding.MeshConfig(tuple(shape)), devices)
 
 
+def microbatch_rows(spec, mesh, n: int) -> int:
+  """Rows per micro-batch as compiled: the config's learner.microbatch_size, raised (if need be) to the
+  smallest multiple of the group size G and of data x fsdp that divides N, so that each micro-batch
+  has a row on every device (gsm8k's 16 rows are for its 8-device mesh; on 64 devices they would
+  leave 48 idle). 0: one pass."""
+  import math
+
+  mb = spec.learner.microbatch_size or 0
+  if not mb or mb >= n:
+    return 0
+  div = int(mesh.shape["data"] * mesh.shape["fsdp"])
+  step = math.lcm(spec.rollout.group_size, div)
+  rows = next((r for r in range(-(-mb // step) * step, n, step) if n % r == 0), n)
+  return 0 if rows >= n else rows
+
+
+def learner_config(spec, mesh, n: int):
+  """spec.learner with microbatch_size = microbatch_rows(spec, mesh, n) and the batch size n."""
+  return dataclasses.replace(spec.learner, microbatch_size=microbatch_rows(spec, mesh, n), batch_size=n)
+
+
 def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   """The trainer's jitted learner step, compiled on `mesh` for a batch of n rows; returns the Compiled."""
   import jax
@@ -247,7 +270,7 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   if missing:
     raise ValueError(f"learner.BATCH_KEYS has keys this benchmark does not build: {sorted(missing)}.")
   step = jax.jit(
-    learner.make_train_step(graphdef, tx, spec.learner),
+    learner.make_train_step(graphdef, tx, learner_config(spec, mesh, n)),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, sharding.replicated(mesh)),
     donate_argnums=0,
@@ -354,6 +377,8 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
   }
   if part == "sampler":
     row["prompt_len"], row["new_tokens"] = setting.sampler_tp, setting.sampler_tn
+  else:
+    row["microbatch"] = microbatch_rows(setting.spec, mesh, rows) or rows
   by_layers = {}
   compile_s = 0.0
   for k in layers:
