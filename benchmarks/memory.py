@@ -2,8 +2,8 @@
 
 Nothing runs and nothing is allocated: the real shapes are built abstractly
 (`jax.eval_shape`, `jax.ShapeDtypeStruct`), jitted with the real shardings on N
-fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set in a
-subprocess per device count, before jax starts), lowered, compiled, and read with
+fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set in one
+subprocess before jax starts, N the largest count; a mesh over the first n devices per count), lowered, compiled, and read with
 `compiled.memory_analysis()`, which reports the bytes of ONE device's program.
 
   python -m benchmarks.memory                                   # 3 configs x 8/16/64 devices x 3 parts
@@ -43,10 +43,13 @@ Numbers, per device, GiB = 2^30 bytes:
   peak_gib      argument + temp + output (for the learner: argument + temp, the metrics are bytes)
   batch_gib     (with --batch_dependent) the part of temp that grows with the batch's rows x tokens:
                 temp(N, T) - temp(N, T0), the same step (same rows N or B, same config) compiled again with
-                a tiny sequence, prompt and response TINY_TOKENS // 2 tokens each (T0 = TINY_TOKENS), at
+                a tiny sequence, prompt and response T0 / 2 tokens each (T0 = min(TINY_TOKENS, T / 2)), at
                 the first compiled depth (`batch_layers`, 1 by default: one block's activations + the
-                head). What stays is depth- and batch-independent (gathered weights, gradients). Rows
-                cannot be halved on 64 devices (N = 64 is one row per device), tokens can.
+                head). What stays is batch-independent (gathered weights, gradients). Rows cannot be
+                halved on 64 devices (N = 64 is one row per device), tokens can. The ghost-norm plan
+                fills its per-device budget at any shape (a tiny T materializes more per-example
+                gradients), so pin it for this pair: --norm_budget=0 (the smallest temporaries) makes
+                the difference the activations'.
 The last line printed is one JSON object {"results": [...], ...}.
 """
 
@@ -125,6 +128,7 @@ class Setting:
   sampler_tp: int  # prompt bucket Tp (the largest, for multi-turn contexts)
   sampler_tn: int  # new-token bucket Tn
   sampler_cfg: object  # sampler.SamplerConfig the trainer builds (buckets, prefill chunk, param dtype)
+  norm_budget: int | None = None  # ghost-norm memory budget per device (--norm_budget; None: the default)
 
 
 class _FakeTokenizer:
@@ -275,7 +279,10 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
     out_shardings=(state_sh, sharding.replicated(mesh)),
     donate_argnums=0,
   )
-  with _mesh_context(mesh):
+  from vcpo_jax import grad_norms
+
+  budget = grad_norms.memory_budget(setting.norm_budget) if setting.norm_budget is not None else None
+  with _mesh_context(mesh), budget or contextlib.nullcontext():
     return step.lower(abs_state, abs_batch).compile()
 
 
@@ -410,37 +417,45 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
 
 
 def worker(args) -> list[dict]:
+  """Every (device count, config, part) in this process: a mesh over the first n fake devices each."""
   import jax
 
-  n_dev = int(args.devices)
-  if jax.device_count() < n_dev:
+  counts = [int(x) for x in args.devices.split(",")]
+  if jax.device_count() < max(counts):
     raise SystemExit(
-      f"--worker needs {n_dev} devices but jax sees {jax.device_count()}: run without --worker (the driver sets "
-      f"XLA_FLAGS=--xla_force_host_platform_device_count={n_dev} in a subprocess)."
+      f"--worker needs {max(counts)} devices but jax sees {jax.device_count()}: run without --worker (the driver "
+      f"sets XLA_FLAGS=--xla_force_host_platform_device_count={max(counts)} in a subprocess)."
     )
-  devices = jax.devices()[:n_dev]
   results = []
   overrides = _parse_overrides(args.model)
   sampler_mesh = tuple(int(x) for x in args.sampler_mesh.split(",")) if args.sampler_mesh else None
-  for name in args.configs.split(","):
-    setting = load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens)
-    half = TINY_TOKENS // 2
-    tiny = load_setting(name, overrides, args.batch, half, half) if args.batch_dependent else None
-    for part in args.parts.split(","):
-      print(f"[memory] {name} {part} devices={n_dev} layers={args.layers} ...", file=sys.stderr, flush=True)
-      try:
-        row = measure(setting, part, devices, args.layers, sampler_mesh, tiny)
-      except Exception as e:  # noqa: BLE001 - one failing compile (e.g. an indivisible mesh) must not lose the others
-        row = {"config": name, "devices": n_dev, "part": part, "error": f"{type(e).__name__}: {e}"[:2000]}
-      print(f"[memory]   -> {json.dumps(row)}", file=sys.stderr, flush=True)
-      results.append(row)
+  for n_dev in counts:
+    devices = jax.devices()[:n_dev]
+    for name in args.configs.split(","):
+      budget = {"norm_budget": args.norm_budget} if args.norm_budget >= 0 else {}
+      setting = dataclasses.replace(
+        load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens), **budget
+      )
+      half = min(TINY_TOKENS, setting.t // 2) // 2
+      tiny = load_setting(name, overrides, args.batch, half, half) if args.batch_dependent else None
+      tiny = tiny and dataclasses.replace(tiny, **budget)
+      for part in args.parts.split(","):
+        print(f"[memory] {name} {part} devices={n_dev} layers={args.layers} ...", file=sys.stderr, flush=True)
+        try:
+          row = measure(setting, part, devices, args.layers, sampler_mesh, tiny)
+        except Exception as e:  # noqa: BLE001 - one failing compile (e.g. an indivisible mesh) must not lose the others
+          row = {"config": name, "devices": n_dev, "part": part, "error": f"{type(e).__name__}: {e}"[:2000]}
+        print(f"[memory]   -> {json.dumps(row)}", file=sys.stderr, flush=True)
+        results.append(row)
   return results
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _run_device_count(args, n_dev: int, passthrough: list[str]) -> list[dict]:
+def _run_workers(args, counts: list[int], passthrough: list[str]) -> list[dict]:
+  """One worker subprocess with max(counts) fake devices measures every count (a mesh per count)."""
+  n_dev = max(counts)
   env = dict(os.environ)
   env["XLA_FLAGS"] = (
     env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=", "--ignored_device_count=")
@@ -452,7 +467,8 @@ def _run_device_count(args, n_dev: int, passthrough: list[str]) -> list[dict]:
   env["JAX_PLATFORMS"] = "cpu"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  cmd = [sys.executable, "-m", "benchmarks.memory", "--worker", f"--devices={n_dev}", *passthrough]
+  devices = ",".join(map(str, counts))
+  cmd = [sys.executable, "-m", "benchmarks.memory", "--worker", f"--devices={devices}", *passthrough]
   proc = subprocess.run(cmd, check=False, env=env, cwd=root, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
   lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
   if proc.returncode or not lines:
@@ -504,7 +520,9 @@ def _git_commit() -> str:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs/ names")
-  p.add_argument("--devices", default=",".join(map(str, DEVICES)), help="fake CPU device counts, one subprocess each")
+  p.add_argument(
+    "--devices", default=",".join(map(str, DEVICES)), help="fake CPU device counts (one subprocess, a mesh each)"
+  )
   p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
   p.add_argument("--layers", default="1,2", help="'1,2' (extrapolate per layer), 'full', or a layer count")
   p.add_argument("--sampler_mesh", default="", help="sampler mesh (data,fsdp,tensor), e.g. 1,1,4 ('' = config's)")
@@ -513,7 +531,13 @@ def main(argv=None):
   p.add_argument("--prompt_len", type=int, default=0, help="max prompt length (0 = the config's)")
   p.add_argument("--new_tokens", type=int, default=0, help="response budget (0 = the config's)")
   p.add_argument("--batch_dependent", action="store_true", help="also compile at TINY_TOKENS tokens per row: batch_gib")
-  p.add_argument("--timeout", type=float, default=3600.0, help="seconds per device-count subprocess")
+  p.add_argument(
+    "--norm_budget",
+    type=int,
+    default=-1,
+    help="ghost-norm memory budget per device in bytes (grad_norms.memory_budget; -1: the library default)",
+  )
+  p.add_argument("--timeout", type=float, default=3 * 3600.0, help="seconds for the worker subprocess")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   for part in args.parts.split(","):
@@ -534,11 +558,10 @@ def main(argv=None):
     f"--batch={args.batch}",
     f"--prompt_len={args.prompt_len}",
     f"--new_tokens={args.new_tokens}",
+    f"--norm_budget={args.norm_budget}",
   ] + (["--batch_dependent"] if args.batch_dependent else [])
   commit, date = _git_commit(), time.strftime("%Y-%m-%d")  # what is measured: the tree as the run starts
-  results = []
-  for n_dev in (int(x) for x in args.devices.split(",")):
-    results += _run_device_count(args, n_dev, passthrough)
+  results = _run_workers(args, [int(x) for x in args.devices.split(",")], passthrough)
   print_table(results)
   print(json.dumps({"results": results, "commit": commit, "date": date}))
 

@@ -71,6 +71,8 @@ entries per chunk, D model width, Din/Dout a linear layer's input/output widths.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -91,6 +93,27 @@ TokW = jax.Array | Callable[[jax.Array], jax.Array]
 
 METHODS = ("auto", "gram", "direct", "materialize")
 DEFAULT_BUDGET_BYTES = 4 << 30  # per device, for the norms' temporaries and kept per-example gradients
+# A budget set for everything traced inside `memory_budget(...)` (benchmarks pin it); None: the default.
+_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar("vcpo_norm_budget", default=None)
+
+
+@contextlib.contextmanager
+def memory_budget(nbytes: int):
+  """Traced inside this context, the ghost paths called without memory_budget_bytes plan with nbytes."""
+  token = _BUDGET.set(int(nbytes))
+  try:
+    yield
+  finally:
+    _BUDGET.reset(token)
+
+
+def _budget(nbytes: int | None) -> int:
+  if nbytes is not None:
+    return nbytes
+  ambient = _BUDGET.get()
+  return DEFAULT_BUDGET_BYTES if ambient is None else ambient
+
+
 _F32 = jnp.float32
 _B = 4  # bytes per float32
 _MIN_VOCAB_CHUNK = 128
@@ -493,6 +516,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       f"Parameters {missing} are not covered by any tap; their per-example norms would be "
       "missing. Tap the layers that use them."
     )
+  memory_budget_bytes = _budget(memory_budget_bytes)  # None: the ambient `memory_budget`, else the default
   if batch_shards is None:  # the devices the traced mesh splits this (micro-)batch over
     batch_shards = sharding.batch_shards(jax.tree.leaves(batch)[0].shape[0])
   plans = plan_layers(infos, in_shapes, out_shapes, method, memory_budget_bytes, batch_shards)
@@ -654,7 +678,7 @@ def ghost_sq_norms_and_grad(
   coef_fn: CoefFn,
   *,
   method: str = "auto",
-  memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+  memory_budget_bytes: int | None = None,
   batch_shards: int | None = None,
 ) -> GhostResult:
   """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
@@ -670,7 +694,8 @@ def ghost_sq_norms_and_grad(
       `estimator.pg_coefficients`. Its inputs are stop-gradient; coef_n is treated as a constant.
     method: "auto" | "gram" | "direct" | "materialize" for linear kernels and the LM head (see
       `plan_layers`); biases, scales and embedding lookups are always exact closed forms.
-    memory_budget_bytes: per-device bytes for the norms' temporaries and kept gradients.
+    memory_budget_bytes: per-device bytes for the norms' temporaries and kept gradients (None: the
+      `memory_budget` context's, else DEFAULT_BUDGET_BYTES).
     batch_shards: devices the batch axis is split over (data x fsdp), for the per-device budget and the
       per-device blocks of the direct / scatter forms; None: read off the mesh being traced with
       (`sharding.batch_shards`, 1 without one).
@@ -682,7 +707,7 @@ def ghost_sq_norms_and_grad(
 
 
 def taps_grad(
-  logp_fn: LogpFn, params, batch, tokw: TokW, coef_n: jax.Array, *, memory_budget_bytes=DEFAULT_BUDGET_BYTES
+  logp_fn: LogpFn, params, batch, tokw: TokW, coef_n: jax.Array, *, memory_budget_bytes=None
 ) -> GhostResult:
   """The same taps-based backward with fixed coef_n [N] and no norms (sq_norms_n = None, aux = None).
 
@@ -699,7 +724,7 @@ def ghost_policy_gradient(
   cfg,
   *,
   method: str = "auto",
-  memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+  memory_budget_bytes: int | None = None,
   batch_shards: int | None = None,
   divisor=None,
 ):
