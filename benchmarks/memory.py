@@ -2,8 +2,8 @@
 
 Nothing runs and nothing is allocated: the real shapes are built abstractly
 (`jax.eval_shape`, `jax.ShapeDtypeStruct`), jitted with the real shardings on N
-fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set in a
-subprocess per device count, before jax starts), lowered, compiled, and read with
+fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set in one
+subprocess before jax starts, N the largest count; a mesh over the first n devices per count), lowered, compiled, and read with
 `compiled.memory_analysis()`, which reports the bytes of ONE device's program.
 
   python -m benchmarks.memory                                   # 3 configs x 8/16/64 devices x 3 parts
@@ -11,19 +11,21 @@ subprocess per device count, before jax starts), lowered, compiled, and read wit
   python -m benchmarks.memory --layers=full                     # compile all 28 layers (slow, heavy)
 
 Parts (what is compiled, per config):
-  learner          `learner.make_train_step` (the VCPO step the trainer jits: gradient path, ESS, clip ->
-                   AdamW), jitted like `trainer.run` does: state sharded by `sharding.TRANSFORMER_RULES`,
-                   batch [N, T] split over ("data", "fsdp"), the state donated. N = P * G,
-                   T = max_prompt_len + max_new_tokens.
-  sampler_prefill  one forward over the prompt bucket that writes a fresh KV cache [B, S, K, H] per layer:
-                   (params, prompts [B, Tp], valid [B, Tp]) -> (last logits [B, V], cache).
-  sampler_decode   one decode step at the full cache length S = Tp + Tn: (params, cache, token [B, 1],
-                   position, kv_valid [B, S], index) -> (logits [B, V], cache), the cache donated.
-  Both follow `sampler._generate_device` (the same transformer.forward calls and mask API).
+  learner   `learner.make_train_step` (the VCPO step the trainer jits: gradient path, ESS, clip ->
+            AdamW), jitted like `trainer.run` does: state sharded by `sharding.TRANSFORMER_RULES`,
+            batch [N, T] split over ("data", "fsdp"), the state donated, traced under the mesh.
+            N = P * G, T = max_prompt_len + max_new_tokens. The config's learner.microbatch_size,
+            raised where a mesh has more devices than it has rows (`microbatch_rows`; the
+            `microbatch` field of each result row says what was compiled).
+  sampler   the sampler's generation program itself, `sampler.Sampler(...).lower(params, B, Tp, Tn)`:
+            the prefill of the prompt bucket into a fresh KV cache [B, S, K, H] per layer, then the
+            while-loop of decode steps over S = Tp + Tn cache slots, in one jit; its peak is that of
+            the heavier phase. Parameters in bfloat16 when the model computes in bfloat16 (what
+            `Sampler.prepare_params` keeps on accelerators).
   B, Tp, Tn are the training sampler's buckets as the trainer builds them (`trainer.make_sampler_cfg`,
   and `rollout.multiturn.sampler_config` for tool-use episodes, whose largest context bucket is taken).
-  The sampler parts are compiled on a mesh over the same N devices (`--sampler_mesh`, default the
-  config's mesh.shape), parameters sharded by the same rules, cache rows split over ("data", "fsdp").
+  The sampler is compiled on a mesh over the same N devices (`--sampler_mesh`, default the config's
+  mesh.shape), parameters sharded by the same rules, rows over ("data", "fsdp").
 
 Every setting the configs give (method preset, learner options such as a micro-batch size, model
 options such as remat) reaches the compiled step through `run_config.parse_config`, so improvements of
@@ -39,9 +41,15 @@ Numbers, per device, GiB = 2^30 bytes:
   temp_gib      XLA temporaries (activations, gradients, all-gathered weights, ...)
   output_gib    outputs not aliased to a donated input (the donated state is counted once, as argument)
   peak_gib      argument + temp + output (for the learner: argument + temp, the metrics are bytes)
-  batch_gib     (with --batch_dependent) the part of temp that grows with the batch:
-                2 * (temp(N) - temp(N / 2)), from a second compile at half the batch (whole groups), at
-                the first compiled depth (`batch_layers`, 1 by default: one block's activations + the head)
+  batch_gib     (with --batch_dependent) the part of temp that grows with the batch's rows x tokens:
+                temp(N, T) - temp(N, T0), the same step (same rows N or B, same config) compiled again with
+                a tiny sequence, prompt and response T0 / 2 tokens each (T0 = min(TINY_TOKENS, T / 2)), at
+                the first compiled depth (`batch_layers`, 1 by default: one block's activations + the
+                head). What stays is batch-independent (gathered weights, gradients). Rows cannot be
+                halved on 64 devices (N = 64 is one row per device), tokens can. The ghost-norm plan
+                fills its per-device budget at any shape (a tiny T materializes more per-example
+                gradients), so pin it for this pair: --norm_budget=0 (the smallest temporaries) makes
+                the difference the activations'.
 The last line printed is one JSON object {"results": [...], ...}.
 """
 
@@ -60,7 +68,7 @@ import sys
 import time
 
 CONFIGS = ("gsm8k", "math", "multiturn")
-PARTS = ("learner", "sampler_prefill", "sampler_decode")
+PARTS = ("learner", "sampler")
 DEVICES = (8, 16, 64)
 GIB = float(2**30)
 # Per-device goal of issue 10: half of an H100 (80 GiB) for gsm8k, half of a TPU v5p chip (95 GiB) for the 7B
@@ -82,6 +90,7 @@ ARCH_FIELDS = (
   "model_type",
 )
 STAT_KEYS = ("argument", "temp", "output", "alias")
+TINY_TOKENS = 64  # T0 of batch_gib: prompt 32 + response 32 tokens
 
 
 # ----------------------------------------------------------------------------- building the run
@@ -118,13 +127,16 @@ class Setting:
   sampler_b: int  # sampler batch bucket B
   sampler_tp: int  # prompt bucket Tp (the largest, for multi-turn contexts)
   sampler_tn: int  # new-token bucket Tn
+  sampler_cfg: object  # sampler.SamplerConfig the trainer builds (buckets, prefill chunk, param dtype)
+  norm_budget: int | None = None  # ghost-norm memory budget per device (--norm_budget; None: the default)
 
 
 class _FakeTokenizer:
-  """What trainer.make_sampler_cfg reads from a tokenizer (ids of Qwen2's <|endoftext|>)."""
+  """What trainer.make_sampler_cfg reads from a tokenizer: Qwen2's <|endoftext|> id (the last id of a
+  tiny --model vocabulary, which the sampler checks its stop ids against)."""
 
-  eos_token_id = 151643
-  pad_token_id = 151643
+  def __init__(self, vocab_size: int):
+    self.eos_token_id = self.pad_token_id = min(151643, vocab_size - 1)
 
 
 def load_setting(
@@ -166,7 +178,7 @@ def load_setting(
   model_cfg = spec.model_cfg.replace(**{k: v for k, v in shape.items() if k in ARCH_FIELDS}, max_position=need)
   scfg = trainer.make_sampler_cfg(
     spec,
-    _FakeTokenizer(),
+    _FakeTokenizer(model_cfg.vocab_size),
     temperature=spec.temperature,
     top_p=spec.top_p,
     top_k=spec.top_k,
@@ -178,7 +190,7 @@ def load_setting(
   b = min(n, scfg.batch_buckets[-1])  # the sampler chunks rows beyond its largest bucket
   b = next(x for x in scfg.batch_buckets if x >= b)
   tn = next(x for x in scfg.new_token_buckets if x >= scfg.max_new_tokens)
-  return Setting(name, spec, model_cfg, n, t, b, scfg.prompt_buckets[-1], tn)
+  return Setting(name, spec, model_cfg, n, t, b, scfg.prompt_buckets[-1], tn, scfg)
 
 
 def _optimizer(spec):
@@ -215,6 +227,27 @@ def _mesh(shape, devices):
   return sharding.make_mesh(sharding.MeshConfig(tuple(shape)), devices)
 
 
+def microbatch_rows(spec, mesh, n: int) -> int:
+  """Rows per micro-batch as compiled: the config's learner.microbatch_size, raised (if need be) to the
+  smallest multiple of the group size G and of data x fsdp that divides N, so that each micro-batch
+  has a row on every device (gsm8k's 16 rows are for its 8-device mesh; on 64 devices they would
+  leave 48 idle). 0: one pass."""
+  import math
+
+  mb = spec.learner.microbatch_size or 0
+  if not mb or mb >= n:
+    return 0
+  div = int(mesh.shape["data"] * mesh.shape["fsdp"])
+  step = math.lcm(spec.rollout.group_size, div)
+  rows = next((r for r in range(-(-mb // step) * step, n, step) if n % r == 0), n)
+  return 0 if rows >= n else rows
+
+
+def learner_config(spec, mesh, n: int):
+  """spec.learner with microbatch_size = microbatch_rows(spec, mesh, n) and the batch size n."""
+  return dataclasses.replace(spec.learner, microbatch_size=microbatch_rows(spec, mesh, n), batch_size=n)
+
+
 def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   """The trainer's jitted learner step, compiled on `mesh` for a batch of n rows; returns the Compiled."""
   import jax
@@ -232,12 +265,15 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   # The learner's device batch, from the one Batch definition (vcpo_jax/batch.py).
   abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t).items() if k in batch_lib.DEVICE_KEYS}
   step = jax.jit(
-    learner.make_train_step(graphdef, tx, spec.learner),
+    learner.make_train_step(graphdef, tx, learner_config(spec, mesh, n)),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, sharding.replicated(mesh)),
     donate_argnums=0,
   )
-  with _mesh_context(mesh):
+  from vcpo_jax import grad_norms
+
+  budget = grad_norms.memory_budget(setting.norm_budget) if setting.norm_budget is not None else None
+  with _mesh_context(mesh), budget or contextlib.nullcontext():
     return step.lower(abs_state, abs_batch).compile()
 
 
@@ -248,95 +284,29 @@ def _mesh_context(mesh):
   return jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else contextlib.nullcontext()
 
 
-def _prefill_mask(valid_bt, tn: int):
-  """(positions, mask, cache_index) of a prefill that writes slots [0, Tp) of a cache of Tp + tn slots.
+def compile_sampler(setting: Setting, model_cfg, mesh, b: int):
+  """The sampler's whole generation for the (B, Tp, Tn) bucket, `sampler.Sampler.lower`, compiled on `mesh`.
 
-  Follows the model's mask API: a per-key validity object (`kv_valid` [B, S], with a static cache
-  index so attention reads only the written prefix) or, in older code, an explicit [B, T, S] mask.
+  One program as the sampler jits it: the prefill of the prompt bucket into a fresh KV cache, then
+  the while-loop of decode steps over the cache of S = Tp + Tn slots; its memory is the larger of
+  the two phases (plus what they share: weights, cache). Parameters in bfloat16 when the model
+  computes in bfloat16 (what `Sampler.prepare_params` keeps on accelerators, param_dtype), else
+  as the config gives them.
   """
-  import jax.numpy as jnp
-
-  from vcpo_jax.model import transformer
-
-  positions, mask = transformer.padded_positions_and_mask(valid_bt)
-  if hasattr(mask, "kv_valid"):
-    return positions, type(mask)(jnp.pad(mask.kv_valid, ((0, 0), (0, tn)))), 0
-  return positions, jnp.pad(mask, ((0, 0), (0, 0), (0, tn))), jnp.int32(0)
-
-
-def _decode_mask(kv_valid_bs):
-  """The decode step's mask over the cache, in the model's mask API (see _prefill_mask)."""
-  import jax.numpy as jnp
-
-  from vcpo_jax.model import transformer
-
-  _, probe = transformer.padded_positions_and_mask(jnp.ones((1, 1), bool))
-  return type(probe)(kv_valid_bs) if hasattr(probe, "kv_valid") else kv_valid_bs[:, None, :]
-
-
-def _cache_spec(model_cfg, mesh):
-  from jax.sharding import PartitionSpec as P
-
-  from vcpo_jax import sharding
-
-  tensor = mesh.shape["tensor"]
-  heads = "tensor" if tensor > 1 and model_cfg.num_kv_heads % tensor == 0 else None
-  return P(sharding.BATCH_AXES, None, heads)  # [B, S, K, H]: rows over (data, fsdp), kv heads over tensor
-
-
-def compile_sampler(setting: Setting, model_cfg, mesh, part: str, b: int):
-  """The sampler's prefill or one decode step, as in `sampler._generate_device`, compiled on `mesh`."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding
 
-  from vcpo_jax import sharding
-  from vcpo_jax.model import transformer
+  from vcpo_jax import sampler
 
-  tp, tn = setting.sampler_tp, setting.sampler_tn
-  s = tp + tn
   graphdef, abs_params = _abstract_params(model_cfg)
-  params_sh = sharding.param_shardings(abs_params, sharding.TRANSFORMER_RULES, mesh)
-  abs_params = jax.tree.map(lambda x, sh: _sds(x.shape, x.dtype, sh), abs_params, params_sh)
-  rows = sharding.batch_sharding(mesh)
-  cache_sh = NamedSharding(mesh, _cache_spec(model_cfg, mesh))
-  cache_shardings = [(cache_sh, cache_sh)] * model_cfg.num_layers
-  rep = sharding.replicated(mesh)
-
-  if part == "sampler_prefill":
-
-    def prefill(params, prompt_bt, valid_bt):
-      cache = transformer.init_cache(model_cfg, b, s)
-      positions, mask, index = _prefill_mask(valid_bt, tn)
-      logits, cache = transformer.forward(graphdef, params, prompt_bt, positions, mask, cache, index)
-      return logits[:, -1], cache
-
-    fn = jax.jit(prefill, in_shardings=(params_sh, rows, rows), out_shardings=(rows, cache_shardings))
-    with _mesh_context(mesh):
-      return fn.lower(abs_params, _sds((b, tp), jnp.int32, rows), _sds((b, tp), jnp.bool_, rows)).compile()
-
-  def decode(params, cache, tok_b1, pos_b1, kv_valid_bs, idx):
-    logits, cache = transformer.forward(graphdef, params, tok_b1, pos_b1, _decode_mask(kv_valid_bs), cache, idx)
-    return logits[:, -1], cache
-
-  abs_cache = jax.eval_shape(lambda: transformer.init_cache(model_cfg, b, s))
-  abs_cache = jax.tree.map(lambda x: _sds(x.shape, x.dtype, cache_sh), abs_cache)
-  fn = jax.jit(
-    decode,
-    in_shardings=(params_sh, cache_shardings, rows, rows, rows, rep),
-    out_shardings=(rows, cache_shardings),
-    donate_argnums=1,
-  )
-  args = (
-    abs_params,
-    abs_cache,
-    _sds((b, 1), jnp.int32, rows),
-    _sds((b, 1), jnp.int32, rows),
-    _sds((b, s), jnp.bool_, rows),
-    _sds((), jnp.int32, rep),
-  )
-  with _mesh_context(mesh):
-    return fn.lower(*args).compile()
+  scfg = setting.sampler_cfg
+  dt = scfg.param_dtype or ("bfloat16" if model_cfg.dtype == "bfloat16" else "")
+  if dt:
+    scfg = dataclasses.replace(scfg, param_dtype=dt)
+    cast = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)
+    abs_params = jax.tree.map(cast, abs_params)
+  smp = sampler.Sampler(graphdef, model_cfg, scfg, mesh=mesh)
+  return smp.lower(abs_params, b, setting.sampler_tp, setting.sampler_tn).compile()
 
 
 def memory_stats(compiled) -> dict:
@@ -361,7 +331,7 @@ def _compile_part(setting, part, layers, mesh, n_or_b):
   if part == "learner":
     compiled = compile_learner(setting, cfg, mesh, n_or_b)
   else:
-    compiled = compile_sampler(setting, cfg, mesh, part, n_or_b)
+    compiled = compile_sampler(setting, cfg, mesh, n_or_b)
   stats = memory_stats(compiled)
   stats["compile_s"] = time.perf_counter() - t0
   del compiled
@@ -376,8 +346,11 @@ def _extrapolate(by_layers: dict, depth: int) -> dict:
   return {k: m1[k] + (depth - 1) * (m2[k] - m1[k]) for k in STAT_KEYS}
 
 
-def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh, batch_dependent: bool) -> dict:
-  """One result row: compile(s) of `part` on a mesh over `devices`, bytes per device."""
+def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh, tiny: Setting | None = None) -> dict:
+  """One result row: compile(s) of `part` on a mesh over `devices`, bytes per device.
+
+  tiny: the same config at TINY_TOKENS tokens per row (for batch_gib), or None.
+  """
   depth = setting.model_cfg.num_layers
   if layer_mode == "full":
     layers = [depth]
@@ -400,29 +373,22 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     "extrapolated": len(layers) == 2,
     "dtype": setting.model_cfg.dtype,
   }
-  if part == "sampler_prefill":
-    row["prompt_len"] = setting.sampler_tp
+  if part == "sampler":
+    row["prompt_len"], row["new_tokens"] = setting.sampler_tp, setting.sampler_tn
+  else:
+    row["microbatch"] = microbatch_rows(setting.spec, mesh, rows) or rows
   by_layers = {}
   compile_s = 0.0
   for k in layers:
     by_layers[k] = _compile_part(setting, part, k, mesh, rows)
     compile_s += by_layers[k]["compile_s"]
   stats = _extrapolate(by_layers, depth) if len(layers) == 2 else by_layers[layers[0]]
-  if batch_dependent:
-    half = rows // 2
-    if part == "learner":
-      g = setting.spec.rollout.group_size
-      half = max(g, (rows // 2) // g * g)  # whole groups
-    div = mesh.shape["data"] * mesh.shape["fsdp"]
-    if half % div or half == rows:
-      row["batch_error"] = f"half batch {half} is not a smaller multiple of data*fsdp={div}"
-    else:
-      small = _compile_part(setting, part, layers[0], mesh, half)
-      compile_s += small["compile_s"]
-      ref = by_layers[layers[0]]
-      # temp(N) - temp(N') scaled to the whole batch: the temporaries that grow with the rows.
-      row["batch_gib"] = (ref["temp"] - small["temp"]) * rows / (rows - half) / GIB
-      row["batch_layers"] = layers[0]
+  if tiny is not None:  # batch-dependent temp: the same rows at a tiny sequence length
+    small = _compile_part(tiny, part, layers[0], mesh, rows)
+    compile_s += small["compile_s"]
+    row["batch_gib"] = (by_layers[layers[0]]["temp"] - small["temp"]) / GIB
+    row["batch_layers"] = layers[0]
+    row["tiny_seq_len"] = tiny.t if part == "learner" else tiny.sampler_tp + tiny.sampler_tn
   out_new = max(stats["output"] - stats["alias"], 0)
   row["compiled_gib"] = {
     str(k): {f"{key}_gib": v[key] / GIB for key in ("argument", "temp")} for k, v in by_layers.items()
@@ -442,35 +408,45 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
 
 
 def worker(args) -> list[dict]:
+  """Every (device count, config, part) in this process: a mesh over the first n fake devices each."""
   import jax
 
-  n_dev = int(args.devices)
-  if jax.device_count() < n_dev:
+  counts = [int(x) for x in args.devices.split(",")]
+  if jax.device_count() < max(counts):
     raise SystemExit(
-      f"--worker needs {n_dev} devices but jax sees {jax.device_count()}: run without --worker (the driver sets "
-      f"XLA_FLAGS=--xla_force_host_platform_device_count={n_dev} in a subprocess)."
+      f"--worker needs {max(counts)} devices but jax sees {jax.device_count()}: run without --worker (the driver "
+      f"sets XLA_FLAGS=--xla_force_host_platform_device_count={max(counts)} in a subprocess)."
     )
-  devices = jax.devices()[:n_dev]
   results = []
   overrides = _parse_overrides(args.model)
   sampler_mesh = tuple(int(x) for x in args.sampler_mesh.split(",")) if args.sampler_mesh else None
-  for name in args.configs.split(","):
-    setting = load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens)
-    for part in args.parts.split(","):
-      print(f"[memory] {name} {part} devices={n_dev} layers={args.layers} ...", file=sys.stderr, flush=True)
-      try:
-        row = measure(setting, part, devices, args.layers, sampler_mesh, args.batch_dependent)
-      except Exception as e:  # noqa: BLE001 - one failing compile (e.g. an indivisible mesh) must not lose the others
-        row = {"config": name, "devices": n_dev, "part": part, "error": f"{type(e).__name__}: {e}"[:2000]}
-      print(f"[memory]   -> {json.dumps(row)}", file=sys.stderr, flush=True)
-      results.append(row)
+  for n_dev in counts:
+    devices = jax.devices()[:n_dev]
+    for name in args.configs.split(","):
+      budget = {"norm_budget": args.norm_budget} if args.norm_budget >= 0 else {}
+      setting = dataclasses.replace(
+        load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens), **budget
+      )
+      half = min(TINY_TOKENS, setting.t // 2) // 2
+      tiny = load_setting(name, overrides, args.batch, half, half) if args.batch_dependent else None
+      tiny = tiny and dataclasses.replace(tiny, **budget)
+      for part in args.parts.split(","):
+        print(f"[memory] {name} {part} devices={n_dev} layers={args.layers} ...", file=sys.stderr, flush=True)
+        try:
+          row = measure(setting, part, devices, args.layers, sampler_mesh, tiny)
+        except Exception as e:  # noqa: BLE001 - one failing compile (e.g. an indivisible mesh) must not lose the others
+          row = {"config": name, "devices": n_dev, "part": part, "error": f"{type(e).__name__}: {e}"[:2000]}
+        print(f"[memory]   -> {json.dumps(row)}", file=sys.stderr, flush=True)
+        results.append(row)
   return results
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _run_device_count(args, n_dev: int, passthrough: list[str]) -> list[dict]:
+def _run_workers(args, counts: list[int], passthrough: list[str]) -> list[dict]:
+  """One worker subprocess with max(counts) fake devices measures every count (a mesh per count)."""
+  n_dev = max(counts)
   env = dict(os.environ)
   env["XLA_FLAGS"] = (
     env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=", "--ignored_device_count=")
@@ -482,7 +458,8 @@ def _run_device_count(args, n_dev: int, passthrough: list[str]) -> list[dict]:
   env["JAX_PLATFORMS"] = "cpu"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  cmd = [sys.executable, "-m", "benchmarks.memory", "--worker", f"--devices={n_dev}", *passthrough]
+  devices = ",".join(map(str, counts))
+  cmd = [sys.executable, "-m", "benchmarks.memory", "--worker", f"--devices={devices}", *passthrough]
   proc = subprocess.run(cmd, check=False, env=env, cwd=root, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
   lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
   if proc.returncode or not lines:
@@ -534,7 +511,9 @@ def _git_commit() -> str:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs/ names")
-  p.add_argument("--devices", default=",".join(map(str, DEVICES)), help="fake CPU device counts, one subprocess each")
+  p.add_argument(
+    "--devices", default=",".join(map(str, DEVICES)), help="fake CPU device counts (one subprocess, a mesh each)"
+  )
   p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
   p.add_argument("--layers", default="1,2", help="'1,2' (extrapolate per layer), 'full', or a layer count")
   p.add_argument("--sampler_mesh", default="", help="sampler mesh (data,fsdp,tensor), e.g. 1,1,4 ('' = config's)")
@@ -542,8 +521,14 @@ def main(argv=None):
   p.add_argument("--batch", type=int, default=0, help="learner rows N (0 = the config's P * G)")
   p.add_argument("--prompt_len", type=int, default=0, help="max prompt length (0 = the config's)")
   p.add_argument("--new_tokens", type=int, default=0, help="response budget (0 = the config's)")
-  p.add_argument("--batch_dependent", action="store_true", help="also compile at half the batch: batch_gib")
-  p.add_argument("--timeout", type=float, default=3600.0, help="seconds per device-count subprocess")
+  p.add_argument("--batch_dependent", action="store_true", help="also compile at TINY_TOKENS tokens per row: batch_gib")
+  p.add_argument(
+    "--norm_budget",
+    type=int,
+    default=-1,
+    help="ghost-norm memory budget per device in bytes (grad_norms.memory_budget; -1: the library default)",
+  )
+  p.add_argument("--timeout", type=float, default=3 * 3600.0, help="seconds for the worker subprocess")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   for part in args.parts.split(","):
@@ -564,11 +549,10 @@ def main(argv=None):
     f"--batch={args.batch}",
     f"--prompt_len={args.prompt_len}",
     f"--new_tokens={args.new_tokens}",
+    f"--norm_budget={args.norm_budget}",
   ] + (["--batch_dependent"] if args.batch_dependent else [])
   commit, date = _git_commit(), time.strftime("%Y-%m-%d")  # what is measured: the tree as the run starts
-  results = []
-  for n_dev in (int(x) for x in args.devices.split(",")):
-    results += _run_device_count(args, n_dev, passthrough)
+  results = _run_workers(args, [int(x) for x in args.devices.split(",")], passthrough)
   print_table(results)
   print(json.dumps({"results": results, "commit": commit, "date": date}))
 

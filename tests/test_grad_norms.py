@@ -34,8 +34,8 @@ CONFIGS = {
 }
 # (model, method, per-device budget): budget 0 forces the smallest temporaries, i.e. the ghost head's
 # own vocab chunks of 128 (144 = 128 + a clamped, overlap-masked chunk), direct one example at a time,
-# and the gram form of the embedding norm (with the tied [N, M, T] cross term); the default budget
-# takes the scatter form (T^2 = 169 > T + V = 157), and with a materialized tied head ||B_n + C_n||^2.
+# and the gram form of the embedding norm (with the tied [N, M, T] cross term); with a materialized tied
+# head and the default budget the scatter form (T^2 = 169 > T + V = 157) and ||B_n + C_n||^2.
 CASES = [
   ("qwen2", "gram", 0),
   ("qwen2", "direct", 0),
@@ -163,6 +163,33 @@ def test_taps_grad_equals_jax_grad_of_surrogate(name):
   assert _tree_rel(res.grads, grads) < 1e-5 and res.sq_norms_n is None
 
 
+@pytest.mark.parametrize("name,method", [("qwen2", "direct"), ("llama", "materialize")])
+def test_ghost_on_a_mesh_equals_reference(name, method):
+  """Under a 2-device FSDP mesh (3 rows per device): per-device blocks of one row (the direct form's
+  regrouped map), gradients constrained to their parameters' layouts; same norms and gradient."""
+  from vcpo_jax import sharding
+
+  logp_fn, params, batch, ref = _setup(name)
+  mesh = sharding.make_mesh(sharding.MeshConfig((1, 2, 1)), jax.devices()[:2])
+  params_m = jax.device_put(params, sharding.param_shardings(params, sharding.TRANSFORMER_RULES, mesh))
+  batch_m = jax.device_put(batch, sharding.batch_sharding(mesh))
+  fn = lambda p, b: gn.ghost_sq_norms_and_grad(
+    logp_fn, p, b, b["loss_mask"], _random_coef, method=method, memory_budget_bytes=0
+  )
+  with jax.set_mesh(mesh):
+    res = jax.jit(fn)(params_m, batch_m)
+  assert _rel(res.sq_norms_n, ref) < 1e-4
+  assert _tree_rel(res.grads, _ghost(name, method, 0).grads) < 1e-5
+
+
+def test_map_rows_blocks_per_device():
+  """_map_rows regroups [N] rows into per-device blocks and restores the row order."""
+  x = jnp.arange(24.0).reshape(12, 2)
+  for block, shards in [(1, 1), (2, 3), (4, 3), (3, 2), (12, 4), (5, 2)]:
+    out = gn._map_rows(lambda r: jnp.sum(r * r, axis=1) + r[:, 0], x, block, shards)
+    np.testing.assert_array_equal(out, jnp.sum(x * x, axis=1) + x[:, 0])
+
+
 def test_loop_reference_equals_vmap():
   logp_fn, params, batch, ref = _setup("qwen2")
   loop = jax.jit(gn.loop_sq_norms, static_argnums=0)(logp_fn, params, batch, batch["loss_mask"])
@@ -241,11 +268,15 @@ def test_plan_layers_hand_checked_costs():
   plan = gn.plan_layers(info, ins, outs, "auto", memory_budget_bytes=16384 + 512, batch_shards=4)
   assert (plan["a"].method, plan["a"].n, plan["b"].method) == ("materialize", 1, "gram")
   assert gn.plan_layers(info, ins, outs, "gram")["a"].method == "gram"
-  # Embedding lookups: scatter (T D + V D flops) when T^2 > T + V and one example's [V, D] fits.
-  assert gn.embed_plan(4, 13, 64, 144, 1 << 30) == ("scatter", 4)
-  assert gn.embed_plan(4, 13, 64, 144, 2 * 144 * 64 * 4) == ("scatter", 2)
-  assert gn.embed_plan(4, 13, 64, 144, 144 * 64 * 4 - 1) == ("gram", 4)
-  assert gn.embed_plan(4, 12, 64, 144, 1 << 30) == ("gram", 4)  # 144 < 12 + 144
+  # Embedding lookups: scatter (T D + V D flops) when T^2 > T + V, one example's [V, D] fits and is no
+  # more floats than gram's [T, T] (V D <= T^2), or the tied head's [V, D] gradients are kept anyway.
+  assert gn.embed_plan(4, 13, 64, 144, 1 << 30) == ("gram", 4)  # V D = 9216 > T^2 = 169
+  assert gn.embed_plan(4, 13, 64, 144, 1 << 30, kept=True) == ("scatter", 4)
+  assert gn.embed_plan(4, 13, 64, 144, 2 * 144 * 64 * 4, kept=True) == ("scatter", 2)
+  assert gn.embed_plan(4, 13, 64, 144, 144 * 64 * 4 - 1, kept=True) == ("gram", 4)
+  assert gn.embed_plan(4, 12, 64, 144, 1 << 30, kept=True) == ("gram", 4)  # 144 < 12 + 144
+  assert gn.embed_plan(4, 100, 8, 144, 1 << 30) == ("scatter", 4)  # V D = 1152 <= T^2 = 10000
+  assert gn.embed_plan(4, 100, 8, 144, 2 * 144 * 8 * 4) == ("scatter", 2)
   with pytest.raises(ValueError, match="method"):
     gn.plan_layers(info, ins, outs, "fast")
   with pytest.raises(ValueError, match="batch_shards"):

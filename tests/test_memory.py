@@ -1,8 +1,9 @@
 """benchmarks/memory.py: compile-only memory of the learner and sampler steps on fake CPU devices.
 
 Memory from compilation is deterministic (XLA's buffer assignment, not a timing). One driver run
-compiles a 1-layer, tiny-width version of configs/gsm8k.py on 2 and 8 fake devices (one subprocess
-each) for every part, at the full batch and at half of it; the tests read its JSON line.
+(one worker subprocess with 8 fake devices) compiles a 1-layer, tiny-width, tiny-vocabulary version of
+configs/gsm8k.py on meshes of 2 and 8 devices for both parts, at T = 32 + 32 tokens and at the
+T0 = 16 + 16 of batch_gib; the tests read its JSON line.
 """
 
 import json
@@ -15,7 +16,8 @@ import pytest
 from benchmarks import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = "hidden_size=64,intermediate_size=128,num_heads=4,num_kv_heads=2,head_dim=16,vocab_size=2048"
+# Tiny widths and vocabulary: the activations [N, T, D] still dominate what grows with the batch.
+TINY = "hidden_size=64,intermediate_size=128,num_heads=4,num_kv_heads=2,head_dim=16,vocab_size=512"
 FIELDS = ("config", "devices", "part", "argument_gib", "temp_gib", "peak_gib", "layers_compiled")
 
 
@@ -30,8 +32,8 @@ def run():
     "--devices=2,8",
     "--layers=1",
     f"--model={TINY}",
-    "--prompt_len=64",
-    "--new_tokens=64",
+    "--prompt_len=32",
+    "--new_tokens=32",
     "--batch=64",
     "--batch_dependent",
   ]
@@ -58,8 +60,10 @@ def test_json_line_has_the_documented_fields(run):
     # peak = argument + temp + outputs that are not donated-input aliases (>= argument + temp)
     assert r["peak_gib"] == pytest.approx(r["argument_gib"] + r["temp_gib"] + r["output_gib"])
     assert r["temp_gib"] > 0 and r["argument_gib"] > 0
-  assert rows[(2, "learner")]["rows"] == 64 and rows[(2, "learner")]["seq_len"] == 128  # N = 8 x 8, T = 64 + 64
-  assert rows[(2, "sampler_prefill")]["prompt_len"] == 64
+  assert rows[(2, "learner")]["rows"] == 64 and rows[(2, "learner")]["seq_len"] == 64  # N = 8 x 8, T = 32 + 32
+  assert rows[(2, "sampler")]["prompt_len"] == 32 and rows[(2, "sampler")]["new_tokens"] == 32
+  assert rows[(2, "learner")]["tiny_seq_len"] == 32  # T0 = min(TINY_TOKENS, T / 2)
+  assert rows[(8, "learner")]["microbatch"] == 16  # the config's micro-batch: 2 rows per device
 
 
 def test_arguments_are_sharded(run):
@@ -77,8 +81,8 @@ def test_arguments_are_sharded(run):
 def test_batch_memory_falls_with_devices(run, part):
   """Batch-dependent temp memory per device falls in proportion to data x fsdp (4x from 2 to 8 devices).
 
-  batch_gib = temp(N) - temp(N / 2), scaled to N, per device: what a bug that replicates an [N, ...]
-  activation over the mesh keeps constant as devices are added.
+  batch_gib = temp(N, T) - temp(N, T0) per device, the same rows at a tiny sequence: what a bug that
+  replicates an [N, T, ...] activation over the mesh keeps constant as devices are added.
   """
   rows = _rows(run[1])
   assert rows[(2, part)]["batch_gib"] > 0

@@ -71,6 +71,8 @@ entries per chunk, D model width, Din/Dout a linear layer's input/output widths.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -78,6 +80,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax import sharding
 from vcpo_jax.model import logprobs, taps
 from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
 
@@ -90,6 +93,27 @@ TokW = jax.Array | Callable[[jax.Array], jax.Array]
 
 METHODS = ("auto", "gram", "direct", "materialize")
 DEFAULT_BUDGET_BYTES = 4 << 30  # per device, for the norms' temporaries and kept per-example gradients
+# A budget set for everything traced inside `memory_budget(...)` (benchmarks pin it); None: the default.
+_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar("vcpo_norm_budget", default=None)
+
+
+@contextlib.contextmanager
+def memory_budget(nbytes: int):
+  """Traced inside this context, the ghost paths called without memory_budget_bytes plan with nbytes."""
+  token = _BUDGET.set(int(nbytes))
+  try:
+    yield
+  finally:
+    _BUDGET.reset(token)
+
+
+def _budget(nbytes: int | None) -> int:
+  if nbytes is not None:
+    return nbytes
+  ambient = _BUDGET.get()
+  return DEFAULT_BUDGET_BYTES if ambient is None else ambient
+
+
 _F32 = jnp.float32
 _B = 4  # bytes per float32
 _MIN_VOCAB_CHUNK = 128
@@ -283,14 +307,17 @@ def _matmul_dims(in_shape, out_shape) -> tuple[int, int, int]:
   return t, in_shape[-1], out_shape[-1]
 
 
-def embed_plan(n: int, t: int, d: int, v: int, avail: int) -> tuple[str, int]:
+def embed_plan(n: int, t: int, d: int, v: int, avail: int, kept: bool = False) -> tuple[str, int]:
   """(method, examples per block) for an embedding lookup's ||onehot_n^T D_n||^2.
 
   "gram": sum_{t,s: tok_t = tok_s} d_t . d_s, T^2 D flops and [N, T, T] floats; "scatter": form
   the per-example row gradient B_n [V, D] (segment sum, T D + V D flops) for `block` examples at
-  a time, b V D floats. Scatter when it is cheaper (T^2 > T + V) and one example's rows fit.
+  a time, b V D floats. Scatter when it is cheaper (T^2 > T + V), one example's rows fit, and
+  they are no more floats than gram's [T, T] (V D <= T^2) -- or `kept`: a tied head whose
+  per-example [V, D] gradients are materialized anyway, so B_n + C_n is summed directly. (At a
+  real vocabulary V D >> T^2, and gram's T^2 D flops are a rounding error of the step.)
   """
-  if t * t > t + v and v * d * _B <= avail:
+  if t * t > t + v and v * d * _B <= avail and (kept or v * d <= t * t):
     return "scatter", int(min(n, max(1, avail // (v * d * _B))))
   return "gram", n
 
@@ -333,20 +360,49 @@ def _gram_sq_norm(a_ntk: jax.Array, d_nto: jax.Array) -> jax.Array:
   return jnp.einsum("nts,nts->n", jnp.einsum("nti,nsi->nts", a_ntk, a_ntk), jnp.einsum("nto,nso->nts", d_nto, d_nto))
 
 
-def _direct_sq_norm(a_nti: jax.Array, d_nto: jax.Array, block: int) -> jax.Array:
-  """||A_n^T D_n||_F^2 by forming the per-example gradient, `block` examples at a time, [N]."""
-  if block >= a_nti.shape[0]:
-    g = jnp.einsum("nti,nto->nio", a_nti, d_nto)
+def _map_rows(fn, xs, block: int, shards: int) -> jax.Array:
+  """fn(rows) -> [rows] over the leading (batch) axis, `block` rows per device at a time, [N].
+
+  The batch axis is split over `shards` devices (contiguous rows per device). A plain
+  `lax.map(..., batch_size=block)` would scan over that sharded axis and make the partitioner
+  gather every row on every device; here the rows are regrouped [N] -> [steps, shards, block'] so
+  that each step takes block' <= block rows of every device at once (block' divides N / shards)
+  and the scan runs over an unsharded axis.
+  """
+  n = jax.tree.leaves(xs)[0].shape[0]
+  shards = shards if shards >= 1 and n % shards == 0 else 1
+  per = n // shards
+  if block >= per:
+    return fn(xs)
+  b = max(d for d in range(1, max(1, block) + 1) if per % d == 0)
+  steps = per // b
+
+  def regroup(x):  # [N, ...] -> [steps, shards * b, ...], axis 1 split over the batch axes
+    x = x.reshape((shards, steps, b) + x.shape[1:]).swapaxes(0, 1)
+    x = sharding.constrain(x, (None, sharding.BATCH_AXES))
+    return x.reshape((steps, shards * b) + x.shape[3:])
+
+  out = jax.lax.map(fn, jax.tree.map(regroup, xs))  # [steps, shards * b]
+  return out.reshape(steps, shards, b).swapaxes(0, 1).reshape(n)
+
+
+def _direct_sq_norm(a_nti: jax.Array, d_nto: jax.Array, block: int, shards: int = 1) -> jax.Array:
+  """||A_n^T D_n||_F^2 by forming the per-example gradient, `block` examples per device at a time, [N]."""
+
+  def rows(ad):
+    g = jnp.einsum("nti,nto->nio", ad[0], ad[1])
     return jnp.sum(g * g, axis=(1, 2))
-  one = lambda ad: jnp.sum(jnp.square(ad[0].T @ ad[1]))
-  return jax.lax.map(one, (a_nti, d_nto), batch_size=block)
+
+  return _map_rows(rows, (a_nti, d_nto), block, shards)
 
 
-def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array, v: int = 0, block: int = 0, kept_nvd=None) -> jax.Array:
+def _embed_sq_norm(
+  tok_nt: jax.Array, d_ntd: jax.Array, v: int = 0, block: int = 0, kept_nvd=None, shards: int = 1
+) -> jax.Array:
   """||B_n||^2 with B_n = onehot_n^T D_n [V, D] the lookup's row gradient, [N].
 
   block = 0: sum_{t,s: tok_t = tok_s} d_t . d_s (T^2 D flops, no [V, D] buffer). block > 0: B_n by a
-  segment sum, `block` examples at a time; with kept_nvd (the tied head's materialized per-example
+  segment sum, `block` examples per device at a time (`_map_rows`); with kept_nvd (the tied head's materialized per-example
   gradient C_n [N, V, D]) returns ||B_n + C_n||^2 - ||C_n||^2 = ||B_n||^2 + 2 <B_n, C_n>, the
   lookup's part of the tied table's norm, cross term included.
   """
@@ -360,12 +416,10 @@ def _embed_sq_norm(tok_nt: jax.Array, d_ntd: jax.Array, v: int = 0, block: int =
     return sq + 2.0 * jnp.sum(b * x["c"]) if "c" in x else sq
 
   xs = {"tok": tok_nt, "d": d_ntd} | ({"c": kept_nvd} if kept_nvd is not None else {})
-  if block >= tok_nt.shape[0]:
-    return jax.vmap(one)(xs)
-  return jax.lax.map(one, xs, batch_size=block)
+  return _map_rows(jax.vmap(one), xs, block, shards)
 
 
-def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None):
+def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None, path: str = ""):
   """One scan over the head's vocab chunks, recomputing logits from h, W and the forward's lse.
 
   With D^v = c * (onehot(y) - softmax)[:, :, chunk v] ([N, M, Vc], the head's output gradient):
@@ -373,9 +427,13 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
     want_sq: the head's S_n (gram or direct by plan.method) and, for "materialize", the kept
       per-example gradients G_n [N, D, V] (tied: [N, V, D]);
     w_n [N]: the update gradient sum_n w_n H_n^T D_n in w's layout.
+  path: the head parameter's dotted name; under a mesh the kept and update buffers take its
+    partition-rule layout (`sharding.constrain_param`), so they stay sharded like the weights.
   Returns (dh or None, sq_n or None, kept or None, grad_w or None).
   """
   h, w, lse, y = rec["h"], rec["w"], rec["lse"], rec["tokens"][:, 1:]
+  h, w = sharding.tie(h, w)  # the head's gather stays here, not hoisted out of a micro-batch loop
+  w = w.astype(spec.dtype)  # once: an FSDP-sharded head is all-gathered in the compute dtype
   n, t, d = h.shape
   h_m = h[:, :-1]
   h32 = h_m.astype(_F32)
@@ -390,9 +448,10 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
   carry = (
     jnp.zeros((n, t - 1, d), _F32) if want_dh else None,
     jnp.zeros((n,), _F32) if want_sq else None,
-    jnp.zeros((n,) + w.shape, _F32) if keep else None,
-    jnp.zeros(w.shape, _F32) if w_n is not None else None,
+    sharding.constrain_param(jnp.zeros((n,) + w.shape, _F32), path, lead=(sharding.BATCH_AXES,)) if keep else None,
+    sharding.constrain_param(jnp.zeros(w.shape, _F32), path) if w_n is not None else None,
   )
+  gw_eq = "ntd,ntv->vd" if spec.tied else "ntd,ntv->dv"
 
   def add_cols(buf, part, start, ax):
     cur = jax.lax.dynamic_slice_in_dim(buf, start, vc, axis=ax)
@@ -414,9 +473,10 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
       g = jnp.einsum(g_eq, h32, d_c)
       sq = sq + jnp.sum(g * g, axis=(1, 2))
       if kept is not None:
-        kept = add_cols(kept, g, start, axis)
+        kept = sharding.constrain_param(add_cols(kept, g, start, axis), path, lead=(sharding.BATCH_AXES,))
     if gw is not None:
-      gw = add_cols(gw, jnp.einsum(g_eq, h32, d_c * w_n[:, None, None]).sum(0), start, axis - 1)
+      gw = add_cols(gw, jnp.einsum(gw_eq, h32, d_c * w_n[:, None, None]), start, axis - 1)
+      gw = sharding.constrain_param(gw, path)
     return (dh, sq, kept, gw), None
 
   (dh, sq, kept, gw), _ = jax.lax.scan(body, carry, jnp.arange(nv))
@@ -456,6 +516,9 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       f"Parameters {missing} are not covered by any tap; their per-example norms would be "
       "missing. Tap the layers that use them."
     )
+  memory_budget_bytes = _budget(memory_budget_bytes)  # None: the ambient `memory_budget`, else the default
+  if batch_shards is None:  # the devices the traced mesh splits this (micro-)batch over
+    batch_shards = sharding.batch_shards(jax.tree.leaves(batch)[0].shape[0])
   plans = plan_layers(infos, in_shapes, out_shapes, method, memory_budget_bytes, batch_shards)
   heads = [k for k, info in infos.items() if info.kind == "head"]
 
@@ -481,7 +544,14 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   dh, kept, grads_by_path = {}, {}, {}
   for k in heads:
     dh[k], sq_k, kept_k, gw = _head_scan(
-      acts[k], infos[k].spec, c_nm, plans[k], want_dh=True, want_sq=norms, w_n=None if norms else -coef_n
+      acts[k],
+      infos[k].spec,
+      c_nm,
+      plans[k],
+      want_dh=True,
+      want_sq=norms,
+      w_n=None if norms else -coef_n,
+      path=_tap_params(infos[k])[0],
     )
     if norms:
       sq_n += sq_k
@@ -495,9 +565,9 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   kept_bytes = sum(pl.kept_bytes for pl in plans.values() if pl.method == "materialize")
   avail = memory_budget_bytes - kept_bytes
 
-  def embed_block(tok, d_emb, v):  # 0: the gram form; else examples per block of the scatter form
+  def embed_block(tok, d_emb, v, kept=False):  # 0: the gram form; else examples per block of the scatter form
     t = tok.size // n
-    meth, block = embed_plan(-(-n // batch_shards), t, d_emb.shape[-1], v, avail)
+    meth, block = embed_plan(-(-n // batch_shards), t, d_emb.shape[-1], v, avail, kept)
     return block if meth == "scatter" else 0
 
   # Per-example squared norms, parameter by parameter; keep what the update needs.
@@ -518,7 +588,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
         if plan.method == "gram":
           sq_n += _gram_sq_norm(a_nt, d_nt)
         elif plan.method == "direct":
-          sq_n += _direct_sq_norm(a_nt, d_nt, plan.block)
+          sq_n += _direct_sq_norm(a_nt, d_nt, plan.block, batch_shards)
         else:
           g = jnp.einsum("nti,nto->nio", a_nt, d_nt)  # per-example kernel gradient, kept
           sq_n += jnp.sum(g * g, axis=(1, 2))
@@ -527,7 +597,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
         sq_n += jnp.sum(jnp.sum(_flat(a, n) * _flat(d, n), axis=1) ** 2, axis=-1)
       elif info.kind == "embed":
         v = param_shapes[p].shape[0]
-        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v))
+        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v), shards=batch_shards)
       else:
         raise ValueError(f"Unsupported tap kind {info.kind!r} for parameter {p!r}.")
     elif kinds == ["embed", "head"]:  # tied embeddings: lookup + LM head share the table
@@ -535,11 +605,11 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       head = next(k for k in names if infos[k].kind == "head")
       tok_nt, d_emb = acts[emb].reshape(n, -1), _flat(outgrads[emb], n)
       v = param_shapes[p].shape[0]
-      block = embed_block(acts[emb], outgrads[emb], v)
+      block = embed_block(acts[emb], outgrads[emb], v, head in kept)
       if head in kept and block:  # ||B_n||^2 + 2 <B_n, C_n> from B_n and the kept C_n
-        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head])
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head], batch_shards)
       else:  # ||B_n||^2, and the cross term from [N, M, T] values; ||C_n||^2 came from the head scan
-        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block)
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, shards=batch_shards)
         sq_n += _tied_cross_term(acts[head], infos[head].spec, c_nm, tok_nt, d_emb)
     else:
       raise ValueError(
@@ -560,9 +630,9 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   w_n = -coef_n
   grads: dict[str, jax.Array] = {}
 
-  def add(path, g):
+  def add(path, g):  # under a mesh, each gradient takes its parameter's layout (reduce-scattered, not replicated)
     g = g.astype(param_shapes[path].dtype)
-    grads[path] = grads[path] + g if path in grads else g
+    grads[path] = sharding.constrain_param(grads[path] + g if path in grads else g, path)
 
   for name, info in infos.items():
     if info.kind == "head":
@@ -572,7 +642,10 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       elif name in kept:
         add(path, jnp.einsum("n,n...->...", w_n, kept[name]))
       else:
-        add(path, _head_scan(acts[name], info.spec, c_nm, plans[name], want_dh=False, want_sq=False, w_n=w_n)[3])
+        add(
+          path,
+          _head_scan(acts[name], info.spec, c_nm, plans[name], want_dh=False, want_sq=False, w_n=w_n, path=path)[3],
+        )
       continue
     a, d = acts[name], outgrads[name]
     if info.kind == "linear":
@@ -605,8 +678,8 @@ def ghost_sq_norms_and_grad(
   coef_fn: CoefFn,
   *,
   method: str = "auto",
-  memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
-  batch_shards: int = 1,
+  memory_budget_bytes: int | None = None,
+  batch_shards: int | None = None,
 ) -> GhostResult:
   """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
 
@@ -621,8 +694,11 @@ def ghost_sq_norms_and_grad(
       `estimator.pg_coefficients`. Its inputs are stop-gradient; coef_n is treated as a constant.
     method: "auto" | "gram" | "direct" | "materialize" for linear kernels and the LM head (see
       `plan_layers`); biases, scales and embedding lookups are always exact closed forms.
-    memory_budget_bytes: per-device bytes for the norms' temporaries and kept gradients.
-    batch_shards: devices the batch axis is split over (data x fsdp), for the per-device budget.
+    memory_budget_bytes: per-device bytes for the norms' temporaries and kept gradients (None: the
+      `memory_budget` context's, else DEFAULT_BUDGET_BYTES).
+    batch_shards: devices the batch axis is split over (data x fsdp), for the per-device budget and the
+      per-device blocks of the direct / scatter forms; None: read off the mesh being traced with
+      (`sharding.batch_shards`, 1 without one).
 
   Returns:
     GhostResult(logp_nt, tokw_nt, sq_norms_n, coef_n, loss, grads, aux); grads has params' structure.
@@ -631,14 +707,14 @@ def ghost_sq_norms_and_grad(
 
 
 def taps_grad(
-  logp_fn: LogpFn, params, batch, tokw: TokW, coef_n: jax.Array, *, memory_budget_bytes=DEFAULT_BUDGET_BYTES
+  logp_fn: LogpFn, params, batch, tokw: TokW, coef_n: jax.Array, *, memory_budget_bytes=None
 ) -> GhostResult:
   """The same taps-based backward with fixed coef_n [N] and no norms (sq_norms_n = None, aux = None).
 
   One forward, the vjp to the layer outputs, the head's dL/dh and weight gradient in one scan over
   vocab chunks, then the weight-gradient contractions: the fair plain step next to the VCPO step.
   """
-  return _ghost(logp_fn, params, batch, tokw, None, coef_n, "direct", memory_budget_bytes, 1)
+  return _ghost(logp_fn, params, batch, tokw, None, coef_n, "direct", memory_budget_bytes, None)
 
 
 def ghost_policy_gradient(
@@ -648,8 +724,8 @@ def ghost_policy_gradient(
   cfg,
   *,
   method: str = "auto",
-  memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
-  batch_shards: int = 1,
+  memory_budget_bytes: int | None = None,
+  batch_shards: int | None = None,
   divisor=None,
 ):
   """Drop-in fast path for `estimator.policy_gradient(logp_fn, params, batch, cfg)`.

@@ -30,6 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax import sharding
+
 _F32 = jnp.float32
 
 
@@ -138,6 +140,10 @@ def head_logprobs(h_btd: jax.Array, w: jax.Array, tokens_bt: jax.Array, spec: He
   """
   b, t, _ = h_btd.shape
   v = vocab_size(w, spec)
+  # Cast once, outside the scans: an FSDP-sharded head is then all-gathered in the compute dtype; tied
+  # to h so that the gather is not hoisted out of an enclosing loop (`sharding.tie`).
+  h_btd, w = sharding.tie(h_btd, w)
+  w = w.astype(spec.dtype)
   h_m, y_m = h_btd[:, :-1], tokens_bt[:, 1:]
   if is_dense(spec, t, v):
     lg = logits(h_m, w, spec)  # [B, M, V]: today's path

@@ -58,6 +58,11 @@ class Tape:
 _ACTIVE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("vcpo_tape", default=None)
 
 
+def active_tape() -> Tape | None:
+  """The Tape recording in this context, or None (read at trace time, as `tap` does)."""
+  return _ACTIVE.get()
+
+
 @contextlib.contextmanager
 def recording(perturbations: dict[str, jax.Array] | None = None):
   """Records taps while active. Pass perturbations (zeros) to obtain D by differentiation."""
@@ -82,7 +87,9 @@ def tap(name: str, info: TapInfo, a: Any, y: jax.Array) -> jax.Array:
   if tape is None:
     return y
   _record(tape, name, info, a)
-  tape.out_shapes[name] = jax.ShapeDtypeStruct(y.shape, jnp.float32)
+  # The perturbation (and so D) has the output's dtype: D is the cotangent of y, which backprop forms
+  # in y's dtype anyway, so a bfloat16 D is exact and half the bytes of a float32 copy.
+  tape.out_shapes[name] = jax.ShapeDtypeStruct(y.shape, y.dtype)
   if tape.perturbations is not None:
     y = y + tape.perturbations[name].astype(y.dtype)
   return y

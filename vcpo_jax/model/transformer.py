@@ -44,8 +44,8 @@ class Linear(nnx.Module):
     self.name, self.dtype = name, dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = x.astype(self.dtype)
-    y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(self.dtype))
+    x, kernel = sh.tie(x.astype(self.dtype), self.kernel[...])  # gather the kernel here, not hoisted
+    y = jnp.einsum("...i,io->...o", x, kernel.astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return tap(self.name, TapInfo("linear", self.name, self.bias is not None), x, y)
@@ -184,7 +184,7 @@ def _remat_block(layer: Block, policy, x, positions_bt, mask):
   the default scheduler 2778 -> 2522 MiB).
   """
   graphdef, state = nnx.split(layer)
-  tape = taps._ACTIVE.get()  # the recording context, if any (read at trace time, like taps.tap)
+  tape = taps.active_tape()  # the recording context, if any (read at trace time, like taps.tap)
   prefix = layer.name + "."
   perts = None
   if tape is not None and tape.perturbations is not None:
