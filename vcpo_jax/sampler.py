@@ -56,6 +56,7 @@ from vcpo_jax.model import transformer
 from vcpo_jax.model.config import ModelConfig
 
 LOGP_MODES = ("sampled", "tempered")
+DRAWS = ("inverse_cdf", "gumbel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,9 @@ class SamplerConfig:
     new_token_buckets: allowed padded response lengths Tn (ascending).
     batch_buckets: allowed padded batch sizes B (ascending); larger N is chunked.
     logp_mode: "sampled" or "tempered", see the module docstring.
+    draw: how a token is drawn from the filtered distribution: "inverse_cdf" (two uniforms per
+      row, `inverse_cdf_sample`) or "gumbel" (Gumbel noise over [B, V], the draw before
+      inverse_cdf: reproduces earlier runs' tokens per seed). Same distribution, other stream.
     prefill_chunk: prompt tokens per prefill pass (0: the whole prompt bucket in one pass). Chunk c
       attends to the cache prefix written so far, so prefill holds [B, heads, chunk, c * chunk]
       scores instead of [B, heads, Tp, Tp] (and [B, chunk, V] logits).
@@ -93,6 +97,7 @@ class SamplerConfig:
   new_token_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
   batch_buckets: tuple[int, ...] = (1, 4, 16, 64, 256)
   logp_mode: str = "sampled"
+  draw: str = "inverse_cdf"
   prefill_chunk: int = 0
   param_dtype: str = ""
 
@@ -105,6 +110,8 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.top_p must be in (0, 1] (1 disables), got {self.top_p}.")
     if self.logp_mode not in LOGP_MODES:
       raise ValueError(f"SamplerConfig.logp_mode must be one of {LOGP_MODES}, got {self.logp_mode!r}.")
+    if self.draw not in DRAWS:
+      raise ValueError(f"SamplerConfig.draw must be one of {DRAWS}, got {self.draw!r}.")
     if self.prefill_chunk < 0:
       raise ValueError(f"SamplerConfig.prefill_chunk must be >= 0 (0 = one pass), got {self.prefill_chunk}.")
     if self.param_dtype not in ("", "float32", "bfloat16"):
@@ -175,11 +182,29 @@ def filter_logits(logits_bv: jax.Array, temperature: float, top_k: int, top_p: f
   x = logits_bv.astype(jnp.float32) / jnp.float32(temperature)
   v = x.shape[-1]
   if 0 < top_k < v:
-    kth = jax.lax.top_k(x, top_k)[0][..., -1:]
-    x = jnp.where(x < kth, -jnp.inf, x)
-  if top_p < 1.0:
+    top_vals = jax.lax.top_k(x, top_k)[0]  # [B, k], descending
+    x = jnp.where(x < top_vals[..., -1:], -jnp.inf, x)
+    if top_p < 1.0:  # the nucleus lies inside the top-k set: decide it on the k sorted values
+      x = jnp.where(x >= _nucleus_threshold_sorted(top_vals, top_p), x, -jnp.inf)
+  elif top_p < 1.0:
     x = jnp.where(jax.nn.softmax(x, axis=-1) >= _nucleus_threshold(x, top_p), x, -jnp.inf)
   return x
+
+
+def _nucleus_threshold_sorted(vals_bk: jax.Array, top_p: float) -> jax.Array:
+  """The smallest kept logit [B, 1] of the nucleus over the top-k values vals_bk (descending).
+
+  Position i is kept iff the mass of strictly larger values (ties share the mass of the first of
+  their group) is < top_p, so `x >= result` keeps the same set as `_nucleus_threshold` on the
+  top-k-filtered row: ties with the last kept value are kept too.
+  """
+  p = jax.nn.softmax(vals_bk, axis=-1)
+  excl = jnp.cumsum(p, axis=-1) - p  # mass of the positions before i (sorted order)
+  # For tied values the first of the group has the smallest excl: give every member its value.
+  first = jnp.concatenate([jnp.ones_like(vals_bk[:, :1], bool), vals_bk[:, 1:] < vals_bk[:, :-1]], axis=-1)
+  group_excl = jax.lax.cummax(jnp.where(first, excl, -1.0), axis=1)
+  kept = group_excl < top_p
+  return jnp.min(jnp.where(kept, vals_bk, jnp.inf), axis=-1, keepdims=True)
 
 
 def _nucleus_threshold(x_bv: jax.Array, top_p: float) -> jax.Array:
@@ -208,19 +233,83 @@ def _nucleus_threshold(x_bv: jax.Array, top_p: float) -> jax.Array:
   return jax.lax.bitcast_convert_type(hi, jnp.float32)
 
 
+def _block_size(v: int) -> int:
+  """Vocabulary block of the two-level inverse CDF: ~sqrt(V) entries, a power of two."""
+  return max(8, 1 << int(round(0.5 * np.log2(max(v, 1)))))
+
+
+def _last_positive(w: jax.Array) -> jax.Array:
+  """Index of the last entry > 0 along the last axis (0 if none)."""
+  n = w.shape[-1]
+  return (n - 1 - jnp.argmax(jnp.flip(w > 0, axis=-1), axis=-1)).astype(jnp.int32)
+
+
+def inverse_cdf_sample(x_bv: jax.Array, u_b2: jax.Array, block: int | None = None):
+  """Exact draw from softmax(x) per row by two-level inverse CDF, without sorting.
+
+  The vocabulary (in index order) is cut into blocks of `block` tokens: with the
+  unnormalized weights w = exp(x - max x) (0 for -inf), block b is chosen with probability
+  W_b / sum W (inverse CDF of the block masses at u_b2[:, 0]), then the token inside it
+  with probability w_j / W_b (inverse CDF at u_b2[:, 1]), so P(j) = w_j / sum W. Two
+  levels keep the uniform's float32 resolution (2^-24) relative to a block's mass rather
+  than the whole vocabulary's, and touch [B, V] only for exp and one sum; the cumulative
+  sums are over [B, V / block] and [B, block]. A token with w = 0 (filtered out) is never
+  returned: each level picks the first index whose cumulative mass exceeds u * total,
+  clamped to the last index with positive mass (against rounding at u * total ~ total).
+
+  Args:
+    x_bv: float32 [B, V] sampling logits (removed tokens -inf, at least one finite per row).
+    u_b2: float32 [B, 2] uniforms in [0, 1).
+    block: block size (default ~sqrt(V)).
+  Returns:
+    (tokens int32 [B], log mu(token) float32 [B]) with mu = softmax(x): x_tok - max - log sum W.
+  """
+  b, v = x_bv.shape
+  c = block or _block_size(v)
+  nb = -(-v // c)
+  m = jnp.max(x_bv, axis=-1, keepdims=True)
+  w = jnp.exp(x_bv - m)  # [B, V], exactly 0 where x = -inf
+  if nb * c != v:
+    w = jnp.pad(w, ((0, 0), (0, nb * c - v)))
+  w_bnc = w.reshape(b, nb, c)
+  mass_bn = jnp.sum(w_bnc, axis=-1)  # W_b
+  cum_bn = jnp.cumsum(mass_bn, axis=-1)
+  total_b = cum_bn[:, -1]
+  blk = jnp.sum(cum_bn <= (u_b2[:, 0] * total_b)[:, None], axis=-1, dtype=jnp.int32)
+  blk = jnp.minimum(blk, _last_positive(mass_bn))
+  w_bc = jnp.take_along_axis(w_bnc, blk[:, None, None], axis=1)[:, 0]  # [B, c] the chosen block
+  cum_bc = jnp.cumsum(w_bc, axis=-1)
+  k = jnp.sum(cum_bc <= (u_b2[:, 1] * cum_bc[:, -1])[:, None], axis=-1, dtype=jnp.int32)
+  k = jnp.minimum(k, _last_positive(w_bc))
+  tok = blk * c + k
+  x_tok = jnp.take_along_axis(x_bv, tok[:, None], axis=-1)[:, 0]
+  return tok, x_tok - m[:, 0] - jnp.log(total_b)
+
+
 def _choose(logits_bv, keys_b, cfg: SamplerConfig):
-  """One token per row and its behavior log-prob: (tokens [B] int32, logp [B] float32)."""
+  """One token per row and its behavior log-prob: (tokens [B] int32, logp [B] float32).
+
+  `cfg.draw` = "inverse_cdf": two uniforms per row (`inverse_cdf_sample`); "gumbel": Gumbel
+  noise over [B, V] (jax.random.categorical), the draw of earlier versions (a different random
+  stream for the same key). Both sample exactly softmax(filter_logits(...)).
+  """
   if cfg.greedy:
     tok = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     if cfg.logp_mode == "sampled":
       return tok, jnp.zeros(tok.shape, jnp.float32)  # point mass
     ref = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
+    return tok, jnp.take_along_axis(ref, tok[:, None], axis=-1)[:, 0]
+  x = filter_logits(logits_bv, cfg.temperature, cfg.top_k, cfg.top_p)
+  if cfg.draw == "inverse_cdf":
+    u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys_b)
+    tok, logp = inverse_cdf_sample(x, u)
+    if cfg.logp_mode == "sampled":
+      return tok, logp
   else:
-    x = filter_logits(logits_bv, cfg.temperature, cfg.top_k, cfg.top_p)
     tok = jax.vmap(jax.random.categorical)(keys_b, x).astype(jnp.int32)
-    ref = jax.nn.log_softmax(
-      x if cfg.logp_mode == "sampled" else logits_bv.astype(jnp.float32) / jnp.float32(cfg.temperature), axis=-1
-    )
+    if cfg.logp_mode == "sampled":
+      return tok, jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], axis=-1)[:, 0]
+  ref = jax.nn.log_softmax(logits_bv.astype(jnp.float32) / jnp.float32(cfg.temperature), axis=-1)
   return tok, jnp.take_along_axis(ref, tok[:, None], axis=-1)[:, 0]
 
 
