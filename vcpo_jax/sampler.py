@@ -50,6 +50,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import transformer
@@ -57,6 +58,7 @@ from vcpo_jax.model.config import ModelConfig
 
 LOGP_MODES = ("sampled", "tempered")
 DRAWS = ("inverse_cdf", "gumbel")
+PARAM_DTYPES = ("", "auto", "float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +83,13 @@ class SamplerConfig:
     prefill_chunk: prompt tokens per prefill pass (0: the whole prompt bucket in one pass). Chunk c
       attends to the cache prefix written so far, so prefill holds [B, heads, chunk, c * chunk]
       scores instead of [B, heads, Tp, Tp] (and [B, chunk, V] logits).
-    param_dtype: "" (use the parameters as given) or "bfloat16": `Sampler.prepare_params` casts the
-      float32 parameters once (half the weight memory and bandwidth per decode step). The KV cache
-      is always in the model's compute dtype (ModelConfig.dtype).
+    param_dtype: "" (use the parameters as given), "float32", "bfloat16", or "auto" (bfloat16 when the
+      sampler's devices are accelerators, the parameters as given on CPU). `Sampler.prepare_params`
+      casts (and places) a published version once (half the weight memory and bandwidth per decode
+      step); parameters passed unprepared are cast inside the jitted call, once per call, not per
+      step. The KV cache is always in the model's compute dtype (ModelConfig.dtype).
+    mesh_shape: (data, fsdp, tensor) shape of the mesh a sampler process builds over its own devices
+      (`sampler_mesh`; -1 = all remaining). The sync/lag trainer shares the learner's mesh instead.
   """
 
   temperature: float = 1.0
@@ -100,6 +106,7 @@ class SamplerConfig:
   draw: str = "inverse_cdf"
   prefill_chunk: int = 0
   param_dtype: str = ""
+  mesh_shape: tuple[int, int, int] = (-1, 1, 1)
 
   def __post_init__(self):
     if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -114,8 +121,12 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.draw must be one of {DRAWS}, got {self.draw!r}.")
     if self.prefill_chunk < 0:
       raise ValueError(f"SamplerConfig.prefill_chunk must be >= 0 (0 = one pass), got {self.prefill_chunk}.")
-    if self.param_dtype not in ("", "float32", "bfloat16"):
-      raise ValueError(f"SamplerConfig.param_dtype must be '', 'float32' or 'bfloat16', got {self.param_dtype!r}.")
+    if self.param_dtype not in PARAM_DTYPES:
+      raise ValueError(f"SamplerConfig.param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}.")
+    try:
+      object.__setattr__(self, "mesh_shape", sh.MeshConfig(tuple(self.mesh_shape)).shape)
+    except ValueError as e:
+      raise ValueError(f"SamplerConfig.mesh_shape: {e}") from None
     if self.max_new_tokens <= 0:
       raise ValueError(f"SamplerConfig.max_new_tokens must be positive, got {self.max_new_tokens}.")
     for name in ("prompt_buckets", "new_token_buckets", "batch_buckets"):
@@ -316,6 +327,30 @@ def _choose(logits_bv, keys_b, cfg: SamplerConfig):
 # ----------------------------------------------------------------------------- the device loop
 
 
+def _prefill(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, params, prompt_bt, prompt_valid_bt, num_new: int):
+  """Fills the KV cache with the prompt bucket; returns (logits [B, V] f32 of the last column, cache, kv_valid).
+
+  Chunks of `cfg.prefill_chunk` tokens go at static cache slots, each attending to the cache prefix
+  written so far (nothing beyond it is read). Only the final hidden state of the last column goes
+  through the LM head (left padding: it is every row's last prompt token), so prefill never holds
+  [B, Tp, V] (or [B, chunk, V]) logits.
+  """
+  b, tp = prompt_bt.shape
+  s = tp + num_new
+  model = nnx.merge(graphdef, params)
+  cache = [tuple(sh.constrain(x, sh.CACHE_BSKH) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  positions, _ = transformer.padded_positions_and_mask(prompt_valid_bt)
+  kv_valid = jnp.pad(prompt_valid_bt.astype(bool), ((0, 0), (0, num_new)))  # [B, S]
+  mask = transformer.AttentionMask(kv_valid)
+  chunk = cfg.prefill_chunk or tp
+  for lo in range(0, tp, chunk):
+    hi = min(tp, lo + chunk)
+    h, cache = model(prompt_bt[:, lo:hi], positions[:, lo:hi], mask, cache, lo, hidden=True)
+  h_last = h[:, -1:]  # [B, 1, D]
+  logits = model.embed_tokens.attend(h_last) if model.lm_head is None else model.lm_head(h_last)
+  return logits[:, 0].astype(jnp.float32), cache, kv_valid
+
+
 def _generate_device(
   graphdef,
   cfg_model: ModelConfig,
@@ -345,21 +380,11 @@ def _generate_device(
   The loop exits as soon as every row is finished or max_new tokens were drawn.
   """
   b, tp = prompt_bt.shape
-  s = tp + num_new
   pad = jnp.int32(cfg.pad_id)
   row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids_b)
   step_keys = lambda i: jax.vmap(lambda k: jax.random.fold_in(k, i))(row_keys)
 
-  # Prefill at static cache slots: each chunk attends to the cache prefix written so far
-  # (nothing beyond it is read); only the last chunk's last position is needed.
-  cache = [tuple(sh.constrain(x, sh.CACHE_BSKH) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
-  positions, _ = transformer.padded_positions_and_mask(prompt_valid_bt)
-  kv_valid = jnp.pad(prompt_valid_bt.astype(bool), ((0, 0), (0, num_new)))  # [B, S]
-  mask = transformer.AttentionMask(kv_valid)
-  chunk = cfg.prefill_chunk or tp
-  for lo in range(0, tp, chunk):
-    hi = min(tp, lo + chunk)
-    logits, cache = transformer.forward(graphdef, params, prompt_bt[:, lo:hi], positions[:, lo:hi], mask, cache, lo)
+  last_logits, cache, kv_valid = _prefill(graphdef, cfg_model, cfg, params, prompt_bt, prompt_valid_bt, num_new)
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
 
   def emit(i, logits_bv, state):
@@ -375,7 +400,7 @@ def _generate_device(
 
   toks0 = jnp.full((b, num_new), pad, jnp.int32)
   state = (toks0, jnp.zeros((b, num_new), jnp.float32), jnp.zeros((b,), jnp.int32), ~active_b)
-  state, finished = emit(0, logits[:, -1], state)  # left padding: the last column is the last prompt token
+  state, finished = emit(0, last_logits, state)
 
   def cond(carry):
     i, _, _, state, _ = carry
@@ -402,6 +427,29 @@ def _bucket(value: int, buckets: Sequence[int], field: str) -> int:
   if i == len(buckets):
     raise ValueError(f"{field}={value} exceeds the largest SamplerConfig bucket {buckets[-1]}; add a larger bucket.")
   return buckets[i]
+
+
+def resolve_param_dtype(name: str, platform: str):
+  """SamplerConfig.param_dtype on `platform` ("cpu", "gpu", "tpu"): a jnp dtype, or None (as given).
+
+  "auto" is bfloat16 on accelerators and None on CPU, where bf16 matmuls are emulated (slower than
+  float32) and the CPU default keeps its float32 results.
+  """
+  if name == "auto":
+    return None if platform == "cpu" else jnp.dtype(jnp.bfloat16)
+  return jnp.dtype(name) if name else None
+
+
+def _cast_floats(params, dtype):
+  if dtype is None:
+    return params
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def sampler_mesh(cfg: SamplerConfig, devices=None):
+  """The ("data", "fsdp", "tensor") mesh of shape `cfg.mesh_shape` over a sampler process's devices
+  (default: all of `jax.devices()`, e.g. the GPUs CUDA_VISIBLE_DEVICES left to the async worker)."""
+  return sh.make_mesh(sh.MeshConfig(cfg.mesh_shape), devices=devices)
 
 
 class Sampler:
@@ -434,9 +482,12 @@ class Sampler:
         )
     self.graphdef, self.cfg_model, self.cfg = graphdef, cfg_model, sampler_cfg
     self.num_traces = 0  # incremented at trace time: the compile-count test reads it
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    self.param_dtype = resolve_param_dtype(sampler_cfg.param_dtype, platform)
 
     def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
+      params = _cast_floats(params, self.param_dtype)  # a no-op on prepared parameters
       return _generate_device(
         graphdef,
         cfg_model,
@@ -465,9 +516,7 @@ class Sampler:
     Call once per published parameter version (not per generate call): the cast and the
     transfer then happen once, and bf16 halves the weight memory and per-step bandwidth.
     """
-    if self.cfg.param_dtype:
-      dt = jnp.dtype(self.cfg.param_dtype)
-      params = jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    params = _cast_floats(params, self.param_dtype)
     if self.mesh is not None:
       params = jax.device_put(params, sh.param_shardings(params, self.rules, self.mesh))
     return params
