@@ -388,3 +388,32 @@ def test_greedy_choice_is_the_argmax_for_both_draws():
     tok, logp = S._choose(x, keys, S.SamplerConfig(temperature=0.0, draw=draw))
     np.testing.assert_array_equal(tok, np.argmax(np.asarray(x), -1))
     np.testing.assert_array_equal(logp, 0.0)
+
+
+# ----------------------------------------------------------------------------- construction: dtype, mesh, config
+
+
+def test_param_dtype_auto_and_config_fields():
+  assert S.resolve_param_dtype("auto", "cpu") is None  # the CPU default keeps float32 (its results per seed)
+  assert S.resolve_param_dtype("auto", "gpu") == jnp.bfloat16 and S.resolve_param_dtype("auto", "tpu") == jnp.bfloat16
+  assert S.resolve_param_dtype("", "gpu") is None and S.resolve_param_dtype("float32", "tpu") == jnp.float32
+  with pytest.raises(ValueError, match="mesh_shape"):
+    S.SamplerConfig(mesh_shape=(1, 2))
+  from vcpo_jax import run_config
+
+  for field, value in [("param_dtype", "fp16"), ("mesh_shape", (1, 2))]:
+    with pytest.raises(run_config.ConfigError, match=f"config.sampler.{field}="):
+      run_config.SamplingConfig(**{field: value})
+  mesh = S.sampler_mesh(S.SamplerConfig(mesh_shape=(2, 1, -1)), jax.devices()[:4])
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+
+
+def test_unprepared_params_are_cast_inside_the_call():
+  """param_dtype=bfloat16 with float32 params passed as they are = the same rows as prepared bf16 params."""
+  gd, params, _ = _model()
+  smp = S.Sampler(gd, CFG, S.SamplerConfig(**{**SMALL, "param_dtype": "bfloat16"}))
+  key = jax.random.key(1)
+  a = smp.generate(params, PROMPTS, key, max_new_tokens=6)
+  b = smp.generate(smp.prepare_params(params), PROMPTS, key, max_new_tokens=6)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.behavior_logp, b.behavior_logp)
