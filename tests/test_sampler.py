@@ -401,7 +401,7 @@ def test_param_dtype_auto_and_config_fields():
     S.SamplerConfig(mesh_shape=(1, 2))
   from vcpo_jax import run_config
 
-  for field, value in [("param_dtype", "fp16"), ("mesh_shape", (1, 2))]:
+  for field, value in [("param_dtype", "fp16"), ("mesh_shape", (1, 2)), ("draw", "argmax")]:
     with pytest.raises(run_config.ConfigError, match=f"config.sampler.{field}="):
       run_config.SamplingConfig(**{field: value})
   mesh = S.sampler_mesh(S.SamplerConfig(mesh_shape=(2, 1, -1)), jax.devices()[:4])

@@ -94,10 +94,12 @@ class SamplingConfig:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  draw: str = "inverse_cdf"
   param_dtype: str = "auto"
   mesh_shape: tuple = (-1, 1, 1)
 
   def __post_init__(self):
+    _check(self.draw in ("inverse_cdf", "gumbel"), "sampler.draw", self.draw, "use inverse_cdf or gumbel.")
     _check(
       self.param_dtype in ("", "auto", "float32", "bfloat16"),
       "sampler.param_dtype",

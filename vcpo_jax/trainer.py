@@ -82,6 +82,7 @@ def make_sampler_cfg(spec: RunSpec, tokenizer, *, temperature, top_p, top_k, max
     prompt_buckets=(spec.rollout.max_prompt_len,),
     new_token_buckets=(max_new_tokens,),
     batch_buckets=tuple(sorted({1, spec.rollout.batch_size, spec.eval_batch_size})),
+    draw=spec.sampling.draw,
     param_dtype=spec.sampling.param_dtype,
     mesh_shape=spec.sampling.mesh_shape,
   )
