@@ -122,6 +122,31 @@ def roofline_seconds(cfg, batch: int, prompt: int, new: int, peak_flops: float, 
   return t
 
 
+def time_choice(batch: int, vocab: int, steps: int = 50, repeats: int = 5) -> list[dict]:
+  """Milliseconds per token choice (`sampler._choose` alone, jitted) on random [batch, vocab] logits, per
+  draw and filter setting: the share of a decode step the draw costs (median of `repeats` x `steps` calls)."""
+  x = 3.0 * jax.random.normal(jax.random.key(1), (batch, vocab))
+  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(0), r))(jnp.arange(batch))
+  out = []
+  for filt in (dict(), dict(top_p=0.9), dict(temperature=0.8, top_p=0.7)):
+    for draw in S.DRAWS:
+      cfg = S.SamplerConfig(draw=draw, **filt)
+      f = jax.jit(lambda x, k, i, cfg=cfg: S._choose(x, jax.vmap(lambda kk: jax.random.fold_in(kk, i))(k), cfg))
+      jax.block_until_ready(f(x, keys, 0))
+
+      def run(f=f):
+        for i in range(steps):
+          o = f(x, keys, i)
+        jax.block_until_ready(o)
+
+      ms = [1e3 * _timed(run) / steps for _ in range(repeats)]
+      out.append(dict(draw=draw, filter=filt, ms=float(np.median(ms)), ms_min=min(ms), ms_max=max(ms)))
+      print(
+        f"choice B={batch} V={vocab} {draw:11} {str(filt):36} {out[-1]['ms']:8.2f} ms ({min(ms):.2f}-{max(ms):.2f})"
+      )
+  return out
+
+
 def _timed(fn) -> float:
   t0 = time.perf_counter()
   fn()
@@ -147,6 +172,7 @@ def main(argv=None):
   ap.add_argument("--settings", default="temp1.0")
   ap.add_argument("--draws", default="inverse_cdf", help="SamplerConfig.draw values to time (e.g. inverse_cdf,gumbel)")
   ap.add_argument("--threads", type=int, default=os.cpu_count(), help="cores (and torch threads) for BOTH sides")
+  ap.add_argument("--choice", action="store_true", help="only time the token choice (batch x the model's vocab)")
   args = ap.parse_args(argv)
   if argv is not None:  # called as a function: pin here (jax may already run; then only torch is limited)
     _pin_threads(argv)
@@ -158,6 +184,11 @@ def main(argv=None):
     f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
     f"cores {cores} of {os.cpu_count()}; batch {b}, prompt {tp}, new {tn}, {args.rounds} interleaved rounds"
   )
+  if args.choice:
+    load = os.getloadavg()[0]
+    rows = time_choice(b, MODELS[args.models.split(",")[0]]().vocab_size)
+    print(json.dumps(dict(benchmark="sampler_choice", load_avg=[load, os.getloadavg()[0]], rows=rows)))
+    return
   load_start = os.getloadavg()
   roof = measure_roofline()
   print(
