@@ -31,6 +31,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -122,6 +123,10 @@ def roofline_seconds(cfg, batch: int, prompt: int, new: int, peak_flops: float, 
   return t
 
 
+def _choice_step(x, keys, i, cfg):
+  return S._choose(x, jax.vmap(lambda k: jax.random.fold_in(k, i))(keys), cfg)
+
+
 def time_choice(batch: int, vocab: int, steps: int = 50, repeats: int = 5) -> list[dict]:
   """Milliseconds per token choice (`sampler._choose` alone, jitted) on random [batch, vocab] logits, per
   draw and filter setting: the share of a decode step the draw costs (median of `repeats` x `steps` calls)."""
@@ -131,7 +136,7 @@ def time_choice(batch: int, vocab: int, steps: int = 50, repeats: int = 5) -> li
   for filt in (dict(), dict(top_p=0.9), dict(temperature=0.8, top_p=0.7)):
     for draw in S.DRAWS:
       cfg = S.SamplerConfig(draw=draw, **filt)
-      f = jax.jit(lambda x, k, i, cfg=cfg: S._choose(x, jax.vmap(lambda kk: jax.random.fold_in(kk, i))(k), cfg))
+      f = jax.jit(functools.partial(_choice_step, cfg=cfg))
       jax.block_until_ready(f(x, keys, 0))
 
       def run(f=f):
