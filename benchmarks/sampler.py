@@ -1,12 +1,21 @@
-"""Generation throughput: vcpo_jax.sampler vs transformers' PyTorch `generate`, side by side.
+"""Generation throughput: vcpo_jax.sampler against this machine's roofline and transformers' `generate`.
 
-    python -m benchmarks.sampler                      # batch 16, prompt 32, new 128, 5 rounds, all cores
-    python -m benchmarks.sampler --batch 16 --prompt 32 --new 128 --rounds 5 --models tiny,small --threads 2
+    python -m benchmarks.sampler                      # 10M-parameter model, batch 64, prompt 32, new 128, 3 rounds
+    python -m benchmarks.sampler --batch 64 --prompt 32 --new 128 --rounds 3 --models 10m --threads 2
+
+Roofline (issue 14 item 2), measured in the same process before the timings: peak matmul
+FLOP/s (best of a large jitted float32 dot) and copy bandwidth (best numpy copy of 256 MiB,
+read + write bytes). A generate call's roofline time is the sum over its passes (one prefill,
+`new - 1` decode steps) of max(FLOPs / peak, bytes / bandwidth) with FLOPs = 2 x params x
+tokens + attention (4 x layers x heads x head_dim x context per token) and bytes = the
+parameters plus the KV cache read (and written) per pass; `roofline` = that time / the
+measured time (1.0 = as fast as the machine allows).
 
 Both sides get the same tiny Qwen2 config and weights (a random transformers
 Qwen2ForCausalLM, copied into our model with `hf_io.params_from_hf`; the logits
 difference is printed), the same prompts (no padding), the same sampling settings,
-and always generate exactly `--new` tokens (no EOS).
+and always generate exactly `--new` tokens (no EOS). `--draws` also times the
+earlier Gumbel draw (SamplerConfig.draw="gumbel") for the before/after of the token choice.
 
 Fairness: both sides get the SAME threads. The process is pinned to `--threads`
 cores (os.sched_setaffinity, before jax starts, so XLA's thread pool sees only
@@ -14,13 +23,15 @@ those cores) and torch runs `torch.set_num_threads(--threads)`. After one warm-u
 call per side (ours includes the compile, reported separately), the sides run
 interleaved, round by round (ours, theirs, ours, theirs, ...), so a change of
 machine load hits both; each round gives one ratio theirs/ours, and the table
-reports the median and range of the per-round ratios, with the load average.
+reports the median and range of the per-round ratios, with the load average
+(`os.getloadavg`, as `uptime` prints it) before and after: the machine may be shared.
 Prints a table and ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -43,6 +54,7 @@ if __name__ == "__main__":
   _THREADS = _pin_threads(None)
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
@@ -56,6 +68,10 @@ MODELS = {
   # A larger CPU model: 4 layers, D = 256, V = 8192 (~4.5M parameters).
   "small": lambda: config.tiny_qwen2(
     vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32
+  ),
+  # The issue-14 measurement shape (benchmarks/grad_norms.py's model): 10 layers, D = 256, V = 8192 (9.97M).
+  "10m": lambda: config.tiny_qwen2(
+    vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=10, num_heads=4, num_kv_heads=2, head_dim=64
   ),
 }
 SETTINGS = {
@@ -77,6 +93,65 @@ def build_pair(cfg, seed=0):
   return hf, graphdef, params
 
 
+def measure_roofline(dim: int = 2048, copy_mib: int = 256, repeats: int = 5) -> dict:
+  """Peak float32 matmul FLOP/s (a jitted [dim, dim] x [dim, dim] dot, best of `repeats`) and copy
+  bandwidth in bytes/s (numpy copy of `copy_mib` MiB, read + write, best of `repeats`)."""
+  a = jax.random.normal(jax.random.key(0), (dim, dim), jnp.float32)
+  dot = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(dot(a))
+  t_dot = min(_timed(lambda: jax.block_until_ready(dot(a))) for _ in range(repeats))
+  src = np.ones(copy_mib * 2**20 // 4, np.float32)
+  dst = np.empty_like(src)
+  np.copyto(dst, src)
+  t_copy = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+  return dict(peak_flops=2 * dim**3 / t_dot, bandwidth=2 * src.nbytes / t_copy)
+
+
+def roofline_seconds(cfg, batch: int, prompt: int, new: int, peak_flops: float, bandwidth: float, param_bytes=4):
+  """Lower bound on one generate call: per pass max(FLOPs / peak, bytes / bandwidth), summed (see docstring)."""
+  n, l, kvh = cfg.num_params, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim
+  qh = cfg.num_heads * cfg.head_dim
+  kv_bytes_per_token = 2 * l * kvh * 4  # k and v, float32 cache
+
+  def one_pass(tokens_per_row: int, context: int) -> float:
+    flops = batch * tokens_per_row * (2 * n + 4 * l * qh * context)
+    data = n * param_bytes + batch * kv_bytes_per_token * (context + tokens_per_row)
+    return max(flops / peak_flops, data / bandwidth)
+
+  t = one_pass(prompt, prompt // 2)  # prefill: causal, mean context prompt / 2
+  t += sum(one_pass(1, prompt + i) for i in range(1, new))
+  return t
+
+
+def _choice_step(x, keys, i, cfg):
+  return S._choose(x, jax.vmap(lambda k: jax.random.fold_in(k, i))(keys), cfg)
+
+
+def time_choice(batch: int, vocab: int, steps: int = 50, repeats: int = 5) -> list[dict]:
+  """Milliseconds per token choice (`sampler._choose` alone, jitted) on random [batch, vocab] logits, per
+  draw and filter setting: the share of a decode step the draw costs (median of `repeats` x `steps` calls)."""
+  x = 3.0 * jax.random.normal(jax.random.key(1), (batch, vocab))
+  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(0), r))(jnp.arange(batch))
+  out = []
+  for filt in (dict(), dict(top_p=0.9), dict(temperature=0.8, top_p=0.7)):
+    for draw in S.DRAWS:
+      cfg = S.SamplerConfig(draw=draw, **filt)
+      f = jax.jit(functools.partial(_choice_step, cfg=cfg))
+      jax.block_until_ready(f(x, keys, 0))
+
+      def run(f=f):
+        for i in range(steps):
+          o = f(x, keys, i)
+        jax.block_until_ready(o)
+
+      ms = [1e3 * _timed(run) / steps for _ in range(repeats)]
+      out.append(dict(draw=draw, filter=filt, ms=float(np.median(ms)), ms_min=min(ms), ms_max=max(ms)))
+      print(
+        f"choice B={batch} V={vocab} {draw:11} {str(filt):36} {out[-1]['ms']:8.2f} ms ({min(ms):.2f}-{max(ms):.2f})"
+      )
+  return out
+
+
 def _timed(fn) -> float:
   t0 = time.perf_counter()
   fn()
@@ -94,13 +169,15 @@ def interleaved(ours, theirs, rounds: int) -> tuple[list[float], list[float]]:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--batch", type=int, default=16)
+  ap.add_argument("--batch", type=int, default=64)
   ap.add_argument("--prompt", type=int, default=32)
   ap.add_argument("--new", type=int, default=128)
-  ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (one call per side each)")
-  ap.add_argument("--models", default="tiny,small")
-  ap.add_argument("--settings", default=",".join(SETTINGS))
+  ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (one call per side each)")
+  ap.add_argument("--models", default="10m")
+  ap.add_argument("--settings", default="temp1.0")
+  ap.add_argument("--draws", default="inverse_cdf", help="SamplerConfig.draw values to time (e.g. inverse_cdf,gumbel)")
   ap.add_argument("--threads", type=int, default=os.cpu_count(), help="cores (and torch threads) for BOTH sides")
+  ap.add_argument("--choice", action="store_true", help="only time the token choice (batch x the model's vocab)")
   args = ap.parse_args(argv)
   if argv is not None:  # called as a function: pin here (jax may already run; then only torch is limited)
     _pin_threads(argv)
@@ -111,6 +188,17 @@ def main(argv=None):
     f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
     f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
     f"cores {cores} of {os.cpu_count()}; batch {b}, prompt {tp}, new {tn}, {args.rounds} interleaved rounds"
+  )
+  if args.choice:
+    load = os.getloadavg()[0]
+    rows = time_choice(b, MODELS[args.models.split(",")[0]]().vocab_size)
+    print(json.dumps(dict(benchmark="sampler_choice", load_avg=[load, os.getloadavg()[0]], rows=rows)))
+    return
+  load_start = os.getloadavg()
+  roof = measure_roofline()
+  print(
+    f"roofline: peak matmul {roof['peak_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth {roof['bandwidth'] / 1e9:.1f} GB/s "
+    f"(load average {load_start[0]:.1f})"
   )
   rows = []
   for model_name in args.models.split(","):
@@ -123,13 +211,19 @@ def main(argv=None):
     with torch.inference_mode():
       hf_logits = hf(torch.as_tensor(prompts)).logits.numpy()
     parity = float(np.abs(ours_logits - hf_logits).max())
-    for setting in args.settings.split(","):
+    for setting, draw in [(st, d) for st in args.settings.split(",") for d in args.draws.split(",")]:
       kw = SETTINGS[setting]
       smp = S.Sampler(
         graphdef,
         cfg,
         S.SamplerConfig(
-          **kw, eos_id=None, max_new_tokens=tn, prompt_buckets=(tp,), new_token_buckets=(tn,), batch_buckets=(b,)
+          **kw,
+          draw=draw,
+          eos_id=None,
+          max_new_tokens=tn,
+          prompt_buckets=(tp,),
+          new_token_buckets=(tn,),
+          batch_buckets=(b,),
         ),
       )
       prompt_lists = prompts.tolist()
@@ -163,11 +257,18 @@ def main(argv=None):
       t_ours, t_hf = interleaved(lambda: smp.generate(params, prompt_lists, key), hf_generate, args.rounds)
       ratios = [h / o for o, h in zip(t_ours, t_hf)]
       ours, theirs = float(np.median(t_ours)), float(np.median(t_hf))
+      t_roof = roofline_seconds(cfg, b, tp, tn, roof["peak_flops"], roof["bandwidth"])
       rows.append(
         dict(
           model=model_name,
           params=cfg.num_params,
           setting=setting,
+          draw=draw,
+          roofline=t_roof / ours,
+          roofline_min=t_roof / max(t_ours),
+          roofline_max=t_roof / min(t_ours),
+          hf_roofline=t_roof / theirs,
+          roofline_tok_s=b * tn / t_roof,
           batch=b,
           prompt=tp,
           new=tn,
@@ -188,20 +289,32 @@ def main(argv=None):
       )
 
   hdr = (
-    f"{'model':6} {'params':>8} {'setting':17} {'ours tok/s':>11} {'HF tok/s':>10} {'thr':>3} {'speedup':>8} "
-    f"{'range':>13} {'load':>9} {'compile s':>9} {'|dlogits|':>9}"
+    f"{'model':6} {'params':>8} {'setting':17} {'draw':11} {'ours tok/s':>11} {'roofline':>14} {'HF tok/s':>10} "
+    f"{'thr':>3} {'speedup':>8} {'range':>13} {'load':>9} {'compile s':>9} {'|dlogits|':>9}"
   )
   print(hdr)
   print("-" * len(hdr))
   for r in rows:
     print(
-      f"{r['model']:6} {r['params']:>8} {r['setting']:17} {r['ours_tok_s']:>11.0f} {r['hf_tok_s']:>10.0f} {r['threads']:>3} "
+      f"{r['model']:6} {r['params']:>8} {r['setting']:17} {r['draw']:11} {r['ours_tok_s']:>11.0f} "
+      f"{r['roofline']:>5.2f} ({r['roofline_min']:.2f}-{r['roofline_max']:.2f}) {r['hf_tok_s']:>10.0f} {r['threads']:>3} "
       f"{r['speedup']:>7.2f}x {r['speedup_min']:>5.2f}-{r['speedup_max']:<5.2f}x "
       f"{r['load_avg'][0]:>4.1f}-{r['load_avg'][1]:<4.1f} {r['compile_s']:>9.2f} {r['logits_max_abs_diff']:>9.1e}"
     )
   print(
     json.dumps(
-      dict(benchmark="sampler", goal_speedup=1.5, min_median_speedup=min(r["speedup"] for r in rows), rows=rows)
+      dict(
+        benchmark="sampler",
+        goal_speedup=1.5,
+        goal_roofline=0.30,
+        min_median_speedup=min(r["speedup"] for r in rows),
+        min_median_roofline=min(r["roofline"] for r in rows),
+        peak_flops=roof["peak_flops"],
+        bandwidth=roof["bandwidth"],
+        load_avg_start=list(load_start),
+        load_avg_end=list(os.getloadavg()),
+        rows=rows,
+      )
     )
   )
 

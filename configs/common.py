@@ -73,6 +73,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.sampler.temperature = 1.0  # training rollouts (released runs: 1.0)
   c.sampler.top_p = 1.0  # 1.0 = off (keeps behavior log-probs equal to the policy's)
   c.sampler.top_k = 0  # 0 = off
+  c.sampler.draw = "inverse_cdf"  # token draw: inverse_cdf (2 uniforms/row) | gumbel (earlier runs' stream per seed)
+  c.sampler.param_dtype = "auto"  # sampler weights: auto (bf16 on accelerators, as given on CPU) | float32 | bfloat16
+  c.sampler.mesh_shape = (-1, 1, 1)  # async sampler's (data, fsdp, tensor) mesh over its devices (sync/lag: learner's)
 
   c.vcpo = vcpo_overrides()  # overrides of the method preset: one None placeholder per estimator.PGConfig field
 

@@ -1,6 +1,7 @@
 """Tests for vcpo_jax.sampler: equivalence with the uncached forward, on-policy log-probs,
 filtering semantics, stop handling, determinism and a compile count."""
 
+import dataclasses
 import functools
 
 import jax
@@ -298,3 +299,121 @@ def test_bf16_params_and_cache():
   assert (r.lengths == 6).all() and np.isfinite(r.behavior_logp).all()
   with pytest.raises(ValueError, match="param_dtype"):
     S.SamplerConfig(param_dtype="float16")
+
+
+# ----------------------------------------------------------------------------- the draw: exact inverse CDF
+
+
+def _chi2(counts, probs):
+  """Pearson's statistic over the cells with probs > 0, and the degrees of freedom."""
+  keep = probs > 0
+  n = counts.sum()
+  return float((((counts - n * probs) ** 2)[keep] / (n * probs[keep])).sum()), int(keep.sum() - 1)
+
+
+@pytest.mark.parametrize("v,block", [(12, 4), (50, 8), (50, None)])
+def test_inverse_cdf_draws_the_exact_distribution(v, block):
+  """200k draws from one row (some tokens removed, -inf): chi-square within 5 sigma of its mean (fixed seed),
+  removed tokens never drawn, recorded logp = the exact log-probability. V=50 with blocks of 8 pads the last."""
+  rng = np.random.default_rng(v)
+  x = (rng.normal(size=v) * 2.0).astype(np.float32)
+  x[rng.choice(v, v // 4, replace=False)] = -np.inf
+  p = np.exp(x - x.max())
+  p /= p.sum()
+  n = 200_000
+  u = jax.random.uniform(jax.random.key(0), (n, 2))
+  tok, logp = jax.jit(S.inverse_cdf_sample, static_argnums=2)(jnp.broadcast_to(x, (n, v)), u, block)
+  tok, logp = np.asarray(tok), np.asarray(logp)
+  assert np.isfinite(x[tok]).all()
+  np.testing.assert_allclose(logp, np.log(p[tok]), atol=2e-6)
+  stat, df = _chi2(np.bincount(tok, minlength=v), p)
+  assert stat < df + 5 * np.sqrt(2 * df), (stat, df)
+
+
+def test_inverse_cdf_edges_never_pick_a_removed_token():
+  """u = 0 picks the first kept token, u just below 1 the last kept one, across block boundaries."""
+  x = np.full((4, 20), -np.inf, np.float32)
+  x[:, [3, 9]] = 0.0  # kept: 3 (block 0 of 8) and 9 (block 1); blocks 2 (16..19) are empty
+  u = np.array([[0.0, 0.0], [np.float32(1 - 2**-24)] * 2, [0.49, 0.0], [0.51, 0.999]], np.float32)
+  tok, logp = S.inverse_cdf_sample(jnp.asarray(x), jnp.asarray(u), 8)
+  np.testing.assert_array_equal(tok, [3, 9, 3, 9])
+  np.testing.assert_allclose(logp, np.log(0.5), atol=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def _step_keys(n):
+  """Decode-step keys of rows 0..n-1 as generate derives them (fold_in row, then step)."""
+  return jax.jit(jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(jax.random.key(2), r), 5)))(jnp.arange(n))
+
+
+@pytest.mark.parametrize(
+  "draw,top_k,top_p",
+  [
+    ("inverse_cdf", 0, 1.0),
+    ("inverse_cdf", 0, 0.7),
+    ("inverse_cdf", 6, 0.9),
+    ("inverse_cdf", 4, 1.0),
+    ("gumbel", 0, 0.7),
+  ],
+)
+def test_choose_samples_the_filtered_distribution_and_records_its_logp(draw, top_k, top_p):
+  """The token choice of a decode step (per-row keys as in generate) on one row of 40 logits: the support is
+  exactly the reference nucleus (top-k, then top-p), the draws follow its renormalized probabilities (chi-square),
+  and the recorded logp is that distribution's (logp_mode sampled) or the tempered full softmax (tempered)."""
+  rng = np.random.default_rng(1)
+  row = (rng.normal(size=40) * 1.5).astype(np.float32)
+  ref = _nucleus(row, 0.7, top_k, top_p)
+  n = 20_000
+  keys = _step_keys(n)
+  cfg = S.SamplerConfig(temperature=0.7, top_k=top_k, top_p=top_p, draw=draw)
+  x = jnp.broadcast_to(jnp.asarray(row), (n, 40))
+  tok, logp = jax.jit(lambda x, k: S._choose(x, k, cfg))(x, keys)
+  tok, logp = np.asarray(tok), np.asarray(logp)
+  assert set(np.unique(tok).tolist()) == set(ref)  # every kept token appears, no other
+  np.testing.assert_allclose(logp, [ref[t] for t in tok.tolist()], atol=2e-5)
+  probs = np.zeros(40)
+  probs[list(ref)] = np.exp(list(ref.values()))
+  stat, df = _chi2(np.bincount(tok, minlength=40), probs)
+  assert stat < df + 5 * np.sqrt(2 * df) + 1, (stat, df)
+  tempered = dataclasses.replace(cfg, logp_mode="tempered")
+  tok_t, logp_t = jax.jit(lambda x, k: S._choose(x, k, tempered))(x[:64], keys[:64])
+  np.testing.assert_array_equal(tok_t, tok[:64])
+  np.testing.assert_allclose(logp_t, _log_softmax(row / 0.7)[np.asarray(tok_t)], atol=2e-5)
+
+
+def test_greedy_choice_is_the_argmax_for_both_draws():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 33)).astype(np.float32))
+  keys = jax.random.split(jax.random.key(0), 5)
+  for draw in S.DRAWS:
+    tok, logp = S._choose(x, keys, S.SamplerConfig(temperature=0.0, draw=draw))
+    np.testing.assert_array_equal(tok, np.argmax(np.asarray(x), -1))
+    np.testing.assert_array_equal(logp, 0.0)
+
+
+# ----------------------------------------------------------------------------- construction: dtype, mesh, config
+
+
+def test_param_dtype_auto_and_config_fields():
+  assert S.resolve_param_dtype("auto", "cpu") is None  # the CPU default keeps float32 (its results per seed)
+  assert S.resolve_param_dtype("auto", "gpu") == jnp.bfloat16 and S.resolve_param_dtype("auto", "tpu") == jnp.bfloat16
+  assert S.resolve_param_dtype("", "gpu") is None and S.resolve_param_dtype("float32", "tpu") == jnp.float32
+  with pytest.raises(ValueError, match="mesh_shape"):
+    S.SamplerConfig(mesh_shape=(1, 2))
+  from vcpo_jax import run_config
+
+  for field, value in [("param_dtype", "fp16"), ("mesh_shape", (1, 2)), ("draw", "argmax")]:
+    with pytest.raises(run_config.ConfigError, match=f"config.sampler.{field}="):
+      run_config.SamplingConfig(**{field: value})
+  mesh = S.sampler_mesh(S.SamplerConfig(mesh_shape=(2, 1, -1)), jax.devices()[:4])
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+
+
+def test_unprepared_params_are_cast_inside_the_call():
+  """param_dtype=bfloat16 with float32 params passed as they are = the same rows as prepared bf16 params."""
+  gd, params, _ = _model()
+  smp = S.Sampler(gd, CFG, S.SamplerConfig(**{**SMALL, "param_dtype": "bfloat16"}))
+  key = jax.random.key(1)
+  a = smp.generate(params, PROMPTS, key, max_new_tokens=6)
+  b = smp.generate(smp.prepare_params(params), PROMPTS, key, max_new_tokens=6)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.behavior_logp, b.behavior_logp)

@@ -28,7 +28,7 @@ import math
 import os
 import re
 
-from vcpo_jax import estimator, tasks
+from vcpo_jax import estimator, sharding, tasks
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.model import config as model_config
@@ -94,8 +94,22 @@ class SamplingConfig:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  draw: str = "inverse_cdf"
+  param_dtype: str = "auto"
+  mesh_shape: tuple = (-1, 1, 1)
 
   def __post_init__(self):
+    _check(self.draw in ("inverse_cdf", "gumbel"), "sampler.draw", self.draw, "use inverse_cdf or gumbel.")
+    _check(
+      self.param_dtype in ("", "auto", "float32", "bfloat16"),
+      "sampler.param_dtype",
+      self.param_dtype,
+      "use auto (bf16 on accelerators), float32 or bfloat16.",
+    )
+    try:
+      object.__setattr__(self, "mesh_shape", sharding.MeshConfig(tuple(self.mesh_shape)).shape)
+    except (ValueError, TypeError) as e:
+      _check(False, "sampler.mesh_shape", self.mesh_shape, f"{e}")
     _check(
       _finite(self.temperature) and self.temperature > 0,
       "sampler.temperature",

@@ -82,6 +82,9 @@ def make_sampler_cfg(spec: RunSpec, tokenizer, *, temperature, top_p, top_k, max
     prompt_buckets=(spec.rollout.max_prompt_len,),
     new_token_buckets=(max_new_tokens,),
     batch_buckets=tuple(sorted({1, spec.rollout.batch_size, spec.eval_batch_size})),
+    draw=spec.sampling.draw,
+    param_dtype=spec.sampling.param_dtype,
+    mesh_shape=spec.sampling.mesh_shape,
   )
 
 
@@ -166,6 +169,7 @@ def run(config, workdir: str) -> dict:
       top_k=spec.top_k,
       max_new_tokens=spec.rollout.max_new_tokens,
     ),
+    mesh=mesh,  # sync/lag sample on the learner's devices: its mesh, so the published params need no move
   )
   if spec.multiturn is None:
     maker = RolloutMaker(spec.rollout, tokenizer, train_sampler, train_problems)
@@ -176,7 +180,9 @@ def run(config, workdir: str) -> dict:
       spec.rollout,
       spec.multiturn,
       tokenizer,
-      Sampler(graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn)),
+      Sampler(
+        graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn), mesh=mesh
+      ),
       train_problems,
     )
   # ---------------------------------------------------------------- Evals
@@ -197,7 +203,7 @@ def run(config, workdir: str) -> dict:
     eval_base = multiturn.sampler_config(eval_base, spec.rollout, spec.multiturn)
     eval_episodes = maker.eval_episodes
   eval_sampling = evaluation.EvalSampling(
-    lambda cfg: Sampler(graphdef, model_cfg, cfg),
+    lambda cfg: Sampler(graphdef, model_cfg, cfg, mesh=mesh),
     eval_base,
     tokenizer,
     chat_template=spec.rollout.chat_template,

@@ -192,7 +192,7 @@ class _Worker:
     import jax
 
     from vcpo_jax.rollout.common import RolloutMaker
-    from vcpo_jax.sampler import Sampler
+    from vcpo_jax.sampler import Sampler, sampler_mesh
 
     a = self.args
     graphdef, abstract = abstract_params(a.model_cfg)
@@ -207,7 +207,8 @@ class _Worker:
     self.treedef = jax.tree.structure(abstract)
     self.dtypes = [x.dtype for x in jax.tree.leaves(abstract)]
     self.key = jax.random.wrap_key_data(np.asarray(a.key_data), impl=a.key_impl)
-    sampler = Sampler(graphdef, a.model_cfg, a.sampler_cfg)
+    # Its own mesh over this process's devices (async_.sampler_devices); params in sampler.param_dtype.
+    self.sampler = sampler = Sampler(graphdef, a.model_cfg, a.sampler_cfg, mesh=sampler_mesh(a.sampler_cfg))
     if a.multiturn is None:
       self.maker = RolloutMaker(a.rollout, a.tokenizer, sampler, a.problems)
     else:  # the sandbox spawns `python -I -S` children (never forks this JAX process)
@@ -236,8 +237,13 @@ class _Worker:
         continue
       self._checksum = checksum(arrays, self.args.param_names)  # of exactly what was read: echoed per batch
       # Published in the learner's publish dtype (bf16 on accelerators); the model gets its parameter dtype.
-      leaves = [jnp.asarray(arrays[n], dtype=d) for n, d in zip(self.args.param_names, self.dtypes)]
-      self._version, self._params = version, jax.tree.unflatten(self.treedef, leaves)
+      # Floating leaves go straight to the sampler's parameter dtype when it has one (no float32 copy).
+      to = lambda d: (
+        self.sampler.param_dtype if self.sampler.param_dtype is not None and jnp.issubdtype(d, jnp.floating) else d
+      )
+      leaves = [jnp.asarray(arrays[n], dtype=to(d)) for n, d in zip(self.args.param_names, self.dtypes)]
+      # Once per version: cast to the sampler's parameter dtype (bf16 on accelerators) and placed on its mesh.
+      self._version, self._params = version, self.sampler.prepare_params(jax.tree.unflatten(self.treedef, leaves))
       break
     self.idle_s += time.monotonic() - t0
     return self._version, self._params
