@@ -528,6 +528,7 @@ class Sampler:
         )
     self.graphdef, self.cfg_model, self.cfg = graphdef, cfg_model, sampler_cfg
     self.num_traces = 0  # incremented at trace time: the compile-count test reads it
+    self.last_decode_steps = 0
 
     def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
@@ -750,6 +751,7 @@ class Sampler:
         free = np.flatnonzero(slot_row < 0)
         if waiting and free.size and (refill or free.size == b):
           st = start(st, free)
+    self.last_decode_steps = int(jax.device_get(st.j))  # decode steps of the last chunked run (tests, benchmarks)
     return prompt, valid, out_toks, out_logps, out_vers, out_len, out_fin
 
   def generate(
