@@ -489,3 +489,32 @@ def test_inflight_off_keeps_the_learners_sampler_config_and_one_version_per_row(
     assert 0 <= r["train/token_lag_min"] <= r["train/token_lag_mean"] <= r["train/token_lag_max"] <= 2
     assert 0.0 <= r["train/multi_version_frac"] <= 1.0 and 0.0 <= r["time/sampler_idle_frac"] <= 1.0
     assert r["train/lag_max"] == r["train/token_lag_max"]  # a row's lag is its oldest token's
+
+
+@pytest.mark.parametrize(
+  "key,value,match",
+  [
+    ("decode", "fast", "async_.decode"),
+    ("chunk_tokens", 0, "async_.chunk_tokens"),
+    ("update_every_tokens", -1, "async_.update_every_tokens"),
+  ],
+)
+def test_bad_inflight_settings_fail_in_config_parsing(key, value, match):
+  cfg = _tiny()
+  cfg.async_[key] = value
+  with pytest.raises(run_config.ConfigError, match=match):
+    run_config.parse_config(cfg, check_prompts=False)
+
+
+def test_token_lag_stats_hand_checked():
+  """Step 5, k = 2: row 0 versions 3, 3, 4; row 1 versions 5, 5 (one version); -1 off the responses."""
+  import numpy as np
+
+  tv = np.array([[-1, 3, 3, 4, -1], [-1, -1, 5, 5, -1]])
+  m = async_.token_lag_stats(5, tv)
+  assert m == {
+    "train/token_lag_min": 0.0,
+    "train/token_lag_mean": (2 + 2 + 1 + 0 + 0) / 5,
+    "train/token_lag_max": 2.0,
+    "train/multi_version_frac": 0.5,
+  }
