@@ -38,6 +38,18 @@ buckets (configurable lists), so after one call per (B, Tp, Tn) bucket nothing t
 again; max_new_tokens within a bucket and the stop-token set are runtime values.
 Randomness is per row: row n at step i uses fold_in(fold_in(rng, n), i), so a row's
 sample does not depend on which other rows share its batch.
+
+Decode loops (`SamplerConfig.decode`): "static" runs the whole generation of a batch in one
+jitted while_loop (`_generate_device`); "chunked" and "refill" are host-driven
+(`Sampler._run_chunked`): B slots, jitted chunks of `chunk_tokens` decode steps
+(`_chunk_device`), and between chunks the host collects finished rows and, with "refill",
+starts waiting rows (the next prompt or the next sample of a group) in the freed slots
+(`_refill_device`: prefill + first token), so the batch stays full instead of idling until
+its longest row ends. Rows come back in prompt-major order whatever order they finished in.
+Between chunks the parameters may also change (in-flight updates, `generate(on_chunk=...)`):
+each token records the version that sampled it (Rollout.token_version) and its behaviour
+log-prob is that version's; the cache is kept (`recompute_kv` recomputes it). The three modes
+draw the same tokens for the same key (same per-row keys; logits equal up to float rounding).
 """
 
 from __future__ import annotations

@@ -11,6 +11,16 @@ rather than produce a staler batch; nothing is generated and then discarded.
 Unlike `lag` mode the lag is not exact (the worker takes the newest version it
 finds), so runs are not bit-for-bit reproducible; `state()` keeps no versions.
 
+In-flight updates (`async_.inflight_updates`, default off = one version per batch, the
+sampler's static decode): the worker switches to newer parameters between decode chunks
+(worker.py); rows then carry per-token versions (queue field token_version [N, T]) and
+policy_version = the oldest token's, which the bound [step - k, step] is checked on; every
+token version is checked to lie in it too. Each batch's info["metrics"] carries
+train/token_lag_{min,mean,max} and train/multi_version_frac (`token_lag_stats`), logged by
+the trainer with the other per-step metrics. `async_.decode` ("static" | "chunked" |
+"refill") picks the sampler process's decode loop (sampler.py); in-flight updates need a
+chunked one ("static" then runs "chunked").
+
 Resume keeps queued rollouts: `queued_state()` (called by every checkpoint save:
 periodic, final, SIGINT / SIGTERM) drains the shared-memory queue into a host
 list of batches the learner has received but not consumed (arrays + metadata:

@@ -25,6 +25,15 @@ Loop, for b = first_step, first_step + 1, ..., end_step - 1:
      JSON metadata,
   4. put it into the queue (blocks while the queue is full: back-pressure).
 
+In-flight updates (`WorkerArgs.inflight`, async_.inflight_updates): during 3 the sampler
+decodes in chunks and, every `update_every_tokens` decode steps, `_on_chunk` looks at the
+slot; a newer version is loaded and samples every later token of the batch (the KV cache
+is kept, or recomputed with `recompute_kv`). Each token records its version
+(batch["token_version"]), its behaviour log-prob is the one of that version, and
+policy_version is the row's OLDEST token's, so the bound of step 1 (on the version a batch
+starts with) is the lag bound of the oldest token; later tokens are fresher. The batch's
+metadata echoes the checksum of every version it used.
+
 Idle time = time blocked in 1 (the bound) and 4 (a full queue); the totals
 travel with each batch so the learner can report the sampler's idle fraction.
 
@@ -221,7 +230,6 @@ class _Worker:
 
   def _params_for(self, step: int):
     """(version, params) with version >= step - k, newest available; blocks (idle) until then."""
-
 
     need = max(0, step - self.args.k)
     t0 = time.monotonic()
