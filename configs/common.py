@@ -106,6 +106,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.async_.sampler_env = ml_collections.ConfigDict()  # extra environment variables of the sampler process
   c.async_.background_publish = True  # publish() hands the copy to a thread (False: copy on the learner's path)
   c.async_.publish_dtype = "auto"  # slot dtype of floating params: "auto" (bf16 on accelerators, f32 on CPU)
+  c.async_.decode = "static"  # sampler process: static (one device loop) | chunked | refill (continuous batching)
+  c.async_.chunk_tokens = 16  # decode steps per jitted chunk ("chunked" / "refill" / in-flight updates)
+  c.async_.inflight_updates = False  # switch to newer params between decode chunks; per-token versions
+  c.async_.update_every_tokens = 16  # in-flight: check the parameter slot every this many decode steps
+  c.async_.recompute_kv = False  # in-flight: recompute the KV cache under the new params (False: keep it)
 
   c.eval = ml_collections.ConfigDict()
   c.eval.dataset = ""  # held-out data set name ("" = the training task), e.g. math500 or aime

@@ -425,3 +425,96 @@ def test_script_without_main_guard_fails_clearly_instead_of_hanging(tmp_path):
   )
   assert "LEARNER SamplerDiedError" in out.stdout, (out.stdout + out.stderr)[-3000:]
   assert "exited with code 1" in out.stdout
+
+
+# ----------------------------------------------------------------------------- in-flight updates (helper inflight)
+
+
+def _check_token_versions(step, batch, k):
+  """Per-token versions: -1 exactly off the responses, non-decreasing along a row, the row's policy_version
+  is its oldest token's and lies within the lag bound, none newer than the consuming step."""
+  import numpy as np
+
+  tv, resp = batch["token_version"], batch["loss_mask"]
+  assert ((tv >= 0) == resp).all()
+  for n in range(tv.shape[0]):
+    row = tv[n][resp[n]]
+    assert (np.diff(row) >= 0).all(), (step, n, row)
+    assert row.min() == batch["policy_version"][n]
+  assert (step - k <= tv[resp]).all() and (tv[resp] <= step).all()
+  return (np.where(resp, tv, -1).max(1) > np.where(resp, tv, 1 << 30).min(1)).mean()
+
+
+def test_inflight_updates_switch_versions_between_chunks_within_the_lag_bound():
+  """The learner publishes version s + 1 right after consuming batch s (as trainer.run does, without the
+  training in between): the worker, making batches up to k ahead, picks newer versions up between decode
+  chunks, so trajectories span several versions; every bound holds; the metrics describe the batch."""
+  k, steps = 2, 6
+  cfg = _tiny(steps=steps, **{"lag.k": k, "async_.queue_slots": k + 2})
+  for key, value in {"inflight_updates": True, "update_every_tokens": 1, "chunk_tokens": 1}.items():
+    cfg.async_[key] = value
+  src, params = _source(cfg)
+  assert src._worker_sampler_cfg().decode == "chunked" and src._worker_sampler_cfg().chunk_tokens == 1
+  multi = []
+  try:
+    src.publish(params, 0)
+    for step in range(steps):
+      batch, info = src.next(step)
+      multi.append(_check_token_versions(step, batch, k))
+      m = info["metrics"]
+      assert m["train/multi_version_frac"] == pytest.approx(multi[-1])
+      assert 0 <= m["train/token_lag_min"] <= m["train/token_lag_mean"] <= m["train/token_lag_max"] <= k
+      src.publish(jax.tree.map(lambda x: x * (1.0 + 0.05 * (step + 1)), params), step + 1)
+  finally:
+    src.close()
+  assert max(multi) > 0, multi  # some trajectories were sampled by several versions
+
+
+def test_inflight_off_keeps_the_learners_sampler_config_and_one_version_per_row(tmp_path, monkeypatch):
+  """Default (off): the worker gets the learner's sampler config unchanged (the static one-loop decode, so
+  today's tokens); trainer.run with in-flight updates on trains and logs the token-lag metrics."""
+  off, _ = _source(_tiny(steps=2))
+  try:
+    assert off._worker_sampler_cfg() is off.maker.sampler.cfg and not off.inflight
+  finally:
+    off.close()
+  workdir = str(tmp_path / "run")
+  cfg = _tiny(steps=3)
+  cfg.async_.inflight_updates, cfg.async_.update_every_tokens, cfg.async_.chunk_tokens = True, 2, 2
+  summary = trainer.run(cfg, workdir)
+  assert summary["step"] == 3
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == [1, 2, 3]
+  for r in recs:
+    assert 0 <= r["train/token_lag_min"] <= r["train/token_lag_mean"] <= r["train/token_lag_max"] <= 2
+    assert 0.0 <= r["train/multi_version_frac"] <= 1.0 and 0.0 <= r["time/sampler_idle_frac"] <= 1.0
+    assert r["train/lag_max"] == r["train/token_lag_max"]  # a row's lag is its oldest token's
+
+
+@pytest.mark.parametrize(
+  "key,value,match",
+  [
+    ("decode", "fast", "async_.decode"),
+    ("chunk_tokens", 0, "async_.chunk_tokens"),
+    ("update_every_tokens", -1, "async_.update_every_tokens"),
+  ],
+)
+def test_bad_inflight_settings_fail_in_config_parsing(key, value, match):
+  cfg = _tiny()
+  cfg.async_[key] = value
+  with pytest.raises(run_config.ConfigError, match=match):
+    run_config.parse_config(cfg, check_prompts=False)
+
+
+def test_token_lag_stats_hand_checked():
+  """Step 5, k = 2: row 0 versions 3, 3, 4; row 1 versions 5, 5 (one version); -1 off the responses."""
+  import numpy as np
+
+  tv = np.array([[-1, 3, 3, 4, -1], [-1, -1, 5, 5, -1]])
+  m = async_.token_lag_stats(5, tv)
+  assert m == {
+    "train/token_lag_min": 0.0,
+    "train/token_lag_mean": (2 + 2 + 1 + 0 + 0) / 5,
+    "train/token_lag_max": 2.0,
+    "train/multi_version_frac": 0.5,
+  }

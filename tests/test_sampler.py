@@ -417,3 +417,90 @@ def test_unprepared_params_are_cast_inside_the_call():
   b = smp.generate(smp.prepare_params(params), PROMPTS, key, max_new_tokens=6)
   np.testing.assert_array_equal(a.tokens, b.tokens)
   np.testing.assert_array_equal(a.behavior_logp, b.behavior_logp)
+
+
+# ----------------------------------------------------------------------------- chunked decode, refill (helper inflight)
+
+CHUNKED = dict(batch_buckets=(1, 2, 4), chunk_tokens=3, stop_ids=tuple(range(0, 256, 16)))
+
+
+def test_chunked_and_refill_decode_give_the_static_rows():
+  """Same key per (row, token index) in every mode: the refilling engine (4 slots, 12 rows, stop ids ending
+  rows at varied lengths) gives the static rows, in the static (prompt-major) order."""
+  _, params, _ = _model()
+  smp = _sampler(temperature=1.0, **CHUNKED)
+  prompts = PROMPTS * 2
+  ref = smp.generate(params, prompts, jax.random.key(5), num_samples=2, max_new_tokens=12)
+  assert len(set(ref.lengths.tolist())) > 3 and ref.finished.any() and not ref.finished.all()
+  for mode in ("chunked", "refill"):
+    r = smp.generate(params, prompts, jax.random.key(5), num_samples=2, max_new_tokens=12, decode=mode, version=7)
+    for f in ("tokens", "response_mask", "prompt_mask", "lengths", "finished", "group_id"):
+      np.testing.assert_array_equal(getattr(r, f), getattr(ref, f), err_msg=f"{mode}: {f}")
+    np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
+    np.testing.assert_array_equal(r.token_version, np.where(ref.response_mask, 7, -1))
+  np.testing.assert_array_equal(ref.token_version, np.where(ref.response_mask, 0, -1))
+
+
+def _slot_schedule(budgets, b, chunk, refill):
+  """Reference schedule of the chunked engine: total decode steps for rows with these budgets on b slots.
+
+  A started row has budget - 1 tokens left (its first comes from the prefill); a chunk runs min(chunk, most
+  left) steps; after it, ended rows free their slots, which take waiting rows (refill) or, without refill,
+  the next b rows start once every slot is free."""
+  waiting, left, steps = list(budgets), [None] * b, 0
+  fill = lambda: [waiting.pop(0) - 1 if x is None and waiting else x for x in left]
+  left = fill()
+  while any(x is not None for x in left):
+    n = min(chunk, max(x for x in left if x is not None))
+    steps += n
+    left = [None if x is None or x - n <= 0 else x - n for x in left]
+    if refill or all(x is None for x in left):
+      left = fill()
+  return steps
+
+
+def test_refill_runs_fewer_decode_steps_with_long_tailed_budgets():
+  """Budgets 1,1,1,12 per 4 rows: static batching runs every batch for 11 decode steps (44); refilling
+  slots as rows end needs far fewer (the reference schedule's count). Rows keep their budgets (no stop ids),
+  their order and their tokens."""
+  _, params, _ = _model()
+  smp = _sampler(temperature=1.0, batch_buckets=(1, 2, 4), chunk_tokens=2)
+  budgets = [1, 1, 1, 12] * 4
+  out = {}
+  for mode in ("chunked", "refill"):
+    r = smp.generate(params, [[5, 6]] * 16, jax.random.key(2), max_new_tokens=12, decode=mode, budgets=budgets)
+    np.testing.assert_array_equal(r.lengths, budgets)
+    assert smp.last_decode_steps == _slot_schedule(budgets, 4, 2, refill=mode == "refill"), mode
+    out[mode] = r
+  np.testing.assert_array_equal(out["refill"].tokens, out["chunked"].tokens)
+  assert _slot_schedule(budgets, 4, 2, refill=False) == 4 * 11  # a chunk ends early once every row is done
+  assert _slot_schedule(budgets, 4, 2, refill=True) == 23
+
+
+def test_inflight_update_records_versions_and_logp_of_the_version_that_sampled():
+  """on_chunk swaps in version 1 after the first chunk: tokens 0..3 (prefill + 3 decode steps) are version 0,
+  the rest version 1. With recompute_kv the behaviour log-prob of every token equals the full-forward
+  log-prob under the version recorded for it (temperature 1, no filtering: log softmax of the logits)."""
+  _, params, sharp = _model()
+  smp = _sampler(temperature=1.0, batch_buckets=(1, 2, 4), chunk_tokens=3)
+  calls = []
+
+  def on_chunk(steps):
+    calls.append(steps)
+    return (sharp, 1) if len(calls) == 1 else None
+
+  r = smp.generate(
+    params, PROMPTS, jax.random.key(9), max_new_tokens=10, decode="refill", on_chunk=on_chunk, recompute_kv=True
+  )
+  assert calls[0] == 3 and (r.lengths == 10).all()
+  resp_v = r.token_version[:, 8:]
+  np.testing.assert_array_equal(resp_v[:, :4], 0)
+  np.testing.assert_array_equal(resp_v[:, 4:10], 1)
+  for n in range(len(PROMPTS)):
+    seq = r.tokens[n][r.prompt_mask[n] | r.response_mask[n]].tolist()
+    lp = {v: np.stack([_log_softmax(x) for x in _full_logits(p, seq)]) for v, p in ((0, params), (1, sharp))}
+    p_len = int(r.prompt_lengths[n])
+    for i in range(10):
+      v = int(resp_v[n, i])
+      want = lp[v][p_len + i - 1, seq[p_len + i]]
+      np.testing.assert_allclose(r.behavior_logp[n, 8 + i], want, atol=2e-4, err_msg=f"row {n} token {i} v{v}")

@@ -11,7 +11,8 @@ budget columns; shapes are fixed per run, so the jitted step compiles once.
   rewards         [N]     float32  task reward in [0, 1]
   correct         [N]     float32  1.0 where the reward counts as correct (tasks.is_correct)
   group_id        [N]     int32    prompt index in the batch (advantages compare within a group)
-  policy_version  [N]     int32    parameter version that sampled the row (lag statistics)
+  policy_version  [N]     int32    parameter version that sampled the row's OLDEST token (the lag bound applies to it)
+  token_version   [N, T]  int32    parameter version that sampled each response token (-1 elsewhere; in-flight updates)
 
 Every consumer derives its key set from here: the learner's device input
 (`DEVICE_KEYS`, `Batch.device()`), the estimator's required keys (`PG_KEYS`)
@@ -43,6 +44,7 @@ FIELDS: dict[str, tuple[Any, str]] = {
   "correct": (np.float32, "N"),
   "group_id": (np.int32, "N"),
   "policy_version": (np.int32, "N"),
+  "token_version": (np.int32, "NT"),
 }
 
 # What the jitted learner step consumes (correct stays on the host). policy_version: the version-aware
@@ -76,6 +78,7 @@ class Batch(Mapping):
   correct: Any
   group_id: Any
   policy_version: Any
+  token_version: Any
 
   @classmethod
   def from_arrays(cls, arrays: Mapping[str, Any]) -> Batch:

@@ -142,6 +142,11 @@ class AsyncConfig:
   startup_timeout_s: float = 600.0
   sampler_cpus: str = ""
   sampler_env: dict = dataclasses.field(default_factory=dict)
+  decode: str = "static"
+  chunk_tokens: int = 16
+  inflight_updates: bool = False
+  update_every_tokens: int = 16
+  recompute_kv: bool = False
   extra: dict = dataclasses.field(default_factory=dict)  # config.async_ keys not modelled here, passed on
 
   def __post_init__(self):
@@ -156,6 +161,14 @@ class AsyncConfig:
       self.sampler_devices,
       "use distinct device ids like '1' or '6,7' ('' = share the learner's devices).",
     )
+    from vcpo_jax.sampler import DECODE_MODES
+
+    _check(self.decode in DECODE_MODES, "async_.decode", self.decode, f"choose one of {DECODE_MODES}.")
+    for f in ("chunk_tokens", "update_every_tokens"):
+      v = getattr(self, f)
+      _check(isinstance(v, int) and v >= 1, f"async_.{f}", v, "must be an int >= 1 (decode steps).")
+    for f in ("inflight_updates", "recompute_kv"):
+      _check(isinstance(getattr(self, f), bool), f"async_.{f}", getattr(self, f), "must be True or False.")
     from vcpo_jax.rollout.async_ import parse_cpus  # the one parser of CPU lists ("1", "0,2", "2-3")
 
     with _section("async_"):
@@ -267,6 +280,12 @@ class RunSpec:
       "lag.k",
       self.k,
       "mode='async' needs a staleness budget k >= 1 (the sampler runs ahead by up to k steps).",
+    )
+    _check(
+      not (self.async_.inflight_updates and self.multiturn is not None),
+      "async_.inflight_updates",
+      True,
+      "in-flight updates cover single-turn rollouts only; set it False for task.multiturn.enabled runs.",
     )
     _check(
       self.on_nonfinite in ("skip", "abort"), "learner.on_nonfinite", self.on_nonfinite, "choose 'skip' or 'abort'."

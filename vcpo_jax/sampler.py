@@ -42,13 +42,27 @@ is an exact two-level inverse CDF with two uniforms per row (`inverse_cdf_sample
 [B, V] noise and no sort; 1.2 ms against 61 ms for Gumbel noise at B = 64, V = 8192 on
 the shared 2-core CPU), or "gumbel" (jax.random.categorical), the draw of earlier versions:
 the same distribution, another random stream, so it reproduces earlier runs per seed.
+
+Decode loops (`SamplerConfig.decode`): "static" runs the whole generation of a batch in one
+jitted while_loop (`_generate_device`); "chunked" and "refill" are host-driven
+(`Sampler._run_chunked`): B slots, jitted chunks of `chunk_tokens` decode steps
+(`_chunk_device`), and between chunks the host collects finished rows and, with "refill",
+starts waiting rows (the next prompt or the next sample of a group) in the freed slots
+(`_refill_device`: prefill + first token), so the batch stays full instead of idling until
+its longest row ends. Rows come back in prompt-major order whatever order they finished in.
+Between chunks the parameters may also change (in-flight updates, `generate(on_chunk=...)`):
+each token records the version that sampled it (Rollout.token_version) and its behaviour
+log-prob is that version's; the cache is kept (`recompute_kv` recomputes it). The three modes
+draw the same tokens for the same key (same per-row keys; logits equal up to float rounding).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -63,6 +77,7 @@ from vcpo_jax.model.config import ModelConfig
 LOGP_MODES = ("sampled", "tempered")
 DRAWS = ("inverse_cdf", "gumbel")
 PARAM_DTYPES = ("", "auto", "float32", "bfloat16")
+DECODE_MODES = ("static", "chunked", "refill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +109,15 @@ class SamplerConfig:
       step. The KV cache is always in the model's compute dtype (ModelConfig.dtype).
     mesh_shape: (data, fsdp, tensor) shape of the mesh a sampler process builds over its own devices
       (`sampler_mesh`; -1 = all remaining). The sync/lag trainer shares the learner's mesh instead.
+    param_dtype: "" (use the parameters as given) or "bfloat16": `Sampler.prepare_params` casts the
+      float32 parameters once (half the weight memory and bandwidth per decode step). The KV cache
+      is always in the model's compute dtype (ModelConfig.dtype).
+    decode: "static" (default: the whole generation in one on-device loop, every row of a batch
+      runs until the longest ends), "chunked" (host-driven: jitted chunks of `chunk_tokens` decode
+      steps; between chunks the parameters may change, see `generate(on_chunk=...)`) or "refill"
+      (chunked, and a finished row's slot takes the next waiting row: continuous batching).
+      Every mode gives row n's token i the key fold_in(fold_in(rng, n), i).
+    chunk_tokens: decode steps per chunk ("chunked" / "refill").
   """
 
   temperature: float = 1.0
@@ -111,6 +135,8 @@ class SamplerConfig:
   prefill_chunk: int = 0
   param_dtype: str = ""
   mesh_shape: tuple[int, int, int] = (-1, 1, 1)
+  decode: str = "static"
+  chunk_tokens: int = 32
 
   def __post_init__(self):
     if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -131,6 +157,12 @@ class SamplerConfig:
       object.__setattr__(self, "mesh_shape", sh.MeshConfig(tuple(self.mesh_shape)).shape)
     except ValueError as e:
       raise ValueError(f"SamplerConfig.mesh_shape: {e}") from None
+    if self.decode not in DECODE_MODES:
+      raise ValueError(f"SamplerConfig.decode must be one of {DECODE_MODES}, got {self.decode!r}.")
+    if self.chunk_tokens <= 0:
+      raise ValueError(
+        f"SamplerConfig.chunk_tokens must be positive (decode steps per chunk), got {self.chunk_tokens}."
+      )
     if self.max_new_tokens <= 0:
       raise ValueError(f"SamplerConfig.max_new_tokens must be positive, got {self.max_new_tokens}.")
     for name in ("prompt_buckets", "new_token_buckets", "batch_buckets"):
@@ -170,6 +202,8 @@ class Rollout:
     prompt_lengths: int32 [N] prompt lengths (sum of prompt_mask).
     finished: bool [N] the response ended with EOS / a stop id (False: hit the budget).
     group_id: int32 [N] index of the prompt the row answers.
+    token_version: int32 [N, T] parameter version that sampled each response token (-1 elsewhere);
+      with in-flight updates (`generate(on_chunk=...)`) a row may span several versions.
   """
 
   tokens: np.ndarray
@@ -180,6 +214,7 @@ class Rollout:
   prompt_lengths: np.ndarray
   finished: np.ndarray
   group_id: np.ndarray
+  token_version: np.ndarray | None = None
 
 
 # ----------------------------------------------------------------------------- token choice
@@ -426,6 +461,159 @@ def _generate_device(
   return toks, logps, lengths, finished
 
 
+# ----------------------------------------------------------------------------- chunked decode, continuous batching
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Slots:
+  """Device state of B decode slots for the host-driven engine (`Sampler._run_chunked`).
+
+  Each slot runs one row at a time; a finished slot can be refilled with another row
+  between chunks. Cache columns [0, Tp) hold the slot's prompt; the response keys go
+  to a ring over the Tn response columns: decode step j (counted over the whole batch)
+  writes column Tp + j % Tn for every slot. A row started at step j0 feeds at most
+  Tn - 1 tokens, at columns (j0 ... j0 + Tn - 2) % Tn, so it never overwrites itself;
+  attention takes an explicit mask (kv_valid, not causal-by-column), so the order of
+  the columns does not matter. Refilling a slot clears its response columns.
+
+  Attributes:
+    cache: per-layer (k, v) [B, S, K, H].
+    kv_valid: bool [B, S] columns holding this row's keys.
+    col_tok, col_pos: int32 [B, S] the token and position whose keys each column holds (recompute_kv).
+    toks, logps: [B, Tn] response so far (pad / 0 after it); vers: int32 [B, Tn] version per token (-1 after).
+    lengths: int32 [B] tokens emitted; done: bool [B] (stop token, budget, or an empty slot);
+    finished: bool [B] ended with a stop token; prompt_len, row_id, budget: int32 [B].
+    j: int32 scalar, decode steps run so far.
+  """
+
+  cache: list
+  kv_valid: jax.Array
+  col_tok: jax.Array
+  col_pos: jax.Array
+  toks: jax.Array
+  logps: jax.Array
+  vers: jax.Array
+  lengths: jax.Array
+  done: jax.Array
+  finished: jax.Array
+  prompt_len: jax.Array
+  row_id: jax.Array
+  budget: jax.Array
+  j: jax.Array
+
+
+def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn: int) -> _Slots:
+  s = tp + tn
+  zi = lambda *shape: jnp.zeros(shape, jnp.int32)
+  cache = [tuple(sh.constrain(x, sh.CACHE_BSKH) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  return _Slots(
+    cache=cache,
+    kv_valid=jnp.zeros((b, s), bool),
+    col_tok=zi(b, s),
+    col_pos=zi(b, s),
+    toks=jnp.full((b, tn), cfg.pad_id, jnp.int32),
+    logps=jnp.zeros((b, tn), jnp.float32),
+    vers=jnp.full((b, tn), -1, jnp.int32),
+    lengths=zi(b),
+    done=jnp.ones((b,), bool),
+    finished=jnp.zeros((b,), bool),
+    prompt_len=zi(b),
+    row_id=zi(b),
+    budget=zi(b),
+    j=jnp.int32(0),
+  )
+
+
+def _refill_device(
+  graphdef, cfg_model, cfg, params, st: _Slots, slots_r, prompt_rt, valid_rt, row_ids_r, budget_r, stop_v, version, rng
+):
+  """Starts R rows in slots `slots_r` (int32 [R]; an index >= B is a padding row, dropped): prefill + first token.
+
+  The first token uses the key fold_in(fold_in(rng, row_id), 0), as in `_generate_device`.
+  """
+  tn = st.toks.shape[1]
+  r = prompt_rt.shape[0]
+  last_logits, cache_r, kv_valid_r = _prefill(graphdef, cfg_model, cfg, params, prompt_rt, valid_rt, tn)
+  prompt_len_r = jnp.sum(valid_rt, axis=1, dtype=jnp.int32)
+  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i), 0))(row_ids_r)
+  tok, logp = _choose(last_logits, keys, cfg)
+  stopped = stop_v[tok]
+  positions, _ = transformer.padded_positions_and_mask(valid_rt)
+  put = lambda full, part: full.at[slots_r].set(part.astype(full.dtype), mode="drop")
+  toks_r = jnp.full((r, tn), cfg.pad_id, jnp.int32).at[:, 0].set(tok)
+  return _Slots(
+    cache=[(put(k, kr), put(v, vr)) for (k, v), (kr, vr) in zip(st.cache, cache_r)],
+    kv_valid=put(st.kv_valid, kv_valid_r),
+    col_tok=put(st.col_tok, jnp.pad(prompt_rt, ((0, 0), (0, tn)))),
+    col_pos=put(st.col_pos, jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, tn)))),
+    toks=put(st.toks, toks_r),
+    logps=put(st.logps, jnp.zeros((r, tn), jnp.float32).at[:, 0].set(logp)),
+    vers=put(st.vers, jnp.full((r, tn), -1, jnp.int32).at[:, 0].set(version)),
+    lengths=put(st.lengths, jnp.ones((r,), jnp.int32)),
+    done=put(st.done, stopped | (budget_r <= 1)),
+    finished=put(st.finished, stopped),
+    prompt_len=put(st.prompt_len, prompt_len_r),
+    row_id=put(st.row_id, row_ids_r),
+    budget=put(st.budget, budget_r),
+    j=st.j,
+  )
+
+
+def _chunk_device(graphdef, cfg, num_steps: int, params, st: _Slots, stop_v, version, rng):
+  """Up to `num_steps` decode steps of every slot (fewer once all are done). Row n's token i uses the key
+  fold_in(fold_in(rng, n), i), as in `_generate_device`, so a row's sample does not depend on its slot."""
+  b, s = st.kv_valid.shape
+  tn = st.toks.shape[1]
+  tp = s - tn
+  rows = jnp.arange(b)
+
+  def body(carry):
+    n, st = carry
+    col = tp + st.j % tn
+    last = jnp.maximum(st.lengths - 1, 0)
+    prev = jnp.take_along_axis(st.toks, last[:, None], axis=1)  # [B, 1]
+    pos = (st.prompt_len + last)[:, None]
+    kv_valid = jax.lax.dynamic_update_slice(st.kv_valid, jnp.ones((b, 1), bool), (0, col))
+    logits, cache = transformer.forward(graphdef, params, prev, pos, kv_valid[:, None, :], st.cache, col)
+    keys = jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(rng, r), i))(st.row_id, st.lengths)
+    tok, logp = _choose(logits[:, -1], keys, cfg)
+    live = ~st.done
+    at = jnp.where(live, st.lengths, tn)  # out of range: dropped
+    stopped = live & stop_v[tok]
+    lengths = st.lengths + live.astype(jnp.int32)
+    st = dataclasses.replace(
+      st,
+      cache=cache,
+      kv_valid=kv_valid,
+      col_tok=jax.lax.dynamic_update_slice(st.col_tok, prev, (0, col)),
+      col_pos=jax.lax.dynamic_update_slice(st.col_pos, pos, (0, col)),
+      toks=st.toks.at[rows, at].set(tok, mode="drop"),
+      logps=st.logps.at[rows, at].set(logp, mode="drop"),
+      vers=st.vers.at[rows, at].set(version, mode="drop"),
+      lengths=lengths,
+      done=st.done | stopped | (lengths >= st.budget),
+      finished=st.finished | stopped,
+      j=st.j + 1,
+    )
+    return n + 1, st
+
+  cond = lambda carry: (carry[0] < num_steps) & ~jnp.all(carry[1].done)
+  _, st = jax.lax.while_loop(cond, body, (jnp.int32(0), st))
+  return st
+
+
+def _recompute_kv_device(graphdef, cfg_model, params, st: _Slots) -> _Slots:
+  """The cache recomputed under `params`: every written column from (col_tok, col_pos), causal by position."""
+  b, s = st.kv_valid.shape
+  allowed = st.kv_valid[:, None, :] & (st.col_pos[:, None, :] <= st.col_pos[:, :, None])  # [B, S(query), S(key)]
+  allowed = allowed | jnp.eye(s, dtype=bool)[None]  # unwritten columns attend to themselves (no empty rows)
+  fresh = [tuple(sh.constrain(x, sh.CACHE_BSKH) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  model = nnx.merge(graphdef, params)
+  _, cache = model(st.col_tok, st.col_pos, allowed, fresh, 0, hidden=True)
+  return dataclasses.replace(st, cache=cache)
+
+
 def _bucket(value: int, buckets: Sequence[int], field: str) -> int:
   i = bisect.bisect_left(buckets, value)
   if i == len(buckets):
@@ -488,6 +676,7 @@ class Sampler:
     self.num_traces = 0  # incremented at trace time: the compile-count test reads it
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     self.param_dtype = resolve_param_dtype(sampler_cfg.param_dtype, platform)
+    self.last_decode_steps = 0
 
     def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
@@ -509,6 +698,28 @@ class Sampler:
 
     self._device_fn = jax.jit(device_fn, static_argnames=("num_new",))
     self.mesh, self.rules = mesh, rules
+
+    # The chunked engine ("chunked" / "refill" decode): one jit per (B, Tp, Tn) for the empty slots and the
+    # chunk, per (R, B, Tp, Tn) for a refill; the slot state is donated (updated in place).
+    def traced(fn):
+      def wrapped(*a, **kw):
+        self.num_traces += 1
+        return fn(*a, **kw)
+
+      return wrapped
+
+    self._empty_fn = jax.jit(
+      traced(lambda b, tp, tn: _empty_slots(cfg_model, sampler_cfg, b, tp, tn)), static_argnums=(0, 1, 2)
+    )
+    self._refill_fn = jax.jit(
+      traced(functools.partial(_refill_device, graphdef, cfg_model, sampler_cfg)), donate_argnums=(1,)
+    )
+    self._chunk_fn = jax.jit(
+      traced(functools.partial(_chunk_device, graphdef, sampler_cfg)), static_argnums=(0,), donate_argnums=(2,)
+    )
+    self._recompute_fn = jax.jit(
+      traced(functools.partial(_recompute_kv_device, graphdef, cfg_model)), donate_argnums=(1,)
+    )
 
   def _mesh_context(self):
     # Traced under the sampler's mesh, the model's activation constraints (batch, heads, cache) apply.
@@ -558,8 +769,8 @@ class Sampler:
     stop_v[ids] = True
     return stop_v
 
-  def _run(self, params, rows: list[Sequence[int]], max_new_tokens: int, stop_v: np.ndarray, rng):
-    """Generates one response per row. Returns host arrays (prompt [N,Tp], valid, toks, logps, lengths, finished)."""
+  def _pad_prompts(self, rows: list[Sequence[int]], max_new_tokens: int):
+    """Checks the rows and budget; returns (Tp, Tn, prompt int32 [N, Tp] left-padded, valid bool [N, Tp])."""
     if not rows:
       raise ValueError("prompt_token_lists is empty: pass at least one prompt.")
     lens = [len(r) for r in rows]
@@ -587,6 +798,12 @@ class Sampler:
       valid[i, tp - len(r) :] = True
     if prompt.min() < 0 or prompt.max() >= self.cfg_model.vocab_size:
       raise ValueError(f"prompt token ids must lie in [0, {self.cfg_model.vocab_size}).")
+    return tp, tn, prompt, valid
+
+  def _run(self, params, rows: list[Sequence[int]], max_new_tokens: int, stop_v: np.ndarray, rng):
+    """Generates one response per row. Returns host arrays (prompt [N,Tp], valid, toks, logps, lengths, finished)."""
+    tp, tn, prompt, valid = self._pad_prompts(rows, max_new_tokens)
+    n = len(rows)
     outs = []
     max_b = self.cfg.batch_buckets[-1]
     for start in range(0, n, max_b):  # rows beyond the largest bucket run in further chunks
@@ -604,6 +821,86 @@ class Sampler:
     toks, logps, lengths, finished = (np.concatenate(x) for x in zip(*outs))
     return prompt, valid, toks, logps, lengths, finished
 
+  def _run_chunked(
+    self,
+    params,
+    rows: list[Sequence[int]],
+    budgets: np.ndarray,
+    stop_v: np.ndarray,
+    rng,
+    *,
+    refill: bool,
+    version: int = 0,
+    on_chunk=None,
+    recompute_kv: bool = False,
+  ):
+    """The host-driven engine: jitted chunks of `chunk_tokens` decode steps over B slots.
+
+    Args:
+      budgets: int [N] response budget per row (each in [1, Tn]).
+      refill: between chunks, start waiting rows in finished slots (continuous batching); False: the next
+        B rows start once the whole batch is done (static batching, chunk by chunk).
+      version: the parameter version recorded for the tokens `params` samples.
+      on_chunk: called after every chunk as on_chunk(steps) -> None or (params, version): the new parameters
+        sample every later token (in-flight update; the KV cache is kept unless recompute_kv).
+    Returns host arrays (prompt [N,Tp], valid, toks [N,Tn], logps, versions [N,Tn] (-1 after the response),
+    lengths [N], finished [N]).
+    """
+    budgets = np.asarray(budgets, np.int64).reshape(-1)
+    tp, tn, prompt, valid = self._pad_prompts(rows, int(budgets.max()))
+    if budgets.shape != (len(rows),) or budgets.min() < 1:
+      raise ValueError(f"budgets must hold one positive response budget per row, got shape {budgets.shape}.")
+    n = len(rows)
+    b = _bucket(min(n, self.cfg.batch_buckets[-1]), self.cfg.batch_buckets, "batch size")
+    out_toks = np.full((n, tn), self.cfg.pad_id, np.int32)
+    out_logps = np.zeros((n, tn), np.float32)
+    out_vers = np.full((n, tn), -1, np.int32)
+    out_len = np.zeros((n,), np.int32)
+    out_fin = np.zeros((n,), bool)
+    waiting = collections.deque(range(n))
+    slot_row = np.full((b,), -1, np.int64)  # row each slot runs (-1: free)
+    with self._mesh_context():
+      st = self._empty_fn(b, tp, tn)
+
+      def start(st, free):
+        take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+        r = _bucket(len(take), self.cfg.batch_buckets, "batch size")
+        slots = np.full((r,), b, np.int32)  # padding rows target slot b: dropped
+        slots[: len(take)] = free[: len(take)]
+        pb = np.full((r, tp), self.cfg.pad_id, np.int32)
+        vb = np.zeros((r, tp), bool)
+        pb[: len(take)], vb[: len(take)] = prompt[take], valid[take]
+        vb[len(take) :, -1] = True  # padding rows: one dummy token keeps their attention rows non-empty
+        ids = np.zeros((r,), np.int32)
+        ids[: len(take)] = take
+        bud = np.ones((r,), np.int32)
+        bud[: len(take)] = budgets[take]
+        slot_row[free[: len(take)]] = take
+        return self._refill_fn(params, st, slots, pb, vb, ids, bud, stop_v, np.int32(version), rng)
+
+      st = start(st, np.arange(b))
+      while (slot_row >= 0).any():
+        st = self._chunk_fn(self.cfg.chunk_tokens, params, st, stop_v, np.int32(version), rng)
+        done = np.asarray(jax.device_get(st.done))
+        ended = np.flatnonzero(done & (slot_row >= 0))
+        if ended.size:
+          toks, logps, vers, lengths, fin = jax.device_get((st.toks, st.logps, st.vers, st.lengths, st.finished))
+          rr = slot_row[ended]
+          out_toks[rr], out_logps[rr], out_vers[rr] = toks[ended], logps[ended], vers[ended]
+          out_len[rr], out_fin[rr] = lengths[ended], fin[ended]
+          slot_row[ended] = -1
+        if on_chunk is not None and (slot_row >= 0).any() | bool(waiting):
+          update = on_chunk(self.cfg.chunk_tokens)
+          if update is not None:
+            params, version = update
+            if recompute_kv and (slot_row >= 0).any():
+              st = self._recompute_fn(params, st)
+        free = np.flatnonzero(slot_row < 0)
+        if waiting and free.size and (refill or free.size == b):
+          st = start(st, free)
+    self.last_decode_steps = int(jax.device_get(st.j))  # decode steps of the last chunked run (tests, benchmarks)
+    return prompt, valid, out_toks, out_logps, out_vers, out_len, out_fin
+
   def generate(
     self,
     params,
@@ -611,6 +908,12 @@ class Sampler:
     rng,
     num_samples: int = 1,
     max_new_tokens: int | None = None,
+    *,
+    decode: str | None = None,
+    version: int = 0,
+    on_chunk=None,
+    recompute_kv: bool = False,
+    budgets: Sequence[int] | None = None,
   ) -> Rollout:
     """Samples num_samples (G) responses per prompt; rows are prompt-major (n = p * G + g).
 
@@ -620,16 +923,49 @@ class Sampler:
       rng: PRNG key; the result is a deterministic function of (params, prompts, rng, config).
       num_samples: G >= 1.
       max_new_tokens: response budget (default SamplerConfig.max_new_tokens).
+      decode: "static" / "chunked" / "refill" (default SamplerConfig.decode; on_chunk needs a chunked one:
+        "static" then runs "chunked").
+      version: parameter version of `params`, recorded per token (Rollout.token_version).
+      on_chunk: in-flight updates, see `_run_chunked`: on_chunk(steps) -> None | (params, version).
+      recompute_kv: after an in-flight update, recompute the KV cache under the new parameters (default: keep
+        it, PipelineRL-style: later tokens attend to keys the older version computed).
+      budgets: optional per-row response budgets [N] (<= max_new_tokens), e.g. for benchmarks; chunked only.
     Returns:
-      Rollout with N = P * G rows of length T = Tp + Tn (buckets).
+      Rollout with N = P * G rows of length T = Tp + Tn (buckets). Groups stay together and in order
+      whatever order the refilling engine finished them in.
     """
     if num_samples < 1:
       raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
     max_new = self.cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+    decode = self.cfg.decode if decode is None else decode
+    if decode not in DECODE_MODES:
+      raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}.")
+    if decode == "static" and (on_chunk is not None or budgets is not None):
+      decode = "chunked"
     rows = [list(p) for p in prompt_token_lists for _ in range(num_samples)]
-    prompt, valid, toks, logps, lengths, finished = self._run(
-      params, rows, max_new, self._stop_mask(self.cfg.all_stop_ids), rng
-    )
+    stop_v = self._stop_mask(self.cfg.all_stop_ids)
+    if decode == "static":
+      prompt, valid, toks, logps, lengths, finished = self._run(params, rows, max_new, stop_v, rng)
+      vers = np.where(np.arange(toks.shape[1])[None, :] < lengths[:, None], np.int32(version), np.int32(-1))
+    else:
+      bud = np.full((len(rows),), max_new, np.int64) if budgets is None else np.asarray(budgets, np.int64)
+      if bud.shape != (len(rows),) or bud.min() < 1 or bud.max() > max_new:
+        raise ValueError(f"budgets must be {len(rows)} ints in [1, max_new_tokens={max_new}].")
+      prompt, valid, toks, logps, vers, lengths, finished = self._run_chunked(
+        params,
+        rows,
+        bud,
+        stop_v,
+        rng,
+        refill=decode == "refill",
+        version=version,
+        on_chunk=on_chunk,
+        recompute_kv=recompute_kv,
+      )
+      if toks.shape[1] != _bucket(max_new, self.cfg.new_token_buckets, "max_new_tokens"):
+        pad = _bucket(max_new, self.cfg.new_token_buckets, "max_new_tokens") - toks.shape[1]
+        toks = np.pad(toks, ((0, 0), (0, pad)), constant_values=self.cfg.pad_id)
+        logps, vers = np.pad(logps, ((0, 0), (0, pad))), np.pad(vers, ((0, 0), (0, pad)), constant_values=-1)
     tn = toks.shape[1]
     resp_mask = np.arange(tn)[None, :] < lengths[:, None]
     return Rollout(
@@ -641,6 +977,7 @@ class Sampler:
       prompt_lengths=valid.sum(1).astype(np.int32),
       finished=finished.astype(bool),
       group_id=np.repeat(np.arange(len(prompt_token_lists), dtype=np.int32), num_samples),
+      token_version=np.concatenate([np.full(valid.shape, -1, np.int32), vers.astype(np.int32)], axis=1),
     )
 
   def generate_continuations(

@@ -11,6 +11,16 @@ rather than produce a staler batch; nothing is generated and then discarded.
 Unlike `lag` mode the lag is not exact (the worker takes the newest version it
 finds), so runs are not bit-for-bit reproducible; `state()` keeps no versions.
 
+In-flight updates (`async_.inflight_updates`, default off = one version per batch, the
+sampler's static decode): the worker switches to newer parameters between decode chunks
+(worker.py); rows then carry per-token versions (queue field token_version [N, T]) and
+policy_version = the oldest token's, which the bound [step - k, step] is checked on; every
+token version is checked to lie in it too. Each batch's info["metrics"] carries
+train/token_lag_{min,mean,max} and train/multi_version_frac (`token_lag_stats`), logged by
+the trainer with the other per-step metrics. `async_.decode` ("static" | "chunked" |
+"refill") picks the sampler process's decode loop (sampler.py); in-flight updates need a
+chunked one ("static" then runs "chunked").
+
 Resume keeps queued rollouts: `queued_state()` (called by every checkpoint save:
 periodic, final, SIGINT / SIGTERM) drains the shared-memory queue into a host
 list of batches the learner has received but not consumed (arrays + metadata:
@@ -70,6 +80,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -106,6 +117,27 @@ class SamplerDiedError(RuntimeError):
 def batch_schema(n: int, t: int) -> BatchSchema:
   """The queue schema of one rollout Batch (vcpo_jax/batch.py): N rows, T columns, fixed shapes."""
   return BatchSchema({k: Field(dtype, shape) for k, (dtype, shape) in batch_lib.schema(n, t).items()}, {})
+
+
+def token_lag_stats(step: int, token_version: np.ndarray) -> dict:
+  """Per-token staleness of a batch consumed at `step`: token_version int [N, T] (-1 outside the responses).
+
+  train/token_lag_{min,mean,max} over response tokens; train/multi_version_frac: fraction of rows whose
+  tokens come from more than one parameter version (in-flight updates)."""
+  tv = np.asarray(token_version)
+  resp = tv >= 0
+  if not resp.any():
+    return {}
+  lag = step - tv[resp]
+  hi = np.where(resp, tv, -1).max(axis=1)
+  lo = np.where(resp, tv, np.iinfo(np.int32).max).min(axis=1)
+  rows = resp.any(axis=1)
+  return {
+    "train/token_lag_min": float(lag.min()),
+    "train/token_lag_mean": float(lag.mean()),
+    "train/token_lag_max": float(lag.max()),
+    "train/multi_version_frac": float(np.mean(hi[rows] > lo[rows])),
+  }
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -190,6 +222,14 @@ class AsyncSource:
     if dt == "auto":
       dt = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     self.publish_dtype = jnp.dtype(dt)  # of floating parameters in the slot; integer leaves keep theirs
+    # Decoding of the sampler process; in-flight updates (between decode chunks, per-token versions).
+    self.decode = str(cfg.get("decode", "static"))
+    self.chunk_tokens = int(cfg.get("chunk_tokens", 16))
+    self.inflight = bool(cfg.get("inflight_updates", False))
+    self.update_every_tokens = int(cfg.get("update_every_tokens", 16))
+    self.recompute_kv = bool(cfg.get("recompute_kv", False))
+    if self.inflight and getattr(maker, "mt", None) is not None:
+      raise ValueError("async_.inflight_updates=True covers single-turn rollouts only; set it False for tool use.")
     env = {str(k): str(v) for k, v in dict(cfg.get("sampler_env") or {}).items()}
     if cfg.get("sampler_devices"):
       env.setdefault("CUDA_VISIBLE_DEVICES", str(cfg["sampler_devices"]))
@@ -255,7 +295,7 @@ class AsyncSource:
     args = worker_lib.WorkerArgs(
       rollout=self.maker.cfg,
       model_cfg=self.model_cfg,
-      sampler_cfg=self.maker.sampler.cfg,
+      sampler_cfg=self._worker_sampler_cfg(),
       tokenizer=self.tokenizer,
       problems=tuple(self.maker.problems),
       key_data=self.key_data,
@@ -267,6 +307,9 @@ class AsyncSource:
       meta_bytes=self.meta_bytes,
       cpus=self.cpus,
       multiturn=getattr(self.maker, "mt", None),
+      inflight=self.inflight,
+      update_every_tokens=self.update_every_tokens,
+      recompute_kv=self.recompute_kv,
     )
     # The spawn payload stays small: the arguments (problems, tokenizer: can be MBs) go through a file.
     # CPython writes the payload into a pipe whose read end the parent holds until the write ends, so a
@@ -288,6 +331,14 @@ class AsyncSource:
     self.queue.watch(self.proc)
     # Interpreter exit without close() (an uncaught error far away) still stops the worker.
     self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self._args_path)
+
+  def _worker_sampler_cfg(self):
+    """The learner's sampler config, with the sampler process's decode mode (unchanged for the defaults)."""
+    cfg = self.maker.sampler.cfg
+    decode = "chunked" if self.inflight and self.decode == "static" else self.decode
+    if decode == "static":
+      return cfg
+    return dataclasses.replace(cfg, decode=decode, chunk_tokens=self.chunk_tokens)
 
   def publish(self, params, version: int):
     """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time.
@@ -441,12 +492,23 @@ class AsyncSource:
     lag = step - batch["policy_version"]
     if lag.min() < 0 or lag.max() > self.k:
       raise RuntimeError(f"async source: batch {step} has lags [{lag.min()}, {lag.max()}] outside [0, {self.k}].")
-    want = self._checksums.get(int(meta["version"])) if not restored else None
-    if want is not None and meta.get("params_checksum") != want:
+    tv = batch["token_version"]
+    resp = tv >= 0
+    if resp.any() and (tv[resp].min() < step - self.k or tv[resp].max() > step):
       raise RuntimeError(
-        f"async source: batch {step} was made from parameters with checksum {meta.get('params_checksum')}, "
-        f"but version {meta['version']} was published with checksum {want}: the parameter copy was corrupted."
+        f"async source: batch {step} has token versions [{tv[resp].min()}, {tv[resp].max()}] outside "
+        f"[{step - self.k}, {step}]."
       )
+    # Every version the batch was sampled with (several with in-flight updates) echoes its checksum.
+    echoed = {int(v): c for v, c in (meta.get("params_checksums") or {}).items()}
+    echoed.setdefault(int(meta["version"]), meta.get("params_checksum"))
+    for v, got in sorted(echoed.items()):
+      want = self._checksums.get(v) if not restored else None
+      if want is not None and got != want:
+        raise RuntimeError(
+          f"async source: batch {step} was made from parameters with checksum {got}, "
+          f"but version {v} was published with checksum {want}: the parameter copy was corrupted."
+        )
     idle, elapsed = meta["idle_s_total"], meta["elapsed_s_total"]
     d_idle, d_elapsed = idle - self._prev_idle[0], elapsed - self._prev_idle[1]
     if restored:  # totals of the previous run's sampler: no idle fraction for this batch
@@ -464,7 +526,7 @@ class AsyncSource:
       sampler_idle_frac=d_idle / d_elapsed if d_elapsed > 0 else 0.0,  # since the previous batch
       sampler_idle_s_total=idle,
       sampler_elapsed_s_total=elapsed,
-      metrics=dict(meta.get("metrics") or {}),
+      metrics={**dict(meta.get("metrics") or {}), **token_lag_stats(step, tv)},
       params_checksum=meta.get("params_checksum"),  # the sampler's echo, checked against the published one
       producer=(meta.get("sampler_pid"), meta.get("seq")),  # which sampler made it, its n-th batch
       restored=restored,  # True: queued when the checkpoint this run resumed from was saved

@@ -71,8 +71,10 @@ class RolloutMaker:
     stream = tasks.ProblemStream(self.problems, seed=self.cfg.seed, position=step * self.cfg.prompts_per_step)
     return stream.next(self.cfg.prompts_per_step)
 
-  def make(self, params, step: int, rng: jax.Array, version: int) -> tuple[Batch, dict]:
-    """Samples G responses for each of step's P prompts with `params`; returns (batch, host info)."""
+  def make(self, params, step: int, rng: jax.Array, version: int, **generate_kw) -> tuple[Batch, dict]:
+    """Samples G responses for each of step's P prompts with `params`; returns (batch, host info).
+
+    generate_kw go to `Sampler.generate` (the async worker's in-flight updates: on_chunk, recompute_kv)."""
     cfg = self.cfg
     problems = self.problems_for_step(step)
     prompt_ids = encode_prompts(self.tokenizer, problems, cfg.chat_template)
@@ -81,7 +83,15 @@ class RolloutMaker:
       raise ValueError(
         f"A prompt has {max(too_long)} tokens > task.max_prompt_len={cfg.max_prompt_len}; raise task.max_prompt_len."
       )
-    ro = self.sampler.generate(params, prompt_ids, rng, num_samples=cfg.group_size, max_new_tokens=cfg.max_new_tokens)
+    ro = self.sampler.generate(
+      params,
+      prompt_ids,
+      rng,
+      num_samples=cfg.group_size,
+      max_new_tokens=cfg.max_new_tokens,
+      version=version,
+      **generate_kw,
+    )
     return self.to_batch(ro, problems, version)
 
   def to_batch(self, ro, problems, version: int) -> tuple[Batch, dict]:
@@ -92,6 +102,10 @@ class RolloutMaker:
     rewards, failures = tasks.score_problems([problems[i // cfg.group_size] for i in range(n)], texts)
     rewards = np.asarray(rewards, np.float32)
     pad = lambda a, v=0: _pad_to(a, t_want, v)
+    # Per-token versions (in-flight updates: a row may span several); a row's version is its OLDEST token's.
+    tv = ro.token_version if ro.token_version is not None else np.where(ro.response_mask, version, -1)
+    tv = np.where(ro.response_mask, tv, -1).astype(np.int32)
+    oldest = np.where(ro.response_mask, tv, np.iinfo(np.int32).max).min(axis=1)
     batch = Batch.from_arrays(
       dict(
         tokens=pad(ro.tokens.astype(np.int32), self.sampler.cfg.pad_id),
@@ -101,7 +115,8 @@ class RolloutMaker:
         rewards=rewards,
         correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
         group_id=np.asarray(ro.group_id, np.int32),
-        policy_version=np.full((n,), version, np.int32),
+        policy_version=np.where(ro.lengths > 0, oldest, version).astype(np.int32),
+        token_version=pad(tv, -1),
       )
     )
     info = dict(

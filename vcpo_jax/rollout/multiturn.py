@@ -264,6 +264,7 @@ class MultiTurnRolloutMaker(RolloutMaker):
         correct=np.asarray([tasks.is_correct(r) for r in rewards], np.float32),
         group_id=np.repeat(np.arange(cfg.prompts_per_step, dtype=np.int32), cfg.group_size),
         policy_version=np.full((n,), version, np.int32),
+        token_version=np.where(arrays["loss_mask"], version, -1).astype(np.int32),
       )
     )
     resp_len = [len(e.tokens) - e.prompt_len for e in episodes]

@@ -25,6 +25,15 @@ Loop, for b = first_step, first_step + 1, ..., end_step - 1:
      JSON metadata,
   4. put it into the queue (blocks while the queue is full: back-pressure).
 
+In-flight updates (`WorkerArgs.inflight`, async_.inflight_updates): during 3 the sampler
+decodes in chunks and, every `update_every_tokens` decode steps, `_on_chunk` looks at the
+slot; a newer version is loaded and samples every later token of the batch (the KV cache
+is kept, or recomputed with `recompute_kv`). Each token records its version
+(batch["token_version"]), its behaviour log-prob is the one of that version, and
+policy_version is the row's OLDEST token's, so the bound of step 1 (on the version a batch
+starts with) is the lag bound of the oldest token; later tokens are fresher. The batch's
+metadata echoes the checksum of every version it used.
+
 Idle time = time blocked in 1 (the bound) and 4 (a full queue); the totals
 travel with each batch so the learner can report the sampler's idle fraction.
 
@@ -77,6 +86,9 @@ class WorkerArgs:
   meta_bytes: int  # room for one batch's JSON metadata in the queue
   cpus: tuple[int, ...] = ()  # CPU affinity of this process (empty: inherit)
   multiturn: Any = None  # rollout.multiturn.MultiTurnConfig: tool-use episodes; None = single-turn
+  inflight: bool = False  # in-flight updates: newer parameters between decode chunks (sampler_cfg is chunked)
+  update_every_tokens: int = 16  # in-flight: decode steps between looks at the parameter slot
+  recompute_kv: bool = False  # in-flight: recompute the KV cache under the new parameters
 
 
 def param_names(params) -> tuple[str, ...]:
@@ -173,6 +185,9 @@ class _Worker:
     self.idle_s = 0.0
     self.t_start = time.monotonic()
     self._version, self._params, self._checksum = -1, None, None
+    self._used: dict[int, int] = {}  # version -> checksum of every version the current batch sampled with
+    self._since = 0  # decode steps since the last look at the slot (in-flight updates)
+    self.updates = 0  # in-flight switches so far
 
   # -- control
 
@@ -220,10 +235,6 @@ class _Worker:
 
   def _params_for(self, step: int):
     """(version, params) with version >= step - k, newest available; blocks (idle) until then."""
-    import jax
-    import jax.numpy as jnp
-
-    from vcpo_jax.rollout.param_slot import checksum
 
     need = max(0, step - self.args.k)
     t0 = time.monotonic()
@@ -235,18 +246,46 @@ class _Worker:
         version, arrays = self.slot.latest(min_version=need, timeout=_POLL_S, poll=self._check_stop)
       except TimeoutError:
         continue
-      self._checksum = checksum(arrays, self.args.param_names)  # of exactly what was read: echoed per batch
-      # Published in the learner's publish dtype (bf16 on accelerators); the model gets its parameter dtype.
-      # Floating leaves go straight to the sampler's parameter dtype when it has one (no float32 copy).
-      to = lambda d: (
-        self.sampler.param_dtype if self.sampler.param_dtype is not None and jnp.issubdtype(d, jnp.floating) else d
-      )
-      leaves = [jnp.asarray(arrays[n], dtype=to(d)) for n, d in zip(self.args.param_names, self.dtypes)]
-      # Once per version: cast to the sampler's parameter dtype (bf16 on accelerators) and placed on its mesh.
-      self._version, self._params = version, self.sampler.prepare_params(jax.tree.unflatten(self.treedef, leaves))
+      self._load(version, arrays)
       break
     self.idle_s += time.monotonic() - t0
     return self._version, self._params
+
+  def _load(self, version: int, arrays: dict):
+    import jax
+    import jax.numpy as jnp
+
+    from vcpo_jax.rollout.param_slot import checksum
+
+    self._checksum = checksum(arrays, self.args.param_names)  # of exactly what was read: echoed per batch
+    # Published in the learner's publish dtype (bf16 on accelerators); the model gets its parameter dtype.
+    # Floating leaves go straight to the sampler's parameter dtype when it has one (no float32 copy).
+    to = lambda d: (
+      self.sampler.param_dtype if self.sampler.param_dtype is not None and jnp.issubdtype(d, jnp.floating) else d
+    )
+    leaves = [jnp.asarray(arrays[n], dtype=to(d)) for n, d in zip(self.args.param_names, self.dtypes)]
+    # Once per version: cast to the sampler's parameter dtype (bf16 on accelerators) and placed on its mesh.
+    self._version, self._params = version, self.sampler.prepare_params(jax.tree.unflatten(self.treedef, leaves))
+    self._used[int(version)] = self._checksum
+
+  def _on_chunk(self, steps: int):
+    """In-flight updates, called by the sampler between decode chunks: (params, version) if a newer version
+    is published and update_every_tokens decode steps passed since the last look, else None (never waits
+    for a version; a write in progress is waited for, at most one copy)."""
+    self._since += steps
+    if self._since < self.args.update_every_tokens:
+      return None
+    self._since = 0
+    self._check_stop()
+    if self.slot.version() <= self._version:
+      return None
+    try:
+      version, arrays = self.slot.latest(min_version=self._version + 1, timeout=_POLL_S, poll=self._check_stop)
+    except TimeoutError:
+      return None
+    self._load(version, arrays)
+    self.updates += 1
+    return self._params, self._version
 
   def _put(self, batch: dict, meta: dict):
     t0 = time.monotonic()
@@ -266,15 +305,22 @@ class _Worker:
     fields = tuple(self.queue.schema.fields)
     for seq, step in enumerate(range(self.args.first_step, self.args.end_step)):
       version, params = self._params_for(step)
+      self._used = {int(version): self._checksum}
       t0 = time.monotonic()
-      batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version)
+      kw = dict(on_chunk=self._on_chunk, recompute_kv=self.args.recompute_kv) if self.args.inflight else {}
+      self._since = 0
+      batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version, **kw)
       gen_s = time.monotonic() - t0
+      if "token_version" not in batch:  # makers without per-token versions (multi-turn): the row's version
+        batch["token_version"] = np.where(batch["loss_mask"], batch["policy_version"][:, None], -1).astype(np.int32)
       meta = {
         "step": step,
         "version": int(version),
         "sampler_pid": os.getpid(),  # with seq: names this batch across runs (resume tests, debugging)
         "seq": seq,
-        "params_checksum": self._checksum,  # param_slot.checksum of the version-`version` arrays it read
+        "params_checksum": self._used[int(version)],  # param_slot.checksum of the version-`version` arrays it read
+        "params_checksums": {str(v): c for v, c in self._used.items()},  # every version this batch sampled with
+        "inflight_updates_total": self.updates,
         "gen_s": gen_s,
         "idle_s_total": self.idle_s,
         "elapsed_s_total": time.monotonic() - self.t_start,
