@@ -99,6 +99,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.async_.sampler_env = ml_collections.ConfigDict()  # extra environment variables of the sampler process
   c.async_.background_publish = True  # publish() hands the copy to a thread (False: copy on the learner's path)
   c.async_.publish_dtype = "auto"  # slot dtype of floating params: "auto" (bf16 on accelerators, f32 on CPU)
+  c.async_.peer_lost_s = 30.0  # multi-host: a learner process silent (no heartbeat) this long is lost; the others exit
 
   c.eval = ml_collections.ConfigDict()
   c.eval.dataset = ""  # held-out data set name ("" = the training task), e.g. math500 or aime

@@ -279,6 +279,7 @@ class AsyncSource:
       meta_bytes=self.meta_bytes,
       cpus=self.cpus,
       multiturn=getattr(self.maker, "mt", None),
+      **self._worker_args_extra(),
     )
     # The spawn payload stays small: the arguments (problems, tokenizer: can be MBs) go through a file.
     # CPython writes the payload into a pipe whose read end the parent holds until the write ends, so a
@@ -300,6 +301,10 @@ class AsyncSource:
     self.queue.watch(self.proc)
     # Interpreter exit without close() (an uncaught error far away) still stops the worker.
     self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self._args_path)
+
+  def _worker_args_extra(self) -> dict:
+    """More WorkerArgs fields (rollout/multihost.py: the host's prompt block); none on one host."""
+    return {}
 
   def publish(self, params, version: int):
     """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time.

@@ -1,0 +1,224 @@
+"""Async mode on two "hosts": 2 local processes x 2 fake CPU devices, one global (2, 2, 1) learner mesh
+(jax.distributed + gloo), and one spawned sampler per process (rollout/multihost.py).
+
+One job is started (this file run as a script, twice); the test then
+
+1. lets it train a few steps and checks, from what each process printed per step: both processes consumed
+   the same global batch (rows 0..N/2 from host 0's sampler, N/2..N from host 1's, group ids 0..P-1),
+   whose problems are exactly a single-host run's for that step, in its order (no prompt twice); every
+   row's lag is within k; both processes published the same parameters for every version (checksums of
+   the host copies agree), and each host's sampler echoed the checksum of the version it used;
+2. SIGKILLs host 1's sampler: both learner processes must end within 30 s, after agreeing to stop at the
+   same step, having written the joint checkpoint of that step, with no /dev/shm object of either left;
+3. resumes the job from that checkpoint on 2 processes and trains 1 more step to the end (exit 0).
+
+What cannot match a single-host run: the samples. Each host samples its P/2 prompts as one batch with
+fold_in(fold_in(key, host), step), and the sampler's draws depend on the batch shape, so the problem
+order is the single-host one (checked) but the responses, rewards and parameters are not.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+P, G, K = 2, 4, 2  # the smoke config's prompts per step and group size; staleness bound
+
+
+def _config(process_id: int, port: int, steps: int):
+  from tests import fixtures
+
+  return fixtures.tiny_countdown_config(
+    **{
+      "mode": "async",
+      "lag.k": K,
+      "steps": steps,
+      "mesh.shape": (2, 2, 1),
+      "checkpoint.every": 1000,
+      "log.norm_overhead_every": 0,
+      "async_.timeout_s": 300.0,
+      "async_.peer_lost_s": 20.0,
+      "distributed.enabled": True,
+      "distributed.coordinator_address": f"127.0.0.1:{port}",
+      "distributed.num_processes": 2,
+      "distributed.process_id": process_id,
+    }
+  )
+
+
+def _worker(process_id: int, port: int, workdir: str, steps: int) -> None:
+  """One process of the job: trainer.run, printing one JSON line per consumed step and at close."""
+  import jax
+
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  from vcpo_jax import trainer
+
+  build = trainer.build_source
+
+  def recording_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt, close = src.next, src.close
+
+    def next_(step):
+      batch, info = nxt(step)
+      rec = dict(
+        step=step,
+        sampler_pid=src.pid,
+        problem_ids=info["problem_ids"],
+        versions=batch["policy_version"].tolist(),
+        group_id=batch["group_id"].tolist(),
+        tokens_sum=int(batch["tokens"].sum()),
+        hosts=[{k: h[k] for k in ("version", "checksum", "pid")} for h in info["hosts"]],
+      )
+      print("STEP " + json.dumps(rec), flush=True)
+      return batch, info
+
+    def close_():
+      print("PUBLISHED " + json.dumps({str(v): c for v, c in src._checksums.items()}), flush=True)
+      print("SHM " + json.dumps(src.resource_paths()), flush=True)
+      close()
+
+    src.next, src.close = next_, close_
+    return src
+
+  trainer.build_source = recording_build_source
+  summary = trainer.run(_config(process_id, port, steps), workdir)
+  print("SUMMARY " + json.dumps(summary, default=str), flush=True)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(workdir: str, steps: int, logdir) -> list:
+  port = _free_port()
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+  )
+  procs = []
+  for i in range(2):
+    log = open(logdir / f"p{i}_{steps}.log", "w")  # noqa: SIM115 -- closed in _lines
+    procs.append(
+      (
+        subprocess.Popen(
+          [sys.executable, os.path.abspath(__file__), str(i), str(port), workdir, str(steps)],
+          env=env,
+          cwd=REPO,
+          stdout=log,
+          stderr=subprocess.STDOUT,
+        ),
+        log,
+      )
+    )
+  return procs
+
+
+def _records(path, tag: str) -> list:
+  with open(path) as f:
+    return [json.loads(line[len(tag) + 1 :]) for line in f if line.startswith(tag + " ")]
+
+
+def _kill_all(procs):
+  for p, log in procs:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+    log.close()
+
+
+def _wait_for(pred, timeout: float, what: str, procs):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if pred():
+      return
+    dead = [p.returncode for p, _ in procs if p.poll() is not None]
+    if dead:
+      raise AssertionError(f"a process exited ({dead}) before {what}")
+    time.sleep(0.2)
+  raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_two_hosts_train_agree_stop_together_and_resume(tmp_path):
+  from vcpo_jax import run_config
+  from vcpo_jax.checkpoint import Checkpointer
+  from vcpo_jax.rollout.common import RolloutMaker
+
+  workdir = str(tmp_path / "run")
+  logs = [tmp_path / f"p{i}_10000.log" for i in range(2)]
+  procs = _start(workdir, 10_000, tmp_path)
+  try:
+    # 1. a few steps of training on both hosts
+    _wait_for(lambda: all(len(_records(f, "STEP")) >= 3 for f in logs), 600, "3 steps on both hosts", procs)
+    # 2. host 1's sampler dies: both processes stop within 30 s
+    pid1 = _records(logs[1], "STEP")[0]["sampler_pid"]
+    os.kill(pid1, signal.SIGKILL)
+    t0 = time.monotonic()
+    for p, _ in procs:
+      p.wait(timeout=max(1.0, 30.0 - (time.monotonic() - t0)))
+    elapsed = time.monotonic() - t0
+  finally:
+    _kill_all(procs)
+  out = [open(f).read() for f in logs]
+  assert elapsed < 30.0, elapsed
+  for i, (p, _) in enumerate(procs):
+    assert p.returncode == 1, f"process {i} exited {p.returncode}:\n{out[i][-3000:]}"
+  assert "every process stops at step" in out[0] and "host 1: SamplerDiedError" in out[0], out[0][-3000:]
+
+  steps = [_records(f, "STEP") for f in logs]
+  n = min(len(s) for s in steps)
+  assert n >= 3
+  spec = run_config.parse_config(_config(0, 1, 10_000))
+  problems = spec.task_object().make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  single_host = RolloutMaker(spec.rollout, None, None, problems)  # the prompt stream of a one-host run
+  for a, b in zip(steps[0][:n], steps[1][:n]):
+    assert {k: v for k, v in a.items() if k != "sampler_pid"} == {k: v for k, v in b.items() if k != "sampler_pid"}
+    step = a["step"]
+    assert a["problem_ids"] == [q.id for q in single_host.problems_for_step(step)]
+    assert a["group_id"] == [g for g in range(P) for _ in range(G)]  # host 0's group, then host 1's
+    assert [h["pid"] for h in a["hosts"]] == [steps[0][0]["sampler_pid"], steps[1][0]["sampler_pid"]]
+    versions = a["versions"]
+    for h, host in enumerate(a["hosts"]):  # rows [h N/2, (h+1) N/2) came from host h's sampler
+      assert versions[h * P * G // 2 : (h + 1) * P * G // 2] == [host["version"]] * (P * G // 2)
+    assert all(0 <= step - v <= K for v in versions)
+  published = [_records(f, "PUBLISHED")[0] for f in logs]
+  common = set(published[0]) & set(published[1])
+  assert common and all(published[0][v] == published[1][v] for v in common)
+  for rec in steps[0][:n]:  # each host's sampler read exactly what its learner published
+    for h, host in enumerate(rec["hosts"]):
+      if str(host["version"]) in published[h]:
+        assert host["checksum"] == published[h][str(host["version"])]
+  shm = [p for f in logs for p in _records(f, "SHM")[0]]
+  assert shm and not [p for p in shm if os.path.exists(p)]
+  stopped = Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
+  assert stopped is not None and stopped >= n - 1  # the joint checkpoint of the step both stopped at
+
+  # 3. resume on 2 processes from the joint checkpoint and finish one more step
+  procs = _start(workdir, stopped + 1, tmp_path)
+  try:
+    for p, _ in procs:
+      p.wait(timeout=600)
+  finally:
+    _kill_all(procs)
+  logs = [tmp_path / f"p{i}_{stopped + 1}.log" for i in range(2)]
+  for i, (p, _) in enumerate(procs):
+    assert p.returncode == 0, f"resumed process {i} exited {p.returncode}:\n{open(logs[i]).read()[-3000:]}"
+  resumed = [_records(f, "STEP") for f in logs]
+  assert [r["step"] for r in resumed[0]] == [stopped] == [r["step"] for r in resumed[1]]
+  assert all(stopped - v <= K for v in resumed[0][0]["versions"])
+  assert _records(logs[0], "SUMMARY")[0]["step"] == stopped + 1
+
+
+if __name__ == "__main__":
+  _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
