@@ -31,6 +31,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P, G, K = 2, 4, 2  # the smoke config's prompts per step and group size; staleness bound
 
 
+def _dense_reward():
+  """A reward with signal for a random policy (fraction of digits in the response), so every step updates the
+  parameters; set in the learner processes and, as this file is their __main__, in the spawned samplers."""
+  from vcpo_jax.rollout import common
+
+  common.tasks.score_problems = lambda problems, outputs, extraction=None: (
+    [sum(ch.isdigit() for ch in o) / max(len(o), 1) for o in outputs],
+    0,
+  )
+
+
 def _config(process_id: int, port: int, steps: int):
   from tests import fixtures
 
@@ -40,6 +51,7 @@ def _config(process_id: int, port: int, steps: int):
       "lag.k": K,
       "steps": steps,
       "mesh.shape": (2, 2, 1),
+      "optim.lr": 1e-2,
       "checkpoint.every": 1000,
       "log.norm_overhead_every": 0,
       "async_.timeout_s": 300.0,
@@ -220,5 +232,8 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path):
   assert _records(logs[0], "SUMMARY")[0]["step"] == stopped + 1
 
 
+if __name__ == "__mp_main__":  # a sampler spawned by a learner process of this file
+  _dense_reward()
 if __name__ == "__main__":
+  _dense_reward()
   _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

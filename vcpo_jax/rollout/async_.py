@@ -326,15 +326,18 @@ class AsyncSource:
     else:
       self._raise_if_dead()
       self._raise_thread_error()
-      snap = self._snap(jax.tree.leaves(params))  # dispatched, not waited for
-      with self._cv:
-        self._todo = (snap, version, worker_lib.param_names(params))
-        self._cv.notify_all()
-      if self._thread is None:
-        self._thread = threading.Thread(target=self._publisher, name="vcpo-async-publish", daemon=True)
-        self._thread.start()
+      self._hand_over(self._snap(jax.tree.leaves(params)), version, params)  # dispatched, not waited for
     self._published = version
     self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def _hand_over(self, snap: list, version: int, params):
+    """Gives the background publisher the newest snapshot (replacing one it has not taken yet)."""
+    with self._cv:
+      self._todo = (snap, version, worker_lib.param_names(params))
+      self._cv.notify_all()
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._publisher, name="vcpo-async-publish", daemon=True)
+      self._thread.start()
 
   def _host_arrays(self, snap: list, params=None, names=None) -> dict:
     names = names or worker_lib.param_names(params)

@@ -151,6 +151,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
     self._waiting: int | None = None
     self._gather = None  # jit: cast + reshard to host-complete arrays, built at the first publish
     self._snap = self._host_snap  # replaces AsyncSource's snapshot (same cast, plus the gather)
+    self._deferred: Exception | None = None  # a sampler failure seen at publish(), reported at the next step
 
   # -- weights
 
@@ -160,6 +161,28 @@ class MultiHostAsyncSource(async_.AsyncSource):
       dtype = self.publish_dtype
       self._gather = jax.jit(lambda ls: [async_._snapshot_leaf(x, dtype) for x in ls], out_shardings=out)
     return self._gather(leaves)
+
+  def publish(self, params, version: int):
+    """As AsyncSource.publish, but the gather is dispatched by every host at every publish (it is a
+    collective: a host that skipped it would leave the others' copies waiting), and a failure of this
+    host's sampler is kept for the next agreement instead of raised here, alone."""
+    t0 = time.perf_counter()
+    version = int(version)
+    snap = self._host_snap(jax.tree.leaves(params))
+    if self.proc is None:
+      self._start(self._host_arrays(snap, params), version)
+    elif self._deferred is None:
+      try:
+        self._raise_if_dead()
+        self._raise_thread_error()
+        if self.background:
+          self._hand_over(snap, version, params)
+        else:
+          self.slot.publish(self._host_arrays(snap, params), version, poll=self._poll_publish)
+      except (async_.SamplerDiedError, RuntimeError) as e:
+        self._deferred = e
+    self._published = version
+    self.publish_blocking_s.append(time.perf_counter() - t0)
 
   def _host_arrays(self, snap: list, params=None, names=None) -> dict:
     if not all(_host_complete(x) for x in snap):
@@ -189,6 +212,9 @@ class MultiHostAsyncSource(async_.AsyncSource):
     local = None
     self._waiting = step
     try:
+      if self._deferred is not None:
+        e, self._deferred = self._deferred, None
+        raise e
       local = super().next(step)
       batch, info = local
       payload = {
