@@ -79,15 +79,15 @@ def _worker(process_id: int, port: int, workdir: str, steps: int) -> None:
 
     def next_(step):
       batch, info = nxt(step)
-      rec = dict(
-        step=step,
-        sampler_pid=src.pid,
-        problem_ids=info["problem_ids"],
-        versions=batch["policy_version"].tolist(),
-        group_id=batch["group_id"].tolist(),
-        tokens_sum=int(batch["tokens"].sum()),
-        hosts=[{k: h[k] for k in ("version", "checksum", "pid")} for h in info["hosts"]],
-      )
+      rec = {
+        "step": step,
+        "sampler_pid": src.pid,
+        "problem_ids": info["problem_ids"],
+        "versions": batch["policy_version"].tolist(),
+        "group_id": batch["group_id"].tolist(),
+        "tokens_sum": int(batch["tokens"].sum()),
+        "hosts": [{k: h[k] for k in ("version", "checksum", "pid")} for h in info["hosts"]],
+      }
       print("STEP " + json.dumps(rec), flush=True)
       return batch, info
 
@@ -161,6 +161,128 @@ def _wait_for(pred, timeout: float, what: str, procs):
   raise AssertionError(f"timed out waiting for {what}")
 
 
+# ----------------------------------------------------------------------------- pieces, in this process
+
+
+class _FakeKV:
+  """The coordination client's key-value calls over one dict (shared by the fake 'hosts' of a test)."""
+
+  def __init__(self):
+    self.store = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if key in self.store and not allow_overwrite:
+      raise RuntimeError(f"ALREADY_EXISTS: {key}")
+    self.store[key] = value
+
+  def key_value_try_get(self, key):
+    if key not in self.store:
+      raise RuntimeError(f"NOT_FOUND: {key}")
+    return self.store[key]
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+  def key_value_delete(self, key):
+    self.store.pop(key, None)
+
+
+def test_prompt_blocks_cover_each_step_once_in_order():
+  from vcpo_jax import distributed
+
+  assert [distributed.prompt_block(8, h, 4) for h in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+  assert distributed.prompt_block(3, 0, 1) == (0, 3)
+  with pytest.raises(ValueError, match="prompts_per_step=6 must be divisible by the number of processes"):
+    distributed.prompt_block(6, 0, 4)
+
+
+def test_agreement_orders_payloads_and_stops_every_host_alike():
+  from vcpo_jax import distributed
+
+  kv = _FakeKV()
+  a = [distributed.Agreement("r", client=kv, host=h, hosts=3, beat_s=0.05, lost_after_s=1.0) for h in range(3)]
+  try:
+    for h in (2, 0):  # hosts 2 and 0 have posted; host 1's wait returns all three, in host order
+      kv.key_value_set(f"vcpo_jax/r/step/5/{h}", json.dumps({"ok": True, "h": h}))
+    assert [p["h"] for p in a[1].exchange(5, {"ok": True, "h": 1})] == [0, 1, 2]
+    distributed.decide([{"ok": True}] * 3, 5)  # all ok: no stop
+    # host 2's sampler failed, host 0 stopped waiting because of it: exit code 1, the cause named
+    a[2].client.key_value_set("vcpo_jax/r/step/6/2", json.dumps({"ok": False, "reason": "SamplerDiedError: x"}))
+    with pytest.raises(distributed._PeerStopping, match="host 2 posted a stop at step 6"):
+      a[0].check(6)
+    payloads = [{"ok": False, "follow": True, "signal": True, "reason": "peer"}, {"ok": True}]
+    payloads.append({"ok": False, "reason": "SamplerDiedError: x"})
+    with pytest.raises(distributed.JobStopped, match=r"step 6 \(host 2: SamplerDiedError: x\)") as e:
+      distributed.decide(payloads, 6)
+    assert e.value.exit_code == 1
+    with pytest.raises(distributed.JobStopped) as e:  # a signal anywhere: 130 everywhere
+      distributed.decide([{"ok": True}, {"ok": False, "signal": True, "reason": "interrupted"}], 7)
+    assert e.value.exit_code == 130
+  finally:
+    for x in a:
+      x.close()
+
+
+def test_a_silent_peer_is_lost_after_its_heartbeat_stops():
+  from vcpo_jax import distributed
+
+  kv = _FakeKV()
+  a0 = distributed.Agreement("r", client=kv, host=0, hosts=2, beat_s=0.05, lost_after_s=0.5)
+  a1 = distributed.Agreement("r", client=kv, host=1, hosts=2, beat_s=0.05, lost_after_s=0.5)
+  try:
+    time.sleep(0.7)
+    assert a0.lost_peers() == []  # host 1 beats: alive although it has not posted
+    a1.close()  # host 1 stops beating (killed, SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(distributed.PeerLostError, match=r"process\(es\) \[1\] posted nothing for step 3"):
+      a0.exchange(3, {"ok": True}, timeout_s=30)
+    assert time.monotonic() - t0 < 5
+  finally:
+    a0.close()
+    a1.close()
+
+
+def test_host_local_sampler_devices_and_platform_env():
+  import jax
+
+  from vcpo_jax import distributed
+  from vcpo_jax.rollout import multihost
+
+  devices = jax.devices()
+  learn = distributed.learner_devices("1,3", devices)
+  assert [d.id for d in learn] == [d.id for i, d in enumerate(devices) if i not in (1, 3)]
+  with pytest.raises(ValueError, match="host-local ids"):
+    distributed.learner_devices(str(len(devices)), devices)
+  assert multihost.sampler_platform_env("2,3", "gpu") == {"CUDA_VISIBLE_DEVICES": "2,3"}
+  tpu = multihost.sampler_platform_env("3", "tpu")
+  assert tpu["TPU_VISIBLE_CHIPS"] == "3" and tpu["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
+  assert multihost.sampler_platform_env("", "tpu") == {}
+  with pytest.raises(ValueError, match="3 TPU chips"):
+    multihost.sampler_platform_env("0,1,2", "tpu")
+
+
+def test_host_complete_copy_of_a_sharded_leaf():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  from vcpo_jax.rollout import multihost
+
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "fsdp"))
+  x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, PartitionSpec("fsdp", "data")))
+  sh = multihost.host_complete_sharding(x)
+  assert sh.mesh.axis_names == ("hosts", "local") and sh.mesh.devices.shape == (1, 4)
+  assert sh.spec == PartitionSpec("local", None)  # dim 0 (8) splits over the 4 devices of the host
+  y = jax.device_put(x, sh)
+  np.testing.assert_array_equal(multihost.local_copy(y), np.arange(32.0).reshape(8, 4))
+  odd = jax.device_put(jnp.ones((3, 5)), NamedSharding(mesh, PartitionSpec()))
+  assert multihost.host_complete_sharding(odd).spec == PartitionSpec(None, None)  # nothing divisible: replicated
+
+
+# ----------------------------------------------------------------------------- the 2-process job
+
+
 @pytest.mark.slow
 def test_two_hosts_train_agree_stop_together_and_resume(tmp_path):
   from vcpo_jax import run_config
@@ -182,7 +304,7 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path):
     elapsed = time.monotonic() - t0
   finally:
     _kill_all(procs)
-  out = [open(f).read() for f in logs]
+  out = [f.read_text() for f in logs]
   assert elapsed < 30.0, elapsed
   for i, (p, _) in enumerate(procs):
     assert p.returncode == 1, f"process {i} exited {p.returncode}:\n{out[i][-3000:]}"
@@ -225,7 +347,7 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path):
     _kill_all(procs)
   logs = [tmp_path / f"p{i}_{stopped + 1}.log" for i in range(2)]
   for i, (p, _) in enumerate(procs):
-    assert p.returncode == 0, f"resumed process {i} exited {p.returncode}:\n{open(logs[i]).read()[-3000:]}"
+    assert p.returncode == 0, f"resumed process {i} exited {p.returncode}:\n{logs[i].read_text()[-3000:]}"
   resumed = [_records(f, "STEP") for f in logs]
   assert [r["step"] for r in resumed[0]] == [stopped] == [r["step"] for r in resumed[1]]
   assert all(stopped - v <= K for v in resumed[0][0]["versions"])
