@@ -302,6 +302,7 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path):
     for p, _ in procs:
       p.wait(timeout=max(1.0, 30.0 - (time.monotonic() - t0)))
     elapsed = time.monotonic() - t0
+    print(f"both learner processes ended {elapsed:.1f} s after the SIGKILL of host 1's sampler")
   finally:
     _kill_all(procs)
   out = [f.read_text() for f in logs]
