@@ -10,7 +10,9 @@ One job is started (this file run as a script, twice); the test then
    the host copies agree), and each host's sampler echoed the checksum of the version it used;
 2. SIGKILLs host 1's sampler: both learner processes must end within 30 s, after agreeing to stop at the
    same step, having written the joint checkpoint of that step, with no /dev/shm object of either left;
-3. resumes the job from that checkpoint on 2 processes and trains 1 more step to the end (exit 0).
+3. resumes the job from that checkpoint on 2 processes and trains 1 more step to the end (exit 0);
+4. resumes that final checkpoint in this single process (another mesh over its own devices, a one-host
+   sampler) and trains 1 more step: a checkpoint written by 2 processes restores on 1.
 
 What cannot match a single-host run: the samples. Each host samples its P/2 prompts as one batch with
 fold_in(fold_in(key, host), step), and the sampler's draws depend on the batch shape, so the problem
@@ -353,6 +355,19 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path):
   assert [r["step"] for r in resumed[0]] == [stopped] == [r["step"] for r in resumed[1]]
   assert all(stopped - v <= K for v in resumed[0][0]["versions"])
   assert _records(logs[0], "SUMMARY")[0]["step"] == stopped + 1
+
+  # 4. resume the 2-process checkpoint in this one process (a (2, 4, 1) mesh on its 8 devices, one sampler)
+  import jax
+
+  from vcpo_jax import trainer
+
+  if len(jax.devices()) % 4:
+    return
+  config = _config(0, 1, stopped + 2)
+  config.distributed.enabled = False
+  config.mesh.shape = (2, -1, 1)
+  summary = trainer.run(config, workdir)
+  assert summary["step"] == stopped + 2
 
 
 if __name__ == "__mp_main__":  # a sampler spawned by a learner process of this file
