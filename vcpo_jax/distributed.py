@@ -23,7 +23,8 @@ module holds what crosses hosts:
   heartbeat, `heartbeat_timeout_seconds`, ends the job).
 
 Everything goes through `jax.distributed`'s coordination service client
-(key_value_set / key_value_dir_get / key_value_try_get): no extra sockets.
+(key_value_set / key_value_dir_get / key_value_delete): no extra sockets. Each waiting host makes two
+calls per poll (its peers' posts and heartbeats, one directory read each), every 0.25 s.
 """
 
 from __future__ import annotations
@@ -149,11 +150,12 @@ class Agreement:
   def lost_peers(self) -> list[int]:
     """Peers whose heartbeat has not changed for lost_after_s (reads every peer's counter once)."""
     now, lost = time.monotonic(), []
+    try:  # one call for every host's counter (not one per peer: the coordinator serves every host)
+      beats = {k.rsplit("/", 1)[1]: v for k, v in self.client.key_value_dir_get(f"{self.prefix}/hb/")}
+    except Exception:  # noqa: BLE001 -- the service is unreachable: every counter looks unchanged
+      beats = {}
     for h, (beat, since) in self._seen.items():
-      try:
-        cur = self.client.key_value_try_get(f"{self.prefix}/hb/{h}")
-      except Exception:  # noqa: BLE001 -- not posted yet (NOT_FOUND), or the service is unreachable
-        cur = beat
+      cur = beats.get(str(h), beat)
       if cur != beat:
         self._seen[h] = (cur, now)
       elif now - since > self.lost_after_s:

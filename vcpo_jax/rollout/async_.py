@@ -58,6 +58,10 @@ stopped worker gets SIGKILL at once) and removes every shared-memory segment
 and semaphore. If the learner itself is killed the worker gets SIGKILL from the
 kernel (PR_SET_PDEATHSIG) and the resource tracker unlinks the segments.
 
+Several hosts (jax.process_count() > 1): rollout/multihost.py's MultiHostAsyncSource, a subclass: one
+sampler per learner process on that host's share of the prompts, a per-step agreement of all hosts
+through jax.distributed's coordination service, and a publish that gathers host-complete parameters.
+
 Leftovers: every segment, semaphore and the spawn-argument file are named with
 the run id (a hash of the workdir) and the learner's pid (`vcpo_jax.cleanup`).
 When the whole process group is SIGKILLed (OOM killer, container stop) the

@@ -25,6 +25,10 @@ Loop, for b = first_step, first_step + 1, ..., end_step - 1:
      JSON metadata,
   4. put it into the queue (blocks while the queue is full: back-pressure).
 
+On several hosts (rollout/multihost.py) `WorkerArgs.prompt_block` = (lo, hi) makes this worker sample
+only prompts [lo, hi) of each step's P, taken from the single-host stream, with the host index folded
+into the key; its batch has (hi - lo) * G rows.
+
 Idle time = time blocked in 1 (the bound) and 4 (a full queue); the totals
 travel with each batch so the learner can report the sampler's idle fraction.
 
