@@ -198,6 +198,14 @@ def test_prompt_blocks_cover_each_step_once_in_order():
     distributed.prompt_block(6, 0, 4)
 
 
+def test_peer_lost_s_is_checked_in_config_parsing():
+  from tests import fixtures
+  from vcpo_jax import run_config
+
+  with pytest.raises(run_config.ConfigError, match=r"async_\.peer_lost_s=1\.0: must be a finite number of seconds > 2"):
+    run_config.parse_config(fixtures.tiny_countdown_config(**{"async_.peer_lost_s": 1.0}))
+
+
 def test_agreement_orders_payloads_and_stops_every_host_alike():
   from vcpo_jax import distributed
 

@@ -128,6 +128,7 @@ class AsyncConfig:
   startup_timeout_s: float = 600.0
   sampler_cpus: str = ""
   sampler_env: dict = dataclasses.field(default_factory=dict)
+  peer_lost_s: float = 30.0  # multi-host: a learner process without a heartbeat this long is lost
   extra: dict = dataclasses.field(default_factory=dict)  # config.async_ keys not modelled here, passed on
 
   def __post_init__(self):
@@ -135,6 +136,12 @@ class AsyncConfig:
     for f in ("timeout_s", "startup_timeout_s"):
       v = getattr(self, f)
       _check(_finite(v) and v > 0, f"async_.{f}", v, "must be a finite number of seconds > 0.")
+    _check(
+      _finite(self.peer_lost_s) and self.peer_lost_s > 2.0,
+      "async_.peer_lost_s",
+      self.peer_lost_s,
+      "must be a finite number of seconds > 2 (4 heartbeats of 0.5 s; 30 tolerates a busy host).",
+    )
     ids = str(self.sampler_devices).replace(" ", "").split(",") if str(self.sampler_devices) else []
     _check(
       all(x.isdigit() for x in ids) and len(set(ids)) == len(ids),
