@@ -10,8 +10,10 @@ One job is started (this file run as a script, twice); the test then
    the host copies agree), and each host's sampler echoed the checksum of the version it used;
 2. SIGKILLs host 1's sampler: both learner processes must end within 30 s, after agreeing to stop at the
    same step, having written the joint checkpoint of that step, with no /dev/shm object of either left;
-3. resumes the job from that checkpoint on 2 processes and trains 1 more step to the end (exit 0);
-4. resumes that final checkpoint in this single process (another mesh over its own devices, a one-host
+3. resumes the job from that checkpoint on 2 processes (the first step consumed is the checkpoint's), then
+   sends SIGTERM to host 0's learner only: both processes agree to stop at one step, write the joint
+   checkpoint and exit 130 within 30 s, /dev/shm clean;
+4. resumes that checkpoint in this single process (another mesh over its own devices, a one-host
    sampler) and trains 1 more step: a checkpoint written by 2 processes restores on 1.
 
 What cannot match a single-host run: the samples. Each host samples its P/2 prompts as one batch with
@@ -20,6 +22,7 @@ order is the single-host one (checked) but the responses, rewards and parameters
 """
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -112,7 +115,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(workdir: str, steps: int, logdir) -> list:
+def _start(workdir: str, steps: int, logdir, tag=None) -> list:
   port = _free_port()
   env = dict(
     os.environ,
@@ -122,7 +125,7 @@ def _start(workdir: str, steps: int, logdir) -> list:
   )
   procs = []
   for i in range(2):
-    log = open(logdir / f"p{i}_{steps}.log", "w")  # noqa: SIM115 -- closed in _lines
+    log = open(logdir / f"p{i}_{tag or steps}.log", "w")  # noqa: SIM115 -- closed in _kill_all
     procs.append(
       (
         subprocess.Popen(
@@ -294,7 +297,7 @@ def test_host_complete_copy_of_a_sharded_leaf():
 
 
 @pytest.mark.slow
-def test_two_hosts_train_agree_stop_together_and_resume(tmp_path):
+def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
   from vcpo_jax import run_config
   from vcpo_jax.checkpoint import Checkpointer
   from vcpo_jax.rollout.common import RolloutMaker
@@ -349,33 +352,43 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path):
   stopped = Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
   assert stopped is not None and stopped >= n - 1  # the joint checkpoint of the step both stopped at
 
-  # 3. resume on 2 processes from the joint checkpoint and finish one more step
-  procs = _start(workdir, stopped + 1, tmp_path)
+  # 3. resume on 2 processes from the joint checkpoint; SIGTERM to host 0 only stops both, with a checkpoint
+  procs = _start(workdir, 10_000, tmp_path, tag="resumed")
+  logs = [tmp_path / f"p{i}_resumed.log" for i in range(2)]
   try:
+    _wait_for(lambda: all(len(_records(f, "STEP")) >= 1 for f in logs), 600, "a resumed step on both", procs)
+    os.kill(procs[0][0].pid, signal.SIGTERM)
+    t0 = time.monotonic()
     for p, _ in procs:
-      p.wait(timeout=600)
+      p.wait(timeout=max(1.0, 30.0 - (time.monotonic() - t0)))
+    print(f"both learner processes ended {time.monotonic() - t0:.1f} s after SIGTERM to host 0")
   finally:
     _kill_all(procs)
-  logs = [tmp_path / f"p{i}_{stopped + 1}.log" for i in range(2)]
+  out = [f.read_text() for f in logs]
   for i, (p, _) in enumerate(procs):
-    assert p.returncode == 0, f"resumed process {i} exited {p.returncode}:\n{logs[i].read_text()[-3000:]}"
+    assert p.returncode == 130, f"resumed process {i} exited {p.returncode}:\n{out[i][-3000:]}"
+  assert "every process stops at step" in out[1] and "host 0: interrupted" in out[1], out[1][-3000:]
   resumed = [_records(f, "STEP") for f in logs]
-  assert [r["step"] for r in resumed[0]] == [stopped] == [r["step"] for r in resumed[1]]
+  assert resumed[0][0]["step"] == stopped == resumed[1][0]["step"]  # the first step not in the checkpoint
   assert all(stopped - v <= K for v in resumed[0][0]["versions"])
-  assert _records(logs[0], "SUMMARY")[0]["step"] == stopped + 1
+  assert not [p for f in logs for p in _records(f, "SHM")[0] if os.path.exists(p)]
+  signalled = Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
+  assert signalled > stopped
 
-  # 4. resume the 2-process checkpoint in this one process (a (2, 4, 1) mesh on its 8 devices, one sampler)
+  # 4. resume that 2-process checkpoint in this one process (a (2, 4, 1) mesh on its 8 devices, one sampler)
   import jax
 
   from vcpo_jax import trainer
 
   if len(jax.devices()) % 4:
     return
-  config = _config(0, 1, stopped + 2)
+  config = _config(0, 1, signalled + 1)
   config.distributed.enabled = False
   config.mesh.shape = (2, -1, 1)
+  caplog.set_level(logging.INFO, logger="vcpo_jax")
   summary = trainer.run(config, workdir)
-  assert summary["step"] == stopped + 2
+  assert f"resumed from step {signalled} " in caplog.text
+  assert summary["step"] == signalled + 1
 
 
 if __name__ == "__mp_main__":  # a sampler spawned by a learner process of this file
