@@ -362,7 +362,8 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
   procs = _start(workdir, 10_000, tmp_path, tag="resumed")
   logs = [tmp_path / f"p{i}_resumed.log" for i in range(2)]
   try:
-    _wait_for(lambda: all(len(_records(f, "STEP")) >= 1 for f in logs), 600, "a resumed step on both", procs)
+    # 2 steps: the first resumed step's compilation is over (a signal is acted on between steps)
+    _wait_for(lambda: all(len(_records(f, "STEP")) >= 2 for f in logs), 600, "2 resumed steps on both", procs)
     os.kill(procs[0][0].pid, signal.SIGTERM)
     t0 = time.monotonic()
     for p, _ in procs:
