@@ -21,9 +21,14 @@
 #   COORD_PORT       coordinator port on worker 0 (default 8476)
 #   REMOTE_DIR       checkout directory on the workers (default vcpo_jax, under $HOME)
 #   JAX_VERSION      default 0.10.2 (must match requirements.txt)
+#   SAMPLER_CHIPS    host-local chip ids of each worker's sampler, e.g. "2,3": async mode with one
+#                    sampler process per worker on those chips (docs/scale_out.md, "Async mode on
+#                    several hosts"); the learner process of each worker sees the other chips
+#                    (TPU_VISIBLE_CHIPS). Empty (default): no split, the config's mode.
+#   CHIPS_PER_HOST   chips of one worker (default 4: v4 / v5p); used with SAMPLER_CHIPS
 set -euo pipefail
 
-usage() { sed -n '2,26p' "$0" >&2; exit 2; }
+usage() { sed -n '2,31p' "$0" >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 ACTION=$1
 shift
@@ -35,6 +40,8 @@ COORD_PORT=${COORD_PORT:-8476}
 REMOTE_DIR=${REMOTE_DIR:-vcpo_jax}
 JAX_VERSION=${JAX_VERSION:-0.10.2}
 MESH=${MESH:-"(1,-1,1)"}
+SAMPLER_CHIPS=${SAMPLER_CHIPS:-}
+CHIPS_PER_HOST=${CHIPS_PER_HOST:-4}
 REPO_ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
 GC_FLAGS=(--zone "$ZONE")
@@ -69,15 +76,26 @@ do_run() {
     python3 -c 'import json, sys; e = json.load(sys.stdin)["networkEndpoints"]; print(e[0]["ipAddress"], len(e))')
   read -r coord nproc <<< "$endpoints"
   overrides=$(printf '%q ' "$@")
+  local learner_env="" split_flags=""
+  if [[ -n "$SAMPLER_CHIPS" ]]; then
+    # The learner keeps the chips the sampler does not take; the sampler's TPU variables are set by
+    # the learner when it spawns it (vcpo_jax/rollout/multihost.py). Unverified on TPU hardware.
+    local learner_chips
+    learner_chips=$(python3 -c 'import sys; s = {int(x) for x in sys.argv[1].split(",")}; n = int(sys.argv[2]); bad = sorted(c for c in s if not 0 <= c < n); assert not bad, f"SAMPLER_CHIPS {bad} not in [0, {n})"; print(",".join(str(c) for c in range(n) if c not in s))' "$SAMPLER_CHIPS" "$CHIPS_PER_HOST")
+    [[ -n "$learner_chips" ]] || { echo "SAMPLER_CHIPS=$SAMPLER_CHIPS leaves no chip to the learner" >&2; exit 2; }
+    learner_env="TPU_VISIBLE_CHIPS=$learner_chips"
+    split_flags="--config.mode=async --config.async_.sampler_devices=$SAMPLER_CHIPS"
+    echo "per worker: learner chips $learner_chips, sampler chips $SAMPLER_CHIPS" >&2
+  fi
   echo "coordinator $coord:$COORD_PORT, $nproc processes, mesh.shape=$MESH" >&2
   # The process id is the worker's own number, read from the VM metadata on each worker.
   # shellcheck disable=SC2016  # $(...) and $$ must expand on the worker, not here
-  on_all_workers "cd ~/$REMOTE_DIR && echo \$\$ > ~/vcpo_main.pid && exec python3 main.py \
+  on_all_workers "cd ~/$REMOTE_DIR && echo \$\$ > ~/vcpo_main.pid && exec env $learner_env python3 main.py \
     --config=$(printf '%q' "$config") --workdir=$(printf '%q' "$WORKDIR") \
     --config.mesh.shape='$MESH' \
     --config.distributed.enabled=True \
     --config.distributed.coordinator_address=$coord:$COORD_PORT \
-    --config.distributed.num_processes=$nproc \
+    --config.distributed.num_processes=$nproc $split_flags \
     --config.distributed.process_id=\$(curl -s -H 'Metadata-Flavor: Google' \
       http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number) \
     $overrides"

@@ -147,6 +147,7 @@ class AsyncConfig:
   inflight_updates: bool = False
   update_every_tokens: int = 16
   recompute_kv: bool = False
+  peer_lost_s: float = 30.0  # multi-host: a learner process without a heartbeat this long is lost
   extra: dict = dataclasses.field(default_factory=dict)  # config.async_ keys not modelled here, passed on
 
   def __post_init__(self):
@@ -154,6 +155,12 @@ class AsyncConfig:
     for f in ("timeout_s", "startup_timeout_s"):
       v = getattr(self, f)
       _check(_finite(v) and v > 0, f"async_.{f}", v, "must be a finite number of seconds > 0.")
+    _check(
+      _finite(self.peer_lost_s) and self.peer_lost_s > 2.0,
+      "async_.peer_lost_s",
+      self.peer_lost_s,
+      "must be a finite number of seconds > 2 (4 heartbeats of 0.5 s; 30 tolerates a busy host).",
+    )
     ids = str(self.sampler_devices).replace(" ", "").split(",") if str(self.sampler_devices) else []
     _check(
       all(x.isdigit() for x in ids) and len(set(ids)) == len(ids),

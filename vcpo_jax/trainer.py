@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from vcpo_jax import evaluation, fs, learner, optim, sharding
+from vcpo_jax import distributed, evaluation, fs, learner, optim, sharding
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.model import config as model_config
@@ -269,6 +269,7 @@ def run(config, workdir: str) -> dict:
 
   # ---------------------------------------------------------------- Loop
   last_eval: dict = {}
+  agreed_stops = hasattr(source, "agreement")
   nonfinite_steps: list[int] = []
   step = start
   try:
@@ -276,7 +277,8 @@ def run(config, workdir: str) -> dict:
       last_eval = run_eval(0, state.params)
       writer.write(0, last_eval)
     while step < spec.steps:
-      check_signal()
+      if not agreed_stops:  # multi-host async: the source's next() agrees on a stop with every host
+        check_signal()
       t0 = time.time()
       batch, info = source.next(step)
       t1 = time.time()
@@ -334,10 +336,10 @@ def run(config, workdir: str) -> dict:
       final_eval = run_eval(step, state.params, tag="final")
       writer.write(step, final_eval)
     _save(ckpt, step, state, source, writer, final_eval, final=True)
-  except Interrupted as e:
+  except (Interrupted, distributed.JobStopped) as e:
     log.warning("interrupted (%s): saving a checkpoint at step %d", e, step)
     _save(ckpt, step, state, source, writer, None, force=True)
-    raise SystemExit(130)
+    raise SystemExit(getattr(e, "exit_code", 130))
   finally:
     _close_all(old_handlers, source, ckpt, writer)
   summary = {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps}
@@ -360,7 +362,9 @@ def _close_all(old_handlers: dict, *closeables):
 def build_mesh(spec: RunSpec):
   """The learner's device mesh; the sampler's devices (async_.sampler_devices) are left out of it."""
   devices = jax.devices()
-  if spec.mode == "async" and spec.async_cfg.get("sampler_devices") and len(devices) > 1:
+  if spec.mode == "async" and spec.async_cfg.get("sampler_devices") and jax.process_count() > 1:
+    devices = distributed.learner_devices(spec.async_cfg["sampler_devices"], devices)  # host-local ids
+  elif spec.mode == "async" and spec.async_cfg.get("sampler_devices") and len(devices) > 1:
     devices = sharding.split_devices(spec.async_cfg["sampler_devices"], devices)[1]
   try:
     mesh = sharding.make_mesh(sharding.MeshConfig(spec.mesh_shape), devices=devices)
@@ -400,6 +404,10 @@ def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, work
     return LagSource(maker, spec.k if spec.mode == "lag" else 0, key)
   from vcpo_jax.rollout.async_ import AsyncSource
 
+  if jax.process_count() > 1:  # one sampler per host, a per-step agreement (rollout/multihost.py)
+    from vcpo_jax.rollout.multihost import MultiHostAsyncSource
+
+    AsyncSource = MultiHostAsyncSource
   return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
 
 

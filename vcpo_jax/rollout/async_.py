@@ -68,6 +68,10 @@ stopped worker gets SIGKILL at once) and removes every shared-memory segment
 and semaphore. If the learner itself is killed the worker gets SIGKILL from the
 kernel (PR_SET_PDEATHSIG) and the resource tracker unlinks the segments.
 
+Several hosts (jax.process_count() > 1): rollout/multihost.py's MultiHostAsyncSource, a subclass: one
+sampler per learner process on that host's share of the prompts, a per-step agreement of all hosts
+through jax.distributed's coordination service, and a publish that gathers host-complete parameters.
+
 Leftovers: every segment, semaphore and the spawn-argument file are named with
 the run id (a hash of the workdir) and the learner's pid (`vcpo_jax.cleanup`).
 When the whole process group is SIGKILLed (OOM killer, container stop) the
@@ -310,6 +314,7 @@ class AsyncSource:
       inflight=self.inflight,
       update_every_tokens=self.update_every_tokens,
       recompute_kv=self.recompute_kv,
+      **self._worker_args_extra(),
     )
     # The spawn payload stays small: the arguments (problems, tokenizer: can be MBs) go through a file.
     # CPython writes the payload into a pipe whose read end the parent holds until the write ends, so a
@@ -340,6 +345,10 @@ class AsyncSource:
       return cfg
     return dataclasses.replace(cfg, decode=decode, chunk_tokens=self.chunk_tokens)
 
+  def _worker_args_extra(self) -> dict:
+    """More WorkerArgs fields (rollout/multihost.py: the host's prompt block); none on one host."""
+    return {}
+
   def publish(self, params, version: int):
     """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time.
 
@@ -360,15 +369,18 @@ class AsyncSource:
     else:
       self._raise_if_dead()
       self._raise_thread_error()
-      snap = self._snap(jax.tree.leaves(params))  # dispatched, not waited for
-      with self._cv:
-        self._todo = (snap, version, worker_lib.param_names(params))
-        self._cv.notify_all()
-      if self._thread is None:
-        self._thread = threading.Thread(target=self._publisher, name="vcpo-async-publish", daemon=True)
-        self._thread.start()
+      self._hand_over(self._snap(jax.tree.leaves(params)), version, params)  # dispatched, not waited for
     self._published = version
     self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def _hand_over(self, snap: list, version: int, params):
+    """Gives the background publisher the newest snapshot (replacing one it has not taken yet)."""
+    with self._cv:
+      self._todo = (snap, version, worker_lib.param_names(params))
+      self._cv.notify_all()
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._publisher, name="vcpo-async-publish", daemon=True)
+      self._thread.start()
 
   def _host_arrays(self, snap: list, params=None, names=None) -> dict:
     names = names or worker_lib.param_names(params)

@@ -34,6 +34,10 @@ policy_version is the row's OLDEST token's, so the bound of step 1 (on the versi
 starts with) is the lag bound of the oldest token; later tokens are fresher. The batch's
 metadata echoes the checksum of every version it used.
 
+On several hosts (rollout/multihost.py) `WorkerArgs.prompt_block` = (lo, hi) makes this worker sample
+only prompts [lo, hi) of each step's P, taken from the single-host stream, with the host index folded
+into the key; its batch has (hi - lo) * G rows.
+
 Idle time = time blocked in 1 (the bound) and 4 (a full queue); the totals
 travel with each batch so the learner can report the sampler's idle fraction.
 
@@ -89,6 +93,10 @@ class WorkerArgs:
   inflight: bool = False  # in-flight updates: newer parameters between decode chunks (sampler_cfg is chunked)
   update_every_tokens: int = 16  # in-flight: decode steps between looks at the parameter slot
   recompute_kv: bool = False  # in-flight: recompute the KV cache under the new parameters
+  # Multi-host (rollout/multihost.py): this host's prompts [lo, hi) of each step's P, and the host index
+  # folded into the key. None: the whole batch (one host).
+  prompt_block: tuple[int, int] | None = None
+  host: int = 0
 
 
 def param_names(params) -> tuple[str, ...]:
@@ -109,6 +117,21 @@ def abstract_params(model_cfg):
   from vcpo_jax.model import transformer
 
   return transformer.split(nnx.eval_shape(lambda: transformer.init(model_cfg, 0)))
+
+
+def host_rollout_config(rollout, prompt_block):
+  """The rollout config of one host's sampler: P = the host's prompt count (its batch has P * G rows)."""
+  import dataclasses as dc
+
+  lo, hi = prompt_block
+  return dc.replace(rollout, prompts_per_step=hi - lo)
+
+
+def _prompt_stream(rollout, problems):
+  """A RolloutMaker used only for `problems_for_step`: the one-host run's P prompts of each step."""
+  from vcpo_jax.rollout.common import RolloutMaker
+
+  return RolloutMaker(rollout, None, None, problems)
 
 
 def _set_parent_death_signal():
@@ -224,12 +247,24 @@ class _Worker:
     self.key = jax.random.wrap_key_data(np.asarray(a.key_data), impl=a.key_impl)
     # Its own mesh over this process's devices (async_.sampler_devices); params in sampler.param_dtype.
     self.sampler = sampler = Sampler(graphdef, a.model_cfg, a.sampler_cfg, mesh=sampler_mesh(a.sampler_cfg))
+    rollout = a.rollout if a.prompt_block is None else host_rollout_config(a.rollout, a.prompt_block)
     if a.multiturn is None:
-      self.maker = RolloutMaker(a.rollout, a.tokenizer, sampler, a.problems)
+      self.maker = RolloutMaker(rollout, a.tokenizer, sampler, a.problems)
     else:  # the sandbox spawns `python -I -S` children (never forks this JAX process)
       from vcpo_jax.rollout.multiturn import MultiTurnRolloutMaker
 
-      self.maker = MultiTurnRolloutMaker(a.rollout, a.multiturn, a.tokenizer, sampler, a.problems)
+      self.maker = MultiTurnRolloutMaker(rollout, a.multiturn, a.tokenizer, sampler, a.problems)
+    if a.prompt_block is not None:
+      self._split_prompts(a)
+
+  def _split_prompts(self, a: WorkerArgs):
+    """Multi-host: this host's block of the single-host prompt stream; its own key (host folded in)."""
+    import jax
+
+    lo, hi = a.prompt_block
+    stream = _prompt_stream(a.rollout, a.problems)
+    self.maker.problems_for_step = lambda step: stream.problems_for_step(step)[lo:hi]
+    self.key = jax.random.fold_in(self.key, a.host)
 
   # -- steps
 

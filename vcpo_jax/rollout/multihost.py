@@ -1,0 +1,295 @@
+"""Async mode on several hosts: one sampler per learner process, an agreement before each step's collectives.
+
+    host h learner (one process of the multi-host JAX program)       host h sampler (spawned, worker.py)
+    publish(params, v): gather to host-complete arrays ------ParamSlot------> newest params, once v >= b - k
+    next(b): local batch b (this host's prompt block) <--------ShmQueue------- prompts [h P/H, (h+1) P/H) of step b
+             -> Agreement: every host posts ok / stop for step b (coordination-service key-value store)
+             -> process_allgather: every host holds the global batch [N, T] (host order = prompt order)
+
+`MultiHostAsyncSource` is `AsyncSource` (async_.py) with four changes; trainer.build_source picks it when
+`jax.process_count() > 1`:
+
+- Prompts: host h's sampler makes whole groups for prompts [h P/H, (h + 1) P/H) of each step's P
+  (`distributed.prompt_block`), taken from the same seeded stream as a single-host run, so the global
+  batch's problems are the single-host run's, in its order, none twice. The samples themselves differ
+  from a single-host run's: each host samples a batch of P/H prompts with
+  fold_in(fold_in(key, host), step), and the sampler's random draws depend on the batch shape.
+- The global batch: after the agreement, `multihost_utils.process_allgather` concatenates every host's
+  rows in process order (group ids offset by the host's first prompt), so every learner process holds
+  the same global batch, as in sync mode, and the trainer's `_global_batch` feeds its own rows. Metrics
+  are global (rewards, lag statistics over all N rows); `info["hosts"]` holds each host's version,
+  checksum, sampler pid and problem ids.
+- Weights: publish() dispatches, on the learner's critical path but asynchronously, one program that
+  casts to the publish dtype and reshards every leaf so that each host's learner devices hold the whole
+  array (split over that host's devices, replicated across hosts): an all-gather over the mesh. The
+  background thread then assembles the host copy from the local shards only (no collective off the main
+  thread) and writes the slot. Every host publishes the same version after each step; the sampler's
+  checksum echo of version v must be equal on every host that sampled with v (checked in next()), and
+  the lag bound k is checked on the global batch.
+- Failures: `distributed.Agreement`. A dead or hung sampler (SamplerDiedError, TimeoutError) or a signal
+  on any host makes that host post a stop for the step; every host then raises `distributed.JobStopped`
+  at that same step and the trainer writes the joint checkpoint and exits (130 for signals, 1 for
+  failures). A learner process that dies or stops is noticed through its heartbeat (async_.peer_lost_s)
+  and the others raise PeerLostError without a checkpoint. close() removes the host's shared memory, as
+  in single-host mode.
+
+Checkpoints keep no queued batches in multi-host mode (each host's queue holds different rows): batches
+queued at a save are made again after a resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+import numpy as np
+
+from vcpo_jax import distributed
+from vcpo_jax.rollout import async_
+from vcpo_jax.rollout.common import lag_stats
+
+log = logging.getLogger("vcpo_jax")
+
+
+class _Signalled(Exception):
+  """The trainer's interrupt() raised (SIGINT / SIGTERM on this host)."""
+
+
+def sampler_platform_env(sampler_devices: str, backend: str) -> dict[str, str]:
+  """Environment for a sampler on `sampler_devices` (host-local ids) of this host.
+
+  GPU: CUDA_VISIBLE_DEVICES. TPU: the libtpu variables that make the child a single-process runtime
+  over those chips, apart from the host's learner process (chips per process bounds for 1, 2, 4, 8
+  chips). Not run on TPU hardware here: `async_.sampler_env` entries take precedence.
+  """
+  ids = [x for x in str(sampler_devices or "").replace(" ", "").split(",") if x]
+  if not ids:
+    return {}
+  if backend == "tpu":
+    bounds = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+    if len(ids) not in bounds:
+      raise ValueError(
+        f"async_.sampler_devices={sampler_devices!r}: {len(ids)} TPU chips; use 1, 2, 4 or 8 chips, or set the "
+        "TPU runtime variables yourself in async_.sampler_env."
+      )
+    return {
+      "TPU_VISIBLE_CHIPS": ",".join(ids),
+      "TPU_CHIPS_PER_PROCESS_BOUNDS": bounds[len(ids)],
+      "TPU_PROCESS_BOUNDS": "1,1,1",
+      "TPU_PROCESS_PORT": "8479",
+      "TPU_PROCESS_ADDRESSES": "localhost:8479",
+      "CLOUD_TPU_TASK_ID": "0",
+    }
+  return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
+
+
+def host_complete_sharding(x: jax.Array):
+  """A sharding of `x`'s devices under which every process's devices hold all of `x`.
+
+  The devices are grouped by process into a (hosts, local) mesh; the first dimension divisible by the
+  local device count is split over "local" (else the leaf is replicated), nothing over "hosts".
+  """
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  flat = list(getattr(x.sharding, "mesh", None).devices.flat) if hasattr(x.sharding, "mesh") else []
+  flat = flat or sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
+  procs = sorted({d.process_index for d in flat})
+  grid = [[d for d in flat if d.process_index == p] for p in procs]
+  if len({len(g) for g in grid}) != 1:
+    raise ValueError(
+      f"multi-host publish: processes hold different numbers of learner devices: {[len(g) for g in grid]}"
+    )
+  mesh = Mesh(np.array(grid, dtype=object), ("hosts", "local"))
+  nlocal = len(grid[0])
+  spec = [None] * x.ndim
+  for i, d in enumerate(x.shape):
+    if d % nlocal == 0 and nlocal > 1:
+      spec[i] = "local"
+      break
+  return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def local_copy(x) -> np.ndarray:
+  """The whole of `x` as a numpy array, from this process's shards only (no collective)."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(x)
+  out = np.empty(x.shape, x.dtype)
+  done, seen = 0, set()
+  for s in x.addressable_shards:
+    key = tuple((sl.start, sl.stop) for sl in s.index)
+    if key in seen:
+      continue
+    seen.add(key)
+    block = np.asarray(s.data)
+    out[s.index] = block
+    done += block.size
+  if done != x.size:
+    raise ValueError(f"multi-host publish: this process holds {done} of {x.size} elements of a {x.shape} leaf.")
+  return out
+
+
+class MultiHostAsyncSource(async_.AsyncSource):
+  """AsyncSource for one process of a multi-host job (same arguments; `async_cfg["peer_lost_s"]`)."""
+
+  def __init__(self, spec, key, model_cfg, graphdef, tokenizer, maker, *, workdir=None, interrupt=None):
+    super().__init__(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
+    cfg = dict(spec.async_cfg)
+    self.host, self.hosts = jax.process_index(), jax.process_count()
+    self.block = distributed.prompt_block(maker.cfg.prompts_per_step, self.host, self.hosts)
+    n_local = (self.block[1] - self.block[0]) * maker.cfg.group_size
+    self.schema = async_.batch_schema(n_local, maker.cfg.max_prompt_len + maker.cfg.max_new_tokens)
+    self.meta_bytes = 16384 + n_local * (8 * maker.cfg.max_new_tokens + 64)
+    for k, v in sampler_platform_env(cfg.get("sampler_devices", ""), jax.default_backend()).items():
+      self.env.setdefault(k, v)  # async_.sampler_env wins
+    if jax.default_backend() == "tpu":
+      self.env.pop("CUDA_VISIBLE_DEVICES", None)
+    self.peer_lost_s = float(cfg.get("peer_lost_s", 30.0))
+    self.agreement = distributed.Agreement(self.run_id, lost_after_s=self.peer_lost_s)
+    self._outer_interrupt = interrupt
+    self._interrupt = self._interrupt_or_peer
+    self._waiting: int | None = None
+    self._gather = None  # jit: cast + reshard to host-complete arrays, built at the first publish
+    self._snap = self._host_snap  # replaces AsyncSource's snapshot (same cast, plus the gather)
+    self._deferred: Exception | None = None  # a sampler failure seen at publish(), reported at the next step
+
+  # -- weights
+
+  def _host_snap(self, leaves):
+    if self._gather is None:
+      out = [host_complete_sharding(x) for x in leaves]
+      dtype = self.publish_dtype
+      self._gather = jax.jit(lambda ls: [async_._snapshot_leaf(x, dtype) for x in ls], out_shardings=out)
+    return self._gather(leaves)
+
+  def publish(self, params, version: int):
+    """As AsyncSource.publish, but the gather is dispatched by every host at every publish (it is a
+    collective: a host that skipped it would leave the others' copies waiting), and a failure of this
+    host's sampler is kept for the next agreement instead of raised here, alone."""
+    t0 = time.perf_counter()
+    version = int(version)
+    snap = self._host_snap(jax.tree.leaves(params))
+    if self.proc is None:
+      self._start(self._host_arrays(snap, params), version)
+    elif self._deferred is None:
+      try:
+        self._raise_if_dead()
+        self._raise_thread_error()
+        if self.background:
+          self._hand_over(snap, version, params)
+        else:
+          self.slot.publish(self._host_arrays(snap, params), version, poll=self._poll_publish)
+      except (async_.SamplerDiedError, RuntimeError) as e:
+        self._deferred = e
+    self._published = version
+    self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def _host_arrays(self, snap: list, params=None, names=None) -> dict:
+    if not all(_host_complete(x) for x in snap):
+      snap = self._host_snap(snap)  # raw parameters (the synchronous publish path): gather first
+    names = names or async_.worker_lib.param_names(params)
+    return {n: local_copy(a) for n, a in zip(names, snap)}
+
+  def _worker_args_extra(self) -> dict:
+    return {"prompt_block": self.block, "host": self.host}
+
+  # -- batches
+
+  def _interrupt_or_peer(self):
+    if self._outer_interrupt is not None and self._waiting is None:
+      self._outer_interrupt()  # outside next() (publish): the trainer's Interrupted, handled as in one process
+    elif self._outer_interrupt is not None:
+      try:
+        self._outer_interrupt()
+      except Exception as e:  # noqa: BLE001 -- the trainer's Interrupted: agreed on with the other hosts
+        raise _Signalled(str(e)) from None
+    if self._waiting is not None:
+      self.agreement.check(self._waiting)
+
+  def next(self, step: int) -> tuple[dict, dict]:
+    """This host's batch `step`, agreed on with every host, gathered into the global batch."""
+    t0 = time.monotonic()
+    local = None
+    self._waiting = step
+    try:
+      if self._deferred is not None:
+        e, self._deferred = self._deferred, None
+        raise e
+      local = super().next(step)
+      batch, info = local
+      payload = {
+        "ok": True,
+        "version": int(batch["policy_version"][0]),  # one version per host batch
+        "checksum": info["params_checksum"],
+        "pid": info["producer"][0],
+        "problem_ids": list(info["problem_ids"]),
+        "response_len_mean": info["response_len_mean"],
+        "finished_frac": info["finished_frac"],
+        "gen_s": info["sampler_gen_s"],
+        "idle_frac": info["sampler_idle_frac"],
+      }
+    except _Signalled as e:
+      payload = {"ok": False, "signal": True, "reason": f"interrupted ({e})"}
+    except distributed._PeerStopping as e:
+      payload = {"ok": False, "follow": True, "signal": True, "reason": str(e)}
+    except distributed.PeerLostError as e:
+      payload = {"ok": False, "lost": True, "reason": str(e)}
+    except (async_.SamplerDiedError, TimeoutError, RuntimeError) as e:
+      log.error("multi-host: the sampler of host %d failed at step %d: %s", self.host, step, e)
+      payload = {"ok": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    finally:
+      self._waiting = None
+    payloads = self.agreement.exchange(step, payload, timeout_s=self.startup_timeout_s + self.timeout_s + 60.0)
+    self.agreement.forget(step - 2)
+    lost = [p["reason"] for p in payloads if p.get("lost")]
+    if lost:
+      raise distributed.PeerLostError(lost[0])
+    distributed.decide(payloads, step)
+    return self._global(step, batch, info, payloads, time.monotonic() - t0)
+
+  def _global(self, step, batch, info, payloads, wait_s):
+    from jax.experimental import multihost_utils
+
+    by_version: dict[int, set] = {}
+    for p in payloads:
+      if p["checksum"] is not None:
+        by_version.setdefault(p["version"], set()).add(p["checksum"])
+    split = {v: c for v, c in by_version.items() if len(c) > 1}
+    if split:
+      raise RuntimeError(f"multi-host: hosts sampled step {step} from different parameters of one version: {split}")
+    local = {f: np.asarray(batch[f]) for f in self.schema.fields}
+    local["group_id"] = local["group_id"] + self.block[0]  # the host's prompts are [lo, hi) of the step's P
+    full = {f: np.asarray(a) for f, a in multihost_utils.process_allgather(local, tiled=True).items()}
+    lag = step - full["policy_version"]
+    if lag.min() < 0 or lag.max() > self.k:
+      raise RuntimeError(f"async source: batch {step} has lags [{lag.min()}, {lag.max()}] outside [0, {self.k}].")
+    out = dict(
+      info,
+      texts=None,  # every host's texts stay on that host
+      problem_ids=[i for p in payloads for i in p["problem_ids"]],
+      response_len_mean=float(np.mean([p["response_len_mean"] for p in payloads])),
+      finished_frac=float(np.mean([p["finished_frac"] for p in payloads])),
+      sampler_gen_s=float(max(p["gen_s"] for p in payloads)),
+      sampler_idle_frac=float(np.mean([p["idle_frac"] for p in payloads])),
+      learner_wait_s=wait_s,
+      hosts=payloads,
+      **lag_stats(step, full["policy_version"]),
+    )
+    return full, out
+
+  # -- checkpointing, lifetime
+
+  def queued_state(self):
+    """Multi-host checkpoints keep no queued batches (every host's queue holds other rows)."""
+    return [], []
+
+  def close(self):
+    super().close()
+    self.agreement.close()
+
+
+def _host_complete(x) -> bool:
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return True
+  sh = x.sharding
+  return hasattr(sh, "mesh") and tuple(sh.mesh.axis_names) == ("hosts", "local")
