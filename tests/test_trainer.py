@@ -148,6 +148,11 @@ def test_lag_run_resumes_bit_for_bit_and_logs_each_step_once(tmp_path, dense_rew
   assert summary["step"] == 6 and summary["eval/accuracy"] == evals_full[-1][2]
   for name in ("config.json", "plots/reward.png", "plots/lag.png"):
     assert fs.exists(fs.join(part, name)), name
+  recorded = json.loads(fs.read_text(fs.join(part, "config.json")))
+  assert recorded["lag"]["k"] == 2 and recorded["optim"]["lr"] == 1e-2  # the config, as run
+  prov = recorded["provenance"]  # and what ran it (vcpo_jax.provenance; its test checks the values)
+  assert prov["versions"]["jax"] == jax.__version__ and prov["devices"]["count"] == len(jax.devices())
+  assert set(prov) >= {"git", "cpu_model", "xla_flags", "versions", "devices"}
   assert sorted(os.listdir(tmp_path)) == ["full", "part"]  # no ./memory:/... directory
   assert sorted(os.listdir(tmp_path / "part" / "checkpoints")) == ["3", "6"]
 
