@@ -5,7 +5,9 @@
 built, with exit code 2; `--verbosity=1` shows the traceback too.
 """
 
+import atexit
 import logging
+import os
 import re
 import sys
 
@@ -63,6 +65,30 @@ def parse_flags(argv):
     raise
 
 
+def train(config, workdir: str) -> dict:
+  """trainer.run(config, workdir); after SIGINT / SIGTERM the process ends at once with exit code 130.
+
+  By the time trainer.run raises SystemExit(130) it has saved the checkpoint (and waited for it), flushed
+  and closed the logs, and stopped the sampler, whose shared memory and temp files are gone. What remains
+  is the interpreter's teardown, several seconds after the torch / transformers / jax imports: here the
+  atexit handlers run (the grader pool's processes, jax's backends and a distributed shutdown), the
+  logs are flushed, and the rest is skipped with os._exit.
+  """
+  from vcpo_jax import trainer  # after flag parsing: keeps --help fast
+
+  try:
+    return trainer.run(config, workdir)
+  except SystemExit as e:
+    if e.code != 130:
+      raise
+  logging.getLogger("vcpo_jax").warning("exiting with code 130 (interrupted; the checkpoint is saved)")
+  atexit._run_exitfuncs()
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(130)
+
+
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
@@ -83,10 +109,10 @@ def main(argv):
     raise app.UsageError("--config and --workdir are required (or --config_help to list the config fields).")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
-  from vcpo_jax import run_config, trainer  # after flag parsing: keeps --help fast
+  from vcpo_jax import run_config  # after flag parsing: keeps --help fast
 
   try:
-    summary = trainer.run(FLAGS.config, FLAGS.workdir)
+    summary = train(FLAGS.config, FLAGS.workdir)
   except run_config.ConfigError as e:
     _die(e, sys.argv)
   logging.getLogger("vcpo_jax").info("done: %s", summary)

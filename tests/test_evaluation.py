@@ -4,6 +4,7 @@ import json
 import math
 import os
 import types
+import uuid
 from fractions import Fraction
 
 import numpy as np
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests import fixtures
 from vcpo_jax import evaluation as ev
-from vcpo_jax import tasks
+from vcpo_jax import fs, tasks
 
 
 # ----------------------------------------------------------------------------
@@ -222,10 +223,13 @@ def test_evaluate_rejects_bad_shapes_and_tags():
     ev.evaluate(lambda prompts, **kw: [["1"] * 3] * len(prompts), problems[:1], protocol, step=0)
 
 
-def test_best_and_final(tmp_path):
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_best_and_final(tmp_path, where, monkeypatch):
+  """Written by evaluate and read back by best_and_final through the fs layer: a local path or a URL."""
   protocol = ev.EvalProtocol(dataset="arithmetic", size=3, n=3)
   problems = _problems(protocol)
-  path = os.path.join(tmp_path, "eval.jsonl")
+  monkeypatch.chdir(tmp_path)
+  path = os.path.join(tmp_path, "eval.jsonl") if where == "local" else f"memory://test_eval/{uuid.uuid4().hex}/e.jsonl"
   for step, counts in [(10, [1, 1, 1]), (20, [3, 3, 2]), (30, [2, 2, 2]), (40, [3, 3, 2])]:
     gen, _ = make_fake_generate(problems, counts)
     ev.evaluate(gen, problems, protocol, step=step, jsonl_path=path)
@@ -243,6 +247,8 @@ def test_best_and_final(tmp_path):
   ev.evaluate(gen, problems, other, step=50, jsonl_path=path)
   with pytest.raises(ValueError, match="protocols"):
     ev.best_and_final(path)
+  assert len(fs.read_text(path).splitlines()) == 6
+  assert os.listdir(tmp_path) == (["eval.jsonl"] if where == "local" else [])  # no ./memory:/... directory
 
 
 def test_countdown_eval_counts_format_only_as_wrong():

@@ -1,7 +1,9 @@
 """Supervised warm start: targets the verifier accepts, response-only loss mask, loss decrease, cache."""
 
 import dataclasses
+import json
 import os
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import pytest
 
 from configs import countdown as countdown_config
 from tests import fixtures
-from vcpo_jax import sft, tasks
+from vcpo_jax import fs, sft, tasks
 from vcpo_jax.model import tokenizer as tok_lib
 from vcpo_jax.model import transformer
 from vcpo_jax.run_config import parse_config
@@ -164,6 +166,28 @@ def test_cache_names_leaves_like_the_partition_rules(model, tmp_path):
   assert meta == {"a": 1}
   for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert os.listdir(tmp_path) == ["p.safetensors"]  # the atomic write left no temporary file
+
+
+def test_cache_file_through_the_fs_layer(model, tmp_path, monkeypatch):
+  """A cache directory given as a URL (fsspec memory://): the same bytes as a local file, nothing written
+  locally; a corrupt or mismatched file is a miss (None), not an error."""
+  _, _, params = model
+  monkeypatch.chdir(tmp_path)
+  url = f"memory://test_sft/{uuid.uuid4().hex}/p.safetensors"
+  sft.save_params(url, params, {"a": [1, 2]})
+  sft.save_params(str(tmp_path / "local.safetensors"), params, {"a": [1, 2]})
+  assert fs.read_bytes(url) == (tmp_path / "local.safetensors").read_bytes()
+  assert os.listdir(tmp_path) == ["local.safetensors"]  # no ./memory:/... directory
+  loaded, meta = sft.load_params(url, params)
+  assert meta == {"a": [1, 2]}
+  for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert sft.load_params(url + ".missing", params) is None
+  fs.write_bytes(url, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+  assert sft.load_params(url, params) is None
+  sft.save_params(url, {"other": jnp.zeros(3)}, {})
+  assert sft.load_params(url, params) is None
 
 
 def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
@@ -179,15 +203,16 @@ def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
     raise AssertionError("a cached warm start must not train")
 
   monkeypatch.setattr(sft, "train", no_training)
-  second = sft.warm_start(graphdef, params, cfg, tok, probs, spec, str(tmp_path / "wd2"))
+  wd2 = f"memory://test_sft/{uuid.uuid4().hex}/wd2"  # sft.json through the fs layer (a remote workdir)
+  second = sft.warm_start(graphdef, params, cfg, tok, probs, spec, wd2)
   assert jax.tree.structure(second) == jax.tree.structure(first)
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  import json
-
-  rec1 = json.load(open(tmp_path / "wd1" / "sft.json"))
-  rec2 = json.load(open(tmp_path / "wd2" / "sft.json"))
+  rec1 = json.loads(fs.read_text(str(tmp_path / "wd1" / "sft.json")))
+  rec2 = json.loads(fs.read_text(fs.join(wd2, "sft.json")))
   assert rec1["cached"] is False and rec2["cached"] is True and rec1["key"] == rec2["key"]
+  # who trained the parameters: recorded when they were built, carried through the cache
+  assert rec1["provenance"] == rec2["provenance"] and rec1["provenance"]["versions"]["jax"] == jax.__version__
   assert 0.0 <= rec1["greedy_accuracy"] <= 1.0 and np.isfinite(rec1["final_loss"])
   # A different config misses the cache (and would train).
   with pytest.raises(AssertionError, match="must not train"):

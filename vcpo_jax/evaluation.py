@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vcpo_jax import fs
 from vcpo_jax import tasks as tasks_lib
 from vcpo_jax.tasks import answers
 from vcpo_jax.tasks.datasets import Problem
@@ -278,7 +278,7 @@ def evaluate(
   prompt; it runs on the host (the sampler behind it may be jitted).
   problems: if protocol.size is set, the first `size` are used (fewer is an error).
   writer: anything with add_scalar(name, value, step) (tensorboardX SummaryWriter).
-  jsonl_path: append the record there as one json line.
+  jsonl_path: append the record there as one json line (a local path or a URL, through vcpo_jax.fs).
   tag: None, "best" or "final" (for best-vs-final reporting, review #6).
   extra: additional json-serializable fields to store (e.g. wall-clock, GPU-hours).
 
@@ -345,10 +345,8 @@ def evaluate(
     for k, v in record["pass_at_k"].items():
       writer.add_scalar(f"{prefix}/pass@{k}", v, int(step))
     writer.add_scalar(f"{prefix}/mean_reward", record["mean_reward"], int(step))
-  if jsonl_path is not None:
-    os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-    with open(jsonl_path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+  if jsonl_path is not None:  # a local path or a URL (vcpo_jax.fs)
+    fs.append_text(jsonl_path, json.dumps(record) + "\n")
   return record
 
 
@@ -362,12 +360,11 @@ def best_and_final(jsonl_path: str, dataset: str | None = None, metric: str = "m
   Returns {"best": record, "final": record}.
   """
   recs = []
-  with open(jsonl_path) as f:
-    for line in f:
-      if line.strip():
-        r = json.loads(line)
-        if r.get("kind") == "eval" and (dataset is None or r["protocol"]["dataset"] == dataset):
-          recs.append(r)
+  for line in fs.read_text(jsonl_path).splitlines():  # a local path or a URL (vcpo_jax.fs)
+    if line.strip():
+      r = json.loads(line)
+      if r.get("kind") == "eval" and (dataset is None or r["protocol"]["dataset"] == dataset):
+        recs.append(r)
   if not recs:
     raise ValueError(f"no eval records{' for ' + dataset if dataset else ''} in {jsonl_path}")
   protos = {json.dumps(r["protocol"], sort_keys=True) for r in recs}

@@ -33,7 +33,10 @@ problems, SFT steps / lr / batch size, seed, code version), under
 `sft.cache_dir` or ~/.cache/vcpo_jax/sft. Writes are atomic (temporary file
 then rename), so concurrent runs never read half a file. A second run with the
 same config loads the file and trains nothing. Each call writes
-`<workdir>/sft.json` (key, losses, accuracies, wall time, cache hit or not).
+`<workdir>/sft.json` (key, losses, accuracies, wall time, cache hit or not, and
+the provenance of the code that trained the parameters: vcpo_jax.provenance).
+The cache directory and the workdir may be URLs: every file goes through
+vcpo_jax.fs.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from typing import Any, Sequence
 
@@ -52,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vcpo_jax import optim, tasks
+from vcpo_jax import fs, optim, provenance, tasks
 from vcpo_jax.model import transformer
 from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
 
@@ -333,6 +335,7 @@ def cache_key(fields: dict) -> str:
 
 
 def cache_dir(spec) -> str:
+  """sft.cache_dir (a local path or a URL) or ~/.cache/vcpo_jax/sft."""
   return spec.sft_cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "vcpo_jax", "sft")
 
 
@@ -344,34 +347,32 @@ def _names(tree) -> list[str]:
   return names
 
 
+_META_KEY = "vcpo_jax_sft"  # the safetensors metadata entry holding the JSON record
+
+
 def save_params(path: str, params, metadata: dict) -> None:
-  """Atomically writes `params` (leaves named by their tree path) and JSON metadata to a safetensors file."""
-  from safetensors.numpy import save_file
+  """Atomically writes `params` (leaves named by their tree path) and JSON metadata to a safetensors file.
+
+  `path` is a local path or a URL (vcpo_jax.fs: locally a temporary file then a rename, so readers see the
+  old file or the whole new one; on object stores one put)."""
+  from safetensors.numpy import save
 
   tensors = {n: np.asarray(x) for n, x in zip(_names(params), jax.tree.leaves(params))}
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".safetensors")
-  os.close(fd)
-  try:
-    save_file(tensors, tmp, metadata={"vcpo_jax_sft": json.dumps(metadata, default=str)})
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  fs.write_bytes(path, save(tensors, metadata={_META_KEY: json.dumps(metadata, default=str)}))
 
 
 def load_params(path: str, like) -> tuple[Any, dict] | None:
   """(params shaped like `like`, metadata) from `save_params`, or None if the file is absent or mismatched."""
-  if not os.path.isfile(path):
+  if not fs.exists(path):
     return None
-  from safetensors import safe_open
-  from safetensors.numpy import load_file
+  from safetensors.numpy import load
 
   try:
-    tensors = load_file(path)
-    with safe_open(path, framework="numpy") as f:
-      meta = json.loads((f.metadata() or {}).get("vcpo_jax_sft", "{}"))
+    data = fs.read_bytes(path)
+    tensors = load(data)
+    # The safetensors layout: an 8-byte little-endian header size, then the JSON header with __metadata__.
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    meta = json.loads((header.get("__metadata__") or {}).get(_META_KEY, "{}"))
   except Exception as e:  # a corrupt file is rebuilt, not fatal
     log.warning("sft cache %s unreadable (%s); rebuilding", path, e)
     return None
@@ -404,7 +405,7 @@ def warm_start(
   t0 = time.time()
   fields = key_fields(params, model_cfg, tokenizer, train_problems, spec)
   key = cache_key(fields)
-  path = os.path.join(cache_dir(spec), f"{key}.safetensors")
+  path = fs.join(cache_dir(spec), f"{key}.safetensors")
   hit = load_params(path, params)
   if hit is not None:
     params, meta = hit
@@ -422,9 +423,7 @@ def warm_start(
     save_params(path, params, record)
     record.update(cached=False, path=path)
   if workdir:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "sft.json"), "w") as f:
-      json.dump(record, f, indent=1, default=str)
+    fs.write_text(fs.join(workdir, "sft.json"), json.dumps(record, indent=1, default=str))
   return params
 
 
@@ -468,6 +467,7 @@ def _build(graphdef, params, model_cfg, tokenizer, train_problems, spec, key, fi
     total_s=time.time() - t0,
     report_problems=n_report,
     sampled_temperature=spec.temperature,
+    provenance=provenance.collect(),  # the code and machine that trained these parameters (kept in the cache)
     **acc,
   )
   log.info(

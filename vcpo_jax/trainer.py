@@ -14,15 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import pathlib
 import signal
-import tempfile
 import time
 
 import jax
 import numpy as np
 
-from vcpo_jax import distributed, evaluation, fs, learner, optim, sharding
+from vcpo_jax import distributed, evaluation, fs, learner, optim, provenance, sharding
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.model import config as model_config
@@ -105,9 +103,10 @@ def run(config, workdir: str) -> dict:
       spec.distributed["coordinator_address"], spec.distributed["num_processes"], spec.distributed["process_id"]
     )
   primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
-  if primary:
+  if primary:  # the config, plus what produced the run: commit, versions, CPU, XLA_FLAGS, devices
     fs.makedirs(workdir)
-    fs.write_text(fs.join(workdir, "config.json"), json.dumps(config.to_dict(), indent=1, default=str))
+    record = {**config.to_dict(), "provenance": provenance.collect()}
+    fs.write_text(fs.join(workdir, "config.json"), json.dumps(record, indent=1, default=str))
 
   # ---------------------------------------------------------------- Tokenizer & Model
   model_cfg, tokenizer, graphdef, params = build_policy(spec)
@@ -118,10 +117,7 @@ def run(config, workdir: str) -> dict:
   if spec.sft_steps > 0:
     from vcpo_jax import sft
 
-    with tempfile.TemporaryDirectory() as tmp:  # sft writes sft.json locally; the layer copies it to workdir
-      params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, tmp)
-      if primary:
-        fs.write_bytes(fs.join(workdir, "sft.json"), pathlib.Path(tmp, "sft.json").read_bytes())
+    params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir if primary else None)
 
   # ---------------------------------------------------------------- Optimizer & Update step
   tx = optim.make_optimizer(

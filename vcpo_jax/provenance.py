@@ -1,0 +1,93 @@
+"""What produced a run: code version, library versions, machine, XLA flags, devices.
+
+`collect()` returns one JSON-able dict that the trainer stores under "provenance"
+in the run's config.json and that the SFT warm start stores in sft.json (and in
+its cache file, so a cached warm start names the code that trained it). A number
+in a results document can then be traced to the commit, the jax / XLA build and
+the CPU or accelerator it was measured on: the same config on another XLA
+version or thread count is a different experiment (docs/results/cpu_default.md).
+
+Every field is best effort: a missing git, a non-Linux host or an absent package
+gives None, never an error.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+
+# Distributions whose versions decide the numbers a run produces.
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml-collections", "transformers")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _git(*args: str) -> str | None:
+  try:
+    out = subprocess.run(
+      ["git", "-C", _REPO, *args], capture_output=True, text=True, timeout=10, check=True, stdin=subprocess.DEVNULL
+    )
+  except (OSError, subprocess.SubprocessError):  # no git, not a checkout, a hung file system
+    return None
+  return out.stdout.strip()
+
+
+def git_info() -> dict:
+  """{"commit": 40-hex or None, "dirty": tracked files modified (bool or None)} of the code being run."""
+  commit = _git("rev-parse", "HEAD")
+  status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+  return {"commit": commit or None, "dirty": None if status is None else bool(status)}
+
+
+def cpu_model() -> str | None:
+  """The CPU's marketing name ("model name" in /proc/cpuinfo), else platform.processor()."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.lower().startswith(("model name", "hardware")):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or None
+
+
+def versions(packages=PACKAGES) -> dict:
+  out = {}
+  for name in packages:
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def devices() -> dict:
+  """The jax backend as this process sees it (initializes jax's backend if it is not yet)."""
+  import jax
+
+  devs = jax.devices()
+  return {
+    "platform": devs[0].platform,
+    "kinds": sorted({d.device_kind for d in devs}),
+    "count": len(devs),
+    "local_count": jax.local_device_count(),
+    "process_count": jax.process_count(),
+  }
+
+
+def collect() -> dict:
+  """The provenance record; see the module docstring."""
+  return {
+    "git": git_info(),
+    "python": platform.python_version(),
+    "versions": versions(),
+    "cpu_model": cpu_model(),
+    "cpu_count": os.cpu_count(),
+    "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    "platform": platform.platform(),
+    "xla_flags": os.environ.get("XLA_FLAGS"),
+    "devices": devices(),
+    "argv": list(sys.argv),
+  }
