@@ -26,10 +26,12 @@ def test_schema_shapes_and_dtypes_by_hand():
     "correct",
     "group_id",
     "policy_version",
+    "token_version",
   ]
   assert s["tokens"] == (np.int32, (4, 3)) and s["valid_mask"] == (np.bool_, (4, 3))
   assert s["behavior_logp"] == (np.float32, (4, 3)) and s["rewards"] == (np.float32, (4,))
   assert s["group_id"] == (np.int32, (4,)) and s["policy_version"] == (np.int32, (4,))
+  assert s["token_version"] == (np.int32, (4, 3))
 
 
 def test_key_sets_are_subsets_of_the_one_definition():
@@ -47,10 +49,10 @@ def test_key_sets_are_subsets_of_the_one_definition():
 def test_batch_is_a_pytree_and_a_mapping():
   a = _arrays()
   b = Batch.from_arrays(a)
-  assert b.n == 4 and b.t == 3 and len(b) == 8 and list(b) == list(batch_lib.FIELDS)
+  assert b.n == 4 and b.t == 3 and len(b) == 9 and list(b) == list(batch_lib.FIELDS)
   np.testing.assert_array_equal(b["rewards"], a["rewards"])
   assert set(dict(b)) == set(a)
-  assert len(jax.tree.leaves(b)) == 8
+  assert len(jax.tree.leaves(b)) == 9
   doubled = jax.tree.map(lambda x: x * 2, b)
   assert isinstance(doubled, Batch)
   np.testing.assert_array_equal(doubled.group_id, 2 * a["group_id"])
