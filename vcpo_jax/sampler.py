@@ -39,8 +39,8 @@ again; max_new_tokens within a bucket and the stop-token set are runtime values.
 Randomness is per row: row n at step i uses fold_in(fold_in(rng, n), i), so a row's
 sample does not depend on which other rows share its batch. The draw (`SamplerConfig.draw`)
 is an exact two-level inverse CDF with two uniforms per row (`inverse_cdf_sample`: no
-[B, V] noise and no sort; 1.2 ms against 61 ms for Gumbel noise at B = 64, V = 8192 on
-the shared 2-core CPU), or "gumbel" (jax.random.categorical), the draw of earlier versions:
+[B, V] noise and no sort; 3.7 ms against 80 ms for Gumbel noise at B = 64, V = 8192 on
+one loaded CPU core, `python -m benchmarks.sampler --choice`), or "gumbel" (jax.random.categorical), the draw of earlier versions:
 the same distribution, another random stream, so it reproduces earlier runs per seed.
 
 Decode loops (`SamplerConfig.decode`): "static" runs the whole generation of a batch in one
