@@ -178,7 +178,13 @@ def main():
   modes = a.modes.split(",")
   settings = {"sync_1core": (one, True), "async": (one, True), "sync_2core": ({}, False)}
   # Modes run interleaved, round by round, so a change of machine load hits all of them; ratios are per round.
-  rounds = [{m: _spawn(a, m, *settings[m]) for m in modes} for _ in range(a.rounds)]
+  rounds = []
+  for r in range(a.rounds):
+    rounds.append({})
+    for m in modes:
+      rounds[-1][m] = _spawn(a, m, *settings[m])
+      # each child's figures as soon as it ends: a run cut short (a time limit on a loaded machine) keeps them
+      print(json.dumps(dict(round=r, mode=m, load=os.getloadavg()[0], **rounds[-1][m])), flush=True)
   load_after = os.getloadavg()
   res = {m: {c: statistics.median(r[m][c] for r in rounds) for c in rounds[0][m]} for m in modes}
 
