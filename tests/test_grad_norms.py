@@ -182,6 +182,22 @@ def test_ghost_on_a_mesh_equals_reference(name, method):
   assert _tree_rel(res.grads, _ghost(name, method, 0).grads) < 1e-5
 
 
+def test_tie_is_the_identity_and_only_barriers_under_fsdp():
+  """sharding.tie: values and gradients unchanged; a barrier only where weights are FSDP-gathered."""
+  from vcpo_jax import sharding
+
+  x, w = jnp.arange(3.0), jnp.arange(6.0).reshape(3, 2)
+  f = lambda x, w: jnp.sum(jnp.tanh(jnp.dot(*sharding.tie(x, w))))
+  ref = jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w)), argnums=(0, 1))(x, w)
+  for shape, barrier in [((1, 2, 1), True), ((2, 1, 1), False)]:
+    mesh = sharding.make_mesh(sharding.MeshConfig(shape), jax.devices()[:2])
+    with jax.set_mesh(mesh):
+      assert ("optimization_barrier" in str(jax.make_jaxpr(f)(x, w))) == barrier
+      got = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
+    for a, b in zip(got, ref):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_map_rows_blocks_per_device():
   """_map_rows regroups [N] rows into per-device blocks and restores the row order."""
   x = jnp.arange(24.0).reshape(12, 2)

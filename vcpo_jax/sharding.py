@@ -218,9 +218,11 @@ def tie(x: jax.Array, w):
   weight of the model then stays gathered for the whole step (about 0.9 GiB per Qwen2.5-7B block in
   float32 on XLA:CPU). Tying w to the loop-varying activation x keeps the gather inside, next to its
   use, so it is transient (and rematerialized blocks gather again in the backward pass). Values and
-  gradients are unchanged (the barrier is the identity).
+  gradients are unchanged (the barrier is the identity). Without a mesh, or on a mesh without an
+  "fsdp" axis of more than one device (nothing is gathered), x and w are returned as given.
   """
-  if jax.sharding.get_abstract_mesh().empty:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or dict(zip(mesh.axis_names, mesh.axis_sizes)).get("fsdp", 1) == 1:
     return x, w
   return jax.lax.optimization_barrier((x, w))
 
