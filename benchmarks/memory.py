@@ -300,7 +300,9 @@ def compile_sampler(setting: Setting, model_cfg, mesh, b: int):
 
   graphdef, abs_params = _abstract_params(model_cfg)
   scfg = setting.sampler_cfg
-  dt = scfg.param_dtype or ("bfloat16" if model_cfg.dtype == "bfloat16" else "")
+  # The simulated devices stand for accelerators, where "auto" is bfloat16 (sampler.resolve_param_dtype).
+  dt = "bfloat16" if scfg.param_dtype == "auto" else scfg.param_dtype
+  dt = dt or ("bfloat16" if model_cfg.dtype == "bfloat16" else "")
   if dt:
     scfg = dataclasses.replace(scfg, param_dtype=dt)
     cast = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)

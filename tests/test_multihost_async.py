@@ -334,7 +334,7 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
   n = min(len(s) for s in steps)
   assert n >= 3
   spec = run_config.parse_config(_config(0, 1, 10_000))
-  problems = spec.task_object().make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  problems = spec.make_train_problems()
   single_host = RolloutMaker(spec.rollout, None, None, problems)  # the prompt stream of a one-host run
   for a, b in zip(steps[0][:n], steps[1][:n]):
     assert {k: v for k, v in a.items() if k != "sampler_pid"} == {k: v for k, v in b.items() if k != "sampler_pid"}

@@ -109,9 +109,6 @@ class SamplerConfig:
       step. The KV cache is always in the model's compute dtype (ModelConfig.dtype).
     mesh_shape: (data, fsdp, tensor) shape of the mesh a sampler process builds over its own devices
       (`sampler_mesh`; -1 = all remaining). The sync/lag trainer shares the learner's mesh instead.
-    param_dtype: "" (use the parameters as given) or "bfloat16": `Sampler.prepare_params` casts the
-      float32 parameters once (half the weight memory and bandwidth per decode step). The KV cache
-      is always in the model's compute dtype (ModelConfig.dtype).
     decode: "static" (default: the whole generation in one on-device loop, every row of a batch
       runs until the longest ends), "chunked" (host-driven: jitted chunks of `chunk_tokens` decode
       steps; between chunks the parameters may change, see `generate(on_chunk=...)`) or "refill"

@@ -45,6 +45,7 @@ import time
 import jax
 import numpy as np
 
+from vcpo_jax import batch as batch_lib
 from vcpo_jax import distributed
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.common import lag_stats
@@ -274,8 +275,9 @@ class MultiHostAsyncSource(async_.AsyncSource):
       learner_wait_s=wait_s,
       hosts=payloads,
       **lag_stats(step, full["policy_version"]),
+      metrics=async_.token_lag_stats(step, full["token_version"]),
     )
-    return full, out
+    return batch_lib.Batch.from_arrays(full), out
 
   # -- checkpointing, lifetime
 
