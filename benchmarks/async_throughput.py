@@ -184,7 +184,7 @@ def main():
     for m in modes:
       rounds[-1][m] = _spawn(a, m, *settings[m])
       # each child's figures as soon as it ends: a run cut short (a time limit on a loaded machine) keeps them
-      print(json.dumps(dict(round=r, mode=m, load=os.getloadavg()[0], **rounds[-1][m])), flush=True)
+      print(json.dumps({**rounds[-1][m], "round": r, "mode": m, "load": os.getloadavg()[0]}), flush=True)
   load_after = os.getloadavg()
   res = {m: {c: statistics.median(r[m][c] for r in rounds) for c in rounds[0][m]} for m in modes}
 
