@@ -186,7 +186,8 @@ def main():
       # each child's figures as soon as it ends: a run cut short (a time limit on a loaded machine) keeps them
       print(json.dumps({**rounds[-1][m], "round": r, "mode": m, "load": os.getloadavg()[0]}), flush=True)
   load_after = os.getloadavg()
-  res = {m: {c: statistics.median(r[m][c] for r in rounds) for c in rounds[0][m]} for m in modes}
+  numeric = lambda m: [c for c, v in rounds[0][m].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+  res = {m: {c: statistics.median(r[m][c] for r in rounds) for c in numeric(m)} for m in modes}
 
   def per_round(num: str, den: str) -> dict:
     x = [r[num]["steps_per_s"] / r[den]["steps_per_s"] for r in rounds]
