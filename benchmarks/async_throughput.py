@@ -65,7 +65,7 @@ def _config(a):
 
 def _run_one(a) -> dict:
   """Child entry: one mode, pinned as requested; returns the measured figures."""
-  from vcpo_jax.rollout import worker as worker_lib
+  from vcpo_jax.rollout.process import worker as worker_lib
 
   if a.learner_cpu >= 0:
     worker_lib.pin_cpus([a.learner_cpu])

@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from vcpo_jax.rollout.shm_queue import SPAWN, BatchSchema, Field, ShmQueue
+from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, ShmQueue
 
 SIZES = {"small": (64, 1024), "medium": (256, 4096), "large": (512, 8192)}
 TRANSPORTS = ("mp.Queue", "shm copy", "shm out", "shm views")

@@ -282,8 +282,8 @@ def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum
   published params right after; each batch echoes the checksum of exactly the version it was made from."""
   import numpy as np
 
-  from vcpo_jax.rollout import worker as worker_lib
-  from vcpo_jax.rollout.param_slot import checksum
+  from vcpo_jax.rollout.process import worker as worker_lib
+  from vcpo_jax.rollout.process.param_slot import checksum
 
   k = 2
   src, params = _source(_tiny(steps=6, **{"lag.k": k, "async_.queue_slots": k + 2}))

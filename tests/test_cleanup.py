@@ -13,8 +13,8 @@ import pytest
 
 from tests.test_shm_queue import SCHEMA
 from vcpo_jax import cleanup
-from vcpo_jax.rollout.param_slot import ParamSlot
-from vcpo_jax.rollout.shm_queue import ShmQueue
+from vcpo_jax.rollout.process.param_slot import ParamSlot
+from vcpo_jax.rollout.process.shm_queue import ShmQueue
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,8 +24,8 @@ _OWNER_SCRIPT = textwrap.dedent("""
     import os, sys, tempfile, time
     from tests.test_shm_queue import SCHEMA, _produce_forever, _start
     from vcpo_jax import cleanup
-    from vcpo_jax.rollout.param_slot import ParamSlot
-    from vcpo_jax.rollout.shm_queue import ShmQueue
+    from vcpo_jax.rollout.process.param_slot import ParamSlot
+    from vcpo_jax.rollout.process.shm_queue import ShmQueue
     if __name__ == "__main__":
       run = sys.argv[1]
       q = ShmQueue(SCHEMA, nslots=2, run=run)

@@ -298,7 +298,7 @@ def _sandbox_in_sampler_like_process(conn):
 
   import jax.numpy as jnp
 
-  from vcpo_jax.rollout import worker
+  from vcpo_jax.rollout.process import worker
   from vcpo_jax.tasks import sandbox
 
   signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -311,7 +311,7 @@ def _sandbox_in_sampler_like_process(conn):
 
 
 def test_sandbox_runs_from_a_spawned_sampler_process():
-  from vcpo_jax.rollout.shm_queue import SPAWN
+  from vcpo_jax.rollout.process.shm_queue import SPAWN
 
   parent, child = SPAWN.Pipe(duplex=False)
   proc = SPAWN.Process(target=_sandbox_in_sampler_like_process, args=(child,), daemon=False)

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vcpo_jax.rollout.param_slot import ParamSlot
-from vcpo_jax.rollout.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
+from vcpo_jax.rollout.process.param_slot import ParamSlot
+from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 
 N = 4
 SCHEMA = BatchSchema(
@@ -307,8 +307,8 @@ _SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {tests!r})
     from test_shm_queue import SCHEMA, _produce_forever, _start
-    from vcpo_jax.rollout.shm_queue import ShmQueue
-    from vcpo_jax.rollout.param_slot import ParamSlot
+    from vcpo_jax.rollout.process.shm_queue import ShmQueue
+    from vcpo_jax.rollout.process.param_slot import ParamSlot
     if __name__ == "__main__":
       q = ShmQueue(SCHEMA, nslots=2)
       slot = ParamSlot({{"w": ((1000,), "float32")}})

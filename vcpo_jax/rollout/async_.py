@@ -1,6 +1,6 @@
 """Asynchronous rollouts: a sampler process streams batches to the learner through shared memory.
 
-    learner (this process)                         sampler (spawned, worker.py)
+    learner (this process)                         sampler (spawned, process/worker.py)
     publish(params, v) --ParamSlot (v, weights)--> newest params, once v >= b - k
     next(b) <----------ShmQueue (batch b)--------- RolloutMaker.make(params, b, fold_in(key, b), v)
 
@@ -13,7 +13,7 @@ finds), so runs are not bit-for-bit reproducible; `state()` keeps no versions.
 
 In-flight updates (`async_.inflight_updates`, default off = one version per batch, the
 sampler's static decode): the worker switches to newer parameters between decode chunks
-(worker.py); rows then carry per-token versions (queue field token_version [N, T]) and
+(process/worker.py); rows then carry per-token versions (queue field token_version [N, T]) and
 policy_version = the oldest token's, which the bound [step - k, step] is checked on; every
 token version is checked to lie in it too. Each batch's info["metrics"] carries
 train/token_lag_{min,mean,max} and train/multi_version_frac (`token_lag_stats`), logged by
@@ -101,10 +101,10 @@ import numpy as np
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import cleanup
-from vcpo_jax.rollout import worker as worker_lib
 from vcpo_jax.rollout.common import lag_stats
-from vcpo_jax.rollout.param_slot import ParamSlot, checksum
-from vcpo_jax.rollout.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
+from vcpo_jax.rollout.process import worker as worker_lib
+from vcpo_jax.rollout.process.param_slot import ParamSlot, checksum
+from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 
 _POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
 # close(): how long to wait for the stop message to be obeyed (a worker inside generation only reads it when

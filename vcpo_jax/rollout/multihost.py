@@ -1,6 +1,6 @@
 """Async mode on several hosts: one sampler per learner process, an agreement before each step's collectives.
 
-    host h learner (one process of the multi-host JAX program)       host h sampler (spawned, worker.py)
+    host h learner (one process of the multi-host JAX program)       host h sampler (spawned, process/worker.py)
     publish(params, v): gather to host-complete arrays ------ParamSlot------> newest params, once v >= b - k
     next(b): local batch b (this host's prompt block) <--------ShmQueue------- prompts [h P/H, (h+1) P/H) of step b
              -> Agreement: every host posts ok / stop for step b (coordination-service key-value store)

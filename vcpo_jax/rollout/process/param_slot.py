@@ -55,7 +55,15 @@ from typing import Any
 import numpy as np
 
 from vcpo_jax import cleanup
-from vcpo_jax.rollout.shm_queue import SPAWN, NamedLock, PeerDiedError, Segment, _align, _unlink_semaphore, pid_alive
+from vcpo_jax.rollout.process.shm_queue import (
+  SPAWN,
+  NamedLock,
+  PeerDiedError,
+  Segment,
+  _align,
+  _unlink_semaphore,
+  pid_alive,
+)
 
 _MAGIC = 0x5643504F50415241  # "VCPOPARA"
 _HDR_WORDS = 16

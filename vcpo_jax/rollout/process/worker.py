@@ -215,7 +215,7 @@ class _Worker:
   # -- control
 
   def _check_stop(self):
-    from vcpo_jax.rollout.shm_queue import PeerDiedError, pid_alive
+    from vcpo_jax.rollout.process.shm_queue import PeerDiedError, pid_alive
 
     if self.conn.poll():
       msg = self.conn.recv()
@@ -290,7 +290,7 @@ class _Worker:
     import jax
     import jax.numpy as jnp
 
-    from vcpo_jax.rollout.param_slot import checksum
+    from vcpo_jax.rollout.process.param_slot import checksum
 
     self._checksum = checksum(arrays, self.args.param_names)  # of exactly what was read: echoed per batch
     # Published in the learner's publish dtype (bf16 on accelerators); the model gets its parameter dtype.
