@@ -9,13 +9,13 @@ One process, one model; per T one batch of N = tokens // T rows. Every step retu
 of the surrogate loss = -sum_n coef_n sum_t tokw_nt logp_nt (no optimizer update, which is the
 same for all):
 
-  vcpo         the VCPO step, ghost norms (`grad_norms.ghost_policy_gradient`, method --method):
+  vcpo         the VCPO step, ghost norms (`learner.policy_gradient("ghost")`, method --method):
                one forward, one backward to the layer outputs, the LM head by vocab-chunk scans,
                norms and gradient from the captured (A, D).
   plain_taps   the fair plain step: the same taps-based backward (`grad_norms.taps_grad`) with
                fixed GRPO + TIS coefficients and no norms.
   plain_vag    the plain step as `jax.value_and_grad` of the surrogate (fixed coefficients).
-  vmap, loop   (--extra) `estimator.policy_gradient` (vmap of per-example grads, then a second
+  vmap, loop   (--extra) `learner.policy_gradient("vmap")` (vmap of per-example grads, then a second
                backward), and the reference's one-backward-per-trajectory loop.
 
 Timing is interleaved: each round runs every step once (the order rotates between rounds), so
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vcpo_jax import estimator
+from vcpo_jax import estimator, learner
 from vcpo_jax import grad_norms as gn
 from vcpo_jax.model import config as mconfig
 from vcpo_jax.model import transformer as tf
@@ -106,11 +106,11 @@ def plain_taps(logp_fn, params, batch, coef_n):
 
 
 def fast_step(logp_fn, params, batch, cfg, method):
-  return gn.ghost_policy_gradient(logp_fn, params, batch, cfg, method=method)
+  return learner.policy_gradient("ghost")(logp_fn, params, batch, cfg, method=method)
 
 
 def vmap_step(logp_fn, params, batch, cfg):
-  return estimator.policy_gradient(logp_fn, params, batch, cfg)
+  return learner.policy_gradient("vmap")(logp_fn, params, batch, cfg)
 
 
 def loop_step(logp_fn, params, batch, cfg, group):
@@ -241,7 +241,7 @@ def memory_table(args):
   """Compiled temp bytes (no run) of the VCPO step and value_and_grad, 1 layer, dense vs chunked head."""
   cfg = estimator.pg_config_from_preset("vcpo")
   # The budget steers the plan (kept gradients, vocab chunks of the head); older trees lack it.
-  has_budget = "memory_budget_bytes" in inspect.signature(gn.ghost_policy_gradient).parameters
+  has_budget = "memory_budget_bytes" in inspect.signature(learner.policy_gradient("ghost")).parameters
   budget = dict(memory_budget_bytes=args.memory_budget) if has_budget else {}
   out = []
   for n, t in [tuple(int(x) for x in nt.split("x")) for nt in args.memory_shapes.split(",")]:
@@ -267,7 +267,7 @@ def memory_table(args):
       )
       row["budget_bytes"] = budget.get("memory_budget_bytes")
       for name, fn in [
-        ("vcpo", lambda p, b, f=logp_fn: gn.ghost_policy_gradient(f, p, b, cfg, **budget)),
+        ("vcpo", lambda p, b, f=logp_fn: learner.policy_gradient("ghost")(f, p, b, cfg, **budget)),
         ("plain_vag", lambda p, b, f=logp_fn: plain_vag(f, p, b, b["rewards"])),
       ]:
         row[name + "_temp_bytes"] = compile_step(fn, (params, batch))[1]["temp_bytes"]

@@ -44,6 +44,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from vcpo_jax import estimator as E
+from vcpo_jax import grad_norms
 
 # %% [markdown]
 # ## A toy policy that drifts
@@ -113,8 +114,9 @@ fig, ax = plt.subplots(figsize=(5, 3.2))
 for length, ys in rho.items():
   ax.plot(lags, ys, "o-", label=f"T = {length} tokens")
 ax.axhline(1 / N, color="gray", ls=":", label="1/N (one sample)")
-ax.set(xlabel="lag k (learner steps)", ylabel="ESS / N (median of 5)", yscale="log",
-       title="ESS collapses with staleness")
+ax.set(
+  xlabel="lag k (learner steps)", ylabel="ESS / N (median of 5)", yscale="log", title="ESS collapses with staleness"
+)
 ax.legend()
 plt.show()
 print({length: np.round(ys, 3).tolist() for length, ys in rho.items()})
@@ -135,24 +137,25 @@ tokens, logp, beh, mask = stale_batch(step, 8, jax.random.PRNGKey(7))
 l_n = E.sequence_log_ratio(logp, beh, mask)
 L_n = mask.sum(-1)
 variants = {
-    "is": E.importance_weights(l_n, "is"),
-    "tis (c=8)": E.importance_weights(l_n, "tis", c=8.0),
-    "clip [0.5, 2]": E.importance_weights(l_n, "clip", lower=0.5, upper=2.0),
-    "mask [0.5, 2]": E.importance_weights(l_n, "mask", lower=0.5, upper=2.0),
-    "geo_mask [0.9, 1.1]": E.importance_weights(l_n, "geo_mask", lower=0.9, upper=1.1, lengths_n=L_n),
+  "is": E.importance_weights(l_n, "is"),
+  "tis (c=8)": E.importance_weights(l_n, "tis", c=8.0),
+  "clip [0.5, 2]": E.importance_weights(l_n, "clip", lower=0.5, upper=2.0),
+  "mask [0.5, 2]": E.importance_weights(l_n, "mask", lower=0.5, upper=2.0),
+  "geo_mask [0.9, 1.1]": E.importance_weights(l_n, "geo_mask", lower=0.9, upper=1.1, lengths_n=L_n),
 }
 order = np.argsort(np.asarray(l_n))
 fig, ax = plt.subplots(figsize=(6, 3.2))
 for name, w in variants.items():
   ax.plot(np.asarray(w)[order], ".-", label=name, alpha=0.8)
-ax.set(yscale="symlog", xlabel="trajectory (sorted by l)", ylabel="weight",
-       title="k = 8: weights of each variant")
+ax.set(yscale="symlog", xlabel="trajectory (sorted by l)", ylabel="weight", title="k = 8: weights of each variant")
 ax.legend(fontsize=7)
 plt.show()
 for name, w in variants.items():
   w = np.asarray(w)
-  print(f"{name:20s} max {w.max():10.3g}  zero {np.mean(w == 0):.2f}  "
-        f"ESS/N {float(E.ess_ratio(np.log(np.maximum(w, 1e-38)), w > 0)):.3f}")
+  print(
+    f"{name:20s} max {w.max():10.3g}  zero {np.mean(w == 0):.2f}  "
+    f"ESS/N {float(E.ess_ratio(np.log(np.maximum(w, 1e-38)), w > 0)):.3f}"
+  )
 
 # %% [markdown]
 # ## 3. The learning-rate scale
@@ -175,7 +178,7 @@ plt.show()
 # ## 4. OPOB against the group mean
 #
 # `opob_baseline(R, w, ||s||^2, group)` weights each reward by w^2 ||s||^2.
-# The squared score norms come from `per_example_sq_grad_norms`, the exact
+# The squared score norms come from `grad_norms.per_example_sq_grad_norms`, the exact
 # reference path (vmap of per-example gradients). Rewards here: 1 when the
 # response holds more low-id tokens than the batch median (about half the
 # samples), so they depend on the sampled tokens.
@@ -193,7 +196,7 @@ def seq_logp(theta, example):
   return jnp.sum(token_logp(theta, example["tokens"][None])[0] * example["mask"])
 
 
-sq = E.per_example_sq_grad_norms(seq_logp, thetas[step], {"tokens": tokens, "mask": mask})
+sq = grad_norms.per_example_sq_grad_norms(seq_logp, thetas[step], {"tokens": tokens, "mask": mask})
 w_tis = E.importance_weights(l_n, "tis", c=8.0)
 b_group = rewards - E.advantages(rewards, group, "drgrpo")  # drgrpo: A = R - group mean
 b_opob = E.opob_baseline(rewards, E.importance_weights(l_n, "is"), sq, group)
@@ -236,5 +239,7 @@ for k, v in aux.items():
 # %%
 for name in E.PRESETS:
   c, a = E.pg_coefficients(logp, beh, mask, rewards, group, sq, E.pg_config_from_preset(name))
-  print(f"{name:18s} |coef|_1 = {float(jnp.abs(c).sum()):.4f}  lr_scale = {float(a['lr_scale']):.3f}"
-        f"  ESS/N applied = {float(a['ess_ratio_applied']):.3f}")
+  print(
+    f"{name:18s} |coef|_1 = {float(jnp.abs(c).sum()):.4f}  lr_scale = {float(a['lr_scale']):.3f}"
+    f"  ESS/N applied = {float(a['ess_ratio_applied']):.3f}"
+  )

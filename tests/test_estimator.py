@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests import test_policy_losses as TPL
 from vcpo_jax import estimator as E
+from vcpo_jax import learner
 
 HYP = settings(max_examples=60, deadline=None, derandomize=True)
 
@@ -245,54 +247,6 @@ def test_opob_within_reward_range_of_its_set(r, w, s, g, loo):
 
 
 # ---------------------------------------------------------------------------
-# Exact per-example squared gradient norms
-# ---------------------------------------------------------------------------
-
-
-def _loop_sq_norms(fn, params, batch):
-  n = jax.tree_util.tree_leaves(batch)[0].shape[0]
-  grad_fn = jax.jit(jax.grad(fn))  # one compile, then one example per call
-  out = []
-  for i in range(n):
-    ex = jax.tree_util.tree_map(lambda x: x[i], batch)
-    g = grad_fn(params, ex)
-    out.append(sum(float(jnp.sum(jnp.square(x))) for x in jax.tree_util.tree_leaves(g)))
-  return np.array(out)
-
-
-def _mlp(params, ex):
-  h = jnp.tanh(ex["x"] @ params["w1"] + params["b1"])
-  return jnp.sum((h @ params["w2"] - ex["y"]) ** 2)
-
-
-def _attention(params, ex):
-  x = ex["x"]  # [T, D]
-  q, k, v = x @ params["wq"], x @ params["wk"], x @ params["wv"]
-  t = x.shape[0]
-  scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), q @ k.T / jnp.sqrt(q.shape[-1]), -1e9)
-  out = jax.nn.softmax(scores, axis=-1) @ v @ params["wo"]
-  return jnp.sum(jax.nn.log_softmax(out, axis=-1)[jnp.arange(t), ex["y"]])
-
-
-@pytest.mark.parametrize("model", ["mlp", "attention"])
-def test_per_example_sq_grad_norms_equals_loop(model):
-  k = iter(jax.random.split(jax.random.PRNGKey(0), 8))
-  if model == "mlp":
-    fn = _mlp
-    params = dict(
-      w1=jax.random.normal(next(k), (4, 6)), b1=jax.random.normal(next(k), (6,)), w2=jax.random.normal(next(k), (6, 3))
-    )
-    batch = dict(x=jax.random.normal(next(k), (5, 4)), y=jax.random.normal(next(k), (5, 3)))
-  else:
-    fn = _attention
-    params = {n: jax.random.normal(next(k), (4, 4)) for n in ("wq", "wk", "wv", "wo")}
-    batch = dict(x=jax.random.normal(next(k), (5, 6, 4)), y=jax.random.randint(next(k), (5, 6), 0, 4))
-  ref = _loop_sq_norms(fn, params, batch)
-  np.testing.assert_allclose(E.per_example_sq_grad_norms(fn, params, batch), ref, rtol=1e-5)
-  np.testing.assert_allclose(E.per_example_sq_grad_norms(fn, params, batch, batch_size=2), ref, rtol=1e-5)
-
-
-# ---------------------------------------------------------------------------
 # PGConfig and presets
 # ---------------------------------------------------------------------------
 
@@ -498,7 +452,8 @@ def problem():
   return params, batch, logp_fn(params, batch), _loop_score_sq_norms(params, batch)
 
 
-_pg_jit = jax.jit(E.policy_gradient, static_argnums=(0, 3))
+# The gradient driver lives in the learner; its reference path checks these coefficients end to end.
+_pg_jit = jax.jit(learner.policy_gradient("vmap"), static_argnums=(0, 3))
 _coef_jit = jax.jit(E.pg_coefficients, static_argnums=6)
 _tokw_jit = jax.jit(E.pg_token_weights, static_argnums=3)
 
@@ -845,7 +800,7 @@ def test_coefficients_permutation_within_group(problem):
 def test_pg_bad_input():
   params, batch = _problem()
   with pytest.raises(ValueError, match="group_id"):
-    E.policy_gradient(logp_fn, params, {k: v for k, v in batch.items() if k != "group_id"}, E.PGConfig())
+    learner.policy_gradient("vmap")(logp_fn, params, {k: v for k, v in batch.items() if k != "group_id"}, E.PGConfig())
   with pytest.raises(ValueError, match="sq_score_norms_n"):
     E.pg_coefficients(
       batch["behavior_logp"],
@@ -923,7 +878,7 @@ def test_policy_gradient_compiles_once_per_config(problem):
 
   def counted(fn, params, batch, cfg):
     traces.append(cfg)  # runs only when jax traces (compiles)
-    return E.policy_gradient(fn, params, batch, cfg)
+    return learner.policy_gradient("vmap")(fn, params, batch, cfg)
 
   pg = jax.jit(counted, static_argnums=(0, 3))
   pg(logp_fn, params, batch, E.pg_config_from_preset("vcpo"))

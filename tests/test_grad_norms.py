@@ -1,8 +1,8 @@
 """Ghost norms: exact per-example ||s_n||^2 and the one-backward VCPO gradient.
 
-References: estimator.per_example_sq_grad_norms (vmap of per-example grads), a
-one-backward-per-trajectory loop, jax.grad of the surrogate, and
-estimator.policy_gradient. Tiny Qwen2 (tied head, q/k/v bias) and Llama
+References: per_example_sq_grad_norms (vmap of per-example grads, itself checked
+against a python loop), a one-backward-per-trajectory loop, jax.grad of the surrogate,
+and learner.policy_gradient("vmap"). Tiny Qwen2 (tied head, q/k/v bias) and Llama
 (untied) models, left-padded prompts, right-padded responses, loss on the
 response only, tokens drawn from a small range so that embedding rows repeat
 within a sequence (the shared-row and tied cross terms are exercised).
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from vcpo_jax import estimator
+from vcpo_jax import estimator, learner
 from vcpo_jax import grad_norms as gn
 from vcpo_jax.model import config
 from vcpo_jax.model import transformer as tf
@@ -235,12 +235,12 @@ def test_tied_cross_term_is_material():
 
 
 @pytest.mark.parametrize("preset", ["vcpo_reference"])
-def test_ghost_policy_gradient_equals_estimator(preset):
+def test_ghost_path_equals_vmap_path(preset):
   """OPOB coefficients that depend on S_n: the one-backward path equals the brute-force path."""
   logp_fn, params, batch, _ = _setup("qwen2")
   cfg = estimator.pg_config_from_preset(preset)
-  g_ref, m_ref = jax.jit(estimator.policy_gradient, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
-  g, m = jax.jit(gn.ghost_policy_gradient, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  g_ref, m_ref = jax.jit(learner.policy_gradient("vmap"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  g, m = jax.jit(learner.policy_gradient("ghost"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
   assert _tree_rel(g, g_ref) < 1e-5
   np.testing.assert_allclose(m["baseline_n"], m_ref["baseline_n"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(m["pg_loss"], m_ref["pg_loss"], rtol=1e-5, atol=1e-7)
@@ -252,8 +252,8 @@ def test_token_tis_weights_as_function_of_logp():
   """tokw given as a function of logp (token-TIS): norms use those weights; gradient matches."""
   logp_fn, params, batch, _ = _setup("llama")
   cfg = estimator.pg_config_from_preset("token_tis", token_tis_c=1.05)
-  g_ref, m_ref = jax.jit(estimator.policy_gradient, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
-  g, m = jax.jit(gn.ghost_policy_gradient, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  g_ref, m_ref = jax.jit(learner.policy_gradient("vmap"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  g, m = jax.jit(learner.policy_gradient("ghost"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
   assert _tree_rel(g, g_ref) < 1e-5
   tokw = lambda logp: estimator.pg_token_weights(logp, batch["behavior_logp"], batch["loss_mask"], cfg)
   ref = jax.jit(gn.vmap_sq_norms, static_argnums=(0, 3))(logp_fn, params, batch, tokw)
@@ -335,3 +335,51 @@ def test_ghost_step_memory_does_not_scale_with_n_t_v():
 
   small, big = temp(1024), temp(8192)
   assert big - small < 0.25 * n * t * (8192 - 1024) * 4, (small, big)
+
+
+# ---------------------------------------------------------------------------
+# per_example_sq_grad_norms on any fn(params, example) -> scalar
+# ---------------------------------------------------------------------------
+
+
+def _loop_sq_norms(fn, params, batch):
+  n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+  grad_fn = jax.jit(jax.grad(fn))  # one compile, then one example per call
+  out = []
+  for i in range(n):
+    ex = jax.tree_util.tree_map(lambda x: x[i], batch)
+    g = grad_fn(params, ex)
+    out.append(sum(float(jnp.sum(jnp.square(x))) for x in jax.tree_util.tree_leaves(g)))
+  return np.array(out)
+
+
+def _mlp(params, ex):
+  h = jnp.tanh(ex["x"] @ params["w1"] + params["b1"])
+  return jnp.sum((h @ params["w2"] - ex["y"]) ** 2)
+
+
+def _attention(params, ex):
+  x = ex["x"]  # [T, D]
+  q, k, v = x @ params["wq"], x @ params["wk"], x @ params["wv"]
+  t = x.shape[0]
+  scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), q @ k.T / jnp.sqrt(q.shape[-1]), -1e9)
+  out = jax.nn.softmax(scores, axis=-1) @ v @ params["wo"]
+  return jnp.sum(jax.nn.log_softmax(out, axis=-1)[jnp.arange(t), ex["y"]])
+
+
+@pytest.mark.parametrize("model", ["mlp", "attention"])
+def test_per_example_sq_grad_norms_equals_loop(model):
+  k = iter(jax.random.split(jax.random.PRNGKey(0), 8))
+  if model == "mlp":
+    fn = _mlp
+    params = dict(
+      w1=jax.random.normal(next(k), (4, 6)), b1=jax.random.normal(next(k), (6,)), w2=jax.random.normal(next(k), (6, 3))
+    )
+    batch = dict(x=jax.random.normal(next(k), (5, 4)), y=jax.random.normal(next(k), (5, 3)))
+  else:
+    fn = _attention
+    params = {n: jax.random.normal(next(k), (4, 4)) for n in ("wq", "wk", "wv", "wo")}
+    batch = dict(x=jax.random.normal(next(k), (5, 6, 4)), y=jax.random.randint(next(k), (5, 6), 0, 4))
+  ref = _loop_sq_norms(fn, params, batch)
+  np.testing.assert_allclose(gn.per_example_sq_grad_norms(fn, params, batch), ref, rtol=1e-5)
+  np.testing.assert_allclose(gn.per_example_sq_grad_norms(fn, params, batch, batch_size=2), ref, rtol=1e-5)

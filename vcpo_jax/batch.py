@@ -51,7 +51,7 @@ FIELDS: dict[str, tuple[Any, str]] = {
 # policy losses (decoupled PPO's log-linear proximal policy) read it.
 DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", "group_id", "policy_version")
 
-# What estimator.policy_gradient / grad_norms.ghost_policy_gradient read themselves (logp_fn reads the rest).
+# What the gradient paths (learner.policy_gradient) read themselves (logp_fn reads the rest).
 PG_KEYS = ("tokens", "behavior_logp", "loss_mask", "rewards", "group_id")
 
 

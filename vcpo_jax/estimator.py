@@ -1,4 +1,10 @@
-"""The math of VCPO and of the stabilizers it is compared against: pure, jittable.
+"""The coefficients of VCPO and of the methods it is compared against: pure, jittable, no gradients.
+
+This module turns per-token log-probs, rewards and (for OPOB) per-example squared
+score norms into stop-gradient numbers: ratios, weights, ESS, advantages, baselines
+and the per-example coefficients coef_n. It never differentiates anything (no
+jax.grad / vjp): the norms come from `vcpo_jax.grad_norms`, the gradient of the
+surrogate from `vcpo_jax.learner.policy_gradient(path)`.
 
 Dimension legend: N trajectories, P prompts, G group size, T tokens.
 
@@ -52,15 +58,12 @@ Departures from the paper / reference implementation (each is an option):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from vcpo_jax.batch import PG_KEYS
 
 sg = jax.lax.stop_gradient
 
@@ -507,40 +510,6 @@ def opob_baseline(
   r_hi = jnp.max(jnp.where(same, r[None, :], -jnp.inf), axis=1)
   b = jnp.where(cnt > 0, jnp.clip(b, r_lo, r_hi), b)
   return sg(b)
-
-
-# ---------------------------------------------------------------------------
-# Exact per-example squared gradient norms (reference path)
-# ---------------------------------------------------------------------------
-
-
-def _sq_norm(tree):
-  return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree))
-
-
-@functools.partial(jax.jit, static_argnames=("fn", "batch_size"))
-def per_example_sq_grad_norms(fn, params, batch, *, batch_size=None):
-  """||grad_params fn(params, example_n)||^2 for every example, [N] float32.
-
-  Exact reference path (vmap of jax.grad, jitted with fn static: pass the
-  same function object to reuse the compilation): memory is N x params, so
-  pass batch_size to process examples in chunks via lax.map. Faster paths
-  (ghost norms, vcpo_jax/grad_norms.py) are tested against this.
-
-  Args:
-    fn: fn(params, example) -> scalar, where `example` is `batch` with the
-      leading N axis removed from every leaf.
-    params: parameter pytree (not vmapped).
-    batch: pytree whose leaves all have a leading N axis.
-    batch_size: optional chunk size for lax.map (None: one vmap over N).
-  """
-
-  def one(example):
-    return _sq_norm(jax.grad(fn)(params, example))
-
-  if batch_size is None:
-    return jax.vmap(one)(batch)
-  return jax.lax.map(one, batch, batch_size=batch_size)
 
 
 # ---------------------------------------------------------------------------
@@ -1004,61 +973,13 @@ def pg_coefficients(
   """
   if needs_sq_norms(cfg) and sq_score_norms_n is None:
     raise ValueError(
-      "sq_score_norms_n: None, but cfg.opob=True needs ||s_n||^2 (per_example_sq_grad_norms or the ghost-norm path)"
+      "sq_score_norms_n: None, but cfg.opob=True needs ||s_n||^2 (vcpo_jax.grad_norms: ghost norms or "
+      "per_example_sq_grad_norms)"
     )
   rows = _pg_rows(logp_nt, behavior_logp_nt, mask_nt, rewards_n, group_id_n, sq_score_norms_n, cfg)
   z = loss_divisor(rows, cfg) if divisor is None else jnp.asarray(divisor, jnp.float32)
   coef_n = sg(rows.pop("unnormalized_coef_n") / z)
   return coef_n, dict(pg_metrics(rows, cfg), **rows)
-
-
-BATCH_KEYS = PG_KEYS  # the keys policy_gradient reads itself (vcpo_jax/batch.py defines them once)
-
-
-def policy_gradient(logp_fn, params, batch: Mapping[str, Any], cfg: PGConfig, *, divisor=None):
-  """Gradient of the configured surrogate: the reference path.
-
-  One forward (jax.vjp of logp_fn), coefficients from pg_coefficients, one
-  backward with cotangent -coef_n * tokw_nt. When OPOB is on, the exact
-  per-example squared score norms come from per_example_sq_grad_norms
-  (vmap of per-example grads; the ghost-norm path is the fast alternative).
-
-  Args:
-    logp_fn: logp_fn(params, batch) -> [N, T] log-probs of batch["tokens"]
-      (aligned with loss_mask); must also work on a batch with N = 1.
-    params: parameter pytree.
-    batch: dict with tokens [N, T], behavior_logp [N, T], loss_mask [N, T],
-      rewards [N], group_id [N] (+ anything logp_fn needs); every leaf has a
-      leading N axis.
-    cfg: PGConfig (static under jit).
-    divisor: see pg_coefficients (None: this batch is the whole batch).
-  Returns:
-    (grads, metrics): grads has the structure of params; metrics is the aux
-    dict of pg_coefficients plus pg_loss (the surrogate's value).
-  """
-  missing = [k for k in BATCH_KEYS if k not in batch]
-  if missing:
-    raise ValueError(f"batch: missing keys {missing}; need {list(BATCH_KEYS)}")
-  if cfg.policy_loss != "pg":
-    return policy_loss_gradient(logp_fn, params, batch, cfg)
-  logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
-  sq = None
-  if needs_sq_norms(cfg):
-
-    def score(p, example):
-      ex1 = jax.tree_util.tree_map(lambda x: x[None], example)
-      return jnp.sum(logp_fn(p, ex1)[0].astype(jnp.float32) * ex1["loss_mask"][0].astype(jnp.float32))
-
-    sq = per_example_sq_grad_norms(score, params, dict(batch))
-  coef_n, aux = pg_coefficients(
-    logp_nt, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq, cfg, divisor=divisor
-  )
-  tokw_nt = pg_token_weights(logp_nt, batch["behavior_logp"], batch["loss_mask"], cfg)
-  cot_nt = -coef_n[:, None] * tokw_nt  # d loss / d logp_nt
-  (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
-  # where(): masked-out positions may hold logp = -inf; their cotangent is 0 and must not give nan.
-  pg_loss = jnp.sum(jnp.where(tokw_nt != 0, cot_nt * sg(logp_nt).astype(jnp.float32), 0.0))
-  return grads, dict(aux, pg_loss=pg_loss)
 
 
 def policy_loss_kwargs(cfg: PGConfig) -> dict[str, Any]:
@@ -1081,43 +1002,3 @@ def policy_loss_kwargs(cfg: PGConfig) -> dict[str, Any]:
     except ValueError:
       kw[name] = value  # a name, e.g. loss_agg=token-mean
   return kw
-
-
-def bound_policy_loss(cfg: PGConfig, batch: Mapping[str, Any], current_version=None):
-  """cfg's policy loss with its hyper-parameters (and, for decoupled_prox='loglinear', the versions) bound.
-
-  current_version: the version the update produces (the learner's step + 1), so that AReaL's proximal
-  version current_version - 1 is the learner's parameters at the start of the step (what "exact" uses).
-  """
-  kw = policy_loss_kwargs(cfg)
-  if cfg.policy_loss == "decoupled_ppo" and cfg.decoupled_prox == "loglinear":
-    if current_version is None or "policy_version" not in batch:
-      raise ValueError("vcpo.decoupled_prox='loglinear' needs batch['policy_version'] and the learner's version")
-    kw.update(behavior_version=batch["policy_version"], current_version=current_version)
-  return _policy_losses().make_policy_loss(cfg.policy_loss, **kw)
-
-
-def policy_loss_gradient(logp_fn, params, batch, cfg: PGConfig, *, current_version=None):
-  """Gradient of a policy_losses loss (cfg.policy_loss != "pg") in one update: one forward, one backward.
-
-    logp_nt, vjp = jax.vjp(logp_fn(., batch), params)
-    pi_old       = sg(logp_nt)          (the step's single update starts at pi_old: r_t = 1 in value)
-    A_n          = pg_coefficients(pi_old, ...)["advantage_n"]   (GRPO advantage, std as configured)
-    cot_nt       = d loss(logp_nt, pi_old, mu, A, mask) / d logp_nt;   grads = vjp(cot_nt)
-
-  The ESS metrics are pg_coefficients' (of l_n = sum_t log pi_old - log mu, as for every method); the loss
-  brings its own ratio, clip / mask and aggregation, and its metrics come back under "loss/<name>". Rows
-  with a non-finite log-ratio are masked out, as in the surrogate. Several updates per step (learner.
-  ppo_epochs / minibatches) are learner._multi_update_step. Returns (grads, aux) like policy_gradient.
-  """
-  logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
-  old = sg(logp_nt)
-  _, aux = pg_coefficients(
-    old, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], None, cfg
-  )
-  mask = jnp.where(aux["valid_n"][:, None], jnp.asarray(batch["loss_mask"], jnp.float32), 0.0)
-  fn = bound_policy_loss(cfg, batch, current_version)
-  args = (old, batch["behavior_logp"], aux["advantage_n"], mask)
-  (loss, m), cot_nt = jax.value_and_grad(lambda lp: fn(lp, *args), has_aux=True)(logp_nt)
-  (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
-  return grads, dict(aux, pg_loss=loss, **{f"loss/{k}": v for k, v in m.items()})

@@ -1,4 +1,7 @@
-"""Exact per-example squared gradient norms, and the VCPO gradient from the same backward pass.
+"""Every per-example squared gradient norm method, and the gradient from the same backward pass.
+
+Knows nothing of VCPO: the coefficients come in as a function `coef_fn(logp_nt, S_n)`
+(`learner.policy_gradient("ghost")` passes a closure over `estimator.pg_coefficients`).
 
 VCPO's OPOB baseline weighs trajectory n by S_n = ||s_n||^2, the squared norm of
 its token-SUM score s_n = grad_params sum_t tokw_nt * logp_nt (tokw_nt: the loss
@@ -56,8 +59,8 @@ Three ways to get S_n, all exact:
   what is left (direct in blocks of examples if need be), and for the head the largest
   vocab chunk that fits.
 
-* `vmap_sq_norms`: the reference, `estimator.per_example_sq_grad_norms` (vmap of
-  a per-example grad).
+* `vmap_sq_norms`: the reference, `per_example_sq_grad_norms` (vmap of a per-example
+  grad; also usable on any fn(params, example) -> scalar).
 
 * `loop_sq_norms`: the released reference's method, one backward pass per
   trajectory (lax.map), for benchmarks.
@@ -74,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -717,57 +721,43 @@ def taps_grad(
   return _ghost(logp_fn, params, batch, tokw, None, coef_n, "direct", memory_budget_bytes, None)
 
 
-def ghost_policy_gradient(
-  logp_fn: LogpFn,
-  params,
-  batch,
-  cfg,
-  *,
-  method: str = "auto",
-  memory_budget_bytes: int | None = None,
-  batch_shards: int | None = None,
-  divisor=None,
-):
-  """Drop-in fast path for `estimator.policy_gradient(logp_fn, params, batch, cfg)`.
-
-  Same arguments and result (grads, metrics): tokw_nt = estimator.pg_token_weights(...),
-  coef_n = estimator.pg_coefficients(..., sq_score_norms_n=S_n, cfg) with S_n from the ghost norms
-  (S_n is the norm of the tokw-weighted score; OPOB only runs with sequence-level weights, where
-  tokw_nt = loss_mask), and the gradient from the same single backward pass. metrics also holds
-  sq_norm_n [N] (the exact S_n, whether or not cfg uses it). Call it per micro-batch: the plan
-  (`plan_layers`) is chosen from that micro-batch's shapes against memory_budget_bytes per device
-  (batch_shards: the devices its batch axis is split over). divisor: as in pg_coefficients (a
-  micro-batch passes 1.0).
-  """
-  from vcpo_jax import estimator
-
-  missing = [k for k in estimator.BATCH_KEYS if k not in batch]
-  if missing:
-    raise ValueError(f"batch: missing keys {missing}; need {list(estimator.BATCH_KEYS)}")
-  beh, mask = batch["behavior_logp"], batch["loss_mask"]
-
-  def tokw(logp_nt):
-    return estimator.pg_token_weights(logp_nt, beh, mask, cfg)
-
-  def coef_fn(logp_nt, sq_n):
-    return estimator.pg_coefficients(
-      logp_nt, beh, mask, batch["rewards"], batch["group_id"], sq_n, cfg, divisor=divisor
-    )
-
-  res = ghost_sq_norms_and_grad(
-    logp_fn,
-    params,
-    batch,
-    tokw,
-    coef_fn,
-    method=method,
-    memory_budget_bytes=memory_budget_bytes,
-    batch_shards=batch_shards,
-  )
-  return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n)
-
-
 # ----------------------------------------------------------------------------- references
+
+
+def _tree_sq_norm(tree) -> jax.Array:
+  """sum over the leaves of ||leaf||_F^2, in float32: a scalar."""
+  return sum(jnp.sum(jnp.square(x.astype(_F32))) for x in jax.tree.leaves(tree))
+
+
+@functools.partial(jax.jit, static_argnames=("fn", "batch_size"))
+def per_example_sq_grad_norms(fn, params, batch, *, batch_size=None) -> jax.Array:
+  """||grad_params fn(params, example_n)||^2 for every example: the exact reference, [N] float32.
+
+    S_n = sum_leaves ||d fn(params, x_n) / d params||_F^2,   x_n = batch with its leading N axis indexed at n
+
+  One vmap of `jax.grad` (jitted with fn static: pass the same function object to reuse the
+  compilation). Memory is N x params; batch_size processes the examples in chunks of that many
+  (lax.map). The ghost norms (`ghost_sq_norms_and_grad`) are tested against this.
+
+  Args:
+    fn: fn(params, example) -> scalar, where `example` is `batch` with the leading N axis removed
+      from every leaf.
+    params: parameter pytree (not vmapped).
+    batch: pytree whose leaves all have a leading N axis.
+    batch_size: optional chunk size for lax.map (None: one vmap over N).
+  Returns:
+    [N] float32.
+
+  References:
+    Goodfellow, "Efficient per-example gradient computations", arXiv 1510.01799 (2015).
+  """
+
+  def one(example):
+    return _tree_sq_norm(jax.grad(fn)(params, example))
+
+  if batch_size is None:
+    return jax.vmap(one)(batch)
+  return jax.lax.map(one, batch, batch_size=batch_size)
 
 
 def _per_example_fn(logp_fn: LogpFn):
@@ -787,20 +777,13 @@ def _tokw_array(logp_fn: LogpFn, params, batch, tokw: TokW) -> jax.Array:
 
 
 def vmap_sq_norms(logp_fn: LogpFn, params, batch, tokw: TokW) -> jax.Array:
-  """S_n via `estimator.per_example_sq_grad_norms` (vmap of per-example grads), [N]."""
-  from vcpo_jax import estimator  # local: the estimator imports nothing from here, keep it that way
-
+  """S_n = ||grad sum_t tokw_nt logp_nt||^2 via `per_example_sq_grad_norms` (vmap of per-example grads), [N]."""
   tokw_nt = _tokw_array(logp_fn, params, batch, tokw)
-  return estimator.per_example_sq_grad_norms(_per_example_fn(logp_fn), params, {"batch": batch, "tokw_nt": tokw_nt})
+  return per_example_sq_grad_norms(_per_example_fn(logp_fn), params, {"batch": batch, "tokw_nt": tokw_nt})
 
 
 def loop_sq_norms(logp_fn: LogpFn, params, batch, tokw: TokW) -> jax.Array:
   """S_n with one backward pass per trajectory (lax.map: sequential, micro-batch 1), [N]."""
   tokw_nt = _tokw_array(logp_fn, params, batch, tokw)
   grad_fn = jax.grad(_per_example_fn(logp_fn))
-
-  def one(example):
-    g = grad_fn(params, example)
-    return sum(jnp.sum(jnp.square(x.astype(_F32))) for x in jax.tree.leaves(g))
-
-  return jax.lax.map(one, {"batch": batch, "tokw_nt": tokw_nt})
+  return jax.lax.map(lambda example: _tree_sq_norm(grad_fn(params, example)), {"batch": batch, "tokw_nt": tokw_nt})

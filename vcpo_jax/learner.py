@@ -9,8 +9,8 @@ The gradient path is chosen by name at build time (`grad_path`, `policy_gradient
 module is the one place that chooses it):
   "ghost": exact per-example norms and the gradient from one forward and one
            backward pass to the layer outputs (vcpo_jax.grad_norms);
-  "vmap":  the reference path of the estimator (vmap of per-example gradients
-           for the norms, then a second backward pass).
+  "vmap":  the reference path (vmap of per-example gradients for the norms,
+           grad_norms.per_example_sq_grad_norms, then a second backward pass).
 Both give the same gradient; tests check it. Methods without OPOB need no norms
 and both paths reduce to one forward + one backward.
 
@@ -33,7 +33,7 @@ OPOB) are rejected with micro-batching; no preset is one.
 The stabilizers of issue 13 (`pg.policy_loss` != "pg": PPO clip, decoupled PPO, GSPO, CISPO, M2PO,
 IcePop, DPPO-TV; vcpo_jax/policy_losses.py) replace the surrogate by their own loss of (log pi_theta,
 log pi_old, log mu, A, mask): one forward, the loss's cotangent d loss / d logp_nt, one backward
-(`estimator.policy_loss_gradient`; no norms, so both gradient paths are the same). With
+(`_policy_loss_gradient`; no norms, so both gradient paths are the same). With
 `ppo_epochs * minibatches` > 1 a trainer step makes that many optimizer updates on minibatches of whole
 groups, with pi_old recomputed once at the start (`_multi_update_step`); 1 x 1, the default, is the single
 update above. Neither combines with micro-batching (rejected at config time).
@@ -52,10 +52,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from vcpo_jax import estimator, sharding
+from vcpo_jax import batch as batch_lib
+from vcpo_jax import estimator, grad_norms, policy_losses, sharding
 from vcpo_jax.model import transformer
 
-GRAD_PATHS = ("ghost", "vmap")
+sg = jax.lax.stop_gradient
 
 
 class TrainState(NamedTuple):
@@ -160,18 +161,166 @@ def make_logp_fn(graphdef) -> Callable:
   return logp_fn
 
 
-def policy_gradient(path: str) -> Callable:
-  """The gradient path by name: f(logp_fn, params, batch, pg, *, divisor=None) -> (grads, aux).
+# ---------------------------------------------------------------------------
+# Gradient paths: f(logp_fn, params, batch, pg) -> (grads, aux), one per name
+# ---------------------------------------------------------------------------
 
-  "ghost": grad_norms.ghost_policy_gradient; "vmap": estimator.policy_gradient (same results).
+
+def _check_batch(batch) -> None:
+  missing = [k for k in batch_lib.PG_KEYS if k not in batch]
+  if missing:
+    raise ValueError(f"batch: missing keys {missing}; need {list(batch_lib.PG_KEYS)}")
+
+
+def _coefficients(logp_nt, batch, pg: estimator.PGConfig, sq_n, divisor):
+  return estimator.pg_coefficients(
+    logp_nt, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq_n, pg, divisor=divisor
+  )
+
+
+def _vmap_gradient(logp_fn, params, batch, pg: estimator.PGConfig, *, divisor=None, current_version=None):
+  """The reference path: one forward (jax.vjp), norms by vmap of per-example grads, one backward.
+
+  logp_nt, vjp = jax.vjp(logp_fn(., batch), params)
+  S_n          = ||grad_params sum_t mask_nt logp_nt||^2      (grad_norms.per_example_sq_grad_norms; OPOB only)
+  coef_n, aux  = estimator.pg_coefficients(sg(logp_nt), ..., S_n)
+  grads        = vjp(-coef_n tokw_nt)                       (tokw_nt = estimator.pg_token_weights)
   """
-  if path not in GRAD_PATHS:
-    raise ValueError(f"learner.grad_path={path!r}: choose one of {GRAD_PATHS}.")
-  if path == "ghost":
-    from vcpo_jax import grad_norms  # the fast path; imported lazily to keep this module light
+  _check_batch(batch)
+  if pg.policy_loss != "pg":
+    return _policy_loss_gradient(logp_fn, params, batch, pg, current_version=current_version)
+  logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
+  sq = None
+  if estimator.needs_sq_norms(pg):
 
-    return grad_norms.ghost_policy_gradient
-  return estimator.policy_gradient
+    def score(p, example):
+      ex1 = jax.tree_util.tree_map(lambda x: x[None], example)
+      return jnp.sum(logp_fn(p, ex1)[0].astype(jnp.float32) * ex1["loss_mask"][0].astype(jnp.float32))
+
+    sq = grad_norms.per_example_sq_grad_norms(score, params, dict(batch))
+  coef_n, aux = _coefficients(logp_nt, batch, pg, sq, divisor)
+  tokw_nt = estimator.pg_token_weights(logp_nt, batch["behavior_logp"], batch["loss_mask"], pg)
+  cot_nt = -coef_n[:, None] * tokw_nt  # d loss / d logp_nt
+  (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
+  # where(): masked-out positions may hold logp = -inf; their cotangent is 0 and must not give nan.
+  pg_loss = jnp.sum(jnp.where(tokw_nt != 0, cot_nt * sg(logp_nt).astype(jnp.float32), 0.0))
+  return grads, dict(aux, pg_loss=pg_loss)
+
+
+def _ghost_gradient(
+  logp_fn,
+  params,
+  batch,
+  pg: estimator.PGConfig,
+  *,
+  divisor=None,
+  current_version=None,
+  method: str = "auto",
+  memory_budget_bytes: int | None = None,
+  batch_shards: int | None = None,
+):
+  """The fast path: exact S_n and the gradient from one forward and one backward to the layer outputs.
+
+    tokw_nt     = estimator.pg_token_weights(sg(logp_nt), ...)
+    coef_n, aux = estimator.pg_coefficients(sg(logp_nt), ..., S_n)   S_n: the ghost norms of the
+                                                                       tokw-weighted score
+    grads       = -sum_n coef_n sum_t tokw_nt grad logp_nt            from the same (A, D) pairs
+
+  (grad_norms.ghost_sq_norms_and_grad). OPOB only runs with sequence-level weights, where tokw_nt =
+  loss_mask, so S_n is the norm it needs. aux also holds sq_norm_n [N] (the exact S_n, whether or not
+  pg uses it). method / memory_budget_bytes / batch_shards: the norms' plan (grad_norms.plan_layers),
+  chosen from this (micro-)batch's shapes.
+  """
+  _check_batch(batch)
+  if pg.policy_loss != "pg":
+    return _policy_loss_gradient(logp_fn, params, batch, pg, current_version=current_version)
+  beh, mask = batch["behavior_logp"], batch["loss_mask"]
+  res = grad_norms.ghost_sq_norms_and_grad(
+    logp_fn,
+    params,
+    batch,
+    lambda logp_nt: estimator.pg_token_weights(logp_nt, beh, mask, pg),
+    lambda logp_nt, sq_n: _coefficients(logp_nt, batch, pg, sq_n, divisor),
+    method=method,
+    memory_budget_bytes=memory_budget_bytes,
+    batch_shards=batch_shards,
+  )
+  return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n)
+
+
+def _bound_policy_loss(pg: estimator.PGConfig, batch, current_version=None):
+  """pg's policy loss with its hyper-parameters (and, for decoupled_prox='loglinear', the versions) bound.
+
+  current_version: the version the update produces (the learner's step + 1), so that AReaL's proximal
+  version current_version - 1 is the learner's parameters at the start of the step (what "exact" uses).
+  """
+  kw = estimator.policy_loss_kwargs(pg)
+  if pg.policy_loss == "decoupled_ppo" and pg.decoupled_prox == "loglinear":
+    if current_version is None or "policy_version" not in batch:
+      raise ValueError("vcpo.decoupled_prox='loglinear' needs batch['policy_version'] and the learner's version")
+    kw.update(behavior_version=batch["policy_version"], current_version=current_version)
+  return policy_losses.make_policy_loss(pg.policy_loss, **kw)
+
+
+def _policy_loss_gradient(logp_fn, params, batch, pg: estimator.PGConfig, *, current_version=None):
+  """Gradient of a policy_losses loss (pg.policy_loss != "pg") in one update: one forward, one backward.
+
+    logp_nt, vjp = jax.vjp(logp_fn(., batch), params)
+    pi_old       = sg(logp_nt)          (the step's single update starts at pi_old: r_t = 1 in value)
+    A_n          = pg_coefficients(pi_old, ...)["advantage_n"]   (GRPO advantage, std as configured)
+    cot_nt       = d loss(logp_nt, pi_old, mu, A, mask) / d logp_nt;   grads = vjp(cot_nt)
+
+  The ESS metrics are pg_coefficients' (of l_n = sum_t log pi_old - log mu, as for every method); the loss
+  brings its own ratio, clip / mask and aggregation, and its metrics come back under "loss/<name>". Rows
+  with a non-finite log-ratio are masked out, as in the surrogate. No norms, so both paths are this one.
+  Several updates per step (ppo_epochs / minibatches) are _multi_update_step.
+  """
+  logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
+  old = sg(logp_nt)
+  _, aux = _coefficients(old, batch, pg, None, None)
+  mask = jnp.where(aux["valid_n"][:, None], jnp.asarray(batch["loss_mask"], jnp.float32), 0.0)
+  fn = _bound_policy_loss(pg, batch, current_version)
+  args = (old, batch["behavior_logp"], aux["advantage_n"], mask)
+  (loss, m), cot_nt = jax.value_and_grad(lambda lp: fn(lp, *args), has_aux=True)(logp_nt)
+  (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
+  return grads, dict(aux, pg_loss=loss, **{f"loss/{k}": v for k, v in m.items()})
+
+
+_GRAD_PATHS: dict[str, Callable] = {"ghost": _ghost_gradient, "vmap": _vmap_gradient}
+GRAD_PATHS = tuple(_GRAD_PATHS)
+
+
+def policy_gradient(path: str) -> Callable:
+  """The gradient path by name: f(logp_fn, params, batch, pg, *, divisor=None, current_version=None).
+
+  f returns (grads, aux): grads of the configured loss with the structure of params, aux the dict of
+  estimator.pg_coefficients (scalar metrics and "_n" rows) plus pg_loss (the loss's value). For the
+  surrogate (pg.policy_loss == "pg")
+
+    loss(params) = -sum_n coef_n * sum_t tokw_nt * logp_nt(params),   coef_n = estimator.pg_coefficients
+
+  "ghost": exact per-example norms and the gradient from one backward pass to the layer outputs
+           (vcpo_jax.grad_norms); also takes method / memory_budget_bytes / batch_shards;
+  "vmap":  the reference: norms by vmap of per-example grads, then the surrogate's backward.
+  Both give the same gradient (tested). A policy_losses loss (pg.policy_loss != "pg") needs no norms:
+  on either path one forward and the loss's own cotangent; current_version (the version the update
+  produces) is read only by decoupled_ppo's log-linear pi_prox.
+
+  Args (of f):
+    logp_fn: logp_fn(params, batch) -> [N, T] log-probs of batch["tokens"] (aligned with loss_mask);
+      must also work on a batch with N = 1.
+    params: parameter pytree.
+    batch: has batch.PG_KEYS (tokens, behavior_logp, loss_mask [N, T], rewards, group_id [N]) plus
+      what logp_fn reads; every leaf has a leading N axis.
+    pg: estimator.PGConfig (static under jit).
+    divisor: the loss aggregation's Z (see estimator.pg_coefficients); a micro-batch passes 1.0.
+
+  References:
+    Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs, arXiv 2602.17616.
+  """
+  if path not in _GRAD_PATHS:
+    raise ValueError(f"learner.grad_path={path!r}: choose one of {GRAD_PATHS}.")
+  return _GRAD_PATHS[path]
 
 
 def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None):
@@ -180,14 +329,12 @@ def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None):
   step: the learner's step (state.step), read only by decoupled_ppo's log-linear pi_prox.
   """
   logp_fn = make_logp_fn(graphdef)
-  if cfg.pg.policy_loss != "pg":  # a policy_losses loss: no norms, one forward + one backward on either path
-    version = None if step is None else step + 1  # the version this update produces
-    return estimator.policy_loss_gradient(logp_fn, params, batch, cfg.pg, current_version=version)
   grad_fn = policy_gradient(cfg.grad_path)
   n = batch["tokens"].shape[0]
   k = cfg.microbatches(n)
   if k == 1:
-    return grad_fn(logp_fn, params, batch, cfg.pg)
+    version = None if step is None else step + 1  # the version this update produces
+    return grad_fn(logp_fn, params, batch, cfg.pg, current_version=version)
 
   # [K, N / K, ...]: whole groups; each micro-batch's rows stay split over the mesh's batch axes (under a
   # mesh; a no-op without one), so per-device activation memory falls with data x fsdp.
@@ -226,8 +373,6 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
   ones (pg_loss, grad_norm, update_norm, loss/*) averaged over the updates, and loss/*_first / grad_norm_first
   of the first update.
   """
-  from vcpo_jax import policy_losses  # imported lazily, as in estimator
-
   logp_fn = make_logp_fn(graphdef)
   old_logp = jax.lax.stop_gradient(logp_fn(state.params, batch))
   _, aux0 = estimator.pg_coefficients(
@@ -245,7 +390,7 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
 
   def update(carry, mb):
     params, opt_state = carry
-    fn = estimator.bound_policy_loss(cfg.pg, mb, version)
+    fn = _bound_policy_loss(cfg.pg, mb, version)
     grads, loss, lm = policy_losses.loss_gradient(fn, logp_fn, params, mb, mb["advantage"], mb["old_logp"])
     grad_norm = optax.global_norm(grads)
     updates, new_opt = tx.update(grads, opt_state, params, ess_scale=lr_scale)

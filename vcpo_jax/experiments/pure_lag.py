@@ -2,7 +2,7 @@
 
 purejaxrl-style: the training loop is a `lax.scan`; sampling, the reward, the
 estimator (the SAME library code as the learner: `estimator.pg_coefficients` /
-`pg_token_weights` through `grad_norms.ghost_policy_gradient`) and the
+`pg_token_weights` through `learner.policy_gradient("ghost")`) and the
 optimizer (`optim.make_optimizer`, ESS-scaled AdamW) all run inside it, so a
 grid cell (method, k) compiles once and `vmap`s over seeds and learning rates.
 
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vcpo_jax import estimator, grad_norms, optim
+from vcpo_jax import estimator, grad_norms, learner, optim
 from vcpo_jax.model import transformer
 from vcpo_jax.model.config import ModelConfig
 
@@ -70,7 +70,7 @@ class PureLagConfig:
   mlp: int = 64
   weight_decay: float = 0.1  # AdamW decoupled decay (released runs: 0.1)
   clip_norm: float = 1.0  # global-norm clip before AdamW (released runs: 1.0)
-  grad_path: str = "ghost"  # "ghost" (grad_norms.ghost_policy_gradient) | "reference" (estimator.policy_gradient)
+  grad_path: str = "ghost"  # "ghost" | "reference" (learner.policy_gradient("ghost") / ("vmap"))
   debug_trace: bool = False  # also return every batch and every parameter version (tests only)
 
   def __post_init__(self):
@@ -256,6 +256,7 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
     raise ValueError(f"max_k={max_k}: the lag must be >= 0")
   graphdef = _graphdef(cfg)
   logp_fn = grad_norms.sequence_logp_fn(graphdef)
+  grad_fn = learner.policy_gradient("ghost" if cfg.grad_path == "ghost" else "vmap")
   ring_size = max_k + 1
   chunks, every = cfg.steps // cfg.eval_every, cfg.eval_every
 
@@ -277,10 +278,7 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
       read = jnp.maximum(t - k, 0) % ring_size
       behavior_params = jax.tree.map(lambda r: jax.lax.dynamic_index_in_dim(r, read, 0, keepdims=False), ring)
       batch = make_batch(cfg, graphdef, behavior_params, jax.random.fold_in(k_sample, t))
-      if cfg.grad_path == "ghost":
-        grads, aux = grad_norms.ghost_policy_gradient(logp_fn, params, batch, pg)
-      else:
-        grads, aux = estimator.policy_gradient(logp_fn, params, batch, pg)
+      grads, aux = grad_fn(logp_fn, params, batch, pg)
       updates, opt_state = opt.update(grads, opt_state, params, ess_scale=aux["lr_scale"])
       params = optax.apply_updates(params, updates)
       out = dict(

@@ -557,7 +557,7 @@ def describe(c) -> tuple[str, str, str]:
         f"{c.model.layers}-layer D={c.model.hidden} transformer (`vcpo_jax.model.transformer`), "
         f"T = {c.task.resp_len} response tokens, {c.task.prompts_per_step} prompts x "
         f"{c.task.group_size} samples per step, {c.task.steps} learner steps, exact lag, "
-        "the library's estimator (`pg_coefficients` via `ghost_policy_gradient`) and optimizer "
+        "the library's estimator (`pg_coefficients` via `learner.policy_gradient('ghost')`) and optimizer "
         f"(`make_optimizer`: clip {c.optim.clip_norm}, AdamW wd {c.optim.weight_decay}, ESS scale). "
         "Not the countdown trainer."
       ),
