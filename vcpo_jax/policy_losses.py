@@ -116,6 +116,18 @@ def _common_metrics(lp, beh, m):
   }
 
 
+def _clip_metrics(clipped, dual, lp, beh, m, **extra):
+  """A clipped-ratio loss's metrics: clip_frac, dual_clip_frac, its own extra ones, and _common_metrics.
+
+  clip_frac: the fraction of loss tokens whose clipped term is the active one (verl pg_clipfrac);
+  dual_clip_frac: of those capped by the dual clip (verl pg_clipfrac_lower), only when dual is not None.
+  """
+  out = dict(clip_frac=_token_mean(clipped, m))
+  if dual is not None:
+    out["dual_clip_frac"] = _token_mean(dual, m)
+  return dict(out, **extra, **_common_metrics(lp, beh, m))
+
+
 def _check(cond, field, value, fix):
   if not cond:
     raise ValueError(f"{field}={value!r}: {fix}")
@@ -190,12 +202,7 @@ def ppo_clip(
   lp, old, beh, adv, m = _inputs(logp_nt, old_logp_nt, behavior_logp_nt, advantages, mask_nt)
   log_r = jnp.clip(lp - old, -log_ratio_clamp, log_ratio_clamp)
   loss_nt, clipped, dual = _ppo_token_loss(log_r, adv, eps_low, eps_high, dual_clip_c)
-  metrics = dict(
-    clip_frac=_token_mean(clipped, m),
-    dual_clip_frac=_token_mean(dual, m),
-    approx_kl=_token_mean(-sg(log_r), m),
-    **_common_metrics(lp, beh, m),
-  )
+  metrics = _clip_metrics(clipped, dual, lp, beh, m, approx_kl=_token_mean(-sg(log_r), m))
   return aggregate(loss_nt, m, loss_agg), metrics
 
 
@@ -288,12 +295,8 @@ def decoupled_ppo(
   bw = jnp.exp(prox - beh)
   keep = m if behav_imp_weight_cap is None else m & (bw <= behav_imp_weight_cap)
   bw = jnp.where(keep, bw, 0.0)
-  metrics = dict(
-    clip_frac=_token_mean(clipped, m),
-    dual_clip_frac=_token_mean(dual, m),
-    frac_masked=_token_mean(~keep, m),
-    behav_weight_mean=_token_mean(bw, keep),
-    **_common_metrics(lp, beh, m),
+  metrics = _clip_metrics(
+    clipped, dual, lp, beh, m, frac_masked=_token_mean(~keep, m), behav_weight_mean=_token_mean(bw, keep)
   )
   return aggregate(loss_nt * bw, m, loss_agg), metrics
 
@@ -340,11 +343,8 @@ def gspo(
   log_s_nt = jnp.minimum(lp - sg(lp) + log_s_n[:, None], log_ratio_max)
   loss_nt, clipped, _ = _ppo_token_loss(log_s_nt, adv, eps_low, eps_high, None)
   valid = L > 0
-  metrics = dict(
-    clip_frac=_token_mean(clipped, m),
-    seq_ratio_mean=jnp.sum(jnp.where(valid, jnp.exp(log_s_n), 0.0)) / jnp.maximum(jnp.sum(valid), 1),
-    **_common_metrics(lp, beh, m),
-  )
+  seq_ratio_mean = jnp.sum(jnp.where(valid, jnp.exp(log_s_n), 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+  metrics = _clip_metrics(clipped, None, lp, beh, m, seq_ratio_mean=seq_ratio_mean)
   return aggregate(loss_nt, m, loss_agg), metrics
 
 
@@ -379,11 +379,7 @@ def cispo(
   lp, old, beh, adv, m = _inputs(logp_nt, old_logp_nt, behavior_logp_nt, advantages, mask_nt)
   r = jnp.exp(jnp.clip(sg(lp) - old, -log_ratio_clamp, log_ratio_clamp))
   w = sg(jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high))
-  metrics = dict(
-    clip_frac=_token_mean(w != r, m),
-    weight_mean=_token_mean(w, m),
-    **_common_metrics(lp, beh, m),
-  )
+  metrics = _clip_metrics(w != r, None, lp, beh, m, weight_mean=_token_mean(w, m))
   return aggregate(-w * adv * lp, m, loss_agg), metrics
 
 
@@ -565,7 +561,12 @@ def m2po_released(
   eps_low, eps_high = sg(eps_low), sg(eps_high)
   loss_nt, clipped, _ = _ppo_token_loss(lp - beh, adv, eps_low, eps_high, None)
   m2_after = jnp.where(need_clip, _token_mean(jnp.minimum(d2, jnp.square(tau)), harmful), m2_now)
-  metrics = dict(
+  metrics = _clip_metrics(
+    clipped,
+    None,
+    lp,
+    beh,
+    m,
     tau=jnp.where(need_clip, tau, 0.0),
     budget_active=need_clip.astype(jnp.float32),
     eps_low=eps_low,
@@ -573,8 +574,6 @@ def m2po_released(
     m2=m2_now,
     m2_after=m2_after,
     frac_harmful=_token_mean(harmful, m),
-    clip_frac=_token_mean(clipped, m),
-    **_common_metrics(lp, beh, m),
   )
   return aggregate(loss_nt, m, loss_agg), metrics
 
@@ -622,12 +621,8 @@ def icepop(
   w = sg(jnp.where(m & (rho >= lower) & (rho <= upper), rho, 0.0))
   log_r = jnp.clip(lp - old, -log_ratio_clamp, log_ratio_clamp)
   loss_nt, clipped, dual = _ppo_token_loss(log_r, adv, eps_low, eps_high, dual_clip_c)
-  metrics = dict(
-    frac_masked=_token_mean(w != rho, m),
-    ice_ratio_mean=_token_mean(rho, m),
-    clip_frac=_token_mean(clipped, m),
-    dual_clip_frac=_token_mean(dual, m),
-    **_common_metrics(lp, beh, m),
+  metrics = _clip_metrics(
+    clipped, dual, lp, beh, m, frac_masked=_token_mean(w != rho, m), ice_ratio_mean=_token_mean(rho, m)
   )
   return aggregate(w * loss_nt, m, loss_agg), metrics
 
