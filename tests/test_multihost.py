@@ -14,15 +14,13 @@ at the 1e-2 level.
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import multiproc
+
 MESH_SHAPE = (2, 2, 1)
 N, T = 8, 10
 TIMEOUT_S = 240  # per process; the test fails (never hangs) past it
@@ -104,12 +102,6 @@ def _worker(process_id: int, port: int) -> None:
   jax.distributed.shutdown()
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_agree_with_single_process():
   import jax
@@ -117,34 +109,14 @@ def test_two_processes_agree_with_single_process():
   from vcpo_jax import sharding as sh
   from vcpo_jax.model import config
 
-  port = _free_port()
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=2",
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-  )
-  procs = [
-    subprocess.Popen(
-      [sys.executable, os.path.abspath(__file__), str(i), str(port)],
-      env=env,
-      cwd=REPO,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
+  procs = multiproc.launch(__file__)
   outputs = []
   try:
     for p in procs:
       out, _ = p.communicate(timeout=TIMEOUT_S)
       outputs.append(out)
   finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
+    multiproc.kill(procs)
   for i, (p, out) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{out[-4000:]}"
   results = []

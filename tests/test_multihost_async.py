@@ -25,14 +25,13 @@ import json
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import multiproc
+
 P, G, K = 2, 4, 2  # the smoke config's prompts per step and group size; staleness bound
 
 
@@ -109,36 +108,9 @@ def _worker(process_id: int, port: int, workdir: str, steps: int) -> None:
   print("SUMMARY " + json.dumps(summary, default=str), flush=True)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _start(workdir: str, steps: int, logdir, tag=None) -> list:
-  port = _free_port()
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=2",
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-  )
-  procs = []
-  for i in range(2):
-    log = open(logdir / f"p{i}_{tag or steps}.log", "w")  # noqa: SIM115 -- closed in _kill_all
-    procs.append(
-      (
-        subprocess.Popen(
-          [sys.executable, os.path.abspath(__file__), str(i), str(port), workdir, str(steps)],
-          env=env,
-          cwd=REPO,
-          stdout=log,
-          stderr=subprocess.STDOUT,
-        ),
-        log,
-      )
-    )
-  return procs
+  logs = [open(logdir / f"p{i}_{tag or steps}.log", "w") for i in range(2)]  # noqa: SIM115 -- closed in _kill_all
+  return list(zip(multiproc.launch(__file__, workdir, str(steps), logs=logs), logs))
 
 
 def _records(path, tag: str) -> list:
@@ -147,10 +119,8 @@ def _records(path, tag: str) -> list:
 
 
 def _kill_all(procs):
-  for p, log in procs:
-    if p.poll() is None:
-      p.kill()
-      p.wait()
+  multiproc.kill([p for p, _ in procs])
+  for _, log in procs:
     log.close()
 
 
