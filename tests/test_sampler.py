@@ -399,11 +399,11 @@ def test_param_dtype_auto_and_config_fields():
   assert S.resolve_param_dtype("", "gpu") is None and S.resolve_param_dtype("float32", "tpu") == jnp.float32
   with pytest.raises(ValueError, match="mesh_shape"):
     S.SamplerConfig(mesh_shape=(1, 2))
-  from vcpo_jax import run_config
+  from vcpo_jax import run_spec
 
   for field, value in [("param_dtype", "fp16"), ("mesh_shape", (1, 2)), ("draw", "argmax")]:
-    with pytest.raises(run_config.ConfigError, match=f"config.sampler.{field}="):
-      run_config.SamplingConfig(**{field: value})
+    with pytest.raises(run_spec.ConfigError, match=f"config.sampler.{field}="):
+      run_spec.SamplingConfig(**{field: value})
   mesh = S.sampler_mesh(S.SamplerConfig(mesh_shape=(2, 1, -1)), jax.devices()[:4])
   assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
 

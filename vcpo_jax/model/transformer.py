@@ -28,7 +28,6 @@ from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.model.taps import TapInfo, forbid, tap, tap_head
 
 
-
 def _INIT(key, shape, dtype):
   """N(0, 0.02^2) weights, the same bits eagerly and under jit (sharding.init_sharded, born sharded).
 
