@@ -504,3 +504,24 @@ def test_inflight_update_records_versions_and_logp_of_the_version_that_sampled()
       v = int(resp_v[n, i])
       want = lp[v][p_len + i - 1, seq[p_len + i]]
       np.testing.assert_allclose(r.behavior_logp[n, 8 + i], want, atol=2e-4, err_msg=f"row {n} token {i} v{v}")
+
+
+def test_sampler_config_from_tokenizer():
+  """The trainer's buckets: one prompt and one response bucket, batch sizes deduplicated and sorted;
+  pad falls back to EOS, then to 0."""
+
+  class Tok:
+    def __init__(self, eos, pad):
+      self.eos_token_id, self.pad_token_id = eos, pad
+
+  cfg = S.SamplerConfig.from_tokenizer(
+    Tok(5, 9), max_prompt_len=24, max_new_tokens=16, batch_sizes=(1, 8, 4, 8), temperature=0.7, draw="gumbel"
+  )
+  assert (cfg.eos_id, cfg.pad_id, cfg.max_new_tokens) == (5, 9, 16)
+  assert (cfg.prompt_buckets, cfg.new_token_buckets, cfg.batch_buckets) == ((24,), (16,), (1, 4, 8))
+  assert (cfg.temperature, cfg.draw, cfg.top_p) == (0.7, "gumbel", 1.0)
+  kw = dict(max_prompt_len=8, max_new_tokens=4, batch_sizes=(2,))
+  assert S.SamplerConfig.from_tokenizer(Tok(5, None), **kw).pad_id == 5  # no pad token: EOS
+  assert S.SamplerConfig.from_tokenizer(Tok(None, None), **kw).pad_id == 0  # neither
+  with pytest.raises(ValueError, match="top_p"):
+    S.SamplerConfig.from_tokenizer(Tok(5, 9), top_p=0.0, **kw)

@@ -1,8 +1,10 @@
 """run(config, workdir): the one training loop, for every method and execution mode.
 
-Sections, top to bottom: Config -> Distributed -> Tokenizer & Model -> Warm
-start -> Optimizer & Update step -> Checkpoint / resume -> Rollouts -> Evals ->
-Loop. The mode only decides which rollout source is built:
+`run` reads top to bottom in banner sections (big_vision's train.py): config and workdir -> mesh and
+policy (parameters born sharded, warm start) -> learner -> rollout source -> eval -> checkpoint and
+resume -> loop. Each builder lives with its component (sharding.build_mesh, model.policy.build_policy,
+SamplerConfig.from_tokenizer, rollout.build_maker / build_source); the helpers below the loop only
+assemble them. The mode only decides which rollout source is built:
 
     batch = source.next(step)                   # sync / lag: sampled here; async: from the queue
     state, metrics = train_step(state, batch)   # estimator -> grads -> ESS-scaled AdamW
@@ -84,26 +86,8 @@ def run(config, workdir: str) -> dict:
     params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir if primary else None)
 
   # ---- learner ----
-  tx = spec.optim.build(total_steps=spec.steps)
-  init_state = lambda p: learner.init_state(p, tx)
-  state_sh = sharding.param_shardings(jax.eval_shape(init_state, params), sharding.TRANSFORMER_RULES, mesh)
-  # Parameters and optimizer state are placed by the (regex, PartitionSpec) rules; the batch is split
-  # over ("data", "fsdp"); the state is donated so each step updates it in place.
-  state = jax.jit(init_state, out_shardings=state_sh)(params)
-  batch_sh = sharding.batch_sharding(mesh)
-  # Traced under the mesh (MeshJit), so the model's activation constraints keep the batch split.
-  train_step = sharding.MeshJit(
-    mesh,
-    learner.make_train_step(graphdef, tx, spec.learner),
-    in_shardings=(state_sh, batch_sh),
-    out_shardings=(state_sh, sharding.replicated(mesh)),
-    donate_argnums=0,
-  )
-  # Opt-in yardstick for "per-example norms cost little" (review #9): a plain gradient step, compiled at
-  # the first step (not when first timed), so that the timing adds no compile in the middle of the run.
-  plain_jit = plain_step = None
-  if spec.log.norm_overhead_every:
-    plain_jit = sharding.MeshJit(mesh, learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
+  state, train_step, plain_jit = _build_learner(spec, graphdef, params, mesh)
+  plain_step = None  # compiled at the first step (see _build_learner)
 
   # ---- rollout source ----
   key = jax.random.key(spec.seed)
@@ -120,24 +104,7 @@ def run(config, workdir: str) -> dict:
   # (the source itself is built under the signal guard below: the async one starts a process)
 
   # ---- eval ----
-  eval_problems = spec.make_eval_problems()
-  eval_proto = dataclasses.replace(spec.eval, size=len(eval_problems))  # a fixture may hold fewer
-  # One generation path (evaluation.EvalSampling): every eval decodes with a sampler built from the
-  # protocol's own temperature / top_p / greedy / max_new_tokens, the settings eval.jsonl records.
-  eval_cfg = SamplerConfig.from_tokenizer(
-    tokenizer,
-    max_new_tokens=spec.eval.max_new_tokens,
-    **buckets,
-    **spec.sampling.sampler_kwargs(temperature=spec.eval.temperature, top_p=spec.eval.top_p, top_k=0),
-  )
-  episodes = None
-  if spec.multiturn is not None:  # tool-use evaluation: the same episodes as training, eval sampling
-    from vcpo_jax.rollout import multiturn
-
-    eval_cfg, episodes = multiturn.sampler_config(eval_cfg, spec.rollout, spec.multiturn), maker.eval_episodes
-  eval_sampling = evaluation.EvalSampling(
-    make_sampler, eval_cfg, tokenizer, chat_template=spec.rollout.chat_template, episodes=episodes
-  )
+  eval_sampling, eval_problems, eval_proto = _build_eval(spec, tokenizer, make_sampler, buckets, maker)
 
   def run_eval(step, params, tag=None):
     gen = eval_sampling.generate_fn(params, jax.random.fold_in(key, 10**9 + step))
@@ -147,7 +114,7 @@ def run(config, workdir: str) -> dict:
 
   # ---- checkpoint and resume ----
   # The signal handlers go in before the source exists: SIGINT / SIGTERM during start-up (the async sampler's
-  # spawn, a restore) only set the flag, and the guard below closes whatever was built (the sampler, its
+  # spawn, a restore) only set the flag, and _open's guard closes whatever was built (the sampler, its
   # shared memory) and exits 130; nothing was trained, so there is nothing to checkpoint. From the loop on,
   # a signal checkpoints the last completed step. It is noticed in every source wait and at the top of each
   # step: a signal during an evaluation or a compile is acted on once that returns.
@@ -158,47 +125,22 @@ def run(config, workdir: str) -> dict:
       raise Interrupted(f"signal {flag['signal']}")
 
   old_handlers = _install_signal_handlers(flag)
-  source = ckpt = writer = None
-  try:
-    source = rollout.build_source(
-      spec.mode,
-      maker,
-      key,
-      k=spec.k,
-      spec=spec,
-      model_cfg=model_cfg,
-      graphdef=graphdef,
-      tokenizer=tokenizer,
-      workdir=workdir,
-      interrupt=check_signal,
-    )
-    c = spec.checkpoint
-    ckpt = Checkpointer(
-      fs.join(workdir, "checkpoints"), keep_last=c.keep_last, keep_best=c.keep_best, best_metric="eval/accuracy"
-    )
-    start, meta = 0, {}
-    latest = ckpt.latest_step()
-    if latest is not None:
-      state, meta = _restore(ckpt, latest, state, source)
-      start = latest
-      log.info("resumed from step %d in %s", start, workdir)
-    source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
-    # Every log is cut back to the restored step (or emptied on a fresh start): rows of a crashed attempt
-    # after its last checkpoint belong to a discarded timeline and are logged again by this one.
-    wall_offset = float(meta.get("wall_time", 0.0))
-    writer = metrics_lib.MetricsWriter(
-      workdir, spec.steps, resume_step=latest, wall_offset=wall_offset, progress=spec.log.progress, primary=primary
-    )
-    summary_path = fs.join(workdir, "summary.json")
-    if primary:
-      fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
-    check_signal()
-  except BaseException as e:
-    _close_all(old_handlers, source, ckpt, writer)
-    if isinstance(e, Interrupted):
-      log.warning("interrupted during start-up (%s): nothing trained since the last checkpoint; exiting", e)
-      raise SystemExit(130) from None
-    raise
+  build_source = lambda: rollout.build_source(
+    spec.mode,
+    maker,
+    key,
+    k=spec.k,
+    spec=spec,
+    model_cfg=model_cfg,
+    graphdef=graphdef,
+    tokenizer=tokenizer,
+    workdir=workdir,
+    interrupt=check_signal,
+  )
+  source, ckpt, writer, state, latest, meta = _open(
+    spec, workdir, primary, build_source, state, old_handlers, check_signal
+  )
+  start = latest or 0
 
   # ---- loop ----
   last_eval: dict = {}
@@ -259,8 +201,100 @@ def run(config, workdir: str) -> dict:
   if primary:
     if spec.log.plots:
       metrics_lib.plot_run(workdir)
-    fs.write_text(summary_path, json.dumps(summary, indent=1))
+    fs.write_text(fs.join(workdir, "summary.json"), json.dumps(summary, indent=1))
   return summary
+
+
+def _open(spec, workdir: str, primary: bool, build_source, state, old_handlers: dict, check_signal):
+  """(source, ckpt, writer, state, latest, meta): the run opened, resumed from its newest checkpoint if any.
+
+  Builds the source (`build_source()`), restores the newest checkpoint (latest: its step, None on a fresh
+  start; meta: what it recorded), publishes the parameters (lag: re-registers the newest kept version;
+  async: starts the sampler) and opens the logs, cut back to the restored step (or emptied on a fresh
+  start): rows of a crashed attempt after its last checkpoint belong to a discarded timeline and are
+  logged again by this one. Anything raised on the way (a signal's Interrupted: exit 130, nothing was
+  trained) first closes whatever was built and restores the signal handlers.
+  """
+  source = ckpt = writer = None
+  try:
+    source = build_source()
+    c = spec.checkpoint
+    ckpt = Checkpointer(
+      fs.join(workdir, "checkpoints"), keep_last=c.keep_last, keep_best=c.keep_best, best_metric="eval/accuracy"
+    )
+    meta = {}
+    latest = ckpt.latest_step()
+    if latest is not None:
+      state, meta = _restore(ckpt, latest, state, source)
+      log.info("resumed from step %d in %s", latest, workdir)
+    source.publish(state.params, latest or 0)
+    wall_offset = float(meta.get("wall_time", 0.0))
+    writer = metrics_lib.MetricsWriter(
+      workdir, spec.steps, resume_step=latest, wall_offset=wall_offset, progress=spec.log.progress, primary=primary
+    )
+    if primary:  # written again when this run finishes; a stale one would claim an earlier end
+      fs.remove(fs.join(workdir, "summary.json"))
+    check_signal()  # a signal during start-up ends the run here: nothing trained, nothing to save
+    return source, ckpt, writer, state, latest, meta
+  except BaseException as e:
+    _close_all(old_handlers, source, ckpt, writer)
+    if isinstance(e, Interrupted):
+      log.warning("interrupted during start-up (%s): nothing trained since the last checkpoint; exiting", e)
+      raise SystemExit(130) from None
+    raise
+
+
+def _build_learner(spec, graphdef, params, mesh):
+  """(state, train_step, plain_jit): the TrainState on `mesh`, the jitted update, the opt-in plain gradient.
+
+  Parameters and optimizer state are placed by the (regex, PartitionSpec) rules; the batch is split over
+  ("data", "fsdp"); the state is donated so each step updates it in place. Both steps are traced under
+  the mesh (MeshJit), so the model's activation constraints keep the batch split.
+  """
+  tx = spec.optim.build(total_steps=spec.steps)
+  init_state = lambda p: learner.init_state(p, tx)
+  state_sh = sharding.param_shardings(jax.eval_shape(init_state, params), sharding.TRANSFORMER_RULES, mesh)
+  state = jax.jit(init_state, out_shardings=state_sh)(params)
+  batch_sh = sharding.batch_sharding(mesh)
+  train_step = sharding.MeshJit(
+    mesh,
+    learner.make_train_step(graphdef, tx, spec.learner),
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, sharding.replicated(mesh)),
+    donate_argnums=0,
+  )
+  # Opt-in yardstick for "per-example norms cost little" (review #9): a plain gradient step, compiled at
+  # the first step (not when first timed), so that the timing adds no compile in the middle of the run.
+  plain_jit = None
+  if spec.log.norm_overhead_every:
+    plain_jit = sharding.MeshJit(mesh, learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
+  return state, train_step, plain_jit
+
+
+def _build_eval(spec, tokenizer, make_sampler, buckets: dict, maker):
+  """(EvalSampling, problems, protocol) of the run's evaluations.
+
+  One generation path (evaluation.EvalSampling): every eval decodes with a sampler built from the
+  protocol's own temperature / top_p / greedy / max_new_tokens, the settings eval.jsonl records; tool-use
+  runs evaluate with the training episodes (maker.eval_episodes) under the evaluation's sampling.
+  """
+  problems = spec.make_eval_problems()
+  protocol = dataclasses.replace(spec.eval, size=len(problems))  # a fixture may hold fewer
+  cfg = SamplerConfig.from_tokenizer(
+    tokenizer,
+    max_new_tokens=spec.eval.max_new_tokens,
+    **buckets,
+    **spec.sampling.sampler_kwargs(temperature=spec.eval.temperature, top_p=spec.eval.top_p, top_k=0),
+  )
+  episodes = None
+  if spec.multiturn is not None:
+    from vcpo_jax.rollout import multiturn
+
+    cfg, episodes = multiturn.sampler_config(cfg, spec.rollout, spec.multiturn), maker.eval_episodes
+  sampling = evaluation.EvalSampling(
+    make_sampler, cfg, tokenizer, chat_template=spec.rollout.chat_template, episodes=episodes
+  )
+  return sampling, problems, protocol
 
 
 def _train_row(m: dict, batch, info: dict, t0: float, t1: float, t2: float) -> dict:
