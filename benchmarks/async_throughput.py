@@ -69,7 +69,7 @@ def _run_one(a) -> dict:
 
   if a.learner_cpu >= 0:
     worker_lib.pin_cpus([a.learner_cpu])
-  from vcpo_jax import metrics as metrics_lib, trainer
+  from vcpo_jax import metrics as metrics_lib, rollout, trainer
 
   c = _config(a)
   infos = []
@@ -77,7 +77,7 @@ def _run_one(a) -> dict:
     c.mode, c.lag.k = "async", a.k
     c.async_.queue_slots = a.k + 1
     c.async_.sampler_cpus = str(a.sampler_cpu) if a.sampler_cpu >= 0 else ""
-    build = trainer.build_source
+    build = rollout.build_source
 
     def recording_build_source(*args, **kw):
       src = build(*args, **kw)
@@ -91,7 +91,7 @@ def _run_one(a) -> dict:
       src.next = next_
       return src
 
-    trainer.build_source = recording_build_source
+    rollout.build_source = recording_build_source
   with tempfile.TemporaryDirectory() as workdir:
     trainer.run(c, workdir)
     all_recs = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))

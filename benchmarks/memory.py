@@ -22,7 +22,7 @@ Parts (what is compiled, per config):
             while-loop of decode steps over S = Tp + Tn cache slots, in one jit; its peak is that of
             the heavier phase. Parameters in bfloat16 when the model computes in bfloat16 (what
             `Sampler.prepare_params` keeps on accelerators).
-  B, Tp, Tn are the training sampler's buckets as the trainer builds them (`trainer.make_sampler_cfg`,
+  B, Tp, Tn are the training sampler's buckets as the trainer builds them (`SamplerConfig.from_tokenizer`,
   and `rollout.multiturn.sampler_config` for tool-use episodes, whose largest context bucket is taken).
   The sampler is compiled on a mesh over the same N devices (`--sampler_mesh`, default the config's
   mesh.shape), parameters sharded by the same rules, rows over ("data", "fsdp").
@@ -120,7 +120,7 @@ class Setting:
   """One config as the benchmark compiles it."""
 
   name: str
-  spec: object  # run_config.RunSpec of the released config (data paths cleared)
+  spec: object  # run_spec.RunSpec of the released config (data paths cleared)
   model_cfg: object  # ModelConfig at full depth (num_layers = L)
   n: int  # learner batch rows N = P * G
   t: int  # learner sequence length T
@@ -132,7 +132,7 @@ class Setting:
 
 
 class _FakeTokenizer:
-  """What trainer.make_sampler_cfg reads from a tokenizer: Qwen2's <|endoftext|> id (the last id of a
+  """What SamplerConfig.from_tokenizer reads from a tokenizer: Qwen2's <|endoftext|> id (the last id of a
   tiny --model vocabulary, which the sampler checks its stop ids against)."""
 
   def __init__(self, vocab_size: int):
@@ -148,8 +148,9 @@ def load_setting(
   cleared: nothing is read), so every learner / model option it sets reaches the compiled step.
   batch / prompt_len / new_tokens (0 = the config's) shrink the run for quick checks and tests.
   """
-  from vcpo_jax import run_config, trainer
+  from vcpo_jax import run_config
   from vcpo_jax.rollout import multiturn
+  from vcpo_jax.sampler import SamplerConfig
 
   c = importlib.import_module(f"configs.{name}").get_config(None)
   if "shape" not in c.model:
@@ -176,13 +177,12 @@ def load_setting(
   # spec.model_cfg carries the config's model options (dtype and whatever else parse_config sets);
   # only the architecture is replaced by the checkpoint's.
   model_cfg = spec.model_cfg.replace(**{k: v for k, v in shape.items() if k in ARCH_FIELDS}, max_position=need)
-  scfg = trainer.make_sampler_cfg(
-    spec,
+  scfg = SamplerConfig.from_tokenizer(
     _FakeTokenizer(model_cfg.vocab_size),
-    temperature=spec.temperature,
-    top_p=spec.top_p,
-    top_k=spec.top_k,
+    max_prompt_len=spec.rollout.max_prompt_len,
     max_new_tokens=spec.rollout.max_new_tokens,
+    batch_sizes=(1, spec.rollout.batch_size, spec.eval_batch_size),
+    **spec.sampling.sampler_kwargs(),
   )
   if spec.multiturn is not None:
     scfg = multiturn.sampler_config(scfg, spec.rollout, spec.multiturn)

@@ -144,15 +144,15 @@ def tiny_countdown_config(**overrides):
 
 
 def record_sources(monkeypatch):
-  """Wraps trainer.build_source so a test sees every (step, policy_version, info) the trainer consumed.
+  """Wraps rollout.build_source so a test sees every (step, policy_version, info) the trainer consumed.
 
   Returns (built, seen, paths): the sources built, the per-step records, and the first source's
   shared-memory resource paths (async sources only), captured before the run closes them.
   """
-  from vcpo_jax import trainer
+  from vcpo_jax import rollout
 
   built, seen, paths = [], [], []
-  build = trainer.build_source
+  build = rollout.build_source
 
   def recording_build_source(*a, **kw):
     src = build(*a, **kw)
@@ -169,7 +169,7 @@ def record_sources(monkeypatch):
     built.append(src)
     return src
 
-  monkeypatch.setattr(trainer, "build_source", recording_build_source)
+  monkeypatch.setattr(rollout, "build_source", recording_build_source)
   return built, seen, paths
 
 

@@ -17,12 +17,13 @@ import pytest
 
 from tests import fixtures
 from tests.test_cleanup import orphans
-from vcpo_jax import cleanup, run_config, trainer
+from vcpo_jax import cleanup, rollout, run_config, sharding, trainer
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.common import RolloutMaker
-from vcpo_jax.sampler import Sampler
+from vcpo_jax.model import policy
+from vcpo_jax.sampler import Sampler, SamplerConfig
 
 
 def _tiny(**overrides):
@@ -34,20 +35,17 @@ def _source(config, **kw) -> async_.AsyncSource:
   """An AsyncSource built the way trainer.run builds it, without the learner; `kw` go to AsyncSource."""
   # check_prompts=False: a test below makes the worker fail on a prompt longer than the bucket.
   spec = run_config.parse_config(config, check_prompts=False)
-  model_cfg, tokenizer, graphdef, params = trainer.build_policy(spec)
+  one_device = sharding.make_mesh(sharding.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])
+  model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, one_device, seed=spec.seed)
   problems = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
-  sampler = Sampler(
-    graphdef,
-    model_cfg,
-    trainer.make_sampler_cfg(
-      spec,
-      tokenizer,
-      temperature=spec.temperature,
-      top_p=spec.top_p,
-      top_k=spec.top_k,
-      max_new_tokens=spec.rollout.max_new_tokens,
-    ),
+  sampler_cfg = SamplerConfig.from_tokenizer(
+    tokenizer,
+    max_prompt_len=spec.rollout.max_prompt_len,
+    max_new_tokens=spec.rollout.max_new_tokens,
+    batch_sizes=(1, spec.rollout.batch_size, spec.eval_batch_size),
+    **spec.sampling.sampler_kwargs(),
   )
+  sampler = Sampler(graphdef, model_cfg, sampler_cfg)
   maker = RolloutMaker(spec.rollout, tokenizer, sampler, problems)
   return async_.AsyncSource(spec, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker, **kw), params
 
@@ -181,7 +179,7 @@ def test_resume_consumes_queued_batches_exactly_once(tmp_path, monkeypatch):
   config = _tiny(steps=steps, checkpoint_every=100, **{"lag.k": 2, "async_.queue_slots": 4})
   workdir = str(tmp_path / "run")
   built, consumed, saved = [], [], []  # sources; (step, tokens, info) per consumed batch; queued_state() results
-  build = trainer.build_source
+  build = rollout.build_source
 
   def recording_build_source(*a, **kw):
     src = build(*a, **kw)
@@ -208,7 +206,7 @@ def test_resume_consumes_queued_batches_exactly_once(tmp_path, monkeypatch):
     src.next, src.queued_state = next_, queued_state
     return src
 
-  monkeypatch.setattr(trainer, "build_source", recording_build_source)
+  monkeypatch.setattr(rollout, "build_source", recording_build_source)
   cache = fixtures.persistent_compilation_cache(tmp_path / "jax_cache")  # the resumed run loads the programs
   with cache, pytest.raises(SystemExit) as e:
     trainer.run(config, workdir)
@@ -251,7 +249,7 @@ def test_sigint_during_startup_exits_130_and_reclaims_the_sampler(tmp_path, monk
   """SIGINT while the first publish() starts the sampler (before any step): the handlers are installed
   already, so the trainer closes the source (worker gone, /dev/shm clean) and exits 130 without a checkpoint."""
   built = []
-  build = trainer.build_source
+  build = rollout.build_source
 
   def interrupting_build_source(*a, **kw):
     src = build(*a, **kw)
@@ -265,7 +263,7 @@ def test_sigint_during_startup_exits_130_and_reclaims_the_sampler(tmp_path, monk
     src.publish = publish_
     return src
 
-  monkeypatch.setattr(trainer, "build_source", interrupting_build_source)
+  monkeypatch.setattr(rollout, "build_source", interrupting_build_source)
   old = signal.getsignal(signal.SIGINT)
   with pytest.raises(SystemExit) as e:
     trainer.run(_tiny(steps=3), str(tmp_path / "run"))
@@ -316,9 +314,9 @@ def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum
 _SIGNAL_SCRIPT = r"""
 import json, sys
 from tests.test_async import _tiny
-from vcpo_jax import trainer
+from vcpo_jax import rollout
 out, workdir = sys.argv[1], sys.argv[2]
-build = trainer.build_source
+build = rollout.build_source
 def recording_build_source(*a, **kw):
   src = build(*a, **kw)
   nxt = src.next
@@ -329,7 +327,7 @@ def recording_build_source(*a, **kw):
     return batch, info
   src.next = next_
   return src
-trainer.build_source = recording_build_source
+rollout.build_source = recording_build_source
 # queue_slots=1: once the sampler is stopped the learner drains at most one batch, then waits; timeout_s: a
 # wait that ignored the signal would last far longer than the test allows. checkpoint.every: no periodic
 # save, so the interrupted save is the process's first (a cold orbax). main.train is what main.py runs.

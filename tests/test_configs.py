@@ -13,7 +13,7 @@ import pytest
 from configs import common
 from vcpo_jax import estimator, run_config, trainer
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax.model import hf_io
+from vcpo_jax.model import hf_io, policy, transformer
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 NAMES = sorted(
@@ -238,8 +238,8 @@ def nothing_built(monkeypatch):
   def fail(*a, **k):
     raise AssertionError("the model was built before the config was checked")
 
-  monkeypatch.setattr(trainer, "build_policy", fail)
-  monkeypatch.setattr(trainer.transformer, "init", fail)
+  monkeypatch.setattr(policy, "build_policy", fail)
+  monkeypatch.setattr(transformer, "init", fail)
   monkeypatch.setattr(hf_io, "load_hf", fail)
 
 

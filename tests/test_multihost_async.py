@@ -73,9 +73,9 @@ def _worker(process_id: int, port: int, workdir: str, steps: int) -> None:
   import jax
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  from vcpo_jax import trainer
+  from vcpo_jax import rollout, trainer
 
-  build = trainer.build_source
+  build = rollout.build_source
 
   def recording_build_source(*a, **kw):
     src = build(*a, **kw)
@@ -103,7 +103,7 @@ def _worker(process_id: int, port: int, workdir: str, steps: int) -> None:
     src.next, src.close = next_, close_
     return src
 
-  trainer.build_source = recording_build_source
+  rollout.build_source = recording_build_source
   summary = trainer.run(_config(process_id, port, steps), workdir)
   print("SUMMARY " + json.dumps(summary, default=str), flush=True)
 

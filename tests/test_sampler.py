@@ -399,11 +399,11 @@ def test_param_dtype_auto_and_config_fields():
   assert S.resolve_param_dtype("", "gpu") is None and S.resolve_param_dtype("float32", "tpu") == jnp.float32
   with pytest.raises(ValueError, match="mesh_shape"):
     S.SamplerConfig(mesh_shape=(1, 2))
-  from vcpo_jax import run_config
+  from vcpo_jax import run_spec
 
   for field, value in [("param_dtype", "fp16"), ("mesh_shape", (1, 2)), ("draw", "argmax")]:
-    with pytest.raises(run_config.ConfigError, match=f"config.sampler.{field}="):
-      run_config.SamplingConfig(**{field: value})
+    with pytest.raises(run_spec.ConfigError, match=f"config.sampler.{field}="):
+      run_spec.SamplingConfig(**{field: value})
   mesh = S.sampler_mesh(S.SamplerConfig(mesh_shape=(2, 1, -1)), jax.devices()[:4])
   assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
 
@@ -504,3 +504,24 @@ def test_inflight_update_records_versions_and_logp_of_the_version_that_sampled()
       v = int(resp_v[n, i])
       want = lp[v][p_len + i - 1, seq[p_len + i]]
       np.testing.assert_allclose(r.behavior_logp[n, 8 + i], want, atol=2e-4, err_msg=f"row {n} token {i} v{v}")
+
+
+def test_sampler_config_from_tokenizer():
+  """The trainer's buckets: one prompt and one response bucket, batch sizes deduplicated and sorted;
+  pad falls back to EOS, then to 0."""
+
+  class Tok:
+    def __init__(self, eos, pad):
+      self.eos_token_id, self.pad_token_id = eos, pad
+
+  cfg = S.SamplerConfig.from_tokenizer(
+    Tok(5, 9), max_prompt_len=24, max_new_tokens=16, batch_sizes=(1, 8, 4, 8), temperature=0.7, draw="gumbel"
+  )
+  assert (cfg.eos_id, cfg.pad_id, cfg.max_new_tokens) == (5, 9, 16)
+  assert (cfg.prompt_buckets, cfg.new_token_buckets, cfg.batch_buckets) == ((24,), (16,), (1, 4, 8))
+  assert (cfg.temperature, cfg.draw, cfg.top_p) == (0.7, "gumbel", 1.0)
+  kw = dict(max_prompt_len=8, max_new_tokens=4, batch_sizes=(2,))
+  assert S.SamplerConfig.from_tokenizer(Tok(5, None), **kw).pad_id == 5  # no pad token: EOS
+  assert S.SamplerConfig.from_tokenizer(Tok(None, None), **kw).pad_id == 0  # neither
+  with pytest.raises(ValueError, match="top_p"):
+    S.SamplerConfig.from_tokenizer(Tok(5, 9), top_p=0.0, **kw)

@@ -12,12 +12,12 @@ import pytest
 
 from tests import fixtures
 from tests.test_metrics import read_tensorboard
-from vcpo_jax import fs, run_config, trainer
+from vcpo_jax import fs, rollout, run_config, trainer
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.rollout import common as rollout_common
 from vcpo_jax.rollout.lag import LagSource
 
-real_build_source = trainer.build_source
+real_build_source = rollout.build_source
 
 
 def _dense_score(task, text, reference, extraction=None):
@@ -61,9 +61,9 @@ class InjectedCrash(RuntimeError):
 
 
 def _hook_source(monkeypatch, crash_at=None, on_step=None):
-  """Wraps trainer.build_source: source.next(step) calls on_step(step), and raises InjectedCrash at crash_at
+  """Wraps rollout.build_source: source.next(step) calls on_step(step), and raises InjectedCrash at crash_at
   (a crash after `crash_at` updates, their rows logged: what a fault or the OOM killer leaves behind)."""
-  build = trainer.build_source
+  build = rollout.build_source
 
   def hooked_build_source(*a, **kw):
     src = build(*a, **kw)
@@ -79,7 +79,7 @@ def _hook_source(monkeypatch, crash_at=None, on_step=None):
     src.next = next_
     return src
 
-  monkeypatch.setattr(trainer, "build_source", hooked_build_source)
+  monkeypatch.setattr(rollout, "build_source", hooked_build_source)
 
 
 def _log_rows(workdir):
@@ -130,7 +130,7 @@ def test_lag_run_resumes_bit_for_bit_and_logs_each_step_once(tmp_path, dense_rew
       _hook_source(monkeypatch, crash_at=crash_at)
       with pytest.raises(InjectedCrash):
         trainer.run(_tiny(steps=6, **base, **{"log.plots": True}), part)
-    monkeypatch.setattr(trainer, "build_source", real_build_source)
+    monkeypatch.setattr(rollout, "build_source", real_build_source)
     trainer.run(_tiny(steps=6, **base, **{"log.plots": True}), part)
     after_finish = _log_rows(part)
     trainer.run(_tiny(steps=6, **base, **{"log.plots": True}), part)  # a finished run: nothing logged again

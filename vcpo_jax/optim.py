@@ -178,3 +178,15 @@ class OptimConfig:
         bad(f, f"Adam's moment decay must be in [0, 1) (usual: {usual})")
     if self.schedule not in SCHEDULES:
       bad("schedule", f"choose one of {SCHEDULES}")
+
+  def build(self, total_steps: int) -> optax.GradientTransformationExtraArgs:
+    """make_optimizer with these settings; `total_steps` sets the length of a decaying schedule."""
+    return make_optimizer(
+      self.lr,
+      weight_decay=self.weight_decay,
+      clip_norm=self.clip_norm,
+      b1=self.b1,
+      b2=self.b2,
+      schedule=self.schedule,
+      total_steps=total_steps,
+    )

@@ -176,6 +176,30 @@ class SamplerConfig:
       )
     object.__setattr__(self, "stop_ids", tuple(int(x) for x in self.stop_ids))
 
+  @classmethod
+  def from_tokenizer(
+    cls, tokenizer, *, max_prompt_len: int, max_new_tokens: int, batch_sizes: Sequence[int], **settings
+  ) -> "SamplerConfig":
+    """The trainer's sampler: one prompt bucket, one response bucket, the batch sizes it will see.
+
+    Args:
+      tokenizer: gives eos_id and pad_id (its pad token, else EOS, else 0).
+      max_prompt_len, max_new_tokens: the only prompt / response buckets (rollouts pad to them).
+      batch_sizes: the row counts a call can have (training N, evaluation rows, 1); deduplicated, sorted.
+      settings: any other field (temperature, top_p, top_k, draw, param_dtype, mesh_shape, ...).
+    """
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    return cls(
+      eos_id=eos,
+      pad_id=pad,
+      max_new_tokens=max_new_tokens,
+      prompt_buckets=(max_prompt_len,),
+      new_token_buckets=(max_new_tokens,),
+      batch_buckets=tuple(sorted(set(batch_sizes))),
+      **settings,
+    )
+
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0

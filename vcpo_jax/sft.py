@@ -396,7 +396,7 @@ def warm_start(
     graphdef, params: the randomly initialised policy (transformer.split).
     model_cfg: its ModelConfig.  tokenizer: a transformers tokenizer with an EOS.
     train_problems: the run's training pool (Problem.solution holds the targets).
-    spec: run_config.RunSpec (sft_steps / sft_lr / sft_batch_size / sft_cache_dir, seed,
+    spec: run_spec.RunSpec (sft_steps / sft_lr / sft_batch_size / sft_cache_dir, seed,
       rollout budgets, template, generator knobs, temperature, progress).
     workdir: if given, `sft.json` there records what happened.
   Returns:

@@ -155,6 +155,37 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None)
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=axis_types)
 
 
+def build_mesh(shape: tuple, batch_size: int, sampler_devices: str = "") -> Mesh:
+  """The learner's mesh of `shape` (config mesh.shape) over every device but the async sampler's.
+
+  Args:
+    shape: (data, fsdp, tensor), at most one -1 (see MeshConfig).
+    batch_size: the step's N = P * G rows; must be divisible by data * fsdp.
+    sampler_devices: config async_.sampler_devices of an async run ("" for sync / lag: every device
+      is the learner's). Multi-process: host-local ids, taken from every host (distributed.learner_devices).
+  Raises:
+    ValueError naming the config field (config.mesh.shape or config.task.prompts_per_step).
+  """
+  devices = jax.devices()
+  if sampler_devices and jax.process_count() > 1:
+    from vcpo_jax import distributed  # local: distributed imports this module
+
+    devices = distributed.learner_devices(sampler_devices, devices)
+  elif sampler_devices and len(devices) > 1:
+    devices = split_devices(sampler_devices, devices)[1]
+  try:
+    mesh = make_mesh(MeshConfig(shape), devices=devices)
+  except ValueError as e:
+    raise ValueError(f"config.mesh.shape: {e}") from None
+  data_par = mesh.shape["data"] * mesh.shape["fsdp"]
+  if batch_size % data_par:
+    raise ValueError(
+      f"config.task.prompts_per_step: the batch N = P*G = {batch_size} must be "
+      f"divisible by data*fsdp = {data_par} of the mesh {dict(mesh.shape)}."
+    )
+  return mesh
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Sharding of any [N, ...] array: N split over ("data", "fsdp"), other dims replicated."""
   return NamedSharding(mesh, P(BATCH_AXES))

@@ -1,8 +1,10 @@
 """run(config, workdir): the one training loop, for every method and execution mode.
 
-Sections, top to bottom: Config -> Distributed -> Tokenizer & Model -> Warm
-start -> Optimizer & Update step -> Checkpoint / resume -> Rollouts -> Evals ->
-Loop. The mode only decides which rollout source is built:
+`run` reads top to bottom in banner sections (big_vision's train.py): config and workdir -> mesh and
+policy (parameters born sharded, warm start) -> learner -> rollout source -> eval -> checkpoint and
+resume -> loop. Each builder lives with its component (sharding.build_mesh, model.policy.build_policy,
+SamplerConfig.from_tokenizer, rollout.build_maker / build_source); the helpers below the loop only
+assemble them. The mode only decides which rollout source is built:
 
     batch = source.next(step)                   # sync / lag: sampled here; async: from the queue
     state, metrics = train_step(state, batch)   # estimator -> grads -> ESS-scaled AdamW
@@ -20,13 +22,11 @@ import time
 import jax
 import numpy as np
 
-from vcpo_jax import distributed, evaluation, fs, learner, optim, provenance, sharding
+from vcpo_jax import distributed, evaluation, fs, learner, provenance, rollout, sharding
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
-from vcpo_jax.model import config as model_config
-from vcpo_jax.model import transformer
-from vcpo_jax.rollout.common import RolloutMaker
-from vcpo_jax.run_config import ConfigError, RunSpec, parse_config
+from vcpo_jax.model import policy
+from vcpo_jax.run_config import ConfigError, parse_config
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
 log = logging.getLogger("vcpo_jax")
@@ -49,43 +49,6 @@ def _install_signal_handlers(flag: dict):
   return old
 
 
-def build_policy(spec: RunSpec):
-  """(model_cfg, tokenizer, graphdef, params) from a checkpoint or a random preset."""
-  from vcpo_jax.model import tokenizer as tok_lib
-
-  if spec.model_checkpoint:
-    from vcpo_jax.model import hf_io
-
-    execution = {f: getattr(spec.model_cfg, f) for f in model_config.EXECUTION_FIELDS}
-    model_cfg, model = hf_io.load_hf(spec.model_checkpoint, dtype=spec.model_cfg.dtype, **execution)
-    tokenizer = tok_lib.load_tokenizer(spec.tokenizer_dir or spec.model_checkpoint)
-  else:
-    tokenizer = tok_lib.load_tokenizer(spec.tokenizer_dir) if spec.tokenizer_dir else tok_lib.build_char_tokenizer()
-    model_cfg = spec.model_cfg.replace(vocab_size=max(spec.model_cfg.vocab_size, len(tokenizer)))
-    model = transformer.init(model_cfg, seed=spec.seed)
-  graphdef, params = transformer.split(model)
-  return model_cfg, tokenizer, graphdef, params
-
-
-def make_sampler_cfg(spec: RunSpec, tokenizer, *, temperature, top_p, top_k, max_new_tokens) -> SamplerConfig:
-  eos = tokenizer.eos_token_id
-  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-  return SamplerConfig(
-    temperature=temperature,
-    top_p=top_p,
-    top_k=top_k,
-    eos_id=eos,
-    pad_id=pad,
-    max_new_tokens=max_new_tokens,
-    prompt_buckets=(spec.rollout.max_prompt_len,),
-    new_token_buckets=(max_new_tokens,),
-    batch_buckets=tuple(sorted({1, spec.rollout.batch_size, spec.eval_batch_size})),
-    draw=spec.sampling.draw,
-    param_dtype=spec.sampling.param_dtype,
-    mesh_shape=spec.sampling.mesh_shape,
-  )
-
-
 def run(config, workdir: str) -> dict:
   """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible.
 
@@ -93,118 +56,55 @@ def run(config, workdir: str) -> dict:
   orbax checkpoints need a scheme etils knows: not memory://). On every start the logs are cut back to
   the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
   """
-  # ---------------------------------------------------------------- Config
+  # ---- config and workdir ----
   spec = parse_config(config)  # every check happens here, before anything compiles
   fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
-
-  # ---------------------------------------------------------------- Distributed
-  if spec.distributed.get("enabled"):
-    sharding.maybe_initialize_distributed(
-      spec.distributed["coordinator_address"], spec.distributed["num_processes"], spec.distributed["process_id"]
-    )
+  if spec.dist.enabled:
+    sharding.maybe_initialize_distributed(spec.dist.coordinator_address, spec.dist.num_processes, spec.dist.process_id)
   primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
   if primary:  # the config, plus what produced the run: commit, versions, CPU, XLA_FLAGS, devices
     fs.makedirs(workdir)
     record = {**config.to_dict(), "provenance": provenance.collect()}
     fs.write_text(fs.join(workdir, "config.json"), json.dumps(record, indent=1, default=str))
 
-  # ---------------------------------------------------------------- Tokenizer & Model
-  model_cfg, tokenizer, graphdef, params = build_policy(spec)
+  # ---- mesh and policy ----
+  try:  # the learner's devices: all but the async sampler's
+    mesh = sharding.build_mesh(
+      spec.mesh_shape, spec.rollout.batch_size, spec.async_.sampler_devices if spec.mode == "async" else ""
+    )
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  # Born sharded (init_sharded): each device creates only its shards, with the host initializer's values.
+  model_cfg, tokenizer, graphdef, params = policy.build_policy(
+    spec.model_cfg, mesh, seed=spec.seed, checkpoint=spec.model_checkpoint, tokenizer_dir=spec.tokenizer_dir
+  )
   log.info("policy: %s, %.2fM parameters", model_cfg.model_type, model_cfg.num_params / 1e6)
-
-  # ---------------------------------------------------------------- Warm start
   train_problems = spec.make_train_problems()  # made by spec.task, the run's one configured task (its grader)
-  if spec.sft_steps > 0:
+  if spec.sft_steps > 0:  # supervised warm start on the solver's solutions (cached per config)
     from vcpo_jax import sft
 
     params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir if primary else None)
 
-  # ---------------------------------------------------------------- Optimizer & Update step
-  tx = optim.make_optimizer(
-    spec.lr,
-    weight_decay=spec.weight_decay,
-    clip_norm=spec.clip_norm,
-    b1=spec.b1,
-    b2=spec.b2,
-    schedule=spec.schedule,
-    total_steps=spec.steps,
-  )
-  mesh = build_mesh(spec)
-  state_sh = sharding.param_shardings(
-    jax.eval_shape(lambda p: learner.init_state(p, tx), params), sharding.TRANSFORMER_RULES, mesh
-  )
-  # Parameters and optimizer state are placed by the (regex, PartitionSpec) rules; the batch is split
-  # over ("data", "fsdp"); the state is donated so each step updates it in place.
-  state = jax.jit(lambda p: learner.init_state(p, tx), out_shardings=state_sh)(params)
-  batch_sh = sharding.batch_sharding(mesh)
-  # Traced under the mesh (MeshJit), so the model's activation constraints keep the batch split.
-  train_step = sharding.MeshJit(
-    mesh,
-    learner.make_train_step(graphdef, tx, spec.learner),
-    in_shardings=(state_sh, batch_sh),
-    out_shardings=(state_sh, sharding.replicated(mesh)),
-    donate_argnums=0,
-  )
+  # ---- learner ----
+  state, train_step, plain_jit = _build_learner(spec, graphdef, params, mesh)
+  plain_step = None  # compiled at the first step (see _build_learner)
 
-  # Opt-in yardstick for "per-example norms cost little" (review #9): a plain gradient step, compiled at
-  # the first step (not when first timed), so that the timing adds no compile in the middle of the run.
-  plain_jit = plain_step = None
-  if spec.norm_overhead_every:
-    plain_jit = sharding.MeshJit(mesh, learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
-
-  # ---------------------------------------------------------------- Rollouts
+  # ---- rollout source ----
   key = jax.random.key(spec.seed)
-  train_sampler = Sampler(
-    graphdef,
-    model_cfg,
-    make_sampler_cfg(
-      spec,
-      tokenizer,
-      temperature=spec.temperature,
-      top_p=spec.top_p,
-      top_k=spec.top_k,
-      max_new_tokens=spec.rollout.max_new_tokens,
-    ),
-    mesh=mesh,  # sync/lag sample on the learner's devices: its mesh, so the published params need no move
+  # sync/lag sample on the learner's devices: its mesh, so the published params need no move
+  make_sampler = lambda cfg: Sampler(graphdef, model_cfg, cfg, mesh=mesh)
+  buckets = {
+    "max_prompt_len": spec.rollout.max_prompt_len,
+    "batch_sizes": (1, spec.rollout.batch_size, spec.eval_batch_size),
+  }
+  train_cfg = SamplerConfig.from_tokenizer(
+    tokenizer, max_new_tokens=spec.rollout.max_new_tokens, **buckets, **spec.sampling.sampler_kwargs()
   )
-  if spec.multiturn is None:
-    maker = RolloutMaker(spec.rollout, tokenizer, train_sampler, train_problems)
-  else:  # tool-use episodes: contexts grow each turn, so the sampler gets multi-turn buckets
-    from vcpo_jax.rollout import multiturn
+  maker = rollout.build_maker(spec.rollout, spec.multiturn, tokenizer, make_sampler, train_cfg, train_problems)
+  # (the source itself is built under the signal guard below: the async one starts a process)
 
-    maker = multiturn.MultiTurnRolloutMaker(
-      spec.rollout,
-      spec.multiturn,
-      tokenizer,
-      Sampler(
-        graphdef, model_cfg, multiturn.sampler_config(train_sampler.cfg, spec.rollout, spec.multiturn), mesh=mesh
-      ),
-      train_problems,
-    )
-  # ---------------------------------------------------------------- Evals
-  eval_problems = spec.make_eval_problems()
-  eval_proto = dataclasses.replace(spec.eval, size=len(eval_problems))  # a fixture may hold fewer
-  # One generation path (evaluation.EvalSampling): every eval decodes with a sampler built from the
-  # protocol's own temperature / top_p / greedy / max_new_tokens, the settings eval.jsonl records.
-  eval_base = make_sampler_cfg(
-    spec,
-    tokenizer,
-    temperature=spec.eval.temperature,
-    top_p=spec.eval.top_p,
-    top_k=0,
-    max_new_tokens=spec.eval.max_new_tokens,
-  )
-  eval_episodes = None
-  if spec.multiturn is not None:  # tool-use evaluation: the same episodes as training, eval sampling
-    eval_base = multiturn.sampler_config(eval_base, spec.rollout, spec.multiturn)
-    eval_episodes = maker.eval_episodes
-  eval_sampling = evaluation.EvalSampling(
-    lambda cfg: Sampler(graphdef, model_cfg, cfg, mesh=mesh),
-    eval_base,
-    tokenizer,
-    chat_template=spec.rollout.chat_template,
-    episodes=eval_episodes,
-  )
+  # ---- eval ----
+  eval_sampling, eval_problems, eval_proto = _build_eval(spec, tokenizer, make_sampler, buckets, maker)
 
   def run_eval(step, params, tag=None):
     gen = eval_sampling.generate_fn(params, jax.random.fold_in(key, 10**9 + step))
@@ -212,9 +112,9 @@ def run(config, workdir: str) -> dict:
     writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
     return _eval_metrics(rec)
 
-  # ---------------------------------------------------------------- Checkpoint / resume
+  # ---- checkpoint and resume ----
   # The signal handlers go in before the source exists: SIGINT / SIGTERM during start-up (the async sampler's
-  # spawn, a restore) only set the flag, and the guard below closes whatever was built (the sampler, its
+  # spawn, a restore) only set the flag, and _open's guard closes whatever was built (the sampler, its
   # shared memory) and exits 130; nothing was trained, so there is nothing to checkpoint. From the loop on,
   # a signal checkpoints the last completed step. It is noticed in every source wait and at the top of each
   # step: a signal during an evaluation or a compile is acted on once that returns.
@@ -225,45 +125,24 @@ def run(config, workdir: str) -> dict:
       raise Interrupted(f"signal {flag['signal']}")
 
   old_handlers = _install_signal_handlers(flag)
-  source = ckpt = writer = None
-  try:
-    source = build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=check_signal)
-    ckpt = Checkpointer(
-      fs.join(workdir, "checkpoints"),
-      keep_last=spec.keep_last,
-      keep_best=spec.keep_best,
-      best_metric="eval/accuracy",
-    )
-    start, meta = 0, {}
-    latest = ckpt.latest_step()
-    if latest is not None:
-      state, meta = _restore(ckpt, latest, state, source)
-      start = latest
-      log.info("resumed from step %d in %s", start, workdir)
-    source.publish(state.params, start)  # lag: re-registers the newest kept version; async: starts the sampler
+  build_source = lambda: rollout.build_source(
+    spec.mode,
+    maker,
+    key,
+    k=spec.k,
+    spec=spec,
+    model_cfg=model_cfg,
+    graphdef=graphdef,
+    tokenizer=tokenizer,
+    workdir=workdir,
+    interrupt=check_signal,
+  )
+  source, ckpt, writer, state, latest, meta = _open(
+    spec, workdir, primary, build_source, state, old_handlers, check_signal
+  )
+  start = latest or 0
 
-    # Every log is cut back to the restored step (or emptied on a fresh start): rows of a crashed attempt
-    # after its last checkpoint belong to a discarded timeline and are logged again by this one.
-    writer = metrics_lib.MetricsWriter(
-      workdir,
-      spec.steps,
-      resume_step=latest,
-      wall_offset=float(meta.get("wall_time", 0.0)),
-      progress=spec.progress,
-      primary=primary,
-    )
-    summary_path = fs.join(workdir, "summary.json")
-    if primary:
-      fs.remove(summary_path)  # written again when this run finishes; a stale one would claim an earlier end
-    check_signal()
-  except BaseException as e:
-    _close_all(old_handlers, source, ckpt, writer)
-    if isinstance(e, Interrupted):
-      log.warning("interrupted during start-up (%s): nothing trained since the last checkpoint; exiting", e)
-      raise SystemExit(130) from None
-    raise
-
-  # ---------------------------------------------------------------- Loop
+  # ---- loop ----
   last_eval: dict = {}
   agreed_stops = hasattr(source, "agreement")
   nonfinite_steps: list[int] = []
@@ -296,36 +175,16 @@ def run(config, workdir: str) -> dict:
             f"non-finite loss or gradient at step {step - 1} (non-finite steps so far: {nonfinite_steps}); "
             "set learner.on_nonfinite='skip' to skip such updates."
           )
-      n_tokens = float(batch["valid_mask"].sum())
-      row = {f"train/{k}": v for k, v in m.items()}
-      row.update(
-        {
-          "train/reward_mean": float(batch["rewards"].mean()),
-          "train/accuracy": float(batch["correct"].mean()),
-          "train/response_len": info["response_len_mean"],
-          # outputs whose grader raised (graded 0.0 and logged): a bug in a task's scorer, not a bad answer
-          "train/grading_failures": info["grading_failures"],
-          "train/lag_min": info["lag_min"],
-          "train/lag_mean": info["lag_mean"],
-          "train/lag_max": info["lag_max"],
-          "time/rollout_s": t1 - t0,
-          "time/learn_s": t2 - t1,
-          # generation busy time of this batch (sync: the rollout phase itself; async: the sampler's)
-          "time/gen_s": info.get("sampler_gen_s", t1 - t0),
-          "time/tokens_per_s": n_tokens / max(t2 - t0, 1e-9),
-          "time/sampler_idle_frac": info.get("sampler_idle_frac", 0.0),
-          "time/learner_idle_frac": info.get("learner_wait_s", t1 - t0) / max(t2 - t0, 1e-9),
-        }
-      )
-      row.update(info.get("metrics", {}))  # source-specific statistics (e.g. multi-turn tool use)
-      if plain_step is not None and step % spec.norm_overhead_every == 0:
+      row = _train_row(m, batch, info, t0, t1, t2)
+      if plain_step is not None and step % spec.log.norm_overhead_every == 0:
         row.update(_norm_overhead(plain_step, state.params, dev_batch, t2 - t1))
-      if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
+      evaluate_now = spec.eval_every and step % spec.eval_every == 0
+      if evaluate_now and step < spec.steps:
         last_eval = run_eval(step, state.params)
         row.update(last_eval)
       writer.write(step, row, advance=True)
-      if step % spec.checkpoint_every == 0 and step < spec.steps:
-        _save(ckpt, step, state, source, writer, last_eval if spec.eval_every and step % spec.eval_every == 0 else None)
+      if step % spec.checkpoint.every == 0 and step < spec.steps:
+        _save(ckpt, step, state, source, writer, last_eval if evaluate_now else None)
     # A rerun of a finished run restores the final checkpoint, whose evaluation is logged already.
     final_eval = meta.get("final_eval") if step == start else None
     if final_eval is None:
@@ -340,10 +199,131 @@ def run(config, workdir: str) -> dict:
     _close_all(old_handlers, source, ckpt, writer)
   summary = {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps}
   if primary:
-    if spec.plots:
+    if spec.log.plots:
       metrics_lib.plot_run(workdir)
-    fs.write_text(summary_path, json.dumps(summary, indent=1))
+    fs.write_text(fs.join(workdir, "summary.json"), json.dumps(summary, indent=1))
   return summary
+
+
+def _open(spec, workdir: str, primary: bool, build_source, state, old_handlers: dict, check_signal):
+  """(source, ckpt, writer, state, latest, meta): the run opened, resumed from its newest checkpoint if any.
+
+  Builds the source (`build_source()`), restores the newest checkpoint (latest: its step, None on a fresh
+  start; meta: what it recorded), publishes the parameters (lag: re-registers the newest kept version;
+  async: starts the sampler) and opens the logs, cut back to the restored step (or emptied on a fresh
+  start): rows of a crashed attempt after its last checkpoint belong to a discarded timeline and are
+  logged again by this one. Anything raised on the way (a signal's Interrupted: exit 130, nothing was
+  trained) first closes whatever was built and restores the signal handlers.
+  """
+  source = ckpt = writer = None
+  try:
+    source = build_source()
+    c = spec.checkpoint
+    ckpt = Checkpointer(
+      fs.join(workdir, "checkpoints"), keep_last=c.keep_last, keep_best=c.keep_best, best_metric="eval/accuracy"
+    )
+    meta = {}
+    latest = ckpt.latest_step()
+    if latest is not None:
+      state, meta = _restore(ckpt, latest, state, source)
+      log.info("resumed from step %d in %s", latest, workdir)
+    source.publish(state.params, latest or 0)
+    wall_offset = float(meta.get("wall_time", 0.0))
+    writer = metrics_lib.MetricsWriter(
+      workdir, spec.steps, resume_step=latest, wall_offset=wall_offset, progress=spec.log.progress, primary=primary
+    )
+    if primary:  # written again when this run finishes; a stale one would claim an earlier end
+      fs.remove(fs.join(workdir, "summary.json"))
+    check_signal()  # a signal during start-up ends the run here: nothing trained, nothing to save
+    return source, ckpt, writer, state, latest, meta
+  except BaseException as e:
+    _close_all(old_handlers, source, ckpt, writer)
+    if isinstance(e, Interrupted):
+      log.warning("interrupted during start-up (%s): nothing trained since the last checkpoint; exiting", e)
+      raise SystemExit(130) from None
+    raise
+
+
+def _build_learner(spec, graphdef, params, mesh):
+  """(state, train_step, plain_jit): the TrainState on `mesh`, the jitted update, the opt-in plain gradient.
+
+  Parameters and optimizer state are placed by the (regex, PartitionSpec) rules; the batch is split over
+  ("data", "fsdp"); the state is donated so each step updates it in place. Both steps are traced under
+  the mesh (MeshJit), so the model's activation constraints keep the batch split.
+  """
+  tx = spec.optim.build(total_steps=spec.steps)
+  init_state = lambda p: learner.init_state(p, tx)
+  state_sh = sharding.param_shardings(jax.eval_shape(init_state, params), sharding.TRANSFORMER_RULES, mesh)
+  state = jax.jit(init_state, out_shardings=state_sh)(params)
+  batch_sh = sharding.batch_sharding(mesh)
+  train_step = sharding.MeshJit(
+    mesh,
+    learner.make_train_step(graphdef, tx, spec.learner),
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, sharding.replicated(mesh)),
+    donate_argnums=0,
+  )
+  # Opt-in yardstick for "per-example norms cost little" (review #9): a plain gradient step, compiled at
+  # the first step (not when first timed), so that the timing adds no compile in the middle of the run.
+  plain_jit = None
+  if spec.log.norm_overhead_every:
+    plain_jit = sharding.MeshJit(mesh, learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
+  return state, train_step, plain_jit
+
+
+def _build_eval(spec, tokenizer, make_sampler, buckets: dict, maker):
+  """(EvalSampling, problems, protocol) of the run's evaluations.
+
+  One generation path (evaluation.EvalSampling): every eval decodes with a sampler built from the
+  protocol's own temperature / top_p / greedy / max_new_tokens, the settings eval.jsonl records; tool-use
+  runs evaluate with the training episodes (maker.eval_episodes) under the evaluation's sampling.
+  """
+  problems = spec.make_eval_problems()
+  protocol = dataclasses.replace(spec.eval, size=len(problems))  # a fixture may hold fewer
+  cfg = SamplerConfig.from_tokenizer(
+    tokenizer,
+    max_new_tokens=spec.eval.max_new_tokens,
+    **buckets,
+    **spec.sampling.sampler_kwargs(temperature=spec.eval.temperature, top_p=spec.eval.top_p, top_k=0),
+  )
+  episodes = None
+  if spec.multiturn is not None:
+    from vcpo_jax.rollout import multiturn
+
+    cfg, episodes = multiturn.sampler_config(cfg, spec.rollout, spec.multiturn), maker.eval_episodes
+  sampling = evaluation.EvalSampling(
+    make_sampler, cfg, tokenizer, chat_template=spec.rollout.chat_template, episodes=episodes
+  )
+  return sampling, problems, protocol
+
+
+def _train_row(m: dict, batch, info: dict, t0: float, t1: float, t2: float) -> dict:
+  """metrics.jsonl's row of one step: the learner's metrics `m`, the batch's, the source's `info`, timings.
+
+  t0 -> t1: waiting for / making the batch; t1 -> t2: the update."""
+  n_tokens = float(batch["valid_mask"].sum())
+  row = {f"train/{k}": v for k, v in m.items()}
+  row.update(
+    {
+      "train/reward_mean": float(batch["rewards"].mean()),
+      "train/accuracy": float(batch["correct"].mean()),
+      "train/response_len": info["response_len_mean"],
+      # outputs whose grader raised (graded 0.0 and logged): a bug in a task's scorer, not a bad answer
+      "train/grading_failures": info["grading_failures"],
+      "train/lag_min": info["lag_min"],
+      "train/lag_mean": info["lag_mean"],
+      "train/lag_max": info["lag_max"],
+      "time/rollout_s": t1 - t0,
+      "time/learn_s": t2 - t1,
+      # generation busy time of this batch (sync: the rollout phase itself; async: the sampler's)
+      "time/gen_s": info.get("sampler_gen_s", t1 - t0),
+      "time/tokens_per_s": n_tokens / max(t2 - t0, 1e-9),
+      "time/sampler_idle_frac": info.get("sampler_idle_frac", 0.0),
+      "time/learner_idle_frac": info.get("learner_wait_s", t1 - t0) / max(t2 - t0, 1e-9),
+    }
+  )
+  row.update(info.get("metrics", {}))  # source-specific statistics (e.g. multi-turn tool use)
+  return row
 
 
 def _close_all(old_handlers: dict, *closeables):
@@ -353,26 +333,6 @@ def _close_all(old_handlers: dict, *closeables):
   for c in closeables:
     if c is not None:
       c.close()
-
-
-def build_mesh(spec: RunSpec):
-  """The learner's device mesh; the sampler's devices (async_.sampler_devices) are left out of it."""
-  devices = jax.devices()
-  if spec.mode == "async" and spec.async_cfg.get("sampler_devices") and jax.process_count() > 1:
-    devices = distributed.learner_devices(spec.async_cfg["sampler_devices"], devices)  # host-local ids
-  elif spec.mode == "async" and spec.async_cfg.get("sampler_devices") and len(devices) > 1:
-    devices = sharding.split_devices(spec.async_cfg["sampler_devices"], devices)[1]
-  try:
-    mesh = sharding.make_mesh(sharding.MeshConfig(spec.mesh_shape), devices=devices)
-  except ValueError as e:
-    raise ConfigError(f"config.mesh.shape: {e}") from None
-  data_par = mesh.shape["data"] * mesh.shape["fsdp"]
-  if spec.rollout.batch_size % data_par:
-    raise ConfigError(
-      f"config.task.prompts_per_step: the batch N = P*G = {spec.rollout.batch_size} must be "
-      f"divisible by data*fsdp = {data_par} of the mesh {dict(mesh.shape)}."
-    )
-  return mesh
 
 
 def _norm_overhead(plain_step, params, dev_batch, learn_s: float) -> dict:
@@ -391,20 +351,6 @@ def _global_batch(batch: dict, mesh, global_n: int):
     return batch
   rows = sharding.process_rows(global_n, sharding.batch_sharding(mesh))
   return sharding.make_global_batch({k: v[rows] for k, v in batch.items()}, mesh, global_n)
-
-
-def build_source(spec: RunSpec, maker, key, model_cfg, graphdef, tokenizer, workdir, interrupt=None):
-  from vcpo_jax.rollout.lag import LagSource
-
-  if spec.mode in ("sync", "lag"):
-    return LagSource(maker, spec.k if spec.mode == "lag" else 0, key)
-  from vcpo_jax.rollout.async_ import AsyncSource
-
-  if jax.process_count() > 1:  # one sampler per host, a per-step agreement (rollout/multihost.py)
-    from vcpo_jax.rollout.multihost import MultiHostAsyncSource
-
-    AsyncSource = MultiHostAsyncSource
-  return AsyncSource(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
 
 
 def _state_tree(state, source):

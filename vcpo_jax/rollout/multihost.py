@@ -6,7 +6,7 @@
              -> Agreement: every host posts ok / stop for step b (coordination-service key-value store)
              -> process_allgather: every host holds the global batch [N, T] (host order = prompt order)
 
-`MultiHostAsyncSource` is `AsyncSource` (async_.py) with four changes; trainer.build_source picks it when
+`MultiHostAsyncSource` is `AsyncSource` (async_.py) with four changes; rollout.build_source picks it when
 `jax.process_count() > 1`:
 
 - Prompts: host h's sampler makes whole groups for prompts [h P/H, (h + 1) P/H) of each step's P

@@ -1,0 +1,33 @@
+"""model.policy.build_policy: the trainer's policy, born sharded with the host initializer's values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vcpo_jax import sharding as sh
+from vcpo_jax.model import config, policy
+from vcpo_jax.model import transformer as tf
+
+
+def test_random_policy_is_born_sharded_with_the_host_values(monkeypatch):
+  real_init, eager_calls = tf.init, []
+
+  def init(cfg, seed=0):  # the initializer may only be traced (eval_shape, jit), never run on the host
+    eager_calls.append(not isinstance(jnp.zeros(()) + 0, jax.core.Tracer))
+    return real_init(cfg, seed)
+
+  monkeypatch.setattr(tf, "init", init)
+  mesh = sh.make_mesh(sh.MeshConfig((1, 4, 1)), devices=jax.devices()[:4])
+  base = config.tiny_qwen2().replace(vocab_size=16)  # smaller than the char tokenizer's vocabulary
+  cfg, tok, graphdef, params = policy.build_policy(base, mesh, seed=5)
+  assert eager_calls and not any(eager_calls)
+  assert cfg.vocab_size == len(tok) > 16  # the table grows to the tokenizer
+  ref = real_init(cfg, 5)
+  assert graphdef == tf.split(ref)[0]
+  for x, r in zip(jax.tree.leaves(params), jax.tree.leaves(tf.split(ref)[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(r))
+  leaves = jax.tree.leaves(params)
+  for x, s in zip(leaves, jax.tree.leaves(sh.param_shardings(params, sh.TRANSFORMER_RULES, mesh))):
+    assert x.sharding.is_equivalent_to(s, x.ndim)
+  on_device_0 = sum(x.addressable_shards[0].data.size for x in leaves)
+  assert on_device_0 < 0.5 * sum(x.size for x in leaves)  # no device holds the whole model

@@ -1,0 +1,47 @@
+"""The run's policy: tokenizer, model config and parameters, placed on the learner's mesh.
+
+A random preset is born sharded (sharding.init_sharded: eval_shape -> shardings from the rules ->
+jit(init, out_shardings)), so no host or device ever holds the whole model; its values equal the host
+initializer's bit for bit (transformer._INIT). A Hugging Face checkpoint is read on the host, then placed.
+"""
+
+from __future__ import annotations
+
+from vcpo_jax import sharding
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import tokenizer as tok_lib
+from vcpo_jax.model import transformer
+
+
+def load_tokenizer(checkpoint: str = "", tokenizer_dir: str = ""):
+  """model.tokenizer's tokenizer, else the checkpoint's, else the built-in character tokenizer."""
+  if tokenizer_dir or checkpoint:
+    return tok_lib.load_tokenizer(tokenizer_dir or checkpoint)
+  return tok_lib.build_char_tokenizer()
+
+
+def build_policy(
+  model_cfg: model_config.ModelConfig, mesh, *, seed: int, checkpoint: str = "", tokenizer_dir: str = ""
+):
+  """(model_cfg, tokenizer, graphdef, params), params laid out by sharding.TRANSFORMER_RULES on `mesh`.
+
+  Args:
+    model_cfg: the preset's config (random init; its vocabulary grows to the tokenizer's), or for a
+      checkpoint only its dtype and execution fields (model_config.EXECUTION_FIELDS) are used.
+    mesh: the learner's mesh. seed: the initializer's seed.
+    checkpoint: a local Hugging Face model directory ("" = random init). tokenizer_dir: see load_tokenizer.
+  """
+  tokenizer = load_tokenizer(checkpoint, tokenizer_dir)
+  if not checkpoint:
+    model_cfg = model_cfg.replace(vocab_size=max(model_cfg.vocab_size, len(tokenizer)))
+    graphdef, params = sharding.init_sharded(model_cfg, seed, mesh)
+    return model_cfg, tokenizer, graphdef, params
+  import jax
+
+  from vcpo_jax.model import hf_io
+
+  execution = {f: getattr(model_cfg, f) for f in model_config.EXECUTION_FIELDS}
+  model_cfg, model = hf_io.load_hf(checkpoint, dtype=model_cfg.dtype, **execution)
+  graphdef, params = transformer.split(model)
+  params = jax.device_put(params, sharding.param_shardings(params, sharding.TRANSFORMER_RULES, mesh))
+  return model_cfg, tokenizer, graphdef, params

@@ -1,0 +1,100 @@
+"""Rollout sources: what the trainer's loop asks for a batch, and the one place that picks one by mode.
+
+The loop is the same for every mode (trainer.run):
+
+    batch, info = source.next(step)      # sync / lag: sampled here; async: from the sampler's queue
+    ...                                  # the update
+    source.publish(params, step + 1)     # lag: kept in a ring of k + 1 versions; async: into the slot
+
+`build_maker` makes the per-step rollout maker (single-turn, or tool-use episodes), `build_source` wraps
+it in the mode's source. Imports of the sources are local: `vcpo_jax.rollout` stays cheap to import and
+the async source's process machinery loads only for mode='async'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import jax
+
+from vcpo_jax import tasks
+from vcpo_jax.batch import Batch
+from vcpo_jax.rollout.common import RolloutConfig, RolloutMaker
+from vcpo_jax.sampler import Sampler, SamplerConfig
+
+MODES = ("sync", "lag", "async")
+
+
+class RolloutSource(Protocol):
+  """What the trainer needs of a source (LagSource, AsyncSource, MultiHostAsyncSource)."""
+
+  def next(self, step: int) -> tuple[Batch, dict]: ...  # the batch of learner step `step`, its info row
+
+  def publish(self, params, version: int) -> None: ...  # parameters after `version` updates
+
+  def state(self) -> tuple[list[int], list]: ...  # (kept versions, their params): checkpointed
+
+  def load_state(self, versions: list[int], params_list: list) -> None: ...
+
+  def close(self) -> None: ...
+
+
+def build_maker(
+  rollout: RolloutConfig,
+  multiturn,
+  tokenizer,
+  make_sampler: Callable[[SamplerConfig], Sampler],
+  sampler_cfg: SamplerConfig,
+  problems: Sequence[tasks.Problem],
+) -> RolloutMaker:
+  """The rollout maker of `problems`: single-turn (multiturn None) or tool-use episodes.
+
+  Args:
+    rollout: the task's batch shape (P, G, budgets). multiturn: a MultiTurnConfig or None.
+    make_sampler: builds a Sampler from a SamplerConfig (the caller's model, mesh).
+    sampler_cfg: the training sampler's settings; tool-use episodes add their multi-turn buckets.
+  """
+  if multiturn is None:
+    return RolloutMaker(rollout, tokenizer, make_sampler(sampler_cfg), problems)
+  from vcpo_jax.rollout import multiturn as mt_lib  # contexts grow each turn: multi-turn buckets
+
+  sampler = make_sampler(mt_lib.sampler_config(sampler_cfg, rollout, multiturn))
+  return mt_lib.MultiTurnRolloutMaker(rollout, multiturn, tokenizer, sampler, problems)
+
+
+def build_source(
+  mode: str,
+  maker: RolloutMaker,
+  key: jax.Array,
+  *,
+  k: int = 0,
+  spec=None,
+  model_cfg=None,
+  graphdef=None,
+  tokenizer=None,
+  workdir: str | None = None,
+  interrupt: Callable[[], None] | None = None,
+) -> RolloutSource:
+  """The rollout source of `mode`.
+
+  Args:
+    mode: "sync" (LagSource with k = 0), "lag" (LagSource with staleness `k`) or "async" (a sampler
+      process; one per host on multi-host jobs).
+    maker: the rollout maker (build_maker); key: the run's key (step t samples with fold_in(key, t)).
+    k: the staleness of mode='lag' (ignored for sync).
+    spec, model_cfg, graphdef, tokenizer, workdir, interrupt: mode='async' only. The async source reads its
+      run settings (lag.k, steps, config.async_) from the RunSpec `spec`; the sampler process rebuilds the
+      model from model_cfg; `interrupt` is polled in every wait (raises to stop).
+  """
+  if mode not in MODES:
+    raise ValueError(f"config.mode={mode!r}: choose one of {MODES}.")
+  if mode in ("sync", "lag"):
+    from vcpo_jax.rollout.lag import LagSource
+
+    return LagSource(maker, k if mode == "lag" else 0, key)
+  if jax.process_count() > 1:  # one sampler per host, a per-step agreement (rollout/multihost.py)
+    from vcpo_jax.rollout.multihost import MultiHostAsyncSource as source_cls
+  else:
+    from vcpo_jax.rollout.async_ import AsyncSource as source_cls
+  return source_cls(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
