@@ -7,6 +7,7 @@ subprocess before jax starts, N the largest count; a mesh over the first n devic
 `compiled.memory_analysis()`, which reports the bytes of ONE device's program.
 
   python -m benchmarks.memory                                   # 3 configs x 8/16/64 devices x 3 parts
+  python -m benchmarks.memory --configs=math --devices=4 --parts=sampler_decode --sampler_mesh=config
   python -m benchmarks.memory --configs=math --devices=64 --parts=learner --layers=1
   python -m benchmarks.memory --layers=full                     # compile all 28 layers (slow, heavy)
 
@@ -17,15 +18,23 @@ Parts (what is compiled, per config):
             N = P * G, T = max_prompt_len + max_new_tokens. The config's learner.microbatch_size,
             raised where a mesh has more devices than it has rows (`microbatch_rows`; the
             `microbatch` field of each result row says what was compiled).
-  sampler   the sampler's generation program itself, `sampler.Sampler(...).lower(params, B, Tp, Tn)`:
-            the prefill of the prompt bucket into a fresh KV cache [B, S, K, H] per layer, then the
-            while-loop of decode steps over S = Tp + Tn cache slots, in one jit; its peak is that of
-            the heavier phase. Parameters in bfloat16 when the model computes in bfloat16 (what
-            `Sampler.prepare_params` keeps on accelerators).
+  sampler_prefill  `sampler.Sampler(...).lower(params, B, Tp, Tn, part="prefill")`: the prompt bucket
+            [B, Tp] through the model into a fresh KV cache [B, S, K, H] per layer, S = Tp + Tn (the
+            cache is an output), and the last column's logits.
+  sampler_decode   `...lower(..., part="decode")`: one decode step as the decode loop runs it, the
+            token fed at the last of the S cache slots (attention over the whole cache), the next
+            token drawn; the cache is donated (updated in place), so it is counted once.
+  sampler   (not a default part) `...lower(..., part="generate")`: prefill and the decode while_loop
+            in one jit, as `Sampler.generate` runs it; its peak is that of the heavier phase.
+  Sampler parameters in bfloat16 when the model computes in bfloat16 (what `Sampler.prepare_params`
+  keeps on accelerators); the KV cache in the compute dtype.
   B, Tp, Tn are the training sampler's buckets as the trainer builds them (`SamplerConfig.from_tokenizer`,
   and `rollout.multiturn.sampler_config` for tool-use episodes, whose largest context bucket is taken).
-  The sampler is compiled on a mesh over the same N devices (`--sampler_mesh`, default the config's
-  mesh.shape), parameters sharded by the same rules, rows over ("data", "fsdp").
+  The sampler is compiled on a mesh over the same N devices, parameters sharded by the same rules, rows
+  over ("data", "fsdp"): by default the learner's mesh.shape (a sync / lag run shares the learner's
+  mesh); `--sampler_mesh=config` takes the config's sampler.mesh_shape (the async sampler process's
+  own mesh over its devices, e.g. `--devices=4 --sampler_mesh=config` for math's launch line, whose
+  sampler gets 4 devices), `--sampler_mesh=1,1,4` a given shape.
 
 Every setting the configs give (method preset, learner options such as a micro-batch size, model
 options such as remat) reaches the compiled step through `run_config.parse_config`, so improvements of
@@ -68,7 +77,11 @@ import sys
 import time
 
 CONFIGS = ("gsm8k", "math", "multiturn")
-PARTS = ("learner", "sampler")
+PARTS = ("learner", "sampler_prefill", "sampler_decode")  # the default parts (issue 10 item 8)
+# "sampler": the whole generation (prefill + decode while_loop) in one program, as `Sampler.generate` jits it.
+ALL_PARTS = (*PARTS, "sampler")
+# Sampler.lower(part=...) of each sampler part.
+SAMPLER_LOWER = {"sampler_prefill": "prefill", "sampler_decode": "decode", "sampler": "generate"}
 DEVICES = (8, 16, 64)
 GIB = float(2**30)
 # Per-device goal of issue 10: half of an H100 (80 GiB) for gsm8k, half of a TPU v5p chip (95 GiB) for the 7B
@@ -284,12 +297,12 @@ def _mesh_context(mesh):
   return jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else contextlib.nullcontext()
 
 
-def compile_sampler(setting: Setting, model_cfg, mesh, b: int):
-  """The sampler's whole generation for the (B, Tp, Tn) bucket, `sampler.Sampler.lower`, compiled on `mesh`.
+def compile_sampler(setting: Setting, model_cfg, mesh, b: int, part: str = "sampler_decode"):
+  """One sampler program of the (B, Tp, Tn) bucket, `sampler.Sampler.lower(part=...)`, compiled on `mesh`.
 
-  One program as the sampler jits it: the prefill of the prompt bucket into a fresh KV cache, then
-  the while-loop of decode steps over the cache of S = Tp + Tn slots; its memory is the larger of
-  the two phases (plus what they share: weights, cache). Parameters in bfloat16 when the model
+  sampler_prefill: the prompt bucket into a fresh KV cache of S = Tp + Tn slots (the last column's
+  logits); sampler_decode: one decode step at the full cache (S slots, donated); sampler: both in one
+  program as `Sampler.generate` jits it (its memory is the larger phase plus what they share). Parameters in bfloat16 when the model
   computes in bfloat16 (what `Sampler.prepare_params` keeps on accelerators, param_dtype), else
   as the config gives them.
   """
@@ -308,7 +321,7 @@ def compile_sampler(setting: Setting, model_cfg, mesh, b: int):
     cast = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)
     abs_params = jax.tree.map(cast, abs_params)
   smp = sampler.Sampler(graphdef, model_cfg, scfg, mesh=mesh)
-  return smp.lower(abs_params, b, setting.sampler_tp, setting.sampler_tn).compile()
+  return smp.lower(abs_params, b, setting.sampler_tp, setting.sampler_tn, part=SAMPLER_LOWER[part]).compile()
 
 
 def memory_stats(compiled) -> dict:
@@ -333,7 +346,7 @@ def _compile_part(setting, part, layers, mesh, n_or_b):
   if part == "learner":
     compiled = compile_learner(setting, cfg, mesh, n_or_b)
   else:
-    compiled = compile_sampler(setting, cfg, mesh, n_or_b)
+    compiled = compile_sampler(setting, cfg, mesh, n_or_b, part)
   stats = memory_stats(compiled)
   stats["compile_s"] = time.perf_counter() - t0
   del compiled
@@ -360,7 +373,12 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     layers = [1, 2]
   else:
     layers = [int(layer_mode)]
-  mesh_shape = setting.spec.mesh_shape if part == "learner" or not sampler_mesh else sampler_mesh
+  if part == "learner" or not sampler_mesh:
+    mesh_shape = setting.spec.mesh_shape
+  elif sampler_mesh == "config":  # the async sampler process's own mesh over its devices
+    mesh_shape = setting.sampler_cfg.mesh_shape
+  else:
+    mesh_shape = sampler_mesh
   mesh = _mesh(mesh_shape, devices)
   rows = setting.n if part == "learner" else setting.sampler_b
   row = {
@@ -375,7 +393,7 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     "extrapolated": len(layers) == 2,
     "dtype": setting.model_cfg.dtype,
   }
-  if part == "sampler":
+  if part != "learner":
     row["prompt_len"], row["new_tokens"] = setting.sampler_tp, setting.sampler_tn
   else:
     row["microbatch"] = microbatch_rows(setting.spec, mesh, rows) or rows
@@ -421,7 +439,9 @@ def worker(args) -> list[dict]:
     )
   results = []
   overrides = _parse_overrides(args.model)
-  sampler_mesh = tuple(int(x) for x in args.sampler_mesh.split(",")) if args.sampler_mesh else None
+  sampler_mesh = (
+    args.sampler_mesh if args.sampler_mesh in ("", "config") else tuple(map(int, args.sampler_mesh.split(",")))
+  )
   for n_dev in counts:
     devices = jax.devices()[:n_dev]
     for name in args.configs.split(","):
@@ -516,9 +536,14 @@ def main(argv=None):
   p.add_argument(
     "--devices", default=",".join(map(str, DEVICES)), help="fake CPU device counts (one subprocess, a mesh each)"
   )
-  p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+  p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {ALL_PARTS}")
   p.add_argument("--layers", default="1,2", help="'1,2' (extrapolate per layer), 'full', or a layer count")
-  p.add_argument("--sampler_mesh", default="", help="sampler mesh (data,fsdp,tensor), e.g. 1,1,4 ('' = config's)")
+  p.add_argument(
+    "--sampler_mesh",
+    default="",
+    help="sampler mesh (data,fsdp,tensor), e.g. 1,1,4; '' = the learner's mesh.shape (sync/lag share it); "
+    "'config' = the config's sampler.mesh_shape (the async sampler process's own mesh)",
+  )
   p.add_argument("--model", default="", help="architecture overrides, e.g. hidden_size=64,vocab_size=512")
   p.add_argument("--batch", type=int, default=0, help="learner rows N (0 = the config's P * G)")
   p.add_argument("--prompt_len", type=int, default=0, help="max prompt length (0 = the config's)")
@@ -534,8 +559,8 @@ def main(argv=None):
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   for part in args.parts.split(","):
-    if part not in PARTS:
-      p.error(f"--parts: unknown part {part!r}; choose from {PARTS}.")
+    if part not in ALL_PARTS:
+      p.error(f"--parts: unknown part {part!r}; choose from {ALL_PARTS}.")
   if args.layers not in ("1,2", "full") and not args.layers.isdigit():
     p.error(f"--layers={args.layers!r}: use '1,2', 'full' or a positive layer count.")
   _parse_overrides(args.model)  # fail here, not in every subprocess

@@ -2,7 +2,7 @@
 
 Memory from compilation is deterministic (XLA's buffer assignment, not a timing). One driver run
 (one worker subprocess with 8 fake devices) compiles a 1-layer, tiny-width, tiny-vocabulary version of
-configs/gsm8k.py on meshes of 2 and 8 devices for both parts, at T = 32 + 32 tokens and at the
+configs/gsm8k.py on meshes of 2 and 8 devices for the three parts (learner, sampler prefill and decode), at T = 32 + 32 tokens and at the
 T0 = 16 + 16 of batch_gib; the tests read its JSON line.
 """
 
@@ -18,6 +18,7 @@ from benchmarks import memory
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny widths and vocabulary: the activations [N, T, D] still dominate what grows with the batch.
 TINY = "hidden_size=64,intermediate_size=128,num_heads=4,num_kv_heads=2,head_dim=16,vocab_size=512"
+GIB = 2.0**30
 FIELDS = ("config", "devices", "part", "argument_gib", "temp_gib", "peak_gib", "layers_compiled")
 
 
@@ -61,7 +62,9 @@ def test_json_line_has_the_documented_fields(run):
     assert r["peak_gib"] == pytest.approx(r["argument_gib"] + r["temp_gib"] + r["output_gib"])
     assert r["temp_gib"] > 0 and r["argument_gib"] > 0
   assert rows[(2, "learner")]["rows"] == 64 and rows[(2, "learner")]["seq_len"] == 64  # N = 8 x 8, T = 32 + 32
-  assert rows[(2, "sampler")]["prompt_len"] == 32 and rows[(2, "sampler")]["new_tokens"] == 32
+  for part in ("sampler_prefill", "sampler_decode"):
+    assert rows[(2, part)]["prompt_len"] == 32 and rows[(2, part)]["new_tokens"] == 32
+    assert rows[(2, part)]["rows"] == 64 and rows[(2, part)]["seq_len"] == 64  # B = N, S = Tp + Tn
   assert rows[(2, "learner")]["tiny_seq_len"] == 32  # T0 = min(TINY_TOKENS, T / 2)
   assert rows[(8, "learner")]["microbatch"] == 16  # the config's micro-batch: 2 rows per device
 
@@ -77,7 +80,7 @@ def test_arguments_are_sharded(run):
   assert 3.5 < ratio <= 4.0
 
 
-@pytest.mark.parametrize("part", memory.PARTS)
+@pytest.mark.parametrize("part", ["learner", "sampler_prefill"])
 def test_batch_memory_falls_with_devices(run, part):
   """Batch-dependent temp memory per device falls in proportion to data x fsdp (4x from 2 to 8 devices).
 
@@ -87,6 +90,19 @@ def test_batch_memory_falls_with_devices(run, part):
   rows = _rows(run[1])
   assert rows[(2, part)]["batch_gib"] > 0
   assert rows[(2, part)]["batch_gib"] / rows[(8, part)]["batch_gib"] >= 3.0
+
+
+def test_decode_cache_is_split_over_the_mesh(run):
+  """The decode step's arguments (bf16 params + the donated KV cache [B, S, K, H], k and v of one layer:
+  2 x 64 x 64 x 2 x 16 x 2 B = 512 KiB) are split over fsdp: 4x fewer bytes per device on 8 devices than on 2.
+
+  Its temporaries hardly depend on the cache length (one query position), so batch_gib says little here;
+  a replicated cache would keep the argument bytes constant.
+  """
+  rows = _rows(run[1])
+  ratio = rows[(2, "sampler_decode")]["argument_gib"] / rows[(8, "sampler_decode")]["argument_gib"]
+  assert 3.5 < ratio <= 4.0
+  assert rows[(2, "sampler_decode")]["argument_gib"] * GIB >= 256 * 2**10  # half of the cache on each device
 
 
 def test_released_shapes_match_the_published_parameter_counts():

@@ -78,6 +78,7 @@ LOGP_MODES = ("sampled", "tempered")
 DRAWS = ("inverse_cdf", "gumbel")
 PARAM_DTYPES = ("", "auto", "float32", "bfloat16")
 DECODE_MODES = ("static", "chunked", "refill")
+LOWER_PARTS = ("generate", "prefill", "decode")  # Sampler.lower: what is compiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -665,6 +666,33 @@ def sampler_mesh(cfg: SamplerConfig, devices=None):
   return sh.make_mesh(sh.MeshConfig(cfg.mesh_shape), devices=devices)
 
 
+def _layout_sharding(mesh, shape: tuple[int, ...], entries: tuple):
+  """A NamedSharding of `shape` from activation-layout entries (as `sharding.constrain` reads them):
+  per dimension the entry's mesh axes where their product divides it, else replicated."""
+  spec = []
+  for dim, entry in zip(shape, tuple(entries) + (None,) * (len(shape) - len(entries))):
+    names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in mesh.shape)
+    size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+    spec.append(names if names and size > 1 and dim % size == 0 else None)
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _decode_step(graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, rng):
+  """One decode step as `_generate_device`'s loop body runs it (for `Sampler.lower(part="decode")`).
+
+  Feeds token prev_b [B] at position pos_b [B] into cache slot idx (the cache: per-layer (k, v)
+  [B, S, K, H]; kv_valid: bool [B, S]), attends over the cache, draws the next token with the key
+  fold_in(rng, row); returns (tokens [B], logp [B], cache, kv_valid).
+  """
+  b = prev_b.shape[0]
+  kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
+  mask = transformer.AttentionMask(kv_valid)
+  logits, cache = transformer.forward(graphdef, params, prev_b[:, None], pos_b[:, None], mask, cache, idx)
+  keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(b))
+  tok, logp = _choose(logits[:, -1], keys, cfg)
+  return tok, logp, cache, kv_valid
+
+
 class Sampler:
   """Host-side padding/bucketing around one jitted generation function.
 
@@ -757,28 +785,54 @@ class Sampler:
       params = jax.device_put(params, sh.param_shardings(params, self.rules, self.mesh))
     return params
 
-  def lower(self, params, batch: int, prompt_len: int, num_new: int):
-    """The jitted generation for one (B, Tp, Tn) bucket, lowered (not run): `.compile().memory_analysis()`.
+  def lower(self, params, batch: int, prompt_len: int, num_new: int, part: str = "generate"):
+    """One jitted program of the (B, Tp, Tn) bucket, lowered (not run): `.compile().memory_analysis()`.
 
+    part: "generate" (the whole generation as `generate` runs it: prefill, then the decode
+    while_loop, one jit), "prefill" (`_prefill`: the prompt bucket into a fresh KV cache [B, S, K, H]
+    per layer, S = Tp + Tn, and the last column's logits) or "decode" (one decode step as the loop
+    body runs it, `_decode_step`: the token fed at the last cache slot, attention over the full
+    cache, the next token drawn; the cache is donated, as the loop updates it in place).
     params may be abstract (ShapeDtypeStructs, e.g. from `jax.eval_shape`); with a mesh they are
-    given the sampler's parameter shardings, so the compiled program is the sharded one.
+    given the sampler's parameter shardings, and the cache its CACHE_BSKH layout, so the compiled
+    program is the sharded one.
     """
+    if part not in LOWER_PARTS:
+      raise ValueError(f"Sampler.lower part must be one of {LOWER_PARTS}, got {part!r}.")
+    layout = lambda shape, entries: None  # no mesh: one device
     if self.mesh is not None:
       shardings = sh.param_shardings(params, self.rules, self.mesh)
       params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+      layout = functools.partial(_layout_sharding, self.mesh)
     b, tp, v = batch, prompt_len, self.cfg_model.vocab_size
-    args = (
-      params,
-      jax.ShapeDtypeStruct((b, tp), jnp.int32),
-      jax.ShapeDtypeStruct((b, tp), jnp.bool_),
-      jax.ShapeDtypeStruct((b,), jnp.bool_),
-      jax.ShapeDtypeStruct((b,), jnp.int32),
-      jax.ShapeDtypeStruct((v,), jnp.bool_),
-      jax.ShapeDtypeStruct((), jnp.int32),
-      jax.eval_shape(lambda: jax.random.key(0)),
+    sds = lambda shape, dtype, entries=(sh.BATCH_AXES,): jax.ShapeDtypeStruct(
+      shape, dtype, sharding=layout(shape, entries)
     )
+    rng = jax.eval_shape(lambda: jax.random.key(0))
     with self._mesh_context():
-      return self._device_fn.lower(*args, num_new=num_new)
+      if part == "generate":
+        args = (
+          params,
+          jax.ShapeDtypeStruct((b, tp), jnp.int32),
+          jax.ShapeDtypeStruct((b, tp), jnp.bool_),
+          jax.ShapeDtypeStruct((b,), jnp.bool_),
+          jax.ShapeDtypeStruct((b,), jnp.int32),
+          jax.ShapeDtypeStruct((v,), jnp.bool_),
+          jax.ShapeDtypeStruct((), jnp.int32),
+          rng,
+        )
+        return self._device_fn.lower(*args, num_new=num_new)
+      cast = lambda p: _cast_floats(p, self.param_dtype)  # as device_fn: a no-op when prepared
+      g, cm, cfg = self.graphdef, self.cfg_model, self.cfg
+      if part == "prefill":
+        fn = jax.jit(lambda p, tok, valid: _prefill(g, cm, cfg, cast(p), tok, valid, num_new))
+        return fn.lower(params, sds((b, tp), jnp.int32), sds((b, tp), jnp.bool_))
+      s = tp + num_new
+      kv = sds((b, s, cm.num_kv_heads, cm.head_dim), cm.compute_dtype, sh.CACHE_BSKH)
+      cache = [(kv, kv) for _ in range(cm.num_layers)]
+      fn = jax.jit(lambda p, *a: _decode_step(g, cfg, cast(p), *a), donate_argnums=(1, 2))
+      scalar = jax.ShapeDtypeStruct((), jnp.int32)
+      return fn.lower(params, cache, sds((b, s), jnp.bool_), sds((b,), jnp.int32), sds((b,), jnp.int32), scalar, rng)
 
   # -- host side
 
