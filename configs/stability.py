@@ -33,6 +33,69 @@ METHODS = (
 # The issue's ten methods (the reference's exact inconsistencies, vcpo_reference, are in the synthetic study).
 COUNTDOWN_METHODS = tuple(m for m in METHODS if m != "vcpo_reference")
 
+# Issue 13: the stabilizers the field uses (vcpo_jax/policy_losses.py) and VCPO with the ESS-targeted cap.
+STABILIZERS = (
+  "ppo_clip",
+  "decoupled_ppo",
+  "gspo",
+  "cispo",
+  "m2po_paper",
+  "m2po_released",
+  "icepop",
+  "dppo_tv",
+  "vcpo_tis_ess",
+)
+
+# The countdown study of issue 13: the old ten and the nine new presets, ordered so that an interrupted grid
+# has the headline comparison (no correction, VCPO, the plain TIS cap and the most used peers) first.
+STUDY_METHODS = (
+  "none",
+  "vcpo",
+  "seq_tis",
+  "ppo_clip",
+  "decoupled_ppo",
+  "m2po_released",
+  "icepop",
+  "vcpo_tis_ess",
+  "gspo",
+  "cispo",
+  "m2po_paper",
+  "dppo_tv",
+  "clip",
+  "mask",
+  "token_tis",
+  "vcpo_no_esslr",
+  "vcpo_no_opob",
+  "vcpo_applied_opob",
+  "vcpo_loo_opob",
+)
+
+# The equal tuning budget (review #10): every method gets the same number of trials (4) of its OWN main knob,
+# on the tuning seed only, and is then reported at its best value. A knob name is one of
+# vcpo_jax.experiments.stability.KNOBS (which run-config fields a value sets); the values include the preset's
+# default (marked *). "none" has nothing to tune (plain GRPO on stale data): it runs once per tuning cell.
+KNOBS = {
+  "none": None,
+  "seq_tis": ("tis_c", (2.0, 4.0, 8.0, 16.0)),  # truncation c of the sequence weight (*8)
+  "clip": ("clip_c", (1.5, 2.0, 4.0, 8.0)),  # sequence weight clipped to [1/c, c] (*2)
+  "mask": ("mask_c", (1.5, 2.0, 4.0, 8.0)),  # sequence kept iff its weight is in [1/c, c] (*2)
+  "token_tis": ("token_tis_c", (1.5, 2.0, 4.0, 8.0)),  # per-token truncation c (*2)
+  "vcpo": ("rho_on", (0.25, 0.5, 0.75, 1.0)),  # reference ESS ratio of the ESS-scaled lr (*1)
+  "vcpo_no_esslr": ("tis_c", (2.0, 4.0, 8.0, 16.0)),  # no ESS lr, so rho_on does nothing: its TIS cap (*8)
+  "vcpo_no_opob": ("rho_on", (0.25, 0.5, 0.75, 1.0)),
+  "vcpo_applied_opob": ("rho_on", (0.25, 0.5, 0.75, 1.0)),
+  "vcpo_loo_opob": ("rho_on", (0.25, 0.5, 0.75, 1.0)),
+  "vcpo_tis_ess": ("tis_ess_target", (0.25, 0.5, 0.75, 0.9)),  # target ESS ratio of the capped weights (*0.5)
+  "ppo_clip": ("eps", (0.1, 0.2, 0.28, 0.4)),  # eps_low = eps_high (*0.2)
+  "decoupled_ppo": ("eps", (0.1, 0.2, 0.28, 0.4)),  # eps_low = eps_high around pi_prox (*0.2)
+  "gspo": ("gspo_eps_x", (0.5, 1.0, 2.0, 4.0)),  # x (3e-4, 4e-4), the sequence-ratio clip (*1)
+  "cispo": ("eps_high", (0.1, 0.2, 0.5, 1.0)),  # upper clip of the IS weight, eps_low = 10 (*0.2)
+  "m2po_paper": ("budget", (0.01, 0.02, 0.04, 0.08)),  # second-moment budget (*0.04)
+  "m2po_released": ("budget", (0.01, 0.02, 0.04, 0.08)),  # (*0.04)
+  "icepop": ("icepop_interval", ((0.5, 2.0), (0.5, 5.0), (0.2, 5.0), (0.1, 10.0))),  # [alpha, beta] (*[0.5, 5])
+  "dppo_tv": ("tv", (0.1, 0.2, 0.3, 0.5)),  # mask_low = mask_high: probability-difference bound (*0.2)
+}
+
 
 def get_config(arg: str | None = None):
   c = ml_collections.ConfigDict()
@@ -75,11 +138,23 @@ def get_config(arg: str | None = None):
   c.trainer.config = "countdown"  # backend "trainer": configs/<this>.py is the run config
   c.trainer.variant = ""  # its variant ('' or 'smoke')
   c.trainer.runs = "runs/stability_countdown"  # one directory per run (metrics.jsonl); resumable
+  # Policy-loss presets (ppo_clip, gspo, ...; estimator.PRESETS with policy_loss != "pg") run as their sources
+  # do: several optimizer updates per trainer step with pi_old recomputed once, so that pi_theta moves off
+  # pi_old and the trust region acts (with one update r = pi_theta / pi_old = 1 and PPO's clip never binds).
+  c.trainer.policy_loss_epochs = 1  # learner.ppo_epochs of those presets: passes over each batch per step
+  c.trainer.policy_loss_minibatches = 2  # learner.minibatches: updates per pass (each on half the prompts)
 
-  if arg in ("countdown", "countdown_quick"):  # the real trainer on the CPU countdown config (issue 6)
+  c.tuning = ml_collections.ConfigDict()
+  c.tuning.enabled = False  # trainer backend: tune each method's own knob first (review #10; issue 13)
+  c.tuning.knobs = {}  # method -> (knob name, trial values) or None (no knob); countdown: KNOBS
+  c.tuning.seeds = (100,)  # tuning seeds: disjoint from c.seeds, so the reported runs never chose their knob
+  c.tuning.cells = ((32, 3e-4),)  # (k, lr) cells the trials run at; score: mean final accuracy over them
+  c.tuning.trials = 4  # trials per method with a knob (the equal budget); len(values) must equal it
+
+  if arg in ("countdown", "countdown_quick"):  # the real trainer on the CPU countdown config (issues 6, 13)
     c.backend = "trainer"
-    c.methods = COUNTDOWN_METHODS
-    c.seeds = (0, 1, 2)
+    c.methods = STUDY_METHODS
+    c.seeds = (0, 1, 2, 3, 4)
     c.lrs = (3e-4, 1e-3)  # the CPU default's lr and 3.3x it (which first costs accuracy even at k = 0)
     c.task = ml_collections.ConfigDict()
     c.task.steps = 120  # learner steps (the CPU default); k = 128 >= steps: every batch is the warm start's
@@ -88,8 +163,13 @@ def get_config(arg: str | None = None):
     c.analysis.final_frac = 0.2  # final = mean of the evaluations at steps 100 and 120 (2 x 384 samples)
     c.analysis.min_gain = 0.1  # with chance 0, collapsed = final < 0.5 x best (best includes the warm start)
     del c.model, c.optim  # the run config (configs/countdown.py) owns them
+    c.tuning.enabled = True
+    c.tuning.knobs = KNOBS
   if arg == "countdown_quick":  # the trainer backend end to end in seconds (tests): smoke-sized runs
-    c.methods = ("none", "vcpo")
+    c.methods = ("none", "vcpo", "ppo_clip")
+    c.tuning.knobs = {"none": None, "vcpo": ("rho_on", (0.5, 1.0)), "ppo_clip": ("eps", (0.1, 0.2))}
+    c.tuning.trials = 2
+    c.tuning.cells = ((2, 3e-4),)
     c.ks = (0, 2)
     c.seeds = (0,)
     c.lrs = (3e-4,)

@@ -203,15 +203,22 @@ def save_cell(path: Path, arrays: dict, fp: str, seconds: float):
 
 
 def run_cells(
-  cells: Sequence[tuple[str, int]], out: Path, backend: str, fp: str, cell_fn: Callable[[str, int], dict], log=print
+  cells: Sequence[tuple[str, int]],
+  out: Path,
+  backend: str,
+  fp: str | Callable[[str], str],
+  cell_fn: Callable[[str, int], dict],
+  log=print,
 ) -> list[tuple[str, int]]:
-  """Runs the cells not yet saved with fingerprint fp, saving each when done.
+  """Runs the cells not yet saved with fingerprint fp (a string, or method -> string), saving each when done.
 
   Returns the cells that were actually run (the others were skipped).
   """
+  fp_of = fp if callable(fp) else (lambda m: fp)
   ran = []
   for method, k in cells:
     path = cell_path(out, backend, method, k)
+    fp = fp_of(method)
     if load_cell(path, fp) is not None:
       log(f"[skip] {method} k={k}: {path} exists")
       continue
@@ -277,9 +284,16 @@ def pure_lag_cell_fn(c) -> Callable[[str, int], dict]:
 # ----------------------------------------------------------------------------- the trainer backend (countdown)
 
 
-def trainer_run_config(c, method: str, k: int, seed: int, lr: float):
-  """The real trainer's config for one run: configs/<c.trainer.config>.py with the study's fields set."""
+def trainer_run_config(c, method: str, k: int, seed: int, lr: float, knob: tuple | None = None):
+  """The real trainer's config for one run: configs/<c.trainer.config>.py with the study's fields set.
+
+  knob: (name, value) of vcpo_jax.experiments.tuning.KNOBS, or None (the preset as it is). Policy-loss
+  presets (policy_loss != "pg") get c.trainer.policy_loss_epochs x policy_loss_minibatches updates per step.
+  """
   import importlib
+
+  from vcpo_jax import estimator
+  from vcpo_jax.experiments import tuning
 
   root = str(Path(__file__).resolve().parents[2])  # configs/ lives at the repository root
   if root not in sys.path:
@@ -294,20 +308,41 @@ def trainer_run_config(c, method: str, k: int, seed: int, lr: float):
   base.log.progress = False
   base.log.plots = False
   base.log.norm_overhead_every = 0
+  if estimator.PRESETS.get(method, {}).get("policy_loss", "pg") != "pg":
+    base.learner.ppo_epochs, base.learner.minibatches = policy_loss_updates(c)
+  if knob is not None:
+    for path, value in tuning.knob_overrides(*knob).items():
+      *parents, leaf = path.split(".")
+      node = base
+      for name in parents:
+        node = node[name]
+      node[leaf] = value
   return base
 
 
+def policy_loss_updates(c) -> tuple[int, int]:
+  """(ppo_epochs, minibatches) of the policy-loss presets in this study (1, 1 where the config has none)."""
+  return int(c.trainer.get("policy_loss_epochs", 1)), int(c.trainer.get("policy_loss_minibatches", 1))
+
+
 def trainer_settings(c) -> dict:
-  return dict(
+  out = dict(
     backend="trainer",
     run_config=json.loads(trainer_run_config(c, "none", 0, 0, 0.0).to_json()),  # everything but the grid
     seeds=list(c.seeds),
     lrs=list(c.lrs),
   )
+  if policy_loss_updates(c) != (1, 1):  # only then do policy-loss runs differ from the base run config
+    out["policy_loss_updates"] = list(policy_loss_updates(c))
+  return out
 
 
-def run_dir(c, method: str, k: int, lr: float, seed: int) -> Path:
-  return Path(c.trainer.runs) / f"{method}_k{k}_lr{lr:g}_seed{seed}"
+def run_dir(c, method: str, k: int, lr: float, seed: int, knob: tuple | None = None, stage: str = "") -> Path:
+  """<c.trainer.runs>/[<stage>/]<method>[_<knob><value>]_k<k>_lr<lr>_seed<seed>."""
+  from vcpo_jax.experiments import tuning
+
+  tag = "" if knob is None else f"_{knob[0]}{tuning.value_str(knob[1])}"
+  return Path(c.trainer.runs) / stage / f"{method}{tag}_k{k}_lr{lr:g}_seed{seed}"
 
 
 def read_run(workdir: Path, steps: int) -> dict:
@@ -327,50 +362,139 @@ def read_run(workdir: Path, steps: int) -> dict:
     ess_ratio_applied=col("train/ess_ratio_applied"),
     lr_scale=col("train/lr_scale"),
     grad_norm=col("train/grad_norm"),
+    learn_s=col("time/learn_s"),  # wall seconds of each learner step (step 1 includes its compile)
+    rollout_s=col("time/rollout_s"),  # wall seconds of each batch's sampling (step 1: the sampler's compile)
+    run_s=np.asarray(_run_seconds(workdir)),  # wall seconds of the whole trainer.run (nan if not recorded)
   )
 
 
-def trainer_cell_fn(c, log=print) -> Callable[[str, int], dict]:
-  """Runs (or reuses) every (lr, seed) run of a cell through `vcpo_jax.trainer.run`; returns [L, S, ...] arrays.
+RUN_SECONDS = "study_seconds.json"  # written by the study next to the trainer's summary.json
 
-  Each run has its own directory under c.trainer.runs, marked finished by the trainer's summary.json, so an
-  interrupted cell resumes at run granularity; an unfinished directory is wiped and run again.
+
+def _run_seconds(workdir: Path) -> float:
+  try:
+    return float(json.loads((Path(workdir) / RUN_SECONDS).read_text())["seconds"])
+  except (OSError, ValueError, KeyError):
+    return math.nan
+
+
+def train_one(c, method: str, k: int, seed: int, lr: float, knob=None, stage: str = "", log=print) -> dict:
+  """One run through vcpo_jax.trainer.run (or its finished directory, marked by summary.json): read_run's dict.
+
+  An unfinished directory is wiped and run again; checkpoints are deleted (~30 MB a run; the study reads
+  metrics only).
   """
   import shutil
 
   from vcpo_jax import trainer
 
+  wd = run_dir(c, method, k, lr, seed, knob, stage)
+  if not (wd / "summary.json").exists():
+    shutil.rmtree(wd, ignore_errors=True)
+    t0 = time.time()
+    trainer.run(trainer_run_config(c, method, k, seed, lr, knob), str(wd))
+    dt = time.time() - t0
+    shutil.rmtree(wd / "checkpoints", ignore_errors=True)
+    (wd / RUN_SECONDS).write_text(json.dumps({"seconds": dt}))
+    log(f"  run {wd.relative_to(c.trainer.runs)}: {dt:.0f}s")
+  return read_run(wd, c.task.steps)
+
+
+def trainer_cell_fn(
+  c, log=print, knob_fn: Callable[[str], tuple | None] = lambda m: None
+) -> Callable[[str, int], dict]:
+  """Runs (or reuses) every (lr, seed) run of a cell through `vcpo_jax.trainer.run`; returns [L, S, ...] arrays.
+
+  Each run has its own directory under c.trainer.runs, marked finished by the trainer's summary.json, so an
+  interrupted cell resumes at run granularity. knob_fn(method): the (knob, value) its runs use (tuning).
+  """
+
   def fn(method, k):
-    per = []
-    for lr in c.lrs:
-      row = []
-      for seed in c.seeds:
-        wd = run_dir(c, method, k, lr, seed)
-        if not (wd / "summary.json").exists():
-          shutil.rmtree(wd, ignore_errors=True)
-          t0 = time.time()
-          trainer.run(trainer_run_config(c, method, k, seed, lr), str(wd))
-          shutil.rmtree(wd / "checkpoints", ignore_errors=True)  # ~30 MB a run; the study reads metrics only
-          log(f"  run {wd.name}: {time.time() - t0:.0f}s")
-        row.append(read_run(wd, c.task.steps))
-      per.append(row)
+    knob = knob_fn(method)
+    per = [[train_one(c, method, k, seed, lr, knob, log=log) for seed in c.seeds] for lr in c.lrs]
     return {key: np.stack([np.stack([r[key] for r in row]) for row in per]) for key in per[0][0]}
 
   return fn
 
 
-def cell_fn(c, log=print) -> Callable[[str, int], dict]:
-  """The backend's cell function. For the trainer backend this also turns on XLA's persistent compilation
-  cache for the process (the command's processes only): every run compiles the same step functions, and
-  the cache turns all but the first compile of each into a load (about 2x fewer seconds a run on CPU)."""
-  if c.backend == "pure_lag":
-    return pure_lag_cell_fn(c)
+def enable_compilation_cache(c):
+  """XLA's persistent compilation cache for this process, shared by every run of the study.
+
+  Every run compiles the same step functions (trainer.run builds fresh closures, so jax's in-memory caches
+  miss); the cache turns all but the first compile of each program into a load. Measured (run_cost.py,
+  README of this study in docs/REVIEW.md): the same programs, so the same numbers.
+  """
   import jax
 
   jax.config.update("jax_compilation_cache_dir", str(Path(c.trainer.runs) / "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  return trainer_cell_fn(c, log)
+
+
+def cell_fn(c, log=print, out: Path | None = None) -> Callable[[str, int], dict]:
+  """The backend's cell function; with tuning, each method's runs use the knob its finished trials in `out`
+  chose (tuning.chosen)."""
+  if c.backend == "pure_lag":
+    return pure_lag_cell_fn(c)
+  return trainer_cell_fn(c, log, lambda m: chosen_knob(c, out, m))
+
+
+def _final(c):
+  return lambda acc, steps: final_value(acc, steps, c.task.steps, c.analysis.final_frac)
+
+
+def tune(c, out: Path, methods: Sequence[str], log=print) -> list[str]:
+  """Stage 1 (trainer backend with tuning): every trial of each method, saved per method; resumable.
+
+  Returns the methods whose trials were (re)computed; the others were finished already.
+  """
+  from vcpo_jax.experiments import tuning
+
+  base = settings(c)
+  ran = []
+  for m in methods:
+    fp = fingerprint(tuning.settings(c, base, m))
+    path = tuning.tune_path(out, m)
+    if load_cell(path, fp) is not None:
+      log(f"[skip] tuning {m}: {path} exists")
+      continue
+    t0 = time.time()
+    arrays = tuning.run_trials(c, m, lambda *a: train_one(c, *a, stage="tune", log=log))
+    save_cell(path, arrays, fp, time.time() - t0)
+    ran.append(m)
+    z = load_cell(path, fp)
+    log(f"[done] tuning {m}: {dict(zip(z['values'].tolist(), np.round(tuning.scores(z, _final(c)), 3)))}")
+  return ran
+
+
+def load_tuning(c, out: Path, method: str) -> dict | None:
+  """The method's finished trials (tuning.run_trials arrays + values), or None."""
+  from vcpo_jax.experiments import tuning
+
+  return load_cell(tuning.tune_path(out, method), fingerprint(tuning.settings(c, settings(c), method)))
+
+
+def chosen_knob(c, out: Path | None, method: str) -> tuple | None:
+  """(knob, value) of the method's grid runs: its best trial; None without a knob or with tuning off."""
+  from vcpo_jax.experiments import tuning
+
+  if tuning.knob_of(c, method) is None:
+    return None
+  return tuning.chosen(c, load_tuning(c, out, method), method, _final(c))
+
+
+def cell_fingerprint(c, out: Path | None) -> Callable[[str], str]:
+  """method -> fingerprint of its grid cells: the study's settings, plus the chosen knob where tuned."""
+  from vcpo_jax.experiments import tuning
+
+  base = settings(c)
+  plain = fingerprint(base)
+
+  def fp(method):
+    knob = chosen_knob(c, out, method)
+    return plain if knob is None else fingerprint(dict(base, knob=[knob[0], tuning.value_str(knob[1])]))
+
+  return fp
 
 
 def settings(c) -> dict:
@@ -403,14 +527,27 @@ def _fmt(mean, std):
 
 
 def summarize(c, out: Path) -> dict:
-  """Loads every finished cell and computes the per-(method, k, lr) statistics."""
+  """Loads every finished cell (and tuning trials) and computes the per-(method, k, lr) statistics.
+
+  With tuning, a method's grid cells count only once its trials are finished and name the knob they chose.
+  """
   fp = fingerprint(settings(c))
+  fp_of = cell_fingerprint(c, out) if c.backend == "trainer" else (lambda m: fp)
   chance_acc = chance(c)
   a = c.analysis
-  cells, stats = {}, {}
+  cells, stats, knobs, trials = {}, {}, {}, {}
   for method in c.methods:
+    if c.backend == "trainer" and c.tuning.enabled:
+      z = load_tuning(c, out, method)
+      if z is not None:
+        trials[method] = z
+    try:
+      method_fp = fp_of(method)
+      knobs[method] = chosen_knob(c, out, method) if c.backend == "trainer" else None
+    except LookupError:
+      continue  # its tuning is not finished: no grid cell can be its
     for k in c.ks:
-      z = load_cell(cell_path(out, c.backend, method, k), fp)
+      z = load_cell(cell_path(out, c.backend, method, k), method_fp)
       if z is None:
         continue
       cells[(method, k)] = z
@@ -434,13 +571,25 @@ def summarize(c, out: Path) -> dict:
           lr_scale_mean=float(z["lr_scale"][i].mean()),
           grad_norm_max=float(z["grad_norm"][i].max()),
           seconds=float(z["seconds"]),
+          **(_time_stats(z, i) if "learn_s" in z else {}),
         )
   selected = {}
   for method in c.methods:
     k0 = {lr: stats[(method, 0, lr)]["final"][0] for lr in c.lrs if (method, 0, lr) in stats}
     if k0:
       selected[method] = select_lr(k0)
-  return dict(cells=cells, stats=stats, selected=selected, chance=chance_acc, fingerprint=fp)
+  return dict(
+    cells=cells, stats=stats, selected=selected, chance=chance_acc, fingerprint=fp, knobs=knobs, trials=trials
+  )
+
+
+def _time_stats(z: dict, i: int) -> dict:
+  """Wall time of lr index i's runs: s per run (mean), median s per learner step / rollout after step 1."""
+  return dict(
+    run_s=float(np.nanmean(z["run_s"][i])) if np.isfinite(z["run_s"][i]).any() else math.nan,
+    learn_s=float(np.median(z["learn_s"][i][:, 1:], axis=-1).mean()),
+    rollout_s=float(np.median(z["rollout_s"][i][:, 1:], axis=-1).mean()),
+  )
 
 
 def plot(c, summary: dict, out: Path) -> list[str]:
@@ -792,6 +941,10 @@ def check_config(c):
     )
   if 0 not in c.ks:
     raise ValueError("config.ks: must contain 0 (the lr selection rule and the sync reference use k = 0)")
+  if "tuning" in c:
+    from vcpo_jax.experiments import tuning
+
+    tuning.check(c)
   return c
 
 
@@ -810,6 +963,19 @@ def load_config(variant: str = "", overrides: dict | None = None):
       node = node[name]
     node[leaf] = value
   return check_config(c)
+
+
+def run_study(c, out: Path, methods: Sequence[str], log=print):
+  """Stage 1 (trainer backend with tuning): every method's knob trials; stage 2: the grid cells of `methods`.
+
+  The trainer backend turns on the persistent compilation cache for this process (enable_compilation_cache).
+  """
+  if c.backend == "trainer":
+    enable_compilation_cache(c)
+  if c.backend == "trainer" and c.tuning.enabled:
+    tune(c, out, methods, log)
+  fp = cell_fingerprint(c, out) if c.backend == "trainer" else fingerprint(settings(c))
+  run_cells([(m, k) for m in methods for k in c.ks], out, c.backend, fp, cell_fn(c, log, out), log=log)
 
 
 def _define_flags():
@@ -838,14 +1004,11 @@ def main(argv):
   overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
   out = Path(F.out)
   out.mkdir(parents=True, exist_ok=True)
-  fp = fingerprint(settings(c))
   t0 = time.time()
-  cells = [(m, k) for m in c.methods for k in c.ks]
   if F.worker is not None:
     i, n = (int(x) for x in F.worker.split("/"))
-    mine = [(m, k) for m, k in cells if c.methods.index(m) % n == i]
     log = lambda s: print(f"[w{i}] {s}", flush=True)
-    run_cells(mine, out, c.backend, fp, cell_fn(c, log), log=log)
+    run_study(c, out, [m for j, m in enumerate(c.methods) if j % n == i], log)
     return
   if not F.report_only:
     if c.workers > 1:
@@ -860,8 +1023,7 @@ def main(argv):
       if any(codes):
         print(f"workers exited with {codes}; writing the report from the finished cells", flush=True)
     else:
-      log = lambda s: print(s, flush=True)
-      run_cells(cells, out, c.backend, fp, cell_fn(c, log), log=log)
+      run_study(c, out, c.methods, lambda s: print(s, flush=True))
   runtime = time.time() - t0
   summary = summarize(c, out)
   if summary["cells"]:

@@ -1,0 +1,188 @@
+"""The equal tuning budget of the stability study (review #10, issue 13): each method's own knob, tuned alike.
+
+Every method gets the same number of trials (configs/stability.py `tuning.trials`) of ITS OWN main knob (eps
+for the clip family, the budget for M2PO, the interval for IcePop, c or the target ESS for TIS, rho_on for
+VCPO), each trial one value run on the tuning seeds (disjoint from the report seeds) at the tuning (k, lr)
+cells. The value with the best mean final accuracy over those runs (ties: the value listed first) is the
+method's knob in every run of the grid, so each method is reported at its own best and none had more
+chances than another. A method without a knob ("none") runs once per tuning cell, as a reference.
+
+A knob is a name in `KNOBS`: a function from the trial value to the run-config fields it sets
+(`{"vcpo.tis_c": 4.0}`); the config names the knob and its values per method. Each trial is one
+`vcpo_jax.trainer.run` in its own directory (resumable per run), and a method's trials are saved together
+in <out>/stability_raw/trainer/tune_<method>.npz with the fingerprint of everything that made them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+
+def _g(v) -> str:
+  return f"{float(v):g}"
+
+
+def _pair(v) -> tuple[float, float]:
+  lo, hi = (float(x) for x in v)
+  return lo, hi
+
+
+# knob name -> value -> {run-config path: value}. Policy-loss knobs go through vcpo.policy_loss_kw, the
+# loss's own hyper-parameters (vcpo_jax/policy_losses.py signatures).
+KNOBS: dict[str, Callable[[Any], dict[str, Any]]] = {
+  "tis_c": lambda v: {"vcpo.tis_c": float(v)},  # sequence TIS truncation c
+  "clip_c": lambda v: {"vcpo.clip_lower": 1.0 / float(v), "vcpo.clip_upper": float(v)},  # clip to [1/c, c]
+  "mask_c": lambda v: {"vcpo.mask_lower": 1.0 / float(v), "vcpo.mask_upper": float(v)},  # keep if in [1/c, c]
+  "token_tis_c": lambda v: {"vcpo.token_tis_c": float(v)},  # per-token truncation c
+  "rho_on": lambda v: {"vcpo.rho_on": float(v)},  # VCPO's on-policy reference ESS ratio
+  "tis_ess_target": lambda v: {"vcpo.tis_ess_target": float(v)},  # vcpo_tis_ess: target ESS ratio
+  "eps": lambda v: {"vcpo.policy_loss_kw": f"eps_low={_g(v)},eps_high={_g(v)}"},  # symmetric PPO clip
+  "eps_high": lambda v: {"vcpo.policy_loss_kw": f"eps_high={_g(v)}"},  # CISPO's upper IS-weight clip
+  # GSPO's sequence-ratio clip, as a multiple of verl's (3e-4, 4e-4)
+  "gspo_eps_x": lambda v: {"vcpo.policy_loss_kw": f"eps_low={_g(3e-4 * v)},eps_high={_g(4e-4 * v)}"},
+  "budget": lambda v: {"vcpo.policy_loss_kw": f"budget={_g(v)}"},  # M2PO second-moment budget
+  "icepop_interval": lambda v: {"vcpo.policy_loss_kw": "lower={},upper={}".format(*map(_g, _pair(v)))},
+  "tv": lambda v: {"vcpo.policy_loss_kw": f"mask_low={_g(v)},mask_high={_g(v)}"},  # DPPO-TV bound
+}
+
+
+def value_str(value) -> str:
+  """A trial value as text: 8 -> '8', (0.5, 5.0) -> '0.5-5', None -> '-'."""
+  if value is None:
+    return "-"
+  if isinstance(value, (tuple, list)):
+    return "-".join(_g(v) for v in value)
+  return _g(value)
+
+
+def knob_of(c, method: str):
+  """(knob name, trial values) of `method` in the study config, or None (no knob / tuning off)."""
+  if not c.tuning.enabled:
+    return None
+  spec = c.tuning.knobs[method]
+  if spec is None:
+    return None
+  name, values = spec
+  return str(name), tuple(tuple(v) if isinstance(v, (tuple, list)) else v for v in values)
+
+
+def knob_overrides(name: str, value) -> dict[str, Any]:
+  """{run-config path: value} that knob `name` = `value` sets."""
+  if name not in KNOBS:
+    raise ValueError(f"tuning knob {name!r}: choose one of {sorted(KNOBS)}")
+  return KNOBS[name](value)
+
+
+def check(c):
+  """Raises ValueError (one line naming the field) for a tuning block the study cannot run."""
+  t = c.tuning
+  if not t.enabled:
+    return
+  if c.backend != "trainer":
+    raise ValueError(f"config.tuning.enabled=True with backend={c.backend!r}: tuning runs the trainer backend only")
+  if set(t.seeds) & set(c.seeds):
+    raise ValueError(
+      f"config.tuning.seeds={tuple(t.seeds)} shares {sorted(set(t.seeds) & set(c.seeds))} with config.seeds: "
+      "the knob must be chosen on seeds the report does not use"
+    )
+  if not t.seeds or not t.cells:
+    raise ValueError("config.tuning.seeds / config.tuning.cells: need at least one seed and one (k, lr) cell")
+  for cell in t.cells:
+    if len(cell) != 2 or not int(cell[0]) >= 0 or not float(cell[1]) > 0:
+      raise ValueError(f"config.tuning.cells: {cell!r} is not a (k >= 0, lr > 0) pair")
+  from vcpo_jax import estimator
+
+  for method in c.methods:
+    if method not in t.knobs:
+      raise ValueError(f"config.tuning.knobs: no entry for method {method!r}; give (knob name, values) or None")
+    spec = knob_of(c, method)
+    if spec is None:
+      continue
+    name, values = spec
+    if len(values) != t.trials:
+      raise ValueError(
+        f"config.tuning.knobs[{method!r}]: {len(values)} values, but tuning.trials={t.trials} (the equal budget)"
+      )
+    if len(set(map(value_str, values))) != len(values):
+      raise ValueError(f"config.tuning.knobs[{method!r}]: repeated values {values}")
+    for v in values:
+      over = knob_overrides(name, v)
+      bad = [p for p in over if not p.startswith("vcpo.")]
+      if bad:
+        raise ValueError(f"tuning knob {name!r} sets {bad}: only vcpo.* fields are checked here")
+      try:
+        estimator.pg_config_from_preset(method, **{p[len("vcpo.") :]: x for p, x in over.items()})
+      except ValueError as e:
+        raise ValueError(f"config.tuning.knobs[{method!r}] = ({name!r}, {value_str(v)}): {e}") from None
+
+
+def select(values, scores) -> int:
+  """Index of the best mean score; ties (and nan) resolved to the value listed first. scores [V]."""
+  scores = np.asarray(scores, float)
+  if not np.isfinite(scores).any():
+    return 0
+  best = np.nanmax(scores)
+  return int(np.flatnonzero(scores == best)[0])
+
+
+def tune_path(out: Path, method: str) -> Path:
+  return Path(out) / "stability_raw" / "trainer" / f"tune_{method}.npz"
+
+
+def settings(c, base: dict, method: str) -> dict:
+  """What determines a method's trials: the study's run settings, the knob and its values, seeds, cells."""
+  spec = knob_of(c, method)
+  return dict(
+    base,
+    seeds=None,
+    lrs=None,
+    stage="tuning",
+    method=method,
+    knob=None if spec is None else [spec[0], [value_str(v) for v in spec[1]]],
+    tuning_seeds=list(c.tuning.seeds),
+    tuning_cells=[[int(k), float(lr)] for k, lr in c.tuning.cells],
+  )
+
+
+def run_trials(c, method: str, run_fn: Callable[..., dict]) -> dict:
+  """Every trial of `method`: arrays [V, C, Ts, ...] (values x cells x tuning seeds), from run_fn.
+
+  run_fn(method, k, seed, lr, knob) -> the run's arrays (stability.read_run's dict), knob = (name, value) or
+  None; it reuses a finished run directory.
+  """
+  spec = knob_of(c, method)
+  trials = [None] if spec is None else [(spec[0], v) for v in spec[1]]
+  per = [
+    [[run_fn(method, int(k), seed, float(lr), knob) for seed in c.tuning.seeds] for k, lr in c.tuning.cells]
+    for knob in trials
+  ]
+  keys = per[0][0][0]
+  out = {key: np.stack([np.stack([np.stack([r[key] for r in row]) for row in cell]) for cell in per]) for key in keys}
+  out["values"] = np.asarray([value_str(None if t is None else t[1]) for t in trials])
+  return out
+
+
+def scores(z: dict, final_fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+  """Mean final accuracy per trial value over cells and tuning seeds: [V].
+
+  final_fn(accuracy [..., E], eval_steps [E]) -> final [...] (the study's `final` definition).
+  """
+  acc = z["accuracy"]  # [V, C, Ts, E]
+  fin = final_fn(acc, z["eval_step"][0, 0, 0])
+  return fin.reshape(fin.shape[0], -1).mean(-1)
+
+
+def chosen(c, z: dict | None, method: str, final_fn) -> tuple | None:
+  """(knob name, value) the grid runs `method` with; None for a method without a knob.
+
+  Raises LookupError when the method has a knob and its trials are not all finished (z is None).
+  """
+  spec = knob_of(c, method)
+  if spec is None:
+    return None
+  if z is None:
+    raise LookupError(f"{method}: its tuning trials are not finished")
+  return spec[0], spec[1][select(spec[1], scores(z, final_fn))]
