@@ -211,7 +211,6 @@ BAD = [
   ("eval.every", -1, "countdown"),
   ("eval.dataset", "chess", "countdown"),
   ("eval.background", True, "countdown"),  # countdown:smoke is mode=sync: only the async sampler evaluates
-  ("eval.background", "yes", "countdown"),
   ("log.norm_overhead_every", -1, "countdown"),
   ("sft.steps", -1, "countdown"),
   ("sft.lr", 0.0, "countdown"),

@@ -299,7 +299,6 @@ class RunSpec:
       self.on_nonfinite in ("skip", "abort"), "learner.on_nonfinite", self.on_nonfinite, "choose 'skip' or 'abort'."
     )
     _check(self.eval_every >= 0, "eval.every", self.eval_every, "must be >= 0 (0 = at the start and end only).")
-    _check(isinstance(self.eval_background, bool), "eval.background", self.eval_background, "must be True or False.")
     _check(
       not self.eval_background or (self.mode == "async" and not self.dist.enabled),
       "eval.background",
