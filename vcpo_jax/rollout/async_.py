@@ -587,7 +587,9 @@ class AsyncSource:
     self._poll_error()
     if self._error is not None:
       if self.proc.exitcode is None:
-        self.proc.join(1.0)  # it exits right after sending its traceback
+        # it exits right after sending its traceback, but the interpreter teardown (JAX, atexit) of a loaded
+        # machine takes seconds
+        self.proc.join(10.0)
       raise self._died_error("")
 
   def _raise_if_dead(self):
