@@ -123,6 +123,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.eval.n = 3  # samples per problem (5 for AIME)
   c.eval.greedy = False  # argmax decoding instead (then n = 1)
   c.eval.pass_at_k = (1,)  # pass@k list
+  c.eval.background = False  # mode=async: the sampler process evaluates, tagged with the version; no learner stop
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # save every this many steps (and at the end / on SIGTERM)

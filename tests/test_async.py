@@ -551,3 +551,58 @@ def test_token_lag_stats_hand_checked():
     "train/token_lag_max": 2.0,
     "train/multi_version_frac": 0.5,
   }
+
+
+def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_eval(tmp_path, monkeypatch):
+  """eval.background: the sampler process evaluates steps 0 and 2 while the learner trains on (records tagged
+  policy_version = step, written to eval.jsonl and to metrics.jsonl at their own step; the learner's step rows
+  carry no eval), the final eval stays on the learner. The step-0 record equals a synchronous evaluation of the
+  same initial parameters in this process (same protocol, problems and RNG), and its checksum is theirs."""
+  import dataclasses
+
+  import numpy as np
+
+  from vcpo_jax import evaluation
+  from vcpo_jax.rollout.process import param_slot
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  built, _, paths = fixtures.record_sources(monkeypatch)
+  cfg = _tiny(steps=4, **{"eval.every": 2, "eval.background": True, "checkpoint.every": 2})
+  workdir = str(tmp_path / "run")
+  assert trainer.run(cfg, workdir)["step"] == 4
+  evals = metrics_lib.read_jsonl(os.path.join(workdir, "eval.jsonl"))
+  bg = [r for r in evals if r.get("background")]
+  assert [r["step"] for r in bg] == [0, 2] and [r["policy_version"] for r in bg] == [0, 2]
+  assert all(r["arrived_at_step"] >= r["step"] and r["sampler_pid"] == built[0].pid for r in bg)
+  (final,) = [r for r in evals if r["tag"] == "final"]
+  assert final["step"] == 4 and "background" not in final and len(evals) == 3
+  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  tagged = {r["step"]: r for r in rows if "eval/policy_version" in r}
+  assert sorted(tagged) == [0, 2]
+  assert [tagged[s]["eval/accuracy"] for s in (0, 2)] == [r["mean_at_n"] for r in bg]
+  assert not [r for r in rows if "train/lag_max" in r and "eval/accuracy" in r]  # no step waited for an eval
+  _assert_removed(paths)  # the eval slot too
+
+  spec = run_config.parse_config(cfg)
+  model_cfg, tokenizer, graphdef, params = trainer.build_policy(spec)
+  problems = spec.make_eval_problems()
+  base = trainer.make_sampler_cfg(
+    spec,
+    tokenizer,
+    temperature=spec.eval.temperature,
+    top_p=spec.eval.top_p,
+    top_k=0,
+    max_new_tokens=spec.eval.max_new_tokens,
+  )
+  sampling = evaluation.EvalSampling(
+    lambda c: Sampler(graphdef, model_cfg, c), base, tokenizer, chat_template=spec.rollout.chat_template
+  )
+  gen = sampling.generate_fn(params, jax.random.fold_in(jax.random.key(spec.seed), 10**9))
+  ref = json.loads(
+    json.dumps(evaluation.evaluate(gen, problems, dataclasses.replace(spec.eval, size=len(problems)), 0))
+  )
+  for k in ("mean_at_n", "mean_reward", "pass_at_k", "per_problem", "protocol", "num_problems", "grading_failures"):
+    assert bg[0][k] == ref[k], k
+  names = worker_lib.param_names(params)
+  arrays = {n: np.asarray(a) for n, a in zip(names, jax.device_get(jax.tree.leaves(params)))}
+  assert bg[0]["params_checksum"] == param_slot.checksum(arrays, names)

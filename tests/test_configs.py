@@ -210,6 +210,7 @@ BAD = [
   ("eval.n", 0, "countdown"),
   ("eval.every", -1, "countdown"),
   ("eval.dataset", "chess", "countdown"),
+  ("eval.background", True, "countdown"),  # countdown:smoke is mode=sync: only the async sampler evaluates
   ("log.norm_overhead_every", -1, "countdown"),
   ("sft.steps", -1, "countdown"),
   ("sft.lr", 0.0, "countdown"),

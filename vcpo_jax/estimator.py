@@ -123,6 +123,10 @@ def ess(log_w_n, valid_n=None):
   Returns:
     scalar float32 in [1, n_valid]; 0 when no valid entry or every valid weight
     is zero.
+
+  References:
+    Kong, A note on importance sampling using standardized weights, U. Chicago technical report (1992).
+    Owen, Monte Carlo theory, methods and examples (2013), ch. 9.
   """
   log_w_n = sg(jnp.asarray(log_w_n, jnp.float32))
   valid_n = _usable(log_w_n, valid_n)
@@ -165,6 +169,9 @@ def ess_lr_scale(ess_ratio, reference=1.0, rule="sqrt"):
     ess_ratio: scalar rho (of the UNCLIPPED weights in VCPO).
     reference: rho_on > 0, the on-policy reference ratio (docs/rho_on_protocol.md).
     rule: "sqrt" (paper) or "linear".
+
+  References:
+    Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs, arXiv 2602.17616 (the ESS-scaled step size).
   """
   if rule not in ESS_LR_RULES:
     raise ValueError(f"rule={rule!r}: choose one of {sorted(ESS_LR_RULES)}")
@@ -307,6 +314,10 @@ def importance_weights(
   Returns:
     weights of the same shape as log_ratio, float32, >= 0, finite for finite
     or +-inf log-ratios; stop-gradient.
+
+  References:
+    Ionides, Truncated importance sampling, J. Comput. Graph. Stat. 17(2) (2008) ("tis").
+    Espeholt et al., IMPALA, arXiv 1802.01561 (2018) (truncated ratios in off-policy RL).
   """
   if variant not in WEIGHT_VARIANTS:
     raise ValueError(f"variant={variant!r}: choose one of {sorted(WEIGHT_VARIANTS)}")
@@ -433,6 +444,12 @@ def advantages(rewards, group_ids=None, estimator="grpo", *, valid_n=None, std="
       sqrt(G / (G - 1)) (1.41x at G = 2).
   Returns:
     advantages with the shape of `rewards`.
+
+  References:
+    Shao et al., DeepSeekMath (GRPO), arXiv 2402.03300 (2024).
+    Ahmadian et al., Back to Basics: Revisiting REINFORCE Style Optimization, arXiv 2402.14740 (2024) (RLOO).
+    Liu et al., Understanding R1-Zero-Like Training: A Critical Perspective, arXiv 2503.20783 (2025)
+      (Dr. GRPO).
   """
   r = jnp.asarray(rewards, jnp.float32)
   shape = r.shape
@@ -485,6 +502,11 @@ def opob_baseline(
       clamp at 20 would make every large weight equal.
   Returns:
     [N] float32 baselines, stop-gradient.
+
+  References:
+    Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs, arXiv 2602.17616 (OPOB).
+    Greensmith, Bartlett & Baxter, Variance reduction techniques for gradient estimates in
+      reinforcement learning, JMLR 5 (2004) (the squared-score-norm weighted baseline).
   """
   if (weights_n is None) == (log_weights_n is None):
     raise ValueError("opob_baseline: pass exactly one of weights_n and log_weights_n")
@@ -970,6 +992,9 @@ def pg_coefficients(
     fraction whose applied weight is 0. For token_tis, weight_n and
     ess_ratio_applied use the product of the token weights. ess_ratio is in
     [1/n_valid, 1] (1 when no row is valid) and lr_scale in [0, 1].
+
+  References:
+    Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs, arXiv 2602.17616.
   """
   if needs_sq_norms(cfg) and sq_score_norms_n is None:
     raise ValueError(

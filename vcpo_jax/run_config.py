@@ -234,6 +234,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
     on_nonfinite=c.learner.on_nonfinite,
     eval=_eval_protocol(c),
     eval_every=c.eval.every,
+    eval_background=c.eval.get("background", False),
     checkpoint=_component(CheckpointConfig, "checkpoint", c.checkpoint.to_dict()),
     sft_steps=c.sft.steps,
     sft_lr=c.sft.lr,

@@ -265,6 +265,7 @@ class RunSpec:
   async_: AsyncConfig
   log: LogConfig
   multiturn: MultiTurnConfig | None = None  # tool-use episodes; None = single-turn rollouts
+  eval_background: bool = False  # eval.background: the async sampler process evaluates (trainer.run)
   # The run's one configured task (tasks.build of config.task) and the one evaluations draw from (the same
   # object unless eval.dataset / eval.data_path name another): every reward is graded by these objects.
   task: tasks.Task | None = None
@@ -298,6 +299,13 @@ class RunSpec:
       self.on_nonfinite in ("skip", "abort"), "learner.on_nonfinite", self.on_nonfinite, "choose 'skip' or 'abort'."
     )
     _check(self.eval_every >= 0, "eval.every", self.eval_every, "must be >= 0 (0 = at the start and end only).")
+    _check(
+      not self.eval_background or (self.mode == "async" and not self.dist.enabled),
+      "eval.background",
+      self.eval_background,
+      "the async sampler process evaluates: only with mode='async' on one host (distributed.enabled=False); "
+      "set eval.background=False.",
+    )
     _check(self.sft_steps >= 0, "sft.steps", self.sft_steps, "must be >= 0 (0 = no warm start).")
     _check(_finite(self.sft_lr) and self.sft_lr > 0, "sft.lr", self.sft_lr, "must be a finite rate > 0.")
     _check(self.sft_batch_size >= 1, "sft.batch_size", self.sft_batch_size, "must be >= 1.")

@@ -107,10 +107,24 @@ def run(config, workdir: str) -> dict:
   eval_sampling, eval_problems, eval_proto = _build_eval(spec, tokenizer, make_sampler, buckets, maker)
 
   def run_eval(step, params, tag=None):
+    if spec.eval_background and tag is None:  # eval.background: the async sampler evaluates, logged on arrival
+      source.request_eval(step, params)
+      return {}
     gen = eval_sampling.generate_fn(params, jax.random.fold_in(key, 10**9 + step))
     rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, tag=tag)
     writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
     return _eval_metrics(rec)
+
+  def background_evals(step, wait=False):
+    """eval.background: logs the records that arrived (eval.jsonl, and metrics.jsonl at the step each
+    evaluated); wait: first the outstanding one (every periodic checkpoint does, so that it follows the
+    records of every step <= its own, and ranks by its own step's evaluation). Returns the newest's metrics."""
+    out = {}
+    for rec in source.eval_results(wait=wait) if spec.eval_background else []:
+      writer.write_eval(dict(rec, arrived_at_step=step))
+      out = _eval_metrics(rec)
+      writer.write(rec["step"], dict(out, **{"eval/policy_version": rec["policy_version"]}))
+    return out
 
   # ---- checkpoint and resume ----
   # The signal handlers go in before the source exists: SIGINT / SIGTERM during start-up (the async sampler's
@@ -125,18 +139,28 @@ def run(config, workdir: str) -> dict:
       raise Interrupted(f"signal {flag['signal']}")
 
   old_handlers = _install_signal_handlers(flag)
-  build_source = lambda: rollout.build_source(
-    spec.mode,
-    maker,
-    key,
-    k=spec.k,
-    spec=spec,
-    model_cfg=model_cfg,
-    graphdef=graphdef,
-    tokenizer=tokenizer,
-    workdir=workdir,
-    interrupt=check_signal,
-  )
+
+  def build_source():
+    src = rollout.build_source(
+      spec.mode,
+      maker,
+      key,
+      k=spec.k,
+      spec=spec,
+      model_cfg=model_cfg,
+      graphdef=graphdef,
+      tokenizer=tokenizer,
+      workdir=workdir,
+      interrupt=check_signal,
+    )
+    if spec.eval_background:  # before the first publish starts the sampler process
+      from vcpo_jax.rollout.process.worker import EvalArgs
+
+      src.enable_background_eval(
+        EvalArgs(tuple(eval_problems), eval_proto, eval_sampling.base, spec.rollout.chat_template)
+      )
+    return src
+
   source, ckpt, writer, state, latest, meta = _open(
     spec, workdir, primary, build_source, state, old_handlers, check_signal
   )
@@ -150,7 +174,8 @@ def run(config, workdir: str) -> dict:
   try:
     if latest is None:  # a checkpoint at step 0 (a signal before the first update) follows this eval
       last_eval = run_eval(0, state.params)
-      writer.write(0, last_eval)
+      if last_eval:  # eval.background: logged when it arrives
+        writer.write(0, last_eval)
     while step < spec.steps:
       if not agreed_stops:  # multi-host async: the source's next() agrees on a stop with every host
         check_signal()
@@ -182,17 +207,21 @@ def run(config, workdir: str) -> dict:
       if evaluate_now and step < spec.steps:
         last_eval = run_eval(step, state.params)
         row.update(last_eval)
+      background_evals(step)
       writer.write(step, row, advance=True)
       if step % spec.checkpoint.every == 0 and step < spec.steps:
+        last_eval = background_evals(step, wait=True) or last_eval
         _save(ckpt, step, state, source, writer, last_eval if evaluate_now else None)
     # A rerun of a finished run restores the final checkpoint, whose evaluation is logged already.
     final_eval = meta.get("final_eval") if step == start else None
+    background_evals(step, wait=True)
     if final_eval is None:
       final_eval = run_eval(step, state.params, tag="final")
       writer.write(step, final_eval)
     _save(ckpt, step, state, source, writer, final_eval, final=True)
   except (Interrupted, distributed.JobStopped) as e:
     log.warning("interrupted (%s): saving a checkpoint at step %d", e, step)
+    background_evals(step)  # what arrived is logged; an evaluation still running is lost (no wait here)
     _save(ckpt, step, state, source, writer, None, force=True)
     raise SystemExit(getattr(e, "exit_code", 130))
   finally:

@@ -68,6 +68,14 @@ stopped worker gets SIGKILL at once) and removes every shared-memory segment
 and semaphore. If the learner itself is killed the worker gets SIGKILL from the
 kernel (PR_SET_PDEATHSIG) and the resource tracker unlinks the segments.
 
+Background evaluation (eval.background, one host; off by default: the trainer evaluates itself):
+`enable_background_eval(worker.EvalArgs)` before the first publish, then `request_eval(v, params)`
+writes version v's parameters (host copy in the learner's own dtype, float32) into a second, one-copy
+ParamSlot and returns; the worker evaluates them between batches / in its waits and sends the record
+back on the control pipe; `eval_results()` hands over the records that arrived, each tagged with
+policy_version = v (`wait=True`: first wait for the outstanding one, with the usual liveness and
+interrupt checks). At most one request is outstanding: a new one waits for the previous record.
+
 Several hosts (jax.process_count() > 1): rollout/multihost.py's MultiHostAsyncSource, a subclass: one
 sampler per learner process on that host's share of the prompts, a per-step agreement of all hosts
 through jax.distributed's coordination service, and a publish that gathers host-complete parameters.
@@ -271,6 +279,13 @@ class AsyncSource:
     self._thread_error: BaseException | None = None
     self._thread = None
     self.publish_blocking_s: list[float] = []  # learner-side time inside publish(), per call (perf_counter)
+    # Background evaluation (eval.background): the worker's EvalArgs, the eval slot, records that arrived.
+    self.eval_args = None
+    self.eval_slot = None
+    self._eval_spec: dict | None = None  # {name: (shape, dtype)} of the learner's parameters
+    self._evals: collections.deque = collections.deque()  # records received, not handed over yet
+    self._eval_outstanding: int | None = None  # the version requested and not yet returned
+    self.eval_request_s: list[float] = []  # learner-side time inside request_eval(), per call
 
   # ------------------------------------------------------------------ learner side
 
@@ -294,6 +309,8 @@ class AsyncSource:
     self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id, nbuf=1 if self.background else 2)
     self._write(arrays, version, None)  # before the start: the worker's first wait succeeds at once
     self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
+    if self.eval_args is not None:  # one copy: the worker reads a request once, the learner writes rarely
+      self.eval_slot = ParamSlot(self._eval_spec, run=self.run_id, nbuf=1)
     log.info("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
     self.conn, child_conn = SPAWN.Pipe(duplex=True)
     args = worker_lib.WorkerArgs(
@@ -314,6 +331,7 @@ class AsyncSource:
       inflight=self.inflight,
       update_every_tokens=self.update_every_tokens,
       recompute_kv=self.recompute_kv,
+      eval=self.eval_args,
       **self._worker_args_extra(),
     )
     # The spawn payload stays small: the arguments (problems, tokenizer: can be MBs) go through a file.
@@ -326,7 +344,7 @@ class AsyncSource:
       pickle.dump(args, f, protocol=pickle.HIGHEST_PROTOCOL)
     self.proc = SPAWN.Process(
       target=worker_lib.main,
-      args=(self._args_path, self.queue, self.slot, child_conn),
+      args=(self._args_path, self.queue, self.slot, child_conn, self.eval_slot),
       name="vcpo-async-sampler",
       daemon=False,
     )  # a daemon could not start graders
@@ -362,6 +380,9 @@ class AsyncSource:
     t0 = time.perf_counter()
     version = int(version)
     if self.proc is None:
+      if self.eval_args is not None:
+        names, leaves = worker_lib.param_names(params), jax.tree.leaves(params)
+        self._eval_spec = {n: (tuple(x.shape), np.dtype(x.dtype)) for n, x in zip(names, leaves)}
       self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
     elif not self.background:  # today's path: device_get, one copy into the slot; no checksum on this path
       self._poll_publish()
@@ -549,11 +570,16 @@ class AsyncSource:
   # -- failure reporting
 
   def _poll_error(self):
+    """Reads the worker's messages: ("error", traceback), ("eval", record) of a background evaluation."""
     try:
       while self.conn is not None and self.conn.poll():
-        kind, text = self.conn.recv()
+        kind, payload = self.conn.recv()
         if kind == "error":
-          self._error = text
+          self._error = payload
+        elif kind == "eval":
+          self._evals.append(payload)
+          if payload["step"] == self._eval_outstanding:
+            self._eval_outstanding = None
     except (EOFError, OSError):
       pass
 
@@ -561,7 +587,9 @@ class AsyncSource:
     self._poll_error()
     if self._error is not None:
       if self.proc.exitcode is None:
-        self.proc.join(1.0)  # it exits right after sending its traceback
+        # it exits right after sending its traceback, but the interpreter teardown (JAX, atexit) of a loaded
+        # machine takes seconds
+        self.proc.join(10.0)
       raise self._died_error("")
 
   def _raise_if_dead(self):
@@ -599,6 +627,66 @@ class AsyncSource:
       f"async source: no batch {step} within async_.{name}={timeout:g} s; {why}. Raise "
       f"async_.{name} if generation is legitimately that slow."
     )
+
+  # ------------------------------------------------------------------ background evaluation
+
+  def enable_background_eval(self, eval_args):
+    """eval.background: the sampler process evaluates the versions request_eval() hands it.
+
+    eval_args: worker.EvalArgs (held-out problems, protocol, eval sampler config); before the first publish()."""
+    if self.proc is not None:
+      raise RuntimeError("async source: enable_background_eval() must come before the first publish().")
+    if jax.process_count() > 1:
+      raise ValueError("eval.background=True: the sampler process evaluates on one host only; set it False.")
+    self.eval_args = eval_args
+
+  def request_eval(self, version: int, params):
+    """Asks the sampler process to evaluate `params` (version `version`) and returns without waiting for it.
+
+    One blocking host copy of the parameters (device_get, then into the eval slot), no generation. With a
+    request still outstanding it first waits for that record (`eval_results(wait=True)` keeps it for the
+    caller): evaluations slower than eval.every learner steps cannot overlap each other.
+    """
+    if self.eval_args is None or self.proc is None:
+      raise RuntimeError("async source: request_eval() needs enable_background_eval() and a first publish().")
+    t0 = time.perf_counter()
+    if self._eval_outstanding is not None:
+      self._wait_eval()
+    names = worker_lib.param_names(params)
+    arrays = {n: np.asarray(a) for n, a in zip(names, jax.device_get(jax.tree.leaves(params)))}
+    self._poll_publish()
+    self.eval_slot.publish(arrays, int(version), poll=self._poll_publish)
+    self._eval_outstanding = int(version)
+    self.eval_request_s.append(time.perf_counter() - t0)
+
+  def eval_results(self, wait: bool = False) -> list[dict]:
+    """The background evaluation records that arrived since the last call, oldest first (each handed over once).
+
+    Each is evaluation.evaluate's record of the requested version (its "step"), with policy_version = that
+    version, background = True and the sampler's pid. wait: first wait for the outstanding request's record
+    (within async_.startup_timeout_s; a dead sampler or an interrupt ends the wait as in next()).
+    """
+    if wait and self._eval_outstanding is not None:
+      self._wait_eval()
+    self._poll_error()
+    out = list(self._evals)
+    self._evals.clear()
+    return out
+
+  def _wait_eval(self):
+    deadline = time.monotonic() + self.startup_timeout_s  # an evaluation compiles its sampler the first time
+    while self._eval_outstanding is not None:
+      if self._interrupt is not None:
+        self._interrupt()
+      self._raise_if_error()
+      if self.proc.exitcode is not None:
+        raise self._died_error(f"while the learner waited for the evaluation of version {self._eval_outstanding}")
+      if time.monotonic() >= deadline:
+        raise TimeoutError(
+          f"async source: the background evaluation of version {self._eval_outstanding} did not return within "
+          f"async_.startup_timeout_s={self.startup_timeout_s:g} s; raise it, or set eval.background=False."
+        )
+      self.conn.poll(_POLL_S)
 
   # ------------------------------------------------------------------ checkpointing, lifetime
 
@@ -649,7 +737,7 @@ class AsyncSource:
 
   def resource_paths(self) -> list[str]:
     """/dev/shm paths this source owns (segments and semaphores), for leak checks."""
-    return (self.queue.resource_paths() if self.queue else []) + (self.slot.resource_paths() if self.slot else [])
+    return [p for x in (self.queue, self.slot, self.eval_slot) if x is not None for p in x.resource_paths()]
 
   @property
   def pid(self) -> int | None:
@@ -669,9 +757,11 @@ class AsyncSource:
       self.queue.close()
     if self.slot is not None:
       self.slot.close()
+    if self.eval_slot is not None:
+      self.eval_slot.close()
     if self.conn is not None:
       self.conn.close()
-    self.queue = self.slot = self.conn = None
+    self.queue = self.slot = self.eval_slot = self.conn = None
 
 
 class _Closing(Exception):

@@ -38,12 +38,21 @@ On several hosts (rollout/multihost.py) `WorkerArgs.prompt_block` = (lo, hi) mak
 only prompts [lo, hi) of each step's P, taken from the single-host stream, with the host index folded
 into the key; its batch has (hi - lo) * G rows.
 
-Idle time = time blocked in 1 (the bound) and 4 (a full queue); the totals
-travel with each batch so the learner can report the sampler's idle fraction.
+Background evaluation (`WorkerArgs.eval`, eval.background): the learner requests an evaluation of
+version v by writing that version's parameters (float32, as the learner holds them) into a second,
+one-copy ParamSlot, the eval slot. Before each batch and in its waits (the staleness bound, a full
+queue) the worker looks at that slot; a newer version is evaluated with `evaluation.EvalSampling` and
+`evaluation.evaluate` (the trainer's protocol, problems, sampler settings and RNG fold_in(key, 10**9 + v),
+so the record is the one a synchronous eval of v would write) and the record, tagged with
+policy_version = v, goes back on the control pipe as ("eval", record). The learner keeps at most one
+request outstanding, so no request is ever overwritten unevaluated.
+
+Idle time = time blocked in 1 (the bound) and 4 (a full queue), less the time spent evaluating there;
+the totals travel with each batch so the learner can report the sampler's idle fraction.
 
 Control and errors travel on one duplex `Pipe`: the learner sends "stop"; the
-worker sends ("error", traceback) before exiting non-zero, so the learner can
-name the cause. The worker ignores SIGINT (Ctrl-C reaches the whole process
+worker sends ("eval", record) for each background evaluation and ("error", traceback) before
+exiting non-zero, so the learner can name the cause. The worker ignores SIGINT (Ctrl-C reaches the whole process
 group; the learner decides when the sampler stops) and, on Linux, asks the
 kernel to SIGKILL it if the learner dies (PR_SET_PDEATHSIG), besides noticing a
 dead learner in every wait.
@@ -73,6 +82,16 @@ class _Stop(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalArgs:
+  """Background evaluation in the sampler process (eval.background): what trainer.run's evaluation uses."""
+
+  problems: tuple  # tasks.Problem, the held-out set (spec.make_eval_problems())
+  protocol: Any  # evaluation.EvalProtocol, its size = len(problems)
+  sampler_cfg: Any  # sampler.SamplerConfig: EvalSampling's base (the protocol's settings are written into it)
+  chat_template: bool = False  # RolloutConfig.chat_template
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkerArgs:
   """Everything the sampler process needs, all picklable (no jax objects)."""
 
@@ -97,6 +116,7 @@ class WorkerArgs:
   # folded into the key. None: the whole batch (one host).
   prompt_block: tuple[int, int] | None = None
   host: int = 0
+  eval: EvalArgs | None = None  # background evaluation (eval.background); None: the learner evaluates
 
 
 def param_names(params) -> tuple[str, ...]:
@@ -161,11 +181,12 @@ def pin_cpus(cpus) -> None:
       pass  # the thread ended meanwhile
 
 
-def main(args_path: str, batch_queue, slot, conn):
+def main(args_path: str, batch_queue, slot, conn, eval_slot=None):
   """Process entry point (spawn target). Exits 0 on "stop", 1 with a traceback sent on error.
 
   `args_path`: a pickled WorkerArgs (a file keeps the spawn payload small). Deleted once read, so a
   learner killed later leaves no file behind (the learner also deletes it on close, if still there).
+  eval_slot: the ParamSlot of background evaluation requests (None: off).
   """
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   _set_parent_death_signal()
@@ -180,7 +201,7 @@ def main(args_path: str, batch_queue, slot, conn):
       pass  # the learner closed meanwhile
     if args.cpus:
       pin_cpus(args.cpus)  # before JAX builds its CPU client: its thread pools inherit the mask
-    _Worker(args, batch_queue, slot, conn, parent).run()
+    _Worker(args, batch_queue, slot, conn, parent, eval_slot).run()
   except _Stop:
     stopped = True
   except BaseException:
@@ -192,6 +213,8 @@ def main(args_path: str, batch_queue, slot, conn):
   finally:
     batch_queue.close()
     slot.close()
+    if eval_slot is not None:
+      eval_slot.close()
   if stopped:
     # Asked to stop: exit at once. The atexit handlers run (e.g. a grader subprocess is closed), but not the
     # interpreter's teardown of JAX and friends, which takes seconds on a loaded machine and would outlast the
@@ -203,8 +226,12 @@ def main(args_path: str, batch_queue, slot, conn):
 
 
 class _Worker:
-  def __init__(self, args: WorkerArgs, batch_queue, slot, conn, parent_pid: int):
+  def __init__(self, args: WorkerArgs, batch_queue, slot, conn, parent_pid: int, eval_slot=None):
     self.args, self.queue, self.slot, self.conn, self.parent = args, batch_queue, slot, conn, parent_pid
+    self.eval_slot = eval_slot if args.eval is not None else None
+    self._evaluated = -1  # newest version evaluated in the background
+    self._eval_sampling = None  # evaluation.EvalSampling, built at the first request
+    self.eval_s = 0.0  # seconds spent on background evaluations (not idle, not generation)
     self.idle_s = 0.0
     self.t_start = time.monotonic()
     self._version, self._params, self._checksum = -1, None, None
@@ -272,9 +299,10 @@ class _Worker:
     """(version, params) with version >= step - k, newest available; blocks (idle) until then."""
 
     need = max(0, step - self.args.k)
-    t0 = time.monotonic()
+    t0, e0 = time.monotonic(), self.eval_s
     while True:
       self._check_stop()
+      self._maybe_eval()  # paused on the bound: the time an evaluation needs is free here
       if self._version >= need and self.slot.version() == self._version:
         break  # nothing newer than the copy already on the device
       try:
@@ -283,7 +311,7 @@ class _Worker:
         continue
       self._load(version, arrays)
       break
-    self.idle_s += time.monotonic() - t0
+    self.idle_s += time.monotonic() - t0 - (self.eval_s - e0)
     return self._version, self._params
 
   def _load(self, version: int, arrays: dict):
@@ -323,15 +351,62 @@ class _Worker:
     return self._params, self._version
 
   def _put(self, batch: dict, meta: dict):
-    t0 = time.monotonic()
+    t0, e0 = time.monotonic(), self.eval_s
     while True:
       self._check_stop()
       try:
         self.queue.put(batch, meta, timeout=_POLL_S)
         break
       except queue_lib.Full:
+        self._maybe_eval()  # the queue is full: the learner is behind, evaluate meanwhile
         continue
-    self.idle_s += time.monotonic() - t0
+    self.idle_s += time.monotonic() - t0 - (self.eval_s - e0)
+
+  # -- background evaluation
+
+  def _maybe_eval(self):
+    """Evaluates the eval slot's version if it is newer than the last one evaluated; sends the record."""
+    if self.eval_slot is None or self.eval_slot.version() <= self._evaluated:
+      return
+    import jax
+    import jax.numpy as jnp
+
+    from vcpo_jax import evaluation
+
+    try:
+      version, arrays = self.eval_slot.latest(min_version=self._evaluated + 1, timeout=_POLL_S, poll=self._check_stop)
+    except TimeoutError:
+      return
+    t0 = time.monotonic()
+    e = self.args.eval
+    # The learner's own (float32) parameters: the eval decodes exactly what a synchronous eval of v would.
+    leaves = [jnp.asarray(arrays[n], dtype=d) for n, d in zip(self.args.param_names, self.dtypes)]
+    params = jax.tree.unflatten(self.treedef, leaves)
+    if self._eval_sampling is None:
+      from vcpo_jax.sampler import Sampler, sampler_mesh
+
+      graphdef, model_cfg = self.sampler.graphdef, self.args.model_cfg
+      self._eval_sampling = evaluation.EvalSampling(
+        lambda cfg: Sampler(graphdef, model_cfg, cfg, mesh=sampler_mesh(cfg)),
+        e.sampler_cfg,
+        self.args.tokenizer,
+        chat_template=e.chat_template,
+        episodes=getattr(self.maker, "eval_episodes", None) if self.args.multiturn is not None else None,
+      )
+    gen = self._eval_sampling.generate_fn(params, jax.random.fold_in(self.key, 10**9 + version))
+    from vcpo_jax.rollout.process.param_slot import checksum
+
+    # policy_version: what was evaluated; params_checksum: of exactly the arrays read (end-to-end check)
+    extra = {
+      "policy_version": int(version),
+      "params_checksum": checksum(arrays, self.args.param_names),
+      "background": True,
+      "sampler_pid": os.getpid(),
+    }
+    rec = evaluation.evaluate(gen, e.problems, e.protocol, int(version), extra=extra)
+    self.conn.send(("eval", rec))
+    self._evaluated = int(version)
+    self.eval_s += time.monotonic() - t0
 
   def run(self):
     import jax
@@ -339,6 +414,7 @@ class _Worker:
     self._build()
     fields = tuple(self.queue.schema.fields)
     for seq, step in enumerate(range(self.args.first_step, self.args.end_step)):
+      self._maybe_eval()  # a requested evaluation goes before the next batch (the learner has k in hand)
       version, params = self._params_for(step)
       self._used = {int(version): self._checksum}
       t0 = time.monotonic()
@@ -358,6 +434,7 @@ class _Worker:
         "inflight_updates_total": self.updates,
         "gen_s": gen_s,
         "idle_s_total": self.idle_s,
+        "eval_s_total": self.eval_s,  # background evaluations so far
         "elapsed_s_total": time.monotonic() - self.t_start,
         "response_len_mean": info["response_len_mean"],
         "finished_frac": info["finished_frac"],
@@ -370,6 +447,7 @@ class _Worker:
         meta.pop("texts")  # long responses: the learner decodes tokens if it needs them
       self._put({f: batch[f] for f in fields}, meta)
     self.queue.finish()
-    while True:  # every batch is made; stay attached until the learner says stop
+    while True:  # every batch is made; stay attached until the learner says stop (and evaluate on request)
       self._check_stop()
+      self._maybe_eval()
       time.sleep(_POLL_S)
