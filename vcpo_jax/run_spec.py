@@ -301,6 +301,27 @@ class RunSpec:
     _check(self.sft_steps >= 0, "sft.steps", self.sft_steps, "must be >= 0 (0 = no warm start).")
     _check(_finite(self.sft_lr) and self.sft_lr > 0, "sft.lr", self.sft_lr, "must be a finite rate > 0.")
     _check(self.sft_batch_size >= 1, "sft.batch_size", self.sft_batch_size, "must be >= 1.")
+    if self.task is not None:
+      _check(
+        not self.task_template or self.task.generated or "{problem}" in self.task_template,
+        "task.template",
+        self.task_template,
+        f"a {self.rollout.task} prompt template must contain '{{problem}}'.",
+      )
+    if self.multiturn is not None:
+      _check(
+        self.task is None or not self.task.generated,
+        "task.multiturn.enabled",
+        True,
+        f"task.name={self.rollout.task!r} has no tool-use protocol; use a text data set (gsm8k, math, math500, aime).",
+      )
+      n = self.rollout.max_new_tokens
+      _check(
+        self.multiturn.max_turn_tokens <= n,
+        "task.multiturn.max_turn_tokens",
+        self.multiturn.max_turn_tokens,
+        f"exceeds the response budget task.max_new_tokens={n}; lower it or raise task.max_new_tokens.",
+      )
     pg = self.learner.pg
     _check(
       self.rollout.group_size >= 2 or pg.advantage not in ("grpo", "rloo", "drgrpo"),
