@@ -207,17 +207,7 @@ def load_setting(
 
 
 def _optimizer(spec):
-  from vcpo_jax import optim
-
-  return optim.make_optimizer(
-    spec.lr,
-    weight_decay=spec.weight_decay,
-    clip_norm=spec.clip_norm,
-    b1=spec.b1,
-    b2=spec.b2,
-    schedule=spec.schedule,
-    total_steps=spec.steps,
-  )
+  return spec.optim.build(total_steps=spec.steps)  # the trainer's optimizer
 
 
 def _abstract_params(model_cfg):

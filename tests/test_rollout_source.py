@@ -1,5 +1,7 @@
 """rollout.build_source picks the mode's source; rollout.build_maker the single- or multi-turn maker."""
 
+import types
+
 import jax
 import pytest
 
@@ -27,7 +29,7 @@ def test_build_maker_single_and_multi_turn():
 
   tok = build_char_tokenizer()
   built = []
-  make_sampler = lambda cfg: built.append(cfg) or cfg  # a stand-in: records the config it was given
+  make_sampler = lambda cfg: built.append(cfg) or types.SimpleNamespace(cfg=cfg)  # records its config
   base = SamplerConfig.from_tokenizer(tok, max_prompt_len=8, max_new_tokens=8, batch_sizes=(4,))
   single = rollout.build_maker(ROLLOUT, None, tok, make_sampler, base, [])
   assert type(single) is RolloutMaker and built == [base]

@@ -36,9 +36,9 @@ from vcpo_jax.run_spec import (
   LogConfig,
   RunSpec,
   SamplingConfig,
-  _check,
-  _errors_in,
+  check_field,
   check_prompt_lengths,
+  config_errors,
   config_message,
 )
 
@@ -49,7 +49,7 @@ __all__ = ["ConfigError", "RunSpec", "check_override_paths", "field_paths", "par
 
 
 def _pg_config(c) -> estimator.PGConfig:
-  _check(
+  check_field(
     c.method in estimator.PRESETS, "method", c.method, f"unknown preset; choose one of {sorted(estimator.PRESETS)}."
   )
   overrides = {k: v for k, v in c.vcpo.items() if v is not None}
@@ -63,18 +63,20 @@ def _pg_config(c) -> estimator.PGConfig:
 
 def _model_config(c, need_pos: int) -> model_config.ModelConfig:
   m = c.model
-  _check(m.preset in model_config.PRESETS, "model.preset", m.preset, f"choose one of {sorted(model_config.PRESETS)}.")
-  with _errors_in("model", model_config.ModelConfig):
+  check_field(
+    m.preset in model_config.PRESETS, "model.preset", m.preset, f"choose one of {sorted(model_config.PRESETS)}."
+  )
+  with config_errors("model", model_config.ModelConfig):
     base = model_config.PRESETS[m.preset](dtype=m.dtype)
   overrides = {}
   for f in ("hidden_size", "num_layers", "intermediate_size"):
     if m[f] is not None:
-      _check(m[f] >= 1, f"model.{f}", m[f], "must be >= 1 (or None for the preset's value).")
+      check_field(m[f] >= 1, f"model.{f}", m[f], "must be >= 1 (or None for the preset's value).")
       overrides[f] = m[f]
   h = overrides.get("hidden_size")
   if h is not None and not m.checkpoint:  # Qwen2 / Llama: width = heads x head_dim: it splits over the heads
     n = base.num_heads
-    _check(
+    check_field(
       h % n == 0,
       "model.hidden_size",
       h,
@@ -82,7 +84,7 @@ def _model_config(c, need_pos: int) -> model_config.ModelConfig:
     )
   for f in model_config.EXECUTION_FIELDS:  # how the model is computed: applies to checkpoints too
     overrides[f] = m[f]
-  with _errors_in("model", model_config.ModelConfig):
+  with config_errors("model", model_config.ModelConfig):
     cfg = base.replace(**overrides)
   if cfg.max_position < need_pos and not m.checkpoint:
     cfg = cfg.replace(max_position=need_pos)
@@ -93,33 +95,22 @@ def _multiturn_config(c) -> MultiTurnConfig | None:
   mt = c.task.multiturn
   if not mt.enabled:
     return None
-  _check(
-    not tasks.TASKS[c.task.name].generated,
-    "task.multiturn.enabled",
-    True,
-    f"task.name={c.task.name!r} has no tool-use protocol; use a text data set (gsm8k, math, math500, aime).",
-  )
-  with _errors_in("task.multiturn", MultiTurnConfig):
-    cfg = MultiTurnConfig(**{k: v for k, v in mt.to_dict().items() if k != "enabled"})
-  _check(
-    cfg.max_turn_tokens <= c.task.max_new_tokens,
-    "task.multiturn.max_turn_tokens",
-    cfg.max_turn_tokens,
-    f"exceeds the response budget task.max_new_tokens={c.task.max_new_tokens}; lower it or raise task.max_new_tokens.",
-  )
-  return cfg
+  with config_errors("task.multiturn", MultiTurnConfig):
+    return MultiTurnConfig(**{k: v for k, v in mt.to_dict().items() if k != "enabled"})
 
 
 def _eval_protocol(c) -> EvalProtocol:
   dataset = c.eval.dataset or c.task.name
-  _check(dataset in tasks.TASKS, "eval.dataset", dataset, f"unknown data set; choose one of {sorted(tasks.TASKS)}.")
-  _check(
+  check_field(
+    dataset in tasks.TASKS, "eval.dataset", dataset, f"unknown data set; choose one of {sorted(tasks.TASKS)}."
+  )
+  check_field(
     dataset == c.task.name or not tasks.TASKS[dataset].generated,
     "eval.dataset",
     dataset,
     "is a generated task; evaluate it by training on it (leave eval.dataset empty).",
   )
-  with _errors_in("eval", EvalProtocol, {"size": "num_problems"}):
+  with config_errors("eval", EvalProtocol, {"size": "num_problems"}):
     return EvalProtocol(
       dataset=dataset,
       split="test",
@@ -140,7 +131,7 @@ def _tasks(c) -> dict:
   t = c.task
   gen = dict(t.gen.to_dict())
   try:
-    with _errors_in("task.gen" if tasks.TASKS[t.name].generated else "task", names=dict.fromkeys(gen)):
+    with config_errors("task.gen" if tasks.TASKS[t.name].generated else "task", names=dict.fromkeys(gen)):
       task = tasks.build(t.name, template=t.template, options=gen, data_path=t.data_path)
   except ConfigError as e:
     if m := re.search(r"unexpected keyword argument '(\w+)'", str(e)):  # e.g. --config.task.gen.foo=1
@@ -151,7 +142,7 @@ def _tasks(c) -> dict:
   dataset = c.eval.dataset or t.name
   if dataset == t.name and not c.eval.data_path:
     return {"task": task, "eval_task": task}
-  with _errors_in("eval", names={"data_path": "data_path"}):
+  with config_errors("eval", names={"data_path": "data_path"}):
     return {"task": task, "eval_task": tasks.build(dataset, template=t.template, data_path=c.eval.data_path)}
 
 
@@ -161,12 +152,12 @@ def _component(cls, section: str, d: dict):
   kw = {k: v for k, v in d.items() if k in names and k != "extra"}
   if "extra" in names:
     kw["extra"] = {k: v for k, v in d.items() if k not in names}
-  with _errors_in(section, cls):
+  with config_errors(section, cls):
     return cls(**kw)
 
 
 def _exists(field: str, path: str, what: str):
-  _check(not path or os.path.exists(path), field, path, f"does not exist; {what}")
+  check_field(not path or os.path.exists(path), field, path, f"does not exist; {what}")
 
 
 def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
@@ -178,16 +169,10 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
   c = config
   t = c.task
   pg = _pg_config(c)
-  _check(t.name in tasks.TASKS, "task.name", t.name, f"unknown task; choose one of {sorted(tasks.TASKS)}.")
-  _check(
-    not t.template or tasks.TASKS[t.name].generated or "{problem}" in t.template,
-    "task.template",
-    t.template,
-    f"a {t.name} prompt template must contain '{{problem}}'.",
-  )
+  check_field(t.name in tasks.TASKS, "task.name", t.name, f"unknown task; choose one of {sorted(tasks.TASKS)}.")
   _exists("task.data_path", t.data_path, "point it at a local parquet/jsonl file ('' = the shipped fixture).")
   _exists("eval.data_path", c.eval.data_path, "point it at a local parquet/jsonl file ('' = the shipped fixture).")
-  with _errors_in("task", RolloutConfig):
+  with config_errors("task", RolloutConfig):
     rollout = RolloutConfig(
       task=t.name,
       prompts_per_step=t.prompts_per_step,
@@ -201,7 +186,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
   multiturn = _multiturn_config(c)
   # A multi-turn context reaches T - 1 tokens and one call adds up to max_turn_tokens more.
   model_cfg = _model_config(c, t.max_prompt_len + t.max_new_tokens + (multiturn.max_turn_tokens if multiturn else 0))
-  with _errors_in("learner", LearnerConfig):
+  with config_errors("learner", LearnerConfig):
     learner_cfg = LearnerConfig(
       pg=pg,
       grad_path=c.learner.grad_path,
@@ -212,7 +197,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
       batch_size=rollout.batch_size,
     )
   optim_cfg = _component(OptimConfig, "optim", c.optim.to_dict())
-  with _errors_in("mesh", sharding.MeshConfig):
+  with config_errors("mesh", sharding.MeshConfig):
     mesh_shape = sharding.MeshConfig(tuple(c.mesh.shape)).shape
   spec = RunSpec(
     seed=c.seed,

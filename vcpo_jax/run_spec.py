@@ -36,7 +36,7 @@ class ConfigError(ValueError):
   """A bad config value; the message is one line: `config.FIELD=VALUE: what to do`."""
 
 
-def _check(ok: bool, field: str, value, fix: str):
+def check_field(ok: bool, field: str, value, fix: str):
   if not ok:
     raise ConfigError(f"config.{field}={value!r}: {fix}")
 
@@ -46,7 +46,7 @@ def _finite(x) -> bool:
 
 
 @contextlib.contextmanager
-def _errors_in(section: str, cls=None, names: dict[str, str] | None = None):
+def config_errors(section: str, cls=None, names: dict[str, str] | None = None):
   """Re-raises a component's ValueError / TypeError as a ConfigError naming config.<section>.<field>.
 
   Component messages name their field as `Class.field ...`, `section.field ...` or `field ...`;
@@ -92,8 +92,8 @@ class SamplingConfig:
   mesh_shape: tuple = (-1, 1, 1)
 
   def __post_init__(self):
-    _check(self.draw in ("inverse_cdf", "gumbel"), "sampler.draw", self.draw, "use inverse_cdf or gumbel.")
-    _check(
+    check_field(self.draw in ("inverse_cdf", "gumbel"), "sampler.draw", self.draw, "use inverse_cdf or gumbel.")
+    check_field(
       self.param_dtype in ("", "auto", "float32", "bfloat16"),
       "sampler.param_dtype",
       self.param_dtype,
@@ -102,15 +102,17 @@ class SamplingConfig:
     try:
       object.__setattr__(self, "mesh_shape", sharding.MeshConfig(tuple(self.mesh_shape)).shape)
     except (ValueError, TypeError) as e:
-      _check(False, "sampler.mesh_shape", self.mesh_shape, f"{e}")
-    _check(
+      check_field(False, "sampler.mesh_shape", self.mesh_shape, f"{e}")
+    check_field(
       _finite(self.temperature) and self.temperature > 0,
       "sampler.temperature",
       self.temperature,
       "training rollouts need a finite temperature > 0 (greedy behavior log-probs are degenerate); released: 1.0.",
     )
-    _check(_finite(self.top_p) and 0 < self.top_p <= 1, "sampler.top_p", self.top_p, "must be in (0, 1] (1 = off).")
-    _check(self.top_k >= 0, "sampler.top_k", self.top_k, "must be >= 0 (0 = off).")
+    check_field(
+      _finite(self.top_p) and 0 < self.top_p <= 1, "sampler.top_p", self.top_p, "must be in (0, 1] (1 = off)."
+    )
+    check_field(self.top_k >= 0, "sampler.top_k", self.top_k, "must be >= 0 (0 = off).")
 
   def sampler_kwargs(self, **override) -> dict:
     """The sampler.SamplerConfig fields these settings give (an evaluation overrides temperature / top_p / top_k)."""
@@ -125,9 +127,11 @@ class CheckpointConfig:
   keep_best: int = 1  # plus the best by eval accuracy
 
   def __post_init__(self):
-    _check(self.every >= 1, "checkpoint.every", self.every, "must be >= 1 (steps between saves).")
-    _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1 (resuming needs the newest).")
-    _check(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "must be >= 0 (0 = keep no best).")
+    check_field(self.every >= 1, "checkpoint.every", self.every, "must be >= 1 (steps between saves).")
+    check_field(
+      self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1 (resuming needs the newest)."
+    )
+    check_field(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "must be >= 0 (0 = keep no best).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,18 +153,20 @@ class AsyncConfig:
   extra: dict = dataclasses.field(default_factory=dict)  # config.async_ keys not modelled here, passed on
 
   def __post_init__(self):
-    _check(self.queue_slots >= 1, "async_.queue_slots", self.queue_slots, "must be >= 1 (batches the queue holds).")
+    check_field(
+      self.queue_slots >= 1, "async_.queue_slots", self.queue_slots, "must be >= 1 (batches the queue holds)."
+    )
     for f in ("timeout_s", "startup_timeout_s"):
       v = getattr(self, f)
-      _check(_finite(v) and v > 0, f"async_.{f}", v, "must be a finite number of seconds > 0.")
-    _check(
+      check_field(_finite(v) and v > 0, f"async_.{f}", v, "must be a finite number of seconds > 0.")
+    check_field(
       _finite(self.peer_lost_s) and self.peer_lost_s > 2.0,
       "async_.peer_lost_s",
       self.peer_lost_s,
       "must be a finite number of seconds > 2 (4 heartbeats of 0.5 s; 30 tolerates a busy host).",
     )
     ids = str(self.sampler_devices).replace(" ", "").split(",") if str(self.sampler_devices) else []
-    _check(
+    check_field(
       all(x.isdigit() for x in ids) and len(set(ids)) == len(ids),
       "async_.sampler_devices",
       self.sampler_devices,
@@ -168,18 +174,18 @@ class AsyncConfig:
     )
     from vcpo_jax.sampler import DECODE_MODES
 
-    _check(self.decode in DECODE_MODES, "async_.decode", self.decode, f"choose one of {DECODE_MODES}.")
+    check_field(self.decode in DECODE_MODES, "async_.decode", self.decode, f"choose one of {DECODE_MODES}.")
     for f in ("chunk_tokens", "update_every_tokens"):
       v = getattr(self, f)
-      _check(isinstance(v, int) and v >= 1, f"async_.{f}", v, "must be an int >= 1 (decode steps).")
+      check_field(isinstance(v, int) and v >= 1, f"async_.{f}", v, "must be an int >= 1 (decode steps).")
     for f in ("inflight_updates", "recompute_kv"):
-      _check(isinstance(getattr(self, f), bool), f"async_.{f}", getattr(self, f), "must be True or False.")
+      check_field(isinstance(getattr(self, f), bool), f"async_.{f}", getattr(self, f), "must be True or False.")
     from vcpo_jax.rollout.async_ import parse_cpus  # the one parser of CPU lists ("1", "0,2", "2-3")
 
     try:
       parse_cpus(self.sampler_cpus)
     except ValueError as e:
-      _check(False, "async_.sampler_cpus", self.sampler_cpus, " ".join(str(e).split()))
+      raise ConfigError(config_message(str(e), "async_")) from None
 
   def as_dict(self) -> dict:
     """The dict rollout.async_.AsyncSource reads (spec.async_cfg): every config.async_ key."""
@@ -194,7 +200,7 @@ class LogConfig:
   norm_overhead_every: int = 0
 
   def __post_init__(self):
-    _check(
+    check_field(
       self.norm_overhead_every >= 0, "log.norm_overhead_every", self.norm_overhead_every, "must be >= 0 (0 = off)."
     )
 
@@ -212,8 +218,8 @@ class DistributedConfig:
     return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}, **self.extra}
 
   def __post_init__(self):
-    _check(self.num_processes >= 1, "distributed.num_processes", self.num_processes, "must be >= 1.")
-    _check(
+    check_field(self.num_processes >= 1, "distributed.num_processes", self.num_processes, "must be >= 1.")
+    check_field(
       0 <= self.process_id < self.num_processes,
       "distributed.process_id",
       self.process_id,
@@ -221,7 +227,7 @@ class DistributedConfig:
     )
     if self.enabled:
       addr = self.coordinator_address
-      _check(
+      check_field(
         bool(re.fullmatch(r"\S+:\d+", addr or "")),
         "distributed.coordinator_address",
         addr,
@@ -272,45 +278,68 @@ class RunSpec:
   eval_task: tasks.Task | None = None
 
   def __post_init__(self):
-    _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "seed", self.seed, f"must be in [0, {MAX_SEED}].")
-    _check(self.steps >= 1, "steps", self.steps, "must be >= 1 (learner steps).")
-    _check(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}.")
-    _check(self.k >= 0, "lag.k", self.k, "staleness must be >= 0.")
-    _check(self.k <= MAX_LAG, "lag.k", self.k, f"must be <= {MAX_LAG}; lag mode keeps k + 1 parameter copies.")
-    _check(
+    check_field(
+      isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "seed", self.seed, f"must be in [0, {MAX_SEED}]."
+    )
+    check_field(self.steps >= 1, "steps", self.steps, "must be >= 1 (learner steps).")
+    check_field(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}.")
+    check_field(self.k >= 0, "lag.k", self.k, "staleness must be >= 0.")
+    check_field(self.k <= MAX_LAG, "lag.k", self.k, f"must be <= {MAX_LAG}; lag mode keeps k + 1 parameter copies.")
+    check_field(
       self.mode != "sync" or self.k == 0,
       "lag.k",
       self.k,
       "mode='sync' samples with the current policy (k = 0); set lag.k=0 or mode='lag'.",
     )
-    _check(
+    check_field(
       self.mode != "async" or self.k >= 1,
       "lag.k",
       self.k,
       "mode='async' needs a staleness budget k >= 1 (the sampler runs ahead by up to k steps).",
     )
-    _check(
+    check_field(
       not (self.async_.inflight_updates and self.multiturn is not None),
       "async_.inflight_updates",
       True,
       "in-flight updates cover single-turn rollouts only; set it False for task.multiturn.enabled runs.",
     )
-    _check(
+    check_field(
       self.on_nonfinite in ("skip", "abort"), "learner.on_nonfinite", self.on_nonfinite, "choose 'skip' or 'abort'."
     )
-    _check(self.eval_every >= 0, "eval.every", self.eval_every, "must be >= 0 (0 = at the start and end only).")
-    _check(
+    check_field(self.eval_every >= 0, "eval.every", self.eval_every, "must be >= 0 (0 = at the start and end only).")
+    check_field(
       not self.eval_background or (self.mode == "async" and not self.dist.enabled),
       "eval.background",
       self.eval_background,
       "the async sampler process evaluates: only with mode='async' on one host (distributed.enabled=False); "
       "set eval.background=False.",
     )
-    _check(self.sft_steps >= 0, "sft.steps", self.sft_steps, "must be >= 0 (0 = no warm start).")
-    _check(_finite(self.sft_lr) and self.sft_lr > 0, "sft.lr", self.sft_lr, "must be a finite rate > 0.")
-    _check(self.sft_batch_size >= 1, "sft.batch_size", self.sft_batch_size, "must be >= 1.")
+    check_field(self.sft_steps >= 0, "sft.steps", self.sft_steps, "must be >= 0 (0 = no warm start).")
+    check_field(_finite(self.sft_lr) and self.sft_lr > 0, "sft.lr", self.sft_lr, "must be a finite rate > 0.")
+    check_field(self.sft_batch_size >= 1, "sft.batch_size", self.sft_batch_size, "must be >= 1.")
+    if self.task is not None:
+      check_field(
+        not self.task_template or self.task.generated or "{problem}" in self.task_template,
+        "task.template",
+        self.task_template,
+        f"a {self.rollout.task} prompt template must contain '{{problem}}'.",
+      )
+    if self.multiturn is not None:
+      check_field(
+        self.task is None or not self.task.generated,
+        "task.multiturn.enabled",
+        True,
+        f"task.name={self.rollout.task!r} has no tool-use protocol; use a text data set (gsm8k, math, math500, aime).",
+      )
+      n = self.rollout.max_new_tokens
+      check_field(
+        self.multiturn.max_turn_tokens <= n,
+        "task.multiturn.max_turn_tokens",
+        self.multiturn.max_turn_tokens,
+        f"exceeds the response budget task.max_new_tokens={n}; lower it or raise task.max_new_tokens.",
+      )
     pg = self.learner.pg
-    _check(
+    check_field(
       self.rollout.group_size >= 2 or pg.advantage not in ("grpo", "rloo", "drgrpo"),
       "task.group_size",
       self.rollout.group_size,
@@ -318,26 +347,26 @@ class RunSpec:
       "(or vcpo.advantage='reinforce').",
     )
     data_par = max(self.mesh_shape[0], 1) * max(self.mesh_shape[1], 1)  # a -1 entry: resolved by build_mesh
-    _check(
+    check_field(
       self.rollout.batch_size % data_par == 0,
       "task.prompts_per_step",
       self.rollout.prompts_per_step,
       f"the batch N = P*G = {self.rollout.batch_size} must be divisible by the data-parallel size "
       f"data*fsdp = {data_par} of mesh.shape={self.mesh_shape}.",
     )
-    _check(
+    check_field(
       not self.model_checkpoint or os.path.isfile(os.path.join(self.model_checkpoint, "config.json")),
       "model.checkpoint",
       self.model_checkpoint,
       "has no config.json; pass a local Hugging Face model directory, or '' for a random preset.",
     )
-    _check(
+    check_field(
       not self.tokenizer_dir or os.path.isdir(self.tokenizer_dir),
       "model.tokenizer",
       self.tokenizer_dir,
       "is not a directory.",
     )
-    _check(
+    check_field(
       not (self.sft_steps and self.model_checkpoint),
       "sft.steps",
       self.sft_steps,
@@ -412,11 +441,11 @@ def check_prompt_lengths(spec: RunSpec):
     )
   )
   if key not in _PROMPT_LENGTHS:
-    with _errors_in("task.gen" if spec.task.generated else "task", names=dict.fromkeys(spec.task_gen)):
+    with config_errors("task.gen" if spec.task.generated else "task", names=dict.fromkeys(spec.task_gen)):
       train = spec.make_train_problems()
-    with _errors_in("eval"):
+    with config_errors("eval"):
       held_out = spec.make_eval_problems()
-    with _errors_in("model.tokenizer" if spec.tokenizer_dir else "model.checkpoint"):
+    with config_errors("model.tokenizer" if spec.tokenizer_dir else "model.checkpoint"):
       src = (spec.tokenizer_dir, spec.model_checkpoint)
       tokenizer = _TOKENIZERS[src] = _TOKENIZERS.get(src) or spec.load_tokenizer()
     longest = {}
@@ -426,7 +455,7 @@ def check_prompt_lengths(spec: RunSpec):
       longest[name] = (lengths[i], problems[i].id) if lengths else (0, None)
     _PROMPT_LENGTHS[key] = longest
   for name, (n, problem_id) in _PROMPT_LENGTHS[key].items():
-    _check(
+    check_field(
       n <= spec.rollout.max_prompt_len,
       "task.max_prompt_len",
       spec.rollout.max_prompt_len,

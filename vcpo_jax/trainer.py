@@ -83,6 +83,9 @@ def run(config, workdir: str) -> dict:
   if spec.sft_steps > 0:  # supervised warm start on the solver's solutions (cached per config)
     from vcpo_jax import sft
 
+    # CPU-sized random models only (RunSpec): trained on one local device as always, so a cached warm
+    # start and a fresh one agree whatever the mesh; the learner's state below is laid out on the mesh.
+    params = jax.device_put(params, jax.local_devices()[0])
     params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir if primary else None)
 
   # ---- learner ----
