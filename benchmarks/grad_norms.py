@@ -22,7 +22,9 @@ Timing is interleaved: each round runs every step once (the order rotates betwee
 load drifts on a shared machine hit all steps alike; reported are the median and range of the
 per-round ratios vcpo / plain_taps and vcpo / plain_vag, and the load average (os.getloadavg)
 before and after. Goal: vcpo <= 1.10x the fair plain step at every T. Memory: XLA's compiled
-temp bytes per step. The last line of output is one JSON object with every number.
+temp bytes per step. Cost: XLA's cost analysis of each compiled step (flops, bytes accessed) and
+their ratios, deterministic figures next to the times; and the ghost-norm plan the VCPO step took
+(`grad_norms.plan_layers`: how many matmuls use gram / direct / materialize). The last line of output is one JSON object with every number.
 """
 
 from __future__ import annotations
@@ -176,7 +178,15 @@ def compile_step(fn, args):
   compiled = jax.jit(fn).lower(*args).compile()
   mem = compiled.memory_analysis()
   temp = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
-  return compiled, dict(compile_s=time.perf_counter() - t0, temp_bytes=temp)
+  # XLA's cost model of the compiled program (deterministic, unlike the times): where extra time could go.
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  return compiled, dict(
+    compile_s=time.perf_counter() - t0,
+    temp_bytes=temp,
+    flops=float(cost.get("flops", -1.0)),
+    bytes_accessed=float(cost.get("bytes accessed", -1.0)),
+  )
 
 
 def tree_rel(a, b):
@@ -229,12 +239,36 @@ def run_t(graphdef, params, logp_fn, cfg, t, n, group, rounds, method, extra):
     ratios[f"vcpo/{base}"] = _spread([a / b for a, b in zip(rows["vcpo"]["times_s"], rows[base]["times_s"])])
   for r in rows.values():
     r["median_s"] = statistics.median(r["times_s"])
+  # The plan the VCPO step's ghost norms take at this shape (gram / direct / materialize per matmul).
+  infos, in_shapes, _, out_shapes = gn._tapped_forward(logp_fn, params, batch)
+  plans = gn.plan_layers(infos, in_shapes, out_shapes, method)
+  plan_counts = {}
+  for pl in plans.values():
+    plan_counts[f"{pl.kind}:{pl.method}"] = plan_counts.get(f"{pl.kind}:{pl.method}", 0) + 1
+  cost_ratios = {
+    f"vcpo/{base}": dict(
+      flops=rows["vcpo"]["flops"] / rows[base]["flops"],
+      bytes_accessed=rows["vcpo"]["bytes_accessed"] / rows[base]["bytes_accessed"],
+    )
+    for base in names
+    if base != "vcpo"
+  }
   checks = {"grad_rel_plain_taps_vs_plain_vag": tree_rel(outs["plain_taps"][1], outs["plain_vag"][1])}
   for k in ("vmap", "loop"):
     if k in outs:
       g = outs[k][0]
       checks[f"grad_rel_{k}_vs_vcpo"] = tree_rel(g, outs["vcpo"][0])
-  return dict(t=t, n=n, steps=rows, ratios=ratios, checks=checks, load_before=load_before, load_after=load_after)
+  return dict(
+    t=t,
+    n=n,
+    steps=rows,
+    ratios=ratios,
+    cost_ratios=cost_ratios,
+    plan=plan_counts,
+    checks=checks,
+    load_before=load_before,
+    load_after=load_after,
+  )
 
 
 def memory_table(args):
@@ -323,9 +357,15 @@ def main(argv=None):
     res = run_t(graphdef, params, logp_fn, cfg, t, n, args.group, args.rounds, args.method, extra)
     results.append(res)
     print(f"\nT={t} N={n}  (load {res['load_before'][0]:.1f} -> {res['load_after'][0]:.1f})")
-    print(f"  {'step':11s} {'median s':>9s} {'compile s':>9s} {'temp MiB':>9s}")
+    print(f"  plan {res['plan']}")
+    print(f"  {'step':11s} {'median s':>9s} {'compile s':>9s} {'temp MiB':>9s} {'GFLOP':>9s} {'GB accessed':>11s}")
     for name, r in res["steps"].items():
-      print(f"  {name:11s} {r['median_s']:9.3f} {r['compile_s']:9.1f} {r['temp_bytes'] / 2**20:9.1f}")
+      print(
+        f"  {name:11s} {r['median_s']:9.3f} {r['compile_s']:9.1f} {r['temp_bytes'] / 2**20:9.1f} "
+        f"{r['flops'] / 1e9:9.1f} {r['bytes_accessed'] / 1e9:11.2f}"
+      )
+    for k, v in res["cost_ratios"].items():
+      print(f"  {k:22s} XLA cost: flops {v['flops']:.3f}x, bytes accessed {v['bytes_accessed']:.3f}x")
     for k, v in res["ratios"].items():
       print(f"  {k:22s} median {v['median']:.3f}  range [{v['min']:.3f}, {v['max']:.3f}]")
     for k, v in res["checks"].items():
