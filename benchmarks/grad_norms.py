@@ -4,6 +4,7 @@
     python -m benchmarks.grad_norms --small               # seconds: a smoke run of the same code
     python -m benchmarks.grad_norms --ts=1024 --rounds=7 --extra=vmap,loop
     python -m benchmarks.grad_norms --memory              # compiled temp bytes only (no timing)
+    python -m benchmarks.grad_norms --cost --layers=4 --tokens=8192   # XLA flops / bytes per plan method
 
 One process, one model; per T one batch of N = tokens // T rows. Every step returns the gradient
 of the surrogate loss = -sum_n coef_n sum_t tokw_nt logp_nt (no optimizer update, which is the
@@ -317,6 +318,30 @@ def memory_table(args):
   print(json.dumps(dict(benchmark="grad_norms_memory", rows=out)))
 
 
+def cost_table(args, graphdef, params, logp_fn, cfg):
+  """XLA cost analysis only (compiled, not run): the VCPO step under each ghost-norm plan method and
+  the two plain steps, per T. Deterministic, so it shows on a loaded machine where extra time can go."""
+  out = []
+  for t in [int(x) for x in args.ts.split(",")]:
+    n = max(args.group, args.tokens // t // args.group * args.group)
+    batch = make_batch(graphdef, params, n, t, args.group)
+    coef = jnp.ones((n,), jnp.float32)
+    steps = {f"vcpo:{m}": (lambda p, b, m=m: fast_step(logp_fn, p, b, cfg, m), (params, batch)) for m in gn.METHODS}
+    steps["plain_taps"] = (lambda p, b, c: plain_taps(logp_fn, p, b, c), (params, batch, coef))
+    steps["plain_vag"] = (lambda p, b, c: plain_vag(logp_fn, p, b, c), (params, batch, coef))
+    row = dict(t=t, n=n, steps={name: compile_step(fn, a)[1] for name, (fn, a) in steps.items()})
+    base = row["steps"]["plain_taps"]
+    print(f"T={t} N={n}: GFLOP / GB accessed / temp MiB, and flops vs plain_taps")
+    for name, r in row["steps"].items():
+      print(
+        f"  {name:17s} {r['flops'] / 1e9:9.1f} {r['bytes_accessed'] / 1e9:8.2f} {r['temp_bytes'] / 2**20:8.0f}"
+        f"  {r['flops'] / base['flops']:.3f}x",
+        flush=True,
+      )
+    out.append(row)
+  print(json.dumps(dict(benchmark="grad_norms_cost", tokens=args.tokens, layers=args.layers, rows=out)))
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--ts", default="256,1024,4096", help="sequence lengths T, comma-separated")
@@ -327,6 +352,7 @@ def main(argv=None):
   ap.add_argument("--method", default="auto", help="ghost plan method: auto | gram | direct | materialize")
   ap.add_argument("--extra", default="", help="extra steps, comma-separated: vmap,loop")
   ap.add_argument("--small", action="store_true", help="tiny model and batches (smoke run)")
+  ap.add_argument("--cost", action="store_true", help="only XLA cost analysis per step and plan method (no timing)")
   ap.add_argument("--memory", action="store_true", help="only compiled temp bytes, 1 layer, dense vs chunked head")
   ap.add_argument("--memory-shapes", default="4x512,8x512,4x1024", help="NxT list for --memory")
   ap.add_argument("--memory-vocab", type=int, default=8192)
@@ -344,6 +370,8 @@ def main(argv=None):
   logp_fn = gn.sequence_logp_fn(graphdef)
   cfg = estimator.pg_config_from_preset("vcpo")
   extra = {x for x in args.extra.split(",") if x}
+  if args.cost:
+    return cost_table(args, graphdef, params, logp_fn, cfg)
   print(
     f"model: {cfg_m.model_type} D={cfg_m.hidden_size} F={cfg_m.intermediate_size} L={cfg_m.num_layers} "
     f"V={cfg_m.vocab_size} tied={cfg_m.tie_embeddings} logprob_chunk={cfg_m.logprob_chunk}: "
