@@ -4,6 +4,7 @@
     python -m benchmarks.grad_norms --small               # seconds: a smoke run of the same code
     python -m benchmarks.grad_norms --ts=1024 --rounds=7 --extra=vmap,loop
     python -m benchmarks.grad_norms --memory              # compiled temp bytes only (no timing)
+    python -m benchmarks.grad_norms --cost --layers=4 --tokens=8192   # XLA flops / bytes per plan method
 
 One process, one model; per T one batch of N = tokens // T rows. Every step returns the gradient
 of the surrogate loss = -sum_n coef_n sum_t tokw_nt logp_nt (no optimizer update, which is the
@@ -22,7 +23,9 @@ Timing is interleaved: each round runs every step once (the order rotates betwee
 load drifts on a shared machine hit all steps alike; reported are the median and range of the
 per-round ratios vcpo / plain_taps and vcpo / plain_vag, and the load average (os.getloadavg)
 before and after. Goal: vcpo <= 1.10x the fair plain step at every T. Memory: XLA's compiled
-temp bytes per step. The last line of output is one JSON object with every number.
+temp bytes per step. Cost: XLA's cost analysis of each compiled step (flops, bytes accessed) and
+their ratios, deterministic figures next to the times; and the ghost-norm plan the VCPO step took
+(`grad_norms.plan_layers`: how many matmuls use gram / direct / materialize). The last line of output is one JSON object with every number.
 """
 
 from __future__ import annotations
@@ -176,7 +179,15 @@ def compile_step(fn, args):
   compiled = jax.jit(fn).lower(*args).compile()
   mem = compiled.memory_analysis()
   temp = int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
-  return compiled, dict(compile_s=time.perf_counter() - t0, temp_bytes=temp)
+  # XLA's cost model of the compiled program (deterministic, unlike the times): where extra time could go.
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  return compiled, dict(
+    compile_s=time.perf_counter() - t0,
+    temp_bytes=temp,
+    flops=float(cost.get("flops", -1.0)),
+    bytes_accessed=float(cost.get("bytes accessed", -1.0)),
+  )
 
 
 def tree_rel(a, b):
@@ -229,12 +240,36 @@ def run_t(graphdef, params, logp_fn, cfg, t, n, group, rounds, method, extra):
     ratios[f"vcpo/{base}"] = _spread([a / b for a, b in zip(rows["vcpo"]["times_s"], rows[base]["times_s"])])
   for r in rows.values():
     r["median_s"] = statistics.median(r["times_s"])
+  # The plan the VCPO step's ghost norms take at this shape (gram / direct / materialize per matmul).
+  infos, in_shapes, _, out_shapes = gn._tapped_forward(logp_fn, params, batch)
+  plans = gn.plan_layers(infos, in_shapes, out_shapes, method)
+  plan_counts = {}
+  for pl in plans.values():
+    plan_counts[f"{pl.kind}:{pl.method}"] = plan_counts.get(f"{pl.kind}:{pl.method}", 0) + 1
+  cost_ratios = {
+    f"vcpo/{base}": dict(
+      flops=rows["vcpo"]["flops"] / rows[base]["flops"],
+      bytes_accessed=rows["vcpo"]["bytes_accessed"] / rows[base]["bytes_accessed"],
+    )
+    for base in names
+    if base != "vcpo"
+  }
   checks = {"grad_rel_plain_taps_vs_plain_vag": tree_rel(outs["plain_taps"][1], outs["plain_vag"][1])}
   for k in ("vmap", "loop"):
     if k in outs:
       g = outs[k][0]
       checks[f"grad_rel_{k}_vs_vcpo"] = tree_rel(g, outs["vcpo"][0])
-  return dict(t=t, n=n, steps=rows, ratios=ratios, checks=checks, load_before=load_before, load_after=load_after)
+  return dict(
+    t=t,
+    n=n,
+    steps=rows,
+    ratios=ratios,
+    cost_ratios=cost_ratios,
+    plan=plan_counts,
+    checks=checks,
+    load_before=load_before,
+    load_after=load_after,
+  )
 
 
 def memory_table(args):
@@ -283,6 +318,30 @@ def memory_table(args):
   print(json.dumps(dict(benchmark="grad_norms_memory", rows=out)))
 
 
+def cost_table(args, graphdef, params, logp_fn, cfg):
+  """XLA cost analysis only (compiled, not run): the VCPO step under each ghost-norm plan method and
+  the two plain steps, per T. Deterministic, so it shows on a loaded machine where extra time can go."""
+  out = []
+  for t in [int(x) for x in args.ts.split(",")]:
+    n = max(args.group, args.tokens // t // args.group * args.group)
+    batch = make_batch(graphdef, params, n, t, args.group)
+    coef = jnp.ones((n,), jnp.float32)
+    steps = {f"vcpo:{m}": (lambda p, b, m=m: fast_step(logp_fn, p, b, cfg, m), (params, batch)) for m in gn.METHODS}
+    steps["plain_taps"] = (lambda p, b, c: plain_taps(logp_fn, p, b, c), (params, batch, coef))
+    steps["plain_vag"] = (lambda p, b, c: plain_vag(logp_fn, p, b, c), (params, batch, coef))
+    row = dict(t=t, n=n, steps={name: compile_step(fn, a)[1] for name, (fn, a) in steps.items()})
+    base = row["steps"]["plain_taps"]
+    print(f"T={t} N={n}: GFLOP / GB accessed / temp MiB, and flops vs plain_taps")
+    for name, r in row["steps"].items():
+      print(
+        f"  {name:17s} {r['flops'] / 1e9:9.1f} {r['bytes_accessed'] / 1e9:8.2f} {r['temp_bytes'] / 2**20:8.0f}"
+        f"  {r['flops'] / base['flops']:.3f}x",
+        flush=True,
+      )
+    out.append(row)
+  print(json.dumps(dict(benchmark="grad_norms_cost", tokens=args.tokens, layers=args.layers, rows=out)))
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--ts", default="256,1024,4096", help="sequence lengths T, comma-separated")
@@ -293,6 +352,7 @@ def main(argv=None):
   ap.add_argument("--method", default="auto", help="ghost plan method: auto | gram | direct | materialize")
   ap.add_argument("--extra", default="", help="extra steps, comma-separated: vmap,loop")
   ap.add_argument("--small", action="store_true", help="tiny model and batches (smoke run)")
+  ap.add_argument("--cost", action="store_true", help="only XLA cost analysis per step and plan method (no timing)")
   ap.add_argument("--memory", action="store_true", help="only compiled temp bytes, 1 layer, dense vs chunked head")
   ap.add_argument("--memory-shapes", default="4x512,8x512,4x1024", help="NxT list for --memory")
   ap.add_argument("--memory-vocab", type=int, default=8192)
@@ -310,6 +370,8 @@ def main(argv=None):
   logp_fn = gn.sequence_logp_fn(graphdef)
   cfg = estimator.pg_config_from_preset("vcpo")
   extra = {x for x in args.extra.split(",") if x}
+  if args.cost:
+    return cost_table(args, graphdef, params, logp_fn, cfg)
   print(
     f"model: {cfg_m.model_type} D={cfg_m.hidden_size} F={cfg_m.intermediate_size} L={cfg_m.num_layers} "
     f"V={cfg_m.vocab_size} tied={cfg_m.tie_embeddings} logprob_chunk={cfg_m.logprob_chunk}: "
@@ -323,9 +385,15 @@ def main(argv=None):
     res = run_t(graphdef, params, logp_fn, cfg, t, n, args.group, args.rounds, args.method, extra)
     results.append(res)
     print(f"\nT={t} N={n}  (load {res['load_before'][0]:.1f} -> {res['load_after'][0]:.1f})")
-    print(f"  {'step':11s} {'median s':>9s} {'compile s':>9s} {'temp MiB':>9s}")
+    print(f"  plan {res['plan']}")
+    print(f"  {'step':11s} {'median s':>9s} {'compile s':>9s} {'temp MiB':>9s} {'GFLOP':>9s} {'GB accessed':>11s}")
     for name, r in res["steps"].items():
-      print(f"  {name:11s} {r['median_s']:9.3f} {r['compile_s']:9.1f} {r['temp_bytes'] / 2**20:9.1f}")
+      print(
+        f"  {name:11s} {r['median_s']:9.3f} {r['compile_s']:9.1f} {r['temp_bytes'] / 2**20:9.1f} "
+        f"{r['flops'] / 1e9:9.1f} {r['bytes_accessed'] / 1e9:11.2f}"
+      )
+    for k, v in res["cost_ratios"].items():
+      print(f"  {k:22s} XLA cost: flops {v['flops']:.3f}x, bytes accessed {v['bytes_accessed']:.3f}x")
     for k, v in res["ratios"].items():
       print(f"  {k:22s} median {v['median']:.3f}  range [{v['min']:.3f}, {v['max']:.3f}]")
     for k, v in res["checks"].items():

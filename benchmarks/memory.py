@@ -385,6 +385,7 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
   }
   if part != "learner":
     row["prompt_len"], row["new_tokens"] = setting.sampler_tp, setting.sampler_tn
+    row["prefill_chunk"] = setting.sampler_cfg.prefill_chunk  # 0: the whole prompt bucket in one pass
   else:
     row["microbatch"] = microbatch_rows(setting.spec, mesh, rows) or rows
   by_layers = {}
@@ -439,6 +440,9 @@ def worker(args) -> list[dict]:
       setting = dataclasses.replace(
         load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens), **budget
       )
+      if args.prefill_chunk:  # SamplerConfig.prefill_chunk (the trainer's sampler prefills in one pass)
+        scfg = dataclasses.replace(setting.sampler_cfg, prefill_chunk=args.prefill_chunk)
+        setting = dataclasses.replace(setting, sampler_cfg=scfg)
       half = min(TINY_TOKENS, setting.t // 2) // 2
       tiny = load_setting(name, overrides, args.batch, half, half) if args.batch_dependent else None
       tiny = tiny and dataclasses.replace(tiny, **budget)
@@ -545,6 +549,12 @@ def main(argv=None):
     default=-1,
     help="ghost-norm memory budget per device in bytes (grad_norms.memory_budget; -1: the library default)",
   )
+  p.add_argument(
+    "--prefill_chunk",
+    type=int,
+    default=0,
+    help="sampler prompt tokens per prefill pass (SamplerConfig.prefill_chunk; 0: the trainer's, one pass)",
+  )
   p.add_argument("--timeout", type=float, default=3 * 3600.0, help="seconds for the worker subprocess")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -567,6 +577,7 @@ def main(argv=None):
     f"--prompt_len={args.prompt_len}",
     f"--new_tokens={args.new_tokens}",
     f"--norm_budget={args.norm_budget}",
+    f"--prefill_chunk={args.prefill_chunk}",
   ] + (["--batch_dependent"] if args.batch_dependent else [])
   commit, date = _git_commit(), time.strftime("%Y-%m-%d")  # what is measured: the tree as the run starts
   results = _run_workers(args, [int(x) for x in args.devices.split(",")], passthrough)
