@@ -1,16 +1,22 @@
-"""The stability study (issue 6): methods x lag k x seeds x learning rates.
+"""The stability study (issues 6, 13): methods x lag k x seeds x learning rates.
 
 Launch (writes docs/results/stability.md and PNGs; resumes finished cells):
 
   python -m vcpo_jax.experiments.stability --out=docs/results
   python -m vcpo_jax.experiments.stability --out=/tmp/stab --config=configs/stability.py:quick   # minutes, smoke
   python -m vcpo_jax.experiments.stability --out=docs/results --config.seeds="(0,1,2)"
-  python -m vcpo_jax.experiments.stability --out=docs/results --config=configs/stability.py:countdown   # the real trainer, ~1.5 h
+  # issue 13 on the real trainer: 19 methods, 73 tuning runs + 760 grid runs (~40 s each on an idle 2-core CPU,
+  # ~9 h; far longer on a shared machine), into runs/ until complete; resumable at run granularity:
+  nice -n 10 python -m vcpo_jax.experiments.stability --config=configs/stability.py:countdown --config.workers=1 \
+    --out=runs/stability_countdown
 
 Backend "pure_lag" (vcpo_jax/experiments/pure_lag.py): a tiny transformer on the
 synthetic stride-counting task, one fully jitted exact-lag run per (seed, lr),
 compiled once per method and vmapped. The selection rule and the collapse and
-alarm definitions below are fixed BEFORE the study runs (review #10).
+alarm definitions below are fixed BEFORE the study runs (review #10). Backend
+"trainer" (variant countdown): every run is vcpo_jax.trainer.run; with `tuning`
+each method first gets the same number of trials of its own knob (KNOBS) on a
+separate seed (vcpo_jax/experiments/tuning.py) and is reported at its best value.
 """
 
 import ml_collections

@@ -1,5 +1,6 @@
 """Tests of the pure exact-lag run (pure_lag.py) and the stability study's bookkeeping (stability.py)."""
 
+import json
 import math
 
 import jax
@@ -8,9 +9,11 @@ import numpy as np
 import pytest
 
 from tests import fixtures
-from vcpo_jax import estimator
+from vcpo_jax import estimator, run_config, trainer
+from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.experiments import pure_lag as pl
 from vcpo_jax.experiments import stability as st
+from vcpo_jax.experiments import tuning
 from vcpo_jax.model import transformer
 
 CFG = pl.PureLagConfig(
@@ -200,41 +203,65 @@ def test_select_lr_rule():
 # ----------------------------------------------------------------------------- the trainer backend
 
 
-def test_trainer_backend_end_to_end_and_resumes_per_run(tmp_path):
-  """configs/stability.py:countdown_quick through vcpo_jax.trainer.run: arrays, report, run-level resume."""
+def test_trainer_backend_end_to_end_tunes_and_resumes_per_run(tmp_path):
+  """configs/stability.py:countdown_quick through run_study: tuning stage, grid, report, run-level resume,
+  and the same metrics from cache-loaded programs as from freshly compiled ones."""
   c = st.load_config("countdown_quick", {"trainer.runs": str(tmp_path / "runs")})
   c.methods, c.ks = ("vcpo",), (0, 2)
+  c.tuning.knobs, c.tuning.trials = {"vcpo": ("rho_on", (0.5,))}, 1  # one trial: the selection is tested below
   assert c.backend == "trainer" and st.chance(c) == 0.0 and st.batch_size(c) == 8
-  fp = st.fingerprint(st.settings(c))
   logs = []
-  fn = st.trainer_cell_fn(c, log=logs.append)
   out = tmp_path / "out"
-  with fixtures.persistent_compilation_cache(tmp_path / "jax_cache"):  # the k = 2 run reuses k = 0's programs
-    done = st.run_cells([("vcpo", 0), ("vcpo", 2)], out, c.backend, fp, fn, log=logs.append)
-  assert done == [("vcpo", 0), ("vcpo", 2)]
+  knob = ("rho_on", 0.5)
+  # run_study turns the cache on in runs/jax_cache; the fixture turns it off again afterwards. The tuning
+  # trial (k = 2) compiles; the grid's k = 0 and k = 2 runs load its programs.
+  with fixtures.persistent_compilation_cache(tmp_path / "runs" / "jax_cache"):
+    st.run_study(c, out, c.methods, log=logs.append)
+  wd_tune = st.run_dir(c, "vcpo", 2, 3e-4, 100, knob, "tune")
+  assert (wd_tune / "summary.json").exists() and any("tuning vcpo" in s for s in logs)
+  assert st.chosen_knob(c, out, "vcpo") == knob
+  fp = st.cell_fingerprint(c, out)("vcpo")
+  assert fp != st.fingerprint(st.settings(c))  # the chosen knob is part of the cell's fingerprint
   z = st.load_cell(st.cell_path(out, "trainer", "vcpo", 2), fp)
   steps = c.task.steps
   assert z["accuracy"].shape == (1, 1, 2) and z["eval_step"][0, 0].tolist() == [0, steps]
-  assert z["ess_ratio"].shape == z["lr_scale"].shape == (1, 1, steps)
-  assert ((z["ess_ratio"] > 0) & (z["ess_ratio"] <= 1 + 1e-6)).all()
+  assert z["ess_ratio"].shape == z["lr_scale"].shape == z["learn_s"].shape == (1, 1, steps)
+  assert ((z["ess_ratio"] > 0) & (z["ess_ratio"] <= 1 + 1e-6)).all() and (z["run_s"] > 0).all()
   # k = 0 is the synchronous reference: ratios are 1 up to sampler/learner numerics.
   np.testing.assert_allclose(st.load_cell(st.cell_path(out, "trainer", "vcpo", 0), fp)["ess_ratio"], 1.0, atol=1e-4)
-  wd = st.run_dir(c, "vcpo", 2, c.lrs[0], c.seeds[0])
+  wd = st.run_dir(c, "vcpo", 2, c.lrs[0], c.seeds[0], knob)
+  assert wd.name == "vcpo_rho_on0.5_k2_lr0.0003_seed0"
   assert (wd / "summary.json").exists() and not (wd / "checkpoints").exists()
+  assert json.loads((wd / "config.json").read_text())["vcpo"]["rho_on"] == 0.5
+  # The same run without the cache (every program compiled afresh) logs the same numbers.
+  fresh = tmp_path / "fresh"
+  trainer.run(st.trainer_run_config(c, "vcpo", 2, c.seeds[0], c.lrs[0], knob), str(fresh))
+  strip = lambda d: [
+    {k: v for k, v in r.items() if not k.startswith("time/") and k != "wall_time"}
+    for r in metrics_lib.read_jsonl(str(d / "metrics.jsonl"))
+  ]
+  assert strip(fresh) == strip(wd)
   # A lost cell file with its runs on disk: the cell is rebuilt from metrics.jsonl without training again.
   st.cell_path(out, "trainer", "vcpo", 2).unlink()
   n_runs = sum(s.startswith("  run ") for s in logs)
-  assert st.run_cells([("vcpo", 0), ("vcpo", 2)], out, c.backend, fp, fn, log=logs.append) == [("vcpo", 2)]
-  assert sum(s.startswith("  run ") for s in logs) == n_runs == 2
+  assert n_runs == 3
+  st.run_study(c, out, c.methods, log=logs.append)
+  assert sum(s.startswith("  run ") for s in logs) == n_runs
+  assert any(s.startswith("[skip] tuning vcpo") for s in logs)
   np.testing.assert_array_equal(st.load_cell(st.cell_path(out, "trainer", "vcpo", 2), fp)["accuracy"], z["accuracy"])
   summary = st.summarize(c, out)
   assert set(summary["stats"]) == {("vcpo", 0, c.lrs[0]), ("vcpo", 2, c.lrs[0])}
+  assert summary["knobs"] == {"vcpo": knob} and set(summary["trials"]) == {"vcpo"}
   path = st.write_report(c, out, summary, None, "cmd")
-  assert path.name == "stability_countdown.md" and "backend: `trainer`" in path.read_text()
+  text = path.read_text()
+  assert path.name == "stability_countdown.md" and "backend: `trainer`" in text
+  assert "## Equal tuning budget" in text and "| vcpo (rho_on = 0.5) | 0.0003 | 2 |" in text
+  assert "## Wall time per method" in text
   names = st.plot(c, summary, out)
-  assert "stability_countdown_accuracy_grid.png" in names
+  assert {"stability_countdown_accuracy_grid.png", "stability_countdown_tuning.png"} <= set(names)
+  assert "stability_countdown_time.png" in names
   for name in names:
-    assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name})" in path.read_text()
+    assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name})" in text
 
 
 def test_read_run_rejects_incomplete_metrics(tmp_path):
@@ -247,8 +274,8 @@ def test_read_run_rejects_incomplete_metrics(tmp_path):
 
 def test_countdown_study_config_matches_issue():
   c = st.load_config("countdown")
-  assert c.backend == "trainer" and c.ks == (0, 8, 32, 128) and len(c.seeds) >= 3 and len(c.lrs) >= 2
-  assert set(c.methods) == {
+  assert c.backend == "trainer" and c.ks == (0, 8, 32, 128) and c.seeds == (0, 1, 2, 3, 4) and c.lrs == (3e-4, 1e-3)
+  old = {
     "none",
     "seq_tis",
     "clip",
@@ -260,6 +287,87 @@ def test_countdown_study_config_matches_issue():
     "vcpo_applied_opob",
     "vcpo_loo_opob",
   }
+  new = {
+    "ppo_clip",
+    "decoupled_ppo",
+    "gspo",
+    "cispo",
+    "m2po_paper",
+    "m2po_released",
+    "icepop",
+    "dppo_tv",
+    "vcpo_tis_ess",
+  }
+  assert set(c.methods) == old | new and len(c.methods) == 19
   rc = st.trainer_run_config(c, "vcpo", 8, 1, 1e-3)
   assert (rc.mode, rc.lag.k, rc.seed, rc.optim.lr, rc.steps) == ("lag", 8, 1, 1e-3, c.task.steps)
   assert st.trainer_run_config(c, "vcpo", 0, 1, 1e-3).mode == "sync"
+  # The equal budget: every method with a knob has the same number of trials, tuned on seeds outside the report.
+  assert c.tuning.enabled and not set(c.tuning.seeds) & set(c.seeds)
+  for m in c.methods:
+    spec = tuning.knob_of(c, m)
+    assert (spec is None) == (m == "none")
+    if spec is not None:
+      assert len(spec[1]) == c.tuning.trials == 4
+  # Policy-loss presets run 1 x 2 updates per step (the trust region acts), the others one update.
+  rc = st.trainer_run_config(c, "ppo_clip", 8, 1, 1e-3, ("eps", 0.28))
+  assert (rc.learner.ppo_epochs, rc.learner.minibatches) == (1, 2)
+  assert rc.vcpo.policy_loss_kw == "eps_low=0.28,eps_high=0.28"
+  assert run_config.parse_config(rc).learner.pg.policy_loss_kw == "eps_low=0.28,eps_high=0.28"
+  rc = st.trainer_run_config(c, "vcpo", 8, 1, 1e-3, ("rho_on", 0.5))
+  assert (rc.learner.minibatches, rc.vcpo.rho_on) == (1, 0.5)
+
+
+def test_knob_overrides_hand_checked():
+  assert tuning.knob_overrides("clip_c", 4.0) == {"vcpo.clip_lower": 0.25, "vcpo.clip_upper": 4.0}
+  assert tuning.knob_overrides("mask_c", 2.0) == {"vcpo.mask_lower": 0.5, "vcpo.mask_upper": 2.0}
+  assert tuning.knob_overrides("gspo_eps_x", 2.0) == {"vcpo.policy_loss_kw": "eps_low=0.0006,eps_high=0.0008"}
+  assert tuning.knob_overrides("icepop_interval", (0.2, 5.0)) == {"vcpo.policy_loss_kw": "lower=0.2,upper=5"}
+  assert tuning.knob_overrides("tv", 0.3) == {"vcpo.policy_loss_kw": "mask_low=0.3,mask_high=0.3"}
+  assert tuning.knob_overrides("budget", 0.04) == {"vcpo.policy_loss_kw": "budget=0.04"}
+  assert tuning.value_str((0.5, 5.0)) == "0.5-5" and tuning.value_str(8.0) == "8" and tuning.value_str(None) == "-"
+  with pytest.raises(ValueError, match="tuning knob 'eps_lo'"):
+    tuning.knob_overrides("eps_lo", 0.1)
+
+
+def test_tuning_selects_each_methods_best_value_on_fake_runs():
+  """run_trials + chosen on hand-made runs: final = mean of the evaluations in the last 20% of steps."""
+  c = st.load_config("countdown_quick")
+  c.tuning.knobs, c.tuning.trials = {"none": None, "vcpo": ("rho_on", (0.25, 0.5, 1.0)), "ppo_clip": None}, 3
+  c.tuning.seeds, c.tuning.cells = (100, 101), ((2, 3e-4), (8, 1e-3))
+  c.task.steps, c.task.eval_every = 10, 5  # evaluations at 0, 5, 10; final = the one at step 10
+  # final accuracy of (rho_on, k, seed): rho_on 0.5 is best on average (0.6) although 1.0 wins one run.
+  table = {0.25: [0.2, 0.3, 0.2, 0.3], 0.5: [0.6, 0.6, 0.5, 0.7], 1.0: [0.9, 0.1, 0.1, 0.1]}
+  calls = []
+
+  def run_fn(method, k, seed, lr, knob):
+    calls.append((method, k, seed, lr, knob))
+    i = [(2, 100), (2, 101), (8, 100), (8, 101)].index((k, seed))
+    fin = table[knob[1]][i] if knob else 0.4
+    return dict(accuracy=np.array([0.0, 0.5, fin]), eval_step=np.array([0, 5, 10]), ess_ratio=np.ones(10))
+
+  z = tuning.run_trials(c, "vcpo", run_fn)
+  assert z["accuracy"].shape == (3, 2, 2, 3) and z["values"].tolist() == ["0.25", "0.5", "1"]
+  assert len(calls) == 12 and {x[3] for x in calls} == {3e-4, 1e-3}
+  np.testing.assert_allclose(tuning.scores(z, st._final(c)), [0.25, 0.6, 0.3])
+  assert tuning.chosen(c, z, "vcpo", st._final(c)) == ("rho_on", 0.5)
+  assert tuning.chosen(c, None, "none", st._final(c)) is None  # no knob: nothing to choose
+  with pytest.raises(LookupError, match="not finished"):
+    tuning.chosen(c, None, "vcpo", st._final(c))
+  zn = tuning.run_trials(c, "none", run_fn)  # a method without a knob runs once per cell and seed
+  assert zn["accuracy"].shape == (1, 2, 2, 3) and zn["values"].tolist() == ["-"]
+  # ties and nan go to the value listed first
+  assert tuning.select([1, 2, 3], [0.5, 0.7, 0.7]) == 1 and tuning.select([1, 2], [math.nan, math.nan]) == 0
+
+
+def test_tuning_config_errors():
+  with pytest.raises(ValueError, match=r"tuning.seeds=\(0,\) shares \[0\]"):
+    st.load_config("countdown_quick", {"tuning.seeds": (0,)})
+  with pytest.raises(ValueError, match=r"knobs\['vcpo'\]: 2 values, but tuning.trials=3"):
+    st.load_config("countdown_quick", {"tuning.trials": 3})
+  with pytest.raises(ValueError, match=r"knobs\['vcpo'\] = \('eps', 0.1\).*policy_loss_kw"):
+    st.load_config("countdown_quick", {"tuning.knobs.vcpo": ("eps", (0.1, 0.2))})
+  with pytest.raises(ValueError, match="no entry for method 'seq_tis'"):
+    st.load_config("countdown_quick", {"methods": ("none", "seq_tis")})
+  with pytest.raises(ValueError, match=r"tuning.cells: \(2,\)"):
+    st.load_config("countdown_quick", {"tuning.cells": ((2,),)})

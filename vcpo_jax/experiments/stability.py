@@ -1,7 +1,7 @@
 """The stability study: methods x lag k x seeds x learning rates, resumable, one command.
 
   python -m vcpo_jax.experiments.stability [--config=configs/stability.py:quick]  # synthetic (pure_lag), into runs/stability
-  python -m vcpo_jax.experiments.stability --config=configs/stability.py:countdown  # the real trainer, ~80 min on 2 cores
+  python -m vcpo_jax.experiments.stability --config=configs/stability.py:countdown  # the real trainer (issue 13: ~9 h)
   ... --config.seeds="(0,1,2)"                                    # any field: absl + ml_collections config_flags
 
 Finished cells in --out are reused (the grid is resumable), so `--out=docs/results` does not train: it
@@ -12,7 +12,11 @@ Two backends share the grid, the bookkeeping and the report. `pure_lag`: the
 synthetic stride-counting task, each cell's (lr, seed) runs vmapped in one
 compile. `trainer`: every run is `vcpo_jax.trainer.run` on a run config
 (configs/countdown.py) in `lag` mode, one run at a time, each in its own
-directory (resumable at run granularity); report stability_<config>.md.
+directory (resumable at run granularity); report stability_<config>.md. With
+`tuning` (the countdown variant, review #10 / issue 13) the trainer backend first
+runs every method's knob trials on the tuning seeds (stage 1, tuning.py, saved as
+stability_raw/trainer/tune_<method>.npz), then the grid with each method at its
+chosen knob (stage 2; the knob is part of the cell's fingerprint and run names).
 
 Each cell (method, k) runs every (lr, seed) of the grid and is saved to
 <out>/stability_raw/<backend>/<method>_k<k>.npz as soon as it finishes,
@@ -421,8 +425,8 @@ def enable_compilation_cache(c):
   """XLA's persistent compilation cache for this process, shared by every run of the study.
 
   Every run compiles the same step functions (trainer.run builds fresh closures, so jax's in-memory caches
-  miss); the cache turns all but the first compile of each program into a load. Measured (run_cost.py,
-  README of this study in docs/REVIEW.md): the same programs, so the same numbers.
+  miss); the cache turns all but the first compile of each program into a load: a countdown run 91 -> 55 CPU
+  seconds, with identical metrics (`python -m vcpo_jax.experiments.run_cost --part=run`; docs/REVIEW.md).
   """
   import jax
 
@@ -601,9 +605,12 @@ def plot(c, summary: dict, out: Path) -> list[str]:
   cells, selected = summary["cells"], summary["selected"]
   stem = report_name(c)
   names = []
-  colors = plt.get_cmap("tab10")
+  many = len(c.methods) > 10  # 19 in the issue-13 study: 20 colours, and dashes for every second method
+  cmap = plt.get_cmap("tab20" if many else "tab10")
+  colors = lambda i: cmap(i % (20 if many else 10))
+  dash = lambda i: "--" if many and i % 2 else "-"
 
-  def panel(ax, method, k, i, color, key="accuracy", steps_key="eval_step"):
+  def panel(ax, method, k, i, color, key="accuracy", steps_key="eval_step", ls="-"):
     z = cells[(method, k)]
     y = z[key][i]
     if key == "ess_ratio":
@@ -616,7 +623,7 @@ def plot(c, summary: dict, out: Path) -> list[str]:
     else:
       m, s = y.mean(0), y.std(0)
       lo, hi = m - s, m + s
-    ax.plot(x, m, color=color, label=method, lw=1.2)
+    ax.plot(x, m, color=color, label=method, lw=1.2, ls=ls)
     ax.fill_between(x, lo, hi, color=color, alpha=0.15)
 
   for key, fname, ylabel in (
@@ -632,7 +639,7 @@ def plot(c, summary: dict, out: Path) -> list[str]:
       ax = axes[0, j]
       for mi, method in enumerate(c.methods):
         if (method, k) in cells and method in selected:
-          panel(ax, method, k, list(c.lrs).index(selected[method]), colors(mi % 10), key)
+          panel(ax, method, k, list(c.lrs).index(selected[method]), colors(mi), key, ls=dash(mi))
       ax.set_title(f"k = {k} (selected lr per method)")
       ax.set_xlabel("learner step")
       if key == "accuracy":
@@ -655,9 +662,13 @@ def plot(c, summary: dict, out: Path) -> list[str]:
       ax = axes[i, j]
       for mi, method in enumerate(c.methods):
         if (method, k) in cells:
-          panel(ax, method, k, i, colors(mi % 10))
+          panel(ax, method, k, i, colors(mi), ls=dash(mi))
       ax.axhline(summary["chance"], color="k", ls=":", lw=0.8)
       ax.set_title(f"lr = {lr:g}, k = {k}", fontsize=9)
+      if i == len(c.lrs) - 1:
+        ax.set_xlabel("learner step")
+      if j == 0:
+        ax.set_ylabel("eval accuracy\n(mean +- std over seeds)")
   axes[0, -1].legend(fontsize=6, loc="best")
   fig.tight_layout()
   fig.savefig(out / f"{stem}_accuracy_all_lrs.png", dpi=90)
@@ -679,9 +690,9 @@ def plot(c, summary: dict, out: Path) -> list[str]:
           z = cells[(method, k)]
           x, y = z["eval_step"][lr_i, 0], z["accuracy"][lr_i]
           for run in y:
-            ax.plot(x, run, color=colors(i % 10), lw=0.6, alpha=0.5)
-          ax.plot(x, y.mean(0), color=colors(i % 10), lw=1.6)
-          ax.fill_between(x, y.min(0), y.max(0), color=colors(i % 10), alpha=0.15)
+            ax.plot(x, run, color=colors(i), lw=0.6, alpha=0.5)
+          ax.plot(x, y.mean(0), color=colors(i), lw=1.6)
+          ax.fill_between(x, y.min(0), y.max(0), color=colors(i), alpha=0.15)
         ax.axhline(summary["chance"], color="k", ls=":", lw=0.6)
         ax.tick_params(labelsize=6)
         if i == 0:
@@ -689,11 +700,76 @@ def plot(c, summary: dict, out: Path) -> list[str]:
         if j == 0:
           ax.set_ylabel(f"{method}\nlr {selected[method]:g}", fontsize=7)
     fig.suptitle("accuracy per method and k: mean (thick), each seed (thin), min-max band", fontsize=9)
+    fig.supxlabel("learner step", fontsize=8)
+    fig.supylabel("eval accuracy (row: method, its selected lr)", fontsize=8)
     fig.tight_layout()
     fig.savefig(out / f"{stem}_accuracy_grid.png", dpi=90)
     plt.close(fig)
     names.append(f"{stem}_accuracy_grid.png")
+  if summary.get("trials"):
+    names.append(plot_tuning(c, summary, out, plt))
+  timed = [m for m in c.methods if _method_time(c, summary, m) is not None]
+  if timed:
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * len(timed) + 2), 3.6))
+    per_step = [_method_time(c, summary, m)["learn_s"] * 1e3 for m in timed]
+    ax.bar(range(len(timed)), per_step, color=[colors(c.methods.index(m)) for m in timed])
+    ax.set_xticks(range(len(timed)), timed, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("learner step, wall ms\n(median over steps 2.., mean over runs)")
+    ax.set_xlabel("method")
+    ax.set_title("learner time per trainer step (policy-loss methods: pi_old pass + several updates)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}_time.png", dpi=100)
+    plt.close(fig)
+    names.append(f"{stem}_time.png")
   return names
+
+
+def plot_tuning(c, summary: dict, out: Path, plt) -> str:
+  """One panel per method with a knob: tuning score (mean final accuracy) of each trial value, chosen marked."""
+  from vcpo_jax.experiments import tuning
+
+  trials = summary["trials"]
+  shown = [m for m in c.methods if m in trials]
+  cols = min(5, len(shown))
+  rows = -(-len(shown) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.2 * rows), sharey=True, squeeze=False)
+  for ax in axes.flat[len(shown) :]:
+    ax.axis("off")
+  for ax, m in zip(axes.flat, shown):
+    z = trials[m]
+    sc = tuning.scores(z, _final(c))
+    best = tuning.select(list(z["values"]), sc)
+    ax.bar(range(len(sc)), sc, color=["C3" if i == best else "C0" for i in range(len(sc))])
+    ax.set_xticks(range(len(sc)), list(z["values"]), fontsize=6)
+    spec = tuning.knob_of(c, m)
+    ax.set_title(m, fontsize=8)
+    ax.set_xlabel("-" if spec is None else spec[0], fontsize=7)
+    ax.tick_params(labelsize=6)
+  for r in range(rows):
+    axes[r, 0].set_ylabel("final accuracy\n(tuning seeds)", fontsize=7)
+  fig.suptitle(
+    f"equal tuning budget: each method's own knob on seeds {list(c.tuning.seeds)} at (k, lr) "
+    f"{[tuple(x) for x in c.tuning.cells]}; red = chosen",
+    fontsize=8,
+  )
+  fig.tight_layout()
+  name = f"{report_name(c)}_tuning.png"
+  fig.savefig(out / name, dpi=100)
+  plt.close(fig)
+  return name
+
+
+def _method_time(c, summary: dict, method: str) -> dict | None:
+  """Wall time of a method pooled over its finished cells and lrs (None without timing data)."""
+  rows = [s for (m, _, _), s in summary["stats"].items() if m == method and "learn_s" in s]
+  if not rows:
+    return None
+  run_s = [s["run_s"] for s in rows if np.isfinite(s["run_s"])]
+  return dict(
+    run_s=float(np.mean(run_s)) if run_s else math.nan,
+    learn_s=float(np.mean([s["learn_s"] for s in rows])),
+    rollout_s=float(np.mean([s["rollout_s"] for s in rows])),
+  )
 
 
 def describe(c) -> tuple[str, str, str]:
@@ -790,6 +866,16 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
     "All lrs are in the full table.\n"
   )
 
+  if c.backend == "trainer" and c.tuning.enabled:
+    L += tuning_section(c, summary)
+  knobs = summary.get("knobs", {})
+
+  def label(m):
+    from vcpo_jax.experiments import tuning
+
+    kn = knobs.get(m)
+    return m if kn is None else f"{m} ({kn[0]} = {tuning.value_str(kn[1])})"
+
   L.append("\n## Headline: selected lr per method\n")
   has_change = bool(stats) and all(s["change"] is not None for s in stats.values())
   L.append(
@@ -807,7 +893,7 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
       if s is None:
         continue
       L.append(
-        f"| {m} | {lr:g} | {k} | {_fmt(*s['final'])} | {_fmt(*s['best'])} | "
+        f"| {label(m)} | {lr:g} | {k} | {_fmt(*s['final'])} | {_fmt(*s['best'])} | "
         + (f"{s['change'][0]:+.3f} +- {s['change'][1]:.3f} | " if has_change else "")
         + f"{s['collapsed']}/{s['n']} | "
         f"{s['ess_min']:.3f} | {s['ess_q10']:.3f} | {s['ess_median']:.3f} | {s['ess_applied_q10']:.3f} | "
@@ -919,11 +1005,79 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
       + " |"
     )
 
+  L += time_section(c, summary)
   L.append("\n## Notes\n")
   L.append(notes or f"{NOTES_BEGIN}\n(no notes yet)\n{NOTES_END}")
   L.append("")
   path.write_text("\n".join(L))
   return path
+
+
+def tuning_section(c, summary: dict) -> list[str]:
+  """The equal-tuning-budget table: every trial's score, the chosen value, methods still to tune."""
+  from vcpo_jax.experiments import tuning
+
+  t, trials = c.tuning, summary.get("trials", {})
+  L = ["\n## Equal tuning budget (review #10)\n"]
+  L.append(
+    f"Before the grid, every method gets the same {t.trials} trials of its own main knob "
+    "(configs/stability.py `KNOBS`; `none` has no knob and runs once), on tuning seed(s) "
+    f"{list(t.seeds)} (not report seeds) at (k, lr) = {', '.join(f'({k}, {lr:g})' for k, lr in t.cells)}. "
+    "Score: mean final accuracy over those runs; the best value (ties: the one listed first) is the method's "
+    "knob in every grid run, so each method is reported at its own best. The lr is then selected per method "
+    "at k = 0 as before. One seed per trial: a trial's score has the seed-to-seed spread of the tables below "
+    "(std over seeds), so close scores are ties in all but name.\n"
+  )
+  width = max([t.trials, 1])
+  L.append("| method | knob | " + " | ".join(f"trial {i + 1}" for i in range(width)) + " | chosen |")
+  L.append("|---|---|" + "---|" * width + "---|")
+  for m in c.methods:
+    spec = tuning.knob_of(c, m)
+    values = [None] if spec is None else list(spec[1])
+    z = trials.get(m)
+    sc = tuning.scores(z, _final(c)) if z is not None else None
+    best = tuning.select(values, sc) if sc is not None else None
+    row = []
+    for i, v in enumerate(values):
+      txt = tuning.value_str(v) if spec is not None else "(no knob)"
+      row.append(txt if sc is None else (f"**{txt}: {sc[i]:.3f}**" if i == best else f"{txt}: {sc[i]:.3f}"))
+    row += [""] * (width - len(row))
+    chosen = "not finished" if sc is None else ("-" if spec is None else tuning.value_str(values[best]))
+    L.append(f"| {m} | {'-' if spec is None else spec[0]} | " + " | ".join(row) + f" | {chosen} |")
+  if trials:
+    L.append(f"\n![tuning]({report_name(c)}_tuning.png)\n")
+  return L
+
+
+def time_section(c, summary: dict) -> list[str]:
+  """Wall time per method and what the policy-loss methods' pi_old pass and extra updates cost."""
+  rows = {m: _method_time(c, summary, m) for m in c.methods}
+  rows = {m: r for m, r in rows.items() if r is not None}
+  if not rows:
+    return []
+  from vcpo_jax import estimator
+
+  ep, mb = policy_loss_updates(c)
+  L = ["\n## Wall time per method\n"]
+  L.append(
+    "Wall seconds measured inside each run (this machine, shared with other work: compare methods within "
+    "one study only). s / run: the whole `trainer.run` (compiles load from the persistent cache after a "
+    "program's first run); learner / rollout: median seconds per step over steps 2.. (step 1 carries the "
+    f"compile), mean over runs. Policy-loss methods run {ep} x {mb} updates per trainer step plus one "
+    "forward pass for pi_old (recomputed once per step); the other methods make one update and need no extra "
+    "pass. `learner vs none`: the learner column over `none`'s, so for a policy-loss method it is the cost of "
+    "the pi_old pass and its extra updates (with its loss), and for VCPO that of the per-example norms.\n"
+  )
+  L.append("| method | updates / step | s / run | learner s / step | rollout s / step | learner vs none |")
+  L.append("|---|---|---|---|---|---|")
+  ref = rows.get("none", {}).get("learn_s")
+  for m, r in rows.items():
+    ups = ep * mb if estimator.PRESETS[m].get("policy_loss", "pg") != "pg" else 1
+    rel = f"{r['learn_s'] / ref:.2f}x" if ref else "-"
+    run_s = "-" if math.isnan(r["run_s"]) else f"{r['run_s']:.0f}"
+    L.append(f"| {m} | {ups} | {run_s} | {r['learn_s']:.3f} | {r['rollout_s']:.3f} | {rel} |")
+  L.append(f"\n![time]({report_name(c)}_time.png)\n")
+  return L
 
 
 # ----------------------------------------------------------------------------- command line
