@@ -562,7 +562,8 @@ def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_e
 
   import numpy as np
 
-  from vcpo_jax import evaluation
+  from vcpo_jax import evaluation, sharding
+  from vcpo_jax.model import policy
   from vcpo_jax.rollout.process import param_slot
   from vcpo_jax.rollout.process import worker as worker_lib
 
@@ -584,19 +585,14 @@ def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_e
   _assert_removed(paths)  # the eval slot too
 
   spec = run_config.parse_config(cfg)
-  model_cfg, tokenizer, graphdef, params = trainer.build_policy(spec)
-  problems = spec.make_eval_problems()
-  base = trainer.make_sampler_cfg(
-    spec,
-    tokenizer,
-    temperature=spec.eval.temperature,
-    top_p=spec.eval.top_p,
-    top_k=0,
-    max_new_tokens=spec.eval.max_new_tokens,
-  )
-  sampling = evaluation.EvalSampling(
-    lambda c: Sampler(graphdef, model_cfg, c), base, tokenizer, chat_template=spec.rollout.chat_template
-  )
+  mesh = sharding.build_mesh(spec.mesh_shape, spec.rollout.batch_size, spec.async_.sampler_devices)
+  model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, mesh, seed=spec.seed)
+  buckets = {
+    "max_prompt_len": spec.rollout.max_prompt_len,
+    "batch_sizes": (1, spec.rollout.batch_size, spec.eval_batch_size),
+  }
+  # the trainer's own eval builder, with a sampler outside the learner's mesh (as the sampler process's)
+  sampling, problems, _ = trainer._build_eval(spec, tokenizer, lambda c: Sampler(graphdef, model_cfg, c), buckets, None)
   gen = sampling.generate_fn(params, jax.random.fold_in(jax.random.key(spec.seed), 10**9))
   ref = json.loads(
     json.dumps(evaluation.evaluate(gen, problems, dataclasses.replace(spec.eval, size=len(problems)), 0))
