@@ -18,7 +18,8 @@ def test_random_policy_is_born_sharded_with_the_host_values(monkeypatch):
 
   monkeypatch.setattr(tf, "init", init)
   mesh = sh.make_mesh(sh.MeshConfig((1, 4, 1)), devices=jax.devices()[:4])
-  base = config.tiny_qwen2().replace(vocab_size=16)  # smaller than the char tokenizer's vocabulary
+  # one block has every kind of leaf; vocab_size 16 is below the char tokenizer's: the table must grow
+  base = config.tiny_qwen2().replace(vocab_size=16, num_layers=1)
   cfg, tok, graphdef, params = policy.build_policy(base, mesh, seed=5)
   assert eager_calls and not any(eager_calls)
   assert cfg.vocab_size == len(tok) > 16  # the table grows to the tokenizer
