@@ -50,7 +50,8 @@ Numbers, per device, GiB = 2^30 bytes:
   temp_gib      XLA temporaries (activations, gradients, all-gathered weights, ...)
   output_gib    outputs not aliased to a donated input (the donated state is counted once, as argument)
   peak_gib      argument + temp + output (for the learner: argument + temp, the metrics are bytes)
-  batch_gib     (with --batch_dependent) the part of temp that grows with the batch's rows x tokens:
+  batch_gib     (with --batch_dependent; not for sampler_decode, whose temporaries hardly depend on T)
+                the part of temp that grows with the batch's rows x tokens:
                 temp(N, T) - temp(N, T0), the same step (same rows N or B, same config) compiled again with
                 a tiny sequence, prompt and response T0 / 2 tokens each (T0 = min(TINY_TOKENS, T / 2)), at
                 the first compiled depth (`batch_layers`, 1 by default: one block's activations + the
@@ -394,7 +395,9 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     by_layers[k] = _compile_part(setting, part, k, mesh, rows)
     compile_s += by_layers[k]["compile_s"]
   stats = _extrapolate(by_layers, depth) if len(layers) == 2 else by_layers[layers[0]]
-  if tiny is not None:  # batch-dependent temp: the same rows at a tiny sequence length
+  # batch-dependent temp: the same rows at a tiny sequence length. Not for the decode step: it reads the
+  # cache (an argument) at one query position, so its temporaries hardly depend on T.
+  if tiny is not None and part != "sampler_decode":
     small = _compile_part(tiny, part, layers[0], mesh, rows)
     compile_s += small["compile_s"]
     row["batch_gib"] = (by_layers[layers[0]]["temp"] - small["temp"]) / GIB
