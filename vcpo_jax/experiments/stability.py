@@ -1181,7 +1181,7 @@ def main(argv):
       run_study(c, out, c.methods, lambda s: print(s, flush=True))
   runtime = time.time() - t0
   summary = summarize(c, out)
-  if summary["cells"]:
+  if summary["cells"] or summary.get("trials"):
     plot(c, summary, out)
   shown = os.path.relpath(config_arg, _ROOT) if os.path.isabs(config_arg) else config_arg
   cmd = " ".join(
