@@ -467,7 +467,8 @@ def tune(c, out: Path, methods: Sequence[str], log=print) -> list[str]:
     save_cell(path, arrays, fp, time.time() - t0)
     ran.append(m)
     z = load_cell(path, fp)
-    log(f"[done] tuning {m}: {dict(zip(z['values'].tolist(), np.round(tuning.scores(z, _final(c)), 3)))}")
+    scores = ", ".join(f"{v}: {x:.3f}" for v, x in zip(z["values"].tolist(), tuning.scores(z, _final(c))))
+    log(f"[done] tuning {m} in {time.time() - t0:.0f}s: final accuracy per value {scores}")
   return ran
 
 
@@ -1180,7 +1181,7 @@ def main(argv):
       run_study(c, out, c.methods, lambda s: print(s, flush=True))
   runtime = time.time() - t0
   summary = summarize(c, out)
-  if summary["cells"]:
+  if summary["cells"] or summary.get("trials"):
     plot(c, summary, out)
   shown = os.path.relpath(config_arg, _ROOT) if os.path.isabs(config_arg) else config_arg
   cmd = " ".join(
