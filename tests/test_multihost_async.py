@@ -299,6 +299,76 @@ def test_host_complete_copy_of_a_sharded_leaf():
   assert multihost.host_complete_sharding(odd).spec == PartitionSpec(None, None)  # nothing divisible: replicated
 
 
+def _host_batch(step: int, host: int, prompts: int = 2, g: int = 2):
+  """A fake host batch of `prompts` groups of g rows (tokens name step, host and row) and its sampler metadata."""
+  import numpy as np
+
+  n = prompts * g
+  arrays = {
+    "tokens": (1000 * step + 100 * host + np.arange(n * 3)).reshape(n, 3).astype(np.int32),
+    "group_id": np.repeat(np.arange(prompts, dtype=np.int32), g),
+    "policy_version": np.full((n,), step - 1, np.int32),
+    "loss_mask": np.arange(n * 3).reshape(n, 3) % 2 == 0,
+  }
+  meta = {
+    "step": step,
+    "version": step - 1,
+    "problem_ids": [f"p{step}_{host}_{i}" for i in range(prompts)],
+    "response_len_mean": 1.0 + host,
+    "finished_frac": 0.5,
+    "gen_s": 0.1,
+    "sampler_pid": 10 + host,
+    "seq": step,
+    "texts": ["t"] * n,
+  }
+  return arrays, meta
+
+
+def test_queued_batches_come_back_per_host_or_whole_on_another_host_count():
+  """pack_queued / unpack_queued: host 0 had received batches 5, 6, 7 at the save, host 1 only batch 5."""
+  import types
+
+  import numpy as np
+
+  from vcpo_jax.rollout import async_, multihost
+
+  blocks2 = [(0, 2), (2, 4)]
+  per_host = [[_host_batch(s, 0) for s in (5, 6, 7)], [_host_batch(5, 1)]]
+  arrays, metas = multihost.pack_queued(per_host, blocks2, 2)
+  assert [m["step"] for m in metas] == [5, 6, 7] and [m["hosts"][1] is None for m in metas] == [False, True, True]
+  np.testing.assert_array_equal(arrays[0]["group_id"], [0, 0, 1, 1, 2, 2, 3, 3])  # host 1's groups are 2, 3
+  np.testing.assert_array_equal(arrays[0]["tokens"][4:], per_host[1][0][0]["tokens"])
+  assert not arrays[1]["tokens"][4:].any() and not arrays[1]["loss_mask"][4:].any()  # host 1 had no batch 6
+  assert metas[0]["problem_ids"] == ["p5_0_0", "p5_0_1", "p5_1_0", "p5_1_1"] and metas[0]["sampler_pid"] == [10, 11]
+
+  # the same 2 hosts: each gets exactly its own batches back (host 0 three, host 1 one), local group ids
+  for h in range(2):
+    back = multihost.unpack_queued(arrays, metas, h, 2, 2, blocks2)
+    assert len(back) == len(per_host[h])
+    for (a, m), (a0, m0) in zip(back, per_host[h]):
+      assert m == dict(m0, texts=None)
+      for f in a0:
+        np.testing.assert_array_equal(a[f], a0[f])
+  # one host: only batch 5 is whole (6 and 7 are made again by its sampler)
+  ((a, m),) = multihost.unpack_queued(arrays, metas, 0, 1, 2, [(0, 4)])
+  np.testing.assert_array_equal(a["tokens"], arrays[0]["tokens"])
+  assert m["problem_ids"] == metas[0]["problem_ids"] and m["version"] == 4 and "hosts" not in m
+  # four hosts of one prompt each: host 3 gets rows 6, 7 of batch 5 (group id 0)
+  ((a, m),) = multihost.unpack_queued(arrays, metas, 3, 4, 2, [(i, i + 1) for i in range(4)])
+  np.testing.assert_array_equal(a["tokens"], per_host[1][0][0]["tokens"][2:])
+  assert a["group_id"].tolist() == [0, 0] and m["problem_ids"] == ["p5_1_1"]
+  # a single-host checkpoint (whole batches of P = 4, the sampler's own metadata) onto 2 hosts
+  whole, whole_meta = _host_batch(9, 0, prompts=4)
+  ((a, m),) = multihost.unpack_queued([whole], [whole_meta], 1, 2, 2, blocks2)
+  np.testing.assert_array_equal(a["tokens"], whole["tokens"][4:])
+  assert a["group_id"].tolist() == [0, 0, 1, 1] and m["problem_ids"] == whole_meta["problem_ids"][2:]
+  assert m["texts"] == ["t"] * 4 and m["step"] == 9
+  # AsyncSource (one process) restoring the 2-host checkpoint keeps the whole batch 5 only
+  src = types.SimpleNamespace(proc=None, _pending=__import__("collections").deque())
+  async_.AsyncSource.load_queued(src, arrays, metas)
+  assert [m["step"] for _, m, _ in src._pending] == [5]
+
+
 # ----------------------------------------------------------------------------- the 2-process job
 
 
