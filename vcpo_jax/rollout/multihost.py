@@ -254,8 +254,17 @@ class MultiHostAsyncSource(async_.AsyncSource):
     lost = [p["reason"] for p in payloads if p.get("lost")]
     if lost:
       raise distributed.PeerLostError(lost[0])
-    distributed.decide(payloads, step)
+    try:
+      distributed.decide(payloads, step)
+    except distributed.JobStopped:
+      if local is not None:  # received, not consumed: back to the front, so the joint checkpoint keeps it
+        self._pending.appendleft(self._raw)
+      raise
     return self._global(step, batch, info, payloads, time.monotonic() - t0)
+
+  def _info(self, step, batch, meta, wait_s, restored=False):
+    self._raw = (batch, meta, restored)  # the host batch as received (queue or restored), for next()'s stop
+    return super()._info(step, batch, meta, wait_s, restored=restored)
 
   def _global(self, step, batch, info, payloads, wait_s):
     from jax.experimental import multihost_utils
