@@ -225,6 +225,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
       if self._deferred is not None:
         e, self._deferred = self._deferred, None
         raise e
+      self._interrupt()  # a signal or a peer's stop, also when the batch is in host memory (no queue wait)
       local = super().next(step)
       batch, info = local
       payload = {
