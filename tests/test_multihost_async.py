@@ -19,8 +19,10 @@ two single-process runs in this process share one work directory; the test check
 3. that checkpoint resumes in this single process (a (2, 4, 1) mesh, one sampler): the batches complete
    on both hosts come first, then one more step, the final checkpoint (2 processes -> 1);
 4. that single-process checkpoint resumes on 2 processes (1 -> 2); after 2 steps host 1's learner is
-   SIGKILLed: host 0's learner (and both samplers) end within 60 s (its peer is lost after
-   async_.peer_lost_s = 20 s; main.train then skips jax's shutdown barrier), /dev/shm clean on both hosts.
+   SIGKILLed: host 0's learner (and both samplers) end within 60 s, with exit code 1 (waiting in the
+   agreement, its peer is lost after async_.peer_lost_s = 20 s and main.train skips jax's shutdown
+   barrier; inside a collective, the heartbeat thread's watchdog ends it after 30 s), /dev/shm clean on
+   both hosts.
 
 What cannot match a single-host run: the schedule. Which parameter version a batch is sampled with is up
 to timing in any async run, so after the first update the two runs' batches are compared only where both
@@ -142,8 +144,11 @@ def _print(tag, rec):
 
 def _worker(process_id: int, port: int, workdir: str, steps: int) -> None:
   """One process of the job: main.train (as main.py runs it), printing the records of _recording_build_source."""
+  import faulthandler
+
   import jax
 
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack (debugging)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   import main
   from vcpo_jax import trainer
@@ -264,7 +269,10 @@ def test_agreement_orders_payloads_and_stops_every_host_alike():
   from vcpo_jax import distributed
 
   kv = _FakeKV()
-  a = [distributed.Agreement("r", client=kv, host=h, hosts=3, beat_s=0.05, lost_after_s=1.0) for h in range(3)]
+  a = [
+    distributed.Agreement("r", client=kv, host=h, hosts=3, beat_s=0.05, lost_after_s=1.0, watchdog_s=0)
+    for h in range(3)
+  ]
   try:
     for h in (2, 0):  # hosts 2 and 0 have posted; host 1's wait returns all three, in host order
       kv.key_value_set(f"vcpo_jax/r/step/5/{h}", json.dumps({"ok": True, "h": h}))
@@ -291,8 +299,10 @@ def test_a_silent_peer_is_lost_after_its_heartbeat_stops():
   from vcpo_jax import distributed
 
   kv = _FakeKV()
-  a0 = distributed.Agreement("r", client=kv, host=0, hosts=2, beat_s=0.05, lost_after_s=0.5)
-  a1 = distributed.Agreement("r", client=kv, host=1, hosts=2, beat_s=0.05, lost_after_s=0.5)
+  a0 = distributed.Agreement("r", client=kv, host=0, hosts=2, beat_s=0.05, lost_after_s=0.5, watchdog_s=1.0)
+  fired = []
+  a0._watchdog_exit = fired.append  # the heartbeat thread's os._exit(1), recorded instead
+  a1 = distributed.Agreement("r", client=kv, host=1, hosts=2, beat_s=0.05, lost_after_s=0.5, watchdog_s=0)
   try:
     time.sleep(0.7)
     assert a0.lost_peers() == []  # host 1 beats: alive although it has not posted
@@ -301,6 +311,10 @@ def test_a_silent_peer_is_lost_after_its_heartbeat_stops():
     with pytest.raises(distributed.PeerLostError, match=r"process\(es\) \[1\] posted nothing for step 3"):
       a0.exchange(3, {"ok": True}, timeout_s=30)
     assert time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 10  # a main thread stuck in a collective: the watchdog ends the process
+    while not fired and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert fired[0] == [1]
   finally:
     a0.close()
     a1.close()
@@ -586,7 +600,8 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
     _kill_all(procs)
   out = logs[0].read_text()
   assert procs[0][0].returncode == 1, f"host 0 exited {procs[0][0].returncode}:\n{out[-3000:]}"
-  assert "this process of the 2-process job fails" in out, out[-3000:]
+  # in the agreement: PeerLostError after peer_lost_s; inside a step's collectives: the watchdog, 1.5 x later
+  assert "this process of the 2-process job fails" in out or "silent for 30 s" in out, out[-3000:]
   onto2 = [_records(f, "STEP") for f in logs]
   assert onto2[0][0]["step"] == final == onto2[1][0]["step"]
   samplers = [r[0]["sampler_pid"] for r in onto2]
