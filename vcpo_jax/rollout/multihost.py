@@ -31,8 +31,10 @@
   on any host makes that host post a stop for the step; every host then raises `distributed.JobStopped`
   at that same step and the trainer writes the joint checkpoint and exits (130 for signals, 1 for
   failures). A learner process that dies or stops is noticed through its heartbeat (async_.peer_lost_s)
-  and the others raise PeerLostError without a checkpoint. close() removes the host's shared memory, as
-  in single-host mode.
+  and the others raise PeerLostError without a checkpoint (main.train then ends them without jax's
+  shutdown barrier, `distributed.end_alone`); one stuck inside a collective with the lost process is
+  ended by the heartbeat thread's watchdog (1.5 x peer_lost_s). close() removes the host's shared memory,
+  as in single-host mode; a process that ends without it leaves that to its resource tracker.
 
 Checkpoints keep each host's queued batches (issue 15): at every save (periodic, final, agreed stop)
 each host drains its queue and the hosts allgather their unconsumed rows, so process 0 writes them as
