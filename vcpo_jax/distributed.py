@@ -183,7 +183,8 @@ class Agreement:
       except Exception:  # noqa: BLE001 -- the service is gone (process 0 exited): the peers notice our silence
         pass
       if self.watchdog_s > 0 and n % 4 == 0:  # the watchdog reads the counters every 4 beats
-        lost = self._silent(self._watched, self.watchdog_s)
+        # only peers it has seen beat: one still starting up (its source not built yet) is not lost
+        lost = [h for h in self._silent(self._watched, self.watchdog_s) if self._watched[h][0] is not None]
         if lost and not self._stop.is_set():
           self._watchdog_exit(lost)
 
