@@ -80,7 +80,7 @@ def train(config, workdir: str) -> dict:
   """
   import jax
 
-  from vcpo_jax import distributed, trainer  # after flag parsing: keeps --help fast
+  from vcpo_jax import distributed, run_config, trainer  # after flag parsing: keeps --help fast
 
   try:
     return trainer.run(config, workdir)
@@ -88,8 +88,8 @@ def train(config, workdir: str) -> dict:
     if e.code != 130:
       raise
   except Exception as e:
-    if not (jax.distributed.is_initialized() and jax.process_count() > 1):
-      raise
+    if isinstance(e, run_config.ConfigError) or not (jax.distributed.is_initialized() and jax.process_count() > 1):
+      raise  # a config error fails alike everywhere: main() reports it in one line
     logging.getLogger("vcpo_jax").exception("this process of the %d-process job fails", jax.process_count())
     distributed.end_alone(e)
   logging.getLogger("vcpo_jax").warning("exiting with code 130 (interrupted; the checkpoint is saved)")
