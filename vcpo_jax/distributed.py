@@ -20,7 +20,7 @@ module holds what crosses hosts:
   and the end of that step's collectives (on CPU most of a step) leaves the others
   inside a collective that never returns (gloo does not fail on the closed socket:
   measured, the survivor waited until jax's coordination service aborted it, 60 s
-  later, exit code 134). For that the heartbeat thread is also a watchdog: a peer
+  later with SIGABRT). For that the heartbeat thread is also a watchdog: a peer
   silent for `watchdog_s` (1.5 x lost_after_s), longer than the main thread's
   own PeerLostError would take, ends this process with os._exit(1); its sampler
   then dies of PR_SET_PDEATHSIG and the resource tracker removes its shared memory,
@@ -28,7 +28,7 @@ module holds what crosses hosts:
 
 A process whose peer is gone must also not end through jax's exit-time `jax.distributed.shutdown()`:
 that barrier waits for the lost process until the coordination service's own heartbeat timeout (100 s
-by default; measured here: 100 s, then an abort with exit code 134). `end_alone` ends such a process
+by default; measured here: 100 s, then SIGABRT, exit status 134 in a shell). `end_alone` ends such a process
 within seconds instead (main.py calls it for any error of a multi-process run; the lost peer's error,
 PeerLostError, skips the barrier at once).
 
