@@ -73,14 +73,25 @@ def train(config, workdir: str) -> dict:
   is the interpreter's teardown, several seconds after the torch / transformers / jax imports: here the
   atexit handlers run (the grader pool's processes, jax's backends and a distributed shutdown), the
   logs are flushed, and the rest is skipped with os._exit.
+
+  A process of a multi-process job that fails (a lost peer, a failed collective, any error) logs the error
+  and ends within seconds with exit code 1 (`distributed.end_alone`): jax's exit-time shutdown barrier would
+  otherwise wait for a lost peer until the coordination service's heartbeat timeout (100 s) and abort.
   """
-  from vcpo_jax import trainer  # after flag parsing: keeps --help fast
+  import jax
+
+  from vcpo_jax import distributed, run_config, trainer  # after flag parsing: keeps --help fast
 
   try:
     return trainer.run(config, workdir)
   except SystemExit as e:
     if e.code != 130:
       raise
+  except Exception as e:
+    if isinstance(e, run_config.ConfigError) or not (jax.distributed.is_initialized() and jax.process_count() > 1):
+      raise  # a config error fails alike everywhere: main() reports it in one line
+    logging.getLogger("vcpo_jax").exception("this process of the %d-process job fails", jax.process_count())
+    distributed.end_alone(e)
   logging.getLogger("vcpo_jax").warning("exiting with code 130 (interrupted; the checkpoint is saved)")
   atexit._run_exitfuncs()
   logging.shutdown()

@@ -1,24 +1,33 @@
 """Async mode on two "hosts": 2 local processes x 2 fake CPU devices, one global (2, 2, 1) learner mesh
 (jax.distributed + gloo), and one spawned sampler per process (rollout/multihost.py).
 
-One job is started (this file run as a script, twice); the test then
+Three 2-process jobs (this file run as a script, twice each, through main.train as main.py runs it) and
+two single-process runs in this process share one work directory; the test checks, in order:
 
-1. lets it train a few steps and checks, from what each process printed per step: both processes consumed
-   the same global batch (rows 0..N/2 from host 0's sampler, N/2..N from host 1's, group ids 0..P-1),
-   whose problems are exactly a single-host run's for that step, in its order (no prompt twice); every
-   row's lag is within k; both processes published the same parameters for every version (checksums of
-   the host copies agree), and each host's sampler echoed the checksum of the version it used;
-2. SIGKILLs host 1's sampler: both learner processes must end within 30 s, after agreeing to stop at the
-   same step, having written the joint checkpoint of that step, with no /dev/shm object of either left;
-3. resumes the job from that checkpoint on 2 processes (the first step consumed is the checkpoint's), then
-   sends SIGTERM to host 0's learner only: both processes agree to stop at one step, write the joint
-   checkpoint and exit 130 within 30 s, /dev/shm clean;
-4. resumes that checkpoint in this single process (another mesh over its own devices, a one-host
-   sampler) and trains 1 more step: a checkpoint written by 2 processes restores on 1.
+1. a fresh job trains a few steps (a checkpoint every 2 steps): both processes consume the same global
+   batch (rows 0..N/2 from host 0's sampler, N/2..N from host 1's, group ids 0..P-1), whose problems are a
+   single-host run's for that step, in its order; every batch sampled with the initial parameters (step 0
+   always; later ones while the samplers ran ahead) is token for token the batch a single-host async
+   sampler makes for that step; lags within k; equal parameter checksums on both hosts for every published
+   version, echoed by each host's sampler. Then host 1's sampler is SIGKILLed: both learner processes end
+   within 30 s, agreeing to stop at one step, with the joint checkpoint of that step, holding every batch a
+   host had received and not consumed, per host, and no /dev/shm object left;
+2. the job resumes on 2 processes: the first step consumed is the checkpoint's, each host first consumes
+   exactly its own checkpointed rows (same tokens, made by the first job's samplers), then its new
+   sampler's, so no trajectory is lost or used twice; SIGTERM to host 0's learner alone stops both with a
+   joint checkpoint and exit code 130 within 30 s, /dev/shm clean;
+3. that checkpoint resumes in this single process (a (2, 4, 1) mesh, one sampler): the batches complete
+   on both hosts come first, then one more step, the final checkpoint (2 processes -> 1);
+4. that single-process checkpoint resumes on 2 processes (1 -> 2); after 2 steps host 1's learner is
+   SIGKILLed: host 0's learner (and both samplers) end within 60 s, with exit code 1 (waiting in the
+   agreement, its peer is lost after async_.peer_lost_s = 20 s and main.train skips jax's shutdown
+   barrier; inside a collective, the heartbeat thread's watchdog ends it after 30 s), /dev/shm clean on
+   both hosts.
 
-What cannot match a single-host run: the samples. Each host samples its P/2 prompts as one batch with
-fold_in(fold_in(key, host), step), and the sampler's draws depend on the batch shape, so the problem
-order is the single-host one (checked) but the responses, rewards and parameters are not.
+What cannot match a single-host run: the schedule. Which parameter version a batch is sampled with is up
+to timing in any async run, so after the first update the two runs' batches are compared only where both
+used the initial parameters; the learner step on the 2-process mesh equals the single-process step
+(tests/test_multihost.py).
 """
 
 import json
@@ -56,7 +65,7 @@ def _config(process_id: int, port: int, steps: int):
       "steps": steps,
       "mesh.shape": (2, 2, 1),
       "optim.lr": 1e-2,
-      "checkpoint.every": 1000,
+      "checkpoint.every": 2,  # periodic saves keep queued batches too (the run goes on)
       "log.norm_overhead_every": 0,
       "async_.timeout_s": 300.0,
       "async_.peer_lost_s": 20.0,
@@ -68,49 +77,107 @@ def _config(process_id: int, port: int, steps: int):
   )
 
 
-def _worker(process_id: int, port: int, workdir: str, steps: int) -> None:
-  """One process of the job: trainer.run, printing one JSON line per consumed step and at close."""
-  import jax
-
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  from vcpo_jax import rollout, trainer
+def _recording_build_source(emit):
+  """rollout.build_source, wrapped: emit(tag, record) per consumed batch (STEP), per checkpoint's queued
+  batches (QUEUED) and at close (PUBLISHED, SHM)."""
+  from vcpo_jax import rollout
 
   build = rollout.build_source
 
-  def recording_build_source(*a, **kw):
+  def recording(*a, **kw):
     src = build(*a, **kw)
-    nxt, close = src.next, src.close
+    nxt, close, queued = src.next, src.close, src.queued_state
 
     def next_(step):
       batch, info = nxt(step)
+      tokens, n = batch["tokens"], len(batch["tokens"])
+      hosts = info.get("hosts") or [  # one process: its own sampler's batch
+        {"version": int(batch["policy_version"].min()), "checksum": info["params_checksum"], "pid": info["producer"][0]}
+      ]
       rec = {
         "step": step,
         "sampler_pid": src.pid,
         "problem_ids": info["problem_ids"],
         "versions": batch["policy_version"].tolist(),
         "group_id": batch["group_id"].tolist(),
-        "tokens_sum": int(batch["tokens"].sum()),
-        "hosts": [{k: h[k] for k in ("version", "checksum", "pid")} for h in info["hosts"]],
+        "half_sums": [int(tokens[: n // 2].sum()), int(tokens[n // 2 :].sum())],  # host 0's rows, host 1's
+        "hosts": [{k: h[k] for k in ("version", "checksum", "pid")} for h in hosts],
+        "shm": src.resource_paths(),
       }
-      print("STEP " + json.dumps(rec), flush=True)
+      if not batch["policy_version"].any():  # the initial parameters: compared with a single-host sampler
+        rec["tokens"] = tokens.tolist()
+      emit("STEP", rec)
       return batch, info
 
+    def queued_():
+      arrays, metas = queued()
+      recs = []
+      for arr, m in zip(arrays, metas):
+        n, tok = len(arr["tokens"]), arr["tokens"]
+        per = m.get("hosts") or [m]
+        recs.append(
+          {
+            "step": m["step"],
+            "present": [h is not None for h in per],
+            "half_sums": [int(tok[: n // 2].sum()), int(tok[n // 2 :].sum())],
+            "pids": [h["sampler_pid"] if h else None for h in per],
+          }
+        )
+      emit("QUEUED", recs)
+      return arrays, metas
+
     def close_():
-      print("PUBLISHED " + json.dumps({str(v): c for v, c in src._checksums.items()}), flush=True)
-      print("SHM " + json.dumps(src.resource_paths()), flush=True)
+      emit("PUBLISHED", {str(v): c for v, c in src._checksums.items()})
+      emit("SHM", src.resource_paths())
       close()
 
-    src.next, src.close = next_, close_
+    src.next, src.close, src.queued_state = next_, close_, queued_
     return src
 
-  rollout.build_source = recording_build_source
-  summary = trainer.run(_config(process_id, port, steps), workdir)
+  return recording
+
+
+def _print(tag, rec):
+  print(tag + " " + json.dumps(rec), flush=True)
+
+
+def _worker(process_id: int, port: int, workdir: str, steps: int) -> None:
+  """One process of the job: main.train (as main.py runs it), printing the records of _recording_build_source."""
+  import faulthandler
+
+  import jax
+
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack (debugging)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  import main
+  from vcpo_jax import rollout
+
+  rollout.build_source = _recording_build_source(_print)
+  summary = main.train(_config(process_id, port, steps), workdir)
   print("SUMMARY " + json.dumps(summary, default=str), flush=True)
 
 
-def _start(workdir: str, steps: int, logdir, tag=None) -> list:
-  logs = [open(logdir / f"p{i}_{tag or steps}.log", "w") for i in range(2)]  # noqa: SIM115 -- closed in _kill_all
-  return list(zip(multiproc.launch(__file__, workdir, str(steps), logs=logs), logs))
+def _start(workdir: str, logdir, tag: str, steps: int = 10_000) -> tuple[list, list]:
+  """Starts the 2 processes of a job (tests/multiproc.py); returns ([(Popen, log file)], [log paths])."""
+  paths = [logdir / f"p{i}_{tag}.log" for i in range(2)]
+  logs = [open(path, "w") for path in paths]  # noqa: SIM115 -- closed in _kill_all
+  return list(zip(multiproc.launch(__file__, workdir, str(steps), logs=logs), logs)), paths
+
+
+def _wait_all(procs, timeout: float) -> float:
+  """Waits until every process of `procs` has exited (at most `timeout` s in all); returns the time taken."""
+  t0 = time.monotonic()
+  for p, _ in procs:
+    p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+  return time.monotonic() - t0
+
+
+def _gone(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  return False
 
 
 def _records(path, tag: str) -> list:
@@ -183,7 +250,10 @@ def test_agreement_orders_payloads_and_stops_every_host_alike():
   from vcpo_jax import distributed
 
   kv = _FakeKV()
-  a = [distributed.Agreement("r", client=kv, host=h, hosts=3, beat_s=0.05, lost_after_s=1.0) for h in range(3)]
+  a = [
+    distributed.Agreement("r", client=kv, host=h, hosts=3, beat_s=0.05, lost_after_s=1.0, watchdog_s=0)
+    for h in range(3)
+  ]
   try:
     for h in (2, 0):  # hosts 2 and 0 have posted; host 1's wait returns all three, in host order
       kv.key_value_set(f"vcpo_jax/r/step/5/{h}", json.dumps({"ok": True, "h": h}))
@@ -210,8 +280,10 @@ def test_a_silent_peer_is_lost_after_its_heartbeat_stops():
   from vcpo_jax import distributed
 
   kv = _FakeKV()
-  a0 = distributed.Agreement("r", client=kv, host=0, hosts=2, beat_s=0.05, lost_after_s=0.5)
-  a1 = distributed.Agreement("r", client=kv, host=1, hosts=2, beat_s=0.05, lost_after_s=0.5)
+  a0 = distributed.Agreement("r", client=kv, host=0, hosts=2, beat_s=0.05, lost_after_s=0.5, watchdog_s=1.0)
+  fired = []
+  a0._watchdog_exit = fired.append  # the heartbeat thread's os._exit(1), recorded instead
+  a1 = distributed.Agreement("r", client=kv, host=1, hosts=2, beat_s=0.05, lost_after_s=0.5, watchdog_s=0)
   try:
     time.sleep(0.7)
     assert a0.lost_peers() == []  # host 1 beats: alive although it has not posted
@@ -220,6 +292,10 @@ def test_a_silent_peer_is_lost_after_its_heartbeat_stops():
     with pytest.raises(distributed.PeerLostError, match=r"process\(es\) \[1\] posted nothing for step 3"):
       a0.exchange(3, {"ok": True}, timeout_s=30)
     assert time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 10  # a main thread stuck in a collective: the watchdog ends the process
+    while not fired and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert fired[0] == [1]
   finally:
     a0.close()
     a1.close()
@@ -269,7 +345,121 @@ def test_host_complete_copy_of_a_sharded_leaf():
   assert multihost.host_complete_sharding(odd).spec == PartitionSpec(None, None)  # nothing divisible: replicated
 
 
-# ----------------------------------------------------------------------------- the 2-process job
+def _host_batch(step: int, host: int, prompts: int = 2, g: int = 2):
+  """A fake host batch of `prompts` groups of g rows (tokens name step, host and row) and its sampler metadata."""
+  import numpy as np
+
+  n = prompts * g
+  arrays = {
+    "tokens": (1000 * step + 100 * host + np.arange(n * 3)).reshape(n, 3).astype(np.int32),
+    "group_id": np.repeat(np.arange(prompts, dtype=np.int32), g),
+    "policy_version": np.full((n,), step - 1, np.int32),
+    "loss_mask": np.arange(n * 3).reshape(n, 3) % 2 == 0,
+  }
+  meta = {
+    "step": step,
+    "version": step - 1,
+    "problem_ids": [f"p{step}_{host}_{i}" for i in range(prompts)],
+    "response_len_mean": 1.0 + host,
+    "finished_frac": 0.5,
+    "gen_s": 0.1,
+    "sampler_pid": 10 + host,
+    "seq": step,
+    "texts": ["t"] * n,
+  }
+  return arrays, meta
+
+
+def test_queued_batches_come_back_per_host_or_whole_on_another_host_count():
+  """pack_queued / unpack_queued: host 0 had received batches 5, 6, 7 at the save, host 1 only batch 5."""
+  import types
+
+  import numpy as np
+
+  from vcpo_jax.rollout import async_, multihost
+
+  blocks2 = [(0, 2), (2, 4)]
+  per_host = [[_host_batch(s, 0) for s in (5, 6, 7)], [_host_batch(5, 1)]]
+  arrays, metas = multihost.pack_queued(per_host, blocks2, 2)
+  assert [m["step"] for m in metas] == [5, 6, 7] and [m["hosts"][1] is None for m in metas] == [False, True, True]
+  np.testing.assert_array_equal(arrays[0]["group_id"], [0, 0, 1, 1, 2, 2, 3, 3])  # host 1's groups are 2, 3
+  np.testing.assert_array_equal(arrays[0]["tokens"][4:], per_host[1][0][0]["tokens"])
+  assert not arrays[1]["tokens"][4:].any() and not arrays[1]["loss_mask"][4:].any()  # host 1 had no batch 6
+  assert metas[0]["problem_ids"] == ["p5_0_0", "p5_0_1", "p5_1_0", "p5_1_1"] and metas[0]["sampler_pid"] == [10, 11]
+
+  # the same 2 hosts: each gets exactly its own batches back (host 0 three, host 1 one), local group ids
+  for h in range(2):
+    back = multihost.unpack_queued(arrays, metas, h, 2, 2, blocks2)
+    assert len(back) == len(per_host[h])
+    for (a, m), (a0, m0) in zip(back, per_host[h]):
+      assert m == dict(m0, texts=None)
+      for f in a0:
+        np.testing.assert_array_equal(a[f], a0[f])
+  # one host: only batch 5 is whole (6 and 7 are made again by its sampler)
+  ((a, m),) = multihost.unpack_queued(arrays, metas, 0, 1, 2, [(0, 4)])
+  np.testing.assert_array_equal(a["tokens"], arrays[0]["tokens"])
+  assert m["problem_ids"] == metas[0]["problem_ids"] and m["version"] == 4 and "hosts" not in m
+  # four hosts of one prompt each: host 3 gets rows 6, 7 of batch 5 (group id 0)
+  ((a, m),) = multihost.unpack_queued(arrays, metas, 3, 4, 2, [(i, i + 1) for i in range(4)])
+  np.testing.assert_array_equal(a["tokens"], per_host[1][0][0]["tokens"][2:])
+  assert a["group_id"].tolist() == [0, 0] and m["problem_ids"] == ["p5_1_1"]
+  # a single-host checkpoint (whole batches of P = 4, the sampler's own metadata) onto 2 hosts
+  whole, whole_meta = _host_batch(9, 0, prompts=4)
+  ((a, m),) = multihost.unpack_queued([whole], [whole_meta], 1, 2, 2, blocks2)
+  np.testing.assert_array_equal(a["tokens"], whole["tokens"][4:])
+  assert a["group_id"].tolist() == [0, 0, 1, 1] and m["problem_ids"] == whole_meta["problem_ids"][2:]
+  assert m["texts"] == ["t"] * 4 and m["step"] == 9
+  # AsyncSource (one process) restoring the 2-host checkpoint keeps the whole batch 5 only
+  src = types.SimpleNamespace(proc=None, _pending=__import__("collections").deque())
+  async_.AsyncSource.load_queued(src, arrays, metas)
+  assert [m["step"] for _, m, _ in src._pending] == [5]
+
+
+# ----------------------------------------------------------------------------- the 2-process jobs
+
+
+def _check_single_host_samples(records):
+  """Batches the job sampled with the initial parameters equal, token for token, the batch a single-host async
+  sampler makes for that step (maker.make(params_0, b, fold_in(key, b), 0), as worker.py calls it)."""
+  import jax
+  import numpy as np
+
+  from vcpo_jax import run_config, sharding
+  from vcpo_jax.model import policy
+  from vcpo_jax.rollout.common import RolloutMaker
+  from vcpo_jax.sampler import Sampler, SamplerConfig
+
+  spec = run_config.parse_config(_config(0, 1, 10_000))
+  mesh = sharding.make_mesh(sharding.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])  # born-sharded == host init
+  model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, mesh, seed=spec.seed)
+  cfg = SamplerConfig.from_tokenizer(
+    tokenizer,
+    max_prompt_len=spec.rollout.max_prompt_len,
+    max_new_tokens=spec.rollout.max_new_tokens,
+    batch_sizes=(1, spec.rollout.batch_size, spec.eval_batch_size),
+    **spec.sampling.sampler_kwargs(),
+  )
+  maker = RolloutMaker(spec.rollout, tokenizer, Sampler(graphdef, model_cfg, cfg), spec.make_train_problems())
+  initial = [r for r in records if "tokens" in r]
+  assert initial and initial[0]["step"] == 0, [r["step"] for r in initial]
+  for r in initial:
+    batch, _ = maker.make(params, r["step"], jax.random.fold_in(jax.random.key(spec.seed), r["step"]), 0)
+    np.testing.assert_array_equal(np.asarray(r["tokens"]), np.asarray(batch["tokens"]), err_msg=f"step {r['step']}")
+  print(f"steps {[r['step'] for r in initial]} (initial parameters) equal the single-host sampler's batches")
+
+
+def _check_consumed_queued_first(queued, resumed, new_pids):
+  """The resumed job's first steps are the checkpoint's queued batches (each host's rows where it had them, made
+  by the old samplers), then the new samplers' batches; steps consecutive from the checkpoint's."""
+  assert [r["step"] for r in resumed] == list(range(resumed[0]["step"], resumed[0]["step"] + len(resumed)))
+  for i, r in enumerate(resumed):
+    q = queued[i] if i < len(queued) else None
+    for h, host in enumerate(r["hosts"]):
+      if q is not None and q["present"][h]:
+        assert r["step"] == q["step"] and r["half_sums"][h] == q["half_sums"][h], (i, h, r, q)
+        assert host["pid"] == q["pids"][h], (i, h, host, q)
+      else:
+        assert host["pid"] == new_pids[h], (i, h, host)
 
 
 @pytest.mark.slow
@@ -279,23 +469,18 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
   from vcpo_jax.rollout.common import RolloutMaker
 
   workdir = str(tmp_path / "run")
-  logs = [tmp_path / f"p{i}_10000.log" for i in range(2)]
-  procs = _start(workdir, 10_000, tmp_path)
+  latest = lambda: Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
+
+  # 1. a fresh job: a few steps on both hosts, then host 1's sampler dies: both processes stop within 30 s
+  procs, logs = _start(workdir, tmp_path, "fresh")
   try:
-    # 1. a few steps of training on both hosts
     _wait_for(lambda: all(len(_records(f, "STEP")) >= 3 for f in logs), 600, "3 steps on both hosts", procs)
-    # 2. host 1's sampler dies: both processes stop within 30 s
-    pid1 = _records(logs[1], "STEP")[0]["sampler_pid"]
-    os.kill(pid1, signal.SIGKILL)
-    t0 = time.monotonic()
-    for p, _ in procs:
-      p.wait(timeout=max(1.0, 30.0 - (time.monotonic() - t0)))
-    elapsed = time.monotonic() - t0
+    os.kill(_records(logs[1], "STEP")[0]["sampler_pid"], signal.SIGKILL)
+    elapsed = _wait_all(procs, 30.0)
     print(f"both learner processes ended {elapsed:.1f} s after the SIGKILL of host 1's sampler")
   finally:
     _kill_all(procs)
   out = [f.read_text() for f in logs]
-  assert elapsed < 30.0, elapsed
   for i, (p, _) in enumerate(procs):
     assert p.returncode == 1, f"process {i} exited {p.returncode}:\n{out[i][-3000:]}"
   assert "every process stops at step" in out[0] and "host 1: SamplerDiedError" in out[0], out[0][-3000:]
@@ -304,18 +489,18 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
   n = min(len(s) for s in steps)
   assert n >= 3
   spec = run_config.parse_config(_config(0, 1, 10_000))
-  problems = spec.make_train_problems()
-  single_host = RolloutMaker(spec.rollout, None, None, problems)  # the prompt stream of a one-host run
+  single_host = RolloutMaker(spec.rollout, None, None, spec.make_train_problems())  # a one-host run's prompts
+  first_pids = [steps[0][0]["sampler_pid"], steps[1][0]["sampler_pid"]]
   for a, b in zip(steps[0][:n], steps[1][:n]):
-    assert {k: v for k, v in a.items() if k != "sampler_pid"} == {k: v for k, v in b.items() if k != "sampler_pid"}
+    drop = ("sampler_pid", "shm")
+    assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
     step = a["step"]
     assert a["problem_ids"] == [q.id for q in single_host.problems_for_step(step)]
     assert a["group_id"] == [g for g in range(P) for _ in range(G)]  # host 0's group, then host 1's
-    assert [h["pid"] for h in a["hosts"]] == [steps[0][0]["sampler_pid"], steps[1][0]["sampler_pid"]]
-    versions = a["versions"]
+    assert [h["pid"] for h in a["hosts"]] == first_pids
     for h, host in enumerate(a["hosts"]):  # rows [h N/2, (h+1) N/2) came from host h's sampler
-      assert versions[h * P * G // 2 : (h + 1) * P * G // 2] == [host["version"]] * (P * G // 2)
-    assert all(0 <= step - v <= K for v in versions)
+      assert a["versions"][h * P * G // 2 : (h + 1) * P * G // 2] == [host["version"]] * (P * G // 2)
+    assert all(0 <= step - v <= K for v in a["versions"])
   published = [_records(f, "PUBLISHED")[0] for f in logs]
   common = set(published[0]) & set(published[1])
   assert common and all(published[0][v] == published[1][v] for v in common)
@@ -323,22 +508,23 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
     for h, host in enumerate(rec["hosts"]):
       if str(host["version"]) in published[h]:
         assert host["checksum"] == published[h][str(host["version"])]
-  shm = [p for f in logs for p in _records(f, "SHM")[0]]
-  assert shm and not [p for p in shm if os.path.exists(p)]
-  stopped = Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
+  assert not [p for f in logs for p in _records(f, "SHM")[0] if os.path.exists(p)]
+  stopped = latest()
   assert stopped is not None and stopped >= n - 1  # the joint checkpoint of the step both stopped at
+  queued = [_records(f, "QUEUED")[-1] for f in logs]
+  assert queued[0] == queued[1] and queued[0], queued  # host 0's sampler was ahead: it had batches queued
+  queued = queued[0]
+  assert [q["step"] for q in queued] == list(range(stopped, stopped + len(queued)))
+  assert all(q["pids"][h] in (None, first_pids[h]) for q in queued for h in range(2))
+  _check_single_host_samples(steps[0][:n])
 
-  # 3. resume on 2 processes from the joint checkpoint; SIGTERM to host 0 only stops both, with a checkpoint
-  procs = _start(workdir, 10_000, tmp_path, tag="resumed")
-  logs = [tmp_path / f"p{i}_resumed.log" for i in range(2)]
-  try:
-    # 2 steps: the first resumed step's compilation is over (a signal is acted on between steps)
-    _wait_for(lambda: all(len(_records(f, "STEP")) >= 2 for f in logs), 600, "2 resumed steps on both", procs)
+  # 2. resume on 2 processes: each host's queued rows first; SIGTERM to host 0 only stops both, with a checkpoint
+  procs, logs = _start(workdir, tmp_path, "resumed")
+  try:  # past the restored batches and the first new step (its compilation: a signal acts between steps)
+    want = len(queued) + 2
+    _wait_for(lambda: all(len(_records(f, "STEP")) >= want for f in logs), 600, f"{want} resumed steps", procs)
     os.kill(procs[0][0].pid, signal.SIGTERM)
-    t0 = time.monotonic()
-    for p, _ in procs:
-      p.wait(timeout=max(1.0, 30.0 - (time.monotonic() - t0)))
-    print(f"both learner processes ended {time.monotonic() - t0:.1f} s after SIGTERM to host 0")
+    print(f"both learner processes ended {_wait_all(procs, 30.0):.1f} s after SIGTERM to host 0")
   finally:
     _kill_all(procs)
   out = [f.read_text() for f in logs]
@@ -347,25 +533,65 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
   assert "every process stops at step" in out[1] and "host 0: interrupted" in out[1], out[1][-3000:]
   resumed = [_records(f, "STEP") for f in logs]
   assert resumed[0][0]["step"] == stopped == resumed[1][0]["step"]  # the first step not in the checkpoint
-  assert all(stopped - v <= K for v in resumed[0][0]["versions"])
+  new_pids = [resumed[0][-1]["sampler_pid"], resumed[1][-1]["sampler_pid"]]
+  _check_consumed_queued_first(queued, resumed[0], new_pids)
   assert not [p for f in logs for p in _records(f, "SHM")[0] if os.path.exists(p)]
-  signalled = Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
+  signalled = latest()
   assert signalled > stopped
+  queued = _records(logs[0], "QUEUED")[-1]
+  assert [q["step"] for q in queued] == list(range(signalled, signalled + len(queued)))
 
-  # 4. resume that 2-process checkpoint in this one process (a (2, 4, 1) mesh on its 8 devices, one sampler)
+  # 3. resume that 2-process checkpoint in this one process (a (2, 4, 1) mesh on its 8 devices, one sampler):
+  # the batches both hosts had queued first, then one more step
   import jax
 
-  from vcpo_jax import trainer
+  from vcpo_jax import rollout, trainer
 
   if len(jax.devices()) % 4:
     return
-  config = _config(0, 1, signalled + 1)
+  whole = next((i for i, q in enumerate(queued) if not all(q["present"])), len(queued))
+  config = _config(0, 1, signalled + whole + 1)
   config.distributed.enabled = False
   config.mesh.shape = (2, -1, 1)
   caplog.set_level(logging.INFO, logger="vcpo_jax")
-  summary = trainer.run(config, workdir)
+  one = []
+  build = rollout.build_source
+  rollout.build_source = _recording_build_source(lambda tag, rec: one.append((tag, rec)))
+  try:
+    summary = trainer.run(config, workdir)
+  finally:
+    rollout.build_source = build
   assert f"resumed from step {signalled} " in caplog.text
-  assert summary["step"] == signalled + 1
+  assert summary["step"] == signalled + whole + 1
+  consumed = [r for tag, r in one if tag == "STEP"]
+  assert [r["step"] for r in consumed] == list(range(signalled, signalled + whole + 1))
+  for r, q in zip(consumed, queued[:whole]):  # both hosts' rows of each whole batch, made by the job's samplers
+    assert r["half_sums"] == q["half_sums"] and r["hosts"][0]["pid"] == q["pids"], (r, q)
+  assert consumed[-1]["hosts"][0]["pid"] == consumed[-1]["sampler_pid"]  # this process's own sampler
+  final = latest()
+  assert final == signalled + whole + 1
+
+  # 4. resume that single-process checkpoint on 2 processes; SIGKILL host 1's learner after 2 steps
+  procs, logs = _start(workdir, tmp_path, "onto2")
+  try:
+    _wait_for(lambda: all(len(_records(f, "STEP")) >= 2 for f in logs), 600, "2 steps on 2 processes", procs)
+    procs[1][0].kill()
+    elapsed = _wait_all(procs[:1], 60.0)
+    print(f"host 0's learner ended {elapsed:.1f} s after the SIGKILL of host 1's learner")
+  finally:
+    _kill_all(procs)
+  out = logs[0].read_text()
+  assert procs[0][0].returncode == 1, f"host 0 exited {procs[0][0].returncode}:\n{out[-3000:]}"
+  # in the agreement: PeerLostError after peer_lost_s; inside a step's collectives: the watchdog, 1.5 x later
+  assert "this process of the 2-process job fails" in out or "silent for 30 s" in out, out[-3000:]
+  onto2 = [_records(f, "STEP") for f in logs]
+  assert onto2[0][0]["step"] == final == onto2[1][0]["step"]
+  samplers = [r[0]["sampler_pid"] for r in onto2]
+  shm = sorted({p for r in onto2 for rec in r for p in rec["shm"]})
+  deadline = time.monotonic() + 20  # host 1's sampler: PR_SET_PDEATHSIG; its segments: the resource tracker
+  while time.monotonic() < deadline and not (all(map(_gone, samplers)) and not any(map(os.path.exists, shm))):
+    time.sleep(0.2)
+  assert all(map(_gone, samplers)) and shm and not [p for p in shm if os.path.exists(p)], shm
 
 
 if __name__ == "__mp_main__":  # a sampler spawned by a learner process of this file

@@ -232,6 +232,22 @@ def test_chunking_over_the_largest_batch_bucket_gives_the_same_rows():
   np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
 
 
+def test_row_offset_draws_the_rows_of_the_whole_batch():
+  """A host sampling prompts [1, 3) of 3 with row_offset = 1 * G draws the whole batch's rows 2..5 (static and
+  refill decode): what makes a multi-host async run's samples a single-host run's."""
+  _, params, _ = _model()
+  smp = _sampler(temperature=1.0, **CHUNKED)
+  ref = smp.generate(params, PROMPTS, jax.random.key(8), num_samples=2, max_new_tokens=8)
+  for mode in ("static", "refill"):
+    part = smp.generate(
+      params, PROMPTS[1:], jax.random.key(8), num_samples=2, max_new_tokens=8, decode=mode, row_offset=2
+    )
+    np.testing.assert_array_equal(part.tokens, ref.tokens[2:], err_msg=mode)
+    np.testing.assert_allclose(part.behavior_logp, ref.behavior_logp[2:], atol=1e-5)
+  shifted = smp.generate(params, PROMPTS[1:], jax.random.key(8), num_samples=2, max_new_tokens=8)
+  assert not np.array_equal(shifted.tokens, ref.tokens[2:])  # without the offset: rows 0..3's draws
+
+
 def test_no_recompile_after_warmup_within_buckets():
   _, params, _ = _model()
   smp = S.Sampler(_model()[0], CFG, S.SamplerConfig(**{**SMALL, "eos_id": 7}))

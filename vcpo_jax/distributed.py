@@ -16,11 +16,21 @@ module holds what crosses hosts:
   checkpoint. A host that posts nothing while its heartbeat (a counter a
   background thread bumps every `beat_s`) stays unchanged for `lost_after_s` is
   dead or stopped: the others raise `PeerLostError` without a checkpoint (a joint
-  save would wait for the lost host) and exit. No learner therefore waits inside
-  a collective for a host that will not come, except in the window between an
-  agreement and the end of that step's collectives (a host killed exactly there;
-  gloo then fails on the closed socket, and on TPU jax.distributed's own
-  heartbeat, `heartbeat_timeout_seconds`, ends the job).
+  save would wait for the lost host) and exit. A host killed between an agreement
+  and the end of that step's collectives (on CPU most of a step) leaves the others
+  inside a collective that never returns (gloo does not fail on the closed socket:
+  measured, the survivor waited until jax's coordination service aborted it, 60 s
+  later with SIGABRT). For that the heartbeat thread is also a watchdog: a peer
+  silent for `watchdog_s` (1.5 x lost_after_s), longer than the main thread's
+  own PeerLostError would take, ends this process with os._exit(1); its sampler
+  then dies of PR_SET_PDEATHSIG and the resource tracker removes its shared memory,
+  as for a killed learner.
+
+A process whose peer is gone must also not end through jax's exit-time `jax.distributed.shutdown()`:
+that barrier waits for the lost process until the coordination service's own heartbeat timeout (100 s
+by default; measured here: 100 s, then SIGABRT, exit status 134 in a shell). `end_alone` ends such a process
+within seconds instead (main.py calls it for any error of a multi-process run; the lost peer's error,
+PeerLostError, skips the barrier at once).
 
 Everything goes through `jax.distributed`'s coordination service client
 (key_value_set / key_value_dir_get / key_value_delete): no extra sockets. Each waiting host makes two
@@ -31,7 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import sys
 import threading
 import time
 
@@ -123,11 +135,21 @@ class Agreement:
     run_id: names this run's keys (the coordination service is per job; the id keeps jobs apart in tests).
     lost_after_s: a peer whose heartbeat does not change for this long, and that has not posted, is lost.
     beat_s: heartbeat period of the background thread.
+    watchdog_s: a peer whose heartbeat does not change for this long ends this process from the heartbeat
+      thread, wherever the main thread is (inside a collective); default 1.5 * lost_after_s, 0: never.
     client, host, hosts: the coordination client and this process's index / the process count (tests).
   """
 
   def __init__(
-    self, run_id: str, *, lost_after_s: float = 30.0, beat_s: float = 0.5, client=None, host=None, hosts=None
+    self,
+    run_id: str,
+    *,
+    lost_after_s: float = 30.0,
+    beat_s: float = 0.5,
+    watchdog_s: float | None = None,
+    client=None,
+    host=None,
+    hosts=None,
   ):
     if not lost_after_s > 4 * beat_s:
       raise ValueError(f"async_.peer_lost_s={lost_after_s} must exceed 4 heartbeats ({4 * beat_s} s).")
@@ -138,6 +160,8 @@ class Agreement:
     self.lost_after_s, self.beat_s = float(lost_after_s), float(beat_s)
     now = time.monotonic()
     self._seen = {h: (None, now) for h in range(self.hosts) if h != self.host}  # peer -> (beat, when it changed)
+    self.watchdog_s = 1.5 * self.lost_after_s if watchdog_s is None else float(watchdog_s)
+    self._watched = dict(self._seen)  # the heartbeat thread's own copy
     self._stop = threading.Event()
     self._beats = 0
     self._beat()
@@ -151,24 +175,48 @@ class Agreement:
     self.client.key_value_set(f"{self.prefix}/hb/{self.host}", str(self._beats), allow_overwrite=True)
 
   def _beat_loop(self):
+    n = 0
     while not self._stop.wait(self.beat_s):
+      n += 1
       try:
         self._beat()
       except Exception:  # noqa: BLE001 -- the service is gone (process 0 exited): the peers notice our silence
-        return
+        pass
+      if self.watchdog_s > 0 and n % 4 == 0:  # the watchdog reads the counters every 4 beats
+        # only peers it has seen beat: one still starting up (its source not built yet) is not lost
+        lost = [h for h in self._silent(self._watched, self.watchdog_s) if self._watched[h][0] is not None]
+        if lost and not self._stop.is_set():
+          self._watchdog_exit(lost)
+
+  def _watchdog_exit(self, lost: list[int]):
+    logging.getLogger("vcpo_jax").critical(
+      "multi-host: process(es) %s silent for %g s (killed, stopped or hung) while this process is busy (inside a "
+      "step's collectives?): exiting with code 1; the sampler ends with this process (PR_SET_PDEATHSIG) and the "
+      "resource tracker removes its shared memory.",
+      lost,
+      self.watchdog_s,
+    )
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
   def lost_peers(self) -> list[int]:
     """Peers whose heartbeat has not changed for lost_after_s (reads every peer's counter once)."""
+    return self._silent(self._seen, self.lost_after_s)
+
+  def _silent(self, seen: dict, after_s: float) -> list[int]:
+    """Updates `seen` (peer -> (counter, when it last changed)) from one read; peers unchanged for `after_s`."""
     now, lost = time.monotonic(), []
     try:  # one call for every host's counter (not one per peer: the coordinator serves every host)
       beats = {k.rsplit("/", 1)[1]: v for k, v in self.client.key_value_dir_get(f"{self.prefix}/hb/")}
     except Exception:  # noqa: BLE001 -- the service is unreachable: every counter looks unchanged
       beats = {}
-    for h, (beat, since) in self._seen.items():
+    for h, (beat, since) in seen.items():
       cur = beats.get(str(h), beat)
       if cur != beat:
-        self._seen[h] = (cur, now)
-      elif now - since > self.lost_after_s:
+        seen[h] = (cur, now)
+      elif now - since > after_s:
         lost.append(h)
     return lost
 
@@ -226,6 +274,26 @@ class Agreement:
   def close(self):
     self._stop.set()
     self._thread.join(5.0)
+
+
+def end_alone(error: BaseException, code: int = 1, timeout_s: float = 10.0):
+  """Ends this process of a multi-process job after `error`, within about `timeout_s` (never returns).
+
+  The atexit handlers run (the grader pool, jax's backends and its distributed shutdown, whose barrier
+  completes when every process is exiting, e.g. after an error all of them raised) in a daemon thread
+  given `timeout_s`; after a PeerLostError (the lost process never reaches the barrier) none run. Then the
+  logs are flushed and the process exits with `code` (os._exit: nothing else waits for the lost peer).
+  """
+  import atexit
+
+  if not isinstance(error, PeerLostError):
+    t = threading.Thread(target=atexit._run_exitfuncs, name="vcpo-exit", daemon=True)
+    t.start()
+    t.join(timeout_s)
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 def decide(payloads: list[dict], step: int):

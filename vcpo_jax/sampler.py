@@ -875,8 +875,9 @@ class Sampler:
       raise ValueError(f"prompt token ids must lie in [0, {self.cfg_model.vocab_size}).")
     return tp, tn, prompt, valid
 
-  def _run(self, params, rows: list[Sequence[int]], max_new_tokens: int, stop_v: np.ndarray, rng):
-    """Generates one response per row. Returns host arrays (prompt [N,Tp], valid, toks, logps, lengths, finished)."""
+  def _run(self, params, rows: list[Sequence[int]], max_new_tokens: int, stop_v: np.ndarray, rng, row_offset: int = 0):
+    """Generates one response per row (row i seeded as row row_offset + i). Returns host arrays (prompt [N,Tp],
+    valid, toks, logps, lengths, finished)."""
     tp, tn, prompt, valid = self._pad_prompts(rows, max_new_tokens)
     n = len(rows)
     outs = []
@@ -889,7 +890,7 @@ class Sampler:
       pb[:m], vb[:m] = prompt[start : start + m], valid[start : start + m]
       vb[m:, -1] = True  # padding rows: one dummy token keeps their attention rows non-empty
       active = np.arange(b) < m
-      row_ids = np.arange(start, start + b, dtype=np.int32)
+      row_ids = np.arange(row_offset + start, row_offset + start + b, dtype=np.int32)
       with self._mesh_context():
         out = self._device_fn(params, pb, vb, active, row_ids, stop_v, np.int32(max_new_tokens), rng, num_new=tn)
       outs.append([np.asarray(o)[:m] for o in jax.device_get(out)])
@@ -908,6 +909,7 @@ class Sampler:
     version: int = 0,
     on_chunk=None,
     recompute_kv: bool = False,
+    row_offset: int = 0,
   ):
     """The host-driven engine: jitted chunks of `chunk_tokens` decode steps over B slots.
 
@@ -947,7 +949,7 @@ class Sampler:
         pb[: len(take)], vb[: len(take)] = prompt[take], valid[take]
         vb[len(take) :, -1] = True  # padding rows: one dummy token keeps their attention rows non-empty
         ids = np.zeros((r,), np.int32)
-        ids[: len(take)] = take
+        ids[: len(take)] = np.asarray(take, np.int32) + row_offset
         bud = np.ones((r,), np.int32)
         bud[: len(take)] = budgets[take]
         slot_row[free[: len(take)]] = take
@@ -989,6 +991,7 @@ class Sampler:
     on_chunk=None,
     recompute_kv: bool = False,
     budgets: Sequence[int] | None = None,
+    row_offset: int = 0,
   ) -> Rollout:
     """Samples num_samples (G) responses per prompt; rows are prompt-major (n = p * G + g).
 
@@ -1005,6 +1008,8 @@ class Sampler:
       recompute_kv: after an in-flight update, recompute the KV cache under the new parameters (default: keep
         it, PipelineRL-style: later tokens attend to keys the older version computed).
       budgets: optional per-row response budgets [N] (<= max_new_tokens), e.g. for benchmarks; chunked only.
+      row_offset: row n is seeded as row row_offset + n (its key fold_in(rng, row_offset + n)), so a host that
+        samples rows [o, o + N) of a larger batch draws what one sampler of the whole batch draws for them.
     Returns:
       Rollout with N = P * G rows of length T = Tp + Tn (buckets). Groups stay together and in order
       whatever order the refilling engine finished them in.
@@ -1020,7 +1025,7 @@ class Sampler:
     rows = [list(p) for p in prompt_token_lists for _ in range(num_samples)]
     stop_v = self._stop_mask(self.cfg.all_stop_ids)
     if decode == "static":
-      prompt, valid, toks, logps, lengths, finished = self._run(params, rows, max_new, stop_v, rng)
+      prompt, valid, toks, logps, lengths, finished = self._run(params, rows, max_new, stop_v, rng, row_offset)
       vers = np.where(np.arange(toks.shape[1])[None, :] < lengths[:, None], np.int32(version), np.int32(-1))
     else:
       bud = np.full((len(rows),), max_new, np.int64) if budgets is None else np.asarray(budgets, np.int64)
@@ -1036,6 +1041,7 @@ class Sampler:
         version=version,
         on_chunk=on_chunk,
         recompute_kv=recompute_kv,
+        row_offset=row_offset,
       )
       if toks.shape[1] != _bucket(max_new, self.cfg.new_token_buckets, "max_new_tokens"):
         pad = _bucket(max_new, self.cfg.new_token_buckets, "max_new_tokens") - toks.shape[1]

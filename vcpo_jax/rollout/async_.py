@@ -730,6 +730,10 @@ class AsyncSource:
       raise RuntimeError("async source: load_queued() must come before the first publish() starts the sampler.")
     if len(arrays) != len(metas):
       raise ValueError(f"async source: {len(arrays)} queued batches but {len(metas)} metadata records.")
+    # A multi-host checkpoint (rollout/multihost.py pack_queued) also holds batches that only some hosts had
+    # received: one process takes the batches complete on every host; its sampler makes the rest again.
+    whole = next((i for i, m in enumerate(metas) if None in (m.get("hosts") or ())), len(metas))
+    arrays, metas = arrays[:whole], metas[:whole]
     steps = [int(m["step"]) for m in metas]
     if steps and steps != list(range(steps[0], steps[0] + len(steps))):
       raise ValueError(f"async source: restored queued batches have steps {steps}; expected consecutive steps.")

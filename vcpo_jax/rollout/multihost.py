@@ -11,9 +11,10 @@
 
 - Prompts: host h's sampler makes whole groups for prompts [h P/H, (h + 1) P/H) of each step's P
   (`distributed.prompt_block`), taken from the same seeded stream as a single-host run, so the global
-  batch's problems are the single-host run's, in its order, none twice. The samples themselves differ
-  from a single-host run's: each host samples a batch of P/H prompts with
-  fold_in(fold_in(key, host), step), and the sampler's random draws depend on the batch shape.
+  batch's problems are the single-host run's, in its order, none twice. The samples are the single-host
+  run's too, given the same parameters: each host seeds its rows as rows [h N/H, (h + 1) N/H) of the
+  whole batch (row n of step b draws from fold_in(fold_in(key, b), n); worker.py passes the row
+  offset). Which version each batch is sampled with is up to timing, as in any async run.
 - The global batch: after the agreement, `multihost_utils.process_allgather` concatenates every host's
   rows in process order (group ids offset by the host's first prompt), so every learner process holds
   the same global batch, as in sync mode, and the trainer's `_global_batch` feeds its own rows. Metrics
@@ -30,11 +31,19 @@
   on any host makes that host post a stop for the step; every host then raises `distributed.JobStopped`
   at that same step and the trainer writes the joint checkpoint and exits (130 for signals, 1 for
   failures). A learner process that dies or stops is noticed through its heartbeat (async_.peer_lost_s)
-  and the others raise PeerLostError without a checkpoint. close() removes the host's shared memory, as
-  in single-host mode.
+  and the others raise PeerLostError without a checkpoint (main.train then ends them without jax's
+  shutdown barrier, `distributed.end_alone`); one stuck inside a collective with the lost process is
+  ended by the heartbeat thread's watchdog (1.5 x peer_lost_s). close() removes the host's shared memory,
+  as in single-host mode; a process that ends without it leaves that to its resource tracker.
 
-Checkpoints keep no queued batches in multi-host mode (each host's queue holds different rows): batches
-queued at a save are made again after a resume.
+Checkpoints keep each host's queued batches (issue 15): at every save (periodic, final, agreed stop)
+each host drains its queue and the hosts allgather their unconsumed rows, so process 0 writes them as
+global batches of N rows, host h's rows at its block (zeros where a host had not received that step yet),
+with per-host metadata (`pack_queued`). A resume on the same number of hosts gives each host exactly its
+own rows back (`unpack_queued`), its sampler then starts after them, so nothing received is lost or
+consumed twice; on another number of hosts (or on one) only the batches complete on every host are
+restored, re-split into the new prompt blocks, and the rest is made again. A single-host checkpoint's
+queued batches resume on several hosts the same way.
 """
 
 from __future__ import annotations
@@ -137,8 +146,10 @@ class MultiHostAsyncSource(async_.AsyncSource):
     super().__init__(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
     cfg = dict(spec.async_cfg)
     self.host, self.hosts = jax.process_index(), jax.process_count()
-    self.block = distributed.prompt_block(maker.cfg.prompts_per_step, self.host, self.hosts)
+    self.blocks = [distributed.prompt_block(maker.cfg.prompts_per_step, h, self.hosts) for h in range(self.hosts)]
+    self.block = self.blocks[self.host]
     n_local = (self.block[1] - self.block[0]) * maker.cfg.group_size
+    self.global_schema = self.schema  # AsyncSource's: N rows
     self.schema = async_.batch_schema(n_local, maker.cfg.max_prompt_len + maker.cfg.max_new_tokens)
     self.meta_bytes = 16384 + n_local * (8 * maker.cfg.max_new_tokens + 64)
     for k, v in sampler_platform_env(cfg.get("sampler_devices", ""), jax.default_backend()).items():
@@ -216,6 +227,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
       if self._deferred is not None:
         e, self._deferred = self._deferred, None
         raise e
+      self._interrupt()  # a signal or a peer's stop, also when the batch is in host memory (no queue wait)
       local = super().next(step)
       batch, info = local
       payload = {
@@ -245,8 +257,17 @@ class MultiHostAsyncSource(async_.AsyncSource):
     lost = [p["reason"] for p in payloads if p.get("lost")]
     if lost:
       raise distributed.PeerLostError(lost[0])
-    distributed.decide(payloads, step)
+    try:
+      distributed.decide(payloads, step)
+    except distributed.JobStopped:
+      if local is not None:  # received, not consumed: back to the front, so the joint checkpoint keeps it
+        self._pending.appendleft(self._raw)
+      raise
     return self._global(step, batch, info, payloads, time.monotonic() - t0)
+
+  def _info(self, step, batch, meta, wait_s, restored=False):
+    self._raw = (batch, meta, restored)  # the host batch as received (queue or restored), for next()'s stop
+    return super()._info(step, batch, meta, wait_s, restored=restored)
 
   def _global(self, step, batch, info, payloads, wait_s):
     from jax.experimental import multihost_utils
@@ -281,9 +302,21 @@ class MultiHostAsyncSource(async_.AsyncSource):
 
   # -- checkpointing, lifetime
 
-  def queued_state(self):
-    """Multi-host checkpoints keep no queued batches (every host's queue holds other rows)."""
-    return [], []
+  def queued_state(self) -> tuple[list[dict], list[dict]]:
+    """Every host's received-but-unconsumed batches as global batches (`pack_queued`); a collective: every
+    process calls it at the same save (the trainer's _save)."""
+    self._drain()
+    local = [(a, m) for a, m, _ in self._pending]
+    return pack_queued(_allgather_queued(local, self.schema), self.blocks, self.maker.cfg.group_size)
+
+  def queued_template(self, count: int) -> list[dict]:
+    """Restore template of `count` queued global batches (N rows each, as pack_queued writes them)."""
+    return [{n: np.zeros(f.shape, f.dtype) for n, f in self.global_schema.fields.items()} for _ in range(count)]
+
+  def load_queued(self, arrays: list[dict], metas: list[dict]):
+    """This host's rows of a checkpoint's queued global batches (`unpack_queued`); next() serves them first."""
+    local = unpack_queued(arrays, metas, self.host, self.hosts, self.maker.cfg.group_size, self.blocks)
+    super().load_queued([a for a, _ in local], [m for _, m in local])
 
   def close(self):
     super().close()
@@ -295,3 +328,116 @@ def _host_complete(x) -> bool:
     return True
   sh = x.sharding
   return hasattr(sh, "mesh") and tuple(sh.mesh.axis_names) == ("hosts", "local")
+
+
+# ----------------------------------------------------------------------------- queued batches in checkpoints
+
+
+def pack_queued(per_host: list[list[tuple[dict, dict]]], blocks, group_size: int) -> tuple[list[dict], list[dict]]:
+  """Every host's unconsumed batches -> (arrays, metas) of global batches, as a checkpoint stores them.
+
+  Args:
+    per_host: per_host[h] = host h's received-but-unconsumed batches, oldest first: (arrays with
+      (hi - lo) * G rows and host-local group ids, the sampler's metadata). Every host's list starts at the
+      same step (all hosts consumed the same steps); lists may differ in length.
+    blocks: blocks[h] = (lo, hi), host h's prompts.
+  Returns:
+    arrays[i] = {field: [N, ...]} of step s + i, host h's rows at rows [lo G, hi G) with global group ids,
+    zeros where host h holds no batch i; metas[i] = {"step", "hosts": [host h's metadata or None], and the
+    fields a single-host source reads (problem_ids, version, ...) over the hosts present}.
+  """
+  count = max((len(b) for b in per_host), default=0)
+  out_arrays, out_metas = [], []
+  for i in range(count):
+    present = [(h, b[i]) for h, b in enumerate(per_host) if i < len(b)]
+    steps = {int(m["step"]) for _, (_, m) in present}
+    if len(steps) != 1:
+      raise RuntimeError(f"multi-host checkpoint: the hosts' queued batch {i} has steps {sorted(steps)}.")
+    ref = present[0][1][0]
+    n = blocks[-1][1] * group_size
+    arrays = {f: np.zeros((n, *a.shape[1:]), a.dtype) for f, a in ref.items()}
+    for h, (a, _) in present:
+      lo, hi = blocks[h]
+      for f, x in a.items():
+        arrays[f][lo * group_size : hi * group_size] = x
+      arrays["group_id"][lo * group_size : hi * group_size] += lo  # global group ids
+    metas = [m for _, (_, m) in present]
+    hosts = [b[i][1] if i < len(b) else None for b in per_host]
+    out_arrays.append(arrays)
+    out_metas.append(
+      {
+        "step": steps.pop(),
+        "hosts": [None if m is None else dict(m, texts=None) for m in hosts],  # texts stay out of the JSON
+        "version": min(int(m["version"]) for m in metas),
+        "problem_ids": [p for m in metas for p in m["problem_ids"]],
+        "response_len_mean": float(np.mean([m["response_len_mean"] for m in metas])),
+        "finished_frac": float(np.mean([m["finished_frac"] for m in metas])),
+        "gen_s": float(max(m["gen_s"] for m in metas)),
+        "idle_s_total": 0.0,  # a restored batch reports no idle fraction
+        "elapsed_s_total": 0.0,
+        "sampler_pid": [m.get("sampler_pid") for m in metas],
+        "seq": [m.get("seq") for m in metas],
+        "grading_failures": int(sum(m.get("grading_failures", 0) for m in metas)),
+      }
+    )
+  return out_arrays, out_metas
+
+
+def unpack_queued(arrays, metas, host: int, hosts: int, group_size: int, blocks) -> list[tuple[dict, dict]]:
+  """This host's (arrays, meta) of a checkpoint's queued batches, oldest first, for AsyncSource.load_queued.
+
+  Same number of hosts as wrote them (pack_queued's metas, one entry per host): host h gets back its own
+  rows of every batch it held, however many the other hosts held. Otherwise (another host count, or a
+  single-host checkpoint, whose batches are whole): the batches complete on every writing host, cut to this
+  host's prompt block. Group ids become host-local again.
+  """
+  lo, hi = blocks[host]
+  rows = slice(lo * group_size, hi * group_size)
+  same = bool(metas) and all(len(m.get("hosts") or ()) == hosts for m in metas)
+  out = []
+  for a, m in zip(arrays, metas):
+    local = {f: np.asarray(x)[rows] for f, x in a.items()}
+    local["group_id"] = local["group_id"] - lo
+    if same:
+      if m["hosts"][host] is None:
+        break  # this host had not received batch `step` (nor any later one): its sampler makes them
+      out.append((local, dict(m["hosts"][host])))
+      continue
+    if None in (m.get("hosts") or ()):
+      break  # incomplete on the writing hosts: made again
+    meta = {k: v for k, v in m.items() if k != "hosts"}
+    meta.update(
+      problem_ids=list(m["problem_ids"])[lo:hi],
+      version=int(local["policy_version"].min()),
+      params_checksum=None,  # the writing run's echo, not checked after a resume
+      params_checksums={},
+      texts=list(m["texts"])[rows] if m.get("texts") else None,
+    )
+    out.append((local, meta))
+  return out
+
+
+def _allgather_queued(local: list[tuple[dict, dict]], schema) -> list[list[tuple[dict, dict]]]:
+  """Every host's `local` list of batches of `schema` (a collective: counts, the stacked arrays, the JSON)."""
+  import json
+
+  from jax.experimental import multihost_utils
+
+  gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=False))
+  counts = gather(np.int32(len(local))).reshape(-1).tolist()
+  hosts, count = len(counts), max(counts)
+  if count == 0:
+    return [[] for _ in range(hosts)]
+  stacked = {f: np.zeros((count, *x.shape), x.dtype) for f, x in schema.fields.items()}
+  for i, (a, _) in enumerate(local):
+    for f in stacked:
+      stacked[f][i] = a[f]
+  every = {f: gather(x) for f, x in stacked.items()}  # [H, count, ...]
+  text = np.frombuffer(json.dumps([m for _, m in local]).encode(), np.uint8)
+  size = int(gather(np.int32(text.size)).max())
+  metas = gather(np.pad(text, (0, size - text.size)))
+  out = []
+  for h in range(hosts):
+    ms = json.loads(bytes(metas[h]).rstrip(b"\0").decode())
+    out.append([({f: every[f][h, i] for f in every}, ms[i]) for i in range(counts[h])])
+  return out

@@ -35,8 +35,10 @@ starts with) is the lag bound of the oldest token; later tokens are fresher. The
 metadata echoes the checksum of every version it used.
 
 On several hosts (rollout/multihost.py) `WorkerArgs.prompt_block` = (lo, hi) makes this worker sample
-only prompts [lo, hi) of each step's P, taken from the single-host stream, with the host index folded
-into the key; its batch has (hi - lo) * G rows.
+only prompts [lo, hi) of each step's P, taken from the single-host stream; its batch has (hi - lo) * G
+rows, seeded as rows [lo G, hi G) of the single-host batch (Sampler.generate's row_offset), so with the
+same parameters they are the single-host run's rows. (Multi-turn makers take no row offset: their host
+folds its index into the key instead.)
 
 Background evaluation (`WorkerArgs.eval`, eval.background): the learner requests an evaluation of
 version v by writing that version's parameters (float32, as the learner holds them) into a second,
@@ -112,8 +114,8 @@ class WorkerArgs:
   inflight: bool = False  # in-flight updates: newer parameters between decode chunks (sampler_cfg is chunked)
   update_every_tokens: int = 16  # in-flight: decode steps between looks at the parameter slot
   recompute_kv: bool = False  # in-flight: recompute the KV cache under the new parameters
-  # Multi-host (rollout/multihost.py): this host's prompts [lo, hi) of each step's P, and the host index
-  # folded into the key. None: the whole batch (one host).
+  # Multi-host (rollout/multihost.py): this host's prompts [lo, hi) of each step's P (rows seeded as rows
+  # [lo G, hi G) of the whole batch). None: the whole batch (one host).
   prompt_block: tuple[int, int] | None = None
   host: int = 0
   eval: EvalArgs | None = None  # background evaluation (eval.background); None: the learner evaluates
@@ -238,6 +240,7 @@ class _Worker:
     self._used: dict[int, int] = {}  # version -> checksum of every version the current batch sampled with
     self._since = 0  # decode steps since the last look at the slot (in-flight updates)
     self.updates = 0  # in-flight switches so far
+    self._make_kw: dict = {}  # extra RolloutMaker.make arguments (multi-host: the row offset)
 
   # -- control
 
@@ -285,13 +288,17 @@ class _Worker:
       self._split_prompts(a)
 
   def _split_prompts(self, a: WorkerArgs):
-    """Multi-host: this host's block of the single-host prompt stream; its own key (host folded in)."""
+    """Multi-host: this host's block of the single-host prompt stream, sampled as those rows of the whole batch
+    (the single-host run's draws); a multi-turn maker, which takes no row offset, gets its own key instead."""
     import jax
 
     lo, hi = a.prompt_block
     stream = _prompt_stream(a.rollout, a.problems)
     self.maker.problems_for_step = lambda step: stream.problems_for_step(step)[lo:hi]
-    self.key = jax.random.fold_in(self.key, a.host)
+    if a.multiturn is None:
+      self._make_kw = {"row_offset": lo * a.rollout.group_size}
+    else:
+      self.key = jax.random.fold_in(self.key, a.host)
 
   # -- steps
 
@@ -419,6 +426,7 @@ class _Worker:
       self._used = {int(version): self._checksum}
       t0 = time.monotonic()
       kw = dict(on_chunk=self._on_chunk, recompute_kv=self.args.recompute_kv) if self.args.inflight else {}
+      kw.update(self._make_kw)
       self._since = 0
       batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version, **kw)
       gen_s = time.monotonic() - t0
