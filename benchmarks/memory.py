@@ -443,7 +443,7 @@ def worker(args) -> list[dict]:
       setting = dataclasses.replace(
         load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens), **budget
       )
-      if args.prefill_chunk:  # SamplerConfig.prefill_chunk (the trainer's sampler prefills in one pass)
+      if args.prefill_chunk:  # overrides the config's sampler.prefill_chunk
         scfg = dataclasses.replace(setting.sampler_cfg, prefill_chunk=args.prefill_chunk)
         setting = dataclasses.replace(setting, sampler_cfg=scfg)
       half = min(TINY_TOKENS, setting.t // 2) // 2
@@ -556,7 +556,7 @@ def main(argv=None):
     "--prefill_chunk",
     type=int,
     default=0,
-    help="sampler prompt tokens per prefill pass (SamplerConfig.prefill_chunk; 0: the trainer's, one pass)",
+    help="sampler prompt tokens per prefill pass (SamplerConfig.prefill_chunk; 0: the config's sampler.prefill_chunk)",
   )
   p.add_argument("--timeout", type=float, default=3 * 3600.0, help="seconds for the worker subprocess")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

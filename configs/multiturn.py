@@ -90,6 +90,7 @@ def get_config(arg: str | None = None):
   c.model.shape.qkv_bias = True  # Qwen2 family: q/k/v projections carry a bias
   c.model.shape.model_type = "qwen2"  # model_type
   c.sampler.temperature = 1.0  # released training temperature
+  c.sampler.prefill_chunk = 512  # prompt tokens per prefill pass: prefill memory flat in depth
   c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
   c.vcpo.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented, review #4)
   c.optim.lr = 1e-6  # released AdamW learning rate

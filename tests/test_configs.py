@@ -164,6 +164,7 @@ BAD = [
   ("model.hidden_size", 7, "countdown"),
   ("seed", -1, "countdown"),
   ("sampler.top_k", -1, "countdown"),
+  ("sampler.prefill_chunk", -1, "countdown"),
   ("checkpoint.keep_last", 0, "countdown"),
   ("optim.schedule", "foo", "countdown"),
   ("async_.queue_slots", 0, "countdown"),

@@ -90,8 +90,15 @@ class SamplingConfig:
   draw: str = "inverse_cdf"
   param_dtype: str = "auto"
   mesh_shape: tuple = (-1, 1, 1)
+  prefill_chunk: int = 0
 
   def __post_init__(self):
+    check_field(
+      isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 0,
+      "sampler.prefill_chunk",
+      self.prefill_chunk,
+      "must be an int >= 0 (0 = the whole prompt bucket in one pass; e.g. 512 bounds prefill memory).",
+    )
     check_field(self.draw in ("inverse_cdf", "gumbel"), "sampler.draw", self.draw, "use inverse_cdf or gumbel.")
     check_field(
       self.param_dtype in ("", "auto", "float32", "bfloat16"),
@@ -116,7 +123,7 @@ class SamplingConfig:
 
   def sampler_kwargs(self, **override) -> dict:
     """The sampler.SamplerConfig fields these settings give (an evaluation overrides temperature / top_p / top_k)."""
-    names = ("temperature", "top_p", "top_k", "draw", "param_dtype", "mesh_shape")
+    names = ("temperature", "top_p", "top_k", "draw", "param_dtype", "mesh_shape", "prefill_chunk")
     return {**{n: getattr(self, n) for n in names}, **override}
 
 
