@@ -20,9 +20,9 @@ two single-process runs in this process share one work directory; the test check
    on both hosts come first, then one more step, the final checkpoint (2 processes -> 1);
 4. that single-process checkpoint resumes on 2 processes (1 -> 2); after 2 steps host 1's learner is
    SIGKILLed: host 0's learner (and both samplers) end within 60 s, with exit code 1 (waiting in the
-   agreement, its peer is lost after async_.peer_lost_s = 20 s and main.train skips jax's shutdown
-   barrier; inside a collective, the heartbeat thread's watchdog ends it after 30 s), /dev/shm clean on
-   both hosts.
+   agreement, its peer is lost after async_.peer_lost_s = 20 s; in a collective that gloo fails, at once;
+   both through main.train, which skips jax's shutdown barrier; in a collective that never returns, the
+   heartbeat thread's watchdog ends it after 30 s), /dev/shm clean on both hosts.
 
 What cannot match a single-host run: the schedule. Which parameter version a batch is sampled with is up
 to timing in any async run, so after the first update the two runs' batches are compared only where both
@@ -582,7 +582,8 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
     _kill_all(procs)
   out = logs[0].read_text()
   assert procs[0][0].returncode == 1, f"host 0 exited {procs[0][0].returncode}:\n{out[-3000:]}"
-  # in the agreement: PeerLostError after peer_lost_s; inside a step's collectives: the watchdog, 1.5 x later
+  # in the agreement: PeerLostError after peer_lost_s; in a failing collective: its error; both -> main.train;
+  # in a collective that never returns (gloo, seen in the train step): the watchdog, 1.5 x peer_lost_s
   assert "this process of the 2-process job fails" in out or "silent for 30 s" in out, out[-3000:]
   onto2 = [_records(f, "STEP") for f in logs]
   assert onto2[0][0]["step"] == final == onto2[1][0]["step"]
