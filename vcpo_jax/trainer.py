@@ -107,27 +107,7 @@ def run(config, workdir: str) -> dict:
   # (the source itself is built under the signal guard below: the async one starts a process)
 
   # ---- eval ----
-  eval_sampling, eval_problems, eval_proto = _build_eval(spec, tokenizer, make_sampler, buckets, maker)
-
-  def run_eval(step, params, tag=None):
-    if spec.eval_background and tag is None:  # eval.background: the async sampler evaluates, logged on arrival
-      source.request_eval(step, params)
-      return {}
-    gen = eval_sampling.generate_fn(params, jax.random.fold_in(key, 10**9 + step))
-    rec = evaluation.evaluate(gen, eval_problems, eval_proto, step, tag=tag)
-    writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
-    return _eval_metrics(rec)
-
-  def background_evals(step, wait=False):
-    """eval.background: logs the records that arrived (eval.jsonl, and metrics.jsonl at the step each
-    evaluated); wait: first the outstanding one (every periodic checkpoint does, so that it follows the
-    records of every step <= its own, and ranks by its own step's evaluation). Returns the newest's metrics."""
-    out = {}
-    for rec in source.eval_results(wait=wait) if spec.eval_background else []:
-      writer.write_eval(dict(rec, arrived_at_step=step))
-      out = _eval_metrics(rec)
-      writer.write(rec["step"], dict(out, **{"eval/policy_version": rec["policy_version"]}))
-    return out
+  run_eval = _Evals(spec, *_build_eval(spec, tokenizer, make_sampler, buckets, maker), key)
 
   # ---- checkpoint and resume ----
   # The signal handlers go in before the source exists: SIGINT / SIGTERM during start-up (the async sampler's
@@ -157,17 +137,14 @@ def run(config, workdir: str) -> dict:
       interrupt=check_signal,
     )
     if spec.eval_background:  # before the first publish starts the sampler process
-      from vcpo_jax.rollout.process.worker import EvalArgs
-
-      src.enable_background_eval(
-        EvalArgs(tuple(eval_problems), eval_proto, eval_sampling.base, spec.rollout.chat_template)
-      )
+      src.enable_background_eval(run_eval.background_args())
     return src
 
   source, ckpt, writer, state, latest, meta = _open(
     spec, workdir, primary, build_source, state, old_handlers, check_signal
   )
   start = latest or 0
+  run_eval.source, run_eval.writer = source, writer
 
   # ---- loop ----
   last_eval: dict = {}
@@ -210,21 +187,21 @@ def run(config, workdir: str) -> dict:
       if evaluate_now and step < spec.steps:
         last_eval = run_eval(step, state.params)
         row.update(last_eval)
-      background_evals(step)
+      run_eval.arrived(step)
       writer.write(step, row, advance=True)
       if step % spec.checkpoint.every == 0 and step < spec.steps:
-        last_eval = background_evals(step, wait=True) or last_eval
+        last_eval = run_eval.arrived(step, wait=True) or last_eval
         _save(ckpt, step, state, source, writer, last_eval if evaluate_now else None)
     # A rerun of a finished run restores the final checkpoint, whose evaluation is logged already.
     final_eval = meta.get("final_eval") if step == start else None
-    background_evals(step, wait=True)
+    run_eval.arrived(step, wait=True)
     if final_eval is None:
       final_eval = run_eval(step, state.params, tag="final")
       writer.write(step, final_eval)
     _save(ckpt, step, state, source, writer, final_eval, final=True)
   except (Interrupted, distributed.JobStopped) as e:
     log.warning("interrupted (%s): saving a checkpoint at step %d", e, step)
-    background_evals(step)  # what arrived is logged; an evaluation still running is lost (no wait here)
+    run_eval.arrived(step)  # what arrived is logged; an evaluation still running is lost (no wait here)
     _save(ckpt, step, state, source, writer, None, force=True)
     raise SystemExit(getattr(e, "exit_code", 130))
   finally:
@@ -274,6 +251,46 @@ def _open(spec, workdir: str, primary: bool, build_source, state, old_handlers: 
       log.warning("interrupted during start-up (%s): nothing trained since the last checkpoint; exiting", e)
       raise SystemExit(130) from None
     raise
+
+
+class _Evals:
+  """The run's evaluations: `self(step, params, tag)` evaluates and logs (eval.jsonl) and returns the metrics.
+
+  Synchronous by default (one generation path, evaluation.EvalSampling, on the learner's devices). With
+  eval.background (async, one host) a periodic evaluation is only requested from the sampler process and
+  returns {}; `arrived(step)` logs the records that came back (eval.jsonl, and metrics.jsonl at the step
+  each evaluated, tagged with eval/policy_version); wait=True first waits for the outstanding one (every
+  periodic checkpoint does, so that it follows the records of every step <= its own and ranks by its own
+  step's evaluation). The final evaluation always runs here.
+  """
+
+  def __init__(self, spec, sampling, problems, protocol, key):
+    self.spec, self.sampling, self.problems, self.protocol, self.key = spec, sampling, problems, protocol, key
+    self.source = self.writer = None  # set once the run is opened
+
+  def __call__(self, step, params, tag=None) -> dict:
+    if self.spec.eval_background and tag is None:
+      self.source.request_eval(step, params)
+      return {}
+    gen = self.sampling.generate_fn(params, jax.random.fold_in(self.key, 10**9 + step))
+    rec = evaluation.evaluate(gen, self.problems, self.protocol, step, tag=tag)
+    self.writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
+    return _eval_metrics(rec)
+
+  def arrived(self, step, wait=False) -> dict:
+    """eval.background: logs the records that arrived by `step`; returns the newest's metrics ({} if none)."""
+    out = {}
+    for rec in self.source.eval_results(wait=wait) if self.spec.eval_background else []:
+      self.writer.write_eval(dict(rec, arrived_at_step=step))
+      out = _eval_metrics(rec)
+      self.writer.write(rec["step"], dict(out, **{"eval/policy_version": rec["policy_version"]}))
+    return out
+
+  def background_args(self):
+    """What the sampler process needs to evaluate as this run does (problems, protocol, sampler config)."""
+    from vcpo_jax.rollout.process.worker import EvalArgs
+
+    return EvalArgs(tuple(self.problems), self.protocol, self.sampling.base, self.spec.rollout.chat_template)
 
 
 def _build_learner(spec, graphdef, params, mesh):
