@@ -191,8 +191,13 @@ def compile_step(fn, args):
 
 
 def tree_rel(a, b):
+  """||a - b|| / ||b|| over all leaves; 0 when both are zero (e.g. one group whose rewards are all equal:
+  zero advantages, zero gradients, as at T = 4096 with N = 2), inf when only b is."""
   num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  return (num / sum(float(jnp.sum(y**2)) for y in jax.tree.leaves(b))) ** 0.5
+  den = sum(float(jnp.sum(y**2)) for y in jax.tree.leaves(b))
+  if den == 0.0:
+    return 0.0 if num == 0.0 else float("inf")
+  return (num / den) ** 0.5
 
 
 def _spread(xs):
