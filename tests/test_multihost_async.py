@@ -1,7 +1,7 @@
 """Async mode on two "hosts": 2 local processes x 2 fake CPU devices, one global (2, 2, 1) learner mesh
 (jax.distributed + gloo), and one spawned sampler per process (rollout/multihost.py).
 
-Three 2-process jobs (this file run as a script, twice each, through main.train as main.py runs it) and
+Four 2-process jobs (this file run as a script, twice each, through main.train as main.py runs it) and
 two single-process runs in this process share one work directory; the test checks, in order:
 
 1. a fresh job trains a few steps (a checkpoint every 2 steps): both processes consume the same global
@@ -22,7 +22,10 @@ two single-process runs in this process share one work directory; the test check
    SIGKILLed: host 0's learner (and both samplers) end within 60 s, with exit code 1 (waiting in the
    agreement, its peer is lost after async_.peer_lost_s = 20 s; in a collective that gloo fails, at once;
    both through main.train, which skips jax's shutdown barrier; in a collective that never returns, the
-   heartbeat thread's watchdog ends it after 30 s), /dev/shm clean on both hosts.
+   heartbeat thread's watchdog ends it after 30 s), /dev/shm clean on both hosts;
+5. it resumes on 2 processes once more; after a step host 0's learner (it runs jax's coordination service)
+   is SIGKILLed: host 1's learner ends within 30 s (jax's coordination agent aborts it: no joint checkpoint
+   can be written without host 0), both samplers gone, /dev/shm clean.
 
 What cannot match a single-host run: the schedule. Which parameter version a batch is sampled with is up
 to timing in any async run, so after the first update the two runs' batches are compared only where both
@@ -587,9 +590,29 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
   assert "this process of the 2-process job fails" in out or "silent for 30 s" in out, out[-3000:]
   onto2 = [_records(f, "STEP") for f in logs]
   assert onto2[0][0]["step"] == final == onto2[1][0]["step"]
-  samplers = [r[0]["sampler_pid"] for r in onto2]
-  shm = sorted({p for r in onto2 for rec in r for p in rec["shm"]})
-  deadline = time.monotonic() + 20  # host 1's sampler: PR_SET_PDEATHSIG; its segments: the resource tracker
+  _assert_reclaimed(onto2)
+
+  # 5. resume on 2 processes again; SIGKILL host 0's learner (it runs jax's coordination service) after a step:
+  # host 1 ends within 30 s (jax's coordination agent sees the service gone and aborts it; no checkpoint can
+  # be written without host 0), both samplers gone and /dev/shm clean
+  procs, logs = _start(workdir, tmp_path, "kill0")
+  try:
+    _wait_for(lambda: all(len(_records(f, "STEP")) >= 1 for f in logs), 600, "a step on 2 processes", procs)
+    procs[0][0].kill()
+    elapsed = _wait_all(procs[1:], 30.0)
+    print(f"host 1's learner ended {elapsed:.1f} s after the SIGKILL of host 0's learner")
+  finally:
+    _kill_all(procs)
+  assert procs[1][0].returncode != 0, logs[1].read_text()[-3000:]
+  _assert_reclaimed([_records(f, "STEP") for f in logs])
+
+
+def _assert_reclaimed(records, timeout: float = 20.0):
+  """Every sampler of a job's STEP records has exited and none of their /dev/shm objects is left (a dead
+  host's sampler: PR_SET_PDEATHSIG; its segments: the resource tracker), within `timeout` s."""
+  samplers = [r[0]["sampler_pid"] for r in records]
+  shm = sorted({p for r in records for rec in r for p in rec["shm"]})
+  deadline = time.monotonic() + timeout
   while time.monotonic() < deadline and not (all(map(_gone, samplers)) and not any(map(os.path.exists, shm))):
     time.sleep(0.2)
   assert all(map(_gone, samplers)) and shm and not [p for p in shm if os.path.exists(p)], shm
