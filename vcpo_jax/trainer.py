@@ -86,7 +86,9 @@ def run(config, workdir: str) -> dict:
     # CPU-sized random models only (RunSpec): trained on one local device as always, so a cached warm
     # start and a fresh one agree whatever the mesh; the learner's state below is laid out on the mesh.
     params = jax.device_put(params, jax.local_devices()[0])
-    params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir if primary else None)
+    params = sft.warm_start(
+      graphdef, params, model_cfg, tokenizer, train_problems, spec.sft_config(), workdir if primary else None
+    )
 
   # ---- learner ----
   state, train_step, plain_jit = _build_learner(spec, graphdef, params, mesh)
@@ -129,7 +131,8 @@ def run(config, workdir: str) -> dict:
       maker,
       key,
       k=spec.k,
-      spec=spec,
+      async_cfg=spec.async_,
+      steps=spec.steps,
       model_cfg=model_cfg,
       graphdef=graphdef,
       tokenizer=tokenizer,
