@@ -24,7 +24,7 @@ import numpy as np
 
 from vcpo_jax import distributed, evaluation, fs, learner, provenance, rollout, sharding
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.checkpoint import Checkpointer, restore_target
 from vcpo_jax.model import policy
 from vcpo_jax.run_config import ConfigError, parse_config
 from vcpo_jax.sampler import Sampler, SamplerConfig
@@ -447,7 +447,9 @@ def _restore(ckpt, step, state, source):
       "mode='async', or start this run in a fresh workdir."
     )
   queued = source.queued_template(len(queued_meta)) if queued_meta else []
-  template = {"train": state, "versions": [state.params for _ in saved["versions"]], "queued": queued}
+  # Abstract (shape, dtype, sharding): orbax reads every array shard by shard into the learner's layout.
+  state_target = jax.tree.map(restore_target, state)
+  template = {"train": state_target, "versions": [state_target.params for _ in saved["versions"]], "queued": queued}
   tree, meta = ckpt.restore(step, template)
   source.load_state(meta["versions"], tree["versions"])
   if queued_meta:
