@@ -6,7 +6,9 @@ SamplingConfig (config.sampler), CheckpointConfig (config.checkpoint), AsyncConf
 LogConfig (config.log), DistributedConfig (config.distributed); the other sections' configs live with
 their components (optim.OptimConfig, estimator.PGConfig, learner.LearnerConfig, rollout.common.
 RolloutConfig, rollout.multiturn.MultiTurnConfig, evaluation.EvalProtocol, model.config.ModelConfig,
-sharding.MeshConfig). RunSpec checks the top-level fields and the constraints between sections;
+sharding.MeshConfig). Components get only their own config: rollout.async_.AsyncSource its AsyncConfig,
+sft.warm_start an sft.SFTConfig (RunSpec.sft_config(): config.sft plus the data setting it depends on).
+RunSpec checks the top-level fields and the constraints between sections;
 `check_prompt_lengths` checks the data against the prompt bucket. run_config.parse_config is the one
 mapper from a ConfigDict to a RunSpec.
 """
