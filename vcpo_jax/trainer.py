@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from vcpo_jax import distributed, evaluation, fs, learner, provenance, rollout, sharding
+from vcpo_jax import distributed, evaluation, fs, learner, provenance, rollout, sft, sharding
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer, restore_target
 from vcpo_jax.model import policy
@@ -179,8 +179,6 @@ def _build_mesh(spec):
 
 def _warm_start(spec, graphdef, params, model_cfg, tokenizer, train_problems, workdir):
   """sft.warm_start with its own config (spec.sft_config()); `workdir` (None off process 0) gets sft.json."""
-  from vcpo_jax import sft
-
   # CPU-sized random models only (RunSpec): trained on one local device as always, so a cached warm
   # start and a fresh one agree whatever the mesh; the learner's state is then laid out on the mesh.
   params = jax.device_put(params, jax.local_devices()[0])
