@@ -47,7 +47,10 @@ def _source(config, **kw) -> async_.AsyncSource:
   )
   sampler = Sampler(graphdef, model_cfg, sampler_cfg)
   maker = RolloutMaker(spec.rollout, tokenizer, sampler, problems)
-  return async_.AsyncSource(spec, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker, **kw), params
+  src = async_.AsyncSource(
+    spec.async_, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker, k=spec.k, steps=spec.steps, **kw
+  )
+  return src, params
 
 
 def _shm_mapped_by(pid: int) -> set[str]:

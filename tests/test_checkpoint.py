@@ -127,3 +127,40 @@ def test_saving_replicated_and_sharded_arrays_compiles_nothing(tmp_path):
   np.testing.assert_array_equal(np.asarray(restored["shd"]), np.asarray(shd))
   assert restored["shd"].sharding == shd.sharding and restored["rep"].sharding == rep.sharding
   ck.close()
+
+
+def test_restore_is_born_sharded_into_the_target_layout(tmp_path, monkeypatch):
+  """On 4 devices (a 2 x 2 mesh): arrays saved sharded one way (and one replicated) restore from an abstract
+  template (ShapeDtypeStruct with a sharding, no array materialised) into the template's other sharding,
+  equal to what was saved; every host-to-device transfer of the restore carries one shard, never the whole
+  array (what a read on the host followed by a device_put would do)."""
+  devices = jax.devices()[:4]
+  assert len(devices) == 4  # conftest: 8 fake CPU devices
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("data", "fsdp"))
+  w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "fsdp")))
+  b = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P()))  # replicated: saved from the host copy
+  ck = Checkpointer(str(tmp_path / "ck"), async_save=False)
+  ck.save(1, {"w": w, "b": b}, {})
+  ck.wait()
+  target = {
+    "w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", "data"))),
+    "b": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P(("data", "fsdp")))),
+  }
+  placed = []
+  device_put = jax.device_put
+
+  def spy(x, *a, **kw):
+    placed.append(tuple(np.shape(x)))
+    return device_put(x, *a, **kw)
+
+  monkeypatch.setattr(jax, "device_put", spy)
+  restored, _ = ck.restore(1, target)
+  monkeypatch.undo()
+  assert placed and (8, 8) not in placed and (8,) not in placed, placed  # orbax places each shard it reads
+  for name, want in (("w", w), ("b", b)):
+    got = restored[name]
+    assert got.sharding == target[name].sharding, name
+    shard_shape = target[name].sharding.shard_shape(target[name].shape)  # w: (4, 4); b: (2,)
+    assert all(s.data.shape == shard_shape for s in got.addressable_shards), name
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  ck.close()

@@ -170,6 +170,7 @@ BAD = [
   ("async_.queue_slots", 0, "countdown"),
   ("async_.timeout_s", 0.0, "countdown"),
   ("async_.startup_timeout_s", -1.0, "countdown"),
+  ("async_.publish_dtype", "float16", "countdown"),
   ("task.max_prompt_len", 5, "countdown"),
   ("optim.b2", 1.0, "countdown"),
   ("optim.lr", 0.0, "countdown"),

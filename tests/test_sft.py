@@ -194,8 +194,9 @@ def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
   cfg, graphdef, params = model
   spec = _spec(tmp_path)
   probs = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
-  first = sft.warm_start(graphdef, params, cfg, tok, probs, spec, str(tmp_path / "wd1"))
-  files = os.listdir(spec.sft_cache_dir)
+  sft_cfg = spec.sft_config()
+  first = sft.warm_start(graphdef, params, cfg, tok, probs, sft_cfg, str(tmp_path / "wd1"))
+  files = os.listdir(sft_cfg.cache_dir)
   assert len(files) == 1 and files[0].endswith(".safetensors")  # no temporary files left behind
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(params)))
 
@@ -204,7 +205,7 @@ def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
 
   monkeypatch.setattr(sft, "train", no_training)
   wd2 = f"memory://test_sft/{uuid.uuid4().hex}/wd2"  # sft.json through the fs layer (a remote workdir)
-  second = sft.warm_start(graphdef, params, cfg, tok, probs, spec, wd2)
+  second = sft.warm_start(graphdef, params, cfg, tok, probs, sft_cfg, wd2)
   assert jax.tree.structure(second) == jax.tree.structure(first)
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -216,29 +217,33 @@ def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
   assert 0.0 <= rec1["greedy_accuracy"] <= 1.0 and np.isfinite(rec1["final_loss"])
   # A different config misses the cache (and would train).
   with pytest.raises(AssertionError, match="must not train"):
-    sft.warm_start(graphdef, params, cfg, tok, probs, dataclasses.replace(spec, sft_lr=spec.sft_lr * 2))
+    sft.warm_start(graphdef, params, cfg, tok, probs, dataclasses.replace(sft_cfg, lr=sft_cfg.lr * 2))
 
 
 def test_cache_key_changes_with_every_relevant_field(tok, model, tmp_path):
   cfg, graphdef, params = model
   spec = _spec(tmp_path)
+  sft_cfg = spec.sft_config()
   probs = spec.task.make_problems("train", 32, spec.seed)
 
   def key(params=params, cfg=cfg, tok=tok, probs=probs, **over):
-    return sft.cache_key(sft.key_fields(params, cfg, tok, probs, dataclasses.replace(spec, **over)))
+    return sft.cache_key(sft.key_fields(params, cfg, tok, probs, dataclasses.replace(sft_cfg, **over)))
 
   base = key()
   assert key() == base  # deterministic
-  assert key(sft_cache_dir="/elsewhere") == base  # where it is stored does not determine it
+  assert key(cache_dir="/elsewhere") == base  # where it is stored does not determine it
+  assert key(temperature=0.5, progress=not sft_cfg.progress) == base  # the report and the bar neither
   variants = {
-    "sft_steps": key(sft_steps=spec.sft_steps + 1),
-    "sft_lr": key(sft_lr=spec.sft_lr / 2),
-    "sft_batch_size": key(sft_batch_size=4),
+    "sft_steps": key(steps=sft_cfg.steps + 1),
+    "sft_lr": key(lr=sft_cfg.lr / 2),
+    "sft_batch_size": key(batch_size=4),
     "seed": key(seed=1),
-    "template": key(task_template="{target}<{numbers}:"),
-    "task_gen": key(task_gen={**spec.task_gen, "number_range": (1, 5)}),
-    "max_new_tokens": key(rollout=dataclasses.replace(spec.rollout, max_new_tokens=20)),
-    "chat_template": key(rollout=dataclasses.replace(spec.rollout, chat_template=True)),
+    "task": key(task="arithmetic"),
+    "template": key(template="{target}<{numbers}:"),
+    "task_gen": key(task_gen={**sft_cfg.task_gen, "number_range": (1, 5)}),
+    "max_prompt_len": key(max_prompt_len=20),
+    "max_new_tokens": key(max_new_tokens=20),
+    "chat_template": key(chat_template=True),
     "model_cfg": key(cfg=cfg.replace(rms_eps=1e-5)),
     "init_params": key(params=jax.tree.map(lambda x: x + 1.0, params)),
     "problems": key(probs=probs[:-1]),
@@ -249,3 +254,20 @@ def test_cache_key_changes_with_every_relevant_field(tok, model, tmp_path):
   for name, k in variants.items():
     assert k != base, name
   assert len(set(variants.values())) == len(variants)
+
+
+def test_cache_key_is_pinned(tok, model, tmp_path):
+  """Regression pin: existing warm-start caches (~/.cache/vcpo_jax/sft/<key>.safetensors) must keep hitting.
+
+  The expected key was computed on main at 763115d, before SFTConfig existed, when key_fields read the
+  RunSpec (sft_steps / sft_lr / sft_batch_size / seed / task_template / task_gen / rollout budgets) for this
+  same fixed input; it is hard-coded, not recomputed. Parameters are fixed arrays (not a random init), so the
+  pin checks how the key is built, not the initializer's numerics. If it changes on purpose, bump
+  sft.CACHE_VERSION and re-pin."""
+  cfg, _, _ = model
+  spec = _spec(tmp_path)
+  probs = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  fixed = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.int32)}
+  fields = sft.key_fields(fixed, cfg, tok, probs, spec.sft_config())
+  assert fields["problems_sha256"] == "1031237fef154c0e4054e2920f1c671aadfdea4f34e71555241a1ac8e63757a9"
+  assert sft.cache_key(fields) == "6d7c3e3611b2ec1b1a540e6d"

@@ -10,7 +10,9 @@ up. `directory` may be a local path, a file:// URL or a gs:// / s3:// URL
 
 The pytree is stored as a flat list of leaves; restoring needs a template of
 the same structure (built by the trainer from the config), which also checks
-that a resumed run has the architecture and optimizer it was saved with.
+that a resumed run has the architecture and optimizer it was saved with. The
+template may be abstract (jax.ShapeDtypeStruct with a sharding): each array is
+read shard by shard into its target sharding, never whole on the host first.
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ def _to_saveable(x):
   if x.is_fully_replicated and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
     return np.asarray(x)
   return x
+
+
+def restore_target(x):
+  """A leaf as a restore target: jax.Arrays (and ShapeDtypeStructs) by shape, dtype and sharding, so orbax
+  reads each device's shards of the saved array straight into place (born sharded: no host copy of the
+  whole array, whatever sharding it was saved with); any other leaf as a host numpy array."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  if isinstance(x, jax.Array):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  return np.asarray(x)
 
 
 class Checkpointer:
@@ -98,14 +111,10 @@ class Checkpointer:
     return meta
 
   def restore(self, step: int, template: Any) -> tuple[Any, dict]:
-    """Restores into the structure (and shardings, for jax.Array leaves) of `template`."""
+    """Restores into the structure of `template`; its jax.Array / ShapeDtypeStruct leaves give each restored
+    array's sharding (`restore_target`: read shard by shard into it), other leaves come back as numpy."""
     leaves, treedef = jax.tree.flatten(template)
-    abstract = [
-      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-      if isinstance(x, jax.Array)
-      else np.asarray(x)
-      for x in leaves
-    ]
+    abstract = [restore_target(x) for x in leaves]
     meta = dict(self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     shapes = [tuple(s) for s in meta.pop("_shapes")]
     if len(shapes) != len(leaves):
@@ -113,11 +122,11 @@ class Checkpointer:
         f"Checkpoint at step {step} in {self.directory} holds {len(shapes)} arrays but the "
         f"current configuration expects {len(leaves)}: the config changed since it was saved."
       )
-    for i, (a, b) in enumerate(zip(shapes, leaves)):
-      if a != tuple(np.shape(b)):
+    for i, (a, b) in enumerate(zip(shapes, abstract)):
+      if a != tuple(b.shape):
         raise ValueError(
           f"Checkpoint array #{i} has shape {a}, the current configuration expects "
-          f"{np.shape(b)}: the model or optimizer config changed since the checkpoint was saved."
+          f"{tuple(b.shape)}: the model or optimizer config changed since the checkpoint was saved."
         )
     out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
     return jax.tree.unflatten(treedef, list(out["state"])), meta

@@ -6,7 +6,9 @@ SamplingConfig (config.sampler), CheckpointConfig (config.checkpoint), AsyncConf
 LogConfig (config.log), DistributedConfig (config.distributed); the other sections' configs live with
 their components (optim.OptimConfig, estimator.PGConfig, learner.LearnerConfig, rollout.common.
 RolloutConfig, rollout.multiturn.MultiTurnConfig, evaluation.EvalProtocol, model.config.ModelConfig,
-sharding.MeshConfig). RunSpec checks the top-level fields and the constraints between sections;
+sharding.MeshConfig). Components get only their own config: rollout.async_.AsyncSource its AsyncConfig,
+sft.warm_start an sft.SFTConfig (RunSpec.sft_config(): config.sft plus the data setting it depends on).
+RunSpec checks the top-level fields and the constraints between sections;
 `check_prompt_lengths` checks the data against the prompt bucket. run_config.parse_config is the one
 mapper from a ConfigDict to a RunSpec.
 """
@@ -19,7 +21,7 @@ import math
 import os
 import re
 
-from vcpo_jax import sharding, tasks
+from vcpo_jax import sft, sharding, tasks
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.model import config as model_config
@@ -143,7 +145,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AsyncConfig:
-  """The sampler process of mode='async' (config.async_)."""
+  """The sampler process of mode='async' (config.async_): rollout.async_.AsyncSource's own config."""
 
   queue_slots: int = 4
   sampler_devices: str = ""
@@ -151,13 +153,14 @@ class AsyncConfig:
   startup_timeout_s: float = 600.0
   sampler_cpus: str = ""
   sampler_env: dict = dataclasses.field(default_factory=dict)
+  background_publish: bool = True  # publish() hands the copy to a thread (False: copy on the learner's path)
+  publish_dtype: str = "auto"  # slot dtype of floating parameters: auto (bf16 on accelerators, f32 on CPU)
   decode: str = "static"
   chunk_tokens: int = 16
   inflight_updates: bool = False
   update_every_tokens: int = 16
   recompute_kv: bool = False
   peer_lost_s: float = 30.0  # multi-host: a learner process without a heartbeat this long is lost
-  extra: dict = dataclasses.field(default_factory=dict)  # config.async_ keys not modelled here, passed on
 
   def __post_init__(self):
     check_field(
@@ -185,7 +188,13 @@ class AsyncConfig:
     for f in ("chunk_tokens", "update_every_tokens"):
       v = getattr(self, f)
       check_field(isinstance(v, int) and v >= 1, f"async_.{f}", v, "must be an int >= 1 (decode steps).")
-    for f in ("inflight_updates", "recompute_kv"):
+    check_field(
+      self.publish_dtype in ("auto", "float32", "bfloat16"),
+      "async_.publish_dtype",
+      self.publish_dtype,
+      "use 'auto' (bfloat16 on accelerators, float32 on CPU), 'float32' or 'bfloat16'.",
+    )
+    for f in ("background_publish", "inflight_updates", "recompute_kv"):
       check_field(isinstance(getattr(self, f), bool), f"async_.{f}", getattr(self, f), "must be True or False.")
     from vcpo_jax.rollout.async_ import parse_cpus  # the one parser of CPU lists ("1", "0,2", "2-3")
 
@@ -195,9 +204,8 @@ class AsyncConfig:
       raise ConfigError(config_message(str(e), "async_")) from None
 
   def as_dict(self) -> dict:
-    """The dict rollout.async_.AsyncSource reads (spec.async_cfg): every config.async_ key."""
-    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-    return {**d, "sampler_env": dict(self.sampler_env), **self.extra}
+    """spec.async_cfg: every config.async_ key (this dataclass models them all; AsyncSource reads the fields)."""
+    return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "sampler_env": dict(self.sampler_env)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,9 +329,8 @@ class RunSpec:
       "the async sampler process evaluates: only with mode='async' on one host (distributed.enabled=False); "
       "set eval.background=False.",
     )
-    check_field(self.sft_steps >= 0, "sft.steps", self.sft_steps, "must be >= 0 (0 = no warm start).")
-    check_field(_finite(self.sft_lr) and self.sft_lr > 0, "sft.lr", self.sft_lr, "must be a finite rate > 0.")
-    check_field(self.sft_batch_size >= 1, "sft.batch_size", self.sft_batch_size, "must be >= 1.")
+    with config_errors("sft", sft.SFTConfig):  # the warm start's own config checks config.sft.*
+      self.sft_config()
     if self.task is not None:
       check_field(
         not self.task_template or self.task.generated or "{problem}" in self.task_template,
@@ -380,7 +387,7 @@ class RunSpec:
       "the warm start is for randomly initialised CPU-sized models; set sft.steps=0 with model.checkpoint.",
     )
 
-  # Flat views of the component configs (what the trainer, sft and the async source read).
+  # Flat views of the component configs (read by tests and scripts; components get their own configs).
   temperature = property(lambda self: self.sampling.temperature)
   top_p = property(lambda self: self.sampling.top_p)
   top_k = property(lambda self: self.sampling.top_k)
@@ -402,6 +409,24 @@ class RunSpec:
   @property
   def eval_batch_size(self) -> int:
     return (self.eval.size or 1) * self.eval.n
+
+  def sft_config(self) -> sft.SFTConfig:
+    """The warm start's own config (sft.warm_start): config.sft plus the data setting, seed and sampling."""
+    return sft.SFTConfig(
+      steps=self.sft_steps,
+      lr=self.sft_lr,
+      batch_size=self.sft_batch_size,
+      max_prompt_len=self.rollout.max_prompt_len,
+      max_new_tokens=self.rollout.max_new_tokens,
+      task=self.rollout.task,
+      template=self.task_template,
+      task_gen=self.task_gen,
+      chat_template=self.rollout.chat_template,
+      seed=self.seed,
+      cache_dir=self.sft_cache_dir,
+      temperature=self.sampling.temperature,
+      progress=self.log.progress,
+    )
 
   def make_train_problems(self):
     """The training pool (as the trainer makes it): num_train_problems generated, or the whole data set."""

@@ -448,9 +448,8 @@ def _generate_device(
   last_logits, cache, kv_valid = _prefill(graphdef, cfg_model, cfg, params, prompt_bt, prompt_valid_bt, num_new)
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
 
-  def emit(i, logits_bv, state):
+  def emit(i, tok, logp, state):  # response column i: pad / 0 for finished rows; a stop token finishes a row
     toks, logps, lengths, done = state
-    tok, logp = _choose(logits_bv, step_keys(i), cfg)
     tok = jnp.where(done, pad, tok)
     logp = jnp.where(done, 0.0, logp)
     toks = toks.at[:, i].set(tok)
@@ -461,21 +460,17 @@ def _generate_device(
 
   toks0 = jnp.full((b, num_new), pad, jnp.int32)
   state = (toks0, jnp.zeros((b, num_new), jnp.float32), jnp.zeros((b,), jnp.int32), ~active_b)
-  state, finished = emit(0, last_logits, state)
+  state, finished = emit(0, *_choose(last_logits, step_keys(0), cfg), state)
 
   def cond(carry):
     i, _, _, state, _ = carry
     return (i < max_new) & ~jnp.all(state[3])
 
-  def body(carry):
+  def body(carry):  # feeds token i - 1 at cache slot Tp + i - 1, draws token i
     i, cache, kv_valid, state, finished = carry
-    prev = state[0][:, i - 1]
-    idx = tp + i - 1  # cache slot of the token being fed
-    kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
-    pos = (prompt_len + i - 1)[:, None]
-    mask = transformer.AttentionMask(kv_valid)  # decode reads only the cache blocks up to slot idx
-    logits, cache = transformer.forward(graphdef, params, prev[:, None], pos, mask, cache, idx)
-    state, stopped = emit(i, logits[:, -1], state)
+    prev, pos, idx = state[0][:, i - 1], prompt_len + i - 1, tp + i - 1
+    tok, logp, cache, kv_valid = _decode_step(graphdef, cfg, params, cache, kv_valid, prev, pos, idx, step_keys(i))
+    state, stopped = emit(i, tok, logp, state)
     return i + 1, cache, kv_valid, state, finished | stopped
 
   carry = (jnp.int32(1), cache, kv_valid, state, finished)
@@ -677,19 +672,19 @@ def _layout_sharding(mesh, shape: tuple[int, ...], entries: tuple):
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def _decode_step(graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, rng):
-  """One decode step as `_generate_device`'s loop body runs it (for `Sampler.lower(part="decode")`).
+def _decode_step(graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, keys_b):
+  """One decode step: the body of `_generate_device`'s loop (and `Sampler.lower(part="decode")`'s program).
 
   Feeds token prev_b [B] at position pos_b [B] into cache slot idx (the cache: per-layer (k, v)
-  [B, S, K, H]; kv_valid: bool [B, S]), attends over the cache, draws the next token with the key
-  fold_in(rng, row); returns (tokens [B], logp [B], cache, kv_valid).
+  [B, S, K, H]; kv_valid: bool [B, S], the slot marked valid here), attends over the cache blocks up to
+  it, draws the next token of row n with keys_b[n] (the loop's fold_in(fold_in(rng, row), i));
+  returns (tokens [B], logp [B], cache, kv_valid).
   """
   b = prev_b.shape[0]
   kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
-  mask = transformer.AttentionMask(kv_valid)
+  mask = transformer.AttentionMask(kv_valid)  # decode reads only the cache blocks up to slot idx
   logits, cache = transformer.forward(graphdef, params, prev_b[:, None], pos_b[:, None], mask, cache, idx)
-  keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(b))
-  tok, logp = _choose(logits[:, -1], keys, cfg)
+  tok, logp = _choose(logits[:, -1], keys_b, cfg)
   return tok, logp, cache, kv_valid
 
 
@@ -832,7 +827,8 @@ class Sampler:
       cache = [(kv, kv) for _ in range(cm.num_layers)]
       fn = jax.jit(lambda p, *a: _decode_step(g, cfg, cast(p), *a), donate_argnums=(1, 2))
       scalar = jax.ShapeDtypeStruct((), jnp.int32)
-      return fn.lower(params, cache, sds((b, s), jnp.bool_), sds((b,), jnp.int32), sds((b,), jnp.int32), scalar, rng)
+      keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))  # one key per row
+      return fn.lower(params, cache, sds((b, s), jnp.bool_), sds((b,), jnp.int32), sds((b,), jnp.int32), scalar, keys)
 
   # -- host side
 

@@ -45,6 +45,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from typing import Any, Sequence
@@ -67,6 +68,42 @@ NUM_REPORT_PROBLEMS = 64
 # Countdown targets are re-solved canonically up to this many numbers (the exhaustive solver
 # takes ~1 ms at 3 numbers, ~15 ms at 4; beyond, the generator's own expression is used).
 CANONICAL_MAX_NUMBERS = 4
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """The warm start's own config: config.sft, plus the data setting, seed and sampling it depends on.
+
+  Built from the RunSpec by `RunSpec.sft_config()` (which the trainer calls); every field but
+  `cache_dir`, `temperature` and `progress` enters the cache key (`key_fields`).
+  """
+
+  steps: int  # config.sft.steps: AdamW steps (0 = no warm start)
+  lr: float  # config.sft.lr: peak rate of the warmup-cosine schedule
+  batch_size: int  # config.sft.batch_size: examples per step
+  max_prompt_len: int  # config.task.max_prompt_len: the rollout layout's prompt bucket Tp
+  max_new_tokens: int  # config.task.max_new_tokens: its response bucket Tn
+  task: str = "countdown"  # config.task.name
+  template: str = ""  # config.task.template
+  task_gen: dict = dataclasses.field(default_factory=dict)  # config.task.gen (generator knobs)
+  chat_template: bool = False  # config.task.chat_template
+  seed: int = 0  # config.seed: the batch permutation and the report's sampling
+  cache_dir: str = ""  # config.sft.cache_dir ("" = ~/.cache/vcpo_jax/sft); not in the key
+  temperature: float = 1.0  # config.sampler.temperature: the held-out report's sampled accuracy; not in the key
+  progress: bool = False  # config.log.progress: a tqdm bar while training; not in the key
+
+  def __post_init__(self):
+    # `sft.FIELD=VALUE: fix`: RunSpec (run_spec.config_errors) reports it as config.sft.FIELD, in one line.
+    if not (isinstance(self.steps, int) and self.steps >= 0):
+      raise ValueError(f"sft.steps={self.steps!r}: must be an int >= 0 (0 = no warm start).")
+    real = isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool)
+    if not (real and math.isfinite(self.lr) and self.lr > 0):
+      raise ValueError(f"sft.lr={self.lr!r}: must be a finite rate > 0.")
+    if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+      raise ValueError(f"sft.batch_size={self.batch_size!r}: must be an int >= 1.")
 
 
 # ----------------------------------------------------------------------------- examples
@@ -302,30 +339,33 @@ def _tokenizer_fingerprint(tokenizer) -> dict:
   }
 
 
-def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], spec) -> dict:
-  """Everything the warm-start result depends on, as a JSON-able dict (see `cache_key`)."""
+def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], cfg: SFTConfig) -> dict:
+  """Everything the warm-start result depends on, as a JSON-able dict (see `cache_key`).
+
+  The dict's names and values are those of the RunSpec-based key before SFTConfig existed (existing caches
+  still hit; tests/test_sft.py pins one key): rename a field here only with a CACHE_VERSION bump.
+  """
   probs = hashlib.sha256()
   for p in train_problems:
     probs.update(json.dumps([p.task, p.prompt, p.solution, p.reference], default=str).encode())
     probs.update(b"\0")
-  ro = spec.rollout
   return {
     "version": CACHE_VERSION,
     "model_cfg": dataclasses.asdict(model_cfg),
     "init_params_sha256": _digest_arrays(params),
     "tokenizer": _tokenizer_fingerprint(tokenizer),
-    "task": ro.task,
-    "template": spec.task_template,
-    "task_gen": spec.task_gen,
-    "chat_template": ro.chat_template,
-    "max_prompt_len": ro.max_prompt_len,
-    "max_new_tokens": ro.max_new_tokens,
+    "task": cfg.task,
+    "template": cfg.template,
+    "task_gen": cfg.task_gen,
+    "chat_template": cfg.chat_template,
+    "max_prompt_len": cfg.max_prompt_len,
+    "max_new_tokens": cfg.max_new_tokens,
     "num_train_problems": len(train_problems),
     "problems_sha256": probs.hexdigest(),
-    "sft_steps": spec.sft_steps,
-    "sft_lr": spec.sft_lr,
-    "sft_batch_size": spec.sft_batch_size,
-    "seed": spec.seed,
+    "sft_steps": cfg.steps,
+    "sft_lr": cfg.lr,
+    "sft_batch_size": cfg.batch_size,
+    "seed": cfg.seed,
   }
 
 
@@ -334,9 +374,9 @@ def cache_key(fields: dict) -> str:
   return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def cache_dir(spec) -> str:
+def cache_dir(cfg: SFTConfig) -> str:
   """sft.cache_dir (a local path or a URL) or ~/.cache/vcpo_jax/sft."""
-  return spec.sft_cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "vcpo_jax", "sft")
+  return cfg.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "vcpo_jax", "sft")
 
 
 def _names(tree) -> list[str]:
@@ -388,7 +428,13 @@ def load_params(path: str, like) -> tuple[Any, dict] | None:
 
 
 def warm_start(
-  graphdef, params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], spec, workdir: str | None = None
+  graphdef,
+  params,
+  model_cfg,
+  tokenizer,
+  train_problems: Sequence[tasks.Problem],
+  cfg: SFTConfig,
+  workdir: str | None = None,
 ):
   """The warm-started parameters for this run: loaded from the cache, or trained and cached.
 
@@ -396,29 +442,28 @@ def warm_start(
     graphdef, params: the randomly initialised policy (transformer.split).
     model_cfg: its ModelConfig.  tokenizer: a transformers tokenizer with an EOS.
     train_problems: the run's training pool (Problem.solution holds the targets).
-    spec: run_spec.RunSpec (sft_steps / sft_lr / sft_batch_size / sft_cache_dir, seed,
-      rollout budgets, template, generator knobs, temperature, progress).
+    cfg: its SFTConfig (RunSpec.sft_config(): config.sft, the data setting, seed, temperature, progress).
     workdir: if given, `sft.json` there records what happened.
   Returns:
     params, same structure as the input.
   """
   t0 = time.time()
-  fields = key_fields(params, model_cfg, tokenizer, train_problems, spec)
+  fields = key_fields(params, model_cfg, tokenizer, train_problems, cfg)
   key = cache_key(fields)
-  path = fs.join(cache_dir(spec), f"{key}.safetensors")
+  path = fs.join(cache_dir(cfg), f"{key}.safetensors")
   hit = load_params(path, params)
   if hit is not None:
     params, meta = hit
     log.info(
       "sft warm start: loaded %s (trained %d steps, final loss %.3f, greedy accuracy %.3f)",
       path,
-      spec.sft_steps,
+      cfg.steps,
       meta.get("final_loss", float("nan")),
       meta.get("greedy_accuracy", float("nan")),
     )
     record = dict(meta, cached=True, load_s=time.time() - t0, path=path)
   else:
-    record = _build(graphdef, params, model_cfg, tokenizer, train_problems, spec, key, fields)
+    record = _build(graphdef, params, model_cfg, tokenizer, train_problems, cfg, key, fields)
     params = record.pop("params")
     save_params(path, params, record)
     record.update(cached=False, path=path)
@@ -427,52 +472,54 @@ def warm_start(
   return params
 
 
-def _build(graphdef, params, model_cfg, tokenizer, train_problems, spec, key, fields) -> dict:
-  ro = spec.rollout
+def _build(graphdef, params, model_cfg, tokenizer, train_problems, cfg, key, fields) -> dict:
   problems = list(train_problems)
   # Hold out a few problems (never trained on) to report the accuracy reached.
   n_report = min(NUM_REPORT_PROBLEMS, len(problems) // 4)
   report, fit = problems[len(problems) - n_report :], problems[: len(problems) - n_report]
-  examples = build_examples(fit, tokenizer, ro.max_prompt_len, ro.max_new_tokens, ro.chat_template)
+  examples = build_examples(fit, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, cfg.chat_template)
   t0 = time.time()
   params, losses = train(
     graphdef,
     params,
     examples,
-    steps=spec.sft_steps,
-    lr=spec.sft_lr,
-    batch_size=spec.sft_batch_size,
-    seed=spec.seed,
-    progress=spec.progress,
+    steps=cfg.steps,
+    lr=cfg.lr,
+    batch_size=cfg.batch_size,
+    seed=cfg.seed,
+    progress=cfg.progress,
   )
   train_s = time.time() - t0
   acc = {}
   if n_report:
     kw = dict(
-      max_prompt_len=ro.max_prompt_len, max_new_tokens=ro.max_new_tokens, seed=spec.seed, chat_template=ro.chat_template
+      max_prompt_len=cfg.max_prompt_len,
+      max_new_tokens=cfg.max_new_tokens,
+      seed=cfg.seed,
+      chat_template=cfg.chat_template,
     )
     acc["greedy_accuracy"] = accuracy(graphdef, params, model_cfg, tokenizer, report, temperature=0.0, **kw)
     acc["sampled_accuracy"] = accuracy(
-      graphdef, params, model_cfg, tokenizer, report, temperature=spec.temperature, **kw
+      graphdef, params, model_cfg, tokenizer, report, temperature=cfg.temperature, **kw
     )
   k = max(1, min(10, len(losses) // 10))
   record = dict(
     key=key,
     fields=fields,
-    steps=spec.sft_steps,
+    steps=cfg.steps,
     examples=len(examples),
     initial_loss=float(losses[:k].mean()),
     final_loss=float(losses[-k:].mean()),
     train_s=train_s,
     total_s=time.time() - t0,
     report_problems=n_report,
-    sampled_temperature=spec.temperature,
+    sampled_temperature=cfg.temperature,
     provenance=provenance.collect(),  # the code and machine that trained these parameters (kept in the cache)
     **acc,
   )
   log.info(
     "sft warm start: %d steps in %.1fs, loss %.3f -> %.3f, held-out accuracy greedy %s sampled %s",
-    spec.sft_steps,
+    cfg.steps,
     train_s,
     record["initial_loss"],
     record["final_loss"],
@@ -480,9 +527,9 @@ def _build(graphdef, params, model_cfg, tokenizer, train_problems, spec, key, fi
     acc.get("sampled_accuracy"),
   )
   print(
-    f"sft warm start: {spec.sft_steps} steps in {train_s:.1f}s, loss {record['initial_loss']:.3f} -> "
+    f"sft warm start: {cfg.steps} steps in {train_s:.1f}s, loss {record['initial_loss']:.3f} -> "
     f"{record['final_loss']:.3f}, held-out accuracy greedy {acc.get('greedy_accuracy')} "
-    f"sampled(T={spec.temperature}) {acc.get('sampled_accuracy')}",
+    f"sampled(T={cfg.temperature}) {acc.get('sampled_accuracy')}",
     flush=True,
   )
   record["params"] = params

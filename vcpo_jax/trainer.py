@@ -14,6 +14,7 @@ assemble them. The mode only decides which rollout source is built:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import signal
@@ -22,9 +23,9 @@ import time
 import jax
 import numpy as np
 
-from vcpo_jax import distributed, evaluation, fs, learner, provenance, rollout, sharding
+from vcpo_jax import distributed, evaluation, fs, learner, provenance, rollout, sft, sharding
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.checkpoint import Checkpointer, restore_target
 from vcpo_jax.model import policy
 from vcpo_jax.run_config import ConfigError, parse_config
 from vcpo_jax.sampler import Sampler, SamplerConfig
@@ -57,23 +58,10 @@ def run(config, workdir: str) -> dict:
   the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
   """
   # ---- config and workdir ----
-  spec = parse_config(config)  # every check happens here, before anything compiles
-  fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
-  if spec.dist.enabled:
-    sharding.maybe_initialize_distributed(spec.dist.coordinator_address, spec.dist.num_processes, spec.dist.process_id)
-  primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
-  if primary:  # the config, plus what produced the run: commit, versions, CPU, XLA_FLAGS, devices
-    fs.makedirs(workdir)
-    record = {**config.to_dict(), "provenance": provenance.collect()}
-    fs.write_text(fs.join(workdir, "config.json"), json.dumps(record, indent=1, default=str))
+  spec, primary = _open_workdir(config, workdir)  # every check happens here, before anything compiles
 
   # ---- mesh and policy ----
-  try:  # the learner's devices: all but the async sampler's
-    mesh = sharding.build_mesh(
-      spec.mesh_shape, spec.rollout.batch_size, spec.async_.sampler_devices if spec.mode == "async" else ""
-    )
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
+  mesh = _build_mesh(spec)  # the learner's devices: all but the async sampler's
   # Born sharded (init_sharded): each device creates only its shards, with the host initializer's values.
   model_cfg, tokenizer, graphdef, params = policy.build_policy(
     spec.model_cfg, mesh, seed=spec.seed, checkpoint=spec.model_checkpoint, tokenizer_dir=spec.tokenizer_dir
@@ -81,12 +69,7 @@ def run(config, workdir: str) -> dict:
   log.info("policy: %s, %.2fM parameters", model_cfg.model_type, model_cfg.num_params / 1e6)
   train_problems = spec.make_train_problems()  # made by spec.task, the run's one configured task (its grader)
   if spec.sft_steps > 0:  # supervised warm start on the solver's solutions (cached per config)
-    from vcpo_jax import sft
-
-    # CPU-sized random models only (RunSpec): trained on one local device as always, so a cached warm
-    # start and a fresh one agree whatever the mesh; the learner's state below is laid out on the mesh.
-    params = jax.device_put(params, jax.local_devices()[0])
-    params = sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec, workdir if primary else None)
+    params = _warm_start(spec, graphdef, params, model_cfg, tokenizer, train_problems, workdir if primary else None)
 
   # ---- learner ----
   state, train_step, plain_jit = _build_learner(spec, graphdef, params, mesh)
@@ -96,53 +79,20 @@ def run(config, workdir: str) -> dict:
   key = jax.random.key(spec.seed)
   # sync/lag sample on the learner's devices: its mesh, so the published params need no move
   make_sampler = lambda cfg: Sampler(graphdef, model_cfg, cfg, mesh=mesh)
-  buckets = {
-    "max_prompt_len": spec.rollout.max_prompt_len,
-    "batch_sizes": (1, spec.rollout.batch_size, spec.eval_batch_size),
-  }
-  train_cfg = SamplerConfig.from_tokenizer(
-    tokenizer, max_new_tokens=spec.rollout.max_new_tokens, **buckets, **spec.sampling.sampler_kwargs()
-  )
-  maker = rollout.build_maker(spec.rollout, spec.multiturn, tokenizer, make_sampler, train_cfg, train_problems)
+  maker = _build_maker(spec, tokenizer, make_sampler, train_problems)
   # (the source itself is built under the signal guard below: the async one starts a process)
 
   # ---- eval ----
-  run_eval = _Evals(spec, *_build_eval(spec, tokenizer, make_sampler, buckets, maker), key)
+  run_eval = _Evals(spec, *_build_eval(spec, tokenizer, make_sampler, _buckets(spec), maker), key)
 
   # ---- checkpoint and resume ----
-  # The signal handlers go in before the source exists: SIGINT / SIGTERM during start-up (the async sampler's
-  # spawn, a restore) only set the flag, and _open's guard closes whatever was built (the sampler, its
-  # shared memory) and exits 130; nothing was trained, so there is nothing to checkpoint. From the loop on,
-  # a signal checkpoints the last completed step. It is noticed in every source wait and at the top of each
-  # step: a signal during an evaluation or a compile is acted on once that returns.
-  flag: dict = {}  # set by the signal handlers; every source wait and every step polls check_signal
-
-  def check_signal():
-    if flag.get("signal"):
-      raise Interrupted(f"signal {flag['signal']}")
-
-  old_handlers = _install_signal_handlers(flag)
-
-  def build_source():
-    src = rollout.build_source(
-      spec.mode,
-      maker,
-      key,
-      k=spec.k,
-      spec=spec,
-      model_cfg=model_cfg,
-      graphdef=graphdef,
-      tokenizer=tokenizer,
-      workdir=workdir,
-      interrupt=check_signal,
-    )
-    if spec.eval_background:  # before the first publish starts the sampler process
-      src.enable_background_eval(run_eval.background_args())
-    return src
-
-  source, ckpt, writer, state, latest, meta = _open(
-    spec, workdir, primary, build_source, state, old_handlers, check_signal
+  # The signal handlers go in before the source exists (_Signals): a signal during start-up ends the run
+  # (exit 130) with whatever was built closed; from the loop on, it checkpoints the last completed step.
+  signals = _Signals()
+  build_source = functools.partial(
+    _build_source, spec, maker, key, model_cfg, graphdef, tokenizer, workdir, signals.check, run_eval
   )
+  source, ckpt, writer, state, latest, meta = _open(spec, workdir, primary, build_source, state, signals)
   start = latest or 0
   run_eval.source, run_eval.writer = source, writer
 
@@ -158,7 +108,7 @@ def run(config, workdir: str) -> dict:
         writer.write(0, last_eval)
     while step < spec.steps:
       if not agreed_stops:  # multi-host async: the source's next() agrees on a stop with every host
-        check_signal()
+        signals.check()
       t0 = time.time()
       batch, info = source.next(step)
       t1 = time.time()
@@ -169,17 +119,8 @@ def run(config, workdir: str) -> dict:
       m = jax.device_get(m)
       t2 = time.time()
       step += 1
-      try:
-        source.publish(state.params, step)
-      except Interrupted:
-        pass  # raised again at the top of the loop, once this step's row is logged (and checkpointed)
-      if m["nonfinite"]:
-        nonfinite_steps.append(step - 1)
-        if spec.on_nonfinite == "abort":
-          raise FloatingPointError(
-            f"non-finite loss or gradient at step {step - 1} (non-finite steps so far: {nonfinite_steps}); "
-            "set learner.on_nonfinite='skip' to skip such updates."
-          )
+      _publish(source, state.params, step)
+      _check_finite(m, step - 1, nonfinite_steps, spec.on_nonfinite)
       row = _train_row(m, batch, info, t0, t1, t2)
       if plain_step is not None and step % spec.log.norm_overhead_every == 0:
         row.update(_norm_overhead(plain_step, state.params, dev_batch, t2 - t1))
@@ -205,8 +146,124 @@ def run(config, workdir: str) -> dict:
     _save(ckpt, step, state, source, writer, None, force=True)
     raise SystemExit(getattr(e, "exit_code", 130))
   finally:
-    _close_all(old_handlers, source, ckpt, writer)
-  summary = {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps}
+    _close_all(signals.old, source, ckpt, writer)
+  return _finish(spec, workdir, primary, {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps})
+
+
+# ----------------------------------------------------------------------------- the run's builders
+
+
+def _open_workdir(config, workdir: str):
+  """(spec, primary): the checked config; distributed JAX started if asked; config.json written by process 0."""
+  spec = parse_config(config)
+  fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
+  if spec.dist.enabled:
+    sharding.maybe_initialize_distributed(spec.dist.coordinator_address, spec.dist.num_processes, spec.dist.process_id)
+  primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
+  if primary:  # the config, plus what produced the run: commit, versions, CPU, XLA_FLAGS, devices
+    fs.makedirs(workdir)
+    record = {**config.to_dict(), "provenance": provenance.collect()}
+    fs.write_text(fs.join(workdir, "config.json"), json.dumps(record, indent=1, default=str))
+  return spec, primary
+
+
+def _build_mesh(spec):
+  """The learner's mesh (sharding.build_mesh): every device but the async sampler's (async_.sampler_devices)."""
+  try:
+    return sharding.build_mesh(
+      spec.mesh_shape, spec.rollout.batch_size, spec.async_.sampler_devices if spec.mode == "async" else ""
+    )
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def _warm_start(spec, graphdef, params, model_cfg, tokenizer, train_problems, workdir):
+  """sft.warm_start with its own config (spec.sft_config()); `workdir` (None off process 0) gets sft.json."""
+  # CPU-sized random models only (RunSpec): trained on one local device as always, so a cached warm
+  # start and a fresh one agree whatever the mesh; the learner's state is then laid out on the mesh.
+  params = jax.device_put(params, jax.local_devices()[0])
+  return sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec.sft_config(), workdir)
+
+
+def _buckets(spec) -> dict:
+  """The samplers' shape buckets: the prompt bucket and the batch sizes (1, a training batch, an eval batch)."""
+  return {
+    "max_prompt_len": spec.rollout.max_prompt_len,
+    "batch_sizes": (1, spec.rollout.batch_size, spec.eval_batch_size),
+  }
+
+
+def _build_maker(spec, tokenizer, make_sampler, train_problems):
+  """The training rollout maker (rollout.build_maker) with the training sampler's settings (config.sampler)."""
+  train_cfg = SamplerConfig.from_tokenizer(
+    tokenizer, max_new_tokens=spec.rollout.max_new_tokens, **_buckets(spec), **spec.sampling.sampler_kwargs()
+  )
+  return rollout.build_maker(spec.rollout, spec.multiturn, tokenizer, make_sampler, train_cfg, train_problems)
+
+
+def _build_source(spec, maker, key, model_cfg, graphdef, tokenizer, workdir, check_signal, run_eval):
+  """The mode's rollout source (rollout.build_source; async: its own config spec.async_), polling
+  `check_signal` in its waits; eval.background: set up before the first publish starts the sampler."""
+  src = rollout.build_source(
+    spec.mode,
+    maker,
+    key,
+    k=spec.k,
+    async_cfg=spec.async_,
+    steps=spec.steps,
+    model_cfg=model_cfg,
+    graphdef=graphdef,
+    tokenizer=tokenizer,
+    workdir=workdir,
+    interrupt=check_signal,
+  )
+  if spec.eval_background:  # before the first publish starts the sampler process
+    src.enable_background_eval(run_eval.background_args())
+  return src
+
+
+class _Signals:
+  """SIGINT / SIGTERM handlers that only set a flag, installed at construction (`old`: the handlers replaced).
+
+  `check()` raises Interrupted once a signal has arrived. Every source wait and the top of each step call
+  it: during start-up (the async sampler's spawn, a restore) _open's guard then closes whatever was built
+  (the sampler, its shared memory) and exits 130, nothing trained; from the loop on, the run checkpoints
+  the last completed step. A signal during an evaluation or a compile is acted on once that returns.
+  """
+
+  def __init__(self):
+    self.flag: dict = {}
+    self.old = _install_signal_handlers(self.flag)
+
+  def check(self):
+    if self.flag.get("signal"):
+      raise Interrupted(f"signal {self.flag['signal']}")
+
+
+def _publish(source, params, step: int):
+  """source.publish; a signal noticed in its wait is raised again at the top of the loop, once this step's
+  row is logged (and checkpointed)."""
+  try:
+    source.publish(params, step)
+  except Interrupted:
+    pass
+
+
+def _check_finite(m: dict, step: int, nonfinite_steps: list, on_nonfinite: str):
+  """Records update `step` in `nonfinite_steps` if its loss or gradient was non-finite (learner.on_nonfinite:
+  'skip' continues, the learner having skipped the update; 'abort' raises FloatingPointError)."""
+  if not m["nonfinite"]:
+    return
+  nonfinite_steps.append(step)
+  if on_nonfinite == "abort":
+    raise FloatingPointError(
+      f"non-finite loss or gradient at step {step} (non-finite steps so far: {nonfinite_steps}); "
+      "set learner.on_nonfinite='skip' to skip such updates."
+    )
+
+
+def _finish(spec, workdir: str, primary: bool, summary: dict) -> dict:
+  """Process 0 writes summary.json (and the plots); returns `summary`."""
   if primary:
     if spec.log.plots:
       metrics_lib.plot_run(workdir)
@@ -214,7 +271,7 @@ def run(config, workdir: str) -> dict:
   return summary
 
 
-def _open(spec, workdir: str, primary: bool, build_source, state, old_handlers: dict, check_signal):
+def _open(spec, workdir: str, primary: bool, build_source, state, signals: _Signals):
   """(source, ckpt, writer, state, latest, meta): the run opened, resumed from its newest checkpoint if any.
 
   Builds the source (`build_source()`), restores the newest checkpoint (latest: its step, None on a fresh
@@ -243,10 +300,10 @@ def _open(spec, workdir: str, primary: bool, build_source, state, old_handlers: 
     )
     if primary:  # written again when this run finishes; a stale one would claim an earlier end
       fs.remove(fs.join(workdir, "summary.json"))
-    check_signal()  # a signal during start-up ends the run here: nothing trained, nothing to save
+    signals.check()  # a signal during start-up ends the run here: nothing trained, nothing to save
     return source, ckpt, writer, state, latest, meta
   except BaseException as e:
-    _close_all(old_handlers, source, ckpt, writer)
+    _close_all(signals.old, source, ckpt, writer)
     if isinstance(e, Interrupted):
       log.warning("interrupted during start-up (%s): nothing trained since the last checkpoint; exiting", e)
       raise SystemExit(130) from None
@@ -444,7 +501,9 @@ def _restore(ckpt, step, state, source):
       "mode='async', or start this run in a fresh workdir."
     )
   queued = source.queued_template(len(queued_meta)) if queued_meta else []
-  template = {"train": state, "versions": [state.params for _ in saved["versions"]], "queued": queued}
+  # Abstract (shape, dtype, sharding): orbax reads every array shard by shard into the learner's layout.
+  state_target = jax.tree.map(restore_target, state)
+  template = {"train": state_target, "versions": [state_target.params for _ in saved["versions"]], "queued": queued}
   tree, meta = ckpt.restore(step, template)
   source.load_state(meta["versions"], tree["versions"])
   if queued_meta:

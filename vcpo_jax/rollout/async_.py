@@ -33,10 +33,10 @@ batch produced before the checkpoint and not consumed is consumed exactly once
 after the resume, and a batch consumed before it never again. A batch the
 sampler was still generating at save time is not saved: it is made again.
 
-Publishing (`async_cfg["background_publish"]`, default True) is off the
+Publishing (`async_.background_publish`, default True) is off the
 learner's critical path: publish() dispatches an on-device snapshot (fresh
 buffers in the publish dtype: bfloat16 on accelerators, float32 on CPU, so
-the CPU numerics are today's; `async_cfg["publish_dtype"]` overrides) and hands
+the CPU numerics are today's; `async_.publish_dtype` overrides) and hands
 it to a thread that does the device_get, the copy into the slot and the
 checksum (param_slot.checksum, recorded per version). The slot then holds one
 parameter copy (ParamSlot nbuf=1: the thread's write waits for the sampler's
@@ -44,12 +44,12 @@ read, never the learner). The sampler echoes the checksum of what it read in
 each batch's metadata and next() checks it against the published version's.
 Only this host-memory path exists and is tested (no device-to-device path).
 
-Devices: `async_cfg["sampler_devices"]` (e.g. "2,3") is written to the child's
+Devices: `async_.sampler_devices` (e.g. "2,3") is written to the child's
 CUDA_VISIBLE_DEVICES before it imports JAX, so on a multi-GPU host the sampler
 runs on its own GPUs (the learner should then be given the others). On TPU and
-elsewhere pass platform variables through `async_cfg["sampler_env"]` (a dict,
+elsewhere pass platform variables through `async_.sampler_env` (a dict,
 e.g. {"TPU_VISIBLE_CHIPS": "3"}). On CPU the sampler is simply another process;
-`async_cfg["sampler_cpus"]` (e.g. "1" or "2-3") pins it to those cores with
+`async_.sampler_cpus` (e.g. "1" or "2-3") pins it to those cores with
 sched_setaffinity (XLA's CPU thread pools follow XLA_FLAGS, inherited).
 
 Failures: every learner wait (the queue in `next`, the parameter slot's lock in
@@ -58,9 +58,9 @@ trainer's `interrupt()` (which raises once SIGINT / SIGTERM has arrived, so the
 trainer checkpoints and exits 130 even while the sampler hangs or is stopped)
 and checks the worker (exit code, error pipe). A dead worker raises
 `SamplerDiedError` naming the exit code or signal and the worker's traceback
-within a fraction of a second, and no batch within `async_cfg["timeout_s"]`
+within a fraction of a second, and no batch within `async_.timeout_s`
 (the first batch, which includes the worker's start-up and compilation:
-`async_cfg.get("startup_timeout_s", 600)`) raises TimeoutError saying what the
+`async_.startup_timeout_s`, 600 s by default) raises TimeoutError saying what the
 worker is waiting for (and whether it is stopped, e.g. by SIGSTOP). `close()`
 (normal exit, exception, or the trainer's signal handling) stops the worker
 within about `2 * _STOP_GRACE_S` (stop message, then SIGTERM, then SIGKILL; a
@@ -196,55 +196,48 @@ class AsyncSource:
   """Rollout source backed by a spawned sampler process; same interface as `LagSource`.
 
   Args:
-    spec: the RunSpec (k, steps, async_cfg: queue_slots, timeout_s, sampler_devices, [sampler_cpus,
-      sampler_env]).
+    cfg: its own config, run_spec.AsyncConfig (config.async_: queue_slots, timeout_s, startup_timeout_s,
+      sampler_devices / sampler_cpus / sampler_env, background_publish, publish_dtype, decode, in-flight
+      updates; checked there).
     key: the run's RNG key; batch b is sampled with fold_in(key, b), as in the other modes.
     model_cfg, graphdef: the policy; the worker rebuilds graphdef from model_cfg (checked here).
     tokenizer: pickled to the worker.
     maker: the learner's RolloutMaker (or MultiTurnRolloutMaker): its rollout config, sampler config,
       problems and, for tool use, its MultiTurnConfig `maker.mt` are sent; the worker rebuilds the same kind.
+    k: the staleness budget (config.lag.k >= 1); steps: the run's length (the worker makes batches < steps).
     workdir: the run's directory; its hash is the run id in every shared-memory name (None: a random id).
     interrupt: called between the slices of every wait; it raises to abandon the wait (the trainer's
       check of its SIGINT / SIGTERM flag). None: waits end only with a batch, a dead worker or a timeout.
 
-  The worker starts at the first `publish(params, v)` and makes batches v, v + 1, ..., spec.steps - 1.
+  The worker starts at the first `publish(params, v)` and makes batches v, v + 1, ..., steps - 1.
   """
 
-  def __init__(self, spec, key, model_cfg, graphdef, tokenizer, maker, *, workdir=None, interrupt=None):
-    if spec.k < 1:
-      raise ValueError(f"lag.k={spec.k}: async mode needs a staleness budget k >= 1.")
-    cfg = dict(spec.async_cfg)
-    self.k, self.end_step = int(spec.k), int(spec.steps)
-    self.timeout_s = float(cfg.get("timeout_s", 120.0))
+  def __init__(self, cfg, key, model_cfg, graphdef, tokenizer, maker, *, k, steps, workdir=None, interrupt=None):
+    if k < 1:
+      raise ValueError(f"lag.k={k}: async mode needs a staleness budget k >= 1.")
+    self.cfg = cfg
+    self.k, self.end_step = int(k), int(steps)
+    self.timeout_s = float(cfg.timeout_s)
     # The first batch includes the worker's start-up (imports, compilation): it gets a separate allowance.
-    self.startup_timeout_s = float(cfg.get("startup_timeout_s", max(600.0, self.timeout_s)))
-    for name, v in (("timeout_s", self.timeout_s), ("startup_timeout_s", self.startup_timeout_s)):
-      if not v > 0:
-        raise ValueError(f"async_.{name}={v} must be positive.")
-    self.nslots = int(cfg.get("queue_slots", 4))
-    if self.nslots < 1:
-      raise ValueError(f"async_.queue_slots={self.nslots} must be >= 1.")
-    self.cpus = parse_cpus(cfg.get("sampler_cpus", "") or "")
-    self.background = bool(cfg.get("background_publish", True))
-    dt = str(cfg.get("publish_dtype", "auto") or "auto")
-    if dt not in ("auto", "float32", "bfloat16"):
-      raise ValueError(
-        f"async_.publish_dtype={dt!r}: use 'auto' (bfloat16 on accelerators, float32 on CPU), 'float32' or 'bfloat16'."
-      )
+    self.startup_timeout_s = float(cfg.startup_timeout_s)
+    self.nslots = int(cfg.queue_slots)
+    self.cpus = parse_cpus(cfg.sampler_cpus)
+    self.background = bool(cfg.background_publish)
+    dt = cfg.publish_dtype
     if dt == "auto":
       dt = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     self.publish_dtype = jnp.dtype(dt)  # of floating parameters in the slot; integer leaves keep theirs
     # Decoding of the sampler process; in-flight updates (between decode chunks, per-token versions).
-    self.decode = str(cfg.get("decode", "static"))
-    self.chunk_tokens = int(cfg.get("chunk_tokens", 16))
-    self.inflight = bool(cfg.get("inflight_updates", False))
-    self.update_every_tokens = int(cfg.get("update_every_tokens", 16))
-    self.recompute_kv = bool(cfg.get("recompute_kv", False))
+    self.decode = cfg.decode
+    self.chunk_tokens = int(cfg.chunk_tokens)
+    self.inflight = bool(cfg.inflight_updates)
+    self.update_every_tokens = int(cfg.update_every_tokens)
+    self.recompute_kv = bool(cfg.recompute_kv)
     if self.inflight and getattr(maker, "mt", None) is not None:
       raise ValueError("async_.inflight_updates=True covers single-turn rollouts only; set it False for tool use.")
-    env = {str(k): str(v) for k, v in dict(cfg.get("sampler_env") or {}).items()}
-    if cfg.get("sampler_devices"):
-      env.setdefault("CUDA_VISIBLE_DEVICES", str(cfg["sampler_devices"]))
+    env = {str(name): str(v) for name, v in dict(cfg.sampler_env or {}).items()}
+    if cfg.sampler_devices:
+      env.setdefault("CUDA_VISIBLE_DEVICES", str(cfg.sampler_devices))
     self.env = env
     rebuilt, _ = worker_lib.abstract_params(model_cfg)
     if rebuilt != graphdef:
@@ -501,7 +494,7 @@ class AsyncSource:
       except QueueFinished:
         failure = RuntimeError(
           f"async source: batch {step} requested but the sampler made only batches up "
-          f"to spec.steps - 1 = {self.end_step - 1}."
+          f"to steps - 1 = {self.end_step - 1}."
         )
       except PeerDiedError as e:
         failure = self._died_error(f"while the learner waited for batch {step}: {e}")

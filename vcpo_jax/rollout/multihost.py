@@ -140,11 +140,12 @@ def local_copy(x) -> np.ndarray:
 
 
 class MultiHostAsyncSource(async_.AsyncSource):
-  """AsyncSource for one process of a multi-host job (same arguments; `async_cfg["peer_lost_s"]`)."""
+  """AsyncSource for one process of a multi-host job (same arguments; also reads `cfg.peer_lost_s`)."""
 
-  def __init__(self, spec, key, model_cfg, graphdef, tokenizer, maker, *, workdir=None, interrupt=None):
-    super().__init__(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
-    cfg = dict(spec.async_cfg)
+  def __init__(self, cfg, key, model_cfg, graphdef, tokenizer, maker, *, k, steps, workdir=None, interrupt=None):
+    super().__init__(
+      cfg, key, model_cfg, graphdef, tokenizer, maker, k=k, steps=steps, workdir=workdir, interrupt=interrupt
+    )
     self.host, self.hosts = jax.process_index(), jax.process_count()
     self.blocks = [distributed.prompt_block(maker.cfg.prompts_per_step, h, self.hosts) for h in range(self.hosts)]
     self.block = self.blocks[self.host]
@@ -152,11 +153,11 @@ class MultiHostAsyncSource(async_.AsyncSource):
     self.global_schema = self.schema  # AsyncSource's: N rows
     self.schema = async_.batch_schema(n_local, maker.cfg.max_prompt_len + maker.cfg.max_new_tokens)
     self.meta_bytes = 16384 + n_local * (8 * maker.cfg.max_new_tokens + 64)
-    for k, v in sampler_platform_env(cfg.get("sampler_devices", ""), jax.default_backend()).items():
-      self.env.setdefault(k, v)  # async_.sampler_env wins
+    for name, v in sampler_platform_env(cfg.sampler_devices, jax.default_backend()).items():
+      self.env.setdefault(name, v)  # async_.sampler_env wins
     if jax.default_backend() == "tpu":
       self.env.pop("CUDA_VISIBLE_DEVICES", None)
-    self.peer_lost_s = float(cfg.get("peer_lost_s", 30.0))
+    self.peer_lost_s = float(cfg.peer_lost_s)
     self.agreement = distributed.Agreement(self.run_id, lost_after_s=self.peer_lost_s)
     self._outer_interrupt = interrupt
     self._interrupt = self._interrupt_or_peer

@@ -69,7 +69,8 @@ def build_source(
   key: jax.Array,
   *,
   k: int = 0,
-  spec=None,
+  async_cfg=None,
+  steps: int = 0,
   model_cfg=None,
   graphdef=None,
   tokenizer=None,
@@ -82,10 +83,10 @@ def build_source(
     mode: "sync" (LagSource with k = 0), "lag" (LagSource with staleness `k`) or "async" (a sampler
       process; one per host on multi-host jobs).
     maker: the rollout maker (build_maker); key: the run's key (step t samples with fold_in(key, t)).
-    k: the staleness of mode='lag' (ignored for sync).
-    spec, model_cfg, graphdef, tokenizer, workdir, interrupt: mode='async' only. The async source reads its
-      run settings (lag.k, steps, config.async_) from the RunSpec `spec`; the sampler process rebuilds the
-      model from model_cfg; `interrupt` is polled in every wait (raises to stop).
+    k: the staleness of mode='lag' and mode='async' (ignored for sync).
+    async_cfg, steps, model_cfg, graphdef, tokenizer, workdir, interrupt: mode='async' only. The async
+      source gets its own config (run_spec.AsyncConfig, config.async_) and the run's length `steps`; the
+      sampler process rebuilds the model from model_cfg; `interrupt` is polled in every wait (raises to stop).
   """
   if mode not in MODES:
     raise ValueError(f"config.mode={mode!r}: choose one of {MODES}.")
@@ -97,4 +98,6 @@ def build_source(
     from vcpo_jax.rollout.multihost import MultiHostAsyncSource as source_cls
   else:
     from vcpo_jax.rollout.async_ import AsyncSource as source_cls
-  return source_cls(spec, key, model_cfg, graphdef, tokenizer, maker, workdir=workdir, interrupt=interrupt)
+  return source_cls(
+    async_cfg, key, model_cfg, graphdef, tokenizer, maker, k=k, steps=steps, workdir=workdir, interrupt=interrupt
+  )
