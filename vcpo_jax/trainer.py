@@ -120,8 +120,9 @@ def run(config, workdir: str) -> dict:
       t2 = time.time()
       step += 1
       _publish(source, state.params, step)
+      t3 = time.time()
       _check_finite(m, step - 1, nonfinite_steps, spec.on_nonfinite)
-      row = _train_row(m, batch, info, t0, t1, t2)
+      row = _train_row(m, batch, info, t0, t1, t2, t3)
       if plain_step is not None and step % spec.log.norm_overhead_every == 0:
         row.update(_norm_overhead(plain_step, state.params, dev_batch, t2 - t1))
       evaluate_now = spec.eval_every and step % spec.eval_every == 0
@@ -403,10 +404,11 @@ def _build_eval(spec, tokenizer, make_sampler, buckets: dict, maker):
   return sampling, problems, protocol
 
 
-def _train_row(m: dict, batch, info: dict, t0: float, t1: float, t2: float) -> dict:
+def _train_row(m: dict, batch, info: dict, t0: float, t1: float, t2: float, t3: float) -> dict:
   """metrics.jsonl's row of one step: the learner's metrics `m`, the batch's, the source's `info`, timings.
 
-  t0 -> t1: waiting for / making the batch; t1 -> t2: the update."""
+  t0 -> t1: waiting for / making the batch; t1 -> t2: the update; t2 -> t3: publishing the new parameters
+  (the learner-side blocking time of source.publish)."""
   n_tokens = float(batch["valid_mask"].sum())
   row = {f"train/{k}": v for k, v in m.items()}
   row.update(
@@ -421,6 +423,7 @@ def _train_row(m: dict, batch, info: dict, t0: float, t1: float, t2: float) -> d
       "train/lag_max": info["lag_max"],
       "time/rollout_s": t1 - t0,
       "time/learn_s": t2 - t1,
+      "time/publish_s": t3 - t2,
       # generation busy time of this batch (sync: the rollout phase itself; async: the sampler's)
       "time/gen_s": info.get("sampler_gen_s", t1 - t0),
       "time/tokens_per_s": n_tokens / max(t2 - t0, 1e-9),
