@@ -83,6 +83,7 @@ def test_async_run_bounded_lag_and_clean_exit(tmp_path, monkeypatch):
   assert [r["step"] for r in recs] == list(range(1, steps + 1))
   assert all(0 <= r["train/lag_min"] <= r["train/lag_mean"] <= r["train/lag_max"] <= k for r in recs)
   assert all("time/sampler_idle_frac" in r and "time/learner_idle_frac" in r for r in recs)
+  assert all(r["time/publish_s"] >= 0.0 for r in recs)  # the learner-side publish time of every step
   # close() stopped the worker cleanly (stop message, exit code 0) and removed every segment / semaphore.
   assert src.proc.exitcode == 0
   _assert_removed(paths)
