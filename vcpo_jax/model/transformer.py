@@ -216,7 +216,10 @@ def _remat_block(layer: Block, policy, x, positions_bt, mask):
 
   y, inputs = jax.checkpoint(run, policy=policy)(state, x, positions_bt, mask, perts, sink_s)
   if tape is not None:
-    for name, info in meta["info"].items():
+    # The tapped inputs' order first (the checkpoint's output dict: sorted names), as the one-pass step has
+    # always recorded them (the order of its perturbations in the program); then the sunk taps.
+    for name in list(inputs) + [k for k in meta["info"] if k not in inputs]:
+      info = meta["info"][name]
       if name in tape.info:
         raise ValueError(f"Tap {name!r} fired twice in one recording; layer names must be unique.")
       if name in inputs:
