@@ -59,6 +59,14 @@ Three ways to get S_n, all exact:
   what is left (direct in blocks of examples if need be), and for the head the largest
   vocab chunk that fits.
 
+* `ghost_sq_norms_and_grad(..., passes=2)` (long sequences; `learner.ghost_passes`). The one-pass
+  step above holds every layer's (A, D) until the update is contracted. With passes=2 the
+  linear / scale taps are norm sinks (`taps.Sink`, a custom_vjp identity whose backward forms
+  the layer's S_n part from (A, D) and returns it as the cotangent of a zeros input s [N]):
+  one forward, then the vjp twice, with cotangent tokw_nt (the norms, layer by layer, one
+  layer's (A, D) alive at a time; its parameter cotangent is dead code) and with
+  -coef_n tokw_nt (the update, an ordinary backward). Same values; a second backward's flops.
+
 * `vmap_sq_norms`: the reference, `per_example_sq_grad_norms` (vmap of a per-example
   grad; also usable on any fn(params, example) -> scalar).
 
