@@ -202,6 +202,7 @@ BAD = [
   ("vcpo.std", "biased", "countdown"),
   ("vcpo.std_eps", -1.0, "countdown"),
   ("learner.grad_path", "loop", "countdown"),
+  ("learner.ghost_passes", 3, "countdown"),
   ("learner.ppo_epochs", 0, "countdown"),
   ("learner.minibatches", 2, "countdown"),  # countdown's method (vcpo) is a single-update method
   ("vcpo.policy_loss", "trpo", "countdown"),

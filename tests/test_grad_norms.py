@@ -182,6 +182,67 @@ def test_ghost_on_a_mesh_equals_reference(name, method):
   assert _tree_rel(res.grads, _ghost(name, method, 0).grads) < 1e-5
 
 
+@functools.lru_cache(maxsize=None)
+def _setup2(name, remat):
+  """_setup's model and batch at 2 layers with remat on or off (the two-pass step's cases)."""
+  cfg = config.tiny_qwen2 if name == "qwen2" else config.tiny_llama
+  graphdef, params = tf.split(tf.init(cfg(vocab_size=V, num_layers=2, remat=remat, **CHUNKS), seed=1))
+  keys = iter(jax.random.split(jax.random.key(7), 100))
+  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape) if x.ndim == 1 else x, params)
+  logp_fn = gn.sequence_logp_fn(graphdef)
+  batch = _batch()
+  ref = jax.jit(gn.vmap_sq_norms, static_argnums=0)(logp_fn, params, batch, batch["loss_mask"])
+  return logp_fn, params, batch, ref
+
+
+@pytest.mark.parametrize(
+  "name,method,budget,remat",
+  [("qwen2", "auto", gn.DEFAULT_BUDGET_BYTES, "none"), ("qwen2", "direct", 0, "block"), ("llama", "gram", 0, "block")],
+)
+def test_two_pass_equals_vmap_reference_and_jax_grad(name, method, budget, remat):
+  """passes=2 (norm sinks inside the first backward, then the update's backward): 2 layers, remat on and off,
+  left-padded prompts and right-padded responses; tied (qwen2: the cross term) and untied heads."""
+  logp_fn, params, batch, ref = _setup2(name, remat)
+  fn = lambda p, b: gn.ghost_sq_norms_and_grad(
+    logp_fn, p, b, b["loss_mask"], _random_coef, method=method, memory_budget_bytes=budget, passes=2
+  )
+  res = jax.jit(fn)(params, batch)
+  assert _rel(res.sq_norms_n, ref) < 1e-4 and float(jnp.max(ref) / jnp.min(ref)) > 1.5
+  coef, _ = _random_coef(None, None)
+  surrogate = lambda p: -jnp.sum(coef * jnp.sum(batch["loss_mask"] * logp_fn(p, batch), axis=1))
+  loss, grads = jax.jit(jax.value_and_grad(surrogate))(params)
+  assert _tree_rel(res.grads, grads) < 1e-5 and type(res.grads) is type(params)
+  np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
+
+
+def test_two_pass_on_a_mesh_equals_reference():
+  """passes=2 under a 2-device FSDP mesh, direct norms one row per device at a time (the regrouped map)."""
+  from vcpo_jax import sharding
+
+  logp_fn, params, batch, ref = _setup2("qwen2", "block")
+  mesh = sharding.make_mesh(sharding.MeshConfig((1, 2, 1)), jax.devices()[:2])
+  params_m = jax.device_put(params, sharding.param_shardings(params, sharding.TRANSFORMER_RULES, mesh))
+  batch_m = jax.device_put(batch, sharding.batch_sharding(mesh))
+  fn = lambda p, b: gn.ghost_sq_norms_and_grad(
+    logp_fn, p, b, b["loss_mask"], _random_coef, method="direct", memory_budget_bytes=0, passes=2
+  )
+  with jax.set_mesh(mesh):
+    res = jax.jit(fn)(params_m, batch_m)
+  assert _rel(res.sq_norms_n, ref) < 1e-4
+  single = jax.jit(lambda p, b: gn.ghost_sq_norms_and_grad(logp_fn, p, b, b["loss_mask"], _random_coef, passes=2))
+  assert _tree_rel(res.grads, single(params, batch).grads) < 1e-5
+
+
+def test_two_pass_bad_choices_raise():
+  logp_fn, params, batch, _ = _setup("llama")
+  with pytest.raises(ValueError, match="passes=3"):
+    gn.ghost_sq_norms_and_grad(logp_fn, params, batch, batch["loss_mask"], _random_coef, passes=3)
+  with pytest.raises(ValueError, match="materialize"):
+    gn.ghost_sq_norms_and_grad(logp_fn, params, batch, batch["loss_mask"], _random_coef, method="materialize", passes=2)
+  with pytest.raises(ValueError, match="learner.ghost_passes=0"):
+    learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), ghost_passes=0)
+
+
 def test_tie_is_the_identity_and_only_barriers_under_fsdp():
   """sharding.tie: values and gradients unchanged; a barrier only where weights are FSDP-gathered."""
   from vcpo_jax import sharding
@@ -234,13 +295,14 @@ def test_tied_cross_term_is_material():
   assert _rel(res.sq_norms_n, untied) < 1e-4
 
 
-@pytest.mark.parametrize("preset", ["vcpo_reference"])
-def test_ghost_path_equals_vmap_path(preset):
-  """OPOB coefficients that depend on S_n: the one-backward path equals the brute-force path."""
+@pytest.mark.parametrize("preset,passes", [("vcpo_reference", 1), ("vcpo_reference", 2)])
+def test_ghost_path_equals_vmap_path(preset, passes):
+  """OPOB coefficients that depend on S_n: the one-backward path (and the two-pass one) equals brute force."""
   logp_fn, params, batch, _ = _setup("qwen2")
   cfg = estimator.pg_config_from_preset(preset)
   g_ref, m_ref = jax.jit(learner.policy_gradient("vmap"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
-  g, m = jax.jit(learner.policy_gradient("ghost"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  ghost = functools.partial(learner.policy_gradient("ghost"), passes=passes)
+  g, m = jax.jit(ghost, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
   assert _tree_rel(g, g_ref) < 1e-5
   np.testing.assert_allclose(m["baseline_n"], m_ref["baseline_n"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(m["pg_loss"], m_ref["pg_loss"], rtol=1e-5, atol=1e-7)
@@ -248,12 +310,14 @@ def test_ghost_path_equals_vmap_path(preset):
   assert float(jnp.max(jnp.abs(m["sq_norm_n"] - jnp.mean(m["sq_norm_n"])))) > 0
 
 
-def test_token_tis_weights_as_function_of_logp():
+@pytest.mark.parametrize("passes", [1, 2])
+def test_token_tis_weights_as_function_of_logp(passes):
   """tokw given as a function of logp (token-TIS): norms use those weights; gradient matches."""
   logp_fn, params, batch, _ = _setup("llama")
   cfg = estimator.pg_config_from_preset("token_tis", token_tis_c=1.05)
   g_ref, m_ref = jax.jit(learner.policy_gradient("vmap"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
-  g, m = jax.jit(learner.policy_gradient("ghost"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
+  ghost = functools.partial(learner.policy_gradient("ghost"), passes=passes)
+  g, m = jax.jit(ghost, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
   assert _tree_rel(g, g_ref) < 1e-5
   tokw = lambda logp: estimator.pg_token_weights(logp, batch["behavior_logp"], batch["loss_mask"], cfg)
   ref = jax.jit(gn.vmap_sq_norms, static_argnums=(0, 3))(logp_fn, params, batch, tokw)

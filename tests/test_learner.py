@@ -182,8 +182,10 @@ def _assert_same_step(out1, out4, params):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
 
 
-def _lcfg(pg, mbs, grad_path="ghost"):
-  return learner.LearnerConfig(pg=pg, grad_path=grad_path, microbatch_size=mbs, group_size=2, batch_size=N)
+def _lcfg(pg, mbs, grad_path="ghost", passes=1):
+  return learner.LearnerConfig(
+    pg=pg, grad_path=grad_path, microbatch_size=mbs, group_size=2, batch_size=N, ghost_passes=passes
+  )
 
 
 @pytest.mark.parametrize("name", sorted(MB_CONFIGS))
@@ -215,6 +217,20 @@ def test_microbatched_step_compiled_and_smaller(mb_setup):
   _assert_same_step(out[None], out[2], params)
   print("temp bytes, single pass vs 4 micro-batches:", temp)
   assert temp[2] < 0.7 * temp[None]
+
+
+@pytest.mark.parametrize("name", ["vcpo", "vcpo_loo_opob"])  # OPOB: the coefficients read the norms
+def test_two_pass_ghost_step_equals_one_pass(mb_setup, name):
+  """learner.ghost_passes=2 (norms block by block, then the update), micro-batched or not, == the one-pass step."""
+  params, tx, batch, graphdef = mb_setup
+  pg = _mb_pg(name)
+  out = {}
+  with jax.disable_jit():
+    for mbs, passes in ((None, 1), (None, 2), (4, 2)):
+      state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+      out[mbs, passes] = learner.make_train_step(graphdef, tx, _lcfg(pg, mbs, passes=passes))(state, batch)
+  _assert_same_step(out[None, 1], out[None, 2], params)
+  _assert_same_step(out[None, 1], out[4, 2], params)
 
 
 @pytest.mark.parametrize("name", ["vcpo"])  # the vmap path differs from ghost only in the norms: OPOB

@@ -101,3 +101,45 @@ def test_remat_block_cuts_backward_temporaries():
   ).stdout
   temp = {k: int(v) for k, v in (line.split() for line in out.strip().splitlines())}
   assert temp["block"] < 0.5 * temp["none"], temp
+
+
+_SINK_SCRIPT = """
+import jax, jax.numpy as jnp
+from flax import nnx
+from vcpo_jax import grad_norms as gn
+from vcpo_jax.model import config, transformer as tf
+n, t = 2, 512
+sds = jax.ShapeDtypeStruct
+batch = dict(tokens=sds((n, t), jnp.int32), valid_mask=sds((n, t), bool), loss_mask=sds((n, t), jnp.float32))
+for passes in (1, 2):
+  for layers in (1, 3):
+    cfg = config.tiny_llama(vocab_size=256, num_layers=layers, hidden_size=64, intermediate_size=256,
+                            logprob_chunk=64, remat="block", attention="chunked", attention_chunk=128)
+    gd, abstract = tf.split(nnx.eval_shape(lambda: tf.Transformer(cfg, rngs=nnx.Rngs(0))))
+    fn = lambda p, b: gn.ghost_sq_norms_and_grad(gn.sequence_logp_fn(gd), p, b, b["loss_mask"],
+      lambda lp, sq: (sq, None), method="direct", memory_budget_bytes=1 << 20, passes=passes).grads
+    print(passes, layers, jax.jit(fn).lower(abstract, batch).compile().memory_analysis().temp_size_in_bytes)
+"""
+
+
+def test_two_pass_ghost_holds_one_blocks_taps():
+  """With remat=block the one-pass ghost step keeps every block's tapped (A, D) (outputs of the checkpoint),
+  the two-pass step (norm sinks) one block's: its temporaries grow far less per layer (1 -> 3 layers, T = 512).
+
+  Per layer the one-pass step holds A and D of every tap: 2 rows x 512 tokens x (4 x 64 + 3 x 256 + 2 x 64
+  + 2 x 64) floats ~ 5 MB; the two-pass step only the block input the remat saves (2 x 512 x 64 floats).
+  Same scheduler as above (subprocess, memory-minimizing).
+  """
+  import os
+  import subprocess
+  import sys
+
+  env = dict(os.environ, XLA_FLAGS="--xla_cpu_enable_concurrency_optimized_scheduler=false", JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  out = subprocess.run(
+    [sys.executable, "-c", _SINK_SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=True
+  ).stdout
+  temp = {(int(p), int(layers)): int(v) for p, layers, v in (line.split() for line in out.strip().splitlines())}
+  per_layer = {p: (temp[p, 3] - temp[p, 1]) / 2 for p in (1, 2)}
+  assert per_layer[2] < 0.5 * per_layer[1], temp

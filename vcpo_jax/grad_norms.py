@@ -59,6 +59,14 @@ Three ways to get S_n, all exact:
   what is left (direct in blocks of examples if need be), and for the head the largest
   vocab chunk that fits.
 
+* `ghost_sq_norms_and_grad(..., passes=2)` (long sequences; `learner.ghost_passes`). The one-pass
+  step above holds every layer's (A, D) until the update is contracted. With passes=2 the
+  linear / scale taps are norm sinks (`taps.Sink`, a custom_vjp identity whose backward forms
+  the layer's S_n part from (A, D) and returns it as the cotangent of a zeros input s [N]):
+  one forward, then the vjp twice, with cotangent tokw_nt (the norms, layer by layer, one
+  layer's (A, D) alive at a time; its parameter cotangent is dead code) and with
+  -coef_n tokw_nt (the update, an ordinary backward). Same values; a second backward's flops.
+
 * `vmap_sq_norms`: the reference, `per_example_sq_grad_norms` (vmap of a per-example
   grad; also usable on any fn(params, example) -> scalar).
 
@@ -234,6 +242,7 @@ def plan_layers(
   method: str = "auto",
   memory_budget_bytes: int = DEFAULT_BUDGET_BYTES,
   batch_shards: int = 1,
+  keep: bool = True,
 ) -> dict[str, LayerPlan]:
   """Chooses gram / direct / materialize per tapped matmul, from shapes only (per (micro-)batch).
 
@@ -244,6 +253,9 @@ def plan_layers(
     memory_budget_bytes: per-device bytes for the norms: kept per-example gradients of the
       materialized layers plus the largest transient of the others must fit.
     batch_shards: devices the batch axis is split over (data x fsdp); N per device = N / shards.
+    keep: whether per-example gradients may be kept ("materialize"); False for the two-pass step,
+      whose norms are formed one layer at a time inside the backward pass ("auto" then never
+      materializes and every layer's transient gets the whole budget).
 
   Per-example flops beyond the plain backward (which includes the T Din Dout weight-gradient
   contraction): gram T^2 (Din + Dout); direct T Din Dout; materialize 2 Din Dout - T Din Dout
@@ -254,6 +266,8 @@ def plan_layers(
   """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  if not keep and method == "materialize":
+    raise ValueError("method='materialize' keeps per-example gradients; the two-pass step (passes=2) keeps none.")
   if batch_shards < 1:
     raise ValueError(f"batch_shards={batch_shards}: must be >= 1 (data x fsdp devices).")
   dims = {}
@@ -293,7 +307,7 @@ def plan_layers(
     saved[name] = ((cheap - mat[0]) / max(mat[3] / n, 1), name)
   kept_used, materialized = 0, set()
   for s, name in sorted(saved.values(), reverse=True):
-    if s <= 0:
+    if s <= 0 or not keep:
       break
     mat = plan(name, "materialize", memory_budget_bytes - kept_used)
     rest = [min_temp(k) for k in dims if k not in materialized and k != name]
@@ -500,13 +514,10 @@ def _tied_cross_term(rec, spec, c_nm, tok_nt, d_emb) -> jax.Array:
   return 2.0 * jnp.sum(d_st * m_st, axis=(1, 2))
 
 
-def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_bytes, batch_shards):
-  """The shared body of `ghost_sq_norms_and_grad` (coef_fn given) and `taps_grad` (coef_n given)."""
-  norms = coef_fn is not None
-  infos, in_shapes, pert_shapes, out_shapes = _tapped_forward(logp_fn, params, batch)
+def _owners(infos: dict[str, taps.TapInfo], params) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, list[str]]]:
+  """(parameter shapes by path, the taps owning each path); raises unless taps and parameters cover each other."""
   if not infos:
     raise ValueError("logp_fn recorded no taps: build it from vcpo_jax.model layers (Linear, Embed, RMSNorm).")
-  # Coverage: every parameter leaf is owned by a tap and every tap names a parameter.
   param_shapes = _param_paths(params)
   owners: dict[str, list[str]] = {}
   for name, info in infos.items():
@@ -520,6 +531,15 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       f"Parameters {missing} are not covered by any tap; their per-example norms would be "
       "missing. Tap the layers that use them."
     )
+  return param_shapes, owners
+
+
+def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_bytes, batch_shards):
+  """The shared body of `ghost_sq_norms_and_grad` (coef_fn given) and `taps_grad` (coef_n given)."""
+  norms = coef_fn is not None
+  infos, in_shapes, pert_shapes, out_shapes = _tapped_forward(logp_fn, params, batch)
+  # Coverage: every parameter leaf is owned by a tap and every tap names a parameter.
+  param_shapes, owners = _owners(infos, params)
   memory_budget_bytes = _budget(memory_budget_bytes)  # None: the ambient `memory_budget`, else the default
   if batch_shards is None:  # the devices the traced mesh splits this (micro-)batch over
     batch_shards = sharding.batch_shards(jax.tree.leaves(batch)[0].shape[0])
@@ -674,6 +694,84 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   return GhostResult(logp_nt, tokw_nt, sq_n if norms else None, coef_n, loss, grads, aux)
 
 
+def _sink_norm(plans: dict[str, LayerPlan], batch_shards: int):
+  """taps.Sink's norm(name, info, a, d) -> [N]: one "linear" (kernel + bias) or "scale" tap's S_n part."""
+
+  def norm(name, info, a, d):
+    n = a.shape[0]
+    a_nt, d_nt = _flat(a, n), _flat(d, n)
+    if info.kind == "scale":
+      return jnp.sum(jnp.sum(a_nt * d_nt, axis=1) ** 2, axis=-1)
+    plan = plans[name]
+    if plan.method == "gram":
+      sq = _gram_sq_norm(a_nt, d_nt)
+    else:
+      sq = _direct_sq_norm(a_nt, d_nt, plan.block, batch_shards)
+    if info.has_bias:
+      sq = sq + jnp.sum(jnp.sum(d_nt, axis=1) ** 2, axis=-1)
+    return sq
+
+  return norm
+
+
+def _ghost_two_pass(logp_fn, params, batch, tokw, coef_fn, method, memory_budget_bytes, batch_shards):
+  """`ghost_sq_norms_and_grad` with passes=2: norms block by block in a first backward, then the update.
+
+    logp_nt, vjp = jax.vjp(tapped logp_fn, params, s = 0 [N], Z_embed = 0)   one forward, norm sinks on
+                                                                                every linear / scale tap
+    (_, S_lin_n, D_emb) = vjp(tokw_nt)       the sinks' norms summed over layers, one layer's (A, D) at a time
+    S_n = S_lin_n + head (vocab-chunk scan) + embedding lookup (+ tied cross term) from D_emb
+    coef_n = coef_fn(logp_nt, S_n);   (grads, _, _) = vjp(-coef_n tokw_nt)   the update, an ordinary backward
+
+  Memory: the forward's residuals (with block remat: the block inputs) plus ONE layer's (A, D) and its
+  norm temporaries; nothing per example is kept across layers (no "materialize"). Cost: a second
+  backward pass (with remat, the blocks are recomputed twice) instead of contractions with kept (A, D).
+  """
+  infos, in_shapes, pert_shapes, out_shapes = _tapped_forward(logp_fn, params, batch)
+  param_shapes, owners = _owners(infos, params)
+  memory_budget_bytes = _budget(memory_budget_bytes)
+  if batch_shards is None:
+    batch_shards = sharding.batch_shards(jax.tree.leaves(batch)[0].shape[0])
+  plans = plan_layers(infos, in_shapes, out_shapes, method, memory_budget_bytes, batch_shards, keep=False)
+  heads = [k for k, info in infos.items() if info.kind == "head"]
+  embeds = [k for k, info in infos.items() if info.kind == "embed"]
+  n = jax.tree.leaves(batch)[0].shape[0]
+  zeros = {k: jnp.zeros(pert_shapes[k].shape, pert_shapes[k].dtype) for k in embeds}
+  norm = _sink_norm(plans, batch_shards)
+
+  def tapped(p, s, perts):
+    with taps.recording(perts, taps.Sink(s, norm)) as tape:
+      logp = logp_fn(p, batch)
+    return logp, dict(tape.inputs)
+
+  logp_nt, vjp_fn, acts = jax.vjp(tapped, params, jnp.zeros((n,), _F32), zeros, has_aux=True)
+  tokw_nt = _resolve_tokw(tokw, jax.lax.stop_gradient(logp_nt))
+  _, sq_n, d_out = vjp_fn(tokw_nt.astype(logp_nt.dtype))  # pass 1: its parameter cotangent is dead code
+  c_nm = tokw_nt[:, 1:]
+  for k in heads:
+    sq_n += _head_scan(acts[k], infos[k].spec, c_nm, plans[k], want_dh=False, want_sq=True)[1]
+  for k in embeds:
+    p = _tap_params(infos[k])[0]
+    v = param_shapes[p].shape[0]
+    tok_nt, d_emb = acts[k].reshape(n, -1), _flat(d_out[k], n)
+    meth, block = embed_plan(-(-n // batch_shards), tok_nt.shape[1], d_emb.shape[-1], v, memory_budget_bytes)
+    sq_n += _embed_sq_norm(tok_nt, d_emb, v, block if meth == "scatter" else 0, shards=batch_shards)
+    head = [h for h in owners[p] if infos[h].kind == "head"]
+    if head:  # tied: the cross term 2 <B_n, C_n>; ||C_n||^2 came from the head scan
+      sq_n += _tied_cross_term(acts[head[0]], infos[head[0]].spec, c_nm, tok_nt, d_emb)
+  logp_nt = jax.lax.stop_gradient(logp_nt)
+  coef_n, aux = coef_fn(logp_nt, jax.lax.stop_gradient(sq_n))
+  coef_n = jax.lax.stop_gradient(jnp.asarray(coef_n, _F32))
+  if coef_n.shape != (n,):
+    raise ValueError(f"coef_n has shape {coef_n.shape}; expected ({n},), one coefficient per trajectory.")
+  loss = -jnp.sum(coef_n * jnp.sum(jnp.where(tokw_nt != 0, tokw_nt * logp_nt, 0.0), axis=1))
+  grads, _, _ = vjp_fn((-coef_n[:, None] * tokw_nt).astype(logp_nt.dtype))  # pass 2: its norms are dead code
+  return GhostResult(logp_nt, tokw_nt, sq_n, coef_n, loss, grads, aux)
+
+
+PASSES = (1, 2)
+
+
 def ghost_sq_norms_and_grad(
   logp_fn: LogpFn,
   params,
@@ -684,6 +782,7 @@ def ghost_sq_norms_and_grad(
   method: str = "auto",
   memory_budget_bytes: int | None = None,
   batch_shards: int | None = None,
+  passes: int = 1,
 ) -> GhostResult:
   """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
 
@@ -703,10 +802,18 @@ def ghost_sq_norms_and_grad(
     batch_shards: devices the batch axis is split over (data x fsdp), for the per-device budget and the
       per-device blocks of the direct / scatter forms; None: read off the mesh being traced with
       (`sharding.batch_shards`, 1 without one).
+    passes: 1: one backward to every layer's output at once, the update contracted from the same
+      (A, D) (all layers' (A, D) alive together); 2: `_ghost_two_pass`, the norms formed layer by
+      layer inside a first backward (norm sinks, `taps.Sink`), then an ordinary backward for the
+      update: one layer's (A, D) alive at a time, for long sequences; "materialize" not allowed.
 
   Returns:
     GhostResult(logp_nt, tokw_nt, sq_norms_n, coef_n, loss, grads, aux); grads has params' structure.
   """
+  if passes not in PASSES:
+    raise ValueError(f"passes={passes!r}: choose one of {PASSES}.")
+  if passes == 2:
+    return _ghost_two_pass(logp_fn, params, batch, tokw, coef_fn, method, memory_budget_bytes, batch_shards)
   return _ghost(logp_fn, params, batch, tokw, coef_fn, None, method, memory_budget_bytes, batch_shards)
 
 

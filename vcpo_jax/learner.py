@@ -46,6 +46,7 @@ according to its config.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -72,6 +73,9 @@ class LearnerConfig:
   microbatch_size: rows per micro-batch; None or 0 runs the whole batch in one pass. It must be a
     multiple of the group size G (rows of a group are contiguous in every Batch) and divide the batch
     size N; give group_size / batch_size to have that checked here, at config time.
+  ghost_passes: the ghost path's backward passes (grad_norms.ghost_sq_norms_and_grad's passes): 1, one
+    backward with every layer's (A, D) kept for the update; 2, the norms formed block by block inside a
+    first backward and the update from a second one (one layer's (A, D) alive at a time: long sequences).
   ppo_epochs, minibatches: ppo_epochs * minibatches optimizer updates per trainer step, each on N /
     minibatches rows of whole groups, with pi_old recomputed once per step (_multi_update_step); only for
     a policy loss (pg.policy_loss != "pg"). 1 and 1: today's single update, the same computation.
@@ -79,6 +83,7 @@ class LearnerConfig:
 
   pg: estimator.PGConfig
   grad_path: str = "ghost"
+  ghost_passes: int = 1  # 1: one backward, all layers' (A, D) kept; 2: norms block by block, then the update
   microbatch_size: int | None = None  # rows per micro-batch (whole groups); None / 0: one pass
   group_size: int | None = None  # G, only for the config-time check of microbatch_size
   batch_size: int | None = None  # N = P * G, only for the config-time check of microbatch_size
@@ -88,6 +93,11 @@ class LearnerConfig:
   def __post_init__(self):
     if self.grad_path not in GRAD_PATHS:
       raise ValueError(f"learner.grad_path={self.grad_path!r}: choose one of {GRAD_PATHS}.")
+    if self.ghost_passes not in grad_norms.PASSES or isinstance(self.ghost_passes, bool):
+      raise ValueError(
+        f"learner.ghost_passes={self.ghost_passes!r}: choose one of {grad_norms.PASSES} "
+        "(1: one backward; 2: norms block by block, then the update, for long sequences)."
+      )
     self._check_updates()
     mb = self.microbatch_size
     if mb is None or mb == 0:
@@ -218,6 +228,7 @@ def _ghost_gradient(
   method: str = "auto",
   memory_budget_bytes: int | None = None,
   batch_shards: int | None = None,
+  passes: int = 1,
 ):
   """The fast path: exact S_n and the gradient from one forward and one backward to the layer outputs.
 
@@ -229,7 +240,7 @@ def _ghost_gradient(
   (grad_norms.ghost_sq_norms_and_grad). OPOB only runs with sequence-level weights, where tokw_nt =
   loss_mask, so S_n is the norm it needs. aux also holds sq_norm_n [N] (the exact S_n, whether or not
   pg uses it). method / memory_budget_bytes / batch_shards: the norms' plan (grad_norms.plan_layers),
-  chosen from this (micro-)batch's shapes.
+  chosen from this (micro-)batch's shapes; passes: 1 or 2 (grad_norms.ghost_sq_norms_and_grad).
   """
   _check_batch(batch)
   if pg.policy_loss != "pg":
@@ -244,6 +255,7 @@ def _ghost_gradient(
     method=method,
     memory_budget_bytes=memory_budget_bytes,
     batch_shards=batch_shards,
+    passes=passes,
   )
   return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n)
 
@@ -300,7 +312,7 @@ def policy_gradient(path: str) -> Callable:
     loss(params) = -sum_n coef_n * sum_t tokw_nt * logp_nt(params),   coef_n = estimator.pg_coefficients
 
   "ghost": exact per-example norms and the gradient from one backward pass to the layer outputs
-           (vcpo_jax.grad_norms); also takes method / memory_budget_bytes / batch_shards;
+           (vcpo_jax.grad_norms); also takes method / memory_budget_bytes / batch_shards / passes;
   "vmap":  the reference: norms by vmap of per-example grads, then the surrogate's backward.
   Both give the same gradient (tested). A policy_losses loss (pg.policy_loss != "pg") needs no norms:
   on either path one forward and the loss's own cotangent; current_version (the version the update
@@ -330,6 +342,8 @@ def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None):
   """
   logp_fn = make_logp_fn(graphdef)
   grad_fn = policy_gradient(cfg.grad_path)
+  if cfg.grad_path == "ghost" and cfg.ghost_passes != 1:
+    grad_fn = functools.partial(grad_fn, passes=cfg.ghost_passes)
   n = batch["tokens"].shape[0]
   k = cfg.microbatches(n)
   if k == 1:

@@ -24,6 +24,15 @@ Tap kinds (what A is, and which parameter the pair (A, D) belongs to):
              {h, tokens, w, lse} and its log-probs are computed from stop_gradient(h), so the
              caller forms D chunk by chunk itself and feeds dL/dh into the backward pass by hand
              (`vcpo_jax.grad_norms`).
+
+Norm sinks (`Sink`, the two-pass ghost step): instead of perturbing "linear" and "scale" taps,
+a recording with a sink wraps their outputs in a `jax.custom_vjp` identity y -> y whose backward
+rule receives D = dL/dY, computes that layer's per-example squared weight-gradient norm [B] from
+(A, D) right there (`Sink.norm`) and returns it as the cotangent of the sink's zeros input s [B].
+A is then a residual of the layer (inside a rematerialized block: recomputed with it), not an
+output of the traced function, so one vjp w.r.t. s gives sum over layers of the norms with only
+one layer's (A, D) alive at a time. The head records {h, tokens, w, lse} and stays
+differentiable (its log-probs come from h itself); "embed" taps are perturbed as above.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,14 +55,26 @@ class TapInfo:
   spec: Any = None  # "head": its logprobs.HeadSpec (tied or not, chunking, dtype)
 
 
+SINK_KINDS = ("linear", "scale")  # the tap kinds a Sink absorbs
+
+
+@dataclasses.dataclass(frozen=True)
+class Sink:
+  """The zeros s [B] float32 whose cotangent collects norms, and norm(name, info, a, d) -> [B] float32."""
+
+  s: jax.Array
+  norm: Callable[[str, TapInfo, jax.Array, jax.Array], jax.Array]
+
+
 @dataclasses.dataclass
 class Tape:
-  """Collects tapped inputs; supplies perturbations (or records their shapes)."""
+  """Collects tapped inputs; supplies perturbations (or records their shapes), or sinks norms."""
 
   perturbations: dict[str, jax.Array] | None = None
   inputs: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
   out_shapes: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
   info: dict[str, TapInfo] = dataclasses.field(default_factory=dict)
+  sink: Sink | None = None
 
 
 _ACTIVE: contextvars.ContextVar[Tape | None] = contextvars.ContextVar("vcpo_tape", default=None)
@@ -64,9 +86,11 @@ def active_tape() -> Tape | None:
 
 
 @contextlib.contextmanager
-def recording(perturbations: dict[str, jax.Array] | None = None):
-  """Records taps while active. Pass perturbations (zeros) to obtain D by differentiation."""
-  tape = Tape(perturbations=perturbations)
+def recording(perturbations: dict[str, jax.Array] | None = None, sink: Sink | None = None):
+  """Records taps while active. Pass perturbations (zeros) to obtain D by differentiation; with a sink,
+  "linear" / "scale" taps put their norms into the cotangent of sink.s instead (perturbations then
+  needed for the "embed" taps only)."""
+  tape = Tape(perturbations=perturbations, sink=sink)
   token = _ACTIVE.set(tape)
   try:
     yield tape
@@ -74,11 +98,30 @@ def recording(perturbations: dict[str, jax.Array] | None = None):
     _ACTIVE.reset(token)
 
 
-def _record(tape: Tape, name: str, info: TapInfo, a: Any) -> None:
-  if name in tape.inputs:
+def _record(tape: Tape, name: str, info: TapInfo, a: Any, keep: bool = True) -> None:
+  if name in tape.info:
     raise ValueError(f"Tap {name!r} fired twice in one recording; layer names must be unique.")
-  tape.inputs[name] = a
+  if keep:
+    tape.inputs[name] = a
   tape.info[name] = info
+
+
+def _sink(norm, name: str, info: TapInfo, a: jax.Array, y: jax.Array, s: jax.Array) -> jax.Array:
+  """y, with the backward rule dL/ds += norm(name, info, a, dL/dy) (and dL/da += 0: y does not depend on a)."""
+
+  @jax.custom_vjp
+  def f(y, a, s):
+    return y
+
+  def fwd(y, a, s):
+    return y, (a, s)
+
+  def bwd(res, dy):
+    a, s = res
+    return dy, jnp.zeros_like(a), norm(name, info, a, dy).astype(s.dtype)
+
+  f.defvjp(fwd, bwd)
+  return f(y, a, s)
 
 
 def tap(name: str, info: TapInfo, a: Any, y: jax.Array) -> jax.Array:
@@ -86,10 +129,13 @@ def tap(name: str, info: TapInfo, a: Any, y: jax.Array) -> jax.Array:
   tape = _ACTIVE.get()
   if tape is None:
     return y
-  _record(tape, name, info, a)
+  sunk = tape.sink is not None and info.kind in SINK_KINDS
+  _record(tape, name, info, a, keep=not sunk)
+  tape.out_shapes[name] = jax.ShapeDtypeStruct(y.shape, y.dtype)
+  if sunk:
+    return _sink(tape.sink.norm, name, info, a, y, tape.sink.s)
   # The perturbation (and so D) has the output's dtype: D is the cotangent of y, which backprop forms
   # in y's dtype anyway, so a bfloat16 D is exact and half the bytes of a float32 copy.
-  tape.out_shapes[name] = jax.ShapeDtypeStruct(y.shape, y.dtype)
   if tape.perturbations is not None:
     y = y + tape.perturbations[name].astype(y.dtype)
   return y
@@ -104,8 +150,9 @@ def tap_head(name: str, info: TapInfo, h: jax.Array, tokens: jax.Array, w: jax.A
   tape = _ACTIVE.get()
   if tape is None:
     return head_fn(h, w, tokens, False)
-  if tape.perturbations is None:
+  if tape.perturbations is None or tape.sink is not None:  # shapes only, or the sink's differentiable head
     logp, lse = head_fn(h, w, tokens, True)
+    lse = jax.lax.stop_gradient(lse)
   else:
     logp, lse = head_fn(jax.lax.stop_gradient(h), w, tokens, True)
   _record(tape, name, info, {"h": h, "tokens": tokens, "w": w, "lse": lse})

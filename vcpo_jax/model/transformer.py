@@ -190,6 +190,10 @@ def _remat_block(layer: Block, policy, x, positions_bt, mask):
   XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false to see remat's
   effect (3 layers, D=512, F=4096, B=8, T=1024: 2684 -> 1116 MiB temporaries; with
   the default scheduler 2778 -> 2522 MiB).
+
+  With a norm sink (`taps.Sink`, the two-pass ghost step) the sink's s goes in as an argument
+  too and the block's "linear" / "scale" taps return no inputs: their A is recomputed with the
+  block in the backward pass, where the sink forms the block's norms.
   """
   graphdef, state = nnx.split(layer)
   tape = taps.active_tape()  # the recording context, if any (read at trace time, like taps.tap)
@@ -197,24 +201,30 @@ def _remat_block(layer: Block, policy, x, positions_bt, mask):
   perts = None
   if tape is not None and tape.perturbations is not None:
     perts = {k: v for k, v in tape.perturbations.items() if k.startswith(prefix)}
+  sink_s = None if tape is None or tape.sink is None else tape.sink.s
   meta = {}
 
-  def run(state, x, positions_bt, mask, perts):
+  def run(state, x, positions_bt, mask, perts, sink_s):
     block = nnx.merge(graphdef, state)
     if tape is None:
       return block(x, positions_bt, mask, None, None)[0], {}
-    with taps.recording(perts) as inner:
+    sink = None if sink_s is None else taps.Sink(sink_s, tape.sink.norm)
+    with taps.recording(perts, sink) as inner:
       y = block(x, positions_bt, mask, None, None)[0]
     meta.update(info=dict(inner.info), out_shapes=dict(inner.out_shapes))  # static metadata only
     return y, dict(inner.inputs)
 
-  y, inputs = jax.checkpoint(run, policy=policy)(state, x, positions_bt, mask, perts)
+  y, inputs = jax.checkpoint(run, policy=policy)(state, x, positions_bt, mask, perts, sink_s)
   if tape is not None:
-    for name, a in inputs.items():
-      if name in tape.inputs:
+    # The tapped inputs' order first (the checkpoint's output dict: sorted names), as the one-pass step has
+    # always recorded them (the order of its perturbations in the program); then the sunk taps.
+    for name in list(inputs) + [k for k in meta["info"] if k not in inputs]:
+      info = meta["info"][name]
+      if name in tape.info:
         raise ValueError(f"Tap {name!r} fired twice in one recording; layer names must be unique.")
-      tape.inputs[name] = a
-      tape.info[name] = meta["info"][name]
+      if name in inputs:
+        tape.inputs[name] = inputs[name]
+      tape.info[name] = info
       tape.out_shapes[name] = meta["out_shapes"][name]
   return y
 
