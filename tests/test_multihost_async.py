@@ -466,11 +466,21 @@ def _check_consumed_queued_first(queued, resumed, new_pids):
 
 
 @pytest.mark.slow
-def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
+def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog, monkeypatch):
   from vcpo_jax import run_config
   from vcpo_jax.checkpoint import Checkpointer
   from vcpo_jax.rollout.common import RolloutMaker
 
+  # The five jobs' processes (learners and their spawned samplers, which inherit the environment) compile
+  # the same programs: from the second job on they load them from jax's persistent compilation cache in
+  # this test's directory (process 0 of a job writes it). This process's jax is configured already and
+  # does not read these variables: step 3's learner compiles as before (its spawned sampler uses the cache).
+  for var, value in (
+    ("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache")),
+    ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+    ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0"),
+  ):
+    monkeypatch.setenv(var, value)
   workdir = str(tmp_path / "run")
   latest = lambda: Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
 
