@@ -2,8 +2,14 @@
 
 XLA_FLAGS must be set before jax initializes its backends, so this file sets it
 at import time (pytest imports conftest.py before any test module).
+
+Under pytest-xdist (README's `-n 2`) the test files run in two worker processes at once. A test marked
+`exclusive` runs while the other worker runs nothing: two file locks shared by the workers of one run
+(a turnstile, so that an exclusive test waiting for the room is not starved by the other worker's
+stream of tests, and the room: shared for a test, exclusive for an `exclusive` one).
 """
 
+import fcntl
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -11,5 +17,45 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def _run_locks(request, tmp_path_factory):
+  """(turnstile, room) open lock files of this xdist run, or None outside xdist.
+
+  They live in the folder that holds every worker's base temp dir (pytest keeps the last few runs' folders).
+  """
+  if not hasattr(request.config, "workerinput"):
+    yield None
+    return
+  shared = tmp_path_factory.getbasetemp().parent
+  files = [open(shared / f"{name}.lock", "a+") for name in ("turnstile", "room")]  # noqa: SIM115
+  try:
+    yield files
+  finally:
+    for f in files:
+      f.close()
+
+
+@pytest.fixture(autouse=True)
+def _exclusive_under_xdist(request, _run_locks):
+  if _run_locks is None:
+    yield
+    return
+  turnstile, room = (f.fileno() for f in _run_locks)
+  exclusive = request.node.get_closest_marker("exclusive") is not None
+  fcntl.flock(turnstile, fcntl.LOCK_EX)
+  try:
+    fcntl.flock(room, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+  finally:
+    if not exclusive:
+      fcntl.flock(turnstile, fcntl.LOCK_UN)
+  try:
+    yield
+  finally:
+    fcntl.flock(room, fcntl.LOCK_UN)
+    if exclusive:
+      fcntl.flock(turnstile, fcntl.LOCK_UN)

@@ -26,6 +26,22 @@ from vcpo_jax.model import policy
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _subprocesses_share_a_compilation_cache(tmp_path_factory):
+  """The processes this file's tests start (spawned samplers, the signal test's trainer and its sampler)
+  read jax's persistent compilation cache from one directory: the second and later samplers load the
+  programs the first compiled. This process's jax is configured already and does not read these
+  variables, so its compilations are unchanged."""
+  with pytest.MonkeyPatch.context() as mp:
+    for var, value in (
+      ("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache"))),
+      ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+      ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0"),
+    ):
+      mp.setenv(var, value)
+    yield
+
+
 def _tiny(**overrides):
   # timeout_s: only a hung sampler reaches it (compilation on a loaded machine is slow)
   return fixtures.tiny_countdown_config(**{"mode": "async", "lag.k": 2, "async_.timeout_s": 120.0, **overrides})
@@ -93,6 +109,7 @@ class _Signal(Exception):
   """What the trainer's interrupt() raises once SIGINT / SIGTERM has arrived."""
 
 
+@pytest.mark.exclusive  # a dead owner's leftovers: another xdist worker's async run would remove them
 def test_staleness_bound_pauses_the_sampler_then_kill_is_reported_and_nothing_leaks(tmp_path):
   """With only version 0 published the worker makes batches 0..k and then waits (a learner wait times out
   with a clear message, or ends with the interrupt's exception); after SIGKILL of the worker the learner

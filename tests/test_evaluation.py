@@ -309,13 +309,23 @@ def test_eval_sampling_honours_greedy_temperature_and_top_p(policy):
   gen = _sampling(policy, built).generate_fn(params, jax.random.key(1))
   prompts = ["12+3=", "2+2="]
   greedy = gen(prompts, n=1, temperature=0.8, top_p=0.7, max_new_tokens=4, greedy=True)
-  # greedy is the argmax continuation of a full (cache-free) forward pass, one token at a time
+  # greedy is the argmax continuation of a full (cache-free) forward pass, one token at a time: each pass
+  # reads the logits after the last real token of a row right-padded to one width (padding keys are never
+  # attended to), so a single jitted shape serves every prefix instead of eager op-by-op passes per length
+  width = max(len(tok.encode(p, add_special_tokens=False)) for p in prompts) + 4
+
+  @jax.jit
+  def last_logits(x, length):
+    valid = jnp.arange(width)[None] < length
+    pos, mask = transformer.padded_positions_and_mask(valid)
+    return transformer.forward(graphdef, params, x, pos, mask)[0][0, length - 1]
+
   for prompt, (text,) in zip(prompts, greedy):
     ids, new = list(tok.encode(prompt, add_special_tokens=False)), []
     while len(new) < 4 and (not new or new[-1] != tok.eos_token_id):
-      x = jnp.asarray([ids + new], jnp.int32)
-      pos, mask = transformer.padded_positions_and_mask(jnp.ones(x.shape, bool))
-      new.append(int(jnp.argmax(transformer.forward(graphdef, params, x, pos, mask)[0][0, -1])))
+      row = ids + new
+      x = jnp.asarray([row + [tok.pad_token_id] * (width - len(row))], jnp.int32)
+      new.append(int(jnp.argmax(last_logits(x, len(row)))))
     assert text == tok.decode(new, skip_special_tokens=True)
   # a nucleus of mass 1e-6 keeps only the most likely token: sampling at any temperature is greedy
   assert gen(prompts, n=1, temperature=1.0, top_p=1e-6, max_new_tokens=4, greedy=False) == greedy

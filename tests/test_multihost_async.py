@@ -152,6 +152,10 @@ def _worker(process_id: int, port: int, workdir: str, steps: int) -> None:
 
   faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack (debugging)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # The test's persistent compilation cache is for the samplers (they inherit the environment): a learner
+  # of process 1 never finds process 0's entries (only process 0 writes them, under its own keys), so a
+  # loading process 0 would wait in a collective for a compiling process 1, past gloo's 30 s deadline.
+  jax.config.update("jax_compilation_cache_dir", None)
   import main
   from vcpo_jax import rollout
 
@@ -466,11 +470,21 @@ def _check_consumed_queued_first(queued, resumed, new_pids):
 
 
 @pytest.mark.slow
-def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog):
+def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog, monkeypatch):
   from vcpo_jax import run_config
   from vcpo_jax.checkpoint import Checkpointer
   from vcpo_jax.rollout.common import RolloutMaker
 
+  # Every job's samplers (spawned by the learners, they inherit the environment) compile the same programs:
+  # all but the first load them from jax's persistent compilation cache in this test's directory. The
+  # learners do not use it (_worker), nor does this process, whose jax is configured already and does not
+  # read these variables.
+  for var, value in (
+    ("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache")),
+    ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+    ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0"),
+  ):
+    monkeypatch.setenv(var, value)
   workdir = str(tmp_path / "run")
   latest = lambda: Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
 
