@@ -83,9 +83,8 @@ def _batch(seed=0):
   )
 
 
-@functools.lru_cache(maxsize=None)
-def _setup(name):
-  cfg = CONFIGS[name]
+def _prepare(cfg):
+  """(logp_fn, params, batch, brute-force vmap norms) of a model built from `cfg`."""
   graphdef, params = tf.split(tf.init(cfg, seed=1))
   # Random (non-identity) norm scales and biases so every closed form is exercised.
   keys = iter(jax.random.split(jax.random.key(7), 100))
@@ -94,6 +93,11 @@ def _setup(name):
   batch = _batch()
   ref = jax.jit(gn.vmap_sq_norms, static_argnums=0)(logp_fn, params, batch, batch["loss_mask"])
   return logp_fn, params, batch, ref
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(name):
+  return _prepare(CONFIGS[name])
 
 
 def _random_coef(logp_nt, sq_n):
@@ -186,13 +190,7 @@ def test_ghost_on_a_mesh_equals_reference(name, method):
 def _setup2(name, remat):
   """_setup's model and batch at 2 layers with remat on or off (the two-pass step's cases)."""
   cfg = config.tiny_qwen2 if name == "qwen2" else config.tiny_llama
-  graphdef, params = tf.split(tf.init(cfg(vocab_size=V, num_layers=2, remat=remat, **CHUNKS), seed=1))
-  keys = iter(jax.random.split(jax.random.key(7), 100))
-  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape) if x.ndim == 1 else x, params)
-  logp_fn = gn.sequence_logp_fn(graphdef)
-  batch = _batch()
-  ref = jax.jit(gn.vmap_sq_norms, static_argnums=0)(logp_fn, params, batch, batch["loss_mask"])
-  return logp_fn, params, batch, ref
+  return _prepare(cfg(vocab_size=V, num_layers=2, remat=remat, **CHUNKS))
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,20 @@ def test_remat_config_names_choices():
     config.tiny_qwen2(remat="save_only_these_names")  # a policy factory, not a policy
 
 
+def _run_memory_script(script: str) -> str:
+  """Runs `script` in a fresh CPU-only Python with the memory-minimizing XLA scheduler; returns its stdout."""
+  import os
+  import subprocess
+  import sys
+
+  env = dict(os.environ, XLA_FLAGS="--xla_cpu_enable_concurrency_optimized_scheduler=false", JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  return subprocess.run(
+    [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, check=True
+  ).stdout
+
+
 _MEMORY_SCRIPT = """
 import jax, jax.numpy as jnp
 from flax import nnx
@@ -89,16 +103,7 @@ def test_remat_block_cuts_backward_temporaries():
   Compiled in a subprocess with XLA:CPU's memory-minimizing scheduler (its default concurrency-
   optimized one keeps buffers of several blocks alive either way; see transformer._remat_block).
   """
-  import os
-  import subprocess
-  import sys
-
-  env = dict(os.environ, XLA_FLAGS="--xla_cpu_enable_concurrency_optimized_scheduler=false", JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  out = subprocess.run(
-    [sys.executable, "-c", _MEMORY_SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=True
-  ).stdout
+  out = _run_memory_script(_MEMORY_SCRIPT)
   temp = {k: int(v) for k, v in (line.split() for line in out.strip().splitlines())}
   assert temp["block"] < 0.5 * temp["none"], temp
 
@@ -130,16 +135,7 @@ def test_two_pass_ghost_holds_one_blocks_taps():
   + 2 x 64) floats ~ 5 MB; the two-pass step only the block input the remat saves (2 x 512 x 64 floats).
   Same scheduler as above (subprocess, memory-minimizing).
   """
-  import os
-  import subprocess
-  import sys
-
-  env = dict(os.environ, XLA_FLAGS="--xla_cpu_enable_concurrency_optimized_scheduler=false", JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  out = subprocess.run(
-    [sys.executable, "-c", _SINK_SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=True
-  ).stdout
+  out = _run_memory_script(_SINK_SCRIPT)
   temp = {(int(p), int(layers)): int(v) for p, layers, v in (line.split() for line in out.strip().splitlines())}
   per_layer = {p: (temp[p, 3] - temp[p, 1]) / 2 for p in (1, 2)}
   assert per_layer[2] < 0.5 * per_layer[1], temp
