@@ -417,11 +417,6 @@ def init_sharded(cfg: ModelConfig, seed: int, mesh: Mesh, rules: Rules = TRANSFO
   return graphdef, params
 
 
-def shard_like(tree, shardings):
-  """Places `tree` (host or device arrays) with `shardings` (same structure): for tests and restores."""
-  return jax.tree.map(jax.device_put, tree, shardings)
-
-
 # ----------------------------------------------------------------------------- global batches
 
 
