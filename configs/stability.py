@@ -144,6 +144,9 @@ def get_config(arg: str | None = None):
   c.trainer.config = "countdown"  # backend "trainer": configs/<this>.py is the run config
   c.trainer.variant = ""  # its variant ('' or 'smoke')
   c.trainer.runs = "runs/stability_countdown"  # one directory per run (metrics.jsonl); resumable
+  # A small npz per finished run (its evaluation curve and per-step statistics, ~10 kB), kept in git so that a
+  # study spread over sessions survives machines that are reset; '' = none. Reused only with the same settings.
+  c.trainer.ledger = ""
   # Policy-loss presets (ppo_clip, gspo, ...; estimator.PRESETS with policy_loss != "pg") run as their sources
   # do: several optimizer updates per trainer step with pi_old recomputed once, so that pi_theta moves off
   # pi_old and the trust region acts (with one update r = pi_theta / pi_old = 1 and PPO's clip never binds).
@@ -171,6 +174,7 @@ def get_config(arg: str | None = None):
     del c.model, c.optim  # the run config (configs/countdown.py) owns them
     c.tuning.enabled = True
     c.tuning.knobs = KNOBS
+    c.trainer.ledger = "docs/results/stability_ledger/countdown"
   if arg == "countdown_quick":  # the trainer backend end to end in seconds (tests): smoke-sized runs
     c.methods = ("none", "vcpo", "ppo_clip")
     c.tuning.knobs = {"none": None, "vcpo": ("rho_on", (0.5, 1.0)), "ppo_clip": ("eps", (0.1, 0.2))}
@@ -182,6 +186,7 @@ def get_config(arg: str | None = None):
     c.workers = 1
     c.trainer.variant = "smoke"
     c.trainer.runs = "runs/stability_countdown_quick"
+    c.trainer.ledger = ""
     c.task.steps = 3
     c.task.eval_every = 3
   elif arg == "quick":  # a few minutes: the pipeline end to end, not a result

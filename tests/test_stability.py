@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -206,7 +207,9 @@ def test_select_lr_rule():
 def test_trainer_backend_end_to_end_tunes_and_resumes_per_run(tmp_path):
   """configs/stability.py:countdown_quick through run_study: tuning stage, grid, report, run-level resume,
   and the same metrics from cache-loaded programs as from freshly compiled ones."""
-  c = st.load_config("countdown_quick", {"trainer.runs": str(tmp_path / "runs")})
+  c = st.load_config(
+    "countdown_quick", {"trainer.runs": str(tmp_path / "runs"), "trainer.ledger": str(tmp_path / "ledger")}
+  )
   c.methods, c.ks = ("vcpo",), (0, 2)
   c.tuning.knobs, c.tuning.trials = {"vcpo": ("rho_on", (0.5,))}, 1  # one trial: the selection is tested below
   assert c.backend == "trainer" and st.chance(c) == 0.0 and st.batch_size(c) == 8
@@ -249,6 +252,21 @@ def test_trainer_backend_end_to_end_tunes_and_resumes_per_run(tmp_path):
   assert sum(s.startswith("  run ") for s in logs) == n_runs
   assert any(s.startswith("[skip] tuning vcpo") for s in logs)
   np.testing.assert_array_equal(st.load_cell(st.cell_path(out, "trainer", "vcpo", 2), fp)["accuracy"], z["accuracy"])
+  # A reset machine: run directories and cells gone, only the ledger (kept in git) left. Nothing trains
+  # again and the cells come back equal; a record is reused only under its own run's fingerprint.
+  rec = st.record_path(c, "vcpo", 2, c.lrs[0], c.seeds[0], knob)
+  assert rec == tmp_path / "ledger" / "vcpo_rho_on0.5_k2_lr0.0003_seed0.npz" and rec.exists()
+  assert (tmp_path / "ledger" / "tune" / (wd_tune.name + ".npz")).exists()
+  assert st.load_cell(rec, st.run_fingerprint(c, "vcpo", 2, c.seeds[0], c.lrs[0], knob)) is not None
+  assert st.load_cell(rec, st.run_fingerprint(c, "vcpo", 2, c.seeds[0], c.lrs[0], ("rho_on", 1.0))) is None
+  for d in (tmp_path / "runs").iterdir():
+    if d.name != "jax_cache":
+      shutil.rmtree(d)
+  shutil.rmtree(out / "stability_raw")
+  st.run_study(c, out, c.methods, log=logs.append)
+  assert sum(s.startswith("  run ") for s in logs) == n_runs
+  np.testing.assert_array_equal(st.load_cell(st.cell_path(out, "trainer", "vcpo", 2), fp)["accuracy"], z["accuracy"])
+  np.testing.assert_array_equal(st.load_cell(st.cell_path(out, "trainer", "vcpo", 2), fp)["run_s"], z["run_s"])
   summary = st.summarize(c, out)
   assert set(summary["stats"]) == {("vcpo", 0, c.lrs[0]), ("vcpo", 2, c.lrs[0])}
   assert summary["knobs"] == {"vcpo": knob} and set(summary["trials"]) == {"vcpo"}

@@ -382,16 +382,38 @@ def _run_seconds(workdir: Path) -> float:
     return math.nan
 
 
-def train_one(c, method: str, k: int, seed: int, lr: float, knob=None, stage: str = "", log=print) -> dict:
-  """One run through vcpo_jax.trainer.run (or its finished directory, marked by summary.json): read_run's dict.
+def run_fingerprint(c, method: str, k: int, seed: int, lr: float, knob=None, stage: str = "") -> str:
+  """Everything that determines one run's numbers: its own full run config (method, k, seed, lr, knob and the
+  policy-loss updates included; it holds no paths) and the study's step count. Adding seeds, lrs or methods to
+  the study leaves the other runs' fingerprints unchanged."""
+  run_cfg = json.loads(trainer_run_config(c, method, k, seed, lr, knob).to_json())
+  return fingerprint(dict(backend="trainer", run_config=run_cfg, steps=c.task.steps, stage=stage))
 
-  An unfinished directory is wiped and run again; checkpoints are deleted (~30 MB a run; the study reads
-  metrics only).
+
+def record_path(c, method: str, k: int, lr: float, seed: int, knob=None, stage: str = "") -> Path | None:
+  """<c.trainer.ledger>/<run_dir's relative path>.npz, or None without a ledger."""
+  if not c.trainer.get("ledger"):
+    return None
+  rel = run_dir(c, method, k, lr, seed, knob, stage).relative_to(c.trainer.runs)
+  return Path(c.trainer.ledger) / rel.with_name(rel.name + ".npz")
+
+
+def train_one(c, method: str, k: int, seed: int, lr: float, knob=None, stage: str = "", log=print) -> dict:
+  """One run through vcpo_jax.trainer.run (or its finished record / directory): read_run's dict.
+
+  Lookup order: the run's record in the ledger (`c.trainer.ledger`, a small npz per run that is kept in git,
+  so a study spread over sessions on machines that are reset does not lose its finished runs; reused only
+  with the same run_fingerprint), then the finished run directory (marked by summary.json), else the run
+  itself. An unfinished directory is wiped and run again; checkpoints are deleted (~30 MB a run; the study
+  reads metrics only). Every finished run is written to the ledger (atomically).
   """
   import shutil
 
   from vcpo_jax import trainer
 
+  rec, fp = record_path(c, method, k, lr, seed, knob, stage), run_fingerprint(c, method, k, seed, lr, knob, stage)
+  if rec is not None and (z := load_cell(rec, fp)) is not None:
+    return {key: z[key] for key in z if key not in ("fingerprint", "seconds")}
   wd = run_dir(c, method, k, lr, seed, knob, stage)
   if not (wd / "summary.json").exists():
     shutil.rmtree(wd, ignore_errors=True)
@@ -401,7 +423,10 @@ def train_one(c, method: str, k: int, seed: int, lr: float, knob=None, stage: st
     shutil.rmtree(wd / "checkpoints", ignore_errors=True)
     (wd / RUN_SECONDS).write_text(json.dumps({"seconds": dt}))
     log(f"  run {wd.relative_to(c.trainer.runs)}: {dt:.0f}s")
-  return read_run(wd, c.task.steps)
+  arrays = read_run(wd, c.task.steps)
+  if rec is not None:
+    save_cell(rec, arrays, fp, float(arrays["run_s"]))
+  return arrays
 
 
 def trainer_cell_fn(
