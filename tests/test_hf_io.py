@@ -121,6 +121,47 @@ def test_bf16_checkpoint_is_upcast(tmp_path):
   np.testing.assert_array_less(np.abs(hf_forward(path, tokens) - fixtures.hf_logits(ref, tokens)).max(), PARITY_TOL)
 
 
+def test_load_straight_into_shards(ckpts, tmp_path, monkeypatch):
+  """With a mesh, every parameter is born in the policy's sharding with the host load's values, and every
+  read of a sharded parameter is one device block of it, never the whole tensor; replicated blocks are read
+  once. Multi-file untied f32 (llama), tied with biases (qwen2), and bf16 (upcast) checkpoints."""
+  import jax
+
+  from vcpo_jax import sharding as sh
+
+  bf16, _ = fixtures.make_hf_checkpoint(tmp_path / "bf", "qwen2", V, seed=5, bf16=True, tokenizer=False)
+  mesh = sh.make_mesh(sh.MeshConfig((1, 2, 2)), jax.devices()[:4])
+  reads = []
+  read = hf_io._Reader.read
+
+  def spy(self, name, dtype, index=None):
+    out = read(self, name, dtype, index)
+    reads.append((name, index, out.size))
+    return out
+
+  for path in (ckpts["llama"][0], ckpts["qwen2"][0], bf16):
+    _, host = tf.split(load_hf(path)[1])
+    reads.clear()
+    with monkeypatch.context() as m, pytest.warns(UserWarning, match="not divisible"):  # V = 101 on 2 devices
+      m.setattr(hf_io._Reader, "read", spy)
+      cfg, model = load_hf(path, mesh=mesh)
+    _, params = tf.split(model)
+    want = sh.param_shardings(host, sh.TRANSFORMER_RULES, mesh)
+    names = {e.path: n for n, e in hf_io.hf_name_map(cfg).items()}
+    for (p, x), y, s in zip(
+      jax.tree_util.tree_leaves_with_path(host), jax.tree.leaves(params), jax.tree.leaves(want), strict=True
+    ):
+      assert y.sharding == s and y.dtype == np.float32
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+      path_ = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p)[:-1]  # drop the trailing .value
+      mine = [(idx, size) for n, idx, size in reads if n == names[path_]]
+      blocks = {tuple((sl.start, sl.stop) for sl in i) for i in s.devices_indices_map(x.shape).values()}
+      assert all(idx is not None for idx, _ in mine) and len(mine) == len(blocks)
+      if len(blocks) > 1:  # a sharded parameter: each read is a strict part of the tensor
+        shard = s.shard_shape(x.shape)
+        assert all(size == np.prod(shard) < x.size for _, size in mine)
+
+
 def test_bf16_compute_close_to_fp32(ckpts):
   path, _ = ckpts["qwen2"]
   tokens = _tokens(3, 12, seed=7)

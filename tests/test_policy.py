@@ -32,3 +32,20 @@ def test_random_policy_is_born_sharded_with_the_host_values(monkeypatch):
     assert x.sharding.is_equivalent_to(s, x.ndim)
   on_device_0 = sum(x.addressable_shards[0].data.size for x in leaves)
   assert on_device_0 < 0.5 * sum(x.size for x in leaves)  # no device holds the whole model
+
+
+def test_checkpoint_policy_is_read_into_its_shards(tmp_path, monkeypatch):
+  """A HF checkpoint goes straight into TRANSFORMER_RULES' shardings with the file's values; no host-side
+  whole-model copy is placed afterwards (jax.device_put is never called)."""
+  from vcpo_jax.model import hf_io
+
+  path = hf_io.make_tiny_checkpoint(str(tmp_path / "ck"), family="llama", vocab_size=128, num_layers=1)
+  _, host = tf.split(hf_io.load_hf(path)[1])
+  monkeypatch.setattr(jax, "device_put", lambda *a, **k: (_ for _ in ()).throw(AssertionError("device_put")))
+  mesh = sh.make_mesh(sh.MeshConfig((1, 2, 2)), devices=jax.devices()[:4])
+  cfg, tok, graphdef, params = policy.build_policy(config.tiny_llama(), mesh, seed=0, checkpoint=path)
+  assert cfg.vocab_size == 128 and cfg.num_layers == 1
+  shardings = jax.tree.leaves(sh.param_shardings(host, sh.TRANSFORMER_RULES, mesh))
+  for x, r, s in zip(jax.tree.leaves(params), jax.tree.leaves(host), shardings, strict=True):
+    assert x.sharding == s
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(r))

@@ -25,7 +25,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -160,35 +160,35 @@ def read_state_dict(checkpoint_dir) -> tuple[dict[str, np.ndarray], dict[str, st
   return _read_tensors(files, list(files)), files
 
 
-def params_from_hf(
-  tensors: Mapping[str, np.ndarray], cfg: ModelConfig, *, sources: Mapping[str, str] | None = None, strict: bool = True
-) -> tf.Transformer:
-  """A `Transformer` holding the HF-named `tensors` (float32 parameters, cfg.dtype compute).
+def _check_names_and_shapes(
+  shapes: Mapping[str, tuple[int, ...]],
+  cfg: ModelConfig,
+  abstract,
+  *,
+  sources: Mapping[str, str],
+  strict: bool,
+  tied_head_equal: Callable[[], bool],
+) -> None:
+  """Every tensor `cfg` needs is present with its shape; unexpected ones raise (strict) or warn.
 
-  Args:
-    tensors: HF tensor name -> array (HF layout, [out, in] for linear weights).
-    cfg: the architecture; every tensor it needs must be present with the right shape.
-    sources: tensor name -> file, only used to name files in error messages.
-    strict: unexpected tensors raise (True) or warn (False). Dropping weights the
-      architecture does not model (e.g. Llama o_proj biases) would silently give a
-      different model, hence the strict default.
+  Works from names and shapes only (a checkpoint's header), so a sharded load checks everything before it
+  reads a byte of weights. tied_head_equal() is asked only for a tied config whose checkpoint stores
+  lm_head.weight.
   """
-  sources = sources or {}
   where = lambda n: f" in {sources[n]!r}" if n in sources else ""
   name_map = hf_name_map(cfg)
-  graphdef, abstract = _abstract(cfg)
-  missing = [n for n in name_map if n not in tensors]
+  missing = [n for n in name_map if n not in shapes]
   if missing:
     files = sorted(set(sources.values()))
     raise ValueError(
       f"Checkpoint is missing {len(missing)} tensor(s) the {cfg.model_type} config needs, "
       f"e.g. {missing[:5]} (looked in {files or 'the given tensors'})."
     )
-  unexpected = [n for n in tensors if n not in name_map and not _IGNORED.search(n)]
+  unexpected = [n for n in shapes if n not in name_map and not _IGNORED.search(n)]
   if cfg.tie_embeddings and "lm_head.weight" in unexpected:
     unexpected.remove("lm_head.weight")
-    lm, emb = np.asarray(tensors["lm_head.weight"]), np.asarray(tensors["model.embed_tokens.weight"])
-    if lm.shape != emb.shape or not np.array_equal(lm, emb):
+    same_shape = tuple(shapes["lm_head.weight"]) == tuple(shapes["model.embed_tokens.weight"])
+    if not same_shape or not tied_head_equal():
       raise ValueError(
         f"config.json says tie_word_embeddings=true but lm_head.weight{where('lm_head.weight')} "
         "differs from model.embed_tokens.weight; set tie_word_embeddings=false to load it."
@@ -201,24 +201,124 @@ def params_from_hf(
     if strict:
       raise ValueError(msg + " Pass strict=False to ignore them (the loaded model will differ).")
     warnings.warn(msg + " Ignored.")
-  flat = []
   for name, entry in name_map.items():
+    want = tuple(abstract[entry.path].shape)
+    want = want[::-1] if entry.transpose else want
+    if tuple(shapes[name]) != want:
+      raise ValueError(f"Tensor {name!r}{where(name)} has shape {tuple(shapes[name])}, but config.json implies {want}.")
+
+
+def params_from_hf(
+  tensors: Mapping[str, np.ndarray], cfg: ModelConfig, *, sources: Mapping[str, str] | None = None, strict: bool = True
+) -> tf.Transformer:
+  """A `Transformer` holding the HF-named in-memory `tensors` (float32 parameters, cfg.dtype compute).
+
+  Args:
+    tensors: HF tensor name -> array (HF layout, [out, in] for linear weights).
+    cfg: the architecture; every tensor it needs must be present with the right shape.
+    sources: tensor name -> file, only used to name files in error messages.
+    strict: unexpected tensors raise (True) or warn (False). Dropping weights the
+      architecture does not model (e.g. Llama o_proj biases) would silently give a
+      different model, hence the strict default.
+  """
+  graphdef, abstract = _abstract(cfg)
+  _check_names_and_shapes(
+    {n: np.shape(t) for n, t in tensors.items()},
+    cfg,
+    abstract,
+    sources=sources or {},
+    strict=strict,
+    tied_head_equal=lambda: np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]),
+  )
+  flat = []
+  for name, entry in hf_name_map(cfg).items():
     arr = np.asarray(tensors[name], np.float32)
-    arr = arr.T if entry.transpose else arr
-    var = abstract[entry.path]
-    if arr.shape != tuple(var.shape):
-      want = tuple(var.shape)[::-1] if entry.transpose else tuple(var.shape)
-      raise ValueError(
-        f"Tensor {name!r}{where(name)} has shape {tuple(np.shape(tensors[name]))}, but config.json implies {want}."
-      )
-    flat.append((entry.path, var.replace(jnp.asarray(arr))))
+    flat.append((entry.path, abstract[entry.path].replace(jnp.asarray(arr.T if entry.transpose else arr))))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+class _Reader:
+  """Float32 numpy reads of whole tensors or of slices of them, from safetensors files (memory-mapped).
+
+  safetensors' numpy framework has no bfloat16: BF16 tensors are sliced through its "flax" framework on the
+  host CPU device, then upcast. A slice reads only its own bytes.
+  """
+
+  def __init__(self, files: Mapping[str, str]):
+    self.files = files
+
+  def header(self) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(name -> shape, name -> dtype) without reading any weights."""
+    from safetensors import safe_open
+
+    shapes, dtypes = {}, {}
+    for path in sorted(set(self.files.values())):
+      with safe_open(path, framework="numpy") as f:
+        for n in f.keys():
+          if self.files.get(n) == path:
+            sl = f.get_slice(n)
+            shapes[n], dtypes[n] = tuple(sl.get_shape()), sl.get_dtype()
+    return shapes, dtypes
+
+  def read(self, name: str, dtype: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    from safetensors import safe_open
+
+    if dtype != "BF16":
+      with safe_open(self.files[name], framework="numpy") as f:
+        sl = f.get_slice(name)
+        return np.asarray(sl[index] if index is not None else sl[:], np.float32)
+    with jax.default_device(jax.local_devices(backend="cpu")[0]), safe_open(self.files[name], framework="flax") as f:
+      sl = f.get_slice(name)
+      return np.asarray(jax.device_get(sl[index] if index is not None else sl[:]), np.float32)
+
+
+def _place(reader: _Reader, name: str, dtype: str, entry: _Entry, var, sharding) -> jax.Array:
+  """One parameter as a float32 jax.Array: whole (sharding None), or shard by shard into `sharding`.
+
+  With a sharding, each addressable device's block is read from the file as its own slice (transposed
+  tensors: the HF slice is the block's index reversed), so no host holds more of a tensor than its local
+  shards, and a multi-host load reads on each host only what that host's devices hold. Replicated blocks are
+  read once per host.
+  """
+  if sharding is None:
+    arr = reader.read(name, dtype)
+    return jnp.asarray(arr.T if entry.transpose else arr)
+  blocks: dict[tuple, np.ndarray] = {}
+
+  def block(index: tuple[slice, ...]) -> np.ndarray:
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if key not in blocks:
+      if entry.transpose:
+        blocks[key] = np.ascontiguousarray(reader.read(name, dtype, tuple(index[::-1])).T)
+      else:
+        blocks[key] = reader.read(name, dtype, tuple(index))
+    return blocks[key]
+
+  return jax.make_array_from_callback(tuple(var.shape), sharding, block)
+
+
+def _tied_equal_blockwise(reader: _Reader, dtypes: Mapping[str, str], rows: int = 4096) -> bool:
+  """lm_head.weight == model.embed_tokens.weight, compared `rows` rows at a time (bounded host memory)."""
+  v = reader.header()[0]["model.embed_tokens.weight"][0]
+  for lo in range(0, v, rows):
+    idx = (slice(lo, min(v, lo + rows)),)
+    a = reader.read("lm_head.weight", dtypes["lm_head.weight"], idx)
+    b = reader.read("model.embed_tokens.weight", dtypes["model.embed_tokens.weight"], idx)
+    if not np.array_equal(a, b):
+      return False
+  return True
+
+
 def load_hf(
-  checkpoint_dir, dtype: str = "float32", strict: bool = True, **execution
+  checkpoint_dir, dtype: str = "float32", strict: bool = True, *, mesh=None, rules=None, **execution
 ) -> tuple[ModelConfig, tf.Transformer]:
   """(ModelConfig, Transformer) from a local HF directory (config.json + *.safetensors).
+
+  Names and shapes are checked from the files' headers before any weight is read. Without a mesh every
+  tensor is read whole into a host array. With `mesh`, each parameter is born sharded by `rules`
+  (default sharding.TRANSFORMER_RULES, the policy's layout): every device's block is read from the file as
+  a slice, so neither the host nor any device ever holds a whole tensor it does not shard (a 7B model never
+  passes through one host's memory).
 
   Args:
     checkpoint_dir: directory with config.json and model.safetensors, or sharded
@@ -226,6 +326,7 @@ def load_hf(
     dtype: compute dtype, "float32" or "bfloat16" (parameters are float32 either way;
       bf16/f16 checkpoints are upcast).
     strict: see `params_from_hf`.
+    mesh, rules: load straight into NamedShardings on `mesh` (see above).
     **execution: ModelConfig fields of `EXECUTION_FIELDS` (attention, remat, log-prob chunks).
   """
   checkpoint_dir = os.fspath(checkpoint_dir)
@@ -237,8 +338,25 @@ def load_hf(
     raise TypeError(f"load_hf: {sorted(unknown)} are not execution fields {EXECUTION_FIELDS}")
   cfg = cfg.replace(**execution)
   _check_supported(checkpoint_dir)
-  tensors, sources = read_state_dict(checkpoint_dir)
-  return cfg, params_from_hf(tensors, cfg, sources=sources, strict=strict)
+  files = _tensor_files(checkpoint_dir)
+  reader = _Reader(files)
+  shapes, dtypes = reader.header()
+  graphdef, abstract = _abstract(cfg)
+  _check_names_and_shapes(
+    shapes, cfg, abstract, sources=files, strict=strict, tied_head_equal=lambda: _tied_equal_blockwise(reader, dtypes)
+  )
+  shardings = {}
+  if mesh is not None:
+    from vcpo_jax import sharding as sh  # local: sharding's helpers import the model lazily too
+
+    state = nnx.from_flat_state([(p, v) for p, v in abstract.items()])
+    shardings = dict(nnx.to_flat_state(sh.param_shardings(state, rules or sh.TRANSFORMER_RULES, mesh)))
+    shardings = {tuple(p): getattr(s, "value", s) for p, s in shardings.items()}
+  flat = [
+    (e.path, abstract[e.path].replace(_place(reader, n, dtypes[n], e, abstract[e.path], shardings.get(e.path))))
+    for n, e in hf_name_map(cfg).items()
+  ]
+  return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def _check_supported(checkpoint_dir: str) -> None:

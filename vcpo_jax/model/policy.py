@@ -2,7 +2,8 @@
 
 A random preset is born sharded (sharding.init_sharded: eval_shape -> shardings from the rules ->
 jit(init, out_shardings)), so no host or device ever holds the whole model; its values equal the host
-initializer's bit for bit (transformer._INIT). A Hugging Face checkpoint is read on the host, then placed.
+initializer's bit for bit (transformer._INIT). A Hugging Face checkpoint is read straight into the same
+shardings, each device's block as its own slice of the file (hf_io.load_hf with a mesh).
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ def build_policy(
     model_cfg = model_cfg.replace(vocab_size=max(model_cfg.vocab_size, len(tokenizer)))
     graphdef, params = sharding.init_sharded(model_cfg, seed, mesh)
     return model_cfg, tokenizer, graphdef, params
-  import jax
-
   from vcpo_jax.model import hf_io
 
   execution = {f: getattr(model_cfg, f) for f in model_config.EXECUTION_FIELDS}
-  model_cfg, model = hf_io.load_hf(checkpoint, dtype=model_cfg.dtype, **execution)
+  model_cfg, model = hf_io.load_hf(
+    checkpoint, dtype=model_cfg.dtype, mesh=mesh, rules=sharding.TRANSFORMER_RULES, **execution
+  )
   graphdef, params = transformer.split(model)
-  params = jax.device_put(params, sharding.param_shardings(params, sharding.TRANSFORMER_RULES, mesh))
   return model_cfg, tokenizer, graphdef, params
