@@ -247,9 +247,35 @@ def microbatch_rows(spec, mesh, n: int) -> int:
   return 0 if rows >= n else rows
 
 
-def learner_config(spec, mesh, n: int):
-  """spec.learner with microbatch_size = microbatch_rows(spec, mesh, n) and the batch size n."""
-  return dataclasses.replace(spec.learner, microbatch_size=microbatch_rows(spec, mesh, n), batch_size=n)
+def learner_config(spec, mesh, n: int, full_model_cfg=None, t: int = 0):
+  """spec.learner with microbatch_size = microbatch_rows(spec, mesh, n) and the batch size n; with
+  full_model_cfg (the checkpoint's depth) and t, learner.ghost_passes="auto" resolved as the trainer resolves
+  it at that depth (`ghost_passes`), so 1- and 2-layer compiles run the full model's choice."""
+  lc = dataclasses.replace(spec.learner, microbatch_size=microbatch_rows(spec, mesh, n), batch_size=n)
+  if full_model_cfg is not None:
+    lc = dataclasses.replace(lc, ghost_passes=ghost_passes(lc, full_model_cfg, mesh, n, t))
+  return lc
+
+
+def ghost_passes(lc, model_cfg, mesh, n: int, t: int):
+  """The ghost step's passes for the learner config `lc`: its own 1 / 2, or for "auto" grad_norms.choose_passes
+  on the abstract model `model_cfg` and one micro-batch [rows, t], traced under `mesh` (the per-device split)."""
+  import jax
+
+  from vcpo_jax import batch as batch_lib
+  from vcpo_jax import grad_norms, learner
+
+  if lc.ghost_passes != "auto":
+    return lc.ghost_passes
+  graphdef, abs_params = _abstract_params(model_cfg)
+  rows = lc.microbatch_size or n
+  abs_batch = {
+    k: jax.ShapeDtypeStruct(s, d) for k, (d, s) in batch_lib.schema(rows, t).items() if k in batch_lib.DEVICE_KEYS
+  }
+  with _mesh_context(mesh):
+    return grad_norms.choose_passes(
+      learner.make_logp_fn(graphdef), abs_params, abs_batch, "auto", int(lc.one_pass_budget_gib * 2**30)
+    )
 
 
 def compile_learner(setting: Setting, model_cfg, mesh, n: int):
@@ -269,7 +295,7 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   # The learner's device batch, from the one Batch definition (vcpo_jax/batch.py).
   abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t).items() if k in batch_lib.DEVICE_KEYS}
   step = jax.jit(
-    learner.make_train_step(graphdef, tx, learner_config(spec, mesh, n)),
+    learner.make_train_step(graphdef, tx, learner_config(spec, mesh, n, setting.model_cfg, setting.t)),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, sharding.replicated(mesh)),
     donate_argnums=0,
@@ -389,6 +415,7 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     row["prefill_chunk"] = setting.sampler_cfg.prefill_chunk  # 0: the whole prompt bucket in one pass
   else:
     row["microbatch"] = microbatch_rows(setting.spec, mesh, rows) or rows
+    row["ghost_passes"] = learner_config(setting.spec, mesh, rows, setting.model_cfg, setting.t).ghost_passes
   by_layers = {}
   compile_s = 0.0
   for k in layers:
@@ -398,6 +425,10 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
   # batch-dependent temp: the same rows at a tiny sequence length. Not for the decode step: it reads the
   # cache (an argument) at one query position, so its temporaries hardly depend on T.
   if tiny is not None and part != "sampler_decode":
+    if part == "learner":  # the same program at a tiny T: its ghost passes as at the real T, not re-chosen
+      passes = row["ghost_passes"]
+      spec = dataclasses.replace(tiny.spec, learner=dataclasses.replace(tiny.spec.learner, ghost_passes=passes))
+      tiny = dataclasses.replace(tiny, spec=spec)
     small = _compile_part(tiny, part, layers[0], mesh, rows)
     compile_s += small["compile_s"]
     row["batch_gib"] = (by_layers[layers[0]]["temp"] - small["temp"]) / GIB

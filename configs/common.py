@@ -90,7 +90,9 @@ def get_base_config() -> ml_collections.ConfigDict:
 
   c.learner = ml_collections.ConfigDict()
   c.learner.grad_path = "ghost"  # ghost (fast exact norms) | vmap (reference path)
-  c.learner.ghost_passes = 1  # ghost backward passes: 1 (all layers' (A, D) kept) | 2 (norms block by block, long T)
+  # ghost backward passes: 1 (all layers' (A, D) kept) | 2 (norms block by block, long T) | "auto": 1 while what one
+  # pass keeps alive (grad_norms.one_pass_bytes, per device and micro-batch) fits learner.one_pass_budget_gib (default 24), else 2
+  c.learner.ghost_passes = ml_collections.FieldReference(1, field_type=object)  # int 1 | 2, or the str "auto"
   c.learner.microbatch_size = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
   c.learner.ppo_epochs = 1  # passes over each batch per step (policy-loss methods only; 1: one update per step)
   c.learner.minibatches = 1  # updates per pass, each on whole groups; pi_old is recomputed once per trainer step

@@ -53,6 +53,8 @@ def get_config(arg: str | None = None):
   c.model.remat = "block"  # keep only block inputs for the backward pass
   c.model.logprob_chunk = 256  # log-prob head in 256-position chunks (never [N, T, V] logits)
   c.learner.microbatch_size = 16  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
+  c.learner.ghost_passes = "auto"  # one ghost backward while its (A, D) fit one_pass_budget_gib per device, else two
+  c.learner.one_pass_budget_gib = 24.0  # per device (a quarter of a 95 GiB chip); see grad_norms.one_pass_bytes
   # Qwen/Qwen2-1.5B's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
   # loads the checkpoint's own config.json):
   c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights

@@ -74,7 +74,10 @@ def get_config(arg: str | None = None):
   c.model.remat = "block"  # keep only block inputs for the backward pass
   c.model.logprob_chunk = 256  # log-prob head in 256-position chunks (never [N, T, V] logits)
   c.learner.microbatch_size = 64  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
-  c.learner.ghost_passes = 2  # norms block by block, then the update: one layer's (A, D) of 16384 tokens at a time
+  # "auto" takes 2 here: one pass would keep ~89 GiB of (A, D) per device on 64 devices (grad_norms.one_pass_bytes,
+  # 28 layers x 16384 tokens, against one_pass_budget_gib = 24); two keep one layer's at a time
+  c.learner.ghost_passes = "auto"  # one ghost backward while its (A, D) fit one_pass_budget_gib per device, else two
+  c.learner.one_pass_budget_gib = 24.0  # per device (a quarter of a 95 GiB chip); see grad_norms.one_pass_bytes
   # Qwen/Qwen2.5-7B-Instruct's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
   # loads the checkpoint's own config.json):
   c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights
@@ -110,7 +113,6 @@ def get_config(arg: str | None = None):
   if arg == "smoke":  # tiny random model, shipped AIME fixture, a couple of lag steps on CPU (tests)
     _smoke(c)
     c.mode = "lag"  # exact staleness in one process (tests also run it with mode="async")
-    c.learner.ghost_passes = 1  # T = 264: one backward, as the other smoke configs (same results per seed)
     c.lag.k = 1  # one step stale
     c.task.max_prompt_len = 240  # longest fixture prompt with TEMPLATE (chars = tokens)
     c.task.max_new_tokens = 24  # response budget: policy + tool tokens

@@ -145,8 +145,8 @@ def get_config(arg: str | None = None):
   c.trainer.variant = ""  # its variant ('' or 'smoke')
   c.trainer.runs = "runs/stability_countdown"  # one directory per run (metrics.jsonl); resumable
   # A small npz per finished run (its evaluation curve and per-step statistics, ~10 kB), kept in git so that a
-  # study spread over sessions survives machines that are reset; '' = none. Reused only with the same settings.
-  c.trainer.ledger = ""
+  # study spread over sessions survives machines that are reset. Reused only with the same run config.
+  c.trainer.ledger = ""  # folder of per-run records ('' = none); countdown: docs/results/stability_ledger/countdown
   # Policy-loss presets (ppo_clip, gspo, ...; estimator.PRESETS with policy_loss != "pg") run as their sources
   # do: several optimizer updates per trainer step with pi_old recomputed once, so that pi_theta moves off
   # pi_old and the trust region acts (with one update r = pi_theta / pi_old = 1 and PPO's clip never binds).

@@ -241,6 +241,50 @@ def test_two_pass_bad_choices_raise():
     learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), ghost_passes=0)
 
 
+def test_one_pass_bytes_and_auto_passes():
+  """one_pass_bytes: the (A, D) of the body taps, by hand for a 1-layer model (distinct inputs once), linear
+  in rows, per layer and split over batch shards; passes="auto" takes 1 under the budget, 2 above, and gives
+  the explicit choice's numbers."""
+  cfg = config.tiny_llama(vocab_size=V, num_layers=1, **CHUNKS)
+  logp_fn, params, batch, _ = _setup("llama")
+  n, t = batch["tokens"].shape
+  d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  # A: the embedding's token ids (int32); per block the residual into each RMSNorm (2 x d), the normed input
+  # shared by q / k / v and by gate / up (2 x d), o's input (q), down's input (f); the final norm's input (d).
+  # D (float32): the embedding (d); per block the two norms (2 x d), q, k, v, o (d), gate, up (2 x f), down
+  # (d); the final norm (d). The head's (A, D) are in neither count (a vocab-chunk scan in both passes).
+  a = 4 + 4 * (4 * d + q + f + d)
+  dd = 4 * (d + 2 * d + q + 2 * kv + d + 2 * f + d + d)
+  assert gn.one_pass_bytes(logp_fn, params, batch, batch_shards=1) == n * t * (a + dd)
+  assert gn.one_pass_bytes(logp_fn, params, batch, batch_shards=2) == n * t * (a + dd) // 2
+  half = jax.tree.map(lambda x: x[: n // 2], batch)
+  assert 2 * gn.one_pass_bytes(logp_fn, params, half, batch_shards=1) == n * t * (a + dd)
+  block = 4 * (4 * d + q + f) + 4 * (2 * d + q + 2 * kv + d + 2 * f + d)  # one more layer's (A, D) per token
+
+  def nbytes(layers, remat):
+    graphdef, p = tf.split(tf.init(cfg.replace(num_layers=layers, remat=remat), seed=1))
+    return gn.one_pass_bytes(gn.sequence_logp_fn(graphdef), p, batch, batch_shards=1)
+
+  assert nbytes(2, "none") - nbytes(1, "none") == n * t * block
+  # Under block remat the taps inside the rematerialized block record distinct arrays (q / k / v and gate / up
+  # inputs counted per tap): 3 more d-wide inputs per layer, an over-count where XLA shares their buffers.
+  assert nbytes(2, "block") - nbytes(1, "block") == n * t * (block + 4 * 3 * d)
+  need = n * t * (a + dd)
+  assert gn.choose_passes(logp_fn, params, batch, "auto", need, batch_shards=1) == 1
+  assert gn.choose_passes(logp_fn, params, batch, "auto", need - 1, batch_shards=1) == 2
+  assert gn.choose_passes(logp_fn, params, batch, "materialize", 0, batch_shards=1) == 1  # one pass only
+  run = lambda passes, budget: jax.jit(
+    lambda p, b: gn.ghost_sq_norms_and_grad(
+      logp_fn, p, b, b["loss_mask"], _random_coef, passes=passes, one_pass_budget_bytes=budget
+    )
+  )(params, batch)
+  auto2, explicit2 = run("auto", need - 1), run(2, None)
+  assert _rel(auto2.sq_norms_n, explicit2.sq_norms_n) == 0 and _tree_rel(auto2.grads, explicit2.grads) == 0
+  with pytest.raises(ValueError, match="learner.one_pass_budget_gib=0"):
+    learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), ghost_passes="auto", one_pass_budget_gib=0)
+  assert learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), ghost_passes="auto").ghost_passes == "auto"
+
+
 def test_tie_is_the_identity_and_only_barriers_under_fsdp():
   """sharding.tie: values and gradients unchanged; a barrier only where weights are FSDP-gathered."""
   from vcpo_jax import sharding

@@ -66,6 +66,8 @@ Three ways to get S_n, all exact:
   one forward, then the vjp twice, with cotangent tokw_nt (the norms, layer by layer, one
   layer's (A, D) alive at a time; its parameter cotangent is dead code) and with
   -coef_n tokw_nt (the update, an ordinary backward). Same values; a second backward's flops.
+  passes="auto" takes one pass when `one_pass_bytes` (what that pass keeps alive together, per
+  device) fits `one_pass_budget_bytes`, else two.
 
 * `vmap_sq_norms`: the reference, `per_example_sq_grad_norms` (vmap of a per-example
   grad; also usable on any fn(params, example) -> scalar).
@@ -770,6 +772,54 @@ def _ghost_two_pass(logp_fn, params, batch, tokw, coef_fn, method, memory_budget
 
 
 PASSES = (1, 2)
+DEFAULT_ONE_PASS_BUDGET_BYTES = 24 << 30  # passes="auto": one pass while its (A, D) fit this, per device
+
+
+def one_pass_bytes(logp_fn: LogpFn, params, batch, batch_shards: int | None = None) -> int:
+  """Per-device bytes of the (A, D) the one-pass ghost backward keeps alive together (abstract trace).
+
+  The one-pass step returns every tapped layer's input A as a traced output (so block remat cannot drop
+  it) and takes the vjp to every layer's output at once (every D alive together) before the update is
+  contracted: sum over the linear / scale / embedding taps of A (each distinct array once: q, k and v
+  share their input) and D, for this (micro-)batch, divided over the `batch_shards` devices its rows are
+  split over (None: read off the traced mesh). The LM head is left out: both passes treat it alike (a scan
+  over vocab chunks). This is what the two-pass step saves, up to one layer's worth. An estimate, not
+  a compiled figure: under block remat the taps of a rematerialized block record distinct arrays, so
+  shared inputs count once per tap, and the norms' own temporaries are not in it.
+  """
+  if batch_shards is None:
+    batch_shards = sharding.batch_shards(jax.tree.leaves(batch)[0].shape[0])
+  out: dict[str, jax.ShapeDtypeStruct] = {}
+
+  def forward(params, batch):
+    with taps.recording() as tape:
+      logp_fn(params, batch)
+    body = [k for k, info in tape.info.items() if info.kind != "head"]
+    out.update({k: tape.out_shapes[k] for k in body})
+    return list({id(tape.inputs[k]): tape.inputs[k] for k in body if k in tape.inputs}.values())
+
+  inputs = jax.eval_shape(forward, params, batch)  # concrete or abstract (ShapeDtypeStruct) inputs
+  nbytes = lambda x: x.size * jnp.dtype(x.dtype).itemsize
+  return int(sum(nbytes(a) for a in inputs) + sum(nbytes(d) for d in out.values())) // max(1, batch_shards)
+
+
+def choose_passes(
+  logp_fn: LogpFn, params, batch, method: str, budget_bytes: int | None, batch_shards: int | None = None
+) -> int:
+  """passes="auto": 1 if `one_pass_bytes` fits budget_bytes (None: DEFAULT_ONE_PASS_BUDGET_BYTES) or the
+  method is "materialize" (one pass only), else 2. Logged once per trace."""
+  from absl import logging
+
+  budget = DEFAULT_ONE_PASS_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
+  need = one_pass_bytes(logp_fn, params, batch, batch_shards)
+  passes = 1 if need <= budget or method == "materialize" else 2
+  logging.info(
+    "ghost step: one pass keeps %.2f GiB of (A, D) per device, budget %.2f GiB: %d pass(es)",
+    need / 2**30,
+    budget / 2**30,
+    passes,
+  )
+  return passes
 
 
 def ghost_sq_norms_and_grad(
@@ -782,7 +832,8 @@ def ghost_sq_norms_and_grad(
   method: str = "auto",
   memory_budget_bytes: int | None = None,
   batch_shards: int | None = None,
-  passes: int = 1,
+  passes: int | str = 1,
+  one_pass_budget_bytes: int | None = None,
 ) -> GhostResult:
   """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
 
@@ -805,13 +856,17 @@ def ghost_sq_norms_and_grad(
     passes: 1: one backward to every layer's output at once, the update contracted from the same
       (A, D) (all layers' (A, D) alive together); 2: `_ghost_two_pass`, the norms formed layer by
       layer inside a first backward (norm sinks, `taps.Sink`), then an ordinary backward for the
-      update: one layer's (A, D) alive at a time, for long sequences; "materialize" not allowed.
+      update: one layer's (A, D) alive at a time, for long sequences; "materialize" not allowed;
+      "auto": `choose_passes` from this (micro-)batch's shapes against one_pass_budget_bytes (None:
+      DEFAULT_ONE_PASS_BUDGET_BYTES).
 
   Returns:
     GhostResult(logp_nt, tokw_nt, sq_norms_n, coef_n, loss, grads, aux); grads has params' structure.
   """
+  if passes == "auto":
+    passes = choose_passes(logp_fn, params, batch, method, one_pass_budget_bytes, batch_shards)
   if passes not in PASSES:
-    raise ValueError(f"passes={passes!r}: choose one of {PASSES}.")
+    raise ValueError(f"passes={passes!r}: choose one of {PASSES} or 'auto'.")
   if passes == 2:
     return _ghost_two_pass(logp_fn, params, batch, tokw, coef_fn, method, memory_budget_bytes, batch_shards)
   return _ghost(logp_fn, params, batch, tokw, coef_fn, None, method, memory_budget_bytes, batch_shards)

@@ -75,7 +75,9 @@ class LearnerConfig:
     size N; give group_size / batch_size to have that checked here, at config time.
   ghost_passes: the ghost path's backward passes (grad_norms.ghost_sq_norms_and_grad's passes): 1, one
     backward with every layer's (A, D) kept for the update; 2, the norms formed block by block inside a
-    first backward and the update from a second one (one layer's (A, D) alive at a time: long sequences).
+    first backward and the update from a second one (one layer's (A, D) alive at a time: long sequences);
+    "auto", one pass while what it keeps alive (grad_norms.one_pass_bytes, per device and micro-batch)
+    fits one_pass_budget_gib, else two (chosen at trace time from the shapes, logged).
   ppo_epochs, minibatches: ppo_epochs * minibatches optimizer updates per trainer step, each on N /
     minibatches rows of whole groups, with pi_old recomputed once per step (_multi_update_step); only for
     a policy loss (pg.policy_loss != "pg"). 1 and 1: today's single update, the same computation.
@@ -83,7 +85,8 @@ class LearnerConfig:
 
   pg: estimator.PGConfig
   grad_path: str = "ghost"
-  ghost_passes: int = 1  # 1: one backward, all layers' (A, D) kept; 2: norms block by block, then the update
+  ghost_passes: int | str = 1  # 1: one backward, all layers' (A, D) kept; 2: norms block by block; "auto"
+  one_pass_budget_gib: float = 24.0  # ghost_passes="auto": per-device GiB the one-pass (A, D) may take
   microbatch_size: int | None = None  # rows per micro-batch (whole groups); None / 0: one pass
   group_size: int | None = None  # G, only for the config-time check of microbatch_size
   batch_size: int | None = None  # N = P * G, only for the config-time check of microbatch_size
@@ -93,10 +96,16 @@ class LearnerConfig:
   def __post_init__(self):
     if self.grad_path not in GRAD_PATHS:
       raise ValueError(f"learner.grad_path={self.grad_path!r}: choose one of {GRAD_PATHS}.")
-    if self.ghost_passes not in grad_norms.PASSES or isinstance(self.ghost_passes, bool):
+    if self.ghost_passes not in grad_norms.PASSES + ("auto",) or isinstance(self.ghost_passes, bool):
       raise ValueError(
-        f"learner.ghost_passes={self.ghost_passes!r}: choose one of {grad_norms.PASSES} "
-        "(1: one backward; 2: norms block by block, then the update, for long sequences)."
+        f"learner.ghost_passes={self.ghost_passes!r}: choose one of {grad_norms.PASSES} or 'auto' "
+        "(1: one backward; 2: norms block by block, then the update, for long sequences; auto: by memory)."
+      )
+    if isinstance(self.one_pass_budget_gib, bool) or not (
+      isinstance(self.one_pass_budget_gib, (int, float)) and self.one_pass_budget_gib > 0
+    ):
+      raise ValueError(
+        f"learner.one_pass_budget_gib={self.one_pass_budget_gib!r}: give a positive number of GiB per device."
       )
     self._check_updates()
     mb = self.microbatch_size
@@ -228,7 +237,8 @@ def _ghost_gradient(
   method: str = "auto",
   memory_budget_bytes: int | None = None,
   batch_shards: int | None = None,
-  passes: int = 1,
+  passes: int | str = 1,
+  one_pass_budget_bytes: int | None = None,
 ):
   """The fast path: exact S_n and the gradient from one forward and one backward to the layer outputs.
 
@@ -240,7 +250,8 @@ def _ghost_gradient(
   (grad_norms.ghost_sq_norms_and_grad). OPOB only runs with sequence-level weights, where tokw_nt =
   loss_mask, so S_n is the norm it needs. aux also holds sq_norm_n [N] (the exact S_n, whether or not
   pg uses it). method / memory_budget_bytes / batch_shards: the norms' plan (grad_norms.plan_layers),
-  chosen from this (micro-)batch's shapes; passes: 1 or 2 (grad_norms.ghost_sq_norms_and_grad).
+  chosen from this (micro-)batch's shapes; passes / one_pass_budget_bytes: 1, 2 or "auto"
+  (grad_norms.ghost_sq_norms_and_grad).
   """
   _check_batch(batch)
   if pg.policy_loss != "pg":
@@ -256,6 +267,7 @@ def _ghost_gradient(
     memory_budget_bytes=memory_budget_bytes,
     batch_shards=batch_shards,
     passes=passes,
+    one_pass_budget_bytes=one_pass_budget_bytes,
   )
   return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n)
 
@@ -343,7 +355,8 @@ def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None):
   logp_fn = make_logp_fn(graphdef)
   grad_fn = policy_gradient(cfg.grad_path)
   if cfg.grad_path == "ghost" and cfg.ghost_passes != 1:
-    grad_fn = functools.partial(grad_fn, passes=cfg.ghost_passes)
+    budget = int(cfg.one_pass_budget_gib * 2**30)
+    grad_fn = functools.partial(grad_fn, passes=cfg.ghost_passes, one_pass_budget_bytes=budget)
   n = batch["tokens"].shape[0]
   k = cfg.microbatches(n)
   if k == 1:

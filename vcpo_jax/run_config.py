@@ -191,6 +191,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
       pg=pg,
       grad_path=c.learner.grad_path,
       ghost_passes=c.learner.get("ghost_passes", 1),
+      one_pass_budget_gib=c.learner.get("one_pass_budget_gib", 24.0),
       microbatch_size=c.learner.get("microbatch_size") or None,
       ppo_epochs=c.learner.get("ppo_epochs", 1),
       minibatches=c.learner.get("minibatches", 1),
