@@ -1,4 +1,4 @@
-"""Test configuration: 8 fake CPU devices, float32 matmuls, shared fixtures.
+"""Test configuration: 8 fake CPU devices, fast XLA:CPU compiles, float32 matmuls, shared fixtures.
 
 XLA_FLAGS must be set before jax initializes its backends, so this file sets it
 at import time (pytest imports conftest.py before any test module).
@@ -12,7 +12,9 @@ stream of tests, and the room: shared for a test, exclusive for an `exclusive` o
 import fcntl
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests import xla_flags
+
+os.environ.setdefault("XLA_FLAGS", xla_flags.with_devices(8))  # and XLA:CPU's fast compile (tests/xla_flags.py)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -2,13 +2,15 @@
 
 A test file runs itself as a script in each process: `python <file> <process_id> <port> <extra...>`,
 where port is a free local port for `jax.distributed.initialize` (127.0.0.1:<port>, gloo collectives).
-Every process gets `devices` fake CPU devices (XLA_FLAGS) and the repository on its PYTHONPATH.
+Every process gets `devices` fake CPU devices and the fast compile (tests/xla_flags.py) and the repository on its PYTHONPATH.
 """
 
 import os
 import socket
 import subprocess
 import sys
+
+from tests import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +30,7 @@ def launch(script: str, *extra: str, n: int = 2, devices: int = 2, logs=None) ->
   port = free_port()
   env = dict(
     os.environ,
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    XLA_FLAGS=xla_flags.with_devices(devices),
     JAX_PLATFORMS="cpu",
     PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
   )

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from benchmarks import device_check
+from tests import xla_flags
 from vcpo_jax.model.config import tiny_qwen2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("dc") / "sub" / "check.json")  # --out's folder is created
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on a 1-GPU host
+  env = dict(os.environ, XLA_FLAGS=xla_flags.FAST_COMPILE)  # one CPU device, as on a 1-GPU host
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, "-m", "benchmarks.device_check", f"--out={out}", "--repeats=1", "--batches=4"]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)

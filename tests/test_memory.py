@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from benchmarks import memory
+from tests import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny widths and vocabulary: the activations [N, T, D] still dominate what grows with the batch.
@@ -38,7 +39,8 @@ def run():
     "--batch=64",
     "--batch_dependent",
   ]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the driver sets it per subprocess
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the driver adds its device count
+  env["XLA_FLAGS"] = xla_flags.FAST_COMPILE  # same buffer assignment, faster compiles (tests/xla_flags.py)
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.strip().splitlines()

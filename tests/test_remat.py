@@ -75,7 +75,10 @@ def _run_memory_script(script: str) -> str:
   import subprocess
   import sys
 
-  env = dict(os.environ, XLA_FLAGS="--xla_cpu_enable_concurrency_optimized_scheduler=false", JAX_PLATFORMS="cpu")
+  from tests import xla_flags
+
+  flags = f"--xla_cpu_enable_concurrency_optimized_scheduler=false {xla_flags.FAST_COMPILE}"
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   return subprocess.run(
