@@ -292,8 +292,8 @@ def test_prefill_temp_memory_does_not_grow_with_the_chunk_count():
   """Compiled prefill temporaries at 8 chunks <= at 2 chunks (2 layers, bf16, one KV cache layer = 4 MiB).
 
   The whole chunks run in a lax.scan with the cache as carry. Before (a Python loop of chunks at static
-  slots) XLA kept cache copies per chunk alive: 10.8 MiB at 2 chunks, 19.9 MiB at 8 on this shape
-  (XLA:CPU, jax 0.10.2); the scan gives 14.8 and 10.5 MiB. Memory from compilation is deterministic.
+  slots) XLA kept cache copies per chunk alive: 10.6 MiB at 2 chunks, 19.4 MiB at 8 on this shape
+  (XLA:CPU, jax 0.10.2); the scan gives 14.5 and 10.2 MiB. Memory from compilation is deterministic.
   """
   cm = CFG.replace(
     num_heads=2, head_dim=128, max_position=2048, attention="chunked", attention_chunk=32, dtype="bfloat16"
