@@ -288,6 +288,28 @@ def test_chunked_prefill_gives_the_same_rows():
   np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
 
 
+def test_prefill_temp_memory_does_not_grow_with_the_chunk_count():
+  """Compiled prefill temporaries at 8 chunks <= at 2 chunks (2 layers, bf16, one KV cache layer = 4 MiB).
+
+  The whole chunks run in a lax.scan with the cache as carry. Before (a Python loop of chunks at static
+  slots) XLA kept cache copies per chunk alive: 10.6 MiB at 2 chunks, 19.4 MiB at 8 on this shape
+  (XLA:CPU, jax 0.10.2); the scan gives 14.5 and 10.2 MiB. Memory from compilation is deterministic.
+  """
+  cm = CFG.replace(
+    num_heads=2, head_dim=128, max_position=2048, attention="chunked", attention_chunk=32, dtype="bfloat16"
+  )
+  gd, params = tf.split(tf.init(cm, seed=0))
+  b, tp, tn = 2, 1024, 1024
+  temp = {}
+  for n in (2, 8):
+    scfg = S.SamplerConfig(
+      prompt_buckets=(tp,), new_token_buckets=(tn,), batch_buckets=(b,), max_new_tokens=tn, prefill_chunk=tp // n
+    )
+    compiled = S.Sampler(gd, cm, scfg).lower(jax.eval_shape(lambda: params), b, tp, tn, part="prefill").compile()
+    temp[n] = compiled.memory_analysis().temp_size_in_bytes
+  assert temp[8] <= temp[2], temp
+
+
 def test_tensor_parallel_sampler_compiles_and_matches_one_device():
   """The sampler on its own 2-device ("tensor") mesh: compiles, splits weights and cache, same rows."""
   gd, params, _ = _model()

@@ -391,10 +391,17 @@ def _choose(logits_bv, keys_b, cfg: SamplerConfig):
 def _prefill(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, params, prompt_bt, prompt_valid_bt, num_new: int):
   """Fills the KV cache with the prompt bucket; returns (logits [B, V] f32 of the last column, cache, kv_valid).
 
-  Chunks of `cfg.prefill_chunk` tokens go at static cache slots, each attending to the cache prefix
-  written so far (nothing beyond it is read). Only the final hidden state of the last column goes
-  through the LM head (left padding: it is every row's last prompt token), so prefill never holds
-  [B, Tp, V] (or [B, chunk, V]) logits.
+  Chunks of `cfg.prefill_chunk` tokens. With at least two whole chunks they run as a `lax.scan`
+  whose carry is the cache (updated in place, `dynamic_update_slice` at the traced slot c * chunk):
+  each chunk's queries attend to the cache through the model's traced-slot path
+  (`attention.decode_attention`: online softmax over the filled key blocks only), and a remainder
+  of Tp mod chunk tokens follows at its static slot. Prefill memory is then one cache plus one
+  chunk's temporaries, whatever the number of chunks (issue 10: a Python loop of 32 chunks at static
+  slots kept a copy of the cache per chunk alive, 39.5 GiB a layer on multiturn). One chunk, or one
+  whole chunk and a remainder, run as before: at static slots, each attending to the cache prefix
+  written so far through the configured attention (nothing beyond it is read). Only the final hidden
+  state of the last column goes through the LM head (left padding: it is every row's last prompt
+  token), so prefill never holds [B, Tp, V] (or [B, chunk, V]) logits.
   """
   b, tp = prompt_bt.shape
   s = tp + num_new
@@ -403,8 +410,25 @@ def _prefill(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, params, promp
   positions, _ = transformer.padded_positions_and_mask(prompt_valid_bt)
   kv_valid = jnp.pad(prompt_valid_bt.astype(bool), ((0, 0), (0, num_new)))  # [B, S]
   mask = transformer.AttentionMask(kv_valid)
-  chunk = cfg.prefill_chunk or tp
-  for lo in range(0, tp, chunk):
+  chunk = min(cfg.prefill_chunk or tp, tp)
+  lo = 0
+  if tp // chunk >= 2:  # whole chunks in a scan, the cache as its carry
+    lo = tp // chunk * chunk
+
+    def body(cache, i):
+      # The barrier ties the weights to the loop index: XLA:CPU computes bf16 dots in float32, and the
+      # float32 weight copies were hoisted out of the loop, all layers alive at once (+0.9 GiB a layer
+      # at 7B); tied here they are made per chunk. An identity on every backend.
+      p, i = jax.lax.optimization_barrier((params, i))
+      start = i * chunk
+      tok = jax.lax.dynamic_slice_in_dim(prompt_bt, start, chunk, axis=1)
+      pos = jax.lax.dynamic_slice_in_dim(positions, start, chunk, axis=1)
+      h, cache = nnx.merge(graphdef, p)(tok, pos, mask, cache, start, hidden=True)
+      return cache, h[:, -1]
+
+    cache, h_nbd = jax.lax.scan(body, cache, jnp.arange(tp // chunk, dtype=jnp.int32))
+    h = h_nbd[-1][:, None]  # [B, 1, D]: the last whole chunk's last column
+  for lo in range(lo, tp, chunk):  # at static slots: prefix-only attention
     hi = min(tp, lo + chunk)
     h, cache = model(prompt_bt[:, lo:hi], positions[:, lo:hi], mask, cache, lo, hidden=True)
   h_last = h[:, -1:]  # [B, 1, D]
