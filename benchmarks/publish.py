@@ -49,7 +49,12 @@ def _config(size: str, steps: int, background: str):
   c.eval.every, c.eval.num_problems, c.eval.n = 0, 4, 1
   c.checkpoint.every = steps
   c.log.progress = c.log.plots = False
-  c.async_.background_publish = background
+  if background == "device":  # async_.publish_path='device': a sampler thread on fake CPU device 1
+    c.async_.publish_path, c.async_.sampler_devices = "device", "1"
+  else:
+    c.async_.background_publish = background
+    if os.environ.get("BENCH_PUBLISH_DEVICES"):  # --settings with "device": the same learner device for all
+      c.async_.sampler_devices = "1"
   return c
 
 
@@ -82,13 +87,23 @@ def main(argv=None):
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--sizes", default="cpu_default,50M")
+  p.add_argument(
+    "--settings",
+    default="false,true",
+    help="background_publish values and/or 'device' (publish_path='device' on 2 fake CPU devices: learner on "
+    "device 0, sampler thread on device 1; every setting then runs its learner on device 0 alone)",
+  )
   a = p.parse_args(argv)
+  settings = a.settings.split(",")
+  if "device" in settings:  # before JAX is imported (vcpo_jax is imported inside the functions)
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    os.environ["BENCH_PUBLISH_DEVICES"] = "1"
   results = []
   for size in a.sizes.split(","):
-    per = {"false": [], "true": []}
+    per = {b: [] for b in settings}
     load0 = os.getloadavg()
     for r in range(a.rounds):
-      for background in ("false", "true") if r % 2 == 0 else ("true", "false"):
+      for background in settings if r % 2 == 0 else settings[::-1]:
         t0 = time.time()
         per[background].append(run_one(size, a.steps, background))
         x = per[background][-1]
@@ -98,32 +113,30 @@ def main(argv=None):
           flush=True,
         )
     col = lambda b, f: [x[f] * 1e3 for x in per[b]]
-    ratios = np.asarray(col("false", "publish")) / np.asarray(col("true", "publish"))
+    ratios = {b: np.asarray(col(settings[0], "publish")) / np.asarray(col(b, "publish")) for b in settings[1:]}
     results.append(
       dict(
         size=size,
         params=num_params(size),
         **{f"{b}_{f}_ms": float(np.median(col(b, f))) for b in per for f in ("publish", "copy", "step")},
-        ratio_median=float(np.median(ratios)),
-        ratio_min=float(ratios.min()),
-        ratio_max=float(ratios.max()),
+        ratios={b: [float(np.median(r)), float(r.min()), float(r.max())] for b, r in ratios.items()},
         per_round={b: per[b] for b in per},
         load_before=list(load0),
         load_after=list(os.getloadavg()),
       )
     )
   print(
-    "| model | parameters | publish_s false / true (ms) | false / true, median (range) | publish_copy_s false / true "
-    "(ms) | learn + publish false / true (ms) | load avg |"
+    f"| model | parameters | setting | publish_s (ms) | {settings[0]} / setting, median (range) | "
+    "publish_copy_s (ms) | learn + publish (ms) | load avg |"
   )
-  print("|---|---:|---:|---|---:|---:|---|")
+  print("|---|---:|---|---:|---|---:|---:|---|")
   for x in results:
-    print(
-      f"| {x['size']} | {x['params'] / 1e6:.1f}M | {x['false_publish_ms']:.2f} / {x['true_publish_ms']:.2f} | "
-      f"{x['ratio_median']:.1f}x ({x['ratio_min']:.1f}-{x['ratio_max']:.1f}) | "
-      f"{x['false_copy_ms']:.2f} / {x['true_copy_ms']:.2f} | {x['false_step_ms']:.0f} / {x['true_step_ms']:.0f} | "
-      f"{x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f} |"
-    )
+    for b in settings:
+      ratio = "" if b == settings[0] else "{:.1f}x ({:.1f}-{:.1f})".format(*x["ratios"][b])
+      print(
+        f"| {x['size']} | {x['params'] / 1e6:.1f}M | {b} | {x[f'{b}_publish_ms']:.2f} | {ratio} | "
+        f"{x[f'{b}_copy_ms']:.2f} | {x[f'{b}_step_ms']:.0f} | {x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f} |"
+      )
   print(json.dumps(dict(benchmark="publish", args=vars(a), results=results)))
 
 
