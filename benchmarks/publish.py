@@ -3,17 +3,21 @@
     python -m benchmarks.publish --rounds=3 --steps=8
 
 Issue 14 item 3: `AsyncSource.publish` used to `device_get` every parameter and copy it into the shared-memory
-slot on the learner's critical path each step; `async_.background_publish=True` (the default) dispatches an
-on-device snapshot and hands it to a thread. This runs the real trainer (`vcpo_jax.trainer.run`,
+slot on the learner's critical path each step; `async_.background_publish="true"` dispatches an on-device
+snapshot and hands it to a thread; "false" copies in publish(); the default "auto" is "false" on the CPU
+backend and "true" on accelerators (async_.background_for). This runs the real trainer (`vcpo_jax.trainer.run`,
 configs/countdown.py, mode='async', lag.k = 2, no warm start, evaluation on 4 problems at start and end only)
 at two model sizes: the CPU default (hidden 128, 3 layers, 0.4M parameters, N = 64) and a 50M-parameter model
 (hidden 768, 7 layers, SwiGLU 3072; N = 8 so that a step stays affordable on 2 cores), each with
-`background_publish` False ("before": the copy in publish()) and True ("after"). Both settings of a size run
-in this process, in rounds, order rotated each round, with the same config, shapes, dtype (float32 on CPU) and
-compile treatment (each run compiles its own step). Per run: the median over steps of `time/publish_s` (the
-trainer's learner-side time inside `source.publish` after each update; the first publish, which starts the
-sampler, is not a step and is not counted). Reported per size: the medians of both settings over rounds and
-the median and range of the per-round ratios before / after. Prints a table and one JSON line.
+`background_publish` "false" (the copy in publish()) and "true" (the background thread). Both settings of a size
+run in this process, in rounds, order rotated each round, with the same config, shapes, dtype (float32 on CPU)
+and compile treatment (each run compiles its own step). Per run, medians over steps of: `time/publish_s` (the
+trainer's learner-side blocking time inside `source.publish` after each update; the first publish, which
+starts the sampler, is not a step and is not counted), `time/publish_copy_s` (the host copy's own time: the
+thread's on the background path) and `time/learn_s + time/publish_s` (the learner's update plus publish: the
+background thread's copy competes with the next update for the cores, which publish_s alone does not see).
+Reported per size: the medians of both settings over rounds and the median and range of the per-round ratios
+false / true of publish_s. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ SIZES = {
 }
 
 
-def _config(size: str, steps: int, background: bool):
+def _config(size: str, steps: int, background: str):
   from configs import countdown
 
   hidden, layers, ffn, prompts, group = SIZES[size]
@@ -45,28 +49,37 @@ def _config(size: str, steps: int, background: bool):
   c.eval.every, c.eval.num_problems, c.eval.n = 0, 4, 1
   c.checkpoint.every = steps
   c.log.progress = c.log.plots = False
-  c.async_.background_publish = background
+  if background == "device":  # async_.publish_path='device': a sampler thread on fake CPU device 1
+    c.async_.publish_path, c.async_.sampler_devices = "device", "1"
+  else:
+    c.async_.background_publish = background
+    if os.environ.get("BENCH_PUBLISH_DEVICES"):  # --settings with "device": the same learner device for all
+      c.async_.sampler_devices = "1"
   return c
 
 
 def num_params(size: str) -> int:
   from vcpo_jax import run_config
 
-  return run_config.parse_config(_config(size, 2, True)).model_cfg.num_params
+  return run_config.parse_config(_config(size, 2, "true")).model_cfg.num_params
 
 
-def run_one(size: str, steps: int, background: bool) -> float:
-  """One trainer run; returns the median learner-side publish time per step (seconds)."""
+def run_one(size: str, steps: int, background: str) -> dict:
+  """One trainer run; returns medians over its steps (seconds) of publish_s, publish_copy_s, learn_s + publish_s."""
   from vcpo_jax import metrics as metrics_lib
   from vcpo_jax import trainer
 
   with tempfile.TemporaryDirectory(prefix="bench_publish_") as wd:
     trainer.run(_config(size, steps, background), wd)
-    rows = metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl"))
-    pub = [r["time/publish_s"] for r in rows if "time/publish_s" in r]
-  if len(pub) != steps:
-    raise RuntimeError(f"expected {steps} publish timings, got {len(pub)}")
-  return float(np.median(pub))
+    rows = [r for r in metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl")) if "time/publish_s" in r]
+  if len(rows) != steps:
+    raise RuntimeError(f"expected {steps} publish timings, got {len(rows)}")
+  med = lambda xs: float(np.median(xs)) if xs else float("nan")
+  return dict(
+    publish=med([r["time/publish_s"] for r in rows]),
+    copy=med([r["time/publish_copy_s"] for r in rows if "time/publish_copy_s" in r]),
+    step=med([r["time/learn_s"] + r["time/publish_s"] for r in rows]),
+  )
 
 
 def main(argv=None):
@@ -74,46 +87,56 @@ def main(argv=None):
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--sizes", default="cpu_default,50M")
+  p.add_argument(
+    "--settings",
+    default="false,true",
+    help="background_publish values and/or 'device' (publish_path='device' on 2 fake CPU devices: learner on "
+    "device 0, sampler thread on device 1; every setting then runs its learner on device 0 alone)",
+  )
   a = p.parse_args(argv)
+  settings = a.settings.split(",")
+  if "device" in settings:  # before JAX is imported (vcpo_jax is imported inside the functions)
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    os.environ["BENCH_PUBLISH_DEVICES"] = "1"
   results = []
   for size in a.sizes.split(","):
-    per = {False: [], True: []}
+    per = {b: [] for b in settings}
     load0 = os.getloadavg()
     for r in range(a.rounds):
-      for background in (False, True) if r % 2 == 0 else (True, False):
+      for background in settings if r % 2 == 0 else settings[::-1]:
         t0 = time.time()
         per[background].append(run_one(size, a.steps, background))
+        x = per[background][-1]
         print(
-          f"[publish] {size} round {r} background={background}: {per[background][-1] * 1e3:.2f} ms "
-          f"({time.time() - t0:.0f} s run)",
+          f"[publish] {size} round {r} background={background}: publish {x['publish'] * 1e3:.2f} ms, copy "
+          f"{x['copy'] * 1e3:.2f} ms, learn+publish {x['step'] * 1e3:.1f} ms ({time.time() - t0:.0f} s run)",
           flush=True,
         )
-    ratios = np.asarray(per[False]) / np.asarray(per[True])
+    col = lambda b, f: [x[f] * 1e3 for x in per[b]]
+    ratios = {b: np.asarray(col(settings[0], "publish")) / np.asarray(col(b, "publish")) for b in settings[1:]}
     results.append(
       dict(
         size=size,
         params=num_params(size),
-        before_ms=float(np.median(per[False]) * 1e3),
-        after_ms=float(np.median(per[True]) * 1e3),
-        ratio_median=float(np.median(ratios)),
-        ratio_min=float(ratios.min()),
-        ratio_max=float(ratios.max()),
-        per_round_before_ms=[x * 1e3 for x in per[False]],
-        per_round_after_ms=[x * 1e3 for x in per[True]],
+        **{f"{b}_{f}_ms": float(np.median(col(b, f))) for b in per for f in ("publish", "copy", "step")},
+        ratios={b: [float(np.median(r)), float(r.min()), float(r.max())] for b, r in ratios.items()},
+        per_round={b: per[b] for b in per},
         load_before=list(load0),
         load_after=list(os.getloadavg()),
       )
     )
   print(
-    "| model | parameters | before: copy in publish() (ms) | after: background (ms) | before / after, median (range) | load avg |"
+    f"| model | parameters | setting | publish_s (ms) | {settings[0]} / setting, median (range) | "
+    "publish_copy_s (ms) | learn + publish (ms) | load avg |"
   )
-  print("|---|---:|---:|---:|---|---|")
+  print("|---|---:|---|---:|---|---:|---:|---|")
   for x in results:
-    print(
-      f"| {x['size']} | {x['params'] / 1e6:.1f}M | {x['before_ms']:.2f} | {x['after_ms']:.2f} | "
-      f"{x['ratio_median']:.1f}x ({x['ratio_min']:.1f}-{x['ratio_max']:.1f}) | "
-      f"{x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f} |"
-    )
+    for b in settings:
+      ratio = "" if b == settings[0] else "{:.1f}x ({:.1f}-{:.1f})".format(*x["ratios"][b])
+      print(
+        f"| {x['size']} | {x['params'] / 1e6:.1f}M | {b} | {x[f'{b}_publish_ms']:.2f} | {ratio} | "
+        f"{x[f'{b}_copy_ms']:.2f} | {x[f'{b}_step_ms']:.0f} | {x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f} |"
+      )
   print(json.dumps(dict(benchmark="publish", args=vars(a), results=results)))
 
 

@@ -47,12 +47,14 @@ def _tiny(**overrides):
   return fixtures.tiny_countdown_config(**{"mode": "async", "lag.k": 2, "async_.timeout_s": 120.0, **overrides})
 
 
-def _source(config, **kw) -> async_.AsyncSource:
-  """An AsyncSource built the way trainer.run builds it, without the learner; `kw` go to AsyncSource."""
+def _source(config, source_cls=async_.AsyncSource, devices=None, **kw) -> async_.AsyncSource:
+  """An AsyncSource built the way trainer.run builds it, without the learner; `kw` go to AsyncSource.
+  devices: the learner's (default: the first device)."""
   # check_prompts=False: a test below makes the worker fail on a prompt longer than the bucket.
   spec = run_config.parse_config(config, check_prompts=False)
-  one_device = sharding.make_mesh(sharding.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])
-  model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, one_device, seed=spec.seed)
+  devices = jax.devices()[:1] if devices is None else devices
+  learner_mesh = sharding.make_mesh(sharding.MeshConfig((len(devices), 1, 1)), devices=devices)
+  model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, learner_mesh, seed=spec.seed)
   problems = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
   sampler_cfg = SamplerConfig.from_tokenizer(
     tokenizer,
@@ -63,7 +65,7 @@ def _source(config, **kw) -> async_.AsyncSource:
   )
   sampler = Sampler(graphdef, model_cfg, sampler_cfg)
   maker = RolloutMaker(spec.rollout, tokenizer, sampler, problems)
-  src = async_.AsyncSource(
+  src = source_cls(
     spec.async_, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker, k=spec.k, steps=spec.steps, **kw
   )
   return src, params
@@ -305,7 +307,8 @@ def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum
   from vcpo_jax.rollout.process.param_slot import checksum
 
   k = 2
-  src, params = _source(_tiny(steps=6, **{"lag.k": k, "async_.queue_slots": k + 2}))
+  over = {"lag.k": k, "async_.queue_slots": k + 2, "async_.background_publish": "true"}  # auto: sync on CPU
+  src, params = _source(_tiny(steps=6, **over))
   names = worker_lib.param_names(params)
   host = lambda p: {n: np.array(a) for n, a in zip(names, jax.tree.leaves(p))}
   params1 = jax.tree.map(lambda x: x * 2.0, params)
@@ -328,6 +331,84 @@ def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum
       versions.append(v)
     assert versions[-1] == 1
     assert len(src.publish_blocking_s) == 2
+    assert len(src._copy_s) == 1 and src.take_copy_s() is not None and src.take_copy_s() is None  # logged once
+  finally:
+    src.close()
+
+
+def test_device_checksum_is_a_hand_checkable_position_weighted_sum_independent_of_sharding():
+  import jax.numpy as jnp
+  import numpy as np
+
+  from vcpo_jax.rollout.device_publish import device_checksum
+
+  one = jnp.ones((1,), jnp.float32)  # bits 0x3F800000, weight 1: c = 1 * 1000003 + 0x3F800000
+  assert int(device_checksum([one])) == (1000003 + 0x3F800000) % 2**32
+  x = jnp.arange(8, dtype=jnp.float32).reshape(4, 2)
+  mesh = sharding.make_mesh(sharding.MeshConfig((2, 1, 1)), devices=jax.devices()[:2])
+  xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  assert int(device_checksum([x, one])) == int(device_checksum([xs, one]))
+  assert int(device_checksum([x[::-1], one])) != int(device_checksum([x, one]))  # positions count
+  assert int(device_checksum([x.astype(jnp.bfloat16)])) != int(device_checksum([x]))
+  assert np.asarray(device_checksum([x])).dtype == np.uint32
+
+
+def test_device_path_puts_the_learners_parameters_on_the_sampler_devices_and_echoes_version_and_checksum():
+  """async_.publish_path='device' on fake CPU devices (conftest: 8): learner on devices 0-1, sampler thread on
+  2-3. After an update the sampler's copy equals the learner's parameters (even once the learner's buffers are
+  donated), lives on the sampler's devices only, and every batch echoes its version's checksum."""
+  import numpy as np
+
+  from vcpo_jax.rollout import device_publish
+  from vcpo_jax.rollout.device_publish import device_checksum
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  over = {"lag.k": 1, "async_.publish_path": "device", "async_.sampler_devices": "2,3", "async_.queue_slots": 2}
+  src, params = _source(_tiny(steps=3, **over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
+  names = worker_lib.param_names(params)
+  sampler_devices = set(jax.devices()[2:4])
+  try:
+    src.publish(params, 0)
+    batch, info = src.next(0)
+    assert (batch["policy_version"] == 0).all()
+    assert info["params_checksum"] == int(device_checksum(jax.tree.leaves(params)))
+    params1 = jax.tree.map(lambda x: x * 2.0 + 1.0, params)  # "after a step"
+    want1 = {n: np.array(a) for n, a in zip(names, jax.tree.leaves(params1))}
+    csum1 = int(device_checksum(jax.tree.leaves(params1)))
+    src.publish(params1, 1)
+    jax.jit(lambda p: jax.tree.map(lambda x: x * 0.0, p), donate_argnums=0)(params1)  # what train_step does
+    version, arrays = src.slot.latest(min_version=1, timeout=5.0)
+    assert version == 1 and set(arrays) == set(names)
+    for n in names:
+      assert arrays[n].devices() == sampler_devices, n
+      np.testing.assert_array_equal(np.asarray(arrays[n]), want1[n], err_msg=n)
+    for step in (1, 2):  # batch 2 needs version >= 1
+      batch, info = src.next(step)
+      v = int(batch["policy_version"][0])
+      assert v in (0, 1) and (step < 2 or v == 1)
+      if v == 1:
+        assert info["params_checksum"] == csum1
+    assert src.resource_paths() == [] and src.take_copy_s() is None  # no shared memory, no host copy
+  finally:
+    src.close()
+  assert src.proc.exitcode == 0  # the sampler thread stopped on close()
+
+
+def test_background_publish_auto_is_synchronous_on_cpu_and_background_on_accelerators():
+  """The choice of async_.background_publish (no timing): auto follows the backend, true / false override."""
+  assert async_.background_for("auto", "cpu") is False
+  assert async_.background_for("auto", "gpu") is True and async_.background_for("auto", "tpu") is True
+  assert async_.background_for("true", "cpu") is True and async_.background_for("False", "gpu") is False
+  assert async_.background_for(True, "cpu") is True and async_.background_for(False, "tpu") is False
+  with pytest.raises(ValueError, match="background_publish"):
+    async_.background_for("sometimes", "cpu")
+  # On this (CPU) machine the default builds the synchronous path: the double-buffered slot, no thread.
+  src, params = _source(_tiny(steps=2))
+  try:
+    assert src.cfg.background_publish == "auto" and src.background is False
+    src.publish(params, 0)
+    src.publish(params, 1)
+    assert src.slot.nbuf == 2 and src._thread is None and src.take_copy_s() is not None
   finally:
     src.close()
 

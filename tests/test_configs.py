@@ -171,6 +171,9 @@ BAD = [
   ("async_.timeout_s", 0.0, "countdown"),
   ("async_.startup_timeout_s", -1.0, "countdown"),
   ("async_.publish_dtype", "float16", "countdown"),
+  ("async_.background_publish", "sometimes", "countdown"),
+  ("async_.publish_path", "nvlink", "countdown"),
+  ("async_.publish_path", "device", "countdown"),  # without async_.sampler_devices
   ("task.max_prompt_len", 5, "countdown"),
   ("optim.b2", 1.0, "countdown"),
   ("optim.lr", 0.0, "countdown"),

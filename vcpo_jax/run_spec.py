@@ -153,7 +153,8 @@ class AsyncConfig:
   startup_timeout_s: float = 600.0
   sampler_cpus: str = ""
   sampler_env: dict = dataclasses.field(default_factory=dict)
-  background_publish: bool = True  # publish() hands the copy to a thread (False: copy on the learner's path)
+  background_publish: str = "auto"  # "true": copy in a thread; "false": on the learner's path; auto: false on CPU
+  publish_path: str = "shm"  # shm: sampler process + shared memory | device: sampler thread, device_put
   publish_dtype: str = "auto"  # slot dtype of floating parameters: auto (bf16 on accelerators, f32 on CPU)
   decode: str = "static"
   chunk_tokens: int = 16
@@ -194,7 +195,25 @@ class AsyncConfig:
       self.publish_dtype,
       "use 'auto' (bfloat16 on accelerators, float32 on CPU), 'float32' or 'bfloat16'.",
     )
-    for f in ("background_publish", "inflight_updates", "recompute_kv"):
+    check_field(
+      self.publish_path in ("shm", "device"),
+      "async_.publish_path",
+      self.publish_path,
+      "use 'shm' (a sampler process, shared memory) or 'device' (a sampler thread on async_.sampler_devices).",
+    )
+    check_field(
+      self.publish_path == "shm" or bool(self.sampler_devices),
+      "async_.publish_path",
+      self.publish_path,
+      "'device' needs async_.sampler_devices (e.g. '2,3': the sampler's devices of this process).",
+    )
+    check_field(
+      str(self.background_publish).lower() in ("auto", "true", "false"),
+      "async_.background_publish",
+      self.background_publish,
+      "use 'auto' (synchronous on CPU, background on accelerators), 'true' or 'false'.",
+    )
+    for f in ("inflight_updates", "recompute_kv"):
       check_field(isinstance(getattr(self, f), bool), f"async_.{f}", getattr(self, f), "must be True or False.")
     from vcpo_jax.rollout.async_ import parse_cpus  # the one parser of CPU lists ("1", "0,2", "2-3")
 

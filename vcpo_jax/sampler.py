@@ -466,8 +466,8 @@ def _generate_device(
   """
   b, tp = prompt_bt.shape
   pad = jnp.int32(cfg.pad_id)
-  row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids_b)
-  step_keys = lambda i: jax.vmap(lambda k: jax.random.fold_in(k, i))(row_keys)
+  row_keys = _row_keys(rng, row_ids_b)
+  step_keys = lambda i: _step_keys(row_keys, i)
 
   last_logits, cache, kv_valid = _prefill(graphdef, cfg_model, cfg, params, prompt_bt, prompt_valid_bt, num_new)
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
@@ -566,6 +566,24 @@ def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn
   )
 
 
+def _row_keys(rng, row_ids):
+  """fold_in(rng, row) for every row id (int32 [B]): the row's random stream."""
+  return jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids)
+
+
+def _step_keys(row_keys, steps):
+  """fold_in(row_key, i) per row: steps is one token index for every row (scalar) or one per row ([B])."""
+  steps = jnp.broadcast_to(jnp.asarray(steps, jnp.int32), row_keys.shape)
+  return jax.vmap(jax.random.fold_in)(row_keys, steps)
+
+
+def token_keys(rng, row_ids, steps):
+  """The key of row n's token i, fold_in(fold_in(rng, n), i), for every row (row_ids int32 [B]; steps: a
+  scalar or int32 [B]): the one formula of every decode loop, so a row's sample depends on neither its slot
+  nor the loop that drew it."""
+  return _step_keys(_row_keys(rng, row_ids), steps)
+
+
 def _refill_device(
   graphdef, cfg_model, cfg, params, st: _Slots, slots_r, prompt_rt, valid_rt, row_ids_r, budget_r, stop_v, version, rng
 ):
@@ -577,7 +595,7 @@ def _refill_device(
   r = prompt_rt.shape[0]
   last_logits, cache_r, kv_valid_r = _prefill(graphdef, cfg_model, cfg, params, prompt_rt, valid_rt, tn)
   prompt_len_r = jnp.sum(valid_rt, axis=1, dtype=jnp.int32)
-  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, i), 0))(row_ids_r)
+  keys = token_keys(rng, row_ids_r, 0)
   tok, logp = _choose(last_logits, keys, cfg)
   stopped = stop_v[tok]
   positions, _ = transformer.padded_positions_and_mask(valid_rt)
@@ -617,7 +635,7 @@ def _chunk_device(graphdef, cfg, num_steps: int, params, st: _Slots, stop_v, ver
     pos = (st.prompt_len + last)[:, None]
     kv_valid = jax.lax.dynamic_update_slice(st.kv_valid, jnp.ones((b, 1), bool), (0, col))
     logits, cache = transformer.forward(graphdef, params, prev, pos, kv_valid[:, None, :], st.cache, col)
-    keys = jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(rng, r), i))(st.row_id, st.lengths)
+    keys = token_keys(rng, st.row_id, st.lengths)
     tok, logp = _choose(logits[:, -1], keys, cfg)
     live = ~st.done
     at = jnp.where(live, st.lengths, tn)  # out of range: dropped

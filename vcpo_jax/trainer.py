@@ -123,6 +123,9 @@ def run(config, workdir: str) -> dict:
       t3 = time.time()
       _check_finite(m, step - 1, nonfinite_steps, spec.on_nonfinite)
       row = _train_row(m, batch, info, t0, t1, t2, t3)
+      copy_s = source.take_copy_s() if hasattr(source, "take_copy_s") else None
+      if copy_s is not None:  # async shm path: the host copy's own seconds (see _train_row)
+        row["time/publish_copy_s"] = copy_s
       if plain_step is not None and step % spec.log.norm_overhead_every == 0:
         row.update(_norm_overhead(plain_step, state.params, dev_batch, t2 - t1))
       evaluate_now = spec.eval_every and step % spec.eval_every == 0
@@ -407,8 +410,11 @@ def _build_eval(spec, tokenizer, make_sampler, buckets: dict, maker):
 def _train_row(m: dict, batch, info: dict, t0: float, t1: float, t2: float, t3: float) -> dict:
   """metrics.jsonl's row of one step: the learner's metrics `m`, the batch's, the source's `info`, timings.
 
-  t0 -> t1: waiting for / making the batch; t1 -> t2: the update; t2 -> t3: publishing the new parameters
-  (the learner-side blocking time of source.publish)."""
+  t0 -> t1: waiting for / making the batch (time/rollout_s); t1 -> t2: the update (time/learn_s); t2 -> t3:
+  publishing the new parameters (time/publish_s: the learner-side blocking seconds of source.publish, the one
+  publish timing the learner pays). The loop adds time/publish_copy_s in async mode's shared-memory path: the
+  seconds of the newest host copy (device_get + slot write + checksum) completed since the previous row, done
+  by a thread that overlaps the learner with async_.background_publish, inside time/publish_s without it."""
   n_tokens = float(batch["valid_mask"].sum())
   row = {f"train/{k}": v for k, v in m.items()}
   row.update(

@@ -33,16 +33,29 @@ batch produced before the checkpoint and not consumed is consumed exactly once
 after the resume, and a batch consumed before it never again. A batch the
 sampler was still generating at save time is not saved: it is made again.
 
-Publishing (`async_.background_publish`, default True) is off the
-learner's critical path: publish() dispatches an on-device snapshot (fresh
-buffers in the publish dtype: bfloat16 on accelerators, float32 on CPU, so
-the CPU numerics are today's; `async_.publish_dtype` overrides) and hands
-it to a thread that does the device_get, the copy into the slot and the
-checksum (param_slot.checksum, recorded per version). The slot then holds one
-parameter copy (ParamSlot nbuf=1: the thread's write waits for the sampler's
-read, never the learner). The sampler echoes the checksum of what it read in
-each batch's metadata and next() checks it against the published version's.
-Only this host-memory path exists and is tested (no device-to-device path).
+Publishing (`async_.background_publish`: "auto" (default), "true" or "false"; `background_for`).
+"true" takes it off the learner's critical path: publish() dispatches an on-device snapshot (fresh
+buffers in the publish dtype: bfloat16 on accelerators, float32 on CPU, so the CPU numerics are
+today's; `async_.publish_dtype` overrides) and hands it to a thread that does the device_get, the
+copy into the slot and the checksum (param_slot.checksum, recorded per version). The slot then
+holds one parameter copy (ParamSlot nbuf=1: the thread's write waits for the sampler's read, never
+the learner). The sampler echoes the checksum of what it read in each batch's metadata and next()
+checks it against the published version's. "false": publish() itself does the device_get (a view of
+the buffers on CPU) and one copy into a double-buffered slot; no checksum is recorded (an Adler-32
+pass over the parameters costs more than the copy), so the echo is not checked. "auto" = "false" on
+the CPU backend, "true" elsewhere. Why (measured, benchmarks/README.md "Parameter publishing"): on CPU
+the snapshot is not a device-local copy that overlaps the next step but a full memory copy made on
+the caller's thread (73 ms at 50.8M parameters, against 20 ms for the synchronous copy into the slot,
+whose device_get is free), and the thread's copy and checksum then compete with the learner's step for
+the same cores; on accelerators the snapshot is a device-local copy and the host transfer overlaps
+the next step (not measured here: no accelerator run). The device path (`async_.publish_path=
+"device"`, rollout/device_publish.py) replaces the sampler process and the slot by a sampler thread
+on its own devices of this process.
+
+Metrics (trainer rows): time/publish_s is the learner-side blocking time of publish(), per step;
+time/publish_copy_s is the host copy's own time (device_get, slot write, checksum) of the newest
+version written since the previous row: the thread's on the background path (overlapping the learner),
+inside time/publish_s on the synchronous one; absent when no copy completed since the previous row.
 
 Devices: `async_.sampler_devices` (e.g. "2,3") is written to the child's
 CUDA_VISIBLE_DEVICES before it imports JAX, so on a multi-GPU host the sampler
@@ -152,6 +165,18 @@ def token_lag_stats(step: int, token_version: np.ndarray) -> dict:
   }
 
 
+def background_for(setting, backend: str) -> bool:
+  """async_.background_publish ("auto" | "true" | "false"; Python bools too) -> whether publish() hands the
+  copy to a thread. "auto": not on the "cpu" backend (the synchronous copy is cheaper there, see the module
+  docstring), yes on accelerators."""
+  text = str(setting).lower()
+  if text == "auto":
+    return backend != "cpu"
+  if text not in ("true", "false"):
+    raise ValueError(f"async_.background_publish={setting!r}: use 'auto', 'true' or 'false'.")
+  return text == "true"
+
+
 def parse_cpus(text: str) -> tuple[int, ...]:
   """ "1" / "0,2" / "2-3" -> a tuple of CPU ids."""
   out: list[int] = []
@@ -222,7 +247,7 @@ class AsyncSource:
     self.startup_timeout_s = float(cfg.startup_timeout_s)
     self.nslots = int(cfg.queue_slots)
     self.cpus = parse_cpus(cfg.sampler_cpus)
-    self.background = bool(cfg.background_publish)
+    self.background = background_for(cfg.background_publish, jax.default_backend())
     dt = cfg.publish_dtype
     if dt == "auto":
       dt = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -272,6 +297,7 @@ class AsyncSource:
     self._thread_error: BaseException | None = None
     self._thread = None
     self.publish_blocking_s: list[float] = []  # learner-side time inside publish(), per call (perf_counter)
+    self._copy_s: collections.deque = collections.deque()  # host copy seconds of versions written, not logged yet
     # Background evaluation (eval.background): the worker's EvalArgs, the eval slot, records that arrived.
     self.eval_args = None
     self.eval_slot = None
@@ -379,13 +405,22 @@ class AsyncSource:
       self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
     elif not self.background:  # today's path: device_get, one copy into the slot; no checksum on this path
       self._poll_publish()
+      t1 = time.perf_counter()
       self.slot.publish(self._host_arrays(jax.tree.leaves(params), params), version, poll=self._poll_publish)
+      self._copy_s.append(time.perf_counter() - t1)
     else:
       self._raise_if_dead()
       self._raise_thread_error()
       self._hand_over(self._snap(jax.tree.leaves(params)), version, params)  # dispatched, not waited for
     self._published = version
     self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def take_copy_s(self) -> float | None:
+    """time/publish_copy_s: seconds of the newest host copy written since the last call (None: none)."""
+    last = None
+    while self._copy_s:
+      last = self._copy_s.popleft()
+    return last
 
   def _hand_over(self, snap: list, version: int, params):
     """Gives the background publisher the newest snapshot (replacing one it has not taken yet)."""
@@ -422,7 +457,9 @@ class AsyncSource:
         (snap, version, names), self._todo = self._todo, None
         self._busy = True
       try:
+        t0 = time.perf_counter()
         self._write(self._host_arrays(snap, names=names), version, self._thread_poll)
+        self._copy_s.append(time.perf_counter() - t0)  # deque.append: safe against the learner's popleft
       except _Closing:
         return
       except Exception as e:  # noqa: BLE001 -- any failure is re-raised by the next publish() / next()
@@ -530,7 +567,7 @@ class AsyncSource:
     echoed.setdefault(int(meta["version"]), meta.get("params_checksum"))
     for v, got in sorted(echoed.items()):
       want = self._checksums.get(v) if not restored else None
-      if want is not None and got != want:
+      if want is not None and got != int(want):  # int: the device path records a device scalar
         raise RuntimeError(
           f"async source: batch {step} was made from parameters with checksum {got}, "
           f"but version {v} was published with checksum {want}: the parameter copy was corrupted."

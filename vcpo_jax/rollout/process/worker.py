@@ -119,6 +119,9 @@ class WorkerArgs:
   prompt_block: tuple[int, int] | None = None
   host: int = 0
   eval: EvalArgs | None = None  # background evaluation (eval.background); None: the learner evaluates
+  # async_.publish_path='device' (rollout/device_publish.py: this loop in a thread of the learner's process):
+  # the sampler's jax.Device objects. None: every device of this process.
+  devices: tuple | None = None
 
 
 def param_names(params) -> tuple[str, ...]:
@@ -276,7 +279,8 @@ class _Worker:
     self.dtypes = [x.dtype for x in jax.tree.leaves(abstract)]
     self.key = jax.random.wrap_key_data(np.asarray(a.key_data), impl=a.key_impl)
     # Its own mesh over this process's devices (async_.sampler_devices); params in sampler.param_dtype.
-    self.sampler = sampler = Sampler(graphdef, a.model_cfg, a.sampler_cfg, mesh=sampler_mesh(a.sampler_cfg))
+    mesh = sampler_mesh(a.sampler_cfg, devices=list(a.devices) if a.devices else None)
+    self.sampler = sampler = Sampler(graphdef, a.model_cfg, a.sampler_cfg, mesh=mesh)
     rollout = a.rollout if a.prompt_block is None else host_rollout_config(a.rollout, a.prompt_block)
     if a.multiturn is None:
       self.maker = RolloutMaker(rollout, a.tokenizer, sampler, a.problems)
@@ -327,7 +331,8 @@ class _Worker:
 
     from vcpo_jax.rollout.process.param_slot import checksum
 
-    self._checksum = checksum(arrays, self.args.param_names)  # of exactly what was read: echoed per batch
+    # Of exactly what was read, echoed per batch (the device path's slot checksums its device arrays).
+    self._checksum = getattr(self.slot, "checksum_of", checksum)(arrays, self.args.param_names)
     # Published in the learner's publish dtype (bf16 on accelerators); the model gets its parameter dtype.
     # Floating leaves go straight to the sampler's parameter dtype when it has one (no float32 copy).
     to = lambda d: (

@@ -1,0 +1,289 @@
+"""Device-to-device publishing (`async_.publish_path="device"`): the sampler is a thread of the learner's process.
+
+    learner (main thread, devices L)                   sampler thread (devices S = async_.sampler_devices)
+    publish(params, v): jax.device_put(params, S) --DeviceSlot (v, device arrays, checksum)--> newest params
+    next(b) <-----------------in-process queue (batch b)---------------- the async worker's loop, unchanged
+
+Where learner and sampler share a host with several devices, the parameters go from the learner's devices to
+the sampler's with one `jax.device_put` onto a replicated sharding of the sampler's mesh (a device-to-device
+copy: NVLink / ICI on accelerators, a memcpy between fake CPU devices), with no host copy and no shared
+memory. A spawned process cannot receive device arrays from this one (`jax.experimental.transfer` exists in
+jax 0.10.2 and pulls within one process on CPU, but is not wired across processes here), so the sampler runs
+the same worker loop (process/worker.py's _Worker: staleness bound k, in-flight updates, per-batch metadata)
+in a thread, on its own mesh over the devices S; the learner's mesh is every other device (trainer.
+_build_mesh). The sampler thread and the learner share the Python interpreter (dispatch only: XLA runs
+the programs outside the GIL) and, on CPU, the cores.
+
+Checksum: `device_checksum`, computed where the arrays live (the learner's copy before the transfer, the
+sampler's after it) and compared per batch as in the shared-memory path: a position-weighted uint32 sum
+(wrapping, so exact and independent of sharding), not param_slot's Adler-32. The learner's is fetched only
+when a batch is checked, so publish() does not wait for it.
+
+Tested (tests/test_async.py, fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=4, learner on
+2, sampler on 2): published parameters equal to the learner's after a step, versions and checksums echoed.
+Not tested: accelerators (no GPU / TPU run), in-flight updates and multi-turn makers over this path, resume.
+Unsupported (one-line config errors): several processes (jax.process_count() > 1), no sampler devices,
+background evaluation, sampler_cpus / sampler_env (process settings).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue as queue_lib
+import threading
+import time
+import traceback
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vcpo_jax import sharding as sh
+from vcpo_jax.rollout import async_
+from vcpo_jax.rollout.process import worker as worker_lib
+from vcpo_jax.rollout.process.shm_queue import SPAWN, QueueFinished
+
+
+@jax.jit
+def _device_checksum(leaves):
+  total = jnp.uint32(1)
+  for x in leaves:
+    if x.dtype.itemsize == 4:
+      bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype.itemsize == 2:
+      bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    else:
+      bits = x.astype(jnp.uint32)
+    flat = bits.reshape(-1)
+    weights = jnp.arange(1, flat.shape[0] + 1, dtype=jnp.uint32)
+    total = total * jnp.uint32(1000003) + jnp.sum(flat * weights, dtype=jnp.uint32)
+  return total
+
+
+def device_checksum(leaves):
+  """sum_i bits(x)_i * (i + 1) mod 2^32 per leaf (bits: the leaf's 32- or 16-bit pattern), chained over the
+  leaves as c = c * 1000003 + s (mod 2^32), from c = 1. A uint32 device scalar (not fetched)."""
+  return _device_checksum(list(leaves))
+
+
+class DeviceSlot:
+  """In-process latest-value channel of device arrays with a monotone version (the ParamSlot interface the
+  worker loop uses: version(), latest(), plus checksum_of for its echo)."""
+
+  def __init__(self):
+    self._cv = threading.Condition()
+    self._version, self._arrays = -1, None
+
+  def publish(self, arrays: dict, version: int):
+    with self._cv:
+      if version <= self._version:
+        raise ValueError(f"DeviceSlot.publish: version {version} must exceed the last published {self._version}")
+      self._version, self._arrays = int(version), dict(arrays)
+      self._cv.notify_all()
+
+  def version(self) -> int:
+    with self._cv:
+      return self._version
+
+  def latest(self, min_version=None, timeout=None, out=None, poll=None):
+    need = 0 if min_version is None else int(min_version)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with self._cv:
+      while self._version < need:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          raise TimeoutError(f"DeviceSlot.latest: version {need} not published within {timeout} s")
+        self._cv.wait(timeout=0.1 if left is None else min(left, 0.1))
+        if poll is not None:
+          poll()
+      return self._version, dict(self._arrays)
+
+  def checksum_of(self, arrays: dict, names) -> int:
+    return int(device_checksum([arrays[n] for n in names]))
+
+  def close(self):
+    with self._cv:
+      self._arrays = None
+
+  def resource_paths(self) -> list[str]:
+    return []
+
+
+_Item = collections.namedtuple("_Item", "arrays meta")
+
+
+class ThreadQueue:
+  """In-process bounded batch queue with the ShmQueue interface the worker and AsyncSource.next use."""
+
+  def __init__(self, schema, nslots: int):
+    self.schema = schema
+    self._q: queue_lib.Queue = queue_lib.Queue(maxsize=nslots)
+    self._finished = False
+
+  def put(self, arrays: dict, meta: dict, timeout=None):
+    self._q.put(_Item({n: np.asarray(a) for n, a in arrays.items()}, meta), timeout=timeout)  # raises Full
+
+  def finish(self):
+    self._finished = True
+
+  def get(self, timeout=None):
+    try:
+      return self._q.get(timeout=timeout)
+    except queue_lib.Empty:
+      if self._finished and self._q.empty():
+        raise QueueFinished() from None
+      raise
+
+  def watch(self, proc):
+    pass
+
+  def close(self):
+    pass
+
+  def resource_paths(self) -> list[str]:
+    return []
+
+
+class _ThreadProc:
+  """The sampler thread behind AsyncSource's process interface (pid, exitcode, join; signals are no-ops)."""
+
+  def __init__(self, target):
+    self.pid = os.getpid()
+    self._code = None
+
+    def run():
+      try:
+        self._code = target()
+      except BaseException:  # noqa: BLE001 -- reported through the control pipe, as the process's
+        self._code = 1
+
+    self._thread = threading.Thread(target=run, name="vcpo-device-sampler", daemon=True)
+
+  def start(self):
+    self._thread.start()
+
+  @property
+  def exitcode(self):
+    return None if self._thread.is_alive() else self._code
+
+  def join(self, timeout=None):
+    self._thread.join(30.0 if timeout is None else timeout)  # a batch in progress finishes first
+
+  def terminate(self):
+    pass
+
+  def kill(self):
+    pass
+
+
+def _thread_main(args, batch_queue, slot, conn) -> int:
+  """The worker loop in this process (process/worker.main without the process set-up); 0 on "stop"."""
+  try:
+    worker_lib._Worker(args, batch_queue, slot, conn, os.getpid()).run()
+  except worker_lib._Stop:
+    return 0
+  except BaseException:
+    try:
+      conn.send(("error", traceback.format_exc()))
+    except (OSError, ValueError):
+      pass
+    raise
+  return 0
+
+
+class DeviceAsyncSource(async_.AsyncSource):
+  """AsyncSource whose sampler is a thread on async_.sampler_devices of this process; publish() is a
+  device-to-device `jax.device_put` (see the module docstring). Same arguments as AsyncSource."""
+
+  def __init__(self, cfg, *a, **kw):
+    check_device_path(cfg, jax.process_count(), jax.device_count())
+    super().__init__(cfg, *a, **kw)
+    self.background = False  # no publisher thread: the transfer is dispatched, not copied on the host
+    devices = jax.devices()
+    self.sampler_devices = sh.split_devices(cfg.sampler_devices, devices)[0]
+    mesh_shape = self._worker_sampler_cfg().mesh_shape
+    self.sampler_mesh = sh.make_mesh(sh.MeshConfig(mesh_shape), devices=self.sampler_devices)
+    self._replicated = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
+    self._args_path = ""
+
+  def enable_background_eval(self, eval_args):
+    raise ValueError("eval.background=True needs async_.publish_path='shm' (a sampler process); set one of them.")
+
+  def publish(self, params, version: int):
+    """Dispatches the device-to-device copy of `params` (cast to the publish dtype on the learner's devices
+    if it differs) onto the sampler's devices and makes it the newest version; starts the sampler the first
+    time. Returns without waiting for the copy (the learner's next step may still donate `params`: the
+    runtime orders the donation after the copy's read)."""
+    t0 = time.perf_counter()
+    version = int(version)
+    leaves = jax.tree.leaves(params)
+    if any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.publish_dtype for x in leaves):
+      leaves = self._snap(leaves)
+    csum = device_checksum(leaves)
+    moved = jax.device_put(leaves, self._replicated)
+    arrays = dict(zip(worker_lib.param_names(params), moved))
+    if self.proc is None:
+      self._start(arrays, version)
+    else:
+      self._raise_if_dead()
+    self.slot.publish(arrays, version)
+    self._checksums[version] = csum  # fetched (int) when a batch of this version is checked
+    for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
+      del self._checksums[v]
+    self._published = version
+    self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def _start(self, arrays: dict, version: int):
+    self.slot = DeviceSlot()
+    self.queue = ThreadQueue(self.schema, self.nslots)
+    self.conn, child_conn = SPAWN.Pipe(duplex=True)
+    args = worker_lib.WorkerArgs(
+      rollout=self.maker.cfg,
+      model_cfg=self.model_cfg,
+      sampler_cfg=self._worker_sampler_cfg(),
+      tokenizer=self.tokenizer,
+      problems=tuple(self.maker.problems),
+      key_data=self.key_data,
+      key_impl=self.key_impl,
+      k=self.k,
+      first_step=int(version) + len(self._pending),
+      end_step=self.end_step,
+      param_names=tuple(arrays),
+      meta_bytes=self.meta_bytes,
+      inflight=self.inflight,
+      update_every_tokens=self.update_every_tokens,
+      recompute_kv=self.recompute_kv,
+      devices=tuple(self.sampler_devices),
+    )
+    self.proc = _ThreadProc(lambda: _thread_main(args, self.queue, self.slot, child_conn))
+    self.proc.start()
+    self._child_conn = child_conn  # the thread's end: closed with the source
+    # close() (or garbage collection) sends "stop" and waits for the thread (a batch in progress finishes).
+    self._finalizer = weakref.finalize(self, async_._shutdown, self.proc, self.conn, self._args_path)
+
+  def close(self):
+    super().close()
+    conn, self._child_conn = getattr(self, "_child_conn", None), None
+    if conn is not None:
+      conn.close()
+
+
+def check_device_path(cfg, process_count: int, device_count: int):
+  """One-line errors for async_.publish_path='device' where it does not apply."""
+  fix = "set async_.publish_path='shm'"
+  if process_count > 1:
+    raise ValueError(f"async_.publish_path='device' runs on one process (have {process_count}); {fix}.")
+  ids = [int(x) for x in str(cfg.sampler_devices).replace(" ", "").split(",") if x]
+  if not ids:
+    raise ValueError(f"async_.publish_path='device' needs async_.sampler_devices (e.g. '2,3'); set them or {fix}.")
+  if max(ids) >= device_count or len(ids) >= device_count:
+    raise ValueError(
+      f"async_.sampler_devices={cfg.sampler_devices!r} with publish_path='device': this process has "
+      f"{device_count} devices and the learner needs at least one; choose ids below {device_count} or {fix}."
+    )
+  if cfg.sampler_cpus or dict(cfg.sampler_env or {}):
+    raise ValueError(
+      f"async_.sampler_cpus / sampler_env set a sampler process's; publish_path='device' has none; {fix}."
+    )
