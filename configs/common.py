@@ -108,7 +108,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.async_.startup_timeout_s = 600.0  # the first batch (worker start-up + compilation) may take this long
   c.async_.sampler_cpus = ""  # pin the sampler process to these cores, e.g. "1" or "2-3" ("" = no pinning)
   c.async_.sampler_env = ml_collections.ConfigDict()  # extra environment variables of the sampler process
-  c.async_.background_publish = "auto"  # "true": copy in a thread | "false": on the learner's path | auto: CPU false
+  c.async_.background_publish = ml_collections.FieldReference("auto", field_type=object)  # "true": copy in a thread | "false": on the learner's path | auto: CPU false
   c.async_.publish_path = "shm"  # shm: sampler process, shared-memory slot | device: sampler thread, device_put
   c.async_.publish_dtype = "auto"  # slot dtype of floating params: "auto" (bf16 on accelerators, f32 on CPU)
   c.async_.decode = "static"  # sampler process: static (one device loop) | chunked | refill (continuous batching)

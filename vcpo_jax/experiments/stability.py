@@ -385,8 +385,11 @@ def _run_seconds(workdir: Path) -> float:
 def run_fingerprint(c, method: str, k: int, seed: int, lr: float, knob=None, stage: str = "") -> str:
   """Everything that determines one run's numbers: its own full run config (method, k, seed, lr, knob and the
   policy-loss updates included; it holds no paths) and the study's step count. Adding seeds, lrs or methods to
-  the study leaves the other runs' fingerprints unchanged."""
+  the study leaves the other runs' fingerprints unchanged, and so do the async_ settings of a run that is not
+  async (the study's runs are sync or lag; they never read them)."""
   run_cfg = json.loads(trainer_run_config(c, method, k, seed, lr, knob).to_json())
+  if run_cfg.get("mode") != "async":
+    run_cfg.pop("async_", None)
   return fingerprint(dict(backend="trainer", run_config=run_cfg, steps=c.task.steps, stage=stage))
 
 
