@@ -22,6 +22,11 @@ from ml_collections import config_dict
 from vcpo_jax import estimator
 
 
+def _untyped(value):
+  """A field that takes values of several types (ml_collections otherwise locks a field to its first type)."""
+  return ml_collections.FieldReference(value, field_type=object)
+
+
 def get_base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0  # master seed: model init, problem order, sampling (fold_in(key, step))
@@ -92,7 +97,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.learner.grad_path = "ghost"  # ghost (fast exact norms) | vmap (reference path)
   # ghost backward passes: 1 (all layers' (A, D) kept) | 2 (norms block by block, long T) | "auto": 1 while what one
   # pass keeps alive (grad_norms.one_pass_bytes, per device and micro-batch) fits learner.one_pass_budget_gib (default 24), else 2
-  c.learner.ghost_passes = ml_collections.FieldReference(1, field_type=object)  # int 1 | 2, or the str "auto"
+  c.learner.ghost_passes = _untyped(1)  # int 1 | 2, or the str "auto"
   c.learner.microbatch_size = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
   c.learner.ppo_epochs = 1  # passes over each batch per step (policy-loss methods only; 1: one update per step)
   c.learner.minibatches = 1  # updates per pass, each on whole groups; pi_old is recomputed once per trainer step
@@ -108,7 +113,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.async_.startup_timeout_s = 600.0  # the first batch (worker start-up + compilation) may take this long
   c.async_.sampler_cpus = ""  # pin the sampler process to these cores, e.g. "1" or "2-3" ("" = no pinning)
   c.async_.sampler_env = ml_collections.ConfigDict()  # extra environment variables of the sampler process
-  c.async_.background_publish = ml_collections.FieldReference("auto", field_type=object)  # "true": copy in a thread | "false": on the learner's path | auto: CPU false
+  c.async_.background_publish = _untyped(
+    "auto"
+  )  # "true"/True: copy in a thread | "false": learner's path | auto: CPU false
   c.async_.publish_path = "shm"  # shm: sampler process, shared-memory slot | device: sampler thread, device_put
   c.async_.publish_dtype = "auto"  # slot dtype of floating params: "auto" (bf16 on accelerators, f32 on CPU)
   c.async_.decode = "static"  # sampler process: static (one device loop) | chunked | refill (continuous batching)
