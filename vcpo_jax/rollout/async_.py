@@ -308,6 +308,27 @@ class AsyncSource:
 
   # ------------------------------------------------------------------ learner side
 
+  def _worker_args(self, arrays: dict, first_step: int, **fields) -> worker_lib.WorkerArgs:
+    """The sampler's WorkerArgs: what every publish path shares, plus its own `fields`."""
+    return worker_lib.WorkerArgs(
+      rollout=self.maker.cfg,
+      model_cfg=self.model_cfg,
+      sampler_cfg=self._worker_sampler_cfg(),
+      tokenizer=self.tokenizer,
+      problems=tuple(self.maker.problems),
+      key_data=self.key_data,
+      key_impl=self.key_impl,
+      k=self.k,
+      first_step=first_step,
+      end_step=self.end_step,
+      param_names=tuple(arrays),
+      meta_bytes=self.meta_bytes,
+      inflight=self.inflight,
+      update_every_tokens=self.update_every_tokens,
+      recompute_kv=self.recompute_kv,
+      **fields,
+    )
+
   def _start(self, arrays: dict, version: int):
     stale = cleanup.remove_stale()  # what runs killed with their whole process group left behind
     if stale:
@@ -332,24 +353,11 @@ class AsyncSource:
       self.eval_slot = ParamSlot(self._eval_spec, run=self.run_id, nbuf=1)
     log.info("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
     self.conn, child_conn = SPAWN.Pipe(duplex=True)
-    args = worker_lib.WorkerArgs(
-      rollout=self.maker.cfg,
-      model_cfg=self.model_cfg,
-      sampler_cfg=self._worker_sampler_cfg(),
-      tokenizer=self.tokenizer,
-      problems=tuple(self.maker.problems),
-      key_data=self.key_data,
-      key_impl=self.key_impl,
-      k=self.k,
-      first_step=first,
-      end_step=self.end_step,
-      param_names=tuple(arrays),
-      meta_bytes=self.meta_bytes,
+    args = self._worker_args(
+      arrays,
+      first,
       cpus=self.cpus,
       multiturn=getattr(self.maker, "mt", None),
-      inflight=self.inflight,
-      update_every_tokens=self.update_every_tokens,
-      recompute_kv=self.recompute_kv,
       eval=self.eval_args,
       **self._worker_args_extra(),
     )

@@ -239,24 +239,7 @@ class DeviceAsyncSource(async_.AsyncSource):
     self.slot = DeviceSlot()
     self.queue = ThreadQueue(self.schema, self.nslots)
     self.conn, child_conn = SPAWN.Pipe(duplex=True)
-    args = worker_lib.WorkerArgs(
-      rollout=self.maker.cfg,
-      model_cfg=self.model_cfg,
-      sampler_cfg=self._worker_sampler_cfg(),
-      tokenizer=self.tokenizer,
-      problems=tuple(self.maker.problems),
-      key_data=self.key_data,
-      key_impl=self.key_impl,
-      k=self.k,
-      first_step=int(version) + len(self._pending),
-      end_step=self.end_step,
-      param_names=tuple(arrays),
-      meta_bytes=self.meta_bytes,
-      inflight=self.inflight,
-      update_every_tokens=self.update_every_tokens,
-      recompute_kv=self.recompute_kv,
-      devices=tuple(self.sampler_devices),
-    )
+    args = self._worker_args(arrays, int(version) + len(self._pending), devices=tuple(self.sampler_devices))
     self.proc = _ThreadProc(lambda: _thread_main(args, self.queue, self.slot, child_conn))
     self.proc.start()
     self._child_conn = child_conn  # the thread's end: closed with the source
