@@ -1,10 +1,11 @@
 """Cross-process device-to-device publishing (`async_.publish_path="transfer"`): `jax.experimental.transfer`.
 
-    learner (this process, devices L)                          sampler (spawned, process/worker.py, devices S)
-    publish(params, v): snapshot on L[0] -> newest offer        version(): the shared counter
-                        counter := v  ------------------------>  latest(): request uuid u --pipe--> server thread:
-    server thread: await_pull(u, newest offer) <----------------  conn.pull(u) onto S[0]     await_pull(u, offer)
-    next(b) <-----------------ShmQueue (batch b)----------------- the async worker's loop, unchanged
+    learner (this process, devices L)                       sampler (spawned, process/worker.py, devices S)
+    publish(params, v): snapshot on L[0] = the newest offer   version(): reads the counter
+                        counter := v
+    server thread: request u <-------------pipe-------------- latest(): sends a fresh uuid u, then
+                   await_pull(u, newest offer) ==transfer==>  conn.pull(u): device arrays on S[0]
+    next(b) <-------------------ShmQueue (batch b)----------- the async worker's loop, unchanged
 
 The sampler is the shm path's spawned process (own devices via async_.sampler_devices / sampler_env, its own
 XLA client), but the weights never go through the host or /dev/shm: the learner process runs a transfer server
@@ -19,8 +20,8 @@ shm path, the batches (ShmQueue) and the control pipe. (The counter's page is mu
 Protocol. publish(params, v) dispatches a snapshot of the parameters onto the learner's first device (fresh
 buffers in the publish dtype: the learner's next step donates `params`, and an offered buffer that is donated
 fails the pull) plus its device checksum, makes it the newest offer and sets the counter to v; it never waits
-for the sampler. The sampler, when it wants a newer version than it holds (before a batch, and between decode
-chunks with in-flight updates: the ParamSlot interface `version()` / `latest()`), sends a fresh uuid on the
+for the sampler. The sampler, when it wants a newer version than it holds (before a batch: the ParamSlot interface
+`version()` / `latest()` the worker loop reads), sends a fresh uuid on the
 request pipe and pulls it; the learner's server thread answers each request with `await_pull(uuid, newest
 offer)` (a non-blocking registration; the transfer runs on the runtime's threads, and may start before the
 snapshot is computed: it waits for it). So exactly one pull answers each offer, the sampler never pulls a
@@ -42,14 +43,16 @@ publish(); its request pipe closes and the server thread ends. The sampler sees 
 (and gets SIGKILL from PR_SET_PDEATHSIG in a pull). close() stops the server thread, then the worker (stop,
 SIGTERM, SIGKILL), then drops the server and the offers.
 
-Tested (tests/test_transfer_publish.py, XLA:CPU, jax 0.10.2, one learner and one sampler process on the same
-host): the sampler's pulled copy equals the learner's parameters after an update even once the learner's
-buffers are donated, lives on the sampler process's device, versions and checksums echoed per batch; a short
-trainer run matches the shm path's batches where both are deterministic (k = 1 with the sampler forced to take
-each version in turn); a killed sampler raises SamplerDiedError; close() stops it. Not tested: accelerators
-(GPU / TPU transfer servers; no accelerator run), in-flight updates (rejected: set them off) and multi-turn
-makers over this path, resume. Unsupported (one-line config errors, run_spec.AsyncConfig / RunSpec):
-several processes (distributed.enabled), background evaluation.
+Tested (tests/test_transfer_publish.py, XLA:CPU, jax 0.10.2, this process and spawned ones on one host): with
+a stand-in sampler process, the pulled copy equals the published parameters bit for bit after an update, also
+once the learner's buffers are donated, lives on the other process's device and carries its version and the
+learner's checksum; with the real worker and versions fixed by the protocol (k = 1, one queue slot), every
+batch equals the shm path's field for field and echoes its checksum; trainer.run over both paths logs the
+same values (timings aside) for every step whose batches came from the same versions (4 of 4 steps when
+written); a SIGKILLed sampler raises SamplerDiedError from next() and publish(); the sampler maps no /dev/shm
+file but the batch queue's and the counter's page. Not tested: accelerators (GPU / TPU transfer servers; no
+accelerator run), multi-turn makers and resume over this path. Unsupported (one-line config errors,
+run_spec): several processes (distributed.enabled), in-flight updates, background evaluation.
 """
 
 from __future__ import annotations
