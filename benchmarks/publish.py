@@ -51,6 +51,10 @@ def _config(size: str, steps: int, background: str):
   c.log.progress = c.log.plots = False
   if background == "device":  # async_.publish_path='device': a sampler thread on fake CPU device 1
     c.async_.publish_path, c.async_.sampler_devices = "device", "1"
+  elif background == "transfer":  # async_.publish_path='transfer': a sampler process pulling from this one
+    c.async_.publish_path = "transfer"
+    if os.environ.get("BENCH_PUBLISH_DEVICES"):
+      c.async_.sampler_devices = "1"
   else:
     c.async_.background_publish = background
     if os.environ.get("BENCH_PUBLISH_DEVICES"):  # --settings with "device": the same learner device for all
@@ -67,11 +71,16 @@ def num_params(size: str) -> int:
 def run_one(size: str, steps: int, background: str) -> dict:
   """One trainer run; returns medians over its steps (seconds) of publish_s, publish_copy_s, learn_s + publish_s."""
   from vcpo_jax import metrics as metrics_lib
-  from vcpo_jax import trainer
+  from vcpo_jax import rollout, trainer
 
-  with tempfile.TemporaryDirectory(prefix="bench_publish_") as wd:
-    trainer.run(_config(size, steps, background), wd)
-    rows = [r for r in metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl")) if "time/publish_s" in r]
+  built, build = [], rollout.build_source
+  rollout.build_source = lambda *a, **kw: built.append(build(*a, **kw)) or built[-1]
+  try:
+    with tempfile.TemporaryDirectory(prefix="bench_publish_") as wd:
+      trainer.run(_config(size, steps, background), wd)
+      rows = [r for r in metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl")) if "time/publish_s" in r]
+  finally:
+    rollout.build_source = build
   if len(rows) != steps:
     raise RuntimeError(f"expected {steps} publish timings, got {len(rows)}")
   med = lambda xs: float(np.median(xs)) if xs else float("nan")
@@ -79,6 +88,8 @@ def run_one(size: str, steps: int, background: str) -> dict:
     publish=med([r["time/publish_s"] for r in rows]),
     copy=med([r["time/publish_copy_s"] for r in rows if "time/publish_copy_s" in r]),
     step=med([r["time/learn_s"] + r["time/publish_s"] for r in rows]),
+    # transfer: the server thread's await_pull registration per pull request (off the learner's thread)
+    offer=med(getattr(built[0], "offer_s", [])),
   )
 
 
@@ -91,7 +102,8 @@ def main(argv=None):
     "--settings",
     default="false,true",
     help="background_publish values and/or 'device' (publish_path='device' on 2 fake CPU devices: learner on "
-    "device 0, sampler thread on device 1; every setting then runs its learner on device 0 alone)",
+    "device 0, sampler thread on device 1; every setting then runs its learner on device 0 alone) and/or "
+    "'transfer' (publish_path='transfer': a sampler process pulling with jax.experimental.transfer)",
   )
   a = p.parse_args(argv)
   settings = a.settings.split(",")
@@ -109,7 +121,8 @@ def main(argv=None):
         x = per[background][-1]
         print(
           f"[publish] {size} round {r} background={background}: publish {x['publish'] * 1e3:.2f} ms, copy "
-          f"{x['copy'] * 1e3:.2f} ms, learn+publish {x['step'] * 1e3:.1f} ms ({time.time() - t0:.0f} s run)",
+          f"{x['copy'] * 1e3:.2f} ms, learn+publish {x['step'] * 1e3:.1f} ms, offer {x['offer'] * 1e3:.2f} ms "
+          f"({time.time() - t0:.0f} s run, load {os.getloadavg()[0]:.1f})",
           flush=True,
         )
     col = lambda b, f: [x[f] * 1e3 for x in per[b]]
@@ -118,7 +131,7 @@ def main(argv=None):
       dict(
         size=size,
         params=num_params(size),
-        **{f"{b}_{f}_ms": float(np.median(col(b, f))) for b in per for f in ("publish", "copy", "step")},
+        **{f"{b}_{f}_ms": float(np.median(col(b, f))) for b in per for f in ("publish", "copy", "step", "offer")},
         ratios={b: [float(np.median(r)), float(r.min()), float(r.max())] for b, r in ratios.items()},
         per_round={b: per[b] for b in per},
         load_before=list(load0),

@@ -116,7 +116,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.async_.background_publish = _untyped(
     "auto"
   )  # "true"/True: copy in a thread | "false": learner's path | auto: CPU false
-  c.async_.publish_path = "shm"  # shm: sampler process, shared-memory slot | device: sampler thread, device_put
+  c.async_.publish_path = "shm"  # shm: process, shm slot | device: thread, device_put | transfer: process, pull
   c.async_.publish_dtype = "auto"  # slot dtype of floating params: "auto" (bf16 on accelerators, f32 on CPU)
   c.async_.decode = "static"  # sampler process: static (one device loop) | chunked | refill (continuous batching)
   c.async_.chunk_tokens = 16  # decode steps per jitted chunk ("chunked" / "refill" / in-flight updates)

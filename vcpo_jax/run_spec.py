@@ -154,7 +154,7 @@ class AsyncConfig:
   sampler_cpus: str = ""
   sampler_env: dict = dataclasses.field(default_factory=dict)
   background_publish: str = "auto"  # "true": copy in a thread; "false": on the learner's path; auto: false on CPU
-  publish_path: str = "shm"  # shm: sampler process + shared memory | device: sampler thread, device_put
+  publish_path: str = "shm"  # shm: process + shared memory | device: thread, device_put | transfer: process, pull
   publish_dtype: str = "auto"  # slot dtype of floating parameters: auto (bf16 on accelerators, f32 on CPU)
   decode: str = "static"
   chunk_tokens: int = 16
@@ -196,13 +196,20 @@ class AsyncConfig:
       "use 'auto' (bfloat16 on accelerators, float32 on CPU), 'float32' or 'bfloat16'.",
     )
     check_field(
-      self.publish_path in ("shm", "device"),
+      self.publish_path in ("shm", "device", "transfer"),
       "async_.publish_path",
       self.publish_path,
-      "use 'shm' (a sampler process, shared memory) or 'device' (a sampler thread on async_.sampler_devices).",
+      "use 'shm' (a sampler process, shared memory), 'device' (a sampler thread on async_.sampler_devices) or "
+      "'transfer' (a sampler process pulling with jax.experimental.transfer).",
     )
     check_field(
-      self.publish_path == "shm" or bool(self.sampler_devices),
+      not (self.publish_path == "transfer" and self.inflight_updates),
+      "async_.inflight_updates",
+      self.inflight_updates,
+      "in-flight updates are not tested with publish_path='transfer'; set it False or async_.publish_path='shm'.",
+    )
+    check_field(
+      self.publish_path != "device" or bool(self.sampler_devices),
       "async_.publish_path",
       self.publish_path,
       "'device' needs async_.sampler_devices (e.g. '2,3': the sampler's devices of this process).",
@@ -347,6 +354,18 @@ class RunSpec:
       self.eval_background,
       "the async sampler process evaluates: only with mode='async' on one host (distributed.enabled=False); "
       "set eval.background=False.",
+    )
+    check_field(
+      not (self.mode == "async" and self.async_.publish_path == "transfer" and self.dist.enabled),
+      "async_.publish_path",
+      "transfer",
+      "the transfer path serves one learner process; set async_.publish_path='shm' for distributed.enabled runs.",
+    )
+    check_field(
+      not (self.eval_background and self.async_.publish_path != "shm"),
+      "eval.background",
+      self.eval_background,
+      f"needs async_.publish_path='shm' (have {self.async_.publish_path!r}); set one of them.",
     )
     with config_errors("sft", sft.SFTConfig):  # the warm start's own config checks config.sft.*
       self.sft_config()

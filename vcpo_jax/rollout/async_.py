@@ -50,7 +50,8 @@ whose device_get is free), and the thread's copy and checksum then compete with 
 the same cores; on accelerators the snapshot is a device-local copy and the host transfer overlaps
 the next step (not measured here: no accelerator run). The device path (`async_.publish_path=
 "device"`, rollout/device_publish.py) replaces the sampler process and the slot by a sampler thread
-on its own devices of this process.
+on its own devices of this process; the transfer path (`"transfer"`, rollout/transfer_publish.py) keeps
+the sampler process and replaces the slot by pulls of device arrays with `jax.experimental.transfer`.
 
 Metrics (trainer rows): time/publish_s is the learner-side blocking time of publish(), per step;
 time/publish_copy_s is the host copy's own time (device_get, slot write, checksum) of the newest
@@ -344,10 +345,7 @@ class AsyncSource:
         f"async source: restored queued batches start at step {self._pending[0][1]['step']} but the first "
         f"published version is {version}; publish the restored parameters with version = the restored step."
       )
-    # Background publishing: one parameter copy in /dev/shm (the thread's write waits for the sampler's read);
-    # a synchronous publish keeps the double buffer, so the learner never waits for the sampler.
-    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id, nbuf=1 if self.background else 2)
-    self._write(arrays, version, None)  # before the start: the worker's first wait succeeds at once
+    self._open_slot(arrays, version)
     self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
     if self.eval_args is not None:  # one copy: the worker reads a request once, the learner writes rarely
       self.eval_slot = ParamSlot(self._eval_spec, run=self.run_id, nbuf=1)
@@ -381,6 +379,13 @@ class AsyncSource:
     self.queue.watch(self.proc)
     # Interpreter exit without close() (an uncaught error far away) still stops the worker.
     self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self._args_path)
+
+  def _open_slot(self, arrays: dict, version: int):
+    """The parameter channel the worker reads (`self.slot`), holding version `version` before the worker starts."""
+    # Background publishing: one parameter copy in /dev/shm (the thread's write waits for the sampler's read);
+    # a synchronous publish keeps the double buffer, so the learner never waits for the sampler.
+    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id, nbuf=1 if self.background else 2)
+    self._write(arrays, version, None)  # before the start: the worker's first wait succeeds at once
 
   def _worker_sampler_cfg(self):
     """The learner's sampler config, with the sampler process's decode mode (unchanged for the defaults)."""

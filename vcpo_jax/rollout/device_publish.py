@@ -7,9 +7,8 @@
 Where learner and sampler share a host with several devices, the parameters go from the learner's devices to
 the sampler's with one `jax.device_put` onto a replicated sharding of the sampler's mesh (a device-to-device
 copy: NVLink / ICI on accelerators, a memcpy between fake CPU devices), with no host copy and no shared
-memory. A spawned process cannot receive device arrays from this one (`jax.experimental.transfer` exists in
-jax 0.10.2 and pulls within one process on CPU, but is not wired across processes here), so the sampler runs
-the same worker loop (process/worker.py's _Worker: staleness bound k, in-flight updates, per-batch metadata)
+memory. (A spawned sampler process that pulls device arrays from this one with `jax.experimental.transfer`
+is `publish_path="transfer"`, rollout/transfer_publish.py.) Here the sampler runs the same worker loop (process/worker.py's _Worker: staleness bound k, in-flight updates, per-batch metadata)
 in a thread, on its own mesh over the devices S; the learner's mesh is every other device (trainer.
 _build_mesh). The sampler thread and the learner share the Python interpreter (dispatch only: XLA runs
 the programs outside the GIL) and, on CPU, the cores.

@@ -96,6 +96,8 @@ def build_source(
     return LagSource(maker, k if mode == "lag" else 0, key)
   if async_cfg.publish_path == "device":  # a sampler thread on its own devices (rollout/device_publish.py)
     from vcpo_jax.rollout.device_publish import DeviceAsyncSource as source_cls
+  elif async_cfg.publish_path == "transfer":  # a sampler process pulling from this one's devices
+    from vcpo_jax.rollout.transfer_publish import TransferAsyncSource as source_cls
   elif jax.process_count() > 1:  # one sampler per host, a per-step agreement (rollout/multihost.py)
     from vcpo_jax.rollout.multihost import MultiHostAsyncSource as source_cls
   else:

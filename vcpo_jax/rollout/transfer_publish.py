@@ -1,0 +1,269 @@
+"""Cross-process device-to-device publishing (`async_.publish_path="transfer"`): `jax.experimental.transfer`.
+
+    learner (this process, devices L)                       sampler (spawned, process/worker.py, devices S)
+    publish(params, v): snapshot on L[0] = the newest offer   version(): reads the counter
+                        counter := v
+    server thread: request u <-------------pipe-------------- latest(): sends a fresh uuid u, then
+                   await_pull(u, newest offer) ==transfer==>  conn.pull(u): device arrays on S[0]
+    next(b) <-------------------ShmQueue (batch b)----------- the async worker's loop, unchanged
+
+The sampler is the shm path's spawned process (own devices via async_.sampler_devices / sampler_env, its own
+XLA client), but the weights never go through the host or /dev/shm: the learner process runs a transfer server
+(`jax.experimental.transfer.start_transfer_server` on 127.0.0.1), the sampler process runs its own and connects
+to it, and each version the sampler takes is pulled by the runtime straight into device arrays of the sampler
+(on its first device; `Sampler.prepare_params` then places them on its mesh, a device-to-device copy inside the
+sampler, none on a one-device sampler). Only small things cross otherwise: the newest published version (a
+shared int64 counter, `multiprocessing.Value`), the pull requests (a pipe: one uuid per pull) and, as for the
+shm path, the batches (ShmQueue) and the control pipe. (The counter's page is multiprocessing's heap: a
+/dev/shm file unlinked at creation, 4 KiB.)
+
+Protocol. publish(params, v) dispatches a snapshot of the parameters onto the learner's first device (fresh
+buffers in the publish dtype: the learner's next step donates `params`, and an offered buffer that is donated
+fails the pull) plus its device checksum, makes it the newest offer and sets the counter to v; it never waits
+for the sampler. The sampler, when it wants a newer version than it holds (before a batch: the ParamSlot interface
+`version()` / `latest()` the worker loop reads), sends a fresh uuid on the
+request pipe and pulls it; the learner's server thread answers each request with `await_pull(uuid, newest
+offer)` (a non-blocking registration; the transfer runs on the runtime's threads, and may start before the
+snapshot is computed: it waits for it). So exactly one pull answers each offer, the sampler never pulls a
+version it skips, and the learner holds at most two snapshots (the newest, and the one being pulled). The
+offer carries its version as an int32 scalar, so the sampler learns which version it got atomically with the
+weights (a newer one than it asked for is fine: the staleness bound wants >= b - k).
+
+What blocks the learner: publish() is the snapshot's dispatch, the checksum's dispatch, an int32 scalar put
+and the counter write (time/publish_s); on CPU the snapshot copy itself runs inside the dispatch (a host
+memcpy, as on the shm background path) and the pull's copy competes with the learner for the cores. Nothing
+in publish() waits for the sampler. Measured in benchmarks/README.md ("Parameter publishing").
+
+Checksum: rollout/device_publish.py's `device_checksum` (position-weighted uint32 sum, exact under any
+sharding), computed on the learner's snapshot and, by the sampler, on the arrays it pulled; every batch echoes
+the sampler's and AsyncSource.next compares it with the published version's.
+
+Failures and shutdown: as the shm path (AsyncSource): a dead sampler raises SamplerDiedError from next() and
+publish(); its request pipe closes and the server thread ends. The sampler sees a dead learner in its waits
+(and gets SIGKILL from PR_SET_PDEATHSIG in a pull). close() stops the server thread, then the worker (stop,
+SIGTERM, SIGKILL), then drops the server and the offers.
+
+Tested (tests/test_transfer_publish.py, XLA:CPU, jax 0.10.2, this process and spawned ones on one host): with
+a stand-in sampler process, the pulled copy equals the published parameters bit for bit after an update, also
+once the learner's buffers are donated, lives on the other process's device and carries its version and the
+learner's checksum; with the real worker and versions fixed by the protocol (k = 1, one queue slot), every
+batch equals the shm path's field for field and echoes its checksum; trainer.run over both paths logs the
+same values (timings aside) for every step whose batches came from the same versions (4 of 4 steps when
+written); a SIGKILLed sampler raises SamplerDiedError from next() and publish(); the sampler maps no /dev/shm
+file but the batch queue's and the counter's page. Not tested: accelerators (GPU / TPU transfer servers; no
+accelerator run), multi-turn makers and resume over this path. Unsupported (one-line config errors,
+run_spec): several processes (distributed.enabled), in-flight updates, background evaluation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vcpo_jax.rollout import async_
+from vcpo_jax.rollout.device_publish import device_checksum
+from vcpo_jax.rollout.process import worker as worker_lib
+from vcpo_jax.rollout.process.shm_queue import SPAWN
+
+_ADDRESS = "127.0.0.1:0"  # learner and sampler share the host; port 0: the OS picks a free one
+_SERVE_POLL_S = 0.1  # the server thread's wait slice on the request pipe (it checks close() between slices)
+
+
+def _start_server(device):
+  from jax.experimental import transfer
+
+  return transfer.start_transfer_server(device.client, _ADDRESS, [_ADDRESS])
+
+
+class TransferSlot:
+  """The sampler's end of the transfer path, with the ParamSlot interface the worker loop uses (version(),
+  latest(), checksum_of, close). Built by the learner, pickled to the spawned sampler; it starts the sampler's
+  transfer server and connects to the learner's at its first pull.
+
+  address: the learner's transfer server; names / shapes / dtypes: the published leaves, in flatten order;
+  published: the shared counter of the newest published version; requests: the send end of the request pipe.
+  """
+
+  def __init__(self, address: str, names, shapes, dtypes, published, requests):
+    self.address, self.names = address, tuple(names)
+    self.shapes, self.dtypes = tuple(tuple(s) for s in shapes), tuple(np.dtype(d).name for d in dtypes)
+    self._published, self._requests = published, requests
+    self._server = self._conn = None  # the sampler's, built in its process
+    self._uuids = itertools.count(1)
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state["_server"] = state["_conn"] = state["_uuids"] = None
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._uuids = itertools.count(1)
+
+  def version(self) -> int:
+    return int(self._published.value)
+
+  def latest(self, min_version=None, timeout=None, out=None, poll=None):
+    """(version, {name: device array on this process's first device}) with version >= min_version (default 0):
+    waits for the counter (TimeoutError after `timeout` s; `poll()` between slices), then pulls the newest offer."""
+    need = 0 if min_version is None else int(min_version)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while self.version() < need:
+      if deadline is not None and time.monotonic() >= deadline:
+        raise TimeoutError(f"TransferSlot.latest: version {need} not published within {timeout} s")
+      time.sleep(0.005)
+      if poll is not None:
+        poll()
+    device = jax.local_devices()[0]
+    if self._conn is None:
+      self._server = _start_server(device)
+      self._conn = self._server.connect(self.address)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    specs = [jax.ShapeDtypeStruct(s, jnp.dtype(d), sharding=sharding) for s, d in zip(self.shapes, self.dtypes)]
+    specs.append(jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding))  # the offer's version
+    uuid = next(self._uuids)
+    self._requests.send(uuid)
+    pulled = jax.block_until_ready(self._conn.pull(uuid, specs))
+    version = int(pulled[-1])
+    return version, dict(zip(self.names, pulled[:-1]))
+
+  def checksum_of(self, arrays: dict, names) -> int:
+    return int(device_checksum([arrays[n] for n in names]))
+
+  def close(self):
+    """Closes this end of the request pipe (the learner's server thread then ends) and drops the connection."""
+    self._conn = self._server = None
+    if self._requests is not None:
+      self._requests.close()
+
+  def resource_paths(self) -> list[str]:
+    return []  # no named segment: the counter is a page of multiprocessing's heap, unlinked at creation
+
+
+class TransferAsyncSource(async_.AsyncSource):
+  """AsyncSource whose spawned sampler pulls each version it takes from this process's devices with
+  `jax.experimental.transfer` (see the module docstring). Same arguments as AsyncSource."""
+
+  def __init__(self, cfg, *a, **kw):
+    check_transfer_path(cfg, jax.process_count())
+    super().__init__(cfg, *a, **kw)
+    self.background = False  # no host copy: the server thread only registers offers
+    self._server = None
+    self._offer_lock = threading.Lock()
+    self._offer = None  # (snapshot leaves, version scalar) of the newest version: what the next pull gets
+    self._offered = None  # the one registered last (kept alive until the next request: its pull is done then)
+    self._requests = None  # the receive end of the request pipe
+    self._published_v = SPAWN.Value("q", -1, lock=False)  # 8-byte aligned: one store / load on x86 and arm64
+    self._snap1 = None
+    self.offers = 0  # requests answered
+    self.offer_s: list[float] = []  # the server thread's await_pull registration time, per request
+
+  def enable_background_eval(self, eval_args):
+    raise ValueError("eval.background=True needs async_.publish_path='shm'; set one of them.")
+
+  def publish(self, params, version: int):
+    """Dispatches a snapshot of `params` on the learner's first device (publish dtype) and its checksum, makes
+    it the newest offer and publishes `version` on the counter; starts the sampler the first time. Never waits
+    for the sampler (the pull is answered by the server thread)."""
+    t0 = time.perf_counter()
+    version = int(version)
+    leaves = jax.tree.leaves(params)
+    if self._snap1 is None:
+      self._snap1 = self._snapshot_fn(leaves)
+    snap = self._snap1(leaves)
+    csum = device_checksum(snap)
+    offer = (snap, jax.device_put(np.int32(version), self._device))
+    if self.proc is None:
+      self._offer = offer
+      self._start(dict(zip(worker_lib.param_names(params), snap)), version)
+    else:
+      self._raise_if_dead()
+      self._raise_thread_error()
+      with self._offer_lock:
+        self._offer = offer
+    self._published_v.value = version  # after the offer: a request that sees v gets v or newer
+    self._checksums[version] = csum  # fetched (int) when a batch of this version is checked
+    for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
+      del self._checksums[v]
+    self._published = version
+    self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def _snapshot_fn(self, leaves):
+    """leaves -> fresh copies (floating ones in the publish dtype) on the learner's first device: one jitted copy
+    when every leaf lives there already, else the copy on the leaves' own devices, then a gather onto it (a
+    copy to a different sharding: fresh buffers, never an alias of a donated one)."""
+    devices = {d for x in leaves for d in x.devices()}
+    self._device = min(devices, key=lambda d: d.id)
+    one = jax.sharding.SingleDeviceSharding(self._device)
+    if devices == {self._device}:
+      return jax.jit(lambda xs: [async_._snapshot_leaf(x, self.publish_dtype) for x in xs], out_shardings=one)
+    return lambda xs: jax.device_put(self._snap(xs), one)
+
+  def _open_slot(self, arrays: dict, version: int):
+    self._server = _start_server(self._device)
+    self._requests, send = SPAWN.Pipe(duplex=False)
+    leaves = list(arrays.values())
+    self.slot = TransferSlot(
+      self._server.address(),
+      list(arrays),
+      [x.shape for x in leaves],
+      [x.dtype for x in leaves],
+      self._published_v,
+      send,
+    )
+    self._published_v.value = int(version)
+
+  def _start(self, arrays: dict, version: int):
+    super()._start(arrays, version)
+    self._serve_requests()
+
+  def _serve_requests(self):
+    """Once the sampler holds the slot: closes this process's send end of the request pipe (the sampler's is
+    then the only one, so its exit ends the server thread's wait) and starts the server thread."""
+    self.slot.close()
+    self._thread = threading.Thread(target=self._serve, name="vcpo-transfer-serve", daemon=True)
+    self._thread.start()
+
+  def _serve(self):
+    """Server thread: answers each pull request with the newest offer, until close() or the sampler is gone."""
+    while not self._closing:
+      try:
+        if not self._requests.poll(_SERVE_POLL_S):
+          continue
+        uuid = self._requests.recv()
+      except (EOFError, OSError):
+        return  # the sampler closed its end (exited): next() / publish() report a dead one
+      t0 = time.perf_counter()
+      with self._offer_lock:
+        offer = self._offer
+      snap, ver = offer
+      try:
+        self._server.await_pull(uuid, [*snap, ver])
+      except Exception as e:  # noqa: BLE001 -- re-raised by the next publish() / next()
+        self._thread_error = e
+        return
+      self._offered = offer
+      self.offers += 1
+      self.offer_s.append(time.perf_counter() - t0)
+
+  def close(self):
+    super().close()  # the server thread first (close() sets _closing and joins it), then the worker
+    if self._requests is not None:
+      self._requests.close()
+    self._requests = None
+    self._server = self._offer = self._offered = None
+
+
+def check_transfer_path(cfg, process_count: int):
+  """One-line error for async_.publish_path='transfer' on several processes (run_spec checks the config earlier:
+  distributed.enabled, in-flight updates, background evaluation)."""
+  if process_count > 1:
+    raise ValueError(
+      f"async_.publish_path='transfer' runs on one learner process (have {process_count}); "
+      "set async_.publish_path='shm'."
+    )
