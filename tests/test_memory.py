@@ -137,6 +137,23 @@ def test_released_run_shapes():
   assert g.model_cfg.dtype == m.model_cfg.dtype == "bfloat16"
 
 
+def test_sampler_is_compiled_at_the_capped_bucket(monkeypatch):
+  """sampler.max_batch caps the rows of a sampler call; the benchmark compiles that bucket, not N (2048)."""
+  import configs.multiturn as mt_config
+
+  real = mt_config.get_config
+
+  def capped(arg=None):
+    c = real(arg)
+    c.sampler.max_batch = 1024
+    return c
+
+  monkeypatch.setattr(mt_config, "get_config", capped)
+  s = memory.load_setting("multiturn")
+  assert (s.n, s.sampler_b, s.sampler_cfg.batch_buckets) == (2048, 1024, (128, 512, 1024))
+  assert s.sampler_cfg.mesh_shape == (-1, 1, 4)  # the config's sampler mesh (--sampler_mesh=config)
+
+
 def test_extrapolation_is_linear_per_layer():
   by = {
     1: {"argument": 10, "temp": 100, "output": 1, "alias": 0},
