@@ -568,7 +568,8 @@ def _git_commit() -> str:
     return ""
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+  """The command line (`main`'s flags and their defaults)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs/ names")
   p.add_argument(
@@ -606,6 +607,11 @@ def main(argv=None):
   )
   p.add_argument("--timeout", type=float, default=3 * 3600.0, help="seconds for the worker subprocess")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  return p
+
+
+def main(argv=None):
+  p = parser()
   args = p.parse_args(argv)
   for part in args.parts.split(","):
     if part not in ALL_PARTS:

@@ -3,8 +3,8 @@
 Memory from compilation is deterministic (XLA's buffer assignment, not a timing). One driver run
 (one worker subprocess with 8 fake devices) compiles a tiny-width, tiny-vocabulary version of configs/gsm8k.py
 on meshes of 2 and 8 devices for the three parts (the learner at 1 layer, `--layers=1`; the sampler prefill
-and decode at the full 28, the default `--sampler_layers=full`), at T = 32 + 32 tokens and at the
-T0 = 16 + 16 of batch_gib; the tests read its JSON line.
+and decode at 2, `--sampler_layers=2`: the full 28 of the default doubles the run's time), at T = 32 + 32
+tokens and at the T0 = 16 + 16 of batch_gib; the tests read its JSON line.
 """
 
 import json
@@ -34,6 +34,7 @@ def run():
     "--configs=gsm8k",
     "--devices=2,8",
     "--layers=1",
+    "--sampler_layers=2",
     f"--model={TINY}",
     "--prompt_len=32",
     "--new_tokens=32",
@@ -60,9 +61,7 @@ def test_json_line_has_the_documented_fields(run):
   for r in out["results"]:
     assert "error" not in r, r
     assert set(FIELDS) <= set(r)
-    # The sampler at full depth by default: its temporaries are a maximum over layers, which a per-layer
-    # extrapolation from 1 and 2 layers turned into a sum (math's prefill: 41.8 GiB extrapolated, 30.7 compiled).
-    depth = [1] if r["part"] == "learner" else [28]
+    depth = [1] if r["part"] == "learner" else [2]  # --layers for the learner, --sampler_layers for the sampler
     assert r["config"] == "gsm8k" and r["layers_compiled"] == depth and not r["extrapolated"]
     assert r["num_layers"] == depth[0]
     # peak = argument + temp + outputs that are not donated-input aliases (>= argument + temp)
@@ -152,6 +151,14 @@ def test_sampler_is_compiled_at_the_capped_bucket(monkeypatch):
   s = memory.load_setting("multiturn")
   assert (s.n, s.sampler_b, s.sampler_cfg.batch_buckets) == (2048, 1024, (128, 512, 1024))
   assert s.sampler_cfg.mesh_shape == (-1, 1, 4)  # the config's sampler mesh (--sampler_mesh=config)
+
+
+def test_sampler_parts_default_to_full_depth():
+  """The sampler's temporaries are a maximum over layers, which a per-layer extrapolation from 1 and 2 layers
+  turned into a sum (math's prefill: 41.8 GiB extrapolated, 30.7 compiled at 28 layers): compiled at full
+  depth by default; the learner (whose saved activations do grow per layer) at 1 and 2."""
+  args = memory.parser().parse_args([])
+  assert (args.sampler_layers, args.layers) == ("full", "1,2")
 
 
 def test_extrapolation_is_linear_per_layer():
