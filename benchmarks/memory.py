@@ -9,7 +9,7 @@ subprocess before jax starts, N the largest count; a mesh over the first n devic
   python -m benchmarks.memory                                   # 3 configs x 8/16/64 devices x 3 parts
   python -m benchmarks.memory --configs=math --devices=4 --parts=sampler_decode --sampler_mesh=config
   python -m benchmarks.memory --configs=math --devices=64 --parts=learner --layers=1
-  python -m benchmarks.memory --layers=full                     # compile all 28 layers (slow, heavy)
+  python -m benchmarks.memory --layers=full                     # the learner at all 28 layers too (slow, heavy)
 
 Parts (what is compiled, per config):
   learner   `learner.make_train_step` (the VCPO step the trainer jits: gradient path, ESS, clip ->
@@ -40,10 +40,18 @@ Every setting the configs give (method preset, learner options such as a micro-b
 options such as remat) reaches the compiled step through `run_config.parse_config`, so improvements of
 the learner, model and sharding code show up here without changes to this file.
 
-Layers (`--layers`): "1,2" (default) compiles 1- and 2-layer models and extrapolates every byte count
-per layer to the checkpoint's depth L: m(L) = m(1) + (L - 1) * (m(2) - m(1)) (exact for the parameter
-and optimizer-state arguments, a linear model for the temporaries); "full" compiles all L layers;
-a single number k reports k layers as compiled. `layers_compiled` in each result says which.
+Layers: `--layers` for the learner, `--sampler_layers` for the sampler parts. "1,2" compiles 1- and 2-layer
+models and extrapolates every byte count per layer to the checkpoint's depth L: m(L) = m(1) + (L - 1) *
+(m(2) - m(1)) (exact for the parameter, optimizer-state and cache bytes, a linear model for the
+temporaries); "full" compiles all L layers; a single number k reports k layers as compiled.
+`layers_compiled` in each result says which. Defaults: the learner "1,2" (its saved activations and
+gradients do grow per layer, and full-depth learner compiles are slow), the sampler "full" (each sampler
+compile takes under a minute at 28 layers). The sampler's temporaries do not grow per layer: one layer's
+are reused by the next, so the peak is a maximum over layers, not a sum, and a 1- to 2-layer difference
+is a one-off change in XLA:CPU's fusion (at 2 layers one block's MLP is emitted as separate dots with
+materialized float32 [B x chunk, F] buffers), which the linear model multiplied by L - 1: math's prefill
+extrapolated to 41.8 GiB on (8, 1, 1) against 30.7 GiB compiled at 28 layers (temp 5.57 / 6.00 / 6.00 /
+6.00 GiB at 1 / 2 / 4 / 28 layers; benchmarks/README.md, "Sampler prefill at full depth").
 
 Numbers, per device, GiB = 2^30 bytes:
   argument_gib  inputs (parameters + optimizer state + batch, or parameters + cache + inputs)
@@ -381,6 +389,7 @@ def _extrapolate(by_layers: dict, depth: int) -> dict:
 def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh, tiny: Setting | None = None) -> dict:
   """One result row: compile(s) of `part` on a mesh over `devices`, bytes per device.
 
+  layer_mode: "1,2", "full" or a layer count (see the module docstring: --layers / --sampler_layers).
   tiny: the same config at TINY_TOKENS tokens per row (for batch_gib), or None.
   """
   depth = setting.model_cfg.num_layers
@@ -481,9 +490,10 @@ def worker(args) -> list[dict]:
       tiny = load_setting(name, overrides, args.batch, half, half) if args.batch_dependent else None
       tiny = tiny and dataclasses.replace(tiny, **budget)
       for part in args.parts.split(","):
-        print(f"[memory] {name} {part} devices={n_dev} layers={args.layers} ...", file=sys.stderr, flush=True)
+        layers = args.layers if part == "learner" else args.sampler_layers
+        print(f"[memory] {name} {part} devices={n_dev} layers={layers} ...", file=sys.stderr, flush=True)
         try:
-          row = measure(setting, part, devices, args.layers, sampler_mesh, tiny)
+          row = measure(setting, part, devices, layers, sampler_mesh, tiny)
         except Exception as e:  # noqa: BLE001 - one failing compile (e.g. an indivisible mesh) must not lose the others
           row = {"config": name, "devices": n_dev, "part": part, "error": f"{type(e).__name__}: {e}"[:2000]}
         print(f"[memory]   -> {json.dumps(row)}", file=sys.stderr, flush=True)
@@ -558,14 +568,20 @@ def _git_commit() -> str:
     return ""
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+  """The command line (`main`'s flags and their defaults)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs/ names")
   p.add_argument(
     "--devices", default=",".join(map(str, DEVICES)), help="fake CPU device counts (one subprocess, a mesh each)"
   )
   p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {ALL_PARTS}")
-  p.add_argument("--layers", default="1,2", help="'1,2' (extrapolate per layer), 'full', or a layer count")
+  p.add_argument("--layers", default="1,2", help="learner: '1,2' (extrapolate per layer), 'full', or a layer count")
+  p.add_argument(
+    "--sampler_layers",
+    default="full",
+    help="sampler parts: 'full' (default: their temporaries do not grow per layer), '1,2', or a layer count",
+  )
   p.add_argument(
     "--sampler_mesh",
     default="",
@@ -591,12 +607,19 @@ def main(argv=None):
   )
   p.add_argument("--timeout", type=float, default=3 * 3600.0, help="seconds for the worker subprocess")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  return p
+
+
+def main(argv=None):
+  p = parser()
   args = p.parse_args(argv)
   for part in args.parts.split(","):
     if part not in ALL_PARTS:
       p.error(f"--parts: unknown part {part!r}; choose from {ALL_PARTS}.")
-  if args.layers not in ("1,2", "full") and not args.layers.isdigit():
-    p.error(f"--layers={args.layers!r}: use '1,2', 'full' or a positive layer count.")
+  for flag in ("layers", "sampler_layers"):
+    value = getattr(args, flag)
+    if value not in ("1,2", "full") and not (value.isdigit() and int(value) > 0):
+      p.error(f"--{flag}={value!r}: use '1,2', 'full' or a positive layer count.")
   _parse_overrides(args.model)  # fail here, not in every subprocess
   if args.worker:
     print(json.dumps({"results": worker(args)}))
@@ -605,6 +628,7 @@ def main(argv=None):
     f"--configs={args.configs}",
     f"--parts={args.parts}",
     f"--layers={args.layers}",
+    f"--sampler_layers={args.sampler_layers}",
     f"--sampler_mesh={args.sampler_mesh}",
     f"--model={args.model}",
     f"--batch={args.batch}",

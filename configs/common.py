@@ -82,6 +82,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.sampler.param_dtype = "auto"  # sampler weights: auto (bf16 on accelerators, as given on CPU) | float32 | bfloat16
   c.sampler.mesh_shape = (-1, 1, 1)  # async sampler's (data, fsdp, tensor) mesh over its devices (sync/lag: learner's)
   c.sampler.prefill_chunk = 0  # prompt tokens per prefill pass; 0 = one pass (bounds prefill memory at long prompts)
+  c.sampler.max_batch = 0  # rows per sampler call (whole groups); 0 = all; more rows run as sequential calls
 
   c.vcpo = vcpo_overrides()  # overrides of the method preset: one None placeholder per estimator.PGConfig field
 

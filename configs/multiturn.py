@@ -95,6 +95,11 @@ def get_config(arg: str | None = None):
   c.model.shape.model_type = "qwen2"  # model_type
   c.sampler.temperature = 1.0  # released training temperature
   c.sampler.prefill_chunk = 512  # prompt tokens per prefill pass: prefill memory flat in depth
+  # The sampler process's mesh: 4-way tensor parallel (weights / 4), the rows over the rest. On 64 devices
+  # (16, 1, 4) the 2048-row prefill / decode compile to 44.0 / 41.1 GiB per device, (64, 1, 1) to 54.2 / 51.7
+  # (benchmarks/README.md, "Sampler prefill at full depth"); max_batch = 1024 gives 23.8 / 22.3 in 2 calls.
+  c.sampler.mesh_shape = (-1, 1, 4)  # (data, fsdp, tensor) of the async sampler: tensor 4 = the 4 KV heads
+  c.sampler.max_batch = 0  # rows per sampler call: all 2048 in one (fits 64 devices on this mesh); 1024 halves it
   c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
   c.vcpo.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented, review #4)
   c.optim.lr = 1e-6  # released AdamW learning rate
@@ -114,6 +119,7 @@ def get_config(arg: str | None = None):
     _smoke(c)
     c.mode = "lag"  # exact staleness in one process (tests also run it with mode="async")
     c.lag.k = 1  # one step stale
+    c.sampler.mesh_shape = (-1, 1, 1)  # mode=async on CPU: the sampler's one device (no tensor axis of 4)
     c.task.max_prompt_len = 240  # longest fixture prompt with TEMPLATE (chars = tokens)
     c.task.max_new_tokens = 24  # response budget: policy + tool tokens
     c.task.multiturn.max_turns = 3  # up to two tool calls

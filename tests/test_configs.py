@@ -165,6 +165,8 @@ BAD = [
   ("seed", -1, "countdown"),
   ("sampler.top_k", -1, "countdown"),
   ("sampler.prefill_chunk", -1, "countdown"),
+  ("sampler.max_batch", -1, "countdown"),
+  ("sampler.max_batch", 6, "countdown"),  # smoke G = 4: a call would split a group
   ("checkpoint.keep_last", 0, "countdown"),
   ("optim.schedule", "foo", "countdown"),
   ("async_.queue_slots", 0, "countdown"),

@@ -1,9 +1,10 @@
 """benchmarks/memory.py: compile-only memory of the learner and sampler steps on fake CPU devices.
 
 Memory from compilation is deterministic (XLA's buffer assignment, not a timing). One driver run
-(one worker subprocess with 8 fake devices) compiles a 1-layer, tiny-width, tiny-vocabulary version of
-configs/gsm8k.py on meshes of 2 and 8 devices for the three parts (learner, sampler prefill and decode), at T = 32 + 32 tokens and at the
-T0 = 16 + 16 of batch_gib; the tests read its JSON line.
+(one worker subprocess with 8 fake devices) compiles a tiny-width, tiny-vocabulary version of configs/gsm8k.py
+on meshes of 2 and 8 devices for the three parts (the learner at 1 layer, `--layers=1`; the sampler prefill
+and decode at 2, `--sampler_layers=2`: the full 28 of the default doubles the run's time), at T = 32 + 32
+tokens and at the T0 = 16 + 16 of batch_gib; the tests read its JSON line.
 """
 
 import json
@@ -33,6 +34,7 @@ def run():
     "--configs=gsm8k",
     "--devices=2,8",
     "--layers=1",
+    "--sampler_layers=2",
     f"--model={TINY}",
     "--prompt_len=32",
     "--new_tokens=32",
@@ -59,7 +61,9 @@ def test_json_line_has_the_documented_fields(run):
   for r in out["results"]:
     assert "error" not in r, r
     assert set(FIELDS) <= set(r)
-    assert r["config"] == "gsm8k" and r["layers_compiled"] == [1] and not r["extrapolated"]
+    depth = [1] if r["part"] == "learner" else [2]  # --layers for the learner, --sampler_layers for the sampler
+    assert r["config"] == "gsm8k" and r["layers_compiled"] == depth and not r["extrapolated"]
+    assert r["num_layers"] == depth[0]
     # peak = argument + temp + outputs that are not donated-input aliases (>= argument + temp)
     assert r["peak_gib"] == pytest.approx(r["argument_gib"] + r["temp_gib"] + r["output_gib"])
     assert r["temp_gib"] > 0 and r["argument_gib"] > 0
@@ -130,6 +134,31 @@ def test_released_run_shapes():
   # tool use: contexts grow to T = 4096 + 12288, each call adds up to max_turn_tokens = 4096
   assert (mt.n, mt.t, mt.sampler_b, mt.sampler_tp, mt.sampler_tn) == (2048, 16384, 2048, 16384, 4096)
   assert g.model_cfg.dtype == m.model_cfg.dtype == "bfloat16"
+
+
+def test_sampler_is_compiled_at_the_capped_bucket(monkeypatch):
+  """sampler.max_batch caps the rows of a sampler call; the benchmark compiles that bucket, not N (2048)."""
+  import configs.multiturn as mt_config
+
+  real = mt_config.get_config
+
+  def capped(arg=None):
+    c = real(arg)
+    c.sampler.max_batch = 1024
+    return c
+
+  monkeypatch.setattr(mt_config, "get_config", capped)
+  s = memory.load_setting("multiturn")
+  assert (s.n, s.sampler_b, s.sampler_cfg.batch_buckets) == (2048, 1024, (128, 512, 1024))
+  assert s.sampler_cfg.mesh_shape == (-1, 1, 4)  # the config's sampler mesh (--sampler_mesh=config)
+
+
+def test_sampler_parts_default_to_full_depth():
+  """The sampler's temporaries are a maximum over layers, which a per-layer extrapolation from 1 and 2 layers
+  turned into a sum (math's prefill: 41.8 GiB extrapolated, 30.7 compiled at 28 layers): compiled at full
+  depth by default; the learner (whose saved activations do grow per layer) at 1 and 2."""
+  args = memory.parser().parse_args([])
+  assert (args.sampler_layers, args.layers) == ("full", "1,2")
 
 
 def test_extrapolation_is_linear_per_layer():

@@ -232,6 +232,32 @@ def test_chunking_over_the_largest_batch_bucket_gives_the_same_rows():
   np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
 
 
+def test_max_batch_caps_the_buckets_and_runs_sequential_calls_of_the_same_rows():
+  """max_batch = 4: buckets above 4 become 4 (also through dataclasses.replace), 6 rows run as calls of 4 + 2
+  rows (static) or 4 slots (refill), and every row is the uncapped sampler's (per-row keys)."""
+  cfg = S.SamplerConfig(**{**SMALL, "batch_buckets": (1, 2, 8, 16), "max_batch": 4})
+  assert cfg.batch_buckets == (1, 2, 4)
+  assert dataclasses.replace(cfg, batch_buckets=(2, 64)).batch_buckets == (2, 4)
+  assert S.SamplerConfig(**{**SMALL, "batch_buckets": (1, 4), "max_batch": 8}).batch_buckets == (1, 4)
+  with pytest.raises(ValueError, match="max_batch"):
+    S.SamplerConfig(**{**SMALL, "max_batch": -1})
+  _, params, _ = _model()
+  ref = _sampler(temperature=1.0).generate(params, PROMPTS, jax.random.key(8), num_samples=2, max_new_tokens=8)
+  for decode, fn, rows_arg in (("static", "_device_fn", 1), ("refill", "_refill_fn", 2)):
+    capped = S.Sampler(_model()[0], CFG, dataclasses.replace(cfg, temperature=1.0, decode=decode))
+    calls, real = [], getattr(capped, fn)
+
+    def spy(*a, real=real, rows_arg=rows_arg, calls=calls, **kw):  # records each call's rows (prompts / slots)
+      calls.append(a[rows_arg].shape[0])
+      return real(*a, **kw)
+
+    setattr(capped, fn, spy)
+    r = capped.generate(params, PROMPTS, jax.random.key(8), num_samples=2, max_new_tokens=8)
+    np.testing.assert_array_equal(r.tokens, ref.tokens)
+    np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
+    assert calls == [4, 2] if decode == "static" else max(calls) == 4, (decode, calls)  # refill: 4 slots
+
+
 def test_row_offset_draws_the_rows_of_the_whole_batch():
   """A host sampling prompts [1, 3) of 3 with row_offset = 1 * G draws the whole batch's rows 2..5 (static and
   refill decode): what makes a multi-host async run's samples a single-host run's."""

@@ -93,8 +93,15 @@ class SamplingConfig:
   param_dtype: str = "auto"
   mesh_shape: tuple = (-1, 1, 1)
   prefill_chunk: int = 0
+  max_batch: int = 0
 
   def __post_init__(self):
+    check_field(
+      isinstance(self.max_batch, int) and self.max_batch >= 0,
+      "sampler.max_batch",
+      self.max_batch,
+      "must be an int >= 0 (rows per sampler call; 0 = all rows of a step in one call).",
+    )
     check_field(
       isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 0,
       "sampler.prefill_chunk",
@@ -125,7 +132,7 @@ class SamplingConfig:
 
   def sampler_kwargs(self, **override) -> dict:
     """The sampler.SamplerConfig fields these settings give (an evaluation overrides temperature / top_p / top_k)."""
-    names = ("temperature", "top_p", "top_k", "draw", "param_dtype", "mesh_shape", "prefill_chunk")
+    names = ("temperature", "top_p", "top_k", "draw", "param_dtype", "mesh_shape", "prefill_chunk", "max_batch")
     return {**{n: getattr(self, n) for n in names}, **override}
 
 
@@ -397,6 +404,13 @@ class RunSpec:
       self.rollout.group_size,
       f"advantage estimator {pg.advantage!r} compares responses within a group; use group_size >= 2 "
       "(or vcpo.advantage='reinforce').",
+    )
+    g, mb = self.rollout.group_size, self.sampling.max_batch
+    check_field(
+      mb % g == 0,
+      "sampler.max_batch",
+      mb,
+      f"must be a multiple of task.group_size={g}, so that each sampler call holds whole groups (0 = no cap).",
     )
     data_par = max(self.mesh_shape[0], 1) * max(self.mesh_shape[1], 1)  # a -1 entry: resolved by build_mesh
     check_field(

@@ -95,7 +95,13 @@ class SamplerConfig:
     max_new_tokens: default response budget per row.
     prompt_buckets: allowed padded prompt lengths Tp (ascending).
     new_token_buckets: allowed padded response lengths Tn (ascending).
-    batch_buckets: allowed padded batch sizes B (ascending); larger N is chunked.
+    batch_buckets: allowed padded batch sizes B (ascending); larger N is chunked: `_run` runs rows beyond the
+      largest bucket as further sequential calls (each row keeps its key, so the rows are the same), the
+      chunked / refill engine keeps that many slots and starts the rest as slots free up.
+    max_batch: rows per device call, 0 = no cap. Buckets above it are replaced by it (in `__post_init__`, so
+      every config derived with `dataclasses.replace` is capped too): N rows run as ceil(N / max_batch)
+      sequential calls of max_batch rows, which bounds the KV cache [B, S, K, H] and everything else that
+      grows with B, at the cost of more sequential decode loops (each reads all the weights every step).
     logp_mode: "sampled" or "tempered", see the module docstring.
     draw: how a token is drawn from the filtered distribution: "inverse_cdf" (two uniforms per
       row, `inverse_cdf_sample`) or "gumbel" (Gumbel noise over [B, V], the draw before
@@ -128,6 +134,7 @@ class SamplerConfig:
   prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
   new_token_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
   batch_buckets: tuple[int, ...] = (1, 4, 16, 64, 256)
+  max_batch: int = 0
   logp_mode: str = "sampled"
   draw: str = "inverse_cdf"
   prefill_chunk: int = 0
@@ -170,6 +177,13 @@ class SamplerConfig:
           f"SamplerConfig.{name} must be a non-empty strictly increasing list of positive ints, got {b}."
         )
       object.__setattr__(self, name, tuple(int(x) for x in b))
+    if not (isinstance(self.max_batch, int) and self.max_batch >= 0):
+      raise ValueError(
+        f"SamplerConfig.max_batch must be an int >= 0 (rows per call; 0 = no cap), got {self.max_batch!r}."
+      )
+    if self.max_batch and self.batch_buckets[-1] > self.max_batch:
+      capped = tuple(x for x in self.batch_buckets if x < self.max_batch) + (self.max_batch,)
+      object.__setattr__(self, "batch_buckets", capped)
     if self.max_new_tokens > self.new_token_buckets[-1]:
       raise ValueError(
         f"SamplerConfig.max_new_tokens={self.max_new_tokens} exceeds the largest "
@@ -418,7 +432,8 @@ def _prefill(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, params, promp
     def body(cache, i):
       # The barrier ties the weights to the loop index: XLA:CPU computes bf16 dots in float32, and the
       # float32 weight copies were hoisted out of the loop, all layers alive at once (+0.9 GiB a layer
-      # at 7B); tied here they are made per chunk. An identity on every backend.
+      # at 7B: math's 64 rows per device at 28 layers, temp 32.4 GiB without the barrier, 6.2 with it);
+      # tied here they are made per chunk. An identity on every backend.
       p, i = jax.lax.optimization_barrier((params, i))
       start = i * chunk
       tok = jax.lax.dynamic_slice_in_dim(prompt_bt, start, chunk, axis=1)
