@@ -42,7 +42,7 @@ def run():
     "--batch_dependent",
   ]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the driver adds its device count
-  env["XLA_FLAGS"] = xla_flags.FAST_COMPILE  # same buffer assignment, faster compiles (tests/xla_flags.py)
+  env["XLA_FLAGS"] = xla_flags.MEMORY_COMPILE  # same buffer assignment, faster compiles (tests/xla_flags.py)
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.strip().splitlines()

@@ -77,7 +77,7 @@ def _run_memory_script(script: str) -> str:
 
   from tests import xla_flags
 
-  flags = f"--xla_cpu_enable_concurrency_optimized_scheduler=false {xla_flags.FAST_COMPILE}"
+  flags = f"--xla_cpu_enable_concurrency_optimized_scheduler=false {xla_flags.MEMORY_COMPILE}"
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -100,15 +100,14 @@ for remat in ("none", "block"):
 """
 
 
-def test_remat_block_cuts_backward_temporaries():
+def test_remat_block_cuts_backward_temporaries(memory_lines):
   """3 blocks: with remat=block only block inputs are saved, so the step's temporaries fall by more than half.
 
   Compiled in a subprocess with XLA:CPU's memory-minimizing scheduler (its default concurrency-
   optimized one keeps buffers of several blocks alive either way; see transformer._remat_block).
   """
-  out = _run_memory_script(_MEMORY_SCRIPT)
-  temp = {k: int(v) for k, v in (line.split() for line in out.strip().splitlines())}
-  assert temp["block"] < 0.5 * temp["none"], temp
+  temp = {k: int(v) for k, v in (line.split() for line in memory_lines if len(line.split()) == 2)}
+  assert set(temp) == {"none", "block"} and temp["block"] < 0.5 * temp["none"], temp
 
 
 _SINK_SCRIPT = """
@@ -130,7 +129,14 @@ for passes in (1, 2):
 """
 
 
-def test_two_pass_ghost_holds_one_blocks_taps():
+@pytest.fixture(scope="module")
+def memory_lines():
+  """The stdout lines of _MEMORY_SCRIPT then _SINK_SCRIPT, run in one subprocess (one interpreter and jax
+  start for both tests): "remat temp_bytes" (2 fields) and "passes layers temp_bytes" (3 fields)."""
+  return _run_memory_script(_MEMORY_SCRIPT + _SINK_SCRIPT).strip().splitlines()
+
+
+def test_two_pass_ghost_holds_one_blocks_taps(memory_lines):
   """With remat=block the one-pass ghost step keeps every block's tapped (A, D) (outputs of the checkpoint),
   the two-pass step (norm sinks) one block's: its temporaries grow far less per layer (1 -> 3 layers, T = 512).
 
@@ -138,7 +144,8 @@ def test_two_pass_ghost_holds_one_blocks_taps():
   + 2 x 64) floats ~ 5 MB; the two-pass step only the block input the remat saves (2 x 512 x 64 floats).
   Same scheduler as above (subprocess, memory-minimizing).
   """
-  out = _run_memory_script(_SINK_SCRIPT)
-  temp = {(int(p), int(layers)): int(v) for p, layers, v in (line.split() for line in out.strip().splitlines())}
+  rows = [line.split() for line in memory_lines if len(line.split()) == 3]
+  temp = {(int(p), int(layers)): int(v) for p, layers, v in rows}
+  assert set(temp) == {(p, layers) for p in (1, 2) for layers in (1, 3)}, temp
   per_layer = {p: (temp[p, 3] - temp[p, 1]) / 2 for p in (1, 2)}
   assert per_layer[2] < 0.5 * per_layer[1], temp
