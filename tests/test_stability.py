@@ -3,6 +3,7 @@
 import json
 import math
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -288,6 +289,30 @@ def test_read_run_rejects_incomplete_metrics(tmp_path):
   )
   with pytest.raises(ValueError, match="expected 1..2"):
     st.read_run(tmp_path, steps=2)
+
+
+def test_committed_ledger_records_keep_their_fingerprints(monkeypatch):
+  """The study's records in git are reused only under their run's fingerprint: a config field added since they
+  were made must be in st.LATER_FIELDS (left out at its old value), else every record would train again."""
+  c = st.load_config("countdown")
+  ledger = Path(__file__).resolve().parents[1] / "docs" / "results" / "stability_ledger" / "countdown"
+  for method, k, lr, seed in [("none", 0, 3e-4, 0), ("none", 8, 1e-3, 4)]:
+    rec = ledger / f"{method}_k{k}_lr{lr:g}_seed{seed}.npz"
+    with np.load(rec) as z:
+      assert str(z["fingerprint"]) == st.run_fingerprint(c, method, k, seed, lr)
+  # A later field is in the run config; at its old value it is left out, at any other it counts.
+  (block, name), old = next(iter(st.LATER_FIELDS.items()))
+  assert json.loads(st.trainer_run_config(c, "none", 0, 0, 3e-4).to_json())[block][name] == old
+  fp = st.run_fingerprint(c, "none", 0, 0, 3e-4)
+  real = st.trainer_run_config
+
+  def changed(*a, **kw):
+    cfg = real(*a, **kw)
+    cfg[block][name] = old + 8
+    return cfg
+
+  monkeypatch.setattr(st, "trainer_run_config", changed)
+  assert st.run_fingerprint(c, "none", 0, 0, 3e-4) != fp
 
 
 def test_countdown_study_config_matches_issue():

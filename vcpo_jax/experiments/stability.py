@@ -382,14 +382,23 @@ def _run_seconds(workdir: Path) -> float:
     return math.nan
 
 
+# Run-config fields added after the ledger's first records, each with the value that gives the behaviour from
+# before it existed. At that value a field is left out of a run's fingerprint, so the records made before it was
+# added stay valid; any other value is part of it. Add a field here when adding it to configs/common.py.
+LATER_FIELDS = {("sampler", "max_batch"): 0}
+
+
 def run_fingerprint(c, method: str, k: int, seed: int, lr: float, knob=None, stage: str = "") -> str:
   """Everything that determines one run's numbers: its own full run config (method, k, seed, lr, knob and the
   policy-loss updates included; it holds no paths) and the study's step count. Adding seeds, lrs or methods to
   the study leaves the other runs' fingerprints unchanged, and so do the async_ settings of a run that is not
-  async (the study's runs are sync or lag; they never read them)."""
+  async (the study's runs are sync or lag; they never read them) and the LATER_FIELDS at their old values."""
   run_cfg = json.loads(trainer_run_config(c, method, k, seed, lr, knob).to_json())
   if run_cfg.get("mode") != "async":
     run_cfg.pop("async_", None)
+  for (block, name), old in LATER_FIELDS.items():
+    if name in run_cfg.get(block, {}) and run_cfg[block][name] == old:
+      del run_cfg[block][name]
   return fingerprint(dict(backend="trainer", run_config=run_cfg, steps=c.task.steps, stage=stage))
 
 
