@@ -19,7 +19,7 @@ Parts (what is compiled, per config):
             raised where a mesh has more devices than it has rows (`microbatch_rows`; the
             `microbatch` field of each result row says what was compiled).
   sampler_prefill  `sampler.Sampler(...).lower(params, B, Tp, Tn, part="prefill")`: the prompt bucket
-            [B, Tp] through the model into a fresh KV cache [B, S, K, H] per layer, S = Tp + Tn (the
+            [B, Tp] through the model into a fresh KV cache (k [B, K, H, S], v [B, K, S, H]) per layer, S = Tp + Tn (the
             cache is an output), and the last column's logits.
   sampler_decode   `...lower(..., part="decode")`: one decode step as the decode loop runs it, the
             token fed at the last of the S cache slots (attention over the whole cache), the next

@@ -2,6 +2,7 @@
 
     python -m benchmarks.sampler                      # 10M-parameter model, batch 64, prompt 32, new 128, 3 rounds
     python -m benchmarks.sampler --batch 64 --prompt 32 --new 128 --rounds 3 --models 10m --threads 2
+    python -m benchmarks.sampler --threads 2 --devices 2  # our sampler on 2 host devices of the 2 cores
 
 Roofline (issue 14 item 2), measured in the same process before the timings: peak matmul
 FLOP/s (best of a large jitted float32 dot) and copy bandwidth (best numpy copy of 256 MiB,
@@ -16,6 +17,12 @@ Qwen2ForCausalLM, copied into our model with `hf_io.params_from_hf`; the logits
 difference is printed), the same prompts (no padding), the same sampling settings,
 and always generate exactly `--new` tokens (no EOS). `--draws` also times the
 earlier Gumbel draw (SamplerConfig.draw="gumbel") for the before/after of the token choice.
+
+`--devices N` runs our sampler on N host devices of the same cores (a (N, 1, 1) data mesh:
+`--xla_force_host_platform_device_count=N`, the batch split over them, the weights replicated),
+as a sampler process on its own devices does; the roofline and transformers keep the process's
+`--threads` cores. On 2 cores, 2 devices keep both busy through the small decode matmuls, which
+XLA's intra-op threads split poorly at batch 64.
 
 Fairness: both sides get the SAME threads. The process is pinned to `--threads`
 cores (os.sched_setaffinity, before jax starts, so XLA's thread pool sees only
@@ -50,8 +57,21 @@ def _pin_threads(argv) -> int:
   return threads
 
 
+def _host_devices(argv) -> int:
+  """--devices N: N host devices for the sampler (XLA_FLAGS, set before jax starts); returns N."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  n = 1
+  for i, a in enumerate(args):
+    if a.startswith("--devices"):
+      n = int(a.split("=", 1)[1] if "=" in a else args[i + 1])
+  if n > 1:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+  return n
+
+
 if __name__ == "__main__":
   _THREADS = _pin_threads(None)
+  _host_devices(None)
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +79,7 @@ import numpy as np
 import torch
 import transformers
 
-from vcpo_jax import sampler as S
+from vcpo_jax import sampler as S, sharding as sh
 from vcpo_jax.model import config, hf_io, transformer as tf
 
 MODELS = {
@@ -178,6 +198,12 @@ def main(argv=None):
   ap.add_argument("--draws", default="inverse_cdf", help="SamplerConfig.draw values to time (e.g. inverse_cdf,gumbel)")
   ap.add_argument("--threads", type=int, default=os.cpu_count(), help="cores (and torch threads) for BOTH sides")
   ap.add_argument("--choice", action="store_true", help="only time the token choice (batch x the model's vocab)")
+  ap.add_argument(
+    "--devices",
+    type=int,
+    default=1,
+    help="host devices of our sampler: a (N, 1, 1) data mesh, the batch split over them (the same --threads cores)",
+  )
   args = ap.parse_args(argv)
   if argv is not None:  # called as a function: pin here (jax may already run; then only torch is limited)
     _pin_threads(argv)
@@ -200,6 +226,11 @@ def main(argv=None):
     f"roofline: peak matmul {roof['peak_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth {roof['bandwidth'] / 1e9:.1f} GB/s "
     f"(load average {load_start[0]:.1f})"
   )
+  if len(jax.devices()) != args.devices:
+    raise SystemExit(
+      f"--devices={args.devices}: jax sees {len(jax.devices())} devices; run as python -m benchmarks.sampler"
+    )
+  mesh = sh.make_mesh(sh.MeshConfig((args.devices, 1, 1))) if args.devices > 1 else None
   rows = []
   for model_name in args.models.split(","):
     cfg = MODELS[model_name]()
@@ -224,15 +255,18 @@ def main(argv=None):
           prompt_buckets=(tp,),
           new_token_buckets=(tn,),
           batch_buckets=(b,),
+          mesh_shape=(args.devices, 1, 1),
         ),
+        mesh=mesh,
       )
+      ours_params = smp.prepare_params(params)  # placed (replicated) on the sampler's mesh once, as a sampler does
       prompt_lists = prompts.tolist()
       key = jax.random.key(0)
       t0 = time.perf_counter()
-      out = smp.generate(params, prompt_lists, key)
+      out = smp.generate(ours_params, prompt_lists, key)
       first_call = time.perf_counter() - t0
       assert (out.lengths == tn).all()
-      compile_s = first_call - _timed(lambda: smp.generate(params, prompt_lists, key))
+      compile_s = first_call - _timed(lambda: smp.generate(ours_params, prompt_lists, key))
 
       ids = torch.as_tensor(prompts)
       # top_k=0 must be explicit: None falls back to transformers' default top_k=50.
@@ -254,7 +288,7 @@ def main(argv=None):
       torch.manual_seed(0)
       hf_generate()  # warm-up
       load_before = os.getloadavg()[0]
-      t_ours, t_hf = interleaved(lambda: smp.generate(params, prompt_lists, key), hf_generate, args.rounds)
+      t_ours, t_hf = interleaved(lambda: smp.generate(ours_params, prompt_lists, key), hf_generate, args.rounds)
       ratios = [h / o for o, h in zip(t_ours, t_hf)]
       ours, theirs = float(np.median(t_ours)), float(np.median(t_hf))
       t_roof = roofline_seconds(cfg, b, tp, tn, roof["peak_flops"], roof["bandwidth"])
@@ -277,6 +311,7 @@ def main(argv=None):
           ours_tok_s=b * tn / ours,
           hf_tok_s=b * tn / theirs,
           threads=args.threads,
+          devices=args.devices,
           ours_round_s=t_ours,
           hf_round_s=t_hf,
           speedup=float(np.median(ratios)),
@@ -290,14 +325,14 @@ def main(argv=None):
 
   hdr = (
     f"{'model':6} {'params':>8} {'setting':17} {'draw':11} {'ours tok/s':>11} {'roofline':>14} {'HF tok/s':>10} "
-    f"{'thr':>3} {'speedup':>8} {'range':>13} {'load':>9} {'compile s':>9} {'|dlogits|':>9}"
+    f"{'thr':>3} {'dev':>3} {'speedup':>8} {'range':>13} {'load':>9} {'compile s':>9} {'|dlogits|':>9}"
   )
   print(hdr)
   print("-" * len(hdr))
   for r in rows:
     print(
       f"{r['model']:6} {r['params']:>8} {r['setting']:17} {r['draw']:11} {r['ours_tok_s']:>11.0f} "
-      f"{r['roofline']:>5.2f} ({r['roofline_min']:.2f}-{r['roofline_max']:.2f}) {r['hf_tok_s']:>10.0f} {r['threads']:>3} "
+      f"{r['roofline']:>5.2f} ({r['roofline_min']:.2f}-{r['roofline_max']:.2f}) {r['hf_tok_s']:>10.0f} {r['threads']:>3} {r['devices']:>3} "
       f"{r['speedup']:>7.2f}x {r['speedup_min']:>5.2f}-{r['speedup_max']:<5.2f}x "
       f"{r['load_avg'][0]:>4.1f}-{r['load_avg'][1]:<4.1f} {r['compile_s']:>9.2f} {r['logits_max_abs_diff']:>9.1e}"
     )

@@ -82,6 +82,11 @@ def test_prefix_with_offset_matches_reference():
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _cache_layout(k_bskh, v_bskh):
+  """[B, S, K, H] keys and values -> the cache layout (keys [B, K, H, S], values [B, K, S, H])."""
+  return jnp.transpose(k_bskh, (0, 2, 3, 1)), jnp.transpose(v_bskh, (0, 2, 1, 3))
+
+
 @pytest.mark.parametrize("slot", [0, 5, 15, 16, 39])
 def test_decode_reads_only_filled_blocks(slot):
   """Blockwise online softmax equals the dense one; cache blocks after the slot's block are never read."""
@@ -93,14 +98,37 @@ def test_decode_reads_only_filled_blocks(slot):
   first_unread = (slot // block + 1) * block
   k_nan, v_nan = (x.at[:, first_unread:].set(jnp.nan) for x in (k, v))  # would poison any read
   fn = jax.jit(lambda q, k, v, m, i: attn.decode_attention(q, k, v, m, i, block=block))
-  got = fn(q, k_nan, v_nan, mask, jnp.int32(slot))
+  got = fn(q, *_cache_layout(k_nan, v_nan), mask, jnp.int32(slot))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("s, block", [(48, 16), (40, 512)])
+def test_decode_attention_of_a_prefill_chunk_at_a_static_slot(s, block):
+  """T = 8 queries at static slots 16..23 (a later prefill chunk): blockwise (48 / 16) and one block (40)."""
+  q, k, v = _qkv(seed=5, t=24, s=s)
+  valid = jnp.ones((B, s), bool).at[0, :4].set(False)
+  mask = attn.AttentionMask(valid)
+  want = _reference(q, k, v, mask.dense(24))[:, 16:]
+  k_nan, v_nan = (x.at[:, 32:].set(jnp.nan) for x in (k, v)) if s == 48 else (k, v)  # block 2 never read
+  got = attn.decode_attention(q[:, 16:], *_cache_layout(k_nan, v_nan), mask, 16, block=block)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_attention_matches_reference_with_an_explicit_mask():
+  """The dense path over a cache (explicit [B, T, S] masks: the refill engine, recompute, pure_lag)."""
+  q, k, v = _qkv(seed=6, t=3, s=20)
+  allowed = jnp.asarray(np.random.default_rng(0).random((B, 3, 20)) < 0.5).at[:, :, 0].set(True)
+  want = _reference(q, k, v, allowed)
+  got = attn.cached_attention(q, *_cache_layout(k, v), allowed)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_block_divides_cache():
   assert attn._decode_block(3072, 512) == 512
-  assert attn._decode_block(96, 512) == 32  # gcd: blocks never overlap
-  assert attn._decode_block(37, 512) == 37  # no useful divisor: one block
+  assert attn._decode_block(96, 512) == 96  # S <= block: one block, the dense softmax
+  assert attn._decode_block(1200, 512) == 400  # the largest divisor <= block: blocks never overlap
+  assert attn._decode_block(48, 16) == 16
+  assert attn._decode_block(1031, 512) == 1031  # a prime: no useful divisor, one block
 
 
 def test_unknown_implementation_names_choices():

@@ -100,7 +100,7 @@ class SamplerConfig:
       chunked / refill engine keeps that many slots and starts the rest as slots free up.
     max_batch: rows per device call, 0 = no cap. Buckets above it are replaced by it (in `__post_init__`, so
       every config derived with `dataclasses.replace` is capped too): N rows run as ceil(N / max_batch)
-      sequential calls of max_batch rows, which bounds the KV cache [B, S, K, H] and everything else that
+      sequential calls of max_batch rows, which bounds the KV cache (B rows) and everything else that
       grows with B, at the cost of more sequential decode loops (each reads all the weights every step).
     logp_mode: "sampled" or "tempered", see the module docstring.
     draw: how a token is drawn from the filtered distribution: "inverse_cdf" (two uniforms per
@@ -420,7 +420,7 @@ def _prefill(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, params, promp
   b, tp = prompt_bt.shape
   s = tp + num_new
   model = nnx.merge(graphdef, params)
-  cache = [tuple(sh.constrain(x, sh.CACHE_BSKH) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  cache = [tuple(sh.constrain(x, sh.CACHE_BK) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
   positions, _ = transformer.padded_positions_and_mask(prompt_valid_bt)
   kv_valid = jnp.pad(prompt_valid_bt.astype(bool), ((0, 0), (0, num_new)))  # [B, S]
   mask = transformer.AttentionMask(kv_valid)
@@ -534,7 +534,7 @@ class _Slots:
   the columns does not matter. Refilling a slot clears its response columns.
 
   Attributes:
-    cache: per-layer (k, v) [B, S, K, H].
+    cache: per-layer (k [B, K, H, S], v [B, K, S, H]) (the cache layout, model/attention.py).
     kv_valid: bool [B, S] columns holding this row's keys.
     col_tok, col_pos: int32 [B, S] the token and position whose keys each column holds (recompute_kv).
     toks, logps: [B, Tn] response so far (pad / 0 after it); vers: int32 [B, Tn] version per token (-1 after).
@@ -562,7 +562,7 @@ class _Slots:
 def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn: int) -> _Slots:
   s = tp + tn
   zi = lambda *shape: jnp.zeros(shape, jnp.int32)
-  cache = [tuple(sh.constrain(x, sh.CACHE_BSKH) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  cache = [tuple(sh.constrain(x, sh.CACHE_BK) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
   return _Slots(
     cache=cache,
     kv_valid=jnp.zeros((b, s), bool),
@@ -682,7 +682,7 @@ def _recompute_kv_device(graphdef, cfg_model, params, st: _Slots) -> _Slots:
   b, s = st.kv_valid.shape
   allowed = st.kv_valid[:, None, :] & (st.col_pos[:, None, :] <= st.col_pos[:, :, None])  # [B, S(query), S(key)]
   allowed = allowed | jnp.eye(s, dtype=bool)[None]  # unwritten columns attend to themselves (no empty rows)
-  fresh = [tuple(sh.constrain(x, sh.CACHE_BSKH) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  fresh = [tuple(sh.constrain(x, sh.CACHE_BK) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
   model = nnx.merge(graphdef, params)
   _, cache = model(st.col_tok, st.col_pos, allowed, fresh, 0, hidden=True)
   return dataclasses.replace(st, cache=cache)
@@ -732,8 +732,8 @@ def _layout_sharding(mesh, shape: tuple[int, ...], entries: tuple):
 def _decode_step(graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, keys_b):
   """One decode step: the body of `_generate_device`'s loop (and `Sampler.lower(part="decode")`'s program).
 
-  Feeds token prev_b [B] at position pos_b [B] into cache slot idx (the cache: per-layer (k, v)
-  [B, S, K, H]; kv_valid: bool [B, S], the slot marked valid here), attends over the cache blocks up to
+  Feeds token prev_b [B] at position pos_b [B] into cache slot idx (the cache: per-layer (k [B, K, H, S],
+  v [B, K, S, H]); kv_valid: bool [B, S], the slot marked valid here), attends over the cache blocks up to
   it, draws the next token of row n with keys_b[n] (the loop's fold_in(fold_in(rng, row), i));
   returns (tokens [B], logp [B], cache, kv_valid).
   """
@@ -841,12 +841,12 @@ class Sampler:
     """One jitted program of the (B, Tp, Tn) bucket, lowered (not run): `.compile().memory_analysis()`.
 
     part: "generate" (the whole generation as `generate` runs it: prefill, then the decode
-    while_loop, one jit), "prefill" (`_prefill`: the prompt bucket into a fresh KV cache [B, S, K, H]
-    per layer, S = Tp + Tn, and the last column's logits) or "decode" (one decode step as the loop
+    while_loop, one jit), "prefill" (`_prefill`: the prompt bucket into a fresh KV cache (k [B, K, H, S],
+    v [B, K, S, H]) per layer, S = Tp + Tn, and the last column's logits) or "decode" (one decode step as the loop
     body runs it, `_decode_step`: the token fed at the last cache slot, attention over the full
     cache, the next token drawn; the cache is donated, as the loop updates it in place).
     params may be abstract (ShapeDtypeStructs, e.g. from `jax.eval_shape`); with a mesh they are
-    given the sampler's parameter shardings, and the cache its CACHE_BSKH layout, so the compiled
+    given the sampler's parameter shardings, and the cache its CACHE_BK layout, so the compiled
     program is the sharded one.
     """
     if part not in LOWER_PARTS:
@@ -880,8 +880,9 @@ class Sampler:
         fn = jax.jit(lambda p, tok, valid: _prefill(g, cm, cfg, cast(p), tok, valid, num_new))
         return fn.lower(params, sds((b, tp), jnp.int32), sds((b, tp), jnp.bool_))
       s = tp + num_new
-      kv = sds((b, s, cm.num_kv_heads, cm.head_dim), cm.compute_dtype, sh.CACHE_BSKH)
-      cache = [(kv, kv) for _ in range(cm.num_layers)]
+      k = sds((b, cm.num_kv_heads, cm.head_dim, s), cm.compute_dtype, sh.CACHE_BK)
+      v = sds((b, cm.num_kv_heads, s, cm.head_dim), cm.compute_dtype, sh.CACHE_BK)
+      cache = [(k, v) for _ in range(cm.num_layers)]
       fn = jax.jit(lambda p, *a: _decode_step(g, cfg, cast(p), *a), donate_argnums=(1, 2))
       scalar = jax.ShapeDtypeStruct((), jnp.int32)
       keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))  # one key per row

@@ -81,7 +81,7 @@ RESIDUAL_BTD = (BATCH_AXES, None, None)  # [B, T, D] embeddings, block outputs
 HEADS_BTNH = (BATCH_AXES, None, "tensor", None)  # [B, T, N or K, H] q, k, v
 HIDDEN_BTF = (BATCH_AXES, None, "tensor")  # [B, T, F] SwiGLU hidden
 LOGITS_BTV = (BATCH_AXES, None, "tensor")  # [B, T, V] vocab-parallel LM head
-CACHE_BSKH = (BATCH_AXES, None, "tensor", None)  # [B, S, K, H] KV cache
+CACHE_BK = (BATCH_AXES, "tensor", None, None)  # KV cache: keys [B, K, H, S], values [B, K, S, H]
 
 # ----------------------------------------------------------------------------- mesh
 

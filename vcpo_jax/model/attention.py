@@ -33,15 +33,24 @@ Implementations (`ModelConfig.attention`), all exact:
              call is not partitioned); self-attention only, like "cudnn". Checked against
              "dense" in the Pallas interpreter on CPU (tests), never run on a TPU here.
 
-Decoding with a KV cache at a traced slot (`decode_attention`) always runs
-blockwise with an online softmax over only the filled blocks of the cache
-(a while loop up to the last written slot), whatever the implementation.
+The KV cache (`transformer.init_cache`) keeps one layer's keys as [B, K, H, S] and
+its values as [B, K, S, H]: the kv-head axis leads, so the two attention dots are
+batched over (B, K) without a copy, and the keys are stored transposed, so the
+scores are q [R, H] x k [H, S] per (b, k) in the keys' own layout. With the HF-style
+[B, S, K, H] cache, XLA:CPU copied a transposed block of the cache in every decode
+step of every layer (benchmarks/README.md, "Decode attention and the cache layout").
+Attention over a cache (`cached_attention`: an explicit mask; `decode_attention`: a
+traced or non-zero slot) reads this layout; a call at slot 0 attends to its fresh
+keys [B, T, K, H] through `attention`, whatever the implementation.
+
+Decoding with a KV cache at a traced slot (`decode_attention`) runs blockwise with
+an online softmax over only the filled blocks of the cache (a loop up to the last
+written slot) once the cache is longer than one block, whatever the implementation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -195,54 +204,91 @@ def attention(q_btnh, k_bskh, v_bskh, mask, *, q_offset: int = 0, implementation
 
 
 def _decode_block(s: int, block: int) -> int:
-  """A key block that divides S (blocks never overlap), else the whole cache as one block."""
-  g = math.gcd(s, block)
-  return g if g >= min(16, s) else s
+  """The key block of `decode_attention`: the whole cache when S <= block, else the largest divisor
+  of S that is <= block (blocks never overlap); a cache with no divisor >= 16 is one block."""
+  if s <= block:
+    return s
+  d = max(d for d in range(1, block + 1) if s % d == 0)
+  return d if d >= 16 else s
 
 
-def decode_attention(q_btnh, k_bskh, v_bskh, mask: AttentionMask, q_offset, *, block: int = 512) -> jax.Array:
-  """Attention for T new queries at a traced cache slot q_offset, reading only the filled cache.
+def _q_major(q_btnh, kh: int) -> jax.Array:
+  """[B, T, N, H] -> [B, K, T R, H]: the batch axes (B, K) lead, so each (b, k) is one [T R, H] x [H, S]
+  matmul against the cache (XLA:CPU otherwise puts the cache on the left and runs an [S, H] x [H, R]
+  product per (b, k), 1.5x slower per decode step at S = 160)."""
+  b, t, n, h = q_btnh.shape
+  return jnp.transpose(q_btnh.reshape(b, t, kh, n // kh, h), (0, 2, 1, 3, 4)).reshape(b, kh, t * (n // kh), h)
 
-  Keys are visited in blocks of `block` slots (a divisor of S) with an online
+
+def _q_major_mask(allowed_bts, r: int) -> jax.Array:
+  """bool [B, T, S] -> [B, 1, T R, S], the rows of `_q_major`'s queries."""
+  b, t, s = allowed_bts.shape
+  return jnp.broadcast_to(allowed_bts[:, None, :, None, :], (b, 1, t, r, s)).reshape(b, 1, t * r, s)
+
+
+def _from_q_major(out_bkqh, t: int) -> jax.Array:
+  """[B, K, T R, H] -> [B, T, N, H]."""
+  b, kh, q, h = out_bkqh.shape
+  return jnp.transpose(out_bkqh.reshape(b, kh, t, q // t, h), (0, 2, 1, 3, 4)).reshape(b, t, q // t * kh, h)
+
+
+def cached_attention(q_btnh, k_bkhs, v_bksh, allowed_bts) -> jax.Array:
+  """`_dense` over a cache in its layout (keys [B, K, H, S], values [B, K, S, H]; module docstring):
+  float32 scores masked with finfo.min where `allowed_bts` (bool [B, T, S]) is False, a softmax,
+  and the weighted values [B, T, N, H]."""
+  _, t, n, h = q_btnh.shape
+  kh = k_bkhs.shape[1]
+  q = _q_major(q_btnh, kh)
+  scores = jnp.einsum("bkqh,bkhs->bkqs", q, k_bkhs.astype(q.dtype)).astype(jnp.float32)
+  scores = scores / jnp.sqrt(jnp.float32(h))
+  scores = jnp.where(_q_major_mask(allowed_bts, n // kh), scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
+  return _from_q_major(jnp.einsum("bkqs,bksh->bkqh", probs, v_bksh), t)
+
+
+def decode_attention(q_btnh, k_bkhs, v_bksh, mask: AttentionMask, q_offset, *, block: int = 512) -> jax.Array:
+  """Attention for T new queries at cache slot q_offset, reading only the filled cache.
+
+  Keys are visited in blocks of `_decode_block(S, block)` slots with an online
   softmax (running max m, normalizer l, weighted sum acc, all float32), up to the
   block holding slot q_offset + T - 1: a decode step at slot i reads
   ceil((i + T) / block) blocks, not S. Equal to the dense softmax up to rounding.
-  A cache of one block (S <= block, or no divisor of S >= 16) runs the dense softmax.
+  A cache of one block (S <= block, or no divisor of S >= 16) runs the dense softmax
+  (`cached_attention`) over all S slots, with no loop.
 
   Args:
-    q_btnh: [B, T, N, H]; k_bskh, v_bskh: the cache [B, S, K, H] (this step's keys written).
+    q_btnh: [B, T, N, H]; k_bkhs [B, K, H, S], v_bksh [B, K, S, H]: the cache (this step's keys written).
     mask: AttentionMask over the S cache slots.
-    q_offset: int32 scalar (traced), slot of the first query.
+    q_offset: slot of the first query: an int32 scalar (traced, decode) or a Python int (a prefill chunk).
   """
   b, t, n, h = q_btnh.shape
-  s, kh = k_bskh.shape[1], k_bskh.shape[2]
+  kh, s = k_bkhs.shape[1], k_bkhs.shape[3]
   r = n // kh
   blk = _decode_block(s, block)
   if blk == s:  # one block (short caches, e.g. on CPU): the dense softmax, no loop
-    return _dense(q_btnh, k_bskh, v_bskh, _block_allowed(mask.kv_valid, t, 0, q_offset))
-  q = q_btnh.reshape(b, t, kh, r, h).astype(jnp.float32) / jnp.sqrt(jnp.float32(h))
+    return cached_attention(q_btnh, k_bkhs, v_bksh, _block_allowed(mask.kv_valid, t, 0, q_offset)[:, 0, 0])
+  q = _q_major(q_btnh.astype(jnp.float32) / jnp.sqrt(jnp.float32(h)), kh)  # [B, K, T R, H]
   num_blocks = jnp.minimum((q_offset + t + blk - 1) // blk, s // blk)
 
   def body(j, carry):
     m, l, acc = carry
     start = j * blk
-    kb = jax.lax.dynamic_slice_in_dim(k_bskh, start, blk, axis=1).astype(jnp.float32)
-    vb = jax.lax.dynamic_slice_in_dim(v_bskh, start, blk, axis=1).astype(jnp.float32)
+    kb = jax.lax.dynamic_slice_in_dim(k_bkhs, start, blk, axis=3).astype(jnp.float32)
+    vb = jax.lax.dynamic_slice_in_dim(v_bksh, start, blk, axis=2).astype(jnp.float32)
     valid = jax.lax.dynamic_slice_in_dim(mask.kv_valid, start, blk, axis=1)
-    scores = jnp.einsum("btkrh,bskh->bkrts", q, kb)
-    scores = jnp.where(_block_allowed(valid, t, start, q_offset), scores, _NEG)
+    scores = jnp.einsum("bkqh,bkhs->bkqs", q, kb)
+    scores = jnp.where(_q_major_mask(_block_allowed(valid, t, start, q_offset)[:, 0, 0], r), scores, _NEG)
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
     p = jnp.exp(scores - m_new[..., None])
     corr = jnp.exp(m - m_new)  # 0 once a real key was seen after only masked ones
     l = l * corr + jnp.sum(p, axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum("bkrts,bskh->bkrth", p, vb)
+    acc = acc * corr[..., None] + jnp.einsum("bkqs,bksh->bkqh", p, vb)
     return m_new, l, acc
 
   init = (
-    jnp.full((b, kh, r, t), _NEG, jnp.float32),
-    jnp.zeros((b, kh, r, t), jnp.float32),
-    jnp.zeros((b, kh, r, t, h), jnp.float32),
+    jnp.full((b, kh, t * r), _NEG, jnp.float32),
+    jnp.zeros((b, kh, t * r), jnp.float32),
+    jnp.zeros((b, kh, t * r, h), jnp.float32),
   )
   _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-  out = acc / l[..., None]  # [B, K, R, T, H]
-  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(q_btnh.dtype)
+  return _from_q_major(acc / l[..., None], t).astype(q_btnh.dtype)

@@ -39,7 +39,7 @@ def _INIT(key, shape, dtype):
 
 AttentionMask = attn.AttentionMask  # the mask type `forward` takes (re-exported for callers)
 
-# One layer's KV cache: (k [B, S, K, H], v [B, S, K, H]) in the compute dtype.
+# One layer's KV cache: (k [B, K, H, S], v [B, K, S, H]) in the compute dtype (the layout: attention.py).
 LayerCache = tuple[jax.Array, jax.Array]
 
 
@@ -127,18 +127,21 @@ class Attention(nnx.Module):
     if cache is None:
       out = attn.attention(q, kk, vv, mask, **kw)
     else:
-      ck, cv = cache
-      ck = jax.lax.dynamic_update_slice(ck, kk.astype(ck.dtype), (0, cache_index, 0, 0))
-      cv = jax.lax.dynamic_update_slice(cv, vv.astype(cv.dtype), (0, cache_index, 0, 0))
-      ck, cv = sh.constrain(ck, sh.CACHE_BSKH), sh.constrain(cv, sh.CACHE_BSKH)
+      ck, cv = cache  # keys [B, K, H, S], values [B, K, S, H] (the cache layout, attention.py)
+      kk, vv = kk.astype(ck.dtype), vv.astype(cv.dtype)
+      ck = jax.lax.dynamic_update_slice(ck, jnp.transpose(kk, (0, 2, 3, 1)), (0, 0, 0, cache_index))
+      cv = jax.lax.dynamic_update_slice(cv, jnp.transpose(vv, (0, 2, 1, 3)), (0, 0, cache_index, 0))
+      ck, cv = sh.constrain(ck, sh.CACHE_BK), sh.constrain(cv, sh.CACHE_BK)
       cache = (ck, cv)
+      first = isinstance(cache_index, int) and cache_index == 0  # static slot 0: this call's keys are the prefix
       if not isinstance(mask, attn.AttentionMask):  # an explicit [B, T, S] mask over the whole cache
-        out = attn.attention(q, ck, cv, mask, **kw)
-      elif isinstance(cache_index, int):  # static slot (prefill chunks): read the filled prefix only
-        end = cache_index + t
-        prefix = attn.AttentionMask(mask.kv_valid[:, :end])
-        out = attn.attention(q, ck[:, :end], cv[:, :end], prefix, q_offset=cache_index, **kw)
-      else:  # traced slot (decode): blockwise over the filled blocks
+        if first and t == ck.shape[3]:  # the whole cache written now (recompute_kv)
+          out = attn.attention(q, kk, vv, mask, **kw)
+        else:
+          out = attn.cached_attention(q, ck, cv, jnp.asarray(mask, bool))
+      elif first:  # prefill (its first chunk): the fresh keys, with the configured implementation
+        out = attn.attention(q, kk, vv, attn.AttentionMask(mask.kv_valid[:, :t]), **kw)
+      else:  # decode, a later prefill chunk: blockwise over the filled blocks of the cache
         out = attn.decode_attention(q, ck, cv, mask, cache_index, block=self.chunk)
     return self.o_proj(out.reshape(b, t, n * h)), cache
 
@@ -257,10 +260,11 @@ class Transformer(nnx.Module):
         keys, see `vcpo_jax.model.attention`), or an explicit bool [B, T, S] mask (run
         densely). S = T without a cache, the cache length with one (keys written at
         cache_index..cache_index+T-1).
-      cache: per-layer (k, v) [B, S, K, H] or None.
-      cache_index: where this call's keys go in the cache: a Python int (static: attention
-        reads the cache prefix [0, cache_index + T) only), or an int32 scalar (traced: the
-        decode path, blockwise over the filled blocks).
+      cache: per-layer (k [B, K, H, S], v [B, K, S, H]) or None.
+      cache_index: where this call's keys go in the cache: a Python int (static: at 0 the call
+        attends to its own keys with the configured implementation; later, a prefill chunk, to the
+        filled blocks of the cache), or an int32 scalar (traced: the decode path, blockwise over
+        the filled blocks).
     """
     x = sh.constrain(self.embed_tokens(tokens_bt), sh.RESIDUAL_BTD)
     new_cache = [] if cache is not None else None
@@ -304,8 +308,10 @@ def split(model: Transformer) -> tuple[Any, nnx.State]:
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[LayerCache]:
   dtype = dtype or cfg.compute_dtype
-  shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-  return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+  k, h = cfg.num_kv_heads, cfg.head_dim
+  return [
+    (jnp.zeros((batch, k, h, length), dtype), jnp.zeros((batch, k, length, h), dtype)) for _ in range(cfg.num_layers)
+  ]
 
 
 def forward(graphdef, params, tokens_bt, positions_bt, mask, cache=None, cache_index=None):
