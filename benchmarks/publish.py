@@ -18,6 +18,20 @@ thread's on the background path) and `time/learn_s + time/publish_s` (the learne
 background thread's copy competes with the next update for the cores, which publish_s alone does not see).
 Reported per size: the medians of both settings over rounds and the median and range of the per-round ratios
 false / true of publish_s. Prints a table and one JSON line.
+
+A setting "false:1" / "false:2" (or "true:2", ...) also sets async_.publish_buffers (parameter copies in the
+slot: the synchronous path's one-copy slot against its double buffer), and "false:2:false" also sets
+async_.publish_checksum (default "true"): e.g. --settings=false:2:false,false:2,false:1 compares the synchronous
+path without the checksum (as before it had one), with it, and with it and one parameter copy.
+
+    python -m benchmarks.publish --checksum --rounds=7
+
+`--checksum` instead times, per size, on host arrays of the model's own parameter shapes (float32, random):
+the slot's copy alone (np.copyto into a mapped slot buffer, as ParamSlot.publish did before the checksum), the
+slot's copy with its fused checksum (ParamSlot's block copy + row sums: what publish() does now; "read": the
+same walk out of the slot into given arrays, what latest() does),
+the checksum as a separate pass (`param_slot.checksum`) and zlib.adler32 over the same bytes (the previous
+checksum), in rounds with the order rotated; median and range over rounds, and the ratios to the copy.
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ SIZES = {
 def _config(size: str, steps: int, background: str):
   from configs import countdown
 
+  background, buffers, csum = (background.split(":") + ["", ""])[:3]
+
   hidden, layers, ffn, prompts, group = SIZES[size]
   c = countdown.get_config()
   c.mode, c.lag.k, c.steps = "async", 2, steps
@@ -57,6 +73,8 @@ def _config(size: str, steps: int, background: str):
       c.async_.sampler_devices = "1"
   else:
     c.async_.background_publish = background
+    c.async_.publish_buffers = int(buffers or 0)
+    c.async_.publish_checksum = csum or "true"
     if os.environ.get("BENCH_PUBLISH_DEVICES"):  # --settings with "device": the same learner device for all
       c.async_.sampler_devices = "1"
   return c
@@ -93,6 +111,99 @@ def run_one(size: str, steps: int, background: str) -> dict:
   )
 
 
+def checksum_costs(size: str, rounds: int) -> dict:
+  """Seconds (median, min, max over rounds) of: the slot copy, the copy with its fused checksum, the checksum as
+  its own pass, zlib.adler32; at `size`'s parameter shapes (float32)."""
+  import zlib
+
+  from vcpo_jax import run_config
+  from vcpo_jax.rollout.process import param_slot
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  model_cfg = run_config.parse_config(_config(size, 2, "false")).model_cfg
+  _, abstract = worker_lib.abstract_params(model_cfg)
+  import jax
+
+  rng = np.random.default_rng(0)
+  arrays = {
+    n: rng.standard_normal(x.shape, dtype=np.float32)
+    for n, x in zip(worker_lib.param_names(abstract), jax.tree.leaves(abstract))
+  }
+  slot = param_slot.ParamSlot(arrays, nbuf=1)
+  dst = slot._views[0]
+  for n, a in arrays.items():  # fault the slot's pages in once, as a running slot has
+    np.copyto(dst[n], a)
+
+  def copy():
+    for n, a in arrays.items():
+      np.copyto(dst[n], a)
+
+  def copy_checksum():  # what ParamSlot.publish does now (its header updates aside)
+    return param_slot._copy_sum(slot._bufs[0], slot._offsets, arrays, into_buf=True)
+
+  out = {n: np.empty_like(a) for n, a in arrays.items()}
+  for n, a in out.items():
+    np.copyto(a, arrays[n])
+
+  def read_checksum():  # what ParamSlot.latest does now, into arrays given as `out`
+    return param_slot._copy_sum(slot._bufs[0], slot._offsets, out, into_buf=False)
+
+  def adler():
+    c = 1
+    for a in arrays.values():
+      c = zlib.adler32(a.reshape(-1).view(np.uint8), c)
+
+  fns = {
+    "copy": copy,
+    "copy_checksum": copy_checksum,
+    "read_checksum": read_checksum,
+    "checksum": lambda: param_slot.checksum(arrays),
+    "adler32": adler,
+  }
+  assert copy_checksum() == param_slot.checksum(arrays)
+  per = {k: [] for k in fns}
+  try:
+    for r in range(rounds):
+      for k in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+        t0 = time.perf_counter()
+        fns[k]()
+        per[k].append(time.perf_counter() - t0)
+  finally:
+    slot.close()
+  ratio = lambda k: np.asarray(per[k]) / np.asarray(per["copy"])
+  return dict(
+    size=size,
+    params=int(sum(a.size for a in arrays.values())),
+    ms={k: [float(np.median(v)) * 1e3, float(min(v)) * 1e3, float(max(v)) * 1e3] for k, v in per.items()},
+    over_copy={k: [float(np.median(ratio(k))), float(ratio(k).min()), float(ratio(k).max())] for k in fns},
+  )
+
+
+def main_checksum(a):
+  results = []
+  for size in a.sizes.split(","):
+    load0 = os.getloadavg()
+    x = checksum_costs(size, a.rounds)
+    x["load_before"], x["load_after"] = list(load0), list(os.getloadavg())
+    results.append(x)
+  print(
+    "| model | parameters | copy (ms) | write: copy + checksum (ms) | read: checksum + copy (ms) | checksum pass (ms) "
+    "| zlib.adler32 (ms) | load avg |"
+  )
+  print("|---|---:|---:|---:|---:|---:|---:|---|")
+  fmt = lambda v: "{:.2f} ({:.2f}-{:.2f})".format(*v)
+  keys = ("copy_checksum", "read_checksum", "checksum", "adler32")
+  for x in results:
+    m, r = x["ms"], x["over_copy"]
+    print(
+      f"| {x['size']} | {x['params'] / 1e6:.1f}M | {fmt(m['copy'])} | "
+      + " | ".join(fmt(m[k]) for k in keys)
+      + f" | {x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f} |"
+    )
+    print("|  | / copy, per round |  | " + " | ".join("{:.2f}x ({:.2f}-{:.2f})".format(*r[k]) for k in keys) + " |  |")
+  print(json.dumps(dict(benchmark="publish_checksum", args=vars(a), results=results)))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--rounds", type=int, default=3)
@@ -105,7 +216,10 @@ def main(argv=None):
     "device 0, sampler thread on device 1; every setting then runs its learner on device 0 alone) and/or "
     "'transfer' (publish_path='transfer': a sampler process pulling with jax.experimental.transfer)",
   )
+  p.add_argument("--checksum", action="store_true", help="time the slot copy against its checksum (see above)")
   a = p.parse_args(argv)
+  if a.checksum:
+    return main_checksum(a)
   settings = a.settings.split(",")
   if "device" in settings:  # before JAX is imported (vcpo_jax is imported inside the functions)
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"

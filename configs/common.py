@@ -119,6 +119,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   )  # "true"/True: copy in a thread | "false": learner's path | auto: CPU false
   c.async_.publish_path = "shm"  # shm: process, shm slot | device: thread, device_put | transfer: process, pull
   c.async_.publish_dtype = "auto"  # slot dtype of floating params: "auto" (bf16 on accelerators, f32 on CPU)
+  c.async_.publish_buffers = 1  # parameter copies in the shm slot: 1 | 2 | 0 = 1 with background publish, else 2
+  c.async_.publish_checksum = "true"  # shm slot checksum, echoed + checked: true | false | background (thread only)
   c.async_.decode = "static"  # sampler process: static (one device loop) | chunked | refill (continuous batching)
   c.async_.chunk_tokens = 16  # decode steps per jitted chunk ("chunked" / "refill" / in-flight updates)
   c.async_.inflight_updates = False  # switch to newer params between decode chunks; per-token versions

@@ -336,6 +336,80 @@ def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum
     src.close()
 
 
+def test_synchronous_publish_records_the_checksum_and_next_raises_on_a_corrupted_copy(monkeypatch):
+  """The CPU default (synchronous publish): every version's checksum is recorded during the slot copy and each
+  batch's echo is checked; a slot buffer corrupted after its checksum was taken (one flipped byte, written before
+  the version is made visible) makes next() raise instead of training on it."""
+  import numpy as np
+
+  from vcpo_jax.rollout.process import param_slot
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  k = 2
+  src, params = _source(_tiny(steps=6, **{"lag.k": k, "async_.queue_slots": k + 2}))
+  names = worker_lib.param_names(params)
+  host = lambda p: {n: np.array(a) for n, a in zip(names, jax.tree.leaves(p))}
+  params1 = jax.tree.map(lambda x: x * 2.0, params)
+  real, corrupt = param_slot._copy_sum, []
+
+  def copy_sum(buf, offsets, arrays, into_buf):  # the learner's write: checksum of the intended bytes, then a flip
+    value = real(buf, offsets, arrays, into_buf)
+    if into_buf and corrupt:
+      buf[offsets[names[-1]]] ^= 0x01
+    return value
+
+  monkeypatch.setattr(param_slot, "_copy_sum", copy_sum)  # this process only: the sampler reads honestly
+  try:
+    assert src.background is False  # auto on CPU
+    src.publish(params, 0)
+    assert src._checksums[0] == param_slot.checksum(host(params))
+    batch, info = src.next(0)
+    assert (batch["policy_version"] == 0).all() and info["params_checksum"] == src._checksums[0]
+    corrupt.append(True)
+    src.publish(params1, 1)
+    assert src._checksums[1] == param_slot.checksum(host(params1))  # what was meant, not what the slot holds
+    with pytest.raises(RuntimeError, match="version 1 was published with checksum .* the parameter copy was corrupted"):
+      for step in range(1, k + 2):  # batch k + 1 needs version >= 1
+        src.next(step)
+  finally:
+    src.close()
+
+
+def test_checksum_and_one_copy_leave_the_synchronous_paths_batches_unchanged():
+  """Versions fixed by the protocol (k = 1, one queue slot: batches 0 and 1 from version 0, batch b >= 2 from
+  version b - 1): the default synchronous path (one parameter copy, checksum on), the path as it was before
+  (double buffer, publish_checksum="false": plain copies, nothing recorded or echoed) and the double buffer with
+  the checksum give equal batches field for field, and both checksummed paths echo the recorded checksums."""
+  import numpy as np
+
+  def run(over, steps=4):
+    src, params = _source(_tiny(steps=steps, **{"lag.k": 1, "async_.queue_slots": 1, **over}))
+    out = []
+    try:
+      for step in range(steps):
+        if step != 1:
+          v = max(0, step - 1)
+          src.publish(jax.tree.map(lambda x, s=1.0 + 0.5 * v: x * s, params), v)
+        out.append(src.next(step))
+      return out, src.slot.nbuf, dict(src._checksums)
+    finally:
+      src.close()
+
+  new, nbuf_new, sums = run({})
+  old, nbuf_old, none = run({"async_.publish_checksum": "false", "async_.publish_buffers": 2})
+  one, nbuf_one, sums_one = run({"async_.publish_buffers": 2})
+  assert (nbuf_new, nbuf_old, nbuf_one) == (1, 2, 2) and sums == sums_one and set(sums) == {0, 1, 2}
+  assert set(none.values()) == {None}
+  for step, ((b_new, i_new), (b_old, i_old), (b_one, i_one)) in enumerate(zip(new, old, one)):
+    assert (b_new["policy_version"] == max(0, step - 1)).all(), step
+    assert i_new["params_checksum"] == i_one["params_checksum"] == sums[max(0, step - 1)], step  # checked
+    assert i_old["params_checksum"] is None
+    for name in b_new:
+      np.testing.assert_array_equal(np.asarray(b_old[name]), np.asarray(b_new[name]), err_msg=f"{step} {name}")
+      np.testing.assert_array_equal(np.asarray(b_one[name]), np.asarray(b_new[name]), err_msg=f"{step} {name}")
+    assert i_new["texts"] == i_old["texts"] == i_one["texts"]
+
+
 def test_device_checksum_is_a_hand_checkable_position_weighted_sum_independent_of_sharding():
   import jax.numpy as jnp
   import numpy as np
@@ -402,13 +476,14 @@ def test_background_publish_auto_is_synchronous_on_cpu_and_background_on_acceler
   assert async_.background_for(True, "cpu") is True and async_.background_for(False, "tpu") is False
   with pytest.raises(ValueError, match="background_publish"):
     async_.background_for("sometimes", "cpu")
-  # On this (CPU) machine the default builds the synchronous path: the double-buffered slot, no thread.
+  # On this (CPU) machine the default builds the synchronous path: one parameter copy in the slot, no thread.
   src, params = _source(_tiny(steps=2))
   try:
     assert src.cfg.background_publish == "auto" and src.background is False
     src.publish(params, 0)
     src.publish(params, 1)
-    assert src.slot.nbuf == 2 and src._thread is None and src.take_copy_s() is not None
+    assert src.slot.nbuf == 1 and src._thread is None and src.take_copy_s() is not None
+    assert src._checksums[1] == src.slot.last_checksum is not None  # async_.publish_checksum="true"
   finally:
     src.close()
 
@@ -632,6 +707,8 @@ def test_inflight_off_keeps_the_learners_sampler_config_and_one_version_per_row(
     ("decode", "fast", "async_.decode"),
     ("chunk_tokens", 0, "async_.chunk_tokens"),
     ("update_every_tokens", -1, "async_.update_every_tokens"),
+    ("publish_buffers", 3, "async_.publish_buffers"),
+    ("publish_checksum", "auto", "async_.publish_checksum"),
   ],
 )
 def test_bad_inflight_settings_fail_in_config_parsing(key, value, match):

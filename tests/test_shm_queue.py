@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vcpo_jax.rollout.process.param_slot import ParamSlot
+from vcpo_jax.rollout.process.param_slot import ParamSlot, checksum
 from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 
 N = 4
@@ -394,6 +394,12 @@ def test_param_slot_never_torn_and_monotone_under_concurrent_writes(nbuf):
         # Untorn: every element was written by the same publish, the one reported.
         assert flat[0] == v and (flat == flat[0]).all(), f"torn read at version {v}"
         assert (got["emb"] == ml_dtypes.bfloat16(v % 256)).all()
+        # The checksum latest() took during its copy is that of version v as the writer meant it.
+        want = {
+          "flat": np.full(SPEC["flat"][0], v, np.float32),
+          "emb": np.full(SPEC["emb"][0], v % 256, ml_dtypes.bfloat16),
+        }
+        assert slot.checksum_of(got, list(SPEC)) == checksum(want), v
         last, reads = v, reads + 1
         versions.add(v)
       p.join(WAIT_S)

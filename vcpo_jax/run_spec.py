@@ -163,6 +163,8 @@ class AsyncConfig:
   background_publish: str = "auto"  # "true": copy in a thread; "false": on the learner's path; auto: false on CPU
   publish_path: str = "shm"  # shm: process + shared memory | device: thread, device_put | transfer: process, pull
   publish_dtype: str = "auto"  # slot dtype of floating parameters: auto (bf16 on accelerators, f32 on CPU)
+  publish_buffers: int = 1  # parameter copies in the shm slot: 1 | 2 | 0 = 1 with background publish, else 2
+  publish_checksum: str = "true"  # shm slot checksum, echoed and checked: true | false | background (thread only)
   decode: str = "static"
   chunk_tokens: int = 16
   inflight_updates: bool = False
@@ -220,6 +222,20 @@ class AsyncConfig:
       "async_.publish_path",
       self.publish_path,
       "'device' needs async_.sampler_devices (e.g. '2,3': the sampler's devices of this process).",
+    )
+    check_field(
+      self.publish_buffers in (0, 1, 2),
+      "async_.publish_buffers",
+      self.publish_buffers,
+      "use 1 (one parameter copy in /dev/shm: a publish waits for a sampler read in progress), 2 (double "
+      "buffer: never waits) or 0 (1 with background publishing, 2 with the synchronous one).",
+    )
+    check_field(
+      self.publish_checksum in ("true", "false", "background"),
+      "async_.publish_checksum",
+      self.publish_checksum,
+      "use 'true' (every shm publish records the slot checksum and next() checks the sampler's echo), 'false' "
+      "(none) or 'background' (only the background publisher's copies).",
     )
     check_field(
       str(self.background_publish).lower() in ("auto", "true", "false"),

@@ -385,7 +385,11 @@ def _run_seconds(workdir: Path) -> float:
 # Run-config fields added after the ledger's first records, each with the value that gives the behaviour from
 # before it existed. At that value a field is left out of a run's fingerprint, so the records made before it was
 # added stay valid; any other value is part of it. Add a field here when adding it to configs/common.py.
-LATER_FIELDS = {("sampler", "max_batch"): 0}
+LATER_FIELDS = {
+  ("sampler", "max_batch"): 0,
+  ("async_", "publish_buffers"): 0,
+  ("async_", "publish_checksum"): "background",
+}
 
 
 def run_fingerprint(c, method: str, k: int, seed: int, lr: float, knob=None, stage: str = "") -> str:

@@ -36,22 +36,36 @@ sampler was still generating at save time is not saved: it is made again.
 Publishing (`async_.background_publish`: "auto" (default), "true" or "false"; `background_for`).
 "true" takes it off the learner's critical path: publish() dispatches an on-device snapshot (fresh
 buffers in the publish dtype: bfloat16 on accelerators, float32 on CPU, so the CPU numerics are
-today's; `async_.publish_dtype` overrides) and hands it to a thread that does the device_get, the
-copy into the slot and the checksum (param_slot.checksum, recorded per version). The slot then
-holds one parameter copy (ParamSlot nbuf=1: the thread's write waits for the sampler's read, never
-the learner). The sampler echoes the checksum of what it read in each batch's metadata and next()
-checks it against the published version's. "false": publish() itself does the device_get (a view of
-the buffers on CPU) and one copy into a double-buffered slot; no checksum is recorded (an Adler-32
-pass over the parameters costs more than the copy), so the echo is not checked. "auto" = "false" on
-the CPU backend, "true" elsewhere. Why (measured, benchmarks/README.md "Parameter publishing"): on CPU
-the snapshot is not a device-local copy that overlaps the next step but a full memory copy made on
-the caller's thread (73 ms at 50.8M parameters, against 20 ms for the synchronous copy into the slot,
-whose device_get is free), and the thread's copy and checksum then compete with the learner's step for
-the same cores; on accelerators the snapshot is a device-local copy and the host transfer overlaps
-the next step (not measured here: no accelerator run). The device path (`async_.publish_path=
-"device"`, rollout/device_publish.py) replaces the sampler process and the slot by a sampler thread
-on its own devices of this process; the transfer path (`"transfer"`, rollout/transfer_publish.py) keeps
-the sampler process and replaces the slot by pulls of device arrays with `jax.experimental.transfer`.
+today's; `async_.publish_dtype` overrides) and hands it to a thread that does the device_get and the
+copy into the slot. "false": publish() itself does the device_get (a view of the buffers on CPU) and
+the copy into the slot. "auto" = "false" on the CPU backend, "true" elsewhere. Why (measured,
+benchmarks/README.md "Parameter publishing"): on CPU the snapshot is not a device-local copy that
+overlaps the next step but a full memory copy made on the caller's thread (73 ms at 50.8M parameters,
+against 20 ms for the synchronous copy into the slot, whose device_get is free), and the thread's copy
+then competes with the learner's step for the same cores; on accelerators the snapshot is a device-local
+copy and the host transfer overlaps the next step (not measured here: no accelerator run).
+
+One parameter copy in shared memory, a version counter and a checksum, on both paths. The slot
+(process/param_slot.py) holds `async_.publish_buffers` copies, 1 by default (ParamSlot nbuf=1: a write
+waits for a sampler read in progress, a read for the write in progress); 2 = double buffer (a write never
+waits), 0 = the rule before the field (1 with background publishing, 2 with the synchronous one). On the
+synchronous path a write can wait for at most one sampler copy, which happens right after a publish,
+so rarely: time/publish_s at 50.8M parameters, median over 3 rounds (load 4-5 on 2 cores), 67.5 ms with
+one copy against 68.9 ms with two (per round 58.5 / 68.9, 67.5 / 68.9, 70.5 / 51.9 ms). The checksum
+(`async_.publish_checksum`, default "true"; param_slot.checksum, 64 bits: position-weighted sums of
+uint64 words, exact integer arithmetic) is computed by the slot during the learner's copy into it, block
+by block while each block is in cache, and recorded per version; the sampler's slot computes it of what
+it copies out, during that copy, and echoes it in each batch's metadata; next() checks the echo against
+the published version's and raises if they differ (the parameter copy was corrupted). Its cost on the
+synchronous path: time/publish_s 45.4 -> 68.9 ms at 50.8M (+23 ms, 0.5% of learn + publish, 4.3 s) and
+1.6 -> 2.3 ms at the CPU default (0.2% of a 0.3 s step); the write alone, timed in isolation, 1.28x the
+plain copy at 50.8M (zlib.adler32, the previous checksum, 3.9x). Above the 25%-of-the-copy mark but far
+below 1% of a step, so it is on by default; "false" makes plain copies (nothing recorded or checked),
+"background" checksums the background thread's copies only (the behaviour before the field). The device
+path (`async_.publish_path="device"`, rollout/device_publish.py) replaces the sampler process and the
+slot by a sampler thread on its own devices of this process; the transfer path (`"transfer"`,
+rollout/transfer_publish.py) keeps the sampler process and replaces the slot by pulls of device arrays
+with `jax.experimental.transfer`; both check their own device checksum.
 
 Metrics (trainer rows): time/publish_s is the learner-side blocking time of publish(), per step;
 time/publish_copy_s is the host copy's own time (device_get, slot write, checksum) of the newest
@@ -125,7 +139,7 @@ from vcpo_jax import batch as batch_lib
 from vcpo_jax import cleanup
 from vcpo_jax.rollout.common import lag_stats
 from vcpo_jax.rollout.process import worker as worker_lib
-from vcpo_jax.rollout.process.param_slot import ParamSlot, checksum
+from vcpo_jax.rollout.process.param_slot import ParamSlot
 from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 
 _POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
@@ -382,9 +396,13 @@ class AsyncSource:
 
   def _open_slot(self, arrays: dict, version: int):
     """The parameter channel the worker reads (`self.slot`), holding version `version` before the worker starts."""
-    # Background publishing: one parameter copy in /dev/shm (the thread's write waits for the sampler's read);
-    # a synchronous publish keeps the double buffer, so the learner never waits for the sampler.
-    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id, nbuf=1 if self.background else 2)
+    # async_.publish_buffers: 1 = one parameter copy in /dev/shm (a write waits for a sampler read in progress),
+    # 2 = double buffer (a write never waits); 0 = 1 with background publishing (the thread waits, never the
+    # learner), else 2.
+    nbuf = int(self.cfg.publish_buffers) or (1 if self.background else 2)
+    # async_.publish_checksum: computed during the slot's copies; "background": on the background path only.
+    csum = {"true": True, "false": False, "background": self.background}[self.cfg.publish_checksum]
+    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id, nbuf=nbuf, checksum=csum)
     self._write(arrays, version, None)  # before the start: the worker's first wait succeeds at once
 
   def _worker_sampler_cfg(self):
@@ -416,10 +434,10 @@ class AsyncSource:
         names, leaves = worker_lib.param_names(params), jax.tree.leaves(params)
         self._eval_spec = {n: (tuple(x.shape), np.dtype(x.dtype)) for n, x in zip(names, leaves)}
       self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
-    elif not self.background:  # today's path: device_get, one copy into the slot; no checksum on this path
+    elif not self.background:  # device_get (a view on CPU), one copy into the slot with its checksum
       self._poll_publish()
       t1 = time.perf_counter()
-      self.slot.publish(self._host_arrays(jax.tree.leaves(params), params), version, poll=self._poll_publish)
+      self._write(self._host_arrays(jax.tree.leaves(params), params), version, self._poll_publish)
       self._copy_s.append(time.perf_counter() - t1)
     else:
       self._raise_if_dead()
@@ -453,9 +471,9 @@ class AsyncSource:
     return out
 
   def _write(self, arrays: dict, version: int, poll):
-    csum = checksum(arrays)
+    """Writes version `version` into the slot and records its checksum (computed during the copy)."""
     self.slot.publish(arrays, version, poll=poll)
-    self._checksums[version] = csum
+    self._checksums[version] = self.slot.last_checksum  # None: async_.publish_checksum off, not checked
     for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
       del self._checksums[v]  # older versions can no longer arrive in a batch
 

@@ -15,7 +15,7 @@ the programs outside the GIL) and, on CPU, the cores.
 
 Checksum: `device_checksum`, computed where the arrays live (the learner's copy before the transfer, the
 sampler's after it) and compared per batch as in the shared-memory path: a position-weighted uint32 sum
-(wrapping, so exact and independent of sharding), not param_slot's Adler-32. The learner's is fetched only
+(wrapping, so exact and independent of sharding), not param_slot's 64-bit host one. The learner's is fetched only
 when a batch is checked, so publish() does not wait for it.
 
 Tested (tests/test_async.py, fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=4, learner on

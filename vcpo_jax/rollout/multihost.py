@@ -192,7 +192,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
           self._hand_over(snap, version, params)
         else:
           t1 = time.perf_counter()
-          self.slot.publish(self._host_arrays(snap, params), version, poll=self._poll_publish)
+          self._write(self._host_arrays(snap, params), version, self._poll_publish)
           self._copy_s.append(time.perf_counter() - t1)
       except (async_.SamplerDiedError, RuntimeError) as e:
         self._deferred = e

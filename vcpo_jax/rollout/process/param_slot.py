@@ -20,9 +20,10 @@ One buffer (nbuf=1; half the shared memory) adds reader exclusion to the seqlock
           accept iff seq did not change (it cannot, unless the protocol broke).
   writer: under the lock, wait while reading names a live process (a dead
           reader's mark is cleared), then seq += 1 (odd), write, seq += 1.
-So a write waits for at most one reader's copy (meant for a writer off the
-critical path: AsyncSource's background publisher), and readers wait for the
-write in progress instead of reading the other buffer. One reader at a time. The header words are read
+So a write waits for at most one reader's copy (AsyncSource's default on both
+publish paths: its sampler reads right after a publish, so a synchronous write
+rarely meets a read; benchmarks/README.md), and readers wait for the write in
+progress instead of reading the other buffer. One reader at a time. The header words are read
 and written under a spawn-context Lock, held for a few microseconds and never
 during a copy: its acquire/release are full memory barriers, which makes the
 seqlock correct on weakly ordered CPUs (ARM hosts) too, where plain numpy loads
@@ -40,6 +41,10 @@ callable runs (the learner's signal flag, the peer's liveness) and may raise
 to abandon the wait, so a peer stopped or killed inside the critical section
 never holds the caller for longer than one slice once `poll` knows.
 
+Checksum (`checksum`, 64 bits, position-weighted sums of uint64 words): publish() computes it over what it
+wrote (`last_checksum`), latest() over what it copied out (`checksum_of`), each fused into its copy, block by
+block while the block is in cache, so it costs a few percent of the copy (not a second pass over memory).
+
 Single writer; any number of readers.
 """
 
@@ -48,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,13 +80,74 @@ _LOCK_TIMEOUT_S = 10.0
 _LOCK_SLICE_S = 0.1  # lock-wait slice: `poll` runs between slices
 
 
+# The checksum, of one buffer of the slot's layout (`_layout`: the arrays in order, each at the next multiple of
+# 64 bytes, zero padding): its bytes as little-endian uint64 words w_p, p = 0, 1, ...,
+#     checksum = sum_p (2 * (p // _ROW_WORDS) + 1) * w_p  mod 2^64.
+# Integer arithmetic with wraparound: exact, whatever the order of the additions (numpy's SIMD lanes, the block
+# loop). Every weight is odd, hence invertible mod 2^64: ANY change confined to one word (a flipped bit or byte)
+# changes it; a torn write or another version's buffer changes the sums of the rows it covers. The weight steps
+# every 4 KiB row, so it is position-dependent at row granularity (rows, or arrays, that trade places are caught;
+# words that trade places inside one row are not): a per-word weight would cost a multiply pass, about twice the
+# copy at 50M parameters, where row sums ride on the copy. ParamSlot walks its buffer in 2 MiB blocks: publish()
+# copies the arrays' pieces of a block into the slot and sums the block while it is in cache, latest() sums a
+# block of the slot and then copies its pieces out (benchmarks/README.md "Parameter publishing" has the costs).
+_ROW_WORDS = 512  # 4 KiB rows
+_BLOCK_BYTES = 1 << 21  # one copy + sum block: in cache between the two
+
+
+def _layout(spec: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[dict[str, int], int]:
+  """({name: byte offset in one buffer}, bytes of one buffer): each array at the next multiple of _ALIGN."""
+  offsets, off = {}, 0
+  for name, (shape, dtype) in spec.items():
+    offsets[name] = off
+    off = _align(off + int(np.prod(shape)) * dtype.itemsize)
+  return offsets, off
+
+
+def _sum_rows(words: np.ndarray, rows: np.ndarray, w0: int):
+  """rows[r] += the sum of the words at buffer word positions w0, w0 + 1, ... that lie in row r (w0: a row start)."""
+  r0, full = w0 // _ROW_WORDS, words.size // _ROW_WORDS
+  if full:
+    rows[r0 : r0 + full] += np.add.reduce(words[: full * _ROW_WORDS].reshape(full, _ROW_WORDS), axis=1)
+  if words.size > full * _ROW_WORDS:
+    rows[r0 + full] += np.add.reduce(words[full * _ROW_WORDS :])
+
+
+def _copy_sum(buf: np.ndarray, offsets: Mapping[str, int], arrays: Mapping[str, np.ndarray], into_buf: bool) -> int:
+  """The checksum of `buf` (one buffer's bytes, uint8, a multiple of 8 long) while copying the arrays' bytes into it
+  (into_buf: each block is summed after its pieces are copied in) or out of it (each block is summed, then its
+  pieces are copied out). arrays: {name: C-contiguous array of the spec's shape and dtype}, in layout order."""
+  rows = np.zeros(-(-buf.size // (8 * _ROW_WORDS)), np.uint64)
+  pieces = [(offsets[n], a.reshape(-1).view(np.uint8)) for n, a in arrays.items()]
+  i = 0  # the next piece
+  for lo in range(0, buf.size, _BLOCK_BYTES):
+    hi = min(lo + _BLOCK_BYTES, buf.size)
+    if not into_buf:
+      _sum_rows(buf[lo:hi].view(np.uint64), rows, lo // 8)
+    while i < len(pieces) and pieces[i][0] < hi:  # the pieces of [lo, hi)
+      off, b = pieces[i]
+      a0, a1 = max(lo, off) - off, min(hi, off + b.size) - off
+      if a1 > a0:
+        if into_buf:
+          np.copyto(buf[off + a0 : off + a1], b[a0:a1])
+        else:
+          np.copyto(b[a0:a1], buf[off + a0 : off + a1])
+      if off + b.size > hi:
+        break  # it continues in the next block
+      i += 1
+    if into_buf:
+      _sum_rows(buf[lo:hi].view(np.uint64), rows, lo // 8)
+  return int(np.add.reduce(rows * (2 * np.arange(rows.size, dtype=np.uint64) + 1))) if rows.size else 0
+
+
 def checksum(arrays: Mapping[str, Any], names=None) -> int:
-  """Adler-32 of the arrays' bytes, chained in `names` order (default: the mapping's); the learner records it
-  per published version and the sampler echoes the one of the parameters it read (end-to-end check)."""
-  value = 1
-  for n in names if names is not None else arrays:
-    value = zlib.adler32(np.ascontiguousarray(arrays[n]).reshape(-1).view(np.uint8), value)
-  return value
+  """The 64-bit checksum above of the arrays laid out as in a ParamSlot, in `names` order (default: the
+  mapping's). The slot computes the same during its copies (`ParamSlot.publish`: `last_checksum`; `latest`:
+  `checksum_of`), so the learner records it per published version and the sampler echoes it of what it read."""
+  names = list(names if names is not None else arrays)
+  arrs = {n: np.ascontiguousarray(arrays[n]) for n in names}
+  offsets, nbytes = _layout({n: (a.shape, a.dtype) for n, a in arrs.items()})
+  return _copy_sum(np.zeros(nbytes, np.uint8), offsets, arrs, into_buf=True)
 
 
 def _normalize_spec(spec: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -107,12 +172,16 @@ class ParamSlot:
     ctx: multiprocessing context for the lock (spawn by default).
     run: the run id stamped into the segment's and the lock's names (default: a random id).
     nbuf: 2 (double buffer: writes never wait) or 1 (one copy: a write waits for the reader's copy).
+    checksum: compute `checksum` during every copy (publish: `last_checksum`; latest: `checksum_of`); False:
+      plain copies, and both are None.
   """
 
-  def __init__(self, spec: Mapping[str, Any], *, ctx=None, run: str | None = None, nbuf: int = 2):
+  def __init__(
+    self, spec: Mapping[str, Any], *, ctx=None, run: str | None = None, nbuf: int = 2, checksum: bool = True
+  ):
     if nbuf not in (1, 2):
       raise ValueError(f"ParamSlot(nbuf={nbuf}): use 2 (double buffer) or 1 (one parameter copy).")
-    self._init_layout(_normalize_spec(spec), nbuf)
+    self._init_layout(_normalize_spec(spec), nbuf, checksum)
     run = run or cleanup.run_id()
     self._seg = Segment(_HDR_WORDS * 8 + nbuf * self._buf_nbytes, cleanup.new_name(run, "p"), create=True)
     self._lock = NamedLock(run=run, kind="pl", ctx=ctx or SPAWN)
@@ -120,13 +189,11 @@ class ParamSlot:
     self._hdr[:] = 0
     self._hdr[[_H_MAGIC, _H_VERSION, _H_LATEST, _H_CREATOR, _H_NBUF]] = [_MAGIC, -1, -1, os.getpid(), nbuf]
 
-  def _init_layout(self, spec, nbuf):
-    self.spec, self.nbuf = spec, nbuf
-    self._offsets, off = {}, 0
-    for name, (shape, dtype) in spec.items():
-      self._offsets[name] = off
-      off = _align(off + int(np.prod(shape)) * dtype.itemsize)
-    self._buf_nbytes = off
+  def _init_layout(self, spec, nbuf, checksum):
+    self.spec, self.nbuf, self.checksums = spec, nbuf, bool(checksum)
+    self.last_checksum: int | None = None  # `checksum` of what this process's last publish() wrote
+    self._last_read = None  # (checksum, arrays) of this process's last latest()
+    self._offsets, self._buf_nbytes = _layout(spec)
 
   def _map(self):
     self._hdr = np.ndarray((_HDR_WORDS,), np.int64, buffer=self._seg.buf)
@@ -139,14 +206,25 @@ class ParamSlot:
       }
       for b in range(self.nbuf)
     ]
+    base = _HDR_WORDS * 8
+    self._bufs = [  # each buffer's bytes, for the checksum's block walk
+      np.ndarray((self._buf_nbytes,), np.uint8, buffer=self._seg.buf, offset=base + b * self._buf_nbytes)
+      for b in range(self.nbuf)
+    ]
 
   def __getstate__(self):
     if self._seg is None:
       raise ValueError("cannot send a closed ParamSlot to another process")
-    return {"spec": self.spec, "nbuf": self.nbuf, "name": self._seg.name, "lock": self._lock}
+    return {
+      "spec": self.spec,
+      "nbuf": self.nbuf,
+      "checksum": self.checksums,
+      "name": self._seg.name,
+      "lock": self._lock,
+    }
 
   def __setstate__(self, s):
-    self._init_layout(s["spec"], s["nbuf"])
+    self._init_layout(s["spec"], s["nbuf"], s["checksum"])
     self._lock = s["lock"]
     self._seg = Segment(name=s["name"])
     self._map()
@@ -236,13 +314,19 @@ class ParamSlot:
       if poll is not None:
         poll()
       time.sleep(_POLL_S)
-    for name, a in checked.items():
-      np.copyto(self._views[b][name], a)
+    csum = None
+    if self.checksums:  # copied and summed block by block
+      src = {n: np.ascontiguousarray(checked[n]) for n in self.spec}  # layout order
+      csum = _copy_sum(self._bufs[b], self._offsets, src, into_buf=True)
+    else:
+      for name, a in checked.items():
+        np.copyto(self._views[b][name], a)
     with self._locked(poll):
       self._hdr[_H_SEQ + b] += 1
       self._hdr[_H_BUFVER + b] = version
       self._hdr[_H_LATEST] = b
       self._hdr[_H_VERSION] = version
+    self.last_checksum = csum
     return version
 
   def latest(
@@ -287,15 +371,24 @@ class ParamSlot:
         continue
       if v >= need:
         dst = out if out is not None else {n: np.empty(s, d) for n, (s, d) in self.spec.items()}
+        csum = None
         try:
-          for name, view in self._views[b].items():
-            np.copyto(dst[name], view)
+          if self.checksums:  # summed and copied block by block
+            flat = {n: dst[n] if dst[n].flags.c_contiguous else np.empty(s, d) for n, (s, d) in self.spec.items()}
+            csum = _copy_sum(self._bufs[b], self._offsets, flat, into_buf=False)
+            for n, x in flat.items():
+              if x is not dst[n]:  # a non-contiguous `out` array
+                np.copyto(dst[n], x)
+          else:
+            for name, view in self._views[b].items():
+              np.copyto(dst[name], view)
         finally:
           with self._locked(poll):
             s2 = int(self._hdr[_H_SEQ + b])
             if self.nbuf == 1:
               self._hdr[_H_READING] = 0
         if s1 == s2:
+          self._last_read = (csum, dict(dst))
           return v, dict(dst)
         continue  # the writer lapped this copy: read the newer buffer
       if writer != os.getpid() and not pid_alive(writer):
@@ -304,11 +397,22 @@ class ParamSlot:
         raise TimeoutError(f"ParamSlot.latest: version {need} not published within {timeout} s (latest {v})")
       time.sleep(_POLL_S)
 
+  def checksum_of(self, arrays: Mapping[str, Any], names) -> int | None:
+    """`checksum(arrays, names)`; for the arrays the last latest() returned, as it returned them (in spec order),
+    the value it computed during its copy (no second pass). None for a slot made with checksum=False."""
+    if not self.checksums:
+      return None
+    csum, read = self._last_read if self._last_read is not None else (None, {})
+    names = list(names)
+    if csum is not None and names == list(self.spec) and all(arrays.get(n) is read.get(n) for n in names):
+      return csum
+    return checksum(arrays, names)
+
   def close(self):
     """Unmap; the creating process also unlinks the segment. Idempotent."""
     if getattr(self, "_seg", None) is None:
       return
-    self._hdr = self._views = None
+    self._hdr = self._views = self._bufs = None
     seg, self._seg = self._seg, None
     seg.close()
     # Unlink the lock's semaphore now: a stray reference (a traceback frame) would keep it in /dev/shm.

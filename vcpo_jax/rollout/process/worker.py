@@ -329,10 +329,9 @@ class _Worker:
     import jax
     import jax.numpy as jnp
 
-    from vcpo_jax.rollout.process.param_slot import checksum
-
-    # Of exactly what was read, echoed per batch (the device path's slot checksums its device arrays).
-    self._checksum = getattr(self.slot, "checksum_of", checksum)(arrays, self.args.param_names)
+    # Of exactly what was read, echoed per batch: ParamSlot's is computed during its copy (param_slot.checksum);
+    # the device and transfer paths' slots checksum their device arrays.
+    self._checksum = self.slot.checksum_of(arrays, self.args.param_names)
     # Published in the learner's publish dtype (bf16 on accelerators); the model gets its parameter dtype.
     # Floating leaves go straight to the sampler's parameter dtype when it has one (no float32 copy).
     to = lambda d: (
@@ -406,12 +405,10 @@ class _Worker:
         episodes=getattr(self.maker, "eval_episodes", None) if self.args.multiturn is not None else None,
       )
     gen = self._eval_sampling.generate_fn(params, jax.random.fold_in(self.key, 10**9 + version))
-    from vcpo_jax.rollout.process.param_slot import checksum
-
     # policy_version: what was evaluated; params_checksum: of exactly the arrays read (end-to-end check)
     extra = {
       "policy_version": int(version),
-      "params_checksum": checksum(arrays, self.args.param_names),
+      "params_checksum": self.eval_slot.checksum_of(arrays, self.args.param_names),
       "background": True,
       "sampler_pid": os.getpid(),
     }
