@@ -375,6 +375,23 @@ def test_synchronous_publish_records_the_checksum_and_next_raises_on_a_corrupted
     src.close()
 
 
+def versions_and_batches(source_cls, over, steps=4, keep=lambda src: src):
+  """publish v, then next(v) ... with k = 1 and one queue slot the sampler's versions are fixed: batch 0 and 1
+  from version 0 (made before version 1 exists), batch b >= 2 from version b - 1 (the only one >= b - 1).
+  Returns ([(batch, info)] per step, keep(source) taken before the source is closed)."""
+  src, params = _source(_tiny(steps=steps, **over), source_cls)
+  out = []
+  try:
+    for step in range(steps):
+      if step != 1:
+        v = max(0, step - 1)
+        src.publish(jax.tree.map(lambda x, s=1.0 + 0.5 * v: x * s, params), v)
+      out.append(src.next(step))
+    return out, keep(src)
+  finally:
+    src.close()
+
+
 def test_checksum_and_one_copy_leave_the_synchronous_paths_batches_unchanged():
   """Versions fixed by the protocol (k = 1, one queue slot: batches 0 and 1 from version 0, batch b >= 2 from
   version b - 1): the default synchronous path (one parameter copy, checksum on), the path as it was before
@@ -382,18 +399,12 @@ def test_checksum_and_one_copy_leave_the_synchronous_paths_batches_unchanged():
   the checksum give equal batches field for field, and both checksummed paths echo the recorded checksums."""
   import numpy as np
 
-  def run(over, steps=4):
-    src, params = _source(_tiny(steps=steps, **{"lag.k": 1, "async_.queue_slots": 1, **over}))
-    out = []
-    try:
-      for step in range(steps):
-        if step != 1:
-          v = max(0, step - 1)
-          src.publish(jax.tree.map(lambda x, s=1.0 + 0.5 * v: x * s, params), v)
-        out.append(src.next(step))
-      return out, src.slot.nbuf, dict(src._checksums)
-    finally:
-      src.close()
+  def run(over):
+    keep = lambda src: (src.slot.nbuf, dict(src._checksums))
+    out, (nbuf, sums) = versions_and_batches(
+      async_.AsyncSource, {"lag.k": 1, "async_.queue_slots": 1, **over}, keep=keep
+    )
+    return out, nbuf, sums
 
   new, nbuf_new, sums = run({})
   old, nbuf_old, none = run({"async_.publish_checksum": "false", "async_.publish_buffers": 2})

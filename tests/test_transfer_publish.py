@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests import fixtures
-from tests.test_async import _source, _subprocesses_share_a_compilation_cache, _tiny  # noqa: F401
+from tests.test_async import _source, _subprocesses_share_a_compilation_cache, _tiny, versions_and_batches  # noqa: F401
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax import run_config, trainer
 from vcpo_jax.rollout import async_
@@ -93,29 +93,12 @@ def test_the_sampler_process_pulls_the_learners_parameters_after_a_step_even_onc
     src.close()
 
 
-def _versions_and_batches(source_cls, over, steps=4):
-  """publish v, then next(v) ... with k = 1 and one queue slot the sampler's versions are fixed: batch 0 and 1
-  from version 0 (made before version 1 exists), batch b >= 2 from version b - 1 (the only one >= b - 1)."""
-  src, params = _source(_tiny(steps=steps, **over), source_cls)
-  out = []
-  try:
-    for step in range(steps):
-      if step != 1:
-        v = max(0, step - 1)
-        src.publish(jax.tree.map(lambda x, s=1.0 + 0.5 * v: x * s, params), v)
-      batch, info = src.next(step)
-      out.append((batch, info))
-    return out, src
-  finally:
-    src.close()
-
-
 def test_transfer_batches_equal_the_shm_paths_and_echo_version_and_checksum():
   """The real worker over both paths, versions fixed by the protocol: every batch equals the shm path's field
   for field (same parameters, keys and sampler programs); each echoes its version's device checksum; the
   sampler process maps only the batch queue's segments; close() stops it (exit 0)."""
-  shm, _ = _versions_and_batches(async_.AsyncSource, {"lag.k": 1, "async_.queue_slots": 1})
-  got, src = _versions_and_batches(TransferAsyncSource, _OVER)
+  shm, _ = versions_and_batches(async_.AsyncSource, {"lag.k": 1, "async_.queue_slots": 1})
+  got, src = versions_and_batches(TransferAsyncSource, _OVER)
   assert src.proc.exitcode == 0 and src.slot is None
   for step, ((b_shm, i_shm), (b_tr, i_tr)) in enumerate(zip(shm, got)):
     assert (b_tr["policy_version"] == max(0, step - 1)).all(), step
