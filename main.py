@@ -120,6 +120,9 @@ def main(argv):
     raise app.UsageError("--config and --workdir are required (or --config_help to list the config fields).")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
+  if not _verbose(sys.argv):  # start-up noise (jax's absent TPU backend, matplotlib's font cache): --verbosity=1
+    for name in ("jax", "matplotlib", "transformers"):
+      logging.getLogger(name).setLevel(logging.WARNING)
   from vcpo_jax import run_config  # after flag parsing: keeps --help fast
 
   try:
@@ -127,6 +130,12 @@ def main(argv):
   except run_config.ConfigError as e:
     _die(e, sys.argv)
   logging.getLogger("vcpo_jax").info("done: %s", summary)
+  import jax
+
+  if jax.process_index() == 0:  # what the run shows, on stdout (vcpo_jax.compare draws several runs together)
+    from vcpo_jax import compare
+
+    print(compare.format_summary(compare.summarize(FLAGS.workdir)), flush=True)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.sft.steps = 0  # supervised warm start on solver solutions (0 = off); cached per config
   c.sft.lr = 3e-3  # warm-start AdamW peak rate (warmup-cosine)
   c.sft.batch_size = 64  # warm-start examples per step
+  c.sft.noise = 0.0  # fraction of warm-start targets replaced by a well-formed wrong answer (a noisy demonstrator)
   c.sft.cache_dir = ""  # where warm starts are cached ("" = ~/.cache/vcpo_jax/sft)
 
   c.mesh = ml_collections.ConfigDict()

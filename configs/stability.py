@@ -175,6 +175,7 @@ def get_config(arg: str | None = None):
     c.tuning.enabled = True
     c.tuning.knobs = KNOBS
     c.trainer.ledger = "docs/results/stability_ledger/countdown"
+    c.trainer.variant = "study13"  # the runs of the committed study: the earlier CPU default (3 numbers, sync)
   if arg == "countdown_quick":  # the trainer backend end to end in seconds (tests): smoke-sized runs
     c.methods = ("none", "vcpo", "ppo_clip")
     c.tuning.knobs = {"none": None, "vcpo": ("rho_on", (0.5, 1.0)), "ppo_clip": ("eps", (0.1, 0.2))}

@@ -67,6 +67,56 @@ def test_targets_are_what_the_verifier_accepts():
     sft.target_text(tasks.Problem(id="x", task="gsm8k", prompt="q", reference="1"))
 
 
+def test_wrong_targets_are_well_formed_and_wrong():
+  """sft.noise's demonstrator: every number used once, only the value is wrong (countdown); arithmetic off by
+  1..9. What a bug would give: a correct answer (score 1) or a malformed one (the format the verifier rejects)."""
+  import random
+
+  from vcpo_jax.tasks.countdown import evaluate_expression
+
+  rng = random.Random(0)
+  for p in CountdownTask(template=SHORT, **GEN).make_problems("train", 200, seed=1):
+    y = sft.wrong_target_text(p, rng)
+    value, err = evaluate_expression(y, p.reference["numbers"])
+    assert value is not None, err  # valid: the given numbers, each once, operators only
+    assert sorted(int(t) for t in __import__("re").findall(r"\d+", y)) == sorted(p.reference["numbers"])
+    assert value != p.reference["target"] and tasks.score("countdown", y, p.reference) == 0.0
+  for p in ArithmeticTask().make_problems("train", 100, seed=1):
+    y = sft.wrong_target_text(p, rng)
+    assert 1 <= abs(int(y) - int(p.solution)) <= 9 and int(y) >= 0
+    assert tasks.score("arithmetic", y, p.reference) == 0.0
+  with pytest.raises(ValueError, match="cannot write wrong answers"):
+    sft.wrong_target_text(tasks.Problem(id="x", task="gsm8k", prompt="q", reference="1", solution="1"), rng)
+
+
+def test_noise_replaces_a_seeded_fraction_of_targets(tok):
+  probs = CountdownTask(template=SHORT, **GEN).make_problems("train", 400, seed=1)
+  clean = sft.build_examples(probs, tok, max_prompt_len=16, max_new_tokens=12)
+  noisy = sft.build_examples(probs, tok, max_prompt_len=16, max_new_tokens=12, noise=0.75, seed=3)
+  again = sft.build_examples(probs, tok, max_prompt_len=16, max_new_tokens=12, noise=0.75, seed=3)
+  np.testing.assert_array_equal(noisy.tokens_mt, again.tokens_mt)  # a function of the seed
+  changed = (noisy.tokens_mt != clean.tokens_mt).any(axis=1)
+  assert 0.68 < changed.mean() < 0.82  # ~Binomial(400, 0.75) / 400 (+-3.5 sd)
+  np.testing.assert_array_equal(noisy.tokens_mt[~changed], clean.tokens_mt[~changed])
+  np.testing.assert_array_equal(noisy.tokens_mt[:, :16], clean.tokens_mt[:, :16])  # prompts untouched
+  assert (noisy.loss_mt.sum(1) > 0).all()
+
+
+def test_noise_is_checked_and_keyed(tok, model, tmp_path):
+  for bad in (-0.1, 1.0):
+    with pytest.raises(ValueError, match=r"sft.noise="):
+      dataclasses.replace(_spec(tmp_path).sft_config(), noise=bad)
+  with pytest.raises(ValueError, match="cannot write wrong answers"):
+    dataclasses.replace(_spec(tmp_path).sft_config(), task="gsm8k", noise=0.5)
+  cfg, _, params = model
+  spec = _spec(tmp_path)
+  probs = spec.task.make_problems("train", 32, spec.seed)
+  base = spec.sft_config()
+  key = lambda c: sft.cache_key(sft.key_fields(params, cfg, tok, probs, c))
+  assert "sft_noise" not in sft.key_fields(params, cfg, tok, probs, base)  # 0: earlier caches keep hitting
+  assert key(dataclasses.replace(base, noise=0.5)) != key(base)
+
+
 def test_loss_mask_covers_exactly_target_and_eos(tok):
   probs = CountdownTask(template=SHORT, **GEN).make_problems("train", 12, seed=0)
   ex = sft.build_examples(probs, tok, max_prompt_len=16, max_new_tokens=12)

@@ -51,6 +51,7 @@ def _scalar(v):
 
 
 LOGS = ("metrics.jsonl", "eval.jsonl")  # the run's jsonl logs, all truncated together on (re)start
+RESUMES = "resumes.jsonl"  # one row per resume of the run's timeline: {"step": restored step, "wall_time"}
 
 
 class MetricsWriter:
@@ -99,6 +100,11 @@ class MetricsWriter:
       self._tb = SummaryWriter(
         fs.tensorboard_logdir(fs.join(workdir, "tb")), purge_step=keep_through + 1, filename_suffix=f".{time.time_ns()}"
       )
+    if primary:  # resumes.jsonl: the steps this timeline was resumed from (plots break their lines there)
+      resumes = fs.join(workdir, RESUMES)
+      truncate_jsonl(resumes, keep_through + 1)
+      if resume_step is not None and resume_step < total_steps:  # (a finished run rerun resumes nothing)
+        fs.append_text(resumes, json.dumps({"step": int(resume_step), "wall_time": round(wall_offset, 3)}) + "\n")
     self._bar = None
     if progress:
       from tqdm.auto import tqdm
@@ -184,6 +190,11 @@ def truncate_jsonl(path: str, first_dropped_step: int):
   fs.write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
+def resume_steps(workdir: str) -> list[int]:
+  """The steps the run in `workdir` was resumed from (its resumes.jsonl), in order."""
+  return sorted({int(r["step"]) for r in read_jsonl(fs.join(workdir, RESUMES))})
+
+
 def series(records: Iterable[dict], key: str, x: str = "step") -> tuple[np.ndarray, np.ndarray]:
   pts = [(r[x], r[key]) for r in records if key in r and isinstance(r[key], (int, float))]
   if not pts:
@@ -205,15 +216,50 @@ def _fraction_limits(values: np.ndarray) -> tuple[float, float] | None:
   return None
 
 
-def figure(records: list[dict], title: str, keys: Iterable[str], ylabel: str):
+def _duplicate_keys(records: list[dict], keys: Iterable[str]) -> dict[str, str]:
+  """{key: the earlier key it equals at every step} (train/accuracy is train/reward_mean on a 0/1 task)."""
+  out, seen = {}, []
+  for k in keys:
+    xs, ys = series(records, k)
+    same = [j for j, a, b in seen if xs.size == a.size and np.array_equal(xs, a) and np.allclose(ys, b)]
+    if xs.size and same:
+      out[k] = same[0]
+    elif xs.size:
+      seen.append((k, xs, ys))
+  return out
+
+
+def _with_gaps(xs: np.ndarray, ys: np.ndarray, steps: np.ndarray, resumed: list[int]):
+  """xs, ys with a NaN point after each resume step, so a line is broken where the run was down."""
+  if not resumed or not xs.size:
+    return xs, ys
+  cut = np.searchsorted(steps, np.asarray(resumed), side="right")
+  cut = cut[(cut > 0) & (cut < xs.size)]
+  return np.insert(xs.astype(float), cut, np.nan), np.insert(ys, cut, np.nan)
+
+
+def figure(
+  records: list[dict],
+  title: str,
+  keys: Iterable[str],
+  ylabel: str,
+  hlines: dict | None = None,
+  run: str = "",
+  resumed: list[int] = (),
+):
   """The matplotlib Figure of one PLOTS entry (None if no key has data): panels vs learner step and wall-clock.
 
   Each panel: x labelled by X_LABELS, y by `ylabel`, tick labels in plain numbers (no offset / scientific
   notation), y limits [0, 1.05] for fractions (`_fraction_limits`), a legend naming each series' key.
+  A key whose series equals an earlier one's is drawn once (`_duplicate_keys`: train/reward_mean is
+  train/accuracy on a 0/1 task); `hlines` {label: y} adds dashed reference lines (the clip norm); `run` (the
+  run's identity) goes into the title; at each step in `resumed` the lines break and a dotted line marks it.
   """
   import matplotlib.pyplot as plt
 
-  present = [k for k in keys if series(records, k)[0].size]
+  keys = list(keys)
+  dups = _duplicate_keys(records, keys)
+  present = [k for k in keys if series(records, k)[0].size and k not in dups]
   if not present:
     return None
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -222,10 +268,17 @@ def figure(records: list[dict], title: str, keys: Iterable[str], ylabel: str):
   for ax, x in zip(axes, ("step", "wall_time")):
     for k, style in zip(present, _STYLES if len(present) > 1 else ({"linewidth": 1.5},)):
       xs, ys = series(records, k, x)
+      xs, ys = _with_gaps(xs, ys, series(records, k)[0], resumed)
       style = dict(style)
       if xs.size < 50 or k.startswith("eval/"):  # sparse series (few steps, evaluations): show the points
         style.setdefault("marker", ".")
-      ax.plot(xs, ys, label=k, **style)
+      same = [d for d, kept in dups.items() if kept == k]
+      ax.plot(xs, ys, label=k + (f" (= {', '.join(same)})" if same else ""), **style)
+    for name, value in (hlines or {}).items():
+      ax.axhline(value, color="k", linestyle="--", linewidth=1.0, label=name)
+    if x == "step":
+      for i, s in enumerate(resumed):
+        ax.axvline(s, color="0.5", linestyle=":", linewidth=1.0, label="resumed" if i == 0 else None)
     ax.set_xlabel(X_LABELS[x])
     ax.set_ylabel(ylabel)
     ax.ticklabel_format(axis="y", style="plain", useOffset=False)
@@ -233,9 +286,18 @@ def figure(records: list[dict], title: str, keys: Iterable[str], ylabel: str):
       ax.set_ylim(*limits)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  fig.suptitle(title)
+  fig.suptitle(f"{title}: {run}" if run else title)
   fig.tight_layout()
   return fig
+
+
+def _clip_norm(workdir: str) -> float | None:
+  """optim.clip_norm from the run's config.json (None when absent or off)."""
+  path = fs.join(workdir, "config.json")
+  if not fs.exists(path):
+    return None
+  value = (json.loads(fs.read_text(path)).get("optim") or {}).get("clip_norm")
+  return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def plot_run(workdir: str) -> list[str]:
@@ -245,11 +307,16 @@ def plot_run(workdir: str) -> list[str]:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  from vcpo_jax.compare import identity  # compare imports this module: the run's label, read at call time
+
   records = read_jsonl(fs.join(workdir, "metrics.jsonl"))
   out_dir = fs.join(workdir, "plots")
+  run = identity(workdir)["label"] if fs.exists(fs.join(workdir, "config.json")) else ""
+  clip = _clip_norm(workdir)
   written = []
   for stem, title, keys, ylabel in PLOTS:
-    fig = figure(records, title, keys, ylabel)
+    hlines = {f"clip norm {clip:g}": clip} if stem == "grad_norm" and clip else None
+    fig = figure(records, title, keys, ylabel, hlines=hlines, run=run, resumed=resume_steps(workdir))
     if fig is None:
       continue
     path = fs.join(out_dir, f"{stem}.png")

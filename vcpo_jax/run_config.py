@@ -227,6 +227,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
     sft_lr=c.sft.lr,
     sft_batch_size=c.sft.batch_size,
     sft_cache_dir=c.sft.cache_dir,
+    sft_noise=c.sft.noise,
     mesh_shape=mesh_shape,
     dist=_component(DistributedConfig, "distributed", c.distributed.to_dict()),
     async_=_component(AsyncConfig, "async_", c.async_.to_dict()),

@@ -340,6 +340,7 @@ class RunSpec:
   # object unless eval.dataset / eval.data_path name another): every reward is graded by these objects.
   task: tasks.Task | None = None
   eval_task: tasks.Task | None = None
+  sft_noise: float = 0.0  # config.sft.noise (sft.SFTConfig.noise)
 
   def __post_init__(self):
     check_field(
@@ -492,6 +493,7 @@ class RunSpec:
       chat_template=self.rollout.chat_template,
       seed=self.seed,
       cache_dir=self.sft_cache_dir,
+      noise=self.sft_noise,
       temperature=self.sampling.temperature,
       progress=self.log.progress,
     )

@@ -47,6 +47,7 @@ import json
 import logging
 import math
 import os
+import random
 import time
 from typing import Any, Sequence
 
@@ -94,6 +95,7 @@ class SFTConfig:
   cache_dir: str = ""  # config.sft.cache_dir ("" = ~/.cache/vcpo_jax/sft); not in the key
   temperature: float = 1.0  # config.sampler.temperature: the held-out report's sampled accuracy; not in the key
   progress: bool = False  # config.log.progress: a tqdm bar while training; not in the key
+  noise: float = 0.0  # config.sft.noise: fraction of examples whose target is a well-formed wrong answer
 
   def __post_init__(self):
     # `sft.FIELD=VALUE: fix`: RunSpec (run_spec.config_errors) reports it as config.sft.FIELD, in one line.
@@ -104,6 +106,13 @@ class SFTConfig:
       raise ValueError(f"sft.lr={self.lr!r}: must be a finite rate > 0.")
     if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
       raise ValueError(f"sft.batch_size={self.batch_size!r}: must be an int >= 1.")
+    if not (isinstance(self.noise, (int, float)) and 0.0 <= self.noise < 1.0):
+      raise ValueError(f"sft.noise={self.noise!r}: must be a fraction in [0, 1) (0 = every target correct).")
+    if self.noise and self.task not in NOISY_TASKS:
+      raise ValueError(
+        f"sft.noise={self.noise!r}: task {self.task!r} cannot write wrong answers; use one of "
+        f"{sorted(NOISY_TASKS)} or set sft.noise=0."
+      )
 
 
 # ----------------------------------------------------------------------------- examples
@@ -132,6 +141,35 @@ def target_text(problem: tasks.Problem) -> str:
   return str(problem.solution).strip()
 
 
+def wrong_target_text(problem: tasks.Problem, rng) -> str:
+  """A well-formed WRONG response for `problem` (what a noisy demonstrator writes), formatted as target_text.
+
+  countdown: the given numbers in a random order joined by random operators, redrawn until its value is not
+  the target (every number used once, so the verifier's only complaint is the value); arithmetic: the answer
+  plus a nonzero offset in [-9, 9], kept >= 0. `rng` is a random.Random: the choice is a function of it.
+  """
+  if problem.task == "countdown":
+    from vcpo_jax.tasks.countdown import evaluate_expression
+
+    numbers, target = list(problem.reference["numbers"]), problem.reference["target"]
+    for _ in range(64):
+      rng.shuffle(numbers)
+      expr = str(numbers[0]) + "".join(rng.choice("+-*/") + str(x) for x in numbers[1:])
+      value, _ = evaluate_expression(expr, problem.reference["numbers"])
+      if value is not None and value != target:
+        return f"<answer>{expr}</answer>" if "<answer>" in problem.prompt else expr
+    return target_text(problem)  # every ordering and operator hits the target: no wrong answer exists
+  if problem.task == "arithmetic":
+    answer = int(str(problem.solution).strip())
+    offsets = [d for d in range(-9, 10) if d and answer + d >= 0]
+    return str(answer + rng.choice(offsets))
+  raise ValueError(f"task {problem.task!r} cannot write wrong answers (sft.noise needs one of {sorted(NOISY_TASKS)}).")
+
+
+# Tasks whose wrong answers `wrong_target_text` can write (sft.noise > 0).
+NOISY_TASKS = frozenset({"countdown", "arithmetic"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Examples:
   """Fixed-shape SFT rows (numpy), M examples of T = Tp + Tn tokens.
@@ -149,9 +187,20 @@ class Examples:
 
 
 def build_examples(
-  problems: Sequence[tasks.Problem], tokenizer, max_prompt_len: int, max_new_tokens: int, chat_template: bool = False
+  problems: Sequence[tasks.Problem],
+  tokenizer,
+  max_prompt_len: int,
+  max_new_tokens: int,
+  chat_template: bool = False,
+  noise: float = 0.0,
+  seed: int = 0,
 ) -> Examples:
   """Tokenizes (prompt, target + EOS) pairs into the rollout layout.
+
+  With `noise` > 0 a seeded fraction of the examples (each independently with probability `noise`) gets a
+  well-formed wrong target (`wrong_target_text`) instead: a noisy demonstrator. The policy then learns the
+  format and the right answers but prefers wrong ones, which leaves RL a clear job (moving probability mass
+  onto what the verifier accepts) at a size that trains in minutes.
 
   Raises ValueError naming task.max_prompt_len / task.max_new_tokens when a
   prompt or a target (with its EOS) does not fit: a truncated target would
@@ -166,7 +215,9 @@ def build_examples(
     raise ValueError("the tokenizer has no eos_token_id; the warm start appends EOS so the policy learns to stop.")
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
   prompts = encode_prompts(tokenizer, problems, chat_template)
-  targets = [list(tokenizer.encode(target_text(p), add_special_tokens=False)) + [eos] for p in problems]
+  rng = random.Random(f"sft-noise/{seed}")
+  texts = [wrong_target_text(p, rng) if noise and rng.random() < noise else target_text(p) for p in problems]
+  targets = [list(tokenizer.encode(text, add_special_tokens=False)) + [eos] for text in texts]
   lp, lt = max(map(len, prompts)), max(map(len, targets))
   if lp > max_prompt_len:
     raise ValueError(f"a warm-start prompt has {lp} tokens > task.max_prompt_len={max_prompt_len}; raise it.")
@@ -366,6 +417,7 @@ def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Prob
     "sft_lr": cfg.lr,
     "sft_batch_size": cfg.batch_size,
     "seed": cfg.seed,
+    **({"sft_noise": cfg.noise} if cfg.noise else {}),  # absent at 0: the keys of earlier caches still hold
   }
 
 
@@ -477,7 +529,9 @@ def _build(graphdef, params, model_cfg, tokenizer, train_problems, cfg, key, fie
   # Hold out a few problems (never trained on) to report the accuracy reached.
   n_report = min(NUM_REPORT_PROBLEMS, len(problems) // 4)
   report, fit = problems[len(problems) - n_report :], problems[: len(problems) - n_report]
-  examples = build_examples(fit, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, cfg.chat_template)
+  examples = build_examples(
+    fit, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, cfg.chat_template, noise=cfg.noise, seed=cfg.seed
+  )
   t0 = time.time()
   params, losses = train(
     graphdef,

@@ -363,7 +363,7 @@ class AsyncSource:
     self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
     if self.eval_args is not None:  # one copy: the worker reads a request once, the learner writes rarely
       self.eval_slot = ParamSlot(self._eval_spec, run=self.run_id, nbuf=1)
-    log.info("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
+    log.debug("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
     self.conn, child_conn = SPAWN.Pipe(duplex=True)
     args = self._worker_args(
       arrays,

@@ -1,0 +1,137 @@
+"""vcpo_jax.compare: run identity, the end-of-run summary (hand-made logs), the compare figure and CLI;
+the per-run plots' duplicate-series rule, resume gaps and clip-norm line (vcpo_jax.metrics)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from vcpo_jax import compare, metrics
+
+
+def _write_run(path, method="vcpo", mode="async", k=4, lr=2e-4, seed=0, ess=(1.0, 0.5, 0.8, 0.9), evals=(0.2, 0.6)):
+  path.mkdir(parents=True)
+  cfg = {"method": method, "mode": mode, "lag": {"k": k}, "optim": {"lr": lr, "clip_norm": 1.0}, "seed": seed}
+  (path / "config.json").write_text(json.dumps(cfg))
+  rows = []
+  for i, e in enumerate(ess):
+    step = i + 1
+    rows.append(
+      {
+        "step": step,
+        "wall_time": 2.0 + 0.5 * i,
+        "train/ess_ratio": e,
+        "train/lr_scale": min(1.0, e**0.5),
+        "train/lag_min": 0.0,
+        "train/lag_mean": float(min(step - 1, k)),
+        "train/lag_max": float(min(step - 1, k)),
+        "train/accuracy": 0.25 * i,
+        "train/reward_mean": 0.25 * i,
+        "train/grad_norm": 2.0,
+      }
+    )
+  ev = [{"step": s, "mean_at_n": a} for s, a in zip((0, len(ess)), evals)]
+  walls = (1.0, 2.0 + 0.5 * (len(ess) - 1) + 0.25)  # before the first update; after the last
+  rows += [{"step": e["step"], "wall_time": t, "eval/accuracy": e["mean_at_n"]} for e, t in zip(ev, walls)]
+  (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ev))
+  return str(path)
+
+
+def test_identity_labels_the_run_from_its_config(tmp_path):
+  run = _write_run(tmp_path / "a", method="seq_tis", mode="lag", k=32, lr=3e-4, seed=2)
+  ident = compare.identity(run)
+  assert (ident["method"], ident["mode"], ident["k"], ident["lr"], ident["seed"]) == ("seq_tis", "lag", 32, 3e-4, 2)
+  assert ident["label"] == "seq_tis lag k=32 lr=0.0003 seed=2"
+  sync = compare.identity(_write_run(tmp_path / "b", mode="sync", k=0))
+  assert sync["label"] == "vcpo sync lr=0.0002 seed=0"  # no k in sync mode
+
+
+def test_summary_numbers_by_hand(tmp_path):
+  run = _write_run(tmp_path / "a", ess=(1.0, 0.5, 0.8, 0.9), evals=(0.2, 0.6))
+  s = compare.summarize(run)
+  assert s["eval_first"] == (0, 0.2) and s["eval_last"] == (4, 0.6)
+  assert s["ess_min"] == 0.5 and s["ess_median"] == pytest.approx(0.85)  # median of 0.5, 0.8, 0.9, 1.0
+  assert s["lr_scale_min"] == pytest.approx(0.5**0.5)
+  assert (s["lag_min"], s["lag_max"]) == (0.0, 3.0) and s["lag_mean"] == pytest.approx((0 + 1 + 2 + 3) / 4)
+  assert s["steps_per_s"] == pytest.approx(3 / 1.5)  # 3 steps between wall times 2.0 and 3.5
+  assert s["steps"] == 4 and s["wall_s"] == 3.75
+  text = compare.format_summary(s)
+  assert "20.0% at step 0 -> 60.0% at step 4 (+40.0 points)" in text
+  assert "ESS ratio  min 0.500, median 0.850" in text
+  assert "lag        min 0, mean 1.50, max 3" in text
+  assert "2.00 learner steps/s" in text and f"{run}/metrics.jsonl" in text and f"{run}/tb/" in text
+
+
+def test_smooth_is_a_trailing_mean():
+  y = np.array([1.0, 3.0, 5.0, 7.0])
+  np.testing.assert_allclose(compare.smooth(y, 2), [1.0, 2.0, 4.0, 6.0])
+  np.testing.assert_allclose(compare.smooth(y, 3), [1.0, 2.0, 3.0, 5.0])
+  np.testing.assert_array_equal(compare.smooth(y, 1), y)
+
+
+def test_compare_cli_draws_runs_and_refuses_non_runs(tmp_path, capsys):
+  runs = [
+    _write_run(tmp_path / "sync", mode="sync", k=0, ess=(1.0, 1.0, 1.0)),
+    _write_run(tmp_path / "stale", method="none", mode="lag", k=8),
+    _write_run(tmp_path / "vcpo", mode="lag", k=8),
+  ]
+  out = tmp_path / "cmp.png"
+  assert compare.main([*runs, f"--out={out}", "--smooth=2"]) == 0
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  printed = capsys.readouterr().out
+  for label in ("vcpo sync lr=0.0002 seed=0", "none lag k=8", "vcpo lag k=8"):
+    assert label in printed
+  fig = compare.figure(runs, smoothing=2)
+  labels = fig.legends[0].get_texts()
+  assert [t.get_text() for t in labels] == [compare.identity(r)["label"] for r in runs]
+  # y-ranges fitted to the data: the eval panel spans the evaluations (0.2..0.6) with a small margin
+  lo, hi = fig.axes[0].get_ylim()
+  assert 0.15 < lo < 0.2 and 0.6 < hi < 0.65
+  assert compare.main([str(tmp_path / "nothing"), f"--out={out}"]) == 2
+  assert "no metrics.jsonl" in capsys.readouterr().err
+  assert compare.main([*runs, "--smooth=-1"]) == 2
+
+
+def test_duplicate_labels_are_told_apart_by_directory(tmp_path):
+  runs = [_write_run(tmp_path / "x1"), _write_run(tmp_path / "x2")]
+  fig = compare.figure(runs)
+  assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+    "vcpo async k=4 lr=0.0002 seed=0 (x1)",
+    "vcpo async k=4 lr=0.0002 seed=0 (x2)",
+  ]
+
+
+def test_run_plots_title_dedupe_clip_line_and_resume_gap(tmp_path):
+  run = _write_run(tmp_path / "r", ess=(1.0, 0.5, 0.8, 0.9, 0.7, 0.6))
+  records = metrics.read_jsonl(f"{run}/metrics.jsonl")
+  # The run is resumed from step 3 (what MetricsWriter records); the resumed attempt logs steps 4.. again.
+  w = metrics.MetricsWriter(run, total_steps=6, resume_step=3, wall_offset=3.0, progress=False, tensorboard=False)
+  for r in records:
+    if r["step"] > 3:
+      w.write(r["step"], {k: v for k, v in r.items() if k not in ("step", "wall_time")})
+  w.close()
+  assert metrics.resume_steps(run) == [3]
+  fig = metrics.figure(
+    records,
+    "reward",
+    ("train/reward_mean", "train/accuracy"),
+    "acc",
+    hlines={"clip norm 1": 1.0},
+    run="vcpo",
+    resumed=[3],
+  )
+  ax = fig.axes[0]
+  names = [ln.get_label() for ln in ax.get_lines()]
+  assert names.count("train/reward_mean (= train/accuracy)") == 1 and not any(n.startswith("train/acc") for n in names)
+  assert "clip norm 1" in names and "resumed" in names
+  assert fig._suptitle.get_text() == "reward: vcpo"
+  ys = ax.get_lines()[0].get_ydata()
+  assert np.isnan(ys).sum() == 1 and np.isnan(ys[3])  # the line breaks right after step 3
+  written = metrics.plot_run(run)
+  assert sorted(p.rsplit("/", 1)[1] for p in written) == ["ess.png", "grad_norm.png", "lag.png", "lr_scale.png", "reward.png"]
+  # A fresh start (no resume) empties the record; a rerun of a finished run adds nothing.
+  metrics.MetricsWriter(run, total_steps=6, resume_step=6, progress=False, tensorboard=False).close()
+  assert metrics.resume_steps(run) == [3]
+  metrics.MetricsWriter(run, total_steps=6, resume_step=None, progress=False, tensorboard=False).close()
+  assert metrics.resume_steps(run) == []
