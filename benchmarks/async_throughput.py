@@ -2,6 +2,11 @@
 
   python -m benchmarks.async_throughput                     # defaults below; ~3-5 min on 2 idle cores
   python -m benchmarks.async_throughput --steps=40 --k=2 --hidden=64 --layers=2 --new_tokens=64
+  python -m benchmarks.async_throughput --testbed --steps=200 --k=4 --rounds=3   # README's default run itself
+
+`--testbed` times configs/countdown.py as README's first command runs it (its task, model, batch, warm start
+from the cache, lr; k from --k) instead of the random-policy config below; only the evaluations in between
+are dropped (start and end only, outside the timed window).
 
 Each mode runs the real `trainer.run` in its own fresh interpreter (so XLA flags and CPU affinity are set
 before JAX starts) on the same config, a random policy (responses run to the full budget, so every step
@@ -46,6 +51,14 @@ SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
 def _config(a):
   from configs import countdown
 
+  if a.testbed:
+    c = countdown.get_config()
+    c.steps = a.steps
+    c.eval.every = 0
+    c.checkpoint.every = a.steps + 1
+    c.async_.timeout_s = 600.0
+    c.log.progress = c.log.plots = False
+    return c
   c = countdown.get_config("smoke")
   c.steps = a.steps
   c.task.prompts_per_step = a.prompts
@@ -73,6 +86,7 @@ def _run_one(a) -> dict:
 
   c = _config(a)
   infos = []
+  c.mode, c.lag.k = "sync", 0  # async below
   if a.mode == "async":
     c.mode, c.lag.k = "async", a.k
     c.async_.queue_slots = a.k + 1
@@ -132,6 +146,8 @@ def _spawn(a, mode: str, env_extra: dict, pin: bool) -> dict:
   args = [sys.executable, "-m", "benchmarks.async_throughput", f"--_child={mode}"]
   for k in ("steps", "warmup", "k", "prompts", "group", "new_tokens", "hidden", "layers"):
     args.append(f"--{k}={getattr(a, k)}")
+  if a.testbed:
+    args.append("--testbed")
   if pin:
     args += [f"--learner_cpu={cpus[0]}", f"--sampler_cpu={cpus[1 % len(cpus)]}"]
   env = dict(os.environ, **env_extra)
@@ -154,6 +170,7 @@ def main():
   p.add_argument("--new_tokens", type=int, default=64)
   p.add_argument("--hidden", type=int, default=64)
   p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--testbed", action="store_true", help="time configs/countdown.py's default run (see above)")
   p.add_argument(
     "--modes",
     default="sync_1core,async,sync_2core",
@@ -215,10 +232,10 @@ def main():
     "lag_mean",
     "lag_max",
   )
-  print(
-    f"\ncountdown, N={a.prompts * a.group}, T={24 + a.new_tokens}, D={a.hidden}, L={a.layers}, "
-    f"{a.steps} steps (timed: {a.warmup + 1}..{a.steps}), async k={a.k}"
+  shape = "configs/countdown.py default" if a.testbed else (
+    f"N={a.prompts * a.group}, T={24 + a.new_tokens}, D={a.hidden}, L={a.layers}"
   )
+  print(f"\ncountdown, {shape}, {a.steps} steps (timed: {a.warmup + 1}..{a.steps}), async k={a.k}")
   print(f"medians over {a.rounds} interleaved rounds")
   print(f"{'mode':<12}" + "".join(f"{c:>19}" for c in cols))
   for name, r in res.items():

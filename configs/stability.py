@@ -76,6 +76,21 @@ STUDY_METHODS = (
   "vcpo_loo_opob",
 )
 
+CLAIM_LR = 2e-4  # configs/countdown.py's optim.lr
+
+# The paper's claim on the CPU testbed (vcpo_jax/experiments/claim.py): uncorrected GRPO, sequence TIS and VCPO,
+# plus the strongest corrections of the countdown study, each at its own tuned knob.
+CLAIM_METHODS = (
+  "none",
+  "vcpo",
+  "seq_tis",
+  "vcpo_tis_ess",
+  "m2po_released",
+  "dppo_tv",
+  "ppo_clip",
+  "decoupled_ppo",
+)
+
 # The equal tuning budget (review #10): every method gets the same number of trials (4) of its OWN main knob,
 # on the tuning seed only, and is then reported at its best value. A knob name is one of
 # vcpo_jax.experiments.stability.KNOBS (which run-config fields a value sets); the values include the preset's
@@ -176,6 +191,24 @@ def get_config(arg: str | None = None):
     c.tuning.knobs = KNOBS
     c.trainer.ledger = "docs/results/stability_ledger/countdown"
     c.trainer.variant = "study13"  # the runs of the committed study: the earlier CPU default (3 numbers, sync)
+  if arg == "claim":  # does VCPO at k = 128 learn as fast as sync? configs/countdown.py's testbed (claim.py)
+    c.backend = "trainer"
+    c.methods = CLAIM_METHODS
+    c.seeds = (0, 1, 2, 3, 4)
+    c.lrs = (CLAIM_LR,)  # the testbed's own lr (configs/countdown.py); tuning picks each method's knob
+    c.task = ml_collections.ConfigDict()
+    c.task.steps = 200  # learner steps (the testbed's); k = 128: the first 128 batches come from the warm start
+    c.task.eval_every = 25  # evaluations at steps 0, 25, ..., 200
+    c.analysis.chance = 0.0  # a verified task
+    c.analysis.final_frac = 0.2  # final = mean of the evaluations at steps 175 and 200
+    c.analysis.min_gain = 0.1  # collapsed = final < 0.5 x best (best includes the warm start)
+    del c.model, c.optim  # the run config (configs/countdown.py) owns them
+    c.tuning.enabled = True
+    c.tuning.knobs = {m: KNOBS[m] for m in CLAIM_METHODS}
+    c.tuning.cells = ((32, CLAIM_LR),)  # trials at k = 32 on the tuning seed
+    c.trainer.ledger = "docs/results/stability_ledger/claim"
+    c.trainer.runs = "runs/claim"
+    c.trainer.report = "claim_study"  # docs/results/claim_study.md (the study's own report); claim.md: claim.py
   if arg == "countdown_quick":  # the trainer backend end to end in seconds (tests): smoke-sized runs
     c.methods = ("none", "vcpo", "ppo_clip")
     c.tuning.knobs = {"none": None, "vcpo": ("rho_on", (0.5, 1.0)), "ppo_clip": ("eps", (0.1, 0.2))}
@@ -197,6 +230,8 @@ def get_config(arg: str | None = None):
     c.lrs = (3e-3,)
     c.task.steps = 40
     c.workers = 1
-  elif arg and arg != "countdown":
-    raise ValueError(f"configs/stability.py: unknown variant {arg!r}; use '', quick, countdown or countdown_quick.")
+  elif arg and arg not in ("countdown", "claim"):
+    raise ValueError(
+      f"configs/stability.py: unknown variant {arg!r}; use '', quick, countdown, countdown_quick or claim."
+    )
   return c

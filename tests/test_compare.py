@@ -135,3 +135,50 @@ def test_run_plots_title_dedupe_clip_line_and_resume_gap(tmp_path):
   assert metrics.resume_steps(run) == [3]
   metrics.MetricsWriter(run, total_steps=6, resume_step=None, progress=False, tensorboard=False).close()
   assert metrics.resume_steps(run) == []
+
+
+@pytest.mark.slow
+def test_default_config_runs_async_and_prints_its_summary(tmp_path):
+  """README's first command at smoke size: the default config's own code path (mode=async, k = 4: the
+  sampler process and the shared-memory queue) for a few steps, ending with the summary on stdout and no
+  start-up noise on stderr. Only sizes shrink; mode, k, method and task stay the default's."""
+  import os
+  import subprocess
+  import sys
+
+  from configs import countdown
+
+  c = countdown.get_config()
+  assert (c.mode, c.lag.k, c.method) == ("async", 4, "vcpo")  # what README's first command runs
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  work = tmp_path / "run"
+  shrink = {
+    "steps": 6,
+    "sft.steps": 0,
+    "task.prompts_per_step": 2,
+    "task.group_size": 4,
+    "eval.num_problems": 4,
+    "eval.n": 1,
+    "eval.every": 0,
+    "model.hidden_size": 32,
+    "model.intermediate_size": 64,
+    "model.num_layers": 1,
+    "log.progress": False,
+  }
+  r = subprocess.run(
+    [sys.executable, "main.py", "--config=configs/countdown.py", f"--workdir={work}"]
+    + [f"--config.{k}={v}" for k, v in shrink.items()],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = r.stdout
+  assert "vcpo async k=4" in out and "eval acc" in out and "ESS ratio  min" in out and "lag        min" in out
+  assert f"{work}/metrics.jsonl" in out and f"{work}/tb/" in out
+  assert "Unable to initialize backend" not in r.stderr and "shared memory of run" not in r.stderr
+  s = compare.summarize(str(work))
+  assert s["lag_max"] <= 4 and s["steps"] == 6
+  for name in ("reward.png", "ess.png", "lr_scale.png", "grad_norm.png", "lag.png"):
+    assert (work / "plots" / name).exists(), name

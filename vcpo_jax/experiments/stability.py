@@ -562,8 +562,10 @@ def batch_size(c) -> int:
 
 
 def report_name(c) -> str:
-  """Stem of the report and its PNGs: stability (pure_lag), stability_<config> (trainer)."""
-  return "stability" if c.backend == "pure_lag" else f"stability_{c.trainer.config}"
+  """Stem of the report and its PNGs: stability (pure_lag), c.trainer.report or stability_<config> (trainer)."""
+  if c.backend == "pure_lag":
+    return "stability"
+  return c.trainer.get("report") or f"stability_{c.trainer.config}"
 
 
 # ----------------------------------------------------------------------------- report
