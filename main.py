@@ -129,7 +129,7 @@ def main(argv):
     summary = train(FLAGS.config, FLAGS.workdir)
   except run_config.ConfigError as e:
     _die(e, sys.argv)
-  logging.getLogger("vcpo_jax").info("done: %s", summary)
+  logging.getLogger("vcpo_jax").debug("done: %s", summary)
   import jax
 
   if jax.process_index() == 0:  # what the run shows, on stdout (vcpo_jax.compare draws several runs together)

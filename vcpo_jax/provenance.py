@@ -5,7 +5,7 @@ in the run's config.json and that the SFT warm start stores in sft.json (and in
 its cache file, so a cached warm start names the code that trained it). A number
 in a results document can then be traced to the commit, the jax / XLA build and
 the CPU or accelerator it was measured on: the same config on another XLA
-version or thread count is a different experiment (docs/results/cpu_default.md).
+version or thread count is a different experiment (docs/results/cpu_default_study13.md).
 
 Every field is best effort: a missing git, a non-Linux host or an absent package
 gives None, never an error.
