@@ -240,3 +240,94 @@ def test_masked_topk_rows_carry_nothing():
   assert np.all(np.isfinite(g)) and np.all(g[0, 0] == 0) and np.all(g[1, 2] == 0)
   corr, diag = S.topk_correction(lp, f32(lq), None, mask)
   assert np.all(np.isfinite(np.asarray(corr))) and all(np.all(np.isfinite(np.asarray(v))) for v in diag.values())
+
+
+# ---------------------------------------------------------------------------
+# Through a real (tiny) model, composed with the estimator: VCPO + exact score centering
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_setup():
+  from vcpo_jax.model import config, transformer
+
+  cfg = config.tiny_llama(
+    vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+  )
+  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  _, beh = transformer.split(transformer.init(cfg, seed=1))
+  # a behaviour version near the current one (as a few lagged updates would give)
+  beh = jax.tree.map(lambda a, b: a + 0.3 * (b - a), params, beh)
+  rng = np.random.default_rng(0)
+  n, t = 4, 6
+  tokens = rng.integers(0, 16, (n, t)).astype(np.int32)
+  valid = np.ones((n, t), bool)
+  loss_mask = np.zeros((n, t), bool)
+  loss_mask[:, 2:] = True
+  blogp = np.asarray(transformer.sequence_logprobs(graphdef, beh, tokens, valid))
+  batch = dict(
+    tokens=tokens,
+    valid_mask=valid,
+    loss_mask=loss_mask,
+    behavior_logp=np.where(loss_mask, blogp, 0).astype(np.float32),
+    rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32),
+    group_id=np.array([0, 0, 1, 1], np.int32),
+  )
+  return graphdef, params, beh, batch
+
+
+def test_model_p_equals_q_is_the_learner_gradient(model_setup):
+  from vcpo_jax import estimator, learner
+
+  graphdef, params, _, batch = model_setup
+  pg = estimator.pg_config_from_preset("vcpo")
+  fn = S.make_centered_logp_fn(graphdef, S.centering_cap(pg))
+  got, aux = S.centered_gradient(fn, params, params, batch, pg)
+  # the ghost path: the plain gradient and exact norms from an independent computation
+  want, waux = learner.policy_gradient("ghost")(learner.make_logp_fn(graphdef), params, batch, pg)
+  np.testing.assert_allclose(flat(got), flat(want), rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(aux["sq_norm_n"]), np.asarray(waux["sq_norm_n"]), rtol=1e-4)
+  assert float(aux["drift/coef_l1"]) < 1e-5 and float(aux["lr_scale"]) == pytest.approx(float(waux["lr_scale"]))
+
+
+@pytest.mark.parametrize("preset,overrides", [("vcpo", {}), ("token_tis", dict(token_tis_c=1.01))])
+def test_model_centered_gradient_and_norms_by_brute_force(model_setup, preset, overrides):
+  """VCPO (OPOB norms of the centered score) and TIS+SC, against per-row jax.grad of the centered score."""
+  from vcpo_jax import estimator
+
+  graphdef, params, beh, batch = model_setup
+  pg = estimator.pg_config_from_preset(preset, **overrides)
+  C = S.centering_cap(pg)
+  assert C == (1.01 if preset == "token_tis" else None)
+  fn = S.make_centered_logp_fn(graphdef, C)
+  got, aux = S.centered_gradient(fn, params, beh, batch, pg)
+  n = batch["tokens"].shape[0]
+  mask = f32(batch["loss_mask"])
+  rows = [jax.tree.map(lambda a, i=i: a[i : i + 1], batch) for i in range(n)]
+
+  def centered_score(p, row):
+    lp, corr, _ = fn(p, beh, row)
+    return jnp.sum((lp - corr) * f32(row["loss_mask"]))
+
+  def plain_score(p, row):
+    return jnp.sum(fn(p, beh, row)[0] * f32(row["loss_mask"]))
+
+  sq = np.array([np.sum(flat(jax.grad(centered_score)(params, r)) ** 2) for r in rows])
+  plain = np.array([np.sum(flat(jax.grad(plain_score)(params, r)) ** 2) for r in rows])
+  if pg.opob:
+    np.testing.assert_allclose(np.asarray(aux["sq_norm_n"]), sq, rtol=1e-4)
+    assert np.abs(sq - plain).max() > 1e-3 * plain.max()  # the correction is in the norm
+  lp0, _, _ = fn(params, beh, batch)
+  coef, _ = estimator.pg_coefficients(
+    jax.lax.stop_gradient(lp0), batch["behavior_logp"], mask, batch["rewards"], batch["group_id"],
+    f32(sq) if pg.opob else None, pg,
+  )
+  tokw = estimator.pg_token_weights(jax.lax.stop_gradient(lp0), batch["behavior_logp"], mask, pg)
+
+  def surrogate(p):
+    lp, corr, _ = fn(p, beh, batch)
+    return S.centered_surrogate(lp, corr, coef, tokw, mask)
+
+  want = jax.grad(surrogate)(params)
+  np.testing.assert_allclose(flat(got), flat(want), rtol=2e-4, atol=1e-7)
+  assert float(aux["drift/coef_l1"]) > 1e-3 and float(aux["drift/kl_qp"]) > 0

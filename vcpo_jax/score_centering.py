@@ -261,3 +261,94 @@ def drift_metrics(logp_nt, behavior_logp_nt, mask_nt, diag):
   out = {"k1_kl_qp": mean(jnp.asarray(behavior_logp_nt, _F32) - jnp.asarray(logp_nt, _F32))}
   out.update({k: mean(v) for k, v in diag.items()})
   return out
+
+
+# ---------------------------------------------------------------------------
+# Through the model: exact centering composed with the estimator's surrogate (VCPO, TIS, OPOB, ESS rate)
+# ---------------------------------------------------------------------------
+
+
+def _head(model):
+  """(w, HeadSpec) of a Transformer's LM head, as Transformer.head_logprobs uses it."""
+  tied = model.lm_head is None
+  w = model.embed_tokens.embedding[...] if tied else model.lm_head.kernel[...]
+  cfg = model.cfg
+  return w, lpm.HeadSpec(tied, cfg.logprob_chunk, cfg.logprob_vocab_chunk, cfg.compute_dtype)
+
+
+def make_centered_logp_fn(graphdef, max_ratio=None):
+  """f(params, behavior_params, batch) -> (logp_nt [N, T], corr_nt [N, T], diag of [N, T]).
+
+  One forward of the current parameters (log-probs of batch["tokens"], as learner.make_logp_fn) and one
+  of the behaviour parameters (stop-gradient; in lag mode the version that sampled the batch, from the
+  parameter ring), then `exact_correction` from both final hidden states, chunked as the model's config
+  chunks its log-probs (logprob_chunk, logprob_vocab_chunk).
+  """
+  from flax import nnx
+
+  from vcpo_jax.model import transformer
+
+  def fn(params, behavior_params, batch):
+    tokens = batch["tokens"]
+    positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
+    model = nnx.merge(graphdef, params)
+    h, _ = model(tokens, positions, mask, hidden=True)
+    logp = model.head_logprobs(h, tokens)
+    behaviour = nnx.merge(graphdef, jax.tree.map(sg, behavior_params))
+    hq, _ = behaviour(tokens, positions, mask, hidden=True)
+    (w, spec), (wq, _) = _head(model), _head(behaviour)
+    corr, diag = exact_correction(h, hq, w, wq, spec, max_ratio)
+    return logp, corr, diag
+
+  return fn
+
+
+def centering_cap(pg) -> float | None:
+  """The token-weight cap C that matches the estimator's token weight: token_tis_c for is_variant
+  'token_tis' (the paper's TIS+SC), else None (sequence-level variants weigh tokens by 1)."""
+  return pg.token_tis_c if pg.is_variant == "token_tis" else None
+
+
+def centered_gradient(centered_logp_fn, params, behavior_params, batch, pg, *, divisor=None):
+  """Gradient of the estimator's surrogate with exactly centered scores (the vmap reference path).
+
+    (logp_nt, corr_nt), vjp = jax.vjp(centered_logp_fn(., behavior_params, batch), params)
+    S_n         = ||grad_params sum_t mask_nt (logp_nt - corr_nt)||^2    (OPOB only: the CENTERED score)
+    coef_n, aux = estimator.pg_coefficients(sg(logp_nt), ..., S_n)       (A, TIS, OPOB; lr_scale from ESS)
+    tokw_nt     = estimator.pg_token_weights(...)
+    grads       = vjp(-coef_n tokw_nt, +coef_n mask_nt)  =  grad of -sum coef_n (tokw log p - corr)
+
+  centered_logp_fn: `make_centered_logp_fn(graphdef, centering_cap(pg))`. The ESS, its lr scale and the
+  sequence weights are those of the estimator (the ratios p / q of the sampled tokens); centering changes
+  only the score each weight multiplies. With behavior_params = params, corr = 0 and this is the plain
+  estimator gradient (tested against learner's vmap path). Returns (grads, aux): aux = the estimator's
+  aux, pg_loss, and the drift metrics `drift/*` (k1_kl_qp, kl_qp, coef_l1).
+  """
+  from vcpo_jax import estimator, grad_norms
+
+  mask = jnp.asarray(batch["loss_mask"], _F32)
+  (logp_nt, corr_nt, diag), vjp = jax.vjp(lambda p: centered_logp_fn(p, behavior_params, batch), params)
+  sq = None
+  if estimator.needs_sq_norms(pg):
+
+    def score(p, example):
+      ex1 = jax.tree.map(lambda x: x[None], example)
+      lp, corr, _ = centered_logp_fn(p, behavior_params, ex1)
+      return jnp.sum((lp[0].astype(_F32) - corr[0]) * ex1["loss_mask"][0].astype(_F32))
+
+    sq = grad_norms.per_example_sq_grad_norms(score, params, dict(batch))
+  coef_n, aux = estimator.pg_coefficients(
+    sg(logp_nt), batch["behavior_logp"], mask, batch["rewards"], batch["group_id"], sq, pg, divisor=divisor
+  )
+  tokw = estimator.pg_token_weights(sg(logp_nt), batch["behavior_logp"], mask, pg)
+  cot_lp = -coef_n[:, None] * tokw
+  cot_corr = coef_n[:, None] * mask
+  zero_diag = jax.tree.map(jnp.zeros_like, diag)
+  (grads,) = vjp((cot_lp.astype(logp_nt.dtype), cot_corr, zero_diag))
+  lp_val = jnp.where(tokw != 0, sg(logp_nt).astype(_F32), 0.0)
+  pg_loss = jnp.sum(cot_lp * lp_val + cot_corr * sg(corr_nt))
+  drift = drift_metrics(sg(logp_nt), batch["behavior_logp"], mask, diag)
+  out = dict(aux, pg_loss=pg_loss, **{f"drift/{k}": v for k, v in drift.items()})
+  if sq is not None:
+    out["sq_norm_n"] = sq
+  return grads, out
