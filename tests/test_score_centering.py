@@ -331,3 +331,32 @@ def test_model_centered_gradient_and_norms_by_brute_force(model_setup, preset, o
   want = jax.grad(surrogate)(params)
   np.testing.assert_allclose(flat(got), flat(want), rtol=2e-4, atol=1e-7)
   assert float(aux["drift/coef_l1"]) > 1e-3 and float(aux["drift/kl_qp"]) > 0
+
+
+# ---------------------------------------------------------------------------
+# In the pure exact-lag run: q is the ring's behaviour version
+# ---------------------------------------------------------------------------
+
+
+def test_pure_lag_run_with_exact_centering():
+  from vcpo_jax import estimator
+  from vcpo_jax.experiments import pure_lag as pl
+
+  cfg = pl.PureLagConfig(
+    alphabet=4, max_stride=2, resp_len=4, prompts_per_step=2, group_size=4, steps=6, eval_every=3,
+    eval_samples=1, hidden=16, layers=1, heads=2, mlp=16,
+  )
+  pg = estimator.pg_config_from_preset("vcpo")
+  key, lr = jax.random.key(3), jnp.float32(3e-2)
+  plain = jax.device_get(jax.jit(pl.make_run_fn(cfg, pg, 2))(key, lr, 0))
+  centered_fn = jax.jit(pl.make_run_fn(cfg, pg, 2, score_centering_exact=True))
+  sync = jax.device_get(centered_fn(key, lr, 0))
+  # k = 0: the batch is sampled by the current parameters, q = p, corr = 0: the same run
+  np.testing.assert_allclose(sync["drift_coef_l1"], 0.0, atol=1e-5)
+  np.testing.assert_allclose(sync["reward"], plain["reward"], atol=1e-6)
+  np.testing.assert_allclose(sync["grad_norm"], plain["grad_norm"], rtol=1e-3)
+  lag = jax.device_get(centered_fn(key, lr, 2))
+  assert np.all(lag["drift_coef_l1"][3:] > 1e-4) and np.all(lag["drift_kl_qp"][3:] > 0)  # stale from step 3
+  assert all(np.all(np.isfinite(v)) for v in lag.values())
+  with pytest.raises(ValueError, match="centers the surrogate only"):
+    pl.make_run_fn(cfg, estimator.pg_config_from_preset("ipo"), 2, score_centering_exact=True)
