@@ -360,3 +360,19 @@ def test_pure_lag_run_with_exact_centering():
   assert all(np.all(np.isfinite(v)) for v in lag.values())
   with pytest.raises(ValueError, match="centers the surrogate only"):
     pl.make_run_fn(cfg, estimator.pg_config_from_preset("ipo"), 2, score_centering_exact=True)
+
+
+def test_topk_centered_logp_fn_with_k_equal_v_is_exact(model_setup):
+  graphdef, params, beh, batch = model_setup
+  exact = S.make_centered_logp_fn(graphdef)
+  full = S.make_topk_centered_logp_fn(graphdef, 16)  # V = 16
+  part = S.make_topk_centered_logp_fn(graphdef, 4)
+
+  def total(fn):
+    return lambda p: jnp.sum(fn(p, beh, batch)[1] * f32(batch["loss_mask"]))
+
+  ge, gf, gp = (flat(jax.grad(total(f))(params)) for f in (exact, full, part))
+  np.testing.assert_allclose(gf, ge, rtol=1e-4, atol=1e-7)
+  assert np.abs(gp - ge).max() > 1e-4 * np.abs(ge).max()  # a 4-id head with a modelled tail is not exact
+  with pytest.raises(ValueError, match="topk=0"):
+    S.make_topk_centered_logp_fn(graphdef, 0)

@@ -303,6 +303,39 @@ def make_centered_logp_fn(graphdef, max_ratio=None):
   return fn
 
 
+def make_topk_centered_logp_fn(graphdef, topk: int, max_ratio=None):
+  """As `make_centered_logp_fn`, with q known only on its top-k ids (the tail modelled): the head is the
+  behaviour version's own top-k at each position, what a sampler at temperature 1 without filters records.
+
+  Dense per position ([N, T, V] logits of each version): for small vocabularies (tests, the pure-lag
+  testbed); a sampler-recorded head enters through `topk_correction` directly. diag: coef_l1, q_head_mass,
+  p_head_mass.
+  """
+  from flax import nnx
+
+  from vcpo_jax.model import transformer
+
+  if topk < 1:
+    raise ValueError(f"topk={topk}: must be >= 1")
+
+  def fn(params, behavior_params, batch):
+    tokens = batch["tokens"]
+    positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
+    model = nnx.merge(graphdef, params)
+    h, _ = model(tokens, positions, mask, hidden=True)
+    logp = model.head_logprobs(h, tokens)
+    behaviour = nnx.merge(graphdef, jax.tree.map(sg, behavior_params))
+    hq, _ = behaviour(tokens, positions, mask, hidden=True)
+    (w, spec), (wq, _) = _head(model), _head(behaviour)
+    v = lpm.vocab_size(w, spec)
+    every_id = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), tokens.shape + (v,))
+    lq_head, ids = jax.lax.top_k(sg(head_logprobs_at(hq, wq, every_id, spec)), min(topk, v))
+    corr, diag = topk_correction(head_logprobs_at(h, w, ids, spec), lq_head, max_ratio, batch["loss_mask"])
+    return logp, corr, diag
+
+  return fn
+
+
 def centering_cap(pg) -> float | None:
   """The token-weight cap C that matches the estimator's token weight: token_tis_c for is_variant
   'token_tis' (the paper's TIS+SC), else None (sequence-level variants weigh tokens by 1)."""

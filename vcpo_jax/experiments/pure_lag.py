@@ -243,13 +243,17 @@ def evaluate(cfg: PureLagConfig, graphdef, params, key):
 # ----------------------------------------------------------------------------- the run
 
 
-def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int, score_centering_exact: bool = False):
+def make_run_fn(
+  cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int, score_centering_exact: bool = False, score_centering_topk: int = 0
+):
   """run(key, lr, k) -> dict of metric arrays: one whole exact-lag training run, pure.
 
   score_centering_exact: center every token's score exactly with the behaviour version read from the ring
   (vcpo_jax.score_centering.centered_gradient, the vmap reference path; the token-weight cap is
   score_centering.centering_cap(pg)); the drift metrics drift_kl_qp (exact KL(q || p) per token),
-  drift_k1 and drift_coef_l1 are then recorded per step.
+  drift_k1 and drift_coef_l1 are then recorded per step. score_centering_topk > 0 (with
+  score_centering_exact): q known only on the behaviour version's top-k ids, the tail modelled
+  (score_centering.make_topk_centered_logp_fn); drift_kl_qp is then the mean head mass of q instead.
 
   The ring has max_k + 1 slots (static); the lag k <= max_k is a traced
   argument, so one compile per (cfg, pg, max_k) serves every k and `jax.vmap`
@@ -264,7 +268,11 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int, score_ce
   grad_fn = learner.policy_gradient("ghost" if cfg.grad_path == "ghost" else "vmap")
   if score_centering_exact and pg.policy_loss != "pg":
     raise ValueError(f"score_centering_exact with policy_loss={pg.policy_loss!r}: it centers the surrogate only")
-  centered_fn = score_centering.make_centered_logp_fn(graphdef, score_centering.centering_cap(pg))
+  cap = score_centering.centering_cap(pg)
+  if score_centering_topk:
+    centered_fn = score_centering.make_topk_centered_logp_fn(graphdef, score_centering_topk, cap)
+  else:
+    centered_fn = score_centering.make_centered_logp_fn(graphdef, cap)
   ring_size = max_k + 1
   chunks, every = cfg.steps // cfg.eval_every, cfg.eval_every
 
@@ -305,7 +313,9 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int, score_ce
       )
       if score_centering_exact:
         out.update(
-          drift_kl_qp=aux["drift/kl_qp"], drift_k1=aux["drift/k1_kl_qp"], drift_coef_l1=aux["drift/coef_l1"]
+          drift_kl_qp=aux["drift/q_head_mass" if score_centering_topk else "drift/kl_qp"],
+          drift_k1=aux["drift/k1_kl_qp"],
+          drift_coef_l1=aux["drift/coef_l1"],
         )
       if cfg.debug_trace:
         out.update(tokens=batch["tokens"], behavior_logp=batch["behavior_logp"], params=params)
