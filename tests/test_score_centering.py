@@ -157,7 +157,7 @@ def test_p_equals_q_gives_the_plain_update():
   tokens = jnp.asarray(rng.integers(0, V, (B, T)))
   coef = f32(rng.normal(size=B))
   mask = f32(np.ones((B, T)) * (np.arange(T) > 0))
-  lp_fn = lambda p: lpm.head_logprobs(hidden(p, x), p["w"], tokens, SPEC)  # noqa: E731
+  lp_fn = lambda p: lpm.head_logprobs(hidden(p, x), p["w"], tokens, SPEC)
 
   def loss(p, centered, C):
     lp = lp_fn(p)
@@ -165,7 +165,9 @@ def test_p_equals_q_gives_the_plain_update():
     if centered == "topk":
       ids = jnp.argsort(-jnp.concatenate([jnp.zeros((B, 1, V)), full_logp(params, x)], 1), -1)[..., :3]
       h_lp = S.head_logprobs_at(hidden(p, x), p["w"], ids, SPEC)
-      corr = S.topk_correction(h_lp, jax.lax.stop_gradient(S.head_logprobs_at(hidden(params, x), params["w"], ids, SPEC)), C, mask)[0]
+      corr = S.topk_correction(
+        h_lp, jax.lax.stop_gradient(S.head_logprobs_at(hidden(params, x), params["w"], ids, SPEC)), C, mask
+      )[0]
     tokw = mask * S.token_weight(lp, jax.lax.stop_gradient(lp), C)
     return S.centered_surrogate(lp, corr, coef, tokw, mask)
 
@@ -319,8 +321,13 @@ def test_model_centered_gradient_and_norms_by_brute_force(model_setup, preset, o
     assert np.abs(sq - plain).max() > 1e-3 * plain.max()  # the correction is in the norm
   lp0, _, _ = fn(params, beh, batch)
   coef, _ = estimator.pg_coefficients(
-    jax.lax.stop_gradient(lp0), batch["behavior_logp"], mask, batch["rewards"], batch["group_id"],
-    f32(sq) if pg.opob else None, pg,
+    jax.lax.stop_gradient(lp0),
+    batch["behavior_logp"],
+    mask,
+    batch["rewards"],
+    batch["group_id"],
+    f32(sq) if pg.opob else None,
+    pg,
   )
   tokw = estimator.pg_token_weights(jax.lax.stop_gradient(lp0), batch["behavior_logp"], mask, pg)
 
@@ -343,8 +350,18 @@ def test_pure_lag_run_with_exact_centering():
   from vcpo_jax.experiments import pure_lag as pl
 
   cfg = pl.PureLagConfig(
-    alphabet=4, max_stride=2, resp_len=4, prompts_per_step=2, group_size=4, steps=6, eval_every=3,
-    eval_samples=1, hidden=16, layers=1, heads=2, mlp=16,
+    alphabet=4,
+    max_stride=2,
+    resp_len=4,
+    prompts_per_step=2,
+    group_size=4,
+    steps=6,
+    eval_every=3,
+    eval_samples=1,
+    hidden=16,
+    layers=1,
+    heads=2,
+    mlp=16,
   )
   pg = estimator.pg_config_from_preset("vcpo")
   key, lr = jax.random.key(3), jnp.float32(3e-2)

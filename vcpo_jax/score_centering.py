@@ -121,8 +121,10 @@ def topk_correction(head_logp, q_head_logp, max_ratio=None, mask=None):
   c, _ = head_coefficients(p, q, max_ratio)
   c = jnp.where(m[..., None], c, 0.0)
   corr = jnp.sum(sg(c) * lp, axis=-1)
-  zero = lambda x: jnp.where(m, x, 0.0)  # noqa: E731
-  return corr, dict(p_head_mass=zero(jnp.sum(p, -1)), q_head_mass=zero(jnp.sum(q, -1)), coef_l1=zero(jnp.sum(jnp.abs(c), -1)))
+  zero = lambda x: jnp.where(m, x, 0.0)
+  return corr, dict(
+    p_head_mass=zero(jnp.sum(p, -1)), q_head_mass=zero(jnp.sum(q, -1)), coef_l1=zero(jnp.sum(jnp.abs(c), -1))
+  )
 
 
 def _exact_chunk(h_c, hq_c, w, wq, spec: lpm.HeadSpec, max_ratio):
@@ -257,7 +259,7 @@ def drift_metrics(logp_nt, behavior_logp_nt, mask_nt, diag):
   and the token means of every [N, T] entry of diag (coef_l1, head masses, exact kl_qp)."""
   m = jnp.asarray(mask_nt) != 0
   n = jnp.maximum(jnp.sum(m), 1).astype(_F32)
-  mean = lambda x: jnp.sum(jnp.where(m, sg(jnp.asarray(x, _F32)), 0.0)) / n  # noqa: E731
+  mean = lambda x: jnp.sum(jnp.where(m, sg(jnp.asarray(x, _F32)), 0.0)) / n
   out = {"k1_kl_qp": mean(jnp.asarray(behavior_logp_nt, _F32) - jnp.asarray(logp_nt, _F32))}
   out.update({k: mean(v) for k, v in diag.items()})
   return out

@@ -244,7 +244,11 @@ def evaluate(cfg: PureLagConfig, graphdef, params, key):
 
 
 def make_run_fn(
-  cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int, score_centering_exact: bool = False, score_centering_topk: int = 0
+  cfg: PureLagConfig,
+  pg: estimator.PGConfig,
+  max_k: int,
+  score_centering_exact: bool = False,
+  score_centering_topk: int = 0,
 ):
   """run(key, lr, k) -> dict of metric arrays: one whole exact-lag training run, pure.
 

@@ -110,7 +110,7 @@ def to_markdown(s: dict) -> str:
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in s["rows"]:
-    d = lambda n: f"{r[n]:.4f}" if n in r else "-"  # noqa: E731
+    d = lambda n: f"{r[n]:.4f}" if n in r else "-"
     lines.append(
       f"| {r['method']} | {r['k']} | {r['final_mean']:.3f} +- {r['final_std']:.3f} | {r['best_mean']:.3f} | "
       f"{r['collapsed']}/{r['seeds']} | {r['ess_median']:.3f} | {d('drift_kl_qp')} | {d('drift_k1')} | "
@@ -159,7 +159,9 @@ def main(argv=None):
   (out / "summary.json").write_text(json.dumps(s, indent=1))
   md = to_markdown(s)
   for m, v in s.get("interleaved_seconds_per_step", {}).items():
-    md += f"\ninterleaved ({a.time_rounds} rounds, k = {ks[0]}, {len(seeds)} seeds vmapped): {m} {v['min']:.4f} s / step"
+    md += (
+      f"\ninterleaved ({a.time_rounds} rounds, k = {ks[0]}, {len(seeds)} seeds vmapped): {m} {v['min']:.4f} s / step"
+    )
   (out / "summary.md").write_text(md + "\n")
   print(md)
 
