@@ -7,6 +7,7 @@ Methods (name -> estimator preset, score centering):
   vcpo          VCPO (sequence TIS c = 8, OPOB, ESS-scaled rate)                       off
   vcpo_ref      VCPO on the vmap reference gradient path (the cost baseline of the centered runs)
   vcpo_sc       VCPO with every token's score centered exactly (q = the ring's version)  exact, w = 1
+  token_tis     token TIS with cap 2 (the control of tis_sc)                                 off
   tis_sc        the paper's TIS+SC: token TIS with cap 2 and the centering's cap 2        exact, C = 2
   sc_top8       as vcpo_sc, q's head = its top 8 of V = 12 ids, the tail modelled         top-k 8
   ipo, kpop     the peer losses (vcpo_jax/policy_losses.py) at their sources' defaults      off
@@ -40,6 +41,7 @@ METHODS = {
   "vcpo": ("vcpo", {}, None),
   "vcpo_ref": ("vcpo", {}, None),  # the same, on the vmap reference gradient path (the centered runs' path)
   "vcpo_sc": ("vcpo", {}, "exact"),
+  "token_tis": ("token_tis", dict(token_tis_c=2.0), None),  # the control of tis_sc: the same, uncentered
   "tis_sc": ("token_tis", dict(token_tis_c=2.0), "exact"),
   "sc_top8": ("vcpo", {}, 8),
   "ipo": ("ipo", {}, None),
@@ -153,6 +155,11 @@ def main(argv=None):
       print(method, k, f"{secs:.1f}s", flush=True)
   s = summarize(cells, c, chance=cfg.chance)
   s.update(lr=a.lr, seeds=seeds, ks=ks, steps=c.task.steps)
+  old = out / "summary.json"
+  if not a.time_rounds and old.exists():  # keep the last interleaved timing when not timing again
+    prev = json.loads(old.read_text()).get("interleaved_seconds_per_step")
+    if prev:
+      s["interleaved_seconds_per_step"] = prev
   if a.time_rounds:
     timed = [m for m in ("vcpo_ref", "vcpo_sc", "sc_top8", "vcpo") if m in a.methods.split(",")]
     s["interleaved_seconds_per_step"] = interleaved_seconds(cfg, timed, ks[0], seeds, a.lr, max(ks), a.time_rounds)
@@ -160,7 +167,7 @@ def main(argv=None):
   md = to_markdown(s)
   for m, v in s.get("interleaved_seconds_per_step", {}).items():
     md += (
-      f"\ninterleaved ({a.time_rounds} rounds, k = {ks[0]}, {len(seeds)} seeds vmapped): {m} {v['min']:.4f} s / step"
+      f"\ninterleaved ({len(v['all'])} rounds, k = {ks[0]}, {len(seeds)} seeds vmapped): {m} {v['min']:.4f} s / step"
     )
   (out / "summary.md").write_text(md + "\n")
   print(md)
