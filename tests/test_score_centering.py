@@ -393,3 +393,21 @@ def test_topk_centered_logp_fn_with_k_equal_v_is_exact(model_setup):
   assert np.abs(gp - ge).max() > 1e-4 * np.abs(ge).max()  # a 4-id head with a modelled tail is not exact
   with pytest.raises(ValueError, match="topk=0"):
     S.make_topk_centered_logp_fn(graphdef, 0)
+
+
+def test_exact_correction_chunked_memory_stays_below_one_nt_v():
+  """Compiled temporaries (XLA's memory analysis, nothing allocated): the chunked exact correction and its
+  gradient never hold a [B, T, V] float32 array; the dense one holds several."""
+  b, t, d, v = 2, 257, 16, 8192
+  nt_v = b * (t - 1) * v * 4  # one [B, T - 1, V] float32: 16 MiB
+  h = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
+  w = jax.ShapeDtypeStruct((d, v), jnp.float32)
+
+  def temp_bytes(spec):
+    f = jax.jit(jax.grad(lambda h, hq, w, wq: jnp.sum(S.exact_correction(h, hq, w, wq, spec)[0]), argnums=(0, 2)))
+    return f.lower(h, h, w, w).compile().memory_analysis().temp_size_in_bytes
+
+  dense = temp_bytes(lpm.HeadSpec(tied=False))
+  chunked = temp_bytes(lpm.HeadSpec(tied=False, chunk=32, vocab_chunk=1024))
+  assert dense >= 2 * nt_v
+  assert chunked < nt_v / 4, (chunked, nt_v)
