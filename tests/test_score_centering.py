@@ -411,3 +411,20 @@ def test_exact_correction_chunked_memory_stays_below_one_nt_v():
   chunked = temp_bytes(lpm.HeadSpec(tied=False, chunk=32, vocab_chunk=1024))
   assert dense >= 2 * nt_v
   assert chunked < nt_v / 4, (chunked, nt_v)
+
+
+def test_study_smoke(tmp_path):
+  """The study's main end to end on one tiny cell (10 steps, one seed), then again from the saved cell."""
+  import json
+
+  from vcpo_jax.experiments import score_centering_study as study
+
+  argv = ["--out", str(tmp_path), "--ks", "2", "--seeds", "0", "--steps", "10", "--methods", "vcpo_sc,ipo"]
+  study.main([*argv, "--time-rounds", "1"])
+  s = json.loads((tmp_path / "summary.json").read_text())
+  rows = {r["method"]: r for r in s["rows"]}
+  assert set(rows) == {"vcpo_sc", "ipo"} and rows["vcpo_sc"]["drift_kl_qp"] > 0 and "drift_kl_qp" not in rows["ipo"]
+  assert set(s["interleaved_seconds_per_step"]) == {"vcpo_sc"}
+  study.main([*argv, "--time-rounds", "0"])  # cells reused, the timing kept
+  assert json.loads((tmp_path / "summary.json").read_text())["interleaved_seconds_per_step"]["vcpo_sc"]
+  assert "| vcpo_sc | 2 |" in (tmp_path / "summary.md").read_text()
