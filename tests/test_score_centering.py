@@ -377,6 +377,8 @@ def test_pure_lag_run_with_exact_centering():
   assert all(np.all(np.isfinite(v)) for v in lag.values())
   with pytest.raises(ValueError, match="centers the surrogate only"):
     pl.make_run_fn(cfg, estimator.pg_config_from_preset("ipo"), 2, score_centering_exact=True)
+  with pytest.raises(ValueError, match="needs score_centering_exact=True"):
+    pl.make_run_fn(cfg, pg, 2, score_centering_topk=4)
 
 
 def test_topk_centered_logp_fn_with_k_equal_v_is_exact(model_setup):

@@ -270,6 +270,8 @@ def make_run_fn(
   graphdef = _graphdef(cfg)
   logp_fn = grad_norms.sequence_logp_fn(graphdef)
   grad_fn = learner.policy_gradient("ghost" if cfg.grad_path == "ghost" else "vmap")
+  if score_centering_topk and not score_centering_exact:
+    raise ValueError(f"score_centering_topk={score_centering_topk} needs score_centering_exact=True")
   if score_centering_exact and pg.policy_loss != "pg":
     raise ValueError(f"score_centering_exact with policy_loss={pg.policy_loss!r}: it centers the surrogate only")
   cap = score_centering.centering_cap(pg)
