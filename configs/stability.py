@@ -115,6 +115,8 @@ KNOBS = {
   "m2po_released": ("budget", (0.01, 0.02, 0.04, 0.08)),  # (*0.04)
   "icepop": ("icepop_interval", ((0.5, 2.0), (0.5, 5.0), (0.2, 5.0), (0.1, 10.0))),  # [alpha, beta] (*[0.5, 5])
   "dppo_tv": ("tv", (0.1, 0.2, 0.3, 0.5)),  # mask_low = mask_high: probability-difference bound (*0.2)
+  "ipo": ("ipo_threshold", (0.05, 0.1, 0.2, 0.3)),  # |p - q| bound of the sampled token (*0.1)
+  "kpop": ("kpop_phi", (0.02, 0.05, 0.1, 0.2)),  # two-way binary-KL bound (*0.1)
 }
 
 

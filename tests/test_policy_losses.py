@@ -147,6 +147,28 @@ def ref_dppo_tv(lp, lps, old, beh, A, mask, lo=0.2, hi=0.2, kl_tau=1e-3):
   return total / max(mask.sum(), 1)
 
 
+def ref_ipo(lp, lps, old, beh, A, mask, thr=0.1, kl_tau=1e-3):
+  """prime-rl ipo_loss_fn: |p - q| > thr masked (either sign), -keep A r + kl_tau (log r)^2, sum / #tokens."""
+  keep = (mask > 0) & ~(np.abs(np.exp(lps) - np.exp(beh)) > thr)
+  lr = lp - beh
+  total = (-keep.astype(np.float64) * A * np.exp(lr) + kl_tau * (mask > 0) * lr**2).sum()
+  return total / max(mask.sum(), 1)
+
+
+def np_binary_kl(a, b, eps=1e-6):
+  a, b = np.clip(a, eps, 1 - eps), np.clip(b, eps, 1 - eps)
+  return a * np.log(a / b) + (1 - a) * np.log((1 - a) / (1 - b))
+
+
+def ref_kpop(lp, lps, prox, beh, A, mask, phi=0.1, eps_low=0.2, eps_high=0.2):
+  """AReaL ppo_actor_loss_fn with enable_kpop: both binary KLs < phi kept; PPO(prox) * exp(prox - beh) / #kept."""
+  p, q = np.exp(prox), np.exp(beh)
+  keep = (mask > 0) & (np_binary_kl(p, q) < phi) & (np_binary_kl(q, p) < phi)
+  r = np.exp(lp - prox)
+  pg = np.maximum(-A * r, -A * np.clip(r, 1 - eps_low, 1 + eps_high)) * np.exp(prox - beh)
+  return np.where(keep, pg, 0.0).sum() / max(keep.sum(), 1)
+
+
 REFS = {
   "ppo_clip": ref_ppo_clip,
   "decoupled_ppo": ref_decoupled,
@@ -156,6 +178,8 @@ REFS = {
   "m2po_released": ref_m2po_released,
   "icepop": ref_icepop,
   "dppo_tv": ref_dppo_tv,
+  "ipo": ref_ipo,
+  "kpop": ref_kpop,
 }
 
 # Reference keyword names, per loss, for hyper-parameters that differ from the defaults.
@@ -178,6 +202,10 @@ CASES = [
   ("icepop", dict(lower=0.8, upper=1.25), dict(lower=0.8, upper=1.25)),
   ("dppo_tv", {}, {}),
   ("dppo_tv", dict(mask_low=0.05, mask_high=0.05, kl_tau=0.1), dict(lo=0.05, hi=0.05, kl_tau=0.1)),
+  ("ipo", {}, {}),
+  ("ipo", dict(ipo_threshold=0.05, kl_tau=0.1), dict(thr=0.05, kl_tau=0.1)),
+  ("kpop", {}, {}),
+  ("kpop", dict(phi=0.02, eps_low=0.1, eps_high=0.28), dict(phi=0.02, eps_low=0.1, eps_high=0.28)),
 ]
 
 
@@ -347,6 +375,47 @@ def test_icepop_hand_numbers():
   loss, grad, m = one_token("icepop", 1.0, 1.0, old=math.log(0.6), beh=math.log(0.3))
   assert loss == pytest.approx(-2.0, rel=1e-5) and grad == pytest.approx(-2.0, rel=1e-5)
   assert float(m["frac_masked"]) == 0.0
+
+
+def test_ipo_hand_numbers():
+  # q = 0.5; p = 0.55: |p - q| = 0.05 <= 0.1, kept: loss = -A r = -1.1, d/dlogp = -A r = -1.1
+  loss, grad, m = one_token("ipo", 1.0, 1.0, old=math.log(0.55), beh=math.log(0.5), kl_tau=0.0)
+  assert loss == pytest.approx(-1.1, rel=1e-5) and grad == pytest.approx(-1.1, rel=1e-5)
+  assert float(m["frac_masked"]) == 0.0
+  # p = 0.7, q = 0.5: moved up by 0.2 > 0.1 -> dropped for A > 0 AND for A < 0 (DPPO keeps the A < 0 one)
+  for A in (1.0, -1.0):
+    loss, grad, m = one_token("ipo", 1.0, A, old=math.log(0.7), beh=math.log(0.5), kl_tau=0.0)
+    assert loss == 0.0 and grad == 0.0 and float(m["frac_masked_high"]) == 1.0
+  _, _, m = one_token("dppo_tv", 1.0, -1.0, old=math.log(0.7), beh=math.log(0.5), kl_tau=0.0)
+  assert float(m["frac_masked"]) == 0.0
+  # p = 0.3, q = 0.5: moved down by 0.2 -> dropped for either sign of A; the KL term stays:
+  # kl_tau (log r)^2 with log r = log 0.6, gradient 2 kl_tau log r
+  loss, grad, m = one_token("ipo", 1.0, 1.0, old=math.log(0.3), beh=math.log(0.5), kl_tau=0.1)
+  assert loss == pytest.approx(0.1 * math.log(0.6) ** 2, rel=1e-5)
+  assert grad == pytest.approx(0.2 * math.log(0.6), rel=1e-5) and float(m["frac_masked_low"]) == 1.0
+
+
+def test_kpop_hand_numbers():
+  # D_B(0.5 || 0.4) = 0.5 log(0.5/0.4) + 0.5 log(0.5/0.6) = 0.0204; D_B(0.4 || 0.5) = 0.0201: both < 0.1
+  kf = 0.5 * math.log(0.5 / 0.4) + 0.5 * math.log(0.5 / 0.6)
+  kr = 0.4 * math.log(0.4 / 0.5) + 0.6 * math.log(0.6 / 0.5)
+  np.testing.assert_allclose(float(P.binary_kl(jnp.log(0.5), jnp.log(0.4))), kf, rtol=1e-4)
+  np.testing.assert_allclose(float(P.binary_kl(jnp.log(0.4), jnp.log(0.5))), kr, rtol=1e-4)
+  # kept: pi_prox = 0.5, mu = 0.4, r = 1 -> loss = -(0.5 / 0.4) A = -1.25, gradient -1.25 (unclipped)
+  loss, grad, m = one_token("kpop", 1.0, 1.0, old=math.log(0.5), beh=math.log(0.4))
+  assert loss == pytest.approx(-1.25, rel=1e-5) and grad == pytest.approx(-1.25, rel=1e-5)
+  assert float(m["frac_masked"]) == 0.0
+  # phi = 0.02 < 0.0201 (the reverse KL): dropped, and the kept-token normalizer is empty -> 0
+  loss, grad, m = one_token("kpop", 1.0, 1.0, old=math.log(0.5), beh=math.log(0.4), phi=0.02)
+  assert loss == 0.0 and grad == 0.0 and float(m["frac_masked"]) == 1.0
+  # the band adapts to the probability: a 0.2 move is dropped at p ~ 0.99 (D_B large), a 10x ratio kept at 1e-4
+  _, _, m = one_token("kpop", 1.0, 1.0, old=math.log(0.99), beh=math.log(0.79))
+  assert float(m["frac_masked"]) == 1.0
+  _, _, m = one_token("kpop", 1.0, 1.0, old=math.log(1e-3), beh=math.log(1e-4))
+  assert float(m["frac_masked"]) == 0.0
+  # the ratio to pi_prox is clipped as in PPO: r = 1.5, A = 1 -> clip at 1.2, no gradient
+  loss, grad, m = one_token("kpop", 1.5, 1.0, old=math.log(0.5), beh=math.log(0.5))
+  assert loss == pytest.approx(-1.2, rel=1e-5) and grad == 0.0 and float(m["clip_frac"]) == 1.0
 
 
 def test_dppo_tv_hand_numbers():
@@ -558,8 +627,12 @@ def test_registry_names_and_source_defaults():
     "m2po_released",
     "icepop",
     "dppo_tv",
+    "ipo",
+    "kpop",
   }
   d = {k: v.defaults for k, v in P.POLICY_LOSSES.items()}
+  assert (d["ipo"]["ipo_threshold"], d["ipo"]["kl_tau"], d["ipo"]["loss_agg"]) == (0.1, 1e-3, "token-mean")
+  assert (d["kpop"]["phi"], d["kpop"]["eps_low"], d["kpop"]["eps_high"]) == (0.1, 0.2, 0.2)
   assert (d["gspo"]["eps_low"], d["gspo"]["eps_high"], d["gspo"]["loss_agg"]) == (3e-4, 4e-4, "seq-mean-token-mean")
   assert (d["cispo"]["eps_low"], d["cispo"]["eps_high"], d["cispo"]["loss_agg"]) == (10.0, 0.2, "token-mean")
   assert (d["icepop"]["lower"], d["icepop"]["upper"]) == (0.5, 5.0)
@@ -581,6 +654,8 @@ def test_registry_names_and_source_defaults():
     ("m2po_paper", dict(budget=0.0), "budget=0.0"),
     ("icepop", dict(lower=2.0, upper=1.0), "lower=\\(2.0, 1.0\\)"),
     ("dppo_tv", dict(kl_tau=-1.0), "kl_tau=-1.0"),
+    ("ipo", dict(ipo_threshold=-0.1), "ipo_threshold=-0.1"),
+    ("kpop", dict(phi=0.0), "phi=0.0"),
     ("decoupled_ppo", dict(current_version=3), "current_version=3"),
   ],
 )

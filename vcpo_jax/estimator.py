@@ -734,6 +734,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     name: dict(_GRPO, is_variant="none", policy_loss=name)
     for name in ("ppo_clip", "decoupled_ppo", "gspo", "cispo", "m2po_paper", "m2po_released", "icepop", "dppo_tv")
   },
+  # the trust regions of prime-rl (IPO) and AReaL (KPop), vcpo_jax/policy_losses.py
+  **{name: dict(_GRPO, is_variant="none", policy_loss=name) for name in ("ipo", "kpop")},
   "vcpo_tis_ess": dict(_VCPO, is_variant="tis_ess", tis_ess_target=0.5),  # VCPO with the ESS-targeted cap
 }
 

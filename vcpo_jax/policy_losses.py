@@ -794,6 +794,136 @@ def loss_gradient(loss_fn, logp_fn, params, batch, advantages, old_logp_nt=None)
 
 
 # ---------------------------------------------------------------------------
+# IPO (prime-rl), KPop (AReaL): trust regions on the sampled token's probability
+# ---------------------------------------------------------------------------
+
+
+def ipo(
+  logp_nt,
+  old_logp_nt,
+  behavior_logp_nt,
+  advantages,
+  mask_nt,
+  *,
+  ipo_threshold=0.1,
+  kl_tau=1e-3,
+  loss_agg="token-mean",
+):
+  """IPO: a sign-agnostic absolute-probability trust region + squared log-ratio penalty (prime-rl's default).
+
+    p_t, q_t = pi_theta(o_t), mu(o_t)                  probabilities of the SAMPLED token
+    drop_t   = |p_t - q_t| > ipo_threshold              (stop-gradient; either sign, whatever A is)
+    l_t      = -(1 - drop_t) A r_t + kl_tau (log r_t)^2,   r_t = pi_theta / mu  (differentiated)
+    loss     = sum_t mask l_t / sum_n |o_n|
+
+  The difference from `dppo_tv`: the mask does not look at the sign of A (DPPO drops a token only when it
+  moved too far in the direction A pushes it); IPO drops every token whose probability moved more than the
+  threshold in absolute terms. The KL term covers every loss token, dropped or not.
+
+  Source: prime-rl src/prime_rl/trainer/rl/loss.py `ipo_loss_fn` with IPOLossConfig (ipo_threshold = 0.1,
+  kl_tau = 1e-3, adv_tau = 1; the sum over tokens divided by the loss-token count). Departures: adv_tau is
+  not a knob (a constant factor on A; 1 in the source); later prime-rl versions renamed the threshold `eps`
+  (0.1 or 0.3) and some drop the KL term (kl_tau = 0 here). pi_old is unused.
+
+  Metrics: frac_masked, frac_masked_high (p - q > threshold), frac_masked_low (p - q < -threshold),
+  mismatch_kl = mean(r - log r - 1) over the loss tokens, masked_mismatch_kl (over the dropped ones).
+  """
+  _check(ipo_threshold >= 0, "ipo_threshold", ipo_threshold, "must be >= 0")
+  _check(kl_tau >= 0, "kl_tau", kl_tau, "must be >= 0")
+  _check_agg(loss_agg)
+  lp, _, beh, adv, m = _inputs(logp_nt, old_logp_nt, behavior_logp_nt, advantages, mask_nt)
+  p_diff = jnp.exp(sg(lp)) - jnp.exp(beh)
+  high = m & (p_diff > ipo_threshold)
+  low = m & (p_diff < -ipo_threshold)
+  drop = high | low
+  log_r = lp - beh
+  r = jnp.exp(log_r)
+  loss_nt = jnp.where(drop, 0.0, -adv * r) + kl_tau * jnp.square(log_r)
+  mismatch = sg(r) - sg(log_r) - 1.0
+  metrics = dict(
+    frac_masked=_token_mean(drop, m),
+    frac_masked_high=_token_mean(high, m),
+    frac_masked_low=_token_mean(low, m),
+    mismatch_kl=_token_mean(mismatch, m),
+    masked_mismatch_kl=_token_mean(mismatch, drop),
+    **_common_metrics(lp, beh, m),
+  )
+  return aggregate(loss_nt, m, loss_agg), metrics
+
+
+def binary_kl(logp, logq, eps=1e-6):
+  """KL(Bern(p) || Bern(q)) = p log(p / q) + (1 - p) log((1 - p) / (1 - q)), elementwise, from log-probs.
+
+  p and q are clamped to [eps, 1 - eps] first (the complement terms are otherwise log 0 = -inf for a
+  probability-1 token), so the result is finite and >= 0. Shapes broadcast; no stop-gradient here.
+  """
+  lo, hi = math.log(eps), math.log1p(-eps)
+  lp = jnp.clip(jnp.asarray(logp, jnp.float32), lo, hi)
+  lq = jnp.clip(jnp.asarray(logq, jnp.float32), lo, hi)
+  p = jnp.exp(lp)
+  return p * (lp - lq) + (1.0 - p) * (jnp.log1p(-p) - jnp.log1p(-jnp.exp(lq)))
+
+
+def kpop(
+  logp_nt,
+  old_logp_nt,
+  behavior_logp_nt,
+  advantages,
+  mask_nt,
+  *,
+  phi=0.1,
+  eps_low=0.2,
+  eps_high=0.2,
+  prob_eps=1e-6,
+  loss_agg="token-mean",
+):
+  """KPop: decoupled PPO whose tokens are kept only inside a two-way binary-KL trust region around mu.
+
+    D_B(a || b) = a log(a / b) + (1 - a) log((1 - a) / (1 - b))     (`binary_kl`; the vocabulary seen as
+                                                                      {this token, everything else})
+    keep_t = D_B(pi_prox(o_t) || mu(o_t)) < phi  and  D_B(mu(o_t) || pi_prox(o_t)) < phi   (stop-gradient)
+    l_t    = sg(pi_prox / mu) * ppo_clip_t(pi_theta / pi_prox, eps_low, eps_high)
+    loss   = sum_t keep_t l_t / sum_t keep_t                        (token-mean over the KEPT tokens)
+
+  pi_prox is old_logp_nt (exact: the learner's pi_old, or the proximal version from the parameter ring).
+  Compared to IPO's absolute band |p - q| <= 0.1, the binary-KL band adapts to the probability: wide in
+  ratio terms for rare tokens, tight for confident ones.
+
+  Source: AReaL areal/utils/functional/functional.py `ppo_actor_loss_fn` with enable_kpop (PR #1405:
+  kl_fwd / kl_rev of proximal vs behaviour log-probs, kept iff both < kpop_phi, the loss mask and its
+  count replaced by the kept ones, pg_loss times exp(prox - behave)); examples/math/gsm8k_kpop.yaml.
+  phi = 0.1 is the KPop paper's value (also prime-rl's open KPop port, PR #3283). Departures: the
+  probability clamp to [1e-6, 1 - 1e-6] is prime-rl's port's (AReaL's helper was not readable here);
+  loss_agg other than "token-mean" normalizes over the kept tokens too.
+
+  Metrics: frac_masked (loss tokens dropped), binary_kl_fwd / binary_kl_rev (means over the loss tokens),
+  behav_weight_mean (over the kept tokens), clip_frac.
+  """
+  _check(phi > 0, "phi", phi, "the binary-KL threshold must be > 0 (the KPop paper uses 0.1)")
+  _check(0 < prob_eps < 0.5, "prob_eps", prob_eps, "must be in (0, 0.5)")
+  _check_eps(eps_low, eps_high)
+  _check_agg(loss_agg)
+  lp, prox, beh, adv, m = _inputs(logp_nt, old_logp_nt, behavior_logp_nt, advantages, mask_nt)
+  kl_fwd = binary_kl(prox, beh, prob_eps)
+  kl_rev = binary_kl(beh, prox, prob_eps)
+  keep = m & (kl_fwd < phi) & (kl_rev < phi)
+  loss_nt, clipped, _ = _ppo_token_loss(lp - prox, adv, eps_low, eps_high, None)
+  bw = sg(jnp.where(keep, jnp.exp(prox - beh), 0.0))
+  metrics = _clip_metrics(
+    clipped,
+    None,
+    lp,
+    beh,
+    m,
+    frac_masked=_token_mean(~keep, m),
+    binary_kl_fwd=_token_mean(kl_fwd, m),
+    binary_kl_rev=_token_mean(kl_rev, m),
+    behav_weight_mean=_token_mean(bw, keep),
+  )
+  return aggregate(bw * loss_nt, keep, loss_agg), metrics
+
+
+# ---------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------
 
@@ -824,6 +954,8 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     PolicyLoss("m2po_released", m2po_released, "Infini-AI-Lab/M2PO core_algos.py compute_m2po_policy_loss"),
     PolicyLoss("icepop", icepop, "slime megatron_utils/loss.py icepop_function"),
     PolicyLoss("dppo_tv", dppo_tv, "prime-rl trainer/rl/loss.py default_loss_fn"),
+    PolicyLoss("ipo", ipo, "prime-rl trainer/rl/loss.py ipo_loss_fn"),
+    PolicyLoss("kpop", kpop, "AReaL utils/functional/functional.py ppo_actor_loss_fn (enable_kpop)"),
   ]
 }
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vcpo_jax import estimator, grad_norms, learner, optim
+from vcpo_jax import estimator, grad_norms, learner, optim, score_centering
 from vcpo_jax.model import transformer
 from vcpo_jax.model.config import ModelConfig
 
@@ -243,8 +243,21 @@ def evaluate(cfg: PureLagConfig, graphdef, params, key):
 # ----------------------------------------------------------------------------- the run
 
 
-def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
+def make_run_fn(
+  cfg: PureLagConfig,
+  pg: estimator.PGConfig,
+  max_k: int,
+  score_centering_exact: bool = False,
+  score_centering_topk: int = 0,
+):
   """run(key, lr, k) -> dict of metric arrays: one whole exact-lag training run, pure.
+
+  score_centering_exact: center every token's score exactly with the behaviour version read from the ring
+  (vcpo_jax.score_centering.centered_gradient, the vmap reference path; the token-weight cap is
+  score_centering.centering_cap(pg)); the drift metrics drift_kl_qp (exact KL(q || p) per token),
+  drift_k1 and drift_coef_l1 are then recorded per step. score_centering_topk > 0 (with
+  score_centering_exact): q known only on the behaviour version's top-k ids, the tail modelled
+  (score_centering.make_topk_centered_logp_fn); drift_kl_qp is then the mean head mass of q instead.
 
   The ring has max_k + 1 slots (static); the lag k <= max_k is a traced
   argument, so one compile per (cfg, pg, max_k) serves every k and `jax.vmap`
@@ -257,6 +270,15 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
   graphdef = _graphdef(cfg)
   logp_fn = grad_norms.sequence_logp_fn(graphdef)
   grad_fn = learner.policy_gradient("ghost" if cfg.grad_path == "ghost" else "vmap")
+  if score_centering_topk and not score_centering_exact:
+    raise ValueError(f"score_centering_topk={score_centering_topk} needs score_centering_exact=True")
+  if score_centering_exact and pg.policy_loss != "pg":
+    raise ValueError(f"score_centering_exact with policy_loss={pg.policy_loss!r}: it centers the surrogate only")
+  cap = score_centering.centering_cap(pg)
+  if score_centering_topk:
+    centered_fn = score_centering.make_topk_centered_logp_fn(graphdef, score_centering_topk, cap)
+  else:
+    centered_fn = score_centering.make_centered_logp_fn(graphdef, cap)
   ring_size = max_k + 1
   chunks, every = cfg.steps // cfg.eval_every, cfg.eval_every
 
@@ -278,7 +300,10 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
       read = jnp.maximum(t - k, 0) % ring_size
       behavior_params = jax.tree.map(lambda r: jax.lax.dynamic_index_in_dim(r, read, 0, keepdims=False), ring)
       batch = make_batch(cfg, graphdef, behavior_params, jax.random.fold_in(k_sample, t))
-      grads, aux = grad_fn(logp_fn, params, batch, pg)
+      if score_centering_exact:
+        grads, aux = score_centering.centered_gradient(centered_fn, params, behavior_params, batch, pg)
+      else:
+        grads, aux = grad_fn(logp_fn, params, batch, pg)
       updates, opt_state = opt.update(grads, opt_state, params, ess_scale=aux["lr_scale"])
       params = optax.apply_updates(params, updates)
       out = dict(
@@ -292,6 +317,12 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
         log_ratio_max=aux["log_ratio_max"],
         version=ring_version[read],
       )
+      if score_centering_exact:
+        out.update(
+          drift_kl_qp=aux["drift/q_head_mass" if score_centering_topk else "drift/kl_qp"],
+          drift_k1=aux["drift/k1_kl_qp"],
+          drift_coef_l1=aux["drift/coef_l1"],
+        )
       if cfg.debug_trace:
         out.update(tokens=batch["tokens"], behavior_logp=batch["behavior_logp"], params=params)
       return (params, opt_state, ring, ring_version), out
@@ -311,19 +342,26 @@ def make_run_fn(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_grid(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int):
+def _compiled_grid(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int, score_centering_exact: bool = False):
   # vmap over the flattened (lr, seed) runs; k is traced: one compile per (cfg, pg, max_k).
-  return jax.jit(jax.vmap(make_run_fn(cfg, pg, max_k), in_axes=(0, 0, None)))
+  return jax.jit(jax.vmap(make_run_fn(cfg, pg, max_k, score_centering_exact), in_axes=(0, 0, None)))
 
 
 def run_grid(
-  cfg: PureLagConfig, pg: estimator.PGConfig, k: int, seeds, lrs, max_k: int | None = None
+  cfg: PureLagConfig,
+  pg: estimator.PGConfig,
+  k: int,
+  seeds,
+  lrs,
+  max_k: int | None = None,
+  score_centering_exact: bool = False,
 ) -> dict[str, np.ndarray]:
   """Runs every (lr, seed) pair of one (method, k) cell at once.
 
   Args:
     max_k: ring size - 1 of the compiled function (default k); pass the grid's
       largest k so that every k of a method reuses one compile.
+    score_centering_exact: see make_run_fn.
   Returns:
     dict of numpy arrays with leading axes [len(lrs), len(seeds)]: per-step
     metrics [..., S], per-evaluation metrics [..., S // eval_every].
@@ -334,5 +372,5 @@ def run_grid(
   seeds, lrs = [int(s) for s in seeds], [float(x) for x in lrs]
   keys = jax.vmap(jax.random.key)(jnp.asarray([s for _ in lrs for s in seeds], jnp.uint32))
   lr_r = jnp.asarray([x for x in lrs for _ in seeds], jnp.float32)
-  out = _compiled_grid(cfg, pg, max_k)(keys, lr_r, jnp.int32(k))
+  out = _compiled_grid(cfg, pg, max_k, bool(score_centering_exact))(keys, lr_r, jnp.int32(k))
   return {name: np.asarray(v).reshape((len(lrs), len(seeds)) + v.shape[1:]) for name, v in out.items()}

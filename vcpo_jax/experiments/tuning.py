@@ -46,6 +46,8 @@ KNOBS: dict[str, Callable[[Any], dict[str, Any]]] = {
   "budget": lambda v: {"vcpo.policy_loss_kw": f"budget={_g(v)}"},  # M2PO second-moment budget
   "icepop_interval": lambda v: {"vcpo.policy_loss_kw": "lower={},upper={}".format(*map(_g, _pair(v)))},
   "tv": lambda v: {"vcpo.policy_loss_kw": f"mask_low={_g(v)},mask_high={_g(v)}"},  # DPPO-TV bound
+  "ipo_threshold": lambda v: {"vcpo.policy_loss_kw": f"ipo_threshold={_g(v)}"},  # IPO |p - q| bound
+  "kpop_phi": lambda v: {"vcpo.policy_loss_kw": f"phi={_g(v)}"},  # KPop binary-KL bound
 }
 
 
