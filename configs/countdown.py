@@ -51,11 +51,14 @@ def get_config(arg: str | None = None):
     c.mode = "sync"  # sample with the current policy, then learn (k = 0)
     c.lag.k = 0  # synchronous
     c.task.gen.num_numbers = (3, 3)  # 3 numbers: harder; the 0.4M policy barely improves on its warm start
+    c.task.gen.number_range = (1, 9)  # single digits
+    c.task.gen.target_range = (1, 30)  # targets
     c.optim.lr = 3e-4  # the study's selected lr
     c.eval.num_problems = 128  # x eval.n = 3 samples
     c.eval.every = 40  # evaluations at steps 0, 40, 80, 120
     c.checkpoint.every = 40  # checkpoints
     c.sft.steps = 200  # base policy ~29% eval accuracy
+    c.sft.noise = 0.0  # the solver's solutions only
   if arg == "smoke":  # a few steps of the real code path (tests, CI), on the study13 settings
     c.steps = 3  # a few updates
     c.task.prompts_per_step = 2  # P
