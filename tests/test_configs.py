@@ -426,3 +426,25 @@ def test_main_config_help(tmp_path):
   assert r.returncode == 0, r.stderr
   assert r.stdout == common.help_text(_load("countdown", "smoke"), "configs/countdown.py") + "\n"
   assert "task.gen.num_numbers: tuple = (3, 3)  # 3 numbers" in r.stdout  # a field only countdown.py defines
+
+
+@pytest.mark.parametrize(
+  "args,needle",
+  [
+    (["--config=configs/countdown.py:smoke"], "--workdir: missing; pass --workdir=DIR"),
+    (["--workdir=WD"], "--config: missing; pass --config=configs/NAME.py"),
+    (["--config=configs/countdown.py:smoke", "--workdir=FILE", "--allow_config_change"], "a file of that name exists"),
+    (["--config=configs/countdown.py:smoke", "--workdir=FILE/run"], "cannot write there (Not a directory)"),
+    (["--config=configs/countdown.py:smoke", "--workdir=/proc/self/run"], "--workdir='/proc/self/run': cannot write"),
+    (["--config=configs/countdown.py:smoke", "--config.method=vcpoo", "--workdir=WD"], "did you mean 'vcpo'"),
+    (["--config=configs/countdown.py:smoke", "--config.method=ppo_clp", "--workdir=WD"], "did you mean 'ppo_clip'"),
+  ],
+)
+def test_main_bad_command_line_or_workdir_is_one_line_exit_2(tmp_path, args, needle):
+  (tmp_path / "file").write_text("x")
+  args = [a.replace("FILE", str(tmp_path / "file")).replace("WD", str(tmp_path / "run")) for a in args]
+  r = _main(*args)
+  assert r.returncode == 2, r.stderr
+  assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line: no traceback, no help text
+  assert needle in r.stderr, r.stderr
+  assert not (tmp_path / "run").exists()
