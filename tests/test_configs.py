@@ -448,3 +448,13 @@ def test_main_bad_command_line_or_workdir_is_one_line_exit_2(tmp_path, args, nee
   assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line: no traceback, no help text
   assert needle in r.stderr, r.stderr
   assert not (tmp_path / "run").exists()
+
+
+def test_config_help_shows_the_presets_values():
+  """A vcpo.* placeholder shows the value the method preset gives it (it used to print only None)."""
+  text = common.help_text(_load("countdown", None), "configs/countdown.py")
+  assert "vcpo.tis_c: float = None -> 8.0 (preset 'vcpo')" in text
+  assert "vcpo.rho_on: float = None -> 1.0 (preset 'vcpo')" in text
+  c = _load("countdown", None)
+  c.method = "icepop"
+  assert "vcpo.policy_loss: str = None -> 'icepop' (preset 'icepop')" in common.help_text(c)

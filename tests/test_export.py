@@ -40,7 +40,9 @@ def run(tmp_path_factory):
   dense = lambda problems, outputs, extraction=None: ([sum(map(str.isdigit, o)) / max(len(o), 1) for o in outputs], 0)
   mp.setattr(rollout_common.tasks, "score_problems", dense)
   try:
-    c = fixtures.tiny_countdown_config(steps=3, **{"optim.lr": 1e-2, "checkpoint.every": 2, "eval.every": 2, "log.plots": False})
+    c = fixtures.tiny_countdown_config(
+      steps=3, **{"optim.lr": 1e-2, "checkpoint.every": 2, "eval.every": 2, "log.plots": False}
+    )
     trainer.run(c, workdir)
   finally:
     mp.undo()
@@ -51,7 +53,9 @@ def _project_greedy(graphdef, cfg, params, prompts, tokenizer, max_new):
   sampler = Sampler(
     graphdef,
     cfg,
-    SamplerConfig(temperature=0.0, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, max_new_tokens=max_new),
+    SamplerConfig(
+      temperature=0.0, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, max_new_tokens=max_new
+    ),
   )
   out = sampler.generate(params, prompts, jax.random.key(0), max_new_tokens=max_new)
   toks, resp = np.asarray(out.tokens), np.asarray(out.response_mask)
@@ -85,20 +89,24 @@ def test_export_loads_in_transformers_with_the_runs_logits_and_greedy_answers(ru
   max_new = 8
   mine = _project_greedy(graphdef, cfg, params, prompts, train_tok, max_new)
   gen = model.generate(
-    torch.tensor(tokens, dtype=torch.long), do_sample=False, max_new_tokens=max_new, attention_mask=torch.ones(tokens.shape)
+    torch.tensor(tokens, dtype=torch.long),
+    do_sample=False,
+    max_new_tokens=max_new,
+    attention_mask=torch.ones(tokens.shape),
   )
   eos = train_tok.eos_token_id
   for row, ref in zip(gen[:, tokens.shape[1] :].tolist(), mine):
     row = row[: row.index(eos) + 1] if eos in row else row
     assert row == ref
-  gen_cfg = json.load(open(os.path.join(out, "generation_config.json")))
+  with open(os.path.join(out, "generation_config.json")) as f:
+    gen_cfg = json.load(f)
   assert gen_cfg["eos_token_id"] == eos and gen_cfg["temperature"] == config.eval.temperature
 
 
 def test_export_step_choice_and_errors(run, tmp_path):
   workdir, saved = run
   assert export.export(workdir, str(tmp_path / "s2"), step="2")["step"] == 2
-  cfg, model = hf_io.load_hf(str(tmp_path / "s2"))
+  _, model = hf_io.load_hf(str(tmp_path / "s2"))
   got = jax.tree.leaves(tf.split(model)[1])
   want = jax.tree.leaves(saved[2])
   assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
@@ -113,12 +121,19 @@ def test_export_command_line(run, tmp_path):
   workdir, _ = run
   env = dict(os.environ, PYTHONPATH=ROOT)
   cmd = [sys.executable, "-m", "vcpo_jax.export"]
-  r = subprocess.run([*cmd, f"--workdir={workdir}", f"--out={tmp_path / 'hf'}", "--step=2"], cwd=ROOT, env=env,
-                     capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [*cmd, f"--workdir={workdir}", f"--out={tmp_path / 'hf'}", "--step=2"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert r.returncode == 0, r.stderr
   assert f"exported step 2 of {workdir}" in r.stdout
   for args, needle in [([f"--workdir={workdir}"], "--out"), ([f"--workdir={tmp_path}", "--out=x"], "no config.json")]:
-    r = subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
 
 

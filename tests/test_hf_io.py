@@ -347,9 +347,13 @@ def test_char_tokenizer_ids_and_round_trip(tmp_path):
 
 
 # Each task's alphabet: digits, spaces, brackets, operators, newlines, letters, and unicode outside ASCII.
-_ALPHABET = list("0123456789") + [" ", "  ", "\n", "\t"] + list("()[],+-*/=<>:.?") + list("abcxyzAZ") + [
-  "é", "π", "≤", "√", "中", "😀", "\u00a0"
-]
+_ALPHABET = (
+  list("0123456789")
+  + [" ", "  ", "\n", "\t"]
+  + list("()[],+-*/=<>:.?")
+  + list("abcxyzAZ")
+  + ["é", "π", "≤", "√", "中", "😀", "\u00a0"]
+)
 
 
 def _random_texts(n, seed):

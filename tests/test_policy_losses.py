@@ -355,12 +355,12 @@ def test_icepop_band_edges_are_inclusive_as_in_slime():
   for old in (math.log(0.5), math.log(5.0), math.log(0.8), math.log(1.25)):
     rho = float(jnp.exp(jnp.float32(old)))  # as icepop computes it: exp(old - beh) in float32, beh = 0
     for lower, upper in [(rho, rho * 4), (rho / 4, rho)]:
-      loss, grad, m = one_token("icepop", 1.0, 1.0, old=old, beh=0.0, lower=lower, upper=upper)
+      _, grad, m = one_token("icepop", 1.0, 1.0, old=old, beh=0.0, lower=lower, upper=upper)
       assert float(m["frac_masked"]) == 0.0 and grad == pytest.approx(-rho, rel=1e-5), (rho, lower, upper)
     above = float(np.nextafter(np.float32(rho), np.float32(np.inf)))
     below = float(np.nextafter(np.float32(rho), np.float32(0)))
     for lower, upper in [(above, above * 4), (below / 4, below)]:
-      loss, grad, m = one_token("icepop", 1.0, 1.0, old=old, beh=0.0, lower=lower, upper=upper)
+      _, grad, m = one_token("icepop", 1.0, 1.0, old=old, beh=0.0, lower=lower, upper=upper)
       assert float(m["frac_masked"]) == 1.0 and grad == 0.0, (rho, lower, upper)
 
 

@@ -224,6 +224,11 @@ def test_bad_config_fails_before_anything_is_built(tmp_path):
   assert not os.path.exists(tmp_path / "w")
 
 
+def _read(path):
+  with open(path) as f:
+    return f.read()
+
+
 def test_resume_with_changed_trajectory_fields_is_refused_unless_allowed(tmp_path, monkeypatch):
   """The checkpoint stores the config's fingerprint; a rerun with another learning rate is refused before
   anything is built (config.json untouched), one changing only eval / log fields and `steps` is not, and
@@ -241,7 +246,7 @@ def test_resume_with_changed_trajectory_fields_is_refused_unless_allowed(tmp_pat
   finally:
     ckpt.close()
   assert saved["optim.lr"] == 1e-2 and "steps" not in saved and "eval.every" not in saved
-  record = open(os.path.join(workdir, "config.json")).read()
+  record = _read(os.path.join(workdir, "config.json"))
   n_built = len(built)
 
   with pytest.raises(run_config.ConfigError) as e:
@@ -251,15 +256,15 @@ def test_resume_with_changed_trajectory_fields_is_refused_unless_allowed(tmp_pat
   assert "config.optim.lr: 0.01 -> 0.001" in msg and "config.seed: 0 -> 7" in msg
   assert "steps" not in msg.replace("with its steps", "")
   assert len(built) == n_built  # refused before the policy was built
-  assert open(os.path.join(workdir, "config.json")).read() == record
+  assert _read(os.path.join(workdir, "config.json")) == record
 
   # Logging, evaluation cadence and a larger step count leave the trajectory alone: no refusal.
   trainer.run(_tiny(steps=3, **base, **{"eval.every": 1, "log.progress": False}), workdir)
-  assert "config_history" not in json.loads(open(os.path.join(workdir, "config.json")).read())
+  assert "config_history" not in json.loads(_read(os.path.join(workdir, "config.json")))
 
   summary = trainer.run(_tiny(steps=4, **base, **{"optim.lr": 1e-3}), workdir, allow_config_change=True)
   assert summary["step"] == 4
-  rec = json.loads(open(os.path.join(workdir, "config.json")).read())
+  rec = json.loads(_read(os.path.join(workdir, "config.json")))
   assert rec["optim"]["lr"] == 1e-3 and rec["from_step"] == 3
   [old] = rec["config_history"]
   assert old["steps"] == [0, 3] and old["config"]["optim"]["lr"] == 1e-2

@@ -103,7 +103,7 @@ def export(workdir: str, out: str, step: str | int | None = None) -> dict:
   if os.path.exists(out) and not os.path.isdir(out):
     raise ExportError(f"--out={out!r}: a file of that name exists; pass a directory")
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES)
-  model_cfg, tokenizer, graphdef, params = policy.build_policy(
+  model_cfg, tokenizer, _, params = policy.build_policy(
     spec.model_cfg, mesh, seed=spec.seed, checkpoint=spec.model_checkpoint, tokenizer_dir=spec.tokenizer_dir
   )
   ckpt = Checkpointer(fs.join(workdir, "checkpoints"))

@@ -826,6 +826,11 @@ class PolicyLoss:
   source: str
 
   @property
+  def doc(self) -> str:
+    """The first line of the loss function's docstring (read off the function: cannot drift from it)."""
+    return (self.fn.__doc__ or "").strip().splitlines()[0] if (self.fn.__doc__ or "").strip() else ""
+
+  @property
   def defaults(self) -> Mapping[str, Any]:
     """The hyper-parameters and their defaults, read off the signature (cannot drift from it)."""
     params = inspect.signature(self.fn).parameters.values()
