@@ -389,7 +389,8 @@ def test_config_help_lists_every_field_with_a_comment(name, variant):
   assert len(rows) == len(list(common.leaves(c)))
   assert not [r for r in rows if r.endswith("(no comment)")], "add a one-line comment to these fields"
   if "vcpo" in c:
-    assert "  vcpo.geo_lower: float = None  # " in text and "  optim.b1: float = 0.9  # Adam" in text
+    assert f"  vcpo.geo_lower: float = None -> 0.99 (preset {c.method!r})  # " in text  # the preset's value
+    assert "  optim.b1: float = 0.9  # Adam" in text
 
 
 @pytest.mark.parametrize(
