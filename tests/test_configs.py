@@ -4,6 +4,7 @@ every bad value fails at parse time on one line naming the field; every field is
 import dataclasses
 import glob
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -459,3 +460,22 @@ def test_config_help_shows_the_presets_values():
   c = _load("countdown", None)
   c.method = "icepop"
   assert "vcpo.policy_loss: str = None -> 'icepop' (preset 'icepop')" in common.help_text(c)
+
+
+def test_main_refuses_a_resume_with_other_trajectory_fields_on_one_line(tmp_path):
+  """A workdir whose newest checkpoint was trained with another optim.lr: one line, exit 2, before jax starts
+  (no backend log line) and with config.json untouched. The checkpoint is faked: only its JSON meta is read."""
+  from vcpo_jax import fingerprint
+
+  saved = fingerprint.of(_load("countdown", "smoke"))
+  saved["optim.lr"] = 0.5
+  meta = tmp_path / "run" / "checkpoints" / "7" / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text(json.dumps({"step": 7, "config_fingerprint": saved}))
+  (tmp_path / "run" / "config.json").write_text("{}")
+  r = _main("--config=configs/countdown.py:smoke", f"--workdir={tmp_path / 'run'}")
+  assert r.returncode == 2, r.stderr
+  assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+  assert "checkpoint at step 7" in r.stderr and "config.optim.lr: 0.5 -> 0.0003" in r.stderr
+  assert "--allow_config_change" in r.stderr
+  assert (tmp_path / "run" / "config.json").read_text() == "{}"

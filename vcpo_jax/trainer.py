@@ -169,12 +169,12 @@ def _open_workdir(config, workdir: str, allow_config_change: bool = False):
   fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
   if not spec.dist.enabled or spec.dist.process_id == 0:  # before jax starts: its logs would follow the error
     _check_writable(workdir)
+  saved_step, diff = _config_changes(config, workdir)  # read from the files: jax is not started yet
+  if diff and not allow_config_change:
+    raise ConfigError(fingerprint.message(diff, saved_step, workdir))
   if spec.dist.enabled:
     sharding.maybe_initialize_distributed(spec.dist.coordinator_address, spec.dist.num_processes, spec.dist.process_id)
   primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
-  saved_step, diff = _config_changes(config, workdir)
-  if diff and not allow_config_change:
-    raise ConfigError(fingerprint.message(diff, saved_step, workdir))
   if primary:  # the config, plus what produced the run: commit, versions, CPU, XLA_FLAGS, devices
     record = {**config.to_dict(), "provenance": provenance.collect()}
     record.update(_config_history(workdir, saved_step, diff))
@@ -183,16 +183,18 @@ def _open_workdir(config, workdir: str, allow_config_change: bool = False):
 
 
 def _config_changes(config, workdir: str) -> tuple[int | None, dict]:
-  """(newest checkpoint's step or None, fingerprint.differences from its config to `config`)."""
-  if not fs.exists(fs.join(workdir, "checkpoints")):
+  """(newest checkpoint's step or None, fingerprint.differences from its config to `config`).
+
+  Read straight from the files, without orbax or jax: orbax finalizes step s as the directory
+  checkpoints/<s> (in-progress saves have a suffixed name), its JSON meta in <s>/meta/metadata."""
+  root = fs.join(workdir, "checkpoints")
+  steps = [int(n) for n in fs.listdir(root) if n.isdigit()] if fs.exists(root) else []
+  if not steps:
     return None, {}
-  ckpt = Checkpointer(fs.join(workdir, "checkpoints"))
-  try:
-    step = ckpt.latest_step()
-    saved = ckpt.restore_meta(step).get("config_fingerprint") if step is not None else None
-  finally:
-    ckpt.close()
-  if saved is None:  # a fresh workdir, or checkpoints written before fingerprints were stored
+  step = max(steps)
+  meta_path = fs.join(root, str(step), "meta", "metadata")
+  saved = json.loads(fs.read_text(meta_path)).get("config_fingerprint") if fs.exists(meta_path) else None
+  if saved is None:  # checkpoints written before fingerprints were stored
     return step, {}
   return step, fingerprint.differences(saved, fingerprint.of(config))
 
