@@ -2,7 +2,9 @@
 
 `--config_help` lists every config field with its value and comment, then exits. A bad config value
 (unknown field, wrong type, out of range) is reported on one line naming the field, before anything is
-built, with exit code 2; `--verbosity=1` shows the traceback too.
+built, with exit code 2; `--verbosity=1` shows the traceback too. So is a missing --workdir, one that
+cannot be written, and a rerun of a workdir whose checkpoint was trained with other trajectory fields
+(vcpo_jax.fingerprint; `--allow_config_change` continues with the new values).
 """
 
 import atexit
@@ -16,7 +18,20 @@ from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py[:variant]).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, plots. Reused to resume.")
+flags.DEFINE_bool(
+  "allow_config_change",
+  False,
+  "Resume a workdir whose checkpoint was trained with other trajectory fields (vcpo_jax.fingerprint): continue "
+  "with the new values; config.json keeps each config with the steps it governed. Without it such a resume "
+  "is refused.",
+)
 flags.DEFINE_bool("config_help", False, "Print every field of --config (default: configs/common.py) and exit.")
+
+
+_REQUIRED = {
+  "config": "pass --config=configs/NAME.py[:variant]",
+  "workdir": "pass --workdir=DIR, a new directory or an earlier run's to resume it",
+}
 
 
 def _verbose(argv) -> bool:
@@ -65,8 +80,8 @@ def parse_flags(argv):
     raise
 
 
-def train(config, workdir: str) -> dict:
-  """trainer.run(config, workdir); after SIGINT / SIGTERM the process ends at once with exit code 130.
+def train(config, workdir: str, allow_config_change: bool = False) -> dict:
+  """trainer.run(config, workdir, allow_config_change=...); after SIGINT / SIGTERM the process ends at once with exit code 130.
 
   By the time trainer.run raises SystemExit(130) it has saved the checkpoint (and waited for it), flushed
   and closed the logs, and stopped the sampler, whose shared memory and temp files are gone. What remains
@@ -83,7 +98,7 @@ def train(config, workdir: str) -> dict:
   from vcpo_jax import distributed, run_config, trainer  # after flag parsing: keeps --help fast
 
   try:
-    return trainer.run(config, workdir)
+    return trainer.run(config, workdir, allow_config_change=allow_config_change)
   except SystemExit as e:
     if e.code != 130:
       raise
@@ -116,8 +131,9 @@ def main(argv):
     else:
       print(common.help_text(FLAGS.config, FLAGS["config"].config_filename.split(":")[0]))
     return
-  if FLAGS.config is None or FLAGS.workdir is None:
-    raise app.UsageError("--config and --workdir are required (or --config_help to list the config fields).")
+  for name in ("config", "workdir"):
+    if FLAGS[name].value is None:
+      _die(ValueError(name), sys.argv, f"--{name}: missing; {_REQUIRED[name]} (--config_help lists the config fields)")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes at INFO
   if not _verbose(sys.argv):  # start-up noise (jax's absent TPU backend, matplotlib's font cache): --verbosity=1
@@ -126,7 +142,7 @@ def main(argv):
   from vcpo_jax import run_config  # after flag parsing: keeps --help fast
 
   try:
-    summary = train(FLAGS.config, FLAGS.workdir)
+    summary = train(FLAGS.config, FLAGS.workdir, FLAGS.allow_config_change)
   except run_config.ConfigError as e:
     _die(e, sys.argv)
   logging.getLogger("vcpo_jax").debug("done: %s", summary)

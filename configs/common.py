@@ -288,9 +288,17 @@ def leaves(c: ml_collections.ConfigDict, prefix: str = ""):
 
 
 def help_text(c: ml_collections.ConfigDict, config_file: str | None = None) -> str:
-  """Every field of `c` with its value and one-line comment (what `python main.py --config_help` prints)."""
+  """Every field of `c` with its value and one-line comment (what `python main.py --config_help` prints).
+
+  A `vcpo.*` placeholder (None: the method preset's value) shows the value in effect, e.g.
+  `vcpo.tis_c: float = None -> 8.0 (preset 'vcpo')`."""
   comments = field_comments(config_file)
+  method = c.get("method")
+  preset = estimator.pg_config_from_preset(method) if method in estimator.PRESETS else None
   lines = [f"Fields of {config_file or os.path.relpath(__file__)} (set with --config.FIELD=VALUE; None = preset):"]
   for path, value, type_name in leaves(c):
-    lines.append(f"  {path}: {type_name} = {value!r}  # {comments.get(path, '(no comment)')}")
+    shown = repr(value)
+    if preset is not None and value is None and path.startswith("vcpo.") and hasattr(preset, path[5:]):
+      shown = f"None -> {getattr(preset, path[5:])!r} (preset {method!r})"
+    lines.append(f"  {path}: {type_name} = {shown}  # {comments.get(path, '(no comment)')}")
   return "\n".join(lines)

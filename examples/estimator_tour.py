@@ -234,12 +234,33 @@ for k, v in aux.items():
 
 # %% [markdown]
 # The same batch with every preset (on-policy data would make all of them
-# agree with plain GRPO, up to the OPOB baseline):
+# agree with plain GRPO, up to the OPOB baseline). `coef_n` is only the
+# surrogate's side: the policy-loss presets (ppo_clip, gspo, icepop, ...)
+# bring their own ratio, clip, mask and aggregation, so they are compared by
+# what the learner differentiates, `d loss / d logp_nt` at pi_theta = pi_old
+# (the first update of a step, as `learner._policy_loss_gradient` does), and
+# its cosine with the uncorrected `none` preset's. ppo_clip, gspo and cispo
+# equal `none` here: they ignore mu and correct only the drift within a step
+# (r = pi_theta / pi_old = 1 at its first update; see learner.ppo_epochs).
 
 # %%
+from vcpo_jax import policy_losses as PL
+
+
+def loss_gradient(cfg):
+  """d loss / d logp_nt [N, T] of a preset on this batch."""
+  c, a = E.pg_coefficients(logp, beh, mask, rewards, group, sq, cfg)
+  if cfg.policy_loss == "pg":
+    return -c[:, None] * E.pg_token_weights(logp, beh, mask, cfg), a
+  fn = PL.make_policy_loss(cfg.policy_loss, **E.policy_loss_kwargs(cfg))
+  return jax.grad(lambda x: fn(x, logp, beh, a["advantage_n"], mask)[0])(logp), a
+
+
+g_none, _ = loss_gradient(E.pg_config_from_preset("none"))
 for name in E.PRESETS:
-  c, a = E.pg_coefficients(logp, beh, mask, rewards, group, sq, E.pg_config_from_preset(name))
+  g, a = loss_gradient(E.pg_config_from_preset(name))
+  cos = float(jnp.sum(g * g_none) / (jnp.linalg.norm(g) * jnp.linalg.norm(g_none) + 1e-30))
   print(
-    f"{name:18s} |coef|_1 = {float(jnp.abs(c).sum()):.4f}  lr_scale = {float(a['lr_scale']):.3f}"
-    f"  ESS/N applied = {float(a['ess_ratio_applied']):.3f}"
+    f"{name:18s} |dL/dlogp|_1 = {float(jnp.abs(g).sum()):.4f}  cos(none) = {cos:+.3f}"
+    f"  lr_scale = {float(a['lr_scale']):.3f}  ESS/N applied = {float(a['ess_ratio_applied']):.3f}"
   )

@@ -4,6 +4,7 @@ every bad value fails at parse time on one line naming the field; every field is
 import dataclasses
 import glob
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -389,7 +390,8 @@ def test_config_help_lists_every_field_with_a_comment(name, variant):
   assert len(rows) == len(list(common.leaves(c)))
   assert not [r for r in rows if r.endswith("(no comment)")], "add a one-line comment to these fields"
   if "vcpo" in c:
-    assert "  vcpo.geo_lower: float = None  # " in text and "  optim.b1: float = 0.9  # Adam" in text
+    assert f"  vcpo.geo_lower: float = None -> 0.99 (preset {c.method!r})  # " in text  # the preset's value
+    assert "  optim.b1: float = 0.9  # Adam" in text
 
 
 @pytest.mark.parametrize(
@@ -426,3 +428,54 @@ def test_main_config_help(tmp_path):
   assert r.returncode == 0, r.stderr
   assert r.stdout == common.help_text(_load("countdown"), "configs/countdown.py") + "\n"
   assert "task.gen.num_numbers: tuple = (2, 2)  # 2 numbers" in r.stdout  # a field only countdown.py defines
+
+
+@pytest.mark.parametrize(
+  "args,needle",
+  [
+    (["--config=configs/countdown.py:smoke"], "--workdir: missing; pass --workdir=DIR"),
+    (["--workdir=WD"], "--config: missing; pass --config=configs/NAME.py"),
+    (["--config=configs/countdown.py:smoke", "--workdir=FILE", "--allow_config_change"], "a file of that name exists"),
+    (["--config=configs/countdown.py:smoke", "--workdir=FILE/run"], "cannot write there (Not a directory)"),
+    (["--config=configs/countdown.py:smoke", "--workdir=/proc/self/run"], "--workdir='/proc/self/run': cannot write"),
+    (["--config=configs/countdown.py:smoke", "--config.method=vcpoo", "--workdir=WD"], "did you mean 'vcpo'"),
+    (["--config=configs/countdown.py:smoke", "--config.method=ppo_clp", "--workdir=WD"], "did you mean 'ppo_clip'"),
+  ],
+)
+def test_main_bad_command_line_or_workdir_is_one_line_exit_2(tmp_path, args, needle):
+  (tmp_path / "file").write_text("x")
+  args = [a.replace("FILE", str(tmp_path / "file")).replace("WD", str(tmp_path / "run")) for a in args]
+  r = _main(*args)
+  assert r.returncode == 2, r.stderr
+  assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line: no traceback, no help text
+  assert needle in r.stderr, r.stderr
+  assert not (tmp_path / "run").exists()
+
+
+def test_config_help_shows_the_presets_values():
+  """A vcpo.* placeholder shows the value the method preset gives it (it used to print only None)."""
+  text = common.help_text(_load("countdown", None), "configs/countdown.py")
+  assert "vcpo.tis_c: float = None -> 8.0 (preset 'vcpo')" in text
+  assert "vcpo.rho_on: float = None -> 1.0 (preset 'vcpo')" in text
+  c = _load("countdown", None)
+  c.method = "icepop"
+  assert "vcpo.policy_loss: str = None -> 'icepop' (preset 'icepop')" in common.help_text(c)
+
+
+def test_main_refuses_a_resume_with_other_trajectory_fields_on_one_line(tmp_path):
+  """A workdir whose newest checkpoint was trained with another optim.lr: one line, exit 2, before jax starts
+  (no backend log line) and with config.json untouched. The checkpoint is faked: only its JSON meta is read."""
+  from vcpo_jax import fingerprint
+
+  saved = fingerprint.of(_load("countdown", "smoke"))
+  saved["optim.lr"] = 0.5
+  meta = tmp_path / "run" / "checkpoints" / "7" / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text(json.dumps({"step": 7, "config_fingerprint": saved}))
+  (tmp_path / "run" / "config.json").write_text("{}")
+  r = _main("--config=configs/countdown.py:smoke", f"--workdir={tmp_path / 'run'}")
+  assert r.returncode == 2, r.stderr
+  assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+  assert "checkpoint at step 7" in r.stderr and "config.optim.lr: 0.5 -> 0.0003" in r.stderr
+  assert "--allow_config_change" in r.stderr
+  assert (tmp_path / "run" / "config.json").read_text() == "{}"

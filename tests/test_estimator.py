@@ -887,3 +887,16 @@ def test_policy_gradient_compiles_once_per_config(problem):
   assert len(traces) == 1
   pg(logp_fn, params, new, E.pg_config_from_preset("vcpo", rho_on=0.5))
   assert len(traces) == 2
+
+
+def test_every_registry_entry_has_a_doc_string():
+  """Weight variants, advantage estimators, aggregations, policy losses and presets: each name documented,
+  and the preset docs name exactly the presets (no drift)."""
+  from vcpo_jax import policy_losses
+
+  for registry in (E.WEIGHT_VARIANTS, E.ADVANTAGE_ESTIMATORS, E.LOSS_AGGREGATIONS, policy_losses.POLICY_LOSSES):
+    empty = [name for name, entry in registry.items() if not entry.doc.strip()]
+    assert not empty, empty
+  assert set(E.PRESET_DOCS) == set(E.PRESETS)
+  assert all(doc.strip() for doc in E.PRESET_DOCS.values())
+  assert "geo_lower" in E.PRESET_DOCS["geo_mask"]

@@ -346,6 +346,65 @@ def test_char_tokenizer_ids_and_round_trip(tmp_path):
     tk.load_tokenizer(tmp_path)
 
 
+# Each task's alphabet: digits, spaces, brackets, operators, newlines, letters, and unicode outside ASCII.
+_ALPHABET = (
+  list("0123456789")
+  + [" ", "  ", "\n", "\t"]
+  + list("()[],+-*/=<>:.?")
+  + list("abcxyzAZ")
+  + ["é", "π", "≤", "√", "中", "😀", "\u00a0"]
+)
+
+
+def _random_texts(n, seed):
+  rng = np.random.default_rng(seed)
+  return ["".join(rng.choice(_ALPHABET, size=rng.integers(0, 40))) for _ in range(n)]
+
+
+def _byte_level_bpe():
+  """A byte-level BPE tokenizer trained here, with its own pre-tokenizer (digits split, no Qwen regex)."""
+  from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  bpe = Tokenizer(models.BPE())
+  bpe.pre_tokenizer = pre_tokenizers.Sequence(
+    [pre_tokenizers.Split(Regex(r"\d"), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+  )
+  bpe.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[tk.PAD_TOKEN, tk.IM_END]
+  )
+  bpe.train_from_iterator(_random_texts(300, seed=5) + ["Compute (12 + 3) * 4 = 60\nAnswer: 60"] * 20, trainer)
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=tk.IM_END, pad_token=tk.PAD_TOKEN)
+
+
+@pytest.mark.parametrize("family", fixtures.FAMILIES)
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_exported_tokenizer_gives_the_training_ids(tmp_path, family, kind):
+  """AutoTokenizer (with and without trust_remote_code) and load_tokenizer on an export give the ids of the
+  tokenizer the run trained with, on 1,000 random strings; decode(encode(s)) == s where s is representable.
+  (A qwen2 config.json used to make AutoTokenizer rebuild a byte-level Qwen2 tokenizer: spaces dropped.)"""
+  tok = tk.build_char_tokenizer() if kind == "char" else _byte_level_bpe()
+  preset = mconfig.tiny_qwen2 if family == "qwen2" else mconfig.tiny_llama
+  cfg = preset(vocab_size=len(tok), num_layers=1)
+  out = save_hf(tf.init(cfg, seed=0), cfg, tmp_path / "export", tokenizer=tok)
+  loaded = {
+    "AutoTokenizer": transformers.AutoTokenizer.from_pretrained(out),
+    "AutoTokenizer(trust_remote_code)": transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True),
+    "load_tokenizer": tk.load_tokenizer(out),
+  }
+  texts = _random_texts(1000, seed=1) + ["[3, 1, 6]>4:", "Use 3, 7, 25 to make 42: (25 - 7) * 3 = 54"]
+  want = tok(texts, add_special_tokens=False)["input_ids"]
+  assert want[-2] == tok("[3, 1, 6]>4:", add_special_tokens=False)["input_ids"]
+  for name, other in loaded.items():
+    assert other(texts, add_special_tokens=False)["input_ids"] == want, name
+    assert (other.eos_token, other.pad_token) == (tok.eos_token, tok.pad_token), name
+    for s, ids in zip(texts, want):
+      if kind == "bpe" or all(c in tk.CHARS for c in s):
+        assert other.decode(ids) == s, (name, s)
+  if kind == "char":  # the space is a token of its own, as in training
+    assert want[-2] == [65, 25, 18, 6, 23, 18, 6, 28, 67, 36, 26, 32]
+
+
 def test_chat_template_or_plain():
   tok = tk.build_char_tokenizer()
   s = tk.apply_chat_template_or_plain(tok, "1+1?", system="Be brief.")

@@ -40,3 +40,19 @@ def test_notebook_executes():
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
   assert not [o for o in outputs if o.get("output_type") == "error"]
   assert any("image/png" in o.get("data", {}) for o in outputs), "no plot was produced"
+  # The every-preset cell compares what the learner differentiates; the stale-data corrections differ from
+  # `none` there (a coefficient norm alone printed the same number for every policy-loss preset).
+  text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+  grads = {
+    ln.split()[0]: float(ln.split("|dL/dlogp|_1 = ")[1].split()[0]) for ln in text.splitlines() if "|dL/dlogp|_1" in ln
+  }
+  assert set(grads) >= {"none", "vcpo", "icepop", "decoupled_ppo", "m2po_paper", "dppo_tv", "geo_mask"}, grads
+  for name in ("vcpo", "icepop", "decoupled_ppo", "m2po_paper", "dppo_tv", "geo_mask"):
+    assert grads[name] != grads["none"], (name, grads)
+
+
+def test_requirements_dev_has_what_the_notebook_needs():
+  """The notebook test's imports and the README's `jupyter nbconvert --execute` command."""
+  with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
+    names = {ln.split("==")[0].strip().lower() for ln in f if ln.strip() and not ln.startswith(("#", "-r"))}
+  assert {"nbclient", "nbformat", "ipykernel", "jupytext", "nbconvert"} <= names, names

@@ -418,6 +418,32 @@ def test_kpop_hand_numbers():
   assert loss == pytest.approx(-1.2, rel=1e-5) and grad == 0.0 and float(m["clip_frac"]) == 1.0
 
 
+def test_icepop_band_edges_are_inclusive_as_in_slime():
+  """slime keeps rho = pi_old / mu when tis_clip_low <= rho <= tis_clip: a ratio exactly on either edge keeps
+  its weight, one float32 step outside is popped. (An exclusive band, lower < rho < upper, fails here.)"""
+  for old in (math.log(0.5), math.log(5.0), math.log(0.8), math.log(1.25)):
+    rho = float(jnp.exp(jnp.float32(old)))  # as icepop computes it: exp(old - beh) in float32, beh = 0
+    for lower, upper in [(rho, rho * 4), (rho / 4, rho)]:
+      _, grad, m = one_token("icepop", 1.0, 1.0, old=old, beh=0.0, lower=lower, upper=upper)
+      assert float(m["frac_masked"]) == 0.0 and grad == pytest.approx(-rho, rel=1e-5), (rho, lower, upper)
+    above = float(np.nextafter(np.float32(rho), np.float32(np.inf)))
+    below = float(np.nextafter(np.float32(rho), np.float32(0)))
+    for lower, upper in [(above, above * 4), (below / 4, below)]:
+      _, grad, m = one_token("icepop", 1.0, 1.0, old=old, beh=0.0, lower=lower, upper=upper)
+      assert float(m["frac_masked"]) == 1.0 and grad == 0.0, (rho, lower, upper)
+
+
+def test_ppo_clip_dual_clip_default_is_off_and_verls_is_an_option():
+  """The documented departure from verl: a token with A < 0 and r > 3 (N = T = 1, the issue's case)."""
+  lp, old, A = -0.00531, -2.16321, -0.44721
+  fn = lambda **hp: P.make_policy_loss("ppo_clip", **hp)
+  args = (jnp.array([[old]]), jnp.array([[old]]), jnp.array([A], jnp.float32), jnp.ones((1, 1)))
+  g = lambda f: float(jax.grad(lambda x: f(x, *args)[0])(jnp.array([[lp]], jnp.float32))[0, 0])
+  r = math.exp(lp - old)
+  assert r > 3 and g(fn()) == pytest.approx(-r * A, rel=1e-5) and g(fn()) == pytest.approx(3.87, abs=5e-3)
+  assert g(fn(dual_clip_c=3.0)) == 0.0  # verl's clip_ratio_c = 3: the loss is capped at 3 |A|, no gradient
+
+
 def test_dppo_tv_hand_numbers():
   # prime-rl's own case: p = 1, q = 0.5, A = 1: p - q = 0.5 > 0.2, dropped; only the KL term remains
   loss, grad, m = one_token("dppo_tv", 1.0, 1.0, old=0.0, beh=math.log(0.5), kl_tau=0.0)

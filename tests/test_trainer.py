@@ -222,3 +222,65 @@ def test_bad_config_fails_before_anything_is_built(tmp_path):
   with pytest.raises(run_config.ConfigError):
     trainer.run(_tiny(**{"lag.k": -3, "mode": "lag"}), str(tmp_path / "w"))
   assert not os.path.exists(tmp_path / "w")
+
+
+def _read(path):
+  with open(path) as f:
+    return f.read()
+
+
+def test_resume_with_changed_trajectory_fields_is_refused_unless_allowed(tmp_path, monkeypatch):
+  """The checkpoint stores the config's fingerprint; a rerun with another learning rate is refused before
+  anything is built (config.json untouched), one changing only eval / log fields and `steps` is not, and
+  allow_config_change continues and records each config with the steps it governed."""
+  built = []
+  monkeypatch.setattr(
+    trainer.policy, "build_policy", lambda *a, _real=trainer.policy.build_policy, **k: built.append(1) or _real(*a, **k)
+  )
+  workdir = str(tmp_path / "run")
+  base = {"checkpoint.every": 2, "log.plots": False}
+  trainer.run(_tiny(steps=2, **base), workdir)
+  ckpt = trainer.Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    saved = ckpt.restore_meta(2)["config_fingerprint"]
+  finally:
+    ckpt.close()
+  assert saved["optim.lr"] == 1e-2 and "steps" not in saved and "eval.every" not in saved
+  record = _read(os.path.join(workdir, "config.json"))
+  n_built = len(built)
+
+  with pytest.raises(run_config.ConfigError) as e:
+    trainer.run(_tiny(steps=3, **base, **{"optim.lr": 1e-3, "seed": 7}), workdir)
+  msg = str(e.value)
+  assert "\n" not in msg and "step 2" in msg and "--allow_config_change" in msg
+  assert "config.optim.lr: 0.01 -> 0.001" in msg and "config.seed: 0 -> 7" in msg
+  assert "steps" not in msg.replace("with its steps", "")
+  assert len(built) == n_built  # refused before the policy was built
+  assert _read(os.path.join(workdir, "config.json")) == record
+
+  # Logging, evaluation cadence and a larger step count leave the trajectory alone: no refusal.
+  trainer.run(_tiny(steps=3, **base, **{"eval.every": 1, "log.progress": False}), workdir)
+  assert "config_history" not in json.loads(_read(os.path.join(workdir, "config.json")))
+
+  summary = trainer.run(_tiny(steps=4, **base, **{"optim.lr": 1e-3}), workdir, allow_config_change=True)
+  assert summary["step"] == 4
+  rec = json.loads(_read(os.path.join(workdir, "config.json")))
+  assert rec["optim"]["lr"] == 1e-3 and rec["from_step"] == 3
+  [old] = rec["config_history"]
+  assert old["steps"] == [0, 3] and old["config"]["optim"]["lr"] == 1e-2
+  assert old["changed_after"] == {"optim.lr": {"from": 1e-2, "to": 1e-3}}
+  # The new checkpoint holds the new fingerprint: the same rerun now goes through without the opt-in.
+  trainer.run(_tiny(steps=4, **base, **{"optim.lr": 1e-3}), workdir)
+
+
+def test_unwritable_workdir_is_a_config_error_before_anything_is_built(tmp_path):
+  """A workdir that is a file, lies under a file, or cannot be created: one ConfigError line naming it."""
+  (tmp_path / "f").write_text("x")
+  for wd, reason in [
+    (tmp_path / "f", "a file of that name exists"),
+    (tmp_path / "f" / "run", "Not a directory"),
+    ("/proc/self/vcpo_run", "cannot write there"),
+  ]:
+    with pytest.raises(run_config.ConfigError, match=f"--workdir='{wd}': cannot write there") as e:
+      trainer.run(_tiny(), str(wd))
+    assert reason in str(e.value) and "\n" not in str(e.value)

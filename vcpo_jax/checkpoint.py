@@ -92,6 +92,11 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._mngr.all_steps())
 
+  def restore_leaves(self, step: int) -> list:
+    """The flat list of arrays saved at `step`, as saved (no template: host numpy / default-device arrays)."""
+    out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    return list(out["state"])
+
   def save(self, step: int, state: Any, meta: dict, metrics: dict | None = None, force: bool = False) -> bool:
     leaves = [_to_saveable(x) for x in jax.tree.leaves(state)]
     if self.best_metric and metrics is not None and self.best_metric not in metrics:

@@ -1,8 +1,8 @@
-"""The stabilizers the field uses, as policy losses: pure, jittable, registered by name (issue 13).
+"""The stabilizers the field uses, as policy losses: pure, jittable, registered by name.
 
 Dimension legend: N trajectories, T tokens.
 
-Notation (issue 13):
+Notation:
   mu       = behaviour (sampler) probability          behavior_logp_nt  (stop-gradient)
   pi_old   = the learner's policy at the start of the  old_logp_nt       (stop-gradient)
              trainer step, recomputed once per step
@@ -193,6 +193,12 @@ def ppo_clip(
   unclipped branch is active and is 0 where the clip is active. mu is not used: PPO corrects only the
   drift inside a trainer step (it needs learner.ppo_epochs / minibatches > 1 to matter).
 
+  Departure from verl: the dual clip is off by default (dual_clip_c=None); verl always applies it with
+  clip_ratio_c = 3.0. They differ on tokens with A < 0 and r_t > 3: e.g. N = T = 1, log pi_theta = -0.00531,
+  log pi_old = -2.16321, A = -0.44721 has d loss / d logp = -r A = 3.87 here and 0 in verl. Pass
+  dual_clip_c=3.0 (--config.vcpo.policy_loss_kw=dual_clip_c=3) for verl's loss. The default stays
+  off because the countdown stability study's ppo_clip runs were made without it.
+
   Metrics: clip_frac (tokens whose clipped term is the active one, verl pg_clipfrac), dual_clip_frac
   (verl pg_clipfrac_lower), approx_kl = mean(log pi_old - log pi_theta) (verl ppo_kl).
   """
@@ -254,7 +260,7 @@ def decoupled_ppo(
     r'_t = pi_theta / pi_prox
     l_t  = -sg(pi_prox / mu) * min(r'_t A, clip(r'_t, 1 - eps_low, 1 + eps_high) A)
     dual clip c:  the clipped loss is capped at c |A| (acts for A < 0 only, as in AReaL)
-    behav_imp_weight_cap: tokens with pi_prox / mu > cap get weight 0 (AReaL's behave_mask)
+    behav_imp_weight_cap: tokens with pi_prox / mu > cap get weight 0 (AReaL's token-level rejection)
 
   pi_prox, two forms:
     EXACT (default): old_logp_nt IS pi_prox, e.g. the proximal version kept in the parameter ring in lag /
@@ -262,9 +268,13 @@ def decoupled_ppo(
     APPROXIMATE: pass behavior_version and current_version; pi_prox is then AReaL's log-linear
       interpolation `loglinear_prox_logp` (old_logp_nt is ignored).
 
-  Source: AReaL areal/utils/functional.py `ppo_actor_loss_fn` (proximal_logprobs, behav_imp_weight_cap,
-  c_clip, token-mean over loss_mask) and areal/engine/ppo/actor.py `_resolve_proximal_logp`. No log-ratio
-  clamp (AReaL has none).
+  Source: AReaL `ppo_actor_loss_fn` (proximal_logprobs, c_clip, token-mean over loss_mask) with its
+  `rejection_sampling` config (RejectionSamplingConfig, applied by `apply_rejection_sampling` on
+  pi_prox / mu; AReaL PR #1088 replaced the earlier behav_imp_weight_cap / behave_imp_weight_mode, whose
+  "token mask above the cap" is the behaviour kept here), and `grpo_loss_fn`'s proximal log-prob
+  methods (recompute / loglinear). No log-ratio clamp (AReaL has none). The argument keeps the older
+  name behav_imp_weight_cap (one cap, token level); AReaL's other rejection levels and bounds are not
+  ported.
 
   Metrics: clip_frac, dual_clip_frac, frac_masked (tokens dropped by the cap), behav_weight_mean (over the
   kept tokens).
@@ -368,8 +378,9 @@ def cispo(
   eps_low = 10 makes the lower bound negative (no lower clip), eps_high = 0.2: the verl CISPO example.
   Unlike PPO, a clipped token still contributes sg[clip(r)] A grad log pi_theta.
 
-  Source: verl core_algos.py `compute_policy_loss_cispo` (cispo_eps_clip_low / _high, safe exp with clip
-  20, token-mean); MiniMax-M1 eq. 4-5. The loss VALUE is -clip(r) A log pi_theta (it contains log pi, not
+  Source: verl core_algos.py `compute_policy_loss_cispo` (its clip_ratio_low / clip_ratio_high bounds on
+  the ratio, safe exp with clip 20, token-mean): the math and the eps_low / eps_high names follow verl,
+  not SkyRL's cispo fields; MiniMax-M1 eq. 4-5. The loss VALUE is -clip(r) A log pi_theta (it contains log pi, not
   the ratio), as in verl; only its gradient is meaningful.
 
   Metrics: clip_frac (tokens whose weight differs from r_t).
@@ -442,8 +453,9 @@ def m2po_paper(
   sum |o| of the ORIGINAL mask, as the paper writes it (AReaL's token-mean over the M-mask divides by the
   kept tokens). The VCPO paper's M2PO comparison used this formulation.
 
-  Source: AReaL areal/engine/ppo/actor.py `grpo_loss_fn` with m2_threshold (`_apply_m2po_masking`) and the
-  M2PO paper's objective.
+  Source: AReaL `grpo_loss_fn` with m2_threshold (its M2PO masking of (log p_behave - log p_prox)^2; the
+  surrounding decoupled loss now filters stale tokens through `rejection_sampling`, AReaL PR #1088, which is
+  not part of the paper's objective and is not applied here) and the M2PO paper's objective.
 
   Metrics: frac_masked, m2_mean (before), m2_kept_mean (after masking).
   """
@@ -601,14 +613,21 @@ def icepop(
   """IcePop: the PPO clip loss times a masked token IS weight of the learner / sampler mismatch.
 
     rho_t = pi_old / mu                                          (stop-gradient)
-    w_t   = rho_t if lower <= rho_t <= upper else 0              (defaults [0.5, 5])
+    w_t   = rho_t if lower <= rho_t <= upper else 0              (defaults [0.5, 5]; both edges kept)
     l_t   = w_t * ppo_clip_t(pi_theta / pi_old, eps_low, eps_high, dual clip c)
     loss  = aggregate(l, loss_agg)
 
   Source: slime slime/backends/megatron_utils/loss.py `icepop_function` (tis_clip_low / tis_clip, the weight
   of old_log_probs - rollout_log_probs, multiplied onto slime's PPO pg_loss) and slime/utils/ppo_utils.py
-  `compute_policy_loss`. slime's default reduction is the per-sample mean (seq-mean-token-mean); with
-  --calculate-per-token-loss it is token-mean. The PPO part here is `ppo_clip`'s (verl's, log-ratio clamp 20).
+  `compute_policy_loss`; the band is inclusive at both edges as in slime (ice_ratio >= tis_clip_low and
+  <= tis_clip). slime's default reduction is the per-sample mean; with --calculate-per-token-loss it is
+  token-mean. The PPO part here is `ppo_clip`'s (verl's, log-ratio clamp 20).
+
+  Departure in the normalizer of "seq-mean-token-mean": here n counts the rows of THIS batch with at least
+  one loss token, while slime divides the sum of per-sample means by the number of samples of its whole
+  step batch (all micro-batches, data-parallel ranks), an all-masked sample counting as a 0 term. The two
+  agree when the batch here is slime's whole step batch and no row is empty; a batch with e empty rows of
+  N gives N / (N - e) times slime's loss here.
 
   Metrics: frac_masked (tokens with w = 0; slime's tis_clipfrac), ice_ratio_mean (mean rho), clip_frac.
   """
@@ -935,6 +954,11 @@ class PolicyLoss:
   name: str
   fn: Callable[..., tuple[jax.Array, dict]]
   source: str
+
+  @property
+  def doc(self) -> str:
+    """The first line of the loss function's docstring (read off the function: cannot drift from it)."""
+    return (self.fn.__doc__ or "").strip().splitlines()[0] if (self.fn.__doc__ or "").strip() else ""
 
   @property
   def defaults(self) -> Mapping[str, Any]:

@@ -49,8 +49,13 @@ __all__ = ["ConfigError", "RunSpec", "check_override_paths", "field_paths", "par
 
 
 def _pg_config(c) -> estimator.PGConfig:
+  close = difflib.get_close_matches(str(c.method), list(estimator.PRESETS), n=3, cutoff=0.5)
+  hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
   check_field(
-    c.method in estimator.PRESETS, "method", c.method, f"unknown preset; choose one of {sorted(estimator.PRESETS)}."
+    c.method in estimator.PRESETS,
+    "method",
+    c.method,
+    f"unknown preset; {hint}choose one of {sorted(estimator.PRESETS)}.",
   )
   overrides = {k: v for k, v in c.vcpo.items() if v is not None}
   try:

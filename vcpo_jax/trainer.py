@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from vcpo_jax import distributed, evaluation, fs, learner, provenance, rollout, sft, sharding
+from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenance, rollout, sft, sharding
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer, restore_target
 from vcpo_jax.model import policy
@@ -50,15 +50,20 @@ def _install_signal_handlers(flag: dict):
   return old
 
 
-def run(config, workdir: str) -> dict:
+def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible.
+
+  A resume whose trajectory fields (vcpo_jax.fingerprint) differ from the newest checkpoint's raises a
+  ConfigError before anything is built, unless `allow_config_change`: then it continues with the new values
+  and config.json's `config_history` keeps each earlier config with the steps it governed.
 
   `workdir` is a local path or a URL (file://, gs://, s3://; every output goes through vcpo_jax.fs, and
   orbax checkpoints need a scheme etils knows: not memory://). On every start the logs are cut back to
   the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
   """
   # ---- config and workdir ----
-  spec, primary = _open_workdir(config, workdir)  # every check happens here, before anything compiles
+  spec, primary = _open_workdir(config, workdir, allow_config_change)  # every check, before anything compiles
+  config_fp = fingerprint.of(config)  # stored in every checkpoint
 
   # ---- mesh and policy ----
   mesh = _build_mesh(spec)  # the learner's devices: all but the async sampler's
@@ -136,18 +141,18 @@ def run(config, workdir: str) -> dict:
       writer.write(step, row, advance=True)
       if step % spec.checkpoint.every == 0 and step < spec.steps:
         last_eval = run_eval.arrived(step, wait=True) or last_eval
-        _save(ckpt, step, state, source, writer, last_eval if evaluate_now else None)
+        _save(ckpt, step, state, source, writer, last_eval if evaluate_now else None, config_fp)
     # A rerun of a finished run restores the final checkpoint, whose evaluation is logged already.
     final_eval = meta.get("final_eval") if step == start else None
     run_eval.arrived(step, wait=True)
     if final_eval is None:
       final_eval = run_eval(step, state.params, tag="final")
       writer.write(step, final_eval)
-    _save(ckpt, step, state, source, writer, final_eval, final=True)
+    _save(ckpt, step, state, source, writer, final_eval, config_fp, final=True)
   except (Interrupted, distributed.JobStopped) as e:
     log.warning("interrupted (%s): saving a checkpoint at step %d", e, step)
     run_eval.arrived(step)  # what arrived is logged; an evaluation still running is lost (no wait here)
-    _save(ckpt, step, state, source, writer, None, force=True)
+    _save(ckpt, step, state, source, writer, None, config_fp, force=True)
     raise SystemExit(getattr(e, "exit_code", 130))
   finally:
     _close_all(signals.old, source, ckpt, writer)
@@ -157,18 +162,72 @@ def run(config, workdir: str) -> dict:
 # ----------------------------------------------------------------------------- the run's builders
 
 
-def _open_workdir(config, workdir: str):
-  """(spec, primary): the checked config; distributed JAX started if asked; config.json written by process 0."""
+def _open_workdir(config, workdir: str, allow_config_change: bool = False):
+  """(spec, primary): the checked config; distributed JAX started if asked; a resume's config compared with
+  its newest checkpoint's (fingerprint); config.json written by process 0."""
   spec = parse_config(config)
   fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
+  if not spec.dist.enabled or spec.dist.process_id == 0:  # before jax starts: its logs would follow the error
+    _check_writable(workdir)
+  saved_step, diff = _config_changes(config, workdir)  # read from the files: jax is not started yet
+  if diff and not allow_config_change:
+    raise ConfigError(fingerprint.message(diff, saved_step, workdir))
   if spec.dist.enabled:
     sharding.maybe_initialize_distributed(spec.dist.coordinator_address, spec.dist.num_processes, spec.dist.process_id)
   primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
   if primary:  # the config, plus what produced the run: commit, versions, CPU, XLA_FLAGS, devices
-    fs.makedirs(workdir)
     record = {**config.to_dict(), "provenance": provenance.collect()}
+    record.update(_config_history(workdir, saved_step, diff))
     fs.write_text(fs.join(workdir, "config.json"), json.dumps(record, indent=1, default=str))
   return spec, primary
+
+
+def _config_changes(config, workdir: str) -> tuple[int | None, dict]:
+  """(newest checkpoint's step or None, fingerprint.differences from its config to `config`).
+
+  Read straight from the files, without orbax or jax: orbax finalizes step s as the directory
+  checkpoints/<s> (in-progress saves have a suffixed name), its JSON meta in <s>/meta/metadata."""
+  root = fs.join(workdir, "checkpoints")
+  steps = [int(n) for n in fs.listdir(root) if n.isdigit()] if fs.exists(root) else []
+  if not steps:
+    return None, {}
+  step = max(steps)
+  meta_path = fs.join(root, str(step), "meta", "metadata")
+  saved = json.loads(fs.read_text(meta_path)).get("config_fingerprint") if fs.exists(meta_path) else None
+  if saved is None:  # checkpoints written before fingerprints were stored
+    return step, {}
+  return step, fingerprint.differences(saved, fingerprint.of(config))
+
+
+def _config_history(workdir: str, step: int | None, diff: dict) -> dict:
+  """config.json's `config_history` (each earlier config, its `steps` [from, to) and what changed after it)
+  and `from_step` (where the current config took over): carried over from the workdir's config.json, with
+  that config appended when this resume changes trajectory fields (`diff`)."""
+  path = fs.join(workdir, "config.json")
+  if step is None or not fs.exists(path):
+    return {}
+  old = json.loads(fs.read_text(path))
+  history, start = old.pop("config_history", []), old.pop("from_step", 0)
+  if diff:
+    changed = {p: {"from": a, "to": b} for p, (a, b) in diff.items()}
+    history = [*history, {"steps": [start, step], "changed_after": changed, "config": old}]
+    start = step
+  return {"config_history": history, "from_step": start} if history else {}
+
+
+def _check_writable(workdir: str):
+  """Creates `workdir` and writes a probe file there; a ConfigError (one line, exit 2) when either fails:
+  a path that is a file or lies under one, a read-only file system, a directory without write permission."""
+  try:
+    fs.makedirs(workdir)
+    probe = fs.join(workdir, ".write_probe")
+    fs.write_text(probe, "")
+    fs.remove(probe)
+  except OSError as e:
+    reason = "a file of that name exists" if isinstance(e, FileExistsError) else (e.strerror or type(e).__name__)
+    raise ConfigError(
+      f"--workdir={workdir!r}: cannot write there ({reason}); pass a directory this user can create and write"
+    ) from e
 
 
 def _build_mesh(spec):
@@ -487,14 +546,16 @@ def _eval_metrics(rec: dict) -> dict:
   }
 
 
-def _save(ckpt, step, state, source, writer, eval_metrics, force=False, final=False):
-  """Saves the checkpoint at `step` (after the rows it covers are stored); `final`: the run's last, whose
-  meta keeps the final evaluation so that a rerun of the finished run neither repeats nor re-logs it."""
+def _save(ckpt, step, state, source, writer, eval_metrics, config_fp, force=False, final=False):
+  """Saves the checkpoint at `step` (after the rows it covers are stored) with the config's fingerprint
+  (`config_fp`: fingerprint.of); `final`: the run's last, whose meta keeps the final evaluation so that
+  a rerun of the finished run neither repeats nor re-logs it."""
   if step in ckpt.all_steps():  # e.g. a signal right after a periodic save: that checkpoint is current
     return
   writer.flush()  # every row this checkpoint covers is stored before it (object stores buffer rows)
   tree, versions, queued_meta = _state_tree(state, source)
   meta = {"step": step, "versions": versions, "queued": queued_meta, "wall_time": writer.wall_time}
+  meta["config_fingerprint"] = config_fp
   if final:
     meta["final_eval"] = {k: float(v) for k, v in eval_metrics.items()}
   ckpt.save(step, tree, meta, metrics=eval_metrics, force=force)

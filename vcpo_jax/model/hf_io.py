@@ -497,7 +497,9 @@ def _write(tensors: dict[str, np.ndarray], hf, out_dir, tokenizer) -> str:
   save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
   hf.save_pretrained(out_dir)
   if tokenizer is not None:
-    tokenizer.save_pretrained(out_dir)
+    from vcpo_jax.model.tokenizer import save_tokenizer
+
+    save_tokenizer(tokenizer, out_dir)  # AutoTokenizer then loads tokenizer.json as written
   return out_dir
 
 

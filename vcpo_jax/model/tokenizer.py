@@ -39,8 +39,8 @@ def build_char_tokenizer(save_dir: str | os.PathLike | None = None):
 
   Args:
     save_dir: if given, the tokenizer is also written there with `save_pretrained`
-      (tokenizer.json, tokenizer_config.json, chat_template.jinja), loadable with
-      `load_tokenizer(save_dir)`.
+      (`save_tokenizer`: tokenizer.json, tokenizer_config.json, chat_template.jinja), loadable with
+      `load_tokenizer(save_dir)` and `transformers.AutoTokenizer`.
   """
   from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
   from transformers import PreTrainedTokenizerFast
@@ -60,12 +60,61 @@ def build_char_tokenizer(save_dir: str | os.PathLike | None = None):
     padding_side="left",
   )
   if save_dir is not None:
-    out.save_pretrained(os.fspath(save_dir))
+    save_tokenizer(out, save_dir)
   return out
 
 
+# The pass-through class an exported directory declares (see save_tokenizer): transformers' TokenizersBackend
+# with no __init__ of its own, so tokenizer.json is loaded as written.
+_MODULE = "tokenization_vcpo"
+_CLASS = "VcpoTokenizer"
+_MODULE_SOURCE = f'''"""Loads tokenizer.json exactly as written (no rebuild from vocab / merges by model type)."""
+
+from transformers import TokenizersBackend
+
+
+class {_CLASS}(TokenizersBackend):
+  pass
+'''
+
+
+def save_tokenizer(tokenizer, out_dir: str | os.PathLike) -> str:
+  """Writes `tokenizer` so that `transformers.AutoTokenizer` and `load_tokenizer` give its own token ids.
+
+  transformers 5 picks a tokenizer class from config.json's model_type and, for some types (qwen2 among
+  them, whatever tokenizer_config.json declares), rebuilds the tokenizer from tokenizer.json's vocab and
+  merges with that family's own pre-tokenizer: the char-level tokenizer would lose every space. The saved
+  tokenizer_config.json therefore declares `tokenizer_class: TokenizersBackend` (tokenizer.json as written)
+  and an `auto_map` to a pass-through subclass (tokenization_vcpo.py, written alongside): transformers
+  honours a declared auto_map before the model type's class. Without trust_remote_code it then loads the
+  declared TokenizersBackend, with it the pass-through class; both read tokenizer.json as it is.
+
+  Returns:
+    out_dir as a str.
+  """
+  import json
+
+  out_dir = os.fspath(out_dir)
+  tokenizer.save_pretrained(out_dir)
+  path = os.path.join(out_dir, "tokenizer_config.json")
+  with open(path) as f:
+    cfg = json.load(f)
+  cfg["tokenizer_class"] = "TokenizersBackend"
+  cfg["auto_map"] = {"AutoTokenizer": [None, f"{_MODULE}.{_CLASS}"]}
+  with open(path, "w") as f:
+    json.dump(cfg, f, indent=2, ensure_ascii=False)
+  with open(os.path.join(out_dir, f"{_MODULE}.py"), "w") as f:
+    f.write(_MODULE_SOURCE)
+  return out_dir
+
+
 def load_tokenizer(checkpoint_dir: str | os.PathLike):
-  """`transformers.AutoTokenizer` from a local directory (never the network)."""
+  """The tokenizer of a local directory (never the network): tokenizer.json exactly as written when there
+  is one (transformers' TokenizersBackend, with tokenizer_config.json's specials and chat template), else
+  `transformers.AutoTokenizer` (sentencepiece / vocab files).
+
+  AutoTokenizer alone would, for a qwen2 config.json, rebuild a byte-level Qwen2 tokenizer from the
+  vocabulary whatever tokenizer.json says (see save_tokenizer)."""
   path = os.fspath(checkpoint_dir)
   if not os.path.isdir(path):
     raise FileNotFoundError(f"Tokenizer directory {path!r} does not exist.")
@@ -75,6 +124,10 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike):
       f"No tokenizer files in {path!r} (expected one of {names}); save one there with "
       "tokenizer.save_pretrained(dir) or vcpo_jax.model.tokenizer.build_char_tokenizer(dir)."
     )
+  if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
   from transformers import AutoTokenizer
 
   return AutoTokenizer.from_pretrained(path, local_files_only=True)
