@@ -232,8 +232,10 @@ def main():
     "lag_mean",
     "lag_max",
   )
-  shape = "configs/countdown.py default" if a.testbed else (
-    f"N={a.prompts * a.group}, T={24 + a.new_tokens}, D={a.hidden}, L={a.layers}"
+  shape = (
+    "configs/countdown.py default"
+    if a.testbed
+    else (f"N={a.prompts * a.group}, T={24 + a.new_tokens}, D={a.hidden}, L={a.layers}")
   )
   print(f"\ncountdown, {shape}, {a.steps} steps (timed: {a.warmup + 1}..{a.steps}), async k={a.k}")
   print(f"medians over {a.rounds} interleaved rounds")

@@ -129,7 +129,13 @@ def test_run_plots_title_dedupe_clip_line_and_resume_gap(tmp_path):
   ys = ax.get_lines()[0].get_ydata()
   assert np.isnan(ys).sum() == 1 and np.isnan(ys[3])  # the line breaks right after step 3
   written = metrics.plot_run(run)
-  assert sorted(p.rsplit("/", 1)[1] for p in written) == ["ess.png", "grad_norm.png", "lag.png", "lr_scale.png", "reward.png"]
+  assert sorted(p.rsplit("/", 1)[1] for p in written) == [
+    "ess.png",
+    "grad_norm.png",
+    "lag.png",
+    "lr_scale.png",
+    "reward.png",
+  ]
   # A fresh start (no resume) empties the record; a rerun of a finished run adds nothing.
   metrics.MetricsWriter(run, total_steps=6, resume_step=6, progress=False, tensorboard=False).close()
   assert metrics.resume_steps(run) == [3]

@@ -124,7 +124,9 @@ def figure(workdirs: list[str], smoothing: int = 0, title: str | None = None):
 
   labels = [identity(w)["label"] for w in workdirs]
   # Runs whose identities coincide (e.g. two configs that differ in a task knob) are told apart by directory.
-  labels = [f"{lab} ({w.rstrip('/').split('/')[-1]})" if labels.count(lab) > 1 else lab for lab, w in zip(labels, workdirs)]
+  labels = [
+    f"{lab} ({w.rstrip('/').split('/')[-1]})" if labels.count(lab) > 1 else lab for lab, w in zip(labels, workdirs)
+  ]
   runs = [(lab, read_jsonl(fs.join(w, "metrics.jsonl"))) for lab, w in zip(labels, workdirs)]
   fig, axes = plt.subplots(len(PANELS), 2, figsize=(12, 2.6 * len(PANELS)), squeeze=False)
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
