@@ -261,6 +261,7 @@ def main():
       dict(
         benchmark="async_throughput",
         config=dict(
+          testbed=a.testbed,  # True: configs/countdown.py's own task, model and batch (the fields below unused)
           N=a.prompts * a.group,
           new_tokens=a.new_tokens,
           hidden=a.hidden,
