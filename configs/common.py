@@ -32,7 +32,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.seed = 0  # master seed: model init, problem order, sampling (fold_in(key, step))
   c.steps = 100  # learner steps (optimizer updates)
   c.mode = "sync"  # "sync" (k = 0) | "lag" (exact staleness k, one process) | "async" (sampler process)
-  # estimator.PRESETS name: sync none seq_tis clip mask token_tis geo_mask vcpo vcpo_* | policy losses (issue 13):
+  # estimator.PRESETS name: sync none seq_tis clip mask token_tis geo_mask vcpo vcpo_* | policy losses:
   # ppo_clip decoupled_ppo gspo cispo m2po_paper m2po_released icepop dppo_tv ipo kpop | vcpo_tis_ess (ESS-targeted cap)
   c.method = "vcpo"  # estimator preset (estimator.PRESETS): vcpo, seq_tis, ppo_clip, gspo, vcpo_tis_ess, ...
 

@@ -729,7 +729,7 @@ PRESETS: dict[str, dict[str, Any]] = {
   "vcpo_applied_opob": dict(_VCPO, opob_weights="applied"),
   "vcpo_loo_opob": dict(_VCPO, opob_leave_one_out=True),
   "vcpo_reference": dict(_VCPO, reference_mode=True),
-  # issue 13: the stabilizers the field uses (vcpo_jax/policy_losses.py), on the reference GRPO advantage
+  # the stabilizers the field uses (vcpo_jax/policy_losses.py), on the reference GRPO advantage
   **{
     name: dict(_GRPO, is_variant="none", policy_loss=name)
     for name in ("ppo_clip", "decoupled_ppo", "gspo", "cispo", "m2po_paper", "m2po_released", "icepop", "dppo_tv")

@@ -410,7 +410,7 @@ def _prefill(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, params, promp
   each chunk's queries attend to the cache through the model's traced-slot path
   (`attention.decode_attention`: online softmax over the filled key blocks only), and a remainder
   of Tp mod chunk tokens follows at its static slot. Prefill memory is then one cache plus one
-  chunk's temporaries, whatever the number of chunks (issue 10: a Python loop of 32 chunks at static
+  chunk's temporaries, whatever the number of chunks (a Python loop of 32 chunks at static
   slots kept a copy of the cache per chunk alive, 39.5 GiB a layer on multiturn). One chunk, or one
   whole chunk and a remainder, run as before: at static slots, each attending to the cache prefix
   written so far through the configured attention (nothing beyond it is read). Only the final hidden

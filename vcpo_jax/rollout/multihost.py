@@ -36,7 +36,7 @@
   ended by the heartbeat thread's watchdog (1.5 x peer_lost_s). close() removes the host's shared memory,
   as in single-host mode; a process that ends without it leaves that to its resource tracker.
 
-Checkpoints keep each host's queued batches (issue 15): at every save (periodic, final, agreed stop)
+Checkpoints keep each host's queued batches: at every save (periodic, final, agreed stop)
 each host drains its queue and the hosts allgather their unconsumed rows, so process 0 writes them as
 global batches of N rows, host h's rows at its block (zeros where a host had not received that step yet),
 with per-host metadata (`pack_queued`). A resume on the same number of hosts gives each host exactly its
