@@ -416,7 +416,7 @@ def _train_row(m: dict, batch, info: dict, t0: float, t1: float, t2: float, t3: 
   seconds of the newest host copy (device_get + slot write + checksum) completed since the previous row, done
   by a thread that overlaps the learner with async_.background_publish, inside time/publish_s without it."""
   n_tokens = float(batch["valid_mask"].sum())
-  row = {f"train/{k}": v for k, v in m.items()}
+  row = {k if k.startswith("grad/") else f"train/{k}": v for k, v in m.items()}  # grad/: vcpo_jax.telemetry
   row.update(
     {
       "train/reward_mean": float(batch["rewards"].mean()),
