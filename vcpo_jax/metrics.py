@@ -36,7 +36,7 @@ PLOTS = (
     "grad_concentration",
     "update concentration (per-trajectory |c_n| ||g_n||)",
     ("grad/top1_share", "grad/top5pct_share", "grad/ess_ratio", "grad/ref_cosine"),
-    "share of sum c^2 ||g||^2, gradient ESS / N, cosine",
+    "share, gradient ESS / N, cosine (fractions of sum c^2 g^2, of N; cosine)",
   ),
 )
 # Overlaid series are drawn widest first, each narrower and in its own dash pattern on top, so a series equal
