@@ -189,3 +189,39 @@ def test_cosine():
   b = {"x": jnp.array([1.0, 1.0]), "y": jnp.array([[0.0]])}
   assert f(telemetry.cosine(a, b)) == pytest.approx(1 / np.sqrt(2))
   assert f(telemetry.cosine(a, jax.tree.map(jnp.zeros_like, a))) == 0.0
+
+
+# ----------------------------------------------------------------------------- in a run
+
+
+def test_run_logs_grad_metrics_and_the_reference_cosine_without_changing_the_run(tmp_path):
+  import json
+
+  from tests import fixtures
+  from vcpo_jax import trainer
+
+  rows = {}
+  for every in (0, 2):
+    c = fixtures.tiny_countdown_config(
+      **{"mode": "lag", "lag.k": 1, "steps": 4, "optim.lr": 1e-2, "log.norm_overhead_every": 0, "log.ref_grad_every": every}
+    )
+    wd = tmp_path / f"ref{every}"
+    trainer.run(c, str(wd))
+    rows[every] = [json.loads(line) for line in open(wd / "metrics.jsonl") if "train/pg_loss" in line]
+  for a, b in zip(rows[0], rows[2]):  # the reference batch has rngs of its own: the run is the same
+    assert {k: v for k, v in a.items() if k.startswith("train/")} == {
+      k: v for k, v in b.items() if k.startswith("train/")
+    }
+  assert all("grad/top1_share" in r and "grad/cov_trace" in r for r in rows[0])  # every step, under grad/
+  assert not any(k.startswith("train/grad/") for r in rows[0] for k in r)
+  assert [r["step"] for r in rows[2] if "grad/ref_cosine" in r] == [2, 4]
+  assert not any("grad/ref_cosine" in r for r in rows[0])
+  assert all(-1.0 <= r["grad/ref_cosine"] <= 1.0 for r in rows[2] if "grad/ref_cosine" in r)
+
+
+def test_ref_grad_every_is_rejected_in_async_mode():
+  from tests import fixtures
+  from vcpo_jax.run_config import ConfigError, parse_config
+
+  with pytest.raises(ConfigError, match="ref_grad_every"):
+    parse_config(fixtures.tiny_countdown_config(**{"mode": "async", "lag.k": 1, "log.ref_grad_every": 2}))

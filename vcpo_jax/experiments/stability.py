@@ -389,6 +389,7 @@ LATER_FIELDS = {
   ("sampler", "max_batch"): 0,
   ("async_", "publish_buffers"): 0,
   ("async_", "publish_checksum"): "background",
+  ("log", "ref_grad_every"): 0,
 }
 
 
