@@ -137,9 +137,20 @@ def _grad_fn(data: StepData, preset: str):
 
 
 def replay(
-  data: StepData, presets=DEFAULT_PRESETS, *, batches: int = 5, fresh: int = 8, bootstrap: int = 8, seed: int = 0, log=print
+  data: StepData,
+  presets=DEFAULT_PRESETS,
+  *,
+  batches: int = 5,
+  fresh: int = 8,
+  bootstrap: int = 8,
+  reward_batches: int = 1,
+  seed: int = 0,
+  log=print,
 ) -> dict:
-  """The per-preset numbers of the module docstring, on `batches` stale batches of data.step."""
+  """The per-preset numbers of the module docstring, on `batches` stale batches of data.step.
+
+  dreward (fresh samples after the update: the costly part) is measured on the first `reward_batches` only.
+  """
   s, maker = data.step, data.maker
   params = data.state.params
   g_size = data.spec.rollout.group_size
@@ -180,8 +191,10 @@ def replay(
         boots.append(_flat(fn(params, bb)[0]))
       boots = np.array(boots)
       boot_var = float(np.sum(np.var(boots, axis=0, ddof=1))) if bootstrap > 1 else float("nan")
-      r_after = np.array([sample(new, kk, s + 1)["rewards"].mean() for kk in fresh_keys])
-      d = r_after - r_before
+      if bi < reward_batches:
+        d = np.array([sample(new, kk, s + 1)["rewards"].mean() for kk in fresh_keys]) - r_before
+      else:
+        d = np.full(2, np.nan)
       rows.append(
         dict(
           cos_onpolicy=_cos(g, ref),
@@ -194,8 +207,8 @@ def replay(
         )
       )
     keys = rows[0].keys()
-    results[name] = {k: float(np.mean([r[k] for r in rows])) for k in keys}
-    results[name].update({f"{k}_std": float(np.std([r[k] for r in rows])) for k in keys})
+    results[name] = {k: float(np.nanmean([r[k] for r in rows])) for k in keys}
+    results[name].update({f"{k}_std": float(np.nanstd([r[k] for r in rows])) for k in keys})
     log(f"  {name:20s} cos {results[name]['cos_onpolicy']:+.3f}  boot_var_rel {results[name]['boot_var_rel']:.3f}")
   return dict(
     step=s,
@@ -203,6 +216,7 @@ def replay(
     batches=batches,
     fresh=fresh,
     bootstrap=bootstrap,
+    reward_batches=reward_batches,
     seed=seed,
     ref_split_cos=ref_split,
     fresh_reward=float(r_before.mean()),
@@ -262,6 +276,7 @@ def main(argv=None):
   ap.add_argument("--batches", type=int, default=5)
   ap.add_argument("--fresh", type=int, default=8)
   ap.add_argument("--bootstrap", type=int, default=8)
+  ap.add_argument("--reward_batches", type=int, default=1, help="stale batches on which dreward is measured")
   ap.add_argument("--seed", type=int, default=0)
   a = ap.parse_args(argv)
   steps = a.step or [None] * len(a.workdir)
@@ -276,7 +291,10 @@ def main(argv=None):
       st = c.latest_step()
       c.close()
     data = load_step(wd, st)
-    res = replay(data, a.presets.split(","), batches=a.batches, fresh=a.fresh, bootstrap=a.bootstrap, seed=a.seed)
+    res = replay(
+      data, a.presets.split(","), batches=a.batches, fresh=a.fresh, bootstrap=a.bootstrap,
+      reward_batches=a.reward_batches, seed=a.seed,
+    )
     res["workdir"] = wd
     results.append(res)
   with open(os.path.join(out, "replay.json"), "w") as f:
