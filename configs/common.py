@@ -165,6 +165,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.log.progress = True  # console progress bar
   c.log.plots = True  # PNG plots at the end of the run
   c.log.norm_overhead_every = 0  # opt-in (0 = off): time a plain gradient step every N steps (time/norm_overhead)
+  c.log.ref_grad_every = 0  # opt-in (0 = off; sync / lag): grad/ref_cosine to a fresh on-policy batch every N steps
   return c
 
 

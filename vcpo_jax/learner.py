@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import optax
 
 from vcpo_jax import batch as batch_lib
-from vcpo_jax import estimator, grad_norms, policy_losses, sharding
+from vcpo_jax import estimator, grad_norms, policy_losses, sharding, telemetry
 from vcpo_jax.model import transformer
 
 sg = jax.lax.stop_gradient
@@ -223,7 +223,8 @@ def _vmap_gradient(logp_fn, params, batch, pg: estimator.PGConfig, *, divisor=No
   (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
   # where(): masked-out positions may hold logp = -inf; their cotangent is 0 and must not give nan.
   pg_loss = jnp.sum(jnp.where(tokw_nt != 0, cot_nt * sg(logp_nt).astype(jnp.float32), 0.0))
-  return grads, dict(aux, pg_loss=pg_loss)
+  rows = dict(coef_n=coef_n) if sq is None else dict(coef_n=coef_n, sq_norm_n=sq)  # for vcpo_jax.telemetry
+  return grads, dict(aux, pg_loss=pg_loss, **rows)
 
 
 def _ghost_gradient(
@@ -269,7 +270,7 @@ def _ghost_gradient(
     passes=passes,
     one_pass_budget_bytes=one_pass_budget_bytes,
   )
-  return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n)
+  return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n, coef_n=res.coef_n)
 
 
 def _bound_policy_loss(pg: estimator.PGConfig, batch, current_version=None):
@@ -379,6 +380,8 @@ def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None):
   acc, (rows, losses) = jax.lax.scan(body, zeros, mbs)
   rows = {key: v.reshape((n,) + v.shape[2:]) for key, v in rows.items()}
   z = estimator.loss_divisor(rows, cfg.pg)  # the whole batch's count, a scalar factor
+  if "coef_n" in rows:  # the micro-batches' coefficients were made with Z = 1
+    rows["coef_n"] = rows["coef_n"] / z
   grads = jax.tree.map(lambda a, p: (a / z).astype(p.dtype), acc, params)
   return grads, dict(estimator.pg_metrics(rows, cfg.pg), **rows, pg_loss=jnp.sum(losses) / z)
 
@@ -461,6 +464,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     metrics.update(
       grad_norm=grad_norm, update_norm=optax.global_norm(updates), nonfinite=1.0 - finite.astype(jnp.float32)
     )
+    # gradient-variance telemetry ("grad/..."): [N]-array arithmetic on the norms the step already has
+    t = batch["tokens"].shape[1]
+    metrics.update(telemetry.step_telemetry(aux, grad_norm**2, batch["rewards"], batch["group_id"], cfg.pg, t))
     return new_state, metrics
 
   return train_step

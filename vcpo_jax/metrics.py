@@ -31,6 +31,13 @@ PLOTS = (
   ("lr_scale", "learning-rate scale", ("train/lr_scale",), "lr scale (x configured lr)"),
   ("grad_norm", "gradient norm (before clipping)", ("train/grad_norm",), "gradient norm (global L2)"),
   ("lag", "policy lag (learner steps)", ("train/lag_min", "train/lag_mean", "train/lag_max"), "lag (learner steps)"),
+  # vcpo_jax.telemetry: how concentrated the update is over trajectories (fractions of the batch / of sum m_n^2)
+  (
+    "grad_concentration",
+    "update concentration (per-trajectory |c_n| ||g_n||)",
+    ("grad/top1_share", "grad/top5pct_share", "grad/ess_ratio", "grad/ref_cosine"),
+    "share, gradient ESS / N, cosine (fractions of sum c^2 g^2, of N; cosine)",
+  ),
 )
 # Overlaid series are drawn widest first, each narrower and in its own dash pattern on top, so a series equal
 # to another (train/reward_mean is train/accuracy for a 0/1 reward) still shows as a wide band around a line.

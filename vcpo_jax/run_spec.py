@@ -262,11 +262,13 @@ class LogConfig:
   progress: bool = True
   plots: bool = True
   norm_overhead_every: int = 0
+  ref_grad_every: int = 0  # sync / lag: cosine of the step's gradient to an on-policy one every N steps (0 = off)
 
   def __post_init__(self):
     check_field(
       self.norm_overhead_every >= 0, "log.norm_overhead_every", self.norm_overhead_every, "must be >= 0 (0 = off)."
     )
+    check_field(self.ref_grad_every >= 0, "log.ref_grad_every", self.ref_grad_every, "must be >= 0 (0 = off).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,6 +380,12 @@ class RunSpec:
       self.eval_background,
       "the async sampler process evaluates: only with mode='async' on one host (distributed.enabled=False); "
       "set eval.background=False.",
+    )
+    check_field(
+      not (self.log.ref_grad_every and self.mode == "async"),
+      "log.ref_grad_every",
+      self.log.ref_grad_every,
+      "the on-policy reference batch is sampled in the learner's process: mode='sync' or 'lag' only; set 0.",
     )
     check_field(
       not (self.mode == "async" and self.async_.publish_path == "transfer" and self.dist.enabled),

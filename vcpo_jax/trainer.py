@@ -22,8 +22,9 @@ import time
 
 import jax
 import numpy as np
+import optax
 
-from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenance, rollout, sft, sharding
+from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenance, rollout, sft, sharding, telemetry
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer, restore_target
 from vcpo_jax.model import policy
@@ -85,6 +86,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   # sync/lag sample on the learner's devices: its mesh, so the published params need no move
   make_sampler = lambda cfg: Sampler(graphdef, model_cfg, cfg, mesh=mesh)
   maker = _build_maker(spec, tokenizer, make_sampler, train_problems)
+  ref_cosine = _reference_cosine(spec, graphdef, maker, key, mesh) if spec.log.ref_grad_every else None
   # (the source itself is built under the signal guard below: the async one starts a process)
 
   # ---- eval ----
@@ -120,6 +122,9 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
       dev_batch = _global_batch(batch.device(), mesh, spec.rollout.batch_size)
       if plain_jit is not None and plain_step is None:
         plain_step = plain_jit.lower(state.params, dev_batch).compile()
+      ref_row = {}  # log.ref_grad_every: before the step, which donates the parameters it is measured at
+      if ref_cosine is not None and (step + 1) % spec.log.ref_grad_every == 0:
+        ref_row = ref_cosine(state.params, dev_batch, step)
       state, m = train_step(state, dev_batch)
       m = jax.device_get(m)
       t2 = time.time()
@@ -128,6 +133,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
       t3 = time.time()
       _check_finite(m, step - 1, nonfinite_steps, spec.on_nonfinite)
       row = _train_row(m, batch, info, t0, t1, t2, t3)
+      row.update(ref_row)
       copy_s = source.take_copy_s() if hasattr(source, "take_copy_s") else None
       if copy_s is not None:  # async shm path: the host copy's own seconds (see _train_row)
         row["time/publish_copy_s"] = copy_s
@@ -475,7 +481,7 @@ def _train_row(m: dict, batch, info: dict, t0: float, t1: float, t2: float, t3: 
   seconds of the newest host copy (device_get + slot write + checksum) completed since the previous row, done
   by a thread that overlaps the learner with async_.background_publish, inside time/publish_s without it."""
   n_tokens = float(batch["valid_mask"].sum())
-  row = {f"train/{k}": v for k, v in m.items()}
+  row = {k if k.startswith("grad/") else f"train/{k}": v for k, v in m.items()}  # grad/: vcpo_jax.telemetry
   row.update(
     {
       "train/reward_mean": float(batch["rewards"].mean()),
@@ -498,6 +504,35 @@ def _train_row(m: dict, batch, info: dict, t0: float, t1: float, t2: float, t3: 
   )
   row.update(info.get("metrics", {}))  # source-specific statistics (e.g. multi-turn tool use)
   return row
+
+
+REF_SALT = 0x5EF  # the reference batches' rngs: fold_in(fold_in(key, REF_SALT), step), apart from the run's own
+
+
+def _reference_cosine(spec, graphdef, maker, key, mesh):
+  """log.ref_grad_every (sync / lag): f(params, dev_batch, step) -> {"grad/ref_cosine", "grad/ref_norm"}.
+
+  The cosine between the step's gradient (the run's method on its batch, recomputed: one more forward and
+  backward) and the same method's gradient on a fresh batch of the step's prompts sampled with the current
+  parameters (telemetry.cosine). In lag mode it measures how far staleness turns the update; sync mode gives
+  its floor, the cosine of two independent on-policy batches. Opt-in: it samples a batch and compiles a
+  function of its own (at the first measured step).
+  """
+
+  def fn(params, batch, fresh):
+    step_grad, _ = learner._gradient(graphdef, params, batch, spec.learner)
+    ref_grad, _ = learner._gradient(graphdef, params, fresh, spec.learner)
+    return telemetry.cosine(step_grad, ref_grad), optax.global_norm(ref_grad)
+
+  jitted = sharding.MeshJit(mesh, fn)
+  ref_key = jax.random.fold_in(key, REF_SALT)
+
+  def measure(params, dev_batch, step: int) -> dict:
+    fresh, _ = maker.make(params, step, jax.random.fold_in(ref_key, step), step)
+    cos, norm = jax.device_get(jitted(params, dev_batch, _global_batch(fresh.device(), mesh, spec.rollout.batch_size)))
+    return {"grad/ref_cosine": float(cos), "grad/ref_norm": float(norm)}
+
+  return measure
 
 
 def _close_all(old_handlers: dict, *closeables):

@@ -390,6 +390,7 @@ LATER_FIELDS = {
   ("async_", "publish_buffers"): 0,
   ("async_", "publish_checksum"): "background",
   ("sft", "noise"): 0.0,
+  ("log", "ref_grad_every"): 0,
 }
 
 
