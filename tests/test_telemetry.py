@@ -203,7 +203,14 @@ def test_run_logs_grad_metrics_and_the_reference_cosine_without_changing_the_run
   rows = {}
   for every in (0, 2):
     c = fixtures.tiny_countdown_config(
-      **{"mode": "lag", "lag.k": 1, "steps": 4, "optim.lr": 1e-2, "log.norm_overhead_every": 0, "log.ref_grad_every": every}
+      **{
+        "mode": "lag",
+        "lag.k": 1,
+        "steps": 4,
+        "optim.lr": 1e-2,
+        "log.norm_overhead_every": 0,
+        "log.ref_grad_every": every,
+      }
     )
     wd = tmp_path / f"ref{every}"
     trainer.run(c, str(wd))

@@ -234,7 +234,9 @@ def step_telemetry(aux: Mapping[str, jax.Array], grad_sq_norm, rewards_n, group_
 
 def cosine(a, b):
   """<a, b> / (||a|| ||b||) of two pytrees of the same structure (0 if either is 0), float32."""
-  dot = sum(jnp.vdot(x.astype(_F32).ravel(), y.astype(_F32).ravel()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  dot = sum(
+    jnp.vdot(x.astype(_F32).ravel(), y.astype(_F32).ravel()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
   na = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(_F32))) for x in jax.tree.leaves(a)))
   nb = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(_F32))) for x in jax.tree.leaves(b)))
   den = na * nb

@@ -163,7 +163,10 @@ def replay(
   t0 = time.time()
   # the stale batches: #0 is the run's own batch of step S (the trainer's rng), the others other rngs
   stale = [sample(data.stale_params, jax.random.fold_in(data.key, s), data.version)]
-  stale += [sample(data.stale_params, jax.random.fold_in(jax.random.fold_in(base, 1), j), data.version) for j in range(1, batches)]
+  stale += [
+    sample(data.stale_params, jax.random.fold_in(jax.random.fold_in(base, 1), j), data.version)
+    for j in range(1, batches)
+  ]
   fresh_keys = [jax.random.fold_in(jax.random.fold_in(base, 2), j) for j in range(fresh)]
   fresh_b = [sample(params, kk, s) for kk in fresh_keys]
   ref_fn = _grad_fn(data, REFERENCE)
@@ -224,7 +227,16 @@ def replay(
   )
 
 
-COLUMNS = ("cos_onpolicy", "boot_var_rel", "grad_norm", "update_norm", "ess_ratio", "grad_ess_ratio", "lr_scale", "dreward")
+COLUMNS = (
+  "cos_onpolicy",
+  "boot_var_rel",
+  "grad_norm",
+  "update_norm",
+  "ess_ratio",
+  "grad_ess_ratio",
+  "lr_scale",
+  "dreward",
+)
 
 
 def table(res: dict) -> str:
@@ -292,8 +304,13 @@ def main(argv=None):
       c.close()
     data = load_step(wd, st)
     res = replay(
-      data, a.presets.split(","), batches=a.batches, fresh=a.fresh, bootstrap=a.bootstrap,
-      reward_batches=a.reward_batches, seed=a.seed,
+      data,
+      a.presets.split(","),
+      batches=a.batches,
+      fresh=a.fresh,
+      bootstrap=a.bootstrap,
+      reward_batches=a.reward_batches,
+      seed=a.seed,
     )
     res["workdir"] = wd
     results.append(res)
