@@ -51,7 +51,7 @@ are reused by the next, so the peak is a maximum over layers, not a sum, and a 1
 is a one-off change in XLA:CPU's fusion (at 2 layers one block's MLP is emitted as separate dots with
 materialized float32 [B x chunk, F] buffers), which the linear model multiplied by L - 1: math's prefill
 extrapolated to 41.8 GiB on (8, 1, 1) against 30.7 GiB compiled at 28 layers (temp 5.57 / 6.00 / 6.00 /
-6.00 GiB at 1 / 2 / 4 / 28 layers; benchmarks/README.md, "Sampler prefill at full depth").
+6.00 GiB at 1 / 2 / 4 / 28 layers; docs/results/benchmarks_history.md, "Sampler prefill at full depth").
 
 Numbers, per device, GiB = 2^30 bytes:
   argument_gib  inputs (parameters + optimizer state + batch, or parameters + cache + inputs)

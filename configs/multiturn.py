@@ -97,7 +97,7 @@ def get_config(arg: str | None = None):
   c.sampler.prefill_chunk = 512  # prompt tokens per prefill pass: prefill memory flat in depth
   # The sampler process's mesh: 4-way tensor parallel (weights / 4), the rows over the rest. On 64 devices
   # (16, 1, 4) the 2048-row prefill / decode compile to 44.0 / 41.1 GiB per device, (64, 1, 1) to 54.2 / 51.7
-  # (benchmarks/README.md, "Sampler prefill at full depth"); max_batch = 1024 gives 23.8 / 22.3 in 2 calls.
+  # (docs/results/benchmarks_history.md, "Sampler prefill at full depth"); max_batch = 1024 gives 23.8 / 22.3 in 2 calls.
   # One sampler process with 4 chips and 128 rows: 44.4 / 41.1; on 2 chips per worker use (-1, 1, 2): 47.5 / 44.6.
   c.sampler.mesh_shape = (-1, 1, 4)  # (data, fsdp, tensor) of the async sampler: tensor 4 = the 4 KV heads
   c.sampler.max_batch = 0  # rows per sampler call: all 2048 in one (fits 64 devices on this mesh); 1024 halves it

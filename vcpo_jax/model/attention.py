@@ -38,7 +38,7 @@ its values as [B, K, S, H]: the kv-head axis leads, so the two attention dots ar
 batched over (B, K) without a copy, and the keys are stored transposed, so the
 scores are q [R, H] x k [H, S] per (b, k) in the keys' own layout. With the HF-style
 [B, S, K, H] cache, XLA:CPU copied a transposed block of the cache in every decode
-step of every layer (benchmarks/README.md, "Decode attention and the cache layout").
+step of every layer (docs/results/benchmarks_history.md, "Decode attention and the cache layout").
 Attention over a cache (`cached_attention`: an explicit mask; `decode_attention`: a
 traced or non-zero slot) reads this layout; a call at slot 0 attends to its fresh
 keys [B, T, K, H] through `attention`, whatever the implementation.

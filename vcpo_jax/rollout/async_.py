@@ -39,7 +39,7 @@ buffers in the publish dtype: bfloat16 on accelerators, float32 on CPU, so the C
 today's; `async_.publish_dtype` overrides) and hands it to a thread that does the device_get and the
 copy into the slot. "false": publish() itself does the device_get (a view of the buffers on CPU) and
 the copy into the slot. "auto" = "false" on the CPU backend, "true" elsewhere. Why (measured,
-benchmarks/README.md "Parameter publishing"): on CPU the snapshot is not a device-local copy that
+docs/results/benchmarks_history.md "Parameter publishing"): on CPU the snapshot is not a device-local copy that
 overlaps the next step but a full memory copy made on the caller's thread (73 ms at 50.8M parameters,
 against 20 ms for the synchronous copy into the slot, whose device_get is free), and the thread's copy
 then competes with the learner's step for the same cores; on accelerators the snapshot is a device-local
