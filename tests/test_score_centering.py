@@ -349,20 +349,11 @@ def test_pure_lag_run_with_exact_centering():
   from vcpo_jax import estimator
   from vcpo_jax.experiments import pure_lag as pl
 
-  cfg = pl.PureLagConfig(
-    alphabet=4,
-    max_stride=2,
-    resp_len=4,
-    prompts_per_step=2,
-    group_size=4,
-    steps=6,
-    eval_every=3,
-    eval_samples=1,
-    hidden=16,
-    layers=1,
-    heads=2,
-    mlp=16,
-  )
+  import dataclasses
+
+  from tests.test_stability import CFG
+
+  cfg = dataclasses.replace(CFG, debug_trace=False)  # test_stability's tiny pure-lag run
   pg = estimator.pg_config_from_preset("vcpo")
   key, lr = jax.random.key(3), jnp.float32(3e-2)
   plain = jax.device_get(jax.jit(pl.make_run_fn(cfg, pg, 2))(key, lr, 0))

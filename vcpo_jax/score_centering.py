@@ -278,6 +278,24 @@ def _head(model):
   return w, lpm.HeadSpec(tied, cfg.logprob_chunk, cfg.logprob_vocab_chunk, cfg.compute_dtype)
 
 
+def _both_versions(graphdef, params, behavior_params, batch):
+  """(logp_nt of the sampled tokens, h, h_q, head w, w_q, head spec): one forward of the learner's params and
+  one of the behaviour version's (stop-gradient), on the same batch."""
+  from flax import nnx
+
+  from vcpo_jax.model import transformer
+
+  tokens = batch["tokens"]
+  positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
+  model = nnx.merge(graphdef, params)
+  h, _ = model(tokens, positions, mask, hidden=True)
+  logp = model.head_logprobs(h, tokens)
+  behaviour = nnx.merge(graphdef, jax.tree.map(sg, behavior_params))
+  hq, _ = behaviour(tokens, positions, mask, hidden=True)
+  (w, spec), (wq, _) = _head(model), _head(behaviour)
+  return logp, h, hq, w, wq, spec
+
+
 def make_centered_logp_fn(graphdef, max_ratio=None):
   """f(params, behavior_params, batch) -> (logp_nt [N, T], corr_nt [N, T], diag of [N, T]).
 
@@ -286,19 +304,9 @@ def make_centered_logp_fn(graphdef, max_ratio=None):
   parameter ring), then `exact_correction` from both final hidden states, chunked as the model's config
   chunks its log-probs (logprob_chunk, logprob_vocab_chunk).
   """
-  from flax import nnx
-
-  from vcpo_jax.model import transformer
 
   def fn(params, behavior_params, batch):
-    tokens = batch["tokens"]
-    positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
-    model = nnx.merge(graphdef, params)
-    h, _ = model(tokens, positions, mask, hidden=True)
-    logp = model.head_logprobs(h, tokens)
-    behaviour = nnx.merge(graphdef, jax.tree.map(sg, behavior_params))
-    hq, _ = behaviour(tokens, positions, mask, hidden=True)
-    (w, spec), (wq, _) = _head(model), _head(behaviour)
+    logp, h, hq, w, wq, spec = _both_versions(graphdef, params, behavior_params, batch)
     corr, diag = exact_correction(h, hq, w, wq, spec, max_ratio)
     return logp, corr, diag
 
@@ -313,22 +321,13 @@ def make_topk_centered_logp_fn(graphdef, topk: int, max_ratio=None):
   testbed); a sampler-recorded head enters through `topk_correction` directly. diag: coef_l1, q_head_mass,
   p_head_mass.
   """
-  from flax import nnx
-
-  from vcpo_jax.model import transformer
 
   if topk < 1:
     raise ValueError(f"topk={topk}: must be >= 1")
 
   def fn(params, behavior_params, batch):
     tokens = batch["tokens"]
-    positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
-    model = nnx.merge(graphdef, params)
-    h, _ = model(tokens, positions, mask, hidden=True)
-    logp = model.head_logprobs(h, tokens)
-    behaviour = nnx.merge(graphdef, jax.tree.map(sg, behavior_params))
-    hq, _ = behaviour(tokens, positions, mask, hidden=True)
-    (w, spec), (wq, _) = _head(model), _head(behaviour)
+    logp, h, hq, w, wq, spec = _both_versions(graphdef, params, behavior_params, batch)
     v = lpm.vocab_size(w, spec)
     every_id = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), tokens.shape + (v,))
     lq_head, ids = jax.lax.top_k(sg(head_logprobs_at(hq, wq, every_id, spec)), min(topk, v))
