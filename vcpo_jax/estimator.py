@@ -763,6 +763,8 @@ PRESET_DOCS: dict[str, str] = {
   "m2po_released": "M2PO as its authors released it: a second-moment budget sets one PPO clip (policy_losses.m2po_released)",
   "icepop": "IcePop (slime): PPO clip times the token weight pi_old / mu masked outside [0.5, 5] (policy_losses.icepop)",
   "dppo_tv": "prime-rl's DPPO binary-TV mask + squared log-ratio penalty (policy_losses.dppo_tv)",
+  "ipo": "prime-rl's IPO: tokens with |p - q| > 0.1 dropped, r = p / q gradient + (log r)^2 term (policy_losses.ipo)",
+  "kpop": "AReaL's KPop: decoupled PPO on tokens within a binary-KL band phi = 0.1 (policy_losses.kpop)",
   "vcpo_tis_ess": "VCPO with the ESS-targeted truncation: the cap c_t solved per step so that ESS / n = 0.5",
 }
 
