@@ -12,7 +12,8 @@ What is left out (changing it on resume is allowed):
     it (optim.schedule "constant" or "warmup_constant"; "warmup_cosine" decays over `steps`);
   - execution layout with the same math: model.attention / attention_chunk / remat / logprob_chunk /
     logprob_vocab_chunk (model.config.EXECUTION_FIELDS), mesh.shape, sampler.prefill_chunk / max_batch;
-  - the job's plumbing: async_ timeouts and CPU pinning, distributed.coordinator_address and process_id, sft.cache_dir.
+  - the job's plumbing: async_ timeouts and CPU pinning, the distributed.* job layout (a run may resume on
+    another number of hosts), sft.cache_dir.
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ EXCLUDED = (
   "async_.startup_timeout_s",
   "async_.peer_lost_s",
   "async_.sampler_cpus",
-  "distributed.coordinator_address",
-  "distributed.process_id",  # each process of a job its own: not the run's trajectory
+  "distributed.",  # the job's processes (a run resumes on another number of hosts: tests/test_multihost_async)
   "sft.cache_dir",
 )
 # Learning-rate schedules whose values do not depend on `steps` (then `steps` is left out too).
