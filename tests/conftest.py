@@ -3,7 +3,7 @@
 XLA_FLAGS must be set before jax initializes its backends, so this file sets it
 at import time (pytest imports conftest.py before any test module).
 
-Under pytest-xdist (README's `-n 2`) the test files run in two worker processes at once. A test marked
+Under pytest-xdist (`pytest -n 2 --dist loadfile`, docs/results/readme_history.md) the test files run in two worker processes at once. A test marked
 `exclusive` runs while the other worker runs nothing: two file locks shared by the workers of one run
 (a turnstile, so that an exclusive test waiting for the room is not starved by the other worker's
 stream of tests, and the room: shared for a test, exclusive for an `exclusive` one).

@@ -573,7 +573,7 @@ def test_sigint_while_the_sampler_is_stopped_checkpoints_and_exits_130(tmp_path)
     elapsed = time.monotonic() - t0
     print(f"SIGINT -> exit {proc.returncode} in {elapsed:.2f} s")
     # A loose bound, not a timing claim: it fails only if the exit waited for timeout_s or something hung
-    # (the measured figure, about 1.4 s on a loaded 2-core machine, is in the README).
+    # (the measured figure, about 1.4 s on a loaded 2-core machine, is in docs/results/readme_history.md).
     assert elapsed < 15.0, log_path.read_text()[-3000:]
     deadline = time.monotonic() + 10.0
     while _group_alive(proc.pid):  # the sampler, grader pools, multiprocessing's tracker: all gone
