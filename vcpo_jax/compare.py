@@ -15,13 +15,12 @@ scale, lag min / mean / max, learner steps per second, wall time, and where the 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
 
 from vcpo_jax import fs
-from vcpo_jax.metrics import read_jsonl, series
+from vcpo_jax.metrics import identity, read_jsonl, series
 
 # (metric key, panel title, y label) of the compare figure's rows.
 PANELS = (
@@ -32,23 +31,6 @@ PANELS = (
   ("train/lag_mean", "policy lag (mean over the batch)", "lag (learner steps)"),
 )
 X_AXES = (("step", "learner step"), ("wall_time", "wall-clock (s since the run started)"))
-
-
-def _config(workdir: str) -> dict:
-  path = fs.join(workdir, "config.json")
-  return json.loads(fs.read_text(path)) if fs.exists(path) else {}
-
-
-def identity(workdir: str) -> dict:
-  """{method, mode, k, lr, seed, label} of a run, from its config.json (k = 0 in sync mode)."""
-  c = _config(workdir)
-  mode = c.get("mode", "?")
-  k = 0 if mode == "sync" else int((c.get("lag") or {}).get("k", 0))
-  out = dict(method=c.get("method", "?"), mode=mode, k=k, lr=(c.get("optim") or {}).get("lr"), seed=c.get("seed"))
-  lag = "" if mode == "sync" else f" k={k}"
-  lr = f" lr={out['lr']:g}" if isinstance(out["lr"], (int, float)) else ""
-  out["label"] = f"{out['method']} {mode}{lag}{lr} seed={out['seed']}"
-  return out
 
 
 def summarize(workdir: str) -> dict:

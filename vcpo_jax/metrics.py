@@ -298,12 +298,27 @@ def figure(
   return fig
 
 
+def run_config(workdir: str) -> dict:
+  """The run's config.json as a dict ({} when absent)."""
+  path = fs.join(workdir, "config.json")
+  return json.loads(fs.read_text(path)) if fs.exists(path) else {}
+
+
+def identity(workdir: str) -> dict:
+  """{method, mode, k, lr, seed, label} of a run, from its config.json (k = 0 in sync mode)."""
+  c = run_config(workdir)
+  mode = c.get("mode", "?")
+  k = 0 if mode == "sync" else int((c.get("lag") or {}).get("k", 0))
+  out = dict(method=c.get("method", "?"), mode=mode, k=k, lr=(c.get("optim") or {}).get("lr"), seed=c.get("seed"))
+  lag = "" if mode == "sync" else f" k={k}"
+  lr = f" lr={out['lr']:g}" if isinstance(out["lr"], (int, float)) else ""
+  out["label"] = f"{out['method']} {mode}{lag}{lr} seed={out['seed']}"
+  return out
+
+
 def _clip_norm(workdir: str) -> float | None:
   """optim.clip_norm from the run's config.json (None when absent or off)."""
-  path = fs.join(workdir, "config.json")
-  if not fs.exists(path):
-    return None
-  value = (json.loads(fs.read_text(path)).get("optim") or {}).get("clip_norm")
+  value = (run_config(workdir).get("optim") or {}).get("clip_norm")
   return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
@@ -313,8 +328,6 @@ def plot_run(workdir: str) -> list[str]:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-
-  from vcpo_jax.compare import identity  # compare imports this module: the run's label, read at call time
 
   records = read_jsonl(fs.join(workdir, "metrics.jsonl"))
   out_dir = fs.join(workdir, "plots")
