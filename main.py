@@ -13,6 +13,11 @@ import os
 import re
 import sys
 
+# transformers' import-time advice ("PyTorch was not found": the runtime needs only its tokenizers and config
+# classes) is start-up noise; an explicit TRANSFORMERS_VERBOSITY or --verbosity=1 still shows it.
+if not any(re.fullmatch(r"--?(?:verbosity|v)=[1-9]\d*", a) for a in sys.argv):
+  os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 from absl import app, flags
 from ml_collections import config_flags
 
