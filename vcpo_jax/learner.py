@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import optax
 
 from vcpo_jax import batch as batch_lib
-from vcpo_jax import estimator, grad_norms, policy_losses, sharding, telemetry
+from vcpo_jax import estimator, grad_norms, sharding, telemetry
+from vcpo_jax.rl import losses as policy_losses
 from vcpo_jax.model import transformer
 
 sg = jax.lax.stop_gradient

@@ -1,0 +1,84 @@
+"""The named methods: PGConfig field values per preset, one documentation line each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vcpo_jax.rl.surrogate import PGConfig
+
+_VCPO = dict(
+  advantage="grpo",
+  is_variant="tis",
+  tis_c=8.0,
+  opob=True,
+  opob_weights="unclipped",
+  opob_scope="group",
+  std="population",  # the reference's OPOB path: sigma_g is the population std
+  ess_lr=True,
+  ess_rule="sqrt",
+  rho_on=1.0,
+)
+# The reference's GRPO advantage (no OPOB) divides by torch.std: the sample std.
+_GRPO = dict(advantage="grpo", std="sample")
+
+# Every preset names its std and its mask normaliser; "all" keeps rejected rows
+# in the normaliser (PGConfig docstring).
+PRESETS: dict[str, dict[str, Any]] = {
+  "sync": dict(_GRPO, is_variant="none"),  # synchronous GRPO (run with k = 0)
+  "none": dict(_GRPO, is_variant="none"),  # stale data, no correction
+  "seq_tis": dict(_GRPO, is_variant="tis", tis_c=8.0),
+  "clip": dict(_GRPO, is_variant="clip"),
+  "mask": dict(_GRPO, is_variant="mask", mask_normalizer="all"),
+  "token_tis": dict(_GRPO, is_variant="token_tis"),
+  "geo_mask": dict(_GRPO, is_variant="geo_mask", mask_normalizer="all"),
+  "vcpo": dict(_VCPO),
+  "vcpo_no_esslr": dict(_VCPO, ess_lr=False),
+  "vcpo_no_opob": dict(_VCPO, opob=False, std="sample"),  # without OPOB the reference runs its GRPO advantage
+  "vcpo_applied_opob": dict(_VCPO, opob_weights="applied"),
+  "vcpo_loo_opob": dict(_VCPO, opob_leave_one_out=True),
+  "vcpo_reference": dict(_VCPO, reference_mode=True),
+  # the stabilizers the field uses (vcpo_jax/policy_losses.py), on the reference GRPO advantage
+  **{
+    name: dict(_GRPO, is_variant="none", policy_loss=name)
+    for name in ("ppo_clip", "decoupled_ppo", "gspo", "cispo", "m2po_paper", "m2po_released", "icepop", "dppo_tv")
+  },
+  # the trust regions of prime-rl (IPO) and AReaL (KPop), vcpo_jax/policy_losses.py
+  **{name: dict(_GRPO, is_variant="none", policy_loss=name) for name in ("ipo", "kpop")},
+  "vcpo_tis_ess": dict(_VCPO, is_variant="tis_ess", tis_ess_target=0.5),  # VCPO with the ESS-targeted cap
+}
+
+
+# One line per preset (tests/test_estimator.py checks that every PRESETS name has one).
+PRESET_DOCS: dict[str, str] = {
+  "sync": "synchronous GRPO (sample std advantage, no correction); run with k = 0",
+  "none": "GRPO on stale data with no correction (the baseline every correction is compared with)",
+  "seq_tis": "GRPO with sequence-level truncated IS, w = min(exp(l), 8)",
+  "clip": "GRPO with a two-sided clipped sequence IS weight, w = clip(exp(l), clip_lower, clip_upper)",
+  "mask": "GRPO with masked sequence IS: w = exp(l) inside [mask_lower, mask_upper], else 0 (kept in the normalizer)",
+  "token_tis": "GRPO with per-token truncated IS, w_nt = min(exp(d_nt), token_tis_c)",
+  "geo_mask": "GRPO with geometric-mean rejection: a row is kept (w = 1) iff geo_lower <= exp(l / L) <= geo_upper",
+  "vcpo": "VCPO: sequence TIS c = 8 + the OPOB baseline + the ESS-scaled learning rate (sqrt rule, rho_on = 1)",
+  "vcpo_no_esslr": "VCPO without the ESS-scaled learning rate",
+  "vcpo_no_opob": "VCPO without the OPOB baseline (the reference's GRPO advantage, sample std)",
+  "vcpo_applied_opob": "VCPO with OPOB weighted by the applied (truncated) weights instead of the unclipped ones",
+  "vcpo_loo_opob": "VCPO with the leave-one-out OPOB baseline",
+  "vcpo_reference": "VCPO reproducing the reference implementation's two inconsistencies",
+  "ppo_clip": "verl's token-level PPO clip on the GRPO advantage (policy_losses.ppo_clip)",
+  "decoupled_ppo": "AReaL's decoupled PPO: clip against pi_prox, IS weight pi_prox / mu (policy_losses.decoupled_ppo)",
+  "gspo": "GSPO: clipped length-normalized sequence ratio (policy_losses.gspo)",
+  "cispo": "CISPO: clipped, stop-gradient token IS weight on every token's gradient (policy_losses.cispo)",
+  "m2po_paper": "M2PO as in its paper and AReaL: second-moment token masking (policy_losses.m2po_paper)",
+  "m2po_released": "M2PO as its authors released it: a second-moment budget sets one PPO clip (policy_losses.m2po_released)",
+  "icepop": "IcePop (slime): PPO clip times the token weight pi_old / mu masked outside [0.5, 5] (policy_losses.icepop)",
+  "dppo_tv": "prime-rl's DPPO binary-TV mask + squared log-ratio penalty (policy_losses.dppo_tv)",
+  "ipo": "prime-rl's IPO: tokens with |p - q| > 0.1 dropped, r = p / q gradient + (log r)^2 term (policy_losses.ipo)",
+  "kpop": "AReaL's KPop: decoupled PPO on tokens within a binary-KL band phi = 0.1 (policy_losses.kpop)",
+  "vcpo_tis_ess": "VCPO with the ESS-targeted truncation: the cap c_t solved per step so that ESS / n = 0.5",
+}
+
+
+def pg_config_from_preset(name: str, **overrides) -> PGConfig:
+  """PGConfig(**PRESETS[name], **overrides)."""
+  if name not in PRESETS:
+    raise ValueError(f"preset={name!r}: choose one of {sorted(PRESETS)}")
+  return PGConfig(**{**PRESETS[name], **overrides})
