@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +56,8 @@ import optax
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import estimator, grad_norms, sharding, telemetry
-from vcpo_jax.rl import losses as policy_losses
 from vcpo_jax.model import transformer
+from vcpo_jax.rl import losses as policy_losses
 
 sg = jax.lax.stop_gradient
 
