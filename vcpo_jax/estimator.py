@@ -20,7 +20,7 @@ Notation (VCPO, arXiv 2602.17616):
   s_n   = grad_params sum_t mask_nt * logp_nt                token-SUM score
   b*    = sum_j w_j^2 ||s_j||^2 R_j / sum_j w_j^2 ||s_j||^2  OPOB baseline
 
-Stop-gradient conventions (review #3): every ratio, weight, baseline,
+Stop-gradient conventions: every ratio, weight, baseline,
 advantage and coefficient computed here is wrapped in `jax.lax.stop_gradient`;
 the only differentiable quantity in the surrogate loss is `logp_nt`:
 
@@ -33,15 +33,14 @@ Departures from the paper / reference implementation (each is an option):
   * ESS is computed from log-weights in log space (exact for any finite l),
     not from exp(l), which overflows for long sequences and, through
     Python's min(1.0, nan) == 1.0, silently disables the brake.
-  * The ESS learning-rate scale is capped at 1 (review #4) and a non-finite
+  * The ESS learning-rate scale is capped at 1 and a non-finite
     ESS ratio brakes fully (scale 0) instead of not at all.
-  * OPOB can use the weights the update applies (`opob_weights="applied"`,
-    review #1) and a leave-one-out set (`opob_leave_one_out`, review #3,
-    unbiased); `reference_mode` reproduces the reference's two
+  * OPOB can use the weights the update applies (`opob_weights="applied"`)
+    and a leave-one-out set (`opob_leave_one_out`, unbiased); `reference_mode` reproduces the reference's two
     inconsistencies (IS weight counted twice in the baseline weight; token-SUM
     norms with a token-MEAN update) so they can be compared.
-  * Every importance-weight variant has exactly one definition (review #5) and
-    every advantage estimator is named (review #13); see the registries
+  * Every importance-weight variant has exactly one definition and
+    every advantage estimator is named; see the registries
     `WEIGHT_VARIANTS` and `ADVANTAGE_ESTIMATORS`.
   * Trajectories with an empty loss mask are treated as padding: excluded from
     ESS, baselines, group statistics and the normalizers.

@@ -1,6 +1,7 @@
 """The RL method as values: ESS and the lr rule, weight variants, advantages and OPOB, aggregations,
 the surrogate and the peer losses, presets, and `Method` composing them.
 
-Imports run one way: ess <- weights, advantages, aggregation <- losses <- surrogate <- presets <- method.
+Imports run one way (no module here imports vcpo_jax.estimator or vcpo_jax.policy_losses):
+  ess, aggregation <- weights, advantages, losses <- surrogate <- presets;  method <- all but presets.
 `vcpo_jax.estimator` re-exports the math for notebooks.
 """

@@ -21,7 +21,7 @@ from vcpo_jax.rl.ess import _valid
 sg = jax.lax.stop_gradient
 
 # ---------------------------------------------------------------------------
-# Advantage estimators: one registry (review #13)
+# Advantage estimators: one registry
 # ---------------------------------------------------------------------------
 
 
@@ -160,7 +160,7 @@ def opob_baseline(
   """b_i = sum_j w_j^2 s_j R_j / sum_j w_j^2 s_j over j in i's group.
 
   The set excludes j = i when leave_one_out (then b_i does not depend on
-  trajectory i, so the baseline term has zero mean: unbiased, review #3).
+  trajectory i, so the baseline term has zero mean: unbiased).
   Where the denominator is 0 (all w_j^2 s_j zero) the baseline falls back to
   the unweighted mean of R over the same set, and to 0 for an empty set. The
   weights a_j = w_j^2 s_j are formed in log space, log a_j = 2 log w_j +
@@ -171,7 +171,7 @@ def opob_baseline(
   Args:
     rewards_n: [N] values R (raw rewards for scope "group"; advantages for
       scope "minibatch", i.e. one group id).
-    weights_n: [N] w >= 0: unclipped (the paper) or applied (review #1); None
+    weights_n: [N] w >= 0: unclipped (the paper) or applied; None
       when log_weights_n is given.
     sq_grad_norms_n: [N] s >= 0, the squared score norms.
     group_ids_n: [N] integer group of each trajectory.

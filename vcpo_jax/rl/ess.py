@@ -123,7 +123,7 @@ ESS_LR_RULES: dict[str, Callable[[jax.Array], jax.Array]] = {
 def ess_lr_scale(ess_ratio, reference=1.0, rule="sqrt"):
   """Learning-rate multiplier rule(min(1, rho / rho_on)) in [0, 1].
 
-  Capped at 1 (review #4: the reference caps in code, the paper's equation
+  Capped at 1 (the reference caps in code, the paper's equation
   does not). A non-finite ratio gives 0: brake fully rather than not at all.
 
   Args:

@@ -63,7 +63,7 @@ class PGConfig:
   (the others reject nothing).
   """
 
-  advantage: str = "grpo"  # ADVANTAGE_ESTIMATORS name: the base algorithm (review #13)
+  advantage: str = "grpo"  # ADVANTAGE_ESTIMATORS name: the base algorithm
   is_variant: str = "none"  # WEIGHT_VARIANTS name
   tis_c: float = 8.0  # "tis" truncation level (c = 8 in all released runs)
   clip_lower: float = 0.5  # "clip" interval
@@ -78,7 +78,7 @@ class PGConfig:
   mask_normalizer: str = "all"  # rows counted in the loss normaliser: all (valid) | kept (weight != 0)
   loss_norm_tokens: int = 0  # "seq-mean-token-sum-norm" divisor T; 0: the batch's token axis length
   opob: bool = False  # replace the estimator's baseline by OPOB
-  opob_weights: str = "unclipped"  # "unclipped" (paper) | "applied" (review #1)
+  opob_weights: str = "unclipped"  # "unclipped" (paper) | "applied"
   opob_leave_one_out: bool = False  # exclude i from its own baseline (unbiased)
   opob_scope: str = "group"  # "group": raw rewards per prompt; "minibatch": A over batch
   length_normalize_norms: bool = False  # ||s_n||^2 / L_n^2 (norm of the token-mean score)

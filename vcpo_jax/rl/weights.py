@@ -18,7 +18,7 @@ from vcpo_jax.rl.ess import DEFAULT_LOG_RATIO_CLAMP, tis_ess_log_weights
 sg = jax.lax.stop_gradient
 
 # ---------------------------------------------------------------------------
-# Importance-weight variants: one registry, one definition each (review #5)
+# Importance-weight variants: one registry, one definition each
 # ---------------------------------------------------------------------------
 
 
