@@ -58,6 +58,7 @@ import optax
 
 from vcpo_jax import fs, optim, provenance, tasks
 from vcpo_jax.model import transformer
+from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
 
 log = logging.getLogger("vcpo_jax")
@@ -206,8 +207,6 @@ def build_examples(
   prompt or a target (with its EOS) does not fit: a truncated target would
   teach the policy never to stop.
   """
-  from vcpo_jax.rollout.common import encode_prompts
-
   if not problems:
     raise ValueError("the warm start needs at least one training problem (task.num_train_problems).")
   eos = tokenizer.eos_token_id
