@@ -233,7 +233,8 @@ def _learner_once(memory, model_overrides, shape, rows, repeats, seed) -> dict:
   batch_sh = sharding.batch_sharding(mesh)
   host = _batch(rows, shape["prompt_len"], shape["new_tokens"], spec.rollout.group_size, cfg.vocab_size, seed)
   batch = jax.device_put(host, batch_sh)
-  vcpo = jax.jit(
+  vcpo = sharding.MeshJit(
+    mesh,
     learner.make_train_step(graphdef, tx, spec.learner),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, sharding.replicated(mesh)),

@@ -369,3 +369,57 @@ def test_build_mesh_keeps_the_sampler_devices_out_and_names_the_field():
     mesh_lib.build_mesh((-1, 1, 1), 12)
   with pytest.raises(ValueError, match=r"^config\.mesh\.shape: .*must equal the device count"):
     mesh_lib.build_mesh((2, 2, 1), 8)
+
+
+# ----------------------------------------------------------------------------- no silent replication
+
+
+def _sharded_step_inputs(shape=(8, 1, 1)):
+  cfg = CONFIGS["qwen2"]
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(shape))
+  graphdef, params = policy.init_sharded(cfg, 3, mesh)
+  s_shard = sh.param_shardings(jax.eval_shape(lambda p: learner.init_state(p, TX), params), sh.TRANSFORMER_RULES, mesh)
+  state = jax.jit(lambda p: learner.init_state(p, TX), out_shardings=s_shard)(params)
+  batch = _batch(cfg)
+  batch["behavior_logp"] = np.full(batch["tokens"].shape, -1.0, np.float32) * batch["loss_mask"]
+  return mesh, graphdef, state, jax.device_put(batch, sh.batch_sharding(mesh)), s_shard
+
+
+def test_plain_jit_of_the_learner_step_off_its_mesh_is_a_one_line_error():
+  _mesh, graphdef, state, batch, _ = _sharded_step_inputs()
+  step = learner.make_train_step(graphdef, TX, LEARNER_CFG)
+  with pytest.raises(ValueError, match=r"traced without a mesh .*'data': 8.*sharding\.MeshJit") as err:
+    jax.jit(step).lower(state, batch)  # tracing is enough: it fails before any compile
+  assert "\n" not in str(err.value)
+  # abstract inputs (benchmarks/memory.py's ShapeDtypeStructs) carry their mesh too
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (state, batch))
+  with pytest.raises(ValueError, match="traced without a mesh"):
+    jax.jit(step).lower(*abstract)
+
+
+def test_the_learner_step_traces_under_its_mesh_and_on_one_device():
+  mesh, graphdef, state, batch, s_shard = _sharded_step_inputs()
+  step = learner.make_train_step(graphdef, TX, LEARNER_CFG)
+  lowered = sh.MeshJit(mesh, step, in_shardings=(s_shard, sh.batch_sharding(mesh))).lower(state, batch)
+  assert "sharding_constraint" in lowered.as_text()  # the activation constraints are in the program
+  with jax.set_mesh(mesh):
+    jax.jit(step).lower(state, batch)
+  # one device (the CPU tests, a notebook on one accelerator): nothing to replicate, a plain jit traces
+  _, params1 = tf.split(tf.init(CONFIGS["qwen2"], seed=3))
+  jax.jit(step).lower(learner.init_state(params1, TX), jax.device_get(batch))
+
+
+def test_require_mesh_reads_the_inputs_mesh():
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((2, 2, 2)))
+  x = jax.device_put(jnp.ones((8, 4)), sh.batch_sharding(mesh))
+  sh.require_mesh({"host": np.ones(3), "n": 3, "one_device": jnp.ones(2)}, "f")  # nothing on a mesh
+  with pytest.raises(
+    ValueError,
+    match=r"^f is traced without a mesh but its inputs live on the mesh \{'data': 2, 'fsdp': 2, 'tensor': 2\}",
+  ):
+    sh.require_mesh({"x": x}, "f")
+  with jax.set_mesh(mesh):
+    sh.require_mesh({"x": x}, "f")
+  jax.jit(lambda a: (sh.require_mesh(a, "f"), a)[1]).lower(jnp.ones((8, 4)))
+  with pytest.raises(ValueError, match="traced without a mesh"):
+    jax.jit(lambda a: (sh.require_mesh(a, "f"), a)[1]).lower(x)

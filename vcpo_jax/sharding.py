@@ -169,13 +169,46 @@ def constrain_param(x: jax.Array, name: str, rules: Rules | None = None, lead: t
   return constrain(x, layout[: x.ndim])
 
 
+def require_mesh(tree, what: str) -> None:
+  """Raises unless `tree`'s arrays are traced under the mesh they live on (or live on one device).
+
+  A program whose inputs are laid out on a multi-device mesh but that is traced without a mesh in
+  context (a plain `jax.jit(step)` outside `jax.set_mesh`) makes every `constrain` / `tie` a no-op:
+  the compiler then keeps the batch replicated on every device (at Qwen2.5-7B widths, 64 x 1024
+  tokens on 64 devices: f32[64, 512, 152064] head-chunk logits, 18.6 GiB, on each). The inputs'
+  types still name their mesh (jax.typeof(x).sharding.mesh, Auto axes included), so this check
+  reads it at trace time; it costs nothing when the program runs. (jax 0.10: an array moved off its
+  mesh with `jax.device_put(x, device)` keeps the mesh in its type; rebuild it from host values.)
+
+  Args:
+    tree: the program's inputs (arrays, tracers or jax.ShapeDtypeStructs; other leaves are skipped).
+    what: the program's name for the message, e.g. "learner.make_train_step's step".
+  Raises:
+    ValueError naming the mesh and the fix (sharding.MeshJit, or `with jax.set_mesh(mesh):`).
+  """
+  if not jax.sharding.get_abstract_mesh().empty:
+    return
+  for leaf in jax.tree.leaves(tree):
+    try:
+      mesh = jax.typeof(leaf).sharding.mesh
+    except (AttributeError, TypeError):
+      continue
+    if not mesh.empty and math.prod(mesh.axis_sizes) > 1:
+      raise ValueError(
+        f"{what} is traced without a mesh but its inputs live on the mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}: "
+        "its activation constraints would be no-ops and the batch replicated on every device; jit it with "
+        "sharding.MeshJit(mesh, step, ...) or trace it under `with jax.set_mesh(mesh):`."
+      )
+
+
 class MeshJit:
   """`jax.jit(fn, **jit_kwargs)` whose calls and lowerings run under `jax.set_mesh(mesh)`.
 
   Tracing under the mesh is what activates the model's activation constraints
-  (`constrain`); without it they are no-ops. Use it for every jitted function that runs
-  the model on a mesh: `train_step = sharding.MeshJit(mesh, step_fn, in_shardings=...,
-  donate_argnums=0)`, then `train_step(state, batch)` or `train_step.lower(...)`.
+  (`constrain`); without it they are no-ops (and the learner's step refuses to trace: `require_mesh`).
+  Use it for every jitted function that runs the model on a mesh: `train_step =
+  sharding.MeshJit(mesh, step_fn, in_shardings=..., donate_argnums=0)`, then `train_step(state, batch)`
+  or `train_step.lower(...)`.
   """
 
   def __init__(self, mesh: Mesh, fn, **jit_kwargs):
