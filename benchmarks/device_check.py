@@ -216,13 +216,15 @@ def _learner_once(memory, model_overrides, shape, rows, repeats, seed) -> dict:
   import optax
 
   from vcpo_jax import learner, sharding
+  from vcpo_jax import mesh as mesh_lib
+  from vcpo_jax.model import policy
 
   setting = memory.load_setting("gsm8k", model_overrides, rows, shape["prompt_len"], shape["new_tokens"])
   spec, cfg = setting.spec, setting.model_cfg
   devices = jax.local_devices()
-  mesh = sharding.make_mesh(sharding.MeshConfig(spec.mesh_shape), devices)
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(spec.mesh_shape), devices)
   tx = memory._optimizer(spec)
-  graphdef, params = sharding.init_sharded(cfg, seed, mesh)
+  graphdef, params = policy.init_sharded(cfg, seed, mesh)
   state_sh = sharding.param_shardings(
     jax.eval_shape(lambda p: learner.init_state(p, tx), params), sharding.TRANSFORMER_RULES, mesh
   )
@@ -231,7 +233,8 @@ def _learner_once(memory, model_overrides, shape, rows, repeats, seed) -> dict:
   batch_sh = sharding.batch_sharding(mesh)
   host = _batch(rows, shape["prompt_len"], shape["new_tokens"], spec.rollout.group_size, cfg.vocab_size, seed)
   batch = jax.device_put(host, batch_sh)
-  vcpo = jax.jit(
+  vcpo = sharding.MeshJit(
+    mesh,
     learner.make_train_step(graphdef, tx, spec.learner),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, sharding.replicated(mesh)),

@@ -234,9 +234,9 @@ def _sds(shape, dtype, sharding):
 
 
 def _mesh(shape, devices):
-  from vcpo_jax import sharding
+  from vcpo_jax import mesh as mesh_lib
 
-  return sharding.make_mesh(sharding.MeshConfig(tuple(shape)), devices)
+  return mesh_lib.make_mesh(mesh_lib.MeshConfig(tuple(shape)), devices)
 
 
 def microbatch_rows(spec, mesh, n: int) -> int:

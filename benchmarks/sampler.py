@@ -79,8 +79,10 @@ import numpy as np
 import torch
 import transformers
 
-from vcpo_jax import sampler as S, sharding as sh
-from vcpo_jax.model import config, hf_io, transformer as tf
+from vcpo_jax import mesh as mesh_lib
+from vcpo_jax import sampler as S
+from vcpo_jax.model import config, hf_io
+from vcpo_jax.model import transformer as tf
 
 MODELS = {
   # The test preset: 2 layers, D = 64, V = 256 (~0.1M parameters).
@@ -230,7 +232,7 @@ def main(argv=None):
     raise SystemExit(
       f"--devices={args.devices}: jax sees {len(jax.devices())} devices; run as python -m benchmarks.sampler"
     )
-  mesh = sh.make_mesh(sh.MeshConfig((args.devices, 1, 1))) if args.devices > 1 else None
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((args.devices, 1, 1))) if args.devices > 1 else None
   rows = []
   for model_name in args.models.split(","):
     cfg = MODELS[model_name]()

@@ -17,12 +17,13 @@ import pytest
 
 from tests import fixtures, xla_flags
 from tests.test_cleanup import orphans
-from vcpo_jax import cleanup, rollout, run_config, sharding, trainer
+from vcpo_jax import cleanup, rollout, run_config, trainer
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.model import policy
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.common import RolloutMaker
-from vcpo_jax.model import policy
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
 
@@ -53,7 +54,7 @@ def _source(config, source_cls=async_.AsyncSource, devices=None, **kw) -> async_
   # check_prompts=False: a test below makes the worker fail on a prompt longer than the bucket.
   spec = run_config.parse_config(config, check_prompts=False)
   devices = jax.devices()[:1] if devices is None else devices
-  learner_mesh = sharding.make_mesh(sharding.MeshConfig((len(devices), 1, 1)), devices=devices)
+  learner_mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((len(devices), 1, 1)), devices=devices)
   model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, learner_mesh, seed=spec.seed)
   problems = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
   sampler_cfg = SamplerConfig.from_tokenizer(
@@ -430,7 +431,7 @@ def test_device_checksum_is_a_hand_checkable_position_weighted_sum_independent_o
   one = jnp.ones((1,), jnp.float32)  # bits 0x3F800000, weight 1: c = 1 * 1000003 + 0x3F800000
   assert int(device_checksum([one])) == (1000003 + 0x3F800000) % 2**32
   x = jnp.arange(8, dtype=jnp.float32).reshape(4, 2)
-  mesh = sharding.make_mesh(sharding.MeshConfig((2, 1, 1)), devices=jax.devices()[:2])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((2, 1, 1)), devices=jax.devices()[:2])
   xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
   assert int(device_checksum([x, one])) == int(device_checksum([xs, one]))
   assert int(device_checksum([x[::-1], one])) != int(device_checksum([x, one]))  # positions count
@@ -757,7 +758,8 @@ def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_e
 
   import numpy as np
 
-  from vcpo_jax import evaluation, sharding
+  from vcpo_jax import evaluation
+  from vcpo_jax import mesh as mesh_lib
   from vcpo_jax.model import policy
   from vcpo_jax.rollout.process import param_slot
   from vcpo_jax.rollout.process import worker as worker_lib
@@ -780,7 +782,7 @@ def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_e
   _assert_removed(paths)  # the eval slot too
 
   spec = run_config.parse_config(cfg)
-  mesh = sharding.build_mesh(spec.mesh_shape, spec.rollout.batch_size, spec.async_.sampler_devices)
+  mesh = mesh_lib.build_mesh(spec.mesh_shape, spec.rollout.batch_size, spec.async_.sampler_devices)
   model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, mesh, seed=spec.seed)
   buckets = {
     "max_prompt_len": spec.rollout.max_prompt_len,

@@ -186,10 +186,11 @@ def test_taps_grad_equals_jax_grad_of_surrogate(name):
 def test_ghost_on_a_mesh_equals_reference(name, method):
   """Under a 2-device FSDP mesh (3 rows per device): per-device blocks of one row (the direct form's
   regrouped map), gradients constrained to their parameters' layouts; same norms and gradient."""
+  from vcpo_jax import mesh as mesh_lib
   from vcpo_jax import sharding
 
   logp_fn, params, batch, ref = _setup(name)
-  mesh = sharding.make_mesh(sharding.MeshConfig((1, 2, 1)), jax.devices()[:2])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 1)), jax.devices()[:2])
   params_m = jax.device_put(params, sharding.param_shardings(params, sharding.TRANSFORMER_RULES, mesh))
   batch_m = jax.device_put(batch, sharding.batch_sharding(mesh))
   fn = lambda p, b: gn.ghost_sq_norms_and_grad(
@@ -237,10 +238,11 @@ def test_two_pass_equals_vmap_reference_and_jax_grad(name, method, budget, remat
 
 def test_two_pass_on_a_mesh_equals_reference():
   """passes=2 under a 2-device FSDP mesh, direct norms one row per device at a time (the regrouped map)."""
+  from vcpo_jax import mesh as mesh_lib
   from vcpo_jax import sharding
 
   logp_fn, params, batch, ref = _setup2("qwen2", "block")
-  mesh = sharding.make_mesh(sharding.MeshConfig((1, 2, 1)), jax.devices()[:2])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 1)), jax.devices()[:2])
   params_m = jax.device_put(params, sharding.param_shardings(params, sharding.TRANSFORMER_RULES, mesh))
   batch_m = jax.device_put(batch, sharding.batch_sharding(mesh))
   fn = lambda p, b: gn.ghost_sq_norms_and_grad(
@@ -309,13 +311,14 @@ def test_one_pass_bytes_and_auto_passes():
 
 def test_tie_is_the_identity_and_only_barriers_under_fsdp():
   """sharding.tie: values and gradients unchanged; a barrier only where weights are FSDP-gathered."""
+  from vcpo_jax import mesh as mesh_lib
   from vcpo_jax import sharding
 
   x, w = jnp.arange(3.0), jnp.arange(6.0).reshape(3, 2)
   f = lambda x, w: jnp.sum(jnp.tanh(jnp.dot(*sharding.tie(x, w))))
   ref = jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w)), argnums=(0, 1))(x, w)
   for shape, barrier in [((1, 2, 1), True), ((2, 1, 1), False)]:
-    mesh = sharding.make_mesh(sharding.MeshConfig(shape), jax.devices()[:2])
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(shape), jax.devices()[:2])
     with jax.set_mesh(mesh):
       assert ("optimization_barrier" in str(jax.make_jaxpr(f)(x, w))) == barrier
       got = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)

@@ -9,9 +9,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests import fixtures
-from vcpo_jax.model import ModelConfig, hf_forward, load_hf, save_hf
+from vcpo_jax.model import ModelConfig, hf_forward, hf_io, load_hf, save_hf
 from vcpo_jax.model import config as mconfig
-from vcpo_jax.model import hf_io
 from vcpo_jax.model import tokenizer as tk
 from vcpo_jax.model import transformer as tf
 
@@ -127,10 +126,11 @@ def test_load_straight_into_shards(ckpts, tmp_path, monkeypatch):
   once. Multi-file untied f32 (llama), tied with biases (qwen2), and bf16 (upcast) checkpoints."""
   import jax
 
+  from vcpo_jax import mesh as mesh_lib
   from vcpo_jax import sharding as sh
 
   bf16, _ = fixtures.make_hf_checkpoint(tmp_path / "bf", "qwen2", V, seed=5, bf16=True, tokenizer=False)
-  mesh = sh.make_mesh(sh.MeshConfig((1, 2, 2)), jax.devices()[:4])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 2)), jax.devices()[:4])
   reads = []
   read = hf_io._Reader.read
 

@@ -1,7 +1,7 @@
 """Two local processes, one global mesh: the multi-host path on CPU with gloo collectives.
 
 The test starts 2 fresh interpreters (this file run as a script), each with 2 fake
-CPU devices. Each joins the job through `sharding.maybe_initialize_distributed`
+CPU devices. Each joins the job through `mesh.maybe_initialize_distributed`
 (`jax.distributed.initialize` on 127.0.0.1:<free port>, gloo CPU collectives),
 builds the global (data=2, fsdp=2, tensor=1) mesh over the 4 devices of both
 processes, feeds its own rows of a global batch with
@@ -44,11 +44,12 @@ def _run_step(mesh, batch_fn):
   import optax
 
   from vcpo_jax import sharding as sh
-  from vcpo_jax.model import config, transformer as tf
+  from vcpo_jax.model import config, policy
+  from vcpo_jax.model import transformer as tf
 
   cfg = config.tiny_qwen2(num_layers=1)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, eps=1e-6, weight_decay=0.01))
-  graphdef, params = sh.init_sharded(cfg, 0, mesh)
+  graphdef, params = policy.init_sharded(cfg, 0, mesh)
   opt_state = jax.jit(
     tx.init, out_shardings=sh.param_shardings(jax.eval_shape(tx.init, params), sh.TRANSFORMER_RULES, mesh)
   )(params)
@@ -82,19 +83,20 @@ def _worker(process_id: int, port: int) -> None:
 
   jax.config.update("jax_default_matmul_precision", "highest")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  from vcpo_jax import mesh as mesh_lib
   from vcpo_jax import sharding as sh
 
-  assert sh.maybe_initialize_distributed(f"127.0.0.1:{port}", 2, process_id, cpu_collectives="gloo")
+  assert mesh_lib.maybe_initialize_distributed(f"127.0.0.1:{port}", 2, process_id, cpu_collectives="gloo")
   assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
-  mesh = sh.make_mesh(sh.MeshConfig(MESH_SHAPE))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(MESH_SHAPE))
 
   def batch_fn(mesh):
     from vcpo_jax.model import config
 
     full = _batch(config.tiny_qwen2().vocab_size)
-    rows = sh.process_rows(N, sh.batch_sharding(mesh))
+    rows = mesh_lib.process_rows(N, sh.batch_sharding(mesh))
     assert rows.stop - rows.start == N // 2, rows  # each process supplies only its half
-    return sh.make_global_batch({k: v[rows] for k, v in full.items()}, mesh, N)
+    return mesh_lib.make_global_batch({k: v[rows] for k, v in full.items()}, mesh, N)
 
   out = _run_step(mesh, batch_fn)
   out["process_id"] = process_id
@@ -106,6 +108,7 @@ def _worker(process_id: int, port: int) -> None:
 def test_two_processes_agree_with_single_process():
   import jax
 
+  from vcpo_jax import mesh as mesh_lib
   from vcpo_jax import sharding as sh
   from vcpo_jax.model import config
 
@@ -128,7 +131,7 @@ def test_two_processes_agree_with_single_process():
   assert results[0] == results[1]  # every process holds the same replicated numbers
 
   # Reference: the same step in this process on a 4-device mesh, whole batch local.
-  mesh = sh.make_mesh(sh.MeshConfig(MESH_SHAPE), devices=jax.devices()[:4])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(MESH_SHAPE), devices=jax.devices()[:4])
   full = _batch(config.tiny_qwen2().vocab_size)
   ref = _run_step(mesh, lambda m: jax.device_put(full, sh.batch_sharding(m)))
   for k in ref:

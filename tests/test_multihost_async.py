@@ -311,20 +311,20 @@ def test_a_silent_peer_is_lost_after_its_heartbeat_stops():
 def test_host_local_sampler_devices_and_platform_env(monkeypatch):
   import jax
 
-  from vcpo_jax import distributed
+  from vcpo_jax import mesh as mesh_lib
   from vcpo_jax.rollout import multihost
 
   monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
   monkeypatch.delenv("TPU_VISIBLE_CHIPS", raising=False)
   devices = jax.devices()
-  learn = distributed.learner_devices("1,3", devices)
+  learn = mesh_lib.learner_devices("1,3", devices)
   assert [d.id for d in learn] == [d.id for i, d in enumerate(devices) if i not in (1, 3)]
   with pytest.raises(ValueError, match="host-local ids"):
-    distributed.learner_devices(str(len(devices)), devices)
+    mesh_lib.learner_devices(str(len(devices)), devices)
   # the launcher already restricted this process: chips "4,5,6,7" are visible, the sampler has 5 and 9
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-  assert [d.id for d in distributed.learner_devices("5,9", devices[:4])] == [devices[i].id for i in (0, 2, 3)]
-  assert distributed.learner_devices("9", devices[:4]) == devices[:4]  # not visible here: excluded already
+  assert [d.id for d in mesh_lib.learner_devices("5,9", devices[:4])] == [devices[i].id for i in (0, 2, 3)]
+  assert mesh_lib.learner_devices("9", devices[:4]) == devices[:4]  # not visible here: excluded already
   assert multihost.sampler_platform_env("2,3", "gpu") == {"CUDA_VISIBLE_DEVICES": "2,3"}
   tpu = multihost.sampler_platform_env("3", "tpu")
   assert tpu["TPU_VISIBLE_CHIPS"] == "3" and tpu["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
@@ -431,13 +431,14 @@ def _check_single_host_samples(records):
   import jax
   import numpy as np
 
-  from vcpo_jax import run_config, sharding
+  from vcpo_jax import mesh as mesh_lib
+  from vcpo_jax import run_config
   from vcpo_jax.model import policy
   from vcpo_jax.rollout.common import RolloutMaker
   from vcpo_jax.sampler import Sampler, SamplerConfig
 
   spec = run_config.parse_config(_config(0, 1, 10_000))
-  mesh = sharding.make_mesh(sharding.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])  # born-sharded == host init
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])  # born-sharded == host init
   model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, mesh, seed=spec.seed)
   cfg = SamplerConfig.from_tokenizer(
     tokenizer,

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import config, policy
 from vcpo_jax.model import transformer as tf
@@ -17,7 +18,7 @@ def test_random_policy_is_born_sharded_with_the_host_values(monkeypatch):
     return real_init(cfg, seed)
 
   monkeypatch.setattr(tf, "init", init)
-  mesh = sh.make_mesh(sh.MeshConfig((1, 4, 1)), devices=jax.devices()[:4])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 4, 1)), devices=jax.devices()[:4])
   # one block has every kind of leaf; vocab_size 16 is below the char tokenizer's: the table must grow
   base = config.tiny_qwen2().replace(vocab_size=16, num_layers=1)
   cfg, tok, graphdef, params = policy.build_policy(base, mesh, seed=5)
@@ -42,7 +43,7 @@ def test_checkpoint_policy_is_read_into_its_shards(tmp_path, monkeypatch):
   path = hf_io.make_tiny_checkpoint(str(tmp_path / "ck"), family="llama", vocab_size=128, num_layers=1)
   _, host = tf.split(hf_io.load_hf(path)[1])
   monkeypatch.setattr(jax, "device_put", lambda *a, **k: (_ for _ in ()).throw(AssertionError("device_put")))
-  mesh = sh.make_mesh(sh.MeshConfig((1, 2, 2)), devices=jax.devices()[:4])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 2)), devices=jax.devices()[:4])
   cfg, tok, graphdef, params = policy.build_policy(config.tiny_llama(), mesh, seed=0, checkpoint=path)
   assert cfg.vocab_size == 128 and cfg.num_layers == 1
   shardings = jax.tree.leaves(sh.param_shardings(host, sh.TRANSFORMER_RULES, mesh))

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import sampler as S
-from vcpo_jax import sharding as sh_lib
-from vcpo_jax.model import config, transformer as tf
+from vcpo_jax.model import config
+from vcpo_jax.model import transformer as tf
 
 CFG = config.tiny_qwen2()
 PROMPTS = [[3, 17, 42], [7, 8, 9, 10, 11], [5]]
@@ -339,7 +340,7 @@ def test_prefill_temp_memory_does_not_grow_with_the_chunk_count():
 def test_tensor_parallel_sampler_compiles_and_matches_one_device():
   """The sampler on its own 2-device ("tensor") mesh: compiles, splits weights and cache, same rows."""
   gd, params, _ = _model()
-  mesh = sh_lib.make_mesh(sh_lib.MeshConfig((1, 1, 2)), jax.devices()[:2])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 1, 2)), jax.devices()[:2])
   smp = S.Sampler(gd, CFG, S.SamplerConfig(**{**SMALL, "temperature": 1.0}), mesh=mesh)
   compiled = smp.lower(jax.eval_shape(lambda: params), 4, 8, 8).compile()
   text = compiled.as_text()

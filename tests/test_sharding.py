@@ -20,8 +20,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from vcpo_jax import estimator, learner, optim
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import sharding as sh
-from vcpo_jax.model import config, transformer as tf
+from vcpo_jax.model import config, policy
+from vcpo_jax.model import transformer as tf
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
 N, T, G = 8, 12, 4  # N divisible by data*fsdp for every mesh above; P = N / G = 2 prompts
@@ -138,9 +140,9 @@ def _reference(name):
 @pytest.mark.parametrize("name,shape", CASES, ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c)))
 def test_sharded_equals_single_device(name, shape):
   cfg, batch, ref_params, ref_state, ref = _reference(name)
-  mesh = sh.make_mesh(sh.MeshConfig(shape))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(shape))
   assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 3
-  graphdef, params = sh.init_sharded(cfg, 3, mesh)
+  graphdef, params = policy.init_sharded(cfg, 3, mesh)
 
   # Parameters are created sharded, with the values of the unsharded initializer.
   assert _max_diff(params, ref_params) < 1e-6
@@ -207,7 +209,7 @@ def test_batch_dependent_memory_falls_with_fsdp():
   cfg = config.tiny_qwen2(vocab_size=512, num_layers=1, hidden_size=64, intermediate_size=256)
   temp = {}
   for d in (2, 8):
-    mesh = sh.make_mesh(sh.MeshConfig((1, d, 1)), jax.devices()[:d])
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, d, 1)), jax.devices()[:d])
     temp[d] = _logp_grad_step(cfg, mesh, 32, 256).compile().memory_analysis().temp_size_in_bytes
   assert temp[2] > 50e6, temp  # the batch-dependent part dominates
   assert temp[8] < temp[2] / 3.5, temp  # ideal: / 4
@@ -220,14 +222,14 @@ def test_activation_constraints_follow_the_mesh():
   tok, valid = jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((4, 8), jnp.bool_)
   plain = jax.jit(tf.sequence_logprobs, static_argnums=0).lower(graphdef, params, tok, valid).as_text()
   assert "sharding_constraint" not in plain
-  text = _logp_grad_step(cfg, sh.make_mesh(sh.MeshConfig((1, 2, 2)), jax.devices()[:4]), 4, 8).as_text()
+  text = _logp_grad_step(cfg, mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 2)), jax.devices()[:4]), 4, 8).as_text()
   assert '[{"data", "fsdp"}, {}, {}]' in text  # residual stream [B, T, D]: batch split, D whole
   assert '[{"data", "fsdp"}, {}, {"tensor"}, {}]' in text  # q/k/v [B, T, heads, H]
   assert '[{"data", "fsdp"}, {}, {"tensor"}]' in text  # SwiGLU hidden [B, T, F]
 
 
 def test_constrain_drops_axes_that_do_not_divide():
-  mesh = sh.make_mesh(sh.MeshConfig((2, 2, 2)))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((2, 2, 2)))
   with jax.set_mesh(mesh):
     text = jax.jit(lambda x: sh.constrain(x, sh.HEADS_BTNH)).lower(jnp.ones((1, 3, 4, 2))).as_text()
   assert "sharding_constraint" in text and '[{?}, {}, {"tensor"}, {}]' in text  # batch of 1: left to XLA
@@ -238,30 +240,30 @@ def test_constrain_drops_axes_that_do_not_divide():
 
 
 def test_mesh_config_validation():
-  assert sh.MeshConfig((-1, 2, 1)).resolve(8) == (4, 2, 1)
-  assert sh.MeshConfig((2, 2, 2)).resolve(8) == (2, 2, 2)
+  assert mesh_lib.MeshConfig((-1, 2, 1)).resolve(8) == (4, 2, 1)
+  assert mesh_lib.MeshConfig((2, 2, 2)).resolve(8) == (2, 2, 2)
   with pytest.raises(ValueError, match="product of the axis sizes"):
-    sh.MeshConfig((2, 2, 1)).resolve(8)
+    mesh_lib.MeshConfig((2, 2, 1)).resolve(8)
   with pytest.raises(ValueError, match="not divisible"):
-    sh.MeshConfig((-1, 3, 1)).resolve(8)
+    mesh_lib.MeshConfig((-1, 3, 1)).resolve(8)
   with pytest.raises(ValueError, match="3 entries"):
-    sh.MeshConfig((8, 1))
+    mesh_lib.MeshConfig((8, 1))
   with pytest.raises(ValueError, match="at most one -1"):
-    sh.MeshConfig((-1, -1, 2))
+    mesh_lib.MeshConfig((-1, -1, 2))
   with pytest.raises(ValueError, match="'fsdp'"):
-    sh.MeshConfig((2, 0, 4))
+    mesh_lib.MeshConfig((2, 0, 4))
   with pytest.raises(ValueError, match="must equal the device count"):
-    sh.make_mesh(sh.MeshConfig((2, 2, 1)))  # 8 devices available
+    mesh_lib.make_mesh(mesh_lib.MeshConfig((2, 2, 1)))  # 8 devices available
 
 
 def test_make_mesh_on_device_subset():
-  mesh = sh.make_mesh(sh.MeshConfig((2, 1, 2)), devices=jax.devices()[4:])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((2, 1, 2)), devices=jax.devices()[4:])
   assert set(mesh.devices.flat) == set(jax.devices()[4:])
   assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
 
 
 def test_unmatched_parameter_is_named():
-  mesh = sh.make_mesh(sh.MeshConfig((8, 1, 1)))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((8, 1, 1)))
   _, params = tf.split(tf.init(config.tiny_llama()))
   rules = [r for r in sh.TRANSFORMER_RULES if "lm_head" not in r[0]]
   with pytest.raises(ValueError, match=r"lm_head\.kernel"):
@@ -269,7 +271,7 @@ def test_unmatched_parameter_is_named():
 
 
 def test_non_divisible_dim_falls_back_to_replication():
-  mesh = sh.make_mesh(sh.MeshConfig((1, 2, 4)))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 4)))
   rules = [(r"w$", P("fsdp", "tensor"))]
   with pytest.warns(UserWarning, match="not divisible"):
     spec = sh.spec_for("layer.w", (64, 6), rules, mesh)  # 6 % 4 != 0
@@ -285,7 +287,7 @@ def test_non_divisible_dim_falls_back_to_replication():
 
 
 def test_rules_shard_optimizer_state_like_params():
-  mesh = sh.make_mesh(sh.MeshConfig((1, 4, 2)))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 4, 2)))
   _, params = tf.split(tf.init(config.tiny_qwen2()))
   opt = jax.eval_shape(TX.init, params)  # chain(clip, adamw, scale_by_ess) state
   specs = {
@@ -300,41 +302,41 @@ def test_rules_shard_optimizer_state_like_params():
 
 
 def test_global_batch_and_rows():
-  mesh = sh.make_mesh(sh.MeshConfig((2, 2, 2)))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((2, 2, 2)))
   x = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
-  assert sh.process_rows(8, sh.batch_sharding(mesh)) == slice(0, 8)  # one process owns all rows
-  g = sh.make_global_batch({"x": x}, mesh, 8)["x"]
+  assert mesh_lib.process_rows(8, sh.batch_sharding(mesh)) == slice(0, 8)  # one process owns all rows
+  g = mesh_lib.make_global_batch({"x": x}, mesh, 8)["x"]
   np.testing.assert_array_equal(np.asarray(g), x)
   assert g.sharding.spec == P(("data", "fsdp"))
   with pytest.raises(ValueError, match="divisible by data\\*fsdp=4"):
-    sh.make_global_batch({"x": x[:6]}, mesh, 6)
+    mesh_lib.make_global_batch({"x": x[:6]}, mesh, 6)
 
 
 def test_split_devices():
   devs = jax.devices()
-  sampler, learner = sh.split_devices(2, devs)
+  sampler, learner = mesh_lib.split_devices(2, devs)
   assert sampler == devs[6:] and learner == devs[:6]
   assert not set(sampler) & set(learner)
-  assert sh.split_devices(0, devs) == (devs, devs)  # colocated
-  assert sh.split_devices("", devs) == (devs, devs)
-  sampler, learner = sh.split_devices("1, 3", devs)
+  assert mesh_lib.split_devices(0, devs) == (devs, devs)  # colocated
+  assert mesh_lib.split_devices("", devs) == (devs, devs)
+  sampler, learner = mesh_lib.split_devices("1, 3", devs)
   assert [d.id for d in sampler] == [1, 3] and [d.id for d in learner] == [0, 2, 4, 5, 6, 7]
-  assert sh.split_devices([7], devs)[0] == [devs[7]]
+  assert mesh_lib.split_devices([7], devs)[0] == [devs[7]]
   for bad in (8, -1, 1.5, True, "a,b", "9", "1,1", list(range(8))):
     with pytest.raises(ValueError, match="sampler_devices"):
-      sh.split_devices(bad, devs)
+      mesh_lib.split_devices(bad, devs)
 
 
 def test_maybe_initialize_distributed_validation():
   with pytest.raises(ValueError, match="process_id=2"):
-    sh.maybe_initialize_distributed("127.0.0.1:1234", 2, 2)
+    mesh_lib.maybe_initialize_distributed("127.0.0.1:1234", 2, 2)
   with pytest.raises(ValueError, match="num_processes"):
-    sh.maybe_initialize_distributed("127.0.0.1:1234", None, 0)
+    mesh_lib.maybe_initialize_distributed("127.0.0.1:1234", None, 0)
   with pytest.raises(ValueError, match="host:port"):
-    sh.maybe_initialize_distributed("localhost", 2, 0)
+    mesh_lib.maybe_initialize_distributed("localhost", 2, 0)
   with pytest.raises(ValueError, match="num_processes must be >= 1"):
-    sh.maybe_initialize_distributed(None, 0, 0)
-  assert sh.maybe_initialize_distributed("127.0.0.1:1234", 1, 0) is False  # single process: no-op
+    mesh_lib.maybe_initialize_distributed(None, 0, 0)
+  assert mesh_lib.maybe_initialize_distributed("127.0.0.1:1234", 1, 0) is False  # single process: no-op
   assert not jax.distributed.is_initialized()
 
 
@@ -345,8 +347,8 @@ def test_init_sharded_equals_host_init_bit_for_bit(n, shape):
   Without the barrier in transformer._INIT, XLA folds the 0.02 scale into the normal sampler under jit
   and about a quarter of the weights differ in the last bit from the eager values (7e-9 at 0.02)."""
   cfg = config.tiny_qwen2().replace(num_layers=2)
-  mesh = sh.make_mesh(sh.MeshConfig(shape), devices=jax.devices()[:n])
-  graphdef, params = sh.init_sharded(cfg, 7, mesh)
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(shape), devices=jax.devices()[:n])
+  graphdef, params = policy.init_sharded(cfg, 7, mesh)
   ref_graphdef, ref = tf.split(tf.init(cfg, seed=7))
   assert graphdef == ref_graphdef
   leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(ref)
@@ -360,10 +362,64 @@ def test_init_sharded_equals_host_init_bit_for_bit(n, shape):
 
 
 def test_build_mesh_keeps_the_sampler_devices_out_and_names_the_field():
-  mesh = sh.build_mesh((-1, 1, 1), 12, sampler_devices="6,7")  # 8 fake devices: the learner gets 0..5
+  mesh = mesh_lib.build_mesh((-1, 1, 1), 12, sampler_devices="6,7")  # 8 fake devices: the learner gets 0..5
   assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3, 4, 5]
-  assert dict(sh.build_mesh((2, -1, 1), 8).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+  assert dict(mesh_lib.build_mesh((2, -1, 1), 8).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
   with pytest.raises(ValueError, match=r"^config\.task\.prompts_per_step: the batch N = P\*G = 12 .* data\*fsdp = 8"):
-    sh.build_mesh((-1, 1, 1), 12)
+    mesh_lib.build_mesh((-1, 1, 1), 12)
   with pytest.raises(ValueError, match=r"^config\.mesh\.shape: .*must equal the device count"):
-    sh.build_mesh((2, 2, 1), 8)
+    mesh_lib.build_mesh((2, 2, 1), 8)
+
+
+# ----------------------------------------------------------------------------- no silent replication
+
+
+def _sharded_step_inputs(shape=(8, 1, 1)):
+  cfg = CONFIGS["qwen2"]
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(shape))
+  graphdef, params = policy.init_sharded(cfg, 3, mesh)
+  s_shard = sh.param_shardings(jax.eval_shape(lambda p: learner.init_state(p, TX), params), sh.TRANSFORMER_RULES, mesh)
+  state = jax.jit(lambda p: learner.init_state(p, TX), out_shardings=s_shard)(params)
+  batch = _batch(cfg)
+  batch["behavior_logp"] = np.full(batch["tokens"].shape, -1.0, np.float32) * batch["loss_mask"]
+  return mesh, graphdef, state, jax.device_put(batch, sh.batch_sharding(mesh)), s_shard
+
+
+def test_plain_jit_of_the_learner_step_off_its_mesh_is_a_one_line_error():
+  _mesh, graphdef, state, batch, _ = _sharded_step_inputs()
+  step = learner.make_train_step(graphdef, TX, LEARNER_CFG)
+  with pytest.raises(ValueError, match=r"traced without a mesh .*'data': 8.*sharding\.MeshJit") as err:
+    jax.jit(step).lower(state, batch)  # tracing is enough: it fails before any compile
+  assert "\n" not in str(err.value)
+  # abstract inputs (benchmarks/memory.py's ShapeDtypeStructs) carry their mesh too
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (state, batch))
+  with pytest.raises(ValueError, match="traced without a mesh"):
+    jax.jit(step).lower(*abstract)
+
+
+def test_the_learner_step_traces_under_its_mesh_and_on_one_device():
+  mesh, graphdef, state, batch, s_shard = _sharded_step_inputs()
+  step = learner.make_train_step(graphdef, TX, LEARNER_CFG)
+  lowered = sh.MeshJit(mesh, step, in_shardings=(s_shard, sh.batch_sharding(mesh))).lower(state, batch)
+  assert "sharding_constraint" in lowered.as_text()  # the activation constraints are in the program
+  with jax.set_mesh(mesh):
+    jax.jit(step).lower(state, batch)
+  # one device (the CPU tests, a notebook on one accelerator): nothing to replicate, a plain jit traces
+  _, params1 = tf.split(tf.init(CONFIGS["qwen2"], seed=3))
+  jax.jit(step).lower(learner.init_state(params1, TX), jax.device_get(batch))
+
+
+def test_require_mesh_reads_the_inputs_mesh():
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((2, 2, 2)))
+  x = jax.device_put(jnp.ones((8, 4)), sh.batch_sharding(mesh))
+  sh.require_mesh({"host": np.ones(3), "n": 3, "one_device": jnp.ones(2)}, "f")  # nothing on a mesh
+  with pytest.raises(
+    ValueError,
+    match=r"^f is traced without a mesh but its inputs live on the mesh \{'data': 2, 'fsdp': 2, 'tensor': 2\}",
+  ):
+    sh.require_mesh({"x": x}, "f")
+  with jax.set_mesh(mesh):
+    sh.require_mesh({"x": x}, "f")
+  jax.jit(lambda a: (sh.require_mesh(a, "f"), a)[1]).lower(jnp.ones((8, 4)))
+  with pytest.raises(ValueError, match="traced without a mesh"):
+    jax.jit(lambda a: (sh.require_mesh(a, "f"), a)[1]).lower(x)

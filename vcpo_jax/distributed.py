@@ -83,42 +83,6 @@ def prompt_block(prompts_per_step: int, host: int, hosts: int) -> tuple[int, int
   return host * per, (host + 1) * per
 
 
-def learner_devices(sampler_devices, devices=None) -> list:
-  """The global devices minus every host's sampler devices (`sampler_devices` are host-local ids).
-
-  Host-local ids are the host's chip (GPU) numbers, as the sampler's TPU_VISIBLE_CHIPS /
-  CUDA_VISIBLE_DEVICES take them. If this process's own visibility variable lists its chips (the
-  launcher gave the learner "0,1,2", the sampler "3"), an id is removed at its position in that list
-  and ids not in it are already excluded; otherwise id i is the process's i-th device. So "3" takes
-  the 4th chip of every host away from the learner either way.
-  """
-  from vcpo_jax import sharding
-
-  devices = list(jax.devices() if devices is None else devices)
-  if not sampler_devices:
-    return devices
-  ids = [int(x) for x in str(sampler_devices).replace(" ", "").split(",") if x]
-  visible = os.environ.get("TPU_VISIBLE_CHIPS") or os.environ.get("CUDA_VISIBLE_DEVICES") or ""
-  visible = [int(x) for x in visible.replace(" ", "").split(",") if x.strip().isdigit()]
-  if visible:
-    ids = [visible.index(i) for i in ids if i in visible]  # positions among this process's devices
-    if not ids:
-      return devices
-  out = []
-  for p in sorted({d.process_index for d in devices}):
-    local = [d for d in devices if d.process_index == p]
-    by_local = {i: d for i, d in enumerate(local)}
-    bad = [i for i in ids if i not in by_local]
-    if bad:
-      raise ValueError(
-        f"async_.sampler_devices={sampler_devices!r}: host-local ids {bad} do not exist on process {p} "
-        f"({len(local)} devices); use ids in [0, {len(local)})."
-      )
-    _, learn = sharding.split_devices(",".join(str(local[i].id) for i in ids), local)
-    out.extend(learn)
-  return out
-
-
 def _client():
   from jax._src import distributed
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from vcpo_jax import fs
 from vcpo_jax import tasks as tasks_lib
+from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.tasks import answers
 from vcpo_jax.tasks.datasets import Problem
 
@@ -200,7 +201,6 @@ class EvalSampling:
     Rows are prompt-major (row p * n + j is sample j of prompt p); rng seeds every row (Sampler's
     per-row streams), so the texts are a pure function of (params, prompts, settings, rng).
     """
-    from vcpo_jax.rollout.common import encode_prompts
 
     def generate(prompts, n, temperature, top_p, max_new_tokens, greedy):
       sampler = self.sampler(temperature, top_p, greedy, max_new_tokens)

@@ -448,9 +448,13 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: LearnerConfig):
-  """Returns train_step(state, batch) -> (state, metrics); jit it (donate state)."""
+  """Returns train_step(state, batch) -> (state, metrics); jit it under its mesh: sharding.MeshJit (donate state).
+
+  Traced without a mesh while its inputs live on a multi-device mesh it raises (sharding.require_mesh).
+  """
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    sharding.require_mesh((state, batch), "learner.make_train_step's step")
     if cfg.updates_per_step > 1:
       return _multi_update_step(graphdef, tx, cfg, state, batch)
     grads, aux = _gradient(graphdef, state.params, batch, cfg, state.step)

@@ -21,7 +21,8 @@ import difflib
 import os
 import re
 
-from vcpo_jax import estimator, sharding, tasks
+from vcpo_jax import estimator, tasks
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.model import config as model_config
@@ -204,8 +205,8 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
       batch_size=rollout.batch_size,
     )
   optim_cfg = _component(OptimConfig, "optim", c.optim.to_dict())
-  with config_errors("mesh", sharding.MeshConfig):
-    mesh_shape = sharding.MeshConfig(tuple(c.mesh.shape)).shape
+  with config_errors("mesh", mesh_lib.MeshConfig):
+    mesh_shape = mesh_lib.MeshConfig(tuple(c.mesh.shape)).shape
   spec = RunSpec(
     seed=c.seed,
     steps=c.steps,

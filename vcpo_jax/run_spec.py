@@ -6,7 +6,7 @@ SamplingConfig (config.sampler), CheckpointConfig (config.checkpoint), AsyncConf
 LogConfig (config.log), DistributedConfig (config.distributed); the other sections' configs live with
 their components (optim.OptimConfig, estimator.PGConfig, learner.LearnerConfig, rollout.common.
 RolloutConfig, rollout.multiturn.MultiTurnConfig, evaluation.EvalProtocol, model.config.ModelConfig,
-sharding.MeshConfig). Components get only their own config: rollout.async_.AsyncSource its AsyncConfig,
+mesh_lib.MeshConfig). Components get only their own config: rollout.async_.AsyncSource its AsyncConfig,
 sft.warm_start an sft.SFTConfig (RunSpec.sft_config(): config.sft plus the data setting it depends on).
 RunSpec checks the top-level fields and the constraints between sections;
 `check_prompt_lengths` checks the data against the prompt bucket. run_config.parse_config is the one
@@ -21,10 +21,12 @@ import math
 import os
 import re
 
-from vcpo_jax import sft, sharding, tasks
+from vcpo_jax import mesh as mesh_lib
+from vcpo_jax import sft, tasks
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.model import config as model_config
+from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.optim import OptimConfig
 from vcpo_jax.rollout.common import RolloutConfig
 from vcpo_jax.rollout.multiturn import MultiTurnConfig
@@ -116,7 +118,7 @@ class SamplingConfig:
       "use auto (bf16 on accelerators), float32 or bfloat16.",
     )
     try:
-      object.__setattr__(self, "mesh_shape", sharding.MeshConfig(tuple(self.mesh_shape)).shape)
+      object.__setattr__(self, "mesh_shape", mesh_lib.MeshConfig(tuple(self.mesh_shape)).shape)
     except (ValueError, TypeError) as e:
       check_field(False, "sampler.mesh_shape", self.mesh_shape, f"{e}")
     check_field(
@@ -532,8 +534,6 @@ _TOKENIZERS: dict[tuple, object] = {}  # (model.tokenizer, model.checkpoint) -> 
 
 def check_prompt_lengths(spec: RunSpec):
   """Every training and evaluation prompt fits the prompt bucket task.max_prompt_len (else: one line, the fix)."""
-  from vcpo_jax.rollout.common import encode_prompts
-
   key = repr(
     (
       spec.rollout.task,

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import transformer
 from vcpo_jax.model.config import ModelConfig
@@ -159,7 +160,7 @@ class SamplerConfig:
     if self.param_dtype not in PARAM_DTYPES:
       raise ValueError(f"SamplerConfig.param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}.")
     try:
-      object.__setattr__(self, "mesh_shape", sh.MeshConfig(tuple(self.mesh_shape)).shape)
+      object.__setattr__(self, "mesh_shape", mesh_lib.MeshConfig(tuple(self.mesh_shape)).shape)
     except ValueError as e:
       raise ValueError(f"SamplerConfig.mesh_shape: {e}") from None
     if self.decode not in DECODE_MODES:
@@ -715,7 +716,7 @@ def _cast_floats(params, dtype):
 def sampler_mesh(cfg: SamplerConfig, devices=None):
   """The ("data", "fsdp", "tensor") mesh of shape `cfg.mesh_shape` over a sampler process's devices
   (default: all of `jax.devices()`, e.g. the GPUs CUDA_VISIBLE_DEVICES left to the async worker)."""
-  return sh.make_mesh(sh.MeshConfig(cfg.mesh_shape), devices=devices)
+  return mesh_lib.make_mesh(mesh_lib.MeshConfig(cfg.mesh_shape), devices=devices)
 
 
 def _layout_sharding(mesh, shape: tuple[int, ...], entries: tuple):
@@ -760,7 +761,7 @@ class Sampler:
     graphdef, cfg_model: the policy (`transformer.split`) and its config.
     sampler_cfg: sampling settings and buckets.
     mesh: optional ("data", "fsdp", "tensor") mesh over the sampler's own devices
-      (`sharding.make_mesh(..., devices=sampler_devices)`): parameters are split by `rules`
+      (`mesh.make_mesh(..., devices=sampler_devices)`): parameters are split by `rules`
       (tensor parallel over "tensor" when one device cannot hold the model and its cache),
       batch rows over ("data", "fsdp"), the KV cache's kv heads over "tensor". None: one device.
     rules: (regex, PartitionSpec) parameter rules (default: the learner's).

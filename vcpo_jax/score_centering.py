@@ -52,7 +52,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax import estimator, grad_norms
 from vcpo_jax.model import logprobs as lpm
+from vcpo_jax.model import transformer
 
 sg = jax.lax.stop_gradient
 _F32 = jnp.float32
@@ -283,8 +285,6 @@ def _both_versions(graphdef, params, behavior_params, batch):
   one of the behaviour version's (stop-gradient), on the same batch."""
   from flax import nnx
 
-  from vcpo_jax.model import transformer
-
   tokens = batch["tokens"]
   positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
   model = nnx.merge(graphdef, params)
@@ -358,8 +358,6 @@ def centered_gradient(centered_logp_fn, params, behavior_params, batch, pg, *, d
   estimator gradient (tested against learner's vmap path). Returns (grads, aux): aux = the estimator's
   aux, pg_loss, and the drift metrics `drift/*` (k1_kl_qp, kl_qp, coef_l1).
   """
-  from vcpo_jax import estimator, grad_norms
-
   mask = jnp.asarray(batch["loss_mask"], _F32)
   (logp_nt, corr_nt, diag), vjp = jax.vjp(lambda p: centered_logp_fn(p, behavior_params, batch), params)
   sq = None

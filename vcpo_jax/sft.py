@@ -56,9 +56,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vcpo_jax import fs, optim, provenance, tasks
+from vcpo_jax import evaluation, fs, optim, provenance, tasks
 from vcpo_jax.model import transformer
+from vcpo_jax.model.tokenizer import encode_prompts
+from vcpo_jax.sampler import Sampler, SamplerConfig
 from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
+from vcpo_jax.tasks.countdown import evaluate_expression, solve
 
 log = logging.getLogger("vcpo_jax")
 
@@ -132,8 +135,6 @@ def target_text(problem: tasks.Problem) -> str:
       # The generator's random tree is one of many solutions (random order, structure); the
       # solver's shortest expression is a deterministic function of the instance, which a tiny
       # policy learns far faster (3 numbers: ~8% vs 0% greedy accuracy after 300 steps).
-      from vcpo_jax.tasks.countdown import solve
-
       expr = solve(numbers, target) or expr
     if "<answer>" in problem.prompt:
       return f"<answer>{expr}</answer>"
@@ -149,8 +150,6 @@ def wrong_target_text(problem: tasks.Problem, rng) -> str:
   plus a nonzero offset in [-9, 9], kept >= 0. `rng` is a random.Random: the choice is a function of it.
   """
   if problem.task == "countdown":
-    from vcpo_jax.tasks.countdown import evaluate_expression
-
     numbers, target = list(problem.reference["numbers"]), problem.reference["target"]
     for _ in range(64):
       rng.shuffle(numbers)
@@ -206,8 +205,6 @@ def build_examples(
   prompt or a target (with its EOS) does not fit: a truncated target would
   teach the policy never to stop.
   """
-  from vcpo_jax.rollout.common import encode_prompts
-
   if not problems:
     raise ValueError("the warm start needs at least one training problem (task.num_train_problems).")
   eos = tokenizer.eos_token_id
@@ -340,9 +337,6 @@ def accuracy(
 
   temperature 0.0 is greedy decoding; otherwise plain sampling (no top-k/top-p).
   """
-  from vcpo_jax import evaluation
-  from vcpo_jax.sampler import Sampler, SamplerConfig
-
   eos = tokenizer.eos_token_id
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
   base = SamplerConfig(

@@ -2,7 +2,7 @@
 
 `run` reads top to bottom in banner sections (big_vision's train.py): config and workdir -> mesh and
 policy (parameters born sharded, warm start) -> learner -> rollout source -> eval -> checkpoint and
-resume -> loop. Each builder lives with its component (sharding.build_mesh, model.policy.build_policy,
+resume -> loop. Each builder lives with its component (mesh.build_mesh, model.policy.build_policy,
 SamplerConfig.from_tokenizer, rollout.build_maker / build_source); the helpers below the loop only
 assemble them. The mode only decides which rollout source is built:
 
@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenance, rollout, sft, sharding, telemetry
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer, restore_target
 from vcpo_jax.model import policy
@@ -179,7 +180,7 @@ def _open_workdir(config, workdir: str, allow_config_change: bool = False):
   if diff and not allow_config_change:
     raise ConfigError(fingerprint.message(diff, saved_step, workdir))
   if spec.dist.enabled:
-    sharding.maybe_initialize_distributed(spec.dist.coordinator_address, spec.dist.num_processes, spec.dist.process_id)
+    mesh_lib.maybe_initialize_distributed(spec.dist.coordinator_address, spec.dist.num_processes, spec.dist.process_id)
   primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
   if primary:  # the config, plus what produced the run: commit, versions, CPU, XLA_FLAGS, devices
     record = {**config.to_dict(), "provenance": provenance.collect()}
@@ -237,9 +238,9 @@ def _check_writable(workdir: str):
 
 
 def _build_mesh(spec):
-  """The learner's mesh (sharding.build_mesh): every device but the async sampler's (async_.sampler_devices)."""
+  """The learner's mesh (mesh.build_mesh): every device but the async sampler's (async_.sampler_devices)."""
   try:
-    return sharding.build_mesh(
+    return mesh_lib.build_mesh(
       spec.mesh_shape, spec.rollout.batch_size, spec.async_.sampler_devices if spec.mode == "async" else ""
     )
   except ValueError as e:
@@ -558,8 +559,8 @@ def _global_batch(batch: dict, mesh, global_n: int):
   """Host arrays -> global arrays. Every process builds the same batch; each supplies its own rows."""
   if jax.process_count() == 1:
     return batch
-  rows = sharding.process_rows(global_n, sharding.batch_sharding(mesh))
-  return sharding.make_global_batch({k: v[rows] for k, v in batch.items()}, mesh, global_n)
+  rows = mesh_lib.process_rows(global_n, sharding.batch_sharding(mesh))
+  return mesh_lib.make_global_batch({k: v[rows] for k, v in batch.items()}, mesh, global_n)
 
 
 def _state_tree(state, source):

@@ -121,13 +121,14 @@ def pi_old_part(c, loss: str, repeats: int, log=print) -> dict:
 
   import jax
 
-  from vcpo_jax import learner, optim, run_config, sharding
-  from vcpo_jax.model import policy
+  from vcpo_jax import learner, optim, run_config
+  from vcpo_jax import mesh as mesh_lib
   from vcpo_jax.experiments import stability as st
+  from vcpo_jax.model import policy
 
   rc = st.trainer_run_config(c, loss, 8, 0, c.lrs[0])
   spec = run_config.parse_config(rc)
-  mesh = sharding.make_mesh(sharding.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])
   model_cfg, _, graphdef, params = policy.build_policy(spec.model_cfg, mesh, seed=spec.seed)
   n, g = spec.rollout.batch_size, rc.task.group_size
   prompt, t = rc.task.max_prompt_len, rc.task.max_prompt_len + rc.task.max_new_tokens

@@ -643,35 +643,47 @@ def _time_stats(z: dict, i: int) -> dict:
 
 
 def plot(c, summary: dict, out: Path) -> list[str]:
+  """Writes the study's figures into `out`; returns their file names (selected lr, all lrs, grid, tuning, time)."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  cells, selected = summary["cells"], summary["selected"]
-  stem = report_name(c)
-  names = []
   many = len(c.methods) > 10  # 19 in the issue-13 study: 20 colours, and dashes for every second method
   cmap = plt.get_cmap("tab20" if many else "tab10")
   colors = lambda i: cmap(i % (20 if many else 10))
   dash = lambda i: "--" if many and i % 2 else "-"
+  names = _plot_selected_lr(c, summary, out, plt, colors, dash)
+  names.append(_plot_all_lrs(c, summary, out, plt, colors, dash))
+  names.append(_plot_seed_grid(c, summary, out, plt, colors, dash))
+  if summary.get("trials"):
+    names.append(plot_tuning(c, summary, out, plt))
+  names.append(_plot_learner_time(c, summary, out, plt, colors, dash))
+  return [n for n in names if n is not None]
 
-  def panel(ax, method, k, i, color, key="accuracy", steps_key="eval_step", ls="-"):
-    z = cells[(method, k)]
-    y = z[key][i]
-    if key == "ess_ratio":
-      y = np.stack([trailing_median(r, c.analysis.ess_window) for r in y])
-      x = np.arange(1, y.shape[-1] + 1)
-    else:
-      x = z[steps_key][i, 0]
-    if key == "ess_ratio":  # log scale: median over seeds with a min-max band (std goes negative)
-      m, lo, hi = np.median(y, 0), y.min(0), y.max(0)
-    else:
-      m, s = y.mean(0), y.std(0)
-      lo, hi = m - s, m + s
-    ax.plot(x, m, color=color, label=method, lw=1.2, ls=ls)
-    ax.fill_between(x, lo, hi, color=color, alpha=0.15)
 
+def _band(ax, c, cells, method, k, i, color, key="accuracy", steps_key="eval_step", ls="-"):
+  """Mean +- std over seeds of cell (method, k) at lr index i (ESS: trailing median, median and min-max)."""
+  z = cells[(method, k)]
+  y = z[key][i]
+  if key == "ess_ratio":
+    y = np.stack([trailing_median(r, c.analysis.ess_window) for r in y])
+    x = np.arange(1, y.shape[-1] + 1)
+  else:
+    x = z[steps_key][i, 0]
+  if key == "ess_ratio":  # log scale: median over seeds with a min-max band (std goes negative)
+    m, lo, hi = np.median(y, 0), y.min(0), y.max(0)
+  else:
+    m, s = y.mean(0), y.std(0)
+    lo, hi = m - s, m + s
+  ax.plot(x, m, color=color, label=method, lw=1.2, ls=ls)
+  ax.fill_between(x, lo, hi, color=color, alpha=0.15)
+
+
+def _plot_selected_lr(c, summary: dict, out: Path, plt, colors, dash) -> list[str]:
+  """Accuracy and ESS ratio per k, each method at its selected lr: one figure each."""
+  cells, selected, stem = summary["cells"], summary["selected"], report_name(c)
+  names = []
   for key, fname, ylabel in (
     ("accuracy", f"{stem}_accuracy.png", "accuracy (mean +- std over seeds)"),
     (
@@ -685,7 +697,7 @@ def plot(c, summary: dict, out: Path) -> list[str]:
       ax = axes[0, j]
       for mi, method in enumerate(c.methods):
         if (method, k) in cells and method in selected:
-          panel(ax, method, k, list(c.lrs).index(selected[method]), colors(mi), key, ls=dash(mi))
+          _band(ax, c, cells, method, k, list(c.lrs).index(selected[method]), colors(mi), key, ls=dash(mi))
       ax.set_title(f"k = {k} (selected lr per method)")
       ax.set_xlabel("learner step")
       if key == "accuracy":
@@ -699,7 +711,12 @@ def plot(c, summary: dict, out: Path) -> list[str]:
     fig.savefig(out / fname, dpi=110)
     plt.close(fig)
     names.append(fname)
+  return names
 
+
+def _plot_all_lrs(c, summary: dict, out: Path, plt, colors, dash) -> str:
+  """Accuracy of every method, one panel per (lr, k)."""
+  cells, stem = summary["cells"], report_name(c)
   fig, axes = plt.subplots(
     len(c.lrs), len(c.ks), figsize=(4.2 * len(c.ks), 3.0 * len(c.lrs)), sharey=True, squeeze=False
   )
@@ -708,7 +725,7 @@ def plot(c, summary: dict, out: Path) -> list[str]:
       ax = axes[i, j]
       for mi, method in enumerate(c.methods):
         if (method, k) in cells:
-          panel(ax, method, k, i, colors(mi), ls=dash(mi))
+          _band(ax, c, cells, method, k, i, colors(mi), ls=dash(mi))
       ax.axhline(summary["chance"], color="k", ls=":", lw=0.8)
       ax.set_title(f"lr = {lr:g}, k = {k}", fontsize=9)
       if i == len(c.lrs) - 1:
@@ -719,8 +736,12 @@ def plot(c, summary: dict, out: Path) -> list[str]:
   fig.tight_layout()
   fig.savefig(out / f"{stem}_accuracy_all_lrs.png", dpi=90)
   plt.close(fig)
-  names.append(f"{stem}_accuracy_all_lrs.png")
+  return f"{stem}_accuracy_all_lrs.png"
 
+
+def _plot_seed_grid(c, summary: dict, out: Path, plt, colors, dash) -> str | None:
+  """Every seed of every (method, k) at the method's selected lr (None: no method selected)."""
+  cells, selected, stem = summary["cells"], summary["selected"], report_name(c)
   # Small multiples: one panel per (method, k) at the method's selected lr, every seed drawn, so that
   # ten overlapping bands do not hide a single collapsing run.
   shown = [m for m in c.methods if m in selected]
@@ -751,9 +772,13 @@ def plot(c, summary: dict, out: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / f"{stem}_accuracy_grid.png", dpi=90)
     plt.close(fig)
-    names.append(f"{stem}_accuracy_grid.png")
-  if summary.get("trials"):
-    names.append(plot_tuning(c, summary, out, plt))
+    return f"{stem}_accuracy_grid.png"
+  return None
+
+
+def _plot_learner_time(c, summary: dict, out: Path, plt, colors, dash) -> str | None:
+  """Learner wall ms per step per method (None: no timings in the ledger)."""
+  stem = report_name(c)
   timed = [m for m in c.methods if _method_time(c, summary, m) is not None]
   if timed:
     fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * len(timed) + 2), 3.6))
@@ -766,8 +791,8 @@ def plot(c, summary: dict, out: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / f"{stem}_time.png", dpi=100)
     plt.close(fig)
-    names.append(f"{stem}_time.png")
-  return names
+    return f"{stem}_time.png"
+  return None
 
 
 def plot_tuning(c, summary: dict, out: Path, plt) -> str:
@@ -857,16 +882,32 @@ def describe(c) -> tuple[str, str, str]:
 
 
 def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: str) -> Path:
+  """Writes `out`/<report_name>.md from the summary; the notes block of an existing report is kept."""
   out = Path(out)
-  stats, selected, cells = summary["stats"], summary["selected"], summary["cells"]
-  a = c.analysis
-  stem = report_name(c)
-  path = out / f"{stem}.md"
+  path = out / f"{report_name(c)}.md"
   notes = ""
   if path.exists():
     old = path.read_text()
     if NOTES_BEGIN in old and NOTES_END in old:
       notes = old[old.index(NOTES_BEGIN) : old.index(NOTES_END) + len(NOTES_END)]
+  L = _report_header(c, summary, runtime_s, command)
+  if c.backend == "trainer" and c.tuning.enabled:
+    L += tuning_section(c, summary)
+  L += _headline_section(c, summary)
+  L += _every_lr_section(c, summary)
+  L += _predictor_section(c, summary)
+  L += _ess_by_collapse_section(c, summary)
+  L += time_section(c, summary)
+  L.append("\n## Notes\n")
+  L.append(notes or f"{NOTES_BEGIN}\n(no notes yet)\n{NOTES_END}")
+  L.append("")
+  path.write_text("\n".join(L))
+  return path
+
+
+def _report_header(c, summary: dict, runtime_s: float | None, command: str) -> list[str]:
+  """Title, provenance, coverage, compute and the definitions fixed before the runs."""
+  cells, a = summary["cells"], c.analysis
   done = sorted(cells)
   missing = [(m, k) for m in c.methods for k in c.ks if (m, k) not in cells]
   L = []
@@ -911,9 +952,14 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
     "- lr selection: per method, the lr with the best mean final accuracy at k = 0 (ties: smaller lr). "
     "All lrs are in the full table.\n"
   )
+  return L
 
-  if c.backend == "trainer" and c.tuning.enabled:
-    L += tuning_section(c, summary)
+
+def _headline_section(c, summary: dict) -> list[str]:
+  """The selected lr per method: accuracy, collapses and ESS per k."""
+  stats, selected = summary["stats"], summary["selected"]
+  stem = report_name(c)
+  L = []
   knobs = summary.get("knobs", {})
 
   def label(m):
@@ -948,7 +994,14 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
   L.append(f"\n![accuracy]({stem}_accuracy.png)\n")
   L.append(f"![accuracy per method and k]({stem}_accuracy_grid.png)\n")
   L.append(f"![ESS]({stem}_ess.png)\n")
+  return L
 
+
+def _every_lr_section(c, summary: dict) -> list[str]:
+  """Final accuracy of every (method, k, lr), collapsed runs in brackets."""
+  stats = summary["stats"]
+  stem = report_name(c)
+  L = []
   L.append("\n## Final accuracy, every lr (mean +- std over seeds; collapsed runs in brackets)\n")
   L.append("| method | k | " + " | ".join(f"lr {lr:g}" for lr in c.lrs) + " |")
   L.append("|---|---|" + "---|" * len(c.lrs))
@@ -961,7 +1014,14 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
       if any(x != "-" for x in row):
         L.append(f"| {m} | {k} | " + " | ".join(row) + " |")
   L.append(f"\n![all lrs]({stem}_accuracy_all_lrs.png)\n")
+  return L
 
+
+def _predictor_section(c, summary: dict) -> list[str]:
+  """ESS alarms vs collapses: lead times, misses and false alarms, pooled and per k / method."""
+  cells = summary["cells"]
+  a = c.analysis
+  L = []
   L.append("\n## ESS as a predictor of collapse (pooled over lrs and seeds)\n")
   L.append(
     f"Alarm: trailing median over {a.ess_window} steps of the unclipped ESS ratio below theta. "
@@ -1014,7 +1074,14 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
     predictor_row(f"k = {k}", mid, lambda m, kk, k=k: kk == k)
   for m in c.methods:
     predictor_row(m, mid, lambda mm, k, m=m: mm == m)
+  return L
 
+
+def _ess_by_collapse_section(c, summary: dict) -> list[str]:
+  """Per-run ESS of collapsed vs non-collapsed runs at equal k, with the AUC of low ESS -> collapse."""
+  cells = summary["cells"]
+  a = c.analysis
+  L = []
   # Is a low ESS specific to collapse, or just a symptom of lag? Compare at equal k.
   L.append(
     "\nPer-run median and 10%-quantile of the unclipped ESS ratio (over the first half of training, "
@@ -1050,13 +1117,7 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
       + ("-" if math.isnan(auc) else f"{auc:.2f}")
       + " |"
     )
-
-  L += time_section(c, summary)
-  L.append("\n## Notes\n")
-  L.append(notes or f"{NOTES_BEGIN}\n(no notes yet)\n{NOTES_END}")
-  L.append("")
-  path.write_text("\n".join(L))
-  return path
+  return L
 
 
 def tuning_section(c, summary: dict) -> list[str]:

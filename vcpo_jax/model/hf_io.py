@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vcpo_jax import sharding as sh
 from vcpo_jax.model import transformer as tf
 from vcpo_jax.model.config import EXECUTION_FIELDS, ModelConfig, tiny_llama, tiny_qwen2
 
@@ -347,8 +348,6 @@ def load_hf(
   )
   shardings = {}
   if mesh is not None:
-    from vcpo_jax import sharding as sh  # local: sharding's helpers import the model lazily too
-
     state = nnx.from_flat_state([(p, v) for p, v in abstract.items()])
     shardings = dict(nnx.to_flat_state(sh.param_shardings(state, rules or sh.TRANSFORMER_RULES, mesh)))
     shardings = {tuple(p): getattr(s, "value", s) for p, s in shardings.items()}

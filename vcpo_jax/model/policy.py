@@ -1,6 +1,6 @@
 """The run's policy: tokenizer, model config and parameters, placed on the learner's mesh.
 
-A random preset is born sharded (sharding.init_sharded: eval_shape -> shardings from the rules ->
+A random preset is born sharded (init_sharded: eval_shape -> shardings from the rules ->
 jit(init, out_shardings)), so no host or device ever holds the whole model; its values equal the host
 initializer's bit for bit (transformer._INIT). A Hugging Face checkpoint is read straight into the same
 shardings, each device's block as its own slice of the file (hf_io.load_hf with a mesh).
@@ -8,10 +8,13 @@ shardings, each device's block as its own slice of the file (hf_io.load_hf with 
 
 from __future__ import annotations
 
+import jax
+from flax import nnx
+
 from vcpo_jax import sharding
 from vcpo_jax.model import config as model_config
+from vcpo_jax.model import hf_io, transformer
 from vcpo_jax.model import tokenizer as tok_lib
-from vcpo_jax.model import transformer
 
 
 def load_tokenizer(checkpoint: str = "", tokenizer_dir: str = ""):
@@ -35,13 +38,33 @@ def build_policy(
   tokenizer = load_tokenizer(checkpoint, tokenizer_dir)
   if not checkpoint:
     model_cfg = model_cfg.replace(vocab_size=max(model_cfg.vocab_size, len(tokenizer)))
-    graphdef, params = sharding.init_sharded(model_cfg, seed, mesh)
+    graphdef, params = init_sharded(model_cfg, seed, mesh)
     return model_cfg, tokenizer, graphdef, params
-  from vcpo_jax.model import hf_io
-
   execution = {f: getattr(model_cfg, f) for f in model_config.EXECUTION_FIELDS}
   model_cfg, model = hf_io.load_hf(
     checkpoint, dtype=model_cfg.dtype, mesh=mesh, rules=sharding.TRANSFORMER_RULES, **execution
   )
   graphdef, params = transformer.split(model)
   return model_cfg, tokenizer, graphdef, params
+
+
+def init_sharded(cfg: model_config.ModelConfig, seed: int, mesh, rules: sharding.Rules = sharding.TRANSFORMER_RULES):
+  """Creates the model's parameters directly in their sharded layout.
+
+  eval_shape traces the initializer without allocating, the rules turn the
+  abstract parameters into shardings, and jit(init, out_shardings) materializes
+  each shard on its own device, so no device ever holds the full model. The
+  values equal `transformer.split(transformer.init(cfg, seed))[1]`.
+
+  Returns:
+    (graphdef, params): params an nnx.State of nnx.Param holding sharded jax.Arrays.
+  """
+
+  def init_params():
+    return transformer.split(transformer.init(cfg, seed))[1]
+
+  abstract_model = nnx.eval_shape(lambda: transformer.init(cfg, seed))
+  graphdef, abstract_params = transformer.split(abstract_model)
+  shardings = sharding.param_shardings(abstract_params, rules, mesh)
+  params = jax.jit(init_params, out_shardings=shardings)()
+  return graphdef, params

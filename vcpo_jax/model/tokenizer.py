@@ -166,3 +166,20 @@ def apply_chat_template_or_plain(tokenizer, prompt, system: str | None = None) -
       "placed; prepend it to the prompt yourself or pass system=None."
     )
   return prompt
+
+
+def encode_prompts(tokenizer, problems, chat_template: bool) -> list[list[int]]:
+  """[P] prompt token ids: each problem's `.prompt` text (chat-wrapped when chat_template) encoded plainly.
+
+  Args:
+    tokenizer: a Hugging Face tokenizer or build_char_tokenizer()'s.
+    problems: P objects with a `.prompt` string (tasks.Problem).
+    chat_template: wrap each prompt with apply_chat_template_or_plain (one user turn + generation prompt).
+  Returns:
+    P lists of ints, no special tokens added (the chat template writes its own).
+  """
+  out = []
+  for p in problems:
+    text = apply_chat_template_or_plain(tokenizer, p.prompt) if chat_template else p.prompt
+    out.append(list(tokenizer.encode(text, add_special_tokens=False)))
+  return out

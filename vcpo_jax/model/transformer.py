@@ -29,7 +29,7 @@ from vcpo_jax.model.taps import TapInfo, forbid, tap, tap_head
 
 
 def _INIT(key, shape, dtype):
-  """N(0, 0.02^2) weights, the same bits eagerly and under jit (sharding.init_sharded, born sharded).
+  """N(0, 0.02^2) weights, the same bits eagerly and under jit (policy.init_sharded, born sharded).
 
   The barrier keeps XLA from folding the 0.02 into the normal's own scaling when the initializer is
   fused under jit (that changes the last bit of ~25% of the entries); eagerly it is the identity.

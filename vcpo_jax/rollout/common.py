@@ -23,6 +23,7 @@ import numpy as np
 
 from vcpo_jax import tasks
 from vcpo_jax.batch import Batch
+from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.sampler import Sampler
 
 
@@ -47,16 +48,6 @@ class RolloutConfig:
   @property
   def batch_size(self) -> int:
     return self.prompts_per_step * self.group_size
-
-
-def encode_prompts(tokenizer, problems: Sequence[tasks.Problem], chat_template: bool) -> list[list[int]]:
-  from vcpo_jax.model.tokenizer import apply_chat_template_or_plain
-
-  out = []
-  for p in problems:
-    text = apply_chat_template_or_plain(tokenizer, p.prompt) if chat_template else p.prompt
-    out.append(list(tokenizer.encode(text, add_special_tokens=False)))
-  return out
 
 
 class RolloutMaker:

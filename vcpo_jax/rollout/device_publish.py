@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vcpo_jax import sharding as sh
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.shm_queue import SPAWN, QueueFinished
@@ -201,9 +201,9 @@ class DeviceAsyncSource(async_.AsyncSource):
     super().__init__(cfg, *a, **kw)
     self.background = False  # no publisher thread: the transfer is dispatched, not copied on the host
     devices = jax.devices()
-    self.sampler_devices = sh.split_devices(cfg.sampler_devices, devices)[0]
+    self.sampler_devices = mesh_lib.split_devices(cfg.sampler_devices, devices)[0]
     mesh_shape = self._worker_sampler_cfg().mesh_shape
-    self.sampler_mesh = sh.make_mesh(sh.MeshConfig(mesh_shape), devices=self.sampler_devices)
+    self.sampler_mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(mesh_shape), devices=self.sampler_devices)
     self._replicated = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
     self._args_path = ""
 

@@ -40,7 +40,8 @@ import numpy as np
 
 from vcpo_jax import tasks
 from vcpo_jax.batch import Batch
-from vcpo_jax.rollout.common import RolloutConfig, RolloutMaker, encode_prompts
+from vcpo_jax.model.tokenizer import encode_prompts
+from vcpo_jax.rollout.common import RolloutConfig, RolloutMaker
 from vcpo_jax.sampler import SamplerConfig
 from vcpo_jax.tasks import sandbox, tool_env
 

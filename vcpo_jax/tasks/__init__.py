@@ -43,6 +43,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from vcpo_jax.tasks.answers import EXTRACTORS
 from vcpo_jax.tasks.arithmetic import ArithmeticTask
 from vcpo_jax.tasks.base import Task
 from vcpo_jax.tasks.countdown import CountdownTask
@@ -137,8 +138,6 @@ def _check(obj: Task, reference, extraction) -> None:
   """Raise ValueError for caller bugs: a malformed reference or an unknown extraction."""
   obj.check_reference(reference)  # malformed references are caller bugs: raise
   if extraction is not None:
-    from vcpo_jax.tasks.answers import EXTRACTORS
-
     if extraction not in EXTRACTORS:
       raise ValueError(f"extraction {extraction!r} unknown; choose one of {sorted(EXTRACTORS)}")
 

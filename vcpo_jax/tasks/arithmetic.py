@@ -15,6 +15,8 @@ import random
 import re
 import zlib
 
+from vcpo_jax.tasks.datasets import Problem
+
 __all__ = ["ArithmeticTask", "generate", "extract_integer", "verify"]
 
 _LEADING_INT_RE = re.compile(r"\s*([+-]?\d{1,64})(?!\d)")
@@ -119,8 +121,6 @@ class ArithmeticTask:
     self.gen_kwargs = gen_kwargs
 
   def make_problems(self, split: str = "train", n: int | None = 100, seed: int = 0, template: str | None = None):
-    from vcpo_jax.tasks.datasets import Problem
-
     tmpl = self.template if template is None else template
     pairs = generate(100 if n is None else n, seed, split=split, **self.gen_kwargs)
     return [

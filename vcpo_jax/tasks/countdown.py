@@ -28,6 +28,8 @@ import re
 import zlib
 from fractions import Fraction
 
+from vcpo_jax.tasks.datasets import Problem
+
 __all__ = [
   "DEFAULT_TEMPLATE",
   "CountdownInstance",
@@ -370,8 +372,6 @@ class CountdownTask:
     return self.template.format(numbers=list(inst.numbers), target=inst.target)
 
   def make_problems(self, split: str = "train", n: int | None = 100, seed: int = 0, template: str | None = None):
-    from vcpo_jax.tasks.datasets import Problem
-
     task = (
       self if template is None else CountdownTask(template, self.format_weight, self.require_format, **self.gen_kwargs)
     )

@@ -236,77 +236,98 @@ def run_episodes(
     to_run: list[tuple[int, str]] = []
     still = []
     for i, budget, (new_ids, new_logps) in zip(generating, budgets, outs):
-      s = states[i]
-      new_ids = [int(t) for t in new_ids]
-      new_logps = [float(x) for x in new_logps]
-      if len(new_ids) != len(new_logps):
-        raise ValueError(f"generate_fn returned {len(new_ids)} ids but {len(new_logps)} log-probs")
-      stopped_early = len(new_ids) < budget
-      new_ids, new_logps = new_ids[:budget], new_logps[:budget]
-      hit_eos = False
-      for k, t in enumerate(new_ids):
-        if t in eos:
-          new_ids, new_logps, hit_eos = new_ids[: k + 1], new_logps[: k + 1], True
-          break
-      turn_ids = s.tokens[s.turn_start :] + new_ids
-      code = find_code(tokenizer_decode(turn_ids), cfg)
-      if code is not None:
-        cut = _first_block_cut(turn_ids, tokenizer_decode, cfg) - (len(s.tokens) - s.turn_start)
-        new_ids, new_logps, hit_eos = new_ids[:cut], new_logps[:cut], False
-      s.tokens += new_ids
-      s.loss += [1.0] * len(new_ids)
-      s.logp += new_logps
-      turn_full = len(s.tokens) - s.turn_start >= cfg.max_new_tokens
-      out_of_tokens = s.response_len >= cfg.max_response_tokens
-      if code is None and not hit_eos and not turn_full and not out_of_tokens and stopped_early and eos and new_ids:
-        still.append(i)  # stopped on a non-final stop id: resume this turn
-        continue
-      s.final_text = tokenizer_decode(s.tokens[s.turn_start :])
-      if code is None:
-        s.finish = "max_tokens" if (out_of_tokens and not hit_eos) else "answer"
-      elif s.turns >= cfg.max_turns:
-        s.finish = "max_turns"
-      elif out_of_tokens:
-        s.finish = "max_tokens"
-      else:
-        to_run.append((i, code))
+      step = _model_turn(states[i], budget, new_ids, new_logps, tokenizer_decode, cfg, eos)
+      if step is _RESUME:
+        still.append(i)
+      elif step is not None:
+        to_run.append((i, step))
     results = sandbox.run_many([c for _, c in to_run], cfg.sandbox, cfg.max_workers)
     for (i, _), result in zip(to_run, results):
-      s = states[i]
-      s.kinds.append(result.kind)
-      tool = _tool_tokens(result, tokenizer_encode, cfg)
-      room = cfg.max_response_tokens - s.response_len
-      s.tokens += tool[:room]
-      s.loss += [0.0] * min(len(tool), room)
-      s.logp += [0.0] * min(len(tool), room)
-      if len(tool) >= room:
-        s.finish = "max_tokens"  # no room left for another model turn
-        continue
-      s.turns += 1
-      s.turn_start = len(s.tokens)
-      still.append(i)
+      if _tool_turn(states[i], result, tokenizer_encode, cfg):
+        still.append(i)
     generating = sorted(still)
-  episodes = []
-  for s, ref in zip(states, references):
-    tokens = np.asarray(s.tokens, np.int32)
-    response = np.zeros(len(tokens), np.float32)
-    response[s.prompt_len :] = 1.0
-    episodes.append(
-      Episode(
-        tokens=tokens,
-        prompt_len=s.prompt_len,
-        response_mask=response,
-        loss_mask=np.asarray(s.loss, np.float32),
-        behavior_logp=np.asarray(s.logp, np.float32),
-        reward=float(cfg.reward_fn(s.final_text, ref)),
-        num_turns=s.turns,
-        tool_kinds=tuple(s.kinds),
-        final_text=s.final_text,
-        response_text=tokenizer_decode(s.tokens[s.prompt_len :]),
-        finish_reason=s.finish,
-      )
-    )
-  return episodes
+  return [_episode(s, ref, tokenizer_decode, cfg) for s, ref in zip(states, references)]
+
+
+_RESUME = object()  # _model_turn: the turn stopped on a non-final stop id and goes on next round
+
+
+def _model_turn(s: _State, budget: int, new_ids, new_logps, decode, cfg: ToolEnvConfig, eos: frozenset):
+  """Appends one round's continuation to episode `s`; returns the code to run, _RESUME, or None (finished).
+
+  The continuation is cut at the row's budget, after an EOS, and after the turn's first complete code
+  block (tokens past it are dropped with their log-probs). A finished episode gets its final_text and
+  finish reason ("answer", "max_tokens" or "max_turns").
+  """
+  new_ids = [int(t) for t in new_ids]
+  new_logps = [float(x) for x in new_logps]
+  if len(new_ids) != len(new_logps):
+    raise ValueError(f"generate_fn returned {len(new_ids)} ids but {len(new_logps)} log-probs")
+  stopped_early = len(new_ids) < budget
+  new_ids, new_logps = new_ids[:budget], new_logps[:budget]
+  hit_eos = False
+  for k, t in enumerate(new_ids):
+    if t in eos:
+      new_ids, new_logps, hit_eos = new_ids[: k + 1], new_logps[: k + 1], True
+      break
+  turn_ids = s.tokens[s.turn_start :] + new_ids
+  code = find_code(decode(turn_ids), cfg)
+  if code is not None:
+    cut = _first_block_cut(turn_ids, decode, cfg) - (len(s.tokens) - s.turn_start)
+    new_ids, new_logps, hit_eos = new_ids[:cut], new_logps[:cut], False
+  s.tokens += new_ids
+  s.loss += [1.0] * len(new_ids)
+  s.logp += new_logps
+  turn_full = len(s.tokens) - s.turn_start >= cfg.max_new_tokens
+  out_of_tokens = s.response_len >= cfg.max_response_tokens
+  if code is None and not hit_eos and not turn_full and not out_of_tokens and stopped_early and eos and new_ids:
+    return _RESUME  # stopped on a non-final stop id: resume this turn
+  s.final_text = decode(s.tokens[s.turn_start :])
+  if code is None:
+    s.finish = "max_tokens" if (out_of_tokens and not hit_eos) else "answer"
+  elif s.turns >= cfg.max_turns:
+    s.finish = "max_turns"
+  elif out_of_tokens:
+    s.finish = "max_tokens"
+  else:
+    return code
+  return None
+
+
+def _tool_turn(s: _State, result, encode, cfg: ToolEnvConfig) -> bool:
+  """Appends the sandbox's observation (loss mask 0) to episode `s`; True if a new model turn follows."""
+  s.kinds.append(result.kind)
+  tool = _tool_tokens(result, encode, cfg)
+  room = cfg.max_response_tokens - s.response_len
+  s.tokens += tool[:room]
+  s.loss += [0.0] * min(len(tool), room)
+  s.logp += [0.0] * min(len(tool), room)
+  if len(tool) >= room:
+    s.finish = "max_tokens"  # no room left for another model turn
+    return False
+  s.turns += 1
+  s.turn_start = len(s.tokens)
+  return True
+
+
+def _episode(s: _State, ref, decode, cfg: ToolEnvConfig) -> Episode:
+  """The finished episode `s` as arrays, rewarded by cfg.reward_fn(final_text, ref)."""
+  tokens = np.asarray(s.tokens, np.int32)
+  response = np.zeros(len(tokens), np.float32)
+  response[s.prompt_len :] = 1.0
+  return Episode(
+    tokens=tokens,
+    prompt_len=s.prompt_len,
+    response_mask=response,
+    loss_mask=np.asarray(s.loss, np.float32),
+    behavior_logp=np.asarray(s.logp, np.float32),
+    reward=float(cfg.reward_fn(s.final_text, ref)),
+    num_turns=s.turns,
+    tool_kinds=tuple(s.kinds),
+    final_text=s.final_text,
+    response_text=decode(s.tokens[s.prompt_len :]),
+    finish_reason=s.finish,
+  )
 
 
 def pad_episodes(episodes: Sequence[Episode], length: int | None = None, pad_id: int = 0) -> dict[str, np.ndarray]:
