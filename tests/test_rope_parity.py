@@ -48,7 +48,7 @@ CASES = [
 IDS = [f"{f}-{r}-{'tied' if t else 'untied'}" for f, r, t in CASES]
 
 
-def _hf_config(family, rope, tied):
+def hf_config(family, rope, tied):
   theta = 1e6 if family == "qwen3" else 5e5
   common = dict(
     vocab_size=V,
@@ -72,9 +72,9 @@ def _hf_config(family, rope, tied):
   return transformers.LlamaConfig(**common)
 
 
-def _hf_model(family, rope, tied, seed):
+def hf_model(family, rope, tied, seed):
   torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(_hf_config(family, rope, tied), dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_config(hf_config(family, rope, tied), dtype=torch.float32)
   gen = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -86,7 +86,7 @@ def _hf_model(family, rope, tied, seed):
 @pytest.fixture(scope="module", params=CASES, ids=IDS)
 def ckpt(request, tmp_path_factory):
   family, rope, tied = request.param
-  model = _hf_model(family, rope, tied, seed=len(request.node.name))
+  model = hf_model(family, rope, tied, seed=len(request.node.name))
   out = tmp_path_factory.mktemp(f"{family}-{rope}")
   model.save_pretrained(out)
   return request.param, str(out), model
@@ -166,7 +166,7 @@ def test_inverse_frequencies_equal_transformers(rope):
   """inv_freq and the attention factor, bitwise-close to ROPE_INIT_FUNCTIONS (float32)."""
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-  hf = _hf_config("llama", rope, False)
+  hf = hf_config("llama", rope, False)
   if rope == "default":
     theirs, m_theirs = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(hf)
   else:
