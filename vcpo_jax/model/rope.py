@@ -28,7 +28,11 @@ that call's largest position (it only grows them past M), so during generation e
 new keys are rotated with the frequencies of that step, and cached keys keep the rotation
 they were written with. `inv_freq` takes the call's positions and does the same: a full
 forward of length T uses L = T, a prefill its prompt length, each decode step its position
-+ 1 (the largest over the batch, as transformers' torch.max(position_ids)).
++ 1 (the largest over the batch, as transformers' torch.max(position_ids)). One departure: a
+prefill split into chunks (SamplerConfig.prefill_chunk) rotates each chunk with that chunk's
+largest position, where transformers' one-pass prefill uses the prompt's; the two agree while
+the prompt fits in M or in one chunk. A checkpoint's ModelConfig.max_position is M x factor
+for "dynamic" (the longest sequence it is meant for), M itself stays in `original_max_position`.
 """
 
 from __future__ import annotations
