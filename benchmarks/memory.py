@@ -108,6 +108,7 @@ ARCH_FIELDS = (
   "rope_theta",
   "rms_eps",
   "qkv_bias",
+  "qk_norm",
   "tie_embeddings",
   "model_type",
 )
@@ -164,7 +165,8 @@ class _FakeTokenizer:
 def load_setting(
   name: str, model_overrides: dict | None = None, batch: int = 0, prompt_len: int = 0, new_tokens: int = 0
 ):
-  """The released config `configs/<name>.py` with its real architecture (config.model.shape).
+  """The released config `configs/<name>.py` (`name:variant` for a variant, e.g. math:qwen3_8b) with its
+  real architecture (config.model.shape).
 
   The config goes through `run_config.parse_config` like a real run (its data paths and checkpoint
   cleared: nothing is read), so every learner / model option it sets reaches the compiled step.
@@ -174,7 +176,8 @@ def load_setting(
   from vcpo_jax.rollout import multiturn
   from vcpo_jax.sampler import SamplerConfig
 
-  c = importlib.import_module(f"configs.{name}").get_config(None)
+  module, _, variant = name.partition(":")
+  c = importlib.import_module(f"configs.{module}").get_config(variant or None)
   if "shape" not in c.model:
     raise ValueError(f"configs/{name}.py has no model.shape block (the checkpoint's config.json architecture).")
   shape = dict(c.model.shape.to_dict())
@@ -454,7 +457,7 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     peak_gib=(stats["argument"] + stats["temp"] + out_new) / GIB,
     compile_s=compile_s,
   )
-  budget = BUDGET_GIB.get(setting.name)
+  budget = BUDGET_GIB.get(setting.name.partition(":")[0])
   if budget is not None:
     row["budget_gib"] = budget
     row["fits"] = bool(row["peak_gib"] <= budget)

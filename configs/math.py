@@ -14,6 +14,7 @@ Launch:
   python main.py --config=configs/math.py --workdir=/tmp/math_sync --config.mode=sync --config.lag.k=0 \\
       --config.method=sync                                                         # synchronous baseline
   python main.py --config=configs/math.py:smoke --workdir=/tmp/math_smoke   # CPU, tiny random model
+  python main.py --config=configs/math.py:qwen3_8b --workdir=/tmp/math_qwen3  # Qwen3-8B (Base) instead
 
 Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 32 x 16, max prompt / response
 1024 / 2048, k = 10 (stress runs 16..128: use mode=lag), rho_on = 1.0, AdamW lr
@@ -30,6 +31,7 @@ from configs import common
 from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B")  # local HF checkpoint (download as above)
+QWEN3_8B_DIR = os.path.expanduser("~/models/Qwen3-8B-Base")  # huggingface-cli download Qwen/Qwen3-8B-Base
 DATA_PATH = os.path.expanduser("~/data/math/train.jsonl")  # MATH train split (problem, solution)
 EVAL_PATH = os.path.expanduser("~/data/math500/test.jsonl")  # MATH-500 (problem, answer)
 
@@ -88,10 +90,31 @@ def get_config(arg: str | None = None):
   c.eval.n = 3  # released samples per validation problem (mean@3)
   c.checkpoint.every = 50  # save cadence in learner steps
   c.mesh.shape = (1, -1, 1)  # FSDP over the learner's devices
-  if arg == "smoke":  # tiny random model, shipped fixture, a few lag steps on CPU (tests)
+  if arg == "qwen3_8b":  # the same recipe on Qwen3-8B: q/k norms, no q/k/v bias, 36 layers, GQA 32/8
+    _qwen3_8b(c)
+  elif arg == "smoke":  # tiny random model, shipped fixture, a few lag steps on CPU (tests)
     _smoke(c)
     c.mode = "lag"  # exact staleness in one process
     c.lag.k = 1  # one step stale
   elif arg:
-    raise ValueError(f"configs/math.py: unknown variant {arg!r}; use '' or 'smoke'.")
+    raise ValueError(f"configs/math.py: unknown variant {arg!r}; use '', 'qwen3_8b' or 'smoke'.")
   return c
+
+
+def _qwen3_8b(c):
+  """Qwen/Qwen3-8B-Base: the values of its config.json (default RoPE, theta 1e6, 40960 positions)."""
+  c.model.checkpoint = QWEN3_8B_DIR  # local directory with config.json + safetensors
+  s = c.model.shape
+  s.vocab_size = 151936  # config.json vocab_size
+  s.hidden_size = 4096  # hidden_size (D)
+  s.intermediate_size = 12288  # intermediate_size (F)
+  s.num_layers = 36  # num_hidden_layers
+  s.num_heads = 32  # num_attention_heads
+  s.num_kv_heads = 8  # num_key_value_heads
+  s.head_dim = 128  # head_dim (= D / heads here; free in Qwen3)
+  s.rope_theta = 1000000.0  # rope_theta (rope_scaling null)
+  s.rms_eps = 1e-6  # rms_norm_eps
+  s.tie_embeddings = False  # tie_word_embeddings
+  s.qkv_bias = False  # Qwen3: no q/k/v bias
+  s.model_type = "qwen3"  # model_type
+  s.qk_norm = True  # q_norm / k_norm: per-head RMSNorm over head_dim before RoPE

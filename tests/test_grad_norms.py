@@ -20,6 +20,7 @@ from vcpo_jax import estimator, learner
 from vcpo_jax import grad_norms as gn
 from vcpo_jax.model import config
 from vcpo_jax.model import transformer as tf
+from vcpo_jax.model.rope import RopeScaling
 
 N, P_LEN, R_LEN = 6, 6, 7
 T = P_LEN + R_LEN
@@ -28,9 +29,12 @@ V = 144
 # The log-prob head is chunked (5 positions, 40 vocab entries: neither divides T - 1 = 12 or V), so the
 # references (vmap, jax.grad) differentiate through the chunked scans and the ghost path reads its lse.
 CHUNKS = dict(logprob_chunk=5, logprob_vocab_chunk=40)
+YARN = RopeScaling("yarn", factor=4.0, original_max_position=4)
 CONFIGS = {
   "qwen2": config.tiny_qwen2(vocab_size=V, num_layers=1, **CHUNKS),
   "llama": config.tiny_llama(vocab_size=V, num_layers=1, **CHUNKS),
+  # Qwen3: per-head q/k RMSNorm scales [H] (tapped over [B, T, heads, H]), yarn RoPE, H != D / heads.
+  "qwen3": config.tiny_qwen3(vocab_size=V, num_layers=1, rope_scaling=YARN, **CHUNKS),
 }
 # (model, method, per-device budget): budget 0 forces the smallest temporaries, i.e. the ghost head's
 # own vocab chunks of 128 (144 = 128 + a clamped, overlap-masked chunk), direct one example at a time,
@@ -44,6 +48,8 @@ CASES = [
   ("llama", "direct", gn.DEFAULT_BUDGET_BYTES),
   ("llama", "materialize", 0),
   ("qwen2", "auto", gn.DEFAULT_BUDGET_BYTES),
+  ("qwen3", "gram", 0),
+  ("qwen3", "direct", gn.DEFAULT_BUDGET_BYTES),
 ]
 
 
@@ -182,7 +188,7 @@ def test_taps_grad_equals_jax_grad_of_surrogate(name):
   assert _tree_rel(res.grads, grads) < 1e-5 and res.sq_norms_n is None
 
 
-@pytest.mark.parametrize("name,method", [("qwen2", "direct"), ("llama", "materialize")])
+@pytest.mark.parametrize("name,method", [("qwen2", "direct"), ("llama", "materialize"), ("qwen3", "gram")])
 def test_ghost_on_a_mesh_equals_reference(name, method):
   """Under a 2-device FSDP mesh (3 rows per device): per-device blocks of one row (the direct form's
   regrouped map), gradients constrained to their parameters' layouts; same norms and gradient."""
@@ -205,8 +211,7 @@ def test_ghost_on_a_mesh_equals_reference(name, method):
 @functools.lru_cache(maxsize=None)
 def _setup2(name, remat):
   """_setup's model and batch at 2 layers with remat on or off (the two-pass step's cases)."""
-  cfg = config.tiny_qwen2 if name == "qwen2" else config.tiny_llama
-  return _prepare(cfg(vocab_size=V, num_layers=2, remat=remat, **CHUNKS))
+  return _prepare(CONFIGS[name].replace(num_layers=2, remat=remat))
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,7 +226,12 @@ def _two_pass(name, method, budget, remat):
 
 @pytest.mark.parametrize(
   "name,method,budget,remat",
-  [("qwen2", "auto", gn.DEFAULT_BUDGET_BYTES, "none"), ("qwen2", "direct", 0, "block"), ("llama", "gram", 0, "block")],
+  [
+    ("qwen2", "auto", gn.DEFAULT_BUDGET_BYTES, "none"),
+    ("qwen2", "direct", 0, "block"),
+    ("llama", "gram", 0, "block"),
+    ("qwen3", "direct", 0, "block"),
+  ],
 )
 def test_two_pass_equals_vmap_reference_and_jax_grad(name, method, budget, remat):
   """passes=2 (norm sinks inside the first backward, then the update's backward): 2 layers, remat on and off,

@@ -17,9 +17,18 @@ from vcpo_jax.model import ModelConfig, Transformer
 from vcpo_jax.model import attention as attn
 from vcpo_jax.model import config as mconfig
 from vcpo_jax.model import transformer as tf
+from vcpo_jax.model.rope import RopeScaling
 
 V = 64
-PRESETS = {"qwen2": mconfig.tiny_qwen2, "llama": mconfig.tiny_llama}
+LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_position=64, low_freq_factor=1.0, high_freq_factor=4.0)
+YARN = RopeScaling("yarn", factor=4.0, original_max_position=4)
+PRESETS = {
+  "qwen2": mconfig.tiny_qwen2,
+  "llama": mconfig.tiny_llama,
+  "qwen3": mconfig.tiny_qwen3,
+  "llama3": functools.partial(mconfig.tiny_llama, rope_scaling=LLAMA3),
+  "qwen3_yarn": functools.partial(mconfig.tiny_qwen3, rope_scaling=YARN),
+}
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -120,8 +129,12 @@ def test_from_hf_config_objects():
   with pytest.raises(ValueError, match="gpt2"):
     ModelConfig.from_hf(transformers.GPT2Config())
   scaled = transformers.LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
-  with pytest.raises(ValueError, match="rope_scaling"):
-    ModelConfig.from_hf(scaled)
+  assert ModelConfig.from_hf(scaled).rope_scaling == RopeScaling("linear", factor=2.0)
+  # A type transformers knows but the model does not: one line naming the field, the value, the choices.
+  unsupported = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+  longrope = transformers.LlamaConfig(head_dim=16, rope_parameters=unsupported)
+  with pytest.raises(ValueError, match=r"rope_type='longrope' is not supported; supported: \('default'"):
+    ModelConfig.from_hf(longrope)
 
 
 # ----------------------------------------------------------------------------- pieces

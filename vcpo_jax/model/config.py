@@ -1,4 +1,4 @@
-"""Architecture settings of the decoder-only policy (Qwen2/Qwen2.5 and Llama families).
+"""Architecture settings of the decoder-only policy (Qwen2/Qwen2.5, Qwen3 dense and Llama families).
 
 `ModelConfig` is the one place architecture crosses into the model code. It is
 built from a Hugging Face `config.json` (read with transformers' config classes,
@@ -14,8 +14,11 @@ import os
 import jax
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+from vcpo_jax.model.rope import RopeScaling
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DEFAULT_ROPE = RopeScaling()  # plain RoPE (frozen, shared as the dataclass default)
 ATTENTION_IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn", "splash")  # see vcpo_jax.model.attention
 # How the model is computed, not what it is: set from the run config for presets AND checkpoints
 # (a checkpoint's config.json gives the architecture, never these).
@@ -46,11 +49,13 @@ class ModelConfig:
     head_dim: per-head width H (hidden_size // num_heads unless the checkpoint says otherwise).
     rope_theta: RoPE base frequency.
     rms_eps: RMSNorm epsilon.
-    qkv_bias: q/k/v projections carry a bias (Qwen2) or not (Llama).
+    qkv_bias: q/k/v projections carry a bias (Qwen2) or not (Llama, Qwen3).
+    qk_norm: RMSNorm over each head's H of q and k before RoPE (Qwen3's q_norm / k_norm).
+    rope_scaling: the RoPE scaling rule (`vcpo_jax.model.rope`; default RoPE when "default").
     tie_embeddings: the LM head reuses the embedding table.
     max_position: longest sequence the model is used with (cache size bound).
     dtype: compute dtype, "float32" or "bfloat16" (parameters stay float32).
-    model_type: "qwen2" or "llama" (for export back to Hugging Face format).
+    model_type: "qwen2", "qwen3" or "llama" (for export back to Hugging Face format).
     attention: attention implementation (`vcpo_jax.model.attention`): "dense" (the einsum reference, the
       default: bitwise the model's attention before the option existed), "xla" (jax.nn.dot_product_attention,
       dense too), "chunked" (query chunks, never [B, N, T, T]; any backend: the choice for long sequences
@@ -74,6 +79,8 @@ class ModelConfig:
   rope_theta: float = 10000.0
   rms_eps: float = 1e-6
   qkv_bias: bool = False
+  qk_norm: bool = False
+  rope_scaling: RopeScaling = DEFAULT_ROPE
   tie_embeddings: bool = False
   max_position: int = 2048
   dtype: str = "float32"
@@ -85,6 +92,8 @@ class ModelConfig:
   logprob_vocab_chunk: int = 0
 
   def __post_init__(self):
+    if isinstance(self.rope_scaling, dict):  # from dataclasses.asdict (a saved config)
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
     for name in (
       "vocab_size",
       "hidden_size",
@@ -141,7 +150,7 @@ class ModelConfig:
     d, f, h, v = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
     q, kv = self.num_heads * h, self.num_kv_heads * h
     attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
-    block = attn + 3 * d * f + 2 * d
+    block = attn + 3 * d * f + 2 * d + (2 * h if self.qk_norm else 0)
     return v * d * (1 if self.tie_embeddings else 2) + self.num_layers * block + d
 
   @classmethod
@@ -163,17 +172,23 @@ class ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(
         f"Unsupported architecture model_type={model_type!r} in config.json; supported: "
-        f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5 and Llama families)."
+        f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5, Qwen3 dense and Llama families)."
       )
-    rope_scaling = getattr(hf, "rope_scaling", None)
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-      raise ValueError(f"rope_scaling={rope_scaling} is not supported (only default RoPE).")
+    # transformers 5 keeps theta and the scaling in rope_parameters (legacy rope_scaling folded in)
+    rope_params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    max_position = int(getattr(hf, "max_position_embeddings", 2048))
+    rope_scaling = RopeScaling.from_hf(rope_params, max_position)
+    if rope_scaling.rope_type == "dynamic":  # it exists to run past max_position_embeddings: factor x
+      max_position = int(max_position * rope_scaling.factor)
     rope_theta = getattr(hf, "rope_theta", None)
-    if rope_theta is None:  # transformers 5 keeps it in rope_parameters
-      rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if rope_theta is None:
+      rope_theta = rope_params.get("rope_theta", 10000.0)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if model_type == "llama" and getattr(hf, "attention_bias", False):
-      raise ValueError("Llama checkpoints with attention_bias=True (biases on q/k/v/o) are not supported.")
+    if model_type in ("llama", "qwen3") and getattr(hf, "attention_bias", False):
+      raise ValueError(
+        f"{model_type} checkpoints with attention_bias=True (biases on q/k/v/o) are not supported; "
+        "set attention_bias=false."
+      )
     qkv_bias = model_type == "qwen2"
     if model_type == "llama" and getattr(hf, "mlp_bias", False):
       raise ValueError("Llama checkpoints with mlp_bias=True are not supported.")
@@ -188,8 +203,10 @@ class ModelConfig:
       rope_theta=float(rope_theta),
       rms_eps=float(hf.rms_norm_eps),
       qkv_bias=qkv_bias,
+      qk_norm=model_type == "qwen3",
+      rope_scaling=rope_scaling,
       tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-      max_position=int(getattr(hf, "max_position_embeddings", 2048)),
+      max_position=max_position,
       dtype=dtype,
       model_type=model_type,
     )
@@ -237,4 +254,26 @@ def tiny_llama(vocab_size: int = 256, **kw) -> ModelConfig:
   return ModelConfig(**base)
 
 
-PRESETS = {"tiny_qwen2": tiny_qwen2, "tiny_llama": tiny_llama}
+def tiny_qwen3(vocab_size: int = 256, **kw) -> ModelConfig:
+  """A few-layer Qwen3-style config (q/k norms, no bias, head_dim != D / N, tied) for tests."""
+  base = dict(
+    vocab_size=vocab_size,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=1e6,
+    rms_eps=1e-6,
+    qkv_bias=False,
+    qk_norm=True,
+    tie_embeddings=True,
+    max_position=512,
+    model_type="qwen3",
+  )
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+PRESETS = {"tiny_qwen2": tiny_qwen2, "tiny_qwen3": tiny_qwen3, "tiny_llama": tiny_llama}

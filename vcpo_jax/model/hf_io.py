@@ -2,13 +2,14 @@
 
 Loading reads `config.json` with transformers' config classes (`ModelConfig.from_hf`)
 and the weights with the `safetensors` library into numpy: no torch at run time.
-Export writes `model.safetensors` + `config.json` (Qwen2Config / LlamaConfig) that
+Export writes `model.safetensors` + `config.json` (Qwen2Config / Qwen3Config / LlamaConfig) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
 Name mapping (HF torch Linear weights are [out, in]; our kernels are [in, out]):
   model.embed_tokens.weight [V, D]                  <-> embed_tokens.embedding [V, D]
   model.layers.i.self_attn.{q,k,v,o}_proj.weight    <-> layers.i.self_attn.{q,k,v,o}_proj.kernel (transposed)
   model.layers.i.self_attn.{q,k,v}_proj.bias        <-> layers.i.self_attn.{q,k,v}_proj.bias (Qwen2)
+  model.layers.i.self_attn.{q,k}_norm.weight [H]    <-> layers.i.self_attn.{q,k}_norm.scale (Qwen3)
   model.layers.i.mlp.{gate,up,down}_proj.weight     <-> layers.i.mlp.{gate,up,down}_proj.kernel (transposed)
   model.layers.i.{input,post_attention}_layernorm.weight <-> layers.i.{...}_layernorm.scale
   model.norm.weight                                 <-> norm.scale
@@ -35,7 +36,7 @@ from flax import nnx
 
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import transformer as tf
-from vcpo_jax.model.config import EXECUTION_FIELDS, ModelConfig, tiny_llama, tiny_qwen2
+from vcpo_jax.model.config import EXECUTION_FIELDS, ModelConfig, tiny_llama, tiny_qwen2, tiny_qwen3
 
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that hold no parameters of the architecture (recomputed buffers).
@@ -63,6 +64,9 @@ def hf_name_map(cfg: ModelConfig) -> dict[str, _Entry]:
     if cfg.qkv_bias:
       for p in ("q_proj", "k_proj", "v_proj"):
         m[f"{hf}.self_attn.{p}.bias"] = _Entry(ours + ("self_attn", p, "bias"), False)
+    if cfg.qk_norm:
+      for p in ("q_norm", "k_norm"):
+        m[f"{hf}.self_attn.{p}.weight"] = _Entry(ours + ("self_attn", p, "scale"), False)
     for p in ("gate_proj", "up_proj", "down_proj"):
       m[f"{hf}.mlp.{p}.weight"] = _Entry(ours + ("mlp", p, "kernel"), True)
     for p in ("input_layernorm", "post_attention_layernorm"):
@@ -365,9 +369,9 @@ def _check_supported(checkpoint_dir: str) -> None:
     raw = json.load(f)
   if raw.get("use_sliding_window"):
     raise ValueError(f"{path}: use_sliding_window=true is not supported (full attention only).")
-  if raw.get("model_type") == "llama" and raw.get("attention_bias"):
+  if raw.get("model_type") in ("llama", "qwen3") and raw.get("attention_bias"):
     raise ValueError(
-      f"{path}: Llama attention_bias=true (biases on q/k/v and o_proj) is not "
+      f"{path}: {raw['model_type']} attention_bias=true (biases on q/k/v and o_proj) is not "
       "supported; only Qwen2-style q/k/v biases are."
     )
   act = raw.get("hidden_act", "silu")
@@ -424,7 +428,7 @@ def params_to_hf(model_or_params, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 
 def hf_config(cfg: ModelConfig, tokenizer=None):
-  """A transformers Qwen2Config / LlamaConfig describing `cfg` (float32 weights)."""
+  """A transformers Qwen2Config / Qwen3Config / LlamaConfig describing `cfg` (float32 weights)."""
   import transformers
 
   common = dict(
@@ -435,9 +439,12 @@ def hf_config(cfg: ModelConfig, tokenizer=None):
     num_attention_heads=cfg.num_heads,
     num_key_value_heads=cfg.num_kv_heads,
     head_dim=cfg.head_dim,
-    max_position_embeddings=cfg.max_position,
+    # "dynamic" RoPE's reference length is max_position_embeddings itself
+    max_position_embeddings=(
+      cfg.rope_scaling.original_max_position if cfg.rope_scaling.rope_type == "dynamic" else cfg.max_position
+    ),
     rms_norm_eps=cfg.rms_eps,
-    rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+    rope_parameters=cfg.rope_scaling.to_hf(cfg.rope_theta),
     tie_word_embeddings=cfg.tie_embeddings,
     hidden_act="silu",
     dtype="float32",
@@ -446,7 +453,17 @@ def hf_config(cfg: ModelConfig, tokenizer=None):
     common.update(
       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-  if cfg.model_type == "qwen2":
+  if (cfg.model_type == "qwen3") != cfg.qk_norm:
+    raise ValueError(
+      f"ModelConfig.qk_norm={cfg.qk_norm} cannot be exported as model_type={cfg.model_type!r} "
+      "(HF Qwen3 always has q/k norms, Qwen2 and Llama never); set model_type='qwen3' iff qk_norm."
+    )
+  if cfg.model_type == "qwen3":
+    if cfg.qkv_bias:
+      raise ValueError("ModelConfig.qkv_bias=True cannot be exported as model_type='qwen3'; use 'qwen2'.")
+    hf = transformers.Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
+    hf.architectures = ["Qwen3ForCausalLM"]
+  elif cfg.model_type == "qwen2":
     if not cfg.qkv_bias:
       raise ValueError(
         "ModelConfig.qkv_bias=False cannot be exported as model_type='qwen2' (HF Qwen2 "
@@ -509,8 +526,8 @@ def make_tiny_checkpoint(
 
   Args:
     out_dir: where to write config.json, model.safetensors and tokenizer files.
-    family: "qwen2" (GQA, q/k/v bias, tied) or "llama" (untied, no bias); the
-      `tiny_qwen2` / `tiny_llama` presets.
+    family: "qwen2" (GQA, q/k/v bias, tied), "qwen3" (q/k norms, no bias, tied) or "llama"
+      (untied, no bias); the `tiny_qwen2` / `tiny_qwen3` / `tiny_llama` presets.
     vocab_size: defaults to the tokenizer's size (len(tokenizer)), or 256 without one.
     seed: numpy seed of the init (N(0, 0.02^2) weights, zero biases, unit scales,
       as `Transformer` initializes them).
@@ -522,7 +539,7 @@ def make_tiny_checkpoint(
   """
   from vcpo_jax.model.tokenizer import build_char_tokenizer
 
-  presets = {"qwen2": tiny_qwen2, "llama": tiny_llama}
+  presets = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "llama": tiny_llama}
   if family not in presets:
     raise ValueError(f"family must be one of {sorted(presets)}, got {family!r}.")
   tok = build_char_tokenizer() if tokenizer else None

@@ -1,4 +1,4 @@
-"""Decoder-only transformer policy in Flax NNX (Qwen2/Qwen2.5 and Llama families).
+"""Decoder-only transformer policy in Flax NNX (Qwen2/Qwen2.5, Qwen3 dense and Llama families).
 
 Shape legend: B batch, T query tokens, S key tokens (T without a cache, the cache
 length with one), D model width, F MLP width, N query heads, K key/value heads,
@@ -24,6 +24,7 @@ from flax import nnx
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import attention as attn
 from vcpo_jax.model import logprobs, taps
+from vcpo_jax.model import rope as rope_lib
 from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.model.taps import TapInfo, forbid, tap, tap_head
 
@@ -93,16 +94,9 @@ class RMSNorm(nnx.Module):
 
 
 def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, rotate-half convention (Hugging Face Llama/Qwen2)."""
-  h = x_btnh.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
-  angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
-  x32 = x_btnh.astype(jnp.float32)
-  x1, x2 = jnp.split(x32, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x32 * cos + rotated * sin).astype(x_btnh.dtype)
+  """Default rotary embedding, rotate-half convention (Hugging Face Llama/Qwen2); see `rope_lib`."""
+  inv, _ = rope_lib.inv_freq(x_btnh.shape[-1], theta, rope_lib.RopeScaling(), positions_bt)
+  return rope_lib.apply(x_btnh, positions_bt, inv)
 
 
 class Attention(nnx.Module):
@@ -112,15 +106,21 @@ class Attention(nnx.Module):
     self.k_proj = Linear(d, cfg.num_kv_heads * h, name=f"{name}.k_proj", use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
     self.v_proj = Linear(d, cfg.num_kv_heads * h, name=f"{name}.v_proj", use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
     self.o_proj = Linear(cfg.num_heads * h, d, name=f"{name}.o_proj", use_bias=False, dtype=dt, rngs=rngs)
+    self.q_norm = RMSNorm(h, cfg.rms_eps, name=f"{name}.q_norm", dtype=dt) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(h, cfg.rms_eps, name=f"{name}.k_norm", dtype=dt) if cfg.qk_norm else None
     self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, h
-    self.rope_theta = cfg.rope_theta
+    self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
     self.implementation, self.chunk = cfg.attention, cfg.attention_chunk
 
   def __call__(self, x_btd, positions_bt, mask, cache: LayerCache | None, cache_index):
     b, t, _ = x_btd.shape
     n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
-    q = rope(self.q_proj(x_btd).reshape(b, t, n, h), positions_bt, self.rope_theta)
-    kk = rope(self.k_proj(x_btd).reshape(b, t, k, h), positions_bt, self.rope_theta)
+    q = self.q_proj(x_btd).reshape(b, t, n, h)
+    kk = self.k_proj(x_btd).reshape(b, t, k, h)
+    if self.q_norm is not None:  # Qwen3: per-head RMSNorm over H before RoPE
+      q, kk = self.q_norm(q), self.k_norm(kk)
+    inv, m = rope_lib.inv_freq(h, self.rope_theta, self.rope_scaling, positions_bt)
+    q, kk = rope_lib.apply(q, positions_bt, inv, m), rope_lib.apply(kk, positions_bt, inv, m)
     vv = self.v_proj(x_btd).reshape(b, t, k, h)
     q, kk, vv = (sh.constrain(a, sh.HEADS_BTNH) for a in (q, kk, vv))
     kw = {"implementation": self.implementation, "chunk": self.chunk}
