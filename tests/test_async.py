@@ -124,7 +124,10 @@ def test_staleness_bound_pauses_the_sampler_then_kill_is_reported_and_nothing_le
     if armed:
       raise _Signal()
 
-  config = _tiny(steps=20, **{"lag.k": k, "async_.timeout_s": 3.0, "async_.queue_slots": k + 3})
+  # max_sampler_restarts=0: a failed sampler ends the run, as before replacement existed (tests/test_recovery.py)
+  config = _tiny(
+    steps=20, **{"lag.k": k, "async_.timeout_s": 3.0, "async_.queue_slots": k + 3, "async_.max_sampler_restarts": 0}
+  )
   src, params = _source(config, workdir=str(tmp_path), interrupt=interrupt)
   dead = orphans(cleanup.run_id())  # a previous run killed with its whole process group
   try:
@@ -167,7 +170,7 @@ def test_staleness_bound_pauses_the_sampler_then_kill_is_reported_and_nothing_le
 
 def test_worker_exception_reaches_the_learner_with_its_traceback():
   """A failure inside the sampler (here: prompts longer than the bucket) surfaces in next() with the cause."""
-  src, params = _source(_tiny(**{"task.max_prompt_len": 4}))
+  src, params = _source(_tiny(**{"task.max_prompt_len": 4, "async_.max_sampler_restarts": 0}))
   try:
     src.publish(params, 0)
     paths = src.resource_paths()

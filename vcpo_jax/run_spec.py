@@ -173,6 +173,8 @@ class AsyncConfig:
   update_every_tokens: int = 16
   recompute_kv: bool = False
   peer_lost_s: float = 30.0  # multi-host: a learner process without a heartbeat this long is lost
+  max_sampler_restarts: int = 3  # a dead / hung sampler is replaced at most this often per restart_window_s
+  restart_window_s: float = 3600.0  # the window of max_sampler_restarts; one more failure ends the run
 
   def __post_init__(self):
     check_field(
@@ -181,6 +183,18 @@ class AsyncConfig:
     for f in ("timeout_s", "startup_timeout_s"):
       v = getattr(self, f)
       check_field(_finite(v) and v > 0, f"async_.{f}", v, "must be a finite number of seconds > 0.")
+    check_field(
+      isinstance(self.max_sampler_restarts, int) and self.max_sampler_restarts >= 0,
+      "async_.max_sampler_restarts",
+      self.max_sampler_restarts,
+      "must be an int >= 0 (0 = a failed sampler ends the run).",
+    )
+    check_field(
+      _finite(self.restart_window_s) and self.restart_window_s > 0,
+      "async_.restart_window_s",
+      self.restart_window_s,
+      "must be a finite number of seconds > 0.",
+    )
     check_field(
       _finite(self.peer_lost_s) and self.peer_lost_s > 2.0,
       "async_.peer_lost_s",

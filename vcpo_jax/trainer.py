@@ -106,7 +106,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
 
   # ---- loop ----
   last_eval: dict = {}
-  agreed_stops = hasattr(source, "agreement")
+  agreed_stops = source.agreed_stops
   nonfinite_steps: list[int] = []
   step = start
   try:
@@ -135,7 +135,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
       _check_finite(m, step - 1, nonfinite_steps, spec.on_nonfinite)
       row = _train_row(m, batch, info, t0, t1, t2, t3)
       row.update(ref_row)
-      copy_s = source.take_copy_s() if hasattr(source, "take_copy_s") else None
+      copy_s = source.take_copy_s()
       if copy_s is not None:  # async shm path: the host copy's own seconds (see _train_row)
         row["time/publish_copy_s"] = copy_s
       if plain_step is not None and step % spec.log.norm_overhead_every == 0:
@@ -161,6 +161,11 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
     run_eval.arrived(step)  # what arrived is logged; an evaluation still running is lost (no wait here)
     _save(ckpt, step, state, source, writer, None, config_fp, force=True)
     raise SystemExit(getattr(e, "exit_code", 130))
+  except rollout.SourceFailed as e:  # e.g. the async sampler failed past async_.max_sampler_restarts
+    if not source.agreed_stops:  # several hosts save jointly, after their agreement (JobStopped above)
+      log.error("the rollout source failed (%s): saving a checkpoint at step %d", str(e).splitlines()[0], step)
+      _save(ckpt, step, state, source, writer, None, config_fp, force=True)
+    raise
   finally:
     _close_all(signals.old, source, ckpt, writer)
   return _finish(spec, workdir, primary, {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps})
@@ -569,7 +574,7 @@ def _state_tree(state, source):
   tree["queued"]: async mode's received-but-unconsumed batches (AsyncSource.queued_state); an empty list adds
   no leaves, so checkpoints without queued batches (every other mode) keep their layout."""
   versions, plist = source.state()
-  queued, queued_meta = source.queued_state() if hasattr(source, "queued_state") else ([], [])
+  queued, queued_meta = source.queued_state()
   return {"train": state, "versions": plist, "queued": queued}, versions, queued_meta
 
 
@@ -601,12 +606,7 @@ def _save(ckpt, step, state, source, writer, eval_metrics, config_fp, force=Fals
 def _restore(ckpt, step, state, source):
   saved = ckpt.restore_meta(step)
   queued_meta = saved.get("queued", [])  # checkpoints from before queued batches were kept have none
-  if queued_meta and not hasattr(source, "load_queued"):
-    raise ValueError(
-      f"the checkpoint at step {step} holds {len(queued_meta)} queued async batches; resume it with "
-      "mode='async', or start this run in a fresh workdir."
-    )
-  queued = source.queued_template(len(queued_meta)) if queued_meta else []
+  queued = source.queued_template(len(queued_meta)) if queued_meta else []  # a sync / lag source refuses some
   # Abstract (shape, dtype, sharding): orbax reads every array shard by shard into the learner's layout.
   state_target = jax.tree.map(restore_target, state)
   template = {"train": state_target, "versions": [state_target.params for _ in saved["versions"]], "queued": queued}

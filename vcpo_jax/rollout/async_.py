@@ -141,6 +141,7 @@ from vcpo_jax.rollout.common import lag_stats
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.param_slot import ParamSlot
 from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
+from vcpo_jax.rollout.source import RolloutSource, SourceFailed
 
 _POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
 # close(): how long to wait for the stop message to be obeyed (a worker inside generation only reads it when
@@ -150,7 +151,7 @@ _STOP_GRACE_S = 1.0
 log = logging.getLogger("vcpo_jax")
 
 
-class SamplerDiedError(RuntimeError):
+class SamplerDiedError(SourceFailed):
   """The async sampler process exited while the learner depended on it."""
 
 
@@ -232,7 +233,7 @@ def _describe_exit(code: int | None) -> str:
   return f"exited with code {code}"
 
 
-class AsyncSource:
+class AsyncSource(RolloutSource):
   """Rollout source backed by a spawned sampler process; same interface as `LagSource`.
 
   Args:
@@ -299,6 +300,10 @@ class AsyncSource:
     self._prev_idle = (0.0, 0.0)  # the worker's (idle_s_total, elapsed_s_total) at the previous batch
     self._published = -1
     self._received = 0  # batches taken from the queue
+    self._next_step = 0  # the learner's next batch
+    self._fresh = True  # no batch from the current sampler yet: waits get async_.startup_timeout_s
+    self.sampler_restarts = 0  # samplers replaced so far (async/sampler_restarts of every row)
+    self._restart_times: collections.deque = collections.deque()  # monotonic times of the replacements
     # Batches received (drained at a checkpoint, or restored from one) but not consumed yet, oldest first:
     # (arrays, meta, restored) with restored=True for those of an earlier run (their idle totals are its own).
     self._pending: collections.deque = collections.deque()
@@ -354,11 +359,16 @@ class AsyncSource:
         ", ".join(sorted({f"run {x.run} (pid {x.pid})" for x in stale})),
       )
     first = int(version) + len(self._pending)  # restored batches cover steps version .. first - 1
+    self._next_step = int(version)
     if self._pending and self._pending[0][1]["step"] != int(version):
       raise RuntimeError(
         f"async source: restored queued batches start at step {self._pending[0][1]['step']} but the first "
         f"published version is {version}; publish the restored parameters with version = the restored step."
       )
+    self._spawn(arrays, version, first)
+
+  def _spawn(self, arrays: dict, version: int, first: int):
+    """Fresh shared memory holding version `version`, and a sampler that makes batches first, ..., steps - 1."""
     self._open_slot(arrays, version)
     self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
     if self.eval_args is not None:  # one copy: the worker reads a request once, the learner writes rarely
@@ -435,12 +445,13 @@ class AsyncSource:
         self._eval_spec = {n: (tuple(x.shape), np.dtype(x.dtype)) for n, x in zip(names, leaves)}
       self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
     elif not self.background:  # device_get (a view on CPU), one copy into the slot with its checksum
+      self._replace_if_dead()
       self._poll_publish()
       t1 = time.perf_counter()
       self._write(self._host_arrays(jax.tree.leaves(params), params), version, self._poll_publish)
       self._copy_s.append(time.perf_counter() - t1)
     else:
-      self._raise_if_dead()
+      self._replace_if_dead()
       self._raise_thread_error()
       self._hand_over(self._snap(jax.tree.leaves(params)), version, params)  # dispatched, not waited for
     self._published = version
@@ -453,10 +464,10 @@ class AsyncSource:
       last = self._copy_s.popleft()
     return last
 
-  def _hand_over(self, snap: list, version: int, params):
+  def _hand_over(self, snap: list, version: int, params, names=None):
     """Gives the background publisher the newest snapshot (replacing one it has not taken yet)."""
     with self._cv:
-      self._todo = (snap, version, worker_lib.param_names(params))
+      self._todo = (snap, version, names or worker_lib.param_names(params))
       self._cv.notify_all()
     if self._thread is None:
       self._thread = threading.Thread(target=self._publisher, name="vcpo-async-publish", daemon=True)
@@ -536,43 +547,57 @@ class AsyncSource:
       )
     t0 = time.monotonic()
     if self._pending:
-      batch, meta, restored = self._pending.popleft()
-      if meta["step"] != step:
-        raise RuntimeError(
-          f"async source: the oldest unconsumed batch is batch {meta['step']}, requested at learner step {step}; "
-          "the learner must consume batches in order, one per step."
-        )
-      return self._info(step, batch, meta, time.monotonic() - t0, restored=restored)
-    timeout = self.timeout_s if self._received else self.startup_timeout_s
+      return self._pop_pending(step, t0)
+    timeout = self.startup_timeout_s if self._fresh else self.timeout_s
     deadline = t0 + timeout
     item = None
     while item is None:
       if self._interrupt is not None:
         self._interrupt()  # raises (e.g. the trainer's Interrupted) once a signal has arrived
-      self._raise_if_error()
-      self._raise_thread_error()
       # Exceptions are raised outside the `except` blocks: a chained __context__ would keep the queue's
       # frames (and its semaphores) alive in the traceback after close().
-      failure = None
+      failure = replaceable = None
       try:
+        self._raise_if_error()
+        self._raise_thread_error()
         item = self.queue.get(timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
+      except SamplerDiedError as e:
+        failure = replaceable = e
       except queue_lib.Empty:
         if time.monotonic() >= deadline:
           failure = TimeoutError(self._timeout_message(step, timeout))
+          if self._published >= step - self.k:  # not paused on the staleness bound: hung (or stopped)
+            replaceable = failure
       except QueueFinished:
         failure = RuntimeError(
           f"async source: batch {step} requested but the sampler made only batches up "
           f"to steps - 1 = {self.end_step - 1}."
         )
       except PeerDiedError as e:
-        failure = self._died_error(f"while the learner waited for batch {step}: {e}")
+        failure = replaceable = self._died_error(f"while the learner waited for batch {step}: {e}")
       if failure is not None:
         if self._interrupt is not None:
           self._interrupt()  # a signal to the whole group may also have ended the sampler: signal first
-        raise failure
+        if replaceable is None or not self._replace(replaceable):
+          raise failure
+        failure = replaceable = None
+        if self._pending:  # batches the replaced sampler had completed
+          return self._pop_pending(step, t0)
+        timeout = self.startup_timeout_s
+        deadline = time.monotonic() + timeout
     wait_s = time.monotonic() - t0
     self._received += 1
+    self._fresh = False
     return self._info(step, item.arrays, item.meta, wait_s)
+
+  def _pop_pending(self, step: int, t0: float) -> tuple[batch_lib.Batch, dict]:
+    batch, meta, restored = self._pending.popleft()
+    if meta["step"] != step:
+      raise RuntimeError(
+        f"async source: the oldest unconsumed batch is batch {meta['step']}, requested at learner step {step}; "
+        "the learner must consume batches in order, one per step."
+      )
+    return self._info(step, batch, meta, time.monotonic() - t0, restored=restored)
 
   def _info(
     self, step: int, batch: dict, meta: dict, wait_s: float, restored: bool = False
@@ -583,6 +608,7 @@ class AsyncSource:
         f"async source: received batch {meta['step']} at learner step {step}; the learner must "
         "consume batches in order, one per step, starting at the first published version."
       )
+    self._next_step = step + 1
     lag = step - batch["policy_version"]
     if lag.min() < 0 or lag.max() > self.k:
       raise RuntimeError(f"async source: batch {step} has lags [{lag.min()}, {lag.max()}] outside [0, {self.k}].")
@@ -620,13 +646,86 @@ class AsyncSource:
       sampler_idle_frac=d_idle / d_elapsed if d_elapsed > 0 else 0.0,  # since the previous batch
       sampler_idle_s_total=idle,
       sampler_elapsed_s_total=elapsed,
-      metrics={**dict(meta.get("metrics") or {}), **token_lag_stats(step, tv)},
+      metrics={
+        **dict(meta.get("metrics") or {}),
+        **token_lag_stats(step, tv),
+        "async/sampler_restarts": self.sampler_restarts,
+      },
       params_checksum=meta.get("params_checksum"),  # the sampler's echo, checked against the published one
       producer=(meta.get("sampler_pid"), meta.get("seq")),  # which sampler made it, its n-th batch
       restored=restored,  # True: queued when the checkpoint this run resumed from was saved
       grading_failures=int(meta.get("grading_failures", 0)),  # the sampler process's count for this batch
     )  # the maker's scalars (multi-turn: rollout/turns_mean, ...)
     return batch_lib.Batch.from_arrays(batch), info
+
+  # -- replacing a failed sampler
+
+  replaceable = True  # subclasses whose sampler is not a process of this class's shm channels: False
+
+  def _replace_if_dead(self):
+    """publish() of a dead sampler: replace it (within the restart budget) or raise SamplerDiedError."""
+    self._poll_error()
+    if self._error is not None or self.proc.exitcode is not None:
+      err = self._died_error("at publish()")
+      if not self._replace(err):
+        raise err
+
+  def _replace(self, failure: BaseException) -> bool:
+    """Replaces the failed (dead, hung or stopped) sampler; False once the restart budget is spent.
+
+    Budget: async_.max_sampler_restarts replacements within any async_.restart_window_s seconds. The batches
+    the old sampler completed are kept (drained into the host list) and served first; the one it was making
+    is dropped, and the new sampler starts at the first step not covered, so every step's prompts
+    (fold_in(key, step)) are made exactly once. It gets fresh shared memory holding the newest version
+    written into the old slot, and the staleness bound is the worker's as before: batch b once v >= b - k.
+    """
+    now = time.monotonic()
+    while self._restart_times and now - self._restart_times[0] > float(self.cfg.restart_window_s):
+      self._restart_times.popleft()
+    if not self.replaceable or len(self._restart_times) >= int(self.cfg.max_sampler_restarts):
+      return False
+    old_pid = self.proc.pid
+    self._drain()  # what the old sampler completed
+    self._quiesce_publisher()
+    version, arrays = self.slot.latest(timeout=60.0)  # the newest version written, in the publish dtype
+    self._finalizer()  # stops the old sampler (SIGKILL at once if stopped), reaps it
+    for x in (self.queue, self.slot, self.eval_slot, self.conn):
+      if x is not None:
+        x.close()
+    self.queue = self.slot = self.eval_slot = self.conn = None
+    self._error, self._prev_idle, self._fresh = None, (0.0, 0.0), True
+    self._eval_outstanding = None  # its record would come from the old sampler: that evaluation is dropped
+    first = self._pending[-1][1]["step"] + 1 if self._pending else self._next_step
+    self._spawn(arrays, version, first)
+    self._restart_times.append(now)
+    self.sampler_restarts += 1
+    log.warning(
+      "async: replaced the sampler (pid %d -> %d, restart %d of async_.max_sampler_restarts=%d per %g s) "
+      "after: %s; %d queued batches kept, the new one starts at batch %d from version %d",
+      old_pid,
+      self.proc.pid,
+      len(self._restart_times),
+      int(self.cfg.max_sampler_restarts),
+      float(self.cfg.restart_window_s),
+      str(failure).splitlines()[0],
+      len(self._pending),
+      first,
+      version,
+    )
+    if self._thread is None and self._todo is not None:  # a snapshot the failed thread had not taken
+      self._hand_over(self._todo[0], self._todo[1], None, names=self._todo[2])
+    return True
+
+  def _quiesce_publisher(self):
+    """Lets the background publisher finish its copy into the old slot; a thread that failed is restarted later."""
+    if self._thread is None:
+      return
+    try:
+      self.flush(timeout=60.0)
+    except (SamplerDiedError, RuntimeError, TimeoutError) as e:
+      log.warning("async: the background publisher stopped with the sampler: %s", e)
+    if not self._thread.is_alive():
+      self._thread = None
 
   # -- failure reporting
 
@@ -683,7 +782,7 @@ class AsyncSource:
     )
     if _stopped(self.proc.pid):
       why = f"the sampler process (pid {self.proc.pid}) is stopped (SIGSTOP / SIGTSTP?); `kill -CONT` resumes it"
-    name = "timeout_s" if self._received else "startup_timeout_s"
+    name = "startup_timeout_s" if self._fresh else "timeout_s"
     return (
       f"async source: no batch {step} within async_.{name}={timeout:g} s; {why}. Raise "
       f"async_.{name} if generation is legitimately that slow."

@@ -196,6 +196,8 @@ class DeviceAsyncSource(async_.AsyncSource):
   """AsyncSource whose sampler is a thread on async_.sampler_devices of this process; publish() is a
   device-to-device `jax.device_put` (see the module docstring). Same arguments as AsyncSource."""
 
+  replaceable = False  # a failed sampler ends the run (AsyncSource._replace covers the shm path only)
+
   def __init__(self, cfg, *a, **kw):
     check_device_path(cfg, jax.process_count(), jax.device_count())
     super().__init__(cfg, *a, **kw)

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 
 from vcpo_jax.batch import Batch
 from vcpo_jax.rollout.common import RolloutMaker, lag_stats
+from vcpo_jax.rollout.source import RolloutSource
 
 
-class LagSource:
+class LagSource(RolloutSource):
   def __init__(self, maker: RolloutMaker, k: int, key: jax.Array):
     if k < 0:
       raise ValueError(f"lag.k={k} must be >= 0.")

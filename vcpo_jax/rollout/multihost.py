@@ -142,6 +142,9 @@ def local_copy(x) -> np.ndarray:
 class MultiHostAsyncSource(async_.AsyncSource):
   """AsyncSource for one process of a multi-host job (same arguments; also reads `cfg.peer_lost_s`)."""
 
+  agreed_stops = True  # next() agrees on every stop (signal, failure) with the other hosts
+  replaceable = False  # a failed sampler ends the run (AsyncSource._replace covers the shm path only)
+
   def __init__(self, cfg, key, model_cfg, graphdef, tokenizer, maker, *, k, steps, workdir=None, interrupt=None):
     super().__init__(
       cfg, key, model_cfg, graphdef, tokenizer, maker, k=k, steps=steps, workdir=workdir, interrupt=interrupt

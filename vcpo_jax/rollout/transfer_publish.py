@@ -149,6 +149,8 @@ class TransferAsyncSource(async_.AsyncSource):
   """AsyncSource whose spawned sampler pulls each version it takes from this process's devices with
   `jax.experimental.transfer` (see the module docstring). Same arguments as AsyncSource."""
 
+  replaceable = False  # a failed sampler ends the run (AsyncSource._replace covers the shm path only)
+
   def __init__(self, cfg, *a, **kw):
     check_transfer_path(cfg, jax.process_count())
     super().__init__(cfg, *a, **kw)

@@ -1,0 +1,137 @@
+"""Async mode: a crashed or hung sampler process is replaced and training goes on (fault injection).
+
+What a user sees: SIGKILL of the sampler during a run -> the run finishes (every step trained and logged
+once, no batch used twice, lags in [0, k], async/sampler_restarts counting the replacements, nothing left in
+/dev/shm); past async_.max_sampler_restarts -> the run ends with SamplerDiedError and a checkpoint of the
+last completed step. A stopped (SIGSTOP) sampler is replaced once async_.timeout_s passes without a batch.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.test_async import _assert_removed, _source, _tiny
+from vcpo_jax import metrics as metrics_lib
+from vcpo_jax import rollout, trainer
+from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.rollout import async_
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+  """Every replacement sampler loads the programs the first one compiled (jax's persistent cache)."""
+  with pytest.MonkeyPatch.context() as mp:
+    for var, value in (
+      ("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache"))),
+      ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+      ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0"),
+    ):
+      mp.setenv(var, value)
+    yield
+
+
+def _killing_sources(monkeypatch, kill_at, sig=signal.SIGKILL):
+  """Wraps build_source: before learner step s in `kill_at` the current sampler gets `sig`.
+
+  Returns (built, seen, paths, kills): the sources, (step, policy_version, info) per consumed batch, every
+  /dev/shm path any of the run's samplers used, and per kill (step, pid, seconds until the first batch made by
+  the next sampler was consumed)."""
+  built, seen, paths, kills = [], [], set(), []
+  build = rollout.build_source
+
+  def recording_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt = src.next
+
+    def next_(step):
+      if src.proc is not None:
+        paths.update(src.resource_paths())
+      if step in kill_at:
+        kills.append([step, src.pid, time.monotonic(), None])
+        os.kill(src.pid, sig)
+      batch, info = nxt(step)
+      paths.update(src.resource_paths())
+      if kills and kills[-1][3] is None and info["producer"][0] != kills[-1][1]:
+        kills[-1][3] = time.monotonic() - kills[-1][2]  # kill -> first batch of the replacement consumed
+      seen.append((step, batch["policy_version"].copy(), info))
+      return batch, info
+
+    src.next = next_
+    built.append(src)
+    return src
+
+  monkeypatch.setattr(rollout, "build_source", recording_build_source)
+  return built, seen, paths, kills
+
+
+@pytest.mark.exclusive  # shared-memory leak checks
+def test_two_sigkills_replace_the_sampler_and_the_run_finishes(tmp_path):
+  k, steps = 2, 12
+  with pytest.MonkeyPatch.context() as mp:  # 8: the replacement has made batches by then
+    built, seen, paths, kills = _killing_sources(mp, kill_at={3, 8})
+    workdir = str(tmp_path / "run")
+    summary = trainer.run(_tiny(steps=steps, **{"lag.k": k}), workdir)
+  assert summary["step"] == steps
+  (src,) = built
+  assert [s for s, _, _ in seen] == list(range(steps))  # every step once, in order
+  producers = [info["producer"] for _, _, info in seen]
+  assert len(set(producers)) == steps  # no batch (sampler pid, its n-th batch) used twice
+  assert len({pid for pid, _ in producers}) == 3  # the first sampler and two replacements
+  assert src.sampler_restarts == 2
+  for step, versions, info in seen:
+    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+  pids = [pid for pid, _ in producers]
+  for s, pid, _, _ in kills:  # the killed sampler's queued batches first, then only the replacement's
+    after = pids[s:]
+    assert pid not in after[next(i for i, p in enumerate(after) if p != pid) :]
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1))  # each step logged once
+  restarts = [r["async/sampler_restarts"] for r in recs]
+  assert restarts == sorted(restarts) and restarts[0] == 0 and restarts[-1] == 2
+  assert src.proc.exitcode == 0
+  _assert_removed(sorted(paths))
+  for s, pid, _, dt in kills:
+    print(f"kill before step {s} (pid {pid}): first batch of the replacement consumed after {dt:.1f} s")
+
+
+@pytest.mark.exclusive
+def test_a_kill_past_the_restart_budget_ends_the_run_with_a_checkpoint(tmp_path):
+  over = {"lag.k": 2, "async_.max_sampler_restarts": 1, "checkpoint.every": 100}
+  with pytest.MonkeyPatch.context() as mp:
+    built, seen, paths, _ = _killing_sources(mp, kill_at={2, 4})
+    workdir = str(tmp_path / "run")
+    with pytest.raises(async_.SamplerDiedError, match="SIGKILL"):
+      trainer.run(_tiny(steps=10, **over), workdir)
+  (src,) = built
+  last = seen[-1][0]
+  assert src.sampler_restarts == 1 and 4 <= last + 1 < 10
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    assert ckpt.latest_step() == last + 1  # the last completed step
+  finally:
+    ckpt.close()
+  _assert_removed(sorted(paths))
+
+
+@pytest.mark.exclusive
+def test_a_stopped_sampler_is_replaced_after_timeout_s():
+  """SIGSTOP: no batch within async_.timeout_s (the bound allows one) -> killed and replaced."""
+  k = 2
+  src, params = _source(_tiny(steps=8, **{"lag.k": k, "async_.timeout_s": 3.0, "async_.queue_slots": 1}))
+  try:
+    src.publish(params, 0)
+    src.next(0)
+    first = src.pid
+    os.kill(first, signal.SIGSTOP)
+    for step in range(1, 5):
+      src.publish(params, step)
+      batch, info = src.next(step)
+      assert (step - k <= batch["policy_version"]).all() and (batch["policy_version"] <= step).all()
+    assert src.sampler_restarts == 1 and src.pid != first
+    assert info["producer"][0] == src.pid
+    paths = src.resource_paths()
+  finally:
+    src.close()
+  _assert_removed(paths)
