@@ -2,6 +2,7 @@
 the per-run plots' duplicate-series rule, resume gaps and clip-norm line (vcpo_jax.metrics)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,3 +189,39 @@ def test_default_config_runs_async_and_prints_its_summary(tmp_path):
   assert s["lag_max"] <= 4 and s["steps"] == 6
   for name in ("reward.png", "ess.png", "lr_scale.png", "grad_norm.png", "lag.png"):
     assert (work / "plots" / name).exists(), name
+
+
+def _add_grad_rows(run, var_ratio=(1.0, 1.5, 2.0, 1.25)):
+  """Appends telemetry fields (vcpo_jax.telemetry's grad/ keys) to each train row of a hand-made run."""
+  path = Path(run) / "metrics.jsonl"
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  train = [r for r in rows if "train/ess_ratio" in r]
+  for r, v in zip(train, var_ratio):
+    r.update({"grad/ess_ratio": 0.5, "grad/top1_share": 0.25, "grad/snr": 4.0, "grad/var_ratio": v})
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return run
+
+
+def test_compare_figure_draws_the_grad_panels_only_when_logged(tmp_path):
+  plain = _write_run(tmp_path / "plain")
+  assert len(compare.figure([plain]).axes) == 2 * len(compare.PANELS)  # no grad/ data: no grad rows
+  tele = _add_grad_rows(_write_run(tmp_path / "tele", mode="lag", k=8))
+  fig = compare.figure([plain, tele])
+  logged = [p for p in compare.GRAD_PANELS if p[0] != "grad/ref_cosine"]  # ref_cosine not in the rows
+  assert len(fig.axes) == 2 * (len(compare.PANELS) + len(logged))
+  for i, (key, title, ylabel) in enumerate(logged):
+    row = fig.axes[2 * (len(compare.PANELS) + i) : 2 * (len(compare.PANELS) + i) + 2]
+    assert [ax.get_title() for ax in row] == [title, title] and row[0].get_ylabel() == ylabel
+    assert [ax.get_xlabel() for ax in row] == ["learner step", "wall-clock (s since the run started)"]
+    (line,) = row[0].get_lines()  # only the telemetry run has the series
+    assert line.get_label() == compare.identity(tele)["label"]
+    if key == "grad/var_ratio":
+      np.testing.assert_allclose(line.get_xdata(), [1, 2, 3, 4])
+      np.testing.assert_allclose(line.get_ydata(), [1.0, 1.5, 2.0, 1.25])
+
+
+def test_run_plots_include_the_grad_plots_when_logged(tmp_path):
+  run = _add_grad_rows(_write_run(tmp_path / "r"))
+  names = sorted(p.rsplit("/", 1)[1] for p in metrics.plot_run(run))
+  assert "grad_concentration.png" in names and "grad_baseline.png" in names
+  assert "grad_noise.png" not in names  # no grad/sq_norm or grad/cov_trace in these rows

@@ -210,3 +210,29 @@ def test_only_the_primary_process_writes(tmp_path):
   w.close()
   assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no eval.jsonl, no tb/
   assert metrics.read_jsonl(str(tmp_path / "metrics.jsonl")) == [{"step": 5}]  # not truncated either
+
+
+def test_grad_plots_are_drawn_from_hand_made_rows():
+  rows = [
+    {
+      "step": s,
+      "wall_time": 0.5 * s,
+      "grad/sq_norm": 2.0 * s,
+      "grad/cov_trace": 1.0 + s,
+      "grad/var_ratio": 1.0 + s / 10,
+    }
+    for s in (1, 2, 3)
+  ]
+  plots = {p[0]: p for p in metrics.PLOTS}
+  _, title, keys, ylabel = plots["grad_noise"]
+  fig = metrics.figure(rows, title, keys, ylabel, run="vcpo lag k=8")
+  step_ax, wall_ax = fig.axes
+  assert [ln.get_label() for ln in step_ax.get_lines()] == ["grad/sq_norm", "grad/cov_trace"]
+  np.testing.assert_allclose(step_ax.get_lines()[0].get_ydata(), [2.0, 4.0, 6.0])
+  np.testing.assert_allclose(wall_ax.get_lines()[1].get_xdata(), [0.5, 1.0, 1.5])
+  assert (step_ax.get_xlabel(), step_ax.get_ylabel()) == ("learner step", ylabel)
+  assert fig._suptitle.get_text() == f"{title}: vcpo lag k=8"
+  _, title, keys, ylabel = plots["grad_baseline"]
+  (line,) = metrics.figure(rows, title, keys, ylabel).axes[0].get_lines()
+  np.testing.assert_allclose(line.get_ydata(), [1.1, 1.2, 1.3])
+  assert metrics.figure(rows, *plots["grad_concentration"][1:]) is None  # no concentration keys: no plot

@@ -3,7 +3,8 @@
   python -m vcpo_jax.compare RUN_DIR [RUN_DIR ...] --out=compare.png [--smooth=10]
 
 draws every run in one figure: eval accuracy, train accuracy, ESS ratio, lr scale and lag (mean) against the
-learner step (left) and wall-clock seconds (right). Each curve is labelled with the run's identity, read from
+learner step (left) and wall-clock seconds (right), and, when some run logs them (vcpo_jax.telemetry), the
+gradient ESS, top-1 share, signal-to-noise, baseline variance ratio and reference cosine (GRAD_PANELS). Each curve is labelled with the run's identity, read from
 its config.json: method, mode, lag bound k, lr and seed (`identity`). `--smooth=W` draws the per-step series
 as a trailing mean over W steps (evaluations are never smoothed); y-ranges are fitted to the data.
 
@@ -29,6 +30,14 @@ PANELS = (
   ("train/ess_ratio", "ESS ratio of the importance weights", "ESS / N"),
   ("train/lr_scale", "learning-rate scale", "lr scale (x configured lr)"),
   ("train/lag_mean", "policy lag (mean over the batch)", "lag (learner steps)"),
+)
+# Rows added when some run logs them (vcpo_jax.telemetry's grad/ metrics: ghost-norm paths only).
+GRAD_PANELS = (
+  ("grad/ess_ratio", "gradient ESS of the per-trajectory update magnitudes", "gradient ESS / N"),
+  ("grad/top1_share", "share of sum c^2 ||g||^2 held by the largest trajectory", "top-1 share"),
+  ("grad/snr", "gradient signal-to-noise ||G||^2 / tr Cov(G)", "SNR (ratio)"),
+  ("grad/var_ratio", "baseline variance: applied / minimum-variance", "V(b used) / V(b min)"),
+  ("grad/ref_cosine", "cosine of the update to the on-policy reference gradient", "cosine"),
 )
 X_AXES = (("step", "learner step"), ("wall_time", "wall-clock (s since the run started)"))
 
@@ -110,9 +119,10 @@ def figure(workdirs: list[str], smoothing: int = 0, title: str | None = None):
     f"{lab} ({w.rstrip('/').split('/')[-1]})" if labels.count(lab) > 1 else lab for lab, w in zip(labels, workdirs)
   ]
   runs = [(lab, read_jsonl(fs.join(w, "metrics.jsonl"))) for lab, w in zip(labels, workdirs)]
-  fig, axes = plt.subplots(len(PANELS), 2, figsize=(12, 2.6 * len(PANELS)), squeeze=False)
+  panels = list(PANELS) + [p for p in GRAD_PANELS if any(series(r, p[0])[0].size for _, r in runs)]
+  fig, axes = plt.subplots(len(panels), 2, figsize=(12, 2.6 * len(panels)), squeeze=False)
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-  for row, (key, panel, ylabel) in enumerate(PANELS):
+  for row, (key, panel, ylabel) in enumerate(panels):
     values = []
     for col, (x, xlabel) in enumerate(X_AXES):
       ax = axes[row, col]

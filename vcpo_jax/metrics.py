@@ -38,6 +38,20 @@ PLOTS = (
     ("grad/top1_share", "grad/top5pct_share", "grad/ess_ratio", "grad/ref_cosine"),
     "share, gradient ESS / N, cosine (fractions of sum c^2 g^2, of N; cosine)",
   ),
+  # the batch gradient's size against the trace of its estimated covariance (signal vs noise)
+  (
+    "grad_noise",
+    "gradient signal and noise (||G||^2, tr Cov(G) from the per-example norms)",
+    ("grad/sq_norm", "grad/cov_trace"),
+    "squared gradient norm (surrogate units^2)",
+  ),
+  # the applied baseline's b-dependent variance against the minimum-variance baseline's for the applied weights
+  (
+    "grad_baseline",
+    "baseline variance: applied / minimum-variance for the applied weights",
+    ("grad/var_ratio",),
+    "V(b used) / V(b min) (1 = optimal)",
+  ),
 )
 # Overlaid series are drawn widest first, each narrower and in its own dash pattern on top, so a series equal
 # to another (train/reward_mean is train/accuracy for a 0/1 reward) still shows as a wide band around a line.

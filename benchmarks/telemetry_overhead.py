@@ -1,0 +1,167 @@
+"""The gradient-variance telemetry's cost per learner step: the CPU default's step with it and without, interleaved.
+
+    python -m benchmarks.telemetry_overhead [--rounds=9] [--steps=10] [--method=vcpo]
+
+One process, one CPU device, the CPU default's learner (configs/countdown.py: VCPO, ghost norms, N = P x G = 64
+rows x T = 24 + 16 tokens) on one fixed batch (numpy seed 0: random tokens, 1/0 rewards, a stale behaviour
+log-prob, so the baseline part of the telemetry runs too). Two train steps are built from the same
+`learner.make_train_step`, jitted the same way (the state donated, as `trainer.run` does): "on" is the step
+as it ships (`vcpo_jax.telemetry.step_telemetry` adds the grad/ metrics), "off" is traced with
+`step_telemetry` replaced by `lambda *a: {}` (the step without the telemetry's arithmetic). Both compile and
+warm up first; each round then times `--steps` consecutive steps of each (the order alternates by round),
+and the round's ratio is median(on) / median(off). Reported: the median and range of the per-round ratios,
+the median step times, the number of backend compiles during the timed rounds (0: nothing compiled
+mid-run), and the load average (`os.getloadavg`) before and after: on a shared machine other jobs' load
+moves both sides, which interleaving spreads over both. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def build(method: str):
+  """(step_on, step_off, state_on, state_off, batch, n, t): the two jitted steps and their inputs."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from configs import countdown
+  from vcpo_jax import learner, optim, run_config, telemetry
+  from vcpo_jax.model import tokenizer as tok_lib
+  from vcpo_jax.model import transformer
+
+  c = countdown.get_config(None)
+  c.method = method
+  spec = run_config.parse_config(c)
+  tok = tok_lib.build_char_tokenizer()
+  model_cfg = spec.model_cfg.replace(vocab_size=max(spec.model_cfg.vocab_size, len(tok)))
+  graphdef, params = transformer.split(transformer.init(model_cfg, seed=spec.seed))
+  tx = optim.make_optimizer(
+    spec.lr,
+    weight_decay=spec.weight_decay,
+    clip_norm=spec.clip_norm,
+    b1=spec.b1,
+    b2=spec.b2,
+    schedule=spec.schedule,
+    total_steps=spec.steps,
+  )
+  n, tp, tn = spec.rollout.batch_size, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens
+  g = spec.rollout.group_size
+  rng = np.random.default_rng(0)
+  p_len = rng.integers(tp // 2, tp + 1, n)
+  r_len = rng.integers(2, tn + 1, n)
+  prompt = np.arange(tp)[None] >= tp - p_len[:, None]
+  resp = np.arange(tn)[None] < r_len[:, None]
+  valid = np.concatenate([prompt, resp], 1)
+  loss = np.concatenate([np.zeros_like(prompt), resp], 1)
+  batch = {
+    "tokens": np.where(valid, rng.integers(1, model_cfg.vocab_size, valid.shape), 0).astype(np.int32),
+    "valid_mask": valid,
+    "prompt_mask": np.concatenate([prompt, np.zeros_like(resp)], 1),
+    "response_mask": loss.astype(bool),
+    "loss_mask": loss.astype(np.float32),
+    "behavior_logp": ((-2.0 + 0.3 * rng.normal(size=valid.shape)) * loss).astype(np.float32),
+    "rewards": rng.integers(0, 2, n).astype(np.float32),
+    "group_id": np.repeat(np.arange(n // g), g).astype(np.int32),
+    "policy_version": np.zeros(n, np.int32),
+  }
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  states = [learner.init_state(jax.tree.map(jnp.copy, params), tx) for _ in range(2)]
+  step_on = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
+  step_off = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
+  real = telemetry.step_telemetry
+  states[0], m_on = step_on(states[0], batch)  # traced and compiled with the telemetry
+  telemetry.step_telemetry = lambda *a, **k: {}
+  try:
+    states[1], m_off = step_off(states[1], batch)  # traced and compiled without it
+  finally:
+    telemetry.step_telemetry = real
+  jax.block_until_ready((states, m_on, m_off))
+  assert any(k.startswith("grad/") for k in m_on) and not any(k.startswith("grad/") for k in m_off)
+  return step_on, step_off, states[0], states[1], batch, n, tp + tn
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--rounds", type=int, default=9)
+  p.add_argument("--steps", type=int, default=10, help="consecutive steps timed per side per round")
+  p.add_argument("--method", default="vcpo", help="estimator preset (a ghost-norm one: vcpo, seq_tis, ...)")
+  args = p.parse_args(argv)
+  for name, v in (("--rounds", args.rounds), ("--steps", args.steps)):
+    if v < 1:
+      print(f"error: {name}={v}: must be >= 1.", file=sys.stderr)
+      return 2
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  sys.path.insert(0, ROOT)
+  import jax
+
+  load_before = os.getloadavg()
+  t0 = time.perf_counter()
+  step_on, step_off, s_on, s_off, batch, n, t = build(args.method)
+  compile_s = time.perf_counter() - t0
+  sides = {"on": [step_on, s_on], "off": [step_off, s_off]}
+
+  def timed(side: str, k: int) -> list[float]:
+    fn, state = sides[side]
+    out = []
+    for _ in range(k):
+      t1 = time.perf_counter()
+      state, m = fn(state, batch)
+      jax.block_until_ready((state, m))
+      out.append(time.perf_counter() - t1)
+    sides[side][1] = state
+    return out
+
+  for side in sides:  # warm-up
+    timed(side, 3)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+    lambda e, d, **kw: compiles.append(e) if e == COMPILE_EVENT else None
+  )
+  ratios, med = [], {"on": [], "off": []}
+  for r in range(args.rounds):
+    order = ("on", "off") if r % 2 == 0 else ("off", "on")
+    got = {side: statistics.median(timed(side, args.steps)) for side in order}
+    for side, v in got.items():
+      med[side].append(v)
+    ratios.append(got["on"] / got["off"])
+  load_after = os.getloadavg()
+  res = {
+    "method": args.method,
+    "n": n,
+    "t": t,
+    "rounds": args.rounds,
+    "steps": args.steps,
+    "ratio_median": statistics.median(ratios),
+    "ratio_min": min(ratios),
+    "ratio_max": max(ratios),
+    "step_on_ms": 1e3 * statistics.median(med["on"]),
+    "step_off_ms": 1e3 * statistics.median(med["off"]),
+    "compiles_during_rounds": len(compiles),
+    "build_and_compile_s": compile_s,
+    "loadavg_before": [round(x, 2) for x in load_before],
+    "loadavg_after": [round(x, 2) for x in load_after],
+    "cpus": os.cpu_count(),
+  }
+  print(f"telemetry on / off, {args.method}, N = {n}, T = {t}, {args.rounds} rounds x {args.steps} steps")
+  print(f"  step (median): on {res['step_on_ms']:.1f} ms, off {res['step_off_ms']:.1f} ms")
+  print(
+    f"  per-round ratio on/off: median {res['ratio_median']:.4f}, range {res['ratio_min']:.4f} .. {res['ratio_max']:.4f}"
+  )
+  print(f"  backend compiles during the timed rounds: {len(compiles)}")
+  print(f"  load average before {res['loadavg_before']}, after {res['loadavg_after']} ({res['cpus']} CPUs)")
+  print(json.dumps(res))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
