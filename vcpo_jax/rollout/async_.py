@@ -137,11 +137,11 @@ import numpy as np
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import cleanup
+from vcpo_jax.rollout.base import RolloutSource, SourceFailed
 from vcpo_jax.rollout.common import lag_stats
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.param_slot import ParamSlot
 from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
-from vcpo_jax.rollout.source import RolloutSource, SourceFailed
 
 _POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
 # close(): how long to wait for the stop message to be obeyed (a worker inside generation only reads it when

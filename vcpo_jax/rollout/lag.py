@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax.batch import Batch
+from vcpo_jax.rollout.base import RolloutSource
 from vcpo_jax.rollout.common import RolloutMaker, lag_stats
-from vcpo_jax.rollout.source import RolloutSource
 
 
 class LagSource(RolloutSource):
