@@ -232,3 +232,29 @@ def test_ref_grad_every_is_rejected_in_async_mode():
 
   with pytest.raises(ConfigError, match="ref_grad_every"):
     parse_config(fixtures.tiny_countdown_config(**{"mode": "async", "lag.k": 1, "log.ref_grad_every": 2}))
+
+
+def test_nothing_is_compiled_after_the_first_step_with_telemetry_on(tiny):
+  """The grad/ metrics are part of the one compiled step: later steps (new values, same shapes) reuse it."""
+  graphdef, params, batch = tiny
+  tx = optim.make_optimizer(1e-3, weight_decay=0.0)
+  lcfg = learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), grad_path="ghost")
+  step = jax.jit(learner.make_train_step(graphdef, tx, lcfg), donate_argnums=0)
+  state, m = step(learner.init_state(jax.tree.map(jnp.copy, params), tx), batch)
+  assert "grad/var_ratio" in m and "grad/cov_trace" in m
+  compiles, active = [], [True]
+  event = "/jax/core/compile/backend_compile_duration"
+  jax.monitoring.register_event_duration_secs_listener(
+    lambda e, d, **kw: compiles.append(e) if active[0] and e == event else None
+  )
+  try:
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+      b = dict(batch, rewards=rng.permutation(batch["rewards"]))
+      state, m = step(state, b)
+      jax.block_until_ready((state, m))
+    assert compiles == [] and step._cache_size() == 1
+    jax.jit(lambda x: x + 1)(np.ones(3, np.float32))  # the listener does see a compile when there is one
+    assert compiles and set(compiles) == {event}
+  finally:
+    active[0] = False

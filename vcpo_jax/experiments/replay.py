@@ -273,7 +273,14 @@ def plot(results: list[dict], path: str):
     ax.set_yticks(y + 0.4 - h / 2, names)
     ax.grid(axis="x", alpha=0.3)
   axes[0].legend(fontsize=8)
-  fig.suptitle("counterfactual replay: every estimator on the same stale batches")
+  r0 = results[0]
+  runs = ", ".join(os.path.basename(str(r.get("workdir", "?")).rstrip("/")) for r in results)
+  fig.suptitle(
+    "counterfactual replay: every estimator on the same stale batches\n"
+    f"runs {runs}; {r0['batches']} stale batches per k, reference {r0['fresh']} fresh GRPO batches, "
+    f"{r0['bootstrap']} bootstrap resamples, seed {r0['seed']}",
+    fontsize=10,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
