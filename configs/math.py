@@ -118,3 +118,7 @@ def _qwen3_8b(c):
   s.qkv_bias = False  # Qwen3: no q/k/v bias
   s.model_type = "qwen3"  # model_type
   s.qk_norm = True  # q_norm / k_norm: per-head RMSNorm over head_dim before RoPE
+  # Its KV cache is 2.6x Qwen2.5-7B's per token (36 layers x 8 kv heads vs 28 x 4): the 4 sampler chips split
+  # the kv heads (tensor 4) and take 128 rows per call (benchmarks/memory.py --configs=math:qwen3_8b).
+  c.sampler.mesh_shape = (-1, 1, 4)  # (data, fsdp, tensor) of the async sampler over its 4 devices
+  c.sampler.max_batch = 128  # rows per sampler call (8 groups of 16); 512 rows run as 4 calls

@@ -253,3 +253,13 @@ def test_bf16_compute_close_and_params_stay_f32(model):
   assert b.dtype == jnp.float32 and bool(jnp.isfinite(b).all())
   err = float(jnp.abs(a - b).max())
   assert 0 < err < 0.05 * float(jnp.abs(a).max()), err
+
+
+def test_config_with_rope_scaling_round_trips_through_asdict():
+  """A saved config (dataclasses.asdict, as sft writes it) rebuilds the same ModelConfig, RopeScaling included."""
+  import dataclasses
+
+  cfg = mconfig.tiny_qwen3(rope_scaling=YARN)
+  assert ModelConfig(**dataclasses.asdict(cfg)) == cfg
+  assert cfg.num_params == mconfig.tiny_qwen3().num_params  # RoPE scaling has no parameters; q/k norms do
+  assert cfg.num_params - mconfig.tiny_qwen3(qk_norm=False).num_params == 2 * 2 * 32  # 2 layers x (q, k) x H

@@ -187,3 +187,54 @@ def test_yarn_attention_factor_and_errors():
     RopeScaling.from_hf({"rope_type": "su"}, 64)
   with pytest.raises(ValueError, match="RopeScaling.low_freq_factor is required for rope_type='llama3'"):
     RopeScaling("llama3", factor=8.0, original_max_position=16, high_freq_factor=4.0)
+
+
+# One full-width layer of the released 8B models (vocabulary cut to 512 to keep the test light on CPU).
+FULL_WIDTH = {
+  "qwen3_8b": (
+    transformers.Qwen3Config,
+    dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    {"rope_type": "default", "rope_theta": 1e6},
+  ),
+  "llama_3_1_8b": (
+    transformers.LlamaConfig,
+    dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
+    {
+      "rope_type": "llama3",
+      "rope_theta": 5e5,
+      "factor": 8.0,
+      "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192,
+    },
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FULL_WIDTH))
+def test_one_full_width_8b_layer_matches_transformers(name, tmp_path):
+  cls, shape, rope = FULL_WIDTH[name]
+  hf = cls(
+    vocab_size=512,
+    num_hidden_layers=1,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters=rope,
+    tie_word_embeddings=False,
+    attn_implementation="eager",
+    **shape,
+  )
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+  gen = torch.Generator().manual_seed(0)
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      noise = torch.randn(p.shape, generator=gen)
+      p.copy_(1.0 + 0.1 * noise if pname.endswith("norm.weight") else 0.02 * noise)
+  model.eval().save_pretrained(tmp_path)
+  tokens = np.random.default_rng(0).integers(0, 512, size=(1, 24)).astype(np.int32)
+  theirs = fixtures.hf_logits(model, tokens)
+  del model
+  _, ours = load_hf(str(tmp_path))
+  mine = np.asarray(hf_io._logits(*tf.split(ours), tokens, np.ones(tokens.shape, bool)))
+  assert np.abs(mine - theirs).max() <= 1e-4 * theirs.std(), np.abs(mine - theirs).max() / theirs.std()
