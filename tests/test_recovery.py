@@ -135,3 +135,12 @@ def test_a_stopped_sampler_is_replaced_after_timeout_s():
   finally:
     src.close()
   _assert_removed(paths)
+
+
+def test_restart_settings_are_checked_in_config_parsing():
+  from vcpo_jax import run_config
+
+  with pytest.raises(Exception, match=r"async_\.max_sampler_restarts.*-1.*int >= 0"):
+    run_config.parse_config(_tiny(**{"async_.max_sampler_restarts": -1}))
+  with pytest.raises(Exception, match=r"async_\.restart_window_s.*0.*seconds > 0"):
+    run_config.parse_config(_tiny(**{"async_.restart_window_s": 0.0}))

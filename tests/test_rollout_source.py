@@ -37,3 +37,24 @@ def test_build_maker_single_and_multi_turn():
   multi = rollout.build_maker(ROLLOUT, mt, tok, make_sampler, base, [])
   assert isinstance(multi, MultiTurnRolloutMaker)
   assert built[-1] != base and built[-1].max_new_tokens == 4  # multi-turn buckets: one turn's budget
+
+
+def test_every_source_has_the_members_the_trainer_uses_with_no_op_defaults():
+  """The trainer calls these on any source (no hasattr): a lag source answers with the base class's defaults."""
+  from vcpo_jax.rollout import async_, device_publish, multihost, transfer_publish
+
+  lag = rollout.build_source("lag", object(), jax.random.key(0), k=1)
+  assert isinstance(lag, rollout.RolloutSource)
+  assert lag.agreed_stops is False and lag.take_copy_s() is None
+  assert lag.queued_state() == ([], []) and lag.queued_template(0) == [] and lag.eval_results() == []
+  lag.load_queued([], [])  # nothing to restore: fine
+  with pytest.raises(ValueError, match=r"holds 2 queued async batches; resume it with mode='async'"):
+    lag.queued_template(2)
+  with pytest.raises(ValueError, match=r"eval\.background=True needs mode='async'"):
+    lag.enable_background_eval(None)
+  for cls in (async_.AsyncSource, device_publish.DeviceAsyncSource, transfer_publish.TransferAsyncSource):
+    assert issubclass(cls, rollout.RolloutSource) and cls.agreed_stops is False
+  assert multihost.MultiHostAsyncSource.agreed_stops is True
+  # Only the single-host shm path replaces a failed sampler; a failure elsewhere ends the run, checkpointed.
+  assert async_.AsyncSource.replaceable and not multihost.MultiHostAsyncSource.replaceable
+  assert issubclass(async_.SamplerDiedError, rollout.SourceFailed)

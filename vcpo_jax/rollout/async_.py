@@ -84,9 +84,16 @@ Failures: every learner wait (the queue in `next`, the parameter slot's lock in
 `publish`) runs in slices of at most `_POLL_S`; between slices it calls the
 trainer's `interrupt()` (which raises once SIGINT / SIGTERM has arrived, so the
 trainer checkpoints and exits 130 even while the sampler hangs or is stopped)
-and checks the worker (exit code, error pipe). A dead worker raises
+and checks the worker (exit code, error pipe). A dead worker, or one that makes no
+batch within `async_.timeout_s` although the staleness bound allows one (hung, SIGSTOP),
+is replaced (`_replace`): the batches it completed are kept and served first, the one it
+was making is dropped and made again by a fresh sampler (new shared memory holding the
+newest version written) that starts at the first step not covered; async/sampler_restarts
+counts the replacements in every row. Past `async_.max_sampler_restarts` replacements
+within `async_.restart_window_s` (and on the device, transfer and multi-host paths, which
+do not replace) a dead worker raises
 `SamplerDiedError` naming the exit code or signal and the worker's traceback
-within a fraction of a second, and no batch within `async_.timeout_s`
+within a fraction of a second (the trainer checkpoints, then exits 1), and no batch within `async_.timeout_s`
 (the first batch, which includes the worker's start-up and compilation:
 `async_.startup_timeout_s`, 600 s by default) raises TimeoutError saying what the
 worker is waiting for (and whether it is stopped, e.g. by SIGSTOP). `close()`
