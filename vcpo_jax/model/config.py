@@ -255,25 +255,9 @@ def tiny_llama(vocab_size: int = 256, **kw) -> ModelConfig:
 
 
 def tiny_qwen3(vocab_size: int = 256, **kw) -> ModelConfig:
-  """A few-layer Qwen3-style config (q/k norms, no bias, head_dim != D / N, tied) for tests."""
-  base = dict(
-    vocab_size=vocab_size,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    rope_theta=1e6,
-    rms_eps=1e-6,
-    qkv_bias=False,
-    qk_norm=True,
-    tie_embeddings=True,
-    max_position=512,
-    model_type="qwen3",
-  )
-  base.update(kw)
-  return ModelConfig(**base)
+  """A few-layer Qwen3-style config (q/k norms, no bias, head_dim != D / N, tied) for tests: tiny_qwen2's widths."""
+  qwen3 = dict(head_dim=32, qkv_bias=False, qk_norm=True, model_type="qwen3")
+  return tiny_qwen2(vocab_size, **{**qwen3, **kw})
 
 
 PRESETS = {"tiny_qwen2": tiny_qwen2, "tiny_qwen3": tiny_qwen3, "tiny_llama": tiny_llama}
