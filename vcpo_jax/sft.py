@@ -384,6 +384,17 @@ def _tokenizer_fingerprint(tokenizer) -> dict:
   }
 
 
+def _model_key(model_cfg) -> dict:
+  """The model config's fields for the cache key; Qwen3's q/k norm and RoPE scaling are absent at their defaults
+  (off, plain RoPE) so that the keys of caches written before those fields existed still hold."""
+  fields = dataclasses.asdict(model_cfg)
+  if not model_cfg.qk_norm:
+    fields.pop("qk_norm")
+  if model_cfg.rope_scaling == type(model_cfg.rope_scaling)():
+    fields.pop("rope_scaling")
+  return fields
+
+
 def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], cfg: SFTConfig) -> dict:
   """Everything the warm-start result depends on, as a JSON-able dict (see `cache_key`).
 
@@ -396,7 +407,7 @@ def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Prob
     probs.update(b"\0")
   return {
     "version": CACHE_VERSION,
-    "model_cfg": dataclasses.asdict(model_cfg),
+    "model_cfg": _model_key(model_cfg),
     "init_params_sha256": _digest_arrays(params),
     "tokenizer": _tokenizer_fingerprint(tokenizer),
     "task": cfg.task,
