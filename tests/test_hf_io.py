@@ -4,8 +4,10 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests import fixtures
@@ -134,8 +136,8 @@ def test_load_straight_into_shards(ckpts, tmp_path, monkeypatch):
   reads = []
   read = hf_io._Reader.read
 
-  def spy(self, name, dtype, index=None):
-    out = read(self, name, dtype, index)
+  def spy(self, name, dtype, index=None, transpose=False):
+    out = read(self, name, dtype, index, transpose)
     reads.append((name, index, out.size))
     return out
 
@@ -160,6 +162,84 @@ def test_load_straight_into_shards(ckpts, tmp_path, monkeypatch):
       if len(blocks) > 1:  # a sharded parameter: each read is a strict part of the tensor
         shard = s.shard_shape(x.shape)
         assert all(size == np.prod(shard) < x.size for _, size in mine)
+
+
+def _device_buffers() -> set[int]:
+  return {s.data.unsafe_buffer_pointer() for a in jax.live_arrays() for s in a.addressable_shards}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sharded_load_holds_one_block_at_a_time(tmp_path, family):
+  """Loading onto a mesh never holds a whole tensor on the host. Every read is one device block, no larger
+  than the tensor's device shard; the blocks a host reads partition each tensor (each element read once,
+  twice for the embedding of a tied checkpoint that stores lm_head.weight: the tied check compares block by
+  block); and when any read of the two [V, D] tensors starts, the host memory the loader holds (traced Python
+  + numpy bytes above their level at the first read, less the blocks XLA:CPU adopted as the fake devices'
+  buffers) is below a quarter of one of them: one 1/8 block at most. Gathering a tensor's 8 blocks on the
+  host before placing them (jax.make_array_from_callback, the loader before this test) holds 7/8 of it.
+  llama: untied, lm_head transposed; qwen2: tied, lm_head.weight stored as a copy of the embedding."""
+  import gc
+  import tracemalloc
+
+  from vcpo_jax import mesh as mesh_lib
+
+  path = hf_io.make_tiny_checkpoint(tmp_path / family, family, vocab_size=32768, tokenizer=False, num_layers=1)
+  if family == "qwen2":
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 4, 2)), jax.devices()[:8])
+  big = ("model.embed_tokens.weight", "lm_head.weight")
+  # outs: data address -> bytes of every block read; base: traced bytes at the first read (the loader's
+  # bookkeeping is not weights)
+  reads, outs, base = [], {}, []
+  read = hf_io._Reader.read
+
+  def spy(self, name, dtype, index=None, transpose=False):
+    held = None
+    if not reads or name in big:
+      gc.collect()  # count what is held, not garbage awaiting collection
+      adopted = _device_buffers()  # XLA:CPU keeps an adopted block's memory, not the ndarray, alive
+      held = tracemalloc.get_traced_memory()[0] - sum(n for ptr, n in outs.items() if ptr in adopted)
+      base.append(base[0] if base else held)
+      held -= base[0]
+    out = read(self, name, dtype, index, transpose)
+    reads.append((name, index, out.size, held))
+    outs[out.ctypes.data] = out.nbytes
+    return out
+
+  _, host = tf.split(load_hf(path)[1])
+  load_hf(path, mesh=mesh)  # the first sharded load's imports and caches are not the loader's holdings
+  tracemalloc.start()
+  try:
+    with pytest.MonkeyPatch.context() as m:
+      m.setattr(hf_io._Reader, "read", spy)
+      cfg, model = load_hf(path, mesh=mesh)
+  finally:
+    tracemalloc.stop()
+  _, params = tf.split(model)
+  for x, y in zip(jax.tree.leaves(host), jax.tree.leaves(params), strict=True):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+  flat = {tuple(p): v[...] for p, v in nnx.to_flat_state(params)}
+  shapes = hf_io.hf_shapes(cfg)
+  tensor_bytes = 32768 * cfg.hidden_size * 4
+  for name, entry in hf_io.hf_name_map(cfg).items():
+    x = flat[entry.path]
+    mine = [(idx, size, held) for n, idx, size, held in reads if n == name]
+    assert mine and all(idx is not None for idx, _, _ in mine), name
+    assert max(size for _, size, _ in mine) <= np.prod(x.sharding.shard_shape(x.shape)), name
+    times = 2 if (family == "qwen2" and name == big[0]) else 1
+    assert sum(size for _, size, _ in mine) == times * np.prod(shapes[name]), name
+    if name in big:
+      assert max(held for _, _, held in mine) < tensor_bytes / 4, (name, [held for _, _, held in mine])
+  if family == "qwen2":
+    emb = flat[("embed_tokens", "embedding")]
+    head = [size for n, _, size, _ in reads if n == big[1]]  # the tied check's reads: the embedding's blocks
+    assert sum(head) == emb.size and max(head) == np.prod(emb.sharding.shard_shape(emb.shape))
+    tensors["lm_head.weight"][-1, -1] += 1  # differs in the last block only
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+      load_hf(path, mesh=mesh)
 
 
 def test_bf16_compute_close_to_fp32(ckpts):

@@ -37,12 +37,19 @@ def test_random_policy_is_born_sharded_with_the_host_values(monkeypatch):
 
 def test_checkpoint_policy_is_read_into_its_shards(tmp_path, monkeypatch):
   """A HF checkpoint goes straight into TRANSFORMER_RULES' shardings with the file's values; no host-side
-  whole-model copy is placed afterwards (jax.device_put is never called)."""
+  whole-model copy is placed afterwards (jax.device_put only ever puts one numpy block on one device)."""
   from vcpo_jax.model import hf_io
 
   path = hf_io.make_tiny_checkpoint(str(tmp_path / "ck"), family="llama", vocab_size=128, num_layers=1)
   _, host = tf.split(hf_io.load_hf(path)[1])
-  monkeypatch.setattr(jax, "device_put", lambda *a, **k: (_ for _ in ()).throw(AssertionError("device_put")))
+  put = jax.device_put
+
+  def one_block(x, device=None, **kw):
+    if not isinstance(x, np.ndarray) or not isinstance(device, jax.Device):
+      raise AssertionError(f"device_put({type(x).__name__}, {device!r}): not one host block onto one device")
+    return put(x, device, **kw)
+
+  monkeypatch.setattr(jax, "device_put", one_block)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 2)), devices=jax.devices()[:4])
   cfg, tok, graphdef, params = policy.build_policy(config.tiny_llama(), mesh, seed=0, checkpoint=path)
   assert cfg.vocab_size == 128 and cfg.num_layers == 1

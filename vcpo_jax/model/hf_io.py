@@ -265,53 +265,83 @@ class _Reader:
             shapes[n], dtypes[n] = tuple(sl.get_shape()), sl.get_dtype()
     return shapes, dtypes
 
-  def read(self, name: str, dtype: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+  def read(self, name: str, dtype: str, index: tuple[slice, ...] | None = None, transpose: bool = False) -> np.ndarray:
+    """Tensor `name` (stored as `dtype`), or its block `index`, as C-contiguous float32.
+
+    transpose: return the [in, out] transpose of a 2-D HF [out, in] weight; `index` is then in that
+    transposed layout (the file slice is index[::-1]).
+    """
     from safetensors import safe_open
 
+    if transpose and index is not None:
+      index = tuple(index)[::-1]
     if dtype != "BF16":
       with safe_open(self.files[name], framework="numpy") as f:
         sl = f.get_slice(name)
-        return np.asarray(sl[index] if index is not None else sl[:], np.float32)
-    with jax.default_device(jax.local_devices(backend="cpu")[0]), safe_open(self.files[name], framework="flax") as f:
-      sl = f.get_slice(name)
-      return np.asarray(jax.device_get(sl[index] if index is not None else sl[:]), np.float32)
+        out = np.asarray(sl[index] if index is not None else sl[:], np.float32)
+    else:
+      cpu = jax.local_devices(backend="cpu")[0]
+      with jax.default_device(cpu), safe_open(self.files[name], framework="flax") as f:
+        sl = f.get_slice(name)
+        out = np.asarray(jax.device_get(sl[index] if index is not None else sl[:]), np.float32)
+    return np.ascontiguousarray(out.T) if transpose else out
+
+
+def _blocks(sharding, shape: tuple[int, ...], addressable: bool = True) -> list[tuple[tuple[slice, ...], list]]:
+  """The distinct blocks of `sharding` over `shape`: (index, the devices holding it), in device order.
+
+  A block replicated over several devices appears once. addressable=False lists every process's devices
+  (the same list on every host).
+  """
+  per_device = sharding.addressable_devices_indices_map(shape) if addressable else sharding.devices_indices_map(shape)
+  out: dict[tuple, tuple[tuple[slice, ...], list]] = {}
+  for device, index in per_device.items():
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    key = tuple(sl.indices(n) for sl, n in zip(index, shape))
+    out.setdefault(key, (index, []))[1].append(device)
+  return list(out.values())
 
 
 def _place(reader: _Reader, name: str, dtype: str, entry: _Entry, var, sharding) -> jax.Array:
   """One parameter as a float32 jax.Array: whole (sharding None), or shard by shard into `sharding`.
 
-  With a sharding, each addressable device's block is read from the file as its own slice (transposed
-  tensors: the HF slice is the block's index reversed), so no host holds more of a tensor than its local
-  shards, and a multi-host load reads on each host only what that host's devices hold. Replicated blocks are
-  read once per host.
+  With a sharding, each distinct block this process's devices hold is read from the file as its own slice
+  (transposed tensors: the HF slice is the block's index reversed), put on every device that holds it,
+  and dropped before the next block is read: the host holds one block at a time, never a whole tensor
+  (jax.make_array_from_callback would gather every local block on the host first). A multi-host load reads
+  on each host only what that host's devices hold; a replicated block is read once per host.
   """
   if sharding is None:
-    arr = reader.read(name, dtype)
-    return jnp.asarray(arr.T if entry.transpose else arr)
-  blocks: dict[tuple, np.ndarray] = {}
-
-  def block(index: tuple[slice, ...]) -> np.ndarray:
-    key = tuple((s.start, s.stop, s.step) for s in index)
-    if key not in blocks:
-      if entry.transpose:
-        blocks[key] = np.ascontiguousarray(reader.read(name, dtype, tuple(index[::-1])).T)
-      else:
-        blocks[key] = reader.read(name, dtype, tuple(index))
-    return blocks[key]
-
-  return jax.make_array_from_callback(tuple(var.shape), sharding, block)
+    return jnp.asarray(reader.read(name, dtype, transpose=entry.transpose))
+  shape = tuple(var.shape)
+  shards = {}
+  for index, devices in _blocks(sharding, shape):
+    block = reader.read(name, dtype, index, transpose=entry.transpose)
+    placed = [jax.device_put(block, d) for d in devices]
+    jax.block_until_ready(placed)  # done with `block` (XLA:CPU may have adopted it as a device buffer)
+    shards.update(zip(devices, placed))
+    del block
+  arrays = [shards[d] for d in sharding.addressable_devices_indices_map(shape)]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def _tied_equal_blockwise(reader: _Reader, dtypes: Mapping[str, str], rows: int = 4096) -> bool:
-  """lm_head.weight == model.embed_tokens.weight, compared `rows` rows at a time (bounded host memory)."""
-  v = reader.header()[0]["model.embed_tokens.weight"][0]
-  for lo in range(0, v, rows):
-    idx = (slice(lo, min(v, lo + rows)),)
+def _tied_equal_blockwise(reader: _Reader, dtypes: Mapping[str, str], indices) -> bool:
+  """lm_head.weight == model.embed_tokens.weight, compared one block (`indices`, HF layout) at a time."""
+  for idx in indices:
     a = reader.read("lm_head.weight", dtypes["lm_head.weight"], idx)
     b = reader.read("model.embed_tokens.weight", dtypes["model.embed_tokens.weight"], idx)
     if not np.array_equal(a, b):
       return False
+    del a, b  # before the next pair is read: one block pair at a time
   return True
+
+
+def _tied_check_indices(shape: tuple[int, ...], sharding, rows: int = 4096) -> list[tuple[slice, ...]]:
+  """Blocks the tied-head check reads: the embedding's device blocks over every process (the same on every
+  host, so all hosts agree), else `rows` rows at a time."""
+  if sharding is not None:
+    return [index for index, _ in _blocks(sharding, shape, addressable=False)]
+  return [(slice(lo, min(shape[0], lo + rows)),) for lo in range(0, shape[0], rows)]
 
 
 def load_hf(
@@ -347,14 +377,21 @@ def load_hf(
   reader = _Reader(files)
   shapes, dtypes = reader.header()
   graphdef, abstract = _abstract(cfg)
-  _check_names_and_shapes(
-    shapes, cfg, abstract, sources=files, strict=strict, tied_head_equal=lambda: _tied_equal_blockwise(reader, dtypes)
-  )
   shardings = {}
   if mesh is not None:
     state = nnx.from_flat_state([(p, v) for p, v in abstract.items()])
     shardings = dict(nnx.to_flat_state(sh.param_shardings(state, rules or sh.TRANSFORMER_RULES, mesh)))
     shardings = {tuple(p): getattr(s, "value", s) for p, s in shardings.items()}
+  emb = ("embed_tokens", "embedding")  # [V, D], the HF layout too
+  tied_blocks = lambda: _tied_check_indices(tuple(abstract[emb].shape), shardings.get(emb))
+  _check_names_and_shapes(
+    shapes,
+    cfg,
+    abstract,
+    sources=files,
+    strict=strict,
+    tied_head_equal=lambda: _tied_equal_blockwise(reader, dtypes, tied_blocks()),
+  )
   flat = [
     (e.path, abstract[e.path].replace(_place(reader, n, dtypes[n], e, abstract[e.path], shardings.get(e.path))))
     for n, e in hf_name_map(cfg).items()
