@@ -497,3 +497,54 @@ def test_chat_template_or_plain():
     tk.apply_chat_template_or_plain(tok, "1+1?", system="x")
   with pytest.raises(ValueError, match="chat_template"):
     tk.apply_chat_template_or_plain(tok, [{"role": "user", "content": "hi"}])
+
+
+# The non-tool branch of Qwen2.5-Instruct's tokenizer_config.json chat_template (Qwen3's adds thinking blocks).
+QWEN25_CHAT_TEMPLATE = (
+  "{%- if messages[0]['role'] == 'system' %}"
+  "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+  "{%- else %}"
+  "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+  "{%- endif %}"
+  "{%- for message in messages %}"
+  "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
+  "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+  "{%- endif %}"
+  "{%- endfor %}"
+  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_qwen25_chat_template_from_tokenizer_config(tmp_path):
+  """A BPE tokenizer built here, saved with Qwen2.5's chat template in tokenizer_config.json (as the Qwen2.5 /
+  Qwen3 tokenizer files carry it), is loaded by load_tokenizer (model.tokenizer / model.checkpoint) and its
+  template, default system prompt included, wraps task prompts when task.chat_template is on."""
+  tok = _byte_level_bpe()
+  tok.add_special_tokens({"additional_special_tokens": [tk.IM_START]})
+  out = str(tmp_path / "qwen_tok")
+  tok.save_pretrained(out)
+  for name in os.listdir(out):  # transformers 5 writes chat_template.jinja; Qwen's files use the json field
+    if name.endswith(".jinja"):
+      os.remove(os.path.join(out, name))
+  with open(os.path.join(out, "tokenizer_config.json")) as f:
+    cfg = json.load(f)
+  cfg["chat_template"] = QWEN25_CHAT_TEMPLATE
+  with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+    json.dump(cfg, f)
+  loaded = tk.load_tokenizer(out)
+  want = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
+  )
+  assert tk.apply_chat_template_or_plain(loaded, "1+1?") == want
+  assert tk.apply_chat_template_or_plain(loaded, "1+1?", system="Be brief.").startswith(
+    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+  )
+  prob = type("P", (), {"prompt": "1+1?"})()
+  [ids] = tk.encode_prompts(loaded, [prob], chat_template=True)
+  assert ids == loaded(want, add_special_tokens=False)["input_ids"]
+  start = loaded.convert_tokens_to_ids(tk.IM_START)
+  assert ids[0] == start and ids.count(start) == 3 and loaded.decode(ids) == want
+  assert tk.encode_prompts(loaded, [prob], chat_template=False) == [
+    loaded("1+1?", add_special_tokens=False)["input_ids"]
+  ]
