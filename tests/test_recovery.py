@@ -116,6 +116,48 @@ def test_a_kill_past_the_restart_budget_ends_the_run_with_a_checkpoint(tmp_path)
 
 
 @pytest.mark.exclusive
+def test_a_run_that_spent_its_restart_budget_resumes_from_its_checkpoint_and_finishes(tmp_path):
+  """Past the budget the run checkpoints and exits; rerun in the same workdir, it resumes at the saved step,
+  consumes the batches the checkpoint kept (first, once), then makes the rest: every step trained and logged
+  once over both attempts, each with the prompts of an uninterrupted run (fold_in(key, step)), lags in [0, k]."""
+  k, steps = 2, 10
+  config = _tiny(steps=steps, **{"lag.k": k, "async_.max_sampler_restarts": 1, "checkpoint.every": 100})
+  workdir = str(tmp_path / "run")
+  with pytest.MonkeyPatch.context() as mp:
+    _, first, paths, _ = _killing_sources(mp, kill_at={2, 4})
+    with pytest.raises(async_.SamplerDiedError, match="SIGKILL"):
+      trainer.run(config, workdir)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    saved = ckpt.latest_step()
+    queued = ckpt.restore_meta(saved)["queued"]
+  finally:
+    ckpt.close()
+  assert saved == first[-1][0] + 1  # the last completed step
+  assert [m["step"] for m in queued] == list(range(saved, saved + len(queued)))
+
+  with pytest.MonkeyPatch.context() as mp:
+    built, second, paths2, _ = _killing_sources(mp, kill_at=set())
+    summary = trainer.run(config, workdir)  # resumes at `saved`
+  assert summary["step"] == steps
+  (src,) = built
+  assert src.sampler_restarts == 0 and src.proc.exitcode == 0
+  seen = first + second
+  assert [s for s, _, _ in seen] == list(range(steps))  # every step once, in order, across the two attempts
+  n = len(queued)
+  assert [info["producer"] for _, _, info in second[:n]] == [(m["sampler_pid"], m["seq"]) for m in queued]
+  assert all(info["restored"] for _, _, info in second[:n]) and not any(info["restored"] for _, _, info in second[n:])
+  producers = [info["producer"] for _, _, info in seen]
+  assert len(set(producers)) == steps  # no batch used twice: the kept ones are not made again
+  for step, versions, info in seen:
+    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+    assert list(info["problem_ids"]) == [p.id for p in src.maker.problems_for_step(step)]  # the data order
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1))  # each step logged once
+  _assert_removed(sorted(paths | paths2))
+
+
+@pytest.mark.exclusive
 def test_a_stopped_sampler_is_replaced_after_timeout_s():
   """SIGSTOP: no batch within async_.timeout_s (the bound allows one) -> killed and replaced."""
   k = 2
