@@ -74,8 +74,8 @@ def _source(config, source_cls=async_.AsyncSource, devices=None, **kw) -> async_
 
 def _shm_mapped_by(pid: int) -> set[str]:
   """/dev/shm objects (segments, semaphores) that process `pid` has mapped."""
-  with open(f"/proc/{pid}/maps") as f:
-    return {line.split()[-1] for line in f if "/dev/shm/" in line}
+  with open(f"/proc/{pid}/maps") as f:  # a name removed while mapped reads "<path> (deleted)"
+    return {line[line.index("/dev/shm/") :].strip().removesuffix(" (deleted)") for line in f if "/dev/shm/" in line}
 
 
 def _assert_removed(paths):

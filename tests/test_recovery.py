@@ -6,15 +6,18 @@ once, no batch used twice, lags in [0, k], async/sampler_restarts counting the r
 last completed step. A stopped (SIGSTOP) sampler is replaced once async_.timeout_s passes without a batch.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.test_async import _assert_removed, _source, _tiny
+from vcpo_jax import cleanup, rollout, trainer
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax import rollout, trainer
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.rollout import async_
 
@@ -177,6 +180,55 @@ def test_a_stopped_sampler_is_replaced_after_timeout_s():
   finally:
     src.close()
   _assert_removed(paths)
+
+
+# One async run in a process group of its own (the learner, its sampler, the resource tracker).
+_RUN_SCRIPT = """
+import json, sys
+from tests import fixtures
+from vcpo_jax import trainer
+trainer.run(fixtures.tiny_countdown_config(**json.loads(sys.argv[2])), sys.argv[1])
+"""
+
+
+@pytest.mark.exclusive
+def test_sigkill_of_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path):
+  """The sampler has attached and steps are training: SIGKILL to every process of the run at once (the OOM
+  killer, `kill -9 -PGID`) leaves no object of the run in /dev/shm or the temp dir (every name was removed once
+  both sides held it open), without waiting for a later run; the rerun in the same workdir finishes clean."""
+  steps = 12
+  over = {"mode": "async", "lag.k": 2, "async_.timeout_s": 120.0, "steps": steps}
+  workdir = str(tmp_path / "run")
+  run = cleanup.run_id(workdir)
+  ours = lambda: [x.path for x in cleanup.scan() if x.run == run]  # noqa: E731
+  env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  with open(tmp_path / "run.log", "w") as out:
+    proc = subprocess.Popen(
+      [sys.executable, "-c", _RUN_SCRIPT, workdir, json.dumps(over)],
+      env=env,
+      stdout=out,
+      stderr=subprocess.STDOUT,
+      start_new_session=True,
+    )
+  try:
+    rows = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.monotonic() + 600.0  # hang guard: start-up and compilation of both processes
+    while not (os.path.exists(rows) and "train/lag_max" in open(rows).read()):
+      assert proc.poll() is None, open(tmp_path / "run.log").read()[-3000:]
+      assert time.monotonic() < deadline, "the run trained no step"
+      time.sleep(0.1)
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(60)
+  assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
+  assert not ours(), "left behind by the SIGKILLed process group"
+
+  with pytest.MonkeyPatch.context() as mp:
+    built, seen, paths, _ = _killing_sources(mp, kill_at=set())
+    summary = trainer.run(_tiny(**{k: v for k, v in over.items() if k != "mode"}), workdir)
+  assert summary["step"] == steps and built[0].proc.exitcode == 0
+  _assert_removed(sorted(paths))
+  assert not ours()
 
 
 def test_restart_settings_are_checked_in_config_parsing():

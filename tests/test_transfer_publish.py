@@ -118,7 +118,8 @@ def test_killed_sampler_is_reported_and_close_stops_the_transfer_path():
     src.next(0)
     # The weights never come through /dev/shm: the sampler maps the batch queue's segments and the counter's
     # page (multiprocessing's heap, unlinked at creation), nothing else.
-    other = {p: size for p, size in _shm_mappings(src.pid).items() if p not in src.queue.resource_paths()}
+    queue = src.queue.resource_paths()  # their names are removed once the sampler has attached: "<path> (deleted)"
+    other = {p: size for p, size in _shm_mappings(src.pid).items() if p.removesuffix(" (deleted)") not in queue}
     assert len(other) == 1 and list(other.values()) == [4096] and next(iter(other)).endswith("(deleted)"), other
     os.kill(src.pid, signal.SIGKILL)
     t0 = time.monotonic()

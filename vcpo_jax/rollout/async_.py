@@ -743,12 +743,21 @@ class AsyncSource(RolloutSource):
         kind, payload = self.conn.recv()
         if kind == "error":
           self._error = payload
+        elif kind == "attached":  # the sampler holds every channel open: their names can go
+          self._unlink_channels()
         elif kind == "eval":
           self._evals.append(payload)
           if payload["step"] == self._eval_outstanding:
             self._eval_outstanding = None
     except (EOFError, OSError):
       pass
+
+  def _unlink_channels(self):
+    """Removes the shared-memory names of this sampler's channels from /dev/shm: both sides keep what they
+    hold open, and a SIGKILL of the whole process group leaves nothing behind (module docstring)."""
+    for x in (self.queue, self.slot, self.eval_slot):
+      if x is not None:
+        x.unlink()
 
   def _raise_if_error(self):
     self._poll_error()

@@ -135,6 +135,9 @@ class TransferSlot:
   def checksum_of(self, arrays: dict, names) -> int:
     return int(device_checksum([arrays[n] for n in names]))
 
+  def unlink(self):
+    """Nothing named to remove (the counter's page is unlinked at creation)."""
+
   def close(self):
     """Closes this end of the request pipe (the learner's server thread then ends) and drops the connection."""
     self._conn = self._server = None

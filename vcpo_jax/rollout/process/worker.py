@@ -53,8 +53,15 @@ Idle time = time blocked in 1 (the bound) and 4 (a full queue), less the time sp
 the totals travel with each batch so the learner can report the sampler's idle fraction.
 
 Control and errors travel on one duplex `Pipe`: the learner sends "stop"; the
-worker sends ("eval", record) for each background evaluation and ("error", traceback) before
-exiting non-zero, so the learner can name the cause. The worker ignores SIGINT (Ctrl-C reaches the whole process
+worker sends ("attached", pid) first (every shared-memory channel is open: the learner
+removes their names), ("eval", record) for each background evaluation and ("error", traceback)
+before exiting non-zero, so the learner can name the cause.
+
+Heartbeat: the worker bumps the queue's counter (ShmQueue.beat) at every loop point: each
+look for "stop" (every wait slice of at most _POLL_S: the staleness bound, a full queue, the
+end), after each batch, between decode chunks (chunked / refill decode; a static decode is
+one device call without beats) and around each generation call of a background evaluation.
+The learner treats a counter that stops moving as a hung sampler (async_.heartbeat_timeout_s). The worker ignores SIGINT (Ctrl-C reaches the whole process
 group; the learner decides when the sampler stops) and, on Linux, asks the
 kernel to SIGKILL it if the learner dies (PR_SET_PDEATHSIG), besides noticing a
 dead learner in every wait.
@@ -198,6 +205,8 @@ def main(args_path: str, batch_queue, slot, conn, eval_slot=None):
   parent = os.getppid()
   stopped = False
   try:
+    # Unpickling the arguments attached every shared-memory channel: the learner may remove their names now.
+    conn.send(("attached", os.getpid()))
     with open(args_path, "rb") as f:
       args = pickle.load(f)
     try:
