@@ -182,6 +182,32 @@ def test_a_stopped_sampler_is_replaced_after_timeout_s():
   _assert_removed(paths)
 
 
+@pytest.mark.exclusive
+def test_a_stopped_sampler_is_replaced_once_its_heartbeat_goes_stale():
+  """SIGSTOP: its heartbeat stops, and after async_.heartbeat_timeout_s (far below timeout_s, the batch timeout,
+  which would otherwise replace it) the learner replaces it, naming the heartbeat and the stop."""
+  k = 2
+  over = {"lag.k": k, "async_.heartbeat_timeout_s": 5.0, "async_.timeout_s": 120.0, "async_.queue_slots": 1}
+  src, params = _source(_tiny(steps=8, **over))
+  try:
+    src.publish(params, 0)
+    src.next(0)
+    first = src.pid
+    os.kill(first, signal.SIGSTOP)
+    for step in range(1, 5):
+      src.publish(params, step)
+      batch, info = src.next(step)
+      assert (step - k <= batch["policy_version"]).all() and (batch["policy_version"] <= step).all()
+    assert src.pid != first and info["producer"][0] == src.pid
+    assert [pid for pid, _ in src.restart_causes] == [first]
+    cause = src.restart_causes[0][1]
+    assert "no heartbeat for 5 s" in cause and "stopped" in cause, cause
+    paths = src.resource_paths()
+  finally:
+    src.close()
+  _assert_removed(paths)
+
+
 # One async run in a process group of its own (the learner, its sampler, the resource tracker).
 _RUN_SCRIPT = """
 import json, sys
@@ -238,3 +264,5 @@ def test_restart_settings_are_checked_in_config_parsing():
     run_config.parse_config(_tiny(**{"async_.max_sampler_restarts": -1}))
   with pytest.raises(Exception, match=r"async_\.restart_window_s.*0.*seconds > 0"):
     run_config.parse_config(_tiny(**{"async_.restart_window_s": 0.0}))
+  with pytest.raises(Exception, match=r"async_\.heartbeat_timeout_s.*-1.*seconds >= 0"):
+    run_config.parse_config(_tiny(**{"async_.heartbeat_timeout_s": -1.0}))

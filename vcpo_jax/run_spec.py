@@ -175,6 +175,7 @@ class AsyncConfig:
   peer_lost_s: float = 30.0  # multi-host: a learner process without a heartbeat this long is lost
   max_sampler_restarts: int = 3  # a dead / hung sampler is replaced at most this often per restart_window_s
   restart_window_s: float = 3600.0  # the window of max_sampler_restarts; one more failure ends the run
+  heartbeat_timeout_s: float = 0.0  # a sampler whose heartbeat stops this long is hung (replaced); 0 = timeout_s
 
   def __post_init__(self):
     check_field(
@@ -188,6 +189,12 @@ class AsyncConfig:
       "async_.max_sampler_restarts",
       self.max_sampler_restarts,
       "must be an int >= 0 (0 = a failed sampler ends the run).",
+    )
+    check_field(
+      _finite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s >= 0,
+      "async_.heartbeat_timeout_s",
+      self.heartbeat_timeout_s,
+      "must be a finite number of seconds >= 0 (0 = async_.timeout_s).",
     )
     check_field(
       _finite(self.restart_window_s) and self.restart_window_s > 0,

@@ -120,6 +120,7 @@ class ThreadQueue:
     self.schema = schema
     self._q: queue_lib.Queue = queue_lib.Queue(maxsize=nslots)
     self._finished = False
+    self._beats = 0
 
   def put(self, arrays: dict, meta: dict, timeout=None):
     self._q.put(_Item({n: np.asarray(a) for n, a in arrays.items()}, meta), timeout=timeout)  # raises Full
@@ -137,6 +138,12 @@ class ThreadQueue:
 
   def watch(self, proc):
     pass
+
+  def beat(self):
+    self._beats += 1
+
+  def beats(self) -> int:
+    return self._beats
 
   def close(self):
     pass
