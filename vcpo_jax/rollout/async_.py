@@ -94,7 +94,9 @@ was making is dropped and made again by a fresh sampler (new shared memory holdi
 newest version written) that starts at the first step not covered; async/sampler_restarts
 counts the replacements in every row. Past `async_.max_sampler_restarts` replacements
 within `async_.restart_window_s` (and on the device, transfer and multi-host paths, which
-do not replace) a dead worker raises
+do not replace: a sampler thread cannot be killed, the transfer path's server and pulls would
+have to be rebuilt, several hosts would have to agree on it; run_spec refuses
+max_sampler_restarts > 0 with the device and transfer paths, multi-host warns) a dead worker raises
 `SamplerDiedError` naming the exit code or signal and the worker's traceback
 within a fraction of a second (the trainer checkpoints, then exits 1), and no batch within `async_.timeout_s`
 (the first batch, which includes the worker's start-up and compilation:
@@ -466,9 +468,15 @@ class AsyncSource(RolloutSource):
       self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
     elif not self.background:  # device_get (a view on CPU), one copy into the slot with its checksum
       self._replace_if_dead()
-      self._poll_publish()
       t1 = time.perf_counter()
-      self._write(self._host_arrays(jax.tree.leaves(params), params), version, self._poll_publish)
+      arrays = self._host_arrays(jax.tree.leaves(params), params)
+      try:
+        self._poll_publish()
+        self._write(arrays, version, self._poll_publish)
+      except SamplerDiedError as e:  # it died during the write's lock wait: the new sampler's slot gets it
+        if not self._replace(e):
+          raise
+        self._write(arrays, version, self._poll_publish)
       self._copy_s.append(time.perf_counter() - t1)
     else:
       self._replace_if_dead()
