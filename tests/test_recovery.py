@@ -266,3 +266,7 @@ def test_restart_settings_are_checked_in_config_parsing():
     run_config.parse_config(_tiny(**{"async_.restart_window_s": 0.0}))
   with pytest.raises(Exception, match=r"async_\.heartbeat_timeout_s.*-1.*seconds >= 0"):
     run_config.parse_config(_tiny(**{"async_.heartbeat_timeout_s": -1.0}))
+  # the device and transfer paths do not replace their sampler: the default budget is refused there
+  with pytest.raises(Exception, match=r"async_\.max_sampler_restarts=3.*needs async_\.publish_path='shm'"):
+    run_config.parse_config(_tiny(**{"async_.publish_path": "transfer"}))
+  run_config.parse_config(_tiny(**{"async_.publish_path": "transfer", "async_.max_sampler_restarts": 0}))

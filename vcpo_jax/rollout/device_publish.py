@@ -203,7 +203,8 @@ class DeviceAsyncSource(async_.AsyncSource):
   """AsyncSource whose sampler is a thread on async_.sampler_devices of this process; publish() is a
   device-to-device `jax.device_put` (see the module docstring). Same arguments as AsyncSource."""
 
-  replaceable = False  # a failed sampler ends the run (AsyncSource._replace covers the shm path only)
+  # A failed sampler ends the run; run_spec refuses async_.max_sampler_restarts > 0 on this path.
+  replaceable = False
 
   def __init__(self, cfg, *a, **kw):
     check_device_path(cfg, jax.process_count(), jax.device_count())

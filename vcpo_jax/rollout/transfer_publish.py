@@ -152,7 +152,8 @@ class TransferAsyncSource(async_.AsyncSource):
   """AsyncSource whose spawned sampler pulls each version it takes from this process's devices with
   `jax.experimental.transfer` (see the module docstring). Same arguments as AsyncSource."""
 
-  replaceable = False  # a failed sampler ends the run (AsyncSource._replace covers the shm path only)
+  # A failed sampler ends the run; run_spec refuses async_.max_sampler_restarts > 0 on this path.
+  replaceable = False
 
   def __init__(self, cfg, *a, **kw):
     check_transfer_path(cfg, jax.process_count())
