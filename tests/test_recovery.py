@@ -194,15 +194,19 @@ def test_a_stopped_sampler_is_replaced_once_its_heartbeat_goes_stale():
     src.next(0)
     first = src.pid
     os.kill(first, signal.SIGSTOP)
+    t0, replaced_s = time.monotonic(), None
     for step in range(1, 5):
       src.publish(params, step)
       batch, info = src.next(step)
       assert (step - k <= batch["policy_version"]).all() and (batch["policy_version"] <= step).all()
+      if replaced_s is None and info["producer"][0] != first:
+        replaced_s = time.monotonic() - t0
     assert src.pid != first and info["producer"][0] == src.pid
     assert [pid for pid, _ in src.restart_causes] == [first]
     cause = src.restart_causes[0][1]
     assert "no heartbeat for 5 s" in cause and "stopped" in cause, cause
     paths = src.resource_paths()
+    print(f"SIGSTOP -> first batch of the replacement consumed after {replaced_s:.1f} s (heartbeat_timeout_s=5)")
   finally:
     src.close()
   _assert_removed(paths)
