@@ -54,6 +54,10 @@ def _killing_sources(monkeypatch, kill_at, sig=signal.SIGKILL):
       if step in kill_at:
         kills.append([step, src.pid, time.monotonic(), None])
         os.kill(src.pid, sig)
+        if sig == signal.SIGKILL:
+          # Until it has exited the learner may not see the death (on a loaded machine a JAX process takes
+          # seconds to go): the next kill would hit the same, dead, sampler instead of its replacement.
+          src.proc.join(60.0)
       batch, info = nxt(step)
       paths.update(src.resource_paths())
       if kills and kills[-1][3] is None and info["producer"][0] != kills[-1][1]:
