@@ -67,8 +67,10 @@ def _config(size: str, steps: int, background: str):
   c.log.progress = c.log.plots = False
   if background == "device":  # async_.publish_path='device': a sampler thread on fake CPU device 1
     c.async_.publish_path, c.async_.sampler_devices = "device", "1"
+    c.async_.max_sampler_restarts = 0  # replacement needs the shm path
   elif background == "transfer":  # async_.publish_path='transfer': a sampler process pulling from this one
     c.async_.publish_path = "transfer"
+    c.async_.max_sampler_restarts = 0  # replacement needs the shm path
     if os.environ.get("BENCH_PUBLISH_DEVICES"):
       c.async_.sampler_devices = "1"
   else:

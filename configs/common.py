@@ -128,6 +128,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.async_.recompute_kv = False  # in-flight: recompute the KV cache under the new params (False: keep it)
   c.async_.max_sampler_restarts = 3  # a dead sampler, or one with no batch in timeout_s, is replaced this often
   c.async_.restart_window_s = 3600.0  # ... per this many seconds; one more failure checkpoints and exits 1
+  c.async_.heartbeat_timeout_s = 0.0  # a sampler whose heartbeat stops this long is hung, replaced; 0 = timeout_s
   c.async_.peer_lost_s = 30.0  # multi-host: a learner process silent (no heartbeat) this long is lost; the others exit
 
   c.eval = ml_collections.ConfigDict()

@@ -74,8 +74,8 @@ def _source(config, source_cls=async_.AsyncSource, devices=None, **kw) -> async_
 
 def _shm_mapped_by(pid: int) -> set[str]:
   """/dev/shm objects (segments, semaphores) that process `pid` has mapped."""
-  with open(f"/proc/{pid}/maps") as f:
-    return {line.split()[-1] for line in f if "/dev/shm/" in line}
+  with open(f"/proc/{pid}/maps") as f:  # a name removed while mapped reads "<path> (deleted)"
+    return {line[line.index("/dev/shm/") :].strip().removesuffix(" (deleted)") for line in f if "/dev/shm/" in line}
 
 
 def _assert_removed(paths):
@@ -453,6 +453,7 @@ def test_device_path_puts_the_learners_parameters_on_the_sampler_devices_and_ech
   from vcpo_jax.rollout.process import worker as worker_lib
 
   over = {"lag.k": 1, "async_.publish_path": "device", "async_.sampler_devices": "2,3", "async_.queue_slots": 2}
+  over["async_.max_sampler_restarts"] = 0  # replacement needs the shm path
   src, params = _source(_tiny(steps=3, **over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
   names = worker_lib.param_names(params)
   sampler_devices = set(jax.devices()[2:4])

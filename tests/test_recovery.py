@@ -6,15 +6,18 @@ once, no batch used twice, lags in [0, k], async/sampler_restarts counting the r
 last completed step. A stopped (SIGSTOP) sampler is replaced once async_.timeout_s passes without a batch.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.test_async import _assert_removed, _source, _tiny
+from vcpo_jax import cleanup, rollout, trainer
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax import rollout, trainer
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.rollout import async_
 
@@ -51,6 +54,10 @@ def _killing_sources(monkeypatch, kill_at, sig=signal.SIGKILL):
       if step in kill_at:
         kills.append([step, src.pid, time.monotonic(), None])
         os.kill(src.pid, sig)
+        if sig == signal.SIGKILL:
+          # Until it has exited the learner may not see the death (on a loaded machine a JAX process takes
+          # seconds to go): the next kill would hit the same, dead, sampler instead of its replacement.
+          src.proc.join(60.0)
       batch, info = nxt(step)
       paths.update(src.resource_paths())
       if kills and kills[-1][3] is None and info["producer"][0] != kills[-1][1]:
@@ -116,6 +123,48 @@ def test_a_kill_past_the_restart_budget_ends_the_run_with_a_checkpoint(tmp_path)
 
 
 @pytest.mark.exclusive
+def test_a_run_that_spent_its_restart_budget_resumes_from_its_checkpoint_and_finishes(tmp_path):
+  """Past the budget the run checkpoints and exits; rerun in the same workdir, it resumes at the saved step,
+  consumes the batches the checkpoint kept (first, once), then makes the rest: every step trained and logged
+  once over both attempts, each with the prompts of an uninterrupted run (fold_in(key, step)), lags in [0, k]."""
+  k, steps = 2, 10
+  config = _tiny(steps=steps, **{"lag.k": k, "async_.max_sampler_restarts": 1, "checkpoint.every": 100})
+  workdir = str(tmp_path / "run")
+  with pytest.MonkeyPatch.context() as mp:
+    _, first, paths, _ = _killing_sources(mp, kill_at={2, 4})
+    with pytest.raises(async_.SamplerDiedError, match="SIGKILL"):
+      trainer.run(config, workdir)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    saved = ckpt.latest_step()
+    queued = ckpt.restore_meta(saved)["queued"]
+  finally:
+    ckpt.close()
+  assert saved == first[-1][0] + 1  # the last completed step
+  assert [m["step"] for m in queued] == list(range(saved, saved + len(queued)))
+
+  with pytest.MonkeyPatch.context() as mp:
+    built, second, paths2, _ = _killing_sources(mp, kill_at=set())
+    summary = trainer.run(config, workdir)  # resumes at `saved`
+  assert summary["step"] == steps
+  (src,) = built
+  assert src.sampler_restarts == 0 and src.proc.exitcode == 0
+  seen = first + second
+  assert [s for s, _, _ in seen] == list(range(steps))  # every step once, in order, across the two attempts
+  n = len(queued)
+  assert [info["producer"] for _, _, info in second[:n]] == [(m["sampler_pid"], m["seq"]) for m in queued]
+  assert all(info["restored"] for _, _, info in second[:n]) and not any(info["restored"] for _, _, info in second[n:])
+  producers = [info["producer"] for _, _, info in seen]
+  assert len(set(producers)) == steps  # no batch used twice: the kept ones are not made again
+  for step, versions, info in seen:
+    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+    assert list(info["problem_ids"]) == [p.id for p in src.maker.problems_for_step(step)]  # the data order
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1))  # each step logged once
+  _assert_removed(sorted(paths | paths2))
+
+
+@pytest.mark.exclusive
 def test_a_stopped_sampler_is_replaced_after_timeout_s():
   """SIGSTOP: no batch within async_.timeout_s (the bound allows one) -> killed and replaced."""
   k = 2
@@ -137,6 +186,85 @@ def test_a_stopped_sampler_is_replaced_after_timeout_s():
   _assert_removed(paths)
 
 
+@pytest.mark.exclusive
+def test_a_stopped_sampler_is_replaced_once_its_heartbeat_goes_stale():
+  """SIGSTOP: its heartbeat stops, and after async_.heartbeat_timeout_s (far below timeout_s, the batch timeout,
+  which would otherwise replace it) the learner replaces it, naming the heartbeat and the stop."""
+  k = 2
+  over = {"lag.k": k, "async_.heartbeat_timeout_s": 5.0, "async_.timeout_s": 120.0, "async_.queue_slots": 1}
+  src, params = _source(_tiny(steps=8, **over))
+  try:
+    src.publish(params, 0)
+    src.next(0)
+    first = src.pid
+    os.kill(first, signal.SIGSTOP)
+    t0, replaced_s = time.monotonic(), None
+    for step in range(1, 5):
+      src.publish(params, step)
+      batch, info = src.next(step)
+      assert (step - k <= batch["policy_version"]).all() and (batch["policy_version"] <= step).all()
+      if replaced_s is None and info["producer"][0] != first:
+        replaced_s = time.monotonic() - t0
+    assert src.pid != first and info["producer"][0] == src.pid
+    assert [pid for pid, _ in src.restart_causes] == [first]
+    cause = src.restart_causes[0][1]
+    assert "no heartbeat for 5 s" in cause and "stopped" in cause, cause
+    paths = src.resource_paths()
+    print(f"SIGSTOP -> first batch of the replacement consumed after {replaced_s:.1f} s (heartbeat_timeout_s=5)")
+  finally:
+    src.close()
+  _assert_removed(paths)
+
+
+# One async run in a process group of its own (the learner, its sampler, the resource tracker).
+_RUN_SCRIPT = """
+import json, sys
+from tests import fixtures
+from vcpo_jax import trainer
+trainer.run(fixtures.tiny_countdown_config(**json.loads(sys.argv[2])), sys.argv[1])
+"""
+
+
+@pytest.mark.exclusive
+def test_sigkill_of_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path):
+  """The sampler has attached and steps are training: SIGKILL to every process of the run at once (the OOM
+  killer, `kill -9 -PGID`) leaves no object of the run in /dev/shm or the temp dir (every name was removed once
+  both sides held it open), without waiting for a later run; the rerun in the same workdir finishes clean."""
+  steps = 12
+  over = {"mode": "async", "lag.k": 2, "async_.timeout_s": 120.0, "steps": steps}
+  workdir = str(tmp_path / "run")
+  run = cleanup.run_id(workdir)
+  ours = lambda: [x.path for x in cleanup.scan() if x.run == run]  # noqa: E731
+  env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  with open(tmp_path / "run.log", "w") as out:
+    proc = subprocess.Popen(
+      [sys.executable, "-c", _RUN_SCRIPT, workdir, json.dumps(over)],
+      env=env,
+      stdout=out,
+      stderr=subprocess.STDOUT,
+      start_new_session=True,
+    )
+  try:
+    rows = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.monotonic() + 600.0  # hang guard: start-up and compilation of both processes
+    while not (os.path.exists(rows) and "train/lag_max" in open(rows).read()):
+      assert proc.poll() is None, open(tmp_path / "run.log").read()[-3000:]
+      assert time.monotonic() < deadline, "the run trained no step"
+      time.sleep(0.1)
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(60)
+  assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
+  assert not ours(), "left behind by the SIGKILLed process group"
+
+  with pytest.MonkeyPatch.context() as mp:
+    built, seen, paths, _ = _killing_sources(mp, kill_at=set())
+    summary = trainer.run(_tiny(**{k: v for k, v in over.items() if k != "mode"}), workdir)
+  assert summary["step"] == steps and built[0].proc.exitcode == 0
+  _assert_removed(sorted(paths))
+  assert not ours()
+
+
 def test_restart_settings_are_checked_in_config_parsing():
   from vcpo_jax import run_config
 
@@ -144,3 +272,9 @@ def test_restart_settings_are_checked_in_config_parsing():
     run_config.parse_config(_tiny(**{"async_.max_sampler_restarts": -1}))
   with pytest.raises(Exception, match=r"async_\.restart_window_s.*0.*seconds > 0"):
     run_config.parse_config(_tiny(**{"async_.restart_window_s": 0.0}))
+  with pytest.raises(Exception, match=r"async_\.heartbeat_timeout_s.*-1.*seconds >= 0"):
+    run_config.parse_config(_tiny(**{"async_.heartbeat_timeout_s": -1.0}))
+  # the device and transfer paths do not replace their sampler: the default budget is refused there
+  with pytest.raises(Exception, match=r"async_\.max_sampler_restarts=3.*needs async_\.publish_path='shm'"):
+    run_config.parse_config(_tiny(**{"async_.publish_path": "transfer"}))
+  run_config.parse_config(_tiny(**{"async_.publish_path": "transfer", "async_.max_sampler_restarts": 0}))

@@ -32,7 +32,8 @@ def _shm_mappings(pid: int) -> dict[str, int]:
   return out
 
 
-_OVER = {"lag.k": 1, "async_.publish_path": "transfer", "async_.queue_slots": 1}
+# max_sampler_restarts=0: replacing a failed sampler needs the shm path (a config error otherwise)
+_OVER = {"lag.k": 1, "async_.publish_path": "transfer", "async_.queue_slots": 1, "async_.max_sampler_restarts": 0}
 
 
 def _pull_child(slot, versions, out):
@@ -118,7 +119,8 @@ def test_killed_sampler_is_reported_and_close_stops_the_transfer_path():
     src.next(0)
     # The weights never come through /dev/shm: the sampler maps the batch queue's segments and the counter's
     # page (multiprocessing's heap, unlinked at creation), nothing else.
-    other = {p: size for p, size in _shm_mappings(src.pid).items() if p not in src.queue.resource_paths()}
+    queue = src.queue.resource_paths()  # their names are removed once the sampler has attached: "<path> (deleted)"
+    other = {p: size for p, size in _shm_mappings(src.pid).items() if p.removesuffix(" (deleted)") not in queue}
     assert len(other) == 1 and list(other.values()) == [4096] and next(iter(other)).endswith("(deleted)"), other
     os.kill(src.pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -144,7 +146,8 @@ def test_async_run_over_the_transfer_path_matches_the_shm_runs_first_steps(tmp_p
   for path in ("shm", "transfer"):
     built, seen, _ = fixtures.record_sources(monkeypatch)
     wd = str(tmp_path / path)
-    trainer.run(_tiny(steps=steps, **{"lag.k": 1, "async_.publish_path": path}), wd)
+    extra = {"async_.max_sampler_restarts": 0} if path == "transfer" else {}  # replacement needs the shm path
+    trainer.run(_tiny(steps=steps, **{"lag.k": 1, "async_.publish_path": path, **extra}), wd)
     (src,) = built
     assert src.proc.exitcode == 0
     rows = [r for r in metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl")) if "train/lag_max" in r]

@@ -39,6 +39,7 @@ EXCLUDED = (
   "async_.peer_lost_s",
   "async_.max_sampler_restarts",
   "async_.restart_window_s",
+  "async_.heartbeat_timeout_s",
   "async_.sampler_cpus",
   "distributed.",  # the job's processes (a run resumes on another number of hosts: tests/test_multihost_async)
   "sft.cache_dir",

@@ -175,6 +175,7 @@ class AsyncConfig:
   peer_lost_s: float = 30.0  # multi-host: a learner process without a heartbeat this long is lost
   max_sampler_restarts: int = 3  # a dead / hung sampler is replaced at most this often per restart_window_s
   restart_window_s: float = 3600.0  # the window of max_sampler_restarts; one more failure ends the run
+  heartbeat_timeout_s: float = 0.0  # a sampler whose heartbeat stops this long is hung (replaced); 0 = timeout_s
 
   def __post_init__(self):
     check_field(
@@ -188,6 +189,12 @@ class AsyncConfig:
       "async_.max_sampler_restarts",
       self.max_sampler_restarts,
       "must be an int >= 0 (0 = a failed sampler ends the run).",
+    )
+    check_field(
+      _finite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s >= 0,
+      "async_.heartbeat_timeout_s",
+      self.heartbeat_timeout_s,
+      "must be a finite number of seconds >= 0 (0 = async_.timeout_s).",
     )
     check_field(
       _finite(self.restart_window_s) and self.restart_window_s > 0,
@@ -238,6 +245,13 @@ class AsyncConfig:
       "async_.publish_path",
       self.publish_path,
       "'device' needs async_.sampler_devices (e.g. '2,3': the sampler's devices of this process).",
+    )
+    check_field(
+      self.publish_path == "shm" or self.max_sampler_restarts == 0,
+      "async_.max_sampler_restarts",
+      self.max_sampler_restarts,
+      f"replacing a failed sampler needs async_.publish_path='shm' (have {self.publish_path!r}: a failed sampler "
+      "ends the run); set async_.max_sampler_restarts=0.",
     )
     check_field(
       self.publish_buffers in (0, 1, 2),

@@ -317,10 +317,12 @@ class _Signals:
 
 def _publish(source, params, step: int):
   """source.publish; a signal noticed in its wait is raised again at the top of the loop, once this step's
-  row is logged (and checkpointed)."""
+  row is logged (and checkpointed). So is a failed source (SourceFailed: the async sampler died past its
+  restart budget): its next() serves the batches it still holds, then raises the failure again; raised
+  here, the step it ends would be trained and checkpointed but never logged."""
   try:
     source.publish(params, step)
-  except Interrupted:
+  except (Interrupted, rollout.SourceFailed):
     pass
 
 

@@ -84,14 +84,19 @@ Failures: every learner wait (the queue in `next`, the parameter slot's lock in
 `publish`) runs in slices of at most `_POLL_S`; between slices it calls the
 trainer's `interrupt()` (which raises once SIGINT / SIGTERM has arrived, so the
 trainer checkpoints and exits 130 even while the sampler hangs or is stopped)
-and checks the worker (exit code, error pipe). A dead worker, or one that makes no
-batch within `async_.timeout_s` although the staleness bound allows one (hung, SIGSTOP),
-is replaced (`_replace`): the batches it completed are kept and served first, the one it
+and checks the worker (exit code, error pipe, heartbeat). A dead worker, one whose
+heartbeat (a counter in the queue's header it bumps at every loop point, process/worker.py)
+has not moved for `async_.heartbeat_timeout_s` (0: `timeout_s`; before its first batch
+`startup_timeout_s`) - checked in next(), also while it serves batches already received, and in
+publish() - or one that makes no batch within `async_.timeout_s` although the staleness bound
+allows one (hung, SIGSTOP), is replaced (`_replace`; `restart_causes` keeps why): the batches it completed are kept and served first, the one it
 was making is dropped and made again by a fresh sampler (new shared memory holding the
 newest version written) that starts at the first step not covered; async/sampler_restarts
 counts the replacements in every row. Past `async_.max_sampler_restarts` replacements
 within `async_.restart_window_s` (and on the device, transfer and multi-host paths, which
-do not replace) a dead worker raises
+do not replace: a sampler thread cannot be killed, the transfer path's server and pulls would
+have to be rebuilt, several hosts would have to agree on it; run_spec refuses
+max_sampler_restarts > 0 with the device and transfer paths, multi-host warns) a dead worker raises
 `SamplerDiedError` naming the exit code or signal and the worker's traceback
 within a fraction of a second (the trainer checkpoints, then exits 1), and no batch within `async_.timeout_s`
 (the first batch, which includes the worker's start-up and compilation:
@@ -117,10 +122,15 @@ through jax.distributed's coordination service, and a publish that gathers host-
 
 Leftovers: every segment, semaphore and the spawn-argument file are named with
 the run id (a hash of the workdir) and the learner's pid (`vcpo_jax.cleanup`).
-When the whole process group is SIGKILLed (OOM killer, container stop) the
-resource tracker dies too; the next async run removes what dead runs left
-(`cleanup.remove_stale()`, logged), as does `python -m vcpo_jax.cleanup`. The
-worker deletes the argument file as soon as it has read it.
+The worker's first message says it has attached every channel (unpickling its
+arguments opened them); the learner then removes all their names (`unlink()`:
+both sides keep their mappings and semaphores), and the worker deletes the
+argument file as soon as it has read it. So a SIGKILL of the whole process group
+(OOM killer, container stop; the resource tracker dies too) leaves nothing in
+/dev/shm or the temp dir, except in the second or so between creating a sampler's
+channels and its attach; what such a kill left is removed by the next async run
+(`cleanup.remove_stale()`, logged) and by `python -m vcpo_jax.cleanup`. A
+replacement sampler gets fresh channels.
 """
 
 from __future__ import annotations
@@ -266,6 +276,9 @@ class AsyncSource(RolloutSource):
     self.cfg = cfg
     self.k, self.end_step = int(k), int(steps)
     self.timeout_s = float(cfg.timeout_s)
+    # A sampler whose heartbeat (ShmQueue.beat, from every loop point of the worker) stops this long is hung.
+    self.heartbeat_timeout_s = float(cfg.heartbeat_timeout_s) or self.timeout_s
+    self._beat = (-1, 0.0)  # (the last heartbeat count seen, monotonic time it was first seen)
     # The first batch includes the worker's start-up (imports, compilation): it gets a separate allowance.
     self.startup_timeout_s = float(cfg.startup_timeout_s)
     self.nslots = int(cfg.queue_slots)
@@ -311,6 +324,7 @@ class AsyncSource(RolloutSource):
     self._fresh = True  # no batch from the current sampler yet: waits get async_.startup_timeout_s
     self.sampler_restarts = 0  # samplers replaced so far (async/sampler_restarts of every row)
     self._restart_times: collections.deque = collections.deque()  # monotonic times of the replacements
+    self.restart_causes: list[tuple[int, str]] = []  # (replaced pid, first line of its failure) per replacement
     # Batches received (drained at a checkpoint, or restored from one) but not consumed yet, oldest first:
     # (arrays, meta, restored) with restored=True for those of an earlier run (their idle totals are its own).
     self._pending: collections.deque = collections.deque()
@@ -378,6 +392,7 @@ class AsyncSource(RolloutSource):
     """Fresh shared memory holding version `version`, and a sampler that makes batches first, ..., steps - 1."""
     self._open_slot(arrays, version)
     self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
+    self._beat = (-1, 0.0)
     if self.eval_args is not None:  # one copy: the worker reads a request once, the learner writes rarely
       self.eval_slot = ParamSlot(self._eval_spec, run=self.run_id, nbuf=1)
     log.debug("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
@@ -453,9 +468,15 @@ class AsyncSource(RolloutSource):
       self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
     elif not self.background:  # device_get (a view on CPU), one copy into the slot with its checksum
       self._replace_if_dead()
-      self._poll_publish()
       t1 = time.perf_counter()
-      self._write(self._host_arrays(jax.tree.leaves(params), params), version, self._poll_publish)
+      arrays = self._host_arrays(jax.tree.leaves(params), params)
+      try:
+        self._poll_publish()
+        self._write(arrays, version, self._poll_publish)
+      except SamplerDiedError as e:  # it died during the write's lock wait: the new sampler's slot gets it
+        if not self._replace(e):
+          raise
+        self._write(arrays, version, self._poll_publish)
       self._copy_s.append(time.perf_counter() - t1)
     else:
       self._replace_if_dead()
@@ -553,6 +574,7 @@ class AsyncSource(RolloutSource):
         "After a resume, publish the restored parameters (version = the restored step) first."
       )
     t0 = time.monotonic()
+    self._replace_if_silent()  # a hung sampler is replaced while the batches it completed are consumed
     if self._pending:
       return self._pop_pending(step, t0)
     timeout = self.startup_timeout_s if self._fresh else self.timeout_s
@@ -571,7 +593,9 @@ class AsyncSource(RolloutSource):
       except SamplerDiedError as e:
         failure = replaceable = e
       except queue_lib.Empty:
-        if time.monotonic() >= deadline:
+        if self._silent():  # hung or stopped, whatever the staleness bound allows
+          failure = replaceable = TimeoutError(self._silent_message())
+        elif time.monotonic() >= deadline:
           failure = TimeoutError(self._timeout_message(step, timeout))
           if self._published >= step - self.k:  # not paused on the staleness bound: hung (or stopped)
             replaceable = failure
@@ -670,12 +694,43 @@ class AsyncSource(RolloutSource):
   replaceable = True  # subclasses whose sampler is not a process of this class's shm channels: False
 
   def _replace_if_dead(self):
-    """publish() of a dead sampler: replace it (within the restart budget) or raise SamplerDiedError."""
+    """publish() of a dead sampler: replace it (within the restart budget) or raise SamplerDiedError; a hung
+    one (no heartbeat) is replaced within the budget (past it, next() reports it)."""
     self._poll_error()
     if self._error is not None or self.proc.exitcode is not None:
       err = self._died_error("at publish()")
       if not self._replace(err):
         raise err
+    else:
+      self._replace_if_silent()
+
+  def _replace_if_silent(self):
+    if self.replaceable and self._silent():
+      self._replace(TimeoutError(self._silent_message()))
+
+  def _silent(self) -> bool:
+    """True once the sampler's heartbeat count has not moved for async_.heartbeat_timeout_s (before its first
+    batch: async_.startup_timeout_s, which covers imports and compilation, during which it does not beat)."""
+    now, beats = time.monotonic(), self.queue.beats()
+    if beats != self._beat[0]:
+      self._beat = (beats, now)
+      return False
+    return now - self._beat[1] > (self.startup_timeout_s if self._fresh else self.heartbeat_timeout_s)
+
+  def _silent_message(self) -> str:
+    name, limit = (
+      ("startup_timeout_s", self.startup_timeout_s)
+      if self._fresh
+      else ("heartbeat_timeout_s", self.heartbeat_timeout_s)
+    )
+    why = "it is hung (a grader? a device call?)"
+    if _stopped(self.proc.pid):
+      why = "it is stopped (SIGSTOP / SIGTSTP?)"
+    return (
+      f"async source: the sampler process (pid {self.proc.pid}) sent no heartbeat for {limit:g} s "
+      f"(async_.{name}): {why}. A static decode does not beat during its device call: raise "
+      f"async_.{name} if one legitimately takes that long."
+    )
 
   def _replace(self, failure: BaseException) -> bool:
     """Replaces the failed (dead, hung or stopped) sampler; False once the restart budget is spent.
@@ -706,6 +761,7 @@ class AsyncSource(RolloutSource):
     self._spawn(arrays, version, first)
     self._restart_times.append(now)
     self.sampler_restarts += 1
+    self.restart_causes.append((old_pid, str(failure).splitlines()[0]))
     log.warning(
       "async: replaced the sampler (pid %d -> %d, restart %d of async_.max_sampler_restarts=%d per %g s) "
       "after: %s; %d queued batches kept, the new one starts at batch %d from version %d",
@@ -743,12 +799,21 @@ class AsyncSource(RolloutSource):
         kind, payload = self.conn.recv()
         if kind == "error":
           self._error = payload
+        elif kind == "attached":  # the sampler holds every channel open: their names can go
+          self._unlink_channels()
         elif kind == "eval":
           self._evals.append(payload)
           if payload["step"] == self._eval_outstanding:
             self._eval_outstanding = None
     except (EOFError, OSError):
       pass
+
+  def _unlink_channels(self):
+    """Removes the shared-memory names of this sampler's channels from /dev/shm: both sides keep what they
+    hold open, and a SIGKILL of the whole process group leaves nothing behind (module docstring)."""
+    for x in (self.queue, self.slot, self.eval_slot):
+      if x is not None:
+        x.unlink()
 
   def _raise_if_error(self):
     self._poll_error()

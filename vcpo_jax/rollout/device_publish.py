@@ -120,6 +120,7 @@ class ThreadQueue:
     self.schema = schema
     self._q: queue_lib.Queue = queue_lib.Queue(maxsize=nslots)
     self._finished = False
+    self._beats = 0
 
   def put(self, arrays: dict, meta: dict, timeout=None):
     self._q.put(_Item({n: np.asarray(a) for n, a in arrays.items()}, meta), timeout=timeout)  # raises Full
@@ -137,6 +138,12 @@ class ThreadQueue:
 
   def watch(self, proc):
     pass
+
+  def beat(self):
+    self._beats += 1
+
+  def beats(self) -> int:
+    return self._beats
 
   def close(self):
     pass
@@ -196,7 +203,8 @@ class DeviceAsyncSource(async_.AsyncSource):
   """AsyncSource whose sampler is a thread on async_.sampler_devices of this process; publish() is a
   device-to-device `jax.device_put` (see the module docstring). Same arguments as AsyncSource."""
 
-  replaceable = False  # a failed sampler ends the run (AsyncSource._replace covers the shm path only)
+  # A failed sampler ends the run; run_spec refuses async_.max_sampler_restarts > 0 on this path.
+  replaceable = False
 
   def __init__(self, cfg, *a, **kw):
     check_device_path(cfg, jax.process_count(), jax.device_count())

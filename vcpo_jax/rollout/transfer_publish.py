@@ -135,6 +135,9 @@ class TransferSlot:
   def checksum_of(self, arrays: dict, names) -> int:
     return int(device_checksum([arrays[n] for n in names]))
 
+  def unlink(self):
+    """Nothing named to remove (the counter's page is unlinked at creation)."""
+
   def close(self):
     """Closes this end of the request pipe (the learner's server thread then ends) and drops the connection."""
     self._conn = self._server = None
@@ -149,7 +152,8 @@ class TransferAsyncSource(async_.AsyncSource):
   """AsyncSource whose spawned sampler pulls each version it takes from this process's devices with
   `jax.experimental.transfer` (see the module docstring). Same arguments as AsyncSource."""
 
-  replaceable = False  # a failed sampler ends the run (AsyncSource._replace covers the shm path only)
+  # A failed sampler ends the run; run_spec refuses async_.max_sampler_restarts > 0 on this path.
+  replaceable = False
 
   def __init__(self, cfg, *a, **kw):
     check_transfer_path(cfg, jax.process_count())

@@ -34,7 +34,8 @@ Ownership and cleanup are those of `shm_queue.Segment`: the creating process
 collection, at exit, and through the resource tracker if it is killed; both
 names carry the run id and the owner's pid (`vcpo_jax.cleanup` removes them
 when the whole process group was killed). Pass the slot to spawned samplers as
-a `Process` argument (the lock travels by inheritance).
+a `Process` argument (the lock travels by inheritance); `unlink()` removes both
+names once they have attached (they keep their mappings and the lock).
 
 Waits: the lock is taken in short slices; between them an optional `poll()`
 callable runs (the learner's signal flag, the peer's liveness) and may raise
@@ -193,6 +194,7 @@ class ParamSlot:
     self.spec, self.nbuf, self.checksums = spec, nbuf, bool(checksum)
     self.last_checksum: int | None = None  # `checksum` of what this process's last publish() wrote
     self._last_read = None  # (checksum, arrays) of this process's last latest()
+    self._unlinked = False
     self._offsets, self._buf_nbytes = _layout(spec)
 
   def _map(self):
@@ -215,6 +217,8 @@ class ParamSlot:
   def __getstate__(self):
     if self._seg is None:
       raise ValueError("cannot send a closed ParamSlot to another process")
+    if self._unlinked:
+      raise ValueError("cannot send an unlinked ParamSlot to another process: its names are gone")
     return {
       "spec": self.spec,
       "nbuf": self.nbuf,
@@ -239,6 +243,15 @@ class ParamSlot:
   def nbytes(self) -> int:
     """Bytes of one parameter copy (the segment holds `nbuf`)."""
     return self._buf_nbytes
+
+  def unlink(self):
+    """Removes the segment's and the lock's names from /dev/shm now (the creating process; a no-op in a copy).
+    Both sides keep using what they hold open; call it once every reader has attached."""
+    if self._seg is None:
+      return
+    self._unlinked = True
+    self._seg.unlink()
+    _unlink_semaphore(self._lock)
 
   def resource_paths(self) -> list[str]:
     """/dev/shm paths of the segment and the lock's semaphore (Linux), for leak checks."""

@@ -42,7 +42,14 @@ the same way by the creating process. Every name carries the run id and the
 owner's pid and start time (`vcpo_jax.cleanup`), because when the whole process
 group is SIGKILLed the resource tracker dies too and nothing unlinks them:
 `cleanup.remove_stale()` (run by the next async run, or `python -m
-vcpo_jax.cleanup`) then removes the objects of owners that are gone.
+vcpo_jax.cleanup`) then removes the objects of owners that are gone. Sooner:
+`unlink()` removes every name as soon as the peer has attached (AsyncSource does
+once its sampler says so), after which both sides keep using what they hold open
+and a SIGKILL of everything leaves nothing behind; the queue can then no longer
+be sent to another process.
+
+Heartbeat: `beat()` bumps a counter in the header (the producer calls it from its
+loop); the consumer reads it with `beats()` and judges staleness itself.
 
 Pids are compared without start times, so a pid reused within one poll period
 could hide a death; with Linux's pid space that window is negligible.
@@ -79,6 +86,7 @@ _HDR_WORDS = 16  # int64 words of the queue header
 # Queue header word indices.
 _H_MAGIC, _H_NSLOTS, _H_STRIDE, _H_CREATOR, _H_PRODUCER, _H_CONSUMER, _H_FINISHED = range(7)
 _H_PUT, _H_GET = 7, 8
+_H_BEAT = 9  # the producer's heartbeat counter (beat())
 
 
 class PeerDiedError(RuntimeError):
@@ -143,6 +151,15 @@ class Segment:
   @property
   def path(self) -> str:
     return os.path.join("/dev/shm", self.name)
+
+  def unlink(self) -> None:
+    """The owner removes the name now; every process that has it mapped keeps its mapping (POSIX). No-op
+    in an attached copy and when repeated; close() then only unmaps."""
+    if self.owner:
+      try:
+        self._shm.unlink()
+      except FileNotFoundError:
+        pass
 
   def close(self) -> None:
     """Unmap; the owner also unlinks. Views into `buf` must be dropped first."""
@@ -376,6 +393,7 @@ class ShmQueue:
     self._stride = off
     self._watch: list = []
     self._held: int | None = None
+    self._unlinked = False
     self._role_pid_set = {"producer": False, "consumer": False}
 
   def _map(self):
@@ -391,6 +409,8 @@ class ShmQueue:
   def __getstate__(self):
     if self._seg is None:
       raise ValueError("cannot send a closed ShmQueue to another process")
+    if self._unlinked:
+      raise ValueError("cannot send an unlinked ShmQueue to another process: its names are gone")
     return {
       "schema": self.schema,
       "nslots": self.nslots,
@@ -418,6 +438,25 @@ class ShmQueue:
     """/dev/shm paths of the segment and semaphores (Linux), for leak checks."""
     sems = [getattr(s._semlock, "name", None) for s in (self._free, self._items)]
     return [self._seg.path] + [os.path.join("/dev/shm", "sem." + n.lstrip("/")) for n in sems if n]
+
+  def unlink(self):
+    """Removes the segment's and both semaphores' names from /dev/shm now (the creating process; a no-op in a
+    copy). Both sides keep using what they hold open; call it once the peer has attached."""
+    if self._seg is None:
+      return
+    self._unlinked = True
+    self._seg.unlink()
+    for sem in (self._free, self._items):
+      _unlink_semaphore(sem)
+
+  def beat(self):
+    """Producer: one heartbeat (a counter in the shared header; a single aligned int64 store)."""
+    self._hdr[_H_BEAT] += 1
+
+  def beats(self) -> int:
+    """The producer's heartbeat count so far."""
+    self._check_open()
+    return int(self._hdr[_H_BEAT])
 
   def watch(self, *processes) -> ShmQueue:
     """Treat the exit of any of these `multiprocessing.Process` handles as peer death."""

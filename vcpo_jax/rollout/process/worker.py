@@ -53,8 +53,17 @@ Idle time = time blocked in 1 (the bound) and 4 (a full queue), less the time sp
 the totals travel with each batch so the learner can report the sampler's idle fraction.
 
 Control and errors travel on one duplex `Pipe`: the learner sends "stop"; the
-worker sends ("eval", record) for each background evaluation and ("error", traceback) before
-exiting non-zero, so the learner can name the cause. The worker ignores SIGINT (Ctrl-C reaches the whole process
+worker sends ("attached", pid) first (every shared-memory channel is open: the learner
+removes their names), ("eval", record) for each background evaluation and ("error", traceback)
+before exiting non-zero, so the learner can name the cause.
+
+Heartbeat: the worker bumps the queue's counter (ShmQueue.beat) at every loop point: each
+look for "stop" (every wait slice of at most _POLL_S: the staleness bound, a full queue, the
+end), after each batch, between decode chunks (chunked / refill decode; a static decode is
+one device call without beats) and around each generation call of a background evaluation.
+The learner treats a counter that stops moving as a hung sampler (async_.heartbeat_timeout_s).
+
+The worker ignores SIGINT (Ctrl-C reaches the whole process
 group; the learner decides when the sampler stops) and, on Linux, asks the
 kernel to SIGKILL it if the learner dies (PR_SET_PDEATHSIG), besides noticing a
 dead learner in every wait.
@@ -198,6 +207,8 @@ def main(args_path: str, batch_queue, slot, conn, eval_slot=None):
   parent = os.getppid()
   stopped = False
   try:
+    # Unpickling the arguments attached every shared-memory channel: the learner may remove their names now.
+    conn.send(("attached", os.getpid()))
     with open(args_path, "rb") as f:
       args = pickle.load(f)
     try:
@@ -250,6 +261,7 @@ class _Worker:
   def _check_stop(self):
     from vcpo_jax.rollout.process.shm_queue import PeerDiedError, pid_alive
 
+    self.queue.beat()  # called at every loop point of this process: the learner's liveness signal
     if self.conn.poll():
       msg = self.conn.recv()
       if msg == "stop":
@@ -346,6 +358,7 @@ class _Worker:
     """In-flight updates, called by the sampler between decode chunks: (params, version) if a newer version
     is published and update_every_tokens decode steps passed since the last look, else None (never waits
     for a version; a write in progress is waited for, at most one copy)."""
+    self.queue.beat()
     self._since += steps
     if self._since < self.args.update_every_tokens:
       return None
@@ -360,6 +373,22 @@ class _Worker:
     self._load(version, arrays)
     self.updates += 1
     return self._params, self._version
+
+  def _beat_chunk(self, steps: int):
+    """on_chunk of a chunked decode without in-flight updates: only the heartbeat (returns no new parameters)."""
+    self.queue.beat()
+
+  def _beating(self, fn):
+    """`fn` with a heartbeat before and after each call (the background evaluation's generation calls)."""
+
+    def call(*a, **kw):
+      self.queue.beat()
+      try:
+        return fn(*a, **kw)
+      finally:
+        self.queue.beat()
+
+    return call
 
   def _put(self, batch: dict, meta: dict):
     t0, e0 = time.monotonic(), self.eval_s
@@ -404,7 +433,7 @@ class _Worker:
         chat_template=e.chat_template,
         episodes=getattr(self.maker, "eval_episodes", None) if self.args.multiturn is not None else None,
       )
-    gen = self._eval_sampling.generate_fn(params, jax.random.fold_in(self.key, 10**9 + version))
+    gen = self._beating(self._eval_sampling.generate_fn(params, jax.random.fold_in(self.key, 10**9 + version)))
     # policy_version: what was evaluated; params_checksum: of exactly the arrays read (end-to-end check)
     extra = {
       "policy_version": int(version),
@@ -428,9 +457,12 @@ class _Worker:
       self._used = {int(version): self._checksum}
       t0 = time.monotonic()
       kw = dict(on_chunk=self._on_chunk, recompute_kv=self.args.recompute_kv) if self.args.inflight else {}
+      if not kw and self.args.sampler_cfg.decode != "static" and self.args.multiturn is None:
+        kw = {"on_chunk": self._beat_chunk}  # a heartbeat between decode chunks (no parameter change)
       kw.update(self._make_kw)
       self._since = 0
       batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version, **kw)
+      self.queue.beat()
       gen_s = time.monotonic() - t0
       if "token_version" not in batch:  # makers without per-token versions (multi-turn): the row's version
         batch["token_version"] = np.where(batch["loss_mask"], batch["policy_version"][:, None], -1).astype(np.int32)
