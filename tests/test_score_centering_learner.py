@@ -106,3 +106,102 @@ def test_ghost_centered_norms_and_gradient_by_brute_force(tied, vocab_chunk, pre
   np.testing.assert_allclose(a_ghost["drift_coef_l1_n"], a_vmap["drift_coef_l1_n"], rtol=1e-4)
   np.testing.assert_allclose(a_ghost["drift_k1_n"], a_vmap["drift_k1_n"], rtol=1e-4, atol=1e-6)
   assert np.all(np.asarray(a_ghost["drift_coef_l1_n"])[np.asarray(batch["loss_mask"]).any(1)] > 1e-3)
+
+
+# ---------------------------------------------------------------------------
+# The real train step and trainer.run
+# ---------------------------------------------------------------------------
+
+
+def test_train_step_exact_centering_with_q_equal_p_is_the_plain_step():
+  """behavior_params = None (sync, k = 0): q = p, so the centered VCPO step equals the plain one (float
+  tolerance: the coefficients c = q - p are computed from two forwards, ~1e-8, not structurally 0)."""
+  import optax
+
+  from vcpo_jax import optim
+
+  from vcpo_jax.model import transformer
+
+  graphdef, params, _, batch = _model(tied=True)
+  logp = np.asarray(transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"]))
+  batch = dict(batch, behavior_logp=np.where(batch["loss_mask"], logp, 0).astype(np.float32))  # on-policy
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0), optim.scale_by_ess())
+  out = {}
+  for name in ("vcpo", "vcpo_sc"):
+    cfg = learner.LearnerConfig(pg=estimator.pg_config_from_preset(name))
+    state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+    out[name] = jax.jit(learner.make_train_step(graphdef, tx, cfg))(state, batch)
+  (s0, m0), (s1, m1) = out["vcpo"], out["vcpo_sc"]
+  np.testing.assert_allclose(flat(s1.params), flat(s0.params), rtol=1e-6, atol=1e-7)
+  for k in m0:
+    assert float(m1[k]) == pytest.approx(float(m0[k]), rel=1e-5, abs=1e-7), k
+  assert float(m1["drift/coef_l1"]) < 1e-5 and abs(float(m1["drift/k1_kl_qp"])) < 1e-5
+
+
+def _run(tmp_path, name, **kw):
+  from tests import fixtures
+  from vcpo_jax import metrics as metrics_lib
+  from vcpo_jax import trainer
+
+  cfg = fixtures.tiny_countdown_config(**{"optim.lr": 1e-2, "log.norm_overhead_every": 0, "steps": 3, **kw})
+  trainer.run(cfg, str(tmp_path / name))
+  rows = [r for r in metrics_lib.read_jsonl(str(tmp_path / name / "metrics.jsonl")) if "train/pg_loss" in r]
+  return rows
+
+
+@pytest.fixture()
+def dense_reward(monkeypatch):
+  """A reward that varies within every group of a random policy's outputs: the parity of the characters' sum."""
+  from vcpo_jax.rollout import common as rollout_common
+
+  def score(problems, outputs, extraction=None):
+    return [float(sum(map(ord, o)) % 2) for o in outputs], 0
+
+  monkeypatch.setattr(rollout_common.tasks, "score_problems", score)
+
+
+def test_lag_run_with_exact_centering_logs_drift_and_k0_equals_plain(tmp_path, dense_reward):
+  """trainer.run in lag mode (k = 2) with vcpo_sc: each step re-reads the behaviour version from the lag ring,
+  the drift diagnostics are logged and grow once the data is stale; with k = 0 the run equals plain VCPO's
+  to float tolerance: q = p is recomputed by a second forward (c ~ 1e-9, not structurally 0) and Adam at lr 1e-2
+  carries such differences on, so the rows agree to rel 1e-4 and the sampled data (rewards) exactly."""
+  lag = _run(tmp_path, "lag", mode="lag", method="vcpo_sc", **{"lag.k": 2})
+  assert [r["train/lag_max"] for r in lag] == [0, 1, 2]
+  for r in lag:
+    assert {"train/drift/k1_kl_qp", "train/drift/coef_l1"} <= set(r), sorted(r)
+    assert np.isfinite(r["train/drift/coef_l1"]) and np.isfinite(r["train/pg_loss"])
+  assert lag[0]["train/drift/coef_l1"] < 1e-5  # step 0 samples with the current parameters: q = p
+  assert lag[1]["train/grad_norm"] > 0 and lag[2]["train/drift/coef_l1"] > 1e-4  # 2 updates stale: q != p
+  sync_sc = _run(tmp_path, "sync_sc", method="vcpo_sc")
+  sync = _run(tmp_path, "sync", method="vcpo")
+  for a, b in zip(sync_sc, sync, strict=True):
+    assert a["train/reward_mean"] == b["train/reward_mean"]
+    for k in ("train/pg_loss", "train/grad_norm", "train/ess_ratio", "train/lr_scale"):
+      assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), (a["step"], k)
+
+
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    (dict(mode="async", **{"lag.k": 2}), r"vcpo.score_centering='exact': needs the behaviour parameters"),
+    ({"sampler.temperature": 0.7}, r"vcpo.score_centering='exact': recomputes q"),
+    ({"learner.ghost_passes": 2}, r"learner.ghost_passes=2 with vcpo.score_centering='exact'"),
+  ],
+)
+def test_exact_centering_refused_where_q_is_unavailable(kw, match):
+  from tests import fixtures
+  from vcpo_jax import run_config
+
+  with pytest.raises(run_config.ConfigError, match=match):
+    run_config.parse_config(fixtures.tiny_countdown_config(method="vcpo_sc", **kw))
+
+
+def test_centering_config_checks():
+  with pytest.raises(ValueError, match=r"PGConfig.score_centering='full'"):
+    estimator.pg_config_from_preset("vcpo", score_centering="full")
+  with pytest.raises(ValueError, match=r"PGConfig.sc_topk=0: score_centering='topk' needs"):
+    estimator.pg_config_from_preset("vcpo", score_centering="topk")
+  with pytest.raises(ValueError, match=r"PGConfig.sc_topk=8: only with score_centering='topk'"):
+    estimator.pg_config_from_preset("vcpo_sc", sc_topk=8)
+  with pytest.raises(ValueError, match=r"with policy_loss='ipo'"):
+    estimator.pg_config_from_preset("ipo", score_centering="exact")

@@ -623,8 +623,9 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   sq_n = jnp.zeros((n,), _F32)
   dh, kept, grads_by_path = {}, {}, {}
   # head_coefs: the head's dense extra coefficients (one head); their row sums first, a vocab pass
-  head_sums = {k: _head_extra_sums(acts[k], infos[k].spec, head_coefs, plans[k].block) for k in heads[:1]}
-  head_sums = head_sums if head_coefs is not None else {}
+  head_sums = {}
+  if head_coefs is not None:
+    head_sums = {k: _head_extra_sums(acts[k], infos[k].spec, head_coefs, plans[k].block) for k in heads[:1]}
   extra = {k: (head_coefs, hs["e_total"]) for k, hs in head_sums.items()}
   for k in heads:
     dh[k], sq_k, kept_k, gw = _head_scan(

@@ -117,8 +117,6 @@ PRESETS: dict[str, Method] = {
   "vcpo_tis_ess": dataclasses.replace(_VCPO, weights=tis_ess(0.5)),  # VCPO with the ESS-targeted cap
   "vcpo_sc": dataclasses.replace(_VCPO, loss=surrogate(score_centering="exact")),
   "tis_sc": Method(weights=token_tis(), loss=surrogate(score_centering="exact")),
-  "vcpo_sc_topk": dataclasses.replace(_VCPO, loss=surrogate(score_centering="topk", sc_topk=64)),
-  "tis_sc_topk": Method(weights=token_tis(), loss=surrogate(score_centering="topk", sc_topk=64)),
 }
 
 __all__ = ["PRESETS", "Method", "grpo", "none", "opob", "surrogate", "tis"]

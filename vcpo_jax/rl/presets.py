@@ -46,11 +46,10 @@ PRESETS: dict[str, dict[str, Any]] = {
   **{name: dict(_GRPO, is_variant="none", policy_loss=name) for name in ("ipo", "kpop")},
   "vcpo_tis_ess": dict(_VCPO, is_variant="tis_ess", tis_ess_target=0.5),  # VCPO with the ESS-targeted cap
   # score centering (vcpo_jax/score_centering.py): exact q from the behaviour version (lag / sync), or the
-  # sampler's top-k (any mode); TIS+SC is the paper's token-TIS with the cap C = token_tis_c
+  # sampler's top-k (any mode: vcpo.score_centering='topk', vcpo.sc_topk=64 on these); TIS+SC is the paper's
+  # token-TIS with the cap C = token_tis_c
   "vcpo_sc": dict(_VCPO, score_centering="exact"),
   "tis_sc": dict(_GRPO, is_variant="token_tis", score_centering="exact"),
-  "vcpo_sc_topk": dict(_VCPO, score_centering="topk", sc_topk=64),
-  "tis_sc_topk": dict(_GRPO, is_variant="token_tis", score_centering="topk", sc_topk=64),
 }
 
 
@@ -82,8 +81,6 @@ PRESET_DOCS: dict[str, str] = {
   "vcpo_tis_ess": "VCPO with the ESS-targeted truncation: the cap c_t solved per step so that ESS / n = 0.5",
   "vcpo_sc": "VCPO with exact score centering: q recomputed from the behaviour version (lag / sync modes)",
   "tis_sc": "the paper's TIS+SC: token TIS (C = token_tis_c) with exact score centering, capped coefficients",
-  "vcpo_sc_topk": "VCPO with score centering from the sampler's top-64 log-probs (post-filter), tail modelled",
-  "tis_sc_topk": "token TIS with score centering from the sampler's top-64 log-probs (post-filter), tail modelled",
 }
 
 
