@@ -205,3 +205,52 @@ def test_centering_config_checks():
     estimator.pg_config_from_preset("vcpo_sc", sc_topk=8)
   with pytest.raises(ValueError, match=r"with policy_loss='ipo'"):
     estimator.pg_config_from_preset("ipo", score_centering="exact")
+
+
+def _behaviour_topk(graphdef, beh, batch, k):
+  """[N, T, K] top-k ids and log-probs of the behaviour version's temperature-1 distribution, row t for token t
+  (what a sampler without filters records; row 0 unused)."""
+  from vcpo_jax.model import transformer
+
+  from flax import nnx
+
+  positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
+  logits, _ = nnx.merge(graphdef, beh)(batch["tokens"], positions, mask)
+  lq = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
+  vals, ids = jax.lax.top_k(lq, k)
+  pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], 1)
+  return np.asarray(pad(ids)).astype(np.int32), np.asarray(pad(vals)).astype(np.float32)
+
+
+@pytest.mark.parametrize("preset", ["vcpo_sc", "tis_sc"])
+def test_topk_centering_with_k_equal_v_is_exact_in_the_learner(preset):
+  graphdef, params, beh, batch = _model(tied=True)
+  ids, lq = _behaviour_topk(graphdef, beh, batch, V)
+  over = {"token_tis_c": 1.01} if preset == "tis_sc" else {}
+  pg_exact = estimator.pg_config_from_preset(preset, **over)
+  pg_topk = estimator.pg_config_from_preset(preset, score_centering="topk", sc_topk=V, **over)
+  lf = learner.make_logp_fn(graphdef)
+  vmap = learner.policy_gradient("vmap")
+  g_e, a_e = vmap(lf, params, batch, pg_exact, centering=S.StepCentering(graphdef, pg_exact, beh))
+  tb = dict(batch, topk_ids=ids, topk_logp=lq)
+  g_t, a_t = vmap(lf, params, tb, pg_topk, centering=S.TopkCentering(graphdef, pg_topk))
+  np.testing.assert_allclose(flat(g_t), flat(g_e), rtol=1e-4, atol=1e-6 * np.abs(flat(g_e)).max())
+  if pg_exact.opob:
+    np.testing.assert_allclose(np.asarray(a_t["sq_norm_n"]), np.asarray(a_e["sq_norm_n"]), rtol=1e-4)
+  np.testing.assert_allclose(a_t["drift_coef_l1_n"], a_e["drift_coef_l1_n"], rtol=1e-4)
+  # k < V models the tail: a different (non-zero) correction
+  ids4, lq4 = _behaviour_topk(graphdef, beh, batch, 4)
+  pg4 = estimator.pg_config_from_preset(preset, score_centering="topk", sc_topk=4, **over)
+  g_4, _ = vmap(lf, params, dict(batch, topk_ids=ids4, topk_logp=lq4), pg4, centering=S.TopkCentering(graphdef, pg4))
+  assert np.abs(flat(g_4) - flat(g_e)).max() > 1e-6 * np.abs(flat(g_e)).max()
+
+
+def test_topk_centering_needs_the_recorded_head():
+  graphdef, params, _, batch = _model(tied=True)
+  pg = estimator.pg_config_from_preset("vcpo", score_centering="topk", sc_topk=4)
+  with pytest.raises(ValueError, match=r"the batch lacks \['topk_ids', 'topk_logp'\]"):
+    learner.policy_gradient("vmap")(
+      learner.make_logp_fn(graphdef), params, batch, pg, centering=S.TopkCentering(graphdef, pg)
+    )
+  with pytest.raises(ValueError, match=r"learner.grad_path='ghost' with vcpo.score_centering='topk'"):
+    learner.LearnerConfig(pg=pg)

@@ -455,6 +455,49 @@ class StepCentering:
     return exact_head_coefficients(hq, wq, spec, batch["loss_mask"], self.max_ratio)
 
 
+class TopkCentering:
+  """Score centering of one learner step from the sampler's top-k (pg.score_centering 'topk'), vmap path only.
+
+  batch["topk_ids"] int32 [N, T, K] and batch["topk_logp"] float32 [N, T, K]: row t holds the top-k ids of the
+  distribution the sampler drew token t from and their POST-filter log-probs (temperature, top-k / top-p
+  applied; sampler.SamplerConfig.record_topk). The tail outside them is modelled (`topk_correction`).
+    logp_fn(params, batch) -> (logp_nt, corr_nt, diag): one forward of the current parameters; the
+      learner's log-probs at the ids come from `head_logprobs_at` (dense [N, T, V] logits: small vocabularies).
+  """
+
+  KEYS = ("topk_ids", "topk_logp")
+
+  def __init__(self, graphdef, pg):
+    if pg.score_centering != "topk":
+      raise ValueError(f"TopkCentering: pg.score_centering={pg.score_centering!r}, this class centers 'topk'")
+    self.graphdef, self.max_ratio = graphdef, centering_cap(pg)
+
+  def logp_fn(self, params, batch):
+    from flax import nnx  # as _both_versions: nnx only where a model is merged
+
+    missing = [k for k in self.KEYS if k not in batch]
+    if missing:
+      raise ValueError(
+        f"vcpo.score_centering='topk': the batch lacks {missing} ([N, T, K] from the sampler, "
+        "SamplerConfig.record_topk = vcpo.sc_topk)"
+      )
+    tokens = batch["tokens"]
+    positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
+    model = nnx.merge(self.graphdef, params)
+    h, _ = model(tokens, positions, mask, hidden=True)
+    logp = model.head_logprobs(h, tokens)
+    w, spec = _head(model)
+    head = head_logprobs_at(h, w, batch["topk_ids"], spec)
+    corr, diag = topk_correction(head, sg(batch["topk_logp"]), self.max_ratio, batch["loss_mask"])
+    return logp, corr, diag
+
+  def head_coefs(self, batch):
+    raise ValueError(
+      "vcpo.score_centering='topk' runs on learner.grad_path='vmap' only (the ghost path's dense head term "
+      "needs the learner's log-probs at the sampler's ids before its vocabulary pass); set learner.grad_path='vmap'"
+    )
+
+
 def drift_rows(logp_nt, behavior_logp_nt, mask_nt, coef_abs_nt, kl_qp_nt=None) -> dict:
   """Per-row sums of the drift diagnostics over the loss tokens ([N] each; micro-batches stack them):
   drift_tokens_n, drift_k1_n = sum (log q_y - log p_y), drift_coef_l1_n = sum_t sum_v |c_tv|, and
