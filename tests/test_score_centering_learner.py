@@ -254,3 +254,80 @@ def test_topk_centering_needs_the_recorded_head():
     )
   with pytest.raises(ValueError, match=r"learner.grad_path='ghost' with vcpo.score_centering='topk'"):
     learner.LearnerConfig(pg=pg)
+
+
+# ---------------------------------------------------------------------------
+# The sampler's recorded top-k (SamplerConfig.record_topk)
+# ---------------------------------------------------------------------------
+
+
+def _sample(graphdef, model_cfg, params, **kw):
+  from vcpo_jax.sampler import Sampler, SamplerConfig
+
+  cfg = SamplerConfig(max_new_tokens=6, prompt_buckets=(4,), new_token_buckets=(6,), batch_buckets=(4,), **kw)
+  return Sampler(graphdef, model_cfg, cfg).generate(params, [[1, 2, 3], [4, 5]], jax.random.key(3), num_samples=2)
+
+
+def _model_cfg():
+  from vcpo_jax.model import config
+
+  return config.tiny_qwen2(
+    vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+  )
+
+
+def test_recorded_topk_is_the_top_k_of_the_filtered_distribution():
+  """Each response token's recorded top-k = top-k of log softmax(filter_logits(logits / T, top_k, top_p)) of the
+  sampling parameters, recomputed by a full forward (post-filter: removed tokens are never recorded with a
+  finite log-prob, and the sampled token's behaviour log-prob is its recorded one)."""
+  from flax import nnx
+
+  from vcpo_jax import sampler as sampler_lib
+  from vcpo_jax.model import transformer
+
+  graphdef, params = transformer.split(transformer.init(_model_cfg(), seed=0))
+  kw = dict(temperature=0.7, top_k=6, top_p=0.9, record_topk=4)
+  ro = _sample(graphdef, _model_cfg(), params, **kw)
+  assert ro.topk_ids.shape == ro.tokens.shape + (4,) and ro.topk_logp.dtype == np.float32
+  positions, mask = transformer.padded_positions_and_mask(ro.prompt_mask | ro.response_mask)
+  logits, _ = nnx.merge(graphdef, params)(ro.tokens, positions, mask)
+  cfg = sampler_lib.SamplerConfig(**kw)
+  for n, t in zip(*np.nonzero(ro.response_mask)):
+    ids, vals = sampler_lib.sampled_topk(logits[n, t - 1][None], cfg)
+    fin = np.isfinite(np.asarray(vals[0]))
+    np.testing.assert_array_equal(ro.topk_ids[n, t][fin], np.asarray(ids[0])[fin])
+    np.testing.assert_allclose(ro.topk_logp[n, t][fin], np.asarray(vals[0])[fin], rtol=1e-4, atol=1e-5)
+    assert np.all(np.isneginf(ro.topk_logp[n, t][~fin]))  # filtered out: -inf, not the unfiltered log-prob
+    hit = ro.topk_ids[n, t] == ro.tokens[n, t]
+    if hit.any():
+      assert ro.topk_logp[n, t][hit][0] == pytest.approx(ro.behavior_logp[n, t], abs=1e-5)
+  assert np.all(ro.topk_logp[~ro.response_mask] == 0) and np.all(ro.topk_ids[~ro.response_mask] == 0)
+  with pytest.raises(ValueError, match="record_topk=4 with decode='chunked'"):
+    _sample(graphdef, _model_cfg(), params, decode="chunked", **kw)
+
+
+def test_sampler_topk_with_k_equal_v_centering_equals_exact():
+  """Sampled at temperature 1 without filters, recording k = V: the learner's top-k centering (behaviour = the
+  sampling parameters) equals exact centering from those parameters on the same batch."""
+  from vcpo_jax.model import transformer
+
+  graphdef, params = transformer.split(transformer.init(_model_cfg(), seed=0))
+  _, other = transformer.split(transformer.init(_model_cfg(), seed=1))
+  beh = jax.tree.map(lambda a, b: a + 0.3 * (b - a), params, other)
+  ro = _sample(graphdef, _model_cfg(), beh, record_topk=V)
+  batch = dict(
+    tokens=ro.tokens,
+    valid_mask=ro.prompt_mask | ro.response_mask,
+    loss_mask=ro.response_mask,
+    behavior_logp=ro.behavior_logp,
+    rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32),
+    group_id=np.array([0, 0, 1, 1], np.int32),
+  )
+  pg_e = estimator.pg_config_from_preset("vcpo_sc")
+  pg_t = estimator.pg_config_from_preset("vcpo", score_centering="topk", sc_topk=V)
+  lf, vmap = learner.make_logp_fn(graphdef), learner.policy_gradient("vmap")
+  g_e, a_e = vmap(lf, params, batch, pg_e, centering=S.StepCentering(graphdef, pg_e, beh))
+  tb = dict(batch, topk_ids=ro.topk_ids, topk_logp=ro.topk_logp)
+  g_t, a_t = vmap(lf, params, tb, pg_t, centering=S.TopkCentering(graphdef, pg_t))
+  np.testing.assert_allclose(flat(g_t), flat(g_e), rtol=1e-3, atol=1e-5 * np.abs(flat(g_e)).max())
+  np.testing.assert_allclose(np.asarray(a_t["sq_norm_n"]), np.asarray(a_e["sq_norm_n"]), rtol=1e-3)
