@@ -186,6 +186,10 @@ def test_lag_run_with_exact_centering_logs_drift_and_k0_equals_plain(tmp_path, d
     (dict(mode="async", **{"lag.k": 2}), r"vcpo.score_centering='exact': needs the behaviour parameters"),
     ({"sampler.temperature": 0.7}, r"vcpo.score_centering='exact': recomputes q"),
     ({"learner.ghost_passes": 2}, r"learner.ghost_passes=2 with vcpo.score_centering='exact'"),
+    (
+      {"vcpo.score_centering": "topk", "vcpo.sc_topk": 8, "learner.grad_path": "vmap"},
+      r"vcpo.score_centering='topk': the sampler records the top-k",
+    ),
   ],
 )
 def test_exact_centering_refused_where_q_is_unavailable(kw, match):

@@ -361,7 +361,15 @@ class RunSpec:
   sft_noise: float = 0.0  # config.sft.noise (sft.SFTConfig.noise)
 
   def _check_centering(self, pg):
-    """vcpo.score_centering='exact' needs the behaviour parameters (sync / lag) and q = softmax(logits)."""
+    """vcpo.score_centering='exact' needs the behaviour parameters (sync / lag) and q = softmax(logits); 'topk'
+    is not carried by the Batch yet (the sampler records it, the learner consumes it: not wired between)."""
+    check_field(
+      pg.score_centering != "topk",
+      "vcpo.score_centering",
+      "topk",
+      "the sampler records the top-k (SamplerConfig.record_topk) and the learner centers from it, but the Batch "
+      "does not carry it through the rollout sources yet; use vcpo.score_centering='exact' with mode='lag'.",
+    )
     if pg.score_centering != "exact":
       return
     check_field(
