@@ -178,7 +178,7 @@ def load_setting(
   batch / prompt_len / new_tokens (0 = the config's) shrink the run for quick checks and tests.
   score_centering="exact": the config's method with exact score centering (vcpo.score_centering), run in
   mode='lag' (where the behaviour version exists; the config's lag.k): the learner step then also reads the
-  behaviour parameters and runs their forward (`compile_learner`).
+  behaviour parameters and runs their forward (`compile_learner`), on the one-pass ghost step.
   """
   from vcpo_jax import run_config
   from vcpo_jax.rollout import multiturn
@@ -201,6 +201,7 @@ def load_setting(
   if score_centering:
     c.vcpo.score_centering = score_centering
     c.mode = "lag"
+    c.learner.ghost_passes = 1  # the centered score's dense head term runs in the one-pass ghost step only
   if new_tokens:
     c.task.max_new_tokens = new_tokens
     if c.task.multiturn.enabled:
