@@ -214,9 +214,9 @@ def test_centering_config_checks():
 def _behaviour_topk(graphdef, beh, batch, k):
   """[N, T, K] top-k ids and log-probs of the behaviour version's temperature-1 distribution, row t for token t
   (what a sampler without filters records; row 0 unused)."""
-  from vcpo_jax.model import transformer
-
   from flax import nnx
+
+  from vcpo_jax.model import transformer
 
   positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
   logits, _ = nnx.merge(graphdef, beh)(batch["tokens"], positions, mask)
