@@ -163,7 +163,12 @@ class _FakeTokenizer:
 
 
 def load_setting(
-  name: str, model_overrides: dict | None = None, batch: int = 0, prompt_len: int = 0, new_tokens: int = 0
+  name: str,
+  model_overrides: dict | None = None,
+  batch: int = 0,
+  prompt_len: int = 0,
+  new_tokens: int = 0,
+  score_centering: str = "",
 ):
   """The released config `configs/<name>.py` (`name:variant` for a variant, e.g. math:qwen3_8b) with its
   real architecture (config.model.shape).
@@ -171,6 +176,9 @@ def load_setting(
   The config goes through `run_config.parse_config` like a real run (its data paths and checkpoint
   cleared: nothing is read), so every learner / model option it sets reaches the compiled step.
   batch / prompt_len / new_tokens (0 = the config's) shrink the run for quick checks and tests.
+  score_centering="exact": the config's method with exact score centering (vcpo.score_centering), run in
+  mode='lag' (where the behaviour version exists; the config's lag.k): the learner step then also reads the
+  behaviour parameters and runs their forward (`compile_learner`), on the one-pass ghost step.
   """
   from vcpo_jax import run_config
   from vcpo_jax.rollout import multiturn
@@ -190,6 +198,10 @@ def load_setting(
     c.task.prompts_per_step = batch // c.task.group_size
   if prompt_len:
     c.task.max_prompt_len = prompt_len
+  if score_centering:
+    c.vcpo.score_centering = score_centering
+    c.mode = "lag"
+    c.learner.ghost_passes = 1  # the centered score's dense head term runs in the one-pass ghost step only
   if new_tokens:
     c.task.max_new_tokens = new_tokens
     if c.task.multiturn.enabled:
@@ -305,9 +317,12 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   t = setting.t
   # The learner's device batch, from the one Batch definition (vcpo_jax/batch.py).
   abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t).items() if k in batch_lib.DEVICE_KEYS}
+  # exact score centering: the behaviour version (laid out as the parameters) is an input too, as trainer.run jits it
+  behaviour = (abs_state.params,) if spec.learner.pg.score_centering == "exact" else ()
+  behaviour_sh = (state_sh.params,) if behaviour else ()
   step = jax.jit(
     learner.make_train_step(graphdef, tx, learner_config(spec, mesh, n, setting.model_cfg, setting.t)),
-    in_shardings=(state_sh, batch_sh),
+    in_shardings=(state_sh, batch_sh, *behaviour_sh),
     out_shardings=(state_sh, sharding.replicated(mesh)),
     donate_argnums=0,
   )
@@ -315,7 +330,7 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
 
   budget = grad_norms.memory_budget(setting.norm_budget) if setting.norm_budget is not None else None
   with _mesh_context(mesh), budget or contextlib.nullcontext():
-    return step.lower(abs_state, abs_batch).compile()
+    return step.lower(abs_state, abs_batch, *behaviour).compile()
 
 
 def _mesh_context(mesh):
@@ -484,13 +499,15 @@ def worker(args) -> list[dict]:
     for name in args.configs.split(","):
       budget = {"norm_budget": args.norm_budget} if args.norm_budget >= 0 else {}
       setting = dataclasses.replace(
-        load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens), **budget
+        load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens, args.score_centering), **budget
       )
       if args.prefill_chunk:  # overrides the config's sampler.prefill_chunk
         scfg = dataclasses.replace(setting.sampler_cfg, prefill_chunk=args.prefill_chunk)
         setting = dataclasses.replace(setting, sampler_cfg=scfg)
       half = min(TINY_TOKENS, setting.t // 2) // 2
-      tiny = load_setting(name, overrides, args.batch, half, half) if args.batch_dependent else None
+      tiny = (
+        load_setting(name, overrides, args.batch, half, half, args.score_centering) if args.batch_dependent else None
+      )
       tiny = tiny and dataclasses.replace(tiny, **budget)
       for part in args.parts.split(","):
         layers = args.layers if part == "learner" else args.sampler_layers
@@ -595,6 +612,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--batch", type=int, default=0, help="learner rows N (0 = the config's P * G)")
   p.add_argument("--prompt_len", type=int, default=0, help="max prompt length (0 = the config's)")
   p.add_argument("--new_tokens", type=int, default=0, help="response budget (0 = the config's)")
+  p.add_argument(
+    "--score_centering", default="", help="'exact': the method with exact score centering, in lag mode ('' = off)"
+  )
   p.add_argument("--batch_dependent", action="store_true", help="also compile at TINY_TOKENS tokens per row: batch_gib")
   p.add_argument(
     "--norm_budget",
@@ -637,6 +657,7 @@ def main(argv=None):
     f"--batch={args.batch}",
     f"--prompt_len={args.prompt_len}",
     f"--new_tokens={args.new_tokens}",
+    f"--score_centering={args.score_centering}",
     f"--norm_budget={args.norm_budget}",
     f"--prefill_chunk={args.prefill_chunk}",
   ] + (["--batch_dependent"] if args.batch_dependent else [])

@@ -105,6 +105,26 @@ CoefFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, Any]]
 # tokw: an array [N, T], or a function of the (stop-gradient) logp_nt, e.g. token-TIS weights.
 TokW = jax.Array | Callable[[jax.Array], jax.Array]
 
+
+class HeadCoefficients(NamedTuple):
+  """Extra coefficients e_tv on the LM head's full log-probs: the score gains sum_{t,v} e_tv log p_tv.
+
+  The head's per-token output gradient (wrt its logits z_t, c_t = tokw_{t+1}) is then dense:
+
+      d_t = c_t (onehot(y_t) - p_t) + e_t - (sum_v e_tv) p_t
+
+  (score centering passes e = -sg[c] of vcpo_jax.score_centering; this module knows nothing of it). Every
+  input is stop-gradient; e must be 0 at positions outside the loss (the functions mask them).
+    chunk(start, vc, logp_nmv) -> e [N, M, Vc] at vocab columns start .. start + vc - 1, given the
+      learner's log-probs there, logp_nmv [N, M, Vc] (M = T - 1 predicting positions);
+    at(ids_nk, logp_nmk) -> e [N, M, K] at per-row vocab ids ids_nk [N, K] (the same for every position),
+      given the learner's log-probs there: only a tied head's cross term calls it.
+  """
+
+  chunk: Callable
+  at: Callable | None = None
+
+
 METHODS = ("auto", "gram", "direct", "materialize")
 DEFAULT_BUDGET_BYTES = 4 << 30  # per device, for the norms' temporaries and kept per-example gradients
 # A budget set for everything traced inside `memory_budget(...)` (benchmarks pin it); None: the default.
@@ -143,6 +163,8 @@ class GhostResult(NamedTuple):
   loss: scalar -sum_n coef_n sum_t tokw_nt logp_nt.
   grads: gradient of `loss` wrt params, same pytree structure as params.
   aux: whatever coef_fn returned beside coef_n.
+  head_sums: with head_coefs, {"e_total", "e_logp", "e_abs"} [N, M]: sum_v e_tv, sum_v e_tv log p_tv and
+    sum_v |e_tv| per predicting position (the loss includes -sum_n coef_n sum_m e_logp); else None.
   """
 
   logp_nt: jax.Array
@@ -152,6 +174,7 @@ class GhostResult(NamedTuple):
   loss: jax.Array
   grads: Any
   aux: Any
+  head_sums: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,10 +462,31 @@ def _embed_sq_norm(
   return _map_rows(jax.vmap(one), xs, block, shards)
 
 
-def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None, path: str = ""):
+def _head_extra_sums(rec, spec, head_coefs: HeadCoefficients, block: int) -> dict:
+  """{"e_total", "e_logp", "e_abs"} [N, M] of HeadCoefficients (see GhostResult.head_sums): one scan over the
+  head's vocab chunks (`block` entries each), logits rebuilt from h, W and the forward's lse."""
+  h, w, lse = rec["h"], rec["w"].astype(spec.dtype), rec["lse"]
+  h_m = h[:, :-1]
+  v = logprobs.vocab_size(w, spec)
+  vc, nv = logprobs.vocab_chunks(v, block)
+
+  def body(carry, i):
+    start, live = logprobs.chunk_columns(i, v, vc)
+    lp = logprobs.logits(h_m, logprobs.vocab_slice(w, spec, start, vc), spec) - lse[..., None]
+    e = jnp.where(live, head_coefs.chunk(start, vc, lp), 0.0)
+    lp = jnp.where(live, lp, 0.0)
+    return tuple(a + b for a, b in zip(carry, (jnp.sum(e, -1), jnp.sum(e * lp, -1), jnp.sum(jnp.abs(e), -1)))), None
+
+  z = jnp.zeros(lse.shape, _F32)
+  (tot, elp, eabs), _ = jax.lax.scan(body, (z, z, z), jnp.arange(nv))
+  return {"e_total": tot, "e_logp": elp, "e_abs": eabs}
+
+
+def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None, path: str = "", extra=None):
   """One scan over the head's vocab chunks, recomputing logits from h, W and the forward's lse.
 
-  With D^v = c * (onehot(y) - softmax)[:, :, chunk v] ([N, M, Vc], the head's output gradient):
+  With D^v = c * (onehot(y) - softmax)[:, :, chunk v] ([N, M, Vc], the head's output gradient; with
+  extra = (HeadCoefficients, e_total [N, M]) plus e^v - e_total softmax^v, the dense extra part):
     want_dh: dL/dh [N, T, D] = sum_v D^v W_v^T (0 at the last position, which predicts nothing);
     want_sq: the head's S_n (gram or direct by plan.method) and, for "materialize", the kept
       per-example gradients G_n [N, D, V] (tied: [N, V, D]);
@@ -481,9 +525,13 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
     dh, sq, kept, gw = carry
     start, live = logprobs.chunk_columns(i, v, vc)
     w_c = logprobs.vocab_slice(w, spec, start, vc)
-    p = jnp.exp(logprobs.logits(h_m, w_c, spec) - lse[..., None])
+    lp = logprobs.logits(h_m, w_c, spec) - lse[..., None]
+    p = jnp.exp(lp)
     onehot = (start + jnp.arange(vc)) == y[..., None]
-    d_c = jnp.where(live, c_nm[..., None] * (onehot.astype(_F32) - p), 0.0)  # [N, M, Vc]
+    d_c = c_nm[..., None] * (onehot.astype(_F32) - p)
+    if extra is not None:  # the dense part: e - (sum_v e) p
+      d_c = d_c + extra[0].chunk(start, vc, lp) - extra[1][..., None] * p
+    d_c = jnp.where(live, d_c, 0.0)  # [N, M, Vc]
     if dh is not None:
       eq = "nmv,vd->nmd" if spec.tied else "nmv,dv->nmd"
       dh = dh + jnp.einsum(eq, d_c.astype(spec.dtype), w_c.astype(spec.dtype), preferred_element_type=_F32)
@@ -505,13 +553,19 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
   return dh, sq, kept, gw
 
 
-def _tied_cross_term(rec, spec, c_nm, tok_nt, d_emb) -> jax.Array:
-  """2 <B_n, C_n> = 2 sum_{s,t} d_s[tok_t] (h_s . d^emb_t), [N]; [N, M, T] values, no [N, T, V]."""
+def _tied_cross_term(rec, spec, c_nm, tok_nt, d_emb, extra=None) -> jax.Array:
+  """2 <B_n, C_n> = 2 sum_{s,t} d_s[tok_t] (h_s . d^emb_t), [N]; [N, M, T] values, no [N, T, V].
+  extra: (HeadCoefficients, e_total) as in `_head_scan`; d_s[tok_t] gains e_s[tok_t] - e_total_s p_s[tok_t]."""
   h, w, lse, y = rec["h"], rec["w"], rec["lse"], rec["tokens"][:, 1:]
   h_m = h[:, :-1]
   e_tok = jnp.take(w, tok_nt, axis=0)  # [N, T, D]: the table rows of the looked-up tokens
   lg = jnp.einsum("nsd,ntd->nst", h_m.astype(spec.dtype), e_tok.astype(spec.dtype)).astype(_F32)
-  d_st = c_nm[..., None] * ((y[..., None] == tok_nt[:, None, :]).astype(_F32) - jnp.exp(lg - lse[..., None]))
+  p_st = jnp.exp(lg - lse[..., None])
+  d_st = c_nm[..., None] * ((y[..., None] == tok_nt[:, None, :]).astype(_F32) - p_st)
+  if extra is not None:
+    if extra[0].at is None:
+      raise ValueError("HeadCoefficients.at is None: a tied head's cross term needs e at the looked-up ids")
+    d_st = d_st + extra[0].at(tok_nt, lg - lse[..., None]) - extra[1][..., None] * p_st
   m_st = jnp.einsum("nsd,ntd->nst", h_m.astype(_F32), d_emb)
   return 2.0 * jnp.sum(d_st * m_st, axis=(1, 2))
 
@@ -536,7 +590,7 @@ def _owners(infos: dict[str, taps.TapInfo], params) -> tuple[dict[str, jax.Shape
   return param_shapes, owners
 
 
-def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_bytes, batch_shards):
+def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_bytes, batch_shards, head_coefs=None):
   """The shared body of `ghost_sq_norms_and_grad` (coef_fn given) and `taps_grad` (coef_n given)."""
   norms = coef_fn is not None
   infos, in_shapes, pert_shapes, out_shapes = _tapped_forward(logp_fn, params, batch)
@@ -568,6 +622,11 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   c_nm = tokw_nt[:, 1:]
   sq_n = jnp.zeros((n,), _F32)
   dh, kept, grads_by_path = {}, {}, {}
+  # head_coefs: the head's dense extra coefficients (one head); their row sums first, a vocab pass
+  head_sums = {}
+  if head_coefs is not None:
+    head_sums = {k: _head_extra_sums(acts[k], infos[k].spec, head_coefs, plans[k].block) for k in heads[:1]}
+  extra = {k: (head_coefs, hs["e_total"]) for k, hs in head_sums.items()}
   for k in heads:
     dh[k], sq_k, kept_k, gw = _head_scan(
       acts[k],
@@ -578,6 +637,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       want_sq=norms,
       w_n=None if norms else -coef_n,
       path=_tap_params(infos[k])[0],
+      extra=extra.get(k),
     )
     if norms:
       sq_n += sq_k
@@ -636,7 +696,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
         sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head], batch_shards)
       else:  # ||B_n||^2, and the cross term from [N, M, T] values; ||C_n||^2 came from the head scan
         sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, shards=batch_shards)
-        sq_n += _tied_cross_term(acts[head], infos[head].spec, c_nm, tok_nt, d_emb)
+        sq_n += _tied_cross_term(acts[head], infos[head].spec, c_nm, tok_nt, d_emb, extra.get(head))
     else:
       raise ValueError(
         f"Parameter {p!r} is used by taps {names} of kinds {kinds}; only a tied "
@@ -651,6 +711,8 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
     raise ValueError(f"coef_n has shape {coef_n.shape}; expected ({n},), one coefficient per trajectory.")
   # where(): padding tokens may carry logp = -inf; they have weight 0 and must not give nan.
   loss = -jnp.sum(coef_n * jnp.sum(jnp.where(tokw_nt != 0, tokw_nt * logp_nt, 0.0), axis=1))
+  for hs in head_sums.values():  # the extra term of the score, sum_m sum_v e log p
+    loss = loss - jnp.sum(coef_n * jnp.sum(hs["e_logp"], axis=1))
 
   # The update: backprop is linear in the per-example cotangents, so contract with -coef_n.
   w_n = -coef_n
@@ -670,7 +732,17 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       else:
         add(
           path,
-          _head_scan(acts[name], info.spec, c_nm, plans[name], want_dh=False, want_sq=False, w_n=w_n, path=path)[3],
+          _head_scan(
+            acts[name],
+            info.spec,
+            c_nm,
+            plans[name],
+            want_dh=False,
+            want_sq=False,
+            w_n=w_n,
+            path=path,
+            extra=extra.get(name),
+          )[3],
         )
       continue
     a, d = acts[name], outgrads[name]
@@ -693,7 +765,9 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
       add(info.param + ".embedding", rows)
 
   grads = jax.tree_util.tree_map_with_path(lambda path, _: grads[path_str(path)], params)
-  return GhostResult(logp_nt, tokw_nt, sq_n if norms else None, coef_n, loss, grads, aux)
+  return GhostResult(
+    logp_nt, tokw_nt, sq_n if norms else None, coef_n, loss, grads, aux, head_sums.get(heads[0]) if head_sums else None
+  )
 
 
 def _sink_norm(plans: dict[str, LayerPlan], batch_shards: int):
@@ -834,8 +908,12 @@ def ghost_sq_norms_and_grad(
   batch_shards: int | None = None,
   passes: int | str = 1,
   one_pass_budget_bytes: int | None = None,
+  head_coefs: HeadCoefficients | None = None,
 ) -> GhostResult:
   """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
+
+  With head_coefs (HeadCoefficients e_tv) the score of example n is sum_t tokw_nt logp_nt + sum_tv e_ntv
+  log p_ntv (a dense per-token head output gradient): S_n, the gradient and the loss are those of it.
 
   Args:
     logp_fn: (params, batch) -> logp_nt [N, T]; every parameter must belong to a tapped layer
@@ -859,17 +937,22 @@ def ghost_sq_norms_and_grad(
       update: one layer's (A, D) alive at a time, for long sequences; "materialize" not allowed;
       "auto": `choose_passes` from this (micro-)batch's shapes against one_pass_budget_bytes (None:
       DEFAULT_ONE_PASS_BUDGET_BYTES).
+    head_coefs: None, or the head's extra coefficients (HeadCoefficients; one pass only, a tied head
+      needs its `at`).
 
   Returns:
-    GhostResult(logp_nt, tokw_nt, sq_norms_n, coef_n, loss, grads, aux); grads has params' structure.
+    GhostResult(logp_nt, tokw_nt, sq_norms_n, coef_n, loss, grads, aux, head_sums); grads has params'
+    structure.
   """
   if passes == "auto":
     passes = choose_passes(logp_fn, params, batch, method, one_pass_budget_bytes, batch_shards)
   if passes not in PASSES:
     raise ValueError(f"passes={passes!r}: choose one of {PASSES} or 'auto'.")
   if passes == 2:
+    if head_coefs is not None:
+      raise ValueError("passes=2 with head_coefs: the two-pass path has no dense head term; use passes=1")
     return _ghost_two_pass(logp_fn, params, batch, tokw, coef_fn, method, memory_budget_bytes, batch_shards)
-  return _ghost(logp_fn, params, batch, tokw, coef_fn, None, method, memory_budget_bytes, batch_shards)
+  return _ghost(logp_fn, params, batch, tokw, coef_fn, None, method, memory_budget_bytes, batch_shards, head_coefs)
 
 
 def taps_grad(

@@ -56,6 +56,7 @@ import optax
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import estimator, grad_norms, sharding, telemetry
+from vcpo_jax import score_centering as sc_lib
 from vcpo_jax.model import transformer
 from vcpo_jax.rl import losses as policy_losses
 
@@ -110,6 +111,16 @@ class LearnerConfig:
         f"learner.one_pass_budget_gib={self.one_pass_budget_gib!r}: give a positive number of GiB per device."
       )
     self._check_updates()
+    if self.pg.score_centering == "topk" and self.grad_path == "ghost":
+      raise ValueError(
+        "learner.grad_path='ghost' with vcpo.score_centering='topk': top-k centering runs on the reference path; "
+        "set learner.grad_path='vmap' (or vcpo.score_centering='exact')."
+      )
+    if self.pg.score_centering != "off" and self.grad_path == "ghost" and self.ghost_passes != 1:
+      raise ValueError(
+        f"learner.ghost_passes={self.ghost_passes!r} with vcpo.score_centering={self.pg.score_centering!r}: the "
+        "centered score's dense head term runs in the one-pass ghost step only; set learner.ghost_passes=1."
+      )
     mb = self.microbatch_size
     if mb is None or mb == 0:
       return
@@ -199,17 +210,23 @@ def _coefficients(logp_nt, batch, pg: estimator.PGConfig, sq_n, divisor):
   )
 
 
-def _vmap_gradient(logp_fn, params, batch, pg: estimator.PGConfig, *, divisor=None, current_version=None):
+def _vmap_gradient(
+  logp_fn, params, batch, pg: estimator.PGConfig, *, divisor=None, current_version=None, centering=None
+):
   """The reference path: one forward (jax.vjp), norms by vmap of per-example grads, one backward.
 
   logp_nt, vjp = jax.vjp(logp_fn(., batch), params)
   S_n          = ||grad_params sum_t mask_nt logp_nt||^2      (grad_norms.per_example_sq_grad_norms; OPOB only)
   coef_n, aux  = estimator.pg_coefficients(sg(logp_nt), ..., S_n)
   grads        = vjp(-coef_n tokw_nt)                       (tokw_nt = estimator.pg_token_weights)
+
+  centering (a score_centering.StepCentering, or None): every score is centered (`_centered_vmap_gradient`).
   """
   _check_batch(batch)
   if pg.policy_loss != "pg":
     return _policy_loss_gradient(logp_fn, params, batch, pg, current_version=current_version)
+  if centering is not None:
+    return _centered_vmap_gradient(centering, params, batch, pg, divisor)
   logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
   sq = None
   if estimator.needs_sq_norms(pg):
@@ -229,6 +246,38 @@ def _vmap_gradient(logp_fn, params, batch, pg: estimator.PGConfig, *, divisor=No
   return grads, dict(aux, pg_loss=pg_loss, **rows)
 
 
+def _centered_vmap_gradient(centering, params, batch, pg: estimator.PGConfig, divisor):
+  """The vmap path with centered scores: score_t = tokw_t log p(y_t) - corr_t, corr_t = sum_v sg[c_tv] log p_tv.
+
+    (logp_nt, corr_nt), vjp = jax.vjp(centering.logp_fn(., batch), params)
+    S_n   = ||grad_params sum_t mask_nt (logp_nt - corr_nt)||^2     (OPOB only: the CENTERED score's norm)
+    grads = vjp(-coef_n tokw_nt, +coef_n mask_nt)  =  grad of -sum_n coef_n sum_t (tokw log p - corr)
+
+  As score_centering.centered_gradient, with the drift diagnostics as per-row sums (drift_rows).
+  """
+  mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+  (logp_nt, corr_nt, diag), vjp = jax.vjp(lambda p: centering.logp_fn(p, batch), params)
+  sq = None
+  if estimator.needs_sq_norms(pg):
+
+    def score(p, example):
+      ex1 = jax.tree_util.tree_map(lambda x: x[None], example)
+      lp, corr, _ = centering.logp_fn(p, ex1)
+      return jnp.sum((lp[0].astype(jnp.float32) - corr[0]) * ex1["loss_mask"][0].astype(jnp.float32))
+
+    sq = grad_norms.per_example_sq_grad_norms(score, params, dict(batch))
+  coef_n, aux = _coefficients(sg(logp_nt), batch, pg, sq, divisor)
+  tokw_nt = estimator.pg_token_weights(sg(logp_nt), batch["behavior_logp"], mask, pg)
+  cot_lp = -coef_n[:, None] * tokw_nt
+  cot_corr = coef_n[:, None] * mask
+  (grads,) = vjp((cot_lp.astype(logp_nt.dtype), cot_corr, jax.tree.map(jnp.zeros_like, diag)))
+  lp_val = jnp.where(tokw_nt != 0, sg(logp_nt).astype(jnp.float32), 0.0)
+  pg_loss = jnp.sum(cot_lp * lp_val + cot_corr * sg(corr_nt))
+  rows = dict(coef_n=coef_n) if sq is None else dict(coef_n=coef_n, sq_norm_n=sq)
+  rows.update(sc_lib.drift_rows(sg(logp_nt), batch["behavior_logp"], mask, diag["coef_l1"], diag.get("kl_qp")))
+  return grads, dict(aux, pg_loss=pg_loss, **rows)
+
+
 def _ghost_gradient(
   logp_fn,
   params,
@@ -242,6 +291,7 @@ def _ghost_gradient(
   batch_shards: int | None = None,
   passes: int | str = 1,
   one_pass_budget_bytes: int | None = None,
+  centering=None,
 ):
   """The fast path: exact S_n and the gradient from one forward and one backward to the layer outputs.
 
@@ -254,12 +304,15 @@ def _ghost_gradient(
   loss_mask, so S_n is the norm it needs. aux also holds sq_norm_n [N] (the exact S_n, whether or not
   pg uses it). method / memory_budget_bytes / batch_shards: the norms' plan (grad_norms.plan_layers),
   chosen from this (micro-)batch's shapes; passes / one_pass_budget_bytes: 1, 2 or "auto"
-  (grad_norms.ghost_sq_norms_and_grad).
+  (grad_norms.ghost_sq_norms_and_grad). centering (a score_centering.StepCentering, or None): the scores are
+  centered, the head's per-token output gradient gains the dense term of `centering.head_coefs(batch)`
+  (one stop-gradient forward of the behaviour parameters), and aux the per-row drift sums.
   """
   _check_batch(batch)
   if pg.policy_loss != "pg":
     return _policy_loss_gradient(logp_fn, params, batch, pg, current_version=current_version)
   beh, mask = batch["behavior_logp"], batch["loss_mask"]
+  head_coefs = None if centering is None else centering.head_coefs(batch)
   res = grad_norms.ghost_sq_norms_and_grad(
     logp_fn,
     params,
@@ -271,8 +324,13 @@ def _ghost_gradient(
     batch_shards=batch_shards,
     passes=passes,
     one_pass_budget_bytes=one_pass_budget_bytes,
+    head_coefs=head_coefs,
   )
-  return res.grads, dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n, coef_n=res.coef_n)
+  out = dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n, coef_n=res.coef_n)
+  if centering is not None:  # e_abs [N, M] sits at the position predicting token m + 1
+    e_abs = jnp.pad(res.head_sums["e_abs"], ((0, 0), (1, 0)))
+    out.update(sc_lib.drift_rows(res.logp_nt, beh, mask, e_abs))
+  return res.grads, out
 
 
 def _bound_policy_loss(pg: estimator.PGConfig, batch, current_version=None):
@@ -329,6 +387,8 @@ def policy_gradient(path: str) -> Callable:
   "ghost": exact per-example norms and the gradient from one backward pass to the layer outputs
            (vcpo_jax.grad_norms); also takes method / memory_budget_bytes / batch_shards / passes;
   "vmap":  the reference: norms by vmap of per-example grads, then the surrogate's backward.
+  Both also take centering= (a score_centering.StepCentering): pg.score_centering is applied only through
+  it (`_gradient` builds it; without it f is the uncentered surrogate, which Method.loss_fn matches).
   Both give the same gradient (tested). A policy_losses loss (pg.policy_loss != "pg") needs no norms:
   on either path one forward and the loss's own cotangent; current_version (the version the update
   produces) is read only by decoupled_ppo's log-linear pi_prox.
@@ -350,16 +410,39 @@ def policy_gradient(path: str) -> Callable:
   return _GRAD_PATHS[path]
 
 
-def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None):
+def _step_centering(graphdef, params, cfg: LearnerConfig, behavior_params):
+  """The step's score centering (score_centering.StepCentering) or None (pg.score_centering 'off')."""
+  if cfg.pg.score_centering == "off":
+    return None
+  if cfg.pg.score_centering == "topk":
+    return sc_lib.TopkCentering(graphdef, cfg.pg)
+  return sc_lib.StepCentering(graphdef, cfg.pg, params if behavior_params is None else behavior_params)
+
+
+def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None, behavior_params=None):
   """(grads, aux) of the whole batch: one pass, or a scan over micro-batches (same result).
 
   step: the learner's step (state.step), read only by decoupled_ppo's log-linear pi_prox.
+  behavior_params: pg.score_centering='exact' only: the parameters that sampled the batch (lag mode's
+  version step - k); None: `params` (sync, k = 0: p = q and every centering coefficient is 0). The drift
+  diagnostics come back as `drift/*` scalars (score_centering.drift_scalars).
   """
+  grads, aux = _gradient_rows(graphdef, params, batch, cfg, step, behavior_params)
+  if "drift_tokens_n" in aux:
+    aux = dict(aux, **sc_lib.drift_scalars(aux))
+  return grads, aux
+
+
+def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_params):
+  """`_gradient` before the drift scalars: one pass, or a scan over micro-batches."""
   logp_fn = make_logp_fn(graphdef)
   grad_fn = policy_gradient(cfg.grad_path)
   if cfg.grad_path == "ghost" and cfg.ghost_passes != 1:
     budget = int(cfg.one_pass_budget_gib * 2**30)
     grad_fn = functools.partial(grad_fn, passes=cfg.ghost_passes, one_pass_budget_bytes=budget)
+  centering = _step_centering(graphdef, params, cfg, behavior_params)
+  if centering is not None:
+    grad_fn = functools.partial(grad_fn, centering=centering)
   n = batch["tokens"].shape[0]
   k = cfg.microbatches(n)
   if k == 1:
@@ -448,16 +531,18 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: LearnerConfig):
-  """Returns train_step(state, batch) -> (state, metrics); jit it under its mesh: sharding.MeshJit (donate state).
+  """Returns train_step(state, batch, behavior_params=None) -> (state, metrics); jit it under its mesh:
+  sharding.MeshJit (donate state). behavior_params: pg.score_centering='exact' in lag mode, the version that
+  sampled the batch (see `_gradient`); None otherwise.
 
   Traced without a mesh while its inputs live on a multi-device mesh it raises (sharding.require_mesh).
   """
 
-  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+  def train_step(state: TrainState, batch: dict, behavior_params=None) -> tuple[TrainState, dict]:
     sharding.require_mesh((state, batch), "learner.make_train_step's step")
     if cfg.updates_per_step > 1:
       return _multi_update_step(graphdef, tx, cfg, state, batch)
-    grads, aux = _gradient(graphdef, state.params, batch, cfg, state.step)
+    grads, aux = _gradient(graphdef, state.params, batch, cfg, state.step, behavior_params)
     grad_norm = optax.global_norm(grads)
     lr_scale = aux["lr_scale"]
     # clip -> AdamW -> x lr_scale, once per step (after accumulation when micro-batched)

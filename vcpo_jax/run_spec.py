@@ -374,6 +374,34 @@ class RunSpec:
   eval_task: tasks.Task | None = None
   sft_noise: float = 0.0  # config.sft.noise (sft.SFTConfig.noise)
 
+  def _check_centering(self, pg):
+    """vcpo.score_centering='exact' needs the behaviour parameters (sync / lag) and q = softmax(logits); 'topk'
+    is not carried by the Batch yet (the sampler records it, the learner consumes it: not wired between)."""
+    check_field(
+      pg.score_centering != "topk",
+      "vcpo.score_centering",
+      "topk",
+      "the sampler records the top-k (SamplerConfig.record_topk) and the learner centers from it, but the Batch "
+      "does not carry it through the rollout sources yet; use vcpo.score_centering='exact' with mode='lag'.",
+    )
+    if pg.score_centering != "exact":
+      return
+    check_field(
+      self.mode in ("sync", "lag"),
+      "vcpo.score_centering",
+      "exact",
+      f"needs the behaviour parameters, kept only in mode='sync' / 'lag' (have {self.mode!r}); "
+      "use vcpo.score_centering='topk' (with vcpo.sc_topk) or mode='lag'.",
+    )
+    s = self.sampling
+    check_field(
+      s.temperature == 1.0 and s.top_p >= 1.0 and not s.top_k,
+      "vcpo.score_centering",
+      "exact",
+      f"recomputes q = softmax(logits) of the behaviour version; sampler.temperature={s.temperature}, "
+      f"top_p={s.top_p}, top_k={s.top_k} change q: set them to 1.0, 1.0, 0 or use vcpo.score_centering='topk'.",
+    )
+
   def __post_init__(self):
     check_field(
       isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "seed", self.seed, f"must be in [0, {MAX_SEED}]."
@@ -453,6 +481,7 @@ class RunSpec:
         f"exceeds the response budget task.max_new_tokens={n}; lower it or raise task.max_new_tokens.",
       )
     pg = self.learner.pg
+    self._check_centering(pg)
     check_field(
       self.rollout.group_size >= 2 or pg.advantage not in ("grpo", "rloo", "drgrpo"),
       "task.group_size",

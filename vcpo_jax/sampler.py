@@ -143,12 +143,19 @@ class SamplerConfig:
   mesh_shape: tuple[int, int, int] = (-1, 1, 1)
   decode: str = "static"
   chunk_tokens: int = 32
+  record_topk: int = (
+    0  # K > 0: record each token's top-K ids and post-filter log-probs (score centering, static decode)
+  )
 
   def __post_init__(self):
     if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
       raise ValueError(f"SamplerConfig.temperature must be >= 0 (0 = greedy), got {self.temperature}.")
     if self.top_k < 0:
       raise ValueError(f"SamplerConfig.top_k must be >= 0 (0 disables), got {self.top_k}.")
+    if not isinstance(self.record_topk, int) or self.record_topk < 0 or (self.record_topk and self.greedy):
+      raise ValueError(
+        f"SamplerConfig.record_topk={self.record_topk!r}: an int >= 0, and 0 when greedy (temperature 0)."
+      )
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"SamplerConfig.top_p must be in (0, 1] (1 disables), got {self.top_p}.")
     if self.logp_mode not in LOGP_MODES:
@@ -252,9 +259,20 @@ class Rollout:
   finished: np.ndarray
   group_id: np.ndarray
   token_version: np.ndarray | None = None
+  topk_ids: np.ndarray | None = None  # int32 [N, T, K] (record_topk): row t, the top-K ids token t was drawn among
+  topk_logp: np.ndarray | None = None  # float32 [N, T, K]: their post-filter log-probs (0 off the response)
 
 
 # ----------------------------------------------------------------------------- token choice
+
+
+def sampled_topk(logits_bv, cfg: SamplerConfig):
+  """(ids [B, K] int32, logp [B, K] f32): the top-K of the distribution `_choose` samples from, i.e.
+  log softmax(filter_logits(logits, temperature, top_k, top_p)) (POST-filter: removed tokens have -inf and a
+  token outside the kept set is never among them unless K exceeds it); K = cfg.record_topk."""
+  lp = jax.nn.log_softmax(filter_logits(logits_bv, cfg.temperature, cfg.top_k, cfg.top_p), axis=-1)
+  vals, ids = jax.lax.top_k(lp, cfg.record_topk)
+  return ids.astype(jnp.int32), vals
 
 
 def filter_logits(logits_bv: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -488,19 +506,28 @@ def _generate_device(
   last_logits, cache, kv_valid = _prefill(graphdef, cfg_model, cfg, params, prompt_bt, prompt_valid_bt, num_new)
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
 
-  def emit(i, tok, logp, state):  # response column i: pad / 0 for finished rows; a stop token finishes a row
-    toks, logps, lengths, done = state
+  kk = cfg.record_topk
+
+  def emit(i, tok, logp, state, rec=None):  # response column i: pad / 0 for finished rows; a stop token finishes a row
+    toks, logps, lengths, done = state[:4]
     tok = jnp.where(done, pad, tok)
     logp = jnp.where(done, 0.0, logp)
     toks = toks.at[:, i].set(tok)
     logps = logps.at[:, i].set(logp)
+    extra = ()
+    if kk:  # the recorded top-k of this column (0 for finished rows)
+      extra = (state[4].at[:, i].set(jnp.where(done[:, None], 0, rec[0])),)
+      extra += (state[5].at[:, i].set(jnp.where(done[:, None], 0.0, rec[1])),)
     lengths = lengths + (~done).astype(jnp.int32)
     stopped = ~done & stop_v[tok]
-    return (toks, logps, lengths, done | stopped), stopped
+    return (toks, logps, lengths, done | stopped, *extra), stopped
 
   toks0 = jnp.full((b, num_new), pad, jnp.int32)
   state = (toks0, jnp.zeros((b, num_new), jnp.float32), jnp.zeros((b,), jnp.int32), ~active_b)
-  state, finished = emit(0, *_choose(last_logits, step_keys(0), cfg), state)
+  if kk:
+    state += (jnp.zeros((b, num_new, kk), jnp.int32), jnp.zeros((b, num_new, kk), jnp.float32))
+  rec0 = sampled_topk(last_logits, cfg) if kk else None
+  state, finished = emit(0, *_choose(last_logits, step_keys(0), cfg), state, rec0)
 
   def cond(carry):
     i, _, _, state, _ = carry
@@ -509,13 +536,15 @@ def _generate_device(
   def body(carry):  # feeds token i - 1 at cache slot Tp + i - 1, draws token i
     i, cache, kv_valid, state, finished = carry
     prev, pos, idx = state[0][:, i - 1], prompt_len + i - 1, tp + i - 1
-    tok, logp, cache, kv_valid = _decode_step(graphdef, cfg, params, cache, kv_valid, prev, pos, idx, step_keys(i))
-    state, stopped = emit(i, tok, logp, state)
+    out = _decode_step(graphdef, cfg, params, cache, kv_valid, prev, pos, idx, step_keys(i), record=bool(kk))
+    tok, logp, cache, kv_valid = out[:4]
+    state, stopped = emit(i, tok, logp, state, out[4] if kk else None)
     return i + 1, cache, kv_valid, state, finished | stopped
 
   carry = (jnp.int32(1), cache, kv_valid, state, finished)
-  _, _, _, (toks, logps, lengths, _), finished = jax.lax.while_loop(cond, body, carry)
-  return toks, logps, lengths, finished
+  _, _, _, state, finished = jax.lax.while_loop(cond, body, carry)
+  toks, logps, lengths = state[:3]
+  return (toks, logps, lengths, finished, *state[4:])
 
 
 # ----------------------------------------------------------------------------- chunked decode, continuous batching
@@ -730,19 +759,21 @@ def _layout_sharding(mesh, shape: tuple[int, ...], entries: tuple):
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def _decode_step(graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, keys_b):
+def _decode_step(graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, keys_b, record=False):
   """One decode step: the body of `_generate_device`'s loop (and `Sampler.lower(part="decode")`'s program).
 
   Feeds token prev_b [B] at position pos_b [B] into cache slot idx (the cache: per-layer (k [B, K, H, S],
   v [B, K, S, H]); kv_valid: bool [B, S], the slot marked valid here), attends over the cache blocks up to
   it, draws the next token of row n with keys_b[n] (the loop's fold_in(fold_in(rng, row), i));
-  returns (tokens [B], logp [B], cache, kv_valid).
+  returns (tokens [B], logp [B], cache, kv_valid), and with record the drawn distribution's `sampled_topk`.
   """
   b = prev_b.shape[0]
   kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
   mask = transformer.AttentionMask(kv_valid)  # decode reads only the cache blocks up to slot idx
   logits, cache = transformer.forward(graphdef, params, prev_b[:, None], pos_b[:, None], mask, cache, idx)
   tok, logp = _choose(logits[:, -1], keys_b, cfg)
+  if record:
+    return tok, logp, cache, kv_valid, sampled_topk(logits[:, -1], cfg)
   return tok, logp, cache, kv_valid
 
 
@@ -779,6 +810,7 @@ class Sampler:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     self.param_dtype = resolve_param_dtype(sampler_cfg.param_dtype, platform)
     self.last_decode_steps = 0
+    self.last_topk = None  # record_topk: (ids [N, Tn, K], logp [N, Tn, K]) of the last static run
 
     def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
@@ -949,8 +981,9 @@ class Sampler:
       with self._mesh_context():
         out = self._device_fn(params, pb, vb, active, row_ids, stop_v, np.int32(max_new_tokens), rng, num_new=tn)
       outs.append([np.asarray(o)[:m] for o in jax.device_get(out)])
-    toks, logps, lengths, finished = (np.concatenate(x) for x in zip(*outs))
-    return prompt, valid, toks, logps, lengths, finished
+    cols = [np.concatenate(x) for x in zip(*outs)]  # toks, logps, lengths, finished (+ top-k ids, logps)
+    self.last_topk = tuple(cols[4:]) if self.cfg.record_topk else None
+    return prompt, valid, *cols[:4]
 
   def _run_chunked(
     self,
@@ -1077,6 +1110,11 @@ class Sampler:
       raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}.")
     if decode == "static" and (on_chunk is not None or budgets is not None):
       decode = "chunked"
+    if self.cfg.record_topk and decode != "static":
+      raise ValueError(
+        f"SamplerConfig.record_topk={self.cfg.record_topk} with decode={decode!r} (or in-flight updates / budgets): "
+        "the top-k is recorded by the static decode loop only; use decode='static'."
+      )
     rows = [list(p) for p in prompt_token_lists for _ in range(num_samples)]
     stop_v = self._stop_mask(self.cfg.all_stop_ids)
     if decode == "static":
@@ -1114,7 +1152,16 @@ class Sampler:
       finished=finished.astype(bool),
       group_id=np.repeat(np.arange(len(prompt_token_lists), dtype=np.int32), num_samples),
       token_version=np.concatenate([np.full(valid.shape, -1, np.int32), vers.astype(np.int32)], axis=1),
+      **self._topk_fields(valid.shape),
     )
+
+  def _topk_fields(self, prompt_shape) -> dict:
+    """Rollout.topk_ids / topk_logp [N, T, K] of the last static run (prompt columns 0), or {} without them."""
+    if not self.cfg.record_topk:
+      return {}
+    ids, lps = self.last_topk
+    z = np.zeros(prompt_shape + (self.cfg.record_topk,), np.int32)
+    return dict(topk_ids=np.concatenate([z, ids], 1), topk_logp=np.concatenate([z.astype(np.float32), lps], 1))
 
   def generate_continuations(
     self, params, token_id_lists: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int] | None, rng

@@ -384,3 +384,138 @@ def centered_gradient(centered_logp_fn, params, behavior_params, batch, pg, *, d
   if sq is not None:
     out["sq_norm_n"] = sq
   return grads, out
+
+
+# ---------------------------------------------------------------------------
+# The learner's step: the centering of one (micro-)batch, for the vmap and the ghost gradient paths
+# ---------------------------------------------------------------------------
+
+
+def _masked_neg(c, keep_nm):
+  """e = -c where the position is a loss position (keep_nm [N, M] bool, broadcast over the ids), else 0."""
+  return jnp.where(keep_nm[..., None], -c, 0.0)
+
+
+def exact_head_coefficients(hq_btd, wq, spec: lpm.HeadSpec, loss_mask_nt, max_ratio=None):
+  """grad_norms.HeadCoefficients of exact centering: e_v = -sg[c_v] at every predicting position.
+
+  q = softmax(hq[:, m] @ Wq) (the behaviour version's final hidden states, rebuilt chunk by chunk from
+  hq, Wq and its logsumexp, never [N, M, V]); given the learner's log p there, c_v = q_v - p_v (uncapped)
+  or min(p_v, C q_v) - p_v, as `exact_correction`; 0 where loss_mask_nt[:, m + 1] is 0.
+  """
+  _check_ratio(max_ratio)
+  hq_btd, wq = sg(hq_btd), sg(wq)
+  n, t = hq_btd.shape[:2]
+  _, lse_q = lpm.head_logprobs(hq_btd, wq, jnp.zeros((n, t), jnp.int32), spec, return_lse=True)  # [N, M]
+  hq = hq_btd[:, :-1]
+  wq = wq.astype(spec.dtype)
+  keep = jnp.asarray(loss_mask_nt)[:, 1:] != 0
+
+  def coef(lq, lp):
+    p, q = jnp.exp(sg(lp)), jnp.exp(lq)
+    return _masked_neg(q - p if max_ratio is None else jnp.minimum(p, max_ratio * q) - p, keep)
+
+  def chunk(start, vc, lp):
+    return coef(lpm.logits(hq, lpm.vocab_slice(wq, spec, start, vc), spec) - lse_q[..., None], lp)
+
+  def at(ids_nk, lp):
+    rows = jnp.take(wq if spec.tied else wq.T, ids_nk, axis=0, mode="clip")  # [N, K, D]
+    lg = jnp.einsum("nmd,nkd->nmk", hq.astype(spec.dtype), rows, preferred_element_type=_F32)
+    return coef(lg - lse_q[..., None], lp)
+
+  return grad_norms.HeadCoefficients(chunk, at)
+
+
+class StepCentering:
+  """Score centering of one learner step (pg.score_centering 'exact'), built by the learner per step.
+
+  behavior_params: the version that sampled the batch (lag mode: the ring's version step - k; sync / k = 0:
+  the learner's own parameters, where every c_v is 0). max_ratio: `centering_cap(pg)`.
+    logp_fn(params, batch) -> (logp_nt, corr_nt, diag): the vmap path (`make_centered_logp_fn`);
+    head_coefs(batch) -> grad_norms.HeadCoefficients: the ghost path, one stop-gradient forward of the
+      behaviour parameters on the batch (`exact_head_coefficients`).
+  """
+
+  def __init__(self, graphdef, pg, behavior_params):
+    if pg.score_centering != "exact":
+      raise ValueError(f"StepCentering: pg.score_centering={pg.score_centering!r}, this class centers 'exact'")
+    self.graphdef, self.behavior_params, self.max_ratio = graphdef, behavior_params, centering_cap(pg)
+    self._fn = make_centered_logp_fn(graphdef, self.max_ratio)
+
+  def logp_fn(self, params, batch):
+    return self._fn(params, self.behavior_params, batch)
+
+  def head_coefs(self, batch) -> grad_norms.HeadCoefficients:
+    from flax import nnx  # as _both_versions: nnx only where a model is merged
+
+    positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
+    behaviour = nnx.merge(self.graphdef, jax.tree.map(sg, self.behavior_params))
+    hq, _ = behaviour(batch["tokens"], positions, mask, hidden=True)
+    wq, spec = _head(behaviour)
+    return exact_head_coefficients(hq, wq, spec, batch["loss_mask"], self.max_ratio)
+
+
+class TopkCentering:
+  """Score centering of one learner step from the sampler's top-k (pg.score_centering 'topk'), vmap path only.
+
+  batch["topk_ids"] int32 [N, T, K] and batch["topk_logp"] float32 [N, T, K]: row t holds the top-k ids of the
+  distribution the sampler drew token t from and their POST-filter log-probs (temperature, top-k / top-p
+  applied; sampler.SamplerConfig.record_topk). The tail outside them is modelled (`topk_correction`).
+    logp_fn(params, batch) -> (logp_nt, corr_nt, diag): one forward of the current parameters; the
+      learner's log-probs at the ids come from `head_logprobs_at` (dense [N, T, V] logits: small vocabularies).
+  """
+
+  KEYS = ("topk_ids", "topk_logp")
+
+  def __init__(self, graphdef, pg):
+    if pg.score_centering != "topk":
+      raise ValueError(f"TopkCentering: pg.score_centering={pg.score_centering!r}, this class centers 'topk'")
+    self.graphdef, self.max_ratio = graphdef, centering_cap(pg)
+
+  def logp_fn(self, params, batch):
+    from flax import nnx  # as _both_versions: nnx only where a model is merged
+
+    missing = [k for k in self.KEYS if k not in batch]
+    if missing:
+      raise ValueError(
+        f"vcpo.score_centering='topk': the batch lacks {missing} ([N, T, K] from the sampler, "
+        "SamplerConfig.record_topk = vcpo.sc_topk)"
+      )
+    tokens = batch["tokens"]
+    positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
+    model = nnx.merge(self.graphdef, params)
+    h, _ = model(tokens, positions, mask, hidden=True)
+    logp = model.head_logprobs(h, tokens)
+    w, spec = _head(model)
+    head = head_logprobs_at(h, w, batch["topk_ids"], spec)
+    corr, diag = topk_correction(head, sg(batch["topk_logp"]), self.max_ratio, batch["loss_mask"])
+    return logp, corr, diag
+
+  def head_coefs(self, batch):
+    raise ValueError(
+      "vcpo.score_centering='topk' runs on learner.grad_path='vmap' only (the ghost path's dense head term "
+      "needs the learner's log-probs at the sampler's ids before its vocabulary pass); set learner.grad_path='vmap'"
+    )
+
+
+def drift_rows(logp_nt, behavior_logp_nt, mask_nt, coef_abs_nt, kl_qp_nt=None) -> dict:
+  """Per-row sums of the drift diagnostics over the loss tokens ([N] each; micro-batches stack them):
+  drift_tokens_n, drift_k1_n = sum (log q_y - log p_y), drift_coef_l1_n = sum_t sum_v |c_tv|, and
+  drift_kl_qp_n = sum_t KL(q_t || p_t) when given. `drift_scalars` turns them into token means."""
+  m = jnp.asarray(mask_nt) != 0
+  tot = lambda x: jnp.sum(jnp.where(m, sg(jnp.asarray(x, _F32)), 0.0), axis=1)
+  out = dict(
+    drift_tokens_n=jnp.sum(m, axis=1).astype(_F32),
+    drift_k1_n=tot(jnp.asarray(behavior_logp_nt, _F32) - jnp.asarray(logp_nt, _F32)),
+    drift_coef_l1_n=tot(coef_abs_nt),
+  )
+  if kl_qp_nt is not None:
+    out["drift_kl_qp_n"] = tot(kl_qp_nt)
+  return out
+
+
+def drift_scalars(rows: dict) -> dict:
+  """{"drift/k1_kl_qp", "drift/coef_l1"[, "drift/kl_qp"]}: token means of `drift_rows` over the batch."""
+  n = jnp.maximum(jnp.sum(rows["drift_tokens_n"]), 1.0)
+  names = {"drift_k1_n": "k1_kl_qp", "drift_coef_l1_n": "coef_l1", "drift_kl_qp_n": "kl_qp"}
+  return {f"drift/{v}": jnp.sum(rows[k]) / n for k, v in names.items() if k in rows}

@@ -126,7 +126,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
       ref_row = {}  # log.ref_grad_every: before the step, which donates the parameters it is measured at
       if ref_cosine is not None and (step + 1) % spec.log.ref_grad_every == 0:
         ref_row = ref_cosine(state.params, dev_batch, step)
-      state, m = train_step(state, dev_batch)
+      state, m = train_step(state, dev_batch, *_behaviour_args(spec, source, step))
       m = jax.device_get(m)
       t2 = time.time()
       step += 1
@@ -439,10 +439,12 @@ def _build_learner(spec, graphdef, params, mesh):
   state_sh = sharding.param_shardings(jax.eval_shape(init_state, params), sharding.TRANSFORMER_RULES, mesh)
   state = jax.jit(init_state, out_shardings=state_sh)(params)
   batch_sh = sharding.batch_sharding(mesh)
+  # exact score centering in lag mode: the step also reads the behaviour version (laid out as the params)
+  behaviour_sh = (state_sh.params,) if _ring_centering(spec) else ()
   train_step = sharding.MeshJit(
     mesh,
     learner.make_train_step(graphdef, tx, spec.learner),
-    in_shardings=(state_sh, batch_sh),
+    in_shardings=(state_sh, batch_sh, *behaviour_sh),
     out_shardings=(state_sh, sharding.replicated(mesh)),
     donate_argnums=0,
   )
@@ -452,6 +454,17 @@ def _build_learner(spec, graphdef, params, mesh):
   if spec.log.norm_overhead_every:
     plain_jit = sharding.MeshJit(mesh, learner.make_plain_grad_fn(graphdef), in_shardings=(state_sh.params, batch_sh))
   return state, train_step, plain_jit
+
+
+def _ring_centering(spec) -> bool:
+  """Whether the step reads the behaviour version: exact score centering (vcpo.score_centering='exact') in lag
+  mode with k > 0 (RunSpec refuses it where no ring exists; with k = 0, q = p and the step uses its params)."""
+  return spec.learner.pg.score_centering == "exact" and spec.k > 0
+
+
+def _behaviour_args(spec, source, step: int) -> tuple:
+  """train_step's extra arguments at `step`: (the lag ring's version that sampled the batch,) or ()."""
+  return (source.behavior_params(step),) if _ring_centering(spec) else ()
 
 
 def _build_eval(spec, tokenizer, make_sampler, buckets: dict, maker):

@@ -115,6 +115,8 @@ PRESETS: dict[str, Method] = {
   "ipo": Method(loss=losses.ipo()),
   "kpop": Method(loss=losses.kpop()),
   "vcpo_tis_ess": dataclasses.replace(_VCPO, weights=tis_ess(0.5)),  # VCPO with the ESS-targeted cap
+  "vcpo_sc": dataclasses.replace(_VCPO, loss=surrogate(score_centering="exact")),
+  "tis_sc": Method(weights=token_tis(), loss=surrogate(score_centering="exact")),
 }
 
 __all__ = ["PRESETS", "Method", "grpo", "none", "opob", "surrogate", "tis"]

@@ -45,6 +45,11 @@ PRESETS: dict[str, dict[str, Any]] = {
   # the trust regions of prime-rl (IPO) and AReaL (KPop), vcpo_jax/policy_losses.py
   **{name: dict(_GRPO, is_variant="none", policy_loss=name) for name in ("ipo", "kpop")},
   "vcpo_tis_ess": dict(_VCPO, is_variant="tis_ess", tis_ess_target=0.5),  # VCPO with the ESS-targeted cap
+  # score centering (vcpo_jax/score_centering.py): exact q from the behaviour version (lag / sync), or the
+  # sampler's top-k (any mode: vcpo.score_centering='topk', vcpo.sc_topk=64 on these); TIS+SC is the paper's
+  # token-TIS with the cap C = token_tis_c
+  "vcpo_sc": dict(_VCPO, score_centering="exact"),
+  "tis_sc": dict(_GRPO, is_variant="token_tis", score_centering="exact"),
 }
 
 
@@ -74,6 +79,8 @@ PRESET_DOCS: dict[str, str] = {
   "ipo": "prime-rl's IPO: tokens with |p - q| > 0.1 dropped, r = p / q gradient + (log r)^2 term (policy_losses.ipo)",
   "kpop": "AReaL's KPop: decoupled PPO on tokens within a binary-KL band phi = 0.1 (policy_losses.kpop)",
   "vcpo_tis_ess": "VCPO with the ESS-targeted truncation: the cap c_t solved per step so that ESS / n = 0.5",
+  "vcpo_sc": "VCPO with exact score centering: q recomputed from the behaviour version (lag / sync modes)",
+  "tis_sc": "the paper's TIS+SC: token TIS (C = token_tis_c) with exact score centering, capped coefficients",
 }
 
 

@@ -40,6 +40,9 @@ MASK_NORMALIZERS = ("all", "kept")
 DECOUPLED_PROX = ("exact", "loglinear")
 OPOB_WEIGHTS = ("unclipped", "applied")
 OPOB_SCOPES = ("group", "minibatch")
+# Score centering's source of the behaviour distribution q (vcpo_jax/score_centering.py): off | the learner
+# recomputes q from the behaviour parameters (lag / sync) | the sampler's recorded top-k (any mode).
+SCORE_CENTERING = ("off", "exact", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,8 @@ class PGConfig:
   policy_loss: str = "pg"  # "pg" (the surrogate above) | a policy_losses.POLICY_LOSSES name (its own loss_agg)
   policy_loss_kw: str = ""  # its hyper-parameters "name=value,...", e.g. "eps_high=0.28,loss_agg=token-mean"
   decoupled_prox: str = "exact"  # decoupled_ppo's pi_prox: exact (pi_old, recomputed) | loglinear (AReaL approx.)
+  score_centering: str = "off"  # off | exact (q of the behaviour version) | topk (sampler's top-k); cap: token_tis_c
+  sc_topk: int = 0  # score_centering='topk': ids per token the sampler records (k); 0 otherwise
 
   def __post_init__(self):
     def choose(field, options):
@@ -124,6 +129,7 @@ class PGConfig:
     if not 0 < self.tis_ess_target <= 1:
       raise ValueError(f"PGConfig.tis_ess_target={self.tis_ess_target!r}: must be in (0, 1]")
     choose("decoupled_prox", DECOUPLED_PROX)
+    self._check_centering()
     kw = policy_loss_kwargs(self)  # raises on a malformed string
     if self.policy_loss != "pg":
       choose("policy_loss", ["pg", *POLICY_LOSSES])
@@ -151,6 +157,23 @@ class PGConfig:
           "PGConfig.reference_mode=True fixes opob_weights='unclipped' and "
           "length_normalize_norms=False (the reference's choices)"
         )
+
+  def _check_centering(self):
+    """score_centering / sc_topk: a choice, k >= 1 exactly for 'topk', only with the surrogate."""
+    if self.score_centering not in SCORE_CENTERING:
+      raise ValueError(f"PGConfig.score_centering={self.score_centering!r}: choose one of {list(SCORE_CENTERING)}")
+    topk = self.score_centering == "topk"
+    if not isinstance(self.sc_topk, int) or isinstance(self.sc_topk, bool) or self.sc_topk < (1 if topk else 0):
+      raise ValueError(f"PGConfig.sc_topk={self.sc_topk!r}: score_centering='topk' needs an int k >= 1 (e.g. 64)")
+    if self.sc_topk and not topk:
+      raise ValueError(
+        f"PGConfig.sc_topk={self.sc_topk}: only with score_centering='topk' (have {self.score_centering!r}); set 0"
+      )
+    if self.score_centering != "off" and self.policy_loss != "pg":
+      raise ValueError(
+        f"PGConfig.score_centering={self.score_centering!r} with policy_loss={self.policy_loss!r}: centering is a "
+        "term of the surrogate (policy_loss='pg'); set score_centering='off'"
+      )
 
   def replace(self, **kw) -> PGConfig:
     return dataclasses.replace(self, **kw)
@@ -442,11 +465,15 @@ def policy_loss_kwargs(cfg: PGConfig) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Surrogate:
-  """The surrogate loss -sum_n coef_n sum_t tokw_nt logp_nt as a value: its aggregation options only."""
+  """The surrogate loss -sum_n coef_n sum_t tokw_nt logp_nt as a value: its aggregation options, and score
+  centering (each token's score less sum_v sg[c_v] log p_v, vcpo_jax/score_centering.py: it needs the model's
+  head, so `Method.loss_fn` on logp_nt alone is the uncentered surrogate; the learner adds the term)."""
 
   loss_agg: str = "seq-mean-token-mean"
   mask_normalizer: str = "all"
   loss_norm_tokens: int = 0
+  score_centering: str = "off"
+  sc_topk: int = 0
 
   def __post_init__(self):
     if self.loss_agg not in LOSS_AGGREGATIONS:
@@ -461,9 +488,13 @@ class Surrogate:
       "loss_agg": self.loss_agg,
       "mask_normalizer": self.mask_normalizer,
       "loss_norm_tokens": self.loss_norm_tokens,
+      **({"score_centering": self.score_centering, "sc_topk": self.sc_topk} if self.score_centering != "off" else {}),
     }
 
 
-def surrogate(loss_agg="seq-mean-token-mean", mask_normalizer="all", loss_norm_tokens=0) -> Surrogate:
-  """The VCPO surrogate with aggregation loss_agg (rl.aggregation) over the valid ("all") or kept rows."""
-  return Surrogate(loss_agg, mask_normalizer, loss_norm_tokens)
+def surrogate(
+  loss_agg="seq-mean-token-mean", mask_normalizer="all", loss_norm_tokens=0, score_centering="off", sc_topk=0
+) -> Surrogate:
+  """The VCPO surrogate with aggregation loss_agg (rl.aggregation) over the valid ("all") or kept rows;
+  score_centering 'exact' | 'topk' (with the sampler's top-k width sc_topk) centers every token's score."""
+  return Surrogate(loss_agg, mask_normalizer, loss_norm_tokens, score_centering, sc_topk)

@@ -49,6 +49,10 @@ class LagSource(RolloutSource):
     info.update(lag_stats(step, batch["policy_version"]))
     return batch, info
 
+  def behavior_params(self, step: int):
+    """The parameters that sampled step's batch (version max(0, step - k)), for exact score centering."""
+    return self.versions[max(0, int(step) - self.k)]
+
   # -- checkpointing: the kept versions are part of the training state
 
   def state(self) -> tuple[list[int], list]:

@@ -1,0 +1,337 @@
+"""Score centering in the real learner step (learner._gradient / make_train_step) and trainer.run: the ghost
+path's exact per-example norms of the CENTERED score against brute-force per-example jax.grad on ragged masks
+(tied and untied heads, vocabulary chunks), the gradient against the centered surrogate's jax.grad, the vmap
+path equal to the ghost path, p = q giving the plain update, and the config's refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vcpo_jax import estimator, learner
+from vcpo_jax import score_centering as S
+
+V, N, T = 16, 4, 7
+
+
+def flat(tree):
+  return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+def _model(tied: bool, vocab_chunk: int = 0, chunk: int = 0):
+  from vcpo_jax.model import config, transformer
+
+  make = config.tiny_qwen2 if tied else config.tiny_llama
+  cfg = make(
+    vocab_size=V,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    logprob_chunk=chunk,
+    logprob_vocab_chunk=vocab_chunk,
+  )
+  assert cfg.tie_embeddings == tied
+  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  _, other = transformer.split(transformer.init(cfg, seed=1))
+  beh = jax.tree.map(lambda a, b: a + 0.3 * (b - a), params, other)  # a nearby stale version
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, V, (N, T)).astype(np.int32)
+  valid = np.ones((N, T), bool)
+  valid[2, 5:] = False  # a shorter row (right padding)
+  loss_mask = np.zeros((N, T), bool)
+  loss_mask[:, 2:] = True
+  loss_mask[1, 4:] = False  # ragged
+  loss_mask &= valid
+  blogp = np.asarray(transformer.sequence_logprobs(graphdef, beh, tokens, valid))
+  batch = dict(
+    tokens=tokens,
+    valid_mask=valid,
+    loss_mask=loss_mask,
+    behavior_logp=np.where(loss_mask, blogp, 0).astype(np.float32),
+    rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32),
+    group_id=np.array([0, 0, 1, 1], np.int32),
+  )
+  return graphdef, params, beh, batch
+
+
+@pytest.mark.parametrize(
+  "tied,vocab_chunk,preset",
+  [(False, 0, "vcpo_sc"), (True, 0, "vcpo_sc"), (True, 5, "vcpo_sc"), (False, 5, "tis_sc"), (True, 0, "tis_sc")],
+)
+def test_ghost_centered_norms_and_gradient_by_brute_force(tied, vocab_chunk, preset):
+  graphdef, params, beh, batch = _model(tied, vocab_chunk)
+  pg = estimator.pg_config_from_preset(preset, **({"token_tis_c": 1.01} if preset == "tis_sc" else {}))
+  cent = S.StepCentering(graphdef, pg, beh)
+  fn = S.make_centered_logp_fn(graphdef, S.centering_cap(pg))
+  lf = learner.make_logp_fn(graphdef)
+  g_ghost, a_ghost = learner.policy_gradient("ghost")(lf, params, batch, pg, centering=cent)
+  g_vmap, a_vmap = learner.policy_gradient("vmap")(lf, params, batch, pg, centering=cent)
+
+  lp0 = jax.lax.stop_gradient(fn(params, beh, batch)[0])
+  mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+  tokw = estimator.pg_token_weights(lp0, batch["behavior_logp"], mask, pg)  # the mask, or token-TIS weights
+  rows = [(jax.tree.map(lambda a, i=i: a[i : i + 1], batch), tokw[i : i + 1]) for i in range(N)]
+
+  def centered_score(p, row, w):  # the ghost norms are of the tokw-weighted centered score (OPOB: tokw = mask)
+    lp, corr, _ = fn(p, beh, row)
+    return jnp.sum(w * lp - corr * jnp.asarray(row["loss_mask"], jnp.float32))
+
+  def plain_score(p, row, w):
+    return jnp.sum(fn(p, beh, row)[0] * w)
+
+  sq = np.array([np.sum(flat(jax.grad(centered_score)(params, *r)) ** 2) for r in rows])
+  plain = np.array([np.sum(flat(jax.grad(plain_score)(params, *r)) ** 2) for r in rows])
+  np.testing.assert_allclose(np.asarray(a_ghost["sq_norm_n"]), sq, rtol=2e-4)
+  assert np.abs(sq - plain).max() > 1e-4 * plain.max()  # the correction term is in the norm (ghost: to ~1e-7)
+  if pg.opob:
+    np.testing.assert_allclose(np.asarray(a_vmap["sq_norm_n"]), sq, rtol=2e-4)
+
+  args = (batch["behavior_logp"], mask, batch["rewards"], batch["group_id"])
+  coef, _ = estimator.pg_coefficients(lp0, *args, jnp.asarray(sq, jnp.float32) if pg.opob else None, pg)
+
+  def surrogate(p):
+    lp, corr, _ = fn(p, beh, batch)
+    return S.centered_surrogate(lp, corr, coef, tokw, mask)
+
+  loss, want = jax.value_and_grad(surrogate)(params)
+  scale = np.abs(flat(want)).max()
+  np.testing.assert_allclose(flat(g_ghost), flat(want), rtol=2e-4, atol=1e-6 * scale)
+  np.testing.assert_allclose(flat(g_vmap), flat(want), rtol=2e-4, atol=1e-6 * scale)
+  for a in (a_ghost, a_vmap):
+    assert float(a["pg_loss"]) == pytest.approx(float(loss), rel=1e-4, abs=1e-7)
+  # the drift rows: the same coefficient L1 on both paths, > 0 since q != p
+  np.testing.assert_allclose(a_ghost["drift_coef_l1_n"], a_vmap["drift_coef_l1_n"], rtol=1e-4)
+  np.testing.assert_allclose(a_ghost["drift_k1_n"], a_vmap["drift_k1_n"], rtol=1e-4, atol=1e-6)
+  assert np.all(np.asarray(a_ghost["drift_coef_l1_n"])[np.asarray(batch["loss_mask"]).any(1)] > 1e-3)
+
+
+# ---------------------------------------------------------------------------
+# The real train step and trainer.run
+# ---------------------------------------------------------------------------
+
+
+def test_train_step_exact_centering_with_q_equal_p_is_the_plain_step():
+  """behavior_params = None (sync, k = 0): q = p, so the centered VCPO step equals the plain one (float
+  tolerance: the coefficients c = q - p are computed from two forwards, ~1e-8, not structurally 0)."""
+  import optax
+
+  from vcpo_jax import optim
+
+  from vcpo_jax.model import transformer
+
+  graphdef, params, _, batch = _model(tied=True)
+  logp = np.asarray(transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"]))
+  batch = dict(batch, behavior_logp=np.where(batch["loss_mask"], logp, 0).astype(np.float32))  # on-policy
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0), optim.scale_by_ess())
+  out = {}
+  for name in ("vcpo", "vcpo_sc"):
+    cfg = learner.LearnerConfig(pg=estimator.pg_config_from_preset(name))
+    state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+    out[name] = jax.jit(learner.make_train_step(graphdef, tx, cfg))(state, batch)
+  (s0, m0), (s1, m1) = out["vcpo"], out["vcpo_sc"]
+  np.testing.assert_allclose(flat(s1.params), flat(s0.params), rtol=1e-6, atol=1e-7)
+  for k in m0:
+    assert float(m1[k]) == pytest.approx(float(m0[k]), rel=1e-5, abs=1e-7), k
+  assert float(m1["drift/coef_l1"]) < 1e-5 and abs(float(m1["drift/k1_kl_qp"])) < 1e-5
+
+
+def _run(tmp_path, name, **kw):
+  from tests import fixtures
+  from vcpo_jax import metrics as metrics_lib
+  from vcpo_jax import trainer
+
+  cfg = fixtures.tiny_countdown_config(**{"optim.lr": 1e-2, "log.norm_overhead_every": 0, "steps": 3, **kw})
+  trainer.run(cfg, str(tmp_path / name))
+  rows = [r for r in metrics_lib.read_jsonl(str(tmp_path / name / "metrics.jsonl")) if "train/pg_loss" in r]
+  return rows
+
+
+@pytest.fixture()
+def dense_reward(monkeypatch):
+  """A reward that varies within every group of a random policy's outputs: the parity of the characters' sum."""
+  from vcpo_jax.rollout import common as rollout_common
+
+  def score(problems, outputs, extraction=None):
+    return [float(sum(map(ord, o)) % 2) for o in outputs], 0
+
+  monkeypatch.setattr(rollout_common.tasks, "score_problems", score)
+
+
+def test_lag_run_with_exact_centering_logs_drift_and_k0_equals_plain(tmp_path, dense_reward):
+  """trainer.run in lag mode (k = 2) with vcpo_sc: each step re-reads the behaviour version from the lag ring,
+  the drift diagnostics are logged and grow once the data is stale; with k = 0 the run equals plain VCPO's
+  to float tolerance: q = p is recomputed by a second forward (c ~ 1e-9, not structurally 0) and Adam at lr 1e-2
+  carries such differences on, so the rows agree to rel 1e-4 and the sampled data (rewards) exactly."""
+  lag = _run(tmp_path, "lag", mode="lag", method="vcpo_sc", **{"lag.k": 2})
+  assert [r["train/lag_max"] for r in lag] == [0, 1, 2]
+  for r in lag:
+    assert {"train/drift/k1_kl_qp", "train/drift/coef_l1"} <= set(r), sorted(r)
+    assert np.isfinite(r["train/drift/coef_l1"]) and np.isfinite(r["train/pg_loss"])
+  assert lag[0]["train/drift/coef_l1"] < 1e-5  # step 0 samples with the current parameters: q = p
+  assert lag[1]["train/grad_norm"] > 0 and lag[2]["train/drift/coef_l1"] > 1e-4  # 2 updates stale: q != p
+  sync_sc = _run(tmp_path, "sync_sc", method="vcpo_sc")
+  sync = _run(tmp_path, "sync", method="vcpo")
+  for a, b in zip(sync_sc, sync, strict=True):
+    assert a["train/reward_mean"] == b["train/reward_mean"]
+    for k in ("train/pg_loss", "train/grad_norm", "train/ess_ratio", "train/lr_scale"):
+      assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), (a["step"], k)
+
+
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    (dict(mode="async", **{"lag.k": 2}), r"vcpo.score_centering='exact': needs the behaviour parameters"),
+    ({"sampler.temperature": 0.7}, r"vcpo.score_centering='exact': recomputes q"),
+    ({"learner.ghost_passes": 2}, r"learner.ghost_passes=2 with vcpo.score_centering='exact'"),
+    (
+      {"vcpo.score_centering": "topk", "vcpo.sc_topk": 8, "learner.grad_path": "vmap"},
+      r"vcpo.score_centering='topk': the sampler records the top-k",
+    ),
+  ],
+)
+def test_exact_centering_refused_where_q_is_unavailable(kw, match):
+  from tests import fixtures
+  from vcpo_jax import run_config
+
+  with pytest.raises(run_config.ConfigError, match=match):
+    run_config.parse_config(fixtures.tiny_countdown_config(method="vcpo_sc", **kw))
+
+
+def test_centering_config_checks():
+  with pytest.raises(ValueError, match=r"PGConfig.score_centering='full'"):
+    estimator.pg_config_from_preset("vcpo", score_centering="full")
+  with pytest.raises(ValueError, match=r"PGConfig.sc_topk=0: score_centering='topk' needs"):
+    estimator.pg_config_from_preset("vcpo", score_centering="topk")
+  with pytest.raises(ValueError, match=r"PGConfig.sc_topk=8: only with score_centering='topk'"):
+    estimator.pg_config_from_preset("vcpo_sc", sc_topk=8)
+  with pytest.raises(ValueError, match=r"with policy_loss='ipo'"):
+    estimator.pg_config_from_preset("ipo", score_centering="exact")
+
+
+def _behaviour_topk(graphdef, beh, batch, k):
+  """[N, T, K] top-k ids and log-probs of the behaviour version's temperature-1 distribution, row t for token t
+  (what a sampler without filters records; row 0 unused)."""
+  from flax import nnx
+
+  from vcpo_jax.model import transformer
+
+  positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
+  logits, _ = nnx.merge(graphdef, beh)(batch["tokens"], positions, mask)
+  lq = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
+  vals, ids = jax.lax.top_k(lq, k)
+  pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], 1)
+  return np.asarray(pad(ids)).astype(np.int32), np.asarray(pad(vals)).astype(np.float32)
+
+
+@pytest.mark.parametrize("preset", ["vcpo_sc", "tis_sc"])
+def test_topk_centering_with_k_equal_v_is_exact_in_the_learner(preset):
+  graphdef, params, beh, batch = _model(tied=True)
+  ids, lq = _behaviour_topk(graphdef, beh, batch, V)
+  over = {"token_tis_c": 1.01} if preset == "tis_sc" else {}
+  pg_exact = estimator.pg_config_from_preset(preset, **over)
+  pg_topk = estimator.pg_config_from_preset(preset, score_centering="topk", sc_topk=V, **over)
+  lf = learner.make_logp_fn(graphdef)
+  vmap = learner.policy_gradient("vmap")
+  g_e, a_e = vmap(lf, params, batch, pg_exact, centering=S.StepCentering(graphdef, pg_exact, beh))
+  tb = dict(batch, topk_ids=ids, topk_logp=lq)
+  g_t, a_t = vmap(lf, params, tb, pg_topk, centering=S.TopkCentering(graphdef, pg_topk))
+  np.testing.assert_allclose(flat(g_t), flat(g_e), rtol=1e-4, atol=1e-6 * np.abs(flat(g_e)).max())
+  if pg_exact.opob:
+    np.testing.assert_allclose(np.asarray(a_t["sq_norm_n"]), np.asarray(a_e["sq_norm_n"]), rtol=1e-4)
+  np.testing.assert_allclose(a_t["drift_coef_l1_n"], a_e["drift_coef_l1_n"], rtol=1e-4)
+  # k < V models the tail: a different (non-zero) correction
+  ids4, lq4 = _behaviour_topk(graphdef, beh, batch, 4)
+  pg4 = estimator.pg_config_from_preset(preset, score_centering="topk", sc_topk=4, **over)
+  g_4, _ = vmap(lf, params, dict(batch, topk_ids=ids4, topk_logp=lq4), pg4, centering=S.TopkCentering(graphdef, pg4))
+  assert np.abs(flat(g_4) - flat(g_e)).max() > 1e-6 * np.abs(flat(g_e)).max()
+
+
+def test_topk_centering_needs_the_recorded_head():
+  graphdef, params, _, batch = _model(tied=True)
+  pg = estimator.pg_config_from_preset("vcpo", score_centering="topk", sc_topk=4)
+  with pytest.raises(ValueError, match=r"the batch lacks \['topk_ids', 'topk_logp'\]"):
+    learner.policy_gradient("vmap")(
+      learner.make_logp_fn(graphdef), params, batch, pg, centering=S.TopkCentering(graphdef, pg)
+    )
+  with pytest.raises(ValueError, match=r"learner.grad_path='ghost' with vcpo.score_centering='topk'"):
+    learner.LearnerConfig(pg=pg)
+
+
+# ---------------------------------------------------------------------------
+# The sampler's recorded top-k (SamplerConfig.record_topk)
+# ---------------------------------------------------------------------------
+
+
+def _sample(graphdef, model_cfg, params, **kw):
+  from vcpo_jax.sampler import Sampler, SamplerConfig
+
+  cfg = SamplerConfig(max_new_tokens=6, prompt_buckets=(4,), new_token_buckets=(6,), batch_buckets=(4,), **kw)
+  return Sampler(graphdef, model_cfg, cfg).generate(params, [[1, 2, 3], [4, 5]], jax.random.key(3), num_samples=2)
+
+
+def _model_cfg():
+  from vcpo_jax.model import config
+
+  return config.tiny_qwen2(
+    vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+  )
+
+
+def test_recorded_topk_is_the_top_k_of_the_filtered_distribution():
+  """Each response token's recorded top-k = top-k of log softmax(filter_logits(logits / T, top_k, top_p)) of the
+  sampling parameters, recomputed by a full forward (post-filter: removed tokens are never recorded with a
+  finite log-prob, and the sampled token's behaviour log-prob is its recorded one)."""
+  from flax import nnx
+
+  from vcpo_jax import sampler as sampler_lib
+  from vcpo_jax.model import transformer
+
+  graphdef, params = transformer.split(transformer.init(_model_cfg(), seed=0))
+  kw = dict(temperature=0.7, top_k=6, top_p=0.9, record_topk=4)
+  ro = _sample(graphdef, _model_cfg(), params, **kw)
+  assert ro.topk_ids.shape == ro.tokens.shape + (4,) and ro.topk_logp.dtype == np.float32
+  positions, mask = transformer.padded_positions_and_mask(ro.prompt_mask | ro.response_mask)
+  logits, _ = nnx.merge(graphdef, params)(ro.tokens, positions, mask)
+  cfg = sampler_lib.SamplerConfig(**kw)
+  for n, t in zip(*np.nonzero(ro.response_mask)):
+    ids, vals = sampler_lib.sampled_topk(logits[n, t - 1][None], cfg)
+    fin = np.isfinite(np.asarray(vals[0]))
+    np.testing.assert_array_equal(ro.topk_ids[n, t][fin], np.asarray(ids[0])[fin])
+    np.testing.assert_allclose(ro.topk_logp[n, t][fin], np.asarray(vals[0])[fin], rtol=1e-4, atol=1e-5)
+    assert np.all(np.isneginf(ro.topk_logp[n, t][~fin]))  # filtered out: -inf, not the unfiltered log-prob
+    hit = ro.topk_ids[n, t] == ro.tokens[n, t]
+    if hit.any():
+      assert ro.topk_logp[n, t][hit][0] == pytest.approx(ro.behavior_logp[n, t], abs=1e-5)
+  assert np.all(ro.topk_logp[~ro.response_mask] == 0) and np.all(ro.topk_ids[~ro.response_mask] == 0)
+  with pytest.raises(ValueError, match="record_topk=4 with decode='chunked'"):
+    _sample(graphdef, _model_cfg(), params, decode="chunked", **kw)
+
+
+def test_sampler_topk_with_k_equal_v_centering_equals_exact():
+  """Sampled at temperature 1 without filters, recording k = V: the learner's top-k centering (behaviour = the
+  sampling parameters) equals exact centering from those parameters on the same batch."""
+  from vcpo_jax.model import transformer
+
+  graphdef, params = transformer.split(transformer.init(_model_cfg(), seed=0))
+  _, other = transformer.split(transformer.init(_model_cfg(), seed=1))
+  beh = jax.tree.map(lambda a, b: a + 0.3 * (b - a), params, other)
+  ro = _sample(graphdef, _model_cfg(), beh, record_topk=V)
+  batch = dict(
+    tokens=ro.tokens,
+    valid_mask=ro.prompt_mask | ro.response_mask,
+    loss_mask=ro.response_mask,
+    behavior_logp=ro.behavior_logp,
+    rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32),
+    group_id=np.array([0, 0, 1, 1], np.int32),
+  )
+  pg_e = estimator.pg_config_from_preset("vcpo_sc")
+  pg_t = estimator.pg_config_from_preset("vcpo", score_centering="topk", sc_topk=V)
+  lf, vmap = learner.make_logp_fn(graphdef), learner.policy_gradient("vmap")
+  g_e, a_e = vmap(lf, params, batch, pg_e, centering=S.StepCentering(graphdef, pg_e, beh))
+  tb = dict(batch, topk_ids=ro.topk_ids, topk_logp=ro.topk_logp)
+  g_t, a_t = vmap(lf, params, tb, pg_t, centering=S.TopkCentering(graphdef, pg_t))
+  np.testing.assert_allclose(flat(g_t), flat(g_e), rtol=1e-3, atol=1e-5 * np.abs(flat(g_e)).max())
+  np.testing.assert_allclose(np.asarray(a_t["sq_norm_n"]), np.asarray(a_e["sq_norm_n"]), rtol=1e-3)
