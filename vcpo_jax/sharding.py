@@ -61,6 +61,11 @@ TRANSFORMER_RULES: tuple[tuple[str, P], ...] = (
   (r"mlp\.down_proj\.kernel$", P("tensor", "fsdp")),  # [F, D]
   (r"(input_layernorm|post_attention_layernorm|norm)\.scale$", P()),  # [D]
   (r"lm_head\.kernel$", P("fsdp", "tensor")),  # [D, V]
+  # LoRA factors (vcpo_jax.model.lora) take their projection's layout: A its input dim, B its output dim.
+  (r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_a\.kernel$", P("fsdp")),  # A [D, r]
+  (r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_b\.kernel$", P(None, "tensor")),  # B [r, N*H / F]
+  (r"(self_attn\.o_proj|mlp\.down_proj)\.lora_a\.kernel$", P("tensor")),  # A [N*H / F, r]
+  (r"(self_attn\.o_proj|mlp\.down_proj)\.lora_b\.kernel$", P(None, "fsdp")),  # B [r, D]
 )
 
 
