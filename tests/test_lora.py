@@ -198,3 +198,35 @@ def test_bad_lora_fields_raise_naming_the_field(kw, needle):
 def test_lora_targets_from_a_saved_config_list():
   assert config.tiny_qwen2(lora_rank=2, lora_targets=["q_proj", "v_proj"]).lora_targets == ("q_proj", "v_proj")
   assert config.tiny_qwen2(lora_rank=2, lora_targets="v_proj").lora_targets == ("v_proj",)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_peft_adapter_and_merged_export_give_the_same_logits(family, tmp_path):
+  """The run's frozen base as a HF checkpoint + our PEFT adapter dir, loaded by peft (torch CPU): equal logits;
+  the merged export loaded by transformers: equal logits too."""
+  pytest.importorskip("torch")
+  peft = pytest.importorskip("peft")
+  import transformers
+
+  from tests.fixtures import hf_logits
+  from vcpo_jax.model import hf_io
+
+  _, params, _, batch, _ = _setup(family)
+  cfg = CONFIGS[family]
+  graphdef = tf.split(nnx.eval_shape(lambda: tf.init(cfg)))[0]
+  ours = tf.forward(graphdef, params, batch["tokens"][:2], *tf.padded_positions_and_mask(batch["valid_mask"][:2]))[0]
+  ours = np.asarray(ours)
+  valid = np.asarray(batch["valid_mask"][:2])
+  hf_io.save_hf(lora.split(params)[1], cfg.replace(lora_rank=0), tmp_path / "base")
+  hf_io.save_peft_adapter(params, cfg, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+  base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype="float32")
+  model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+  got = hf_logits(model, np.asarray(batch["tokens"][:2]), valid.astype(np.int64))
+  np.testing.assert_allclose(got[valid], ours[valid], rtol=1e-4, atol=1e-4)
+  with model.disable_adapter():  # the adapters are material: without them the logits differ
+    plain = hf_logits(model, np.asarray(batch["tokens"][:2]), valid.astype(np.int64))
+  assert float(np.max(np.abs(plain[valid] - ours[valid]))) > 1e-3
+  base_cfg, merged = lora.merge_into_base(params, cfg)
+  hf_io.save_hf(merged, base_cfg, tmp_path / "merged")
+  m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="float32")
+  np.testing.assert_allclose(hf_logits(m, np.asarray(batch["tokens"][:2]), valid)[valid], ours[valid], atol=1e-4)
