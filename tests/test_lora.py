@@ -198,6 +198,7 @@ def test_bad_lora_fields_raise_naming_the_field(kw, needle):
 def test_lora_targets_from_a_saved_config_list():
   assert config.tiny_qwen2(lora_rank=2, lora_targets=["q_proj", "v_proj"]).lora_targets == ("q_proj", "v_proj")
   assert config.tiny_qwen2(lora_rank=2, lora_targets="v_proj").lora_targets == ("v_proj",)
+  assert config.tiny_qwen2(lora_rank=2, lora_targets="q_proj, down_proj").lora_targets == ("q_proj", "down_proj")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

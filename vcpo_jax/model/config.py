@@ -106,9 +106,9 @@ class ModelConfig:
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):  # from dataclasses.asdict (a saved config)
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-    if isinstance(self.lora_targets, (list, str)):  # a saved config (list) or one name on the command line
-      targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else self.lora_targets
-      object.__setattr__(self, "lora_targets", tuple(targets))
+    if isinstance(self.lora_targets, (list, str)):  # a saved config (list) or "q_proj,v_proj" (run config)
+      targets = self.lora_targets.split(",") if isinstance(self.lora_targets, str) else self.lora_targets
+      object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets))
     self._check_lora()
     for name in (
       "vocab_size",
