@@ -112,6 +112,8 @@ ARCH_FIELDS = (
   "tie_embeddings",
   "model_type",
 )
+# --model may also set the LoRA fields (e.g. --model=lora_rank=64: adapters on every projection, base frozen).
+OVERRIDE_FIELDS = ARCH_FIELDS + ("lora_rank", "lora_alpha")
 STAT_KEYS = ("argument", "temp", "output", "alias")
 TINY_TOKENS = 64  # T0 of batch_gib: prompt 32 + response 32 tokens
 
@@ -126,8 +128,8 @@ def _parse_overrides(text: str) -> dict:
     if "=" not in item:
       raise ValueError(f"--model entry {item!r} must be field=value, e.g. --model=hidden_size=64,vocab_size=512.")
     k, v = item.split("=", 1)
-    if k not in ARCH_FIELDS:
-      raise ValueError(f"--model field {k!r} is not an architecture field; choose from {ARCH_FIELDS}.")
+    if k not in OVERRIDE_FIELDS:
+      raise ValueError(f"--model field {k!r} is not an architecture or LoRA field; choose from {OVERRIDE_FIELDS}.")
     if v in ("True", "False", "true", "false"):
       out[k] = v.lower() == "true"
     else:
@@ -201,7 +203,7 @@ def load_setting(
   need = t + (spec.multiturn.max_turn_tokens if spec.multiturn else 0)
   # spec.model_cfg carries the config's model options (dtype and whatever else parse_config sets);
   # only the architecture is replaced by the checkpoint's.
-  model_cfg = spec.model_cfg.replace(**{k: v for k, v in shape.items() if k in ARCH_FIELDS}, max_position=need)
+  model_cfg = spec.model_cfg.replace(**{k: v for k, v in shape.items() if k in OVERRIDE_FIELDS}, max_position=need)
   scfg = SamplerConfig.from_tokenizer(
     _FakeTokenizer(model_cfg.vocab_size),
     max_prompt_len=spec.rollout.max_prompt_len,
