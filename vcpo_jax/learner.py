@@ -38,6 +38,10 @@ log pi_old, log mu, A, mask): one forward, the loss's cotangent d loss / d logp_
 groups, with pi_old recomputed once at the start (`_multi_update_step`); 1 x 1, the default, is the single
 update above. Neither combines with micro-batching (rejected at config time).
 
+LoRA (model.lora_rank > 0, vcpo_jax.model.lora): state.params is the whole model; the step splits it into the
+adapters (what is differentiated, what the per-example norms cover, what the optimizer updates and holds state
+for) and the frozen base (closed over by logp_fn, returned unchanged): `lora.split` / `lora.combine`.
+
 A step whose loss or gradient is not finite is skipped (parameters and optimizer
 state unchanged, `nonfinite` = 1 in the metrics); the trainer aborts or goes on
 according to its config.
