@@ -165,7 +165,12 @@ class _FakeTokenizer:
 
 
 def load_setting(
-  name: str, model_overrides: dict | None = None, batch: int = 0, prompt_len: int = 0, new_tokens: int = 0
+  name: str,
+  model_overrides: dict | None = None,
+  batch: int = 0,
+  prompt_len: int = 0,
+  new_tokens: int = 0,
+  microbatch: int = 0,
 ):
   """The released config `configs/<name>.py` (`name:variant` for a variant, e.g. math:qwen3_8b) with its
   real architecture (config.model.shape).
@@ -190,6 +195,8 @@ def load_setting(
     if batch % c.task.group_size:
       raise ValueError(f"--batch={batch} must be a multiple of the group size G={c.task.group_size} of {name}.")
     c.task.prompts_per_step = batch // c.task.group_size
+  if microbatch:  # learner.microbatch_size (--microbatch; 0: the config's)
+    c.learner.microbatch_size = microbatch
   if prompt_len:
     c.task.max_prompt_len = prompt_len
   if new_tokens:
@@ -486,13 +493,13 @@ def worker(args) -> list[dict]:
     for name in args.configs.split(","):
       budget = {"norm_budget": args.norm_budget} if args.norm_budget >= 0 else {}
       setting = dataclasses.replace(
-        load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens), **budget
+        load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens, args.microbatch), **budget
       )
       if args.prefill_chunk:  # overrides the config's sampler.prefill_chunk
         scfg = dataclasses.replace(setting.sampler_cfg, prefill_chunk=args.prefill_chunk)
         setting = dataclasses.replace(setting, sampler_cfg=scfg)
       half = min(TINY_TOKENS, setting.t // 2) // 2
-      tiny = load_setting(name, overrides, args.batch, half, half) if args.batch_dependent else None
+      tiny = load_setting(name, overrides, args.batch, half, half, args.microbatch) if args.batch_dependent else None
       tiny = tiny and dataclasses.replace(tiny, **budget)
       for part in args.parts.split(","):
         layers = args.layers if part == "learner" else args.sampler_layers
@@ -597,6 +604,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--batch", type=int, default=0, help="learner rows N (0 = the config's P * G)")
   p.add_argument("--prompt_len", type=int, default=0, help="max prompt length (0 = the config's)")
   p.add_argument("--new_tokens", type=int, default=0, help="response budget (0 = the config's)")
+  p.add_argument("--microbatch", type=int, default=0, help="learner.microbatch_size rows (0 = the config's)")
   p.add_argument("--batch_dependent", action="store_true", help="also compile at TINY_TOKENS tokens per row: batch_gib")
   p.add_argument(
     "--norm_budget",
@@ -639,6 +647,7 @@ def main(argv=None):
     f"--batch={args.batch}",
     f"--prompt_len={args.prompt_len}",
     f"--new_tokens={args.new_tokens}",
+    f"--microbatch={args.microbatch}",
     f"--norm_budget={args.norm_budget}",
     f"--prefill_chunk={args.prefill_chunk}",
   ] + (["--batch_dependent"] if args.batch_dependent else [])
