@@ -258,3 +258,17 @@ def test_sharded_lora_step_equals_the_single_device_step():
   got, m_got = jitted(jax.device_put(state, state_sh), jax.device_put(batch, sharding.batch_sharding(mesh)))
   assert _tree_rel(lora.split(got.params)[0], lora.split(want.params)[0]) < 1e-5
   np.testing.assert_allclose(m_got["grad_norm"], m_want["grad_norm"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("field,value", [("lora_rank", -1), ("lora_alpha", 0.0), ("lora_targets", "q_proj,foo")])
+def test_bad_lora_run_config_is_one_config_error_naming_the_field(field, value):
+  """Through the run config (what main.py turns into one line on stderr and exit code 2)."""
+  from tests import fixtures
+  from vcpo_jax import run_config
+
+  c = fixtures.tiny_countdown_config(**{f"model.{field}": value, "model.lora_rank": 4})
+  if field == "lora_rank":
+    c.model.lora_rank = value
+  with pytest.raises(run_config.ConfigError, match=f"config.model.{field}=") as e:
+    run_config.parse_config(c, check_prompts=False)
+  assert "\n" not in str(e.value)
