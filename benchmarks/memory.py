@@ -112,6 +112,8 @@ ARCH_FIELDS = (
   "tie_embeddings",
   "model_type",
 )
+# --model may also set the LoRA fields (e.g. --model=lora_rank=64: adapters on every projection, base frozen).
+OVERRIDE_FIELDS = ARCH_FIELDS + ("lora_rank", "lora_alpha")
 STAT_KEYS = ("argument", "temp", "output", "alias")
 TINY_TOKENS = 64  # T0 of batch_gib: prompt 32 + response 32 tokens
 
@@ -126,8 +128,8 @@ def _parse_overrides(text: str) -> dict:
     if "=" not in item:
       raise ValueError(f"--model entry {item!r} must be field=value, e.g. --model=hidden_size=64,vocab_size=512.")
     k, v = item.split("=", 1)
-    if k not in ARCH_FIELDS:
-      raise ValueError(f"--model field {k!r} is not an architecture field; choose from {ARCH_FIELDS}.")
+    if k not in OVERRIDE_FIELDS:
+      raise ValueError(f"--model field {k!r} is not an architecture or LoRA field; choose from {OVERRIDE_FIELDS}.")
     if v in ("True", "False", "true", "false"):
       out[k] = v.lower() == "true"
     else:
@@ -169,6 +171,7 @@ def load_setting(
   prompt_len: int = 0,
   new_tokens: int = 0,
   score_centering: str = "",
+  microbatch: int = 0,
 ):
   """The released config `configs/<name>.py` (`name:variant` for a variant, e.g. math:qwen3_8b) with its
   real architecture (config.model.shape).
@@ -196,6 +199,8 @@ def load_setting(
     if batch % c.task.group_size:
       raise ValueError(f"--batch={batch} must be a multiple of the group size G={c.task.group_size} of {name}.")
     c.task.prompts_per_step = batch // c.task.group_size
+  if microbatch:  # learner.microbatch_size (--microbatch; 0: the config's)
+    c.learner.microbatch_size = microbatch
   if prompt_len:
     c.task.max_prompt_len = prompt_len
   if score_centering:
@@ -213,7 +218,7 @@ def load_setting(
   need = t + (spec.multiturn.max_turn_tokens if spec.multiturn else 0)
   # spec.model_cfg carries the config's model options (dtype and whatever else parse_config sets);
   # only the architecture is replaced by the checkpoint's.
-  model_cfg = spec.model_cfg.replace(**{k: v for k, v in shape.items() if k in ARCH_FIELDS}, max_position=need)
+  model_cfg = spec.model_cfg.replace(**{k: v for k, v in shape.items() if k in OVERRIDE_FIELDS}, max_position=need)
   scfg = SamplerConfig.from_tokenizer(
     _FakeTokenizer(model_cfg.vocab_size),
     max_prompt_len=spec.rollout.max_prompt_len,
@@ -499,14 +504,19 @@ def worker(args) -> list[dict]:
     for name in args.configs.split(","):
       budget = {"norm_budget": args.norm_budget} if args.norm_budget >= 0 else {}
       setting = dataclasses.replace(
-        load_setting(name, overrides, args.batch, args.prompt_len, args.new_tokens, args.score_centering), **budget
+        load_setting(
+          name, overrides, args.batch, args.prompt_len, args.new_tokens, args.score_centering, args.microbatch
+        ),
+        **budget,
       )
       if args.prefill_chunk:  # overrides the config's sampler.prefill_chunk
         scfg = dataclasses.replace(setting.sampler_cfg, prefill_chunk=args.prefill_chunk)
         setting = dataclasses.replace(setting, sampler_cfg=scfg)
       half = min(TINY_TOKENS, setting.t // 2) // 2
       tiny = (
-        load_setting(name, overrides, args.batch, half, half, args.score_centering) if args.batch_dependent else None
+        load_setting(name, overrides, args.batch, half, half, args.score_centering, args.microbatch)
+        if args.batch_dependent
+        else None
       )
       tiny = tiny and dataclasses.replace(tiny, **budget)
       for part in args.parts.split(","):
@@ -615,6 +625,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--score_centering", default="", help="'exact': the method with exact score centering, in lag mode ('' = off)"
   )
+  p.add_argument("--microbatch", type=int, default=0, help="learner.microbatch_size rows (0 = the config's)")
   p.add_argument("--batch_dependent", action="store_true", help="also compile at TINY_TOKENS tokens per row: batch_gib")
   p.add_argument(
     "--norm_budget",
@@ -658,6 +669,7 @@ def main(argv=None):
     f"--prompt_len={args.prompt_len}",
     f"--new_tokens={args.new_tokens}",
     f"--score_centering={args.score_centering}",
+    f"--microbatch={args.microbatch}",
     f"--norm_budget={args.norm_budget}",
     f"--prefill_chunk={args.prefill_chunk}",
   ] + (["--batch_dependent"] if args.batch_dependent else [])

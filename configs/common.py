@@ -72,6 +72,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.remat = "none"  # per-block rematerialization: none | block | a jax.checkpoint_policies name
   c.model.logprob_chunk = 512  # positions per chunk of the log-prob head (0 = all at once: [N, T, V] logits)
   c.model.logprob_vocab_chunk = 0  # vocabulary entries per head chunk (0 = whole vocabulary)
+  c.model.lora_rank = 0  # LoRA adapters' rank r (0 = off: full fine-tuning); > 0 freezes the base
+  c.model.lora_alpha = 16.0  # LoRA alpha: the adapter path is scaled by alpha / r
+  c.model.lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # projections with adapters
   c.model.tokenizer = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
 
   c.sampler = ml_collections.ConfigDict()

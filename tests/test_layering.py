@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("vcpo_jax.model.config", "vcpo_jax.model.attention", "vcpo_jax.model.taps", "vcpo_jax.model.tokenizer"),
   ("vcpo_jax.model.logprobs",),
   ("vcpo_jax.model.transformer",),
+  ("vcpo_jax.model.lora",),  # which parameters train (adapters), merge into the base
   ("vcpo_jax.model.hf_io",),
   ("vcpo_jax.model.policy",),  # build + init_sharded
   ("vcpo_jax.model",),

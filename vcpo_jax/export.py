@@ -6,7 +6,10 @@ reads RUN/config.json (the run's config), rebuilds the policy's structure from i
 or compiled beyond the optimizer state's abstract shapes), takes the parameters of the newest checkpoint
 (or step N, or the kept checkpoint with the best eval mean@n in RUN/eval.jsonl) and writes
 
-  config.json, model.safetensors         hf_io.save_hf (float32; transformers' Qwen2 / Llama)
+  config.json, model.safetensors         hf_io.save_hf (float32; transformers' Qwen2 / Llama); with LoRA
+                                         (model.lora_rank > 0) the adapters merged into the base weights
+  adapter/                               LoRA only: the PEFT adapter directory (hf_io.save_peft_adapter);
+                                         peft.PeftModel.from_pretrained(base, DIR/adapter) on the run's base
   tokenizer.json, tokenizer_config.json  tokenizer.save_tokenizer (AutoTokenizer gives the training ids)
   generation_config.json                 eos / pad ids and the run's evaluation sampling (temperature, top_p)
 
@@ -95,7 +98,7 @@ def export(workdir: str, out: str, step: str | int | None = None) -> dict:
 
   from vcpo_jax import fs, learner, sharding
   from vcpo_jax.checkpoint import Checkpointer
-  from vcpo_jax.model import hf_io, policy
+  from vcpo_jax.model import hf_io, lora, policy
   from vcpo_jax.run_config import parse_config
 
   config = run_config(workdir)
@@ -118,8 +121,9 @@ def export(workdir: str, out: str, step: str | int | None = None) -> dict:
   n_train = len(jax.tree.leaves(jax.eval_shape(lambda p: learner.init_state(p, tx), params)))
   param_leaves, treedef = jax.tree.flatten(params)
   n_params = len(param_leaves)
-  n_versions = (len(leaves) - n_train) // n_params if len(leaves) >= n_train else -1
-  start = len(leaves) - n_train - n_versions * n_params
+  n_kept = len(jax.tree.leaves(lora.split(params)[0]))  # a kept lag version: the trainable part (LoRA: adapters)
+  n_versions = (len(leaves) - n_train) // n_kept if len(leaves) >= n_train else -1
+  start = len(leaves) - n_train - n_versions * n_kept
   if n_versions < 0 or start < 0:
     raise ExportError(
       f"--workdir={workdir!r}: the checkpoint at step {chosen} holds {len(leaves)} arrays, which the run's "
@@ -130,7 +134,10 @@ def export(workdir: str, out: str, step: str | int | None = None) -> dict:
     if a.shape != b.shape:
       raise ExportError(f"--workdir={workdir!r}: parameter #{i} has shape {a.shape}, the config says {b.shape}")
   trained = jax.tree.unflatten(treedef, saved)
-  hf_io.save_hf(trained, model_cfg, out, tokenizer=tokenizer)
+  if model_cfg.lora:
+    hf_io.save_peft_adapter(trained, model_cfg, os.path.join(out, "adapter"), base_model=spec.model_checkpoint)
+  base_cfg, merged = lora.merge_into_base(trained, model_cfg)  # the plain model (unchanged without LoRA)
+  hf_io.save_hf(merged, base_cfg, out, tokenizer=tokenizer)
   _write_generation_config(out, tokenizer, spec)
   return {"step": chosen, "out": os.fspath(out)}
 

@@ -38,6 +38,10 @@ log pi_old, log mu, A, mask): one forward, the loss's cotangent d loss / d logp_
 groups, with pi_old recomputed once at the start (`_multi_update_step`); 1 x 1, the default, is the single
 update above. Neither combines with micro-batching (rejected at config time).
 
+LoRA (model.lora_rank > 0, vcpo_jax.model.lora): state.params is the whole model; the step splits it into the
+adapters (what is differentiated, what the per-example norms cover, what the optimizer updates and holds state
+for) and the frozen base (closed over by logp_fn, returned unchanged): `lora.split` / `lora.combine`.
+
 A step whose loss or gradient is not finite is skipped (parameters and optimizer
 state unchanged, `nonfinite` = 1 in the metrics); the trainer aborts or goes on
 according to its config.
@@ -57,15 +61,15 @@ import optax
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import estimator, grad_norms, sharding, telemetry
 from vcpo_jax import score_centering as sc_lib
-from vcpo_jax.model import transformer
+from vcpo_jax.model import lora, transformer
 from vcpo_jax.rl import losses as policy_losses
 
 sg = jax.lax.stop_gradient
 
 
 class TrainState(NamedTuple):
-  params: Any  # nnx.State of float32 parameters
-  opt_state: Any  # optax state of make_optimizer's chain
+  params: Any  # nnx.State of the whole model (with LoRA: frozen base in the compute dtype + float32 adapters)
+  opt_state: Any  # optax state of make_optimizer's chain, over the trainable parameters (lora.split)[0]
   step: jax.Array  # int32 [], number of updates applied (including skipped ones)
 
 
@@ -184,10 +188,14 @@ class LearnerConfig:
     return n // mb
 
 
-def make_logp_fn(graphdef) -> Callable:
-  """logp_fn(params, batch) -> logp_nt [N, T] of batch["tokens"] under the policy."""
+def make_logp_fn(graphdef, frozen=None) -> Callable:
+  """logp_fn(params, batch) -> logp_nt [N, T] of batch["tokens"] under the policy.
+
+  frozen: the frozen base (LoRA, `lora.split`): then params are the adapters only, and the gradient paths
+  differentiate (and take per-example norms over) nothing else."""
 
   def logp_fn(params, batch):
+    params = lora.combine(params, frozen)
     return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"])
 
   return logp_fn
@@ -419,23 +427,24 @@ def _step_centering(graphdef, params, cfg: LearnerConfig, behavior_params):
   return sc_lib.StepCentering(graphdef, cfg.pg, params if behavior_params is None else behavior_params)
 
 
-def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None, behavior_params=None):
+def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None, behavior_params=None, frozen=None):
   """(grads, aux) of the whole batch: one pass, or a scan over micro-batches (same result).
 
   step: the learner's step (state.step), read only by decoupled_ppo's log-linear pi_prox.
   behavior_params: pg.score_centering='exact' only: the parameters that sampled the batch (lag mode's
   version step - k); None: `params` (sync, k = 0: p = q and every centering coefficient is 0). The drift
   diagnostics come back as `drift/*` scalars (score_centering.drift_scalars).
+  frozen: the frozen base with LoRA (params = the adapters), else None.
   """
-  grads, aux = _gradient_rows(graphdef, params, batch, cfg, step, behavior_params)
+  grads, aux = _gradient_rows(graphdef, params, batch, cfg, step, behavior_params, frozen)
   if "drift_tokens_n" in aux:
     aux = dict(aux, **sc_lib.drift_scalars(aux))
   return grads, aux
 
 
-def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_params):
+def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_params, frozen):
   """`_gradient` before the drift scalars: one pass, or a scan over micro-batches."""
-  logp_fn = make_logp_fn(graphdef)
+  logp_fn = make_logp_fn(graphdef, frozen)
   grad_fn = policy_gradient(cfg.grad_path)
   if cfg.grad_path == "ghost" and cfg.ghost_passes != 1:
     budget = int(cfg.one_pass_budget_gib * 2**30)
@@ -488,8 +497,9 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
   ones (pg_loss, grad_norm, update_norm, loss/*) averaged over the updates, and loss/*_first / grad_norm_first
   of the first update.
   """
-  logp_fn = make_logp_fn(graphdef)
-  old_logp = jax.lax.stop_gradient(logp_fn(state.params, batch))
+  trainable, frozen = lora.split(state.params)
+  logp_fn = make_logp_fn(graphdef, frozen)
+  old_logp = jax.lax.stop_gradient(logp_fn(trainable, batch))
   _, aux0 = estimator.pg_coefficients(
     old_logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], None, cfg.pg
   )
@@ -520,7 +530,8 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
   def epoch(carry, _):
     return jax.lax.scan(update, carry, mbs)
 
-  (params, opt_state), per_update = jax.lax.scan(epoch, (state.params, state.opt_state), None, cfg.ppo_epochs)
+  (params, opt_state), per_update = jax.lax.scan(epoch, (trainable, state.opt_state), None, cfg.ppo_epochs)
+  params = lora.combine(params, frozen)
   per_update = jax.tree.map(lambda v: v.reshape((-1,) + v.shape[2:]), per_update)  # [epochs * M]
   metrics = {k: v for k, v in aux0.items() if jnp.ndim(v) == 0}
   metrics.update({k: jnp.mean(v) for k, v in per_update.items()})
@@ -542,15 +553,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     sharding.require_mesh((state, batch), "learner.make_train_step's step")
     if cfg.updates_per_step > 1:
       return _multi_update_step(graphdef, tx, cfg, state, batch)
-    grads, aux = _gradient(graphdef, state.params, batch, cfg, state.step, behavior_params)
+    params, frozen = lora.split(state.params)  # with LoRA: the adapters train, the base is frozen
+    grads, aux = _gradient(graphdef, params, batch, cfg, state.step, behavior_params, frozen)
     grad_norm = optax.global_norm(grads)
     lr_scale = aux["lr_scale"]
     # clip -> AdamW -> x lr_scale, once per step (after accumulation when micro-batched)
-    updates, new_opt = tx.update(grads, state.opt_state, state.params, ess_scale=lr_scale)
-    new_params = optax.apply_updates(state.params, updates)
+    updates, new_opt = tx.update(grads, state.opt_state, params, ess_scale=lr_scale)
+    new_params = optax.apply_updates(params, updates)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(aux["pg_loss"])
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state), state.step + 1)
+    new_params = lora.combine(keep(new_params, params), frozen)
+    new_state = TrainState(new_params, keep(new_opt, state.opt_state), state.step + 1)
     metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
     metrics.update(
       grad_norm=grad_norm, update_norm=optax.global_norm(updates), nonfinite=1.0 - finite.astype(jnp.float32)
@@ -570,9 +583,11 @@ def make_plain_grad_fn(graphdef):
   one backward pass, what a GRPO learner without per-example norms pays. The trainer times it next to
   the real step every `log.norm_overhead_every` steps and logs the ratio.
   """
-  logp_fn = make_logp_fn(graphdef)
 
   def plain(params, batch):
+    params, frozen = lora.split(params)  # with LoRA, the adapters only (what the real step differentiates)
+    logp_fn = make_logp_fn(graphdef, frozen)
+
     def loss(p):
       logp = logp_fn(p, batch)
       return -jnp.sum(batch["rewards"][:, None] * batch["loss_mask"] * logp)
@@ -583,4 +598,5 @@ def make_plain_grad_fn(graphdef):
 
 
 def init_state(params, tx) -> TrainState:
-  return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+  """Step 0; the optimizer's state covers the trainable parameters only (with LoRA: the adapters)."""
+  return TrainState(params, tx.init(lora.split(params)[0]), jnp.zeros((), jnp.int32))

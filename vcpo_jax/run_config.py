@@ -88,7 +88,7 @@ def _model_config(c, need_pos: int) -> model_config.ModelConfig:
       h,
       f"must be a multiple of the {m.preset} preset's num_heads={n}, e.g. {-(-h // n) * n}.",
     )
-  for f in model_config.EXECUTION_FIELDS:  # how the model is computed: applies to checkpoints too
+  for f in model_config.EXECUTION_FIELDS + model_config.LORA_FIELDS:  # apply to checkpoints too
     overrides[f] = m[f]
   with config_errors("model", model_config.ModelConfig):
     cfg = base.replace(**overrides)

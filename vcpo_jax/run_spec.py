@@ -387,6 +387,13 @@ class RunSpec:
     if pg.score_centering != "exact":
       return
     check_field(
+      not self.model_cfg.lora_rank,
+      "vcpo.score_centering",
+      "exact",
+      f"the behaviour forward takes a whole model, not LoRA adapters (model.lora_rank={self.model_cfg.lora_rank}); "
+      "set vcpo.score_centering='off' or model.lora_rank=0.",
+    )
+    check_field(
       self.mode in ("sync", "lag"),
       "vcpo.score_centering",
       "exact",

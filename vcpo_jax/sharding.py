@@ -61,6 +61,12 @@ TRANSFORMER_RULES: tuple[tuple[str, P], ...] = (
   (r"mlp\.down_proj\.kernel$", P("tensor", "fsdp")),  # [F, D]
   (r"(input_layernorm|post_attention_layernorm|norm)\.scale$", P()),  # [D]
   (r"lm_head\.kernel$", P("fsdp", "tensor")),  # [D, V]
+  # LoRA factors (vcpo_jax.model.lora): the wide dimension split over fsdp (and tensor where the projection's
+  # is), r never split; replicated factors and their AdamW moments would cost every device the whole adapter.
+  (r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_a\.kernel$", P("fsdp")),  # A [D, r]
+  (r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_b\.kernel$", P(None, ("fsdp", "tensor"))),  # B [r, N*H / F]
+  (r"(self_attn\.o_proj|mlp\.down_proj)\.lora_a\.kernel$", P(("tensor", "fsdp"))),  # A [N*H / F, r]
+  (r"(self_attn\.o_proj|mlp\.down_proj)\.lora_b\.kernel$", P(None, "fsdp")),  # B [r, D]
 )
 
 

@@ -28,7 +28,7 @@ from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenan
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer, restore_target
-from vcpo_jax.model import policy
+from vcpo_jax.model import lora, policy
 from vcpo_jax.run_config import ConfigError, parse_config
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
@@ -624,7 +624,8 @@ def _restore(ckpt, step, state, source):
   queued = source.queued_template(len(queued_meta)) if queued_meta else []  # a sync / lag source refuses some
   # Abstract (shape, dtype, sharding): orbax reads every array shard by shard into the learner's layout.
   state_target = jax.tree.map(restore_target, state)
-  template = {"train": state_target, "versions": [state_target.params for _ in saved["versions"]], "queued": queued}
+  kept = lora.split(state_target.params)[0]  # a lag ring keeps the trainable part (with LoRA: the adapters)
+  template = {"train": state_target, "versions": [kept for _ in saved["versions"]], "queued": queued}
   tree, meta = ckpt.restore(step, template)
   source.load_state(meta["versions"], tree["versions"])
   if queued_meta:

@@ -33,6 +33,10 @@ REMAT_POLICIES = (
   "dots_with_no_batch_dims_saveable",
   "checkpoint_dots_with_no_batch_dims",
 )
+# LoRA (vcpo_jax.model.lora): the projections adapters may target, and the fields that, like the execution
+# fields, come from the run config for presets AND checkpoints (a checkpoint's config.json never has them).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +71,11 @@ class ModelConfig:
       at most logprob_chunk + 1 tokens take the dense path (today's numerics).
     logprob_vocab_chunk: vocabulary entries per chunk inside a token chunk (0 = whole vocabulary;
       keep 0 when a "tensor" axis shards the vocabulary).
+    lora_rank: r of the LoRA adapters (vcpo_jax.model.lora); 0 (default) = no adapters: today's model,
+      the same parameter tree. With r > 0 every base parameter is frozen (stored in the compute dtype)
+      and only the float32 adapters train.
+    lora_alpha: LoRA's alpha; the adapter path is scaled by lora_alpha / lora_rank (PEFT's convention).
+    lora_targets: the projections that get adapters, names from LORA_TARGETS (default: all seven).
   """
 
   vocab_size: int
@@ -90,10 +99,17 @@ class ModelConfig:
   remat: str = "none"
   logprob_chunk: int = 512
   logprob_vocab_chunk: int = 0
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = LORA_TARGETS
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):  # from dataclasses.asdict (a saved config)
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    if isinstance(self.lora_targets, (list, str)):  # a saved config (list) or "q_proj,v_proj" (run config)
+      targets = self.lora_targets.split(",") if isinstance(self.lora_targets, str) else self.lora_targets
+      object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets))
+    self._check_lora()
     for name in (
       "vocab_size",
       "hidden_size",
@@ -128,6 +144,28 @@ class ModelConfig:
       )
     if self.remat not in REMAT_CHOICES + REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat must be one of {REMAT_CHOICES + REMAT_POLICIES}, got {self.remat!r}.")
+
+  def _check_lora(self):
+    r = self.lora_rank
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+      raise ValueError(f"ModelConfig.lora_rank={r!r}: must be an int >= 0 (0 = no LoRA adapters; e.g. 64).")
+    if isinstance(self.lora_alpha, bool) or not (isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0):
+      raise ValueError(f"ModelConfig.lora_alpha={self.lora_alpha!r}: must be a number > 0 (scale = alpha / rank).")
+    bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    if bad or not self.lora_targets or len(set(self.lora_targets)) != len(self.lora_targets):
+      raise ValueError(
+        f"ModelConfig.lora_targets={self.lora_targets!r}: give distinct names from {LORA_TARGETS} (unknown: {bad})."
+      )
+
+  @property
+  def lora(self) -> bool:
+    """LoRA adapters on (lora_rank > 0): the base is frozen, only the adapters train."""
+    return self.lora_rank > 0
+
+  @property
+  def lora_scale(self) -> float:
+    """alpha / r, the factor of the adapter path x A B."""
+    return float(self.lora_alpha) / self.lora_rank if self.lora_rank else 0.0
 
   @property
   def compute_dtype(self):

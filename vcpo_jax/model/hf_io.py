@@ -15,6 +15,10 @@ Name mapping (HF torch Linear weights are [out, in]; our kernels are [in, out]):
   model.norm.weight                                 <-> norm.scale
   lm_head.weight [V, D]                             <-> lm_head.kernel [D, V] (untied models only)
 Tied checkpoints may or may not store lm_head.weight; if they do it must equal the embedding.
+
+LoRA (vcpo_jax.model.lora): `save_hf` of `lora.merge_into_base(...)` writes merged weights; `save_peft_adapter`
+writes a PEFT adapter directory (adapter_config.json + adapter_model.safetensors:
+base_model.model.model.layers.i.<proj>.lora_A.weight [r, Din] <-> <proj>.lora_a.kernel [Din, r], lora_B [Dout, r]).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from vcpo_jax import sharding as sh
+from vcpo_jax.model import lora
 from vcpo_jax.model import transformer as tf
 from vcpo_jax.model.config import EXECUTION_FIELDS, ModelConfig, tiny_llama, tiny_qwen2, tiny_qwen3
 
@@ -536,6 +541,55 @@ def save_hf(model_or_params, cfg: ModelConfig, out_dir, tokenizer=None) -> str:
     out_dir as a str.
   """
   return _write(params_to_hf(model_or_params, cfg), hf_config(cfg, tokenizer), out_dir, tokenizer)
+
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_tensors(params) -> dict[str, np.ndarray]:
+  """PEFT-named float32 LoRA tensors of a LoRA model's params: lora_A.weight [r, Din], lora_B.weight [Dout, r]
+  (torch's [out, in] layout of our A [Din, r], B [r, Dout]), keyed as peft's save_pretrained writes them."""
+  out = {}
+  for path, (a, b) in lora.lora_kernels(params).items():
+    name = f"base_model.model.model.{path}"
+    out[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(a), np.float32).T)
+    out[f"{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(b), np.float32).T)
+  return out
+
+
+def save_peft_adapter(params, cfg: ModelConfig, out_dir, base_model: str = "") -> str:
+  """Writes a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors).
+
+  `peft.PeftModel.from_pretrained(base, out_dir)` on the Hugging Face base model (the run's frozen base:
+  hf_io.save_hf of `lora.split(params)[1]`, or the checkpoint it was loaded from) gives this model's logits.
+  base_model: recorded as base_model_name_or_path (the base checkpoint's path, "" for a random preset)."""
+  from safetensors.numpy import save_file
+
+  if not cfg.lora:
+    raise ValueError("save_peft_adapter: cfg.lora_rank is 0, the model has no adapters (set model.lora_rank > 0).")
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  adapter = {
+    "peft_type": "LORA",
+    "task_type": "CAUSAL_LM",
+    "base_model_name_or_path": base_model or None,
+    "r": cfg.lora_rank,
+    "lora_alpha": cfg.lora_alpha,
+    "lora_dropout": 0.0,
+    "target_modules": sorted(cfg.lora_targets),
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "use_rslora": False,
+    "use_dora": False,
+    "init_lora_weights": True,
+    "inference_mode": True,
+    "modules_to_save": None,
+  }
+  with open(os.path.join(out_dir, PEFT_CONFIG), "w") as f:
+    json.dump(adapter, f, indent=2)
+  save_file(peft_tensors(params), os.path.join(out_dir, PEFT_WEIGHTS), metadata={"format": "pt"})
+  return out_dir
 
 
 def _write(tensors: dict[str, np.ndarray], hf, out_dir, tokenizer) -> str:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from vcpo_jax import sharding
 from vcpo_jax.model import config as model_config
-from vcpo_jax.model import hf_io, transformer
+from vcpo_jax.model import hf_io, lora, transformer
 from vcpo_jax.model import tokenizer as tok_lib
 
 
@@ -31,7 +31,8 @@ def build_policy(
 
   Args:
     model_cfg: the preset's config (random init; its vocabulary grows to the tokenizer's), or for a
-      checkpoint only its dtype and execution fields (model_config.EXECUTION_FIELDS) are used.
+      checkpoint only its dtype, execution fields (model_config.EXECUTION_FIELDS) and LoRA fields
+      (model_config.LORA_FIELDS: adapters attached to the loaded base, `lora.attach`) are used.
     mesh: the learner's mesh. seed: the initializer's seed.
     checkpoint: a local Hugging Face model directory ("" = random init). tokenizer_dir: see load_tokenizer.
   """
@@ -40,11 +41,15 @@ def build_policy(
     model_cfg = model_cfg.replace(vocab_size=max(model_cfg.vocab_size, len(tokenizer)))
     graphdef, params = init_sharded(model_cfg, seed, mesh)
     return model_cfg, tokenizer, graphdef, params
+  model_cfg_in = model_cfg
   execution = {f: getattr(model_cfg, f) for f in model_config.EXECUTION_FIELDS}
   model_cfg, model = hf_io.load_hf(
     checkpoint, dtype=model_cfg.dtype, mesh=mesh, rules=sharding.TRANSFORMER_RULES, **execution
   )
   graphdef, params = transformer.split(model)
+  if lora_fields := {f: getattr(model_cfg_in, f) for f in model_config.LORA_FIELDS if model_cfg_in.lora}:
+    model_cfg = model_cfg.replace(**lora_fields)
+    graphdef, params = lora.attach(model_cfg, params, seed, mesh)
   return model_cfg, tokenizer, graphdef, params
 
 

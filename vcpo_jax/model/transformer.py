@@ -45,31 +45,81 @@ LayerCache = tuple[jax.Array, jax.Array]
 
 
 class Linear(nnx.Module):
-  """y = x @ kernel (+ bias), kernel [Din, Dout] in float32, computed in `dtype`."""
+  """y = x @ kernel (+ bias), kernel [Din, Dout] in float32, computed in `dtype`.
 
-  def __init__(self, din: int, dout: int, *, name: str, use_bias: bool, dtype, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(_INIT(rngs.params(), (din, dout), jnp.float32))
-    self.bias = nnx.Param(jnp.zeros((dout,), jnp.float32)) if use_bias else None
-    self.name, self.dtype = name, dtype
+  frozen: the base is not trained (LoRA on): kernel and bias are stored in `dtype` and not tapped.
+  lora_rank > 0: a LoRA pair on top, y += lora_scale * (x @ A) @ B (`LoRAFactor` A [Din, r], B [r, Dout]),
+  each factor its own "linear" tap, so the exact per-example norms see ||g_A||^2 + ||g_B||^2.
+  """
+
+  def __init__(
+    self,
+    din: int,
+    dout: int,
+    *,
+    name: str,
+    use_bias: bool,
+    dtype,
+    rngs: nnx.Rngs,
+    frozen: bool = False,
+    lora_rank: int = 0,
+    lora_scale: float = 0.0,
+  ):
+    pdt = dtype if frozen else jnp.float32  # a frozen base is kept in the compute dtype
+    self.kernel = nnx.Param(_INIT(rngs.params(), (din, dout), jnp.float32).astype(pdt))
+    self.bias = nnx.Param(jnp.zeros((dout,), pdt)) if use_bias else None
+    self.name, self.dtype, self.frozen, self.lora_scale = name, dtype, frozen, lora_scale
+    self.lora_a, self.lora_b = _lora_pair(din, dout, lora_rank, name, dtype, rngs) if lora_rank else (None, None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x, kernel = sh.tie(x.astype(self.dtype), self.kernel[...])  # gather the kernel here, not hoisted
     y = jnp.einsum("...i,io->...o", x, kernel.astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
-    return tap(self.name, TapInfo("linear", self.name, self.bias is not None), x, y)
+    if not self.frozen:
+      y = tap(self.name, TapInfo("linear", self.name, self.bias is not None), x, y)
+    if self.lora_a is not None:  # B = 0 at init: the same y as the base model
+      y = y + self.lora_b(self.lora_a(x)) * jnp.asarray(self.lora_scale, self.dtype)
+    return y
+
+
+def _lora_pair(din: int, dout: int, rank: int, name: str, dtype, rngs: nnx.Rngs):
+  """(A [Din, r], B [r, Dout] = 0) of a LoRA pair; A from the "lora" RNG stream, so the base weights are the
+  same bits with LoRA on or off. A ~ U(-1/sqrt(Din), 1/sqrt(Din)), PEFT's kaiming_uniform(a=sqrt(5))."""
+  bound = 1.0 / din**0.5
+  a = jax.random.uniform(rngs.lora(), (din, rank), jnp.float32, -bound, bound)
+  b = jnp.zeros((rank, dout), jnp.float32)
+  return LoRAFactor(a, name=f"{name}.lora_a", dtype=dtype), LoRAFactor(b, name=f"{name}.lora_b", dtype=dtype)
+
+
+class LoRAFactor(nnx.Module):
+  """One factor of a LoRA pair: y = x @ kernel, kernel an nnx.LoRAParam (float32), tapped as "linear".
+
+  Written here rather than taken from nnx.LoRA / qwix because the ghost norms need both factors tapped
+  (input and output of each matmul: x -> u = x A for A, u -> u B for B).
+  """
+
+  def __init__(self, kernel: jax.Array, *, name: str, dtype):
+    self.kernel = nnx.LoRAParam(kernel)
+    self.name, self.dtype = name, dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x, kernel = sh.tie(x.astype(self.dtype), self.kernel[...])
+    y = jnp.einsum("...i,io->...o", x, kernel.astype(self.dtype))
+    return tap(self.name, TapInfo("linear", self.name), x, y)
 
 
 class Embed(nnx.Module):
   """Token embedding table [V, D]; `attend` is the tied LM head h @ E^T."""
 
-  def __init__(self, vocab: int, dim: int, *, name: str, dtype, rngs: nnx.Rngs):
-    self.embedding = nnx.Param(_INIT(rngs.params(), (vocab, dim), jnp.float32))
-    self.name, self.dtype = name, dtype
+  def __init__(self, vocab: int, dim: int, *, name: str, dtype, rngs: nnx.Rngs, frozen: bool = False):
+    pdt = dtype if frozen else jnp.float32
+    self.embedding = nnx.Param(_INIT(rngs.params(), (vocab, dim), jnp.float32).astype(pdt))
+    self.name, self.dtype, self.frozen = name, dtype, frozen
 
   def __call__(self, tokens_bt: jax.Array) -> jax.Array:
     y = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.dtype)
-    return tap(self.name, TapInfo("embed", self.name), tokens_bt, y)
+    return y if self.frozen else tap(self.name, TapInfo("embed", self.name), tokens_bt, y)
 
   def attend(self, h_btd: jax.Array) -> jax.Array:
     # Ghost norms see the tied head only through the log-prob head (Transformer.head_logprobs).
@@ -81,16 +131,24 @@ class Embed(nnx.Module):
 class RMSNorm(nnx.Module):
   """x / rms(x) * scale, normalised in float32 (as transformers does)."""
 
-  def __init__(self, dim: int, eps: float, *, name: str, dtype):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
-    self.eps, self.name, self.dtype = eps, name, dtype
+  def __init__(self, dim: int, eps: float, *, name: str, dtype, frozen: bool = False):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype if frozen else jnp.float32))
+    self.eps, self.name, self.dtype, self.frozen = eps, name, dtype, frozen
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     xhat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     xhat = xhat.astype(self.dtype)
     y = xhat * self.scale[...].astype(self.dtype)
-    return tap(self.name, TapInfo("scale", self.name), xhat, y)
+    return y if self.frozen else tap(self.name, TapInfo("scale", self.name), xhat, y)
+
+
+def _lora_kw(cfg: ModelConfig, proj: str) -> dict:
+  """Linear's LoRA arguments for projection `proj` ("q_proj", ...): frozen base, adapters if targeted."""
+  if not cfg.lora:
+    return {}
+  rank = cfg.lora_rank if proj in cfg.lora_targets else 0
+  return dict(frozen=True, lora_rank=rank, lora_scale=cfg.lora_scale)
 
 
 def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
@@ -102,12 +160,32 @@ def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, name: str, rngs: nnx.Rngs):
     d, h, dt = cfg.hidden_size, cfg.head_dim, cfg.compute_dtype
-    self.q_proj = Linear(d, cfg.num_heads * h, name=f"{name}.q_proj", use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
-    self.k_proj = Linear(d, cfg.num_kv_heads * h, name=f"{name}.k_proj", use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
-    self.v_proj = Linear(d, cfg.num_kv_heads * h, name=f"{name}.v_proj", use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
-    self.o_proj = Linear(cfg.num_heads * h, d, name=f"{name}.o_proj", use_bias=False, dtype=dt, rngs=rngs)
-    self.q_norm = RMSNorm(h, cfg.rms_eps, name=f"{name}.q_norm", dtype=dt) if cfg.qk_norm else None
-    self.k_norm = RMSNorm(h, cfg.rms_eps, name=f"{name}.k_norm", dtype=dt) if cfg.qk_norm else None
+    self.q_proj = Linear(
+      d, cfg.num_heads * h, name=f"{name}.q_proj", use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs, **_lora_kw(cfg, "q_proj")
+    )
+    self.k_proj = Linear(
+      d,
+      cfg.num_kv_heads * h,
+      name=f"{name}.k_proj",
+      use_bias=cfg.qkv_bias,
+      dtype=dt,
+      rngs=rngs,
+      **_lora_kw(cfg, "k_proj"),
+    )
+    self.v_proj = Linear(
+      d,
+      cfg.num_kv_heads * h,
+      name=f"{name}.v_proj",
+      use_bias=cfg.qkv_bias,
+      dtype=dt,
+      rngs=rngs,
+      **_lora_kw(cfg, "v_proj"),
+    )
+    self.o_proj = Linear(
+      cfg.num_heads * h, d, name=f"{name}.o_proj", use_bias=False, dtype=dt, rngs=rngs, **_lora_kw(cfg, "o_proj")
+    )
+    self.q_norm = RMSNorm(h, cfg.rms_eps, name=f"{name}.q_norm", dtype=dt, frozen=cfg.lora) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(h, cfg.rms_eps, name=f"{name}.k_norm", dtype=dt, frozen=cfg.lora) if cfg.qk_norm else None
     self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, h
     self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
     self.implementation, self.chunk = cfg.attention, cfg.attention_chunk
@@ -149,9 +227,13 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, name: str, rngs: nnx.Rngs):
     d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.compute_dtype
-    self.gate_proj = Linear(d, f, name=f"{name}.gate_proj", use_bias=False, dtype=dt, rngs=rngs)
-    self.up_proj = Linear(d, f, name=f"{name}.up_proj", use_bias=False, dtype=dt, rngs=rngs)
-    self.down_proj = Linear(f, d, name=f"{name}.down_proj", use_bias=False, dtype=dt, rngs=rngs)
+    self.gate_proj = Linear(
+      d, f, name=f"{name}.gate_proj", use_bias=False, dtype=dt, rngs=rngs, **_lora_kw(cfg, "gate_proj")
+    )
+    self.up_proj = Linear(d, f, name=f"{name}.up_proj", use_bias=False, dtype=dt, rngs=rngs, **_lora_kw(cfg, "up_proj"))
+    self.down_proj = Linear(
+      f, d, name=f"{name}.down_proj", use_bias=False, dtype=dt, rngs=rngs, **_lora_kw(cfg, "down_proj")
+    )
 
   def __call__(self, x):
     hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
@@ -162,10 +244,12 @@ class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, name: str, rngs: nnx.Rngs):
     dt = cfg.compute_dtype
     self.name = name
-    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, name=f"{name}.input_layernorm", dtype=dt)
+    self.input_layernorm = RMSNorm(
+      cfg.hidden_size, cfg.rms_eps, name=f"{name}.input_layernorm", dtype=dt, frozen=cfg.lora
+    )
     self.self_attn = Attention(cfg, name=f"{name}.self_attn", rngs=rngs)
     self.post_attention_layernorm = RMSNorm(
-      cfg.hidden_size, cfg.rms_eps, name=f"{name}.post_attention_layernorm", dtype=dt
+      cfg.hidden_size, cfg.rms_eps, name=f"{name}.post_attention_layernorm", dtype=dt, frozen=cfg.lora
     )
     self.mlp = MLP(cfg, name=f"{name}.mlp", rngs=rngs)
 
@@ -238,13 +322,15 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dt = cfg.compute_dtype
     self.cfg = cfg
-    self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, name="embed_tokens", dtype=dt, rngs=rngs)
+    self.embed_tokens = Embed(
+      cfg.vocab_size, cfg.hidden_size, name="embed_tokens", dtype=dt, rngs=rngs, frozen=cfg.lora
+    )
     self.layers = nnx.List([Block(cfg, name=f"layers.{i}", rngs=rngs) for i in range(cfg.num_layers)])
-    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, name="norm", dtype=dt)
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, name="norm", dtype=dt, frozen=cfg.lora)
     self.lm_head = (
       None
       if cfg.tie_embeddings
-      else Linear(cfg.hidden_size, cfg.vocab_size, name="lm_head", use_bias=False, dtype=dt, rngs=rngs)
+      else Linear(cfg.hidden_size, cfg.vocab_size, name="lm_head", use_bias=False, dtype=dt, rngs=rngs, frozen=cfg.lora)
     )
 
   def __call__(
@@ -291,6 +377,8 @@ class Transformer(nnx.Module):
     param = self.embed_tokens.name if tied else self.lm_head.name
     spec = logprobs.HeadSpec(tied, self.cfg.logprob_chunk, self.cfg.logprob_vocab_chunk, self.cfg.compute_dtype)
     fn = lambda h, w, tok, lse: logprobs.head_logprobs(h, w, tok, spec, return_lse=lse)
+    if self.cfg.lora:  # a frozen head: not tapped, its dL/dh comes from plain autodiff
+      return fn(h_btd, w, tokens_bt, False)
     return tap_head(param + "@head", TapInfo("head", param, spec=spec), h_btd, tokens_bt, w, fn)
 
 
@@ -298,7 +386,9 @@ class Transformer(nnx.Module):
 
 
 def init(cfg: ModelConfig, seed: int = 0) -> Transformer:
-  return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+  """The model with weights from `seed`; LoRA A factors draw from a stream of their own (B = 0), so the base
+  weights are the same bits with LoRA on or off."""
+  return Transformer(cfg, rngs=nnx.Rngs(params=seed, lora=jax.random.fold_in(jax.random.key(seed), 0x10A)))
 
 
 def split(model: Transformer) -> tuple[Any, nnx.State]:

@@ -154,6 +154,7 @@ import numpy as np
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import cleanup
+from vcpo_jax.model import lora
 from vcpo_jax.rollout.base import RolloutSource, SourceFailed
 from vcpo_jax.rollout.common import lag_stats
 from vcpo_jax.rollout.process import worker as worker_lib
@@ -331,6 +332,7 @@ class AsyncSource(RolloutSource):
     self._finalizer = None
     self._checksums: dict[int, int] = {}  # version -> checksum of what was written into the slot (recent ones)
     self._snap = jax.jit(lambda leaves: [_snapshot_leaf(x, self.publish_dtype) for x in leaves])
+    self._base: dict | None = None  # LoRA: the frozen base's host arrays, sent once with the worker's arguments
     # The background publisher (async_.background_publish): publish() hands it the newest snapshot and returns.
     self._cv = threading.Condition()
     self._todo = None  # (snapshot leaves, version) not yet taken by the thread; a newer one replaces it
@@ -367,8 +369,18 @@ class AsyncSource(RolloutSource):
       inflight=self.inflight,
       update_every_tokens=self.update_every_tokens,
       recompute_kv=self.recompute_kv,
+      base=self._base,
       **fields,
     )
+
+  def _travelling(self, params):
+    """What a publish moves: the trainable part of `params`. With LoRA that is the adapters only (the slot, its
+    checksum, every version); the frozen base (it never changes) goes to the sampler once, in its WorkerArgs."""
+    params, frozen = lora.split(params)
+    if frozen is not None and self._base is None:
+      names = worker_lib.param_names(frozen)
+      self._base = {n: np.asarray(x) for n, x in zip(names, jax.device_get(jax.tree.leaves(frozen)))}
+    return params
 
   def _start(self, arrays: dict, version: int):
     stale = cleanup.remove_stale()  # what runs killed with their whole process group left behind
@@ -461,6 +473,7 @@ class AsyncSource(RolloutSource):
     """
     t0 = time.perf_counter()
     version = int(version)
+    params = self._travelling(params)
     if self.proc is None:
       if self.eval_args is not None:
         names, leaves = worker_lib.param_names(params), jax.tree.leaves(params)
@@ -884,6 +897,7 @@ class AsyncSource(RolloutSource):
     t0 = time.perf_counter()
     if self._eval_outstanding is not None:
       self._wait_eval()
+    params = self._travelling(params)
     names = worker_lib.param_names(params)
     arrays = {n: np.asarray(a) for n, a in zip(names, jax.device_get(jax.tree.leaves(params)))}
     self._poll_publish()

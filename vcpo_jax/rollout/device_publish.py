@@ -227,6 +227,7 @@ class DeviceAsyncSource(async_.AsyncSource):
     runtime orders the donation after the copy's read)."""
     t0 = time.perf_counter()
     version = int(version)
+    params = self._travelling(params)  # LoRA: the adapters only (the base went once, in WorkerArgs)
     leaves = jax.tree.leaves(params)
     if any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.publish_dtype for x in leaves):
       leaves = self._snap(leaves)

@@ -10,6 +10,11 @@ copies, since the learner donates its own buffers), i.e. (k + 1) x the parameter
 bytes. `k = 0` keeps no copy: the batch of step t is sampled from the current
 parameters before the update that donates them. For k = 128 and a 1.5B-parameter fp32 model that is ~770 GB, which is
 why large-k stability studies use small models; `async` mode needs no copies.
+
+With LoRA adapters (model.lora_rank > 0) the ring keeps (k + 1) ADAPTER versions and one copy of the
+frozen base (taken at the first publish; the base never changes), and a version is the base with its
+adapters (`lora.combine`) when it samples: (k + 1) x the adapter bytes + 1 x the base. Its checkpointed
+state is the adapter versions only.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax.batch import Batch
+from vcpo_jax.model import lora
 from vcpo_jax.rollout.base import RolloutSource
 from vcpo_jax.rollout.common import RolloutMaker, lag_stats
 
@@ -27,12 +33,18 @@ class LagSource(RolloutSource):
     if k < 0:
       raise ValueError(f"lag.k={k} must be >= 0.")
     self.maker, self.k, self.key = maker, int(k), key
-    self.versions: dict[int, object] = {}  # version -> params (device copies)
+    self.versions: dict[int, object] = {}  # version -> params (device copies); with LoRA, the adapters only
+    self.base = None  # with LoRA: the frozen base (one copy for every version)
 
   def publish(self, params, version: int):
     """Registers the parameters after `version` updates; drops versions no longer needed."""
     # k > 0 samples with these parameters after later updates have donated (freed) the learner's
     # buffers, so it needs a copy; k = 0 samples before the next update and can hold a reference.
+    params, frozen = lora.split(params)
+    if frozen is not None and self.base is None:
+      self.base = jax.tree.map(jnp.copy, frozen) if self.k else frozen
+    elif frozen is not None and not self.k:
+      self.base = frozen  # k = 0 holds a reference: the current base (the update donates the previous one)
     self.versions[int(version)] = jax.tree.map(jnp.copy, params) if self.k else params
     oldest_needed = int(version) - self.k  # the next step (= version) samples with version - k
     for v in [v for v in self.versions if v < oldest_needed]:
@@ -45,7 +57,8 @@ class LagSource(RolloutSource):
         f"lag source: parameters of version {version} needed at step {step} were not "
         f"published (have {sorted(self.versions)})."
       )
-    batch, info = self.maker.make(self.versions[version], step, jax.random.fold_in(self.key, step), version)
+    params = lora.combine(self.versions[version], self.base)
+    batch, info = self.maker.make(params, step, jax.random.fold_in(self.key, step), version)
     info.update(lag_stats(step, batch["policy_version"]))
     return batch, info
 
@@ -57,7 +70,8 @@ class LagSource(RolloutSource):
 
   def state(self) -> tuple[list[int], list]:
     """(versions, params) to checkpoint: all kept versions but the newest, which is the learner's own
-    parameters (saved with the train state and re-published on resume), so k = 0 saves none."""
+    parameters (saved with the train state and re-published on resume), so k = 0 saves none. With LoRA the
+    params are the adapters (the base is the train state's, restored with it)."""
     vs = sorted(self.versions)[:-1]
     return vs, [self.versions[v] for v in vs]
 
@@ -66,3 +80,4 @@ class LagSource(RolloutSource):
 
   def close(self):
     self.versions.clear()
+    self.base = None

@@ -56,6 +56,7 @@ import numpy as np
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import distributed
+from vcpo_jax.model import lora
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.common import lag_stats
 
@@ -192,6 +193,8 @@ class MultiHostAsyncSource(async_.AsyncSource):
     host's sampler is kept for the next agreement instead of raised here, alone."""
     t0 = time.perf_counter()
     version = int(version)
+    if lora.has_adapters(params):
+      raise ValueError("model.lora_rank > 0 with a multi-host async run is not supported yet; set model.lora_rank=0.")
     snap = self._host_snap(jax.tree.leaves(params))
     if self.proc is None:
       self._start(self._host_arrays(snap, params), version)

@@ -178,6 +178,7 @@ class TransferAsyncSource(async_.AsyncSource):
     for the sampler (the pull is answered by the server thread)."""
     t0 = time.perf_counter()
     version = int(version)
+    params = self._travelling(params)  # LoRA: the adapters only (the base went once, in WorkerArgs)
     leaves = jax.tree.leaves(params)
     if self._snap1 is None:
       self._snap1 = self._snapshot_fn(leaves)

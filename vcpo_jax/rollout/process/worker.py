@@ -131,6 +131,9 @@ class WorkerArgs:
   # async_.publish_path='device' (rollout/device_publish.py: this loop in a thread of the learner's process):
   # the sampler's jax.Device objects. None: every device of this process.
   devices: tuple | None = None
+  # LoRA (model.lora_rank > 0): the frozen base's arrays {name: host array}, sent once; every published version
+  # (the slot, its checksum) is then the adapters only, applied unmerged on this base. None: no LoRA.
+  base: dict | None = None
 
 
 def param_names(params) -> tuple[str, ...]:
@@ -277,8 +280,11 @@ class _Worker:
     from vcpo_jax.rollout.common import RolloutMaker
     from vcpo_jax.sampler import Sampler, sampler_mesh
 
+    from vcpo_jax.model import lora  # with the sampler's imports: only the spawned process needs them here
+
     a = self.args
     graphdef, abstract = abstract_params(a.model_cfg)
+    abstract, frozen = lora.split(abstract)  # LoRA: versions carry the adapters, the base came in WorkerArgs
     names = param_names(abstract)
     if names != tuple(a.param_names):
       raise ValueError(
@@ -293,6 +299,7 @@ class _Worker:
     # Its own mesh over this process's devices (async_.sampler_devices); params in sampler.param_dtype.
     mesh = sampler_mesh(a.sampler_cfg, devices=list(a.devices) if a.devices else None)
     self.sampler = sampler = Sampler(graphdef, a.model_cfg, a.sampler_cfg, mesh=mesh)
+    self._base = None if frozen is None else self._prepare_base(frozen)
     rollout = a.rollout if a.prompt_block is None else host_rollout_config(a.rollout, a.prompt_block)
     if a.multiturn is None:
       self.maker = RolloutMaker(rollout, a.tokenizer, sampler, a.problems)
@@ -302,6 +309,26 @@ class _Worker:
       self.maker = MultiTurnRolloutMaker(rollout, a.multiturn, a.tokenizer, sampler, a.problems)
     if a.prompt_block is not None:
       self._split_prompts(a)
+
+  def _prepare_base(self, frozen):
+    """The frozen base on the sampler's mesh in its parameter dtype, once (LoRA); raises if it did not come."""
+    import jax
+    import jax.numpy as jnp
+
+    base = self.args.base
+    names = param_names(frozen)
+    if base is None or set(base) != set(names):
+      raise ValueError(
+        "async sampler: the model has LoRA adapters (model.lora_rank > 0) but the learner sent no matching frozen "
+        f"base ({0 if base is None else len(base)} arrays for {len(names)} base parameters)."
+      )
+    leaves = [jnp.asarray(base[n], dtype=x.dtype) for n, x in zip(names, jax.tree.leaves(frozen))]
+    return self.sampler.prepare_params(jax.tree.unflatten(jax.tree.structure(frozen), leaves))
+
+  def _with_base(self, params):
+    from vcpo_jax.model import lora  # the sampler process's own import (see _build)
+
+    return lora.combine(params, self._base)
 
   def _split_prompts(self, a: WorkerArgs):
     """Multi-host: this host's block of the single-host prompt stream, sampled as those rows of the whole batch
@@ -351,7 +378,9 @@ class _Worker:
     )
     leaves = [jnp.asarray(arrays[n], dtype=to(d)) for n, d in zip(self.args.param_names, self.dtypes)]
     # Once per version: cast to the sampler's parameter dtype (bf16 on accelerators) and placed on its mesh.
-    self._version, self._params = version, self.sampler.prepare_params(jax.tree.unflatten(self.treedef, leaves))
+    # LoRA: the adapters of this version on the base prepared once (applied unmerged by the model's forward).
+    prepared = self.sampler.prepare_params(jax.tree.unflatten(self.treedef, leaves))
+    self._version, self._params = version, self._with_base(prepared)
     self._used[int(version)] = self._checksum
 
   def _on_chunk(self, steps: int):
@@ -421,7 +450,7 @@ class _Worker:
     e = self.args.eval
     # The learner's own (float32) parameters: the eval decodes exactly what a synchronous eval of v would.
     leaves = [jnp.asarray(arrays[n], dtype=d) for n, d in zip(self.args.param_names, self.dtypes)]
-    params = jax.tree.unflatten(self.treedef, leaves)
+    params = self._with_base(jax.tree.unflatten(self.treedef, leaves))
     if self._eval_sampling is None:
       from vcpo_jax.sampler import Sampler, sampler_mesh
 
