@@ -274,7 +274,27 @@ def test_restart_settings_are_checked_in_config_parsing():
     run_config.parse_config(_tiny(**{"async_.restart_window_s": 0.0}))
   with pytest.raises(Exception, match=r"async_\.heartbeat_timeout_s.*-1.*seconds >= 0"):
     run_config.parse_config(_tiny(**{"async_.heartbeat_timeout_s": -1.0}))
-  # the device and transfer paths do not replace their sampler: the default budget is refused there
-  with pytest.raises(Exception, match=r"async_\.max_sampler_restarts=3.*needs async_\.publish_path='shm'"):
-    run_config.parse_config(_tiny(**{"async_.publish_path": "transfer"}))
-  run_config.parse_config(_tiny(**{"async_.publish_path": "transfer", "async_.max_sampler_restarts": 0}))
+  # the device and transfer paths do not replace their sampler: the default budget parses, and the source
+  # says at start-up that it does not apply (test_the_paths_that_cannot_replace_say_so_at_start_up)
+  run_config.parse_config(_tiny(**{"async_.publish_path": "transfer"}))
+
+
+def test_the_paths_that_cannot_replace_say_so_at_start_up(caplog):
+  import jax
+
+  from tests.test_async import _source
+  from vcpo_jax.rollout import device_publish, multihost, transfer_publish
+
+  for cls in (device_publish.DeviceAsyncSource, transfer_publish.TransferAsyncSource, multihost.MultiHostAsyncSource):
+    assert cls.replaceable is False and cls.not_replaceable_because, cls
+  device = {"async_.publish_path": "device", "async_.sampler_devices": "2,3"}
+  with caplog.at_level("WARNING"):
+    src, _ = _source(_tiny(**device), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
+    src.close()
+  assert any("max_sampler_restarts=3 does not apply here (publish_path='device'" in r.message for r in caplog.records)
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    over = dict(device, **{"async_.max_sampler_restarts": 0})
+    src, _ = _source(_tiny(**over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
+    src.close()
+  assert not any("does not apply here" in r.message for r in caplog.records)

@@ -247,13 +247,6 @@ class AsyncConfig:
       "'device' needs async_.sampler_devices (e.g. '2,3': the sampler's devices of this process).",
     )
     check_field(
-      self.publish_path == "shm" or self.max_sampler_restarts == 0,
-      "async_.max_sampler_restarts",
-      self.max_sampler_restarts,
-      f"replacing a failed sampler needs async_.publish_path='shm' (have {self.publish_path!r}: a failed sampler "
-      "ends the run); set async_.max_sampler_restarts=0.",
-    )
-    check_field(
       self.publish_buffers in (0, 1, 2),
       "async_.publish_buffers",
       self.publish_buffers,

@@ -95,8 +95,8 @@ newest version written) that starts at the first step not covered; async/sampler
 counts the replacements in every row. Past `async_.max_sampler_restarts` replacements
 within `async_.restart_window_s` (and on the device, transfer and multi-host paths, which
 do not replace: a sampler thread cannot be killed, the transfer path's server and pulls would
-have to be rebuilt, several hosts would have to agree on it; run_spec refuses
-max_sampler_restarts > 0 with the device and transfer paths, multi-host warns) a dead worker raises
+have to be rebuilt, several hosts would have to agree on it; a warning at start-up says the budget
+does not apply there) a dead worker raises
 `SamplerDiedError` naming the exit code or signal and the worker's traceback
 within a fraction of a second (the trainer checkpoints, then exits 1), and no batch within `async_.timeout_s`
 (the first batch, which includes the worker's start-up and compilation:
@@ -348,6 +348,13 @@ class AsyncSource(RolloutSource):
     self._evals: collections.deque = collections.deque()  # records received, not handed over yet
     self._eval_outstanding: int | None = None  # the version requested and not yet returned
     self.eval_request_s: list[float] = []  # learner-side time inside request_eval(), per call
+    if not self.replaceable and int(cfg.max_sampler_restarts) > 0 and jax.process_index() == 0:
+      log.warning(
+        "async: async_.max_sampler_restarts=%d does not apply here (%s): a failed sampler ends the run "
+        "(checkpoint, exit 1); set it 0 to silence this.",
+        int(cfg.max_sampler_restarts),
+        self.not_replaceable_because,
+      )
 
   # ------------------------------------------------------------------ learner side
 
@@ -705,6 +712,7 @@ class AsyncSource(RolloutSource):
   # -- replacing a failed sampler
 
   replaceable = True  # subclasses whose sampler is not a process of this class's shm channels: False
+  not_replaceable_because = ""  # with replaceable = False: why, for the start-up warning
 
   def _replace_if_dead(self):
     """publish() of a dead sampler: replace it (within the restart budget) or raise SamplerDiedError; a hung

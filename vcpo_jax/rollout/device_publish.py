@@ -203,8 +203,11 @@ class DeviceAsyncSource(async_.AsyncSource):
   """AsyncSource whose sampler is a thread on async_.sampler_devices of this process; publish() is a
   device-to-device `jax.device_put` (see the module docstring). Same arguments as AsyncSource."""
 
-  # A failed sampler ends the run; run_spec refuses async_.max_sampler_restarts > 0 on this path.
+  # A failed sampler ends the run (the start-up warning says so when async_.max_sampler_restarts > 0).
   replaceable = False
+  not_replaceable_because = (
+    "publish_path='device': the sampler is a thread of this process, which cannot be killed and restarted"
+  )
 
   def __init__(self, cfg, *a, **kw):
     check_device_path(cfg, jax.process_count(), jax.device_count())

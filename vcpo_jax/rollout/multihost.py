@@ -147,6 +147,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
   # Not replaced on several hosts: a failed (dead or silent) sampler is this host's failure at the next
   # agreement, and every host stops together (checkpoint, exit 1), whatever async_.max_sampler_restarts says.
   replaceable = False
+  not_replaceable_because = "several hosts would have to agree on a replacement (not supported yet)"
 
   def __init__(self, cfg, key, model_cfg, graphdef, tokenizer, maker, *, k, steps, workdir=None, interrupt=None):
     super().__init__(
@@ -171,12 +172,6 @@ class MultiHostAsyncSource(async_.AsyncSource):
     self._gather = None  # jit: cast + reshard to host-complete arrays, built at the first publish
     self._snap = self._host_snap  # replaces AsyncSource's snapshot (same cast, plus the gather)
     self._deferred: Exception | None = None  # a sampler failure seen at publish(), reported at the next step
-    if int(cfg.max_sampler_restarts) > 0 and self.host == 0:
-      log.warning(
-        "async: async_.max_sampler_restarts=%d does not apply on several hosts (not supported yet): a failed "
-        "sampler on any host stops every host (checkpoint, exit 1); set it 0 to silence this.",
-        int(cfg.max_sampler_restarts),
-      )
 
   # -- weights
 

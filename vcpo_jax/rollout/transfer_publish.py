@@ -152,8 +152,11 @@ class TransferAsyncSource(async_.AsyncSource):
   """AsyncSource whose spawned sampler pulls each version it takes from this process's devices with
   `jax.experimental.transfer` (see the module docstring). Same arguments as AsyncSource."""
 
-  # A failed sampler ends the run; run_spec refuses async_.max_sampler_restarts > 0 on this path.
+  # A failed sampler ends the run (the start-up warning says so when async_.max_sampler_restarts > 0).
   replaceable = False
+  not_replaceable_because = (
+    "publish_path='transfer': its transfer server and pulls would have to be rebuilt; use publish_path='shm'"
+  )
 
   def __init__(self, cfg, *a, **kw):
     check_transfer_path(cfg, jax.process_count())
