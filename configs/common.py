@@ -16,11 +16,13 @@ import ml_collections
 
 from vcpo_jax import estimator, schema
 from vcpo_jax.model import config as model_config
-from vcpo_jax.run_spec import VCPO_COMMENTS, RunConfig
+from vcpo_jax.rl.surrogate import PGConfig
+from vcpo_jax.run_spec import RunConfig
 
 __all__ = ["VCPO_COMMENTS", "field_comments", "get_base_config", "help_text", "leaves", "vcpo_comments"]
 
 leaves = schema.leaves
+VCPO_COMMENTS = schema.field_comment_lines(PGConfig)  # the comment on each PGConfig field's line
 
 # Fields chosen by name from an estimator registry: --config_help lists the registry's current names.
 VCPO_CHOICES = {
@@ -41,8 +43,8 @@ def get_base_config() -> ml_collections.ConfigDict:
 
 
 def vcpo_comments() -> dict[str, str]:
-  """{PGConfig field: one-line comment}: VCPO_COMMENTS, else the comment on the field's line in PGConfig,
-  followed by the registry's names for a field chosen by name (VCPO_CHOICES)."""
+  """{PGConfig field: one-line comment}: the comment on its line in PGConfig, followed by the registry's names
+  for a field chosen by name (VCPO_CHOICES)."""
   out = {}
   for name, text in schema.comments(RunConfig).items():
     if name.startswith("vcpo."):

@@ -14,6 +14,7 @@ model needed). `check_override_paths` names the closest field for an unknown `--
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
@@ -42,24 +43,28 @@ def _pg_config(run: RunConfig) -> estimator.PGConfig:
     ) from None
 
 
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
+_LEARNER_FIELDS = {f.name for f in dataclasses.fields(LearnerConfig)}
+
+
 def _model_config(m, need_pos: int) -> model_config.ModelConfig:
   fix = f"choose one of {sorted(model_config.PRESETS)}."
   check_field(m.preset in model_config.PRESETS, "model.preset", m.preset, fix)
   with config_errors("model", model_config.ModelConfig):
     base = model_config.PRESETS[m.preset](dtype=m.dtype)
-  overrides = {}
+  # Every model.* field ModelConfig has overrides the preset (the sizes only where set); dtype etc. apply to
+  # checkpoints too (how the model is computed).
+  overrides = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name in _MODEL_FIELDS}
   for f in ("hidden_size", "num_layers", "intermediate_size"):
-    v = getattr(m, f)
-    if v is not None:
-      check_field(v >= 1, f"model.{f}", v, "must be >= 1 (or None for the preset's value).")
-      overrides[f] = v
+    if overrides[f] is None:
+      del overrides[f]
+    else:
+      check_field(overrides[f] >= 1, f"model.{f}", overrides[f], "must be >= 1 (or None for the preset's value).")
   h = overrides.get("hidden_size")
   if h is not None and not m.checkpoint:  # Qwen2 / Llama: width = heads x head_dim: it splits over the heads
     n = base.num_heads
     fix = f"must be a multiple of the {m.preset} preset's num_heads={n}, e.g. {-(-h // n) * n}."
     check_field(h % n == 0, "model.hidden_size", h, fix)
-  for f in model_config.EXECUTION_FIELDS:  # how the model is computed: applies to checkpoints too
-    overrides[f] = getattr(m, f)
   with config_errors("model", model_config.ModelConfig):
     cfg = base.replace(**overrides)
   if cfg.max_position < need_pos and not m.checkpoint:
@@ -137,19 +142,12 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
   model_cfg = _model_config(
     run.model, t.max_prompt_len + t.max_new_tokens + (multiturn.max_turn_tokens if multiturn else 0)
   )
-  lr = run.learner
+  # Every learner.* field LearnerConfig has, with the batch layout its micro-batch checks need.
+  learner_kw = {f.name: getattr(run.learner, f.name) for f in dataclasses.fields(run.learner)}
+  learner_kw = {k: v for k, v in learner_kw.items() if k in _LEARNER_FIELDS}
+  learner_kw["microbatch_size"] = run.learner.microbatch_size or None
   with config_errors("learner", LearnerConfig):
-    learner_cfg = LearnerConfig(
-      pg=pg,
-      grad_path=lr.grad_path,
-      ghost_passes=lr.ghost_passes,
-      one_pass_budget_gib=lr.one_pass_budget_gib,
-      microbatch_size=lr.microbatch_size or None,
-      ppo_epochs=lr.ppo_epochs,
-      minibatches=lr.minibatches,
-      group_size=rollout.group_size,
-      batch_size=rollout.batch_size,
-    )
+    learner_cfg = LearnerConfig(pg=pg, group_size=rollout.group_size, batch_size=rollout.batch_size, **learner_kw)
   spec = RunSpec(run, rollout, model_cfg, learner_cfg, _eval_protocol(run), multiturn, **_tasks(run))
   if check_prompts:
     check_prompt_lengths(spec)

@@ -146,35 +146,6 @@ class SFTSection:
   cache_dir: str = ""  # where warm starts are cached ("" = ~/.cache/vcpo_jax/sft)
 
 
-# One line per PGConfig field for --config_help; a field missing here falls back to the comment on its line in
-# PGConfig (tests/test_configs.py fails if neither exists); configs/common.vcpo_comments adds the registry names.
-VCPO_COMMENTS = {
-  "advantage": "base estimator",
-  "is_variant": "importance-weight variant",
-  "tis_c": "upper truncation c (8 in released runs)",
-  "clip_lower": '"clip": lower end a of the interval [a, b]',
-  "clip_upper": '"clip": upper end b',
-  "mask_lower": '"mask": weights below this are masked (weight 0)',
-  "mask_upper": '"mask": weights above this are masked',
-  "token_tis_c": '"token_tis": per-token truncation level',
-  "geo_lower": '"geo_mask": rows whose exp(l / L) is below this are masked',
-  "geo_upper": '"geo_mask": rows whose exp(l / L) is above this are masked',
-  "log_ratio_clamp": "c of the applied weights exp(clamp(l, -c, c))",
-  "loss_agg": "loss aggregation",
-  "opob": "off-policy optimal baseline on/off",
-  "opob_weights": "OPOB weights: unclipped (paper) or applied",
-  "opob_leave_one_out": "unbiased leave-one-out baseline",
-  "opob_scope": "OPOB over a prompt's group (raw rewards) or the minibatch (advantages)",
-  "length_normalize_norms": "OPOB weights use ||s_i||^2 / L_i^2 (token-mean score)",
-  "reference_mode": "reproduce the reference's two inconsistencies",
-  "std": 'group std of "grpo"',
-  "std_eps": "groups with std <= std_eps contribute nothing",
-  "ess_lr": "ESS-scaled learning rate on/off",
-  "ess_rule": "ESS learning-rate rule",
-  "rho_on": "on-policy reference ESS ratio",
-}
-
-
 # ----------------------------------------------------------------------------- the run's config tree
 
 
@@ -189,7 +160,7 @@ class RunConfig:
   task: TaskSection = section(TaskSection)
   model: ModelSection = section(ModelSection)
   sampler: SamplingConfig = section(SamplingConfig)
-  vcpo: dict = overrides(PGConfig, VCPO_COMMENTS)  # one None placeholder (= the preset's value) per PGConfig field
+  vcpo: dict = overrides(PGConfig)  # one None placeholder (= the preset's value) per PGConfig field
   optim: OptimConfig = section(OptimConfig)
   learner: LearnerSection = section(LearnerSection)
   lag: LagSection = section(LagSection)
@@ -379,47 +350,16 @@ class RunSpec:
 
 # Flat read-only views of RunConfig (read by the trainer, tests and scripts): RunSpec.NAME = config.PATH.
 _VIEWS = dict(
-  seed="seed",
-  steps="steps",
-  mode="mode",
-  method="method",
-  k="lag.k",
-  task_template="task.template",
-  task_gen="task.gen",
-  task_data_path="task.data_path",
-  eval_data_path="eval.data_path",
-  model_checkpoint="model.checkpoint",
-  tokenizer_dir="model.tokenizer",
-  sampling="sampler",
-  optim="optim",
-  on_nonfinite="learner.on_nonfinite",
-  eval_every="eval.every",
-  eval_background="eval.background",
-  checkpoint="checkpoint",
-  sft_steps="sft.steps",
-  sft_lr="sft.lr",
-  sft_batch_size="sft.batch_size",
-  sft_cache_dir="sft.cache_dir",
-  sft_noise="sft.noise",
-  mesh_shape="mesh.shape",
-  dist="distributed",
-  async_="async_",
-  log="log",
-  temperature="sampler.temperature",
-  top_p="sampler.top_p",
-  top_k="sampler.top_k",
-  lr="optim.lr",
-  weight_decay="optim.weight_decay",
-  clip_norm="optim.clip_norm",
-  b1="optim.b1",
-  b2="optim.b2",
-  schedule="optim.schedule",
-  checkpoint_every="checkpoint.every",
-  keep_last="checkpoint.keep_last",
-  keep_best="checkpoint.keep_best",
-  progress="log.progress",
-  plots="log.plots",
-  norm_overhead_every="log.norm_overhead_every",
+  v.split("=")
+  for v in """seed=seed steps=steps mode=mode method=method k=lag.k task_template=task.template task_gen=task.gen
+  task_data_path=task.data_path eval_data_path=eval.data_path model_checkpoint=model.checkpoint
+  tokenizer_dir=model.tokenizer sampling=sampler optim=optim on_nonfinite=learner.on_nonfinite eval_every=eval.every
+  eval_background=eval.background checkpoint=checkpoint sft_steps=sft.steps sft_lr=sft.lr sft_batch_size=sft.batch_size
+  sft_cache_dir=sft.cache_dir sft_noise=sft.noise mesh_shape=mesh.shape dist=distributed async_=async_ log=log
+  temperature=sampler.temperature top_p=sampler.top_p top_k=sampler.top_k lr=optim.lr weight_decay=optim.weight_decay
+  clip_norm=optim.clip_norm b1=optim.b1 b2=optim.b2 schedule=optim.schedule checkpoint_every=checkpoint.every
+  keep_last=checkpoint.keep_last keep_best=checkpoint.keep_best progress=log.progress plots=log.plots
+  norm_overhead_every=log.norm_overhead_every""".split()
 )
 
 

@@ -86,9 +86,9 @@ def section(cls):
   return dataclasses.field(default_factory=cls)
 
 
-def overrides(cls, comments: dict[str, str] | None = None):
+def overrides(cls):
   """A section of one None placeholder per field of `cls` (typed like it): None = keep the base value."""
-  return dataclasses.field(default_factory=dict, metadata={"overrides": cls, "comments": comments or {}})
+  return dataclasses.field(default_factory=dict, metadata={"overrides": cls})
 
 
 def _config_fields(cls):
@@ -183,8 +183,7 @@ def comments(cls, prefix: str = "") -> dict[str, str]:
   for f in _config_fields(cls):
     t = hints[f.name]
     if "overrides" in f.metadata:
-      cls_comments = {**field_comment_lines(f.metadata["overrides"]), **f.metadata["comments"]}
-      out.update({f"{prefix}{f.name}.{k}": v for k, v in cls_comments.items()})
+      out.update({f"{prefix}{f.name}.{k}": v for k, v in field_comment_lines(f.metadata["overrides"]).items()})
     elif dataclasses.is_dataclass(t):
       out.update(comments(t, f"{prefix}{f.name}."))
     if f.name in own:

@@ -264,9 +264,9 @@ class AsyncConfig:
   inflight_updates: bool = False  # switch to newer params between decode chunks; per-token versions
   update_every_tokens: int = 16  # in-flight: check the parameter slot every this many decode steps
   recompute_kv: bool = False  # in-flight: recompute the KV cache under the new params (False: keep it)
+  peer_lost_s: float = 30.0  # multi-host: a learner process silent (no heartbeat) this long is lost; the others exit
   max_sampler_restarts: int = 3  # a dead sampler, or one with no batch in timeout_s, is replaced this often
   restart_window_s: float = 3600.0  # ... per this many seconds; one more failure checkpoints and exits 1
-  peer_lost_s: float = 30.0  # multi-host: a learner process silent (no heartbeat) this long is lost; the others exit
 
   def __post_init__(self):
     check_field(
