@@ -8,10 +8,21 @@ or, where the component has none, written here. Each field is `name: type = defa
 configs/common.py's ConfigDict is generated from this tree (schema.to_config_dict) and built back by
 schema.from_config_dict, so every default is written once (tests/test_schema.py checks it).
 
-To add a knob, add that one line to its section's dataclass (and its check to that `__post_init__`);
-it is then a `--config.section.name=` flag, listed by `--config_help` and in every run's fingerprint. A
-field whose non-default value changes training joins experiments/stability.LATER_FIELDS at its default
-(the committed ledger's fingerprints stay valid). A new section is one dataclass plus one RunConfig field.
+Adding a knob is one line, `name: type = default  # --config_help text`, plus its check in that class's
+`__post_init__`; it is then `--config.SECTION.name=`, listed by `--config_help`, in every run's fingerprint:
+  - a section that is a component's config (optim, sampler, async_, checkpoint, log, mesh, distributed,
+    task.multiturn): the line goes into that dataclass, which is all;
+  - vcpo.*: a new PGConfig field is a vcpo.* override by itself (overrides(PGConfig)); a preset is one
+    Method line in rl/method.py PRESETS;
+  - model.* / learner.*: the field goes into ModelConfig / LearnerConfig (the component) and a line pointing
+    at its default into ModelSection / LearnerSection (`lora_rank: int = ModelConfig.lora_rank  # ...`):
+    parse_config passes every field of the section that the component has, by name;
+  - task.*, eval.*, sft.*, lag.*, top level: the line goes into the section below (its value reaches the
+    component where run_config / RunConfig.sft_config build it).
+Every new field also joins experiments/stability.LATER_FIELDS at the value that gives the old behaviour: the
+study's run fingerprint hashes the whole run config, and at that value the field is left out of it, so the
+committed ledger stays valid (tests/test_stability.py fails otherwise). A new section is one dataclass plus
+one RunConfig field `name: Cls = section(Cls)`.
 
 RunConfig.__post_init__ holds the checks across sections; RunSpec adds what is built from the tree (the
 method's PGConfig, the model's config, the tasks, the evaluation protocol) and the checks that need those.
