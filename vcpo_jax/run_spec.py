@@ -1,12 +1,14 @@
 """The run's config: RunConfig, the tree of the components' own frozen configs, and RunSpec, what it builds.
 
-RunConfig is the schema of `--config`. Each section is a frozen dataclass: the component's own config where
-it has one (optim.OptimConfig, sampler.SamplingConfig, rollout.async_.AsyncConfig, checkpoint.
-CheckpointConfig, metrics.LogConfig, mesh.MeshConfig, mesh.DistributedConfig, rollout.multiturn.
-MultiTurnConfig), else a section below whose defaults are the component's own (`EvalProtocol.temperature`)
-or, where the component has none, written here. Each field is `name: type = default  # --config_help text`:
-configs/common.py's ConfigDict is generated from this tree (schema.to_config_dict) and built back by
-schema.from_config_dict, so every default is written once (tests/test_schema.py checks it).
+RunConfig is the schema of `--config`. Each section is a frozen dataclass owned by its component: its own
+config where that is what the section holds (optim.OptimConfig, sampler.SamplingConfig, rollout.async_.
+AsyncConfig, checkpoint.CheckpointConfig, metrics.LogConfig, mesh.MeshConfig, mesh.DistributedConfig), else a
+section class beside it whose defaults point at the component's where it has one (model.config.ModelSection:
+`dtype: str = ModelConfig.dtype`; learner.LearnerSection, evaluation.EvalSection, sft.SFTSection,
+rollout.multiturn.MultiTurnSection); TaskSection and LagSection, which no single component owns, are below.
+Each field is `name: type = default  # --config_help text`: configs/common.py's ConfigDict is generated from
+this tree (schema.to_config_dict) and built back by schema.from_config_dict, so every default is written
+once (tests/test_schema.py checks it).
 
 Adding a knob is one line, `name: type = default  # --config_help text`, plus its check in that class's
 `__post_init__`; it is then `--config.SECTION.name=`, listed by `--config_help`, in every run's fingerprint:
@@ -17,7 +19,7 @@ Adding a knob is one line, `name: type = default  # --config_help text`, plus it
   - model.* / learner.*: the field goes into ModelConfig / LearnerConfig (the component) and a line pointing
     at its default into ModelSection / LearnerSection (`lora_rank: int = ModelConfig.lora_rank  # ...`):
     parse_config passes every field of the section that the component has, by name;
-  - task.*, eval.*, sft.*, lag.*, top level: the line goes into the section below (its value reaches the
+  - task.*, eval.*, sft.*, lag.*, top level: the line goes into that section class (its value reaches the
     component where run_config / RunConfig.sft_config build it).
 Every new field also joins experiments/stability.LATER_FIELDS at the value that gives the old behaviour: the
 study's run fingerprint hashes the whole run config, and at that value the field is left out of it, so the
@@ -38,16 +40,16 @@ import os
 from vcpo_jax import sft, tasks
 from vcpo_jax.checkpoint import CheckpointConfig
 from vcpo_jax.estimator import PGConfig
-from vcpo_jax.evaluation import EvalProtocol
-from vcpo_jax.learner import LearnerConfig
+from vcpo_jax.evaluation import EvalProtocol, EvalSection
+from vcpo_jax.learner import LearnerConfig, LearnerSection
 from vcpo_jax.mesh import DistributedConfig, MeshConfig
 from vcpo_jax.metrics import LogConfig
-from vcpo_jax.model.config import ModelConfig
+from vcpo_jax.model.config import ModelConfig, ModelSection
 from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.optim import OptimConfig
 from vcpo_jax.rollout.async_ import AsyncConfig
 from vcpo_jax.rollout.common import RolloutConfig
-from vcpo_jax.rollout.multiturn import MultiTurnConfig
+from vcpo_jax.rollout.multiturn import MultiTurnConfig, MultiTurnSection
 from vcpo_jax.sampler import SamplingConfig
 from vcpo_jax.schema import ConfigError, check_field, config_errors, overrides, section
 
@@ -58,21 +60,6 @@ MAX_LAG = 1024
 MAX_SEED = 2**32 - 1  # numpy's and JAX's seeds are unsigned 32-bit
 
 # ----------------------------------------------------------------------------- sections without a component
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnSection(MultiTurnConfig):
-  """config.task.multiturn: tool-use episodes (vcpo_jax/rollout/multiturn.py), checked when enabled."""
-
-  enabled: bool = False  # True: rollouts are multi-turn tool-use episodes (code runs in the sandbox)
-
-  def __post_init__(self):
-    if self.enabled:
-      super().__post_init__()
-
-  def config(self) -> MultiTurnConfig | None:
-    names = [f.name for f in dataclasses.fields(MultiTurnConfig)]
-    return MultiTurnConfig(**{n: getattr(self, n) for n in names}) if self.enabled else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,70 +78,12 @@ class TaskSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSection:
-  checkpoint: str = ""  # local Hugging Face directory ("" = random init of model.preset)
-  preset: str = "tiny_qwen2"  # vcpo_jax.model.config.PRESETS name when no checkpoint
-  hidden_size: int | None = None  # preset overrides (None = preset value)
-  num_layers: int | None = None  # transformer blocks (None = preset value)
-  intermediate_size: int | None = None  # SwiGLU width (None = preset value)
-  dtype: str = ModelConfig.dtype  # compute dtype: float32 | bfloat16
-  attention: str = ModelConfig.attention  # kernel: dense (reference) | xla | chunked (no [B,H,T,T]) | cudnn | splash
-  attention_chunk: int = ModelConfig.attention_chunk  # query chunk of "chunked", key block of the cached decode
-  remat: str = ModelConfig.remat  # per-block rematerialization: none | block | a jax.checkpoint_policies name
-  logprob_chunk: int = ModelConfig.logprob_chunk  # positions per chunk of the log-prob head (0 = [N, T, V] logits)
-  logprob_vocab_chunk: int = ModelConfig.logprob_vocab_chunk  # vocabulary entries per head chunk (0 = all)
-  tokenizer: str = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnerSection:
-  grad_path: str = LearnerConfig.grad_path  # ghost (fast exact norms) | vmap (reference path)
-  # ghost backward passes: 1 (all layers' (A, D) kept) | 2 (norms block by block, long T) | "auto" (by memory)
-  ghost_passes: int | str = LearnerConfig.ghost_passes  # int 1 | 2, or the str "auto"
-  one_pass_budget_gib: float = LearnerConfig.one_pass_budget_gib  # "auto": per-device GiB one pass may keep
-  microbatch_size: int = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
-  ppo_epochs: int = LearnerConfig.ppo_epochs  # passes over each batch per step (policy-loss methods only)
-  minibatches: int = LearnerConfig.minibatches  # updates per pass, each on whole groups; pi_old once per step
-  on_nonfinite: str = "skip"  # skip the update and log | abort with the step range
-
-  def __post_init__(self):
-    ok = self.on_nonfinite in ("skip", "abort")
-    check_field(ok, "learner.on_nonfinite", self.on_nonfinite, "choose 'skip' or 'abort'.")
-
-
-@dataclasses.dataclass(frozen=True)
 class LagSection:
   k: int = 0  # staleness in learner steps (lag and async modes)
 
   def __post_init__(self):
     check_field(self.k >= 0, "lag.k", self.k, "staleness must be >= 0.")
     check_field(self.k <= MAX_LAG, "lag.k", self.k, f"must be <= {MAX_LAG}; lag mode keeps k + 1 parameter copies.")
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSection:
-  dataset: str = ""  # held-out data set name ("" = the training task), e.g. math500 or aime
-  data_path: str = ""  # its local parquet/jsonl ("" = the shipped fixture / the task's own file)
-  every: int = 0  # evaluate every this many steps (0 = only at start and end)
-  num_problems: int = 64  # evaluation set size (held-out split)
-  temperature: float = EvalProtocol.temperature  # reference validation protocol
-  top_p: float = EvalProtocol.top_p  # reference validation nucleus
-  n: int = 3  # samples per problem (5 for AIME)
-  greedy: bool = EvalProtocol.greedy  # argmax decoding instead (then n = 1)
-  pass_at_k: tuple = EvalProtocol.pass_at_k  # pass@k list
-  background: bool = False  # mode=async: the sampler process evaluates, tagged with the version; no learner stop
-
-  def __post_init__(self):
-    check_field(self.every >= 0, "eval.every", self.every, "must be >= 0 (0 = at the start and end only).")
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTSection:
-  steps: int = 0  # supervised warm start on solver solutions (0 = off); cached per config
-  lr: float = 3e-3  # warm-start AdamW peak rate (warmup-cosine)
-  batch_size: int = 64  # warm-start examples per step
-  noise: float = 0.0  # fraction of warm-start targets replaced by a well-formed wrong answer (a noisy demonstrator)
-  cache_dir: str = ""  # where warm starts are cached ("" = ~/.cache/vcpo_jax/sft)
 
 
 # ----------------------------------------------------------------------------- the run's config tree
@@ -178,7 +107,7 @@ class RunConfig:
   async_: AsyncConfig = section(AsyncConfig)
   eval: EvalSection = section(EvalSection)
   checkpoint: CheckpointConfig = section(CheckpointConfig)
-  sft: SFTSection = section(SFTSection)
+  sft: sft.SFTSection = section(sft.SFTSection)
   mesh: MeshConfig = section(MeshConfig)
   distributed: DistributedConfig = section(DistributedConfig)
   log: LogConfig = section(LogConfig)

@@ -121,6 +121,17 @@ class SFTConfig:
 # ----------------------------------------------------------------------------- examples
 
 
+@dataclasses.dataclass(frozen=True)
+class SFTSection:
+  """config.sft: the warm start's own knobs (RunConfig.sft_config adds the data setting it depends on)."""
+
+  steps: int = 0  # supervised warm start on solver solutions (0 = off); cached per config
+  lr: float = 3e-3  # warm-start AdamW peak rate (warmup-cosine)
+  batch_size: int = 64  # warm-start examples per step
+  noise: float = 0.0  # fraction of warm-start targets replaced by a well-formed wrong answer (a noisy demonstrator)
+  cache_dir: str = ""  # where warm starts are cached ("" = ~/.cache/vcpo_jax/sft)
+
+
 def target_text(problem: tasks.Problem) -> str:
   """The response the policy is trained to write for `problem` (without EOS); see module docstring."""
   if problem.solution is None:

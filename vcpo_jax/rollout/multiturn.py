@@ -84,6 +84,21 @@ class MultiTurnConfig:
         raise ValueError(f"task.multiturn.{f} must be a non-empty tag string.")
 
 
+@dataclasses.dataclass(frozen=True)
+class MultiTurnSection(MultiTurnConfig):
+  """config.task.multiturn: tool-use episodes (vcpo_jax/rollout/multiturn.py), checked when enabled."""
+
+  enabled: bool = False  # True: rollouts are multi-turn tool-use episodes (code runs in the sandbox)
+
+  def __post_init__(self):
+    if self.enabled:
+      super().__post_init__()
+
+  def config(self) -> MultiTurnConfig | None:
+    names = [f.name for f in dataclasses.fields(MultiTurnConfig)]
+    return MultiTurnConfig(**{n: getattr(self, n) for n in names}) if self.enabled else None
+
+
 def sampler_config(base: SamplerConfig, rollout: RolloutConfig, mt: MultiTurnConfig) -> SamplerConfig:
   """The training SamplerConfig with the buckets multi-turn contexts need (see module docstring).
 
