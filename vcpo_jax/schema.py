@@ -8,10 +8,10 @@ A config section is a frozen dataclass whose fields are its knobs, each written 
 
 The field's type and default make the ConfigDict entry (`to_config_dict`), the comment on its line is its
 `--config_help` text (`comments`), `__post_init__` checks it. A field that is another dataclass is a
-sub-section (`section(Cls)`); a `dict` field an open sub-dict (task.gen); `int | None = None` a typed placeholder (None =
-"the preset's value"); a union of two types (`int | str`) takes either; `overrides(Cls)` is a section of
-one None placeholder per field of Cls (config.vcpo over the method preset's PGConfig); metadata
-{"config": False} keeps a field out of the ConfigDict. `from_config_dict` builds the tree back and names
+sub-section (`section(Cls)`); a `dict` field an open sub-dict (task.gen); `int | None = None` a typed
+placeholder (None = "the preset's value"); a union of two types (`int | str`) takes either; `overrides(Cls)`
+is a section of one None placeholder per field of Cls (config.vcpo over the method preset's PGConfig);
+metadata {"config": False} keeps a field out of the ConfigDict. `from_config_dict` builds the tree back and names
 the config field in every error (`config_errors`). This module imports no vcpo_jax module.
 """
 
@@ -126,6 +126,7 @@ def to_config_dict(cls) -> ml_collections.ConfigDict:
 
 
 def to_overrides(cls) -> ml_collections.ConfigDict:
+  """One None placeholder per field of dataclass `cls`, typed like the field."""
   hints, v = typing.get_type_hints(cls), ml_collections.ConfigDict()
   for f in dataclasses.fields(cls):
     v[f.name] = config_dict.placeholder(_types(hints[f.name])[0])
