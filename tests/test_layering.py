@@ -24,6 +24,7 @@ PKG = ROOT / "vcpo_jax"
 LAYERS: tuple[tuple[str, ...], ...] = (
   # foundations: no vcpo_jax imports
   ("vcpo_jax", "vcpo_jax.fs", "vcpo_jax.cleanup", "vcpo_jax.fingerprint", "vcpo_jax.provenance", "vcpo_jax.batch"),
+  ("vcpo_jax.schema",),  # dataclass configs <-> ConfigDict, the one-line ConfigError
   ("vcpo_jax.sharding",),  # axes, rules, constrain / tie, MeshJit
   ("vcpo_jax.mesh",),  # devices -> Mesh, learner / sampler split, distributed init, global batch
   ("vcpo_jax.distributed",),  # the multi-host per-step agreement
@@ -60,7 +61,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("vcpo_jax.rollout.transfer_publish",),
   ("vcpo_jax.rollout.source",),
   ("vcpo_jax.rollout",),
-  ("vcpo_jax.run_spec", "vcpo_jax.config"),
+  ("vcpo_jax.run_spec",),  # the run's config tree (RunConfig) and what it builds (RunSpec)
   ("vcpo_jax.run_config",),
   ("vcpo_jax.export",),
   ("vcpo_jax.trainer",),

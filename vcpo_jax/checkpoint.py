@@ -17,6 +17,7 @@ read shard by shard into its target sharding, never whole on the host first.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -25,6 +26,23 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
 
 from vcpo_jax import fs
+from vcpo_jax.schema import check_field
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """When checkpoints are written and which are kept (config.checkpoint)."""
+
+  every: int = 50  # save every this many steps (and at the end / on SIGTERM)
+  keep_last: int = 2  # newest checkpoints kept (plus keep_best)
+  keep_best: int = 1  # ranked by eval accuracy
+
+  def __post_init__(self):
+    check_field(self.every >= 1, "checkpoint.every", self.every, "must be >= 1 (steps between saves).")
+    check_field(
+      self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "must be >= 1 (resuming needs the newest)."
+    )
+    check_field(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "must be >= 0 (0 = keep no best).")
 
 
 def _to_saveable(x):

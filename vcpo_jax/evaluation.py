@@ -33,6 +33,7 @@ import numpy as np
 from vcpo_jax import fs
 from vcpo_jax import tasks as tasks_lib
 from vcpo_jax.model.tokenizer import encode_prompts
+from vcpo_jax.schema import check_field
 from vcpo_jax.tasks import answers
 from vcpo_jax.tasks.datasets import Problem
 
@@ -139,6 +140,27 @@ class EvalProtocol:
 # Generation
 # ----------------------------------------------------------------------------
 # episodes(sampler, params, contexts [N][token ids], max_new_tokens, rng) -> N final texts (multi-turn)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+  """config.eval: what is evaluated and when; parse_config builds the EvalProtocol from it."""
+
+  dataset: str = ""  # held-out data set name ("" = the training task), e.g. math500 or aime
+  data_path: str = ""  # its local parquet/jsonl ("" = the shipped fixture / the task's own file)
+  every: int = 0  # evaluate every this many steps (0 = only at start and end)
+  num_problems: int = 64  # evaluation set size (held-out split)
+  temperature: float = EvalProtocol.temperature  # reference validation protocol
+  top_p: float = EvalProtocol.top_p  # reference validation nucleus
+  n: int = 3  # samples per problem (5 for AIME)
+  greedy: bool = EvalProtocol.greedy  # argmax decoding instead (then n = 1)
+  pass_at_k: tuple = EvalProtocol.pass_at_k  # pass@k list
+  background: bool = False  # mode=async: the sampler process evaluates, tagged with the version; no learner stop
+
+  def __post_init__(self):
+    check_field(self.every >= 0, "eval.every", self.every, "must be >= 0 (0 = at the start and end only).")
+
+
 EpisodesFn = Callable[..., list]
 
 

@@ -63,6 +63,7 @@ from vcpo_jax import estimator, grad_norms, sharding, telemetry
 from vcpo_jax import score_centering as sc_lib
 from vcpo_jax.model import lora, transformer
 from vcpo_jax.rl import losses as policy_losses
+from vcpo_jax.schema import check_field
 
 sg = jax.lax.stop_gradient
 
@@ -186,6 +187,24 @@ class LearnerConfig:
     if n % mb:
       raise ValueError(f"learner.microbatch_size={mb} does not divide the batch size N={n}; use a divisor of {n}.")
     return n // mb
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSection:
+  """config.learner: LearnerConfig's fields (parse_config passes them by name) and the non-finite policy."""
+
+  grad_path: str = LearnerConfig.grad_path  # ghost (fast exact norms) | vmap (reference path)
+  # ghost backward passes: 1 (all layers' (A, D) kept) | 2 (norms block by block, long T) | "auto" (by memory)
+  ghost_passes: int | str = LearnerConfig.ghost_passes  # int 1 | 2, or the str "auto"
+  one_pass_budget_gib: float = LearnerConfig.one_pass_budget_gib  # "auto": per-device GiB one pass may keep
+  microbatch_size: int = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
+  ppo_epochs: int = LearnerConfig.ppo_epochs  # passes over each batch per step (policy-loss methods only)
+  minibatches: int = LearnerConfig.minibatches  # updates per pass, each on whole groups; pi_old once per step
+  on_nonfinite: str = "skip"  # skip the update and log | abort with the step range
+
+  def __post_init__(self):
+    ok = self.on_nonfinite in ("skip", "abort")
+    check_field(ok, "learner.on_nonfinite", self.on_nonfinite, "choose 'skip' or 'abort'.")
 
 
 def make_logp_fn(graphdef, frozen=None) -> Callable:

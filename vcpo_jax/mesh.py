@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from vcpo_jax.schema import check_field
 from vcpo_jax.sharding import BATCH_AXES, MESH_AXES, batch_sharding
 
 
@@ -36,7 +38,7 @@ class MeshConfig:
       of devices the mesh is built on.
   """
 
-  shape: tuple[int, int, int] = (-1, 1, 1)
+  shape: tuple[int, int, int] = (-1, 1, 1)  # (data, fsdp, tensor); -1 in one slot = all remaining devices
 
   def __post_init__(self):
     shape = tuple(self.shape)
@@ -69,6 +71,38 @@ class MeshConfig:
         "to infer it)."
       )
     return self.shape
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """The processes of a multi-host job (config.distributed)."""
+
+  enabled: bool = False  # call jax.distributed.initialize (multi-host)
+  coordinator_address: str = ""  # host:port of process 0
+  num_processes: int = 1  # processes in the job
+  process_id: int = 0  # this process's index
+  extra: dict = dataclasses.field(default_factory=dict, metadata={"config": False})  # keys not modelled here
+
+  def as_dict(self) -> dict:
+    """spec.distributed: every config.distributed key."""
+    return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}, **self.extra}
+
+  def __post_init__(self):
+    check_field(self.num_processes >= 1, "distributed.num_processes", self.num_processes, "must be >= 1.")
+    check_field(
+      0 <= self.process_id < self.num_processes,
+      "distributed.process_id",
+      self.process_id,
+      f"must be in [0, distributed.num_processes={self.num_processes}).",
+    )
+    if self.enabled:
+      addr = self.coordinator_address
+      check_field(
+        bool(re.fullmatch(r"\S+:\d+", addr or "")),
+        "distributed.coordinator_address",
+        addr,
+        "required when distributed.enabled=True: host:port of process 0.",
+      )
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

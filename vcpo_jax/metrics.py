@@ -9,6 +9,7 @@ path or an fsspec URL: all I/O goes through `vcpo_jax.fs`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -17,6 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from vcpo_jax import fs
+from vcpo_jax.schema import check_field
 
 # Plots written at the end of a run: (file stem, title, metric keys to overlay, y-axis label with unit).
 # Every plot has two panels with the same y-axis: against the learner step and against wall-clock seconds.
@@ -61,6 +63,22 @@ _STYLES = (
   {"linestyle": ":", "linewidth": 1.8, "marker": "o", "markersize": 3},
 )
 X_LABELS = {"step": "learner step", "wall_time": "wall-clock (s since the run started)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+  """What the trainer logs besides the metrics (config.log)."""
+
+  progress: bool = True  # console progress bar
+  plots: bool = True  # PNG plots at the end of the run
+  norm_overhead_every: int = 0  # opt-in (0 = off): time a plain gradient step every N steps (time/norm_overhead)
+  ref_grad_every: int = 0  # opt-in (0 = off; sync / lag): grad/ref_cosine to a fresh on-policy batch every N steps
+
+  def __post_init__(self):
+    check_field(
+      self.norm_overhead_every >= 0, "log.norm_overhead_every", self.norm_overhead_every, "must be >= 0 (0 = off)."
+    )
+    check_field(self.ref_grad_every >= 0, "log.ref_grad_every", self.ref_grad_every, "must be >= 0 (0 = off).")
 
 
 def _scalar(v):

@@ -156,12 +156,12 @@ class OptimConfig:
     schedule: a SCHEDULES name (make_optimizer builds it with warmup_steps=0).
   """
 
-  lr: float = 1e-6
-  weight_decay: float = 0.1
-  clip_norm: float = 1.0
-  b1: float = 0.9
-  b2: float = 0.999
-  schedule: str = "constant"
+  lr: float = 1e-6  # base learning rate eta (AdamW)
+  weight_decay: float = 0.1  # decoupled AdamW decay (released runs: 0.1)
+  clip_norm: float = 1.0  # global-norm clip before AdamW
+  b1: float = 0.9  # Adam first-moment decay, in [0, 1)
+  b2: float = 0.999  # Adam second-moment decay, in [0, 1)
+  schedule: str = "constant"  # SCHEDULES: constant | warmup_cosine (decay to 0 over the run; warm-up 0 steps)
 
   def __post_init__(self):
     def bad(field, fix):

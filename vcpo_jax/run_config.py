@@ -1,17 +1,15 @@
 """ConfigDict -> RunSpec: the single place where a config crosses into library code.
 
-`parse_config` maps each config section onto its frozen component config (run_spec.py lists them)
-and turns a component's error into one ConfigError line that names the config field, its value and
-the fix, e.g.
+`parse_config` builds the RunConfig tree from the ConfigDict (schema.from_config_dict: each section's
+dataclass checks its own fields, RunConfig the constraints between them), then what the tree names: the
+method preset with its config.vcpo overrides, the model, the tasks, the evaluation protocol. Every error is
+one ConfigError line that names the config field, its value and the fix, e.g.
 
   config.optim.b1=1.5: Adam's moment decay must be in [0, 1) (usual: 0.9)
 
-The checks themselves live in the components' `__post_init__` and in RunSpec (constraints between
-sections); here only what mapping needs first: that a name (method, task, data set, preset) is in
-its registry and that a data file exists before it is read. Every check runs before anything is
-built or compiled, including that every training and evaluation prompt fits task.max_prompt_len
-(run_spec.check_prompt_lengths: the task's problems are made and tokenized, no model needed).
-`check_override_paths` names the closest field for an unknown `--config.PATH`.
+Every check runs before anything is built or compiled, including that every training and evaluation prompt
+fits task.max_prompt_len (run_spec.check_prompt_lengths: the task's problems are made and tokenized, no
+model needed). `check_override_paths` names the closest field for an unknown `--config.PATH`.
 """
 
 from __future__ import annotations
@@ -21,75 +19,52 @@ import difflib
 import os
 import re
 
-from vcpo_jax import estimator, tasks
-from vcpo_jax import mesh as mesh_lib
+from vcpo_jax import estimator, schema, tasks
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.model import config as model_config
-from vcpo_jax.optim import OptimConfig
 from vcpo_jax.rollout.common import RolloutConfig
-from vcpo_jax.rollout.multiturn import MultiTurnConfig
-from vcpo_jax.run_spec import (
-  AsyncConfig,
-  CheckpointConfig,
-  ConfigError,
-  DistributedConfig,
-  LogConfig,
-  RunSpec,
-  SamplingConfig,
-  check_field,
-  check_prompt_lengths,
-  config_errors,
-  config_message,
-)
+from vcpo_jax.run_spec import RunConfig, RunSpec, check_prompt_lengths
+from vcpo_jax.schema import ConfigError, check_field, config_errors, config_message
 
 __all__ = ["ConfigError", "RunSpec", "check_override_paths", "field_paths", "parse_config"]
 
 
-# ----------------------------------------------------------------------------- parse_config
-
-
-def _pg_config(c) -> estimator.PGConfig:
-  close = difflib.get_close_matches(str(c.method), list(estimator.PRESETS), n=3, cutoff=0.5)
+def _pg_config(run: RunConfig) -> estimator.PGConfig:
+  close = difflib.get_close_matches(str(run.method), list(estimator.PRESETS), n=3, cutoff=0.5)
   hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
-  check_field(
-    c.method in estimator.PRESETS,
-    "method",
-    c.method,
-    f"unknown preset; {hint}choose one of {sorted(estimator.PRESETS)}.",
-  )
-  overrides = {k: v for k, v in c.vcpo.items() if v is not None}
+  fix = f"unknown preset; {hint}choose one of {sorted(estimator.PRESETS)}."
+  check_field(run.method in estimator.PRESETS, "method", run.method, fix)
   try:
-    return estimator.pg_config_from_preset(c.method, **overrides)
+    return estimator.pg_config_from_preset(run.method, **run.vcpo)
   except (TypeError, ValueError) as e:
     raise ConfigError(
-      f"{config_message(str(e), 'vcpo', estimator.PGConfig, {})} (config.method={c.method!r})"
+      f"{config_message(str(e), 'vcpo', estimator.PGConfig, {})} (config.method={run.method!r})"
     ) from None
 
 
-def _model_config(c, need_pos: int) -> model_config.ModelConfig:
-  m = c.model
-  check_field(
-    m.preset in model_config.PRESETS, "model.preset", m.preset, f"choose one of {sorted(model_config.PRESETS)}."
-  )
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
+_LEARNER_FIELDS = {f.name for f in dataclasses.fields(LearnerConfig)}
+
+
+def _model_config(m, need_pos: int) -> model_config.ModelConfig:
+  fix = f"choose one of {sorted(model_config.PRESETS)}."
+  check_field(m.preset in model_config.PRESETS, "model.preset", m.preset, fix)
   with config_errors("model", model_config.ModelConfig):
     base = model_config.PRESETS[m.preset](dtype=m.dtype)
-  overrides = {}
+  # Every model.* field ModelConfig has overrides the preset (the sizes only where set); dtype etc. apply to
+  # checkpoints too (how the model is computed).
+  overrides = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name in _MODEL_FIELDS}
   for f in ("hidden_size", "num_layers", "intermediate_size"):
-    if m[f] is not None:
-      check_field(m[f] >= 1, f"model.{f}", m[f], "must be >= 1 (or None for the preset's value).")
-      overrides[f] = m[f]
+    if overrides[f] is None:
+      del overrides[f]
+    else:
+      check_field(overrides[f] >= 1, f"model.{f}", overrides[f], "must be >= 1 (or None for the preset's value).")
   h = overrides.get("hidden_size")
   if h is not None and not m.checkpoint:  # Qwen2 / Llama: width = heads x head_dim: it splits over the heads
     n = base.num_heads
-    check_field(
-      h % n == 0,
-      "model.hidden_size",
-      h,
-      f"must be a multiple of the {m.preset} preset's num_heads={n}, e.g. {-(-h // n) * n}.",
-    )
-  for f in model_config.EXECUTION_FIELDS + model_config.LORA_FIELDS:  # apply to checkpoints too
-    overrides[f] = m[f]
+    fix = f"must be a multiple of the {m.preset} preset's num_heads={n}, e.g. {-(-h // n) * n}."
+    check_field(h % n == 0, "model.hidden_size", h, fix)
   with config_errors("model", model_config.ModelConfig):
     cfg = base.replace(**overrides)
   if cfg.max_position < need_pos and not m.checkpoint:
@@ -97,45 +72,32 @@ def _model_config(c, need_pos: int) -> model_config.ModelConfig:
   return cfg
 
 
-def _multiturn_config(c) -> MultiTurnConfig | None:
-  mt = c.task.multiturn
-  if not mt.enabled:
-    return None
-  with config_errors("task.multiturn", MultiTurnConfig):
-    return MultiTurnConfig(**{k: v for k, v in mt.to_dict().items() if k != "enabled"})
-
-
-def _eval_protocol(c) -> EvalProtocol:
-  dataset = c.eval.dataset or c.task.name
-  check_field(
-    dataset in tasks.TASKS, "eval.dataset", dataset, f"unknown data set; choose one of {sorted(tasks.TASKS)}."
-  )
-  check_field(
-    dataset == c.task.name or not tasks.TASKS[dataset].generated,
-    "eval.dataset",
-    dataset,
-    "is a generated task; evaluate it by training on it (leave eval.dataset empty).",
-  )
+def _eval_protocol(run: RunConfig) -> EvalProtocol:
+  e, t = run.eval, run.task
+  dataset = e.dataset or t.name
+  fix = f"unknown data set; choose one of {sorted(tasks.TASKS)}."
+  check_field(dataset in tasks.TASKS, "eval.dataset", dataset, fix)
+  fix = "is a generated task; evaluate it by training on it (leave eval.dataset empty)."
+  check_field(dataset == t.name or not tasks.TASKS[dataset].generated, "eval.dataset", dataset, fix)
   with config_errors("eval", EvalProtocol, {"size": "num_problems"}):
     return EvalProtocol(
       dataset=dataset,
       split="test",
-      size=c.eval.num_problems,
-      temperature=c.eval.temperature,
-      top_p=c.eval.top_p,
-      n=1 if c.eval.greedy else c.eval.n,
-      max_new_tokens=c.task.max_new_tokens,
-      greedy=c.eval.greedy,
-      pass_at_k=tuple(c.eval.pass_at_k),
-      prompt_template=c.task.template or None,
-      seed=c.seed,
+      size=e.num_problems,
+      temperature=e.temperature,
+      top_p=e.top_p,
+      n=1 if e.greedy else e.n,
+      max_new_tokens=t.max_new_tokens,
+      greedy=e.greedy,
+      pass_at_k=tuple(e.pass_at_k),
+      prompt_template=t.template or None,
+      seed=run.seed,
     )
 
 
-def _tasks(c) -> dict:
+def _tasks(run: RunConfig) -> dict:
   """{"task": the run's configured task, "eval_task": the one evaluations draw from}, each built once."""
-  t = c.task
-  gen = dict(t.gen.to_dict())
+  t, gen = run.task, dict(run.task.gen)
   try:
     with config_errors("task.gen" if tasks.TASKS[t.name].generated else "task", names=dict.fromkeys(gen)):
       task = tasks.build(t.name, template=t.template, options=gen, data_path=t.data_path)
@@ -145,39 +107,25 @@ def _tasks(c) -> dict:
         f"config.task.gen.{m.group(1)}={gen[m.group(1)]!r}: not a knob of the {t.name} generator."
       ) from None
     raise
-  dataset = c.eval.dataset or t.name
-  if dataset == t.name and not c.eval.data_path:
+  dataset = run.eval.dataset or t.name
+  if dataset == t.name and not run.eval.data_path:
     return {"task": task, "eval_task": task}
   with config_errors("eval", names={"data_path": "data_path"}):
-    return {"task": task, "eval_task": tasks.build(dataset, template=t.template, data_path=c.eval.data_path)}
-
-
-def _component(cls, section: str, d: dict):
-  """cls(**the section's fields); keys cls does not model go to its `extra` dict if it has one, else stay unused."""
-  names = {f.name for f in dataclasses.fields(cls)}
-  kw = {k: v for k, v in d.items() if k in names and k != "extra"}
-  if "extra" in names:
-    kw["extra"] = {k: v for k, v in d.items() if k not in names}
-  with config_errors(section, cls):
-    return cls(**kw)
-
-
-def _exists(field: str, path: str, what: str):
-  check_field(not path or os.path.exists(path), field, path, f"does not exist; {what}")
+    return {"task": task, "eval_task": tasks.build(dataset, template=t.template, data_path=run.eval.data_path)}
 
 
 def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
-  """Checks `config` (configs/common.py's fields) and maps it onto a RunSpec; raises ConfigError.
+  """Checks `config` (the ConfigDict of run_spec.RunConfig) and builds the RunSpec; raises ConfigError.
 
   check_prompts: also make and tokenize the training and evaluation problems (no model) to check that
   every prompt fits task.max_prompt_len; the result is cached per data setting within a process.
   """
-  c = config
-  t = c.task
-  pg = _pg_config(c)
+  run = schema.from_config_dict(RunConfig, config)
+  pg, t = _pg_config(run), run.task
   check_field(t.name in tasks.TASKS, "task.name", t.name, f"unknown task; choose one of {sorted(tasks.TASKS)}.")
-  _exists("task.data_path", t.data_path, "point it at a local parquet/jsonl file ('' = the shipped fixture).")
-  _exists("eval.data_path", c.eval.data_path, "point it at a local parquet/jsonl file ('' = the shipped fixture).")
+  fix = "does not exist; point it at a local parquet/jsonl file ('' = the shipped fixture)."
+  for field, path in (("task.data_path", t.data_path), ("eval.data_path", run.eval.data_path)):
+    check_field(not path or os.path.exists(path), field, path, fix)
   with config_errors("task", RolloutConfig):
     rollout = RolloutConfig(
       task=t.name,
@@ -187,60 +135,20 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
       max_new_tokens=t.max_new_tokens,
       chat_template=t.chat_template,
       num_train_problems=t.num_train_problems,
-      seed=c.seed,
+      seed=run.seed,
     )
-  multiturn = _multiturn_config(c)
+  multiturn = t.multiturn.config()
   # A multi-turn context reaches T - 1 tokens and one call adds up to max_turn_tokens more.
-  model_cfg = _model_config(c, t.max_prompt_len + t.max_new_tokens + (multiturn.max_turn_tokens if multiturn else 0))
-  with config_errors("learner", LearnerConfig):
-    learner_cfg = LearnerConfig(
-      pg=pg,
-      grad_path=c.learner.grad_path,
-      ghost_passes=c.learner.get("ghost_passes", 1),
-      one_pass_budget_gib=c.learner.get("one_pass_budget_gib", 24.0),
-      microbatch_size=c.learner.get("microbatch_size") or None,
-      ppo_epochs=c.learner.get("ppo_epochs", 1),
-      minibatches=c.learner.get("minibatches", 1),
-      group_size=rollout.group_size,
-      batch_size=rollout.batch_size,
-    )
-  optim_cfg = _component(OptimConfig, "optim", c.optim.to_dict())
-  with config_errors("mesh", mesh_lib.MeshConfig):
-    mesh_shape = mesh_lib.MeshConfig(tuple(c.mesh.shape)).shape
-  spec = RunSpec(
-    seed=c.seed,
-    steps=c.steps,
-    mode=c.mode,
-    k=int(c.lag.k),
-    method=c.method,
-    rollout=rollout,
-    task_template=t.template,
-    task_gen=dict(t.gen.to_dict()),
-    task_data_path=t.data_path,
-    eval_data_path=c.eval.data_path,
-    model_cfg=model_cfg,
-    model_checkpoint=c.model.checkpoint,
-    tokenizer_dir=c.model.tokenizer,
-    sampling=_component(SamplingConfig, "sampler", c.sampler.to_dict()),
-    learner=learner_cfg,
-    optim=optim_cfg,
-    on_nonfinite=c.learner.on_nonfinite,
-    eval=_eval_protocol(c),
-    eval_every=c.eval.every,
-    eval_background=c.eval.get("background", False),
-    checkpoint=_component(CheckpointConfig, "checkpoint", c.checkpoint.to_dict()),
-    sft_steps=c.sft.steps,
-    sft_lr=c.sft.lr,
-    sft_batch_size=c.sft.batch_size,
-    sft_cache_dir=c.sft.cache_dir,
-    sft_noise=c.sft.noise,
-    mesh_shape=mesh_shape,
-    dist=_component(DistributedConfig, "distributed", c.distributed.to_dict()),
-    async_=_component(AsyncConfig, "async_", c.async_.to_dict()),
-    log=_component(LogConfig, "log", c.log.to_dict()),
-    multiturn=multiturn,
-    **_tasks(c),
+  model_cfg = _model_config(
+    run.model, t.max_prompt_len + t.max_new_tokens + (multiturn.max_turn_tokens if multiturn else 0)
   )
+  # Every learner.* field LearnerConfig has, with the batch layout its micro-batch checks need.
+  learner_kw = {f.name: getattr(run.learner, f.name) for f in dataclasses.fields(run.learner)}
+  learner_kw = {k: v for k, v in learner_kw.items() if k in _LEARNER_FIELDS}
+  learner_kw["microbatch_size"] = run.learner.microbatch_size or None
+  with config_errors("learner", LearnerConfig):
+    learner_cfg = LearnerConfig(pg=pg, group_size=rollout.group_size, batch_size=rollout.batch_size, **learner_kw)
+  spec = RunSpec(run, rollout, model_cfg, learner_cfg, _eval_protocol(run), multiturn, **_tasks(run))
   if check_prompts:
     check_prompt_lengths(spec)
   return spec

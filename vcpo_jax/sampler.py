@@ -72,6 +72,7 @@ from flax import nnx
 
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import sharding as sh
+from vcpo_jax.schema import check_field, finite
 from vcpo_jax.model import transformer
 from vcpo_jax.model.config import ModelConfig
 
@@ -230,6 +231,57 @@ class SamplerConfig:
   @property
   def all_stop_ids(self) -> tuple[int, ...]:
     return tuple(sorted(set(self.stop_ids) | ({self.eos_id} if self.eos_id is not None else set())))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """Training-rollout sampling (config.sampler); the evaluation protocol has its own (config.eval)."""
+
+  temperature: float = SamplerConfig.temperature  # training rollouts (released runs: 1.0)
+  top_p: float = SamplerConfig.top_p  # 1.0 = off (keeps behavior log-probs equal to the policy's)
+  top_k: int = SamplerConfig.top_k  # 0 = off
+  draw: str = SamplerConfig.draw  # token draw: inverse_cdf (2 uniforms/row) | gumbel (earlier runs' stream)
+  param_dtype: str = "auto"  # sampler weights: auto (bf16 on accelerators, as given on CPU) | float32 | bfloat16
+  mesh_shape: tuple = SamplerConfig.mesh_shape  # async sampler's (data, fsdp, tensor) mesh (sync/lag: learner's)
+  prefill_chunk: int = SamplerConfig.prefill_chunk  # prompt tokens per prefill pass; 0 = one pass (bounds memory)
+  max_batch: int = SamplerConfig.max_batch  # rows per sampler call (whole groups); 0 = all; more: sequential calls
+
+  def __post_init__(self):
+    check_field(
+      isinstance(self.max_batch, int) and self.max_batch >= 0,
+      "sampler.max_batch",
+      self.max_batch,
+      "must be an int >= 0 (rows per sampler call; 0 = all rows of a step in one call).",
+    )
+    check_field(
+      isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 0,
+      "sampler.prefill_chunk",
+      self.prefill_chunk,
+      "must be an int >= 0 (0 = the whole prompt bucket in one pass; e.g. 512 bounds prefill memory).",
+    )
+    check_field(self.draw in ("inverse_cdf", "gumbel"), "sampler.draw", self.draw, "use inverse_cdf or gumbel.")
+    check_field(
+      self.param_dtype in PARAM_DTYPES,
+      "sampler.param_dtype",
+      self.param_dtype,
+      "use auto (bf16 on accelerators), float32 or bfloat16.",
+    )
+    try:
+      object.__setattr__(self, "mesh_shape", mesh_lib.MeshConfig(tuple(self.mesh_shape)).shape)
+    except (ValueError, TypeError) as e:
+      check_field(False, "sampler.mesh_shape", self.mesh_shape, f"{e}")
+    check_field(
+      finite(self.temperature) and self.temperature > 0,
+      "sampler.temperature",
+      self.temperature,
+      "training rollouts need a finite temperature > 0 (greedy behavior log-probs are degenerate); released: 1.0.",
+    )
+    check_field(finite(self.top_p) and 0 < self.top_p <= 1, "sampler.top_p", self.top_p, "must be in (0, 1] (1 = off).")
+    check_field(self.top_k >= 0, "sampler.top_k", self.top_k, "must be >= 0 (0 = off).")
+
+  def sampler_kwargs(self, **override) -> dict:
+    """The SamplerConfig fields these settings give (an evaluation overrides temperature / top_p / top_k)."""
+    return {**dataclasses.asdict(self), **override}
 
 
 @jax.tree_util.register_dataclass

@@ -81,7 +81,7 @@ CANONICAL_MAX_NUMBERS = 4
 class SFTConfig:
   """The warm start's own config: config.sft, plus the data setting, seed and sampling it depends on.
 
-  Built from the RunSpec by `RunSpec.sft_config()` (which the trainer calls); every field but
+  Built by `RunConfig.sft_config()` (which the trainer calls; no field has a default of its own); every field but
   `cache_dir`, `temperature` and `progress` enters the cache key (`key_fields`).
   """
 
@@ -90,18 +90,18 @@ class SFTConfig:
   batch_size: int  # config.sft.batch_size: examples per step
   max_prompt_len: int  # config.task.max_prompt_len: the rollout layout's prompt bucket Tp
   max_new_tokens: int  # config.task.max_new_tokens: its response bucket Tn
-  task: str = "countdown"  # config.task.name
-  template: str = ""  # config.task.template
-  task_gen: dict = dataclasses.field(default_factory=dict)  # config.task.gen (generator knobs)
-  chat_template: bool = False  # config.task.chat_template
-  seed: int = 0  # config.seed: the batch permutation and the report's sampling
-  cache_dir: str = ""  # config.sft.cache_dir ("" = ~/.cache/vcpo_jax/sft); not in the key
-  temperature: float = 1.0  # config.sampler.temperature: the held-out report's sampled accuracy; not in the key
-  progress: bool = False  # config.log.progress: a tqdm bar while training; not in the key
-  noise: float = 0.0  # config.sft.noise: fraction of examples whose target is a well-formed wrong answer
+  task: str  # config.task.name
+  template: str  # config.task.template
+  task_gen: dict  # config.task.gen (generator knobs)
+  chat_template: bool  # config.task.chat_template
+  seed: int  # config.seed: the batch permutation and the report's sampling
+  cache_dir: str  # config.sft.cache_dir ("" = ~/.cache/vcpo_jax/sft); not in the key
+  temperature: float  # config.sampler.temperature: the held-out report's sampled accuracy; not in the key
+  progress: bool  # config.log.progress: a tqdm bar while training; not in the key
+  noise: float  # config.sft.noise: fraction of examples whose target is a well-formed wrong answer
 
   def __post_init__(self):
-    # `sft.FIELD=VALUE: fix`: RunSpec (run_spec.config_errors) reports it as config.sft.FIELD, in one line.
+    # `sft.FIELD=VALUE: fix`: RunConfig (schema.config_errors) reports it as config.sft.FIELD, in one line.
     if not (isinstance(self.steps, int) and self.steps >= 0):
       raise ValueError(f"sft.steps={self.steps!r}: must be an int >= 0 (0 = no warm start).")
     real = isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool)
@@ -119,6 +119,17 @@ class SFTConfig:
 
 
 # ----------------------------------------------------------------------------- examples
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSection:
+  """config.sft: the warm start's own knobs (RunConfig.sft_config adds the data setting it depends on)."""
+
+  steps: int = 0  # supervised warm start on solver solutions (0 = off); cached per config
+  lr: float = 3e-3  # warm-start AdamW peak rate (warmup-cosine)
+  batch_size: int = 64  # warm-start examples per step
+  noise: float = 0.0  # fraction of warm-start targets replaced by a well-formed wrong answer (a noisy demonstrator)
+  cache_dir: str = ""  # where warm starts are cached ("" = ~/.cache/vcpo_jax/sft)
 
 
 def target_text(problem: tasks.Problem) -> str:

@@ -384,13 +384,19 @@ def _run_seconds(workdir: Path) -> float:
 
 # Run-config fields added after the ledger's first records, each with the value that gives the behaviour from
 # before it existed. At that value a field is left out of a run's fingerprint, so the records made before it was
-# added stay valid; any other value is part of it. Add a field here when adding it to configs/common.py.
+# added stay valid; any other value is part of it. Add a field here when adding it to run_spec.RunConfig.
 LATER_FIELDS = {
   ("sampler", "max_batch"): 0,
   ("async_", "publish_buffers"): 0,
   ("async_", "publish_checksum"): "background",
   ("sft", "noise"): 0.0,
   ("log", "ref_grad_every"): 0,
+  ("learner", "one_pass_budget_gib"): 24.0,  # was a fallback in the mapping code, not a config field
+  ("model", "lora_rank"): 0,
+  ("model", "lora_alpha"): 16.0,
+  ("model", "lora_targets"): ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+  ("vcpo", "score_centering"): None,
+  ("vcpo", "sc_topk"): None,
 }
 
 

@@ -250,6 +250,27 @@ class ModelConfig:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  """config.model: a random-init preset (with size overrides) or a checkpoint, and how it is computed."""
+
+  checkpoint: str = ""  # local Hugging Face directory ("" = random init of model.preset)
+  preset: str = "tiny_qwen2"  # vcpo_jax.model.config.PRESETS name when no checkpoint
+  hidden_size: int | None = None  # preset overrides (None = preset value)
+  num_layers: int | None = None  # transformer blocks (None = preset value)
+  intermediate_size: int | None = None  # SwiGLU width (None = preset value)
+  dtype: str = ModelConfig.dtype  # compute dtype: float32 | bfloat16
+  attention: str = ModelConfig.attention  # kernel: dense (reference) | xla | chunked (no [B,H,T,T]) | cudnn | splash
+  attention_chunk: int = ModelConfig.attention_chunk  # query chunk of "chunked", key block of the cached decode
+  remat: str = ModelConfig.remat  # per-block rematerialization: none | block | a jax.checkpoint_policies name
+  logprob_chunk: int = ModelConfig.logprob_chunk  # positions per chunk of the log-prob head (0 = [N, T, V] logits)
+  logprob_vocab_chunk: int = ModelConfig.logprob_vocab_chunk  # vocabulary entries per head chunk (0 = all)
+  lora_rank: int = ModelConfig.lora_rank  # LoRA adapters' rank r (0 = off: full fine-tuning); > 0 freezes the base
+  lora_alpha: float = ModelConfig.lora_alpha  # LoRA alpha: the adapter path is scaled by alpha / r
+  lora_targets: tuple | str = ModelConfig.lora_targets  # projections that get adapters (or "q_proj,v_proj")
+  tokenizer: str = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
+
+
 def tiny_qwen2(vocab_size: int = 256, **kw) -> ModelConfig:
   """A few-layer Qwen2-style config (GQA, q/k/v bias, tied embeddings) for tests."""
   base = dict(

@@ -88,7 +88,7 @@ class Method:
 
 _VCPO = Method(advantage=grpo(std="population"), weights=tis(8.0), baseline=opob(), lr=ess_lr("sqrt", 1.0))
 
-# The named methods as values (the same PGConfig as rl.presets.PRESETS, tested). GRPO's advantage is the
+# The named methods as values, written once (rl.presets.PRESETS is their PGConfig-field view). GRPO's advantage is the
 # reference's (sample std); VCPO's OPOB path uses the population std.
 PRESETS: dict[str, Method] = {
   "sync": Method(),  # synchronous GRPO (run with k = 0)

@@ -1,56 +1,29 @@
-"""The named methods: PGConfig field values per preset, one documentation line each."""
+"""The named methods as PGConfig fields (a view of rl.method.PRESETS), one documentation line each."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from vcpo_jax.rl import method
 from vcpo_jax.rl.surrogate import PGConfig
 
-_VCPO = dict(
-  advantage="grpo",
-  is_variant="tis",
-  tis_c=8.0,
-  opob=True,
-  opob_weights="unclipped",
-  opob_scope="group",
-  std="population",  # the reference's OPOB path: sigma_g is the population std
-  ess_lr=True,
-  ess_rule="sqrt",
-  rho_on=1.0,
-)
-# The reference's GRPO advantage (no OPOB) divides by torch.std: the sample std.
-_GRPO = dict(advantage="grpo", std="sample")
 
-# Every preset names its std and its mask normaliser; "all" keeps rejected rows
-# in the normaliser (PGConfig docstring).
-PRESETS: dict[str, dict[str, Any]] = {
-  "sync": dict(_GRPO, is_variant="none"),  # synchronous GRPO (run with k = 0)
-  "none": dict(_GRPO, is_variant="none"),  # stale data, no correction
-  "seq_tis": dict(_GRPO, is_variant="tis", tis_c=8.0),
-  "clip": dict(_GRPO, is_variant="clip"),
-  "mask": dict(_GRPO, is_variant="mask", mask_normalizer="all"),
-  "token_tis": dict(_GRPO, is_variant="token_tis"),
-  "geo_mask": dict(_GRPO, is_variant="geo_mask", mask_normalizer="all"),
-  "vcpo": dict(_VCPO),
-  "vcpo_no_esslr": dict(_VCPO, ess_lr=False),
-  "vcpo_no_opob": dict(_VCPO, opob=False, std="sample"),  # without OPOB the reference runs its GRPO advantage
-  "vcpo_applied_opob": dict(_VCPO, opob_weights="applied"),
-  "vcpo_loo_opob": dict(_VCPO, opob_leave_one_out=True),
-  "vcpo_reference": dict(_VCPO, reference_mode=True),
-  # the stabilizers the field uses (vcpo_jax/policy_losses.py), on the reference GRPO advantage
-  **{
-    name: dict(_GRPO, is_variant="none", policy_loss=name)
-    for name in ("ppo_clip", "decoupled_ppo", "gspo", "cispo", "m2po_paper", "m2po_released", "icepop", "dppo_tv")
-  },
-  # the trust regions of prime-rl (IPO) and AReaL (KPop), vcpo_jax/policy_losses.py
-  **{name: dict(_GRPO, is_variant="none", policy_loss=name) for name in ("ipo", "kpop")},
-  "vcpo_tis_ess": dict(_VCPO, is_variant="tis_ess", tis_ess_target=0.5),  # VCPO with the ESS-targeted cap
-  # score centering (vcpo_jax/score_centering.py): exact q from the behaviour version (lag / sync), or the
-  # sampler's top-k (any mode: vcpo.score_centering='topk', vcpo.sc_topk=64 on these); TIS+SC is the paper's
-  # token-TIS with the cap C = token_tis_c
-  "vcpo_sc": dict(_VCPO, score_centering="exact"),
-  "tis_sc": dict(_GRPO, is_variant="token_tis", score_centering="exact"),
-}
+class _PresetFields(Mapping):
+  """{name: the PGConfig fields of rl.method.PRESETS[name]}, read live (a preset added there is here too)."""
+
+  def __getitem__(self, name: str) -> dict[str, Any]:
+    return method.PRESETS[name].pg_fields()
+
+  def __iter__(self):
+    return iter(method.PRESETS)
+
+  def __len__(self) -> int:
+    return len(method.PRESETS)
+
+
+# The named methods are written once, as values in rl.method.PRESETS; this is their PGConfig-field view.
+PRESETS: Mapping[str, dict[str, Any]] = _PresetFields()
 
 
 # One line per preset (tests/test_estimator.py checks that every PRESETS name has one).

@@ -69,13 +69,13 @@ class PGConfig:
   advantage: str = "grpo"  # ADVANTAGE_ESTIMATORS name: the base algorithm
   is_variant: str = "none"  # WEIGHT_VARIANTS name
   tis_c: float = 8.0  # "tis" truncation level (c = 8 in all released runs)
-  clip_lower: float = 0.5  # "clip" interval
-  clip_upper: float = 2.0
-  mask_lower: float = 0.5  # "mask" interval
-  mask_upper: float = 2.0
+  clip_lower: float = 0.5  # "clip": lower end a of the interval [a, b]
+  clip_upper: float = 2.0  # "clip": upper end b
+  mask_lower: float = 0.5  # "mask": weights below this are masked (weight 0)
+  mask_upper: float = 2.0  # "mask": weights above this are masked
   token_tis_c: float = 2.0  # "token_tis" per-token truncation level
-  geo_lower: float = 0.99  # "geo_mask" interval on exp(l / L)
-  geo_upper: float = 1.01
+  geo_lower: float = 0.99  # "geo_mask": rows whose exp(l / L) is below this are masked
+  geo_upper: float = 1.01  # "geo_mask": rows whose exp(l / L) is above this are masked
   log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP  # applied weights use exp(clamp(l, -c, c))
   loss_agg: str = "seq-mean-token-mean"  # LOSS_AGGREGATIONS
   mask_normalizer: str = "all"  # rows counted in the loss normaliser: all (valid) | kept (weight != 0)

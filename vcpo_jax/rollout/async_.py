@@ -160,6 +160,8 @@ from vcpo_jax.rollout.common import lag_stats
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.param_slot import ParamSlot
 from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
+from vcpo_jax.sampler import DECODE_MODES, SamplerConfig
+from vcpo_jax.schema import ConfigError, check_field, config_message, finite
 
 _POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
 # close(): how long to wait for the stop message to be obeyed (a worker inside generation only reads it when
@@ -251,11 +253,137 @@ def _describe_exit(code: int | None) -> str:
   return f"exited with code {code}"
 
 
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+  """The sampler process of mode='async' (config.async_): rollout.async_.AsyncSource's own config."""
+
+  queue_slots: int = 4  # shared-memory queue capacity (batches)
+  sampler_devices: str = ""  # e.g. "0,1": device ids for the sampler process ("" = same platform default)
+  timeout_s: float = 120.0  # a learner wait longer than this (dead sampler) is an error
+  startup_timeout_s: float = 600.0  # the first batch (worker start-up + compilation) may take this long
+  sampler_cpus: str = ""  # pin the sampler process to these cores, e.g. "1" or "2-3" ("" = no pinning)
+  sampler_env: dict = dataclasses.field(default_factory=dict)  # extra environment variables of the sampler process
+  background_publish: str | bool = "auto"  # "true"/True: copy in a thread | "false": learner's path | auto: CPU false
+  publish_path: str = "shm"  # shm: process, shm slot | device: thread, device_put | transfer: process, pull
+  publish_dtype: str = "auto"  # slot dtype of floating params: "auto" (bf16 on accelerators, f32 on CPU)
+  publish_buffers: int = 1  # parameter copies in the shm slot: 1 | 2 | 0 = 1 with background publish, else 2
+  publish_checksum: str = "true"  # shm slot checksum, echoed + checked: true | false | background (thread only)
+  decode: str = (
+    SamplerConfig.decode
+  )  # sampler process: static (one device loop) | chunked | refill (continuous batching)
+  chunk_tokens: int = 16  # decode steps per jitted chunk ("chunked" / "refill" / in-flight updates)
+  inflight_updates: bool = False  # switch to newer params between decode chunks; per-token versions
+  update_every_tokens: int = 16  # in-flight: check the parameter slot every this many decode steps
+  recompute_kv: bool = False  # in-flight: recompute the KV cache under the new params (False: keep it)
+  peer_lost_s: float = 30.0  # multi-host: a learner process silent (no heartbeat) this long is lost; the others exit
+  max_sampler_restarts: int = 3  # a dead sampler, or one with no batch in timeout_s, is replaced this often
+  restart_window_s: float = 3600.0  # ... per this many seconds; one more failure checkpoints and exits 1
+  heartbeat_timeout_s: float = 0.0  # a sampler whose heartbeat stops this long is hung, replaced; 0 = timeout_s
+
+  def __post_init__(self):
+    check_field(
+      self.queue_slots >= 1, "async_.queue_slots", self.queue_slots, "must be >= 1 (batches the queue holds)."
+    )
+    for f in ("timeout_s", "startup_timeout_s"):
+      v = getattr(self, f)
+      check_field(finite(v) and v > 0, f"async_.{f}", v, "must be a finite number of seconds > 0.")
+    check_field(
+      isinstance(self.max_sampler_restarts, int) and self.max_sampler_restarts >= 0,
+      "async_.max_sampler_restarts",
+      self.max_sampler_restarts,
+      "must be an int >= 0 (0 = a failed sampler ends the run).",
+    )
+    check_field(
+      finite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s >= 0,
+      "async_.heartbeat_timeout_s",
+      self.heartbeat_timeout_s,
+      "must be a finite number of seconds >= 0 (0 = async_.timeout_s).",
+    )
+    check_field(
+      finite(self.restart_window_s) and self.restart_window_s > 0,
+      "async_.restart_window_s",
+      self.restart_window_s,
+      "must be a finite number of seconds > 0.",
+    )
+    check_field(
+      finite(self.peer_lost_s) and self.peer_lost_s > 2.0,
+      "async_.peer_lost_s",
+      self.peer_lost_s,
+      "must be a finite number of seconds > 2 (4 heartbeats of 0.5 s; 30 tolerates a busy host).",
+    )
+    ids = str(self.sampler_devices).replace(" ", "").split(",") if str(self.sampler_devices) else []
+    check_field(
+      all(x.isdigit() for x in ids) and len(set(ids)) == len(ids),
+      "async_.sampler_devices",
+      self.sampler_devices,
+      "use distinct device ids like '1' or '6,7' ('' = share the learner's devices).",
+    )
+    check_field(self.decode in DECODE_MODES, "async_.decode", self.decode, f"choose one of {DECODE_MODES}.")
+    for f in ("chunk_tokens", "update_every_tokens"):
+      v = getattr(self, f)
+      check_field(isinstance(v, int) and v >= 1, f"async_.{f}", v, "must be an int >= 1 (decode steps).")
+    check_field(
+      self.publish_dtype in ("auto", "float32", "bfloat16"),
+      "async_.publish_dtype",
+      self.publish_dtype,
+      "use 'auto' (bfloat16 on accelerators, float32 on CPU), 'float32' or 'bfloat16'.",
+    )
+    check_field(
+      self.publish_path in ("shm", "device", "transfer"),
+      "async_.publish_path",
+      self.publish_path,
+      "use 'shm' (a sampler process, shared memory), 'device' (a sampler thread on async_.sampler_devices) or "
+      "'transfer' (a sampler process pulling with jax.experimental.transfer).",
+    )
+    check_field(
+      not (self.publish_path == "transfer" and self.inflight_updates),
+      "async_.inflight_updates",
+      self.inflight_updates,
+      "in-flight updates are not tested with publish_path='transfer'; set it False or async_.publish_path='shm'.",
+    )
+    check_field(
+      self.publish_path != "device" or bool(self.sampler_devices),
+      "async_.publish_path",
+      self.publish_path,
+      "'device' needs async_.sampler_devices (e.g. '2,3': the sampler's devices of this process).",
+    )
+    check_field(
+      self.publish_buffers in (0, 1, 2),
+      "async_.publish_buffers",
+      self.publish_buffers,
+      "use 1 (one parameter copy in /dev/shm: a publish waits for a sampler read in progress), 2 (double "
+      "buffer: never waits) or 0 (1 with background publishing, 2 with the synchronous one).",
+    )
+    check_field(
+      self.publish_checksum in ("true", "false", "background"),
+      "async_.publish_checksum",
+      self.publish_checksum,
+      "use 'true' (every shm publish records the slot checksum and next() checks the sampler's echo), 'false' "
+      "(none) or 'background' (only the background publisher's copies).",
+    )
+    check_field(
+      str(self.background_publish).lower() in ("auto", "true", "false"),
+      "async_.background_publish",
+      self.background_publish,
+      "use 'auto' (synchronous on CPU, background on accelerators), 'true' or 'false'.",
+    )
+    for f in ("inflight_updates", "recompute_kv"):
+      check_field(isinstance(getattr(self, f), bool), f"async_.{f}", getattr(self, f), "must be True or False.")
+    try:
+      parse_cpus(self.sampler_cpus)
+    except ValueError as e:
+      raise ConfigError(config_message(str(e), "async_")) from None
+
+  def as_dict(self) -> dict:
+    """spec.async_cfg: every config.async_ key (this dataclass models them all; AsyncSource reads the fields)."""
+    return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "sampler_env": dict(self.sampler_env)}
+
+
 class AsyncSource(RolloutSource):
   """Rollout source backed by a spawned sampler process; same interface as `LagSource`.
 
   Args:
-    cfg: its own config, run_spec.AsyncConfig (config.async_: queue_slots, timeout_s, startup_timeout_s,
+    cfg: its own config, AsyncConfig (config.async_: queue_slots, timeout_s, startup_timeout_s,
       sampler_devices / sampler_cpus / sampler_env, background_publish, publish_dtype, decode, in-flight
       updates; checked there).
     key: the run's RNG key; batch b is sampled with fold_in(key, b), as in the other modes.

@@ -59,16 +59,16 @@ class MultiTurnConfig:
     max_workers: parallel sandbox executions per round (0 = CPU count).
   """
 
-  max_turns: int = 4
-  max_turn_tokens: int = 512
-  max_tool_output_tokens: int = 256
-  code_open: str = "<code>"
-  code_close: str = "</code>"
-  output_open: str = "<output>"
-  output_close: str = "</output>"
-  sandbox_cpu_seconds: int = 2
-  sandbox_wall_seconds: float = 5.0
-  max_workers: int = 0
+  max_turns: int = 4  # model turns per episode (at most max_turns - 1 tool calls)
+  max_turn_tokens: int = 512  # token budget of one model turn (task.max_new_tokens = whole response)
+  max_tool_output_tokens: int = 256  # tool observation budget per call (head kept, rest cut)
+  code_open: str = "<code>"  # the model opens a code block with this tag
+  code_close: str = "</code>"  # ... and closes it with this one (its last token is a stop id)
+  output_open: str = "<output>"  # tool output is wrapped in these tags (tool tokens, not in the loss)
+  output_close: str = "</output>"  # the tool output closes with this tag
+  sandbox_cpu_seconds: int = 2  # CPU-time limit of one execution
+  sandbox_wall_seconds: float = 5.0  # wall-clock limit of one execution
+  max_workers: int = 0  # parallel sandbox executions (0 = CPU count)
 
   def __post_init__(self):
     for f in ("max_turns", "max_turn_tokens", "max_tool_output_tokens", "sandbox_cpu_seconds"):
@@ -82,6 +82,21 @@ class MultiTurnConfig:
     for f in ("code_open", "code_close", "output_open", "output_close"):
       if not getattr(self, f):
         raise ValueError(f"task.multiturn.{f} must be a non-empty tag string.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnSection(MultiTurnConfig):
+  """config.task.multiturn: tool-use episodes (vcpo_jax/rollout/multiturn.py), checked when enabled."""
+
+  enabled: bool = False  # True: rollouts are multi-turn tool-use episodes (code runs in the sandbox)
+
+  def __post_init__(self):
+    if self.enabled:
+      super().__post_init__()
+
+  def config(self) -> MultiTurnConfig | None:
+    names = [f.name for f in dataclasses.fields(MultiTurnConfig)]
+    return MultiTurnConfig(**{n: getattr(self, n) for n in names}) if self.enabled else None
 
 
 def sampler_config(base: SamplerConfig, rollout: RolloutConfig, mt: MultiTurnConfig) -> SamplerConfig:

@@ -70,7 +70,7 @@ def build_source(
     maker: the rollout maker (build_maker); key: the run's key (step t samples with fold_in(key, t)).
     k: the staleness of mode='lag' and mode='async' (ignored for sync).
     async_cfg, steps, model_cfg, graphdef, tokenizer, workdir, interrupt: mode='async' only. The async
-      source gets its own config (run_spec.AsyncConfig, config.async_) and the run's length `steps`; the
+      source gets its own config (AsyncConfig, config.async_) and the run's length `steps`; the
       sampler process rebuilds the model from model_cfg; `interrupt` is polled in every wait (raises to stop).
   """
   if mode not in MODES:

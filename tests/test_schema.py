@@ -1,0 +1,167 @@
+"""The config tree <-> ConfigDict (vcpo_jax/schema.py), and every default written once.
+
+The config is one tree of frozen dataclasses (run_spec.RunConfig); configs/common.py's ConfigDict is generated
+from it. "Written once" is checked on the source (ast): every leaf of the generated ConfigDict has exactly one
+literal default, found by following the field's default through references (`temperature: float =
+EvalProtocol.temperature` points at EvalProtocol's literal), and no other config dataclass the run builds holds a
+literal default of the same name and value (a second copy that could drift), apart from DUPLICATES_ALLOWED.
+"""
+
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+import typing
+
+import pytest
+
+from configs import common
+from vcpo_jax import estimator, run_config, run_spec, schema
+from vcpo_jax.evaluation import EvalProtocol
+from vcpo_jax.learner import LearnerConfig
+from vcpo_jax.model.config import ModelConfig
+from vcpo_jax.rl import method
+from vcpo_jax.rollout.common import RolloutConfig
+from vcpo_jax.sampler import SamplerConfig
+from vcpo_jax.sft import SFTConfig
+
+# The configs the run builds from the tree besides its own sections: a default of theirs that repeats a knob's
+# default is a second copy.
+BUILT = (RolloutConfig, LearnerConfig, ModelConfig, EvalProtocol, SFTConfig, SamplerConfig, run_spec.RunSpec)
+# (class, field) -> why its literal default may equal a knob's: library defaults for standalone use that
+# parse_config always overrides from the config.
+DUPLICATES_ALLOWED = {
+  ("RolloutConfig", "seed"): "a RolloutMaker built by hand (tests, notebooks); parse_config passes config.seed",
+  ("EvalProtocol", "seed"): "evaluation.evaluate called by hand; parse_config passes config.seed",
+}
+
+
+def _literal(node):
+  """The value of a literal default (3, -1.0, "x", (1, 2), None), else a sentinel."""
+  try:
+    return ast.literal_eval(node)
+  except (ValueError, TypeError, SyntaxError):
+    return _literal
+
+
+def _defaults(cls) -> dict[str, ast.expr]:
+  """{field: its default's expression} as written in the class bodies of cls and its dataclass bases."""
+  out = {}
+  for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+    tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+    for node in tree.body[0].body:
+      if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+        out[node.target.id] = (klass, node.value)
+  return out
+
+
+def _definition(cls, name):
+  """(class, field, value) where the default of cls.name is written as a literal, following `Other.field`."""
+  klass, node = _defaults(cls)[name]
+  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+    other = vars(sys.modules[klass.__module__])[node.value.id]
+    return _definition(other, node.attr)
+  if isinstance(node, ast.Name):  # a module-level constant (`LORA_TARGETS = (...)`), written once there
+    value = vars(sys.modules[klass.__module__])[node.id]
+    assert isinstance(value, (bool, int, float, str, tuple)), f"{klass.__name__}.{name}: {node.id} is not a constant"
+    return klass, name, value
+  value = _literal(node)
+  assert value is not _literal, f"{klass.__name__}.{name}: default is neither a literal nor Other.field"
+  return klass, name, value
+
+
+def _leaf_definitions(cls=run_spec.RunConfig, prefix=""):
+  """{dotted leaf path: (class, field, value)} over the tree (sub-sections and dict fields have no default)."""
+  hints, out = typing.get_type_hints(cls), {}
+  for f in dataclasses.fields(cls):
+    if not f.metadata.get("config", True) or "overrides" in f.metadata:
+      continue
+    if dataclasses.is_dataclass(hints[f.name]):
+      out.update(_leaf_definitions(hints[f.name], f"{prefix}{f.name}."))
+    elif f.default is not dataclasses.MISSING:
+      out[prefix + f.name] = _definition(cls, f.name)
+  return out
+
+
+def test_every_leaf_default_is_one_literal_and_matches_the_config_dict():
+  defs = _leaf_definitions()
+  base = {p: v for p, v, _ in schema.leaves(common.get_base_config())}
+  for path, (_, _, value) in defs.items():
+    assert base[path] == value, path
+  generated = {p for p in base if not p.startswith("vcpo.")}  # vcpo.*: PGConfig's fields, None = the preset's
+  dict_fields = {"task.gen", "async_.sampler_env"}  # open sub-dicts, empty by default
+  assert generated == set(defs) | dict_fields
+
+
+def test_no_config_dataclass_repeats_a_knobs_default():
+  defs = _leaf_definitions()
+  sites = {(k.__name__, n) for k, n, _ in defs.values()}
+  by_name = {}
+  for path, (_, name, value) in defs.items():
+    by_name.setdefault(path.rpartition(".")[2], []).append((path, value))
+  classes = {t for t in _section_classes()} | set(BUILT)
+  copies = []
+  for cls in classes:
+    for name, (klass, node) in _defaults(cls).items():
+      value = _literal(node)
+      if klass is not cls or (cls.__name__, name) in sites or value is _literal:
+        continue
+      for path, v in by_name.get(name, ()):
+        if v == value and type(v) is type(value):
+          copies.append(((cls.__name__, name), path))
+  unexpected = [c for c in copies if c[0] not in DUPLICATES_ALLOWED]
+  assert not unexpected, f"a knob's default written twice (point the copy at the one definition): {unexpected}"
+  assert {c[0] for c in copies} == set(DUPLICATES_ALLOWED)  # no stale allowance
+
+
+def _section_classes(cls=run_spec.RunConfig):
+  hints = typing.get_type_hints(cls)
+  yield cls
+  for f in dataclasses.fields(cls):
+    if dataclasses.is_dataclass(hints[f.name]):
+      yield from _section_classes(hints[f.name])
+
+
+def test_configs_common_and_the_mapping_write_no_default():
+  """configs/common.py only generates the ConfigDict; run_config.py reads no field with a fallback value."""
+  src = ast.parse(inspect.getsource(common))
+  assigned = [n for n in ast.walk(src) if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Attribute)]
+  assert not assigned
+  for mod in (run_config, run_spec):
+    calls = [n for n in ast.walk(ast.parse(inspect.getsource(mod))) if isinstance(n, ast.Call)]
+    get = [n for n in calls if isinstance(n.func, ast.Attribute) and n.func.attr == "get" and len(n.args) == 2]
+    fallbacks = [ast.unparse(n) for n in get]
+    assert not fallbacks, fallbacks
+
+
+def test_round_trip_and_errors_name_the_field():
+  c = common.get_base_config()
+  run = schema.from_config_dict(run_spec.RunConfig, c)
+  assert run == run_spec.RunConfig()
+  assert schema.to_config_dict(run_spec.RunConfig).to_json() == c.to_json()
+  c.optim.b1 = 1.5
+  with pytest.raises(schema.ConfigError, match=r"^config\.optim\.b1=1\.5: Adam's moment decay"):
+    schema.from_config_dict(run_spec.RunConfig, c)
+
+
+def test_config_dict_types_come_from_the_annotations():
+  c = common.get_base_config()
+  assert c.model.get_type("hidden_size") is int and c.model.hidden_size is None  # `int | None = None`
+  c.learner.ghost_passes = "auto"  # `int | str`: either
+  c.async_.background_publish = True  # `str | bool`
+  assert c.vcpo.get_type("tis_c") is float and c.vcpo.tis_c is None  # overrides(PGConfig)
+  with pytest.raises(TypeError):
+    c.optim.lr = "fast"
+
+
+def test_presets_are_written_once_as_methods():
+  """estimator.PRESETS (PGConfig fields) is a view of rl.method.PRESETS: a preset added there is a config
+  method at once."""
+  assert list(estimator.PRESETS) == list(method.PRESETS)
+  method.PRESETS["_test_tis4"] = dataclasses.replace(method.PRESETS["seq_tis"], weights=method.tis(4.0))
+  try:
+    assert estimator.pg_config_from_preset("_test_tis4").tis_c == 4.0
+  finally:
+    del method.PRESETS["_test_tis4"]
+  assert "_test_tis4" not in estimator.PRESETS

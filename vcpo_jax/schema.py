@@ -1,0 +1,202 @@
+"""Frozen config dataclasses <-> the ml_collections ConfigDict of `--config`, and the one-line ConfigError.
+
+A config section is a frozen dataclass whose fields are its knobs, each written once:
+
+  @dataclasses.dataclass(frozen=True)
+  class CheckpointConfig:
+    every: int = 50  # save every this many steps (and at the end / on SIGTERM)
+
+The field's type and default make the ConfigDict entry (`to_config_dict`), the comment on its line is its
+`--config_help` text (`comments`), `__post_init__` checks it. A field that is another dataclass is a
+sub-section (`section(Cls)`); a `dict` field an open sub-dict (task.gen); `int | None = None` a typed
+placeholder (None = "the preset's value"); a union of two types (`int | str`) takes either; `overrides(Cls)`
+is a section of one None placeholder per field of Cls (config.vcpo over the method preset's PGConfig);
+metadata {"config": False} keeps a field out of the ConfigDict. `from_config_dict` builds the tree back and names
+the config field in every error (`config_errors`). This module imports no vcpo_jax module.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import inspect
+import io
+import math
+import re
+import textwrap
+import tokenize
+import types
+import typing
+
+import ml_collections
+from ml_collections import config_dict
+
+
+class ConfigError(ValueError):
+  """A bad config value; the message is one line: `config.FIELD=VALUE: what to do`."""
+
+
+def check_field(ok: bool, field: str, value, fix: str):
+  if not ok:
+    raise ConfigError(f"config.{field}={value!r}: {fix}")
+
+
+def finite(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@contextlib.contextmanager
+def config_errors(section: str, cls=None, names: dict[str, str] | None = None):
+  """Re-raises a component's ValueError / TypeError as a ConfigError naming config.<section>.<field>.
+
+  Component messages name their field as `Class.field ...`, `section.field ...` or `field ...`;
+  `names` maps component field names that differ from the config's (EvalProtocol.size -> num_problems).
+  """
+  try:
+    yield
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(config_message(str(e), section, cls, names or {})) from None
+
+
+def config_message(msg: str, section: str, cls=None, names: dict[str, str] | None = None) -> str:
+  """A component's error message as one line that names the config field (`config.optim.b1=1.5: ...`)."""
+  msg = " ".join(msg.split())  # one line
+  if msg.startswith("config."):
+    return msg
+  names = names or {}
+  known = set(names) | ({f.name for f in dataclasses.fields(cls)} if cls is not None else set())
+  m = re.match(r"(?:[A-Z]\w*\.)?([a-z_]\w*(?:\.[a-z_]\w*)*)(.*)$", msg)
+  if m:
+    field, rest = m.groups()
+    if "." in field and field.split(".")[0] == section.split(".")[0]:  # already a config path: "optim.b1=..."
+      return f"config.{field}{rest}"
+    if field in known:
+      return f"config.{section}.{names.get(field) or field}{rest}"
+  return f"config.{section}: {msg}"
+
+
+# ----------------------------------------------------------------------------- dataclass -> ConfigDict
+
+
+def section(cls):
+  """A sub-section field: an instance of dataclass `cls` at its defaults."""
+  return dataclasses.field(default_factory=cls)
+
+
+def overrides(cls):
+  """A section of one None placeholder per field of `cls` (typed like it): None = keep the base value."""
+  return dataclasses.field(default_factory=dict, metadata={"overrides": cls})
+
+
+def _config_fields(cls):
+  return [f for f in dataclasses.fields(cls) if f.metadata.get("config", True)]
+
+
+def _types(t) -> tuple:
+  """The non-None types of an annotation (`int | None` -> (int,), `int | str` -> (int, str))."""
+  if typing.get_origin(t) in (typing.Union, types.UnionType):
+    return tuple(a for a in typing.get_args(t) if a is not type(None))
+  return (typing.get_origin(t) or t,)
+
+
+def to_config_dict(cls) -> ml_collections.ConfigDict:
+  """The ConfigDict of dataclass `cls` at its defaults (see the module docstring for each kind of field)."""
+  hints, c = typing.get_type_hints(cls), ml_collections.ConfigDict()
+  for f in _config_fields(cls):
+    t = hints[f.name]
+    if "overrides" in f.metadata:
+      c[f.name] = to_overrides(f.metadata["overrides"])
+    elif dataclasses.is_dataclass(t):
+      c[f.name] = to_config_dict(t)
+    else:
+      value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+      kinds = _types(t)
+      if isinstance(value, dict):
+        c[f.name] = ml_collections.ConfigDict(value)
+      elif value is None:
+        c[f.name] = config_dict.placeholder(kinds[0])
+      elif len(kinds) > 1:  # ml_collections otherwise locks a field to its first value's type
+        c[f.name] = ml_collections.FieldReference(value, field_type=object)
+      else:
+        c[f.name] = value
+  return c
+
+
+def to_overrides(cls) -> ml_collections.ConfigDict:
+  """One None placeholder per field of dataclass `cls`, typed like the field."""
+  hints, v = typing.get_type_hints(cls), ml_collections.ConfigDict()
+  for f in dataclasses.fields(cls):
+    v[f.name] = config_dict.placeholder(_types(hints[f.name])[0])
+  return v
+
+
+def from_config_dict(cls, d, section: str = ""):
+  """cls built from ConfigDict (or dict) `d`, sub-sections first; a missing key keeps the default, a key
+  cls does not model goes to its `extra` dict if it has one, else is ignored (configs/math.py's model.shape);
+  an error names the config field (`config.optim.b1=1.5: ...`)."""
+  hints, kw = typing.get_type_hints(cls), {}
+  for f in _config_fields(cls):
+    if f.name not in d:
+      continue
+    v, t = d[f.name], hints[f.name]
+    if "overrides" in f.metadata:
+      v = {k: x for k, x in v.items() if x is not None}
+    elif dataclasses.is_dataclass(t):
+      v = from_config_dict(t, v, f"{section}{f.name}.")
+    elif hasattr(v, "to_dict"):
+      v = v.to_dict()
+    kw[f.name] = v
+  names = {f.name for f in dataclasses.fields(cls)}
+  if "extra" in names:  # a section that keeps the keys it does not model (config.distributed)
+    kw["extra"] = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in d.items() if k not in names}
+  with config_errors(section.rstrip("."), cls):
+    return cls(**kw)
+
+
+# ----------------------------------------------------------------------------- --config_help
+
+
+def _line_comments(source: str) -> dict[int, str]:
+  toks = tokenize.generate_tokens(io.StringIO(source).readline)
+  return {t.start[0]: t.string.lstrip("#").strip() for t in toks if t.type == tokenize.COMMENT}
+
+
+def field_comment_lines(cls) -> dict[str, str]:
+  """{field: the comment on its line in the class body}, base classes' fields included."""
+  out: dict[str, str] = {}
+  for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+    source = textwrap.dedent(inspect.getsource(klass))
+    lines = _line_comments(source)
+    for node in ast.parse(source).body[0].body:
+      if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        text = lines.get(node.end_lineno) or lines.get(node.lineno)
+        if text:
+          out[node.target.id] = text
+  return out
+
+
+def comments(cls, prefix: str = "") -> dict[str, str]:
+  """{dotted path: one-line comment} of every field of the dataclass tree `cls`."""
+  hints, own, out = typing.get_type_hints(cls), field_comment_lines(cls), {}
+  for f in _config_fields(cls):
+    t = hints[f.name]
+    if "overrides" in f.metadata:
+      out.update({f"{prefix}{f.name}.{k}": v for k, v in field_comment_lines(f.metadata["overrides"]).items()})
+    elif dataclasses.is_dataclass(t):
+      out.update(comments(t, f"{prefix}{f.name}."))
+    if f.name in own:
+      out[prefix + f.name] = own[f.name]
+  return out
+
+
+def leaves(c: ml_collections.ConfigDict, prefix: str = ""):
+  """(dotted path, value, type name) of every field, sorted by name (ConfigDict order); an empty sub-dict is one."""
+  for k, v in c.items(preserve_field_references=False):
+    if isinstance(v, ml_collections.ConfigDict) and len(v):
+      yield from leaves(v, f"{prefix}{k}.")
+    else:
+      t = "dict" if isinstance(v, ml_collections.ConfigDict) else getattr(c.get_type(k), "__name__", "?")
+      yield f"{prefix}{k}", (v.to_dict() if isinstance(v, ml_collections.ConfigDict) else v), t
