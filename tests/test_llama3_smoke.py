@@ -7,12 +7,10 @@ import numpy as np
 import pytest
 
 from tests import fixtures
-from tests.test_rope_parity import T_LONG, V, hf_model
-from vcpo_jax import trainer
+from tests.test_qwen3_smoke import train_checkpoint
+from tests.test_rope_parity import T_LONG, V
 from vcpo_jax.model import hf_forward, hf_io, save_hf
 from vcpo_jax.model import transformer as tf
-from vcpo_jax.model.tokenizer import build_char_tokenizer
-from vcpo_jax.rollout import common as rollout_common
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
 torch = pytest.importorskip("torch")
@@ -20,29 +18,10 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_llama3_checkpoint_trains_samples_and_exports(tmp_path, monkeypatch):
-  ckpt = str(tmp_path / "llama3")
-  hf_model("llama", "llama3", False, seed=11).save_pretrained(ckpt)
-  build_char_tokenizer(ckpt)
-  saved = {}
-  real_save = trainer._save
-
-  def recording_save(c, step, state, *a, **k):
-    saved[step] = jax.tree.map(lambda x: np.array(x, copy=True), state.params)
-    return real_save(c, step, state, *a, **k)
-
-  monkeypatch.setattr(trainer, "_save", recording_save)
-  dense = lambda problems, outputs, extraction=None: ([sum(map(str.isdigit, o)) / max(len(o), 1) for o in outputs], 0)
-  monkeypatch.setattr(rollout_common.tasks, "score_problems", dense)
-  c = fixtures.tiny_countdown_config(
-    steps=2, **{"model.checkpoint": ckpt, "optim.lr": 1e-2, "checkpoint.every": 2, "eval.every": 2, "log.plots": False}
-  )
-  for field in ("hidden_size", "intermediate_size", "num_layers"):
-    c.model[field] = None
-  trainer.run(c, str(tmp_path / "run"))
+  ckpt, final = train_checkpoint(tmp_path, monkeypatch, "llama", "llama3", seed=11)
   cfg, start = hf_io.load_hf(ckpt)
   assert cfg.rope_scaling.rope_type == "llama3" and not cfg.tie_embeddings
   graphdef, before = tf.split(start)
-  final = saved[2]
   kernel = lambda p: np.asarray(p["lm_head"]["kernel"][...])
   assert np.abs(kernel(final) - kernel(before)).max() > 1e-4  # trained
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(final))

@@ -14,9 +14,11 @@ from vcpo_jax.rollout import common as rollout_common
 pytest.importorskip("torch")
 
 
-def test_qwen3_checkpoint_trains_a_few_steps(tmp_path, monkeypatch):
-  ckpt = str(tmp_path / "qwen3")
-  hf_model("qwen3", "yarn", False, seed=7).save_pretrained(ckpt)
+def train_checkpoint(tmp_path, monkeypatch, model_type: str, rope: str, seed: int):
+  """Writes a transformers checkpoint (hf_model(model_type, rope, untied)), trains it 2 steps through
+  trainer.run with a dense reward; returns (the checkpoint dir, the parameters saved at step 2)."""
+  ckpt = str(tmp_path / model_type)
+  hf_model(model_type, rope, False, seed=seed).save_pretrained(ckpt)
   build_char_tokenizer(ckpt)
   saved = {}
   real_save = trainer._save
@@ -35,8 +37,12 @@ def test_qwen3_checkpoint_trains_a_few_steps(tmp_path, monkeypatch):
   for field in ("hidden_size", "intermediate_size", "num_layers"):  # the checkpoint's architecture, not a preset's
     c.model[field] = None
   trainer.run(c, str(tmp_path / "run"))
+  return ckpt, saved[2]
+
+
+def test_qwen3_checkpoint_trains_a_few_steps(tmp_path, monkeypatch):
+  ckpt, final = train_checkpoint(tmp_path, monkeypatch, "qwen3", "yarn", seed=7)
   _, start = hf_io.load_hf(ckpt)
-  final = saved[2]
   q_norm = lambda p: np.asarray(p["layers"][0]["self_attn"]["q_norm"]["scale"][...])
   before = np.asarray(start.layers[0].self_attn.q_norm.scale[...])
   assert q_norm(final).shape == (32,)  # head_dim, not hidden_size // num_heads

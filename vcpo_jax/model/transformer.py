@@ -160,30 +160,14 @@ def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, name: str, rngs: nnx.Rngs):
     d, h, dt = cfg.hidden_size, cfg.head_dim, cfg.compute_dtype
-    self.q_proj = Linear(
-      d, cfg.num_heads * h, name=f"{name}.q_proj", use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs, **_lora_kw(cfg, "q_proj")
-    )
-    self.k_proj = Linear(
-      d,
-      cfg.num_kv_heads * h,
-      name=f"{name}.k_proj",
-      use_bias=cfg.qkv_bias,
-      dtype=dt,
-      rngs=rngs,
-      **_lora_kw(cfg, "k_proj"),
-    )
-    self.v_proj = Linear(
-      d,
-      cfg.num_kv_heads * h,
-      name=f"{name}.v_proj",
-      use_bias=cfg.qkv_bias,
-      dtype=dt,
-      rngs=rngs,
-      **_lora_kw(cfg, "v_proj"),
-    )
-    self.o_proj = Linear(
-      cfg.num_heads * h, d, name=f"{name}.o_proj", use_bias=False, dtype=dt, rngs=rngs, **_lora_kw(cfg, "o_proj")
-    )
+
+    def proj(din, dout, which, bias):
+      return Linear(din, dout, name=f"{name}.{which}", use_bias=bias, dtype=dt, rngs=rngs, **_lora_kw(cfg, which))
+
+    self.q_proj = proj(d, cfg.num_heads * h, "q_proj", cfg.qkv_bias)
+    self.k_proj = proj(d, cfg.num_kv_heads * h, "k_proj", cfg.qkv_bias)
+    self.v_proj = proj(d, cfg.num_kv_heads * h, "v_proj", cfg.qkv_bias)
+    self.o_proj = proj(cfg.num_heads * h, d, "o_proj", False)
     self.q_norm = RMSNorm(h, cfg.rms_eps, name=f"{name}.q_norm", dtype=dt, frozen=cfg.lora) if cfg.qk_norm else None
     self.k_norm = RMSNorm(h, cfg.rms_eps, name=f"{name}.k_norm", dtype=dt, frozen=cfg.lora) if cfg.qk_norm else None
     self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, h
