@@ -129,7 +129,9 @@ def _parse_overrides(text: str) -> dict:
       raise ValueError(f"--model entry {item!r} must be field=value, e.g. --model=hidden_size=64,vocab_size=512.")
     k, v = item.split("=", 1)
     if k not in OVERRIDE_FIELDS:
-      raise ValueError(f"--model field {k!r} is not an architecture or LoRA field; choose from {OVERRIDE_FIELDS}.")
+      raise ValueError(
+        f"--model field {k!r} is not an architecture field (nor a LoRA field); choose from {OVERRIDE_FIELDS}."
+      )
     if v in ("True", "False", "true", "false"):
       out[k] = v.lower() == "true"
     else:

@@ -57,6 +57,7 @@ import numpy as np
 import optax
 
 from vcpo_jax import evaluation, fs, optim, provenance, tasks
+from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer
 from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.sampler import Sampler, SamplerConfig
@@ -396,13 +397,17 @@ def _tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def _model_key(model_cfg) -> dict:
-  """The model config's fields for the cache key; Qwen3's q/k norm and RoPE scaling are absent at their defaults
-  (off, plain RoPE) so that the keys of caches written before those fields existed still hold."""
+  """The model config's fields for the cache key; Qwen3's q/k norm, RoPE scaling and the LoRA fields are absent
+  at their defaults (off, plain RoPE, no adapters) so that the keys of caches written before those fields existed
+  still hold."""
   fields = dataclasses.asdict(model_cfg)
   if not model_cfg.qk_norm:
     fields.pop("qk_norm")
   if model_cfg.rope_scaling == type(model_cfg.rope_scaling)():
     fields.pop("rope_scaling")
+  if not model_cfg.lora_rank:
+    for f in model_config.LORA_FIELDS:
+      fields.pop(f)
   return fields
 
 
