@@ -9,7 +9,8 @@ log-prob, so the baseline part of the telemetry runs too). Two train steps are b
 as it ships (`vcpo_jax.telemetry.step_telemetry` adds the grad/ metrics), "off" is traced with
 `step_telemetry` replaced by `lambda *a: {}` (the step without the telemetry's arithmetic). Both compile and
 warm up first; each round then times `--steps` consecutive steps of each (the order alternates by round),
-and the round's ratio is median(on) / median(off). Reported: the median and range of the per-round ratios,
+and the round's ratio is median(on) / median(off). Reported: XLA's flop count of each compiled step (a
+yardstick the machine's load cannot move), the median and range of the per-round ratios,
 the median step times, the number of backend compiles during the timed rounds (0: nothing compiled
 mid-run), and the load average (`os.getloadavg`) before and after: on a shared machine other jobs' load
 moves both sides, which interleaving spreads over both. The last line is one JSON object.
@@ -108,6 +109,18 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   step_on, step_off, s_on, s_off, batch, n, t = build(args.method)
   compile_s = time.perf_counter() - t0
+  flops = {}  # XLA's own count of each compiled step's floating-point work: a load-free yardstick
+  from vcpo_jax import telemetry
+
+  real = telemetry.step_telemetry
+  for side, fn, st in (("on", step_on, s_on), ("off", step_off, s_off)):
+    telemetry.step_telemetry = real if side == "on" else (lambda *a, **k: {})
+    try:
+      cost = fn.lower(st, batch).compile().cost_analysis()
+    finally:
+      telemetry.step_telemetry = real
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops[side] = float(cost.get("flops", float("nan")))
   sides = {"on": [step_on, s_on], "off": [step_off, s_off]}
 
   def timed(side: str, k: int) -> list[float]:
@@ -146,6 +159,8 @@ def main(argv=None) -> int:
     "ratio_max": max(ratios),
     "step_on_ms": 1e3 * statistics.median(med["on"]),
     "step_off_ms": 1e3 * statistics.median(med["off"]),
+    "flops_on": flops["on"],
+    "flops_off": flops["off"],
     "compiles_during_rounds": len(compiles),
     "build_and_compile_s": compile_s,
     "loadavg_before": [round(x, 2) for x in load_before],
@@ -157,6 +172,7 @@ def main(argv=None) -> int:
   print(
     f"  per-round ratio on/off: median {res['ratio_median']:.4f}, range {res['ratio_min']:.4f} .. {res['ratio_max']:.4f}"
   )
+  print(f"  XLA flops per step: on {flops['on']:.4g}, off {flops['off']:.4g} (ratio {flops['on'] / flops['off']:.6f})")
   print(f"  backend compiles during the timed rounds: {len(compiles)}")
   print(f"  load average before {res['loadavg_before']}, after {res['loadavg_after']} ({res['cpus']} CPUs)")
   print(json.dumps(res))
