@@ -375,6 +375,34 @@ def test_ppo_epochs_and_minibatches_equal_sequential_updates_with_one_pi_old(mb_
   assert int(new.step) == 1  # one trainer step (one policy version), four optimizer updates
 
 
+def test_a_nonfinite_minibatch_update_is_skipped_and_the_others_apply(mb_setup, monkeypatch):
+  # One guard for every update: a fault injected into the second minibatch's gradient (the one holding
+  # group 2) makes that update's gradient NaN. It is skipped (nonfinite = 1); the first minibatch's update
+  # applies, equal to the numpy transcription's.
+  params, _, batch, graphdef = mb_setup
+  real = learner.policy_losses.loss_gradient
+
+  def faulty(fn, logp_fn, p, mb, adv, old):
+    grads, loss, lm = real(fn, logp_fn, p, mb, adv, old)
+    poison = jnp.where(jnp.any(mb["group_id"] == 2), jnp.nan, 1.0)
+    return jax.tree.map(lambda g: g * poison, grads), loss, lm
+
+  monkeypatch.setattr(learner.policy_losses, "loss_gradient", faulty)
+  tx = _sgd_tx()
+  name = "ppo_clip"
+  cfg = learner.LearnerConfig(
+    pg=estimator.pg_config_from_preset(name), group_size=2, batch_size=N, ppo_epochs=1, minibatches=2
+  )
+  state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+  new, m = jax.jit(learner.make_train_step(graphdef, tx, cfg))(state, batch)
+  assert float(m["nonfinite"]) == 1.0 and float(m["updates"]) == 2.0
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new.params))
+  old = learner.make_logp_fn(graphdef)(params, batch)
+  g = _np_loss_grad(graphdef, params, batch, name, old_logp=old, rows=np.arange(4))
+  want = jax.tree.map(lambda a, b: a - b, params, g)
+  _assert_close_trees(_update(new.params, params), _update(want, params), rtol=5e-4)
+
+
 def test_one_epoch_one_minibatch_is_the_single_update(mb_setup):
   # The multi-update machinery with 1 x 1 gives the default step's numbers (to float rounding).
   params, _, batch, graphdef = mb_setup

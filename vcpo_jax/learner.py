@@ -499,6 +499,26 @@ def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_p
   return grads, dict(estimator.pg_metrics(rows, cfg.pg), **rows, pg_loss=jnp.sum(losses) / z)
 
 
+def _guarded_update(tx, params, opt_state, grads, loss, lr_scale):
+  """One optimizer update (clip -> AdamW -> x lr_scale), skipped when the loss or the gradient is not finite.
+
+  Returns (params, opt_state, metrics): the updated pair, or the inputs unchanged when not finite, and
+  grad_norm, update_norm and nonfinite (1.0 when skipped). Every update the learner applies goes through
+  here: the single update of a step and each of the ppo_epochs x minibatches updates.
+  """
+  grad_norm = optax.global_norm(grads)
+  updates, new_opt = tx.update(grads, opt_state, params, ess_scale=lr_scale)
+  new_params = optax.apply_updates(params, updates)
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  metrics = {
+    "grad_norm": grad_norm,
+    "update_norm": optax.global_norm(updates),
+    "nonfinite": 1.0 - finite.astype(jnp.float32),
+  }
+  return keep(new_params, params), keep(new_opt, opt_state), metrics
+
+
 def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batch: dict):
   """ppo_epochs x minibatches optimizer updates on one batch; pi_old recomputed ONCE, at the start.
 
@@ -536,15 +556,9 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
     params, opt_state = carry
     fn = _bound_policy_loss(cfg.pg, mb, version)
     grads, loss, lm = policy_losses.loss_gradient(fn, logp_fn, params, mb, mb["advantage"], mb["old_logp"])
-    grad_norm = optax.global_norm(grads)
-    updates, new_opt = tx.update(grads, opt_state, params, ess_scale=lr_scale)
-    new_params = optax.apply_updates(params, updates)
-    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    out = {f"loss/{k}": v for k, v in lm.items()}
-    out.update(pg_loss=loss, grad_norm=grad_norm, update_norm=optax.global_norm(updates))
-    out["nonfinite"] = 1.0 - finite.astype(jnp.float32)
-    return (keep(new_params, params), keep(new_opt, opt_state)), out
+    params, opt_state, out = _guarded_update(tx, params, opt_state, grads, loss, lr_scale)
+    out.update({f"loss/{k}": v for k, v in lm.items()}, pg_loss=loss)
+    return (params, opt_state), out
 
   def epoch(carry, _):
     return jax.lax.scan(update, carry, mbs)
@@ -574,22 +588,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
       return _multi_update_step(graphdef, tx, cfg, state, batch)
     params, frozen = lora.split(state.params)  # with LoRA: the adapters train, the base is frozen
     grads, aux = _gradient(graphdef, params, batch, cfg, state.step, behavior_params, frozen)
-    grad_norm = optax.global_norm(grads)
-    lr_scale = aux["lr_scale"]
     # clip -> AdamW -> x lr_scale, once per step (after accumulation when micro-batched)
-    updates, new_opt = tx.update(grads, state.opt_state, params, ess_scale=lr_scale)
-    new_params = optax.apply_updates(params, updates)
-    finite = jnp.isfinite(grad_norm) & jnp.isfinite(aux["pg_loss"])
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    new_params = lora.combine(keep(new_params, params), frozen)
-    new_state = TrainState(new_params, keep(new_opt, state.opt_state), state.step + 1)
+    params, opt_state, upd = _guarded_update(tx, params, state.opt_state, grads, aux["pg_loss"], aux["lr_scale"])
+    new_state = TrainState(lora.combine(params, frozen), opt_state, state.step + 1)
     metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
-    metrics.update(
-      grad_norm=grad_norm, update_norm=optax.global_norm(updates), nonfinite=1.0 - finite.astype(jnp.float32)
-    )
+    metrics.update(upd)
     # gradient-variance telemetry ("grad/..."): [N]-array arithmetic on the norms the step already has
     t = batch["tokens"].shape[1]
-    metrics.update(telemetry.step_telemetry(aux, grad_norm**2, batch["rewards"], batch["group_id"], cfg.pg, t))
+    g2 = upd["grad_norm"] ** 2
+    metrics.update(telemetry.step_telemetry(aux, g2, batch["rewards"], batch["group_id"], cfg.pg, t))
     return new_state, metrics
 
   return train_step
