@@ -590,6 +590,127 @@ def _owners(infos: dict[str, taps.TapInfo], params) -> tuple[dict[str, jax.Shape
   return param_shapes, owners
 
 
+def _param_sq_norms(infos, owners, acts, outgrads, plans, param_shapes, kept, c_nm, extra, batch_shards, avail):
+  """sum over the non-head parameters of the per-example squared gradient norms, [N] float32.
+
+  The head's own S_n comes from the head scan; here: linear kernels (gram / direct / materialize, the
+  materialized per-example gradients stored in `kept` for the update), biases, scales, embedding lookups
+  (gram or scatter form within `avail` bytes) and the tied embedding + head pair's cross term.
+  """
+  n = c_nm.shape[0]
+  sq_n = jnp.zeros((n,), _F32)
+
+  def embed_block(tok, d_emb, v, kept=False):  # 0: the gram form; else examples per block of the scatter form
+    t = tok.size // n
+    meth, block = embed_plan(-(-n // batch_shards), t, d_emb.shape[-1], v, avail, kept)
+    return block if meth == "scatter" else 0
+
+  for p, names in owners.items():
+    kinds = sorted(infos[k].kind for k in names)
+    if len(names) == 1:
+      name = names[0]
+      info = infos[name]
+      if info.kind == "head":
+        continue  # its S_n came from the head scan
+      a, d = acts[name], outgrads[name]
+      if info.kind == "linear":
+        a_nt, d_nt = _flat(a, n), _flat(d, n)
+        if p.endswith(".bias"):
+          sq_n += jnp.sum(jnp.sum(d_nt, axis=1) ** 2, axis=-1)
+          continue
+        plan = plans[name]
+        if plan.method == "gram":
+          sq_n += _gram_sq_norm(a_nt, d_nt)
+        elif plan.method == "direct":
+          sq_n += _direct_sq_norm(a_nt, d_nt, plan.block, batch_shards)
+        else:
+          g = jnp.einsum("nti,nto->nio", a_nt, d_nt)  # per-example kernel gradient, kept
+          sq_n += jnp.sum(g * g, axis=(1, 2))
+          kept[name] = g
+      elif info.kind == "scale":
+        sq_n += jnp.sum(jnp.sum(_flat(a, n) * _flat(d, n), axis=1) ** 2, axis=-1)
+      elif info.kind == "embed":
+        v = param_shapes[p].shape[0]
+        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v), shards=batch_shards)
+      else:
+        raise ValueError(f"Unsupported tap kind {info.kind!r} for parameter {p!r}.")
+    elif kinds == ["embed", "head"]:  # tied embeddings: lookup + LM head share the table
+      emb = next(k for k in names if infos[k].kind == "embed")
+      head = next(k for k in names if infos[k].kind == "head")
+      tok_nt, d_emb = acts[emb].reshape(n, -1), _flat(outgrads[emb], n)
+      v = param_shapes[p].shape[0]
+      block = embed_block(acts[emb], outgrads[emb], v, head in kept)
+      if head in kept and block:  # ||B_n||^2 + 2 <B_n, C_n> from B_n and the kept C_n
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head], batch_shards)
+      else:  # ||B_n||^2, and the cross term from [N, M, T] values; ||C_n||^2 came from the head scan
+        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, shards=batch_shards)
+        sq_n += _tied_cross_term(acts[head], infos[head].spec, c_nm, tok_nt, d_emb, extra.get(head))
+    else:
+      raise ValueError(
+        f"Parameter {p!r} is used by taps {names} of kinds {kinds}; only a tied "
+        "embed + head pair may share a parameter."
+      )
+
+  return sq_n
+
+
+def _update_grads(infos, acts, outgrads, plans, param_shapes, kept, grads_by_path, c_nm, extra, w_n):
+  """{parameter path: gradient} of sum_n w_n * (the row's score): backprop is linear in the per-example
+  cotangents, so every tap contracts its activations and output gradients with w_n (the head from its
+  scan or its kept per-example gradient, kept linear kernels as sum_n w_n g_n). Each gradient takes its
+  parameter's layout under a mesh."""
+  n = w_n.shape[0]
+  grads: dict[str, jax.Array] = {}
+
+  def add(path, g):  # under a mesh, each gradient takes its parameter's layout (reduce-scattered, not replicated)
+    g = g.astype(param_shapes[path].dtype)
+    grads[path] = sharding.constrain_param(grads[path] + g if path in grads else g, path)
+
+  for name, info in infos.items():
+    if info.kind == "head":
+      path = _tap_params(info)[0]
+      if name in grads_by_path:  # taps_grad: formed in the head scan
+        add(path, grads_by_path[name])
+      elif name in kept:
+        add(path, jnp.einsum("n,n...->...", w_n, kept[name]))
+      else:
+        add(
+          path,
+          _head_scan(
+            acts[name],
+            info.spec,
+            c_nm,
+            plans[name],
+            want_dh=False,
+            want_sq=False,
+            w_n=w_n,
+            path=path,
+            extra=extra.get(name),
+          )[3],
+        )
+      continue
+    a, d = acts[name], outgrads[name]
+    if info.kind == "linear":
+      if name in kept:
+        add(info.param + ".kernel", jnp.einsum("n,nio->io", w_n, kept[name]))
+      else:
+        add(info.param + ".kernel", jnp.einsum("nti,nto->io", _flat(a, n), _flat(d, n) * w_n[:, None, None]))
+      if info.has_bias:
+        add(info.param + ".bias", jnp.einsum("n,nto->o", w_n, _flat(d, n)))
+    elif info.kind == "scale":
+      add(info.param + ".scale", jnp.einsum("n,ntd->d", w_n, _flat(a, n) * _flat(d, n)))
+    elif info.kind == "embed":
+      table = param_shapes[info.param + ".embedding"]
+      rows = (
+        jnp.zeros(table.shape, _F32)
+        .at[a.reshape(-1)]
+        .add((_flat(d, n) * w_n[:, None, None]).reshape(-1, table.shape[-1]))
+      )
+      add(info.param + ".embedding", rows)
+
+  return grads
+
+
 def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_bytes, batch_shards, head_coefs=None):
   """The shared body of `ghost_sq_norms_and_grad` (coef_fn given) and `taps_grad` (coef_n given)."""
   norms = coef_fn is not None
@@ -651,57 +772,8 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   kept_bytes = sum(pl.kept_bytes for pl in plans.values() if pl.method == "materialize")
   avail = memory_budget_bytes - kept_bytes
 
-  def embed_block(tok, d_emb, v, kept=False):  # 0: the gram form; else examples per block of the scatter form
-    t = tok.size // n
-    meth, block = embed_plan(-(-n // batch_shards), t, d_emb.shape[-1], v, avail, kept)
-    return block if meth == "scatter" else 0
-
-  # Per-example squared norms, parameter by parameter; keep what the update needs.
-  for p, names in owners.items() if norms else ():
-    kinds = sorted(infos[k].kind for k in names)
-    if len(names) == 1:
-      name = names[0]
-      info = infos[name]
-      if info.kind == "head":
-        continue  # its S_n came from the head scan
-      a, d = acts[name], outgrads[name]
-      if info.kind == "linear":
-        a_nt, d_nt = _flat(a, n), _flat(d, n)
-        if p.endswith(".bias"):
-          sq_n += jnp.sum(jnp.sum(d_nt, axis=1) ** 2, axis=-1)
-          continue
-        plan = plans[name]
-        if plan.method == "gram":
-          sq_n += _gram_sq_norm(a_nt, d_nt)
-        elif plan.method == "direct":
-          sq_n += _direct_sq_norm(a_nt, d_nt, plan.block, batch_shards)
-        else:
-          g = jnp.einsum("nti,nto->nio", a_nt, d_nt)  # per-example kernel gradient, kept
-          sq_n += jnp.sum(g * g, axis=(1, 2))
-          kept[name] = g
-      elif info.kind == "scale":
-        sq_n += jnp.sum(jnp.sum(_flat(a, n) * _flat(d, n), axis=1) ** 2, axis=-1)
-      elif info.kind == "embed":
-        v = param_shapes[p].shape[0]
-        sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v), shards=batch_shards)
-      else:
-        raise ValueError(f"Unsupported tap kind {info.kind!r} for parameter {p!r}.")
-    elif kinds == ["embed", "head"]:  # tied embeddings: lookup + LM head share the table
-      emb = next(k for k in names if infos[k].kind == "embed")
-      head = next(k for k in names if infos[k].kind == "head")
-      tok_nt, d_emb = acts[emb].reshape(n, -1), _flat(outgrads[emb], n)
-      v = param_shapes[p].shape[0]
-      block = embed_block(acts[emb], outgrads[emb], v, head in kept)
-      if head in kept and block:  # ||B_n||^2 + 2 <B_n, C_n> from B_n and the kept C_n
-        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, kept[head], batch_shards)
-      else:  # ||B_n||^2, and the cross term from [N, M, T] values; ||C_n||^2 came from the head scan
-        sq_n += _embed_sq_norm(tok_nt, d_emb, v, block, shards=batch_shards)
-        sq_n += _tied_cross_term(acts[head], infos[head].spec, c_nm, tok_nt, d_emb, extra.get(head))
-    else:
-      raise ValueError(
-        f"Parameter {p!r} is used by taps {names} of kinds {kinds}; only a tied "
-        "embed + head pair may share a parameter."
-      )
+  if norms:  # per-example squared norms, parameter by parameter; keeps what the update needs in `kept`
+    sq_n += _param_sq_norms(infos, owners, acts, outgrads, plans, param_shapes, kept, c_nm, extra, batch_shards, avail)
 
   aux = None
   if norms:
@@ -715,55 +787,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
     loss = loss - jnp.sum(coef_n * jnp.sum(hs["e_logp"], axis=1))
 
   # The update: backprop is linear in the per-example cotangents, so contract with -coef_n.
-  w_n = -coef_n
-  grads: dict[str, jax.Array] = {}
-
-  def add(path, g):  # under a mesh, each gradient takes its parameter's layout (reduce-scattered, not replicated)
-    g = g.astype(param_shapes[path].dtype)
-    grads[path] = sharding.constrain_param(grads[path] + g if path in grads else g, path)
-
-  for name, info in infos.items():
-    if info.kind == "head":
-      path = _tap_params(info)[0]
-      if name in grads_by_path:  # taps_grad: formed in the head scan
-        add(path, grads_by_path[name])
-      elif name in kept:
-        add(path, jnp.einsum("n,n...->...", w_n, kept[name]))
-      else:
-        add(
-          path,
-          _head_scan(
-            acts[name],
-            info.spec,
-            c_nm,
-            plans[name],
-            want_dh=False,
-            want_sq=False,
-            w_n=w_n,
-            path=path,
-            extra=extra.get(name),
-          )[3],
-        )
-      continue
-    a, d = acts[name], outgrads[name]
-    if info.kind == "linear":
-      if name in kept:
-        add(info.param + ".kernel", jnp.einsum("n,nio->io", w_n, kept[name]))
-      else:
-        add(info.param + ".kernel", jnp.einsum("nti,nto->io", _flat(a, n), _flat(d, n) * w_n[:, None, None]))
-      if info.has_bias:
-        add(info.param + ".bias", jnp.einsum("n,nto->o", w_n, _flat(d, n)))
-    elif info.kind == "scale":
-      add(info.param + ".scale", jnp.einsum("n,ntd->d", w_n, _flat(a, n) * _flat(d, n)))
-    elif info.kind == "embed":
-      table = param_shapes[info.param + ".embedding"]
-      rows = (
-        jnp.zeros(table.shape, _F32)
-        .at[a.reshape(-1)]
-        .add((_flat(d, n) * w_n[:, None, None]).reshape(-1, table.shape[-1]))
-      )
-      add(info.param + ".embedding", rows)
-
+  grads = _update_grads(infos, acts, outgrads, plans, param_shapes, kept, grads_by_path, c_nm, extra, -coef_n)
   grads = jax.tree_util.tree_map_with_path(lambda path, _: grads[path_str(path)], params)
   return GhostResult(
     logp_nt, tokw_nt, sq_n if norms else None, coef_n, loss, grads, aux, head_sums.get(heads[0]) if head_sums else None
