@@ -453,7 +453,7 @@ def test_device_path_puts_the_learners_parameters_on_the_sampler_devices_and_ech
   from vcpo_jax.rollout.process import worker as worker_lib
 
   over = {"lag.k": 1, "async_.publish_path": "device", "async_.sampler_devices": "2,3", "async_.queue_slots": 2}
-  over["async_.max_sampler_restarts"] = 0  # replacement needs the shm path
+  over["async_.max_sampler_restarts"] = 0  # the device path does not replace (silences its start-up warning)
   src, params = _source(_tiny(steps=3, **over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
   names = worker_lib.param_names(params)
   sampler_devices = set(jax.devices()[2:4])

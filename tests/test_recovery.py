@@ -104,6 +104,36 @@ def test_two_sigkills_replace_the_sampler_and_the_run_finishes(tmp_path):
 
 
 @pytest.mark.exclusive
+def test_the_transfer_path_replaces_a_sigkilled_sampler_and_the_run_finishes(tmp_path):
+  # publish_path='transfer': the replacement pulls the newest offer from the learner's same transfer server
+  # over a fresh request pipe; every step once, no batch twice, lags in [0, k], nothing left in /dev/shm.
+  from vcpo_jax.rollout.transfer_publish import TransferAsyncSource
+
+  k, steps = 1, 8
+  over = {"lag.k": k, "async_.publish_path": "transfer", "async_.queue_slots": 1}
+  with pytest.MonkeyPatch.context() as mp:
+    built, seen, paths, kills = _killing_sources(mp, kill_at={3})
+    workdir = str(tmp_path / "run")
+    summary = trainer.run(_tiny(steps=steps, **over), workdir)
+  assert summary["step"] == steps
+  (src,) = built
+  assert isinstance(src, TransferAsyncSource)
+  assert [s for s, _, _ in seen] == list(range(steps))
+  producers = [info["producer"] for _, _, info in seen]
+  assert len(set(producers)) == steps and len({pid for pid, _ in producers}) == 2
+  assert src.sampler_restarts == 1
+  for step, versions, _ in seen:
+    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1))
+  assert recs[-1]["async/sampler_restarts"] == 1
+  assert src.proc.exitcode == 0
+  _assert_removed(sorted(paths))
+  for s, pid, _, dt in kills:
+    print(f"[transfer] kill before step {s} (pid {pid}): first batch of the replacement consumed after {dt:.1f} s")
+
+
+@pytest.mark.exclusive
 def test_a_kill_past_the_restart_budget_ends_the_run_with_a_checkpoint(tmp_path):
   over = {"lag.k": 2, "async_.max_sampler_restarts": 1, "checkpoint.every": 100}
   with pytest.MonkeyPatch.context() as mp:
@@ -285,8 +315,9 @@ def test_the_paths_that_cannot_replace_say_so_at_start_up(caplog):
   from tests.test_async import _source
   from vcpo_jax.rollout import device_publish, multihost, transfer_publish
 
-  for cls in (device_publish.DeviceAsyncSource, transfer_publish.TransferAsyncSource, multihost.MultiHostAsyncSource):
+  for cls in (device_publish.DeviceAsyncSource, multihost.MultiHostAsyncSource):
     assert cls.replaceable is False and cls.not_replaceable_because, cls
+  assert transfer_publish.TransferAsyncSource.replaceable is True  # test_the_transfer_path_replaces_...
   device = {"async_.publish_path": "device", "async_.sampler_devices": "2,3"}
   with caplog.at_level("WARNING"):
     src, _ = _source(_tiny(**device), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])

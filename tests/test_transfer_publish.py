@@ -32,7 +32,7 @@ def _shm_mappings(pid: int) -> dict[str, int]:
   return out
 
 
-# max_sampler_restarts=0: replacing a failed sampler needs the shm path (a config error otherwise)
+# max_sampler_restarts=0: a failed sampler ends the source (tests/test_recovery.py covers its replacement)
 _OVER = {"lag.k": 1, "async_.publish_path": "transfer", "async_.queue_slots": 1, "async_.max_sampler_restarts": 0}
 
 
@@ -72,6 +72,7 @@ def test_the_sampler_process_pulls_the_learners_parameters_after_a_step_even_onc
     src._serve_requests()
 
   src._start = start
+  src.replaceable = False  # the stand-in sampler has no batch queue, so no heartbeat to watch
   try:
     src.publish(params, 0)
     got = [recv.recv() if recv.poll(120.0) else pytest.fail("no pull of version 0")]
@@ -146,7 +147,7 @@ def test_async_run_over_the_transfer_path_matches_the_shm_runs_first_steps(tmp_p
   for path in ("shm", "transfer"):
     built, seen, _ = fixtures.record_sources(monkeypatch)
     wd = str(tmp_path / path)
-    extra = {"async_.max_sampler_restarts": 0} if path == "transfer" else {}  # replacement needs the shm path
+    extra = {"async_.max_sampler_restarts": 0} if path == "transfer" else {}  # as the test ran before replacement
     trainer.run(_tiny(steps=steps, **{"lag.k": 1, "async_.publish_path": path, **extra}), wd)
     (src,) = built
     assert src.proc.exitcode == 0

@@ -93,10 +93,10 @@ allows one (hung, SIGSTOP), is replaced (`_replace`; `restart_causes` keeps why)
 was making is dropped and made again by a fresh sampler (new shared memory holding the
 newest version written) that starts at the first step not covered; async/sampler_restarts
 counts the replacements in every row. Past `async_.max_sampler_restarts` replacements
-within `async_.restart_window_s` (and on the device, transfer and multi-host paths, which
-do not replace: a sampler thread cannot be killed, the transfer path's server and pulls would
-have to be rebuilt, several hosts would have to agree on it; a warning at start-up says the budget
-does not apply there) a dead worker raises
+within `async_.restart_window_s` (and on the device and multi-host paths, which
+do not replace: a sampler thread cannot be killed, several hosts would have to agree on it; a
+warning at start-up says the budget does not apply there; the transfer path replaces, its new
+sampler pulling from the same transfer server) a dead worker raises
 `SamplerDiedError` naming the exit code or signal and the worker's traceback
 within a fraction of a second (the trainer checkpoints, then exits 1), and no batch within `async_.timeout_s`
 (the first batch, which includes the worker's start-up and compilation:
@@ -898,7 +898,7 @@ class AsyncSource(RolloutSource):
     old_pid = self.proc.pid
     self._drain()  # what the old sampler completed
     self._quiesce_publisher()
-    version, arrays = self.slot.latest(timeout=60.0)  # the newest version written, in the publish dtype
+    version, arrays = self._newest_written()
     self._finalizer()  # stops the old sampler (SIGKILL at once if stopped), reaps it
     for x in (self.queue, self.slot, self.eval_slot, self.conn):
       if x is not None:
@@ -927,6 +927,11 @@ class AsyncSource(RolloutSource):
     if self._thread is None and self._todo is not None:  # a snapshot the failed thread had not taken
       self._hand_over(self._todo[0], self._todo[1], None, names=self._todo[2])
     return True
+
+  def _newest_written(self) -> tuple[int, dict]:
+    """(version, {name: array}) of the newest version the sampler could read, in the publish dtype: what a
+    replacement sampler starts from."""
+    return self.slot.latest(timeout=60.0)
 
   def _quiesce_publisher(self):
     """Lets the background publisher finish its copy into the old slot; a thread that failed is restarted later."""

@@ -152,11 +152,8 @@ class TransferAsyncSource(async_.AsyncSource):
   """AsyncSource whose spawned sampler pulls each version it takes from this process's devices with
   `jax.experimental.transfer` (see the module docstring). Same arguments as AsyncSource."""
 
-  # A failed sampler ends the run (the start-up warning says so when async_.max_sampler_restarts > 0).
-  replaceable = False
-  not_replaceable_because = (
-    "publish_path='transfer': its transfer server and pulls would have to be rebuilt; use publish_path='shm'"
-  )
+  # A failed sampler is replaced (AsyncSource._replace): the new one pulls the newest offer from the same
+  # transfer server over a fresh request pipe, answered by a fresh server thread.
 
   def __init__(self, cfg, *a, **kw):
     check_transfer_path(cfg, jax.process_count())
@@ -192,7 +189,7 @@ class TransferAsyncSource(async_.AsyncSource):
       self._offer = offer
       self._start(dict(zip(worker_lib.param_names(params), snap)), version)
     else:
-      self._raise_if_dead()
+      self._replace_if_dead()  # the replacement starts from the previous offer; this one follows
       self._raise_thread_error()
       with self._offer_lock:
         self._offer = offer
@@ -214,8 +211,22 @@ class TransferAsyncSource(async_.AsyncSource):
       return jax.jit(lambda xs: [async_._snapshot_leaf(x, self.publish_dtype) for x in xs], out_shardings=one)
     return lambda xs: jax.device_put(self._snap(xs), one)
 
+  def _newest_written(self) -> tuple[int, dict]:
+    """The newest offer (device snapshots in the publish dtype) and its version: a replacement's start."""
+    with self._offer_lock:
+      snap, ver = self._offer
+    return int(ver), dict(zip(self.slot.names, snap))
+
+  def _raise_thread_error(self):
+    """A pull that failed because its sampler died is the sampler's death (replaceable), not the server's."""
+    if self._thread_error is not None and self.proc is not None and self.proc.exitcode is not None:
+      self._thread_error = None
+      raise self._died_error("during a parameter pull")
+    super()._raise_thread_error()
+
   def _open_slot(self, arrays: dict, version: int):
-    self._server = _start_server(self._device)
+    if self._server is None:  # one server for the run: a replacement sampler connects to the same one
+      self._server = _start_server(self._device)
     self._requests, send = SPAWN.Pipe(duplex=False)
     leaves = list(arrays.values())
     self.slot = TransferSlot(
@@ -228,24 +239,26 @@ class TransferAsyncSource(async_.AsyncSource):
     )
     self._published_v.value = int(version)
 
-  def _start(self, arrays: dict, version: int):
-    super()._start(arrays, version)
+  def _spawn(self, arrays: dict, version: int, first: int):
+    super()._spawn(arrays, version, first)
     self._serve_requests()
 
   def _serve_requests(self):
     """Once the sampler holds the slot: closes this process's send end of the request pipe (the sampler's is
-    then the only one, so its exit ends the server thread's wait) and starts the server thread."""
+    then the only one, so its exit ends the server thread's wait) and starts the server thread on that pipe
+    (a replaced sampler's thread keeps its own pipe and ends at its EOF)."""
     self.slot.close()
-    self._thread = threading.Thread(target=self._serve, name="vcpo-transfer-serve", daemon=True)
+    self._thread = threading.Thread(target=self._serve, args=(self._requests,), name="vcpo-transfer-serve", daemon=True)
     self._thread.start()
 
-  def _serve(self):
-    """Server thread: answers each pull request with the newest offer, until close() or the sampler is gone."""
+  def _serve(self, requests):
+    """Server thread: answers each pull request on `requests` with the newest offer, until close() or its
+    sampler is gone."""
     while not self._closing:
       try:
-        if not self._requests.poll(_SERVE_POLL_S):
+        if not requests.poll(_SERVE_POLL_S):
           continue
-        uuid = self._requests.recv()
+        uuid = requests.recv()
       except (EOFError, OSError):
         return  # the sampler closed its end (exited): next() / publish() report a dead one
       t0 = time.perf_counter()
