@@ -184,6 +184,24 @@ def test_microbatched_telemetry_equals_single_pass(tiny):
     assert outs[1][key] == pytest.approx(outs[0][key], rel=1e-4, abs=1e-9), key
 
 
+def test_grad_telemetry_off_logs_no_grad_metrics_and_trains_the_same(tiny):
+  # learner.grad_telemetry=False drops the grad/ metrics only: same parameters, same other metrics.
+  graphdef, params, batch = tiny
+  pg = estimator.pg_config_from_preset("vcpo")
+  tx = optim.make_optimizer(1e-3, weight_decay=0.0)
+  runs = []
+  for on in (True, False):
+    step = jax.jit(learner.make_train_step(graphdef, tx, learner.LearnerConfig(pg=pg, grad_telemetry=on)))
+    runs.append(step(learner.init_state(jax.tree.map(jnp.copy, params), tx), batch))
+  (s_on, m_on), (s_off, m_off) = runs
+  assert any(k.startswith("grad/") for k in m_on) and not any(k.startswith("grad/") for k in m_off)
+  assert set(m_on) - set(m_off) == {k for k in m_on if k.startswith("grad/")}
+  for a, b in zip(jax.tree.leaves(s_on.params), jax.tree.leaves(s_off.params)):  # two programs: float rounding
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
+  for k in m_off:
+    assert f(m_off[k]) == pytest.approx(f(m_on[k]), rel=1e-5, abs=1e-8), k
+
+
 def test_cosine():
   a = {"x": jnp.array([1.0, 0.0]), "y": jnp.array([[0.0]])}
   b = {"x": jnp.array([1.0, 1.0]), "y": jnp.array([[0.0]])}

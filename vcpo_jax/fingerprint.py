@@ -43,6 +43,7 @@ EXCLUDED = (
   "async_.sampler_cpus",
   "distributed.",  # the job's processes (a run resumes on another number of hosts: tests/test_multihost_async)
   "sft.cache_dir",
+  "learner.grad_telemetry",  # metrics only
 )
 # Learning-rate schedules whose values do not depend on `steps` (then `steps` is left out too).
 STEPS_FREE_SCHEDULES = ("constant", "warmup_constant")

@@ -95,6 +95,7 @@ class LearnerConfig:
   grad_path: str = "ghost"
   ghost_passes: int | str = 1  # 1: one backward, all layers' (A, D) kept; 2: norms block by block; "auto"
   one_pass_budget_gib: float = 24.0  # ghost_passes="auto": per-device GiB the one-pass (A, D) may take
+  grad_telemetry: bool = True  # the grad/ metrics of vcpo_jax.telemetry, from the step's per-example norms
   microbatch_size: int | None = None  # rows per micro-batch (whole groups); None / 0: one pass
   group_size: int | None = None  # G, only for the config-time check of microbatch_size
   batch_size: int | None = None  # N = P * G, only for the config-time check of microbatch_size
@@ -197,6 +198,7 @@ class LearnerSection:
   # ghost backward passes: 1 (all layers' (A, D) kept) | 2 (norms block by block, long T) | "auto" (by memory)
   ghost_passes: int | str = LearnerConfig.ghost_passes  # int 1 | 2, or the str "auto"
   one_pass_budget_gib: float = LearnerConfig.one_pass_budget_gib  # "auto": per-device GiB one pass may keep
+  grad_telemetry: bool = LearnerConfig.grad_telemetry  # grad/ metrics every step; False: math learner -1.8 GiB
   microbatch_size: int = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
   ppo_epochs: int = LearnerConfig.ppo_epochs  # passes over each batch per step (policy-loss methods only)
   minibatches: int = LearnerConfig.minibatches  # updates per pass, each on whole groups; pi_old once per step
@@ -594,9 +596,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
     metrics.update(upd)
     # gradient-variance telemetry ("grad/..."): [N]-array arithmetic on the norms the step already has
-    t = batch["tokens"].shape[1]
-    g2 = upd["grad_norm"] ** 2
-    metrics.update(telemetry.step_telemetry(aux, g2, batch["rewards"], batch["group_id"], cfg.pg, t))
+    if cfg.grad_telemetry:
+      t, g2 = batch["tokens"].shape[1], upd["grad_norm"] ** 2
+      metrics.update(telemetry.step_telemetry(aux, g2, batch["rewards"], batch["group_id"], cfg.pg, t))
     return new_state, metrics
 
   return train_step

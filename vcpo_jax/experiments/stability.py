@@ -397,6 +397,7 @@ LATER_FIELDS = {
   ("model", "lora_targets"): ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
   ("vcpo", "score_centering"): None,
   ("vcpo", "sc_topk"): None,
+  ("learner", "grad_telemetry"): True,
 }
 
 
