@@ -117,6 +117,9 @@ def test_logits_match_transformers_past_the_original_context(ckpt):
   tokens = _tokens(2, T_LONG, seed=1)
   theirs = fixtures.hf_logits(model, tokens)
   ours = _our_logits(path, tokens)
+  print(
+    f"[parity] {path.rsplit('/', 1)[-1]}: max |ours - transformers| / std = {np.abs(ours - theirs).max() / theirs.std():.2e}"
+  )
   assert np.abs(ours - theirs).max() <= 1e-4 * theirs.std(), np.abs(ours - theirs).max() / theirs.std()
   if rope != "default":  # the scaling matters at these positions: plain RoPE is far off
     cfg, m = load_hf(path)
@@ -237,4 +240,7 @@ def test_one_full_width_8b_layer_matches_transformers(name, tmp_path):
   del model
   _, ours = load_hf(str(tmp_path))
   mine = np.asarray(hf_io._logits(*tf.split(ours), tokens, np.ones(tokens.shape, bool)))
+  print(
+    f"[parity] one full-width {name} layer: max |ours - transformers| / std = {np.abs(mine - theirs).max() / theirs.std():.2e}"
+  )
   assert np.abs(mine - theirs).max() <= 1e-4 * theirs.std(), np.abs(mine - theirs).max() / theirs.std()
