@@ -174,6 +174,7 @@ def load_setting(
   new_tokens: int = 0,
   score_centering: str = "",
   microbatch: int = 0,
+  grad_telemetry: bool = True,
 ):
   """The released config `configs/<name>.py` (`name:variant` for a variant, e.g. math:qwen3_8b) with its
   real architecture (config.model.shape).
@@ -184,6 +185,7 @@ def load_setting(
   score_centering="exact": the config's method with exact score centering (vcpo.score_centering), run in
   mode='lag' (where the behaviour version exists; the config's lag.k): the learner step then also reads the
   behaviour parameters and runs their forward (`compile_learner`), on the one-pass ghost step.
+  grad_telemetry=False: learner.grad_telemetry off (the step without the grad/ metrics).
   """
   from vcpo_jax import run_config
   from vcpo_jax.rollout import multiturn
@@ -203,6 +205,7 @@ def load_setting(
     c.task.prompts_per_step = batch // c.task.group_size
   if microbatch:  # learner.microbatch_size (--microbatch; 0: the config's)
     c.learner.microbatch_size = microbatch
+  c.learner.grad_telemetry = c.learner.grad_telemetry and grad_telemetry  # --no_grad_telemetry
   if prompt_len:
     c.task.max_prompt_len = prompt_len
   if score_centering:
@@ -449,6 +452,7 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     row["prefill_chunk"] = setting.sampler_cfg.prefill_chunk  # 0: the whole prompt bucket in one pass
   else:
     row["microbatch"] = microbatch_rows(setting.spec, mesh, rows) or rows
+    row["grad_telemetry"] = setting.spec.learner.grad_telemetry
     row["ghost_passes"] = learner_config(setting.spec, mesh, rows, setting.model_cfg, setting.t).ghost_passes
   by_layers = {}
   compile_s = 0.0
@@ -507,7 +511,14 @@ def worker(args) -> list[dict]:
       budget = {"norm_budget": args.norm_budget} if args.norm_budget >= 0 else {}
       setting = dataclasses.replace(
         load_setting(
-          name, overrides, args.batch, args.prompt_len, args.new_tokens, args.score_centering, args.microbatch
+          name,
+          overrides,
+          args.batch,
+          args.prompt_len,
+          args.new_tokens,
+          args.score_centering,
+          args.microbatch,
+          not args.no_grad_telemetry,
         ),
         **budget,
       )
@@ -516,7 +527,9 @@ def worker(args) -> list[dict]:
         setting = dataclasses.replace(setting, sampler_cfg=scfg)
       half = min(TINY_TOKENS, setting.t // 2) // 2
       tiny = (
-        load_setting(name, overrides, args.batch, half, half, args.score_centering, args.microbatch)
+        load_setting(
+          name, overrides, args.batch, half, half, args.score_centering, args.microbatch, not args.no_grad_telemetry
+        )
         if args.batch_dependent
         else None
       )
@@ -628,6 +641,7 @@ def parser() -> argparse.ArgumentParser:
     "--score_centering", default="", help="'exact': the method with exact score centering, in lag mode ('' = off)"
   )
   p.add_argument("--microbatch", type=int, default=0, help="learner.microbatch_size rows (0 = the config's)")
+  p.add_argument("--no_grad_telemetry", action="store_true", help="learner.grad_telemetry=False (no grad/ metrics)")
   p.add_argument("--batch_dependent", action="store_true", help="also compile at TINY_TOKENS tokens per row: batch_gib")
   p.add_argument(
     "--norm_budget",
@@ -675,6 +689,7 @@ def main(argv=None):
     f"--norm_budget={args.norm_budget}",
     f"--prefill_chunk={args.prefill_chunk}",
   ] + (["--batch_dependent"] if args.batch_dependent else [])
+  passthrough += ["--no_grad_telemetry"] if args.no_grad_telemetry else []
   commit, date = _git_commit(), time.strftime("%Y-%m-%d")  # what is measured: the tree as the run starts
   results = _run_workers(args, [int(x) for x in args.devices.split(",")], passthrough)
   print_table(results)
