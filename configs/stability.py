@@ -91,6 +91,11 @@ CLAIM_METHODS = (
   "decoupled_ppo",
 )
 
+# Issue 28: the corrections the field adopted since VCPO, beside VCPO, on the claim's testbed and ledger (exact lag,
+# each method at its own tuned knob): exact score centering on VCPO, the paper's TIS+SC (token TIS + exact
+# centering), centering from the sampler's top-k record (k = 8 and 64), and prime-rl's IPO and AReaL's KPop.
+CORRECTION_METHODS = ("vcpo", "vcpo_sc", "tis_sc", "vcpo_sc_top8", "vcpo_sc_top64", "ipo", "kpop")
+
 # The equal tuning budget (review #10): every method gets the same number of trials (4) of its OWN main knob,
 # on the tuning seed only, and is then reported at its best value. A knob name is one of
 # vcpo_jax.experiments.stability.KNOBS (which run-config fields a value sets); the values include the preset's
@@ -115,6 +120,10 @@ KNOBS = {
   "m2po_released": ("budget", (0.01, 0.02, 0.04, 0.08)),  # (*0.04)
   "icepop": ("icepop_interval", ((0.5, 2.0), (0.5, 5.0), (0.2, 5.0), (0.1, 10.0))),  # [alpha, beta] (*[0.5, 5])
   "dppo_tv": ("tv", (0.1, 0.2, 0.3, 0.5)),  # mask_low = mask_high: probability-difference bound (*0.2)
+  "vcpo_sc": ("rho_on", (0.25, 0.5, 0.75, 1.0)),
+  "vcpo_sc_top8": ("rho_on", (0.25, 0.5, 0.75, 1.0)),
+  "vcpo_sc_top64": ("rho_on", (0.25, 0.5, 0.75, 1.0)),
+  "tis_sc": ("token_tis_c", (1.5, 2.0, 4.0, 8.0)),  # the per-token cap C of TIS and of the centering (*2)
   "ipo": ("ipo_threshold", (0.05, 0.1, 0.2, 0.3)),  # |p - q| bound of the sampled token (*0.1)
   "kpop": ("kpop_phi", (0.02, 0.05, 0.1, 0.2)),  # two-way binary-KL bound (*0.1)
 }
@@ -193,7 +202,7 @@ def get_config(arg: str | None = None):
     c.tuning.knobs = KNOBS
     c.trainer.ledger = "docs/results/stability_ledger/countdown"
     c.trainer.variant = "study13"  # the runs of the committed study: the earlier CPU default (3 numbers, sync)
-  if arg == "claim":  # does VCPO at k = 128 learn as fast as sync? configs/countdown.py's testbed (claim.py)
+  if arg in ("claim", "corrections"):  # does VCPO at k = 128 learn as fast as sync? configs/countdown.py's testbed (claim.py)
     c.backend = "trainer"
     c.methods = CLAIM_METHODS
     c.seeds = (0, 1, 2, 3, 4)
@@ -211,6 +220,10 @@ def get_config(arg: str | None = None):
     c.trainer.ledger = "docs/results/stability_ledger/claim"
     c.trainer.runs = "runs/claim"
     c.trainer.report = "claim_study"  # docs/results/claim_study.md (the study's own report); claim.md: claim.py
+  if arg == "corrections":  # issue 28: the claim's runs (ledger, tuning cell, lr, seeds) for the newer corrections
+    c.methods = CORRECTION_METHODS
+    c.tuning.knobs = {m: KNOBS[m] for m in CORRECTION_METHODS}
+    c.trainer.report = "corrections"  # docs/results/corrections.md
   if arg == "countdown_quick":  # the trainer backend end to end in seconds (tests): smoke-sized runs
     c.methods = ("none", "vcpo", "ppo_clip")
     c.tuning.knobs = {"none": None, "vcpo": ("rho_on", (0.5, 1.0)), "ppo_clip": ("eps", (0.1, 0.2))}
@@ -232,8 +245,8 @@ def get_config(arg: str | None = None):
     c.lrs = (3e-3,)
     c.task.steps = 40
     c.workers = 1
-  elif arg and arg not in ("countdown", "claim"):
+  elif arg and arg not in ("countdown", "claim", "corrections"):
     raise ValueError(
-      f"configs/stability.py: unknown variant {arg!r}; use '', quick, countdown, countdown_quick or claim."
+      f"configs/stability.py: unknown variant {arg!r}; use '', quick, countdown, countdown_quick, claim or corrections."
     )
   return c
