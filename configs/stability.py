@@ -224,6 +224,9 @@ def get_config(arg: str | None = None):
     c.methods = CORRECTION_METHODS
     c.tuning.knobs = {m: KNOBS[m] for m in CORRECTION_METHODS}
     c.trainer.report = "corrections"  # docs/results/corrections.md
+    c.trainer.method_variants = {  # VCPO centered from the sampler's recorded top-k (the tail modelled)
+      f"vcpo_sc_top{k}": ("vcpo", (("vcpo.score_centering", "topk"), ("vcpo.sc_topk", k))) for k in (8, 64)
+    }
   if arg == "countdown_quick":  # the trainer backend end to end in seconds (tests): smoke-sized runs
     c.methods = ("none", "vcpo", "ppo_clip")
     c.tuning.knobs = {"none": None, "vcpo": ("rho_on", (0.5, 1.0)), "ppo_clip": ("eps", (0.1, 0.2))}

@@ -187,8 +187,8 @@ def test_lag_run_with_exact_centering_logs_drift_and_k0_equals_plain(tmp_path, d
     ({"sampler.temperature": 0.7}, r"vcpo.score_centering='exact': recomputes q"),
     ({"learner.ghost_passes": 2}, r"learner.ghost_passes=2 with vcpo.score_centering='exact'"),
     (
-      {"vcpo.score_centering": "topk", "vcpo.sc_topk": 8, "learner.grad_path": "vmap"},
-      r"vcpo.score_centering='topk': the sampler records the top-k",
+      {"vcpo.score_centering": "topk", "vcpo.sc_topk": 8, "model.lora_rank": 4},
+      r"vcpo.score_centering='topk': the centered score's forward takes a whole model",
     ),
   ],
 )
@@ -196,8 +196,58 @@ def test_exact_centering_refused_where_q_is_unavailable(kw, match):
   from tests import fixtures
   from vcpo_jax import run_config
 
+  method = "vcpo" if kw.get("vcpo.score_centering") == "topk" else "vcpo_sc"
   with pytest.raises(run_config.ConfigError, match=match):
-    run_config.parse_config(fixtures.tiny_countdown_config(method="vcpo_sc", **kw))
+    run_config.parse_config(fixtures.tiny_countdown_config(method=method, **kw))
+
+
+TOPK_V = {"vcpo.score_centering": "topk", "vcpo.sc_topk": 256}  # the tiny config's whole vocabulary
+
+
+def test_lag_run_with_topk_of_the_whole_vocabulary_equals_exact_centering(tmp_path, dense_reward):
+  """trainer.run in lag mode (k = 2): VCPO centered from the sampler's recorded top-k with k = V (the record
+  travels sampler -> Batch -> lag source -> ghost learner step) equals VCPO centered exactly from the lag ring's
+  behaviour version, row by row: the same sampled data, drift and update."""
+  exact = _run(tmp_path, "exact", mode="lag", method="vcpo_sc", **{"lag.k": 2})
+  topk = _run(tmp_path, "topk", mode="lag", method="vcpo", **{"lag.k": 2}, **TOPK_V)
+  for a, b in zip(topk, exact, strict=True):
+    assert a["train/reward_mean"] == b["train/reward_mean"]
+    for k in ("train/pg_loss", "train/grad_norm", "train/ess_ratio", "train/drift/coef_l1", "train/drift/k1_kl_qp"):
+      assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), (a["step"], k)
+  assert topk[2]["train/drift/coef_l1"] > 1e-4
+
+
+def test_async_run_with_inflight_updates_centers_from_the_queued_topk(tmp_path, monkeypatch):
+  """Async mode with in-flight updates (the sampler process's refill engine, per-token versions): the top-k
+  record crosses the shared-memory queue with its batch intact (with k = V every sampled token is in it, at its
+  behaviour log-prob, and each row's record is a whole distribution), and every step is centered from it (the
+  step raises when a batch lacks it) and logs the drift (0 here: the sampler process grades with the real task,
+  on which the untrained policy scores 0, so p stays q; lag mode's drift is tested above)."""
+  from vcpo_jax import rollout
+
+  got, build = [], rollout.build_source
+
+  def recording_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt = src.next
+    src.next = lambda step: got.append(nxt(step)) or got[-1]
+    return src
+
+  monkeypatch.setattr(rollout, "build_source", recording_build_source)
+  over = {"lag.k": 2, "async_.inflight_updates": True, **TOPK_V}
+  rows = _run(tmp_path, "async", mode="async", method="tis_sc", **over)
+  assert [r["step"] for r in rows] == [1, 2, 3] and len(got) == 3
+  for batch, _ in got:
+    m = np.asarray(batch["loss_mask"])
+    ids, lq = batch["topk_ids"][m], batch["topk_logp"][m]  # [tokens, K]
+    hit = ids == batch["tokens"][m][:, None]
+    assert batch.topk == 256 and np.all(hit.sum(-1) == 1)
+    np.testing.assert_allclose(lq[hit], batch["behavior_logp"][m], atol=1e-5)
+    np.testing.assert_allclose(np.logaddexp.reduce(lq, axis=-1), 0.0, atol=1e-4)
+    assert np.all(batch["topk_ids"][~m] == 0) and np.all(batch["topk_logp"][~m] == 0)
+  for r in rows:
+    assert np.isfinite(r["train/drift/coef_l1"]) and np.isfinite(r["train/pg_loss"])
+  assert rows[-1]["train/lag_max"] >= 1
 
 
 def test_centering_config_checks():
@@ -256,8 +306,51 @@ def test_topk_centering_needs_the_recorded_head():
     learner.policy_gradient("vmap")(
       learner.make_logp_fn(graphdef), params, batch, pg, centering=S.TopkCentering(graphdef, pg)
     )
-  with pytest.raises(ValueError, match=r"learner.grad_path='ghost' with vcpo.score_centering='topk'"):
-    learner.LearnerConfig(pg=pg)
+  with pytest.raises(ValueError, match=r"the batch lacks \['topk_ids', 'topk_logp'\]"):
+    learner.policy_gradient("ghost")(
+      learner.make_logp_fn(graphdef), params, batch, pg, centering=S.TopkCentering(graphdef, pg)
+    )
+
+
+@pytest.mark.parametrize(
+  "tied,vocab_chunk,preset,k",
+  [
+    (False, 0, "vcpo_sc", 4),
+    (True, 0, "vcpo_sc", 4),
+    (True, 5, "vcpo_sc", 6),
+    (False, 5, "tis_sc", 3),
+    (True, 3, "tis_sc", V),
+  ],
+)
+def test_ghost_topk_centering_norms_and_gradient_by_brute_force(tied, vocab_chunk, preset, k):
+  """The ghost path with the sampler's top-k (k < V: the tail modelled; vocabulary chunks that split the ids;
+  tied heads' cross term): per-example norms of the centered score equal per-row jax.grad of it, and the
+  gradient, loss and coefficient L1 equal the vmap reference path's."""
+  graphdef, params, beh, batch = _model(tied, vocab_chunk)
+  ids, lq = _behaviour_topk(graphdef, beh, batch, k)
+  over = {"token_tis_c": 1.01} if preset == "tis_sc" else {}
+  pg = estimator.pg_config_from_preset(preset, score_centering="topk", sc_topk=k, **over)
+  tb = dict(batch, topk_ids=ids, topk_logp=lq)
+  cent, lf = S.TopkCentering(graphdef, pg), learner.make_logp_fn(graphdef)
+  g_ghost, a_ghost = learner.policy_gradient("ghost")(lf, params, tb, pg, centering=cent)
+  g_vmap, a_vmap = learner.policy_gradient("vmap")(lf, params, tb, pg, centering=cent)
+
+  lp0 = jax.lax.stop_gradient(cent.logp_fn(params, tb)[0])
+  mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+  tokw = estimator.pg_token_weights(lp0, batch["behavior_logp"], mask, pg)
+
+  def centered_score(p, i):  # the tokw-weighted centered score of row i alone
+    row = jax.tree.map(lambda a: a[i : i + 1], tb)
+    lp, corr, _ = cent.logp_fn(p, row)
+    return jnp.sum(tokw[i : i + 1] * lp - corr * jnp.asarray(row["loss_mask"], jnp.float32))
+
+  sq = np.array([np.sum(flat(jax.grad(centered_score)(params, i)) ** 2) for i in range(N)])
+  np.testing.assert_allclose(np.asarray(a_ghost["sq_norm_n"]), sq, rtol=2e-4)
+  scale = np.abs(flat(g_vmap)).max()
+  np.testing.assert_allclose(flat(g_ghost), flat(g_vmap), rtol=2e-4, atol=1e-6 * scale)
+  assert float(a_ghost["pg_loss"]) == pytest.approx(float(a_vmap["pg_loss"]), rel=1e-4, abs=1e-7)
+  np.testing.assert_allclose(a_ghost["drift_coef_l1_n"], a_vmap["drift_coef_l1_n"], rtol=1e-4)
+  assert np.all(np.asarray(a_ghost["drift_coef_l1_n"])[np.asarray(batch["loss_mask"]).any(1)] > 1e-4)
 
 
 # ---------------------------------------------------------------------------
@@ -306,8 +399,56 @@ def test_recorded_topk_is_the_top_k_of_the_filtered_distribution():
     if hit.any():
       assert ro.topk_logp[n, t][hit][0] == pytest.approx(ro.behavior_logp[n, t], abs=1e-5)
   assert np.all(ro.topk_logp[~ro.response_mask] == 0) and np.all(ro.topk_ids[~ro.response_mask] == 0)
-  with pytest.raises(ValueError, match="record_topk=4 with decode='chunked'"):
-    _sample(graphdef, _model_cfg(), params, decode="chunked", **kw)
+
+
+def test_an_inflight_update_records_the_topk_of_the_version_that_drew_each_token():
+  """on_chunk swaps in a second version after the first chunk (KV recomputed): every token's record is the
+  top-k of the version in its token_version, recomputed by a full forward of that version."""
+  from flax import nnx
+
+  from vcpo_jax import sampler as sampler_lib
+  from vcpo_jax.model import transformer
+
+  graphdef, params = transformer.split(transformer.init(_model_cfg(), seed=0))
+  _, other = transformer.split(transformer.init(_model_cfg(), seed=1))
+  kw = dict(temperature=0.7, top_k=6, top_p=0.9, record_topk=4)
+  cfg = sampler_lib.SamplerConfig(
+    max_new_tokens=6, prompt_buckets=(4,), new_token_buckets=(6,), batch_buckets=(4,), chunk_tokens=2, **kw
+  )
+  swaps = iter([(other, 1)])
+  ro = sampler_lib.Sampler(graphdef, _model_cfg(), cfg).generate(
+    params,
+    [[1, 2, 3], [4, 5]],
+    jax.random.key(3),
+    num_samples=2,
+    decode="refill",
+    on_chunk=lambda steps: next(swaps, None),
+    recompute_kv=True,
+  )
+  assert {0, 1} <= set(np.unique(ro.token_version[ro.response_mask]))
+  positions, mask = transformer.padded_positions_and_mask(ro.prompt_mask | ro.response_mask)
+  logits = {v: nnx.merge(graphdef, p)(ro.tokens, positions, mask)[0] for v, p in ((0, params), (1, other))}
+  for n, t in zip(*np.nonzero(ro.response_mask)):
+    ids, vals = sampler_lib.sampled_topk(logits[int(ro.token_version[n, t])][n, t - 1][None], cfg)
+    fin = np.isfinite(np.asarray(vals[0]))
+    np.testing.assert_array_equal(ro.topk_ids[n, t][fin], np.asarray(ids[0])[fin])
+    np.testing.assert_allclose(ro.topk_logp[n, t][fin], np.asarray(vals[0])[fin], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode", ["chunked", "refill"])
+def test_the_chunked_engines_record_the_static_loops_topk(decode):
+  """The host-driven engines (chunked, refill: in-flight updates and budgets run on them) draw every row's tokens
+  with the same keys as the static loop, so they record the same top-k ids and log-probs, row by row."""
+  from vcpo_jax.model import transformer
+
+  graphdef, params = transformer.split(transformer.init(_model_cfg(), seed=0))
+  kw = dict(temperature=0.7, top_k=6, top_p=0.9, record_topk=4)
+  ref = _sample(graphdef, _model_cfg(), params, **kw)
+  ro = _sample(graphdef, _model_cfg(), params, decode=decode, chunk_tokens=2, **kw)
+  np.testing.assert_array_equal(ro.tokens, ref.tokens)
+  np.testing.assert_array_equal(ro.topk_ids, ref.topk_ids)
+  np.testing.assert_allclose(ro.topk_logp, ref.topk_logp, rtol=1e-5, atol=1e-6)
+  assert ro.topk_ids.shape == ro.tokens.shape + (4,)
 
 
 def test_sampler_topk_with_k_equal_v_centering_equals_exact():

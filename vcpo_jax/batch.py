@@ -14,6 +14,11 @@ budget columns; shapes are fixed per run, so the jitted step compiles once.
   policy_version  [N]     int32    parameter version that sampled the row's OLDEST token (the lag bound applies to it)
   token_version   [N, T]  int32    parameter version that sampled each response token (-1 elsewhere; in-flight updates)
 
+and, only in runs with top-k score centering (vcpo.score_centering='topk', K = vcpo.sc_topk; None otherwise):
+
+  topk_ids        [N, T, K] int32   the K most likely ids of the distribution token t was drawn from (0 elsewhere)
+  topk_logp       [N, T, K] float32 their post-filter log-probs (temperature, top-k / top-p applied)
+
 Every consumer derives its key set from here: the learner's device input
 (`DEVICE_KEYS`, `Batch.device()`), the estimator's required keys (`PG_KEYS`)
 and the async queue's schema (`schema(n, t)`). Host-side metadata (texts,
@@ -34,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-# name -> (dtype, dimensions): "NT" for [N, T], "N" for [N].
+# name -> (dtype, dimensions): "NT" for [N, T], "N" for [N], "NTK" for [N, T, K].
 FIELDS: dict[str, tuple[Any, str]] = {
   "tokens": (np.int32, "NT"),
   "valid_mask": (np.bool_, "NT"),
@@ -46,6 +51,9 @@ FIELDS: dict[str, tuple[Any, str]] = {
   "policy_version": (np.int32, "N"),
   "token_version": (np.int32, "NT"),
 }
+# Present together or not at all (the sampler's SamplerConfig.record_topk = K > 0).
+TOPK_FIELDS: dict[str, tuple[Any, str]] = {"topk_ids": (np.int32, "NTK"), "topk_logp": (np.float32, "NTK")}
+ALL_FIELDS = {**FIELDS, **TOPK_FIELDS}
 
 # What the jitted learner step consumes (correct stays on the host). policy_version: the version-aware
 # policy losses (decoupled PPO's log-linear proximal policy) read it.
@@ -55,14 +63,19 @@ DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", 
 PG_KEYS = ("tokens", "behavior_logp", "loss_mask", "rewards", "group_id")
 
 
-def shape(name: str, n: int, t: int) -> tuple[int, ...]:
-  """The shape of field `name` in a batch of n rows and t columns."""
-  return (n, t) if FIELDS[name][1] == "NT" else (n,)
+def shape(name: str, n: int, t: int, k: int = 0) -> tuple[int, ...]:
+  """The shape of field `name` in a batch of n rows, t columns (and k top-k ids per token)."""
+  return {"NT": (n, t), "N": (n,), "NTK": (n, t, k)}[ALL_FIELDS[name][1]]
 
 
-def schema(n: int, t: int) -> dict[str, tuple[Any, tuple[int, ...]]]:
-  """{field: (dtype, shape)} of a batch of n rows and t columns (the async queue is built from this)."""
-  return {name: (dtype, shape(name, n, t)) for name, (dtype, _) in FIELDS.items()}
+def fields(k: int = 0) -> dict[str, tuple[Any, str]]:
+  """The fields of a batch with k recorded top-k ids per token (k = 0: none)."""
+  return ALL_FIELDS if k else FIELDS
+
+
+def schema(n: int, t: int, k: int = 0) -> dict[str, tuple[Any, tuple[int, ...]]]:
+  """{field: (dtype, shape)} of a batch of n rows, t columns and k top-k ids (the async queue is built from this)."""
+  return {name: (dtype, shape(name, n, t, k)) for name, (dtype, _) in fields(k).items()}
 
 
 @jax.tree_util.register_dataclass
@@ -79,18 +92,26 @@ class Batch(Mapping):
   group_id: Any
   policy_version: Any
   token_version: Any
+  topk_ids: Any = None
+  topk_logp: Any = None
 
   @classmethod
   def from_arrays(cls, arrays: Mapping[str, Any]) -> Batch:
-    """A Batch from a mapping holding exactly FIELDS, each cast to its dtype and checked against [N] / [N, T]."""
-    missing, extra = sorted(set(FIELDS) - set(arrays)), sorted(set(arrays) - set(FIELDS))
+    """A Batch from a mapping holding exactly FIELDS (and both or neither of TOPK_FIELDS), each cast to its dtype
+    and checked against [N] / [N, T] / [N, T, K]."""
+    names = fields(k=int("topk_ids" in arrays or "topk_logp" in arrays))
+    missing, extra = sorted(set(names) - set(arrays)), sorted(set(arrays) - set(names))
     if missing or extra:
-      raise ValueError(f"Batch: missing fields {missing}, unknown fields {extra}; a Batch holds {list(FIELDS)}.")
-    out = {k: np.asarray(arrays[k], FIELDS[k][0]) for k in FIELDS}
+      raise ValueError(
+        f"Batch: missing fields {missing}, unknown fields {extra}; a Batch holds {list(FIELDS)} "
+        f"(and, with top-k centering, both of {list(TOPK_FIELDS)})."
+      )
+    out = {k: np.asarray(arrays[k], names[k][0]) for k in names}
     n, t = out["tokens"].shape if out["tokens"].ndim == 2 else (None, None)
+    k_top = out["topk_ids"].shape[-1] if "topk_ids" in out and out["topk_ids"].ndim == 3 else 0
     for k, a in out.items():
-      if n is None or a.shape != shape(k, n, t):
-        want = "[N, T]" if FIELDS[k][1] == "NT" else "[N]"
+      if n is None or a.shape != shape(k, n, t, k_top) or (names[k][1] == "NTK" and not k_top):
+        want = {"NT": "[N, T]", "N": "[N]", "NTK": "[N, T, K >= 1]"}[names[k][1]]
         raise ValueError(f"Batch.{k}: shape {a.shape}, want {want} with N, T = tokens.shape {out['tokens'].shape}.")
     return cls(**out)
 
@@ -102,18 +123,24 @@ class Batch(Mapping):
   def t(self) -> int:
     return int(self.tokens.shape[1])
 
+  @property
+  def topk(self) -> int:
+    """K, the top-k ids recorded per token (0: none)."""
+    return 0 if self.topk_ids is None else int(self.topk_ids.shape[-1])
+
   def device(self) -> dict[str, Any]:
-    """The learner step's input: the DEVICE_KEYS arrays, as a dict (the jitted step's pytree)."""
-    return {k: getattr(self, k) for k in DEVICE_KEYS}
+    """The learner step's input: the DEVICE_KEYS arrays (and the top-k record), as a dict (the jitted step's
+    pytree)."""
+    return {k: getattr(self, k) for k in DEVICE_KEYS + (tuple(TOPK_FIELDS) if self.topk else ())}
 
   # Mapping access: batch["rewards"], dict(batch), batch.items() (host code, the queue, checkpoints).
   def __getitem__(self, key: str):
-    if key not in FIELDS:
+    if key not in fields(self.topk):
       raise KeyError(key)
     return getattr(self, key)
 
   def __iter__(self) -> Iterator[str]:
-    return iter(FIELDS)
+    return iter(fields(self.topk))
 
   def __len__(self) -> int:
-    return len(FIELDS)
+    return len(fields(self.topk))

@@ -745,6 +745,9 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   dh, kept, grads_by_path = {}, {}, {}
   # head_coefs: the head's dense extra coefficients (one head); their row sums first, a vocab pass
   head_sums = {}
+  if head_coefs is not None and not isinstance(head_coefs, HeadCoefficients):  # built from the head's record
+    rec = acts[heads[0]]
+    head_coefs = head_coefs(rec["h"], rec["w"], rec["lse"], infos[heads[0]].spec)
   if head_coefs is not None:
     head_sums = {k: _head_extra_sums(acts[k], infos[k].spec, head_coefs, plans[k].block) for k in heads[:1]}
   extra = {k: (head_coefs, hs["e_total"]) for k, hs in head_sums.items()}
@@ -932,7 +935,7 @@ def ghost_sq_norms_and_grad(
   batch_shards: int | None = None,
   passes: int | str = 1,
   one_pass_budget_bytes: int | None = None,
-  head_coefs: HeadCoefficients | None = None,
+  head_coefs: HeadCoefficients | Callable | None = None,
 ) -> GhostResult:
   """Exact per-example S_n and the gradient of -sum_n coef_n sum_t tokw_nt logp_nt, one backward pass.
 
@@ -962,7 +965,8 @@ def ghost_sq_norms_and_grad(
       "auto": `choose_passes` from this (micro-)batch's shapes against one_pass_budget_bytes (None:
       DEFAULT_ONE_PASS_BUDGET_BYTES).
     head_coefs: None, or the head's extra coefficients (HeadCoefficients; one pass only, a tied head
-      needs its `at`).
+      needs its `at`), or a function (h [N, T, D], w, lse [N, M], HeadSpec) -> HeadCoefficients of the
+      forward's own head record (coefficients that depend on the learner's log-probs at given ids).
 
   Returns:
     GhostResult(logp_nt, tokw_nt, sq_norms_n, coef_n, loss, grads, aux, head_sums); grads has params'

@@ -117,11 +117,6 @@ class LearnerConfig:
         f"learner.one_pass_budget_gib={self.one_pass_budget_gib!r}: give a positive number of GiB per device."
       )
     self._check_updates()
-    if self.pg.score_centering == "topk" and self.grad_path == "ghost":
-      raise ValueError(
-        "learner.grad_path='ghost' with vcpo.score_centering='topk': top-k centering runs on the reference path; "
-        "set learner.grad_path='vmap' (or vcpo.score_centering='exact')."
-      )
     if self.pg.score_centering != "off" and self.grad_path == "ghost" and self.ghost_passes != 1:
       raise ValueError(
         f"learner.ghost_passes={self.ghost_passes!r} with vcpo.score_centering={self.pg.score_centering!r}: the "

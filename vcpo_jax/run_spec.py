@@ -239,23 +239,26 @@ class RunSpec:
 
   def _check_centering(self, pg):
     """vcpo.score_centering='exact' needs the behaviour parameters (sync / lag) and q = softmax(logits); 'topk'
-    is not carried by the Batch yet (the sampler records it, the learner consumes it: not wired between)."""
-    check_field(
-      pg.score_centering != "topk",
-      "vcpo.score_centering",
-      "topk",
-      "the sampler records the top-k (SamplerConfig.record_topk) and the learner centers from it, but the Batch "
-      "does not carry it through the rollout sources yet; use vcpo.score_centering='exact' with mode='lag'.",
-    )
-    if pg.score_centering != "exact":
+    needs single-turn rollouts (the training sampler records the top-k, SamplerConfig.record_topk = sc_topk,
+    and the Batch carries it to the learner in every mode); neither takes LoRA adapters."""
+    if pg.score_centering == "off":
       return
     check_field(
       not self.model_cfg.lora_rank,
       "vcpo.score_centering",
-      "exact",
-      f"the behaviour forward takes a whole model, not LoRA adapters (model.lora_rank={self.model_cfg.lora_rank}); "
-      "set vcpo.score_centering='off' or model.lora_rank=0.",
+      pg.score_centering,
+      f"the centered score's forward takes a whole model, not LoRA adapters (model.lora_rank="
+      f"{self.model_cfg.lora_rank}); set vcpo.score_centering='off' or model.lora_rank=0.",
     )
+    if pg.score_centering == "topk":
+      check_field(
+        self.multiturn is None,
+        "vcpo.score_centering",
+        "topk",
+        "tool-use episodes' continuations do not record the sampler's top-k; use single-turn rollouts "
+        "(multiturn.enabled=False) or vcpo.score_centering='off'.",
+      )
+      return
     check_field(
       self.mode in ("sync", "lag"),
       "vcpo.score_centering",

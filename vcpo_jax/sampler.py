@@ -144,9 +144,7 @@ class SamplerConfig:
   mesh_shape: tuple[int, int, int] = (-1, 1, 1)
   decode: str = "static"
   chunk_tokens: int = 32
-  record_topk: int = (
-    0  # K > 0: record each token's top-K ids and post-filter log-probs (score centering, static decode)
-  )
+  record_topk: int = 0  # K > 0: record each token's top-K ids and post-filter log-probs (top-k score centering)
 
   def __post_init__(self):
     if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -639,6 +637,8 @@ class _Slots:
   row_id: jax.Array
   budget: jax.Array
   j: jax.Array
+  topk_ids: jax.Array  # [B, Tn, K] (K = SamplerConfig.record_topk, 0: empty): sampled_topk of each column
+  topk_logp: jax.Array  # [B, Tn, K] float32
 
 
 def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn: int) -> _Slots:
@@ -660,6 +660,8 @@ def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn
     row_id=zi(b),
     budget=zi(b),
     j=jnp.int32(0),
+    topk_ids=zi(b, tn, cfg.record_topk),
+    topk_logp=jnp.zeros((b, tn, cfg.record_topk), jnp.float32),
   )
 
 
@@ -698,6 +700,8 @@ def _refill_device(
   positions, _ = transformer.padded_positions_and_mask(valid_rt)
   put = lambda full, part: full.at[slots_r].set(part.astype(full.dtype), mode="drop")
   toks_r = jnp.full((r, tn), cfg.pad_id, jnp.int32).at[:, 0].set(tok)
+  kk = cfg.record_topk
+  top_ids, top_lp = sampled_topk(last_logits, cfg) if kk else (jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0)))
   return _Slots(
     cache=[(put(k, kr), put(v, vr)) for (k, v), (kr, vr) in zip(st.cache, cache_r)],
     kv_valid=put(st.kv_valid, kv_valid_r),
@@ -713,6 +717,8 @@ def _refill_device(
     row_id=put(st.row_id, row_ids_r),
     budget=put(st.budget, budget_r),
     j=st.j,
+    topk_ids=put(st.topk_ids, jnp.zeros((r, tn, kk), jnp.int32).at[:, 0].set(top_ids)),
+    topk_logp=put(st.topk_logp, jnp.zeros((r, tn, kk), jnp.float32).at[:, 0].set(top_lp)),
   )
 
 
@@ -738,6 +744,13 @@ def _chunk_device(graphdef, cfg, num_steps: int, params, st: _Slots, stop_v, ver
     at = jnp.where(live, st.lengths, tn)  # out of range: dropped
     stopped = live & stop_v[tok]
     lengths = st.lengths + live.astype(jnp.int32)
+    if cfg.record_topk:
+      top_ids, top_lp = sampled_topk(logits[:, -1], cfg)
+      st = dataclasses.replace(
+        st,
+        topk_ids=st.topk_ids.at[rows, at].set(top_ids, mode="drop"),
+        topk_logp=st.topk_logp.at[rows, at].set(top_lp, mode="drop"),
+      )
     st = dataclasses.replace(
       st,
       cache=cache,
@@ -862,7 +875,7 @@ class Sampler:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     self.param_dtype = resolve_param_dtype(sampler_cfg.param_dtype, platform)
     self.last_decode_steps = 0
-    self.last_topk = None  # record_topk: (ids [N, Tn, K], logp [N, Tn, K]) of the last static run
+    self.last_topk = None  # record_topk: (ids [N, Tn, K], logp [N, Tn, K]) of the last run
 
     def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
@@ -1074,6 +1087,8 @@ class Sampler:
     out_vers = np.full((n, tn), -1, np.int32)
     out_len = np.zeros((n,), np.int32)
     out_fin = np.zeros((n,), bool)
+    kk = self.cfg.record_topk
+    out_top = (np.zeros((n, tn, kk), np.int32), np.zeros((n, tn, kk), np.float32))
     waiting = collections.deque(range(n))
     slot_row = np.full((b,), -1, np.int64)  # row each slot runs (-1: free)
     with self._mesh_context():
@@ -1105,6 +1120,9 @@ class Sampler:
           rr = slot_row[ended]
           out_toks[rr], out_logps[rr], out_vers[rr] = toks[ended], logps[ended], vers[ended]
           out_len[rr], out_fin[rr] = lengths[ended], fin[ended]
+          if kk:
+            top_ids, top_lp = jax.device_get((st.topk_ids, st.topk_logp))
+            out_top[0][rr], out_top[1][rr] = top_ids[ended], top_lp[ended]
           slot_row[ended] = -1
         if on_chunk is not None and (slot_row >= 0).any() | bool(waiting):
           update = on_chunk(self.cfg.chunk_tokens)
@@ -1116,6 +1134,7 @@ class Sampler:
         if waiting and free.size and (refill or free.size == b):
           st = start(st, free)
     self.last_decode_steps = int(jax.device_get(st.j))  # decode steps of the last chunked run (tests, benchmarks)
+    self.last_topk = out_top if kk else None
     return prompt, valid, out_toks, out_logps, out_vers, out_len, out_fin
 
   def generate(
@@ -1162,11 +1181,6 @@ class Sampler:
       raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}.")
     if decode == "static" and (on_chunk is not None or budgets is not None):
       decode = "chunked"
-    if self.cfg.record_topk and decode != "static":
-      raise ValueError(
-        f"SamplerConfig.record_topk={self.cfg.record_topk} with decode={decode!r} (or in-flight updates / budgets): "
-        "the top-k is recorded by the static decode loop only; use decode='static'."
-      )
     rows = [list(p) for p in prompt_token_lists for _ in range(num_samples)]
     stop_v = self._stop_mask(self.cfg.all_stop_ids)
     if decode == "static":
@@ -1192,6 +1206,8 @@ class Sampler:
         pad = _bucket(max_new, self.cfg.new_token_buckets, "max_new_tokens") - toks.shape[1]
         toks = np.pad(toks, ((0, 0), (0, pad)), constant_values=self.cfg.pad_id)
         logps, vers = np.pad(logps, ((0, 0), (0, pad))), np.pad(vers, ((0, 0), (0, pad)), constant_values=-1)
+        if self.last_topk is not None:
+          self.last_topk = tuple(np.pad(x, ((0, 0), (0, pad), (0, 0))) for x in self.last_topk)
     tn = toks.shape[1]
     resp_mask = np.arange(tn)[None, :] < lengths[:, None]
     return Rollout(
@@ -1208,7 +1224,7 @@ class Sampler:
     )
 
   def _topk_fields(self, prompt_shape) -> dict:
-    """Rollout.topk_ids / topk_logp [N, T, K] of the last static run (prompt columns 0), or {} without them."""
+    """Rollout.topk_ids / topk_logp [N, T, K] of the last run (prompt columns 0), or {} without them."""
     if not self.cfg.record_topk:
       return {}
     ids, lps = self.last_topk

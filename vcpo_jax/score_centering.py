@@ -426,6 +426,52 @@ def exact_head_coefficients(hq_btd, wq, spec: lpm.HeadSpec, loss_mask_nt, max_ra
   return grad_norms.HeadCoefficients(chunk, at)
 
 
+def topk_head_coefficients(
+  h_btd, w, lse_nm, spec: lpm.HeadSpec, topk_ids_ntk, topk_logp_ntk, loss_mask_nt, max_ratio=None
+):
+  """grad_norms.HeadCoefficients of top-k centering: e = -sg[c] at the sampler's K ids of each position, 0 elsewhere.
+
+  c = head_coefficients(p_H, q_H), the tail folded into the head as in `topk_correction`; p_H = the learner's
+  probabilities at the ids, read from its final hidden states h, head W and logsumexp lse [N, M] (the ghost
+  forward's record) in one scan over vocab chunks (never [N, M, V] or [N, M, K, D]); q_H = exp(topk_logp).
+  Position m predicts token m + 1, so its ids are topk_ids[:, m + 1]; e = 0 where loss_mask_nt[:, m + 1] is 0.
+  """
+  _check_ratio(max_ratio)
+  h, w = sg(h_btd)[:, :-1], sg(w).astype(spec.dtype)
+  ids = jnp.asarray(topk_ids_ntk, jnp.int32)[:, 1:]  # [N, M, K]
+  keep = jnp.asarray(loss_mask_nt)[:, 1:] != 0
+  v = lpm.vocab_size(w, spec)
+  vc, nv = lpm.vocab_chunks(v, spec.vocab_chunk)
+
+  def pick(lp_at, i):  # the learner's log-probs at the ids that fall in vocab chunk i
+    start, _ = lpm.chunk_columns(i, v, vc)
+    lp = lpm.logits(h, lpm.vocab_slice(w, spec, start, vc), spec) - lse_nm[..., None]
+    got = jnp.take_along_axis(lp, jnp.clip(ids - start, 0, vc - 1), axis=-1)
+    return jnp.where((ids >= i * vc) & (ids < start + vc), got, lp_at), None
+
+  lp_at, _ = jax.lax.scan(pick, jnp.zeros(ids.shape, _F32), jnp.arange(nv))
+  lp_at = jnp.where(keep[..., None], lp_at, 0.0)
+  lq = jnp.where(keep[..., None], jnp.asarray(topk_logp_ntk, _F32)[:, 1:], 0.0)
+  c, _ = head_coefficients(jnp.exp(lp_at), jnp.exp(lq), max_ratio)
+  e = _masked_neg(c, keep)  # [N, M, K]
+  n_i, m_i = jnp.arange(ids.shape[0])[:, None, None], jnp.arange(ids.shape[1])[None, :, None]
+
+  def chunk(start, size, lp):  # e scattered onto the chunk's columns (the caller masks columns it does not own)
+    local = ids - start
+    inside = (local >= 0) & (local < size)
+    col = jnp.where(inside, local, size)  # out of range: dropped
+    return jnp.zeros(lp.shape, _F32).at[n_i, m_i, col].add(jnp.where(inside, e, 0.0), mode="drop")
+
+  def at(ids_nk, lp):  # e at per-row ids [N, K'] for every position: one [N, M, K'] compare per top-k slot
+    def body(acc, k):
+      return acc + jnp.where(ids[:, :, k, None] == ids_nk[:, None, :], e[:, :, k, None], 0.0), None
+
+    acc, _ = jax.lax.scan(body, jnp.zeros(lp.shape, _F32), jnp.arange(ids.shape[-1]))
+    return acc
+
+  return grad_norms.HeadCoefficients(chunk, at)
+
+
 class StepCentering:
   """Score centering of one learner step (pg.score_centering 'exact'), built by the learner per step.
 
@@ -456,13 +502,16 @@ class StepCentering:
 
 
 class TopkCentering:
-  """Score centering of one learner step from the sampler's top-k (pg.score_centering 'topk'), vmap path only.
+  """Score centering of one learner step from the sampler's top-k (pg.score_centering 'topk'): both paths.
 
   batch["topk_ids"] int32 [N, T, K] and batch["topk_logp"] float32 [N, T, K]: row t holds the top-k ids of the
   distribution the sampler drew token t from and their POST-filter log-probs (temperature, top-k / top-p
   applied; sampler.SamplerConfig.record_topk). The tail outside them is modelled (`topk_correction`).
-    logp_fn(params, batch) -> (logp_nt, corr_nt, diag): one forward of the current parameters; the
-      learner's log-probs at the ids come from `head_logprobs_at` (dense [N, T, V] logits: small vocabularies).
+    logp_fn(params, batch) -> (logp_nt, corr_nt, diag): the vmap path, one forward of the current parameters;
+      the learner's log-probs at the ids come from `head_logprobs_at` (dense [N, T, V] logits: small
+      vocabularies);
+    head_coefs(batch) -> f(h, w, lse, spec) -> grad_norms.HeadCoefficients: the ghost path, built from the
+      ghost forward's own head record (`topk_head_coefficients`; no extra forward).
   """
 
   KEYS = ("topk_ids", "topk_logp")
@@ -472,15 +521,18 @@ class TopkCentering:
       raise ValueError(f"TopkCentering: pg.score_centering={pg.score_centering!r}, this class centers 'topk'")
     self.graphdef, self.max_ratio = graphdef, centering_cap(pg)
 
-  def logp_fn(self, params, batch):
-    from flax import nnx  # as _both_versions: nnx only where a model is merged
-
+  def _check(self, batch):
     missing = [k for k in self.KEYS if k not in batch]
     if missing:
       raise ValueError(
         f"vcpo.score_centering='topk': the batch lacks {missing} ([N, T, K] from the sampler, "
         "SamplerConfig.record_topk = vcpo.sc_topk)"
       )
+
+  def logp_fn(self, params, batch):
+    from flax import nnx  # as _both_versions: nnx only where a model is merged
+
+    self._check(batch)
     tokens = batch["tokens"]
     positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
     model = nnx.merge(self.graphdef, params)
@@ -492,10 +544,9 @@ class TopkCentering:
     return logp, corr, diag
 
   def head_coefs(self, batch):
-    raise ValueError(
-      "vcpo.score_centering='topk' runs on learner.grad_path='vmap' only (the ghost path's dense head term "
-      "needs the learner's log-probs at the sampler's ids before its vocabulary pass); set learner.grad_path='vmap'"
-    )
+    self._check(batch)
+    ids, lq, mask, cap = batch["topk_ids"], batch["topk_logp"], batch["loss_mask"], self.max_ratio
+    return lambda h, w, lse, spec: topk_head_coefficients(h, w, lse, spec, ids, lq, mask, cap)
 
 
 def drift_rows(logp_nt, behavior_logp_nt, mask_nt, coef_abs_nt, kl_qp_nt=None) -> dict:

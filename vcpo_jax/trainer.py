@@ -271,7 +271,11 @@ def _buckets(spec) -> dict:
 def _build_maker(spec, tokenizer, make_sampler, train_problems):
   """The training rollout maker (rollout.build_maker) with the training sampler's settings (config.sampler)."""
   train_cfg = SamplerConfig.from_tokenizer(
-    tokenizer, max_new_tokens=spec.rollout.max_new_tokens, **_buckets(spec), **spec.sampling.sampler_kwargs()
+    tokenizer,
+    max_new_tokens=spec.rollout.max_new_tokens,
+    **_buckets(spec),
+    **spec.sampling.sampler_kwargs(),
+    record_topk=spec.learner.pg.sc_topk,  # vcpo.score_centering='topk': the learner centers from this record
   )
   return rollout.build_maker(spec.rollout, spec.multiturn, tokenizer, make_sampler, train_cfg, train_problems)
 

@@ -303,7 +303,8 @@ def trainer_run_config(c, method: str, k: int, seed: int, lr: float, knob: tuple
   if root not in sys.path:
     sys.path.insert(0, root)
   base = importlib.import_module(f"configs.{c.trainer.config}").get_config(c.trainer.variant or None)
-  base.seed, base.steps, base.method = seed, c.task.steps, method
+  preset, variant_fields = method_variant(c, method)
+  base.seed, base.steps, base.method = seed, c.task.steps, preset
   base.mode = "lag" if k else "sync"  # k = 0: the synchronous reference (same batches as lag with k = 0)
   base.lag.k = k
   base.optim.lr = lr
@@ -312,16 +313,25 @@ def trainer_run_config(c, method: str, k: int, seed: int, lr: float, knob: tuple
   base.log.progress = False
   base.log.plots = False
   base.log.norm_overhead_every = 0
-  if estimator.PRESETS.get(method, {}).get("policy_loss", "pg") != "pg":
+  if estimator.PRESETS.get(preset, {}).get("policy_loss", "pg") != "pg":
     base.learner.ppo_epochs, base.learner.minibatches = policy_loss_updates(c)
-  if knob is not None:
-    for path, value in tuning.knob_overrides(*knob).items():
-      *parents, leaf = path.split(".")
-      node = base
-      for name in parents:
-        node = node[name]
-      node[leaf] = value
+  for path, value in [*variant_fields, *(tuning.knob_overrides(*knob).items() if knob is not None else ())]:
+    *parents, leaf = path.split(".")
+    node = base
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
   return base
+
+
+def method_variant(c, method: str) -> tuple[str, list[tuple[str, object]]]:
+  """(preset, [(run-config path, value)]) of a study method: a preset name as it is, or a named variant of
+  one in c.trainer.method_variants (name -> (preset, ((path, value), ...)), e.g. top-k centering at a k)."""
+  variants = c.trainer.get("method_variants") or {}
+  if method not in variants:
+    return method, []
+  preset, fields = variants[method]
+  return preset, [(str(path), value) for path, value in fields]
 
 
 def policy_loss_updates(c) -> tuple[int, int]:
@@ -1186,7 +1196,7 @@ def time_section(c, summary: dict) -> list[str]:
   L.append("|---|---|---|---|---|---|")
   ref = rows.get("none", {}).get("learn_s")
   for m, r in rows.items():
-    ups = ep * mb if estimator.PRESETS[m].get("policy_loss", "pg") != "pg" else 1
+    ups = ep * mb if estimator.PRESETS[method_variant(c, m)[0]].get("policy_loss", "pg") != "pg" else 1
     rel = f"{r['learn_s'] / ref:.2f}x" if ref else "-"
     run_s = "-" if math.isnan(r["run_s"]) else f"{r['run_s']:.0f}"
     L.append(f"| {m} | {ups} | {run_s} | {r['learn_s']:.3f} | {r['rollout_s']:.3f} | {rel} |")

@@ -96,6 +96,7 @@ def check(c):
     if len(cell) != 2 or not int(cell[0]) >= 0 or not float(cell[1]) > 0:
       raise ValueError(f"config.tuning.cells: {cell!r} is not a (k >= 0, lr > 0) pair")
   from vcpo_jax import estimator
+  from vcpo_jax.experiments import stability
 
   for method in c.methods:
     if method not in t.knobs:
@@ -115,8 +116,10 @@ def check(c):
       bad = [p for p in over if not p.startswith("vcpo.")]
       if bad:
         raise ValueError(f"tuning knob {name!r} sets {bad}: only vcpo.* fields are checked here")
+      preset, fields = stability.method_variant(c, method)
+      over = {**{p: x for p, x in fields if p.startswith("vcpo.")}, **over}
       try:
-        estimator.pg_config_from_preset(method, **{p[len("vcpo.") :]: x for p, x in over.items()})
+        estimator.pg_config_from_preset(preset, **{p[len("vcpo.") :]: x for p, x in over.items()})
       except ValueError as e:
         raise ValueError(f"config.tuning.knobs[{method!r}] = ({name!r}, {value_str(v)}): {e}") from None
 

@@ -175,9 +175,15 @@ class SamplerDiedError(SourceFailed):
   """The async sampler process exited while the learner depended on it."""
 
 
-def batch_schema(n: int, t: int) -> BatchSchema:
-  """The queue schema of one rollout Batch (vcpo_jax/batch.py): N rows, T columns, fixed shapes."""
-  return BatchSchema({k: Field(dtype, shape) for k, (dtype, shape) in batch_lib.schema(n, t).items()}, {})
+def batch_schema(n: int, t: int, k: int = 0) -> BatchSchema:
+  """The queue schema of one rollout Batch (vcpo_jax/batch.py): N rows, T columns (and the sampler's K top-k ids
+  per token, SamplerConfig.record_topk), fixed shapes."""
+  return BatchSchema({f: Field(dtype, shape) for f, (dtype, shape) in batch_lib.schema(n, t, k).items()}, {})
+
+
+def _recorded_topk(maker) -> int:
+  """K of the maker's sampler (SamplerConfig.record_topk; 0 for makers without one)."""
+  return int(getattr(getattr(getattr(maker, "sampler", None), "cfg", None), "record_topk", 0) or 0)
 
 
 def token_lag_stats(step: int, token_version: np.ndarray) -> dict:
@@ -441,7 +447,7 @@ class AsyncSource(RolloutSource):
     self.key_data = np.asarray(jax.random.key_data(key))
     self.key_impl = str(jax.random.key_impl(key))
     n = maker.cfg.batch_size
-    self.schema = batch_schema(n, maker.cfg.max_prompt_len + maker.cfg.max_new_tokens)
+    self.schema = batch_schema(n, maker.cfg.max_prompt_len + maker.cfg.max_new_tokens, _recorded_topk(maker))
     # JSON metadata: per-row texts (escaped) and problem ids; the worker drops texts that do not fit.
     self.meta_bytes = 16384 + n * (8 * maker.cfg.max_new_tokens + 64)
     self.queue = self.slot = self.proc = self.conn = None

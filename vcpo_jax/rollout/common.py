@@ -108,6 +108,7 @@ class RolloutMaker:
         group_id=np.asarray(ro.group_id, np.int32),
         policy_version=np.where(ro.lengths > 0, oldest, version).astype(np.int32),
         token_version=pad(tv, -1),
+        **_topk_fields(ro, t_want),
       )
     )
     info = dict(
@@ -121,9 +122,21 @@ class RolloutMaker:
 
 
 def _pad_to(a: np.ndarray, t: int, value=0) -> np.ndarray:
+  """a [N, T', ...] right-padded with `value` to T columns."""
   if a.shape[1] > t:
     raise ValueError(f"rollout has {a.shape[1]} columns > {t}; sampler buckets exceed the batch shape.")
-  return np.pad(a, ((0, 0), (0, t - a.shape[1])), constant_values=value)
+  return np.pad(a, ((0, 0), (0, t - a.shape[1])) + ((0, 0),) * (a.ndim - 2), constant_values=value)
+
+
+def _topk_fields(ro, t: int) -> dict:
+  """The Batch's topk_ids / topk_logp [N, T, K] (0 off the response) from the sampler's record, or {}."""
+  if ro.topk_ids is None:
+    return {}
+  on = ro.response_mask[..., None]
+  return dict(
+    topk_ids=_pad_to(np.where(on, ro.topk_ids, 0).astype(np.int32), t),
+    topk_logp=_pad_to(np.where(on, ro.topk_logp, 0.0).astype(np.float32), t),
+  )
 
 
 def lag_stats(step: int, versions: np.ndarray) -> dict:
