@@ -202,7 +202,10 @@ def get_config(arg: str | None = None):
     c.tuning.knobs = KNOBS
     c.trainer.ledger = "docs/results/stability_ledger/countdown"
     c.trainer.variant = "study13"  # the runs of the committed study: the earlier CPU default (3 numbers, sync)
-  if arg in ("claim", "corrections"):  # does VCPO at k = 128 learn as fast as sync? configs/countdown.py's testbed (claim.py)
+  if arg in (
+    "claim",
+    "corrections",
+  ):  # does VCPO at k = 128 learn as fast as sync? configs/countdown.py's testbed (claim.py)
     c.backend = "trainer"
     c.methods = CLAIM_METHODS
     c.seeds = (0, 1, 2, 3, 4)
