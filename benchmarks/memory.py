@@ -121,6 +121,9 @@ TINY_TOKENS = 64  # T0 of batch_gib: prompt 32 + response 32 tokens
 # ----------------------------------------------------------------------------- building the run
 
 
+TOPK = 64  # --score_centering=topk: ids the sampler records per token
+
+
 def _parse_overrides(text: str) -> dict:
   """'hidden_size=64,vocab_size=512' -> {"hidden_size": 64, "vocab_size": 512} (ints, floats, bools)."""
   out = {}
@@ -210,7 +213,10 @@ def load_setting(
     c.task.max_prompt_len = prompt_len
   if score_centering:
     c.vcpo.score_centering = score_centering
-    c.mode = "lag"
+    if score_centering == "topk":  # the sampler's record, K = 64 (the learner reads [N, T, 64] ids and log-probs)
+      c.vcpo.sc_topk = TOPK
+    else:
+      c.mode = "lag"
     c.learner.ghost_passes = 1  # the centered score's dense head term runs in the one-pass ghost step only
   if new_tokens:
     c.task.max_new_tokens = new_tokens
@@ -326,7 +332,9 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   batch_sh = sharding.batch_sharding(mesh)
   t = setting.t
   # The learner's device batch, from the one Batch definition (vcpo_jax/batch.py).
-  abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t).items() if k in batch_lib.DEVICE_KEYS}
+  k_top = spec.learner.pg.sc_topk
+  keys = batch_lib.DEVICE_KEYS + (tuple(batch_lib.TOPK_FIELDS) if k_top else ())
+  abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t, k_top).items() if k in keys}
   # exact score centering: the behaviour version (laid out as the parameters) is an input too, as trainer.run jits it
   behaviour = (abs_state.params,) if spec.learner.pg.score_centering == "exact" else ()
   behaviour_sh = (state_sh.params,) if behaviour else ()
@@ -638,7 +646,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--prompt_len", type=int, default=0, help="max prompt length (0 = the config's)")
   p.add_argument("--new_tokens", type=int, default=0, help="response budget (0 = the config's)")
   p.add_argument(
-    "--score_centering", default="", help="'exact': the method with exact score centering, in lag mode ('' = off)"
+    "--score_centering",
+    default="",
+    help="'exact': the method with exact score centering, in lag mode; 'topk': from the sampler's top-64 ('' = off)",
   )
   p.add_argument("--microbatch", type=int, default=0, help="learner.microbatch_size rows (0 = the config's)")
   p.add_argument("--no_grad_telemetry", action="store_true", help="learner.grad_telemetry=False (no grad/ metrics)")

@@ -225,6 +225,7 @@ def get_config(arg: str | None = None):
     c.trainer.report = "claim_study"  # docs/results/claim_study.md (the study's own report); claim.md: claim.py
   if arg == "corrections":  # issue 28: the claim's runs (ledger, tuning cell, lr, seeds) for the newer corrections
     c.methods = CORRECTION_METHODS
+    c.ks = (8, 32, 128)  # one lr, so no selection at k = 0; the synchronous reference is the claim's (none, k = 0)
     c.tuning.knobs = {m: KNOBS[m] for m in CORRECTION_METHODS}
     c.trainer.report = "corrections"  # docs/results/corrections.md
     c.trainer.method_variants = {  # VCPO centered from the sampler's recorded top-k (the tail modelled)

@@ -351,6 +351,13 @@ def test_ghost_topk_centering_norms_and_gradient_by_brute_force(tied, vocab_chun
   assert float(a_ghost["pg_loss"]) == pytest.approx(float(a_vmap["pg_loss"]), rel=1e-4, abs=1e-7)
   np.testing.assert_allclose(a_ghost["drift_coef_l1_n"], a_vmap["drift_coef_l1_n"], rtol=1e-4)
   assert np.all(np.asarray(a_ghost["drift_coef_l1_n"])[np.asarray(batch["loss_mask"]).any(1)] > 1e-4)
+  # the head masses: the same on both paths; q's is the recorded mass, 1 per token when k = V
+  for m in ("p_head_mass", "q_head_mass"):
+    np.testing.assert_allclose(a_ghost[f"drift_{m}_n"], a_vmap[f"drift_{m}_n"], rtol=1e-5)
+  q_mass = np.where(batch["loss_mask"], np.exp(lq).sum(-1), 0).sum(1)
+  np.testing.assert_allclose(a_ghost["drift_q_head_mass_n"], q_mass, rtol=1e-5)
+  if k == V:
+    np.testing.assert_allclose(a_ghost["drift_p_head_mass_n"], batch["loss_mask"].sum(1), rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------

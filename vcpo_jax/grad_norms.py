@@ -123,6 +123,7 @@ class HeadCoefficients(NamedTuple):
 
   chunk: Callable
   at: Callable | None = None
+  diag: dict | None = None  # optional [N, M] per-position diagnostics of the coefficients, passed to head_sums
 
 
 METHODS = ("auto", "gram", "direct", "materialize")
@@ -749,7 +750,10 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
     rec = acts[heads[0]]
     head_coefs = head_coefs(rec["h"], rec["w"], rec["lse"], infos[heads[0]].spec)
   if head_coefs is not None:
-    head_sums = {k: _head_extra_sums(acts[k], infos[k].spec, head_coefs, plans[k].block) for k in heads[:1]}
+    head_sums = {
+      k: {**_head_extra_sums(acts[k], infos[k].spec, head_coefs, plans[k].block), **(head_coefs.diag or {})}
+      for k in heads[:1]
+    }
   extra = {k: (head_coefs, hs["e_total"]) for k, hs in head_sums.items()}
   for k in heads:
     dh[k], sq_k, kept_k, gw = _head_scan(

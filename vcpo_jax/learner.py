@@ -298,7 +298,10 @@ def _centered_vmap_gradient(centering, params, batch, pg: estimator.PGConfig, di
   lp_val = jnp.where(tokw_nt != 0, sg(logp_nt).astype(jnp.float32), 0.0)
   pg_loss = jnp.sum(cot_lp * lp_val + cot_corr * sg(corr_nt))
   rows = dict(coef_n=coef_n) if sq is None else dict(coef_n=coef_n, sq_norm_n=sq)
-  rows.update(sc_lib.drift_rows(sg(logp_nt), batch["behavior_logp"], mask, diag["coef_l1"], diag.get("kl_qp")))
+  masses = {k: diag[k] for k in ("p_head_mass", "q_head_mass") if k in diag}  # top-k centering's
+  rows.update(
+    sc_lib.drift_rows(sg(logp_nt), batch["behavior_logp"], mask, diag["coef_l1"], diag.get("kl_qp"), **masses)
+  )
   return grads, dict(aux, pg_loss=pg_loss, **rows)
 
 
@@ -352,8 +355,9 @@ def _ghost_gradient(
   )
   out = dict(res.aux, pg_loss=res.loss, sq_norm_n=res.sq_norms_n, coef_n=res.coef_n)
   if centering is not None:  # e_abs [N, M] sits at the position predicting token m + 1
-    e_abs = jnp.pad(res.head_sums["e_abs"], ((0, 0), (1, 0)))
-    out.update(sc_lib.drift_rows(res.logp_nt, beh, mask, e_abs))
+    at_token = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+    masses = {k: at_token(res.head_sums[k]) for k in ("p_head_mass", "q_head_mass") if k in res.head_sums}
+    out.update(sc_lib.drift_rows(res.logp_nt, beh, mask, at_token(res.head_sums["e_abs"]), **masses))
   return res.grads, out
 
 

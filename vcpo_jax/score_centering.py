@@ -469,7 +469,8 @@ def topk_head_coefficients(
     acc, _ = jax.lax.scan(body, jnp.zeros(lp.shape, _F32), jnp.arange(ids.shape[-1]))
     return acc
 
-  return grad_norms.HeadCoefficients(chunk, at)
+  masses = dict(p_head_mass=jnp.sum(jnp.exp(lp_at), -1), q_head_mass=jnp.sum(jnp.exp(lq), -1))
+  return grad_norms.HeadCoefficients(chunk, at, {k: jnp.where(keep, v, 0.0) for k, v in masses.items()})
 
 
 class StepCentering:
@@ -549,10 +550,11 @@ class TopkCentering:
     return lambda h, w, lse, spec: topk_head_coefficients(h, w, lse, spec, ids, lq, mask, cap)
 
 
-def drift_rows(logp_nt, behavior_logp_nt, mask_nt, coef_abs_nt, kl_qp_nt=None) -> dict:
+def drift_rows(logp_nt, behavior_logp_nt, mask_nt, coef_abs_nt, kl_qp_nt=None, **head_masses_nt) -> dict:
   """Per-row sums of the drift diagnostics over the loss tokens ([N] each; micro-batches stack them):
-  drift_tokens_n, drift_k1_n = sum (log q_y - log p_y), drift_coef_l1_n = sum_t sum_v |c_tv|, and
-  drift_kl_qp_n = sum_t KL(q_t || p_t) when given. `drift_scalars` turns them into token means."""
+  drift_tokens_n, drift_k1_n = sum (log q_y - log p_y), drift_coef_l1_n = sum_t sum_v |c_tv|,
+  drift_kl_qp_n = sum_t KL(q_t || p_t) when given, and top-k centering's head masses (p_head_mass_nt,
+  q_head_mass_nt: sum of p, of q over the recorded ids) as drift_<name>_n. `drift_scalars` makes token means."""
   m = jnp.asarray(mask_nt) != 0
   tot = lambda x: jnp.sum(jnp.where(m, sg(jnp.asarray(x, _F32)), 0.0), axis=1)
   out = dict(
@@ -562,11 +564,14 @@ def drift_rows(logp_nt, behavior_logp_nt, mask_nt, coef_abs_nt, kl_qp_nt=None) -
   )
   if kl_qp_nt is not None:
     out["drift_kl_qp_n"] = tot(kl_qp_nt)
+  out.update({f"drift_{name}_n": tot(x) for name, x in head_masses_nt.items()})
   return out
 
 
 def drift_scalars(rows: dict) -> dict:
-  """{"drift/k1_kl_qp", "drift/coef_l1"[, "drift/kl_qp"]}: token means of `drift_rows` over the batch."""
+  """{"drift/k1_kl_qp", "drift/coef_l1"[, "drift/kl_qp", "drift/p_head_mass", "drift/q_head_mass"]}: token
+  means of `drift_rows` over the batch."""
   n = jnp.maximum(jnp.sum(rows["drift_tokens_n"]), 1.0)
   names = {"drift_k1_n": "k1_kl_qp", "drift_coef_l1_n": "coef_l1", "drift_kl_qp_n": "kl_qp"}
+  names.update({f"drift_{m}_n": m for m in ("p_head_mass", "q_head_mass")})
   return {f"drift/{v}": jnp.sum(rows[k]) / n for k, v in names.items() if k in rows}

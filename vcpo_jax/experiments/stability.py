@@ -645,6 +645,8 @@ def summarize(c, out: Path) -> dict:
     k0 = {lr: stats[(method, 0, lr)]["final"][0] for lr in c.lrs if (method, 0, lr) in stats}
     if k0:
       selected[method] = select_lr(k0)
+    elif len(c.lrs) == 1:  # one lr: nothing to select (the study may then leave out k = 0)
+      selected[method] = c.lrs[0]
   return dict(
     cells=cells, stats=stats, selected=selected, chance=chance_acc, fingerprint=fp, knobs=knobs, trials=trials
   )
@@ -1217,8 +1219,8 @@ def check_config(c):
     raise ValueError(
       f"config.backend={c.backend!r}: use 'pure_lag' (synthetic) or 'trainer' (configs/<trainer.config>.py)"
     )
-  if 0 not in c.ks:
-    raise ValueError("config.ks: must contain 0 (the lr selection rule and the sync reference use k = 0)")
+  if 0 not in c.ks and len(c.lrs) > 1:
+    raise ValueError("config.ks: must contain 0 with several lrs (the lr selection rule uses k = 0)")
   if "tuning" in c:
     from vcpo_jax.experiments import tuning
 
