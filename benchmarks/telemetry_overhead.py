@@ -29,11 +29,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
+def stale_batch(spec, model_cfg) -> dict:
+  """The benchmarks' fixed learner batch of the CPU default's shapes (numpy seed 0): random tokens in ragged
+  prompts and responses, 1/0 rewards and a stale behaviour log-prob."""
+  import numpy as np
+
+  n, tp, tn = spec.rollout.batch_size, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens
+  g = spec.rollout.group_size
+  rng = np.random.default_rng(0)
+  p_len = rng.integers(tp // 2, tp + 1, n)
+  r_len = rng.integers(2, tn + 1, n)
+  prompt = np.arange(tp)[None] >= tp - p_len[:, None]
+  resp = np.arange(tn)[None] < r_len[:, None]
+  valid = np.concatenate([prompt, resp], 1)
+  loss = np.concatenate([np.zeros_like(prompt), resp], 1)
+  batch = {
+    "tokens": np.where(valid, rng.integers(1, model_cfg.vocab_size, valid.shape), 0).astype(np.int32),
+    "valid_mask": valid,
+    "prompt_mask": np.concatenate([prompt, np.zeros_like(resp)], 1),
+    "response_mask": loss.astype(bool),
+    "loss_mask": loss.astype(np.float32),
+    "behavior_logp": ((-2.0 + 0.3 * rng.normal(size=valid.shape)) * loss).astype(np.float32),
+    "rewards": rng.integers(0, 2, n).astype(np.float32),
+    "group_id": np.repeat(np.arange(n // g), g).astype(np.int32),
+    "policy_version": np.zeros(n, np.int32),
+  }
+  return batch
+
+
 def build(method: str):
   """(step_on, step_off, state_on, state_off, batch, n, t): the two jitted steps and their inputs."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   from configs import countdown
   from vcpo_jax import learner, optim, run_config, telemetry
@@ -55,27 +82,8 @@ def build(method: str):
     schedule=spec.schedule,
     total_steps=spec.steps,
   )
-  n, tp, tn = spec.rollout.batch_size, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens
-  g = spec.rollout.group_size
-  rng = np.random.default_rng(0)
-  p_len = rng.integers(tp // 2, tp + 1, n)
-  r_len = rng.integers(2, tn + 1, n)
-  prompt = np.arange(tp)[None] >= tp - p_len[:, None]
-  resp = np.arange(tn)[None] < r_len[:, None]
-  valid = np.concatenate([prompt, resp], 1)
-  loss = np.concatenate([np.zeros_like(prompt), resp], 1)
-  batch = {
-    "tokens": np.where(valid, rng.integers(1, model_cfg.vocab_size, valid.shape), 0).astype(np.int32),
-    "valid_mask": valid,
-    "prompt_mask": np.concatenate([prompt, np.zeros_like(resp)], 1),
-    "response_mask": loss.astype(bool),
-    "loss_mask": loss.astype(np.float32),
-    "behavior_logp": ((-2.0 + 0.3 * rng.normal(size=valid.shape)) * loss).astype(np.float32),
-    "rewards": rng.integers(0, 2, n).astype(np.float32),
-    "group_id": np.repeat(np.arange(n // g), g).astype(np.int32),
-    "policy_version": np.zeros(n, np.int32),
-  }
-  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  batch = {k: jnp.asarray(v) for k, v in stale_batch(spec, model_cfg).items()}
+  n, t = batch["tokens"].shape
   states = [learner.init_state(jax.tree.map(jnp.copy, params), tx) for _ in range(2)]
   step_on = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
   step_off = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
@@ -88,7 +96,7 @@ def build(method: str):
     telemetry.step_telemetry = real
   jax.block_until_ready((states, m_on, m_off))
   assert any(k.startswith("grad/") for k in m_on) and not any(k.startswith("grad/") for k in m_off)
-  return step_on, step_off, states[0], states[1], batch, n, tp + tn
+  return step_on, step_off, states[0], states[1], batch, n, t
 
 
 def main(argv=None) -> int:
