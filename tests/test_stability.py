@@ -291,6 +291,37 @@ def test_read_run_rejects_incomplete_metrics(tmp_path):
     st.read_run(tmp_path, steps=2)
 
 
+def test_read_run_keeps_the_drift_diagnostics_and_stacking_keeps_the_common_keys(tmp_path):
+  """A centered run's per-step drift rows become drift_* arrays of its record; records made before them (or of
+  an uncentered method) lack them, and stack_runs keeps only the keys every run has."""
+  rows = ['{"step": 0, "eval/accuracy": 0.5}']
+  for t, (l1, k1) in enumerate([(0.1, 0.01), (0.3, 0.02)], start=1):
+    rows.append(
+      json.dumps(
+        {
+          "step": t,
+          "train/pg_loss": 0.0,
+          "train/ess_ratio": 1.0,
+          "train/ess_ratio_applied": 1.0,
+          "train/lr_scale": 1.0,
+          "train/grad_norm": 1.0,
+          "time/learn_s": 0.1,
+          "time/rollout_s": 0.1,
+          "train/drift/coef_l1": l1,
+          "train/drift/k1_kl_qp": k1,
+        }
+      )
+    )
+  (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+  z = st.read_run(tmp_path, steps=2)
+  np.testing.assert_array_equal(z["drift_coef_l1"], [0.1, 0.3])
+  np.testing.assert_array_equal(z["drift_k1_kl_qp"], [0.01, 0.02])
+  assert "drift_q_head_mass" not in z  # exact centering logs no head masses
+  older = {k: v for k, v in z.items() if not k.startswith("drift_")}
+  both = st.stack_runs([z, older])
+  assert set(both) == set(older) and both["accuracy"].shape == (2, 1)
+
+
 def test_committed_ledger_records_keep_their_fingerprints(monkeypatch):
   """The study's records in git are reused only under their run's fingerprint: a config field added since they
   were made must be in st.LATER_FIELDS (left out at its old value), else every record would train again."""

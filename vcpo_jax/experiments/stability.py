@@ -369,6 +369,8 @@ def read_run(workdir: Path, steps: int) -> dict:
   if sorted(train) != list(range(1, steps + 1)):
     raise ValueError(f"{workdir}: metrics.jsonl has training steps {sorted(train)[:3]}..., expected 1..{steps}")
   col = lambda key: np.asarray([train[t][key] for t in range(1, steps + 1)], np.float64)
+  # score centering's drift diagnostics (vcpo_jax/score_centering.py), where the run logged them every step
+  drift = {f"drift_{k}": col(f"train/drift/{k}") for k in DRIFT if all(f"train/drift/{k}" in r for r in train.values())}
   return dict(
     accuracy=np.asarray([a for _, a in evals]),
     eval_step=np.asarray([s for s, _ in evals]),
@@ -379,7 +381,17 @@ def read_run(workdir: Path, steps: int) -> dict:
     learn_s=col("time/learn_s"),  # wall seconds of each learner step (step 1 includes its compile)
     rollout_s=col("time/rollout_s"),  # wall seconds of each batch's sampling (step 1: the sampler's compile)
     run_s=np.asarray(_run_seconds(workdir)),  # wall seconds of the whole trainer.run (nan if not recorded)
+    **drift,
   )
+
+
+DRIFT = ("coef_l1", "k1_kl_qp", "q_head_mass", "p_head_mass")
+
+
+def stack_runs(runs: Sequence[dict]) -> dict:
+  """{key: [R, ...]} of the keys every run has (records made before a key existed lack it, e.g. drift_*)."""
+  keys = [k for k in runs[0] if all(k in r for r in runs)]
+  return {k: np.stack([r[k] for r in runs]) for k in keys}
 
 
 RUN_SECONDS = "study_seconds.json"  # written by the study next to the trainer's summary.json
@@ -475,8 +487,8 @@ def trainer_cell_fn(
 
   def fn(method, k):
     knob = knob_fn(method)
-    per = [[train_one(c, method, k, seed, lr, knob, log=log) for seed in c.seeds] for lr in c.lrs]
-    return {key: np.stack([np.stack([r[key] for r in row]) for row in per]) for key in per[0][0]}
+    per = [stack_runs([train_one(c, method, k, seed, lr, knob, log=log) for seed in c.seeds]) for lr in c.lrs]
+    return stack_runs(per)
 
   return fn
 
@@ -639,6 +651,8 @@ def summarize(c, out: Path) -> dict:
           grad_norm_max=float(z["grad_norm"][i].max()),
           seconds=float(z["seconds"]),
           **(_time_stats(z, i) if "learn_s" in z else {}),
+          # median over steps, mean over seeds, of each drift diagnostic the runs logged
+          **{f"drift_{k}": float(np.median(z[f"drift_{k}"][i], -1).mean()) for k in DRIFT if f"drift_{k}" in z},
         )
   selected = {}
   for method in c.methods:
@@ -916,12 +930,33 @@ def write_report(c, out: Path, summary: dict, runtime_s: float | None, command: 
   L += _every_lr_section(c, summary)
   L += _predictor_section(c, summary)
   L += _ess_by_collapse_section(c, summary)
+  L += _drift_section(c, summary)
   L += time_section(c, summary)
   L.append("\n## Notes\n")
   L.append(notes or f"{NOTES_BEGIN}\n(no notes yet)\n{NOTES_END}")
   L.append("")
   path.write_text("\n".join(L))
   return path
+
+
+def _drift_section(c, summary: dict) -> list[str]:
+  """Score centering's drift diagnostics per cell (the centered methods only), median over steps."""
+  rows = [(key, st) for key, st in sorted(summary["stats"].items()) if "drift_coef_l1" in st]
+  if not rows:
+    return []
+  L = [
+    "\n## Drift diagnostics of the centered methods\n",
+    "Per step: k1 = mean over loss tokens of log q(y) - log p(y) (the sampled-token estimate of KL(q || p)); "
+    "coef L1 = mean over loss tokens of sum_v |c_v|; q / p head mass = mean over loss tokens of the mass q and "
+    "p give the sampler's recorded ids (top-k only). Median over the run's steps, mean over seeds.\n",
+    "| method | k | lr | k1 KL(q‖p) | coef L1 | q head mass | p head mass |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  fmt = lambda st, k: f"{st[k]:.4f}" if k in st else "-"
+  for (m, k, lr), st in rows:
+    cols = " | ".join(fmt(st, f"drift_{d}") for d in ("k1_kl_qp", "coef_l1", "q_head_mass", "p_head_mass"))
+    L.append(f"| {m} | {k} | {lr:g} | {cols} |")
+  return L
 
 
 def _report_header(c, summary: dict, runtime_s: float | None, command: str) -> list[str]:

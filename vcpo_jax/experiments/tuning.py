@@ -164,8 +164,9 @@ def run_trials(c, method: str, run_fn: Callable[..., dict]) -> dict:
     [[run_fn(method, int(k), seed, float(lr), knob) for seed in c.tuning.seeds] for k, lr in c.tuning.cells]
     for knob in trials
   ]
-  keys = per[0][0][0]
-  out = {key: np.stack([np.stack([np.stack([r[key] for r in row]) for row in cell]) for cell in per]) for key in keys}
+  from vcpo_jax.experiments.stability import stack_runs
+
+  out = stack_runs([stack_runs([stack_runs(row) for row in cell]) for cell in per])
   out["values"] = np.asarray([value_str(None if t is None else t[1]) for t in trials])
   return out
 
