@@ -315,9 +315,11 @@ def test_the_paths_that_cannot_replace_say_so_at_start_up(caplog):
   from tests.test_async import _source
   from vcpo_jax.rollout import device_publish, multihost, transfer_publish
 
-  for cls in (device_publish.DeviceAsyncSource, multihost.MultiHostAsyncSource):
-    assert cls.replaceable is False and cls.not_replaceable_because, cls
+  assert (
+    device_publish.DeviceAsyncSource.replaceable is False and device_publish.DeviceAsyncSource.not_replaceable_because
+  )
   assert transfer_publish.TransferAsyncSource.replaceable is True  # test_the_transfer_path_replaces_...
+  assert multihost.MultiHostAsyncSource.replaceable is True  # tests/test_multihost_async.py
   device = {"async_.publish_path": "device", "async_.sampler_devices": "2,3"}
   with caplog.at_level("WARNING"):
     src, _ = _source(_tiny(**device), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
