@@ -319,6 +319,23 @@ def test_a_silent_peer_is_lost_after_its_heartbeat_stops():
     a1.close()
 
 
+def test_the_agreement_waits_for_every_replacement_a_peers_budget_allows():
+  import types
+
+  from vcpo_jax.rollout import multihost
+
+  src = types.SimpleNamespace(
+    startup_timeout_s=600.0,
+    timeout_s=120.0,
+    heartbeat_timeout_s=300.0,
+    cfg=types.SimpleNamespace(max_sampler_restarts=3),
+  )
+  # per attempt: the failure noticed (the longer of timeout_s, heartbeat_timeout_s), the new sampler's first batch
+  assert multihost.MultiHostAsyncSource._agreement_timeout_s(src) == 4 * (600.0 + 300.0) + 60.0
+  src.cfg.max_sampler_restarts = 0  # no replacement: one attempt
+  assert multihost.MultiHostAsyncSource._agreement_timeout_s(src) == 600.0 + 300.0 + 60.0
+
+
 def test_host_local_sampler_devices_and_platform_env(monkeypatch):
   import jax
 

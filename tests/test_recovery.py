@@ -134,6 +134,36 @@ def test_a_sigkilled_sampler_with_inflight_updates_refill_decode_and_background_
 
 
 @pytest.mark.exclusive
+def test_a_background_eval_the_killed_sampler_had_not_returned_comes_back_from_its_replacement():
+  """request_eval(0), then SIGKILL of the sampler before it can evaluate (it is still starting up): its
+  replacement evaluates version 0 and eval_results(wait=True) hands over that record, once."""
+  from vcpo_jax import run_config
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  cfg = _tiny(steps=4, **{"eval.background": True})
+  spec = run_config.parse_config(cfg, check_prompts=False)
+  src, params = _source(cfg)
+  try:
+    sampling, problems, protocol = trainer._build_eval(spec, src.tokenizer, None, trainer._buckets(spec), src.maker)
+    eval_args = worker_lib.EvalArgs(tuple(problems), protocol, sampling.base, spec.rollout.chat_template)
+    src.enable_background_eval(eval_args)
+    src.publish(params, 0)
+    src.request_eval(0, params)
+    first = src.pid
+    os.kill(first, signal.SIGKILL)
+    src.proc.join(60.0)
+    src.next(0)  # the learner sees the death: replaced
+    assert src.sampler_restarts == 1 and src.pid != first
+    (rec,) = src.eval_results(wait=True)
+    assert rec["policy_version"] == 0 and rec["background"] and rec["sampler_pid"] == src.pid
+    assert src.eval_results(wait=True) == []
+    paths = src.resource_paths()
+  finally:
+    src.close()
+  _assert_removed(paths)
+
+
+@pytest.mark.exclusive
 def test_the_transfer_path_replaces_a_sigkilled_sampler_and_the_run_finishes(tmp_path):
   # publish_path='transfer': the replacement pulls the newest offer from the learner's same transfer server
   # over a fresh request pipe; every step once, no batch twice, lags in [0, k], nothing left in /dev/shm.
