@@ -38,10 +38,11 @@
   (`_agreement_timeout_s`). `async/sampler_restarts` is the sum over hosts, `info["hosts"][h]["restarts"]`
   host h's. A failure past a host's budget (SamplerDiedError, TimeoutError) or a signal on any host makes
   that host post a stop for the step; every host then raises `distributed.JobStopped` at that same step
-  and the trainer writes the joint checkpoint and exits (130 for signals, 1 for failures). A learner process that dies or stops is noticed through its heartbeat (async_.peer_lost_s)
-  and the others raise PeerLostError without a checkpoint (main.train then ends them without jax's
-  shutdown barrier, `distributed.end_alone`); one stuck inside a collective with the lost process is
-  ended by the heartbeat thread's watchdog (1.5 x peer_lost_s). close() removes the host's shared memory,
+  and the trainer writes the joint checkpoint and exits (130 for signals, 1 for failures). A learner process
+  that dies or stops is noticed through its heartbeat (async_.peer_lost_s) and the others raise PeerLostError
+  without a checkpoint (main.train then ends them without jax's shutdown barrier, `distributed.end_alone`);
+  one stuck inside a collective with the lost process is ended by the heartbeat thread's watchdog
+  (1.5 x peer_lost_s). close() removes the host's shared memory,
   as in single-host mode; a process that ends without it leaves that to its resource tracker.
 
 Checkpoints keep each host's queued batches: at every save (periodic, final, agreed stop)
