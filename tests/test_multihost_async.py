@@ -9,9 +9,12 @@ two single-process runs in this process share one work directory; the test check
    single-host run's for that step, in its order; every batch sampled with the initial parameters (step 0
    always; later ones while the samplers ran ahead) is token for token the batch a single-host async
    sampler makes for that step; lags within k; equal parameter checksums on both hosts for every published
-   version, echoed by each host's sampler. Then host 1's sampler is SIGKILLed: both learner processes end
-   within 30 s, agreeing to stop at one step, with the joint checkpoint of that step, holding every batch a
-   host had received and not consumed, per host, and no /dev/shm object left;
+   version, echoed by each host's sampler. Then host 1's sampler is SIGKILLed: host 1 replaces it while
+   host 0 waits in the agreement, and both go on (each step once on each host, no batch twice, lags within
+   k, host 1's replacement's batches after its first sampler's, async/sampler_restarts 1 from host 1, 0
+   from host 0). Its replacement is SIGKILLed too, past host 1's async_.max_sampler_restarts = 1: both
+   learner processes end within 30 s, agreeing to stop at one step, with the joint checkpoint of that step,
+   holding every batch a host had received and not consumed, per host, and no /dev/shm object left;
 2. the job resumes on 2 processes: the first step consumed is the checkpoint's, each host first consumes
    exactly its own checkpointed rows (same tokens, made by the first job's samplers), then its new
    sampler's, so no trajectory is lost or used twice; SIGTERM to host 0's learner alone stops both with a
@@ -72,6 +75,7 @@ def _config(process_id: int, port: int, steps: int):
       "log.norm_overhead_every": 0,
       "async_.timeout_s": 300.0,
       "async_.peer_lost_s": 20.0,
+      "async_.max_sampler_restarts": 1,  # job 1: the first sampler failure is replaced, the second stops the job
       "distributed.enabled": True,
       "distributed.coordinator_address": f"127.0.0.1:{port}",
       "distributed.num_processes": 2,
@@ -95,7 +99,13 @@ def _recording_build_source(emit):
       batch, info = nxt(step)
       tokens, n = batch["tokens"], len(batch["tokens"])
       hosts = info.get("hosts") or [  # one process: its own sampler's batch
-        {"version": int(batch["policy_version"].min()), "checksum": info["params_checksum"], "pid": info["producer"][0]}
+        {
+          "version": int(batch["policy_version"].min()),
+          "checksum": info["params_checksum"],
+          "pid": info["producer"][0],
+          "seq": info["producer"][1],
+          "restarts": src.sampler_restarts,
+        }
       ]
       rec = {
         "step": step,
@@ -104,7 +114,8 @@ def _recording_build_source(emit):
         "versions": batch["policy_version"].tolist(),
         "group_id": batch["group_id"].tolist(),
         "half_sums": [int(tokens[: n // 2].sum()), int(tokens[n // 2 :].sum())],  # host 0's rows, host 1's
-        "hosts": [{k: h[k] for k in ("version", "checksum", "pid")} for h in hosts],
+        "hosts": [{k: h[k] for k in ("version", "checksum", "pid", "seq", "restarts")} for h in hosts],
+        "restarts": info["metrics"]["async/sampler_restarts"],  # the row's: every host's replacements
         "shm": src.resource_paths(),
       }
       if not batch["policy_version"].any():  # the initial parameters: compared with a single-host sampler
@@ -308,6 +319,23 @@ def test_a_silent_peer_is_lost_after_its_heartbeat_stops():
     a1.close()
 
 
+def test_the_agreement_waits_for_every_replacement_a_peers_budget_allows():
+  import types
+
+  from vcpo_jax.rollout import multihost
+
+  src = types.SimpleNamespace(
+    startup_timeout_s=600.0,
+    timeout_s=120.0,
+    heartbeat_timeout_s=300.0,
+    cfg=types.SimpleNamespace(max_sampler_restarts=3),
+  )
+  # per attempt: the failure noticed (the longer of timeout_s, heartbeat_timeout_s), the new sampler's first batch
+  assert multihost.MultiHostAsyncSource._agreement_timeout_s(src) == 4 * (600.0 + 300.0) + 60.0
+  src.cfg.max_sampler_restarts = 0  # no replacement: one attempt
+  assert multihost.MultiHostAsyncSource._agreement_timeout_s(src) == 600.0 + 300.0 + 60.0
+
+
 def test_host_local_sampler_devices_and_platform_env(monkeypatch):
   import jax
 
@@ -489,13 +517,23 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog, monkey
   workdir = str(tmp_path / "run")
   latest = lambda: Checkpointer(os.path.join(workdir, "checkpoints")).latest_step()
 
-  # 1. a fresh job: a few steps on both hosts, then host 1's sampler dies: both processes stop within 30 s
+  # 1. a fresh job: a few steps on both hosts, then host 1's sampler dies: host 1 replaces it and both go on;
+  # its replacement dies too (past host 1's budget of 1): both processes stop within 30 s
   procs, logs = _start(workdir, tmp_path, "fresh")
+  replaced = lambda: [r for r in _records(logs[1], "STEP") if r["hosts"][1]["pid"] != first_pids[1]]
   try:
     _wait_for(lambda: all(len(_records(f, "STEP")) >= 3 for f in logs), 600, "3 steps on both hosts", procs)
-    os.kill(_records(logs[1], "STEP")[0]["sampler_pid"], signal.SIGKILL)
+    first_pids = [_records(f, "STEP")[0]["sampler_pid"] for f in logs]
+    t0 = time.monotonic()
+    os.kill(first_pids[1], signal.SIGKILL)
+    _wait_for(lambda: len(replaced()) >= 1, 600, "a batch of host 1's replacement sampler", procs)
+    print(
+      f"host 1's sampler SIGKILLed: the first batch of its replacement consumed {time.monotonic() - t0:.1f} s later"
+    )
+    _wait_for(lambda: len(replaced()) >= 2, 600, "2 batches of host 1's replacement sampler", procs)
+    os.kill(replaced()[0]["hosts"][1]["pid"], signal.SIGKILL)
     elapsed = _wait_all(procs, 30.0)
-    print(f"both learner processes ended {elapsed:.1f} s after the SIGKILL of host 1's sampler")
+    print(f"both learner processes ended {elapsed:.1f} s after the SIGKILL of host 1's replacement sampler")
   finally:
     _kill_all(procs)
   out = [f.read_text() for f in logs]
@@ -508,14 +546,25 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog, monkey
   assert n >= 3
   spec = run_config.parse_config(_config(0, 1, 10_000))
   single_host = RolloutMaker(spec.rollout, None, None, spec.make_train_problems())  # a one-host run's prompts
-  first_pids = [steps[0][0]["sampler_pid"], steps[1][0]["sampler_pid"]]
+  second_pid = replaced()[0]["hosts"][1]["pid"]
+  for s in steps:  # each step once on each host, in order; no host batch (sampler pid, its n-th) twice
+    assert [r["step"] for r in s] == list(range(len(s)))
+    for h in range(2):
+      made = [(r["hosts"][h]["pid"], r["hosts"][h]["seq"]) for r in s]
+      assert len(set(made)) == len(made), made
+  pids1 = [r["hosts"][1]["pid"] for r in steps[1]]  # the first sampler's batches, then only the replacement's
+  cut = pids1.index(second_pid)
+  assert set(pids1[:cut]) == {first_pids[1]} and set(pids1[cut:]) == {second_pid}, pids1
+  restarts = [r["hosts"][1]["restarts"] for r in steps[1]]  # its first sampler's queued batches may come after it
+  assert restarts == sorted(restarts) and restarts[0] == 0 and set(restarts[cut:]) == {1}, restarts
+  assert all(r["hosts"][0]["restarts"] == 0 and r["restarts"] == r["hosts"][1]["restarts"] for r in steps[1])
   for a, b in zip(steps[0][:n], steps[1][:n]):
     drop = ("sampler_pid", "shm")
     assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
     step = a["step"]
     assert a["problem_ids"] == [q.id for q in single_host.problems_for_step(step)]
     assert a["group_id"] == [g for g in range(P) for _ in range(G)]  # host 0's group, then host 1's
-    assert [h["pid"] for h in a["hosts"]] == first_pids
+    assert a["hosts"][0]["pid"] == first_pids[0] and a["hosts"][1]["pid"] in (first_pids[1], second_pid)
     for h, host in enumerate(a["hosts"]):  # rows [h N/2, (h+1) N/2) came from host h's sampler
       assert a["versions"][h * P * G // 2 : (h + 1) * P * G // 2] == [host["version"]] * (P * G // 2)
     assert all(0 <= step - v <= K for v in a["versions"])
@@ -527,13 +576,14 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog, monkey
       if str(host["version"]) in published[h]:
         assert host["checksum"] == published[h][str(host["version"])]
   assert not [p for f in logs for p in _records(f, "SHM")[0] if os.path.exists(p)]
+  assert not [p for f in logs for r in _records(f, "STEP") for p in r["shm"] if os.path.exists(p)]  # every sampler's
   stopped = latest()
   assert stopped is not None and stopped >= n - 1  # the joint checkpoint of the step both stopped at
   queued = [_records(f, "QUEUED")[-1] for f in logs]
   assert queued[0] == queued[1] and queued[0], queued  # host 0's sampler was ahead: it had batches queued
   queued = queued[0]
   assert [q["step"] for q in queued] == list(range(stopped, stopped + len(queued)))
-  assert all(q["pids"][h] in (None, first_pids[h]) for q in queued for h in range(2))
+  assert all(q["pids"][h] in (None, first_pids[h], second_pid) for q in queued for h in range(2))
   _check_single_host_samples(steps[0][:n])
 
   # 2. resume on 2 processes: each host's queued rows first; SIGTERM to host 0 only stops both, with a checkpoint

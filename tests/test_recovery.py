@@ -104,6 +104,66 @@ def test_two_sigkills_replace_the_sampler_and_the_run_finishes(tmp_path):
 
 
 @pytest.mark.exclusive
+def test_a_sigkilled_sampler_with_inflight_updates_refill_decode_and_background_eval_is_replaced(tmp_path):
+  """The shm path with in-flight updates, async_.decode='refill' (the static decode: the tests above) and
+  eval.background: SIGKILL before step 3 -> every step once, no batch twice, every token's version in
+  [step - k, step] (next() checks it), and every requested background evaluation (steps 0, 2, 4) comes back,
+  the one the killed sampler had not returned made by the replacement."""
+  k, steps = 2, 6
+  over = {"lag.k": k, "async_.inflight_updates": True, "async_.decode": "refill", "async_.chunk_tokens": 2}
+  over.update({"async_.update_every_tokens": 2, "eval.every": 2, "eval.background": True})
+  with pytest.MonkeyPatch.context() as mp:
+    built, seen, paths, kills = _killing_sources(mp, kill_at={3})
+    workdir = str(tmp_path / "run")
+    summary = trainer.run(_tiny(steps=steps, **over), workdir)
+  assert summary["step"] == steps
+  (src,) = built
+  assert [s for s, _, _ in seen] == list(range(steps))
+  producers = [info["producer"] for _, _, info in seen]
+  assert len(set(producers)) == steps and len({pid for pid, _ in producers}) == 2
+  assert src.sampler_restarts == 1 and src._worker_sampler_cfg().decode == "refill"
+  for step, versions, _ in seen:
+    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+  bg = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "eval.jsonl")) if r.get("background")]
+  assert sorted(r["step"] for r in bg) == [0, 2, 4] and bg[-1]["sampler_pid"] == src.pid, bg
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1)) and recs[-1]["async/sampler_restarts"] == 1
+  assert src.proc.exitcode == 0
+  _assert_removed(sorted(paths))  # the eval slots too
+  print(f"[inflight, refill, eval.background] kill before step 3: replacement's first batch after {kills[0][3]:.1f} s")
+
+
+@pytest.mark.exclusive
+def test_a_background_eval_the_killed_sampler_had_not_returned_comes_back_from_its_replacement():
+  """request_eval(0), then SIGKILL of the sampler before it can evaluate (it is still starting up): its
+  replacement evaluates version 0 and eval_results(wait=True) hands over that record, once."""
+  from vcpo_jax import run_config
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  cfg = _tiny(steps=4, **{"eval.background": True})
+  spec = run_config.parse_config(cfg, check_prompts=False)
+  src, params = _source(cfg)
+  try:
+    sampling, problems, protocol = trainer._build_eval(spec, src.tokenizer, None, trainer._buckets(spec), src.maker)
+    eval_args = worker_lib.EvalArgs(tuple(problems), protocol, sampling.base, spec.rollout.chat_template)
+    src.enable_background_eval(eval_args)
+    src.publish(params, 0)
+    src.request_eval(0, params)
+    first = src.pid
+    os.kill(first, signal.SIGKILL)
+    src.proc.join(60.0)
+    src.next(0)  # the learner sees the death: replaced
+    assert src.sampler_restarts == 1 and src.pid != first
+    (rec,) = src.eval_results(wait=True)
+    assert rec["policy_version"] == 0 and rec["background"] and rec["sampler_pid"] == src.pid
+    assert src.eval_results(wait=True) == []
+    paths = src.resource_paths()
+  finally:
+    src.close()
+  _assert_removed(paths)
+
+
+@pytest.mark.exclusive
 def test_the_transfer_path_replaces_a_sigkilled_sampler_and_the_run_finishes(tmp_path):
   # publish_path='transfer': the replacement pulls the newest offer from the learner's same transfer server
   # over a fresh request pipe; every step once, no batch twice, lags in [0, k], nothing left in /dev/shm.
@@ -131,6 +191,78 @@ def test_the_transfer_path_replaces_a_sigkilled_sampler_and_the_run_finishes(tmp
   _assert_removed(sorted(paths))
   for s, pid, _, dt in kills:
     print(f"[transfer] kill before step {s} (pid {pid}): first batch of the replacement consumed after {dt:.1f} s")
+
+
+def test_the_device_path_replaces_a_crashed_sampler_thread_and_the_run_finishes(tmp_path):
+  """publish_path='device': the sampler thread raises while making batch 3 -> a fresh thread on the same devices,
+  from the newest published version, makes batch 3 again; every step once, no batch twice, lags in [0, k]."""
+  from vcpo_jax.rollout import device_publish
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  k, steps = 1, 6
+  # the learner on devices 0-3 (N = 8 rows split over them), the sampler thread on 4-7
+  over = {"lag.k": k, "async_.publish_path": "device", "async_.sampler_devices": "4,5,6,7", "async_.queue_slots": 1}
+  put, crashed = worker_lib._Worker._put, []
+
+  def crashing_put(self, batch, meta):  # the first thread, once: an exception in the sampler thread
+    if meta["step"] == 3 and not crashed:
+      crashed.append(meta["step"])
+      raise RuntimeError("injected: the sampler thread crashed making batch 3")
+    return put(self, batch, meta)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(worker_lib._Worker, "_put", crashing_put)
+    built, seen, _, _ = _killing_sources(mp, kill_at=set())
+    workdir = str(tmp_path / "run")
+    summary = trainer.run(_tiny(steps=steps, **over), workdir)
+  assert summary["step"] == steps and crashed == [3]
+  (src,) = built
+  assert isinstance(src, device_publish.DeviceAsyncSource)
+  assert [s for s, _, _ in seen] == list(range(steps))  # every step once, in order
+  producers = [info["producer"] for _, _, info in seen]  # (pid, seq, thread): the pid is the learner's
+  assert len(set(producers)) == steps and [t for _, _, t in producers] == [1, 1, 1, 2, 2, 2], producers
+  assert src.sampler_restarts == 1 and "injected: the sampler thread crashed" in src.restart_causes[0][1]
+  for step, versions, _ in seen:
+    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1))  # each step logged once
+  assert [r["async/sampler_restarts"] for r in recs] == [0, 0, 0, 1, 1, 1]
+  assert src.proc.exitcode == 0  # the replacement thread stopped cleanly at close()
+
+
+def test_the_device_path_does_not_replace_a_hung_sampler_thread():
+  """A sampler thread that stops beating (here: blocked before putting batch 2) cannot be stopped: no replacement
+  (a second sampler on the same devices), the learner's wait ends with TimeoutError as without the budget."""
+  import threading
+
+  import jax
+
+  from vcpo_jax.rollout import device_publish
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  over = {"lag.k": 1, "async_.publish_path": "device", "async_.sampler_devices": "2,3", "async_.queue_slots": 1}
+  over.update({"async_.heartbeat_timeout_s": 2.0, "async_.timeout_s": 2.0})
+  put, release = worker_lib._Worker._put, threading.Event()
+
+  def hanging_put(self, batch, meta):
+    if meta["step"] == 2:
+      release.wait(120.0)
+    return put(self, batch, meta)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(worker_lib._Worker, "_put", hanging_put)
+    src, params = _source(_tiny(steps=4, **over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
+    try:
+      for step in (0, 1):
+        src.publish(params, step)
+        src.next(step)
+      src.publish(params, 2)
+      with pytest.raises(TimeoutError, match="no heartbeat for 2 s|no batch 2 within"):
+        src.next(2)
+      assert src.sampler_restarts == 0 and src.proc.exitcode is None  # the same thread, still blocked
+    finally:
+      release.set()  # close() then stops it (it reads "stop" at its next loop point)
+      src.close()
 
 
 @pytest.mark.exclusive
@@ -304,28 +436,18 @@ def test_restart_settings_are_checked_in_config_parsing():
     run_config.parse_config(_tiny(**{"async_.restart_window_s": 0.0}))
   with pytest.raises(Exception, match=r"async_\.heartbeat_timeout_s.*-1.*seconds >= 0"):
     run_config.parse_config(_tiny(**{"async_.heartbeat_timeout_s": -1.0}))
-  # the device and transfer paths do not replace their sampler: the default budget parses, and the source
-  # says at start-up that it does not apply (test_the_paths_that_cannot_replace_say_so_at_start_up)
   run_config.parse_config(_tiny(**{"async_.publish_path": "transfer"}))
 
 
-def test_the_paths_that_cannot_replace_say_so_at_start_up(caplog):
+def test_the_device_path_says_at_start_up_that_a_hung_sampler_thread_is_not_replaced(caplog):
   import jax
 
   from tests.test_async import _source
-  from vcpo_jax.rollout import device_publish, multihost, transfer_publish
+  from vcpo_jax.rollout import device_publish
 
-  for cls in (device_publish.DeviceAsyncSource, multihost.MultiHostAsyncSource):
-    assert cls.replaceable is False and cls.not_replaceable_because, cls
-  assert transfer_publish.TransferAsyncSource.replaceable is True  # test_the_transfer_path_replaces_...
   device = {"async_.publish_path": "device", "async_.sampler_devices": "2,3"}
-  with caplog.at_level("WARNING"):
+  with caplog.at_level("INFO", logger="vcpo_jax"):
     src, _ = _source(_tiny(**device), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
     src.close()
-  assert any("max_sampler_restarts=3 does not apply here (publish_path='device'" in r.message for r in caplog.records)
-  caplog.clear()
-  with caplog.at_level("WARNING"):
-    over = dict(device, **{"async_.max_sampler_restarts": 0})
-    src, _ = _source(_tiny(**over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
-    src.close()
-  assert not any("does not apply here" in r.message for r in caplog.records)
+  assert any("a sampler thread that crashes is replaced" in r.message for r in caplog.records)
+  assert any("one that hangs cannot be stopped, and ends the run" in r.message for r in caplog.records)

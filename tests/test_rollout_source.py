@@ -55,7 +55,7 @@ def test_every_source_has_the_members_the_trainer_uses_with_no_op_defaults():
   for cls in (async_.AsyncSource, device_publish.DeviceAsyncSource, transfer_publish.TransferAsyncSource):
     assert issubclass(cls, rollout.RolloutSource) and cls.agreed_stops is False
   assert multihost.MultiHostAsyncSource.agreed_stops is True
-  # The single-host shm and transfer paths replace a failed sampler; elsewhere a failure ends the run, checkpointed.
+  # Every path replaces a failed sampler (the device path a crashed thread only; tests/test_recovery.py).
   assert async_.AsyncSource.replaceable and transfer_publish.TransferAsyncSource.replaceable
-  assert not multihost.MultiHostAsyncSource.replaceable and not device_publish.DeviceAsyncSource.replaceable
+  assert multihost.MultiHostAsyncSource.replaceable and device_publish.DeviceAsyncSource.replaceable
   assert issubclass(async_.SamplerDiedError, rollout.SourceFailed)

@@ -92,11 +92,12 @@ publish() - or one that makes no batch within `async_.timeout_s` although the st
 allows one (hung, SIGSTOP), is replaced (`_replace`; `restart_causes` keeps why): the batches it completed are kept and served first, the one it
 was making is dropped and made again by a fresh sampler (new shared memory holding the
 newest version written) that starts at the first step not covered; async/sampler_restarts
-counts the replacements in every row. Past `async_.max_sampler_restarts` replacements
-within `async_.restart_window_s` (and on the device and multi-host paths, which
-do not replace: a sampler thread cannot be killed, several hosts would have to agree on it; a
-warning at start-up says the budget does not apply there; the transfer path replaces, its new
-sampler pulling from the same transfer server) a dead worker raises
+counts the replacements in every row. Every publish path replaces: the transfer path's new
+sampler pulls from the same transfer server; the device path replaces a crashed sampler thread but
+not a hung one (a thread cannot be killed: rollout/device_publish.py); on several hosts each host
+replaces its own, between the hosts' per-step agreements (rollout/multihost.py). Past
+`async_.max_sampler_restarts` replacements within `async_.restart_window_s` (a hung sampler thread of the
+device path: at once) a dead worker raises
 `SamplerDiedError` naming the exit code or signal and the worker's traceback
 within a fraction of a second (the trainer checkpoints, then exits 1), and no batch within `async_.timeout_s`
 (the first batch, which includes the worker's start-up and compilation:
@@ -482,13 +483,6 @@ class AsyncSource(RolloutSource):
     self._evals: collections.deque = collections.deque()  # records received, not handed over yet
     self._eval_outstanding: int | None = None  # the version requested and not yet returned
     self.eval_request_s: list[float] = []  # learner-side time inside request_eval(), per call
-    if not self.replaceable and int(cfg.max_sampler_restarts) > 0 and jax.process_index() == 0:
-      log.warning(
-        "async: async_.max_sampler_restarts=%d does not apply here (%s): a failed sampler ends the run "
-        "(checkpoint, exit 1); set it 0 to silence this.",
-        int(cfg.max_sampler_restarts),
-        self.not_replaceable_because,
-      )
 
   # ------------------------------------------------------------------ learner side
 
@@ -845,8 +839,7 @@ class AsyncSource(RolloutSource):
 
   # -- replacing a failed sampler
 
-  replaceable = True  # subclasses whose sampler is not a process of this class's shm channels: False
-  not_replaceable_because = ""  # with replaceable = False: why, for the start-up warning
+  replaceable = True  # False: a failed sampler ends the run whatever async_.max_sampler_restarts says
 
   def _replace_if_dead(self):
     """publish() of a dead sampler: replace it (within the restart budget) or raise SamplerDiedError; a hung
@@ -895,6 +888,7 @@ class AsyncSource(RolloutSource):
     is dropped, and the new sampler starts at the first step not covered, so every step's prompts
     (fold_in(key, step)) are made exactly once. It gets fresh shared memory holding the newest version
     written into the old slot, and the staleness bound is the worker's as before: batch b once v >= b - k.
+    A background evaluation the old sampler had not returned is requested from the new one.
     """
     now = time.monotonic()
     while self._restart_times and now - self._restart_times[0] > float(self.cfg.restart_window_s):
@@ -905,18 +899,24 @@ class AsyncSource(RolloutSource):
     self._drain()  # what the old sampler completed
     self._quiesce_publisher()
     version, arrays = self._newest_written()
+    redo = self._unanswered_eval()
     self._finalizer()  # stops the old sampler (SIGKILL at once if stopped), reaps it
     for x in (self.queue, self.slot, self.eval_slot, self.conn):
       if x is not None:
         x.close()
     self.queue = self.slot = self.eval_slot = self.conn = None
     self._error, self._prev_idle, self._fresh = None, (0.0, 0.0), True
-    self._eval_outstanding = None  # its record would come from the old sampler: that evaluation is dropped
+    self._eval_outstanding = None
     first = self._pending[-1][1]["step"] + 1 if self._pending else self._next_step
     self._spawn(arrays, version, first)
+    if redo is not None:  # the new sampler evaluates what the old one had not returned
+      self.eval_slot.publish(redo[1], redo[0])
+      self._eval_outstanding = redo[0]
     self._restart_times.append(now)
     self.sampler_restarts += 1
-    self.restart_causes.append((old_pid, str(failure).splitlines()[0]))
+    lines = str(failure).splitlines()
+    cause = lines[0] + (f" ... {lines[-1].strip()}" if len(lines) > 1 else "")  # a traceback's last line: the error
+    self.restart_causes.append((old_pid, cause))
     log.warning(
       "async: replaced the sampler (pid %d -> %d, restart %d of async_.max_sampler_restarts=%d per %g s) "
       "after: %s; %d queued batches kept, the new one starts at batch %d from version %d",
@@ -925,7 +925,7 @@ class AsyncSource(RolloutSource):
       len(self._restart_times),
       int(self.cfg.max_sampler_restarts),
       float(self.cfg.restart_window_s),
-      str(failure).splitlines()[0],
+      cause,
       len(self._pending),
       first,
       version,
@@ -933,6 +933,13 @@ class AsyncSource(RolloutSource):
     if self._thread is None and self._todo is not None:  # a snapshot the failed thread had not taken
       self._hand_over(self._todo[0], self._todo[1], None, names=self._todo[2])
     return True
+
+  def _unanswered_eval(self) -> tuple[int, dict] | None:
+    """(version, host arrays) of the background evaluation requested from the failed sampler and not returned."""
+    self._poll_error()  # records it sent before it failed are still in the pipe
+    if self._eval_outstanding is None:
+      return None
+    return self.eval_slot.latest(min_version=self._eval_outstanding, timeout=60.0)
 
   def _newest_written(self) -> tuple[int, dict]:
     """(version, {name: array}) of the newest version the sampler could read, in the publish dtype: what a

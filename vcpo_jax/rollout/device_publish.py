@@ -18,8 +18,21 @@ sampler's after it) and compared per batch as in the shared-memory path: a posit
 (wrapping, so exact and independent of sharding), not param_slot's 64-bit host one. The learner's is fetched only
 when a batch is checked, so publish() does not wait for it.
 
+Failures. A sampler thread that crashes (an exception: its traceback comes through the control pipe, the
+thread ends and drops its arrays) is replaced as a sampler process is (AsyncSource._replace, within
+async_.max_sampler_restarts per async_.restart_window_s): a fresh thread on the same devices, with a fresh
+slot holding the newest published version and a fresh queue; the batches the old one completed are served
+first, the one it was making is made again. A hung thread (no heartbeat for async_.heartbeat_timeout_s, or
+no batch within async_.timeout_s although the staleness bound allows one) is not replaced: a Python thread
+cannot be killed, so it would keep its device memory (its parameter copy, its decode state) on the very
+devices a replacement needs, and a hang inside a device call would also hold those devices' queue, so a
+replacement's programs would wait behind it. It ends the run as before (TimeoutError: the trainer
+checkpoints and exits 1); a start-up line says so. Every batch carries its thread's number (1 for the first
+thread, meta "sampler_thread"), so `info["producer"]` is (pid, seq, thread): the pid is this process's.
+
 Tested (tests/test_async.py, fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=4, learner on
-2, sampler on 2): published parameters equal to the learner's after a step, versions and checksums echoed.
+2, sampler on 2): published parameters equal to the learner's after a step, versions and checksums echoed;
+tests/test_recovery.py: a sampler thread that raises is replaced and the run finishes.
 Not tested: accelerators (no GPU / TPU run), in-flight updates and multi-turn makers over this path, resume.
 Unsupported (one-line config errors): several processes (jax.process_count() > 1), no sampler devices,
 background evaluation, sampler_cpus / sampler_env (process settings).
@@ -28,6 +41,7 @@ background evaluation, sampler_cpus / sampler_env (process settings).
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import queue as queue_lib
 import threading
@@ -43,6 +57,8 @@ from vcpo_jax import mesh as mesh_lib
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.shm_queue import SPAWN, QueueFinished
+
+log = logging.getLogger("vcpo_jax")
 
 
 @jax.jit
@@ -116,14 +132,16 @@ _Item = collections.namedtuple("_Item", "arrays meta")
 class ThreadQueue:
   """In-process bounded batch queue with the ShmQueue interface the worker and AsyncSource.next use."""
 
-  def __init__(self, schema, nslots: int):
+  def __init__(self, schema, nslots: int, thread: int = 1):
     self.schema = schema
     self._q: queue_lib.Queue = queue_lib.Queue(maxsize=nslots)
     self._finished = False
     self._beats = 0
+    self.thread = int(thread)  # which sampler thread of the source feeds it (1, 2, ... with replacements)
 
   def put(self, arrays: dict, meta: dict, timeout=None):
-    self._q.put(_Item({n: np.asarray(a) for n, a in arrays.items()}, meta), timeout=timeout)  # raises Full
+    item = _Item({n: np.asarray(a) for n, a in arrays.items()}, dict(meta, sampler_thread=self.thread))
+    self._q.put(item, timeout=timeout)  # raises Full
 
   def finish(self):
     self._finished = True
@@ -203,15 +221,19 @@ class DeviceAsyncSource(async_.AsyncSource):
   """AsyncSource whose sampler is a thread on async_.sampler_devices of this process; publish() is a
   device-to-device `jax.device_put` (see the module docstring). Same arguments as AsyncSource."""
 
-  # A failed sampler ends the run (the start-up warning says so when async_.max_sampler_restarts > 0).
-  replaceable = False
-  not_replaceable_because = (
-    "publish_path='device': the sampler is a thread of this process, which cannot be killed and restarted"
-  )
+  # A crashed sampler thread is replaced; a hung one is not (it cannot be killed: module docstring, "Failures").
+  replaceable = True
 
   def __init__(self, cfg, *a, **kw):
     check_device_path(cfg, jax.process_count(), jax.device_count())
     super().__init__(cfg, *a, **kw)
+    self._threads = 0  # sampler threads started so far
+    if int(cfg.max_sampler_restarts) > 0:
+      log.info(
+        "async: publish_path='device': a sampler thread that crashes is replaced (async_.max_sampler_restarts=%d); "
+        "one that hangs cannot be stopped, and ends the run (checkpoint, exit 1).",
+        int(cfg.max_sampler_restarts),
+      )
     self.background = False  # no publisher thread: the transfer is dispatched, not copied on the host
     devices = jax.devices()
     self.sampler_devices = mesh_lib.split_devices(cfg.sampler_devices, devices)[0]
@@ -240,7 +262,7 @@ class DeviceAsyncSource(async_.AsyncSource):
     if self.proc is None:
       self._start(arrays, version)
     else:
-      self._raise_if_dead()
+      self._replace_if_dead()  # a crashed thread: replaced, its slot holding the previous version (this one next)
     self.slot.publish(arrays, version)
     self._checksums[version] = csum  # fetched (int) when a batch of this version is checked
     for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
@@ -249,15 +271,42 @@ class DeviceAsyncSource(async_.AsyncSource):
     self.publish_blocking_s.append(time.perf_counter() - t0)
 
   def _start(self, arrays: dict, version: int):
+    """The first sampler thread, making batches from `version` on; publish() then makes `version` the newest."""
+    self._next_step = int(version)
+    self._launch(arrays, int(version) + len(self._pending))
+
+  def _spawn(self, arrays: dict, version: int, first: int):
+    """A replacement (AsyncSource._replace): a fresh thread whose fresh slot holds version `version`."""
+    self._launch(arrays, first)
+    self.slot.publish(arrays, version)
+
+  def _replace(self, failure: BaseException) -> bool:
+    if self.proc.exitcode is None:  # alive (hung, or slower than the timeout): a thread cannot be stopped
+      return False
+    return super()._replace(failure)
+
+  def _launch(self, arrays: dict, first: int):
+    """A sampler thread with its own slot, queue and control pipe, making batches first, ..., steps - 1."""
+    old, self._child_conn = getattr(self, "_child_conn", None), None
+    if old is not None:
+      old.close()  # a replaced thread's end of its pipe
+    self._threads += 1
     self.slot = DeviceSlot()
-    self.queue = ThreadQueue(self.schema, self.nslots)
+    self.queue = ThreadQueue(self.schema, self.nslots, thread=self._threads)
+    self._beat = (-1, 0.0)
     self.conn, child_conn = SPAWN.Pipe(duplex=True)
-    args = self._worker_args(arrays, int(version) + len(self._pending), devices=tuple(self.sampler_devices))
-    self.proc = _ThreadProc(lambda: _thread_main(args, self.queue, self.slot, child_conn))
+    args = self._worker_args(arrays, first, devices=tuple(self.sampler_devices))
+    queue, slot = self.queue, self.slot  # this thread's own: a replacement's are new objects
+    self.proc = _ThreadProc(lambda: _thread_main(args, queue, slot, child_conn))
     self.proc.start()
     self._child_conn = child_conn  # the thread's end: closed with the source
     # close() (or garbage collection) sends "stop" and waits for the thread (a batch in progress finishes).
     self._finalizer = weakref.finalize(self, async_._shutdown, self.proc, self.conn, self._args_path)
+
+  def _info(self, step, batch, meta, wait_s, restored=False):
+    out, info = super()._info(step, batch, meta, wait_s, restored=restored)
+    info["producer"] = (*info["producer"], meta.get("sampler_thread"))  # the pid is this process's: + the thread
+    return out, info
 
   def close(self):
     super().close()

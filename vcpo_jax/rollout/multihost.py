@@ -27,13 +27,22 @@
   thread) and writes the slot. Every host publishes the same version after each step; the sampler's
   checksum echo of version v must be equal on every host that sampled with v (checked in next()), and
   the lag bound k is checked on the global batch.
-- Failures: `distributed.Agreement`. A dead or hung sampler (SamplerDiedError, TimeoutError) or a signal
-  on any host makes that host post a stop for the step; every host then raises `distributed.JobStopped`
-  at that same step and the trainer writes the joint checkpoint and exits (130 for signals, 1 for
-  failures). A learner process that dies or stops is noticed through its heartbeat (async_.peer_lost_s)
-  and the others raise PeerLostError without a checkpoint (main.train then ends them without jax's
-  shutdown barrier, `distributed.end_alone`); one stuck inside a collective with the lost process is
-  ended by the heartbeat thread's watchdog (1.5 x peer_lost_s). close() removes the host's shared memory,
+- Failures: `distributed.Agreement`. A dead or hung sampler is replaced by its own host, as on one host
+  (AsyncSource._replace: its shared memory reclaimed, a fresh sampler on the same devices and prompt block
+  from the newest version its slot holds, its completed batches kept, the one in progress made again), within
+  that host's own budget (async_.max_sampler_restarts per async_.restart_window_s). The replacement is
+  host-local, inside next() or publish(), and has no collective: publish() dispatches the gather before it,
+  so every host dispatches the same collectives at every publish. Meanwhile the host keeps checking the
+  agreement (a peer's stop, a lost peer) and its heartbeat thread beats, so the other hosts, which posted
+  for the step, wait in the agreement, whose timeout covers every replacement a budget allows
+  (`_agreement_timeout_s`). `async/sampler_restarts` is the sum over hosts, `info["hosts"][h]["restarts"]`
+  host h's. A failure past a host's budget (SamplerDiedError, TimeoutError) or a signal on any host makes
+  that host post a stop for the step; every host then raises `distributed.JobStopped` at that same step
+  and the trainer writes the joint checkpoint and exits (130 for signals, 1 for failures). A learner process
+  that dies or stops is noticed through its heartbeat (async_.peer_lost_s) and the others raise PeerLostError
+  without a checkpoint (main.train then ends them without jax's shutdown barrier, `distributed.end_alone`);
+  one stuck inside a collective with the lost process is ended by the heartbeat thread's watchdog
+  (1.5 x peer_lost_s). close() removes the host's shared memory,
   as in single-host mode; a process that ends without it leaves that to its resource tracker.
 
 Checkpoints keep each host's queued batches: at every save (periodic, final, agreed stop)
@@ -144,10 +153,9 @@ class MultiHostAsyncSource(async_.AsyncSource):
   """AsyncSource for one process of a multi-host job (same arguments; also reads `cfg.peer_lost_s`)."""
 
   agreed_stops = True  # next() agrees on every stop (signal, failure) with the other hosts
-  # Not replaced on several hosts: a failed (dead or silent) sampler is this host's failure at the next
-  # agreement, and every host stops together (checkpoint, exit 1), whatever async_.max_sampler_restarts says.
-  replaceable = False
-  not_replaceable_because = "several hosts would have to agree on a replacement (not supported yet)"
+  # A failed (dead or silent) sampler is replaced by its own host, within that host's budget, between the
+  # agreements (see "Failures" in the module docstring); past the budget it is that host's stop at the next one.
+  replaceable = True
 
   def __init__(self, cfg, key, model_cfg, graphdef, tokenizer, maker, *, k, steps, workdir=None, interrupt=None):
     super().__init__(
@@ -192,23 +200,34 @@ class MultiHostAsyncSource(async_.AsyncSource):
     version = int(version)
     if lora.has_adapters(params):
       raise ValueError("model.lora_rank > 0 with a multi-host async run is not supported yet; set model.lora_rank=0.")
-    snap = self._host_snap(jax.tree.leaves(params))
+    snap = self._host_snap(jax.tree.leaves(params))  # every host, every publish: before any replacement
     if self.proc is None:
       self._start(self._host_arrays(snap, params), version)
     elif self._deferred is None:
       try:
-        self._raise_if_dead()
-        self._raise_thread_error()
-        if self.background:
-          self._hand_over(snap, version, params)
-        else:
-          t1 = time.perf_counter()
-          self._write(self._host_arrays(snap, params), version, self._poll_publish)
-          self._copy_s.append(time.perf_counter() - t1)
+        self._publish_local(snap, version, params)
       except (async_.SamplerDiedError, RuntimeError) as e:
         self._deferred = e
     self._published = version
     self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def _publish_local(self, snap: list, version: int, params):
+    """This host's copy of a gathered version into its sampler's slot. A failed sampler is replaced first, within
+    this host's budget (AsyncSource._replace: host-local, no collective); past it SamplerDiedError."""
+    self._replace_if_dead()
+    self._raise_thread_error()
+    if self.background:
+      self._hand_over(snap, version, params)
+      return
+    arrays = self._host_arrays(snap, params)
+    t1 = time.perf_counter()
+    try:
+      self._write(arrays, version, self._poll_publish)
+    except async_.SamplerDiedError as e:  # it died during the write's lock wait: the new sampler's slot gets it
+      if not self._replace(e):
+        raise
+      self._write(arrays, version, self._poll_publish)
+    self._copy_s.append(time.perf_counter() - t1)
 
   def _host_arrays(self, snap: list, params=None, names=None) -> dict:
     if not all(_host_complete(x) for x in snap):
@@ -249,11 +268,13 @@ class MultiHostAsyncSource(async_.AsyncSource):
         "version": int(batch["policy_version"][0]),  # one version per host batch
         "checksum": info["params_checksum"],
         "pid": info["producer"][0],
+        "seq": info["producer"][1],  # with pid: which sampler made the host batch, its n-th
         "problem_ids": list(info["problem_ids"]),
         "response_len_mean": info["response_len_mean"],
         "finished_frac": info["finished_frac"],
         "gen_s": info["sampler_gen_s"],
         "idle_frac": info["sampler_idle_frac"],
+        "restarts": self.sampler_restarts,  # this host's replacements so far
       }
     except _Signalled as e:
       payload = {"ok": False, "signal": True, "reason": f"interrupted ({e})"}
@@ -266,7 +287,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
       payload = {"ok": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     finally:
       self._waiting = None
-    payloads = self.agreement.exchange(step, payload, timeout_s=self.startup_timeout_s + self.timeout_s + 60.0)
+    payloads = self.agreement.exchange(step, payload, timeout_s=self._agreement_timeout_s())
     self.agreement.forget(step - 2)
     lost = [p["reason"] for p in payloads if p.get("lost")]
     if lost:
@@ -278,6 +299,13 @@ class MultiHostAsyncSource(async_.AsyncSource):
         self._pending.appendleft(self._raw)
       raise
     return self._global(step, batch, info, payloads, time.monotonic() - t0)
+
+  def _agreement_timeout_s(self) -> float:
+    """How long a host that posted waits for the others (their heartbeats say they are alive): a peer may find
+    its sampler failed (within the longer of timeout_s and heartbeat_timeout_s) and wait for a replacement's
+    first batch (startup_timeout_s), once per replacement its budget allows, and once more past it."""
+    attempt = self.startup_timeout_s + max(self.timeout_s, self.heartbeat_timeout_s)
+    return (int(self.cfg.max_sampler_restarts) + 1) * attempt + 60.0
 
   def _info(self, step, batch, meta, wait_s, restored=False):
     self._raw = (batch, meta, restored)  # the host batch as received (queue or restored), for next()'s stop
@@ -310,7 +338,10 @@ class MultiHostAsyncSource(async_.AsyncSource):
       learner_wait_s=wait_s,
       hosts=payloads,
       **lag_stats(step, full["policy_version"]),
-      metrics=async_.token_lag_stats(step, full["token_version"]),
+      metrics={
+        **async_.token_lag_stats(step, full["token_version"]),
+        "async/sampler_restarts": sum(int(p.get("restarts", 0)) for p in payloads),  # every host's
+      },
     )
     return batch_lib.Batch.from_arrays(full), out
 
