@@ -183,8 +183,8 @@ def batch_schema(n: int, t: int, k: int = 0) -> BatchSchema:
 
 
 def _recorded_topk(maker) -> int:
-  """K of the maker's sampler (SamplerConfig.record_topk; 0 for makers without one)."""
-  return int(getattr(getattr(getattr(maker, "sampler", None), "cfg", None), "record_topk", 0) or 0)
+  """K of the maker's training sampler (SamplerConfig.record_topk): the queue carries its top-k record."""
+  return int(maker.sampler.cfg.record_topk)
 
 
 def token_lag_stats(step: int, token_version: np.ndarray) -> dict:
