@@ -188,8 +188,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
     host's sampler is kept for the next agreement instead of raised here, alone."""
     t0 = time.perf_counter()
     version = int(version)
-    if lora.has_adapters(params):
-      raise ValueError("model.lora_rank > 0 with a multi-host async run is not supported yet; set model.lora_rank=0.")
+    params = self._travelling(params)  # LoRA: the adapters only (the base goes to the sampler once)
     snap = self._host_snap(jax.tree.leaves(params))
     if self.proc is None:
       self._start(self._host_arrays(snap, params), version)
@@ -207,6 +206,17 @@ class MultiHostAsyncSource(async_.AsyncSource):
         self._deferred = e
     self._published = version
     self.publish_blocking_s.append(time.perf_counter() - t0)
+
+  def _travelling(self, params):
+    """As AsyncSource's (LoRA: the adapters travel, the base once), the base gathered to host-complete arrays
+    first: a collective, dispatched by every host at its first publish."""
+    params, frozen = lora.split(params)
+    if frozen is not None and self._base is None:
+      leaves = jax.tree.leaves(frozen)
+      gather = jax.jit(lambda ls: list(ls), out_shardings=[host_complete_sharding(x) for x in leaves])
+      names = async_.worker_lib.param_names(frozen)
+      self._base = {n: local_copy(x) for n, x in zip(names, gather(leaves))}
+    return params
 
   def _host_arrays(self, snap: list, params=None, names=None) -> dict:
     if not all(_host_complete(x) for x in snap):
