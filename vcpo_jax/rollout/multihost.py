@@ -26,7 +26,8 @@
   background thread then assembles the host copy from the local shards only (no collective off the main
   thread) and writes the slot. Every host publishes the same version after each step; the sampler's
   checksum echo of version v must be equal on every host that sampled with v (checked in next()), and
-  the lag bound k is checked on the global batch.
+  the lag bound k is checked on the global batch. LoRA: the slot carries the adapters only; the frozen base
+  is gathered once, at the first publish, and goes to the sampler once (AsyncSource's one-shot base slot).
 - Failures: `distributed.Agreement`. A dead or hung sampler (SamplerDiedError, TimeoutError) or a signal
   on any host makes that host post a stop for the step; every host then raises `distributed.JobStopped`
   at that same step and the trainer writes the joint checkpoint and exits (130 for signals, 1 for
