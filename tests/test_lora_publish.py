@@ -4,8 +4,10 @@ Every publish path: the lag ring (one process), the shared-memory parameter slot
 (device) and the transfer server (transfer). The sampler side is the real worker code (process/worker.py's
 _Worker: _build rebuilds the model, takes the frozen base from its WorkerArgs, _load applies the published
 adapters); only its generation loop is left out (the first three in this process, transfer in a spawned
-process, which the pull needs). The learner's adapters are trained-looking (B != 0): with B = 0 the base alone
-would pass, which is exactly the silent failure (an adapter dropped) this file exists to catch.
+process, which the pull needs). A spawned sampler gets the base through a one-shot shared-memory slot, not its
+pickled arguments (the last test, with a replacement sampler). The learner's adapters are trained-looking
+(B != 0): with B = 0 the base alone would pass, which is exactly the silent failure (an adapter dropped) this
+file exists to catch.
 """
 
 import os
