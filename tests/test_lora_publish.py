@@ -4,21 +4,24 @@ Every publish path: the lag ring (one process), the shared-memory parameter slot
 (device) and the transfer server (transfer). The sampler side is the real worker code (process/worker.py's
 _Worker: _build rebuilds the model, takes the frozen base from its WorkerArgs, _load applies the published
 adapters); only its generation loop is left out (the first three in this process, transfer in a spawned
-process, which the pull needs). The learner's adapters are trained-looking (B != 0): with B = 0 the base alone
-would pass, which is exactly the silent failure (an adapter dropped) this file exists to catch.
+process, which the pull needs). A spawned sampler gets the base through a one-shot shared-memory slot, not its
+pickled arguments (the last test, with a replacement sampler). The learner's adapters are trained-looking
+(B != 0): with B = 0 the base alone would pass, which is exactly the silent failure (an adapter dropped) this
+file exists to catch.
 """
 
 import os
+import pickle
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_async import _source, _subprocesses_share_a_compilation_cache, _tiny  # noqa: F401
+from tests.test_async import _shm_mapped_by, _source, _subprocesses_share_a_compilation_cache, _tiny  # noqa: F401
 from vcpo_jax.model import lora
 from vcpo_jax.model import transformer as tf
-from vcpo_jax.rollout import device_publish
+from vcpo_jax.rollout import async_, device_publish
 from vcpo_jax.rollout.lag import LagSource
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.shm_queue import SPAWN
@@ -164,3 +167,57 @@ def test_worker_without_the_base_refuses_to_sample_the_adapters_alone(monkeypatc
       _worker_logp(src, src.slot.latest(min_version=0, timeout=10.0))
   finally:
     src.slot.close()
+
+
+def _spawned_child(args_path, queue, slot, conn, *rest):
+  """worker.main's start (attached, read the pickled WorkerArgs) and the real _Worker set-up and load of the
+  newest version, then (pickled bytes, the base's slot names still mapped here, checksum, log-probs)."""
+  *_, base_slot, out = (None, *rest)  # (eval_slot, base_slot, out); without the base slot: (eval_slot, out)
+  conn.send(("attached", os.getpid()))
+  size = os.path.getsize(args_path)
+  with open(args_path, "rb") as f:
+    args = pickle.load(f)
+  os.unlink(args_path)
+  base_paths = [p for p in base_slot.resource_paths() if "/sem." not in p] if base_slot is not None else []
+  w = worker_lib._Worker(args, None, slot, None, os.getppid(), **({"base_slot": base_slot} if base_slot else {}))
+  w._build()
+  w._load(*slot.latest(min_version=0, timeout=120.0))
+  left = sorted(_shm_mapped_by(os.getpid()) & set(base_paths))
+  out.send((size, args.base is None, left, int(w._checksum), _logp(w.sampler.graphdef, w._params)))
+  out.close()
+  conn.recv()  # "stop"
+
+
+def test_spawned_sampler_gets_the_base_once_through_shared_memory_not_its_arguments(monkeypatch):
+  """The frozen base reaches a spawned sampler through a one-shot slot: the pickled WorkerArgs are a fraction
+  of the base's bytes (before: the whole base rode in them), the slot is gone from /dev/shm once the sampler
+  attached and from its mappings once it read it, and its log-probs equal the learner's. A replacement
+  sampler (_replace -> _spawn) gets the base again, from the learner's host copy."""
+  over = {**LORA, "model.hidden_size": 256, "model.intermediate_size": 512}  # base bytes >> the other arguments
+  src, params = _source(_tiny(**over))
+  params = _trained(params)
+  recv, send = SPAWN.Pipe(duplex=False)
+  real = async_.SPAWN.Process
+
+  def process(target, args, **kw):  # the sampler's own arguments (path, channels), the stand-in child
+    return real(target=_spawned_child, args=(*args, send), **kw)
+
+  monkeypatch.setattr(async_.SPAWN, "Process", process)
+  base_bytes = lora.num_bytes(lora.split(params)[1])
+  want = _logp(_graphdef(src), params)
+  try:
+    src.publish(params, 0)
+    for spawn in range(2):
+      size, no_base, left, csum, got = recv.recv() if recv.poll(240.0) else pytest.fail("no report from the sampler")
+      print(f"spawn {spawn}: pickled WorkerArgs {size} bytes, frozen base {base_bytes} bytes")
+      assert no_base and size < base_bytes / 4, (size, base_bytes)
+      first_base = src.base_slot.resource_paths()
+      assert left == []  # read once and closed: the sampler no longer maps it
+      assert csum == int(src._checksums[0])
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+      src._poll_error()  # "attached": this side closes (and unlinks) the base slot
+      assert src.base_slot is None and not [p for p in first_base if os.path.exists(p)]
+      if spawn == 0:
+        assert src._replace(RuntimeError("injected failure"))
+  finally:
+    src.close()

@@ -63,3 +63,30 @@ def test_lora_lag_run_resumes_bit_for_bit_and_exports_merged_and_peft(tmp_path, 
   merged = tf.sequence_logprobs(*tf.split(model), tokens, valid)
   np.testing.assert_allclose(merged, ours, rtol=1e-5, atol=1e-5)
   assert float(jnp.max(jnp.abs(tf.sequence_logprobs(graphdef, params, tokens, valid) - ours))) > 1e-4
+
+
+def test_lora_warm_start_is_the_plain_models_with_fresh_adapters(tmp_path, monkeypatch):
+  """With sft.steps > 0 the LoRA run's base is the plain model's warm start (the same cache entry as a full
+  fine-tuning run of that seed: no training on the second call) and its adapters are the initializer's (B = 0),
+  so RL step 0 is the warm-started model. A bug (the whole LoRA tree trained) misses the cache and trains."""
+  from vcpo_jax import sft
+
+  over = {"sft.steps": 3, "sft.batch_size": 4, "sft.cache_dir": str(tmp_path / "cache")}
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])
+
+  def warm(**extra):
+    spec = run_config.parse_config(_tiny(**over, **extra), check_prompts=False)
+    cfg, tok, graphdef, params = policy.build_policy(spec.model_cfg, mesh, seed=spec.seed)
+    probs = spec.make_train_problems()
+    return params, trainer._warm_start(spec, graphdef, params, cfg, tok, probs, None)
+
+  _, full = warm()
+  monkeypatch.setattr(sft, "train", lambda *a, **k: pytest.fail("the LoRA warm start must reuse the plain one"))
+  init, warmed = warm(**LORA)
+  ad, base = lora.split(warmed)
+  for a, b in zip(jax.tree.leaves(lora.adapters(init)), jax.tree.leaves(ad)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(not np.any(np.asarray(b)) for _, b in lora.lora_kernels(warmed).values())
+  assert jax.tree.structure(base) == jax.tree.structure(full)
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

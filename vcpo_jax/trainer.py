@@ -23,12 +23,13 @@ import time
 import jax
 import numpy as np
 import optax
+from flax import nnx
 
 from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenance, rollout, sft, sharding, telemetry
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer, restore_target
-from vcpo_jax.model import lora, policy
+from vcpo_jax.model import lora, policy, transformer
 from vcpo_jax.run_config import ConfigError, parse_config
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
@@ -257,7 +258,14 @@ def _warm_start(spec, graphdef, params, model_cfg, tokenizer, train_problems, wo
   # CPU-sized random models only (RunSpec): trained on one local device as always, so a cached warm
   # start and a fresh one agree whatever the mesh; the learner's state is then laid out on the mesh.
   params = jax.device_put(params, jax.local_devices()[0])
-  return sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec.sft_config(), workdir)
+  if not model_cfg.lora:
+    return sft.warm_start(graphdef, params, model_cfg, tokenizer, train_problems, spec.sft_config(), workdir)
+  # LoRA: the warm start is the base's (the plain model's, cached and shared with a full fine-tuning run of the
+  # same seed); the run's fresh adapters (B = 0) go on top, so RL step 0 is the warm-started model.
+  plain_cfg, plain = lora.merge_into_base(params, model_cfg)  # B = 0: the base's weights, float32
+  plain_graphdef, _ = transformer.split(nnx.eval_shape(lambda: transformer.init(plain_cfg)))
+  plain = sft.warm_start(plain_graphdef, plain, plain_cfg, tokenizer, train_problems, spec.sft_config(), workdir)
+  return lora.freeze_base(lora.combine(lora.adapters(params), plain), model_cfg)
 
 
 def _buckets(spec) -> dict:

@@ -26,7 +26,8 @@
   background thread then assembles the host copy from the local shards only (no collective off the main
   thread) and writes the slot. Every host publishes the same version after each step; the sampler's
   checksum echo of version v must be equal on every host that sampled with v (checked in next()), and
-  the lag bound k is checked on the global batch.
+  the lag bound k is checked on the global batch. LoRA: the slot carries the adapters only; the frozen base
+  is gathered once, at the first publish, and goes to the sampler once (AsyncSource's one-shot base slot).
 - Failures: `distributed.Agreement`. A dead or hung sampler is replaced by its own host, as on one host
   (AsyncSource._replace: its shared memory reclaimed, a fresh sampler on the same devices and prompt block
   from the newest version its slot holds, its completed batches kept, the one in progress made again), within
@@ -198,8 +199,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
     host's sampler is kept for the next agreement instead of raised here, alone."""
     t0 = time.perf_counter()
     version = int(version)
-    if lora.has_adapters(params):
-      raise ValueError("model.lora_rank > 0 with a multi-host async run is not supported yet; set model.lora_rank=0.")
+    params = self._travelling(params)  # LoRA: the adapters only (the base goes to the sampler once)
     snap = self._host_snap(jax.tree.leaves(params))  # every host, every publish: before any replacement
     if self.proc is None:
       self._start(self._host_arrays(snap, params), version)
@@ -228,6 +228,17 @@ class MultiHostAsyncSource(async_.AsyncSource):
         raise
       self._write(arrays, version, self._poll_publish)
     self._copy_s.append(time.perf_counter() - t1)
+
+  def _travelling(self, params):
+    """As AsyncSource's (LoRA: the adapters travel, the base once), the base gathered to host-complete arrays
+    first: a collective, dispatched by every host at its first publish."""
+    params, frozen = lora.split(params)
+    if frozen is not None and self._base is None:
+      leaves = jax.tree.leaves(frozen)
+      gather = jax.jit(lambda ls: list(ls), out_shardings=[host_complete_sharding(x) for x in leaves])
+      names = async_.worker_lib.param_names(frozen)
+      self._base = {n: local_copy(x) for n, x in zip(names, gather(leaves))}
+    return params
 
   def _host_arrays(self, snap: list, params=None, names=None) -> dict:
     if not all(_host_complete(x) for x in snap):

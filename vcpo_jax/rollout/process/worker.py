@@ -132,8 +132,10 @@ class WorkerArgs:
   # the sampler's jax.Device objects. None: every device of this process.
   devices: tuple | None = None
   # LoRA (model.lora_rank > 0): the frozen base's arrays {name: host array}, sent once; every published version
-  # (the slot, its checksum) is then the adapters only, applied unmerged on this base. None: no LoRA.
+  # (the slot, its checksum) is then the adapters only, applied unmerged on this base. None: no LoRA, or (a
+  # spawned sampler) the base comes through main()'s one-shot `base_slot` instead, with this checksum.
   base: dict | None = None
+  base_checksum: int | None = None
 
 
 def param_names(params) -> tuple[str, ...]:
@@ -198,12 +200,13 @@ def pin_cpus(cpus) -> None:
       pass  # the thread ended meanwhile
 
 
-def main(args_path: str, batch_queue, slot, conn, eval_slot=None):
+def main(args_path: str, batch_queue, slot, conn, eval_slot=None, base_slot=None):
   """Process entry point (spawn target). Exits 0 on "stop", 1 with a traceback sent on error.
 
   `args_path`: a pickled WorkerArgs (a file keeps the spawn payload small). Deleted once read, so a
   learner killed later leaves no file behind (the learner also deletes it on close, if still there).
   eval_slot: the ParamSlot of background evaluation requests (None: off).
+  base_slot: LoRA, a one-shot ParamSlot holding the frozen base (version 0), read once and closed at set-up.
   """
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   _set_parent_death_signal()
@@ -220,7 +223,7 @@ def main(args_path: str, batch_queue, slot, conn, eval_slot=None):
       pass  # the learner closed meanwhile
     if args.cpus:
       pin_cpus(args.cpus)  # before JAX builds its CPU client: its thread pools inherit the mask
-    _Worker(args, batch_queue, slot, conn, parent, eval_slot).run()
+    _Worker(args, batch_queue, slot, conn, parent, eval_slot, base_slot).run()
   except _Stop:
     stopped = True
   except BaseException:
@@ -234,6 +237,8 @@ def main(args_path: str, batch_queue, slot, conn, eval_slot=None):
     slot.close()
     if eval_slot is not None:
       eval_slot.close()
+    if base_slot is not None:
+      base_slot.close()
   if stopped:
     # Asked to stop: exit at once. The atexit handlers run (e.g. a grader subprocess is closed), but not the
     # interpreter's teardown of JAX and friends, which takes seconds on a loaded machine and would outlast the
@@ -245,8 +250,9 @@ def main(args_path: str, batch_queue, slot, conn, eval_slot=None):
 
 
 class _Worker:
-  def __init__(self, args: WorkerArgs, batch_queue, slot, conn, parent_pid: int, eval_slot=None):
+  def __init__(self, args: WorkerArgs, batch_queue, slot, conn, parent_pid: int, eval_slot=None, base_slot=None):
     self.args, self.queue, self.slot, self.conn, self.parent = args, batch_queue, slot, conn, parent_pid
+    self.base_slot = base_slot  # LoRA: the one-shot base channel (None: the base is in args.base, or no LoRA)
     self.eval_slot = eval_slot if args.eval is not None else None
     self._evaluated = -1  # newest version evaluated in the background
     self._eval_sampling = None  # evaluation.EvalSampling, built at the first request
@@ -315,7 +321,7 @@ class _Worker:
     import jax
     import jax.numpy as jnp
 
-    base = self.args.base
+    base = self.args.base if self.base_slot is None else self._read_base()
     names = param_names(frozen)
     if base is None or set(base) != set(names):
       raise ValueError(
@@ -324,6 +330,17 @@ class _Worker:
       )
     leaves = [jnp.asarray(base[n], dtype=x.dtype) for n, x in zip(names, jax.tree.leaves(frozen))]
     return self.sampler.prepare_params(jax.tree.unflatten(jax.tree.structure(frozen), leaves))
+
+  def _read_base(self) -> dict:
+    """The base's host arrays from the one-shot slot (checked against the learner's checksum); then closed, so
+    its shared memory goes as soon as the learner has closed its side too."""
+    _, arrays = self.base_slot.latest(min_version=0, timeout=60.0)
+    got = self.base_slot.checksum_of(arrays, self.base_slot.spec)
+    want = self.args.base_checksum
+    self.base_slot.close()
+    if want is not None and got is not None and int(got) != int(want):
+      raise RuntimeError(f"async sampler: the frozen base read from shared memory has checksum {got}, sent {want}.")
+    return arrays
 
   def _with_base(self, params):
     from vcpo_jax.model import lora  # the sampler process's own import (see _build)
