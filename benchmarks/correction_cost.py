@@ -19,6 +19,7 @@ before and after. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -26,7 +27,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 # name -> (preset, {run-config path: value}); ipo / kpop as configs/stability.py runs them (2 updates per step)
 METHODS = {
@@ -92,7 +92,7 @@ def build(names):
     b = dict(batch)
     if k := spec.learner.pg.sc_topk:  # the record a temperature-1 sampler of the behaviour version makes
       cfg = sampler.SamplerConfig(record_topk=k)
-      ids, lq = jax.vmap(lambda lg: sampler.sampled_topk(lg, cfg))(logits)
+      ids, lq = jax.vmap(functools.partial(sampler.sampled_topk, cfg=cfg))(logits)
       pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1)  # row t: drawn at t - 1
       on = batch["loss_mask"][..., None] != 0
       b.update(topk_ids=jnp.where(on, pad(ids), 0), topk_logp=jnp.where(on, pad(lq), 0.0))
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     return 2
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, ROOT)
-  import jax
+  from benchmarks.telemetry_overhead import count_compiles, time_steps
 
   load_before = os.getloadavg()
   t0 = time.perf_counter()
@@ -130,22 +130,12 @@ def main(argv=None) -> int:
   compile_s = time.perf_counter() - t0
 
   def timed(name: str, k: int) -> list[float]:
-    fn, state, a, _ = steps[name]
-    out = []
-    for _ in range(k):
-      t1 = time.perf_counter()
-      state, m = fn(state, *a)
-      jax.block_until_ready((state, m))
-      out.append(time.perf_counter() - t1)
-    steps[name][1] = state
+    steps[name][1], out = time_steps(steps[name][0], steps[name][1], steps[name][2], k)
     return out
 
   for name in names:  # warm-up
     timed(name, 3)
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-    lambda e, d, **kw: compiles.append(e) if e == COMPILE_EVENT else None
-  )
+  compiles = count_compiles()
   med = {m: [] for m in names}
   ratios = {m: [] for m in names}
   for r in range(args.rounds):

@@ -99,6 +99,30 @@ def build(method: str):
   return step_on, step_off, states[0], states[1], batch, n, t
 
 
+def time_steps(fn, state, args: tuple, k: int) -> tuple:
+  """(state, [seconds]) of k consecutive steps state, metrics = fn(state, *args), each waited for."""
+  import jax
+
+  out = []
+  for _ in range(k):
+    t1 = time.perf_counter()
+    state, m = fn(state, *args)
+    jax.block_until_ready((state, m))
+    out.append(time.perf_counter() - t1)
+  return state, out
+
+
+def count_compiles() -> list:
+  """A list that grows by one entry per backend compile from now on (jax.monitoring)."""
+  import jax
+
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+    lambda e, d, **kw: compiles.append(e) if e == COMPILE_EVENT else None
+  )
+  return compiles
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--rounds", type=int, default=9)
@@ -111,7 +135,6 @@ def main(argv=None) -> int:
       return 2
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, ROOT)
-  import jax
 
   load_before = os.getloadavg()
   t0 = time.perf_counter()
@@ -132,22 +155,12 @@ def main(argv=None) -> int:
   sides = {"on": [step_on, s_on], "off": [step_off, s_off]}
 
   def timed(side: str, k: int) -> list[float]:
-    fn, state = sides[side]
-    out = []
-    for _ in range(k):
-      t1 = time.perf_counter()
-      state, m = fn(state, batch)
-      jax.block_until_ready((state, m))
-      out.append(time.perf_counter() - t1)
-    sides[side][1] = state
+    sides[side][1], out = time_steps(sides[side][0], sides[side][1], (batch,), k)
     return out
 
   for side in sides:  # warm-up
     timed(side, 3)
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-    lambda e, d, **kw: compiles.append(e) if e == COMPILE_EVENT else None
-  )
+  compiles = count_compiles()
   ratios, med = [], {"on": [], "off": []}
   for r in range(args.rounds):
     order = ("on", "off") if r % 2 == 0 else ("off", "on")
