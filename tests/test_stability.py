@@ -318,7 +318,7 @@ def test_read_run_keeps_the_drift_diagnostics_and_stacking_keeps_the_common_keys
   np.testing.assert_array_equal(z["drift_k1_kl_qp"], [0.01, 0.02])
   assert "drift_q_head_mass" not in z  # exact centering logs no head masses
   older = {k: v for k, v in z.items() if not k.startswith("drift_")}
-  both = st.stack_runs([z, older])
+  both = tuning.stack_runs([z, older])
   assert set(both) == set(older) and both["accuracy"].shape == (2, 1)
 
 

@@ -303,7 +303,7 @@ def trainer_run_config(c, method: str, k: int, seed: int, lr: float, knob: tuple
   if root not in sys.path:
     sys.path.insert(0, root)
   base = importlib.import_module(f"configs.{c.trainer.config}").get_config(c.trainer.variant or None)
-  preset, variant_fields = method_variant(c, method)
+  preset, variant_fields = tuning.method_variant(c, method)
   base.seed, base.steps, base.method = seed, c.task.steps, preset
   base.mode = "lag" if k else "sync"  # k = 0: the synchronous reference (same batches as lag with k = 0)
   base.lag.k = k
@@ -322,16 +322,6 @@ def trainer_run_config(c, method: str, k: int, seed: int, lr: float, knob: tuple
       node = node[name]
     node[leaf] = value
   return base
-
-
-def method_variant(c, method: str) -> tuple[str, list[tuple[str, object]]]:
-  """(preset, [(run-config path, value)]) of a study method: a preset name as it is, or a named variant of
-  one in c.trainer.method_variants (name -> (preset, ((path, value), ...)), e.g. top-k centering at a k)."""
-  variants = c.trainer.get("method_variants") or {}
-  if method not in variants:
-    return method, []
-  preset, fields = variants[method]
-  return preset, [(str(path), value) for path, value in fields]
 
 
 def policy_loss_updates(c) -> tuple[int, int]:
@@ -386,12 +376,6 @@ def read_run(workdir: Path, steps: int) -> dict:
 
 
 DRIFT = ("coef_l1", "k1_kl_qp", "q_head_mass", "p_head_mass")
-
-
-def stack_runs(runs: Sequence[dict]) -> dict:
-  """{key: [R, ...]} of the keys every run has (records made before a key existed lack it, e.g. drift_*)."""
-  keys = [k for k in runs[0] if all(k in r for r in runs)]
-  return {k: np.stack([r[k] for r in runs]) for k in keys}
 
 
 RUN_SECONDS = "study_seconds.json"  # written by the study next to the trainer's summary.json
@@ -487,8 +471,10 @@ def trainer_cell_fn(
 
   def fn(method, k):
     knob = knob_fn(method)
-    per = [stack_runs([train_one(c, method, k, seed, lr, knob, log=log) for seed in c.seeds]) for lr in c.lrs]
-    return stack_runs(per)
+    from vcpo_jax.experiments import tuning
+
+    per = [tuning.stack_runs([train_one(c, method, k, seed, lr, knob, log=log) for seed in c.seeds]) for lr in c.lrs]
+    return tuning.stack_runs(per)
 
   return fn
 
@@ -1217,6 +1203,7 @@ def time_section(c, summary: dict) -> list[str]:
   if not rows:
     return []
   from vcpo_jax import estimator
+  from vcpo_jax.experiments import tuning
 
   ep, mb = policy_loss_updates(c)
   L = ["\n## Wall time per method\n"]
@@ -1233,7 +1220,7 @@ def time_section(c, summary: dict) -> list[str]:
   L.append("|---|---|---|---|---|---|")
   ref = rows.get("none", {}).get("learn_s")
   for m, r in rows.items():
-    ups = ep * mb if estimator.PRESETS[method_variant(c, m)[0]].get("policy_loss", "pg") != "pg" else 1
+    ups = ep * mb if estimator.PRESETS[tuning.method_variant(c, m)[0]].get("policy_loss", "pg") != "pg" else 1
     rel = f"{r['learn_s'] / ref:.2f}x" if ref else "-"
     run_s = "-" if math.isnan(r["run_s"]) else f"{r['run_s']:.0f}"
     L.append(f"| {m} | {ups} | {run_s} | {r['learn_s']:.3f} | {r['rollout_s']:.3f} | {rel} |")

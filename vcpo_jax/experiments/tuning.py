@@ -16,6 +16,7 @@ in <out>/stability_raw/trainer/tune_<method>.npz with the fingerprint of everyth
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
@@ -71,6 +72,22 @@ def knob_of(c, method: str):
   return str(name), tuple(tuple(v) if isinstance(v, (tuple, list)) else v for v in values)
 
 
+def method_variant(c, method: str) -> tuple[str, list[tuple[str, object]]]:
+  """(preset, [(run-config path, value)]) of a study method: a preset name as it is, or a named variant of
+  one in c.trainer.method_variants (name -> (preset, ((path, value), ...)), e.g. top-k centering at a k)."""
+  variants = c.trainer.get("method_variants") or {}
+  if method not in variants:
+    return method, []
+  preset, fields = variants[method]
+  return preset, [(str(path), value) for path, value in fields]
+
+
+def stack_runs(runs: Sequence[dict]) -> dict:
+  """{key: [R, ...]} of the keys every run has (records made before a key existed lack it, e.g. drift_*)."""
+  keys = [k for k in runs[0] if all(k in r for r in runs)]
+  return {k: np.stack([r[k] for r in runs]) for k in keys}
+
+
 def knob_overrides(name: str, value) -> dict[str, Any]:
   """{run-config path: value} that knob `name` = `value` sets."""
   if name not in KNOBS:
@@ -96,7 +113,6 @@ def check(c):
     if len(cell) != 2 or not int(cell[0]) >= 0 or not float(cell[1]) > 0:
       raise ValueError(f"config.tuning.cells: {cell!r} is not a (k >= 0, lr > 0) pair")
   from vcpo_jax import estimator
-  from vcpo_jax.experiments import stability
 
   for method in c.methods:
     if method not in t.knobs:
@@ -116,7 +132,7 @@ def check(c):
       bad = [p for p in over if not p.startswith("vcpo.")]
       if bad:
         raise ValueError(f"tuning knob {name!r} sets {bad}: only vcpo.* fields are checked here")
-      preset, fields = stability.method_variant(c, method)
+      preset, fields = method_variant(c, method)
       over = {**{p: x for p, x in fields if p.startswith("vcpo.")}, **over}
       try:
         estimator.pg_config_from_preset(preset, **{p[len("vcpo.") :]: x for p, x in over.items()})
@@ -164,8 +180,6 @@ def run_trials(c, method: str, run_fn: Callable[..., dict]) -> dict:
     [[run_fn(method, int(k), seed, float(lr), knob) for seed in c.tuning.seeds] for k, lr in c.tuning.cells]
     for knob in trials
   ]
-  from vcpo_jax.experiments.stability import stack_runs
-
   out = stack_runs([stack_runs([stack_runs(row) for row in cell]) for cell in per])
   out["values"] = np.asarray([value_str(None if t is None else t[1]) for t in trials])
   return out
