@@ -699,6 +699,17 @@ def _band(ax, c, cells, method, k, i, color, key="accuracy", steps_key="eval_ste
   ax.fill_between(x, lo, hi, color=color, alpha=0.15)
 
 
+def _legend(axes):
+  """One legend, in the last panel, of every method drawn in any panel (a study still running leaves panels
+  without some methods' cells)."""
+  seen = {}
+  for ax in axes.flat:
+    for h, label in zip(*ax.get_legend_handles_labels()):
+      seen.setdefault(label, h)
+  if seen:
+    axes.flat[-1].legend(list(seen.values()), list(seen), fontsize=6, loc="best")
+
+
 def _plot_selected_lr(c, summary: dict, out: Path, plt, colors, dash) -> list[str]:
   """Accuracy and ESS ratio per k, each method at its selected lr: one figure each."""
   cells, selected, stem = summary["cells"], summary["selected"], report_name(c)
@@ -725,7 +736,7 @@ def _plot_selected_lr(c, summary: dict, out: Path, plt, colors, dash) -> list[st
         ax.set_yscale("log")
         ax.set_ylim(0.5 / batch_size(c), 1.2)
     axes[0, 0].set_ylabel(ylabel)
-    axes[0, -1].legend(fontsize=6, loc="best")
+    _legend(axes)
     fig.tight_layout()
     fig.savefig(out / fname, dpi=110)
     plt.close(fig)
@@ -751,7 +762,7 @@ def _plot_all_lrs(c, summary: dict, out: Path, plt, colors, dash) -> str:
         ax.set_xlabel("learner step")
       if j == 0:
         ax.set_ylabel("eval accuracy\n(mean +- std over seeds)")
-  axes[0, -1].legend(fontsize=6, loc="best")
+  _legend(axes)
   fig.tight_layout()
   fig.savefig(out / f"{stem}_accuracy_all_lrs.png", dpi=90)
   plt.close(fig)
