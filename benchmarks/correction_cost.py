@@ -61,7 +61,7 @@ def build(names):
   import jax.numpy as jnp
 
   from benchmarks.telemetry_overhead import stale_batch
-  from vcpo_jax import learner, optim, sampler
+  from vcpo_jax import learner, sampler
   from vcpo_jax.model import tokenizer as tok_lib
   from vcpo_jax.model import transformer
 
@@ -80,15 +80,7 @@ def build(names):
   for name in names:
     preset, fields = METHODS[name]
     spec = _spec(preset, fields)
-    tx = optim.make_optimizer(
-      spec.lr,
-      weight_decay=spec.weight_decay,
-      clip_norm=spec.clip_norm,
-      b1=spec.b1,
-      b2=spec.b2,
-      schedule=spec.schedule,
-      total_steps=spec.steps,
-    )
+    tx = spec.optim.build(total_steps=spec.steps)  # as trainer.run builds it
     b = dict(batch)
     if k := spec.learner.pg.sc_topk:  # the record a temperature-1 sampler of the behaviour version makes
       cfg = sampler.SamplerConfig(record_topk=k)

@@ -63,7 +63,7 @@ def build(method: str):
   import jax.numpy as jnp
 
   from configs import countdown
-  from vcpo_jax import learner, optim, run_config, telemetry
+  from vcpo_jax import learner, run_config, telemetry
   from vcpo_jax.model import tokenizer as tok_lib
   from vcpo_jax.model import transformer
 
@@ -73,15 +73,7 @@ def build(method: str):
   tok = tok_lib.build_char_tokenizer()
   model_cfg = spec.model_cfg.replace(vocab_size=max(spec.model_cfg.vocab_size, len(tok)))
   graphdef, params = transformer.split(transformer.init(model_cfg, seed=spec.seed))
-  tx = optim.make_optimizer(
-    spec.lr,
-    weight_decay=spec.weight_decay,
-    clip_norm=spec.clip_norm,
-    b1=spec.b1,
-    b2=spec.b2,
-    schedule=spec.schedule,
-    total_steps=spec.steps,
-  )
+  tx = spec.optim.build(total_steps=spec.steps)  # as trainer.run builds it
   batch = {k: jnp.asarray(v) for k, v in stale_batch(spec, model_cfg).items()}
   n, t = batch["tokens"].shape
   states = [learner.init_state(jax.tree.map(jnp.copy, params), tx) for _ in range(2)]
