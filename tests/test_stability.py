@@ -144,6 +144,14 @@ def test_resume_skips_finished_cells(tmp_path):
   assert st.run_cells(cells, tmp_path, "pure_lag", "fp1", cell_fn, log=lambda s: None) == [("vcpo", 0)]
 
 
+def test_cell_compute_seconds_sums_the_runs_own_times():
+  # The runs' own times, when every run recorded one (a cell rebuilt from the ledger in 0.1 s cost 30 s) ...
+  assert st.cell_compute_seconds(dict(seconds=np.asarray(0.1), run_s=np.array([[10.0, 20.0]]))) == 30.0
+  # ... else the time the cell took to build (the pure_lag backend; runs from before run_s was recorded).
+  assert st.cell_compute_seconds(dict(seconds=np.asarray(7.0))) == 7.0
+  assert st.cell_compute_seconds(dict(seconds=np.asarray(7.0), run_s=np.array([[10.0, np.nan]]))) == 7.0
+
+
 def test_final_and_collapse_hand_made_curves():
   steps = np.arange(1, 11) * 10  # evaluations at 10..100
   rising = np.linspace(0.1, 0.9, 10)
@@ -270,6 +278,10 @@ def test_trainer_backend_end_to_end_tunes_and_resumes_per_run(tmp_path):
   np.testing.assert_array_equal(st.load_cell(st.cell_path(out, "trainer", "vcpo", 2), fp)["run_s"], z["run_s"])
   summary = st.summarize(c, out)
   assert set(summary["stats"]) == {("vcpo", 0, c.lrs[0]), ("vcpo", 2, c.lrs[0])}
+  # The rebuilt cells took ~0 s to build; the compute the report quotes is what their runs took.
+  rebuilt = summary["cells"][("vcpo", 2)]
+  assert float(rebuilt["seconds"]) < float(rebuilt["run_s"].sum())
+  assert st.cell_compute_seconds(rebuilt) == pytest.approx(float(z["run_s"].sum()))
   assert summary["knobs"] == {"vcpo": knob} and set(summary["trials"]) == {"vcpo"}
   path = st.write_report(c, out, summary, None, "cmd")
   text = path.read_text()

@@ -206,6 +206,13 @@ def save_cell(path: Path, arrays: dict, fp: str, seconds: float):
   os.replace(tmp, path)
 
 
+def cell_compute_seconds(z: dict) -> float:
+  """Wall seconds a cell's runs took: the sum of its runs' own recorded times (`run_s`, kept in the ledger, so a
+  cell rebuilt from finished records still counts what its runs cost), else the time it took to build the cell."""
+  run_s = np.asarray(z.get("run_s", np.nan), dtype=float)
+  return float(run_s.sum()) if run_s.size and np.isfinite(run_s).all() else float(z["seconds"])
+
+
 def run_cells(
   cells: Sequence[tuple[str, int]],
   out: Path,
@@ -974,7 +981,7 @@ def _report_header(c, summary: dict, runtime_s: float | None, command: str) -> l
     f"lags k {list(c.ks)}; chance accuracy {summary['chance']:.3f}; settings fingerprint "
     f"`{summary['fingerprint']}`"
   )
-  secs = sum(float(z['seconds']) for z in cells.values())
+  secs = sum(cell_compute_seconds(z) for z in cells.values())
   L.append(
     f"- compute: {secs / 60:.1f} min summed over cells"
     + (f"; this invocation's wall-clock {runtime_s / 60:.1f} min" if runtime_s is not None else "")
