@@ -96,6 +96,29 @@ CLAIM_METHODS = (
 # centering), centering from the sampler's top-k record (k = 8 and 64), and prime-rl's IPO and AReaL's KPop.
 CORRECTION_METHODS = ("vcpo", "vcpo_sc", "tis_sc", "vcpo_sc_top8", "vcpo_sc_top64", "ipo", "kpop")
 
+# The pre-registered protocol of the claim (docs/results/claim_protocol.md), three studies on one pinned commit:
+# protocol_attribution: which part of VCPO moves its accuracy at k = 128 (fixed settings, no tuning: each arm is
+# the paper's VCPO, or seq-TIS, with one part changed); protocol_horizon: 800 steps at k = 128 (k / horizon = 0.16,
+# the paper's regime); protocol: every method at k = 0 / 8 / 32 / 128 under the protocol's tuning rule.
+ATTRIBUTION_METHODS = (
+  "none",  # k = 0: the synchronous reference; k = 128: no correction
+  "vcpo",  # the paper's VCPO: seq TIS c = 8 + OPOB + ESS-scaled lr (rho_on = 1)
+  "seq_tis_c4",  # sequence TIS at the cap its own tuning chose in the first claim study
+  "seq_tis_c8",  # sequence TIS at VCPO's cap
+  "vcpo_cap4",  # VCPO with seq-TIS's cap 4
+  "vcpo_no_opob",  # VCPO without the OPOB baseline
+  "vcpo_no_esslr",  # VCPO without the ESS brake
+  "vcpo_loo_opob",  # VCPO with the leave-one-out OPOB
+)
+ATTRIBUTION_VARIANTS = {  # name -> (preset, ((run-config path, value), ...)): one part changed, no new flag
+  "seq_tis_c4": ("seq_tis", (("vcpo.tis_c", 4.0),)),
+  "seq_tis_c8": ("seq_tis", (("vcpo.tis_c", 8.0),)),
+  "vcpo_cap4": ("vcpo", (("vcpo.tis_c", 4.0),)),
+}
+HORIZON_METHODS = ("none", "vcpo", "seq_tis_c4")  # + the attribution's best arm (--config.methods, the protocol's rule)
+PROTOCOL_METHODS = CLAIM_METHODS + tuple(m for m in CORRECTION_METHODS if m not in CLAIM_METHODS)
+PROTOCOL_LEDGER = "docs/results/stability_ledger/claim_protocol"  # one npz per run, with its commit and machine
+
 # The equal tuning budget (review #10): every method gets the same number of trials (4) of its OWN main knob,
 # on the tuning seed only, and is then reported at its best value. A knob name is one of
 # vcpo_jax.experiments.stability.KNOBS (which run-config fields a value sets); the values include the preset's
@@ -185,6 +208,8 @@ def get_config(arg: str | None = None):
   c.tuning.seeds = (100,)  # tuning seeds: disjoint from c.seeds, so the reported runs never chose their knob
   c.tuning.cells = ((32, 3e-4),)  # (k, lr) cells the trials run at; score: mean final accuracy over them
   c.tuning.trials = 4  # trials per method with a knob (the equal budget); len(values) must equal it
+  c.tuning.score = "final"  # a trial's score: "final" accuracy, or "auc" (mean over the evaluations after step 0)
+  c.method_ks = {}  # method -> the subset of ks it runs at (default: all of ks)
 
   if arg in ("countdown", "countdown_quick"):  # the real trainer on the CPU countdown config (issues 6, 13)
     c.backend = "trainer"
@@ -222,7 +247,7 @@ def get_config(arg: str | None = None):
     c.tuning.cells = ((32, CLAIM_LR),)  # trials at k = 32 on the tuning seed
     c.trainer.ledger = "docs/results/stability_ledger/claim"
     c.trainer.runs = "runs/claim"
-    c.trainer.report = "claim_study"  # docs/results/claim_study.md (the study's own report); claim.md: claim.py
+    c.trainer.report = "claim_study"  # <out>/claim_study.md (the study's own report, under --out); claim.md: claim.py
   if arg == "corrections":  # issue 28: the claim's runs (ledger, tuning cell, lr, seeds) for the newer corrections
     c.methods = CORRECTION_METHODS
     c.ks = (8, 32, 128)  # one lr, so no selection at k = 0; the synchronous reference is the claim's (none, k = 0)
@@ -231,6 +256,49 @@ def get_config(arg: str | None = None):
     c.trainer.method_variants = {  # VCPO centered from the sampler's recorded top-k (the tail modelled)
       f"vcpo_sc_top{k}": ("vcpo", (("vcpo.score_centering", "topk"), ("vcpo.sc_topk", k))) for k in (8, 64)
     }
+  if arg in ("protocol", "protocol_attribution", "protocol_horizon"):  # docs/results/claim_protocol.md
+    c.backend = "trainer"
+    c.lrs = (CLAIM_LR,)  # one base lr, equal for every method (the protocol's choice; not tuned)
+    c.seeds = (0, 1, 2, 3, 4)
+    c.task = ml_collections.ConfigDict()
+    c.task.steps = 200  # learner steps (the testbed's)
+    c.task.eval_every = 25  # evaluations at steps 0, 25, ..., 200
+    c.analysis.chance = 0.0  # a verified task
+    c.analysis.final_frac = 0.2  # final = mean of the last two evaluations (steps 175 and 200)
+    c.analysis.min_gain = 0.1  # collapsed = final < 0.5 x best (best includes the warm start)
+    del c.model, c.optim  # the run config (configs/countdown.py) owns them
+    c.trainer.ledger = PROTOCOL_LEDGER
+    c.trainer.runs = "runs/claim_protocol"
+    c.trainer.method_variants = {
+      **ATTRIBUTION_VARIANTS,
+      **{f"vcpo_sc_top{k}": ("vcpo", (("vcpo.score_centering", "topk"), ("vcpo.sc_topk", k))) for k in (8, 64)},
+    }
+    c.tuning.enabled = False
+  if arg == "protocol":  # every method at every k, each at the knob the protocol's tuning rule picks
+    c.methods = PROTOCOL_METHODS
+    c.tuning.enabled = True
+    c.tuning.knobs = {m: KNOBS[m] for m in PROTOCOL_METHODS}
+    c.tuning.seeds = (100, 101)  # two tuning seeds per trial, disjoint from the report's
+    c.tuning.cells = ((128, CLAIM_LR),)  # at the judged k
+    c.tuning.score = "auc"  # mean accuracy over the evaluations after step 0: a mid-run collapse costs its score
+    c.trainer.report = "claim_protocol_study"
+  if arg == "protocol_attribution":  # 8 arms x 5 seeds at k = 128 and the synchronous reference
+    c.methods = ATTRIBUTION_METHODS
+    c.ks = (0, 128)
+    c.method_ks = {m: (128,) for m in ATTRIBUTION_METHODS if m != "none"}
+    c.trainer.report = "claim_attribution_study"
+  if arg == "protocol_horizon":  # 800 steps at k = 128: sync, VCPO, seq-TIS c = 4 and the attribution's best arm
+    c.methods = HORIZON_METHODS
+    c.seeds = (0, 1, 2, 3)
+    c.ks = (0, 128)
+    c.method_ks = {"none": (0,)}
+    c.method_ks.update({m: (128,) for m in ATTRIBUTION_METHODS if m != "none"})
+    c.task.steps = 800
+    c.task.eval_every = 50  # evaluations at steps 0, 50, ..., 800
+    c.analysis.final_frac = 0.1  # final = mean of the last two evaluations (steps 750 and 800)
+    c.trainer.ledger = PROTOCOL_LEDGER + "_horizon"
+    c.trainer.runs = "runs/claim_horizon"
+    c.trainer.report = "claim_horizon_study"
   if arg == "countdown_quick":  # the trainer backend end to end in seconds (tests): smoke-sized runs
     c.methods = ("none", "vcpo", "ppo_clip")
     c.tuning.knobs = {"none": None, "vcpo": ("rho_on", (0.5, 1.0)), "ppo_clip": ("eps", (0.1, 0.2))}
@@ -252,8 +320,9 @@ def get_config(arg: str | None = None):
     c.lrs = (3e-3,)
     c.task.steps = 40
     c.workers = 1
-  elif arg and arg not in ("countdown", "claim", "corrections"):
+  elif arg and arg not in ("countdown", "claim", "corrections", "protocol", "protocol_attribution", "protocol_horizon"):
     raise ValueError(
-      f"configs/stability.py: unknown variant {arg!r}; use '', quick, countdown, countdown_quick, claim or corrections."
+      f"configs/stability.py: unknown variant {arg!r}; use '', quick, countdown, countdown_quick, claim, corrections, "
+      "protocol, protocol_attribution or protocol_horizon."
     )
   return c

@@ -43,6 +43,19 @@ def test_ess_hand_numbers():
   assert float(E.ess(jnp.full(3, -jnp.inf))) == 0.0
 
 
+def test_log_mean_weight_hand_numbers_sees_what_ess_misses():
+  # weights 1 and 3: mean 2
+  assert float(E.log_mean_weight(jnp.log(jnp.array([1.0, 3.0])))) == pytest.approx(math.log(2.0), rel=1e-6)
+  # every weight 1e-6 together: ESS / N is 1 (equal weights), the mean weight shows the collapse
+  lw = jnp.full(8, math.log(1e-6))
+  assert float(E.ess_ratio(lw)) == pytest.approx(1.0)
+  assert float(E.log_mean_weight(lw)) == pytest.approx(math.log(1e-6), rel=1e-5)
+  # invalid rows are left out; huge log-weights do not overflow (log-sum-exp)
+  valid = jnp.array([True, True, False])
+  assert float(E.log_mean_weight(jnp.array([1e4, 1e4, 5e4]), valid)) == pytest.approx(1e4, rel=1e-6)
+  assert float(E.log_mean_weight(jnp.zeros(3), jnp.zeros(3, bool))) == -math.inf
+
+
 def _ess64(lw):
   lw = np.asarray(lw, np.float64)
   z = lw - lw.max()

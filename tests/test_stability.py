@@ -321,15 +321,21 @@ def test_read_run_keeps_the_drift_diagnostics_and_stacking_keeps_the_common_keys
           "time/rollout_s": 0.1,
           "train/drift/coef_l1": l1,
           "train/drift/k1_kl_qp": k1,
+          "train/log_mean_weight": -3.0 * t,
         }
       )
     )
   (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+  prov = {"git": {"commit": "ab" * 20, "dirty": True}, "cpu_model": "Fake CPU"}
+  (tmp_path / "config.json").write_text(json.dumps({"seed": 0, "provenance": prov}))
   z = st.read_run(tmp_path, steps=2)
+  np.testing.assert_array_equal(z["log_mean_weight"], [-3.0, -6.0])  # the collapse signal ESS / N misses
+  assert "log_ratio_mean" not in z  # a signal the run did not log is left out, as the drift rows
+  assert str(z["commit"]) == "ab" * 20 + "+dirty" and str(z["machine"]) == "Fake CPU"
   np.testing.assert_array_equal(z["drift_coef_l1"], [0.1, 0.3])
   np.testing.assert_array_equal(z["drift_k1_kl_qp"], [0.01, 0.02])
   assert "drift_q_head_mass" not in z  # exact centering logs no head masses
-  older = {k: v for k, v in z.items() if not k.startswith("drift_")}
+  older = {k: v for k, v in z.items() if not k.startswith("drift_") and k not in ("log_mean_weight", "commit")}
   both = tuning.stack_runs([z, older])
   assert set(both) == set(older) and both["accuracy"].shape == (2, 1)
 
@@ -446,6 +452,38 @@ def test_tuning_selects_each_methods_best_value_on_fake_runs():
   assert zn["accuracy"].shape == (1, 2, 2, 3) and zn["values"].tolist() == ["-"]
   # ties and nan go to the value listed first
   assert tuning.select([1, 2, 3], [0.5, 0.7, 0.7]) == 1 and tuning.select([1, 2], [math.nan, math.nan]) == 0
+
+
+def test_auc_tuning_score_penalises_a_mid_run_collapse_that_final_accuracy_hides():
+  """tuning.score = "auc": the mean accuracy over the evaluations after step 0. A trial that falls to 0.05 at
+  step 5 and recovers to 0.6 wins on final accuracy but loses to a steady 0.5 under auc."""
+  c = st.load_config("countdown_quick", {"tuning.score": "auc", "task.steps": 10})
+  ev = np.array([0, 5, 10])  # final = the evaluation at step 10
+  z = dict(accuracy=np.array([[[[0.2, 0.05, 0.6]]], [[[0.2, 0.5, 0.5]]]]), eval_step=np.broadcast_to(ev, (2, 1, 1, 3)))
+  np.testing.assert_allclose(tuning.scores(z, st._final(c)), [0.6, 0.5])  # the final score
+  np.testing.assert_allclose(tuning.scores(z, tuning.score_fn(c, st._final(c))), [0.325, 0.5])
+  base = st.settings(c)
+  assert "score" in tuning.settings(c, base, "vcpo")  # an auc study's trials are not a final study's
+  assert "score" not in tuning.settings(st.load_config("countdown_quick"), base, "vcpo")  # old prints kept
+  with pytest.raises(ValueError, match="tuning.score='best'"):
+    st.load_config("countdown_quick", {"tuning.score": "best"})
+
+
+def test_protocol_studies_run_each_arm_only_at_its_own_lags():
+  """The attribution runs its arms at k = 128 and the reference (none) at 0 and 128; the horizon runs none at 0
+  only; method_ks must name a subset of ks."""
+  c = st.load_config("protocol_attribution")
+  assert {m: st.ks_of(c, m) for m in c.methods} == {
+    "none": (0, 128),
+    **{m: (128,) for m in c.methods if m != "none"},
+  }
+  assert st.trainer_run_config(c, "vcpo_cap4", 128, 0, 2e-4).vcpo.tis_c == 4.0  # VCPO with one part changed
+  assert st.trainer_run_config(c, "seq_tis_c4", 128, 0, 2e-4).method == "seq_tis"
+  h = st.load_config("protocol_horizon", {"methods": ("none", "vcpo", "seq_tis_c4", "vcpo_no_esslr")})
+  assert h.task.steps == 800 and [st.ks_of(h, m) for m in h.methods] == [(0,), (128,), (128,), (128,)]
+  assert Path(h.trainer.ledger) != Path(c.trainer.ledger)  # 800-step records never share a file with 200-step ones
+  with pytest.raises(ValueError, match=r"method_ks\['vcpo'\]=\(8,\): give a subset"):
+    st.load_config("protocol_attribution", {"method_ks.vcpo": (8,)})
 
 
 def test_tuning_config_errors():

@@ -379,10 +379,27 @@ def read_run(workdir: Path, steps: int) -> dict:
     rollout_s=col("time/rollout_s"),  # wall seconds of each batch's sampling (step 1: the sampler's compile)
     run_s=np.asarray(_run_seconds(workdir)),  # wall seconds of the whole trainer.run (nan if not recorded)
     **drift,
+    **{k: col(f"train/{k}") for k in COLLAPSE_SIGNALS if all(f"train/{k}" in r for r in train.values())},
+    **_code_and_machine(workdir),
   )
 
 
 DRIFT = ("coef_l1", "k1_kl_qp", "q_head_mass", "p_head_mass")
+# Per-step signals of weights that all fall towards 0 together, which the self-normalized ESS cannot show:
+# the mean log-ratio and the log of the mean UNNORMALIZED weight (vcpo_jax.rl.ess.log_mean_weight).
+COLLAPSE_SIGNALS = ("log_ratio_mean", "log_mean_weight")
+
+
+def _code_and_machine(workdir: Path) -> dict:
+  """{"commit": "<40 hex>[+dirty]", "machine": CPU model} from the trainer's config.json provenance ({} if absent),
+  so that a report can refuse to mix code versions or machines in one table."""
+  try:
+    prov = json.loads((Path(workdir) / "config.json").read_text())["provenance"]
+  except (OSError, ValueError, KeyError):
+    return {}
+  git = prov.get("git") or {}
+  commit = (git.get("commit") or "unknown") + ("+dirty" if git.get("dirty") else "")
+  return dict(commit=np.asarray(commit), machine=np.asarray(str(prov.get("cpu_model") or "unknown")))
 
 
 RUN_SECONDS = "study_seconds.json"  # written by the study next to the trainer's summary.json
@@ -532,8 +549,8 @@ def tune(c, out: Path, methods: Sequence[str], log=print) -> list[str]:
     save_cell(path, arrays, fp, time.time() - t0)
     ran.append(m)
     z = load_cell(path, fp)
-    scores = ", ".join(f"{v}: {x:.3f}" for v, x in zip(z["values"].tolist(), tuning.scores(z, _final(c))))
-    log(f"[done] tuning {m} in {time.time() - t0:.0f}s: final accuracy per value {scores}")
+    scores = ", ".join(f"{v}: {x:.3f}" for v, x in zip(z["values"].tolist(), tuning.scores(z, tuning.score_fn(c, _final(c)))))
+    log(f"[done] tuning {m} in {time.time() - t0:.0f}s: {tuning.score_name(c)} per value {scores}")
   return ran
 
 
@@ -550,7 +567,7 @@ def chosen_knob(c, out: Path | None, method: str) -> tuple | None:
 
   if tuning.knob_of(c, method) is None:
     return None
-  return tuning.chosen(c, load_tuning(c, out, method), method, _final(c))
+  return tuning.chosen(c, load_tuning(c, out, method), method, tuning.score_fn(c, _final(c)))
 
 
 def cell_fingerprint(c, out: Path | None) -> Callable[[str], str]:
@@ -845,7 +862,7 @@ def plot_tuning(c, summary: dict, out: Path, plt) -> str:
     ax.axis("off")
   for ax, m in zip(axes.flat, shown):
     z = trials[m]
-    sc = tuning.scores(z, _final(c))
+    sc = tuning.scores(z, tuning.score_fn(c, _final(c)))
     best = tuning.select(list(z["values"]), sc)
     ax.bar(range(len(sc)), sc, color=["C3" if i == best else "C0" for i in range(len(sc))])
     ax.set_xticks(range(len(sc)), list(z["values"]), fontsize=6)
@@ -1200,7 +1217,7 @@ def tuning_section(c, summary: dict) -> list[str]:
     spec = tuning.knob_of(c, m)
     values = [None] if spec is None else list(spec[1])
     z = trials.get(m)
-    sc = tuning.scores(z, _final(c)) if z is not None else None
+    sc = tuning.scores(z, tuning.score_fn(c, _final(c))) if z is not None else None
     best = tuning.select(values, sc) if sc is not None else None
     row = []
     for i, v in enumerate(values):
@@ -1261,6 +1278,9 @@ def check_config(c):
     )
   if 0 not in c.ks and len(c.lrs) > 1:
     raise ValueError("config.ks: must contain 0 with several lrs (the lr selection rule uses k = 0)")
+  for method, ks in (c.get("method_ks") or {}).items():
+    if not set(ks) <= set(c.ks):
+      raise ValueError(f"config.method_ks[{method!r}]={tuple(ks)}: give a subset of config.ks {tuple(c.ks)}")
   if "tuning" in c:
     from vcpo_jax.experiments import tuning
 
@@ -1295,7 +1315,12 @@ def run_study(c, out: Path, methods: Sequence[str], log=print):
   if c.backend == "trainer" and c.tuning.enabled:
     tune(c, out, methods, log)
   fp = cell_fingerprint(c, out) if c.backend == "trainer" else fingerprint(settings(c))
-  run_cells([(m, k) for m in methods for k in c.ks], out, c.backend, fp, cell_fn(c, log, out), log=log)
+  run_cells([(m, k) for m in methods for k in ks_of(c, m)], out, c.backend, fp, cell_fn(c, log, out), log=log)
+
+
+def ks_of(c, method: str) -> tuple[int, ...]:
+  """The lags `method` runs at: c.method_ks[method] where the study lists it (a subset of c.ks), else c.ks."""
+  return tuple(int(k) for k in (c.get("method_ks") or {}).get(method, c.ks))
 
 
 def _define_flags():

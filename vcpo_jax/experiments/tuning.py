@@ -107,6 +107,8 @@ def check(c):
       f"config.tuning.seeds={tuple(t.seeds)} shares {sorted(set(t.seeds) & set(c.seeds))} with config.seeds: "
       "the knob must be chosen on seeds the report does not use"
     )
+  if score_name(c) not in SCORES:
+    raise ValueError(f"config.tuning.score={score_name(c)!r}: choose one of {SCORES}")
   if not t.seeds or not t.cells:
     raise ValueError("config.tuning.seeds / config.tuning.cells: need at least one seed and one (k, lr) cell")
   for cell in t.cells:
@@ -165,6 +167,8 @@ def settings(c, base: dict, method: str) -> dict:
     knob=None if spec is None else [spec[0], [value_str(v) for v in spec[1]]],
     tuning_seeds=list(c.tuning.seeds),
     tuning_cells=[[int(k), float(lr)] for k, lr in c.tuning.cells],
+    # the score enters only when it is not the original one, so the trials scored by "final" keep their prints
+    **({} if score_name(c) == "final" else {"score": score_name(c)}),
   )
 
 
@@ -183,6 +187,22 @@ def run_trials(c, method: str, run_fn: Callable[..., dict]) -> dict:
   out = stack_runs([stack_runs([stack_runs(row) for row in cell]) for cell in per])
   out["values"] = np.asarray([value_str(None if t is None else t[1]) for t in trials])
   return out
+
+
+# What a trial is scored by (config.tuning.score): "final" = the study's final accuracy; "auc" = the mean accuracy
+# over every evaluation after step 0, which also penalises a trial that collapses mid-run and recovers.
+SCORES = ("final", "auc")
+
+
+def score_name(c) -> str:
+  return str(c.tuning.get("score", "final"))
+
+
+def score_fn(c, final_fn: Callable[[np.ndarray, np.ndarray], np.ndarray]):
+  """The trial score as a function (accuracy [..., E], eval_steps [E]) -> [...] (see SCORES)."""
+  if score_name(c) == "final":
+    return final_fn
+  return lambda acc, steps: np.asarray(acc)[..., np.asarray(steps) > 0].mean(-1)
 
 
 def scores(z: dict, final_fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:

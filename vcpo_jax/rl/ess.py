@@ -120,6 +120,26 @@ ESS_LR_RULES: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
+def log_mean_weight(log_w_n, valid_n=None):
+  """log((1 / n_valid) sum_i w_i) of the UNNORMALIZED weights w_i = exp(log_w_n[i]), stop-gradient.
+
+  The self-normalized ESS cannot see a batch whose weights all fall towards 0 together (the policy moved
+  away from every sampled sequence: the gradient vanishes while ESS / N stays moderate); the mean weight,
+  whose expectation under the behaviour policy is 1, falls far below 0 in log space there.
+
+  Args:
+    log_w_n: [N] log importance weights (conventions as `ess`).
+    valid_n: optional [N] bool.
+  Returns:
+    scalar float32; -inf when no valid entry.
+  """
+  log_w_n = sg(jnp.asarray(log_w_n, jnp.float32))
+  valid_n = _usable(log_w_n, valid_n)
+  n_valid = jnp.sum(valid_n).astype(jnp.float32)
+  lse = jax.nn.logsumexp(jnp.where(valid_n, log_w_n, -jnp.inf))
+  return jnp.where(n_valid > 0, lse - jnp.log(jnp.maximum(n_valid, 1.0)), -jnp.inf)
+
+
 def ess_lr_scale(ess_ratio, reference=1.0, rule="sqrt"):
   """Learning-rate multiplier rule(min(1, rho / rho_on)) in [0, 1].
 

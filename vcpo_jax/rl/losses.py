@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax.rl.aggregation import LOSS_AGGREGATIONS, aggregate
-from vcpo_jax.rl.ess import ess_ratio
+from vcpo_jax.rl.ess import ess_ratio, log_mean_weight
 
 sg = jax.lax.stop_gradient
 
@@ -169,6 +169,7 @@ def _common_metrics(lp, beh, m):
   return {
     "ess_ratio": ess_ratio(l_n, valid),
     "log_ratio_mean": jnp.sum(jnp.where(valid, l_n, 0.0)) / jnp.maximum(jnp.sum(valid), 1),
+    "log_mean_weight": log_mean_weight(l_n, valid),
     "token_log_ratio_abs_mean": _token_mean(jnp.abs(d), m),
   }
 
