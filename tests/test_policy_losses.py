@@ -155,18 +155,24 @@ def ref_ipo(lp, lps, old, beh, A, mask, thr=0.1, kl_tau=1e-3):
   return total / max(mask.sum(), 1)
 
 
-def np_binary_kl(a, b, eps=1e-6):
+def np_binary_kl(a, b, eps=1e-8):
+  """AReaL compute_binary_kl_divergence (on probabilities): both clamped to [eps, 1 - eps], float64."""
   a, b = np.clip(a, eps, 1 - eps), np.clip(b, eps, 1 - eps)
   return a * np.log(a / b) + (1 - a) * np.log((1 - a) / (1 - b))
 
 
-def ref_kpop(lp, lps, prox, beh, A, mask, phi=0.1, eps_low=0.2, eps_high=0.2):
-  """AReaL ppo_actor_loss_fn with enable_kpop: both binary KLs < phi kept; PPO(prox) * exp(prox - beh) / #kept."""
+def ref_kpop(lp, lps, prox, beh, A, mask, phi=0.1, eps_low=0.2, eps_high=0.2, normalizer="loss_tokens"):
+  """AReaL ppo_actor_loss_fn with rejection_sampling(level=token, action=mask, metric=binary_kl, upper=phi),
+  areal/utils/functional/functional.py at 3e9f6323: loss_mask_count is taken BEFORE the mask narrows; a token
+  is kept iff max(kl_fwd, kl_rev) <= upper; kept tokens carry PPO(prox) * exp(prox - beh); the sum over the
+  kept tokens / loss_mask_count. normalizer="kept" divides by #kept instead (the draft of AReaL PR #1405)."""
+  loss_mask_count = max((mask > 0).sum(), 1)
   p, q = np.exp(prox), np.exp(beh)
-  keep = (mask > 0) & (np_binary_kl(p, q) < phi) & (np_binary_kl(q, p) < phi)
+  keep = (mask > 0) & (np.maximum(np_binary_kl(p, q), np_binary_kl(q, p)) <= phi)
   r = np.exp(lp - prox)
   pg = np.maximum(-A * r, -A * np.clip(r, 1 - eps_low, 1 + eps_high)) * np.exp(prox - beh)
-  return np.where(keep, pg, 0.0).sum() / max(keep.sum(), 1)
+  count = loss_mask_count if normalizer == "loss_tokens" else max(keep.sum(), 1)
+  return np.where(keep, pg, 0.0).sum() / count
 
 
 REFS = {
@@ -206,6 +212,7 @@ CASES = [
   ("ipo", dict(ipo_threshold=0.05, kl_tau=0.1), dict(thr=0.05, kl_tau=0.1)),
   ("kpop", {}, {}),
   ("kpop", dict(phi=0.02, eps_low=0.1, eps_high=0.28), dict(phi=0.02, eps_low=0.1, eps_high=0.28)),
+  ("kpop", dict(normalizer="kept"), dict(normalizer="kept")),
 ]
 
 
@@ -405,9 +412,10 @@ def test_kpop_hand_numbers():
   loss, grad, m = one_token("kpop", 1.0, 1.0, old=math.log(0.5), beh=math.log(0.4))
   assert loss == pytest.approx(-1.25, rel=1e-5) and grad == pytest.approx(-1.25, rel=1e-5)
   assert float(m["frac_masked"]) == 0.0
-  # phi = 0.02 < 0.0201 (the reverse KL): dropped, and the kept-token normalizer is empty -> 0
-  loss, grad, m = one_token("kpop", 1.0, 1.0, old=math.log(0.5), beh=math.log(0.4), phi=0.02)
-  assert loss == 0.0 and grad == 0.0 and float(m["frac_masked"]) == 1.0
+  # phi = 0.02 < 0.0201 (the reverse KL): dropped, a zero over the one loss token (either normaliser)
+  for normalizer in ("loss_tokens", "kept"):
+    loss, grad, m = one_token("kpop", 1.0, 1.0, old=math.log(0.5), beh=math.log(0.4), phi=0.02, normalizer=normalizer)
+    assert loss == 0.0 and grad == 0.0 and float(m["frac_masked"]) == 1.0
   # the band adapts to the probability: a 0.2 move is dropped at p ~ 0.99 (D_B large), a 10x ratio kept at 1e-4
   _, _, m = one_token("kpop", 1.0, 1.0, old=math.log(0.99), beh=math.log(0.79))
   assert float(m["frac_masked"]) == 1.0
@@ -416,6 +424,44 @@ def test_kpop_hand_numbers():
   # the ratio to pi_prox is clipped as in PPO: r = 1.5, A = 1 -> clip at 1.2, no gradient
   loss, grad, m = one_token("kpop", 1.5, 1.0, old=math.log(0.5), beh=math.log(0.5))
   assert loss == pytest.approx(-1.2, rel=1e-5) and grad == 0.0 and float(m["clip_frac"]) == 1.0
+
+
+def test_kpop_divides_by_every_loss_token_as_areal_does():
+  """N = 1, T = 2: token 0 kept (pi_prox = 0.5, mu = 0.4, A = 1, r = 1), token 1 dropped (pi_prox = 0.9,
+  mu = 0.5: D_B = 0.368 > 0.1). AReaL divides the kept token's -A r pi_prox / mu = -1.25 by the 2 loss tokens:
+  loss and gradient -0.625; dividing by the 1 kept token (the old normaliser) doubles both, N / N_kept = 2."""
+  lp = np.log([[0.5, 0.9]])
+  args = (np.log([[0.5, 0.9]]), np.log([[0.4, 0.5]]), np.array([1.0]), np.ones((1, 2)))
+  for normalizer, expect in (("loss_tokens", -0.625), ("kept", -1.25)):
+    loss, grad, m = jax_loss("kpop", dict(normalizer=normalizer), lp, *args)
+    assert float(m["frac_masked"]) == 0.5
+    assert loss == pytest.approx(expect, rel=1e-5)
+    np.testing.assert_allclose(grad, [[expect, 0.0]], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(loss, ref_kpop(lp, lp, *args, normalizer=normalizer), rtol=1e-5)
+  # random cases: the gradients differ by exactly N_loss / N_kept
+  lp, old, beh, A, mask = random_batch(3, spread=0.8)
+  _, g_all, m = jax_loss("kpop", {}, lp, old, beh, A, mask)
+  _, g_kept, _ = jax_loss("kpop", dict(normalizer="kept"), lp, old, beh, A, mask)
+  kept_frac = 1.0 - float(m["frac_masked"])
+  assert 0.0 < kept_frac < 1.0
+  np.testing.assert_allclose(g_kept * kept_frac, g_all, rtol=1e-4, atol=1e-7)
+
+
+def test_binary_kl_is_finite_for_float32_certain_tokens():
+  """AReaL's probability-space clamp at 1e-8 rounds to 1 in float32 (NaN / inf for p > 1 - 6e-8, then the
+  token is dropped); binary_kl clamps the log-probs and takes exact complements: finite, >= 0, and equal to
+  the float64 formula on the clamped probabilities."""
+  lp = jnp.array([0.0, -1e-8, -3e-8, -1e-7, -1e-3], jnp.float32)
+  lq = jnp.array([0.0, -2e-8, -1e-8, -2e-7, -2e-3], jnp.float32)
+  kl = np.asarray(P.binary_kl(lp, lq), np.float64)
+  assert np.isfinite(kl).all() and (kl >= -1e-12).all()
+  lo, hi = math.log(1e-8), math.log1p(-1e-8)
+  a, b = np.clip(np.asarray(lp, np.float64), lo, hi), np.clip(np.asarray(lq, np.float64), lo, hi)
+  ref = np.exp(a) * (a - b) + -np.expm1(a) * (np.log(-np.expm1(a)) - np.log(-np.expm1(b)))
+  np.testing.assert_allclose(kl, ref, rtol=2e-3, atol=1e-9)
+  # a certain token against itself is inside any band: kept
+  _, _, m = one_token("kpop", 1.0, 1.0, old=0.0, beh=0.0)
+  assert float(m["frac_masked"]) == 0.0
 
 
 def test_icepop_band_edges_are_inclusive_as_in_slime():
@@ -682,6 +728,7 @@ def test_registry_names_and_source_defaults():
     ("dppo_tv", dict(kl_tau=-1.0), "kl_tau=-1.0"),
     ("ipo", dict(ipo_threshold=-0.1), "ipo_threshold=-0.1"),
     ("kpop", dict(phi=0.0), "phi=0.0"),
+    ("kpop", dict(normalizer="all"), "normalizer='all'"),
     ("decoupled_ppo", dict(current_version=3), "current_version=3"),
   ],
 )

@@ -856,20 +856,27 @@ def ipo(
   return aggregate(loss_nt, m, loss_agg), metrics
 
 
-def binary_kl(logp, logq, eps=1e-6):
+def binary_kl(logp, logq, eps=1e-8):
   """KL(Bern(p) || Bern(q)) = p log(p / q) + (1 - p) log((1 - p) / (1 - q)), elementwise, from log-probs.
 
-  p and q are clamped to [eps, 1 - eps] first (the complement terms are otherwise log 0 = -inf for a
-  probability-1 token), so the result is finite and >= 0. Shapes broadcast; no stop-gradient here.
+  p and q are clamped to [eps, 1 - eps] first (AReaL's `compute_binary_kl_divergence` clamp, eps = 1e-8), so
+  the complement terms are finite for a probability-1 token. The clamp is applied to the log-probs and the
+  complements are computed as -expm1(log p): in float32 1 - 1e-8 rounds to 1, so a clamp in probability space
+  (AReaL's, in the log-probs' dtype) leaves NaN or inf for p > 1 - 6e-8 (0 * log 0, log 0), which fails
+  AReaL's `<= phi` test (the token is dropped); here it is finite and >= 0. Shapes broadcast; no stop-gradient here.
   """
   lo, hi = math.log(eps), math.log1p(-eps)
   lp = jnp.clip(jnp.asarray(logp, jnp.float32), lo, hi)
   lq = jnp.clip(jnp.asarray(logq, jnp.float32), lo, hi)
-  p = jnp.exp(lp)
-  return p * (lp - lq) + (1.0 - p) * (jnp.log1p(-p) - jnp.log1p(-jnp.exp(lq)))
+  p, one_minus_p, one_minus_q = jnp.exp(lp), -jnp.expm1(lp), -jnp.expm1(lq)
+  return p * (lp - lq) + one_minus_p * (jnp.log(one_minus_p) - jnp.log(one_minus_q))
 
 
-@register("AReaL utils/functional/functional.py ppo_actor_loss_fn (enable_kpop)")
+# KPop's normalisers: every loss token (AReaL's merged code), or the kept ones (an early draft of AReaL PR #1405).
+KPOP_NORMALIZERS = ("loss_tokens", "kept")
+
+
+@register("AReaL areal/utils/functional/functional.py ppo_actor_loss_fn (rejection_sampling metric=binary_kl)")
 def kpop(
   logp_nt,
   old_logp_nt,
@@ -880,39 +887,51 @@ def kpop(
   phi=0.1,
   eps_low=0.2,
   eps_high=0.2,
-  prob_eps=1e-6,
+  prob_eps=1e-8,
+  normalizer="loss_tokens",
   loss_agg="token-mean",
 ):
   """KPop: decoupled PPO whose tokens are kept only inside a two-way binary-KL trust region around mu.
 
     D_B(a || b) = a log(a / b) + (1 - a) log((1 - a) / (1 - b))     (`binary_kl`; the vocabulary seen as
                                                                       {this token, everything else})
-    keep_t = D_B(pi_prox(o_t) || mu(o_t)) < phi  and  D_B(mu(o_t) || pi_prox(o_t)) < phi   (stop-gradient)
+    keep_t = D_B(pi_prox(o_t) || mu(o_t)) <= phi  and  D_B(mu(o_t) || pi_prox(o_t)) <= phi   (stop-gradient)
     l_t    = sg(pi_prox / mu) * ppo_clip_t(pi_theta / pi_prox, eps_low, eps_high)
-    loss   = sum_t keep_t l_t / sum_t keep_t                        (token-mean over the KEPT tokens)
+    loss   = sum_t keep_t l_t / sum_t mask_t       normalizer="loss_tokens" (default: AReaL's)
+           = sum_t keep_t l_t / sum_t keep_t       normalizer="kept"        (a draft of AReaL PR #1405)
 
   pi_prox is old_logp_nt (exact: the learner's pi_old, or the proximal version from the parameter ring).
   Compared to IPO's absolute band |p - q| <= 0.1, the binary-KL band adapts to the probability: wide in
-  ratio terms for rare tokens, tight for confident ones.
+  ratio terms for rare tokens, tight for confident ones. The two normalisers give gradients that differ by
+  the factor #loss tokens / #kept tokens (e.g. N = 1, T = 2 with one token dropped: 2x); with "loss_tokens"
+  a dropped token counts as a zero, as IcePop's masked tokens do, so the step shrinks as the band drops more.
 
-  Source: AReaL areal/utils/functional/functional.py `ppo_actor_loss_fn` with enable_kpop (PR #1405:
-  kl_fwd / kl_rev of proximal vs behaviour log-probs, kept iff both < kpop_phi, the loss mask and its
-  count replaced by the kept ones, pg_loss times exp(prox - behave)); examples/math/gsm8k_kpop.yaml.
-  phi = 0.1 is the KPop paper's value (also prime-rl's open KPop port, PR #3283). Departures: the
-  probability clamp to [1e-6, 1 - 1e-6] is prime-rl's port's (AReaL's helper was not readable here);
-  loss_agg other than "token-mean" normalizes over the kept tokens too.
+  Source: AReaL areal/utils/functional/functional.py at commit 3e9f632329805580eb11bb8cd47c323d20d797e7
+  (2026-08-06, the newest change to that file in areal-project/AReaL cbff54d6): KPop is `ppo_actor_loss_fn`
+  with rejection_sampling(level=token, action=mask, metric=binary_kl, upper=phi); `apply_rejection_sampling`
+  keeps a token iff max(kl_fwd, kl_rev) <= upper (`compute_binary_kl_divergence(proximal, behave)` and its
+  reverse, probabilities clamped to [1e-8, 1 - 1e-8]) and weights it by exp(prox - behave); the loss is the
+  sum over the kept tokens divided by `loss_mask_count`, counted BEFORE rejection sampling narrows the mask
+  (its comment: otherwise "mask mode would inflate per-token gradients by N_original / N_kept"; the rule is
+  PR #1088's, bc9f0098, and KPop's merge, PR #1405 / 13353cc6, kept it). The draft of PR #1405 that this
+  loss first followed (`enable_kpop`, seen in the PR's review thread) divided by the kept count;
+  normalizer="kept" keeps that, for comparison with the runs made with it. phi = 0.1 is the KPop paper's value (also prime-rl's open KPop port, PR #3283); AReaL's
+  examples/math/gsm8k_kpop.yaml uses upper = 2.0 with eps_clip = 0.4. Departures: the clamp is applied in
+  log space with exact complements (`binary_kl`: finite where AReaL's float32 clamp gives NaN / inf and drops
+  the token); loss_agg other than "token-mean" uses the same normaliser's mask.
 
   Metrics: frac_masked (loss tokens dropped), binary_kl_fwd / binary_kl_rev (means over the loss tokens),
   behav_weight_mean (over the kept tokens), clip_frac.
   """
   _check(phi > 0, "phi", phi, "the binary-KL threshold must be > 0 (the KPop paper uses 0.1)")
   _check(0 < prob_eps < 0.5, "prob_eps", prob_eps, "must be in (0, 0.5)")
+  _check(normalizer in KPOP_NORMALIZERS, "normalizer", normalizer, f"choose one of {list(KPOP_NORMALIZERS)}")
   _check_eps(eps_low, eps_high)
   _check_agg(loss_agg)
   lp, prox, beh, adv, m = _inputs(logp_nt, old_logp_nt, behavior_logp_nt, advantages, mask_nt)
   kl_fwd = binary_kl(prox, beh, prob_eps)
   kl_rev = binary_kl(beh, prox, prob_eps)
-  keep = m & (kl_fwd < phi) & (kl_rev < phi)
+  keep = m & (kl_fwd <= phi) & (kl_rev <= phi)
   loss_nt, clipped, _ = _ppo_token_loss(lp - prox, adv, eps_low, eps_high, None)
   bw = sg(jnp.where(keep, jnp.exp(prox - beh), 0.0))
   metrics = _clip_metrics(
@@ -926,7 +945,8 @@ def kpop(
     binary_kl_rev=_token_mean(kl_rev, m),
     behav_weight_mean=_token_mean(bw, keep),
   )
-  return aggregate(bw * loss_nt, keep, loss_agg), metrics
+  kept_loss_nt = jnp.where(keep, bw * loss_nt, 0.0)
+  return aggregate(kept_loss_nt, m if normalizer == "loss_tokens" else keep, loss_agg), metrics
 
 
 # ---------------------------------------------------------------------------
