@@ -28,7 +28,11 @@ if [ "$(git -C "$WT" rev-parse HEAD)" != "$(git -C "$ROOT" rev-parse "$PIN^{comm
   exit 2
 fi
 cd "$WT"
-study() { nice -n 19 python -m vcpo_jax.experiments.stability --config.workers=1 "$@"; }
+study() { # $1: the study's --config (it must come before any --config.FIELD override)
+  local config=$1
+  shift
+  nice -n 19 python -m vcpo_jax.experiments.stability "$config" --config.workers=1 "$@"
+}
 if [ "$STAGE" = attribution ] || [ "$STAGE" = all ]; then
   study --config=configs/stability.py:protocol_attribution --out=runs/claim_attribution \
     --config.trainer.ledger="$LEDGER"
