@@ -1,51 +1,152 @@
-"""vcpo_jax.experiments.claim: steps-to-reach, the seed-noise rule, the table and the report on hand-made cells."""
+"""vcpo_jax.experiments.claim: the protocol's rules on hand numbers, and the report on hand-made ledger records."""
 
 import math
+from pathlib import Path
 
-import ml_collections
 import numpy as np
+import pytest
 
-from vcpo_jax.experiments import claim
+from vcpo_jax.experiments import claim, stability
+
+COMMIT = "c0ffee" * 6 + "abcd"
 
 
-def _c():
-  c = ml_collections.ConfigDict()
-  c.methods = ("none", "vcpo")
-  c.ks = (0, 128)
-  c.seeds = (0, 1, 2)
-  c.lrs = (2e-4,)
+def test_match_test_is_an_equivalence_test_that_a_noisy_cell_cannot_pass():
+  # d = +-0.01, +-0.02, 0: mean 0, sd 0.01581, SE 0.007071; t(0.95, 4) = 2.1318 -> 90% CI +-0.0151 inside +-0.05
+  quiet = np.array([0.01, -0.01, 0.0, 0.02, -0.02])
+  m, se, n = claim.paired(quiet, np.zeros(5))
+  assert m == pytest.approx(0.0, abs=1e-12) and se == pytest.approx(0.0158114 / math.sqrt(5), rel=1e-5) and n == 5
+  assert claim.verdict(m, se, n) == "matches"
+  # the same mean with a spread of +-0.1: SE 0.03536, 90% CI +-0.0754 crosses the margin -> not a match
+  noisy = np.array([0.1, -0.1, 0.05, -0.05, 0.0])
+  assert claim.verdict(*claim.paired(noisy, np.zeros(5))) == "inconclusive"
+  # the old "within 2 SE" rule would call the noisy one a match; a clear gap is "below", a clear gain "above"
+  assert claim.verdict(*claim.paired(np.array([-0.2, -0.22, -0.18, -0.21, -0.19]), np.zeros(5))) == "below"
+  assert claim.verdict(*claim.paired(np.array([0.2, 0.22, 0.18, 0.21, 0.19]), np.zeros(5))) == "above"
+  # mean -0.04 +- 0.004: inside the margin? 90% CI [-0.0485, -0.0315] -> matches; at -0.047 it does not
+  assert claim.verdict(-0.04, 0.004, 5) == "matches" and claim.verdict(-0.047, 0.004, 5) == "below"
+  assert claim.verdict(0.0, math.inf, 1) == "inconclusive"
+
+
+def test_pairing_is_by_seed_not_by_cell_means():
+  a, b = np.array([0.3, 0.5, 0.7]), np.array([0.29, 0.49, 0.69])  # a tiny, steady gain across seeds
+  m, se, _ = claim.paired(a, b)
+  assert m == pytest.approx(0.01) and se == pytest.approx(0.0, abs=1e-12)  # unpaired SE would be ~0.12
+
+
+def test_steps_to_reach_counts_only_a_level_that_is_kept():
+  ev = np.array([0, 25, 50, 75, 100])
+  curve = np.array([0.1, 0.6, 0.3, 0.6, 0.7])
+  assert claim.steps_to_reach(ev, curve, 0.5) == 75  # reached at 25, lost at 50: the lasting hit is 75
+  assert claim.steps_to_reach(ev, curve, 0.6) == 75  # >=, not >
+  assert math.isnan(claim.steps_to_reach(ev, curve, 0.8))
+
+
+def _cell(acc, ev=(0, 100, 200), lmw=None, commits=(COMMIT,), machines=("cpu",), steps=200):
+  acc = np.asarray(acc, float)
+  ev = np.asarray(ev)
+  return claim.Cell(
+    method="m",
+    k=128,
+    knob=None,
+    seeds=tuple(range(len(acc))),
+    eval_step=ev,
+    accuracy=acc,
+    final=stability.final_value(acc, ev, steps, 0.2),
+    lr_scale=np.ones((len(acc), steps)),
+    log_mean_weight=None if lmw is None else np.asarray(lmw, float),
+    commits=frozenset(commits),
+    machines=frozenset(machines),
+  )
+
+
+def test_collapses_dips_and_the_log_mean_weight_flag_hand_made():
+  cell = _cell([[0.4, 0.5, 0.6], [0.4, 0.1, 0.5], [0.4, 0.6, 0.15]])
+  assert claim.collapses(cell) == 1  # run 2: final 0.15 < 0.5 x 0.6
+  assert claim.dipped(cell).tolist() == [False, True, True]  # run 1 fell to 0.1 < 0.2 (half of step 0), recovered
+  # the flag: trailing 10-step median of log_mean_weight below log(0.1) = -2.303
+  lmw = np.zeros(30)
+  lmw[12:] = -5.0
+  assert claim.signal_step(lmw) == 17  # steps 13.. low; at step 17 five of ten are: median (0 - 5) / 2 < log 0.1
+  assert math.isnan(claim.signal_step(np.full(30, -1.0)))  # a mean weight of 0.37 is no flag
+
+
+def test_a_table_refuses_records_of_two_commits():
+  a, b = _cell([[0.4, 0.5, 0.6]] * 2), _cell([[0.4, 0.5, 0.6]] * 2, commits=("f" * 40,))
+  assert claim.check_one_source([a], "t", False) == COMMIT[:10]
+  with pytest.raises(claim.MixedRecords, match="t: records from 2 commits"):
+    claim.check_one_source([a, b], "t", False)
+  claim.check_one_source([a, b], "t", True)  # told to: allowed
+  with pytest.raises(claim.MixedRecords, match="2 machines"):
+    claim.check_one_source([a, _cell([[0.4, 0.5, 0.6]] * 2, machines=("other",))], "t", False)
+
+
+def test_the_attribution_rule_names_the_part_that_closes_the_gap():
+  ref = _cell([[0.2, 0.5, 0.6]] * 5)
+  off = np.array([0.0, 0.01, -0.01, 0.02, -0.02])[:, None]
+  vcpo = _cell(np.array([[0.2, 0.3, 0.4]] * 5) + off)  # 0.2 below sync
+  brake = _cell(np.array([[0.2, 0.45, 0.58]] * 5) + off)  # closes 0.18 of it
+  cap = _cell(np.array([[0.2, 0.3, 0.42]] * 5) + off[::-1])  # +0.02: too small to explain it
+  cells = {("none", 0): ref, ("vcpo", 128): vcpo, ("vcpo_no_esslr", 128): brake, ("vcpo_cap4", 128): cap}
+  text = "\n".join(claim.attribution_section(cells, ref))
+  assert "VCPO's mean gap to sync at k = 128: -0.200" in text
+  assert "the ESS brake (removed): vcpo_no_esslr - vcpo = +0.180 +- 0.000: **explains the gap**" in text
+  assert "the TIS cap (8 -> 4): vcpo_cap4 - vcpo = +0.020" in text and "does not explain it" in text
+  assert "the OPOB baseline (removed): arm vcpo_no_opob not finished" in text
+
+
+def _write_record(c, method, k, seed, acc, knob=None, stage="", commit=COMMIT):
+  path = stability.record_path(c, method, k, c.lrs[0], seed, knob, stage)
+  steps = c.task.steps
+  ev = np.arange(0, steps + 1, c.task.eval_every)
+  stability.save_cell(
+    path,
+    dict(
+      accuracy=np.where(ev == 0, acc[0], acc[1]),  # the warm start, then a plateau
+      eval_step=ev,
+      lr_scale=np.ones(steps),
+      log_mean_weight=np.zeros(steps),
+      commit=np.asarray(commit),
+      machine=np.asarray("cpu"),
+    ),
+    "fp",
+    1.0,
+  )
+
+
+def _ledger(tmp_path: Path, variant: str):
+  c = stability.load_config(variant)
+  c.trainer.ledger = str(tmp_path / c.trainer.ledger)
   return c
 
 
-def test_steps_to_reach_is_the_first_evaluation_at_the_target():
-  ev = np.array([0, 25, 50, 75])
-  assert claim.steps_to_reach(ev, np.array([0.1, 0.4, 0.6, 0.5]), 0.45) == 50
-  assert claim.steps_to_reach(ev, np.array([0.1, 0.4, 0.6, 0.5]), 0.4) == 25  # >=, not >
-  assert math.isnan(claim.steps_to_reach(ev, np.array([0.1, 0.2, 0.3, 0.3]), 0.45))
-
-
-def test_matches_is_two_standard_errors_of_the_difference():
-  a, b = np.array([0.50, 0.52, 0.54]), np.array([0.40, 0.42, 0.44])
-  same, diff, se = claim.matches(a, b)
-  # var(ddof=1) = 4e-4 each: se = sqrt(2 * 4e-4 / 3) = 0.01633; diff 0.10 > 2 se
-  assert not same and abs(diff - 0.10) < 1e-12
-  assert abs(se - math.sqrt(2 * 4e-4 / 3)) < 1e-12
-  same, diff, se = claim.matches(a, a + 0.02)
-  assert same and abs(diff + 0.02) < 1e-12  # 0.02 < 2 x 0.01633
-
-
-def test_table_rows_and_verdict_from_hand_made_cells():
-  ev = np.array([0, 100, 200])
-  ref = np.array([[0.2, 0.5, 0.6], [0.2, 0.5, 0.6], [0.2, 0.4, 0.6]])  # final 0.6 each
-  cur = {
-    ("none", 0): (ev, ref, ref[:, -1], 0),
-    ("none", 128): (ev, ref * 0.5, ref[:, -1] * 0.5, 3),  # collapsed, far below
-    ("vcpo", 128): (ev, ref, ref[:, -1] + np.array([0.0, 0.01, -0.01]), 0),
-  }
-  rows, verdict = claim.table(_c(), cur)
-  assert verdict == {("none", 0): True, ("none", 128): False, ("vcpo", 128): True}
-  vcpo = next(r for r in rows if r.startswith("| vcpo | 128"))
-  # 90% of the reference's final 0.6 = 0.54: the seed-mean curve first reaches it at step 200
-  assert "| 200 |" in vcpo and "0/3" in vcpo and "matches" in vcpo
-  stale = next(r for r in rows if r.startswith("| none | 128"))
-  assert "| never |" in stale and "3/3" in stale and "differs" in stale
+def test_report_from_hand_made_ledger_records(tmp_path):
+  """claim.write on records laid out as the studies write them: tuning choices by auc, the attribution table,
+  the every-method table with VCPO's tuned knob, the verdicts; a second commit makes it refuse (exit 2)."""
+  a = _ledger(tmp_path, "protocol_attribution")
+  for s in a.seeds:
+    _write_record(a, "none", 0, s, [0.2, 0.6 + 0.01 * s])
+    _write_record(a, "vcpo", 128, s, [0.2, 0.4 + 0.01 * s])
+    _write_record(a, "vcpo_no_esslr", 128, s, [0.2, 0.58 + 0.01 * s])
+  g = _ledger(tmp_path, "protocol")
+  name, values = g.tuning.knobs["vcpo"]
+  for i, v in enumerate(values):  # the third value has the best auc
+    for s in g.tuning.seeds:
+      _write_record(g, "vcpo", 128, s, [0.2, 0.5 if i == 2 else 0.3], knob=(name, v), stage="tune")
+  for s in g.seeds:
+    _write_record(g, "vcpo", 8, s, [0.2, 0.6 + 0.01 * s], knob=(name, values[2]))
+  out = tmp_path / "out"
+  assert claim.main(["--root", str(tmp_path), "--out", str(out)]) == 0
+  text = (out / "claim.md").read_text()
+  assert "| vcpo | 128 | 0.420 +- 0.016 | -0.200 +- 0.000 | below |" in text
+  assert "the ESS brake (removed): vcpo_no_esslr - vcpo = +0.180 +- 0.000: **explains the gap**" in text
+  assert f"| vcpo | rho_on | 0.25: 0.300, 0.5: 0.300, 0.75: 0.500, 1: 0.300 | {values[2]:g} |" in text
+  assert f"| vcpo | rho_on={values[2]:g} | 8 | 0.620 +- 0.016 | +0.000 +- 0.000 | matches |" in text
+  assert "- vcpo (attribution: fixed settings): k = 128: does not match (below, d -0.200)." in text
+  assert "- vcpo (tuned): k = 8: **matches**." in text
+  assert (out / "claim.png").stat().st_size > 0
+  _write_record(a, "vcpo_cap4", 128, 0, [0.2, 0.4], commit="f" * 40)
+  for s in a.seeds[1:]:
+    _write_record(a, "vcpo_cap4", 128, s, [0.2, 0.4])
+  assert claim.main(["--root", str(tmp_path), "--out", str(out)]) == 2
+  assert claim.main(["--root", str(tmp_path), "--out", str(out), "--allow_mixed"]) == 0

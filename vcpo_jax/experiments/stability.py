@@ -549,7 +549,9 @@ def tune(c, out: Path, methods: Sequence[str], log=print) -> list[str]:
     save_cell(path, arrays, fp, time.time() - t0)
     ran.append(m)
     z = load_cell(path, fp)
-    scores = ", ".join(f"{v}: {x:.3f}" for v, x in zip(z["values"].tolist(), tuning.scores(z, tuning.score_fn(c, _final(c)))))
+    scores = ", ".join(
+      f"{v}: {x:.3f}" for v, x in zip(z["values"].tolist(), tuning.scores(z, tuning.score_fn(c, _final(c))))
+    )
     log(f"[done] tuning {m} in {time.time() - t0:.0f}s: {tuning.score_name(c)} per value {scores}")
   return ran
 
