@@ -247,3 +247,23 @@ def test_module_matches_pure_function():
   np.testing.assert_array_equal(out.expert_ids, ref.expert_ids)
   rec = _other_experts(ref.expert_ids.reshape(-1, K)).reshape(2, 5, K)
   np.testing.assert_allclose(block(x, rec).y, _moe(p, x, recorded=rec).y, rtol=1e-6, atol=1e-8)
+
+
+def test_runs_inside_a_scan_over_stacked_layers():
+  """Stacked [L, ...] expert weights under lax.scan (the scanned decoder's shape), recorded ids scanned too."""
+  layers = [_params(seed) for seed in (0, 1, 2)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+  x = _x(8)
+  recorded = jnp.stack([_other_experts(_moe(p, x).expert_ids, seed) for seed, p in enumerate(layers)])
+
+  def body(h, layer):
+    p, rec = layer
+    out = _moe(p, h, recorded=rec)
+    return h + out.y, out.expert_ids
+
+  h, ids = jax.jit(lambda s, r: jax.lax.scan(body, x, (s, r)))(stacked, recorded)
+  ref = x
+  for p, rec in zip(layers, recorded):
+    ref = ref + _moe(p, ref, recorded=rec).y
+  np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(ids, recorded)

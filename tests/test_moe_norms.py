@@ -5,6 +5,8 @@ its squared norm (a Python loop: ragged_dot has no vmap rule over a non-leading 
 Ghost: one recording of the block's taps (vcpo_jax.model.taps) with zero perturbations, one grad w.r.t. them.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,7 +78,8 @@ def test_block_sq_norms_match_brute_force(method, replay):
   assert {info for info in inputs} == {f"{NAME}.gate"} | {
     f"{NAME}.experts.{w}" for w in ("gate_proj", "up_proj", "down_proj")
   }
-  got = moe_norms.block_sq_norms(inputs, d, NAME, n=N, num_experts=E, method=method)
+  norms = functools.partial(moe_norms.block_sq_norms, name=NAME, n=N, num_experts=E, method=method)
+  got = jax.jit(norms)(inputs, d)
   ref = _brute(graphdef, state, x, v, c, recorded)
   assert float(ref.min()) > 0
   np.testing.assert_allclose(got, ref, rtol=2e-4)

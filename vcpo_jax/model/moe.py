@@ -126,8 +126,8 @@ class Routing(NamedTuple):
 def route(logits_me, top_k: int, norm_topk_prob: bool, recorded_mk=None, replay_m=None) -> Routing:
   """Top-K softmax routing, or replay of recorded experts with gates from these logits.
 
-  p = softmax(logits) in float32; ids = top_k(p) (lax.top_k: descending, ties to the lower id, as
-  torch.topk); where replayed (replay_m [M] bool, None = every token when recorded_mk is given),
+  p = softmax(logits) in float32; ids = top_k(p) (lax.top_k: descending; exact ties go to the
+  lower id, which torch.topk does not promise); where replayed (replay_m [M] bool, None = every token when recorded_mk is given),
   ids = recorded_mk [M, K]. g = p[ids], / sum_k g if norm_topk_prob. Gradients reach the logits
   through g either way (top_k's values are p gathered at its indices).
   """
