@@ -267,3 +267,45 @@ def test_runs_inside_a_scan_over_stacked_layers():
     ref = ref + _moe(p, ref, recorded=rec).y
   np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(ids, recorded)
+
+
+def test_checkpoint_layout_round_trip(tmp_path):
+  """A checkpoint written by transformers' save_pretrained (experts unfused on disk) loads and exports bit for bit."""
+  torch = pytest.importorskip("torch")
+  from safetensors.numpy import load_file
+  from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+  hf = Qwen3MoeConfig(
+    vocab_size=32,
+    hidden_size=D,
+    intermediate_size=24,
+    moe_intermediate_size=F,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    num_experts=E,
+    num_experts_per_tok=K,
+    norm_topk_prob=True,
+    decoder_sparse_step=2,
+  )
+  torch.manual_seed(1)
+  model = Qwen3MoeForCausalLM(hf).float()
+  with torch.no_grad():
+    for t in model.model.layers[1].mlp.parameters():
+      t.normal_(0.0, 0.3)
+  model.save_pretrained(tmp_path)
+  tensors = load_file(str(tmp_path / "model.safetensors"))
+  spec = moe.MoESpec.from_hf(hf)
+  assert spec.sparse_layers(2) == (1,) and "model.layers.0.mlp.gate_proj.weight" in tensors
+  prefix = "model.layers.1.mlp"
+  p = moe.from_hf_checkpoint(tensors, prefix, E)
+  back = moe.to_hf_checkpoint(p, prefix)
+  assert set(back) == {k for k in tensors if k.startswith(prefix + ".")}
+  for k, v in back.items():
+    np.testing.assert_array_equal(v, tensors[k])
+  x = np.random.default_rng(1).standard_normal((1, 6, D)).astype(np.float32)
+  with torch.no_grad():
+    y_hf = model.model.layers[1].mlp(torch.from_numpy(x)).numpy()
+  y = _moe({k: jnp.asarray(v) for k, v in p.items()}, jnp.asarray(x), spec).y
+  np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())

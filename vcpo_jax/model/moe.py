@@ -25,7 +25,7 @@ columns the sampler recorded); the others use their own top-K.
 Parameters (kernels [in, out], as transformer.py): `gate.kernel` [D, E] (HF `mlp.gate.weight`
 [E, D]), `experts.gate_proj` / `experts.up_proj` [E, D, F] and `experts.down_proj` [E, F, D]
 (HF in memory: `mlp.experts.gate_up_proj` [E, 2F, D] = [gate; up] and `mlp.experts.down_proj`
-[E, D, F]; on disk per expert, `mlp.experts.{j}.gate_proj.weight` [F, D]: see `from_hf_experts`).
+[E, D, F]: `from_hf_experts`; on disk per expert, `mlp.experts.{j}.gate_proj.weight` [F, D]: `from_hf_checkpoint`).
 
 Ghost taps (`vcpo_jax.model.taps`): the router is a "linear" tap (A = x [B, T, D]); each expert
 matmul is an "expert" tap whose A is {"a": rows [R, Din], "expert": [R] int32, "example": [R] int32}
@@ -354,3 +354,31 @@ def to_hf_experts(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     "experts.gate_up_proj": np.concatenate([g, u], axis=1),
     "experts.down_proj": np.asarray(params["experts.down_proj"]).transpose(0, 2, 1),
   }
+
+
+def from_hf_checkpoint(tensors, prefix: str, num_experts: int) -> dict[str, np.ndarray]:
+  """One MoE block's tensors as a checkpoint written by transformers holds them -> this module's layout.
+
+  tensors: name -> array (a safetensors shard's, numpy); prefix: the block's, e.g. "model.layers.3.mlp".
+  On disk: "{prefix}.gate.weight" [E, D] and "{prefix}.experts.{j}.{gate,up,down}_proj.weight"
+  ([F, D], [F, D], [D, F]) for j < E (save_pretrained writes experts unfused; transformers fuses them on load).
+  """
+  per = {
+    w: np.stack([np.asarray(tensors[f"{prefix}.experts.{j}.{w}.weight"]) for j in range(num_experts)])
+    for w in ("gate_proj", "up_proj", "down_proj")
+  }
+  return from_hf_experts(
+    tensors[f"{prefix}.gate.weight"], np.concatenate([per["gate_proj"], per["up_proj"]], 1), per["down_proj"]
+  )
+
+
+def to_hf_checkpoint(params: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+  """The inverse of `from_hf_checkpoint`: checkpoint names -> float32 numpy arrays, experts unfused."""
+  hf = to_hf_experts(params)
+  f = hf["experts.gate_up_proj"].shape[1] // 2
+  out = {f"{prefix}.gate.weight": hf["gate.weight"]}
+  for j in range(hf["experts.down_proj"].shape[0]):
+    out[f"{prefix}.experts.{j}.gate_proj.weight"] = hf["experts.gate_up_proj"][j, :f]
+    out[f"{prefix}.experts.{j}.up_proj.weight"] = hf["experts.gate_up_proj"][j, f:]
+    out[f"{prefix}.experts.{j}.down_proj.weight"] = hf["experts.down_proj"][j]
+  return out
