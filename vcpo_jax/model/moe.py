@@ -72,7 +72,7 @@ class MoESpec:
       raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
 
   def is_sparse(self, layer: int) -> bool:
-    """transformers' Qwen3MoeDecoderLayer rule: an MoE block iff not in mlp_only_layers, E > 0 and (i + 1) % step == 0."""
+    """Qwen3MoeDecoderLayer's rule: layer i is an MoE block iff i not in mlp_only_layers, E > 0, (i + 1) % step == 0."""
     return layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
 
   def sparse_layers(self, num_layers: int) -> tuple[int, ...]:
@@ -127,9 +127,9 @@ def route(logits_me, top_k: int, norm_topk_prob: bool, recorded_mk=None, replay_
   """Top-K softmax routing, or replay of recorded experts with gates from these logits.
 
   p = softmax(logits) in float32; ids = top_k(p) (lax.top_k: descending; exact ties go to the
-  lower id, which torch.topk does not promise); where replayed (replay_m [M] bool, None = every token when recorded_mk is given),
-  ids = recorded_mk [M, K]. g = p[ids], / sum_k g if norm_topk_prob. Gradients reach the logits
-  through g either way (top_k's values are p gathered at its indices).
+  lower id, which torch.topk does not promise); where replayed (replay_m [M] bool, None = every token
+  when recorded_mk is given), ids = recorded_mk [M, K]. g = p[ids], / sum_k g if norm_topk_prob.
+  Gradients reach the logits through g either way (top_k's values are p gathered at its indices).
   """
   probs = jax.nn.softmax(logits_me.astype(jnp.float32), axis=-1)
   _, ids = jax.lax.top_k(probs, top_k)
