@@ -30,6 +30,7 @@ from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer, restore_target
 from vcpo_jax.model import lora, policy, transformer
+from vcpo_jax.rollout import async_
 from vcpo_jax.run_config import ConfigError, parse_config
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
@@ -185,6 +186,8 @@ def _open_workdir(config, workdir: str, allow_config_change: bool = False):
   saved_step, diff = _config_changes(config, workdir)  # read from the files: jax is not started yet
   if diff and not allow_config_change:
     raise ConfigError(fingerprint.message(diff, saved_step, workdir))
+  if spec.mode == "async":  # each process's share of a GPU it shares, set before jax starts (async_.memory_share)
+    mesh_lib.apply_env(async_.memory_plan(spec.async_, mesh_lib.platform_hint())["learner"])
   if spec.dist.enabled:
     mesh_lib.maybe_initialize_distributed(spec.dist.coordinator_address, spec.dist.num_processes, spec.dist.process_id)
   primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)

@@ -160,6 +160,7 @@ import numpy as np
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import cleanup
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax.model import lora
 from vcpo_jax.rollout.base import RolloutSource, SourceFailed
 from vcpo_jax.rollout.common import lag_stats
@@ -240,10 +241,14 @@ def parse_cpus(text: str) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def _environ(overrides: dict[str, str]):
+def _environ(overrides: dict[str, str | None]):
   """Temporarily set environment variables: a spawned child inherits os.environ at start()."""
   old = {k: os.environ.get(k) for k in overrides}
-  os.environ.update(overrides)
+  for k, v in overrides.items():  # None: unset (mesh.memory_plan's "XLA's default")
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
   try:
     yield
   finally:
@@ -291,6 +296,9 @@ class AsyncConfig:
   max_sampler_restarts: int = 3  # a dead sampler, or one with no batch in timeout_s, is replaced this often
   restart_window_s: float = 3600.0  # ... per this many seconds; one more failure checkpoints and exits 1
   heartbeat_timeout_s: float = 0.0  # a sampler whose heartbeat stops this long is hung, replaced; 0 = timeout_s
+  # GPU memory of the learner and sampler processes (mesh.memory_plan): auto (one GPU shared: 0.6 / 0.3 of it;
+  # own GPUs: XLA's defaults) | grow (no preallocation) | xla (XLA's defaults or your XLA_PYTHON_CLIENT_*) | "L,S"
+  memory_share: str = "auto"
 
   def __post_init__(self):
     check_field(
@@ -383,12 +391,24 @@ class AsyncConfig:
       check_field(isinstance(getattr(self, f), bool), f"async_.{f}", getattr(self, f), "must be True or False.")
     try:
       parse_cpus(self.sampler_cpus)
+      mesh_lib.parse_memory_share(self.memory_share)
     except ValueError as e:
       raise ConfigError(config_message(str(e), "async_")) from None
 
   def as_dict(self) -> dict:
     """spec.async_cfg: every config.async_ key (this dataclass models them all; AsyncSource reads the fields)."""
     return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "sampler_env": dict(self.sampler_env)}
+
+
+def memory_plan(cfg: AsyncConfig, platform: str | None) -> dict:
+  """mesh.memory_plan for this config: {"learner": {var: value}, "sampler": {var: value}}; empty dicts without a
+  sampler process (publish_path='device' samples in a thread of the learner's process)."""
+  if cfg.publish_path == "device":
+    return {"learner": {}, "sampler": {}}
+  ids = tuple(int(x) for x in str(cfg.sampler_devices).replace(" ", "").split(",") if x)
+  vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+  visible = None if vis is None else tuple(int(x) for x in vis.split(",") if x.strip().isdigit())
+  return mesh_lib.memory_plan(cfg.memory_share, platform, ids, visible)
 
 
 class AsyncSource(RolloutSource):
@@ -440,6 +460,9 @@ class AsyncSource(RolloutSource):
     env = {str(name): str(v) for name, v in dict(cfg.sampler_env or {}).items()}
     if cfg.sampler_devices:
       env.setdefault("CUDA_VISIBLE_DEVICES", str(cfg.sampler_devices))
+    # Its share of a GPU it shares with this process (async_.memory_share), set before the child imports jax.
+    for name, value in memory_plan(cfg, jax.default_backend())["sampler"].items():
+      env.setdefault(name, value)  # async_.sampler_env wins
     self.env = env
     rebuilt, _ = worker_lib.abstract_params(model_cfg)
     if rebuilt != graphdef:
