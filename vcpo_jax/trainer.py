@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from vcpo_jax import compile_cache as compile_cache_lib
 from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenance, rollout, sft, sharding, telemetry
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
@@ -54,20 +55,28 @@ def _install_signal_handlers(flag: dict):
   return old
 
 
-def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
+def run(config, workdir: str, *, allow_config_change: bool = False, compile_cache: str = "auto") -> dict:
   """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible.
 
   A resume whose trajectory fields (vcpo_jax.fingerprint) differ from the newest checkpoint's raises a
   ConfigError before anything is built, unless `allow_config_change`: then it continues with the new values
   and config.json's `config_history` keeps each earlier config with the steps it governed.
 
+  `compile_cache`: jax's persistent compilation cache of this process and its sampler process, "auto" (on
+  accelerators, a user cache dir), "off" or a directory (vcpo_jax/compile_cache.py).
+
   `workdir` is a local path or a URL (file://, gs://, s3://; every output goes through vcpo_jax.fs, and
   orbax checkpoints need a scheme etils knows: not memory://). On every start the logs are cut back to
   the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
   """
   # ---- config and workdir ----
+  try:
+    compile_cache_lib.check(compile_cache)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   spec, primary = _open_workdir(config, workdir, allow_config_change)  # every check, before anything compiles
   config_fp = fingerprint.of(config)  # stored in every checkpoint
+  compile_cache_lib.apply(compile_cache)  # before the first compile; the async sampler inherits it
 
   # ---- mesh and policy ----
   mesh = _build_mesh(spec)  # the learner's devices: all but the async sampler's

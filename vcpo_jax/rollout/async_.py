@@ -159,7 +159,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax import batch as batch_lib
-from vcpo_jax import cleanup
+from vcpo_jax import cleanup, compile_cache
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax.model import lora
 from vcpo_jax.rollout.base import RolloutSource, SourceFailed
@@ -463,6 +463,8 @@ class AsyncSource(RolloutSource):
     # Its share of a GPU it shares with this process (async_.memory_share), set before the child imports jax.
     for name, value in memory_plan(cfg, jax.default_backend())["sampler"].items():
       env.setdefault(name, value)  # async_.sampler_env wins
+    for name, value in compile_cache.child_env().items():  # the learner's persistent compilation cache
+      env.setdefault(name, value)
     self.env = env
     rebuilt, _ = worker_lib.abstract_params(model_cfg)
     if rebuilt != graphdef:
