@@ -400,6 +400,13 @@ class AsyncConfig:
     return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "sampler_env": dict(self.sampler_env)}
 
 
+def resolve_publish_dtype(name: str, platform: str):
+  """async_.publish_dtype on `platform`: "auto" is bfloat16 on accelerators and float32 on CPU."""
+  if name == "auto":
+    name = "float32" if platform == "cpu" else "bfloat16"
+  return jnp.dtype(name)
+
+
 def memory_plan(cfg: AsyncConfig, platform: str | None) -> dict:
   """mesh.memory_plan for this config: {"learner": {var: value}, "sampler": {var: value}}; empty dicts without a
   sampler process (publish_path='device' samples in a thread of the learner's process)."""
@@ -445,10 +452,8 @@ class AsyncSource(RolloutSource):
     self.nslots = int(cfg.queue_slots)
     self.cpus = parse_cpus(cfg.sampler_cpus)
     self.background = background_for(cfg.background_publish, jax.default_backend())
-    dt = cfg.publish_dtype
-    if dt == "auto":
-      dt = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    self.publish_dtype = jnp.dtype(dt)  # of floating parameters in the slot; integer leaves keep theirs
+    # Of floating parameters in the slot; integer leaves keep theirs.
+    self.publish_dtype = resolve_publish_dtype(cfg.publish_dtype, jax.default_backend())
     # Decoding of the sampler process; in-flight updates (between decode chunks, per-token versions).
     self.decode = cfg.decode
     self.chunk_tokens = int(cfg.chunk_tokens)
