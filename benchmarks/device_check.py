@@ -12,7 +12,8 @@ Qwen2-1.5B and Qwen2.5-1.5B share every config.json value) in bfloat16, it measu
            same optimizer update) and `plain_grad` (`learner.make_plain_grad_fn`, what the trainer's
            norm-overhead metric times), at N = 32 rows x T = 1024 tokens. Each is lowered and compiled
            (both timed: `*_lower_s`, `*_compile_s`), then timed: median of --repeats after a warm-up call;
-           ratios vcpo / plain. The initializer's time and compile time are `init_s`, `init_compile`.
+           ratios vcpo / plain. The weights are random, drawn leaf by leaf (`random_params`: small programs,
+           seconds), so that the steps are measured whatever the trainer's initializer costs.
            `mfu`: model FLOPs = 6 x N_params x tokens and XLA's count (`compiled.cost_analysis()`) per step,
            against the chip's dense bf16 peak (PEAK_BF16_FLOPS by device_kind; none for unknown chips).
            A batch that does not fit (RESOURCE_EXHAUSTED) is retried at half the rows, whole groups.
@@ -25,6 +26,9 @@ Qwen2-1.5B and Qwen2.5-1.5B share every config.json value) in bfloat16, it measu
            achieved bandwidth = those bytes / step time, against the chip's nominal HBM bandwidth
            (NOMINAL_HBM_BYTES_PER_S, looked up by device_kind). Each batch's first call (its compile) is
            reported apart (`first_call_s`, `compile`).
+  init     the trainer's initializer, `policy.init_sharded`, at the learner's shape and mesh: its first
+           call and compile time. Last: it compiled for minutes at 28 unrolled layers, and a part cut off by
+           the time limit loses only itself.
   memory   `device.memory_stats()` (peak_bytes_in_use, bytes_limit) after each part, where the backend
            reports it (GPU, TPU; not CPU).
 
@@ -332,7 +336,6 @@ def _learner_setup(ctx: Context, memory, rows: int, out: dict):
 
   from vcpo_jax import learner, sharding
   from vcpo_jax import mesh as mesh_lib
-  from vcpo_jax.model import policy
 
   shape = ctx.shape
   setting = memory.load_setting("gsm8k", ctx.overrides, rows, shape["prompt_len"], shape["new_tokens"])
@@ -343,9 +346,9 @@ def _learner_setup(ctx: Context, memory, rows: int, out: dict):
   tx = memory._optimizer(spec)
   t0 = time.perf_counter()
   with CompileClock() as clock:
-    graphdef, params = policy.init_sharded(cfg, ctx.seed, mesh)
+    graphdef, params = random_params(cfg, mesh, ctx.seed)
     jax.block_until_ready(params)
-  out["init_s"], out["init_compile"] = time.perf_counter() - t0, clock.summary()
+  out["random_params_s"], out["random_params_compile"] = time.perf_counter() - t0, clock.summary()
   state_sh = sharding.param_shardings(
     jax.eval_shape(lambda p: learner.init_state(p, tx), params), sharding.TRANSFORMER_RULES, mesh
   )
@@ -356,6 +359,63 @@ def _learner_setup(ctx: Context, memory, rows: int, out: dict):
   batch = jax.device_put(host, batch_sh)
   ctx.save()
   return setting, mesh, tx, graphdef, state, state_sh, batch_sh, batch
+
+
+def _draw(kind: str, shape: tuple, dtype, std: float, key):
+  import jax
+  import jax.numpy as jnp
+
+  if kind == "normal":
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+
+
+def random_params(cfg, mesh, seed: int, std: float = 0.02):
+  """(graphdef, params): the model's parameters at their shapes and the trainer's shardings, drawn leaf by leaf
+  with one small program per distinct (kind, shape, dtype, sharding), never one program for the whole model.
+
+  Timing a step needs no particular values: RMSNorm scales are ones, biases zeros, every other weight
+  N(0, std^2). (`policy.init_sharded`, the trainer's initializer, is timed by the "init" part.)
+  """
+  import jax
+
+  from benchmarks import memory
+  from vcpo_jax import sharding
+
+  graphdef, abstract = memory._abstract_params(cfg)
+  shardings = sharding.param_shardings(abstract, sharding.TRANSFORMER_RULES, mesh)
+  programs, key, count = {}, jax.random.key(seed), [0]
+
+  def make(path, x, sh):
+    name = sharding.path_str(path)
+    kind = "ones" if name.endswith("scale") else "zeros" if name.endswith("bias") else "normal"
+    k = (kind, tuple(x.shape), str(x.dtype), sh)
+    if k not in programs:
+      programs[k] = jax.jit(functools.partial(_draw, kind, tuple(x.shape), x.dtype, std), out_shardings=sh)
+    count[0] += 1
+    return programs[k](jax.random.fold_in(key, count[0]))
+
+  return graphdef, jax.tree_util.tree_map_with_path(make, abstract, shardings)
+
+
+def init_part(ctx: Context, out: dict) -> None:
+  """The trainer's initializer (`policy.init_sharded`, jitted with out_shardings) at the learner's shape and
+  mesh: first call (compile + run) and its compile time. Last by default: it compiled for minutes at 28 layers
+  when every layer was its own code, and a part killed at the time limit loses only itself."""
+  import jax
+
+  from benchmarks import memory
+  from vcpo_jax import mesh as mesh_lib
+  from vcpo_jax.model import policy
+
+  setting = memory.load_setting("gsm8k", ctx.overrides, ctx.shape["rows"])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(setting.spec.mesh_shape), jax.local_devices())
+  out.update(num_layers=setting.model_cfg.num_layers, mesh=list(mesh.devices.shape))
+  t0 = time.perf_counter()
+  with CompileClock() as clock:
+    _, params = policy.init_sharded(setting.model_cfg, ctx.seed, mesh)
+    jax.block_until_ready(params)
+  out["first_call_s"], out["compile"] = time.perf_counter() - t0, clock.summary()
 
 
 def _learner_steps(setting, mesh, tx, graphdef, state_sh, batch_sh) -> dict:
@@ -529,7 +589,6 @@ def sampler_part(ctx: Context, out: dict) -> None:
   import numpy as np
 
   from benchmarks import memory
-  from vcpo_jax.model import transformer
   from vcpo_jax.rollout.async_ import resolve_publish_dtype
   from vcpo_jax.sampler import Sampler, sampler_mesh
 
@@ -539,8 +598,7 @@ def sampler_part(ctx: Context, out: dict) -> None:
   cfg = cfg.replace(max_position=max(cfg.max_position, tp + tn))
   device = jax.local_devices()[0]
   scfg = _sampler_config(setting, tp, tn, batches)
-  with jax.default_device(device):
-    graphdef, params = transformer.split(transformer.init(cfg, ctx.seed))
+  graphdef, params = random_params(cfg, sampler_mesh(scfg, devices=[device]), ctx.seed)
   sampler = Sampler(graphdef, cfg, scfg, mesh=sampler_mesh(scfg, devices=[device]))  # as the worker builds it
   publish = resolve_publish_dtype(setting.spec.async_.publish_dtype, device.platform)
   params = published_params(params, sampler, publish)
@@ -602,7 +660,7 @@ def _sampler_row(sampler, params, prompts, cfg, tp: int, tn: int, ctx: Context, 
 
 # ----------------------------------------------------------------------------- main
 
-PARTS = {"learner": learner_part, "sampler": sampler_part}
+PARTS = {"learner": learner_part, "sampler": sampler_part, "init": init_part}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -612,7 +670,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (after one warm-up call)")
   p.add_argument("--rows", type=int, default=0, help="learner rows N (0 = 32, tiny 16); whole groups of 8")
   p.add_argument("--batches", default="", help="sampler batches, e.g. 64,128,256 ('' = default)")
-  p.add_argument("--parts", default="learner,sampler", help=f"which parts to run, of {','.join(PARTS)}")
+  p.add_argument("--parts", default=",".join(PARTS), help=f"which parts to run, in order, of {','.join(PARTS)}")
   p.add_argument(
     "--budget_s",
     "--deadline_s",

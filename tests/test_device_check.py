@@ -37,8 +37,10 @@ def test_report_fields(report):
   for k in ("vcpo_s", "plain_step_s", "plain_grad_s"):
     assert lrn[k] > 0 and len(lrn[k[:-2] + "_times_s"]) == 1
     assert lrn[k[:-2] + "_lower_s"] > 0 and lrn[k[:-2] + "_compile_s"] > 0  # timed apart from the steps
-  assert lrn["init_s"] > 0 and lrn["init_compile"]["programs_compiled"] >= 1
-  for part in ("learner", "sampler"):
+  assert lrn["random_params_s"] > 0 and lrn["random_params_compile"]["programs_compiled"] >= 1
+  init = report["init"]  # the trainer's initializer, timed on its own
+  assert init["first_call_s"] > 0 and init["compile"]["programs_compiled"] >= 1 and init["num_layers"] == 1
+  for part in ("learner", "sampler", "init"):
     assert report["compile_seconds"][part]["backend_compile_s"] > 0 and report["part_seconds"][part] > 0
   assert lrn["ratio_vcpo_over_plain_step"] == pytest.approx(lrn["vcpo_s"] / lrn["plain_step_s"])
   assert lrn["rows"] == 16 and lrn["seq_len"] == 32 and lrn["oom_retries"] == []

@@ -296,9 +296,8 @@ class AsyncConfig:
   max_sampler_restarts: int = 3  # a dead sampler, or one with no batch in timeout_s, is replaced this often
   restart_window_s: float = 3600.0  # ... per this many seconds; one more failure checkpoints and exits 1
   heartbeat_timeout_s: float = 0.0  # a sampler whose heartbeat stops this long is hung, replaced; 0 = timeout_s
-  # GPU memory of the learner and sampler processes (mesh.memory_plan): auto (one GPU shared: 0.6 / 0.3 of it;
-  # own GPUs: XLA's defaults) | grow (no preallocation) | xla (XLA's defaults or your XLA_PYTHON_CLIENT_*) | "L,S"
-  memory_share: str = "auto"
+  # mesh.memory_plan: "auto" = a shared GPU 0.6 / 0.3, own GPUs XLA's defaults; "xla" = XLA_PYTHON_CLIENT_* as set
+  memory_share: str = "auto"  # GPU memory of learner / sampler process: auto | grow (no preallocation) | xla | "L,S"
 
   def __post_init__(self):
     check_field(
