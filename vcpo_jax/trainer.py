@@ -62,21 +62,16 @@ def run(config, workdir: str, *, allow_config_change: bool = False, compile_cach
   ConfigError before anything is built, unless `allow_config_change`: then it continues with the new values
   and config.json's `config_history` keeps each earlier config with the steps it governed.
 
-  `compile_cache`: jax's persistent compilation cache of this process and its sampler process, "auto" (on
-  accelerators, a user cache dir), "off" or a directory (vcpo_jax/compile_cache.py).
+  `compile_cache`: jax's persistent compilation cache of this process and its sampler's: "auto" (on an accelerator,
+  a user cache dir), "off" or a directory (vcpo_jax/compile_cache.py).
 
   `workdir` is a local path or a URL (file://, gs://, s3://; every output goes through vcpo_jax.fs, and
   orbax checkpoints need a scheme etils knows: not memory://). On every start the logs are cut back to
   the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
   """
   # ---- config and workdir ----
-  try:
-    compile_cache_lib.check(compile_cache)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-  spec, primary = _open_workdir(config, workdir, allow_config_change)  # every check, before anything compiles
+  spec, primary = _open_workdir(config, workdir, allow_config_change, compile_cache)  # every check, before compiles
   config_fp = fingerprint.of(config)  # stored in every checkpoint
-  compile_cache_lib.apply(compile_cache)  # before the first compile; the async sampler inherits it
 
   # ---- mesh and policy ----
   mesh = _build_mesh(spec)  # the learner's devices: all but the async sampler's
@@ -185,9 +180,13 @@ def run(config, workdir: str, *, allow_config_change: bool = False, compile_cach
 # ----------------------------------------------------------------------------- the run's builders
 
 
-def _open_workdir(config, workdir: str, allow_config_change: bool = False):
+def _open_workdir(config, workdir: str, allow_config_change: bool = False, compile_cache: str = "auto"):
   """(spec, primary): the checked config; distributed JAX started if asked; a resume's config compared with
-  its newest checkpoint's (fingerprint); config.json written by process 0."""
+  its newest checkpoint's (fingerprint); config.json written by process 0; the compilation cache set."""
+  try:
+    compile_cache_lib.check(compile_cache)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   spec = parse_config(config)
   fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
   if not spec.dist.enabled or spec.dist.process_id == 0:  # before jax starts: its logs would follow the error
@@ -204,6 +203,7 @@ def _open_workdir(config, workdir: str, allow_config_change: bool = False):
     record = {**config.to_dict(), "provenance": provenance.collect()}
     record.update(_config_history(workdir, saved_step, diff))
     fs.write_text(fs.join(workdir, "config.json"), json.dumps(record, indent=1, default=str))
+  compile_cache_lib.apply(compile_cache)  # before the first compile; the async sampler inherits it
   return spec, primary
 
 
