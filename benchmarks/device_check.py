@@ -36,8 +36,9 @@ The JSON (--out) is written at the start, after every step and part, and at the 
 (a time limit) leaves what it measured. Each part runs in its own try/except: an error is recorded under
 "errors" (its traceback's tail under "tracebacks") and the other parts still run. "compile_seconds" has
 jax's compile time per part (tracing + lowering, XLA's backend compile; CompileClock). A time budget
-(--budget_s, default 300 s, so that the check ends inside 6 minutes) skips parts and steps not started by
-then, each with its reason. The check installs nothing. Progress goes to stderr; the JSON is also the last
+(--budget_s, default 270 s) skips parts and steps not started by then, each with its reason, and a hard
+limit (--limit_s, default 330 s) ends the process inside 6 minutes whatever runs (a compile cannot be cut
+short): the part in progress is recorded as cut off and the JSON written. The check installs nothing. Progress goes to stderr; the JSON is also the last
 stdout line.
 """
 
@@ -51,6 +52,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -186,6 +188,7 @@ def run_part(name: str, fn, report: dict, deadline: float, save=None):
     return None
   _log(f"{name}: start")
   t0 = time.monotonic()
+  report["running"] = [name, t0]  # what Watchdog records as cut off if the hard limit passes during it
   out = report[name] = {}
   clock = CompileClock()
   try:
@@ -201,6 +204,7 @@ def run_part(name: str, fn, report: dict, deadline: float, save=None):
       del report[name]
     return None
   finally:
+    report.pop("running", None)
     report.setdefault("part_seconds", {})[name] = time.monotonic() - t0
     report.setdefault("compile_seconds", {})[name] = clock.summary()
     gc.collect()
@@ -675,8 +679,14 @@ def _parser() -> argparse.ArgumentParser:
     "--budget_s",
     "--deadline_s",
     type=float,
-    default=300.0,
+    default=270.0,
     help="time budget: a part or step not started after this many seconds is skipped, with the reason",
+  )
+  p.add_argument(
+    "--limit_s",
+    type=float,
+    default=330.0,
+    help="hard limit: the process ends at this many seconds, the part in progress recorded as cut off",
   )
   p.add_argument("--seed", type=int, default=0)
   return p
@@ -705,13 +715,57 @@ def _report(args, argv, devices, tiny: bool, shape: dict, overrides: dict) -> di
   }
 
 
+_WRITE_LOCK = threading.Lock()
+
+
 def _write(report: dict, path: str, t_start: float):
   """The report so far, atomically (a reader or a kill mid-write never sees half a file)."""
-  report["elapsed_s"] = time.monotonic() - t_start
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(report, f, indent=1, default=str)
-  os.replace(tmp, path)
+  with _WRITE_LOCK:
+    report["elapsed_s"] = time.monotonic() - t_start
+    text = json.dumps(report, indent=1, default=str)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  return text
+
+
+class Watchdog:
+  """Ends the process at `limit_s` after `t_start`, whatever runs: the part in progress (a compile cannot be
+  interrupted) is recorded as cut off, the JSON written and printed, exit code 0 as for any failed part."""
+
+  def __init__(self, limit_s: float, t_start: float, report: dict, save):
+    self.limit_s, self.t_start, self.report, self.save = limit_s, t_start, report, save
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="device-check-watchdog", daemon=True)
+
+  def start(self):
+    self._thread.start()
+    return self
+
+  def stop(self):
+    self._done.set()
+
+  def _run(self):
+    if self._done.wait(max(0.0, self.t_start + self.limit_s - time.monotonic())):
+      return
+    running = self.report.get("running")
+    if running:
+      name, t0 = running
+      self.report["errors"][name] = f"cut off: the hard time limit (--limit_s={self.limit_s:g}) passed during this part"
+      self.report.setdefault("part_seconds", {})[name] = time.monotonic() - t0
+    _log(f"hard limit of {self.limit_s:g} s: {running[0] if running else 'no part'} cut off; writing the report")
+    for _ in range(3):  # the main thread may be between two of its own writes into the report
+      try:
+        text = self.save()
+        break
+      except RuntimeError:
+        time.sleep(0.05)
+    else:
+      text = "{}"
+    print(text.replace("\n", " "), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None):
@@ -739,11 +793,13 @@ def main(argv=None):
   report = _report(args, argv, devices, tiny, shape, overrides)
   save = functools.partial(_write, report, args.out, t_start)
   save()  # a run killed during its first compile still leaves a file
+  watchdog = Watchdog(args.limit_s, t_start, report, save).start()
   _log(f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform}); tiny={tiny}; shape {shape}")
   ctx = Context(shape, overrides, args.repeats, args.seed, t_start, args.budget_s, save)
   for name in parts:
     run_part(name, functools.partial(PARTS[name], ctx), report, ctx.deadline, save)
   report["memory"] = _memory(devices)
+  watchdog.stop()
   save()
   _log(f"wrote {args.out} in {report['elapsed_s']:.0f} s; errors: {sorted(report['errors']) or 'none'}")
   print(json.dumps(report, default=str))

@@ -164,3 +164,23 @@ def test_the_json_is_written_after_each_part_even_when_one_raises(tmp_path, monk
   rep = json.loads(out.read_text())
   assert set(rep["errors"]) == {"learner", "sampler"} and all("budget" in e for e in rep["errors"].values())
   assert not (tmp_path / "check.json.tmp").exists()
+
+
+def test_the_hard_limit_ends_a_part_that_runs_on_and_still_writes_the_json(tmp_path):
+  """A part stuck past --limit_s (a compile cannot be interrupted) is recorded as cut off; the process ends at
+  the limit with the JSON written, the parts before it kept and the ones after it never started."""
+  out = tmp_path / "check.json"
+  script = (
+    "import time; from benchmarks import device_check as dc\n"
+    "dc.PARTS = {'learner': lambda ctx, out: {'ok': 1}, 'sampler': lambda ctx, out: time.sleep(60),"
+    " 'init': lambda ctx, out: {'never': 1}}\n"
+    f"dc.main(['--out={out}', '--limit_s=4'])\n"
+  )
+  env = dict(os.environ, XLA_FLAGS=xla_flags.FAST_COMPILE, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-c", script]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rep = json.loads(out.read_text())
+  assert json.loads(proc.stdout.strip().splitlines()[-1]) == rep
+  assert rep["learner"] == {"ok": 1} and "cut off" in rep["errors"]["sampler"] and "init" not in rep
+  assert 3.5 < rep["elapsed_s"] < 30 and rep["part_seconds"]["sampler"] > 0
