@@ -120,3 +120,30 @@ def test_build_mesh_on_a_host_whose_learner_sees_only_its_gpus(monkeypatch):
   assert len(mesh_lib.build_mesh((-1, 1, 1), 12, sampler_devices="6,7").devices.flat) == 6
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,8,9")  # 8 fake devices stand for these GPUs
   assert len(mesh_lib.build_mesh((-1, 1, 1), 16, sampler_devices="10,11").devices.flat) == 8
+
+
+def test_the_trainer_sets_the_learners_share_before_jax_starts(tmp_path, monkeypatch):
+  """trainer.run's first step (_open_workdir) applies the learner's half of the plan; a sync run sets nothing."""
+  from tests.test_async import _tiny
+  from vcpo_jax import trainer
+
+  monkeypatch.delenv(FRACTION, raising=False)
+  monkeypatch.setattr(mesh_lib, "platform_hint", lambda: "gpu")
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)  # as in a fresh main.py process
+  trainer._open_workdir(_tiny(steps=1, mode="sync", **{"lag.k": 0}), str(tmp_path / "sync"))
+  assert FRACTION not in os.environ
+  trainer._open_workdir(_tiny(steps=1), str(tmp_path / "async"))
+  assert os.environ[FRACTION] == "0.6"
+
+
+def test_the_async_source_spawns_its_sampler_with_its_share_and_the_learners_cache(tmp_path, monkeypatch):
+  from tests import fixtures
+  from tests.test_async import _source, _tiny
+
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setattr(async_.jax, "default_backend", lambda: "gpu")  # the learner's platform, as AsyncSource sees it
+  with fixtures.persistent_compilation_cache(tmp_path / "cache"):
+    src, _ = _source(_tiny(steps=2, **{"async_.sampler_env": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}}))
+    src.close()
+  assert src.env[FRACTION] == "0.3" and src.env["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
+  assert src.env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "cache")
