@@ -4,7 +4,8 @@
   python -m benchmarks.device_check --tiny --out=/tmp/device_check.json    # a tiny shape (automatic on CPU)
 
 With random weights at the Qwen2.5-1.5B shape (the architecture of configs/gsm8k.py's model.shape:
-Qwen2-1.5B and Qwen2.5-1.5B share every config.json value) in bfloat16, it measures, in this order:
+Qwen2-1.5B and Qwen2.5-1.5B share every config.json value) in bfloat16, it measures (in the order sampler,
+learner, init: --parts):
 
   learner  the real VCPO learner step of configs/gsm8k.py (`learner.make_train_step`, jitted like the
            trainer: FSDP mesh over the local devices, state donated) and two plain yardsticks on the same
@@ -664,7 +665,9 @@ def _sampler_row(sampler, params, prompts, cfg, tp: int, tn: int, ctx: Context, 
 
 # ----------------------------------------------------------------------------- main
 
-PARTS = {"learner": learner_part, "sampler": sampler_part, "init": init_part}
+# In this order by default: the sampler (the run's wall clock) first, then the learner's steps, then the
+# trainer's initializer, so that the budget cuts the least informative part.
+PARTS = {"sampler": sampler_part, "learner": learner_part, "init": init_part}
 
 
 def _parser() -> argparse.ArgumentParser:
