@@ -84,6 +84,10 @@ elsewhere pass platform variables through `async_.sampler_env` (a dict,
 e.g. {"TPU_VISIBLE_CHIPS": "3"}). On CPU the sampler is simply another process;
 `async_.sampler_cpus` (e.g. "1" or "2-3") pins it to those cores with
 sched_setaffinity (XLA's CPU thread pools follow XLA_FLAGS, inherited).
+GPU memory (`async_.memory_share`, `memory_plan` -> mesh.memory_plan): on one GPU shared by both
+processes each gets its XLA_PYTHON_CLIENT_MEM_FRACTION (0.6 learner, 0.3 sampler by default), the
+sampler's written into its environment here like CUDA_VISIBLE_DEVICES, the learner's set by trainer.run
+before jax starts; the child also gets the learner's persistent compilation cache (compile_cache.child_env).
 
 Failures: every learner wait (the queue in `next`, the parameter slot's lock in
 `publish`) runs in slices of at most `_POLL_S`; between slices it calls the
