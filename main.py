@@ -30,6 +30,12 @@ flags.DEFINE_bool(
   "with the new values; config.json keeps each config with the steps it governed. Without it such a resume "
   "is refused.",
 )
+flags.DEFINE_string(
+  "compile_cache",
+  "auto",
+  "jax's persistent compilation cache of the learner and its sampler process: auto (on accelerators "
+  "$XDG_CACHE_HOME/vcpo_jax/jax_cache, off on CPU), off, or a directory (vcpo_jax/compile_cache.py).",
+)
 flags.DEFINE_bool("config_help", False, "Print every field of --config (default: configs/common.py) and exit.")
 
 
@@ -85,8 +91,8 @@ def parse_flags(argv):
     raise
 
 
-def train(config, workdir: str, allow_config_change: bool = False) -> dict:
-  """trainer.run(config, workdir, allow_config_change=...); after SIGINT / SIGTERM the process ends at once with exit code 130.
+def train(config, workdir: str, allow_config_change: bool = False, compile_cache: str = "auto") -> dict:
+  """trainer.run(config, workdir, allow_config_change=..., compile_cache=...); after SIGINT / SIGTERM the process ends at once with exit code 130.
 
   By the time trainer.run raises SystemExit(130) it has saved the checkpoint (and waited for it), flushed
   and closed the logs, and stopped the sampler, whose shared memory and temp files are gone. What remains
@@ -103,7 +109,7 @@ def train(config, workdir: str, allow_config_change: bool = False) -> dict:
   from vcpo_jax import distributed, run_config, trainer  # after flag parsing: keeps --help fast
 
   try:
-    return trainer.run(config, workdir, allow_config_change=allow_config_change)
+    return trainer.run(config, workdir, allow_config_change=allow_config_change, compile_cache=compile_cache)
   except SystemExit as e:
     if e.code != 130:
       raise
@@ -147,7 +153,7 @@ def main(argv):
   from vcpo_jax import run_config  # after flag parsing: keeps --help fast
 
   try:
-    summary = train(FLAGS.config, FLAGS.workdir, FLAGS.allow_config_change)
+    summary = train(FLAGS.config, FLAGS.workdir, FLAGS.allow_config_change, FLAGS.compile_cache)
   except run_config.ConfigError as e:
     _die(e, sys.argv)
   logging.getLogger("vcpo_jax").debug("done: %s", summary)

@@ -36,14 +36,67 @@ def test_report_fields(report):
   lrn = report["learner"]
   for k in ("vcpo_s", "plain_step_s", "plain_grad_s"):
     assert lrn[k] > 0 and len(lrn[k[:-2] + "_times_s"]) == 1
+    assert lrn[k[:-2] + "_lower_s"] > 0 and lrn[k[:-2] + "_compile_s"] > 0  # timed apart from the steps
+  assert lrn["random_params_s"] > 0 and lrn["random_params_compile"]["programs_compiled"] >= 1
+  init = report["init"]  # the trainer's initializer, timed on its own
+  assert init["first_call_s"] > 0 and init["compile"]["programs_compiled"] >= 1 and init["num_layers"] == 1
+  for part in ("learner", "sampler", "init"):
+    assert report["compile_seconds"][part]["backend_compile_s"] > 0 and report["part_seconds"][part] > 0
   assert lrn["ratio_vcpo_over_plain_step"] == pytest.approx(lrn["vcpo_s"] / lrn["plain_step_s"])
   assert lrn["rows"] == 16 and lrn["seq_len"] == 32 and lrn["oom_retries"] == []
   assert math.isfinite(lrn["vcpo_metrics"]["pg_loss"]) and lrn["vcpo_metrics"]["nonfinite"] == 0.0
-  (row,) = report["sampler"]["batches"]
+  smp = report["sampler"]
+  # As an async run holds them: on CPU the publish dtype is float32 and sampler.param_dtype "auto" keeps it.
+  assert (smp["publish_dtype"], smp["sampler_param_dtype"], smp["params_dtype_as_passed"]) == (
+    "float32",
+    "auto",
+    "float32",
+  )
+  (row,) = smp["batches"]
   assert row["batch"] == 4 and row["tokens_per_s"] > 0 and row["decode_step_s"] > 0
+  assert row["first_call_s"] > 0 and row["compile"]["programs_compiled"] >= 1
+  assert row["weight_bytes"] == lrn["num_params"] * 4  # float32 weights read per decode step
   assert row["achieved_bytes_per_s"] == pytest.approx(row["total_bytes"] / row["decode_step_s"])
   assert "roofline_fraction" not in row  # unknown bandwidth: no fraction is made up
   assert set(report["memory"][0]) >= {"peak_bytes_in_use", "bytes_limit"}
+
+
+def test_mfu_fields_and_flops_agree(report):
+  """The two FLOP counts of a step: 6 x N_params x tokens and XLA's (which adds attention, the log-softmax and
+  the optimizer; a factor 0.5-3 apart at the tiny shape, where those weigh more than at 1.5B)."""
+  lrn = report["learner"]
+  mfu = lrn["mfu"]
+  assert mfu["tokens"] == lrn["rows"] * lrn["seq_len"] == 512 and mfu["devices"] == 1
+  assert mfu["model_flops_6nd"] == 6 * lrn["num_params"] * 512
+  assert mfu["peak_bf16_flops_per_device"] is None and report["peak_bf16_flops_per_device"] is None  # CPU
+  for name in ("vcpo", "plain_step", "plain_grad"):
+    row = mfu[name]
+    assert row["xla_flops"] == lrn[f"{name}_xla_flops"] > 0
+    assert 0.5 < row["xla_over_6nd"] < 3.0, row
+    assert row["model_flops_per_s"] == pytest.approx(mfu["model_flops_6nd"] / lrn[f"{name}_s"])
+    assert row["mfu"] is None and row["xla_utilization"] is None  # no peak: no MFU made up
+  assert mfu["vcpo"]["xla_flops"] >= mfu["plain_grad"]["xla_flops"]  # VCPO does the plain work and more
+  assert mfu["vcpo_step_over_plain_step"] == pytest.approx(lrn["ratio_vcpo_over_plain_step"])
+
+
+def test_mfu_against_a_known_peak():
+  out = {"num_params": 10, "vcpo_s": 2.0, "vcpo_xla_flops": 800.0, "plain_step_s": 1.0, "plain_step_xla_flops": None}
+  rep = device_check.mfu_report(out, tokens=10, device_kind="NVIDIA H200", devices=2)
+  assert rep["model_flops_6nd"] == 600.0 and rep["peak_bf16_flops_per_device"] == 989e12
+  assert rep["vcpo"]["mfu"] == pytest.approx(600.0 / 2.0 / (2 * 989e12))
+  assert rep["vcpo"]["xla_flops"] == 1600.0  # per device x devices
+  assert rep["vcpo"]["xla_utilization"] == pytest.approx(1600.0 / 2.0 / (2 * 989e12))
+  assert rep["plain_step"]["xla_flops"] is None and rep["plain_step"]["xla_utilization"] is None
+  assert "plain_grad" not in rep and rep["vcpo_step_over_plain_step"] == 2.0
+
+
+def test_peak_bf16_flops_by_device_kind():
+  assert device_check.peak_bf16_flops("NVIDIA H200") == 989e12
+  assert device_check.peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+  assert device_check.peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+  assert device_check.peak_bf16_flops("TPU v5p") == 459e12
+  assert device_check.peak_bf16_flops("TPU v5 lite") == 197e12  # v5e
+  assert device_check.peak_bf16_flops("cpu") is None
 
 
 def test_nominal_bandwidth_by_device_kind():
@@ -67,13 +120,67 @@ def test_decode_bytes_by_hand():
 
 def test_a_failing_part_is_recorded_and_the_next_still_runs():
   report = {"errors": {}}
+  saves = []
 
-  def boom():
+  def boom(out):
+    out["rows"] = 32  # measured before it failed: kept
     raise RuntimeError("RESOURCE_EXHAUSTED: 99 GiB")
 
   far = float("inf")
-  assert device_check.run_part("learner", boom, report, far) is None
-  assert device_check.run_part("sampler", lambda: {"ok": 1}, report, far) == {"ok": 1}
+  assert device_check.run_part("learner", boom, report, far, lambda: saves.append("learner")) is None
+  assert device_check.run_part("sampler", lambda out: {"ok": 1}, report, far, lambda: saves.append("sampler")) == {
+    "ok": 1
+  }
   assert report["errors"] == {"learner": "RuntimeError: RESOURCE_EXHAUSTED: 99 GiB"} and report["sampler"] == {"ok": 1}
-  device_check.run_part("late", dict, report, deadline=0.0)
-  assert "deadline" in report["errors"]["late"] and "late" not in report
+  assert report["learner"] == {"rows": 32} and "RESOURCE_EXHAUSTED" in report["tracebacks"]["learner"]
+  assert saves == ["learner", "sampler"]  # the JSON is written after each part, failed or not
+  device_check.run_part("late", lambda out: None, report, deadline=0.0)
+  assert "budget" in report["errors"]["late"] and "late" not in report
+
+
+def test_the_json_is_written_after_each_part_even_when_one_raises(tmp_path, monkeypatch):
+  """In process, with stand-in parts: the first raises, the second sees the first's record on disk already; a
+  budget of 0 s skips every part with its reason and still writes the file."""
+  out = tmp_path / "check.json"
+  seen = {}
+
+  def fails(ctx, part_out):
+    part_out["phase"] = "compiled"
+    raise ValueError("no such kernel")
+
+  def reads(ctx, part_out):
+    seen.update(json.loads(out.read_text()))
+    return {"ok": True}
+
+  monkeypatch.setattr(device_check, "PARTS", {"learner": fails, "sampler": reads})
+  device_check.main([f"--out={out}", "--repeats=1"])
+  rep = json.loads(out.read_text())
+  assert rep["errors"] == {"learner": "ValueError: no such kernel"} and "no such kernel" in rep["tracebacks"]["learner"]
+  assert rep["learner"] == {"phase": "compiled"} and rep["sampler"] == {"ok": True}
+  assert seen["errors"] == rep["errors"] and seen["learner"] == {"phase": "compiled"}  # on disk before the sampler
+  assert rep["command"] == f"python -m benchmarks.device_check --out={out} --repeats=1"
+  assert rep["elapsed_s"] > 0 and set(rep["compile_seconds"]) == {"learner", "sampler"}
+  device_check.main([f"--out={out}", "--budget_s=0"])
+  rep = json.loads(out.read_text())
+  assert set(rep["errors"]) == {"learner", "sampler"} and all("budget" in e for e in rep["errors"].values())
+  assert not (tmp_path / "check.json.tmp").exists()
+
+
+def test_the_hard_limit_ends_a_part_that_runs_on_and_still_writes_the_json(tmp_path):
+  """A part stuck past --limit_s (a compile cannot be interrupted) is recorded as cut off; the process ends at
+  the limit with the JSON written, the parts before it kept and the ones after it never started."""
+  out = tmp_path / "check.json"
+  script = (
+    "import time; from benchmarks import device_check as dc\n"
+    "dc.PARTS = {'learner': lambda ctx, out: {'ok': 1}, 'sampler': lambda ctx, out: time.sleep(60),"
+    " 'init': lambda ctx, out: {'never': 1}}\n"
+    f"dc.main(['--out={out}', '--limit_s=4'])\n"
+  )
+  env = dict(os.environ, XLA_FLAGS=xla_flags.FAST_COMPILE, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-c", script]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rep = json.loads(out.read_text())
+  assert json.loads(proc.stdout.strip().splitlines()[-1]) == rep
+  assert rep["learner"] == {"ok": 1} and "cut off" in rep["errors"]["sampler"] and "init" not in rep
+  assert 3.5 < rep["elapsed_s"] < 30 and rep["part_seconds"]["sampler"] > 0

@@ -24,6 +24,7 @@ PKG = ROOT / "vcpo_jax"
 LAYERS: tuple[tuple[str, ...], ...] = (
   # foundations: no vcpo_jax imports
   ("vcpo_jax", "vcpo_jax.fs", "vcpo_jax.cleanup", "vcpo_jax.fingerprint", "vcpo_jax.provenance", "vcpo_jax.batch"),
+  ("vcpo_jax.compile_cache",),  # jax's persistent compilation cache of a run's processes
   ("vcpo_jax.schema",),  # dataclass configs <-> ConfigDict, the one-line ConfigError
   ("vcpo_jax.sharding",),  # axes, rules, constrain / tie, MeshJit
   ("vcpo_jax.mesh",),  # devices -> Mesh, learner / sampler split, distributed init, global batch

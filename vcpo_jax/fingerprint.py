@@ -12,8 +12,8 @@ What is left out (changing it on resume is allowed):
     it (optim.schedule "constant" or "warmup_constant"; "warmup_cosine" decays over `steps`);
   - execution layout with the same math: model.attention / attention_chunk / remat / logprob_chunk /
     logprob_vocab_chunk (model.config.EXECUTION_FIELDS), mesh.shape, sampler.prefill_chunk / max_batch;
-  - the job's plumbing: async_ timeouts and CPU pinning, the distributed.* job layout (a run may resume on
-    another number of hosts), sft.cache_dir.
+  - the job's plumbing: async_ timeouts, CPU pinning and memory shares, the distributed.* job layout (a run
+    may resume on another number of hosts), sft.cache_dir.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ EXCLUDED = (
   "async_.restart_window_s",
   "async_.heartbeat_timeout_s",
   "async_.sampler_cpus",
+  "async_.memory_share",
   "distributed.",  # the job's processes (a run resumes on another number of hosts: tests/test_multihost_async)
   "sft.cache_dir",
   "learner.grad_telemetry",  # metrics only

@@ -5,6 +5,11 @@ names the axes and holds the partition rules and activation constraints) over ev
 async sampler's (`split_devices`; on several hosts `learner_devices` takes every host's sampler chips
 away). Axes are created Auto (sharding.py's module docstring says why).
 
+One accelerator, two processes: `memory_plan` is the XLA_PYTHON_CLIENT_* variables of an async run's learner
+and sampler process (config async_.memory_share), which each process must have before jax starts its backends:
+the learner sets its own (`apply_env`, from trainer.run), the sampler's are written into the spawned child's
+environment (rollout/async_.py).
+
 Multi-host: `maybe_initialize_distributed` wraps `jax.distributed.initialize` (with gloo CPU
 collectives so that the same code runs across local CPU processes), after which `jax.devices()` lists
 every process's devices and the same mesh code builds the global mesh. Each process feeds its own rows
@@ -14,8 +19,10 @@ of a global batch with `make_global_batch`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
+import pkgutil
 import re
 from collections.abc import Sequence
 
@@ -25,6 +32,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from vcpo_jax.schema import check_field
 from vcpo_jax.sharding import BATCH_AXES, MESH_AXES, batch_sharding
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +149,10 @@ def build_mesh(shape: tuple, batch_size: int, sampler_devices: str = "") -> Mesh
     ValueError naming the config field (config.mesh.shape or config.task.prompts_per_step).
   """
   devices = jax.devices()
-  if sampler_devices and jax.process_count() > 1:
+  if sampler_devices and (jax.process_count() > 1 or len(devices) > 1):
+    # learner_devices also on one host: sampler ids that this process's CUDA_VISIBLE_DEVICES leaves out
+    # (launch/multi_gpu.sh gives the learner LEARNER_GPUS) are excluded already, not an error.
     devices = learner_devices(sampler_devices, devices)
-  elif sampler_devices and len(devices) > 1:
-    devices = split_devices(sampler_devices, devices)[1]
   try:
     mesh = make_mesh(MeshConfig(shape), devices=devices)
   except ValueError as e:
@@ -352,3 +361,126 @@ def learner_devices(sampler_devices, devices=None) -> list:
     _, learn = split_devices(",".join(str(local[i].id) for i in ids), local)
     out.extend(learn)
   return out
+
+
+# ----------------------------------------------------------------------------- one accelerator, two processes
+
+# async_.memory_share="auto" on one shared GPU: (learner, sampler) fractions of its memory. The learner holds
+# float32 parameters, AdamW moments and the step's activations, the sampler bf16 weights and its KV cache; the
+# 0.1 left over is for what each process holds outside XLA's pool (CUDA context, cuBLAS / cuDNN workspaces).
+AUTO_SHARES = (0.6, 0.3)
+MEMORY_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")
+
+
+def parse_memory_share(text) -> str | tuple[float, float]:
+  """async_.memory_share -> "auto" | "grow" | "xla" | (learner, sampler) fractions; ValueError if malformed."""
+  text = str(text).replace(" ", "").lower()
+  if text in ("auto", "grow", "xla"):
+    return text
+  try:
+    learner, sampler = (float(x) for x in text.split(","))
+  except ValueError:
+    raise ValueError(
+      f"async_.memory_share={text!r}: use 'auto', 'grow' (no preallocation), 'xla' (XLA's defaults) or two "
+      "fractions 'LEARNER,SAMPLER' such as '0.6,0.3'."
+    ) from None
+  if not (0 < learner < 1 and 0 < sampler < 1 and learner + sampler <= 0.95):
+    raise ValueError(
+      f"async_.memory_share={text!r}: each fraction in (0, 1), together at most 0.95 (each process also "
+      "holds memory outside XLA's pool)."
+    )
+  return learner, sampler
+
+
+def _platform(platform: str | None) -> str:
+  p = (platform or "").lower()
+  return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+def memory_plan(share, platform: str | None, sampler_ids: tuple[int, ...] = (), visible=None) -> dict:
+  """The XLA_PYTHON_CLIENT_* variables of an async run's learner and sampler process (pure; no jax call).
+
+  Args:
+    share: async_.memory_share (parse_memory_share's forms).
+    platform: the accelerator ("gpu" / "cuda" / "rocm", "tpu", "cpu"; `platform_hint`).
+    sampler_ids: async_.sampler_devices as ints; () = the sampler shares the learner's devices.
+    visible: the learner's CUDA_VISIBLE_DEVICES as ints, or None (unset: it sees every GPU of the host).
+  Returns:
+    {"learner": {var: value}, "sampler": {var: value}}; a value None means "unset" (XLA's default). Empty
+    dicts off GPUs (CPU: the variables do nothing; TPU: a chip belongs to one process, so the sampler needs
+    its own chips) and for "xla" (whatever the environment says, in both processes). Otherwise:
+      - shared devices: each process preallocates its fraction ("auto": AUTO_SHARES); "grow": neither
+        preallocates (each takes memory as it goes, and the first to need much can starve the other);
+      - own devices: the sampler (CUDA_VISIBLE_DEVICES = its ids) keeps XLA's default of its GPUs; the
+        learner, if it sees the sampler's GPUs too (no CUDA_VISIBLE_DEVICES of its own), does not
+        preallocate, since its client would take 75% of every visible GPU, the sampler's included.
+    A variable the learner sets and the sampler's plan leaves alone is unset in the sampler (it would
+    inherit the learner's value otherwise).
+  """
+  share = parse_memory_share(share) if isinstance(share, str) else tuple(share)
+  if _platform(platform) != "gpu" or share == "xla":
+    return {"learner": {}, "sampler": {}}
+  shared = not sampler_ids
+  sees_sampler = visible is None or any(i in visible for i in sampler_ids)
+  if share == "grow":
+    learner = sampler = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": None}
+  elif shared or isinstance(share, tuple):
+    fl, fs = AUTO_SHARES if share == "auto" else share
+    learner, sampler = ({"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{f:g}"} for f in (fl, fs))
+  else:  # "auto" on the sampler's own GPUs
+    learner = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if sees_sampler else {}
+    sampler = {}
+  sampler = {**{k: None for k in learner if k not in sampler}, **sampler}
+  return {"learner": dict(learner), "sampler": dict(sampler)}
+
+
+def platform_hint() -> str:
+  """The platform jax will use, without starting it: the running backend's once started; else the first of
+  jax_platforms (JAX_PLATFORMS); else "gpu" if a CUDA / ROCm plugin is installed, "tpu" with libtpu, "cpu"."""
+  from jax._src import xla_bridge  # backends_are_initialized: public jax has no way to ask without starting them
+
+  if xla_bridge.backends_are_initialized():
+    return jax.default_backend()
+  if jax.config.jax_platforms:
+    return _platform(jax.config.jax_platforms.split(",")[0])
+  from importlib import metadata
+
+  # jax finds PJRT plugins as modules of the jax_plugins namespace or "jax_plugins" entry points (cuda12 / 13,
+  # rocm); listing them imports none.
+  plugins = [e.name for e in metadata.entry_points(group="jax_plugins")]
+  try:
+    import jax_plugins  # a namespace package: importing it starts nothing
+
+    plugins += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+  except ImportError:
+    pass
+  if any("cuda" in n or "rocm" in n for n in plugins):
+    return "gpu"
+  return "tpu" if any("tpu" in n for n in plugins) or _has_module("libtpu") else "cpu"
+
+
+def _has_module(name: str) -> bool:
+  import importlib.util
+
+  return importlib.util.find_spec(name) is not None
+
+
+def apply_env(env: dict) -> dict:
+  """Sets (a value) or unsets (None) each variable in os.environ for this process's jax, which reads them when
+  it starts its backends: a warning names what came too late if they are started already. Returns what changed."""
+  from jax._src import xla_bridge
+
+  changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+  if changed and xla_bridge.backends_are_initialized():
+    log.warning(
+      "jax started before the run set %s: this process keeps its memory settings; set them before the "
+      "first jax call (async_.memory_share)",
+      changed,
+    )
+    return {}
+  for k, v in changed.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+  return changed

@@ -25,11 +25,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+from vcpo_jax import compile_cache as compile_cache_lib
 from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenance, rollout, sft, sharding, telemetry
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer, restore_target
 from vcpo_jax.model import lora, policy, transformer
+from vcpo_jax.rollout import async_
 from vcpo_jax.run_config import ConfigError, parse_config
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
@@ -53,19 +55,22 @@ def _install_signal_handlers(flag: dict):
   return old
 
 
-def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
+def run(config, workdir: str, *, allow_config_change: bool = False, compile_cache: str = "auto") -> dict:
   """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible.
 
   A resume whose trajectory fields (vcpo_jax.fingerprint) differ from the newest checkpoint's raises a
   ConfigError before anything is built, unless `allow_config_change`: then it continues with the new values
   and config.json's `config_history` keeps each earlier config with the steps it governed.
 
+  `compile_cache`: jax's persistent compilation cache of this process and its sampler's: "auto" (on an accelerator,
+  a user cache dir), "off" or a directory (vcpo_jax/compile_cache.py).
+
   `workdir` is a local path or a URL (file://, gs://, s3://; every output goes through vcpo_jax.fs, and
   orbax checkpoints need a scheme etils knows: not memory://). On every start the logs are cut back to
   the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
   """
   # ---- config and workdir ----
-  spec, primary = _open_workdir(config, workdir, allow_config_change)  # every check, before anything compiles
+  spec, primary = _open_workdir(config, workdir, allow_config_change, compile_cache)  # every check, before compiles
   config_fp = fingerprint.of(config)  # stored in every checkpoint
 
   # ---- mesh and policy ----
@@ -175,9 +180,13 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
 # ----------------------------------------------------------------------------- the run's builders
 
 
-def _open_workdir(config, workdir: str, allow_config_change: bool = False):
+def _open_workdir(config, workdir: str, allow_config_change: bool = False, compile_cache: str = "auto"):
   """(spec, primary): the checked config; distributed JAX started if asked; a resume's config compared with
-  its newest checkpoint's (fingerprint); config.json written by process 0."""
+  its newest checkpoint's (fingerprint); config.json written by process 0; the compilation cache set."""
+  try:
+    compile_cache_lib.check(compile_cache)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   spec = parse_config(config)
   fs.check(workdir)  # a URL whose file system is missing (e.g. gcsfs for gs://) fails here, in one line
   if not spec.dist.enabled or spec.dist.process_id == 0:  # before jax starts: its logs would follow the error
@@ -185,6 +194,8 @@ def _open_workdir(config, workdir: str, allow_config_change: bool = False):
   saved_step, diff = _config_changes(config, workdir)  # read from the files: jax is not started yet
   if diff and not allow_config_change:
     raise ConfigError(fingerprint.message(diff, saved_step, workdir))
+  if spec.mode == "async":  # each process's share of a GPU it shares, set before jax starts (async_.memory_share)
+    mesh_lib.apply_env(async_.memory_plan(spec.async_, mesh_lib.platform_hint())["learner"])
   if spec.dist.enabled:
     mesh_lib.maybe_initialize_distributed(spec.dist.coordinator_address, spec.dist.num_processes, spec.dist.process_id)
   primary = jax.process_index() == 0  # writes the logs and summaries (orbax coordinates checkpoints itself)
@@ -192,6 +203,7 @@ def _open_workdir(config, workdir: str, allow_config_change: bool = False):
     record = {**config.to_dict(), "provenance": provenance.collect()}
     record.update(_config_history(workdir, saved_step, diff))
     fs.write_text(fs.join(workdir, "config.json"), json.dumps(record, indent=1, default=str))
+  compile_cache_lib.apply(compile_cache)  # before the first compile; the async sampler inherits it
   return spec, primary
 
 

@@ -84,6 +84,10 @@ elsewhere pass platform variables through `async_.sampler_env` (a dict,
 e.g. {"TPU_VISIBLE_CHIPS": "3"}). On CPU the sampler is simply another process;
 `async_.sampler_cpus` (e.g. "1" or "2-3") pins it to those cores with
 sched_setaffinity (XLA's CPU thread pools follow XLA_FLAGS, inherited).
+GPU memory (`async_.memory_share`, `memory_plan` -> mesh.memory_plan): on one GPU shared by both
+processes each gets its XLA_PYTHON_CLIENT_MEM_FRACTION (0.6 learner, 0.3 sampler by default), the
+sampler's written into its environment here like CUDA_VISIBLE_DEVICES, the learner's set by trainer.run
+before jax starts; the child also gets the learner's persistent compilation cache (compile_cache.child_env).
 
 Failures: every learner wait (the queue in `next`, the parameter slot's lock in
 `publish`) runs in slices of at most `_POLL_S`; between slices it calls the
@@ -159,7 +163,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax import batch as batch_lib
-from vcpo_jax import cleanup
+from vcpo_jax import cleanup, compile_cache
+from vcpo_jax import mesh as mesh_lib
 from vcpo_jax.model import lora
 from vcpo_jax.rollout.base import RolloutSource, SourceFailed
 from vcpo_jax.rollout.common import lag_stats
@@ -240,10 +245,14 @@ def parse_cpus(text: str) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def _environ(overrides: dict[str, str]):
+def _environ(overrides: dict[str, str | None]):
   """Temporarily set environment variables: a spawned child inherits os.environ at start()."""
   old = {k: os.environ.get(k) for k in overrides}
-  os.environ.update(overrides)
+  for k, v in overrides.items():  # None: unset (mesh.memory_plan's "XLA's default")
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
   try:
     yield
   finally:
@@ -291,6 +300,8 @@ class AsyncConfig:
   max_sampler_restarts: int = 3  # a dead sampler, or one with no batch in timeout_s, is replaced this often
   restart_window_s: float = 3600.0  # ... per this many seconds; one more failure checkpoints and exits 1
   heartbeat_timeout_s: float = 0.0  # a sampler whose heartbeat stops this long is hung, replaced; 0 = timeout_s
+  # mesh.memory_plan: "auto" = a shared GPU 0.6 / 0.3, own GPUs XLA's defaults; "xla" = XLA_PYTHON_CLIENT_* as set
+  memory_share: str = "auto"  # GPU memory of learner / sampler process: auto | grow (no preallocation) | xla | "L,S"
 
   def __post_init__(self):
     check_field(
@@ -383,12 +394,31 @@ class AsyncConfig:
       check_field(isinstance(getattr(self, f), bool), f"async_.{f}", getattr(self, f), "must be True or False.")
     try:
       parse_cpus(self.sampler_cpus)
+      mesh_lib.parse_memory_share(self.memory_share)
     except ValueError as e:
       raise ConfigError(config_message(str(e), "async_")) from None
 
   def as_dict(self) -> dict:
     """spec.async_cfg: every config.async_ key (this dataclass models them all; AsyncSource reads the fields)."""
     return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "sampler_env": dict(self.sampler_env)}
+
+
+def resolve_publish_dtype(name: str, platform: str):
+  """async_.publish_dtype on `platform`: "auto" is bfloat16 on accelerators and float32 on CPU."""
+  if name == "auto":
+    name = "float32" if platform == "cpu" else "bfloat16"
+  return jnp.dtype(name)
+
+
+def memory_plan(cfg: AsyncConfig, platform: str | None) -> dict:
+  """mesh.memory_plan for this config: {"learner": {var: value}, "sampler": {var: value}}; empty dicts without a
+  sampler process (publish_path='device' samples in a thread of the learner's process)."""
+  if cfg.publish_path == "device":
+    return {"learner": {}, "sampler": {}}
+  ids = tuple(int(x) for x in str(cfg.sampler_devices).replace(" ", "").split(",") if x)
+  vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+  visible = None if vis is None else tuple(int(x) for x in vis.split(",") if x.strip().isdigit())
+  return mesh_lib.memory_plan(cfg.memory_share, platform, ids, visible)
 
 
 class AsyncSource(RolloutSource):
@@ -425,10 +455,8 @@ class AsyncSource(RolloutSource):
     self.nslots = int(cfg.queue_slots)
     self.cpus = parse_cpus(cfg.sampler_cpus)
     self.background = background_for(cfg.background_publish, jax.default_backend())
-    dt = cfg.publish_dtype
-    if dt == "auto":
-      dt = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    self.publish_dtype = jnp.dtype(dt)  # of floating parameters in the slot; integer leaves keep theirs
+    # Of floating parameters in the slot; integer leaves keep theirs.
+    self.publish_dtype = resolve_publish_dtype(cfg.publish_dtype, jax.default_backend())
     # Decoding of the sampler process; in-flight updates (between decode chunks, per-token versions).
     self.decode = cfg.decode
     self.chunk_tokens = int(cfg.chunk_tokens)
@@ -440,6 +468,11 @@ class AsyncSource(RolloutSource):
     env = {str(name): str(v) for name, v in dict(cfg.sampler_env or {}).items()}
     if cfg.sampler_devices:
       env.setdefault("CUDA_VISIBLE_DEVICES", str(cfg.sampler_devices))
+    # Its share of a GPU it shares with this process (async_.memory_share), set before the child imports jax.
+    for name, value in memory_plan(cfg, jax.default_backend())["sampler"].items():
+      env.setdefault(name, value)  # async_.sampler_env wins
+    for name, value in compile_cache.child_env().items():  # the learner's persistent compilation cache
+      env.setdefault(name, value)
     self.env = env
     rebuilt, _ = worker_lib.abstract_params(model_cfg)
     if rebuilt != graphdef:
