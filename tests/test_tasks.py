@@ -595,7 +595,7 @@ def test_extract_math_rules():
   assert answers.extract_math(r"The answer is $\boxed{\frac{1}{2}}$") == r"\frac{1}{2}"
   assert answers.extract_math("Final Answer: The final answer is $(0, 1)$. I hope it is correct.") == "(0, 1)"
   assert answers.extract_math("nothing") is None
-  assert answers.reference_answer(r"so $\boxed{1}\boxed{2}$", "math") == "1, 2"
+  assert answers.boxed_reference(r"so $\boxed{1}\boxed{2}$") == "1, 2"
 
 
 def _as_output(pred: str) -> str:
