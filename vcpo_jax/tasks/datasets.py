@@ -78,7 +78,7 @@ class DataSet:
   reference_field: str  # the record field holding the answer (or the worked solution)
   template: str  # default prompt template; {problem} is the prompt field
   extraction: str  # default answers.EXTRACTORS method for model outputs
-  reference: Callable[[str], str] = answers.boxed_reference  # any reference string -> the bare answer
+  reference: Callable[[str], str] = answers.boxed_reference  # any reference -> the bare answer (idempotent)
   malformed: Callable[[str, str], str] = well_formed  # (raw, bare) -> what is wrong with a record's reference, or ""
   solution_is_reference: bool = False  # the reference field is a worked solution; else the record's "solution"
   integer_answers: bool = False  # compare as integers, no math-verify (AIME 0..999: "007" == "7")
