@@ -45,9 +45,10 @@ Adding a task is one task file (or one registration) plus its test:
     `score`, `check_reference` and, for a warm start, `demonstrate` (and
     `demonstrate_wrong` with `can_demonstrate_wrong = True` for sft.noise);
   * a data set: one `datasets.DataSet(...)` value wrapped as `TextTask(MY_SET)`;
-then one line in TASKS below (or `tasks.register(task)` from your own module)
-and `--config.task.name=NAME`. tests/test_tasks.py registers a fake task that
-the warm start and the evaluation use through these members alone.
+then one line in TASKS below (in a test or a notebook: `tasks.register(task)`)
+and `--config.task.name=NAME`. tests/test_sft.py and tests/test_evaluation.py
+register a fake task (tests/fixtures.ParityTask) that the warm start and the
+evaluation use through these members alone; tests/test_tasks.py a fake data set.
 
 The multi-turn tool environment (tool_env.py, sandbox.py) lives beside these
 but is not imported here, so that grading stays cheap to import.
