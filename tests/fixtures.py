@@ -220,3 +220,57 @@ def persistent_compilation_cache(path):
     for n, v in old.items():
       jax.config.update(n, v)
     cc.reset_cache()
+
+
+class ParityTask:
+  """A fake generated task (tests of "tasks own their knowledge"): every member the warm start and the
+  evaluation use is its own, with values no shipped task has, so a consumer that branched on a name (or
+  fell back to a shipped task's rule) would give something else.
+
+  Prompt "P<k>?"; the answer is "even" / "odd" of k; the solution column holds "<k> mod 2" (never the target:
+  a warm start that trained on Problem.solution would show it); demonstrations are "=even" / "=odd" (the only
+  form `score` accepts), wrong ones the other word; eval_n = 4 (no shipped task has 4).
+  """
+
+  name = "parity"
+  generated = True
+  uses_extraction = False
+  eval_n = 4
+  can_demonstrate_wrong = True
+
+  def make_problems(self, split="train", n=8, seed=0, template=None):
+    from vcpo_jax import tasks
+
+    ks = [seed * 1000 + i + (500 if split == "test" else 0) for i in range(8 if n is None else n)]
+    return [
+      tasks.Problem(
+        id=f"parity-{split}-{k}",
+        task="parity",
+        prompt=f"P{k}?",
+        reference="odd" if k % 2 else "even",
+        solution=f"{k} mod 2",
+        grader=self,
+      )
+      for k in ks
+    ]
+
+  def score(self, model_output, reference, extraction=None):
+    return float(model_output == f"={reference}")
+
+  def check_reference(self, reference):
+    if reference not in ("even", "odd"):
+      raise ValueError(f"parity reference must be 'even' or 'odd', got {reference!r}")
+
+  def demonstrate(self, problem):
+    return f"={problem.reference}"
+
+  def demonstrate_wrong(self, problem, rng):
+    return "=even" if problem.reference == "odd" else "=odd"
+
+
+def register_parity(monkeypatch) -> ParityTask:
+  """Registers a ParityTask in a copy of tasks.TASKS that the test's teardown restores."""
+  from vcpo_jax import tasks
+
+  monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))
+  return tasks.register(ParityTask())

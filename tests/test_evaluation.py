@@ -212,6 +212,59 @@ def test_evaluate_text_task_with_fixture():
   assert rec["mean_at_n"] == pytest.approx(3 / 5)
 
 
+def test_a_registered_task_sets_the_protocol_and_grades(monkeypatch):
+  """A fake task's own eval protocol (eval_n = 4, which no shipped task has) and its own grader decide what
+  `evaluate` samples and counts; an explicit n overrides the task's. What a bug would give: n = 3 (a
+  hard-coded default) or every sample wrong (a shipped task's grader)."""
+  parity = fixtures.register_parity(monkeypatch)
+  protocol = ev.EvalProtocol(dataset="parity", size=3, pass_at_k=(1, 4))
+  assert protocol.n == 4 and ev.EvalProtocol(dataset="parity", n=2).n == 2
+  problems = parity.make_problems("test", 3, seed=0)
+  calls = []
+
+  def gen(prompts, n, temperature, top_p, max_new_tokens, greedy):
+    calls.append(n)
+    by = {p.prompt: p for p in problems}
+    return [[f"={by[q].reference}"] * i + ["wrong"] * (n - i) for i, q in enumerate(prompts)]  # i of n correct
+
+  rec = ev.evaluate(gen, problems, protocol, step=0)
+  assert calls == [4] and rec["protocol"]["n"] == 4
+  assert [r["num_correct"] for r in rec["per_problem"]] == [0, 1, 2]
+  assert rec["mean_at_n"] == pytest.approx((0 + 1 / 4 + 2 / 4) / 3)
+
+
+def test_the_task_eval_rule_is_reachable_from_the_config():
+  """config.eval.n = None takes the evaluated task's protocol: AIME's n = 5 (the released rule), countdown's 3;
+  a set eval.n wins. Then `evaluate` samples that many per problem. What a bug would give: n = 3 for AIME (the
+  rule unreachable, as before) or the task's n overriding an explicit eval.n."""
+  from configs import countdown as countdown_config
+  from vcpo_jax.run_config import parse_config
+
+  def spec(**eval_fields):
+    c = countdown_config.get_config("smoke")
+    c.task.template = ""  # each task's own template (the AIME eval set's, countdown's default)
+    for k, v in eval_fields.items():
+      c.eval[k] = v
+    return parse_config(c, check_prompts=False)
+
+  from configs import common
+
+  assert common.get_base_config().eval.n is None  # a config that says nothing gets the task's rule
+  aime = spec(dataset="aime", n=None)
+  assert aime.eval.dataset == "aime" and aime.eval.n == 5 and aime.eval_batch_size == 5 * aime.eval.size
+  assert spec(dataset="aime", n=2).eval.n == 2
+  assert spec(n=None).eval.n == 3 and spec(dataset="aime", n=None, greedy=True).eval.n == 1
+  problems = aime.eval_task.make_problems("test", aime.eval.size, 0)
+  seen = []
+
+  def gen(prompts, n, temperature, top_p, max_new_tokens, greedy):
+    seen.append(n)
+    return [["\\boxed{0}"] * n for _ in prompts]
+
+  rec = ev.evaluate(gen, problems, aime.eval, step=0)
+  assert seen == [5] and rec["protocol"]["n"] == 5
+
+
 def test_evaluate_rejects_bad_shapes_and_tags():
   protocol = ev.EvalProtocol(dataset="arithmetic", size=2)
   problems = _problems(protocol)

@@ -89,6 +89,28 @@ def test_wrong_targets_are_well_formed_and_wrong():
     sft.wrong_target_text(tasks.Problem(id="x", task="gsm8k", prompt="q", reference="1", solution="1"), rng)
 
 
+def test_a_registered_task_supplies_its_own_demonstrations(tok, tmp_path, monkeypatch):
+  """sft asks the problem's task for its targets: a fake task's "=odd" / "=even" (not its solution column
+  "<k> mod 2", not a shipped task's rule), its wrong answers under noise, and its can_demonstrate_wrong for the
+  sft.noise check. What a bug would give: the solution column as the target, or a 'cannot write wrong answers'
+  error for a task that can."""
+  parity = fixtures.register_parity(monkeypatch)
+  probs = parity.make_problems("train", 40, seed=0)
+  assert [sft.target_text(p) for p in probs[:2]] == ["=even", "=odd"]
+  assert sft.wrong_target_text(probs[1], None) == "=even"
+  hand = tasks.Problem(id="h", task="parity", prompt="P3?", reference="odd")  # no grader: the registry's instance
+  assert sft.target_text(hand) == "=odd"
+  ex = sft.build_examples(probs, tok, max_prompt_len=8, max_new_tokens=8, noise=0.5, seed=1)
+  decoded = [tok.decode(ex.tokens_mt[i][ex.loss_mt[i]][:-1]) for i in range(len(ex))]  # the targets, EOS off
+  right = [d == f"={p.reference}" for d, p in zip(decoded, probs)]
+  assert set(decoded) == {"=even", "=odd"} and 0 < sum(right) < len(right)  # right and wrong ones, nothing else
+  cfg = dataclasses.replace(_spec(tmp_path).sft_config(), task="parity", noise=0.5)  # parity can: accepted
+  assert cfg.task == "parity"
+  monkeypatch.setattr(type(parity), "can_demonstrate_wrong", False)
+  with pytest.raises(ValueError, match="task 'parity' cannot write wrong answers"):
+    dataclasses.replace(cfg, noise=0.25)
+
+
 def test_noise_replaces_a_seeded_fraction_of_targets(tok):
   probs = CountdownTask(template=SHORT, **GEN).make_problems("train", 400, seed=1)
   clean = sft.build_examples(probs, tok, max_prompt_len=16, max_new_tokens=12)

@@ -595,7 +595,7 @@ def test_extract_math_rules():
   assert answers.extract_math(r"The answer is $\boxed{\frac{1}{2}}$") == r"\frac{1}{2}"
   assert answers.extract_math("Final Answer: The final answer is $(0, 1)$. I hope it is correct.") == "(0, 1)"
   assert answers.extract_math("nothing") is None
-  assert answers.reference_answer(r"so $\boxed{1}\boxed{2}$", "math") == "1, 2"
+  assert answers.boxed_reference(r"so $\boxed{1}\boxed{2}$") == "1, 2"
 
 
 def _as_output(pred: str) -> str:
@@ -841,6 +841,44 @@ def test_every_registry_task_follows_the_protocol():
     assert task.generated == (name in ("countdown", "arithmetic"))  # the only generated ones
     assert task.uses_extraction == (not task.generated)
   assert not isinstance(object(), tasks.Task)
+
+
+def _tally_reference(raw: str) -> str:
+  return str(raw.count("|")) if set(raw) == {"|"} else raw  # "|||" -> "3"; a bare "3" stays (idempotent)
+
+
+def _needs_bars(raw: str, bare: str) -> str:
+  return "" if set(raw) == {"|"} else f"a tally must be bars only, got {raw!r}"
+
+
+def test_a_registered_data_set_reads_and_grades_by_its_own_rules(tmp_path, monkeypatch):
+  """A data set of one DataSet value and one registration: its own fields, reference rule, malformed check,
+  template, extraction and eval_n reach the loader, tasks.build, the grader and the eval protocol. What a bug
+  would give: the 'problem' field or a boxed-reference rule (a shipped data set's), or n = 3."""
+  from vcpo_jax import evaluation
+
+  path = tmp_path / "tally.jsonl"
+  path.write_text(json.dumps({"Q": "count", "Tally": "|||", "id": "t0"}) + "\n")
+  tally = datasets.DataSet(
+    "tally", "q", "tally", "Count: {problem}", "last_number", _tally_reference, _needs_bars, eval_n=7
+  )
+  monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))
+  registered = tasks.register(datasets.TextTask(tally, path=str(path)))
+  with pytest.raises(ValueError, match="already registered"):
+    tasks.register(datasets.TextTask(tally))
+  with pytest.raises(TypeError, match="not a tasks.Task"):
+    tasks.register(object())
+  (p,) = registered.make_problems("test", None, 0)
+  assert (p.id, p.task, p.prompt, p.reference, p.dataset) == ("t0", "tally", "Count: count", "3", "tally")
+  assert tasks.score_problem(p, "I count 2, no: 3") == 1.0 and tasks.score_problem(p, "2") == 0.0
+  assert tasks.score("tally", "3", "|||") == 1.0  # a raw reference goes through the data set's own rule
+  built = tasks.build("tally", template="{problem}!", data_path=str(path))
+  assert built.dataset is tally and built.make_problems("test", 1, 0)[0].prompt == "count!"
+  assert evaluation.EvalProtocol(dataset="tally").n == 7
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({"q": "count", "tally": "3"}) + "\n")
+  with pytest.raises(ValueError, match="record 0: a tally must be bars only"):
+    datasets.load_problems(tally, path=str(bad))
 
 
 def test_build_makes_one_configured_instance():

@@ -11,8 +11,8 @@ recorded protocol is the decoding that ran.
 Records can be tagged "best" or "final" so reports state both (finding #6);
 `best_and_final` reads them back.
 
-Defaults match the reference's validation: temperature 0.8, top_p 0.7, n = 3
-(n = 5 for AIME).
+Defaults match the reference's validation: temperature 0.8, top_p 0.7, and n
+from the task's own protocol (`Task.eval_n`: 3; 5 for AIME) unless set.
 
 Metrics, over P problems with n samples each and c_p correct samples:
   mean@n  = (1/P) sum_p c_p / n
@@ -64,7 +64,8 @@ class EvalProtocol:
   split: data split ("test" for held-out data).
   size: number of problems (None = all the loader returns; generated tasks need it).
   temperature, top_p: sampling parameters (ignored by the sampler when greedy).
-  n: samples per problem; None -> 1 if greedy, 5 for AIME, else 3.
+  n: samples per problem; None -> 1 if greedy, else the task's protocol (tasks.TASKS[dataset].eval_n: 5 for
+    AIME, else 3).
   max_new_tokens: generation budget per sample.
   greedy: argmax decoding (then n must be 1: all samples would be identical).
   pass_at_k: the k values to report; each must be <= n.
@@ -99,7 +100,7 @@ class EvalProtocol:
       raise ValueError(f"EvalProtocol.top_p must be in (0, 1], got {self.top_p!r}")
     n = self.n
     if n is None:
-      n = 1 if self.greedy else (5 if self.dataset == "aime" else 3)
+      n = 1 if self.greedy else tasks_lib.TASKS[self.dataset].eval_n
       object.__setattr__(self, "n", n)
     if not isinstance(n, int) or n < 1:
       raise ValueError(f"EvalProtocol.n must be a positive int, got {n!r}")
@@ -152,7 +153,7 @@ class EvalSection:
   num_problems: int = 64  # evaluation set size (held-out split)
   temperature: float = EvalProtocol.temperature  # reference validation protocol
   top_p: float = EvalProtocol.top_p  # reference validation nucleus
-  n: int = 3  # samples per problem (5 for AIME)
+  n: int | None = None  # samples per problem (None = the task's protocol, Task.eval_n: 5 for AIME, else 3)
   greedy: bool = EvalProtocol.greedy  # argmax decoding instead (then n = 1)
   pass_at_k: tuple = EvalProtocol.pass_at_k  # pass@k list
   background: bool = False  # mode=async: the sampler process evaluates, tagged with the version; no learner stop

@@ -15,15 +15,12 @@ learner's optim.make_optimizer) on a warmup-cosine schedule, one jitted step; ba
 permutation of the examples (epochs), so the result is a pure function of the
 inputs.
 
-Targets (`target_text`) are what the task's verifier accepts:
-  * countdown: the solver's shortest expression (`countdown.solve`, canonical:
-    one deterministic answer per instance, up to 4 numbers; the generator's
-    own expression beyond); inside `<answer> </answer>` when the
-    prompt template asks for those tags (the default template), otherwise the
-    bare expression without spaces (short CPU templates: the verifier falls
-    back to the last line, and every character is a token of the char model);
-  * arithmetic: the integer answer;
-  * other tasks: `Problem.solution` as is.
+Targets (`target_text`) are what the task's verifier accepts: each task writes
+its own (`Task.demonstrate`, tasks/base.py), e.g. countdown the solver's
+canonical shortest expression (tasks/countdown.py), arithmetic the integer
+answer, a data set its worked solution (`Problem.solution`). With sft.noise a
+task that can (`can_demonstrate_wrong`) writes well-formed wrong answers
+(`demonstrate_wrong`); nothing here knows a task by name.
 
 Cache: the trained parameters are stored as one safetensors file named by a
 SHA-256 over everything that determines them (`cache_key`: model config, a
@@ -62,7 +59,6 @@ from vcpo_jax.model import transformer
 from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.sampler import Sampler, SamplerConfig
 from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
-from vcpo_jax.tasks.countdown import evaluate_expression, solve
 
 log = logging.getLogger("vcpo_jax")
 
@@ -70,9 +66,6 @@ log = logging.getLogger("vcpo_jax")
 CACHE_VERSION = 2  # 2: leaves named by sharding.path_str (1: jax keystr)
 # Held out of the SFT examples to report the accuracy reached (capped by the pool size).
 NUM_REPORT_PROBLEMS = 64
-# Countdown targets are re-solved canonically up to this many numbers (the exhaustive solver
-# takes ~1 ms at 3 numbers, ~15 ms at 4; beyond, the generator's own expression is used).
-CANONICAL_MAX_NUMBERS = 4
 
 
 # ----------------------------------------------------------------------------- config
@@ -112,10 +105,11 @@ class SFTConfig:
       raise ValueError(f"sft.batch_size={self.batch_size!r}: must be an int >= 1.")
     if not (isinstance(self.noise, (int, float)) and 0.0 <= self.noise < 1.0):
       raise ValueError(f"sft.noise={self.noise!r}: must be a fraction in [0, 1) (0 = every target correct).")
-    if self.noise and self.task not in NOISY_TASKS:
+    if self.noise and not can_write_wrong_answers(self.task):
+      noisy = sorted(n for n in tasks.TASKS if can_write_wrong_answers(n))
       raise ValueError(
-        f"sft.noise={self.noise!r}: task {self.task!r} cannot write wrong answers; use one of "
-        f"{sorted(NOISY_TASKS)} or set sft.noise=0."
+        f"sft.noise={self.noise!r}: task {self.task!r} cannot write wrong answers; use one of {noisy} or set "
+        "sft.noise=0."
       )
 
 
@@ -134,51 +128,19 @@ class SFTSection:
 
 
 def target_text(problem: tasks.Problem) -> str:
-  """The response the policy is trained to write for `problem` (without EOS); see module docstring."""
-  if problem.solution is None:
-    raise ValueError(
-      f"problem {problem.id!r} has no solution: the warm start needs solver/worked solutions "
-      "(countdown, arithmetic, or a data set with a solution column); set sft.steps=0."
-    )
-  if problem.task == "countdown":
-    expr = problem.solution
-    numbers, target = problem.reference["numbers"], problem.reference["target"]
-    if len(numbers) <= CANONICAL_MAX_NUMBERS:
-      # The generator's random tree is one of many solutions (random order, structure); the
-      # solver's shortest expression is a deterministic function of the instance, which a tiny
-      # policy learns far faster (3 numbers: ~8% vs 0% greedy accuracy after 300 steps).
-      expr = solve(numbers, target) or expr
-    if "<answer>" in problem.prompt:
-      return f"<answer>{expr}</answer>"
-    return expr.replace(" ", "")
-  return str(problem.solution).strip()
+  """The response the policy is trained to write for `problem` (without EOS): its task's demonstration."""
+  return tasks.task_of(problem).demonstrate(problem)
 
 
 def wrong_target_text(problem: tasks.Problem, rng) -> str:
-  """A well-formed WRONG response for `problem` (what a noisy demonstrator writes), formatted as target_text.
-
-  countdown: the given numbers in a random order joined by random operators, redrawn until its value is not
-  the target (every number used once, so the verifier's only complaint is the value); arithmetic: the answer
-  plus a nonzero offset in [-9, 9], kept >= 0. `rng` is a random.Random: the choice is a function of it.
-  """
-  if problem.task == "countdown":
-    numbers, target = list(problem.reference["numbers"]), problem.reference["target"]
-    for _ in range(64):
-      rng.shuffle(numbers)
-      expr = str(numbers[0]) + "".join(rng.choice("+-*/") + str(x) for x in numbers[1:])
-      value, _ = evaluate_expression(expr, problem.reference["numbers"])
-      if value is not None and value != target:
-        return f"<answer>{expr}</answer>" if "<answer>" in problem.prompt else expr
-    return target_text(problem)  # every ordering and operator hits the target: no wrong answer exists
-  if problem.task == "arithmetic":
-    answer = int(str(problem.solution).strip())
-    offsets = [d for d in range(-9, 10) if d and answer + d >= 0]
-    return str(answer + rng.choice(offsets))
-  raise ValueError(f"task {problem.task!r} cannot write wrong answers (sft.noise needs one of {sorted(NOISY_TASKS)}).")
+  """A well-formed WRONG response for `problem` (what a noisy demonstrator writes), formatted as target_text:
+  its task's `demonstrate_wrong`. `rng` is a random.Random: the choice is a function of it."""
+  return tasks.task_of(problem).demonstrate_wrong(problem, rng)
 
 
-# Tasks whose wrong answers `wrong_target_text` can write (sft.noise > 0).
-NOISY_TASKS = frozenset({"countdown", "arithmetic"})
+def can_write_wrong_answers(task: str) -> bool:
+  """Whether registry task `task` writes wrong demonstrations (sft.noise > 0 needs it)."""
+  return task in tasks.TASKS and tasks.TASKS[task].can_demonstrate_wrong
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,8 @@ a task's scorer is a grading bug: the sample grades 0.0, the bug is counted
 first occurrences are logged with a traceback, instead of vanishing.
 
 `task` is a registry name (the registry's default instance) or a task object
-(a `Task`, tasks/base.py: name, generated, uses_extraction, make_problems,
-score, check_reference): a run
+(a `Task`, tasks/base.py; grading needs only its `Grader` part: name,
+uses_extraction, score, check_reference): a run
 with configured task options must grade with its own object, or those options
 (e.g. countdown's format_weight) never reach the reward. Problems remember the
 task object that made them (`Problem.grader`), so the rollout's call is
@@ -31,6 +31,24 @@ Cost: every call is bounded by its input size (outputs are read up to
 answers.MAX_OUTPUT_CHARS = 1 MiB from the end; all scans are linear) plus at
 most one math-verify call of bounded time; `score_batch` runs the math-verify
 calls of a batch in parallel in the worker pool.
+
+Each task owns its knowledge, so no consumer branches on a task's name: how
+its problems are made or its rows read (`make_problems`; a data set's
+`datasets.DataSet`: fields, reference rule, template, extraction), how an
+answer is graded (`score`), what a demonstrator writes for the warm start
+(`demonstrate`, `demonstrate_wrong`, sft.py) and its default eval protocol
+(`eval_n`, which config.eval.n = None takes; AIME's is 5).
+
+Adding a task is one task file (or one registration) plus its test:
+  * a generated task: a class (inherit base.TaskDefaults for the defaults) with
+    `name`, `generated = True`, `uses_extraction = False`, `make_problems`,
+    `score`, `check_reference` and, for a warm start, `demonstrate` (and
+    `demonstrate_wrong` with `can_demonstrate_wrong = True` for sft.noise);
+  * a data set: one `datasets.DataSet(...)` value wrapped as `TextTask(MY_SET)`;
+then one line in TASKS below (in a test or a notebook: `tasks.register(task)`)
+and `--config.task.name=NAME`. tests/test_sft.py and tests/test_evaluation.py
+register a fake task (tests/fixtures.ParityTask) that the warm start and the
+evaluation use through these members alone; tests/test_tasks.py a fake data set.
 
 The multi-turn tool environment (tool_env.py, sandbox.py) lives beside these
 but is not imported here, so that grading stays cheap to import.
@@ -45,24 +63,30 @@ from concurrent.futures import ThreadPoolExecutor
 
 from vcpo_jax.tasks.answers import EXTRACTORS
 from vcpo_jax.tasks.arithmetic import ArithmeticTask
-from vcpo_jax.tasks.base import Task
+from vcpo_jax.tasks.base import Grader, Task, TaskDefaults
 from vcpo_jax.tasks.countdown import CountdownTask
-from vcpo_jax.tasks.datasets import Problem, ProblemStream, TextTask, load_problems
+from vcpo_jax.tasks.datasets import AIME, GSM8K, MATH, MATH500, DataSet, Problem, ProblemStream, TextTask, load_problems
 
 __all__ = [
   "CORRECT_THRESHOLD",
   "TASKS",
+  "DataSet",
+  "Grader",
   "Problem",
   "ProblemStream",
   "Task",
+  "TaskDefaults",
+  "TextTask",
   "build",
   "grading_failures",
   "is_correct",
   "load_problems",
+  "register",
   "score",
   "score_batch",
   "score_problem",
   "score_problems",
+  "task_of",
 ]
 
 _log = logging.getLogger(__name__)
@@ -75,11 +99,34 @@ CORRECT_THRESHOLD = 0.5
 TASKS: dict[str, Task] = {
   "countdown": CountdownTask(),
   "arithmetic": ArithmeticTask(),
-  "gsm8k": TextTask("gsm8k"),
-  "math": TextTask("math"),
-  "math500": TextTask("math500"),
-  "aime": TextTask("aime"),
+  "gsm8k": TextTask(GSM8K),
+  "math": TextTask(MATH),
+  "math500": TextTask(MATH500),
+  "aime": TextTask(AIME),
 }
+
+
+def register(task: Task, *, replace: bool = False) -> Task:
+  """Adds `task` (its default instance) to TASKS under task.name and returns it; a taken name is a ValueError
+  unless replace=True. `tasks.build`, the config's task.name / eval.dataset, the warm start and the
+  evaluation then find it like a shipped task."""
+  if not isinstance(task, Task):
+    raise TypeError(f"{task!r} is not a tasks.Task (a member is missing; see tasks/base.py and TaskDefaults)")
+  if task.name in TASKS and not replace:
+    raise ValueError(f"task {task.name!r} is already registered; pass replace=True to replace it")
+  TASKS[task.name] = task
+  return task
+
+
+def task_of(problem: Problem) -> Task:
+  """The task object that made `problem` (its grader, with the run's options), else the registry's default
+  instance of `problem.task`."""
+  if problem.grader is not None:
+    return problem.grader
+  if problem.task not in TASKS:
+    raise ValueError(f"task {problem.task!r} unknown; choose one of {sorted(TASKS)}")
+  return TASKS[problem.task]
+
 
 # Grading bugs since the last reset (process-wide; every sampler process counts its own).
 _FAILURES = 0
@@ -120,7 +167,7 @@ def build(name: str, *, template: str = "", options: dict | None = None, data_pa
     return type(TASKS[name])(**kw, **options)
   if options:
     raise ValueError(f"{sorted(options)[0]}: task {name!r} is a data set and takes no generator options.")
-  return TextTask(name, path=data_path or None, template=template or None)
+  return TextTask(TASKS[name].dataset, path=data_path or None, template=template or None)
 
 
 def _resolve(task) -> tuple[str, Task]:
@@ -129,7 +176,7 @@ def _resolve(task) -> tuple[str, Task]:
     if task not in TASKS:
       raise ValueError(f"task {task!r} unknown; choose one of {sorted(TASKS)}")
     return task, TASKS[task]
-  if isinstance(task, Task) and isinstance(task.name, str):
+  if isinstance(task, Grader) and isinstance(task.name, str):
     return task.name, task
   raise ValueError(f"task must be a name in {sorted(TASKS)} or a task object (tasks.Task), got {task!r}")
 

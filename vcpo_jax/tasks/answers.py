@@ -87,6 +87,7 @@ __all__ = [
   "MATH_VERIFY_TIMEOUT_S",
   "MAX_OUTPUT_CHARS",
   "answers_match",
+  "boxed_reference",
   "configure_math_verify",
   "extract_aime",
   "extract_answer",
@@ -97,10 +98,10 @@ __all__ = [
   "extract_gsm8k",
   "extract_last_number",
   "extract_math",
+  "marked_reference",
   "math_verify_equal",
   "math_verify_many",
   "normalize",
-  "reference_answer",
   "to_number",
 ]
 
@@ -334,13 +335,19 @@ def extract_answer(text: str, method: str) -> str | None:
   return EXTRACTORS[method](text[-MAX_OUTPUT_CHARS:])
 
 
-def reference_answer(reference: str, task: str) -> str:
-  """The bare answer inside a reference: `#### N` for GSM8K, the final box group for MATH."""
-  if task == "gsm8k" and "####" in reference:
-    return extract_gsm8k(reference) or reference
+def boxed_reference(reference: str) -> str:
+  """The bare answer inside a reference: its final box group (a MATH solution), else the reference as is."""
   if "\\boxed" in reference or "\\fbox" in reference:
     return extract_boxed_group(reference) or reference
   return reference
+
+
+def marked_reference(reference: str) -> str:
+  """The bare answer inside a GSM8K-style reference: the `#### N` number where the marker is, else
+  `boxed_reference`."""
+  if "####" in reference:
+    return extract_gsm8k(reference) or reference
+  return boxed_reference(reference)
 
 
 # ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import random
 import re
 import zlib
 
+from vcpo_jax.tasks.base import TaskDefaults
 from vcpo_jax.tasks.datasets import Problem
 
 __all__ = ["ArithmeticTask", "generate", "extract_integer", "verify"]
@@ -106,8 +107,9 @@ def verify(model_output: str, reference: str) -> float:
   return float(extract_integer(model_output) == ref)
 
 
-class ArithmeticTask:
-  """A generated task (tasks.Task): prompt "{expression}=", exact-integer reward."""
+class ArithmeticTask(TaskDefaults):
+  """A generated task (tasks.Task): prompt "{expression}=", exact-integer reward; demonstrations are the integer
+  answer, wrong ones the answer plus a nonzero offset in [-9, 9], kept >= 0."""
 
   name = "arithmetic"
   generated = True
@@ -144,3 +146,10 @@ class ArithmeticTask:
       int(str(reference).strip())
     except ValueError:
       raise ValueError(f"arithmetic reference must be an integer string, got {reference!r}") from None
+
+  can_demonstrate_wrong = True
+
+  def demonstrate_wrong(self, problem: Problem, rng: random.Random) -> str:
+    answer = int(str(problem.solution).strip())
+    offsets = [d for d in range(-9, 10) if d and answer + d >= 0]
+    return str(answer + rng.choice(offsets))
