@@ -17,10 +17,10 @@ import pytest
 
 from tests import fixtures, xla_flags
 from tests.test_cleanup import orphans
-from vcpo_jax import cleanup, rollout, run_config, trainer
+from vcpo_jax import cleanup, export, rollout, run_config, trainer
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.checkpoint import BEST_METRIC, Checkpointer
 from vcpo_jax.model import policy
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.common import RolloutMaker
@@ -769,11 +769,24 @@ def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_e
   from vcpo_jax.rollout.process import worker as worker_lib
 
   built, _, paths = fixtures.record_sources(monkeypatch)
+  # The final evaluation ranks below any real one (its checkpoint's metric only; eval.jsonl keeps its record),
+  # so the background evaluation of step 2 decides which checkpoint is "best".
+  real_metrics = trainer._eval_metrics
+  demoted = lambda rec: dict(real_metrics(rec), **({BEST_METRIC: -1.0} if rec.get("tag") == "final" else {}))
+  monkeypatch.setattr(trainer, "_eval_metrics", demoted)
   cfg = _tiny(steps=4, **{"eval.every": 2, "eval.background": True, "checkpoint.every": 2})
   workdir = str(tmp_path / "run")
   assert trainer.run(cfg, workdir)["step"] == 4
   evals = metrics_lib.read_jsonl(os.path.join(workdir, "eval.jsonl"))
   bg = [r for r in evals if r.get("background")]
+  # one notion of best: retention kept step 2 ranked by its background record, and export and a resume's
+  # Checkpointer name it
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    assert sorted(ckpt.all_steps()) == [2, 4] and ckpt.metrics(2)[BEST_METRIC] == bg[-1]["mean_at_n"]
+    assert ckpt.best_step() == 2 and export._pick_step(ckpt, "best", workdir) == 2
+  finally:
+    ckpt.close()
   assert [r["step"] for r in bg] == [0, 2] and [r["policy_version"] for r in bg] == [0, 2]
   assert all(r["arrived_at_step"] >= r["step"] and r["sampler_pid"] == built[0].pid for r in bg)
   (final,) = [r for r in evals if r["tag"] == "final"]

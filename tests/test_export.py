@@ -12,6 +12,7 @@ import pytest
 
 from tests import fixtures
 from vcpo_jax import export, trainer
+from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.model import hf_io
 from vcpo_jax.model import transformer as tf
 from vcpo_jax.model.tokenizer import apply_chat_template_or_plain, build_char_tokenizer
@@ -110,7 +111,10 @@ def test_export_step_choice_and_errors(run, tmp_path):
   got = jax.tree.leaves(tf.split(model)[1])
   want = jax.tree.leaves(saved[2])
   assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
-  assert export.export(workdir, str(tmp_path / "best"), step="best")["step"] in (2, 3)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  best = ckpt.best_step()
+  ckpt.close()
+  assert best in (2, 3) and export.export(workdir, str(tmp_path / "best"), step="best")["step"] == best
   with pytest.raises(export.ExportError, match=r"--step=5: no such checkpoint; the kept steps are \[2, 3\]"):
     export.export(workdir, str(tmp_path / "x"), step=5)
   with pytest.raises(export.ExportError, match="no config.json"):
@@ -135,10 +139,3 @@ def test_export_command_line(run, tmp_path):
   for args, needle in [([f"--workdir={workdir}"], "--out"), ([f"--workdir={tmp_path}", "--out=x"], "no config.json")]:
     r = subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
-
-
-def test_best_step_reads_eval_records_of_kept_checkpoints(tmp_path):
-  lines = [{"kind": "eval", "step": s, "mean_at_n": v} for s, v in [(0, 0.9), (2, 0.5), (3, 0.5), (4, 0.2)]]
-  (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
-  assert export._best_step(str(tmp_path), [2, 3, 4]) == 2  # step 0 has no checkpoint; ties: the earliest
-  assert export._best_step(str(tmp_path), [5]) is None

@@ -4,7 +4,7 @@
 
 reads RUN/config.json (the run's config), rebuilds the policy's structure from it (nothing is trained
 or compiled beyond the optimizer state's abstract shapes), takes the parameters of the newest checkpoint
-(or step N, or the kept checkpoint with the best eval mean@n in RUN/eval.jsonl) and writes
+(or step N, or "best": the kept checkpoint that retention ranks first, vcpo_jax.checkpoint.best_steps) and writes
 
   config.json, model.safetensors         hf_io.save_hf (float32; transformers' Qwen2 / Llama); with LoRA
                                          (model.lora_rank > 0) the adapters merged into the base weights
@@ -59,9 +59,9 @@ def _pick_step(ckpt, step: str | int | None, workdir: str) -> int:
   if step in (None, ""):
     return max(steps)
   if step == "best":
-    best = _best_step(workdir, steps)
+    best = ckpt.best_step()  # the ranking retention keeps by (background and final evaluations included)
     if best is None:
-      raise ExportError(f"--step='best': no kept checkpoint of {workdir!r} was evaluated (eval.jsonl); pass --step=N")
+      raise ExportError(f"--step='best': no kept checkpoint of {workdir!r} carries an evaluation; pass --step=N")
     return best
   try:
     step = int(step)
@@ -70,21 +70,6 @@ def _pick_step(ckpt, step: str | int | None, workdir: str) -> int:
   if step not in steps:
     raise ExportError(f"--step={step}: no such checkpoint; the kept steps are {sorted(steps)}")
   return step
-
-
-def _best_step(workdir: str, steps) -> int | None:
-  """The kept step with the highest eval mean@n in workdir/eval.jsonl (the earliest on ties), or None."""
-  from vcpo_jax import fs
-
-  path = fs.join(workdir, "eval.jsonl")
-  if not fs.exists(path):
-    return None
-  scored = {}
-  for line in fs.read_text(path).splitlines():
-    r = json.loads(line) if line.strip() else {}
-    if r.get("kind") == "eval" and r.get("step") in steps and not r.get("background"):
-      scored[r["step"]] = r["mean_at_n"]  # a rerun's record of the same step replaces the earlier one
-  return min(scored, key=lambda s: (-scored[s], s)) if scored else None
 
 
 def export(workdir: str, out: str, step: str | int | None = None) -> dict:

@@ -28,7 +28,7 @@ from flax import nnx
 from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenance, rollout, sft, sharding, telemetry
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax.checkpoint import Checkpointer, restore_target
+from vcpo_jax.checkpoint import BEST_METRIC, Checkpointer, restore_target
 from vcpo_jax.model import lora, policy, transformer
 from vcpo_jax.run_config import ConfigError, parse_config
 from vcpo_jax.sampler import Sampler, SamplerConfig
@@ -148,8 +148,8 @@ def run(config, workdir: str, *, allow_config_change: bool = False) -> dict:
       run_eval.arrived(step)
       writer.write(step, row, advance=True)
       if step % spec.checkpoint.every == 0 and step < spec.steps:
-        last_eval = run_eval.arrived(step, wait=True) or last_eval
-        _save(ckpt, step, state, source, writer, last_eval if evaluate_now else None, config_fp)
+        run_eval.arrived(step, wait=True)  # eval.background: this step's record ranks its checkpoint
+        _save(ckpt, step, state, source, writer, run_eval.at(step), config_fp)
     # A rerun of a finished run restores the final checkpoint, whose evaluation is logged already.
     final_eval = meta.get("final_eval") if step == start else None
     run_eval.arrived(step, wait=True)
@@ -375,7 +375,7 @@ def _open(spec, workdir: str, primary: bool, build_source, state, signals: _Sign
     source = build_source()
     c = spec.checkpoint
     ckpt = Checkpointer(
-      fs.join(workdir, "checkpoints"), keep_last=c.keep_last, keep_best=c.keep_best, best_metric="eval/accuracy"
+      fs.join(workdir, "checkpoints"), keep_last=c.keep_last, keep_best=c.keep_best, best_metric=BEST_METRIC
     )
     meta = {}
     latest = ckpt.latest_step()
@@ -413,6 +413,11 @@ class _Evals:
   def __init__(self, spec, sampling, problems, protocol, key):
     self.spec, self.sampling, self.problems, self.protocol, self.key = spec, sampling, problems, protocol, key
     self.source = self.writer = None  # set once the run is opened
+    self._by_step: dict[int, dict] = {}  # step -> metrics of the evaluation of that step's parameters
+
+  def at(self, step) -> dict | None:
+    """The metrics of the evaluation of `step`'s parameters logged so far (a checkpoint's ranking), or None."""
+    return self._by_step.get(step)
 
   def __call__(self, step, params, tag=None) -> dict:
     if self.spec.eval_background and tag is None:
@@ -421,14 +426,15 @@ class _Evals:
     gen = self.sampling.generate_fn(params, jax.random.fold_in(self.key, 10**9 + step))
     rec = evaluation.evaluate(gen, self.problems, self.protocol, step, tag=tag)
     self.writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
-    return _eval_metrics(rec)
+    self._by_step[step] = _eval_metrics(rec)
+    return self._by_step[step]
 
   def arrived(self, step, wait=False) -> dict:
     """eval.background: logs the records that arrived by `step`; returns the newest's metrics ({} if none)."""
     out = {}
     for rec in self.source.eval_results(wait=wait) if self.spec.eval_background else []:
       self.writer.write_eval(dict(rec, arrived_at_step=step))
-      out = _eval_metrics(rec)
+      out = self._by_step[rec["step"]] = _eval_metrics(rec)
       self.writer.write(rec["step"], dict(out, **{"eval/policy_version": rec["policy_version"]}))
     return out
 
