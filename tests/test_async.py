@@ -816,3 +816,50 @@ def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_e
   names = worker_lib.param_names(params)
   arrays = {n: np.asarray(a) for n, a in zip(names, jax.device_get(jax.tree.leaves(params)))}
   assert bg[0]["params_checksum"] == param_slot.checksum(arrays, names)
+
+
+def _report_sigint(conn):
+  """Spawn target: what SIGINT does here, before anything else runs (the sampler's first instruction)."""
+  conn.send(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+  conn.close()
+
+
+def test_the_sampler_ignores_sigint_from_its_first_instruction():
+  """A terminal's Ctrl-C reaches the whole process group: the sampler is spawned with SIGINT ignored (kept
+  across exec), so its imports never print a KeyboardInterrupt traceback; the learner stops it. The
+  learner's own handler is back once start() returns."""
+  mine = signal.getsignal(signal.SIGINT)
+  parent, child = async_.SPAWN.Pipe()
+  with async_._sigint_ignored():
+    proc = async_.SPAWN.Process(target=_report_sigint, args=(child,))
+    proc.start()
+  assert signal.getsignal(signal.SIGINT) is mine
+  assert parent.poll(120) and parent.recv() is True
+  proc.join(60)
+  assert proc.exitcode == 0
+
+
+_GONE_ARGS_SCRIPT = """
+from vcpo_jax.rollout.process import worker
+class Channel:  # the queue, the slot and the pipe, as far as worker.main touches them before its arguments
+  def send(self, message): pass
+  def close(self): pass
+worker.main("/nonexistent/vcpo-args.pkl", Channel(), Channel(), Channel())
+"""
+
+
+def test_a_sampler_whose_learner_closed_before_it_read_its_arguments_exits_quietly():
+  """An interrupt right after the spawn: the learner closes and deletes the argument file before the sampler
+  reads it. The sampler then stops as if asked to: exit 0, nothing on stderr (it was a FileNotFoundError
+  traceback)."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run(
+    [sys.executable, "-c", _GONE_ARGS_SCRIPT],
+    cwd=repo,
+    env=dict(os.environ, PYTHONPATH=repo),
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert r.returncode == 0 and r.stderr == "", r.stderr
