@@ -11,7 +11,28 @@ import atexit
 import logging
 import os
 import re
+import signal
 import sys
+
+INTERRUPT_GRACE_S = 2.0  # a signal before the first update that the run has not acted on by then ends it (trainer)
+_PHASE = ["start-up"]  # what a signal interrupts before trainer.run's own handlers are in place / after them
+
+
+def _interrupted(signum, _frame):
+  """SIGINT / SIGTERM outside trainer.run's handlers: the imports, the config, the policy, the warm start, the
+  learner's build (nothing trained yet, and every file start-up writes is replaced atomically, so a rerun
+  resumes as before), or after the run ended. One line on stderr, exit 130 at once: the interpreter's
+  teardown (seconds after the torch / transformers / jax imports) is skipped. trainer.run installs its own
+  handlers before it starts anything that must be stopped or saved (the async sampler, the first update)."""
+  done = "nothing trained since the last checkpoint" if _PHASE[0] == "start-up" else "the run had ended"
+  name = signal.Signals(signum).name
+  os.write(2, f"interrupted during {_PHASE[0]} ({name}): {done}; exiting with code 130\n".encode())
+  os._exit(130)
+
+
+if __name__ == "__main__":  # first, before the slow imports (not in a spawned child, which runs this as __mp_main__)
+  for _sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_sig, _interrupted)
 
 # transformers' import-time advice ("PyTorch was not found": the runtime needs only its tokenizers and config
 # classes) is start-up noise; an explicit TRANSFORMERS_VERBOSITY or --verbosity=1 still shows it.
@@ -94,6 +115,8 @@ def parse_flags(argv):
 def train(config, workdir: str, allow_config_change: bool = False, compile_cache: str = "auto") -> dict:
   """trainer.run(config, workdir, allow_config_change=..., compile_cache=...); after SIGINT / SIGTERM the process ends at once with exit code 130.
 
+  Before trainer.run installs its handlers (and after it restores them) `_interrupted` ends the process at once.
+
   By the time trainer.run raises SystemExit(130) it has saved the checkpoint (and waited for it), flushed
   and closed the logs, and stopped the sampler, whose shared memory and temp files are gone. What remains
   is the interpreter's teardown, several seconds after the torch / transformers / jax imports: here the
@@ -109,7 +132,15 @@ def train(config, workdir: str, allow_config_change: bool = False, compile_cache
   from vcpo_jax import distributed, run_config, trainer  # after flag parsing: keeps --help fast
 
   try:
-    return trainer.run(config, workdir, allow_config_change=allow_config_change, compile_cache=compile_cache)
+    summary = trainer.run(
+      config,
+      workdir,
+      allow_config_change=allow_config_change,
+      compile_cache=compile_cache,
+      interrupt_grace_s=INTERRUPT_GRACE_S,
+    )
+    _PHASE[0] = "the summary"
+    return summary
   except SystemExit as e:
     if e.code != 130:
       raise
@@ -118,7 +149,9 @@ def train(config, workdir: str, allow_config_change: bool = False, compile_cache
       raise  # a config error fails alike everywhere: main() reports it in one line
     logging.getLogger("vcpo_jax").exception("this process of the %d-process job fails", jax.process_count())
     distributed.end_alone(e)
-  logging.getLogger("vcpo_jax").warning("exiting with code 130 (interrupted; the checkpoint is saved)")
+  # trainer.run logged its one line (what it saved, or that start-up ended with nothing trained)
+  for s in (signal.SIGINT, signal.SIGTERM):  # a second signal during the teardown below: no traceback
+    signal.signal(s, signal.SIG_IGN)
   atexit._run_exitfuncs()
   logging.shutdown()
   sys.stdout.flush()

@@ -17,10 +17,10 @@ import pytest
 
 from tests import fixtures, xla_flags
 from tests.test_cleanup import orphans
-from vcpo_jax import cleanup, rollout, run_config, trainer
+from vcpo_jax import cleanup, export, rollout, run_config, trainer
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.checkpoint import BEST_METRIC, Checkpointer
 from vcpo_jax.model import policy
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.common import RolloutMaker
@@ -769,11 +769,24 @@ def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_e
   from vcpo_jax.rollout.process import worker as worker_lib
 
   built, _, paths = fixtures.record_sources(monkeypatch)
+  # The final evaluation ranks below any real one (its checkpoint's metric only; eval.jsonl keeps its record),
+  # so the background evaluation of step 2 decides which checkpoint is "best".
+  real_metrics = trainer._eval_metrics
+  demoted = lambda rec: dict(real_metrics(rec), **({BEST_METRIC: -1.0} if rec.get("tag") == "final" else {}))
+  monkeypatch.setattr(trainer, "_eval_metrics", demoted)
   cfg = _tiny(steps=4, **{"eval.every": 2, "eval.background": True, "checkpoint.every": 2})
   workdir = str(tmp_path / "run")
   assert trainer.run(cfg, workdir)["step"] == 4
   evals = metrics_lib.read_jsonl(os.path.join(workdir, "eval.jsonl"))
   bg = [r for r in evals if r.get("background")]
+  # one notion of best: retention kept step 2 ranked by its background record, and export and a resume's
+  # Checkpointer name it
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    assert sorted(ckpt.all_steps()) == [2, 4] and ckpt.metrics(2)[BEST_METRIC] == bg[-1]["mean_at_n"]
+    assert ckpt.best_step() == 2 and export._pick_step(ckpt, "best", workdir) == 2
+  finally:
+    ckpt.close()
   assert [r["step"] for r in bg] == [0, 2] and [r["policy_version"] for r in bg] == [0, 2]
   assert all(r["arrived_at_step"] >= r["step"] and r["sampler_pid"] == built[0].pid for r in bg)
   (final,) = [r for r in evals if r["tag"] == "final"]
@@ -803,3 +816,50 @@ def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_e
   names = worker_lib.param_names(params)
   arrays = {n: np.asarray(a) for n, a in zip(names, jax.device_get(jax.tree.leaves(params)))}
   assert bg[0]["params_checksum"] == param_slot.checksum(arrays, names)
+
+
+def _report_sigint(conn):
+  """Spawn target: what SIGINT does here, before anything else runs (the sampler's first instruction)."""
+  conn.send(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+  conn.close()
+
+
+def test_the_sampler_ignores_sigint_from_its_first_instruction():
+  """A terminal's Ctrl-C reaches the whole process group: the sampler is spawned with SIGINT ignored (kept
+  across exec), so its imports never print a KeyboardInterrupt traceback; the learner stops it. The
+  learner's own handler is back once start() returns."""
+  mine = signal.getsignal(signal.SIGINT)
+  parent, child = async_.SPAWN.Pipe()
+  with async_._sigint_ignored():
+    proc = async_.SPAWN.Process(target=_report_sigint, args=(child,))
+    proc.start()
+  assert signal.getsignal(signal.SIGINT) is mine
+  assert parent.poll(120) and parent.recv() is True
+  proc.join(60)
+  assert proc.exitcode == 0
+
+
+_GONE_ARGS_SCRIPT = """
+from vcpo_jax.rollout.process import worker
+class Channel:  # the queue, the slot and the pipe, as far as worker.main touches them before its arguments
+  def send(self, message): pass
+  def close(self): pass
+worker.main("/nonexistent/vcpo-args.pkl", Channel(), Channel(), Channel())
+"""
+
+
+def test_a_sampler_whose_learner_closed_before_it_read_its_arguments_exits_quietly():
+  """An interrupt right after the spawn: the learner closes and deletes the argument file before the sampler
+  reads it. The sampler then stops as if asked to: exit 0, nothing on stderr (it was a FileNotFoundError
+  traceback)."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run(
+    [sys.executable, "-c", _GONE_ARGS_SCRIPT],
+    cwd=repo,
+    env=dict(os.environ, PYTHONPATH=repo),
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vcpo_jax import fs
-from vcpo_jax.checkpoint import Checkpointer
+from vcpo_jax.checkpoint import Checkpointer, best_steps
 
 
 def _state(seed):
@@ -45,6 +45,39 @@ def test_keeps_last_n_plus_best(tmp_path):
   ck.wait()
   # Last two (4, 5) plus the best (2); a bug keeping top-N by metric only would drop 4 or keep 1.
   assert sorted(ck.all_steps()) == [2, 4, 5]
+  ck.close()
+
+
+def test_best_steps_is_the_one_ranking_hand_checked():
+  scores = {1: 0.5, 2: 0.9, 3: 0.9, 4: float("nan"), 5: 0.1}
+  assert best_steps(scores) == [2]  # ties: the earliest step
+  assert best_steps(scores, 3) == [2, 3, 1]  # NaN never ranks
+  assert best_steps(scores, 2, mode="min") == [5, 1]
+  assert best_steps({}) == [] and best_steps({7: None}) == []
+
+
+def test_retention_and_best_step_agree_across_a_resume(tmp_path):
+  """One notion of best: retention keeps exactly best_steps' choice (earliest of a tie, where orbax's BestN
+  kept the latest), best_step() names it, steps saved without the metric never compete, and a reopened
+  Checkpointer (a resume) ranks the same from the metrics stored with the checkpoints (orbax kept them in
+  memory only: after a resume its BestN dropped the old best at the next save)."""
+  d = str(tmp_path / "ck")
+  ck = Checkpointer(d, keep_last=1, keep_best=1, best_metric="eval/accuracy", async_save=False)
+  for step, acc in {1: 0.3, 2: 0.7, 3: 0.7, 4: None}.items():
+    ck.save(step, _state(step), {}, metrics=None if acc is None else {"eval/accuracy": acc})
+  ck.wait()
+  assert sorted(ck.all_steps()) == [2, 4] and ck.best_step() == 2
+  ck.close()
+  ck = Checkpointer(d, keep_last=1, keep_best=1, best_metric="eval/accuracy", async_save=False)
+  assert ck.best_step() == 2
+  ck.save(5, _state(5), {}, metrics={"eval/accuracy": 0.6})
+  ck.save(6, _state(6), {}, metrics={"eval/accuracy": 0.8})
+  ck.wait()
+  assert sorted(ck.all_steps()) == [6] and ck.best_step() == 6
+  ck.close()
+  # a Checkpointer opened without a ranking (python -m vcpo_jax.export) ranks by the same metric
+  ck = Checkpointer(d, async_save=False)
+  assert ck.best_step() == 6
   ck.close()
 
 

@@ -225,3 +225,26 @@ def test_run_plots_include_the_grad_plots_when_logged(tmp_path):
   names = sorted(p.rsplit("/", 1)[1] for p in metrics.plot_run(run))
   assert "grad_concentration.png" in names and "grad_baseline.png" in names
   assert "grad_noise.png" not in names  # no grad/sq_norm or grad/cov_trace in these rows
+
+
+def test_compare_figure_reads_and_its_title_names_the_differing_fields(tmp_path):
+  """tests/readability.py on the compare figure of three runs (one with telemetry rows): nothing clipped or
+  overlapping, the legend lists each run, and the default title names the config fields the runs differ in,
+  with their values, instead of "3 runs"; one run's title is its identity; equal configs say so."""
+  from tests import readability
+
+  a = _write_run(tmp_path / "a")
+  b = _add_grad_rows(_write_run(tmp_path / "b", mode="lag", k=8, lr=3e-4))
+  c = _write_run(tmp_path / "c", method="seq_tis", seed=1)
+  assert list(compare.differing_fields([a, b, c])) == ["method", "mode", "lag.k", "optim.lr", "seed"]
+  fig = compare.figure([a, b, c], smoothing=3)
+  title = fig._suptitle.get_text().replace("\n", " ")
+  assert title.startswith("runs differ in method vcpo vs vcpo vs seq_tis, mode async vs lag vs async, lag.k 4 vs")
+  assert title.endswith("and 1 more field; train series smoothed over 3 steps")
+  readability.check(fig, identity=["method", "mode", "lag.k", "optim.lr"])
+  assert [t.get_text() for t in fig.legends[0].get_texts()] == [compare.identity(w)["label"] for w in (a, b, c)]
+  fig = compare.figure([a, b])
+  readability.check(fig, identity=["runs differ in mode async vs lag, lag.k 4 vs 8, optim.lr 0.0002 vs 0.0003"])
+  readability.check(compare.figure([a]), identity=[compare.identity(a)["label"]])
+  twin = _write_run(tmp_path / "twin")
+  assert compare.default_title([a, twin]) == f"2 runs of {compare.identity(a)['label']}"

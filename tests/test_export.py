@@ -1,8 +1,11 @@
 """python -m vcpo_jax.export: a smoke run's checkpoint -> a Hugging Face directory that transformers loads,
 with the run's logits, greedy generations and token ids."""
 
+import contextlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests import fixtures
-from vcpo_jax import export, trainer
+from vcpo_jax import export, run_config, trainer
+from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.model import hf_io
 from vcpo_jax.model import transformer as tf
 from vcpo_jax.model.tokenizer import apply_chat_template_or_plain, build_char_tokenizer
@@ -65,7 +69,7 @@ def _project_greedy(graphdef, cfg, params, prompts, tokenizer, max_new):
 def test_export_loads_in_transformers_with_the_runs_logits_and_greedy_answers(run, tmp_path):
   workdir, saved = run
   out = str(tmp_path / "hf")
-  assert export.export(workdir, out) == {"step": 3, "out": out}  # the newest checkpoint
+  assert export.export(workdir, out)["step"] == 3  # the newest checkpoint
   assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(os.listdir(out))
   model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
   tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -100,7 +104,39 @@ def test_export_loads_in_transformers_with_the_runs_logits_and_greedy_answers(ru
     assert row == ref
   with open(os.path.join(out, "generation_config.json")) as f:
     gen_cfg = json.load(f)
-  assert gen_cfg["eos_token_id"] == eos and gen_cfg["temperature"] == config.eval.temperature
+  s = config.sampler
+  assert gen_cfg["eos_token_id"] == eos and gen_cfg["do_sample"] is (s.temperature > 0)
+  assert (gen_cfg["temperature"], gen_cfg["top_p"], gen_cfg["top_k"]) == (s.temperature, s.top_p, s.top_k)
+  assert gen_cfg["max_new_tokens"] == config.task.max_new_tokens
+
+
+def test_model_card_snippet_runs_and_generates_as_the_export_does(run, tmp_path):
+  """README.md in the export: the source run, its config, the task's prompt format with an example made by
+  the task (countdown: `[12, 7]>19:`), and a 3-line snippet that runs: seeded alike, it prints what
+  `generate` on the export gives for that prompt (the sampling of generation_config.json)."""
+  workdir, _ = run
+  out = str(tmp_path / "hf")
+  result = export.export(workdir, out)
+  with open(os.path.join(out, "README.md")) as f:
+    card = f.read()
+  spec = run_config.parse_config(export.run_config(workdir), check_prompts=False)
+  prompt = export.example_prompt(spec)
+  assert re.fullmatch(r"\[\d+(, \d+)*\]>\d+:", prompt), prompt  # countdown's "{numbers}>{target}:"
+  assert f"`{prompt}`" in card and "`{numbers}>{target}:`" in card and os.path.abspath(workdir) in card
+  assert "step 3 of 3" in card and "method `vcpo`" in card and os.path.exists(os.path.join(out, "vcpo_config.json"))
+  code = card.split("```python\n")[1].split("```")[0]
+  assert code.strip() == result["snippet"] and len(code.strip().splitlines()) == 3
+  printed = io.StringIO()
+  torch.manual_seed(0)
+  with contextlib.redirect_stdout(printed):
+    exec(code, {})  # noqa: S102 -- the model card's snippet, run as a user would paste it
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out)
+  ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+  torch.manual_seed(0)
+  gen = model.generate(ids, attention_mask=torch.ones(ids.shape, dtype=torch.long))
+  want = tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
+  assert printed.getvalue() == want + "\n" and len(want) > 0
 
 
 def test_export_step_choice_and_errors(run, tmp_path):
@@ -110,7 +146,10 @@ def test_export_step_choice_and_errors(run, tmp_path):
   got = jax.tree.leaves(tf.split(model)[1])
   want = jax.tree.leaves(saved[2])
   assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
-  assert export.export(workdir, str(tmp_path / "best"), step="best")["step"] in (2, 3)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+  best = ckpt.best_step()
+  ckpt.close()
+  assert best in (2, 3) and export.export(workdir, str(tmp_path / "best"), step="best")["step"] == best
   with pytest.raises(export.ExportError, match=r"--step=5: no such checkpoint; the kept steps are \[2, 3\]"):
     export.export(workdir, str(tmp_path / "x"), step=5)
   with pytest.raises(export.ExportError, match="no config.json"):
@@ -132,13 +171,9 @@ def test_export_command_line(run, tmp_path):
   )
   assert r.returncode == 0, r.stderr
   assert f"exported step 2 of {workdir}" in r.stdout
+  with open(tmp_path / "hf" / "README.md") as f:
+    card_snippet = f.read().split("```python\n")[1].split("```")[0].strip()
+  assert r.stdout.strip().splitlines()[-3:] == card_snippet.splitlines()  # the command ends with the snippet
   for args, needle in [([f"--workdir={workdir}"], "--out"), ([f"--workdir={tmp_path}", "--out=x"], "no config.json")]:
     r = subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
-
-
-def test_best_step_reads_eval_records_of_kept_checkpoints(tmp_path):
-  lines = [{"kind": "eval", "step": s, "mean_at_n": v} for s, v in [(0, 0.9), (2, 0.5), (3, 0.5), (4, 0.2)]]
-  (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
-  assert export._best_step(str(tmp_path), [2, 3, 4]) == 2  # step 0 has no checkpoint; ties: the earliest
-  assert export._best_step(str(tmp_path), [5]) is None

@@ -84,7 +84,7 @@ def test_plots_have_labelled_axes_readable_ratios_and_every_series_visible():
     assert wall_ax.get_xlabel().startswith("wall-clock (s")
     for ax in (step_ax, wall_ax):
       ylabel = {s: y for s, _, _, y in metrics.PLOTS}[stem]
-      assert ax.get_ylabel() == ylabel and ylabel
+      assert ax.get_ylabel().replace("\n", " ") == ylabel and ylabel  # long labels wrap
       assert ax.yaxis.get_offset_text().get_text() == ""  # no "1e-7 + 9.9999e-1" offset
       assert ax.get_legend() is not None
       if stem in ("ess", "lr_scale", "reward"):
@@ -230,9 +230,75 @@ def test_grad_plots_are_drawn_from_hand_made_rows():
   assert [ln.get_label() for ln in step_ax.get_lines()] == ["grad/sq_norm", "grad/cov_trace"]
   np.testing.assert_allclose(step_ax.get_lines()[0].get_ydata(), [2.0, 4.0, 6.0])
   np.testing.assert_allclose(wall_ax.get_lines()[1].get_xdata(), [0.5, 1.0, 1.5])
-  assert (step_ax.get_xlabel(), step_ax.get_ylabel()) == ("learner step", ylabel)
+  assert (step_ax.get_xlabel(), step_ax.get_ylabel().replace("\n", " ")) == ("learner step", ylabel)
   assert fig._suptitle.get_text() == f"{title}: vcpo lag k=8"
   _, title, keys, ylabel = plots["grad_baseline"]
   (line,) = metrics.figure(rows, title, keys, ylabel).axes[0].get_lines()
   np.testing.assert_allclose(line.get_ydata(), [1.1, 1.2, 1.3])
   assert metrics.figure(rows, *plots["grad_concentration"][1:]) is None  # no concentration keys: no plot
+
+
+def _full_rows(n=200):
+  """Rows with every PLOTS key (a telemetry run with a sparse, partly unmeasured reference cosine)."""
+  rng = np.random.default_rng(0)
+  rows = []
+  for s in range(1, n + 1):
+    r = {"step": s, "wall_time": 1.5 * s}
+    r.update({k: float(rng.uniform(0.1, 0.9)) for _, _, keys, _ in metrics.PLOTS for k in keys})
+    r.update({"train/grad_norm": float(rng.uniform(1, 5)), "grad/sq_norm": 3.0 * s, "grad/cov_trace": 50.0 + s})
+    r.update({"train/lag_min": 0.0, "train/lag_mean": 1.5, "train/lag_max": 4.0, "grad/var_ratio": 1.2})
+    r["grad/ref_cosine"] = 0.4 if s % 10 == 0 else float("nan")
+    if s % 20:
+      del r["eval/accuracy"]
+    rows.append(r)
+  return rows
+
+
+def test_every_run_plot_reads():
+  """tests/readability.py on every PLOTS figure of a full telemetry run (resumed once, with the clip line): no
+  label clipped by the figure or over another, the title names the run, the legend lists only drawn series (a
+  key whose every value is NaN is not in it)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from tests import readability
+
+  run = "vcpo_sc_top64 async k=128 lr=0.0003 seed=12"
+  rows = _full_rows()
+  for stem, title, keys, ylabel in metrics.PLOTS:
+    hlines = {"clip norm 1": 1.0} if stem == "grad_norm" else None
+    fig = metrics.figure(rows, title, keys, ylabel, hlines=hlines, run=run, resumed=[80])
+    readability.check(fig, identity=[run])
+    plt.close(fig)
+  unmeasured = [dict(r, **{"grad/ref_cosine": float("nan")}) for r in rows]
+  fig = metrics.figure(unmeasured, *{p[0]: p for p in metrics.PLOTS}["grad_concentration"][1:], run=run)
+  assert "grad/ref_cosine" not in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+  readability.check(fig, identity=[run])
+  plt.close("all")
+
+
+def test_the_readability_check_fails_on_the_old_grad_concentration_figure():
+  """The figure as drawn before the check (figsize 10 x 3.5, tight_layout, the long y label, three styles for
+  four keys): its y labels run past the figure's edge and into the title."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from tests import readability
+
+  rows = _full_rows()
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+  for ax in axes:
+    for k in ("grad/top1_share", "grad/top5pct_share", "grad/ess_ratio"):
+      ax.plot(*metrics.series(rows, k), label=k)
+    ax.set_ylabel("share, gradient ESS / N, cosine (fractions of sum c^2 g^2, of N; cosine)")
+    ax.set_xlabel("learner step")
+    ax.legend(fontsize=8)
+  fig.suptitle("update concentration (per-trajectory |c_n| ||g_n||): vcpo sync lr=0.0003 seed=0")
+  fig.tight_layout()
+  found = readability.problems(fig, identity=["vcpo sync lr=0.0003 seed=0"])
+  assert any("y label is clipped" in p for p in found) and any("overlaps" in p for p in found), found
+  plt.close(fig)

@@ -3,6 +3,11 @@
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 import uuid
 
 import jax
@@ -16,6 +21,8 @@ from vcpo_jax import fs, rollout, run_config, trainer
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.rollout import common as rollout_common
 from vcpo_jax.rollout.lag import LagSource
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 real_build_source = rollout.build_source
 
@@ -284,3 +291,82 @@ def test_unwritable_workdir_is_a_config_error_before_anything_is_built(tmp_path)
     with pytest.raises(run_config.ConfigError, match=f"--workdir='{wd}': cannot write there") as e:
       trainer.run(_tiny(), str(wd))
     assert reason in str(e.value) and "\n" not in str(e.value)
+
+
+def _stderr_after_signal(proc, marker: str, delay: float, sig=signal.SIGINT, timeout=240.0):
+  """Waits for `marker` on proc's stderr, sends `sig` `delay` s later; (seconds to exit, stderr lines after it)."""
+  lines, seen = [], threading.Event()
+
+  def read():
+    for line in proc.stderr:
+      lines.append((time.monotonic(), line.rstrip()))
+      if marker in line:
+        seen.set()
+
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  assert seen.wait(timeout), "\n".join(ln for _, ln in lines[-30:])
+  time.sleep(delay)
+  sent = time.monotonic()
+  proc.send_signal(sig)
+  try:
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  reader.join(10)
+  return time.monotonic() - sent, [ln for t, ln in lines if t >= sent and ln.strip()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_warm_start_exits_130_at_once_with_one_line(tmp_path, sig):
+  """main.py's handlers are in place before its imports: a signal while the warm start trains (a smoke run,
+  its cache empty) ends the process with exit 130 within 3 s (a loaded machine: 10) and one line on stderr,
+  nothing written to the warm-start cache (a rerun trains it again) and no checkpoint."""
+  cache, workdir = tmp_path / "sft_cache", tmp_path / "run"
+  cmd = [sys.executable, "main.py", "--config=configs/countdown.py:smoke", f"--workdir={workdir}"]
+  cmd += ["--config.sft.steps=400", f"--config.sft.cache_dir={cache}", "--config.log.progress=False"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.PIPE, text=True)
+  elapsed, after = _stderr_after_signal(proc, "policy:", 1.0, sig)  # logged just before the warm start
+  print(f"{signal.Signals(sig).name} during the warm start -> exit {proc.returncode} in {elapsed:.2f} s: {after}")
+  assert proc.returncode == 130 and len(after) == 1 and "nothing trained" in after[0], after
+  assert elapsed < 10.0
+  assert not list(cache.glob("*.safetensors")) and not (workdir / "checkpoints").exists()
+
+
+_WATCHDOG_SCRIPT = """
+import os, signal, sys, time
+from vcpo_jax import trainer
+signals = trainer._Signals(grace_s=0.5)
+if sys.argv[1] == "trained":
+  signals.trained()
+os.kill(os.getpid(), signal.SIGINT)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 3.0:  # a phase that does not call check() (a compile, an evaluation)
+  pass
+print("phase over", flush=True)
+"""
+
+
+def test_the_watchdog_ends_a_start_up_that_does_not_act_on_a_signal_and_never_a_trained_run():
+  """_Signals(grace_s): a signal that the run has not acted on within grace_s ends the process (one line, 130)
+  while nothing is trained; after trained() the run acts on it itself (here: it never does, and finishes)."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  run = lambda phase: subprocess.run(
+    [sys.executable, "-c", _WATCHDOG_SCRIPT, phase],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  t0 = time.monotonic()
+  r = run("start-up")
+  assert r.returncode == 130 and r.stdout == "", (r.stdout, r.stderr)
+  assert r.stderr.strip().splitlines() == [
+    "interrupted during start-up (SIGINT): nothing trained yet; exiting with code 130"
+  ]
+  assert time.monotonic() - t0 < 60
+  r = run("trained")
+  assert r.returncode == 0 and r.stdout == "phase over\n" and r.stderr == "", (r.stdout, r.stderr)

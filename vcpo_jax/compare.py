@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 import numpy as np
 
-from vcpo_jax import fs
-from vcpo_jax.metrics import identity, read_jsonl, series
+from vcpo_jax import fingerprint, fs
+from vcpo_jax.metrics import identity, read_jsonl, run_config, series
 
 # (metric key, panel title, y label) of the compare figure's rows.
 PANELS = (
@@ -40,6 +41,39 @@ GRAD_PANELS = (
   ("grad/ref_cosine", "cosine of the update to the on-policy reference gradient", "cosine"),
 )
 X_AXES = (("step", "learner step"), ("wall_time", "wall-clock (s since the run started)"))
+TITLE_FIELDS = 4  # differing config fields the default title names (then "and N more")
+TITLE_FIRST = ("method", "mode", "lag.k", "optim.lr", "seed")  # named first when they differ (identity's fields)
+TITLE_WIDTH = 120  # characters per title line (the title wraps)
+RUN_RECORD_KEYS = ("provenance", "config_history", "from_step")  # config.json entries that are not config
+
+
+def differing_fields(workdirs: list[str]) -> dict[str, list]:
+  """{dotted config path: [value per run]} of the trajectory fields (vcpo_jax.fingerprint) whose values
+  differ between the runs' config.json files; a field one run lacks counts as differing (value None)."""
+  flat = []
+  for w in workdirs:
+    c = {k: v for k, v in run_config(w).items() if k not in RUN_RECORD_KEYS}
+    flat.append(fingerprint.of(c) if c else {})
+  paths = sorted(set().union(*flat), key=lambda p: (TITLE_FIRST.index(p) if p in TITLE_FIRST else len(TITLE_FIRST), p))
+  return {p: [f.get(p) for f in flat] for p in paths if len({repr(f.get(p)) for f in flat}) > 1}
+
+
+def default_title(workdirs: list[str]) -> str:
+  """The compare figure's title: one run's identity; several runs' differing config fields with their values
+  ("method vcpo vs seq_tis, lag.k 4 vs 8"); runs of one config are "N runs of <identity>"."""
+  if len(workdirs) == 1:
+    return identity(workdirs[0])["label"]
+  diff = differing_fields(workdirs)
+  if not diff:
+    return f"{len(workdirs)} runs of {identity(workdirs[0])['label']}"
+
+  def value(v):
+    text = f"{v:g}" if isinstance(v, float) else str(v)
+    return text if len(text) <= 24 else text[:21] + "..."
+
+  parts = [f"{p} {' vs '.join(value(v) for v in vals)}" for p, vals in list(diff.items())[:TITLE_FIELDS]]
+  more = len(diff) - TITLE_FIELDS
+  return "runs differ in " + ", ".join(parts) + (f" and {more} more field{'s' * (more > 1)}" if more > 0 else "")
 
 
 def summarize(workdir: str) -> dict:
@@ -107,7 +141,10 @@ def smooth(y: np.ndarray, window: int) -> np.ndarray:
 
 
 def figure(workdirs: list[str], smoothing: int = 0, title: str | None = None):
-  """The compare Figure: one row per PANELS entry, columns against learner step and wall-clock seconds."""
+  """The compare Figure: one row per PANELS entry, columns against learner step and wall-clock seconds.
+
+  title: None = `default_title` (the runs' differing config fields); the legend names each run's identity.
+  Constrained layout keeps every label inside the figure and clear of the others (tests/readability.py)."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -120,7 +157,7 @@ def figure(workdirs: list[str], smoothing: int = 0, title: str | None = None):
   ]
   runs = [(lab, read_jsonl(fs.join(w, "metrics.jsonl"))) for lab, w in zip(labels, workdirs)]
   panels = list(PANELS) + [p for p in GRAD_PANELS if any(series(r, p[0])[0].size for _, r in runs)]
-  fig, axes = plt.subplots(len(panels), 2, figsize=(12, 2.6 * len(panels)), squeeze=False)
+  fig, axes = plt.subplots(len(panels), 2, figsize=(12, 2.6 * len(panels)), squeeze=False, layout="constrained")
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for row, (key, panel, ylabel) in enumerate(panels):
     values = []
@@ -148,14 +185,13 @@ def figure(workdirs: list[str], smoothing: int = 0, title: str | None = None):
         for ax in axes[row]:
           ax.set_ylim(lo - pad, hi + pad)
           ax.ticklabel_format(axis="y", style="plain", useOffset=False)
-  smooth_note = f", train series smoothed over {smoothing} steps" if smoothing > 1 else ""
-  fig.suptitle(title or f"{len(runs)} runs{smooth_note}", y=0.998, fontsize=11)
-  handles, labels = max((ax.get_legend_handles_labels() for ax in axes[:, 0]), key=lambda hl: len(hl[1]))
-  rows = (len(labels) + 1) // 2
-  top = 0.975 - 0.018 * rows
+  smooth_note = f"; train series smoothed over {smoothing} steps" if smoothing > 1 else ""
+  fig.suptitle(textwrap.fill((title or default_title(workdirs)) + smooth_note, TITLE_WIDTH), fontsize=11)
+  # every run that drew a curve, in the runs' order (a run may lack the first panel's series)
+  drawn = {ln.get_label(): ln for ax in axes.flat for ln in ax.get_lines()}
+  handles = [(drawn[lab], lab) for lab in labels if lab in drawn]
   if handles:
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.985), ncol=2, fontsize=9, frameon=False)
-  fig.tight_layout(rect=(0, 0, 1, top))
+    fig.legend(*zip(*handles), loc="outside lower center", ncol=2, fontsize=9, frameon=False)
   return fig
 
 
@@ -164,7 +200,7 @@ def main(argv=None) -> int:
   p.add_argument("runs", nargs="+", help="run directories (each with config.json and metrics.jsonl)")
   p.add_argument("--out", default="compare.png", help="PNG file to write")
   p.add_argument("--smooth", type=int, default=0, help="trailing-mean window of the per-step series (0 = off)")
-  p.add_argument("--title", default=None, help="figure title (default: the number of runs)")
+  p.add_argument("--title", default=None, help="figure title (default: the config fields the runs differ in)")
   args = p.parse_args(argv)
   if args.smooth < 0:
     print(f"error: --smooth={args.smooth}: must be >= 0 (0 = no smoothing).", file=sys.stderr)

@@ -4,17 +4,23 @@
 
 reads RUN/config.json (the run's config), rebuilds the policy's structure from it (nothing is trained
 or compiled beyond the optimizer state's abstract shapes), takes the parameters of the newest checkpoint
-(or step N, or the kept checkpoint with the best eval mean@n in RUN/eval.jsonl) and writes
+(or step N, or "best": the kept checkpoint that retention ranks first, vcpo_jax.checkpoint.best_steps) and writes
 
   config.json, model.safetensors         hf_io.save_hf (float32; transformers' Qwen2 / Llama); with LoRA
                                          (model.lora_rank > 0) the adapters merged into the base weights
   adapter/                               LoRA only: the PEFT adapter directory (hf_io.save_peft_adapter);
                                          peft.PeftModel.from_pretrained(base, DIR/adapter) on the run's base
   tokenizer.json, tokenizer_config.json  tokenizer.save_tokenizer (AutoTokenizer gives the training ids)
-  generation_config.json                 eos / pad ids and the run's evaluation sampling (temperature, top_p)
+  generation_config.json                 the run's sampler: eos / pad ids, temperature, top_p, top_k and the
+                                         response budget (task.max_new_tokens)
+  README.md                              a model card: the source run and step, its config's main fields, the
+                                         task's prompt format (an example prompt made by the task) and a
+                                         3-line transformers snippet (`snippet`), which the command prints last
+  vcpo_config.json                       the run's full config (its config.json, provenance included)
 
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load it;
-its logits and greedy generations equal the run's policy's. A bad argument is one line on stderr, exit 2.
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load it
+(torch is needed: `pip install -e .[hf]`); its logits and greedy generations equal the run's policy's. A bad
+argument is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -59,9 +65,9 @@ def _pick_step(ckpt, step: str | int | None, workdir: str) -> int:
   if step in (None, ""):
     return max(steps)
   if step == "best":
-    best = _best_step(workdir, steps)
+    best = ckpt.best_step()  # the ranking retention keeps by (background and final evaluations included)
     if best is None:
-      raise ExportError(f"--step='best': no kept checkpoint of {workdir!r} was evaluated (eval.jsonl); pass --step=N")
+      raise ExportError(f"--step='best': no kept checkpoint of {workdir!r} carries an evaluation; pass --step=N")
     return best
   try:
     step = int(step)
@@ -70,21 +76,6 @@ def _pick_step(ckpt, step: str | int | None, workdir: str) -> int:
   if step not in steps:
     raise ExportError(f"--step={step}: no such checkpoint; the kept steps are {sorted(steps)}")
   return step
-
-
-def _best_step(workdir: str, steps) -> int | None:
-  """The kept step with the highest eval mean@n in workdir/eval.jsonl (the earliest on ties), or None."""
-  from vcpo_jax import fs
-
-  path = fs.join(workdir, "eval.jsonl")
-  if not fs.exists(path):
-    return None
-  scored = {}
-  for line in fs.read_text(path).splitlines():
-    r = json.loads(line) if line.strip() else {}
-    if r.get("kind") == "eval" and r.get("step") in steps and not r.get("background"):
-      scored[r["step"]] = r["mean_at_n"]  # a rerun's record of the same step replaces the earlier one
-  return min(scored, key=lambda s: (-scored[s], s)) if scored else None
 
 
 def export(workdir: str, out: str, step: str | int | None = None) -> dict:
@@ -139,25 +130,88 @@ def export(workdir: str, out: str, step: str | int | None = None) -> dict:
   base_cfg, merged = lora.merge_into_base(trained, model_cfg)  # the plain model (unchanged without LoRA)
   hf_io.save_hf(merged, base_cfg, out, tokenizer=tokenizer)
   _write_generation_config(out, tokenizer, spec)
-  return {"step": chosen, "out": os.fspath(out)}
+  prompt = example_prompt(spec)
+  _write_model_card(out, workdir, chosen, step, spec, prompt)
+  return {"step": chosen, "out": os.fspath(out), "snippet": snippet(out, prompt, spec.rollout.chat_template)}
 
 
 def _write_generation_config(out: str, tokenizer, spec):
-  """generation_config.json: stop / pad ids and the run's evaluation sampling (greedy when it evaluated so)."""
+  """generation_config.json: stop / pad ids and the run's training sampler (greedy when it sampled so), with
+  the training response budget: `generate` on an export samples as the run's rollouts did."""
   from transformers import GenerationConfig
 
-  p = spec.eval
+  s = spec.sampling
+  greedy = s.temperature == 0.0
   gen = GenerationConfig(
     eos_token_id=tokenizer.eos_token_id,
     pad_token_id=tokenizer.pad_token_id,
     bos_token_id=tokenizer.bos_token_id,
-    do_sample=not p.greedy,
-    temperature=None if p.greedy else float(p.temperature),
-    top_p=None if p.greedy else float(p.top_p),
-    top_k=None if p.greedy else 0,
-    max_new_tokens=int(p.max_new_tokens),
+    do_sample=not greedy,
+    temperature=None if greedy else float(s.temperature),
+    top_p=None if greedy else float(s.top_p),
+    top_k=None if greedy else int(s.top_k),  # 0 = off, as in the sampler
+    max_new_tokens=int(spec.config.task.max_new_tokens),
   )
   gen.save_pretrained(out)
+
+
+def example_prompt(spec) -> str:
+  """The first held-out prompt the run's task makes (its template filled in), e.g. countdown's `[12, 7]>19:`."""
+  problems = spec.make_eval_problems()
+  return problems[0].prompt if problems else ""
+
+
+def snippet(out: str, prompt: str, chat_template: bool = False) -> str:
+  """Three lines of Python that load the export with transformers and print one answer to `prompt`.
+
+  The pipeline reads generation_config.json (the run's sampling and response budget); with the run's chat
+  template the prompt goes in as one user turn, which the pipeline wraps as the run did."""
+  path = os.path.abspath(out)
+  query = repr([{"role": "user", "content": prompt}]) if chat_template else repr(prompt)
+  answer = '[0]["generated_text"]' + ("[-1][\"content\"]" if chat_template else "")
+  return (
+    "from transformers import pipeline\n"
+    f"generate = pipeline(\"text-generation\", model={path!r})\n"
+    f"print(generate({query}, return_full_text=False){answer})"
+  )
+
+
+def _write_model_card(out: str, workdir: str, step: int, asked, spec, prompt: str):
+  """README.md (the model card) and vcpo_config.json (the run's config.json as it is)."""
+  from vcpo_jax import fs
+
+  record = fs.read_text(fs.join(workdir, "config.json"))
+  with open(os.path.join(out, "vcpo_config.json"), "w") as f:
+    f.write(record)
+  c = spec.config
+  which = {None: "the newest", "": "the newest", "best": "the best-ranked"}.get(asked, "the requested")
+  s, e = spec.sampling, spec.eval
+  eval_sampling = "greedy" if e.greedy else f"temperature {e.temperature}, top_p {e.top_p}"
+  template = c.task.template or "(the task's default template)"
+  model = c.model.checkpoint or f"{c.model.preset} (random init)"
+  lines = [
+    f"# {c.method} on {c.task.name}: a vcpo_jax export",
+    "",
+    f"- Source run: `{os.path.abspath(workdir) if '://' not in workdir else workdir}`, {which} checkpoint,",
+    f"  step {step} of {c.steps}; the run's full config is `vcpo_config.json` (config.json of the run).",
+    f"- Config: method `{c.method}`, mode `{c.mode}` (k = {c.lag.k}), task `{c.task.name}`, model {model},",
+    f"  seed {c.seed}, lr {c.optim.lr}.",
+    f"- Prompt format: the task's template `{template}` filled per problem"
+    + (", wrapped in the tokenizer's chat template (one user turn)" if spec.rollout.chat_template else "")
+    + f"; e.g. `{prompt}`.",
+    f"- `generation_config.json`: the run's training sampler (temperature {s.temperature}, top_p {s.top_p},",
+    f"  top_k {s.top_k}, up to {c.task.max_new_tokens} new tokens, stop at EOS); the run evaluated with",
+    f"  {eval_sampling}, up to {e.max_new_tokens} new tokens.",
+    "",
+    "Try it (`pip install -e .[hf]` in vcpo_jax brings torch, transformers and safetensors):",
+    "",
+    "```python",
+    snippet(out, prompt, spec.rollout.chat_template),
+    "```",
+    "",
+  ]
+  with open(os.path.join(out, "README.md"), "w") as f:
+    f.write("\n".join(lines))
 
 
 def main(argv=None) -> int:
@@ -180,7 +234,8 @@ def main(argv=None) -> int:
     result = export(args.workdir, args.out, args.step)
   except (ExportError, ConfigError) as e:
     error(str(e).splitlines()[0])
-  print(f"exported step {result['step']} of {args.workdir} to {result['out']}")
+  print(f"exported step {result['step']} of {args.workdir} to {result['out']}; try it (pip install -e .[hf]):")
+  print(result["snippet"])
   return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import textwrap
 import time
 from collections.abc import Iterable
 
@@ -38,7 +39,7 @@ PLOTS = (
     "grad_concentration",
     "update concentration (per-trajectory |c_n| ||g_n||)",
     ("grad/top1_share", "grad/top5pct_share", "grad/ess_ratio", "grad/ref_cosine"),
-    "share, gradient ESS / N, cosine (fractions of sum c^2 g^2, of N; cosine)",
+    "share, ESS / N, cosine (fraction)",
   ),
   # the batch gradient's size against the trace of its estimated covariance (signal vs noise)
   (
@@ -61,8 +62,11 @@ _STYLES = (
   {"linestyle": "-", "linewidth": 4.0, "alpha": 0.45},
   {"linestyle": "--", "linewidth": 1.8},
   {"linestyle": ":", "linewidth": 1.8, "marker": "o", "markersize": 3},
+  {"linestyle": "-.", "linewidth": 1.5, "marker": "s", "markersize": 3},
 )
 X_LABELS = {"step": "learner step", "wall_time": "wall-clock (s since the run started)"}
+TITLE_WIDTH = 100  # characters per title line (a long title wraps instead of running off the figure)
+YLABEL_WIDTH = 34  # characters per y-label line: a longer label wraps instead of outgrowing the panel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,8 +293,9 @@ def figure(
   """The matplotlib Figure of one PLOTS entry (None if no key has data): panels vs learner step and wall-clock.
 
   Each panel: x labelled by X_LABELS, y by `ylabel`, tick labels in plain numbers (no offset / scientific
-  notation), y limits [0, 1.05] for fractions (`_fraction_limits`), a legend naming each series' key.
-  A key whose series equals an earlier one's is drawn once (`_duplicate_keys`: train/reward_mean is
+  notation), y limits [0, 1.05] for fractions (`_fraction_limits`), a legend naming each drawn series' key
+  (a key without a finite value is left out). Constrained layout keeps every label inside the figure and
+  clear of the others (tests/readability.py checks it). A key whose series equals an earlier one's is drawn once (`_duplicate_keys`: train/reward_mean is
   train/accuracy on a 0/1 task); `hlines` {label: y} adds dashed reference lines (the clip norm); `run` (the
   run's identity) goes into the title; at each step in `resumed` the lines break and a dotted line marks it.
   """
@@ -298,16 +303,18 @@ def figure(
 
   keys = list(keys)
   dups = _duplicate_keys(records, keys)
-  present = [k for k in keys if series(records, k)[0].size and k not in dups]
+  present = [k for k in keys if np.isfinite(series(records, k)[1]).any() and k not in dups]
   if not present:
     return None
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), layout="constrained")
   all_y = np.concatenate([series(records, k)[1] for k in present])
   limits = _fraction_limits(all_y)
   for ax, x in zip(axes, ("step", "wall_time")):
-    for k, style in zip(present, _STYLES if len(present) > 1 else ({"linewidth": 1.5},)):
+    styles = _STYLES if len(present) > 1 else ({"linewidth": 1.5},)
+    for k, style in zip(present, (styles[i % len(styles)] for i in range(len(present)))):
       xs, ys = series(records, k, x)
-      xs, ys = _with_gaps(xs, ys, series(records, k)[0], resumed)
+      steps, finite = series(records, k)[0], np.isfinite(ys)  # a NaN row is "not measured": no point
+      xs, ys = _with_gaps(xs[finite], ys[finite], steps[finite], resumed)
       style = dict(style)
       if xs.size < 50 or k.startswith("eval/"):  # sparse series (few steps, evaluations): show the points
         style.setdefault("marker", ".")
@@ -319,14 +326,13 @@ def figure(
       for i, s in enumerate(resumed):
         ax.axvline(s, color="0.5", linestyle=":", linewidth=1.0, label="resumed" if i == 0 else None)
     ax.set_xlabel(X_LABELS[x])
-    ax.set_ylabel(ylabel)
+    ax.set_ylabel(textwrap.fill(ylabel, YLABEL_WIDTH))
     ax.ticklabel_format(axis="y", style="plain", useOffset=False)
     if limits is not None:
       ax.set_ylim(*limits)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  fig.suptitle(f"{title}: {run}" if run else title)
-  fig.tight_layout()
+  fig.suptitle(textwrap.fill(f"{title}: {run}" if run else title, TITLE_WIDTH))
   return fig
 
 

@@ -13,11 +13,14 @@ assemble them. The mode only decides which rollout source is built:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
+import os
 import signal
+import threading
 import time
 
 import jax
@@ -26,10 +29,22 @@ import optax
 from flax import nnx
 
 from vcpo_jax import compile_cache as compile_cache_lib
-from vcpo_jax import distributed, evaluation, fingerprint, fs, learner, provenance, rollout, sft, sharding, telemetry
+from vcpo_jax import (
+  cleanup,
+  distributed,
+  evaluation,
+  fingerprint,
+  fs,
+  learner,
+  provenance,
+  rollout,
+  sft,
+  sharding,
+  telemetry,
+)
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
-from vcpo_jax.checkpoint import Checkpointer, restore_target
+from vcpo_jax.checkpoint import BEST_METRIC, Checkpointer, restore_target
 from vcpo_jax.model import lora, policy, transformer
 from vcpo_jax.rollout import async_
 from vcpo_jax.run_config import ConfigError, parse_config
@@ -55,7 +70,14 @@ def _install_signal_handlers(flag: dict):
   return old
 
 
-def run(config, workdir: str, *, allow_config_change: bool = False, compile_cache: str = "auto") -> dict:
+def run(
+  config,
+  workdir: str,
+  *,
+  allow_config_change: bool = False,
+  compile_cache: str = "auto",
+  interrupt_grace_s: float | None = None,
+) -> dict:
   """Trains according to `config` (a ConfigDict, see configs/common.py) in `workdir`; resumes if possible.
 
   A resume whose trajectory fields (vcpo_jax.fingerprint) differ from the newest checkpoint's raises a
@@ -68,6 +90,8 @@ def run(config, workdir: str, *, allow_config_change: bool = False, compile_cach
   `workdir` is a local path or a URL (file://, gs://, s3://; every output goes through vcpo_jax.fs, and
   orbax checkpoints need a scheme etils knows: not memory://). On every start the logs are cut back to
   the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
+
+  interrupt_grace_s: before the first update, a signal not acted on within it ends the process (`_Signals`).
   """
   # ---- config and workdir ----
   spec, primary = _open_workdir(config, workdir, allow_config_change, compile_cache)  # every check, before compiles
@@ -102,7 +126,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False, compile_cach
   # ---- checkpoint and resume ----
   # The signal handlers go in before the source exists (_Signals): a signal during start-up ends the run
   # (exit 130) with whatever was built closed; from the loop on, it checkpoints the last completed step.
-  signals = _Signals()
+  signals = _Signals(interrupt_grace_s)
   build_source = functools.partial(
     _build_source, spec, maker, key, model_cfg, graphdef, tokenizer, workdir, signals.check, run_eval
   )
@@ -134,6 +158,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False, compile_cach
         ref_row = ref_cosine(state.params, dev_batch, step)
       state, m = train_step(state, dev_batch, *_behaviour_args(spec, source, step))
       m = jax.device_get(m)
+      signals.trained()  # from here a signal checkpoints this step (no watchdog exit)
       t2 = time.time()
       step += 1
       _publish(source, state.params, step)
@@ -153,8 +178,8 @@ def run(config, workdir: str, *, allow_config_change: bool = False, compile_cach
       run_eval.arrived(step)
       writer.write(step, row, advance=True)
       if step % spec.checkpoint.every == 0 and step < spec.steps:
-        last_eval = run_eval.arrived(step, wait=True) or last_eval
-        _save(ckpt, step, state, source, writer, last_eval if evaluate_now else None, config_fp)
+        run_eval.arrived(step, wait=True)  # eval.background: this step's record ranks its checkpoint
+        _save(ckpt, step, state, source, writer, run_eval.at(step), config_fp)
     # A rerun of a finished run restores the final checkpoint, whose evaluation is logged already.
     final_eval = meta.get("final_eval") if step == start else None
     run_eval.arrived(step, wait=True)
@@ -163,7 +188,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False, compile_cach
       writer.write(step, final_eval)
     _save(ckpt, step, state, source, writer, final_eval, config_fp, final=True)
   except (Interrupted, distributed.JobStopped) as e:
-    log.warning("interrupted (%s): saving a checkpoint at step %d", e, step)
+    log.warning("interrupted (%s): saving a checkpoint at step %d, then exiting with code 130", e, step)
     run_eval.arrived(step)  # what arrived is logged; an evaluation still running is lost (no wait here)
     _save(ckpt, step, state, source, writer, None, config_fp, force=True)
     raise SystemExit(getattr(e, "exit_code", 130))
@@ -173,7 +198,7 @@ def run(config, workdir: str, *, allow_config_change: bool = False, compile_cach
       _save(ckpt, step, state, source, writer, None, config_fp, force=True)
     raise
   finally:
-    _close_all(signals.old, source, ckpt, writer)
+    _close_all(signals, source, ckpt, writer)
   return _finish(spec, workdir, primary, {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps})
 
 
@@ -328,15 +353,91 @@ class _Signals:
   it: during start-up (the async sampler's spawn, a restore) _open's guard then closes whatever was built
   (the sampler, its shared memory) and exits 130, nothing trained; from the loop on, the run checkpoints
   the last completed step. A signal during an evaluation or a compile is acted on once that returns.
+
+  grace_s (trainer.run's interrupt_grace_s; main.py: 2 s): until the run's first update has returned
+  (`trained()`), nothing is trained, so a signal that the run does not act on within grace_s (a compile, the
+  step-0 evaluation: Python's handler runs only when they return) ends the process from a watchdog thread:
+  one line, exit 130. The watchdog learns of the signal from signal.set_wakeup_fd, written by the C-level
+  handler at once. A sampler process dies with it (its parent-death signal); shared-memory names it had not
+  attached yet are left to the next run's cleanup (vcpo_jax.cleanup). None: no watchdog (library use).
   """
 
-  def __init__(self):
+  def __init__(self, grace_s: float | None = None):
     self.flag: dict = {}
     self.old = _install_signal_handlers(self.flag)
+    self.grace_s = grace_s
+    self._lock = threading.Lock()
+    self._hard_exit = grace_s is not None and bool(self.old)  # nothing trained yet: an exit loses nothing
+    self._wake = None
+    if self._hard_exit:
+      import socket
+
+      r, w = socket.socketpair()
+      w.setblocking(False)
+      self._old_wakeup = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+      self._wake = (r, w)
+      threading.Thread(target=self._watch, name="vcpo-signal-watchdog", daemon=True).start()
 
   def check(self):
     if self.flag.get("signal"):
+      self.acting()
       raise Interrupted(f"signal {self.flag['signal']}")
+
+  def acting(self):
+    """The run acts on the signal itself (it closes what it built, or saves a checkpoint): no watchdog exit."""
+    with self._lock:
+      self._hard_exit = False
+
+  def trained(self):
+    """The first update returned: from now on a signal is acted on by the run (it checkpoints), never cut short."""
+    self.acting()
+
+  def _watch(self):
+    r, _ = self._wake
+    while True:
+      try:
+        data = r.recv(64)
+      except OSError:
+        return
+      if not data:
+        return
+      if not {signal.SIGINT, signal.SIGTERM} & set(data):
+        continue
+      deadline = time.monotonic() + self.grace_s
+      while time.monotonic() < deadline and self._hard_exit:
+        time.sleep(0.02)
+      with self._lock:
+        if self._hard_exit:
+          _exit_now(signal.Signals(self.flag.get("signal") or data[0]).name)
+
+  def close(self):
+    """Restores the handlers (and the wakeup fd) replaced at construction; stops the watchdog."""
+    self.acting()
+    for s, h in self.old.items():
+      signal.signal(s, h)
+    if self._wake is not None:
+      signal.set_wakeup_fd(self._old_wakeup)
+      for sock in self._wake:
+        sock.close()
+      self._wake = None
+
+
+def _exit_now(signal_name: str):
+  """The watchdog's exit (nothing trained yet): one line, the sampler process killed, this process's shared
+  memory and argument files removed, multiprocessing's resource tracker stopped before it would warn about
+  them (lines of its own), then os._exit(130)."""
+  import multiprocessing
+  from multiprocessing import resource_tracker
+
+  os.write(2, f"interrupted during start-up ({signal_name}): nothing trained yet; exiting with code 130\n".encode())
+  for child in multiprocessing.active_children():
+    child.kill()
+  cleanup.remove_own()
+  tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+  if tracker:
+    with contextlib.suppress(OSError):
+      os.kill(tracker, signal.SIGKILL)
+  os._exit(130)
 
 
 def _publish(source, params, step: int):
@@ -387,7 +488,7 @@ def _open(spec, workdir: str, primary: bool, build_source, state, signals: _Sign
     source = build_source()
     c = spec.checkpoint
     ckpt = Checkpointer(
-      fs.join(workdir, "checkpoints"), keep_last=c.keep_last, keep_best=c.keep_best, best_metric="eval/accuracy"
+      fs.join(workdir, "checkpoints"), keep_last=c.keep_last, keep_best=c.keep_best, best_metric=BEST_METRIC
     )
     meta = {}
     latest = ckpt.latest_step()
@@ -404,9 +505,11 @@ def _open(spec, workdir: str, primary: bool, build_source, state, signals: _Sign
     signals.check()  # a signal during start-up ends the run here: nothing trained, nothing to save
     return source, ckpt, writer, state, latest, meta
   except BaseException as e:
-    _close_all(signals.old, source, ckpt, writer)
+    _close_all(signals, source, ckpt, writer)
     if isinstance(e, Interrupted):
-      log.warning("interrupted during start-up (%s): nothing trained since the last checkpoint; exiting", e)
+      log.warning(
+        "interrupted during start-up (%s): nothing trained since the last checkpoint; exiting with code 130", e
+      )
       raise SystemExit(130) from None
     raise
 
@@ -425,6 +528,11 @@ class _Evals:
   def __init__(self, spec, sampling, problems, protocol, key):
     self.spec, self.sampling, self.problems, self.protocol, self.key = spec, sampling, problems, protocol, key
     self.source = self.writer = None  # set once the run is opened
+    self._by_step: dict[int, dict] = {}  # step -> metrics of the evaluation of that step's parameters
+
+  def at(self, step) -> dict | None:
+    """The metrics of the evaluation of `step`'s parameters logged so far (a checkpoint's ranking), or None."""
+    return self._by_step.get(step)
 
   def __call__(self, step, params, tag=None) -> dict:
     if self.spec.eval_background and tag is None:
@@ -433,14 +541,15 @@ class _Evals:
     gen = self.sampling.generate_fn(params, jax.random.fold_in(self.key, 10**9 + step))
     rec = evaluation.evaluate(gen, self.problems, self.protocol, step, tag=tag)
     self.writer.write_eval(rec)  # eval.jsonl, through the file-system layer and truncated with the other logs
-    return _eval_metrics(rec)
+    self._by_step[step] = _eval_metrics(rec)
+    return self._by_step[step]
 
   def arrived(self, step, wait=False) -> dict:
     """eval.background: logs the records that arrived by `step`; returns the newest's metrics ({} if none)."""
     out = {}
     for rec in self.source.eval_results(wait=wait) if self.spec.eval_background else []:
       self.writer.write_eval(dict(rec, arrived_at_step=step))
-      out = _eval_metrics(rec)
+      out = self._by_step[rec["step"]] = _eval_metrics(rec)
       self.writer.write(rec["step"], dict(out, **{"eval/policy_version": rec["policy_version"]}))
     return out
 
@@ -580,10 +689,9 @@ def _reference_cosine(spec, graphdef, maker, key, mesh):
   return measure
 
 
-def _close_all(old_handlers: dict, *closeables):
+def _close_all(signals: _Signals, *closeables):
   """Restores the signal handlers, then closes each of `closeables` that was built (None: not yet)."""
-  for s, h in old_handlers.items():
-    signal.signal(s, h)
+  signals.close()
   for c in closeables:
     if c is not None:
       c.close()

@@ -263,6 +263,23 @@ def _environ(overrides: dict[str, str | None]):
         os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+  """SIGINT ignored while a child is spawned: an ignored signal stays ignored across exec, so the sampler
+  ignores a terminal's Ctrl-C (sent to the whole process group) from its first instruction, its imports
+  included, and the learner stops it. The learner's own handler is back once start() returns (a Ctrl-C in
+  that window of a few milliseconds is dropped). Off the main thread (signals cannot be set there): as is."""
+  try:
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  except ValueError:
+    yield
+    return
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, old)
+
+
 def _describe_exit(code: int | None) -> str:
   if code is None:
     return "is still running"
@@ -606,7 +623,7 @@ class AsyncSource(RolloutSource):
       name="vcpo-async-sampler",
       daemon=False,
     )  # a daemon could not start graders
-    with _environ(self.env):
+    with _environ(self.env), _sigint_ignored():
       self.proc.start()
     child_conn.close()
     self.queue.watch(self.proc)

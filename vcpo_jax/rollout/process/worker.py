@@ -214,9 +214,12 @@ def main(args_path: str, batch_queue, slot, conn, eval_slot=None, base_slot=None
   stopped = False
   try:
     # Unpickling the arguments attached every shared-memory channel: the learner may remove their names now.
-    conn.send(("attached", os.getpid()))
-    with open(args_path, "rb") as f:
-      args = pickle.load(f)
+    try:
+      conn.send(("attached", os.getpid()))
+      with open(args_path, "rb") as f:
+        args = pickle.load(f)
+    except (FileNotFoundError, BrokenPipeError):  # the learner closed (interrupted at start-up) before this read
+      raise _Stop from None
     try:
       os.unlink(args_path)
     except FileNotFoundError:
