@@ -84,14 +84,11 @@ def run(
   ConfigError before anything is built, unless `allow_config_change`: then it continues with the new values
   and config.json's `config_history` keeps each earlier config with the steps it governed.
 
-  `compile_cache`: jax's persistent compilation cache of this process and its sampler's: "auto" (on an accelerator,
-  a user cache dir), "off" or a directory (vcpo_jax/compile_cache.py).
-
   `workdir` is a local path or a URL (file://, gs://, s3://; every output goes through vcpo_jax.fs, and
   orbax checkpoints need a scheme etils knows: not memory://). On every start the logs are cut back to
   the restored step, so a crashed attempt's rows after its last checkpoint never appear twice.
-
-  interrupt_grace_s: before the first update, a signal not acted on within it ends the process (`_Signals`).
+  `compile_cache`: "auto" (on an accelerator, a user cache dir), "off" or a directory (vcpo_jax/compile_cache.py);
+  `interrupt_grace_s`: before the first update, a signal not acted on within it ends the process (`_Signals`).
   """
   # ---- config and workdir ----
   spec, primary = _open_workdir(config, workdir, allow_config_change, compile_cache)  # every check, before compiles
@@ -164,11 +161,7 @@ def run(
       _publish(source, state.params, step)
       t3 = time.time()
       _check_finite(m, step - 1, nonfinite_steps, spec.on_nonfinite)
-      row = _train_row(m, batch, info, t0, t1, t2, t3)
-      row.update(ref_row)
-      copy_s = source.take_copy_s()
-      if copy_s is not None:  # async shm path: the host copy's own seconds (see _train_row)
-        row["time/publish_copy_s"] = copy_s
+      row = {**_train_row(m, batch, info, t0, t1, t2, t3), **ref_row, **_publish_row(source)}
       if plain_step is not None and step % spec.log.norm_overhead_every == 0:
         row.update(_norm_overhead(plain_step, state.params, dev_batch, t2 - t1))
       evaluate_now = spec.eval_every and step % spec.eval_every == 0
@@ -180,12 +173,7 @@ def run(
       if step % spec.checkpoint.every == 0 and step < spec.steps:
         run_eval.arrived(step, wait=True)  # eval.background: this step's record ranks its checkpoint
         _save(ckpt, step, state, source, writer, run_eval.at(step), config_fp)
-    # A rerun of a finished run restores the final checkpoint, whose evaluation is logged already.
-    final_eval = meta.get("final_eval") if step == start else None
-    run_eval.arrived(step, wait=True)
-    if final_eval is None:
-      final_eval = run_eval(step, state.params, tag="final")
-      writer.write(step, final_eval)
+    final_eval = _final_eval(run_eval, writer, state, step, meta.get("final_eval") if step == start else None)
     _save(ckpt, step, state, source, writer, final_eval, config_fp, final=True)
   except (Interrupted, distributed.JobStopped) as e:
     log.warning("interrupted (%s): saving a checkpoint at step %d, then exiting with code 130", e, step)
@@ -200,6 +188,23 @@ def run(
   finally:
     _close_all(signals, source, ckpt, writer)
   return _finish(spec, workdir, primary, {"step": step, **final_eval, "nonfinite_steps": nonfinite_steps})
+
+
+def _final_eval(run_eval, writer, state, step: int, logged: dict | None) -> dict:
+  """The final evaluation, after every background one has arrived. A rerun of a finished run restores the final
+  checkpoint, whose evaluation (`logged`) is in the logs already."""
+  run_eval.arrived(step, wait=True)
+  if logged is not None:
+    return logged
+  final_eval = run_eval(step, state.params, tag="final")
+  writer.write(step, final_eval)
+  return final_eval
+
+
+def _publish_row(source) -> dict:
+  """The async shm path's host copy seconds of the last publish ({} on the other paths; see _train_row)."""
+  copy_s = source.take_copy_s()
+  return {} if copy_s is None else {"time/publish_copy_s": copy_s}
 
 
 # ----------------------------------------------------------------------------- the run's builders
