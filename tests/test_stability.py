@@ -418,7 +418,7 @@ def test_knob_overrides_hand_checked():
   assert tuning.knob_overrides("tv", 0.3) == {"vcpo.policy_loss_kw": "mask_low=0.3,mask_high=0.3"}
   assert tuning.knob_overrides("budget", 0.04) == {"vcpo.policy_loss_kw": "budget=0.04"}
   assert tuning.knob_overrides("ipo_threshold", 0.2) == {"vcpo.policy_loss_kw": "ipo_threshold=0.2"}
-  assert tuning.knob_overrides("kpop_phi", 0.05) == {"vcpo.policy_loss_kw": "phi=0.05"}
+  assert tuning.knob_overrides("kpop_phi", 0.05) == {"vcpo.policy_loss_kw": "phi=0.05,normalizer=loss_tokens"}
   assert tuning.value_str((0.5, 5.0)) == "0.5-5" and tuning.value_str(8.0) == "8" and tuning.value_str(None) == "-"
   with pytest.raises(ValueError, match="tuning knob 'eps_lo'"):
     tuning.knob_overrides("eps_lo", 0.1)

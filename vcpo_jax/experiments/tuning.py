@@ -48,7 +48,9 @@ KNOBS: dict[str, Callable[[Any], dict[str, Any]]] = {
   "icepop_interval": lambda v: {"vcpo.policy_loss_kw": "lower={},upper={}".format(*map(_g, _pair(v)))},
   "tv": lambda v: {"vcpo.policy_loss_kw": f"mask_low={_g(v)},mask_high={_g(v)}"},  # DPPO-TV bound
   "ipo_threshold": lambda v: {"vcpo.policy_loss_kw": f"ipo_threshold={_g(v)}"},  # IPO |p - q| bound
-  "kpop_phi": lambda v: {"vcpo.policy_loss_kw": f"phi={_g(v)}"},  # KPop binary-KL bound
+  # KPop binary-KL bound; the normaliser named, so that the records made with the earlier kept-token default
+  # (docs/results/stability_ledger/corrections' kpop runs) are not reused under AReaL's all-token one
+  "kpop_phi": lambda v: {"vcpo.policy_loss_kw": f"phi={_g(v)},normalizer=loss_tokens"},
 }
 
 
