@@ -522,7 +522,7 @@ class AsyncSource(RolloutSource):
     self._thread_error: BaseException | None = None
     self._thread = None
     self.publish_blocking_s: list[float] = []  # learner-side time inside publish(), per call (perf_counter)
-    self.publish_records: collections.deque = collections.deque(maxlen=4096)  # delta publishing, per write
+    self.publish_records: collections.deque = collections.deque(maxlen=4096)  # shm slot writes: kind, bytes
     self._copy_s: collections.deque = collections.deque()  # host copy seconds of versions written, not logged yet
     # Background evaluation (eval.background): the worker's EvalArgs, the eval slot, records that arrived.
     self.eval_args = None
@@ -725,7 +725,7 @@ class AsyncSource(RolloutSource):
   def _write(self, arrays: dict, version: int, poll):
     """Writes version `version` into the slot and records its checksum (computed during the copy)."""
     self.slot.publish(arrays, version, poll=poll)
-    if self.slot.last_publish is not None:  # delta publishing: (version, "full" | "delta", bytes written)
+    if self.slot.last_publish is not None:  # (version, "full" | "delta", bytes written into the slot)
       self.publish_records.append((version, self.slot.last_publish["kind"], self.slot.last_publish["bytes"]))
     self._checksums[version] = self.slot.last_checksum  # None: async_.publish_checksum off, not checked
     for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:

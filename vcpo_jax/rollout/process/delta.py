@@ -20,13 +20,24 @@ compressed), with no per-element index. zlib (stdlib) because no faster codec (l
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 BLOCK_BYTES = 1 << 18  # 256 KiB: large enough for zlib, small enough to skip unchanged regions
 _LEVEL = 1  # zlib's fastest level: the XOR planes are mostly zeros, which every level compresses well
+_THREADS = max(1, min(8, os.cpu_count() or 1))  # zlib and numpy release the GIL: blocks are coded in parallel
+_pool: ThreadPoolExecutor | None = None
+
+
+def _map(fn, items):
+  global _pool
+  if _pool is None:
+    _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="vcpo-delta")
+  return list(_pool.map(fn, items))
 
 
 def blocks(spec: Mapping[str, tuple[tuple[int, ...], np.dtype]], offsets: Mapping[str, int], nbytes: int):
@@ -54,22 +65,23 @@ def _unplanes(data: bytes, size: int) -> np.ndarray:
 
 def encode(new: np.ndarray, base: np.ndarray, layout: list, limit: int) -> bytes | None:
   """The record of `new` against `base` (uint8 buffers of one layout, `blocks(...)`), or None once it would exceed
-  `limit` bytes (a full send is then cheaper)."""
-  codes = np.zeros(len(layout), np.int64)
-  parts, total = [], codes.nbytes
+  `limit` bytes (a full send is then cheaper). Blocks are coded by a pool of _THREADS threads."""
   wn, wb = new.view(np.uint64), base.view(np.uint64)
-  for i, (lo, hi, size) in enumerate(layout):
+
+  def one(block):
+    lo, hi, size = block
     x = np.bitwise_xor(wn[lo // 8 : hi // 8], wb[lo // 8 : hi // 8])
     if not x.any():
-      continue
+      return 0, b""
     raw = _planes(x.view(np.uint8), size)
     packed = zlib.compress(raw, _LEVEL)
-    data, codes[i] = (packed, len(packed)) if len(packed) < len(raw) else (raw, -len(raw))
-    total += len(data)
-    if total > limit:
-      return None
-    parts.append(data)
-  return codes.tobytes() + b"".join(parts)
+    return (len(packed), packed) if len(packed) < len(raw) else (-len(raw), raw)
+
+  coded = _map(one, layout)
+  codes = np.asarray([c for c, _ in coded], np.int64).reshape(len(layout))
+  if codes.nbytes + sum(len(d) for _, d in coded) > limit:
+    return None
+  return codes.tobytes() + b"".join(d for _, d in coded)
 
 
 def decode(record, base: np.ndarray, out: np.ndarray, layout: list) -> np.ndarray:
@@ -79,19 +91,19 @@ def decode(record, base: np.ndarray, out: np.ndarray, layout: list) -> np.ndarra
   codes = np.frombuffer(rec[: 8 * len(layout)], np.int64)
   if out is not base:
     np.copyto(out, base)
-  pos = 8 * len(layout)
-  for (lo, hi, size), code in zip(layout, codes.tolist()):
-    if code == 0:
-      continue
-    n = abs(code)
-    chunk = rec[pos : pos + n]
-    pos += n
+  starts = 8 * len(layout) + np.concatenate([[0], np.cumsum(np.abs(codes))])
+  if starts[-1] != len(rec):
+    raise ValueError(f"delta record: {len(rec)} bytes, its blocks account for {int(starts[-1])}")
+
+  def one(i):  # blocks are disjoint: the threads patch different bytes of `out`
+    (lo, hi, size), code, pos = layout[i], int(codes[i]), int(starts[i])
+    chunk = rec[pos : pos + abs(code)]
     x = _unplanes(zlib.decompress(chunk) if code > 0 else bytes(chunk), size)
     if x.size != hi - lo:
       raise ValueError(f"delta record: block [{lo}, {hi}) decodes to {x.size} bytes")
     np.bitwise_xor(out[lo:hi], x, out=out[lo:hi])
-  if pos != len(rec):
-    raise ValueError(f"delta record: {len(rec)} bytes, its blocks account for {pos}")
+
+  _map(one, [i for i in range(len(layout)) if codes[i] != 0])
   return out
 
 

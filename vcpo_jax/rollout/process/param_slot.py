@@ -191,7 +191,7 @@ class ParamSlot:
   copy: a fresh reader (a replacement sampler, a resumed run: new slots) gets a full one, and a reader that
   skipped versions gets a delta against the one it holds. The checksum is the same as a full publish's: the
   writer's of the version's own buffer, the reader's of the buffer it rebuilt. `last_publish` says what the
-  last publish wrote ({"kind": "full" | "delta", "bytes", "base"}); latest() in the writer's process returns
+  last publish wrote ({"kind": "full" | "delta", "bytes", "base"}; full copies without delta too); latest() in the writer's process returns
   its own copy of the last version (what a replacement sampler starts from).
   """
 
@@ -379,6 +379,8 @@ class ParamSlot:
       if self.delta:  # what buffer 0 holds now
         self._hdr[[_H_KIND, _H_BASE, _H_LEN]] = record
     self.last_checksum = csum
+    if not self.delta:
+      self.last_publish = {"kind": "full", "bytes": self._buf_nbytes, "base": -1}
     return version
 
   def _write_delta(self, checked: Mapping[str, np.ndarray], version: int, held: int) -> tuple[int | None, list]:
