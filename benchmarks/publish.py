@@ -32,6 +32,17 @@ slot's copy with its fused checksum (ParamSlot's block copy + row sums: what pub
 same walk out of the slot into given arrays, what latest() does),
 the checksum as a separate pass (`param_slot.checksum`) and zlib.adler32 over the same bytes (the previous
 checksum), in rounds with the order rotated; median and range over rounds, and the ratios to the copy.
+
+A setting's 4th and 5th fields set async_.publish_delta and async_.publish_dtype: e.g.
+--settings=false:1,false:1:true:auto,false:1:true:off:bfloat16,false:1:true:auto:bfloat16 compares full and delta
+publishing (the table's "MB per publish": bytes written into the slot per publish after the first).
+
+    python -m benchmarks.publish --delta --layers=4 --rounds=5 --lr=1e-6
+
+`--delta` instead times full against delta publishing through ParamSlot at Qwen2.5-1.5B's widths (`--layers` of
+its 28 decoder layers, no embedding, bfloat16, random host arrays moved by lr * N(0, 1) per element per round,
+the size of an AdamW step): write and read seconds, bytes per publish, the fraction of elements and bytes changed
+(`delta_costs`).
 """
 
 from __future__ import annotations
@@ -212,7 +223,7 @@ def main_checksum(a):
   print(json.dumps(dict(benchmark="publish_checksum", args=vars(a), results=results)))
 
 
-QWEN25_1P5B = dict(hidden=1536, ffn=8960, heads=12, kv_heads=2, head_dim=128, vocab=151936, layers=28)
+QWEN25_1P5B = {"hidden": 1536, "ffn": 8960, "heads": 12, "kv_heads": 2, "head_dim": 128, "vocab": 151936, "layers": 28}
 
 
 def qwen_1p5b_shapes(layers: int, embed: bool = False) -> dict:
@@ -220,8 +231,8 @@ def qwen_1p5b_shapes(layers: int, embed: bool = False) -> dict:
   embedding if `embed`: the parameters a publish moves (46.8M per layer, 233M embedding, 1.54B at 28 layers)."""
   q = QWEN25_1P5B
   d, f, kv = q["hidden"], q["ffn"], q["kv_heads"] * q["head_dim"]
-  one = dict(q=(d, d), q_b=(d,), k=(d, kv), k_b=(kv,), v=(d, kv), v_b=(kv,), o=(d, d), gate=(d, f), up=(d, f))
-  one.update(down=(f, d), ln1=(d,), ln2=(d,))
+  one = {"q": (d, d), "q_b": (d,), "k": (d, kv), "k_b": (kv,), "v": (d, kv), "v_b": (kv,), "o": (d, d)}
+  one.update({"gate": (d, f), "up": (d, f), "down": (f, d), "ln1": (d,), "ln2": (d,)})
   out = {"embed": (q["vocab"], d)} if embed else {}
   for i in range(layers):
     out.update({f"layers.{i}.{n}": s for n, s in one.items()})
@@ -324,7 +335,7 @@ def main_delta(a):
     f"changed per step: {fmt(x['changed_elements'], 100)} % of elements, {fmt(x['changed_bytes'], 100)} % of "
     f"bytes; load {x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f}"
   )
-  print(json.dumps(dict(benchmark="publish_delta", args=vars(a), result=x)))
+  print(json.dumps({"benchmark": "publish_delta", "args": vars(a), "result": x}))
 
 
 def main(argv=None):
@@ -363,7 +374,8 @@ def main(argv=None):
         x = per[background][-1]
         print(
           f"[publish] {size} round {r} background={background}: publish {x['publish'] * 1e3:.2f} ms, copy "
-          f"{x['copy'] * 1e3:.2f} ms, learn+publish {x['step'] * 1e3:.1f} ms, offer {x['offer'] * 1e3:.2f} ms "
+          f"{x['copy'] * 1e3:.2f} ms, learn+publish {x['step'] * 1e3:.1f} ms, offer {x['offer'] * 1e3:.2f} ms, "
+          f"{x['bytes'] / 1e6:.3f} of {x['full_bytes'] / 1e6:.3f} MB, delta {x['delta_frac']:.2f} "
           f"({time.time() - t0:.0f} s run, load {os.getloadavg()[0]:.1f})",
           flush=True,
         )

@@ -67,6 +67,15 @@ slot by a sampler thread on its own devices of this process; the transfer path (
 rollout/transfer_publish.py) keeps the sampler process and replaces the slot by pulls of device arrays
 with `jax.experimental.transfer`; both check their own device checksum.
 
+Delta publishing (`async_.publish_delta`: "off" (default) | "auto"): on the shm slot with one parameter copy
+(publish_buffers resolving to 1; the multi-host path's per-host slot included), each publish after the first
+writes a compressed XOR record against the version the sampler holds instead of every weight
+(process/param_slot.py "Delta publishing", process/delta.py), and the sampler rebuilds the version bit for bit;
+the checksum, recorded and echoed as above, is that of the rebuilt weights. A fresh slot (the start, a
+replacement sampler, a resumed run) gets a full copy, and so does a record longer than 3/4 of one. Costs: two
+more host copies of the weights on this side, one on the sampler's, and zlib time on both (benchmarks/README.md
+"Parameter publishing": fewer bytes, more seconds on one host). The transfer and device paths publish full copies.
+
 LoRA (model.lora_rank > 0): every publish moves the adapters only; the frozen base goes to each spawned
 sampler once, through a one-shot ParamSlot (`_base_channel`) that this side closes as soon as the sampler has
 attached and the sampler closes once it has read it, so it neither rides in the pickled arguments nor stays in
