@@ -239,7 +239,18 @@ def qwen_1p5b_shapes(layers: int, embed: bool = False) -> dict:
   return out
 
 
-def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0) -> dict:
+def testbed_shapes(size: str) -> dict:
+  """{name: shape} of a SIZES model's parameters (configs/countdown.py at that size)."""
+  import jax
+
+  from vcpo_jax import run_config
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  _, abstract = worker_lib.abstract_params(run_config.parse_config(_config(size, 2, "false")).model_cfg)
+  return {n: tuple(x.shape) for n, x in zip(worker_lib.param_names(abstract), jax.tree.leaves(abstract))}
+
+
+def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0, shape: str = "1.5B", dtype: str = "bfloat16"):
   """Full against delta publishing through ParamSlot (bfloat16, one copy, checksum on), writer and reader in this
   process (the reader takes every version before the next publish, as the sampler does at one batch per step).
   Each round: a float32 master moves by lr * N(0, 1) per element (an AdamW step's size), is cast to bfloat16,
@@ -250,12 +261,11 @@ def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0) -> dict:
 
   from vcpo_jax.rollout.process.param_slot import ParamSlot
 
-  bf16 = np.dtype(ml_dtypes.bfloat16)
+  bf16 = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
   rng = np.random.default_rng(seed)
-  shapes = qwen_1p5b_shapes(layers)
-  master = {
-    n: (np.ones(s, np.float32) if n.endswith(("ln1", "ln2")) else 0.02 * rng.standard_normal(s, np.float32))
-    for n, s in shapes.items()
+  shapes = qwen_1p5b_shapes(layers) if shape == "1.5B" else testbed_shapes(shape)
+  master = {  # vectors (norms, biases) at 1, matrices ~ N(0, 0.02^2)
+    n: (np.ones(s, np.float32) if len(s) < 2 else 0.02 * rng.standard_normal(s, np.float32)) for n, s in shapes.items()
   }
   cast = lambda: {n: m.astype(bf16) for n, m in master.items()}
   arrays = cast()
@@ -273,11 +283,11 @@ def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0) -> dict:
       for m in master.values():
         m -= np.float32(lr) * rng.standard_normal(m.shape, np.float32)
       prev, arrays = arrays, cast()
-      el = sum(int((a.view(np.uint16) != prev[n].view(np.uint16)).sum()) for n, a in arrays.items())
+      el = sum(int((a != prev[n]).sum()) for n, a in arrays.items())
       by = sum(int((a.view(np.uint8) != prev[n].view(np.uint8)).sum()) for n, a in arrays.items())
       size = sum(a.size for a in arrays.values())
       changed_el.append(el / size)
-      changed_b.append(by / (2 * size))
+      changed_b.append(by / (bf16.itemsize * size))
       sums = set()
       for k in list(slots) if r % 2 == 0 else list(slots)[::-1]:
         t0 = time.perf_counter()
@@ -307,6 +317,8 @@ def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0) -> dict:
   rng3 = lambda xs: [float(np.median(xs)), float(np.min(xs)), float(np.max(xs))]
   ratio = lambda f: np.asarray(per["full"][f]) / np.asarray(per["delta"][f])
   return dict(
+    shape=shape,
+    dtype=dtype,
     layers=layers,
     lr=lr,
     params=int(sum(int(np.prod(s)) for s in shapes.values())),
@@ -319,9 +331,9 @@ def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0) -> dict:
 
 def main_delta(a):
   load0 = os.getloadavg()
-  x = delta_costs(a.layers, a.lr, a.rounds)
+  x = delta_costs(a.layers, a.lr, a.rounds, shape=a.shape, dtype=a.dtype)
   x["load_before"], x["load_after"] = list(load0), list(os.getloadavg())
-  scale = QWEN25_1P5B["layers"] / a.layers
+  scale = QWEN25_1P5B["layers"] / a.layers if a.shape == "1.5B" else 1.0
   print("| setting | write s | read s | MB per publish | MB at 28 layers | full / delta (write, read, bytes) |")
   print("|---|---:|---:|---:|---:|---|")
   fmt = lambda v, m=1.0: "{:.2f} ({:.2f}-{:.2f})".format(*(m * t for t in v))
@@ -354,6 +366,8 @@ def main(argv=None):
   p.add_argument("--delta", action="store_true", help="full against delta publishing at Qwen2.5-1.5B widths")
   p.add_argument("--layers", type=int, default=4, help="--delta: decoder layers of the 1.5B widths (of 28)")
   p.add_argument("--lr", type=float, default=1e-6, help="--delta: the update's size per element (AdamW lr)")
+  p.add_argument("--shape", default="1.5B", help="--delta: 1.5B (Qwen2.5-1.5B widths) or a SIZES model")
+  p.add_argument("--dtype", default="bfloat16", help="--delta: the published dtype (bfloat16 | float32)")
   a = p.parse_args(argv)
   if a.checksum:
     return main_checksum(a)

@@ -30,11 +30,14 @@ import numpy as np
 BLOCK_BYTES = 1 << 18  # 256 KiB: large enough for zlib, small enough to skip unchanged regions
 _LEVEL = 1  # zlib's fastest level: the XOR planes are mostly zeros, which every level compresses well
 _THREADS = max(1, min(8, os.cpu_count() or 1))  # zlib and numpy release the GIL: blocks are coded in parallel
+_POOL_MIN = 32  # fewer blocks than this are coded on the caller's thread (thread hand-offs cost more)
 _pool: ThreadPoolExecutor | None = None
 
 
 def _map(fn, items):
   global _pool
+  if len(items) < _POOL_MIN or _THREADS == 1:
+    return [fn(x) for x in items]
   if _pool is None:
     _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="vcpo-delta")
   return list(_pool.map(fn, items))

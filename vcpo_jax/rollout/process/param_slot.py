@@ -191,8 +191,8 @@ class ParamSlot:
   copy: a fresh reader (a replacement sampler, a resumed run: new slots) gets a full one, and a reader that
   skipped versions gets a delta against the one it holds. The checksum is the same as a full publish's: the
   writer's of the version's own buffer, the reader's of the buffer it rebuilt. `last_publish` says what the
-  last publish wrote ({"kind": "full" | "delta", "bytes", "base"}; full copies without delta too); latest() in the writer's process returns
-  its own copy of the last version (what a replacement sampler starts from).
+  last publish wrote ({"kind": "full" | "delta", "bytes", "base"}; without delta, always "full"); latest() in
+  the writer's process returns its own copy of the last version (what a replacement sampler starts from).
   """
 
   def __init__(
@@ -473,16 +473,13 @@ class ParamSlot:
         dst = out if out is not None else {n: np.empty(s, d) for n, (s, d) in self.spec.items()}
         csum = new = None
         try:
-          if self.delta:
+          if self.delta or self.checksums:  # summed and copied block by block
             flat = {n: dst[n] if dst[n].flags.c_contiguous else np.empty(s, d) for n, (s, d) in self.spec.items()}
-            new, csum = self._read_delta(*record, flat)
-            csum = csum if self.checksums else None
-            for n, x in flat.items():
-              if x is not dst[n]:
-                np.copyto(dst[n], x)
-          elif self.checksums:  # summed and copied block by block
-            flat = {n: dst[n] if dst[n].flags.c_contiguous else np.empty(s, d) for n, (s, d) in self.spec.items()}
-            csum = _copy_sum(self._bufs[b], self._offsets, flat, into_buf=False)
+            if self.delta:  # rebuilt from a delta record (or copied whole), then summed and copied
+              new, csum = self._read_delta(*record, flat)
+              csum = csum if self.checksums else None
+            else:
+              csum = _copy_sum(self._bufs[b], self._offsets, flat, into_buf=False)
             for n, x in flat.items():
               if x is not dst[n]:  # a non-contiguous `out` array
                 np.copyto(dst[n], x)
