@@ -32,6 +32,17 @@ slot's copy with its fused checksum (ParamSlot's block copy + row sums: what pub
 same walk out of the slot into given arrays, what latest() does),
 the checksum as a separate pass (`param_slot.checksum`) and zlib.adler32 over the same bytes (the previous
 checksum), in rounds with the order rotated; median and range over rounds, and the ratios to the copy.
+
+A setting's 4th and 5th fields set async_.publish_delta and async_.publish_dtype: e.g.
+--settings=false:1,false:1:true:auto,false:1:true:off:bfloat16,false:1:true:auto:bfloat16 compares full and delta
+publishing (the table's "MB per publish": bytes written into the slot per publish after the first).
+
+    python -m benchmarks.publish --delta --layers=4 --rounds=5 --lr=1e-6
+
+`--delta` instead times full against delta publishing through ParamSlot at Qwen2.5-1.5B's widths (`--layers` of
+its 28 decoder layers, no embedding, bfloat16, random host arrays moved by lr * N(0, 1) per element per round,
+the size of an AdamW step): write and read seconds, bytes per publish, the fraction of elements and bytes changed
+(`delta_costs`).
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ SIZES = {
 def _config(size: str, steps: int, background: str):
   from configs import countdown
 
-  background, buffers, csum = (background.split(":") + ["", ""])[:3]
+  background, buffers, csum, delta, dtype = (background.split(":") + ["", "", "", ""])[:5]
 
   hidden, layers, ffn, prompts, group = SIZES[size]
   c = countdown.get_config()
@@ -77,6 +88,8 @@ def _config(size: str, steps: int, background: str):
     c.async_.background_publish = background
     c.async_.publish_buffers = int(buffers or 0)
     c.async_.publish_checksum = csum or "true"
+    c.async_.publish_delta = delta or "off"
+    c.async_.publish_dtype = dtype or "auto"
     if os.environ.get("BENCH_PUBLISH_DEVICES"):  # --settings with "device": the same learner device for all
       c.async_.sampler_devices = "1"
   return c
@@ -110,6 +123,10 @@ def run_one(size: str, steps: int, background: str) -> dict:
     step=med([r["time/learn_s"] + r["time/publish_s"] for r in rows]),
     # transfer: the server thread's await_pull registration per pull request (off the learner's thread)
     offer=med(getattr(built[0], "offer_s", [])),
+    # delta publishing: bytes written into the slot per publish after the first (a full copy: the slot's size)
+    bytes=med([b for _, _, b in list(built[0].publish_records)[1:]]) if built[0].publish_records else float("nan"),
+    full_bytes=float(built[0].publish_records[0][2]) if built[0].publish_records else float("nan"),
+    delta_frac=float(np.mean([k == "delta" for _, k, _ in list(built[0].publish_records)[1:]] or [0.0])),
   )
 
 
@@ -206,6 +223,133 @@ def main_checksum(a):
   print(json.dumps(dict(benchmark="publish_checksum", args=vars(a), results=results)))
 
 
+QWEN25_1P5B = {"hidden": 1536, "ffn": 8960, "heads": 12, "kv_heads": 2, "head_dim": 128, "vocab": 151936, "layers": 28}
+
+
+def qwen_1p5b_shapes(layers: int, embed: bool = False) -> dict:
+  """{name: shape} of `layers` decoder layers at Qwen2.5-1.5B's widths (q/k/v biases, two norms), and its tied
+  embedding if `embed`: the parameters a publish moves (46.8M per layer, 233M embedding, 1.54B at 28 layers)."""
+  q = QWEN25_1P5B
+  d, f, kv = q["hidden"], q["ffn"], q["kv_heads"] * q["head_dim"]
+  one = {"q": (d, d), "q_b": (d,), "k": (d, kv), "k_b": (kv,), "v": (d, kv), "v_b": (kv,), "o": (d, d)}
+  one.update({"gate": (d, f), "up": (d, f), "down": (f, d), "ln1": (d,), "ln2": (d,)})
+  out = {"embed": (q["vocab"], d)} if embed else {}
+  for i in range(layers):
+    out.update({f"layers.{i}.{n}": s for n, s in one.items()})
+  return out
+
+
+def testbed_shapes(size: str) -> dict:
+  """{name: shape} of a SIZES model's parameters (configs/countdown.py at that size)."""
+  import jax
+
+  from vcpo_jax import run_config
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  _, abstract = worker_lib.abstract_params(run_config.parse_config(_config(size, 2, "false")).model_cfg)
+  return {n: tuple(x.shape) for n, x in zip(worker_lib.param_names(abstract), jax.tree.leaves(abstract))}
+
+
+def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0, shape: str = "1.5B", dtype: str = "bfloat16"):
+  """Full against delta publishing through ParamSlot (bfloat16, one copy, checksum on), writer and reader in this
+  process (the reader takes every version before the next publish, as the sampler does at one batch per step).
+  Each round: a float32 master moves by lr * N(0, 1) per element (an AdamW step's size), is cast to bfloat16,
+  and both slots publish it, then their readers read it, the order of the two slots alternating by round.
+  Per round: write (publish) and read (latest) seconds, bytes written into the slot, the fraction of bfloat16
+  elements and of bytes that changed; the readers' checksums must equal the writers' (and each other's)."""
+  import ml_dtypes
+
+  from vcpo_jax.rollout.process.param_slot import ParamSlot
+
+  bf16 = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+  rng = np.random.default_rng(seed)
+  shapes = qwen_1p5b_shapes(layers) if shape == "1.5B" else testbed_shapes(shape)
+  master = {  # vectors (norms, biases) at 1, matrices ~ N(0, 0.02^2)
+    n: (np.ones(s, np.float32) if len(s) < 2 else 0.02 * rng.standard_normal(s, np.float32)) for n, s in shapes.items()
+  }
+  cast = lambda: {n: m.astype(bf16) for n, m in master.items()}
+  arrays = cast()
+  slots = {"full": ParamSlot(arrays, nbuf=1), "delta": ParamSlot(arrays, nbuf=1, delta=True)}
+  readers = {}
+  for k, slot in slots.items():
+    readers[k] = ParamSlot.__new__(ParamSlot)
+    readers[k].__setstate__(slot.__getstate__())  # the sampler's end (what unpickling in its process builds)
+    slot.publish(arrays, 0)
+    readers[k].latest(timeout=60.0)
+  per = {k: {"write_s": [], "read_s": [], "bytes": []} for k in slots}
+  changed_el, changed_b = [], []
+  try:
+    for r in range(rounds):
+      for m in master.values():
+        m -= np.float32(lr) * rng.standard_normal(m.shape, np.float32)
+      prev, arrays = arrays, cast()
+      el = sum(int((a != prev[n]).sum()) for n, a in arrays.items())
+      by = sum(int((a.view(np.uint8) != prev[n].view(np.uint8)).sum()) for n, a in arrays.items())
+      size = sum(a.size for a in arrays.values())
+      changed_el.append(el / size)
+      changed_b.append(by / (bf16.itemsize * size))
+      sums = set()
+      for k in list(slots) if r % 2 == 0 else list(slots)[::-1]:
+        t0 = time.perf_counter()
+        slots[k].publish(arrays, r + 1)
+        t1 = time.perf_counter()
+        v, got = readers[k].latest(timeout=60.0)
+        t2 = time.perf_counter()
+        assert v == r + 1 and readers[k].checksum_of(got, list(slots[k].spec)) == slots[k].last_checksum
+        sums.add(slots[k].last_checksum)
+        per[k]["write_s"].append(t1 - t0)
+        per[k]["read_s"].append(t2 - t1)
+        per[k]["bytes"].append(slots[k].last_publish["bytes"])
+        del got
+      assert len(sums) == 1  # both slots published the same bytes
+      print(
+        f"[publish --delta] round {r}: "
+        + ", ".join(
+          f"{k} write {per[k]['write_s'][-1]:.2f} s read {per[k]['read_s'][-1]:.2f} s {per[k]['bytes'][-1] / 1e6:.1f} MB"
+          for k in slots
+        )
+        + f", {100 * changed_el[-1]:.2f}% elements changed (load {os.getloadavg()[0]:.1f})",
+        flush=True,
+      )
+  finally:
+    for x in (*readers.values(), *slots.values()):
+      x.close()
+  rng3 = lambda xs: [float(np.median(xs)), float(np.min(xs)), float(np.max(xs))]
+  ratio = lambda f: np.asarray(per["full"][f]) / np.asarray(per["delta"][f])
+  return dict(
+    shape=shape,
+    dtype=dtype,
+    layers=layers,
+    lr=lr,
+    params=int(sum(int(np.prod(s)) for s in shapes.values())),
+    **{f"{k}_{f}": rng3(per[k][f]) for k in slots for f in per[k]},
+    full_over_delta={f: rng3(ratio(f)) for f in ("write_s", "read_s", "bytes")},
+    changed_elements=rng3(changed_el),
+    changed_bytes=rng3(changed_b),
+  )
+
+
+def main_delta(a):
+  load0 = os.getloadavg()
+  x = delta_costs(a.layers, a.lr, a.rounds, shape=a.shape, dtype=a.dtype)
+  x["load_before"], x["load_after"] = list(load0), list(os.getloadavg())
+  scale = QWEN25_1P5B["layers"] / a.layers if a.shape == "1.5B" else 1.0
+  print("| setting | write s | read s | MB per publish | MB at 28 layers | full / delta (write, read, bytes) |")
+  print("|---|---:|---:|---:|---:|---|")
+  fmt = lambda v, m=1.0: "{:.2f} ({:.2f}-{:.2f})".format(*(m * t for t in v))
+  for k in ("full", "delta"):
+    rat = "" if k == "full" else ", ".join(fmt(x["full_over_delta"][f]) for f in ("write_s", "read_s", "bytes"))
+    print(
+      f"| {k} | {fmt(x[f'{k}_write_s'])} | {fmt(x[f'{k}_read_s'])} | {fmt(x[f'{k}_bytes'], 1e-6)} | "
+      f"{fmt(x[f'{k}_bytes'], 1e-6 * scale)} | {rat} |"
+    )
+  print(
+    f"changed per step: {fmt(x['changed_elements'], 100)} % of elements, {fmt(x['changed_bytes'], 100)} % of "
+    f"bytes; load {x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f}"
+  )
+  print(json.dumps({"benchmark": "publish_delta", "args": vars(a), "result": x}))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--rounds", type=int, default=3)
@@ -219,9 +363,16 @@ def main(argv=None):
     "'transfer' (publish_path='transfer': a sampler process pulling with jax.experimental.transfer)",
   )
   p.add_argument("--checksum", action="store_true", help="time the slot copy against its checksum (see above)")
+  p.add_argument("--delta", action="store_true", help="full against delta publishing at Qwen2.5-1.5B widths")
+  p.add_argument("--layers", type=int, default=4, help="--delta: decoder layers of the 1.5B widths (of 28)")
+  p.add_argument("--lr", type=float, default=1e-6, help="--delta: the update's size per element (AdamW lr)")
+  p.add_argument("--shape", default="1.5B", help="--delta: 1.5B (Qwen2.5-1.5B widths) or a SIZES model")
+  p.add_argument("--dtype", default="bfloat16", help="--delta: the published dtype (bfloat16 | float32)")
   a = p.parse_args(argv)
   if a.checksum:
     return main_checksum(a)
+  if a.delta:
+    return main_delta(a)
   settings = a.settings.split(",")
   if "device" in settings:  # before JAX is imported (vcpo_jax is imported inside the functions)
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
@@ -237,7 +388,8 @@ def main(argv=None):
         x = per[background][-1]
         print(
           f"[publish] {size} round {r} background={background}: publish {x['publish'] * 1e3:.2f} ms, copy "
-          f"{x['copy'] * 1e3:.2f} ms, learn+publish {x['step'] * 1e3:.1f} ms, offer {x['offer'] * 1e3:.2f} ms "
+          f"{x['copy'] * 1e3:.2f} ms, learn+publish {x['step'] * 1e3:.1f} ms, offer {x['offer'] * 1e3:.2f} ms, "
+          f"{x['bytes'] / 1e6:.3f} of {x['full_bytes'] / 1e6:.3f} MB, delta {x['delta_frac']:.2f} "
           f"({time.time() - t0:.0f} s run, load {os.getloadavg()[0]:.1f})",
           flush=True,
         )
@@ -248,6 +400,7 @@ def main(argv=None):
         size=size,
         params=num_params(size),
         **{f"{b}_{f}_ms": float(np.median(col(b, f))) for b in per for f in ("publish", "copy", "step", "offer")},
+        **{f"{b}_mb": float(np.median([x["bytes"] for x in per[b]])) / 1e6 for b in per},
         ratios={b: [float(np.median(r)), float(r.min()), float(r.max())] for b, r in ratios.items()},
         per_round={b: per[b] for b in per},
         load_before=list(load0),
@@ -256,15 +409,16 @@ def main(argv=None):
     )
   print(
     f"| model | parameters | setting | publish_s (ms) | {settings[0]} / setting, median (range) | "
-    "publish_copy_s (ms) | learn + publish (ms) | load avg |"
+    "publish_copy_s (ms) | learn + publish (ms) | MB per publish | load avg |"
   )
-  print("|---|---:|---|---:|---|---:|---:|---|")
+  print("|---|---:|---|---:|---|---:|---:|---:|---|")
   for x in results:
     for b in settings:
       ratio = "" if b == settings[0] else "{:.1f}x ({:.1f}-{:.1f})".format(*x["ratios"][b])
       print(
         f"| {x['size']} | {x['params'] / 1e6:.1f}M | {b} | {x[f'{b}_publish_ms']:.2f} | {ratio} | "
-        f"{x[f'{b}_copy_ms']:.2f} | {x[f'{b}_step_ms']:.0f} | {x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f} |"
+        f"{x[f'{b}_copy_ms']:.2f} | {x[f'{b}_step_ms']:.0f} | {x[f'{b}_mb']:.3f} | "
+        f"{x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f} |"
       )
   print(json.dumps(dict(benchmark="publish", args=vars(a), results=results)))
 

@@ -425,6 +425,54 @@ def test_checksum_and_one_copy_leave_the_synchronous_paths_batches_unchanged():
     assert i_new["texts"] == i_old["texts"] == i_one["texts"]
 
 
+def test_delta_publishing_rebuilds_every_version_across_a_sampler_replacement_and_a_resume():
+  """async_.publish_delta="auto" with the real sampler process: the first write of every slot is a full copy (the
+  start, the replacement of a SIGKILLed sampler: fresh shared memory, and a resumed run: a new source), every
+  later publish a delta record against the version the sampler holds, and every batch echoes the checksum of the
+  version it was made with, computed by the sampler over the weights it rebuilt (next() checks it against the
+  published one): equal to param_slot.checksum of what was published, bit for bit."""
+  import numpy as np
+
+  from vcpo_jax.rollout.process import param_slot
+  from vcpo_jax.rollout.process import worker as worker_lib
+
+  over = {"lag.k": 1, "async_.queue_slots": 1, "async_.publish_delta": "auto"}
+  src, params = _source(_tiny(steps=8, **over))
+  names = worker_lib.param_names(params)
+  version = lambda v: jax.tree.map(lambda x: x * (1.0 + 1e-6 * v), params)  # every value moves a few ulps
+  want = lambda v: param_slot.checksum({n: np.asarray(a) for n, a in zip(names, jax.tree.leaves(version(v)))})
+
+  def steps(src, first, last, kill_at=None):
+    echoed = {}
+    for step in range(first, last):
+      if step == kill_at:
+        os.kill(src.pid, signal.SIGKILL)
+        src.proc.join(60.0)
+      if step != first + 1:  # versions fixed by the protocol (versions_and_batches)
+        src.publish(version(max(first, step - 1)), max(first, step - 1))
+      batch, info = src.next(step)
+      echoed[int(batch["policy_version"][0])] = info["params_checksum"]
+    return echoed
+
+  try:
+    echoed = steps(src, 0, 6, kill_at=4)
+    assert src.slot.delta and src.slot.nbuf == 1  # the replacement's slot
+    assert src.sampler_restarts == 1
+    kinds = [(v, kind) for v, kind, _ in src.publish_records]
+  finally:
+    src.close()
+  assert echoed == {v: want(v) for v in range(5)}, echoed  # version 4: made by the replacement
+  # 0: the start. The death is seen at publish(3): the replacement's fresh slot gets 2 (the newest written), in
+  # full, and 3 in full too (the new sampler held no version yet); 1, 2 and 4: deltas against the sampler's.
+  assert kinds == [(0, "full"), (1, "delta"), (2, "delta"), (2, "full"), (3, "full"), (4, "delta")], kinds
+  resumed, _ = _source(_tiny(steps=8, **over))  # a resumed run: a new source whose first version is 5
+  try:
+    assert steps(resumed, 5, 8) == {v: want(v) for v in (5, 6)}
+    assert [(v, kind) for v, kind, _ in resumed.publish_records] == [(5, "full"), (6, "delta")]
+  finally:
+    resumed.close()
+
+
 def test_device_checksum_is_a_hand_checkable_position_weighted_sum_independent_of_sharding():
   import jax.numpy as jnp
   import numpy as np
@@ -730,6 +778,7 @@ def test_inflight_off_keeps_the_learners_sampler_config_and_one_version_per_row(
     ("update_every_tokens", -1, "async_.update_every_tokens"),
     ("publish_buffers", 3, "async_.publish_buffers"),
     ("publish_checksum", "auto", "async_.publish_checksum"),
+    ("publish_delta", "on", "async_.publish_delta"),
   ],
 )
 def test_bad_inflight_settings_fail_in_config_parsing(key, value, match):

@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("vcpo_jax.evaluation",),
   ("vcpo_jax.sft", "vcpo_jax.checkpoint", "vcpo_jax.metrics"),
   ("vcpo_jax.compare",),
-  ("vcpo_jax.rollout.process", "vcpo_jax.rollout.process.shm_queue"),
+  ("vcpo_jax.rollout.process", "vcpo_jax.rollout.process.shm_queue", "vcpo_jax.rollout.process.delta"),
   ("vcpo_jax.rollout.process.param_slot",),
   ("vcpo_jax.rollout.common",),
   ("vcpo_jax.rollout.base",),  # the RolloutSource contract the trainer uses

@@ -110,3 +110,136 @@ def test_checksum_false_makes_plain_copies():
     _, got = slot.latest()
     assert slot.last_checksum is None and slot.checksum_of(got, list(a)) is None
     assert all(_same(got[n], a[n]) for n in a)
+
+
+# ---------------------------------------------------------------- delta publishing (process/delta.py)
+
+
+def _reader(slot: ParamSlot) -> ParamSlot:
+  """The sampler's end of `slot` in this process (what unpickling in a spawned process builds)."""
+  r = ParamSlot.__new__(ParamSlot)
+  r.__setstate__(slot.__getstate__())
+  return r
+
+
+def _step(a: dict, rng, frac: float) -> dict:
+  """An update of a fraction `frac` of the float32 values (a small relative change) and of every bfloat16 value."""
+  w = a["w"] * np.where(rng.random(a["w"].size) < frac, np.float32(1 + 1e-3), np.float32(1)).astype(np.float32)
+  e = (a["e"].astype(np.float32) + 0.05 * rng.standard_normal(a["e"].shape)).astype(ml_dtypes.bfloat16)
+  return {**a, "w": w, "e": e}
+
+
+def test_delta_codec_rebuilds_the_buffer_bit_for_bit_and_skips_unchanged_blocks():
+  from vcpo_jax.rollout.process import delta
+
+  rng = np.random.default_rng(5)
+  spec = {"w": ((600_000,), np.dtype(np.float32)), "e": ((70, 3), np.dtype(ml_dtypes.bfloat16))}
+  offsets, nbytes = param_slot._layout(spec)
+  layout = delta.blocks(spec, offsets, nbytes)
+  assert [hi - lo for lo, hi, _ in layout[:2]] == [delta.BLOCK_BYTES] * 2 and layout[-1][2] == 2
+  base = np.zeros(nbytes, np.uint8)
+  base[:2_400_000] = rng.integers(0, 256, 2_400_000, dtype=np.uint8)
+  new = base.copy()
+  new[12] ^= 0x80  # block 0
+  new[offsets["e"] + 5] ^= 0x01  # the last block (e)
+  rec = delta.encode(new, base, layout, limit=nbytes)
+  codes = np.frombuffer(rec[: 8 * len(layout)], np.int64)
+  assert (codes != 0).tolist() == [True] + [False] * (len(layout) - 2) + [True]
+  assert len(rec) < 8 * len(layout) + 2000  # two one-byte changes: two tiny compressed blocks
+  assert np.array_equal(delta.decode(rec, base, np.empty_like(base), layout), new)
+  noise = rng.integers(0, 256, nbytes, dtype=np.uint8)  # every byte changes, incompressibly
+  assert delta.encode(noise, base, layout, limit=nbytes // 2) is None  # past the limit: send the full copy
+  raw = delta.encode(noise, base, layout, limit=2 * nbytes)
+  assert (np.frombuffer(raw[: 8 * len(layout)], np.int64) < 0).all()  # stored raw: zlib did not shrink it
+  assert np.array_equal(delta.decode(raw, base, base.copy(), layout), noise)
+
+
+def test_delta_publishing_reconstructs_every_version_bit_for_bit_with_the_full_publishs_checksum():
+  """Several versions, the reader taking some and skipping others: each publish is a delta record against the
+  version the reader holds (a skipped version costs nothing: the writer keeps the reader's version), the reader
+  rebuilds every version it takes bit for bit, and both checksums equal those of a full publish."""
+  rng = np.random.default_rng(7)
+  a = _arrays(4, n=300_000)
+  with ParamSlot(a, nbuf=1, delta=True) as slot, ParamSlot(a, nbuf=1) as full:
+    reader = _reader(slot)
+    kinds, bases = [], []
+    for v in range(7):
+      if v:
+        a = _step(a, rng, frac=0.02)
+      slot.publish(a, v)
+      full.publish(a, v)
+      kinds.append(slot.last_publish["kind"])
+      bases.append(slot.last_publish["base"])
+      assert slot.last_checksum == full.last_checksum == checksum(a), v
+      if v in (0, 1, 2, 5, 6):  # versions 3 and 4 are skipped
+        got_v, got = reader.latest(timeout=5.0)
+        assert got_v == v and all(_same(got[n], a[n]) for n in a), v
+        assert reader.checksum_of(got, list(a)) == slot.last_checksum, v
+    assert kinds == ["full"] + ["delta"] * 6
+    assert bases == [-1, 0, 1, 2, 2, 2, 5]  # against the version the reader held at each publish
+    assert slot.last_publish["bytes"] < slot.nbytes / 4
+    v, mine = slot.latest()  # the writer's own copy of the newest version (a replacement's start)
+    assert v == 6 and all(_same(mine[n], a[n]) for n in a)
+    reader.close()
+
+
+def test_delta_publishing_sends_full_copies_to_a_fresh_reader_and_when_the_delta_is_too_long():
+  rng = np.random.default_rng(8)
+  a = _arrays(5, n=200_000)
+  with ParamSlot(a, nbuf=1, delta=True) as slot:
+    for v in range(3):  # no reader has taken a version: nothing to diff against
+      slot.publish(_step(a, rng, 0.01) if v else a, v)
+      assert slot.last_publish == {"kind": "full", "bytes": slot.nbytes, "base": -1}, v
+    reader = _reader(slot)
+    reader.latest(timeout=5.0)
+    b = {**a, "w": rng.standard_normal(a["w"].size).astype(np.float32)}  # every float32 value replaced
+    slot.publish(b, 3)
+    assert slot.last_publish["kind"] == "full"  # its record would exceed _DELTA_MAX_FRAC of the copy
+    got_v, got = reader.latest(timeout=5.0)
+    assert got_v == 3 and all(_same(got[n], b[n]) for n in b)
+    c = _step(b, rng, 0.01)
+    slot.publish(c, 4)
+    assert slot.last_publish["kind"] == "delta" and slot.last_publish["base"] == 3
+    assert reader.latest(timeout=5.0)[0] == 4 and reader.checksum_of(reader._last_read[1], list(c)) == checksum(c)
+    reader.close()
+    fresh = _reader(slot)  # header: a reader holds version 4; a new reader end holds nothing
+    with pytest.raises(RuntimeError, match="the slot's protocol broke"):
+      slot.publish(_step(c, rng, 0.01), 5)  # a delta against 4, which this fresh end does not hold
+      fresh.latest(timeout=5.0)
+    fresh.close()
+  with pytest.raises(ValueError, match="needs nbuf=1"):
+    ParamSlot(a, nbuf=2, delta=True)
+
+
+def _read_in_child(slot, n, conn):
+  """A spawned reader: takes versions 0 .. n - 1 as they come, sends (version, checksum) of each."""
+  got = []
+  while len(got) < n:
+    v, arrays = slot.latest(min_version=len(got), timeout=30.0)
+    got.append((v, slot.checksum_of(arrays, list(slot.spec))))
+    conn.send(v)
+  conn.send(got)
+  slot.close()
+
+
+def test_delta_publishing_to_a_spawned_reader():
+  """The real pairing: a writer and a reader in another (spawned) process; each delta record is decoded there."""
+  from vcpo_jax.rollout.process.shm_queue import SPAWN
+
+  rng = np.random.default_rng(9)
+  a, sums, n = _arrays(6, n=200_000), [], 5
+  with ParamSlot(a, nbuf=1, delta=True) as slot:
+    here, there = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_read_in_child, args=(slot, n, there))
+    proc.start()
+    kinds = []
+    for v in range(n):
+      if v:
+        a = _step(a, rng, 0.02)
+      slot.publish(a, v)
+      sums.append((v, checksum(a)))
+      kinds.append(slot.last_publish["kind"])
+      assert here.poll(60.0) and here.recv() == v  # it read version v before the next publish
+    assert here.poll(60.0) and here.recv() == sums
+    proc.join(30.0)
+    assert proc.exitcode == 0 and kinds == ["full"] + ["delta"] * (n - 1)

@@ -419,6 +419,7 @@ LATER_FIELDS = {
   ("sampler", "max_batch"): 0,
   ("async_", "publish_buffers"): 0,
   ("async_", "publish_checksum"): "background",
+  ("async_", "publish_delta"): "off",
   ("sft", "noise"): 0.0,
   ("log", "ref_grad_every"): 0,
   ("learner", "one_pass_budget_gib"): 24.0,  # was a fallback in the mapping code, not a config field

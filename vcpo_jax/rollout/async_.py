@@ -67,6 +67,15 @@ slot by a sampler thread on its own devices of this process; the transfer path (
 rollout/transfer_publish.py) keeps the sampler process and replaces the slot by pulls of device arrays
 with `jax.experimental.transfer`; both check their own device checksum.
 
+Delta publishing (`async_.publish_delta`: "off" (default) | "auto"): on the shm slot with one parameter copy
+(publish_buffers resolving to 1; the multi-host path's per-host slot included), each publish after the first
+writes a compressed XOR record against the version the sampler holds instead of every weight
+(process/param_slot.py "Delta publishing", process/delta.py), and the sampler rebuilds the version bit for bit;
+the checksum, recorded and echoed as above, is that of the rebuilt weights. A fresh slot (the start, a
+replacement sampler, a resumed run) gets a full copy, and so does a record longer than 3/4 of one. Costs: two
+more host copies of the weights on this side, one on the sampler's, and zlib time on both (benchmarks/README.md
+"Parameter publishing": fewer bytes, more seconds on one host). The transfer and device paths publish full copies.
+
 LoRA (model.lora_rank > 0): every publish moves the adapters only; the frozen base goes to each spawned
 sampler once, through a one-shot ParamSlot (`_base_channel`) that this side closes as soon as the sampler has
 attached and the sampler closes once it has read it, so it neither rides in the pickled arguments nor stays in
@@ -306,6 +315,7 @@ class AsyncConfig:
   publish_dtype: str = "auto"  # slot dtype of floating params: "auto" (bf16 on accelerators, f32 on CPU)
   publish_buffers: int = 1  # parameter copies in the shm slot: 1 | 2 | 0 = 1 with background publish, else 2
   publish_checksum: str = "true"  # shm slot checksum, echoed + checked: true | false | background (thread only)
+  publish_delta: str = "off"  # shm slot: off (full copies) | auto (delta vs the sampler's version, one-copy slot)
   decode: str = (
     SamplerConfig.decode
   )  # sampler process: static (one device loop) | chunked | refill (continuous batching)
@@ -400,6 +410,13 @@ class AsyncConfig:
       self.publish_checksum,
       "use 'true' (every shm publish records the slot checksum and next() checks the sampler's echo), 'false' "
       "(none) or 'background' (only the background publisher's copies).",
+    )
+    check_field(
+      self.publish_delta in ("off", "auto"),
+      "async_.publish_delta",
+      self.publish_delta,
+      "use 'off' (every publish copies all weights into the slot) or 'auto' (a compressed XOR delta against the "
+      "version the sampler holds, when the shm slot holds one copy; full copies elsewhere).",
     )
     check_field(
       str(self.background_publish).lower() in ("auto", "true", "false"),
@@ -531,6 +548,7 @@ class AsyncSource(RolloutSource):
     self._thread_error: BaseException | None = None
     self._thread = None
     self.publish_blocking_s: list[float] = []  # learner-side time inside publish(), per call (perf_counter)
+    self.publish_records: collections.deque = collections.deque(maxlen=4096)  # shm slot writes: kind, bytes
     self._copy_s: collections.deque = collections.deque()  # host copy seconds of versions written, not logged yet
     # Background evaluation (eval.background): the worker's EvalArgs, the eval slot, records that arrived.
     self.eval_args = None
@@ -652,7 +670,9 @@ class AsyncSource(RolloutSource):
     nbuf = int(self.cfg.publish_buffers) or (1 if self.background else 2)
     # async_.publish_checksum: computed during the slot's copies; "background": on the background path only.
     csum = {"true": True, "false": False, "background": self.background}[self.cfg.publish_checksum]
-    self.slot = ParamSlot({n: a for n, a in arrays.items()}, run=self.run_id, nbuf=nbuf, checksum=csum)
+    # async_.publish_delta: "auto" = delta records on a one-copy slot (ParamSlot's "Delta publishing").
+    delta = self.cfg.publish_delta == "auto" and nbuf == 1
+    self.slot = ParamSlot(arrays, run=self.run_id, nbuf=nbuf, checksum=csum, delta=delta)
     self._write(arrays, version, None)  # before the start: the worker's first wait succeeds at once
 
   def _worker_sampler_cfg(self):
@@ -731,6 +751,8 @@ class AsyncSource(RolloutSource):
   def _write(self, arrays: dict, version: int, poll):
     """Writes version `version` into the slot and records its checksum (computed during the copy)."""
     self.slot.publish(arrays, version, poll=poll)
+    if self.slot.last_publish is not None:  # (version, "full" | "delta", bytes written into the slot)
+      self.publish_records.append((version, self.slot.last_publish["kind"], self.slot.last_publish["bytes"]))
     self._checksums[version] = self.slot.last_checksum  # None: async_.publish_checksum off, not checked
     for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
       del self._checksums[v]  # older versions can no longer arrive in a batch

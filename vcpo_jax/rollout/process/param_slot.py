@@ -46,7 +46,7 @@ Checksum (`checksum`, 64 bits, position-weighted sums of uint64 words): publish(
 wrote (`last_checksum`), latest() over what it copied out (`checksum_of`), each fused into its copy, block by
 block while the block is in cache, so it costs a few percent of the copy (not a second pass over memory).
 
-Single writer; any number of readers.
+Single writer; any number of readers (one with delta publishing: the header holds one reader's version).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from vcpo_jax import cleanup
+from vcpo_jax.rollout.process import delta as delta_lib
 from vcpo_jax.rollout.process.shm_queue import (
   SPAWN,
   NamedLock,
@@ -76,6 +77,9 @@ _HDR_WORDS = 16
 # pid copying now (nbuf=1), nbuf.
 _H_MAGIC, _H_VERSION, _H_LATEST, _H_WRITER, _H_CREATOR = range(5)
 _H_SEQ, _H_BUFVER, _H_READING, _H_NBUF = 5, 7, 9, 10
+# Delta publishing (nbuf=1): what the buffer holds (0 full, 1 a delta record), the record's base version and
+# length, and the version the reader holds (-1: none; written by the reader when it accepts a copy).
+_H_KIND, _H_BASE, _H_LEN, _H_HELD = 11, 12, 13, 14
 _POLL_S = 0.002  # versions change once per learner step; a short sleep poll is cheap
 _LOCK_TIMEOUT_S = 10.0
 _LOCK_SLICE_S = 0.1  # lock-wait slice: `poll` runs between slices
@@ -94,6 +98,7 @@ _LOCK_SLICE_S = 0.1  # lock-wait slice: `poll` runs between slices
 # block of the slot and then copies its pieces out (benchmarks/README.md "Parameter publishing" has the costs).
 _ROW_WORDS = 512  # 4 KiB rows
 _BLOCK_BYTES = 1 << 21  # one copy + sum block: in cache between the two
+_DELTA_MAX_FRAC = 0.75  # a delta record longer than this fraction of a full copy is sent as the full copy
 
 
 def _layout(spec: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[dict[str, int], int]:
@@ -175,27 +180,55 @@ class ParamSlot:
     nbuf: 2 (double buffer: writes never wait) or 1 (one copy: a write waits for the reader's copy).
     checksum: compute `checksum` during every copy (publish: `last_checksum`; latest: `checksum_of`); False:
       plain copies, and both are None.
+    delta: publish a delta record (process/delta.py) against the version the reader holds when the writer
+      keeps that version's host copy, else the full copy (see "Delta publishing" below); needs nbuf=1.
+
+  Delta publishing (delta=True). The writer keeps host copies of two versions in the slot's layout: the last
+  one it published and the one the reader held at that publish (2 buffers of `nbytes`); the reader keeps the
+  one it holds (1 buffer). A publish reads the reader's version from the header (under the lock, while no copy
+  is in progress: with one buffer no read can start or end during the write), and writes a record against it
+  when it holds that version's copy and the record is at most _DELTA_MAX_FRAC of a full copy, else the full
+  copy: a fresh reader (a replacement sampler, a resumed run: new slots) gets a full one, and a reader that
+  skipped versions gets a delta against the one it holds. The checksum is the same as a full publish's: the
+  writer's of the version's own buffer, the reader's of the buffer it rebuilt. `last_publish` says what the
+  last publish wrote ({"kind": "full" | "delta", "bytes", "base"}; without delta, always "full"); latest() in
+  the writer's process returns its own copy of the last version (what a replacement sampler starts from).
   """
 
   def __init__(
-    self, spec: Mapping[str, Any], *, ctx=None, run: str | None = None, nbuf: int = 2, checksum: bool = True
+    self,
+    spec: Mapping[str, Any],
+    *,
+    ctx=None,
+    run: str | None = None,
+    nbuf: int = 2,
+    checksum: bool = True,
+    delta: bool = False,
   ):
     if nbuf not in (1, 2):
       raise ValueError(f"ParamSlot(nbuf={nbuf}): use 2 (double buffer) or 1 (one parameter copy).")
-    self._init_layout(_normalize_spec(spec), nbuf, checksum)
+    if delta and nbuf != 1:
+      raise ValueError("ParamSlot(delta=True) needs nbuf=1 (the writer must know the version the reader holds).")
+    self._init_layout(_normalize_spec(spec), nbuf, checksum, delta)
     run = run or cleanup.run_id()
     self._seg = Segment(_HDR_WORDS * 8 + nbuf * self._buf_nbytes, cleanup.new_name(run, "p"), create=True)
     self._lock = NamedLock(run=run, kind="pl", ctx=ctx or SPAWN)
     self._map()
     self._hdr[:] = 0
     self._hdr[[_H_MAGIC, _H_VERSION, _H_LATEST, _H_CREATOR, _H_NBUF]] = [_MAGIC, -1, -1, os.getpid(), nbuf]
+    self._hdr[[_H_BASE, _H_HELD]] = -1
 
-  def _init_layout(self, spec, nbuf, checksum):
-    self.spec, self.nbuf, self.checksums = spec, nbuf, bool(checksum)
+  def _init_layout(self, spec, nbuf, checksum, delta=False):
+    self.spec, self.nbuf, self.checksums, self.delta = spec, nbuf, bool(checksum), bool(delta)
+    # Delta publishing: the writer's (version, layout buffer) of its last publish and of the reader's version
+    # then; the reader's of the version it holds; the last publish's kind and bytes.
+    self._last = self._acked = self._held = None
+    self.last_publish: dict | None = None
     self.last_checksum: int | None = None  # `checksum` of what this process's last publish() wrote
     self._last_read = None  # (checksum, arrays) of this process's last latest()
     self._unlinked = False
     self._offsets, self._buf_nbytes = _layout(spec)
+    self._blocks = delta_lib.blocks(spec, self._offsets, self._buf_nbytes) if delta else None
 
   def _map(self):
     self._hdr = np.ndarray((_HDR_WORDS,), np.int64, buffer=self._seg.buf)
@@ -223,12 +256,13 @@ class ParamSlot:
       "spec": self.spec,
       "nbuf": self.nbuf,
       "checksum": self.checksums,
+      "delta": self.delta,
       "name": self._seg.name,
       "lock": self._lock,
     }
 
   def __setstate__(self, s):
-    self._init_layout(s["spec"], s["nbuf"], s["checksum"])
+    self._init_layout(s["spec"], s["nbuf"], s["checksum"], s["delta"])
     self._lock = s["lock"]
     self._seg = Segment(name=s["name"])
     self._map()
@@ -321,6 +355,7 @@ class ParamSlot:
           if version <= last:
             raise ValueError(f"ParamSlot.publish: version {version} must exceed the last published version {last}")
           b = 0 if self.nbuf == 1 or self._hdr[_H_LATEST] != 0 else 1
+          held = int(self._hdr[_H_HELD])  # delta: the reader's version; no read starts or ends until this write does
           self._hdr[_H_SEQ + b] += 1  # odd: readers of buffer b will retry (nbuf=1: wait)
       if not busy:
         break
@@ -328,7 +363,9 @@ class ParamSlot:
         poll()
       time.sleep(_POLL_S)
     csum = None
-    if self.checksums:  # copied and summed block by block
+    if self.delta:
+      csum, record = self._write_delta(checked, version, held)
+    elif self.checksums:  # copied and summed block by block
       src = {n: np.ascontiguousarray(checked[n]) for n in self.spec}  # layout order
       csum = _copy_sum(self._bufs[b], self._offsets, src, into_buf=True)
     else:
@@ -339,8 +376,55 @@ class ParamSlot:
       self._hdr[_H_BUFVER + b] = version
       self._hdr[_H_LATEST] = b
       self._hdr[_H_VERSION] = version
+      if self.delta:  # what buffer 0 holds now
+        self._hdr[[_H_KIND, _H_BASE, _H_LEN]] = record
     self.last_checksum = csum
+    if not self.delta:
+      self.last_publish = {"kind": "full", "bytes": self._buf_nbytes, "base": -1}
     return version
+
+  def _write_delta(self, checked: Mapping[str, np.ndarray], version: int, held: int) -> tuple[int | None, list]:
+    """Delta publishing: the version's own layout buffer (checksummed during that copy, as a full publish's),
+    then a delta record against the reader's version `held` into buffer 0 when this writer holds it and the
+    record is short enough, else the full buffer. Returns (checksum, [kind, base, length] for the header)."""
+    new = np.zeros(self._buf_nbytes, np.uint8)  # zero padding, as the slot's buffers
+    csum = _copy_sum(new, self._offsets, {n: np.ascontiguousarray(checked[n]) for n in self.spec}, into_buf=True)
+    base = dict(x for x in (self._acked, self._last) if x is not None).get(held)
+    limit = int(_DELTA_MAX_FRAC * self._buf_nbytes)
+    record = None if base is None else delta_lib.encode(new, base, self._blocks, limit)
+    buf = self._bufs[0]
+    if record is None:
+      np.copyto(buf, new)
+      head = [0, -1, self._buf_nbytes]
+    else:
+      buf[: len(record)] = np.frombuffer(record, np.uint8)
+      head = [1, held, len(record)]
+    self._acked = (held, base) if base is not None else None  # the reader still holds `held`
+    self._last = (version, new)
+    self.last_publish = {"kind": ("full", "delta")[head[0]], "bytes": head[2], "base": head[1]}
+    return (csum if self.checksums else None), head
+
+  def _read_delta(self, kind: int, base: int, length: int, flat: Mapping[str, np.ndarray]) -> tuple:
+    """Delta publishing, the reader: buffer 0 (a full copy, or a record against the version this reader holds)
+    -> a fresh layout buffer of the version -> `flat` (checksummed during that copy). Returns (buffer, checksum)."""
+    src = self._bufs[0]
+    if kind == 0:
+      new = src.copy()
+    else:
+      if self._held is None or self._held[0] != base:
+        raise RuntimeError(
+          f"ParamSlot: a delta record against version {base}, but this reader holds "
+          f"{None if self._held is None else self._held[0]} (the slot's protocol broke)"
+        )
+      new = delta_lib.decode(src[:length], self._held[1], np.empty(self._buf_nbytes, np.uint8), self._blocks)
+    return new, _copy_sum(new, self._offsets, flat, into_buf=False)
+
+  def newest(self) -> tuple[int, dict[str, np.ndarray]]:
+    """Delta publishing, the writer: (version, {name: array copy}) of its last publish, from its own copy."""
+    version, buf = self._last
+    out = {n: np.empty(s, d) for n, (s, d) in self.spec.items()}
+    _copy_sum(buf, self._offsets, out, into_buf=False)
+    return version, out
 
   def latest(
     self,
@@ -365,6 +449,8 @@ class ParamSlot:
       PeerDiedError: the writer (or, before any publish, the creator) exited.
     """
     need = 0 if min_version is None else int(min_version)
+    if self.delta and self._last is not None:  # the writer: its own copy (the buffer may hold a delta record)
+      return self.newest()
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
       writing = False
@@ -372,6 +458,7 @@ class ParamSlot:
         v = int(self._hdr[_H_VERSION])
         b = int(self._hdr[_H_LATEST])
         s1 = int(self._hdr[_H_SEQ + b]) if b >= 0 else -1
+        record = [int(x) for x in self._hdr[[_H_KIND, _H_BASE, _H_LEN]]]
         writer = int(self._hdr[_H_WRITER]) or int(self._hdr[_H_CREATOR])
         if self.nbuf == 1 and v >= need:
           writing = s1 % 2 == 1  # a write in progress: wait for it (there is no other buffer)
@@ -384,11 +471,15 @@ class ParamSlot:
         continue
       if v >= need:
         dst = out if out is not None else {n: np.empty(s, d) for n, (s, d) in self.spec.items()}
-        csum = None
+        csum = new = None
         try:
-          if self.checksums:  # summed and copied block by block
+          if self.delta or self.checksums:  # summed and copied block by block
             flat = {n: dst[n] if dst[n].flags.c_contiguous else np.empty(s, d) for n, (s, d) in self.spec.items()}
-            csum = _copy_sum(self._bufs[b], self._offsets, flat, into_buf=False)
+            if self.delta:  # rebuilt from a delta record (or copied whole), then summed and copied
+              new, csum = self._read_delta(*record, flat)
+              csum = csum if self.checksums else None
+            else:
+              csum = _copy_sum(self._bufs[b], self._offsets, flat, into_buf=False)
             for n, x in flat.items():
               if x is not dst[n]:  # a non-contiguous `out` array
                 np.copyto(dst[n], x)
@@ -400,6 +491,9 @@ class ParamSlot:
             s2 = int(self._hdr[_H_SEQ + b])
             if self.nbuf == 1:
               self._hdr[_H_READING] = 0
+            if new is not None and s1 == s2:  # delta: the writer's next record is against this version
+              self._held = (v, new)
+              self._hdr[_H_HELD] = v
         if s1 == s2:
           self._last_read = (csum, dict(dst))
           return v, dict(dst)
