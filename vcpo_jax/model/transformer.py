@@ -250,15 +250,16 @@ class Block(nnx.Module):
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
   """The decoder's cfg.num_layers blocks as ONE Block whose parameters carry a leading layer axis [L, ...].
 
-  nnx.vmap over per-layer splits of every RNG stream: the initializer draws each tensor once, batched over
-  L, so its program does not grow with depth (MaxText's scan_layers, levanter's Stacked)."""
-
-  @nnx.split_rngs(splits=cfg.num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0)
-  def make(rngs):
-    return Block(cfg, name="layers", rngs=rngs)
-
-  return make(rngs)
+  One block's initializer runs in a lax.map over per-layer keys of each RNG stream (MaxText's scan_layers,
+  levanter's Stacked): the program draws one layer's tensors, whatever the depth. (A vmap over the keys
+  would give a program of the same size, but XLA:CPU's compile time grows with the batched tensors: 2.4 s
+  at 2 layers, 5.3 s at 28 of the 1.5B widths.)"""
+  n = cfg.num_layers
+  keys = {name: jax.random.split(getattr(rngs, name)(), n) for name in ("params", "lora")}
+  make = lambda r: Block(cfg, name="layers", rngs=r)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+  state = jax.lax.map(lambda k: nnx.state(make(nnx.Rngs(**k))), keys)
+  return nnx.merge(graphdef, state)
 
 
 def _loop(step, carry, xs, scan: bool):
