@@ -104,7 +104,7 @@ def test_sharded_and_config(ckpts):
   )
   # Kernels are the transposes of torch's [out, in] weights.
   want = ref.model.layers[1].self_attn.k_proj.weight.detach().numpy().T
-  np.testing.assert_array_equal(np.asarray(model.layers[1].self_attn.k_proj.kernel[...]), want)
+  np.testing.assert_array_equal(np.asarray(model.layers.self_attn.k_proj.kernel[...][1]), want)
   np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), ref.lm_head.weight.detach().numpy().T)
 
 
@@ -149,19 +149,22 @@ def test_load_straight_into_shards(ckpts, tmp_path, monkeypatch):
       cfg, model = load_hf(path, mesh=mesh)
     _, params = tf.split(model)
     want = sh.param_shardings(host, sh.TRANSFORMER_RULES, mesh)
-    names = {e.path: n for n, e in hf_io.hf_name_map(cfg).items()}
+    names = {}  # our path -> its HF tensors (a stacked block parameter: one per layer)
+    for n, e in hf_io.hf_name_map(cfg).items():
+      names.setdefault(e.path, []).append(n)
     for (p, x), y, s in zip(
       jax.tree_util.tree_leaves_with_path(host), jax.tree.leaves(params), jax.tree.leaves(want), strict=True
     ):
       assert y.sharding == s and y.dtype == np.float32
       np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
       path_ = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p)[:-1]  # drop the trailing .value
-      mine = [(idx, size) for n, idx, size in reads if n == names[path_]]
+      mine = [(idx, size) for n, idx, size in reads if n in names[path_]]
       blocks = {tuple((sl.start, sl.stop) for sl in i) for i in s.devices_indices_map(x.shape).values()}
-      assert all(idx is not None for idx, _ in mine) and len(mine) == len(blocks)
+      layers = len(names[path_])  # each block of a stacked parameter: one read per layer's tensor
+      assert all(idx is not None for idx, _ in mine) and len(mine) == len(blocks) * layers
       if len(blocks) > 1:  # a sharded parameter: each read is a strict part of the tensor
         shard = s.shard_shape(x.shape)
-        assert all(size == np.prod(shard) < x.size for _, size in mine)
+        assert all(size * layers == np.prod(shard) and size < x.size // layers for _, size in mine)
 
 
 def _device_buffers() -> set[int]:

@@ -167,7 +167,11 @@ def _assert_same_step(out1, out4, params):
   assert set(m1) == set(m4)
   assert float(m1["nonfinite"]) == 0.0 and float(m1["grad_norm"]) > 1e-3  # the clip is engaged
   for k in m1:
-    assert float(m4[k]) == pytest.approx(float(m1[k]), rel=1e-5, abs=1e-7), k
+    # pg_loss sums signed per-row terms that largely cancel (|pg_loss| ~ 0.05 under OPOB), so its float32
+    # noise is relative to the terms, not to the sum: the order of the sums (per layer, over the layer axis)
+    # moves it by ~1e-5 relative while every other metric agrees to ~1e-7.
+    tol = {"abs": 2e-6} if k == "pg_loss" else {"rel": 1e-5, "abs": 1e-7}
+    assert float(m4[k]) == pytest.approx(float(m1[k]), **tol), k
   d1 = [
     np.asarray(a, np.float64) - np.asarray(p, np.float64)
     for a, p in zip(jax.tree.leaves(s1.params), jax.tree.leaves(params))

@@ -62,7 +62,8 @@ def test_lora_off_is_todays_model_and_base_bits_do_not_move():
   for k, v in _flat(plain).items():
     np.testing.assert_array_equal(_flat(base)[k], v, err_msg=k)
   names = sorted(_flat(ad))
-  assert len(names) == 2 * 7 * cfg.num_layers and all(n.endswith(("lora_a/kernel", "lora_b/kernel")) for n in names)
+  assert len(names) == 2 * 7 and all(n.endswith(("lora_a/kernel", "lora_b/kernel")) for n in names)
+  assert all(v.shape[0] == cfg.num_layers for v in _flat(ad).values())  # stacked over layers
   assert all(np.all(v == 0) for k, v in _flat(ad).items() if "lora_b" in k)  # B = 0
   assert all(np.any(v != 0) for k, v in _flat(ad).items() if "lora_a" in k)
 
@@ -86,9 +87,9 @@ def test_merged_weights_equal_the_unmerged_adapters():
   base_cfg, merged = lora.merge_into_base(params, cfg)
   assert base_cfg.lora_rank == 0 and not lora.has_adapters(merged)
   flat, mflat = _flat(params), _flat(merged)
-  a, b = flat["layers/0/mlp/up_proj/lora_a/kernel"], flat["layers/0/mlp/up_proj/lora_b/kernel"]
-  by_hand = flat["layers/0/mlp/up_proj/kernel"] + (6.0 / RANK) * a @ b
-  np.testing.assert_allclose(mflat["layers/0/mlp/up_proj/kernel"], by_hand, rtol=1e-6, atol=1e-7)
+  a, b = flat["layers/mlp/up_proj/lora_a/kernel"][0], flat["layers/mlp/up_proj/lora_b/kernel"][0]
+  by_hand = flat["layers/mlp/up_proj/kernel"][0] + (6.0 / RANK) * a @ b  # layer 0 of the stacked [L, ...]
+  np.testing.assert_allclose(mflat["layers/mlp/up_proj/kernel"][0], by_hand, rtol=1e-6, atol=1e-7)
   g_plain, _ = tf.split(nnx.eval_shape(lambda: tf.init(base_cfg)))
   want = tf.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"])
   got = tf.sequence_logprobs(g_plain, merged, batch["tokens"], batch["valid_mask"])
@@ -248,11 +249,11 @@ def test_sharded_lora_step_equals_the_single_device_step():
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 2)), jax.devices()[:4])
   state_sh = sharding.param_shardings(state, sharding.TRANSFORMER_RULES, mesh)
   specs = {k: v.spec for k, v in nnx.to_flat_state(lora.split(state_sh.params)[0])}
-  assert specs[("layers", 0, "mlp", "up_proj", "lora_b", "kernel")] == jax.sharding.PartitionSpec(
-    None, ("fsdp", "tensor")
-  )
-  assert specs[("layers", 0, "self_attn", "o_proj", "lora_a", "kernel")] == jax.sharding.PartitionSpec(
-    ("tensor", "fsdp")
+  assert specs[("layers", "mlp", "up_proj", "lora_b", "kernel")] == jax.sharding.PartitionSpec(
+    None, None, ("fsdp", "tensor")
+  )  # stacked [L, r, F]: the layer axis never split
+  assert specs[("layers", "self_attn", "o_proj", "lora_a", "kernel")] == jax.sharding.PartitionSpec(
+    None, ("tensor", "fsdp")
   )
   jitted = sharding.MeshJit(mesh, step, in_shardings=(state_sh, sharding.batch_sharding(mesh)))
   got, m_got = jitted(jax.device_put(state, state_sh), jax.device_put(batch, sharding.batch_sharding(mesh)))

@@ -229,9 +229,9 @@ def test_gqa_equals_expanded_multihead():
   for path, var in nnx.to_flat_state(mha_params):
     x = flat[path][...]
     if path[-3:-1] in (("self_attn", "k_proj"), ("self_attn", "v_proj")):
-      x = jnp.repeat(x.reshape(cfg.hidden_size, cfg.num_kv_heads, h), r, axis=1).reshape(
-        cfg.hidden_size, -1
-      )  # kv head j serves query heads j*R .. j*R+R-1
+      x = jnp.repeat(x.reshape(cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, h), r, axis=2).reshape(
+        cfg.num_layers, cfg.hidden_size, -1
+      )  # kv head j serves query heads j*R .. j*R+R-1 (kernels stacked [L, D, K*H])
     new.append((path, var.replace(x)))
   mha_params = nnx.from_flat_state(new)
   tokens = _tokens(2, 7, seed=4)

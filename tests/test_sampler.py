@@ -349,8 +349,8 @@ def test_tensor_parallel_sampler_compiles_and_matches_one_device():
   compiled = smp.lower(jax.eval_shape(lambda: params), 4, 8, 8).compile()
   text = compiled.as_text()
   assert "all-reduce" in text  # Megatron layout: o_proj / down_proj partial sums are reduced
-  q = smp.prepare_params(params)["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-  assert q.addressable_shards[0].data.shape == (CFG.hidden_size, CFG.num_heads * CFG.head_dim // 2)
+  q = smp.prepare_params(params)["layers"]["self_attn"]["q_proj"]["kernel"][...]  # stacked [L, D, N*H]
+  assert q.addressable_shards[0].data.shape == (CFG.num_layers, CFG.hidden_size, CFG.num_heads * CFG.head_dim // 2)
   r = smp.generate(smp.prepare_params(params), PROMPTS, jax.random.key(4), num_samples=2, max_new_tokens=8)
   ref = _sampler(temperature=1.0).generate(params, PROMPTS, jax.random.key(4), num_samples=2, max_new_tokens=8)
   np.testing.assert_array_equal(r.tokens, ref.tokens)
@@ -363,7 +363,7 @@ def test_bf16_params_and_cache():
   smp = S.Sampler(gd_bf, CFG.replace(dtype="bfloat16"), S.SamplerConfig(**{**SMALL, "param_dtype": "bfloat16"}))
   prepared = smp.prepare_params(params)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(prepared))
-  assert tf.init_cache(CFG.replace(dtype="bfloat16"), 2, 8)[0][0].dtype == jnp.bfloat16
+  assert all(x.dtype == jnp.bfloat16 for x in tf.init_cache(CFG.replace(dtype="bfloat16"), 2, 8))
   r = smp.generate(prepared, PROMPTS, jax.random.key(0), max_new_tokens=6)
   assert (r.lengths == 6).all() and np.isfinite(r.behavior_logp).all()
   with pytest.raises(ValueError, match="param_dtype"):

@@ -296,8 +296,8 @@ def test_rules_shard_optimizer_state_like_params():
       sh.param_specs(opt, sh.TRANSFORMER_RULES, mesh), is_leaf=lambda x: isinstance(x, P)
     )[0]
   }
-  mu = [v for k, v in specs.items() if k.endswith("mu.layers.0.mlp.up_proj.kernel")]
-  assert mu == [P("fsdp", "tensor")]
+  mu = [v for k, v in specs.items() if k.endswith("mu.layers.mlp.up_proj.kernel")]
+  assert mu == [P(None, "fsdp", "tensor")]  # stacked [L, D, F]: the layer axis never split
   assert all(v == P() for k, v in specs.items() if k.endswith("count"))
 
 

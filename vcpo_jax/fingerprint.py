@@ -10,8 +10,8 @@ What is left out (changing it on resume is allowed):
   - what is logged, plotted, evaluated and checkpointed, and when (log.*, eval.*, checkpoint.*);
   - `steps` (training on to a larger step count) while the learning-rate schedule does not depend on
     it (optim.schedule "constant" or "warmup_constant"; "warmup_cosine" decays over `steps`);
-  - execution layout with the same math: model.attention / attention_chunk / remat / logprob_chunk /
-    logprob_vocab_chunk (model.config.EXECUTION_FIELDS), mesh.shape, sampler.prefill_chunk / max_batch;
+  - execution layout with the same math: model.attention / attention_chunk / remat / scan_layers /
+    logprob_chunk / logprob_vocab_chunk (model.config.EXECUTION_FIELDS), mesh.shape, sampler.prefill_chunk / max_batch;
   - the job's plumbing: async_ timeouts, CPU pinning and memory shares, the distributed.* job layout (a run
     may resume on another number of hosts), sft.cache_dir.
 """
@@ -30,6 +30,7 @@ EXCLUDED = (
   "model.attention",
   "model.attention_chunk",
   "model.remat",
+  "model.scan_layers",
   "model.logprob_chunk",
   "model.logprob_vocab_chunk",
   "sampler.prefill_chunk",

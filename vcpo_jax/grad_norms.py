@@ -273,8 +273,9 @@ def plan_layers(
   """Chooses gram / direct / materialize per tapped matmul, from shapes only (per (micro-)batch).
 
   Args:
-    infos, in_shapes, out_shapes: per tap (in/out shapes of the matmul; for a "head" tap the
-      shape of its input h [N, T, D], out_shapes[name] = (V,)).
+    infos, in_shapes, out_shapes: per tap (in/out shapes of the matmul, one layer's for a tap inside the
+      stacked blocks, TapInfo.layers > 0; for a "head" tap the shape of its input h [N, T, D],
+      out_shapes[name] = (V,)).
     method: "auto", or one method forced on every layer ("direct" still blocks by the budget).
     memory_budget_bytes: per-device bytes for the norms: kept per-example gradients of the
       materialized layers plus the largest transient of the others must fit.
@@ -308,10 +309,10 @@ def plan_layers(
     meth, n, t, a, b, avail
   )
 
-  def plan(name, meth, avail):
+  def plan(name, meth, avail):  # a stacked tap's plan is per layer; it keeps L layers' gradients
     kind, n, t, a, b = dims[name]
     _, block, temp, kept = option(kind, meth, n, t, a, b, avail)
-    return LayerPlan(name, kind, meth, n, t, a, b, block, temp, kept)
+    return LayerPlan(name, kind, meth, n, t, a, b, block, temp, kept * max(infos[name].layers, 1))
 
   if method != "auto":
     return {k: plan(k, method, memory_budget_bytes) for k in dims}
@@ -378,9 +379,25 @@ def _tapped_forward(logp_fn: LogpFn, params, batch):
     if info.kind == "head":
       w = inputs[name]["w"]
       in_shapes[name], out_shapes[name] = inputs[name]["h"].shape, (logprobs.vocab_size(w, info.spec),)
-    else:
-      in_shapes[name], out_shapes[name] = inputs[name].shape, tape.out_shapes[name].shape
+    else:  # a tap inside the stacked blocks: one layer's shapes (its arrays are [L, ...])
+      lead = 1 if info.layers else 0
+      in_shapes[name], out_shapes[name] = inputs[name].shape[lead:], tape.out_shapes[name].shape[lead:]
   return tape.info, in_shapes, tape.out_shapes, out_shapes
+
+
+def _over_layers(info: taps.TapInfo, fn, *xs):
+  """fn(*xs) -> (sq_n [N], extra) of one layer's arrays; for a tap inside the stacked blocks
+  (info.layers > 0) mapped over their layer axis one layer at a time (lax.map: one layer's temporaries
+  alive, a program that does not grow with depth), sq_n summed over the layers and extra stacked [L, ...]."""
+  if not info.layers:
+    return fn(*xs)
+  sq, extra = jax.lax.map(lambda x: fn(*x), xs)
+  return jnp.sum(sq, axis=0), extra
+
+
+def _per_layer(info: taps.TapInfo, fn, *xs):
+  """fn(*xs) of one layer's arrays, vmapped over a stacked tap's layer axis (a gradient [L, ...])."""
+  return jax.vmap(fn)(*xs) if info.layers else fn(*xs)
 
 
 def _resolve_tokw(tokw: TokW, logp_nt: jax.Array) -> jax.Array:
@@ -591,6 +608,18 @@ def _owners(infos: dict[str, taps.TapInfo], params) -> tuple[dict[str, jax.Shape
   return param_shapes, owners
 
 
+def _kernel_sq_norm(plan: LayerPlan, batch_shards: int, a: jax.Array, d: jax.Array):
+  """(||A_n^T D_n||^2 [N], the per-example gradients [N, Din, Dout] if materialized else None), one layer."""
+  n = a.shape[0]
+  a_nt, d_nt = _flat(a, n), _flat(d, n)
+  if plan.method == "gram":
+    return _gram_sq_norm(a_nt, d_nt), None
+  if plan.method == "direct":
+    return _direct_sq_norm(a_nt, d_nt, plan.block, batch_shards), None
+  g = jnp.einsum("nti,nto->nio", a_nt, d_nt)
+  return jnp.sum(g * g, axis=(1, 2)), g
+
+
 def _param_sq_norms(infos, owners, acts, outgrads, plans, param_shapes, kept, c_nm, extra, batch_shards, avail):
   """sum over the non-head parameters of the per-example squared gradient norms, [N] float32.
 
@@ -615,21 +644,16 @@ def _param_sq_norms(infos, owners, acts, outgrads, plans, param_shapes, kept, c_
         continue  # its S_n came from the head scan
       a, d = acts[name], outgrads[name]
       if info.kind == "linear":
-        a_nt, d_nt = _flat(a, n), _flat(d, n)
         if p.endswith(".bias"):
-          sq_n += jnp.sum(jnp.sum(d_nt, axis=1) ** 2, axis=-1)
+          sq_n += _over_layers(info, lambda d: (jnp.sum(jnp.sum(_flat(d, n), axis=1) ** 2, axis=-1), None), d)[0]
           continue
-        plan = plans[name]
-        if plan.method == "gram":
-          sq_n += _gram_sq_norm(a_nt, d_nt)
-        elif plan.method == "direct":
-          sq_n += _direct_sq_norm(a_nt, d_nt, plan.block, batch_shards)
-        else:
-          g = jnp.einsum("nti,nto->nio", a_nt, d_nt)  # per-example kernel gradient, kept
-          sq_n += jnp.sum(g * g, axis=(1, 2))
+        sq, g = _over_layers(info, functools.partial(_kernel_sq_norm, plans[name], batch_shards), a, d)
+        sq_n += sq
+        if g is not None:  # per-example kernel gradients, kept ([L, N, Din, Dout] when stacked)
           kept[name] = g
       elif info.kind == "scale":
-        sq_n += jnp.sum(jnp.sum(_flat(a, n) * _flat(d, n), axis=1) ** 2, axis=-1)
+        scale_sq = lambda a, d: (jnp.sum(jnp.sum(_flat(a, n) * _flat(d, n), axis=1) ** 2, axis=-1), None)
+        sq_n += _over_layers(info, scale_sq, a, d)[0]
       elif info.kind == "embed":
         v = param_shapes[p].shape[0]
         sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v), shards=batch_shards)
@@ -691,15 +715,17 @@ def _update_grads(infos, acts, outgrads, plans, param_shapes, kept, grads_by_pat
         )
       continue
     a, d = acts[name], outgrads[name]
-    if info.kind == "linear":
+    if info.kind == "linear":  # (a stacked tap's contractions vmapped over its layer axis)
       if name in kept:
-        add(info.param + ".kernel", jnp.einsum("n,nio->io", w_n, kept[name]))
+        add(info.param + ".kernel", _per_layer(info, lambda g: jnp.einsum("n,nio->io", w_n, g), kept[name]))
       else:
-        add(info.param + ".kernel", jnp.einsum("nti,nto->io", _flat(a, n), _flat(d, n) * w_n[:, None, None]))
+        contract = lambda a, d: jnp.einsum("nti,nto->io", _flat(a, n), _flat(d, n) * w_n[:, None, None])
+        add(info.param + ".kernel", _per_layer(info, contract, a, d))
       if info.has_bias:
-        add(info.param + ".bias", jnp.einsum("n,nto->o", w_n, _flat(d, n)))
+        add(info.param + ".bias", _per_layer(info, lambda d: jnp.einsum("n,nto->o", w_n, _flat(d, n)), d))
     elif info.kind == "scale":
-      add(info.param + ".scale", jnp.einsum("n,ntd->d", w_n, _flat(a, n) * _flat(d, n)))
+      scale_g = lambda a, d: jnp.einsum("n,ntd->d", w_n, _flat(a, n) * _flat(d, n))
+      add(info.param + ".scale", _per_layer(info, scale_g, a, d))
     elif info.kind == "embed":
       table = param_shapes[info.param + ".embedding"]
       rows = (
@@ -889,8 +915,7 @@ def one_pass_bytes(logp_fn: LogpFn, params, batch, batch_shards: int | None = No
   share their input) and D, for this (micro-)batch, divided over the `batch_shards` devices its rows are
   split over (None: read off the traced mesh). The LM head is left out: both passes treat it alike (a scan
   over vocab chunks). This is what the two-pass step saves, up to one layer's worth. An estimate, not
-  a compiled figure: under block remat the taps of a rematerialized block record distinct arrays, so
-  shared inputs count once per tap, and the norms' own temporaries are not in it.
+  a compiled figure: the norms' own temporaries are not in it.
   """
   if batch_shards is None:
     batch_shards = sharding.batch_shards(jax.tree.leaves(batch)[0].shape[0])

@@ -489,7 +489,7 @@ def _prefill(graphdef, cfg_model: ModelConfig, cfg: SamplerConfig, params, promp
   b, tp = prompt_bt.shape
   s = tp + num_new
   model = nnx.merge(graphdef, params)
-  cache = [tuple(sh.constrain(x, sh.CACHE_BK) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  cache = tuple(sh.constrain(x, sh.CACHE_LBK) for x in transformer.init_cache(cfg_model, b, s))
   positions, _ = transformer.padded_positions_and_mask(prompt_valid_bt)
   kv_valid = jnp.pad(prompt_valid_bt.astype(bool), ((0, 0), (0, num_new)))  # [B, S]
   mask = transformer.AttentionMask(kv_valid)
@@ -623,7 +623,7 @@ class _Slots:
     j: int32 scalar, decode steps run so far.
   """
 
-  cache: list
+  cache: tuple  # (k [L, B, K, H, S], v [L, B, K, S, H]): every layer's, stacked
   kv_valid: jax.Array
   col_tok: jax.Array
   col_pos: jax.Array
@@ -644,7 +644,7 @@ class _Slots:
 def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn: int) -> _Slots:
   s = tp + tn
   zi = lambda *shape: jnp.zeros(shape, jnp.int32)
-  cache = [tuple(sh.constrain(x, sh.CACHE_BK) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  cache = tuple(sh.constrain(x, sh.CACHE_LBK) for x in transformer.init_cache(cfg_model, b, s))
   return _Slots(
     cache=cache,
     kv_valid=jnp.zeros((b, s), bool),
@@ -703,7 +703,7 @@ def _refill_device(
   kk = cfg.record_topk
   top_ids, top_lp = sampled_topk(last_logits, cfg) if kk else (jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0)))
   return _Slots(
-    cache=[(put(k, kr), put(v, vr)) for (k, v), (kr, vr) in zip(st.cache, cache_r)],
+    cache=tuple(full.at[:, slots_r].set(part.astype(full.dtype), mode="drop") for full, part in zip(st.cache, cache_r)),
     kv_valid=put(st.kv_valid, kv_valid_r),
     col_tok=put(st.col_tok, jnp.pad(prompt_rt, ((0, 0), (0, tn)))),
     col_pos=put(st.col_pos, jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, tn)))),
@@ -777,7 +777,7 @@ def _recompute_kv_device(graphdef, cfg_model, params, st: _Slots) -> _Slots:
   b, s = st.kv_valid.shape
   allowed = st.kv_valid[:, None, :] & (st.col_pos[:, None, :] <= st.col_pos[:, :, None])  # [B, S(query), S(key)]
   allowed = allowed | jnp.eye(s, dtype=bool)[None]  # unwritten columns attend to themselves (no empty rows)
-  fresh = [tuple(sh.constrain(x, sh.CACHE_BK) for x in kv) for kv in transformer.init_cache(cfg_model, b, s)]
+  fresh = tuple(sh.constrain(x, sh.CACHE_LBK) for x in transformer.init_cache(cfg_model, b, s))
   model = nnx.merge(graphdef, params)
   _, cache = model(st.col_tok, st.col_pos, allowed, fresh, 0, hidden=True)
   return dataclasses.replace(st, cache=cache)
@@ -939,12 +939,12 @@ class Sampler:
     """One jitted program of the (B, Tp, Tn) bucket, lowered (not run): `.compile().memory_analysis()`.
 
     part: "generate" (the whole generation as `generate` runs it: prefill, then the decode
-    while_loop, one jit), "prefill" (`_prefill`: the prompt bucket into a fresh KV cache (k [B, K, H, S],
-    v [B, K, S, H]) per layer, S = Tp + Tn, and the last column's logits) or "decode" (one decode step as the loop
+    while_loop, one jit), "prefill" (`_prefill`: the prompt bucket into a fresh KV cache (k [L, B, K, H, S],
+    v [L, B, K, S, H]), S = Tp + Tn, and the last column's logits) or "decode" (one decode step as the loop
     body runs it, `_decode_step`: the token fed at the last cache slot, attention over the full
     cache, the next token drawn; the cache is donated, as the loop updates it in place).
     params may be abstract (ShapeDtypeStructs, e.g. from `jax.eval_shape`); with a mesh they are
-    given the sampler's parameter shardings, and the cache its CACHE_BK layout, so the compiled
+    given the sampler's parameter shardings, and the cache its CACHE_LBK layout, so the compiled
     program is the sharded one.
     """
     if part not in LOWER_PARTS:
@@ -978,9 +978,10 @@ class Sampler:
         fn = jax.jit(lambda p, tok, valid: _prefill(g, cm, cfg, cast(p), tok, valid, num_new))
         return fn.lower(params, sds((b, tp), jnp.int32), sds((b, tp), jnp.bool_))
       s = tp + num_new
-      k = sds((b, cm.num_kv_heads, cm.head_dim, s), cm.compute_dtype, sh.CACHE_BK)
-      v = sds((b, cm.num_kv_heads, s, cm.head_dim), cm.compute_dtype, sh.CACHE_BK)
-      cache = [(k, v) for _ in range(cm.num_layers)]
+      n = cm.num_layers
+      k = sds((n, b, cm.num_kv_heads, cm.head_dim, s), cm.compute_dtype, sh.CACHE_LBK)
+      v = sds((n, b, cm.num_kv_heads, s, cm.head_dim), cm.compute_dtype, sh.CACHE_LBK)
+      cache = (k, v)
       fn = jax.jit(lambda p, *a: _decode_step(g, cfg, cast(p), *a), donate_argnums=(1, 2))
       scalar = jax.ShapeDtypeStruct((), jnp.int32)
       keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))  # one key per row

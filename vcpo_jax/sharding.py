@@ -13,9 +13,9 @@ One learner program runs on a 3-axis mesh (mesh.py builds it from the devices):
 A batch [N, ...] is split over ("data", "fsdp") jointly, so N must be divisible
 by data * fsdp. Parameters get their sharding from an ordered list of
 (regex, PartitionSpec) rules matched (`re.search`) against dotted parameter
-paths such as "layers.3.self_attn.q_proj.kernel"; the first match wins. Because
+paths such as "layers.self_attn.q_proj.kernel" (stacked [L, ...]); the first match wins. Because
 `re.search` is used and the rules are anchored at the end, the same rules also
-shard an optax state, whose leaves have paths like "0.mu.layers.3.mlp.up_proj.kernel".
+shard an optax state, whose leaves have paths like "0.mu.layers.mlp.up_proj.kernel".
 
 Axis types: every axis is created as `jax.sharding.AxisType.Auto` (jax >= 0.7
 defaults `jax.make_mesh` to Explicit). With Explicit axes shardings become part
@@ -54,19 +54,23 @@ Rules = Sequence[tuple[str, P]]
 # are small and replicated.
 TRANSFORMER_RULES: tuple[tuple[str, P], ...] = (
   (r"embed_tokens\.embedding$", P("tensor", "fsdp")),  # [V, D]
-  (r"self_attn\.[qkv]_proj\.kernel$", P("fsdp", "tensor")),  # [D, N*H] / [D, K*H]
-  (r"self_attn\.[qkv]_proj\.bias$", P("tensor")),  # [N*H] / [K*H]
-  (r"self_attn\.o_proj\.kernel$", P("tensor", "fsdp")),  # [N*H, D]
-  (r"mlp\.(gate|up)_proj\.kernel$", P("fsdp", "tensor")),  # [D, F]
-  (r"mlp\.down_proj\.kernel$", P("tensor", "fsdp")),  # [F, D]
-  (r"(input_layernorm|post_attention_layernorm|norm)\.scale$", P()),  # [D]
+  # The decoder's blocks are stacked (transformer._stacked_blocks): a leading layer axis L, never split.
+  (r"self_attn\.[qkv]_proj\.kernel$", P(None, "fsdp", "tensor")),  # [L, D, N*H] / [L, D, K*H]
+  (r"self_attn\.[qkv]_proj\.bias$", P(None, "tensor")),  # [L, N*H] / [L, K*H]
+  (r"self_attn\.o_proj\.kernel$", P(None, "tensor", "fsdp")),  # [L, N*H, D]
+  (r"mlp\.(gate|up)_proj\.kernel$", P(None, "fsdp", "tensor")),  # [L, D, F]
+  (r"mlp\.down_proj\.kernel$", P(None, "tensor", "fsdp")),  # [L, F, D]
+  (r"(input_layernorm|post_attention_layernorm|norm)\.scale$", P()),  # [L, D] / [L, H] / [D]
   (r"lm_head\.kernel$", P("fsdp", "tensor")),  # [D, V]
   # LoRA factors (vcpo_jax.model.lora): the wide dimension split over fsdp (and tensor where the projection's
   # is), r never split; replicated factors and their AdamW moments would cost every device the whole adapter.
-  (r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_a\.kernel$", P("fsdp")),  # A [D, r]
-  (r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_b\.kernel$", P(None, ("fsdp", "tensor"))),  # B [r, N*H / F]
-  (r"(self_attn\.o_proj|mlp\.down_proj)\.lora_a\.kernel$", P(("tensor", "fsdp"))),  # A [N*H / F, r]
-  (r"(self_attn\.o_proj|mlp\.down_proj)\.lora_b\.kernel$", P(None, "fsdp")),  # B [r, D]
+  (r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_a\.kernel$", P(None, "fsdp")),  # A [L, D, r]
+  (
+    r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_b\.kernel$",
+    P(None, None, ("fsdp", "tensor")),
+  ),  # B [L, r, N*H / F]
+  (r"(self_attn\.o_proj|mlp\.down_proj)\.lora_a\.kernel$", P(None, ("tensor", "fsdp"))),  # A [L, N*H / F, r]
+  (r"(self_attn\.o_proj|mlp\.down_proj)\.lora_b\.kernel$", P(None, None, "fsdp")),  # B [L, r, D]
 )
 
 
@@ -79,6 +83,7 @@ HEADS_BTNH = (BATCH_AXES, None, "tensor", None)  # [B, T, N or K, H] q, k, v
 HIDDEN_BTF = (BATCH_AXES, None, "tensor")  # [B, T, F] SwiGLU hidden
 LOGITS_BTV = (BATCH_AXES, None, "tensor")  # [B, T, V] vocab-parallel LM head
 CACHE_BK = (BATCH_AXES, "tensor", None, None)  # KV cache: keys [B, K, H, S], values [B, K, S, H]
+CACHE_LBK = (None,) + CACHE_BK  # the stacked cache of every layer: keys [L, B, K, H, S], values [L, B, K, S, H]
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

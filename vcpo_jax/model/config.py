@@ -22,7 +22,7 @@ DEFAULT_ROPE = RopeScaling()  # plain RoPE (frozen, shared as the dataclass defa
 ATTENTION_IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn", "splash")  # see vcpo_jax.model.attention
 # How the model is computed, not what it is: set from the run config for presets AND checkpoints
 # (a checkpoint's config.json gives the architecture, never these).
-EXECUTION_FIELDS = ("attention", "attention_chunk", "remat", "logprob_chunk", "logprob_vocab_chunk")
+EXECUTION_FIELDS = ("attention", "attention_chunk", "remat", "scan_layers", "logprob_chunk", "logprob_vocab_chunk")
 REMAT_CHOICES = ("none", "block")
 # jax.checkpoint_policies that are policies themselves (the others are factories taking names).
 REMAT_POLICIES = (
@@ -67,6 +67,8 @@ class ModelConfig:
     attention_chunk: query chunk of "chunked" and key block of the cached decode attention, in tokens.
     remat: rematerialization of each block in the backward pass: "none", "block" (save only the block
       inputs) or the name of a `jax.checkpoint_policies` policy (e.g. "dots_with_no_batch_dims_saveable").
+    scan_layers: run the stacked blocks as one `jax.lax.scan` (compile time flat in depth); False unrolls
+      them in Python (for debugging: the same values, a program that grows with depth).
     logprob_chunk: positions along T per chunk of the log-prob head (0 = all at once); sequences of
       at most logprob_chunk + 1 tokens take the dense path (today's numerics).
     logprob_vocab_chunk: vocabulary entries per chunk inside a token chunk (0 = whole vocabulary;
@@ -97,6 +99,7 @@ class ModelConfig:
   attention: str = "dense"
   attention_chunk: int = 512
   remat: str = "none"
+  scan_layers: bool = True
   logprob_chunk: int = 512
   logprob_vocab_chunk: int = 0
   lora_rank: int = 0
@@ -263,6 +266,7 @@ class ModelSection:
   attention: str = ModelConfig.attention  # kernel: dense (reference) | xla | chunked (no [B,H,T,T]) | cudnn | splash
   attention_chunk: int = ModelConfig.attention_chunk  # query chunk of "chunked", key block of the cached decode
   remat: str = ModelConfig.remat  # per-block rematerialization: none | block | a jax.checkpoint_policies name
+  scan_layers: bool = ModelConfig.scan_layers  # the blocks as one scan (True) or unrolled (False: debugging)
   logprob_chunk: int = ModelConfig.logprob_chunk  # positions per chunk of the log-prob head (0 = [N, T, V] logits)
   logprob_vocab_chunk: int = ModelConfig.logprob_vocab_chunk  # vocabulary entries per head chunk (0 = all)
   lora_rank: int = ModelConfig.lora_rank  # LoRA adapters' rank r (0 = off: full fine-tuning); > 0 freezes the base

@@ -5,20 +5,22 @@ and the weights with the `safetensors` library into numpy: no torch at run time.
 Export writes `model.safetensors` + `config.json` (Qwen2Config / Qwen3Config / LlamaConfig) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
-Name mapping (HF torch Linear weights are [out, in]; our kernels are [in, out]):
+Name mapping (HF torch Linear weights are [out, in]; our kernels are [in, out]; the decoder's blocks are
+stacked, so model.layers.i.* is index i of our layers.* [L, ...]):
   model.embed_tokens.weight [V, D]                  <-> embed_tokens.embedding [V, D]
-  model.layers.i.self_attn.{q,k,v,o}_proj.weight    <-> layers.i.self_attn.{q,k,v,o}_proj.kernel (transposed)
-  model.layers.i.self_attn.{q,k,v}_proj.bias        <-> layers.i.self_attn.{q,k,v}_proj.bias (Qwen2)
-  model.layers.i.self_attn.{q,k}_norm.weight [H]    <-> layers.i.self_attn.{q,k}_norm.scale (Qwen3)
-  model.layers.i.mlp.{gate,up,down}_proj.weight     <-> layers.i.mlp.{gate,up,down}_proj.kernel (transposed)
-  model.layers.i.{input,post_attention}_layernorm.weight <-> layers.i.{...}_layernorm.scale
+  model.layers.i.self_attn.{q,k,v,o}_proj.weight    <-> layers.self_attn.{q,k,v,o}_proj.kernel[i] (transposed)
+  model.layers.i.self_attn.{q,k,v}_proj.bias        <-> layers.self_attn.{q,k,v}_proj.bias[i] (Qwen2)
+  model.layers.i.self_attn.{q,k}_norm.weight [H]    <-> layers.self_attn.{q,k}_norm.scale[i] (Qwen3)
+  model.layers.i.mlp.{gate,up,down}_proj.weight     <-> layers.mlp.{gate,up,down}_proj.kernel[i] (transposed)
+  model.layers.i.{input,post_attention}_layernorm.weight <-> layers.{...}_layernorm.scale[i]
   model.norm.weight                                 <-> norm.scale
   lm_head.weight [V, D]                             <-> lm_head.kernel [D, V] (untied models only)
 Tied checkpoints may or may not store lm_head.weight; if they do it must equal the embedding.
 
 LoRA (vcpo_jax.model.lora): `save_hf` of `lora.merge_into_base(...)` writes merged weights; `save_peft_adapter`
 writes a PEFT adapter directory (adapter_config.json + adapter_model.safetensors:
-base_model.model.model.layers.i.<proj>.lora_A.weight [r, Din] <-> <proj>.lora_a.kernel [Din, r], lora_B [Dout, r]).
+base_model.model.model.layers.i.<proj>.lora_A.weight [r, Din] <-> layers.<proj>.lora_a.kernel[i] [Din, r],
+lora_B [Dout, r]).
 """
 
 from __future__ import annotations
@@ -47,13 +49,19 @@ INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that hold no parameters of the architecture (recomputed buffers).
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
-Path = tuple  # an nnx parameter path, e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
+Path = tuple  # an nnx parameter path, e.g. ("layers", "self_attn", "q_proj", "kernel") (stacked [L, ...])
 
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
   path: Path
   transpose: bool  # HF [out, in] <-> our [in, out]
+  layer: int | None = None  # a decoder block's tensor: index `layer` of the stacked parameter [L, ...]
+
+  def shape(self, var) -> tuple[int, ...]:
+    """The HF tensor's shape, from our parameter `var` (its layer slice for a stacked one)."""
+    shape = tuple(var.shape)[1:] if self.layer is not None else tuple(var.shape)
+    return shape[::-1] if self.transpose else shape
 
 
 def hf_name_map(cfg: ModelConfig) -> dict[str, _Entry]:
@@ -62,20 +70,20 @@ def hf_name_map(cfg: ModelConfig) -> dict[str, _Entry]:
     "model.embed_tokens.weight": _Entry(("embed_tokens", "embedding"), False),
     "model.norm.weight": _Entry(("norm", "scale"), False),
   }
-  for i in range(cfg.num_layers):
-    hf, ours = f"model.layers.{i}", ("layers", i)
+  for i in range(cfg.num_layers):  # model.layers.{i}.* <-> index i of the stacked layers.* [L, ...]
+    hf, ours = f"model.layers.{i}", ("layers",)
     for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      m[f"{hf}.self_attn.{p}.weight"] = _Entry(ours + ("self_attn", p, "kernel"), True)
+      m[f"{hf}.self_attn.{p}.weight"] = _Entry(ours + ("self_attn", p, "kernel"), True, i)
     if cfg.qkv_bias:
       for p in ("q_proj", "k_proj", "v_proj"):
-        m[f"{hf}.self_attn.{p}.bias"] = _Entry(ours + ("self_attn", p, "bias"), False)
+        m[f"{hf}.self_attn.{p}.bias"] = _Entry(ours + ("self_attn", p, "bias"), False, i)
     if cfg.qk_norm:
       for p in ("q_norm", "k_norm"):
-        m[f"{hf}.self_attn.{p}.weight"] = _Entry(ours + ("self_attn", p, "scale"), False)
+        m[f"{hf}.self_attn.{p}.weight"] = _Entry(ours + ("self_attn", p, "scale"), False, i)
     for p in ("gate_proj", "up_proj", "down_proj"):
-      m[f"{hf}.mlp.{p}.weight"] = _Entry(ours + ("mlp", p, "kernel"), True)
+      m[f"{hf}.mlp.{p}.weight"] = _Entry(ours + ("mlp", p, "kernel"), True, i)
     for p in ("input_layernorm", "post_attention_layernorm"):
-      m[f"{hf}.{p}.weight"] = _Entry(ours + (p, "scale"), False)
+      m[f"{hf}.{p}.weight"] = _Entry(ours + (p, "scale"), False, i)
   if not cfg.tie_embeddings:
     m["lm_head.weight"] = _Entry(("lm_head", "kernel"), True)
   return m
@@ -91,10 +99,7 @@ def _abstract(cfg: ModelConfig):
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """HF tensor name -> shape in HF layout, for every parameter of `cfg`'s model."""
   _, abstract = _abstract(cfg)
-  return {
-    n: tuple(abstract[e.path].shape)[::-1] if e.transpose else tuple(abstract[e.path].shape)
-    for n, e in hf_name_map(cfg).items()
-  }
+  return {n: e.shape(abstract[e.path]) for n, e in hf_name_map(cfg).items()}
 
 
 # ----------------------------------------------------------------------------- reading
@@ -212,8 +217,7 @@ def _check_names_and_shapes(
       raise ValueError(msg + " Pass strict=False to ignore them (the loaded model will differ).")
     warnings.warn(msg + " Ignored.")
   for name, entry in name_map.items():
-    want = tuple(abstract[entry.path].shape)
-    want = want[::-1] if entry.transpose else want
+    want = entry.shape(abstract[entry.path])
     if tuple(shapes[name]) != want:
       raise ValueError(f"Tensor {name!r}{where(name)} has shape {tuple(shapes[name])}, but config.json implies {want}.")
 
@@ -240,10 +244,14 @@ def params_from_hf(
     strict=strict,
     tied_head_equal=lambda: np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]),
   )
-  flat = []
+  arrays: dict[Path, list] = {}  # our path -> its array, or its layers' arrays in order
   for name, entry in hf_name_map(cfg).items():
     arr = np.asarray(tensors[name], np.float32)
-    flat.append((entry.path, abstract[entry.path].replace(jnp.asarray(arr.T if entry.transpose else arr))))
+    arrays.setdefault(entry.path, []).append(arr.T if entry.transpose else arr)
+  flat = []
+  for path, parts in arrays.items():
+    stacked = path[0] == "layers"
+    flat.append((path, abstract[path].replace(jnp.asarray(np.stack(parts) if stacked else parts[0]))))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -307,7 +315,18 @@ def _blocks(sharding, shape: tuple[int, ...], addressable: bool = True) -> list[
   return list(out.values())
 
 
-def _place(reader: _Reader, name: str, dtype: str, entry: _Entry, var, sharding) -> jax.Array:
+def _read_block(reader: _Reader, names: list[str], dtypes: Mapping[str, str], entries: list[_Entry], index=None):
+  """Block `index` (our layout) of one parameter: a single tensor's, or for a stacked parameter (names: its
+  layers' HF tensors, in order) the layer slice index[0] of those tensors' blocks index[1:], stacked."""
+  if entries[0].layer is None:
+    return reader.read(names[0], dtypes[names[0]], index, transpose=entries[0].transpose)
+  index = tuple(index) if index is not None else (slice(None),)
+  rest = index[1:] or None
+  layers = range(*index[0].indices(len(names)))
+  return np.stack([reader.read(names[i], dtypes[names[i]], rest, transpose=entries[i].transpose) for i in layers])
+
+
+def _place(reader: _Reader, names: list[str], dtypes, entries: list[_Entry], var, sharding) -> jax.Array:
   """One parameter as a float32 jax.Array: whole (sharding None), or shard by shard into `sharding`.
 
   With a sharding, each distinct block this process's devices hold is read from the file as its own slice
@@ -317,11 +336,11 @@ def _place(reader: _Reader, name: str, dtype: str, entry: _Entry, var, sharding)
   on each host only what that host's devices hold; a replicated block is read once per host.
   """
   if sharding is None:
-    return jnp.asarray(reader.read(name, dtype, transpose=entry.transpose))
+    return jnp.asarray(_read_block(reader, names, dtypes, entries))
   shape = tuple(var.shape)
   shards = {}
   for index, devices in _blocks(sharding, shape):
-    block = reader.read(name, dtype, index, transpose=entry.transpose)
+    block = _read_block(reader, names, dtypes, entries, index)
     placed = [jax.device_put(block, d) for d in devices]
     jax.block_until_ready(placed)  # done with `block` (XLA:CPU may have adopted it as a device buffer)
     shards.update(zip(devices, placed))
@@ -397,10 +416,14 @@ def load_hf(
     strict=strict,
     tied_head_equal=lambda: _tied_equal_blockwise(reader, dtypes, tied_blocks()),
   )
-  flat = [
-    (e.path, abstract[e.path].replace(_place(reader, n, dtypes[n], e, abstract[e.path], shardings.get(e.path))))
-    for n, e in hf_name_map(cfg).items()
-  ]
+  by_path: dict[Path, list[tuple[str, _Entry]]] = {}  # a stacked parameter: its layers' tensors, in order
+  for n, e in hf_name_map(cfg).items():
+    by_path.setdefault(e.path, []).append((n, e))
+  flat = []
+  for path, pairs in by_path.items():
+    names, entries = [n for n, _ in pairs], [e for _, e in pairs]
+    placed = _place(reader, names, dtypes, entries, abstract[path], shardings.get(path))
+    flat.append((path, abstract[path].replace(placed)))
   return cfg, nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -465,6 +488,7 @@ def params_to_hf(model_or_params, cfg: ModelConfig) -> dict[str, np.ndarray]:
       raise ValueError(
         f"Parameter {'.'.join(map(str, e.path))} has shape {arr.shape}, cfg implies {tuple(abstract[e.path].shape)}."
       )
+    arr = arr[e.layer] if e.layer is not None else arr  # a block's tensor: its layer of the stacked parameter
     out[name] = np.ascontiguousarray(arr.T if e.transpose else arr)
   return out
 
@@ -551,10 +575,13 @@ def peft_tensors(params) -> dict[str, np.ndarray]:
   """PEFT-named float32 LoRA tensors of a LoRA model's params: lora_A.weight [r, Din], lora_B.weight [Dout, r]
   (torch's [out, in] layout of our A [Din, r], B [r, Dout]), keyed as peft's save_pretrained writes them."""
   out = {}
-  for path, (a, b) in lora.lora_kernels(params).items():
-    name = f"base_model.model.model.{path}"
-    out[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(a), np.float32).T)
-    out[f"{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(b), np.float32).T)
+  for path, (a, b) in lora.lora_kernels(params).items():  # stacked: A [L, Din, r], B [L, r, Dout]
+    a, b = np.asarray(jax.device_get(a), np.float32), np.asarray(jax.device_get(b), np.float32)
+    rest = path[len("layers.") :]
+    for i in range(a.shape[0]):  # layers.<proj> [i] <-> model.layers.{i}.<proj>
+      name = f"base_model.model.model.layers.{i}.{rest}"
+      out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+      out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
   return out
 
 

@@ -63,7 +63,7 @@ def freeze_base(params, cfg: ModelConfig):
 
 
 def lora_kernels(params) -> dict[str, tuple[jax.Array, jax.Array]]:
-  """Dotted path of each adapted projection ("layers.0.self_attn.q_proj") -> (A [Din, r], B [r, Dout])."""
+  """Dotted path of each adapted projection ("layers.self_attn.q_proj") -> (A [L, Din, r], B [L, r, Dout]), stacked."""
   flat = {sharding.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(adapters(params))[0]}
   out = {}
   for path, a in flat.items():

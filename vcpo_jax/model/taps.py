@@ -50,9 +50,10 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class TapInfo:
   kind: str  # "linear" | "embed" | "scale" | "head"
-  param: str  # dotted path of the parameter's module, e.g. "layers.0.mlp.up_proj"
+  param: str  # dotted path of the parameter's module, e.g. "layers.mlp.up_proj" (stacked over layers)
   has_bias: bool = False
   spec: Any = None  # "head": its logprobs.HeadSpec (tied or not, chunking, dtype)
+  layers: int = 0  # > 0: a tap inside the scanned blocks, A and D stacked [L, ...] (the parameter [L, ...] too)
 
 
 SINK_KINDS = ("linear", "scale")  # the tap kinds a Sink absorbs

@@ -4,9 +4,10 @@ Shape legend: B batch, T query tokens, S key tokens (T without a cache, the cach
 length with one), D model width, F MLP width, N query heads, K key/value heads,
 R = N // K query heads per kv head, H head width, V vocab.
 
-Module and parameter names mirror the Hugging Face checkpoints
-(`layers.3.self_attn.q_proj.kernel` <-> `model.layers.3.self_attn.q_proj.weight`),
-with kernels stored [in, out] (the transpose of torch's [out, in]).
+Module and parameter names mirror the Hugging Face checkpoints, with the decoder's layers stacked
+(`layers.self_attn.q_proj.kernel[3]` <-> `model.layers.3.self_attn.q_proj.weight`: every block
+parameter has a leading layer axis L and the blocks run as one scan, `_run_layers`), with kernels
+stored [in, out] (the transpose of torch's [out, in]).
 
 The functional entry points (`forward`, `token_logprobs`, `sequence_logprobs`)
 take (graphdef, params) so that they can be jitted, vmapped and sharded like
@@ -15,6 +16,7 @@ any pure JAX function; see `split`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -40,7 +42,8 @@ def _INIT(key, shape, dtype):
 
 AttentionMask = attn.AttentionMask  # the mask type `forward` takes (re-exported for callers)
 
-# One layer's KV cache: (k [B, K, H, S], v [B, K, S, H]) in the compute dtype (the layout: attention.py).
+# A KV cache (k [B, K, H, S], v [B, K, S, H]) in the compute dtype (the layout: attention.py): one layer's
+# inside the scanned blocks; the model's is stacked over layers, (k [L, B, K, H, S], v [L, B, K, S, H]).
 LayerCache = tuple[jax.Array, jax.Array]
 
 
@@ -244,60 +247,92 @@ class Block(nnx.Module):
     return sh.constrain(x, sh.RESIDUAL_BTD), cache
 
 
-def _remat_block(layer: Block, policy, x, positions_bt, mask):
-  """layer(x, ...) under jax.checkpoint (no cache), composing with an active taps.Tape.
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+  """The decoder's cfg.num_layers blocks as ONE Block whose parameters carry a leading layer axis [L, ...].
 
-  A tape records layer inputs into a Python object at trace time; inside
-  jax.checkpoint those would be the checkpoint's own tracers and leak. So the
-  checkpointed function runs its own recording (with this block's zero
-  perturbations passed in as arguments, so the vjp with respect to them still
-  flows through) and returns the tapped inputs as outputs; they are written to
-  the outer tape here, outside the checkpoint. The tapped inputs are then saved
-  for the backward pass anyway (the ghost norms need them); everything else in
-  the block (attention scores, RoPE, SiLU) is recomputed.
+  One block's initializer runs in a lax.map over per-layer keys of each RNG stream (MaxText's scan_layers,
+  levanter's Stacked): the program draws one layer's tensors, whatever the depth. (A vmap over the keys
+  gives a program of the same size, but XLA:CPU's compile time then grows with the batched tensors.)"""
+  n = cfg.num_layers
+  keys = {name: jax.random.split(getattr(rngs, name)(), n) for name in ("params", "lora")}
+  make = lambda r: Block(cfg, name="layers", rngs=r)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+  state = jax.lax.map(lambda k: nnx.state(make(nnx.Rngs(**k))), keys)
+  return nnx.merge(graphdef, state)
 
-  Memory analysis on XLA:CPU: its default concurrency-optimized scheduler keeps
-  buffers of many blocks alive, so compile with
-  XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false to see remat's
-  effect (3 layers, D=512, F=4096, B=8, T=1024: 2684 -> 1116 MiB temporaries; with
-  the default scheduler 2778 -> 2522 MiB).
 
-  With a norm sink (`taps.Sink`, the two-pass ghost step) the sink's s goes in as an argument
-  too and the block's "linear" / "scale" taps return no inputs: their A is recomputed with the
-  block in the backward pass, where the sink forms the block's norms.
+def _loop(step, carry, xs, scan: bool):
+  """jax.lax.scan(step, carry, xs), or the same steps unrolled in Python (scan=False, for debugging)."""
+  if scan:
+    return jax.lax.scan(step, carry, xs)
+  n = jax.tree.leaves(xs)[0].shape[0]
+  ys = []
+  for i in range(n):
+    carry, y = step(carry, jax.tree.map(lambda a, i=i: a[i], xs))
+    ys.append(y)
+  return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+
+def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, cache_index):
+  """x through the stacked blocks (one scan over the layer axis); (x, new stacked cache or None).
+
+  Remat: without a cache, each block runs under jax.checkpoint(cfg.remat_policy) inside the scan body.
+
+  Taps: a tape records inputs into a Python object at trace time; inside the scan body (and a
+  checkpoint) those would be the body's own tracers and leak. So the body runs its own recording (with
+  this layer's slice of the stacked zero perturbations passed in, so the vjp with respect to them still
+  flows through) and returns the tapped inputs as scan outputs, stacked [L, ...]; they are written to the
+  outer tape here with TapInfo.layers = L (`vcpo_jax.grad_norms` maps its per-layer norms over that
+  axis). A tap inside the blocks is named like its parameter, "layers.mlp.up_proj", and its
+  perturbation is [L, B, T, Dout]. With a norm sink (`taps.Sink`, the two-pass ghost step) the sink's s
+  goes in as an argument too and the blocks' "linear" / "scale" taps return no inputs: their norms are
+  formed inside the body's backward pass, one layer at a time.
   """
-  graphdef, state = nnx.split(layer)
+  graphdef, state = nnx.split(layers)
   tape = taps.active_tape()  # the recording context, if any (read at trace time, like taps.tap)
-  prefix = layer.name + "."
   perts = None
   if tape is not None and tape.perturbations is not None:
-    perts = {k: v for k, v in tape.perturbations.items() if k.startswith(prefix)}
+    perts = {k: v for k, v in tape.perturbations.items() if k.startswith(layers.name + ".")}
   sink_s = None if tape is None or tape.sink is None else tape.sink.s
   meta = {}
 
-  def run(state, x, positions_bt, mask, perts, sink_s):
+  def run(state, x, perts, sink_s, cache):
     block = nnx.merge(graphdef, state)
     if tape is None:
-      return block(x, positions_bt, mask, None, None)[0], {}
+      y, c = block(x, positions_bt, mask, cache, cache_index)
+      return y, c, []
     sink = None if sink_s is None else taps.Sink(sink_s, tape.sink.norm)
     with taps.recording(perts, sink) as inner:
-      y = block(x, positions_bt, mask, None, None)[0]
-    meta.update(info=dict(inner.info), out_shapes=dict(inner.out_shapes))  # static metadata only
-    return y, dict(inner.inputs)
+      y, c = block(x, positions_bt, mask, cache, cache_index)
+    # Each distinct input once (q / k / v share theirs, as do gate / up): one stacked output per array.
+    uniq = {id(a): a for a in inner.inputs.values()}
+    slot = {name: list(uniq).index(id(a)) for name, a in inner.inputs.items()}
+    meta.update(info=dict(inner.info), out_shapes=dict(inner.out_shapes), slot=slot)  # static metadata only
+    return y, c, list(uniq.values())
 
-  y, inputs = jax.checkpoint(run, policy=policy)(state, x, positions_bt, mask, perts, sink_s)
+  policy = cfg.remat_policy
+  if cache is None and policy is not None:
+    run = jax.checkpoint(run, policy=policy)
+
+  def step(x, xs):
+    state_l, perts_l, cache_l = xs
+    y, c, inputs = run(state_l, x, perts_l, sink_s, cache_l)
+    return y, (c, inputs)
+
+  x, (new_cache, inputs) = _loop(step, x, (state, perts, cache), cfg.scan_layers)
   if tape is not None:
-    # The tapped inputs' order first (the checkpoint's output dict: sorted names), as the one-pass step has
-    # always recorded them (the order of its perturbations in the program); then the sunk taps.
-    for name in list(inputs) + [k for k in meta["info"] if k not in inputs]:
-      info = meta["info"][name]
+    n = cfg.num_layers
+    # The tapped inputs first (sorted names, as the unrolled step recorded them), then the sunk taps.
+    slot = meta["slot"]
+    for name in sorted(slot) + [k for k in meta["info"] if k not in slot]:
       if name in tape.info:
         raise ValueError(f"Tap {name!r} fired twice in one recording; layer names must be unique.")
-      if name in inputs:
-        tape.inputs[name] = inputs[name]
-      tape.info[name] = info
-      tape.out_shapes[name] = meta["out_shapes"][name]
-  return y
+      if name in slot:
+        tape.inputs[name] = inputs[slot[name]]
+      tape.info[name] = dataclasses.replace(meta["info"][name], layers=n)
+      shape = meta["out_shapes"][name]
+      tape.out_shapes[name] = jax.ShapeDtypeStruct((n, *shape.shape), shape.dtype)
+  return x, new_cache
 
 
 class Transformer(nnx.Module):
@@ -309,7 +344,7 @@ class Transformer(nnx.Module):
     self.embed_tokens = Embed(
       cfg.vocab_size, cfg.hidden_size, name="embed_tokens", dtype=dt, rngs=rngs, frozen=cfg.lora
     )
-    self.layers = nnx.List([Block(cfg, name=f"layers.{i}", rngs=rngs) for i in range(cfg.num_layers)])
+    self.layers = _stacked_blocks(cfg, rngs)  # parameters [L, ...]
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, name="norm", dtype=dt, frozen=cfg.lora)
     self.lm_head = (
       None
@@ -317,9 +352,7 @@ class Transformer(nnx.Module):
       else Linear(cfg.hidden_size, cfg.vocab_size, name="lm_head", use_bias=False, dtype=dt, rngs=rngs, frozen=cfg.lora)
     )
 
-  def __call__(
-    self, tokens_bt, positions_bt, mask, cache: list[LayerCache] | None = None, cache_index=None, *, hidden=False
-  ):
+  def __call__(self, tokens_bt, positions_bt, mask, cache: LayerCache | None = None, cache_index=None, *, hidden=False):
     """Returns (logits [B, T, V] float32, new cache or None); with hidden=True the final normed
     hidden states [B, T, D] instead of the logits (for `head_logprobs`).
 
@@ -330,22 +363,14 @@ class Transformer(nnx.Module):
         keys, see `vcpo_jax.model.attention`), or an explicit bool [B, T, S] mask (run
         densely). S = T without a cache, the cache length with one (keys written at
         cache_index..cache_index+T-1).
-      cache: per-layer (k [B, K, H, S], v [B, K, S, H]) or None.
+      cache: the stacked cache (k [L, B, K, H, S], v [L, B, K, S, H]) (`init_cache`) or None.
       cache_index: where this call's keys go in the cache: a Python int (static: at 0 the call
         attends to its own keys with the configured implementation; later, a prefill chunk, to the
         filled blocks of the cache), or an int32 scalar (traced: the decode path, blockwise over
         the filled blocks).
     """
     x = sh.constrain(self.embed_tokens(tokens_bt), sh.RESIDUAL_BTD)
-    new_cache = [] if cache is not None else None
-    policy = self.cfg.remat_policy
-    for i, layer in enumerate(self.layers):
-      if cache is None and policy is not None:
-        x = _remat_block(layer, policy, x, positions_bt, mask)
-        continue
-      x, c = layer(x, positions_bt, mask, None if cache is None else cache[i], cache_index)
-      if cache is not None:
-        new_cache.append(c)
+    x, new_cache = _run_layers(self.layers, self.cfg, x, positions_bt, mask, cache, cache_index)
     x = self.norm(x)
     if hidden:
       return x, new_cache
@@ -380,12 +405,11 @@ def split(model: Transformer) -> tuple[Any, nnx.State]:
   return nnx.split(model, nnx.Param)
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[LayerCache]:
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> LayerCache:
+  """The zero KV cache of every layer, stacked: (k [L, B, K, H, S], v [L, B, K, S, H])."""
   dtype = dtype or cfg.compute_dtype
-  k, h = cfg.num_kv_heads, cfg.head_dim
-  return [
-    (jnp.zeros((batch, k, h, length), dtype), jnp.zeros((batch, k, length, h), dtype)) for _ in range(cfg.num_layers)
-  ]
+  n, k, h = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  return jnp.zeros((n, batch, k, h, length), dtype), jnp.zeros((n, batch, k, length, h), dtype)
 
 
 def forward(graphdef, params, tokens_bt, positions_bt, mask, cache=None, cache_index=None):
