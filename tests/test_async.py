@@ -203,7 +203,7 @@ def test_resume_consumes_queued_batches_exactly_once(tmp_path, monkeypatch):
   consumes exactly those (same producer tag, same tokens) first, then new ones from its own sampler from the
   next step on; no batch consumed before the interrupt is consumed again, and every step is trained once."""
   steps, stop_after = 8, 3
-  config = _tiny(steps=steps, checkpoint_every=100, **{"lag.k": 2, "async_.queue_slots": 4})
+  config = _tiny(steps=steps, **{"checkpoint.every": 100, "lag.k": 2, "async_.queue_slots": 4})
   workdir = str(tmp_path / "run")
   built, consumed, saved = [], [], []  # sources; (step, tokens, info) per consumed batch; queued_state() results
   build = rollout.build_source
