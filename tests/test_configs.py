@@ -84,6 +84,7 @@ def test_every_variant_of_every_config_has_only_known_keys():
     _load("countdown", "nope")
 
 
+@pytest.mark.slow
 def test_the_studys_run_configs_have_only_known_keys():
   """Every run of configs/stability.py's trainer studies (methods x k x lr x tuning knobs) models its keys."""
   from configs import stability as study_config
@@ -164,6 +165,7 @@ def test_smoke_variants_run(tmp_path):
     ("sync", "vcpo_tis_ess", {"vcpo.tis_ess_target": 0.99}),  # VCPO with the ESS-targeted cap, logged as tis_c
   ],
 )
+@pytest.mark.slow
 def test_issue13_methods_run(tmp_path, mode, method, extra):
   """Issue 13's methods through the real run() (every preset's learner step: tests/test_learner.py; the
   27-run matrix of presets x modes: by hand, see the issue's report)."""
@@ -413,6 +415,7 @@ def test_every_pgconfig_field_has_a_comment():
 
 
 @pytest.mark.parametrize("name,variant", [(n, "") for n in NAMES] + [(n, "smoke") for n in SMOKE if n in NAMES])
+@pytest.mark.slow
 def test_config_help_lists_every_field_with_a_comment(name, variant):
   c = _load(name, variant)
   path = os.path.join(CONFIG_DIR, f"{name}.py")
@@ -448,6 +451,7 @@ def _main(*args):
   )
 
 
+@pytest.mark.slow
 def test_main_reports_an_unknown_field_on_one_line(tmp_path):
   r = _main("--config=configs/countdown.py:smoke", "--config.foo=1", f"--workdir={tmp_path / 'run'}")
   assert r.returncode == 2, r.stderr
@@ -476,6 +480,7 @@ def test_main_reports_an_unknown_key_of_a_config_file_on_one_line(tmp_path, line
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_main_config_help(tmp_path):
   r = _main("--config=configs/countdown.py", "--config_help")
   assert r.returncode == 0, r.stderr
@@ -495,6 +500,7 @@ def test_main_config_help(tmp_path):
     (["--config=configs/countdown.py:smoke", "--config.method=ppo_clp", "--workdir=WD"], "did you mean 'ppo_clip'"),
   ],
 )
+@pytest.mark.slow
 def test_main_bad_command_line_or_workdir_is_one_line_exit_2(tmp_path, args, needle):
   (tmp_path / "file").write_text("x")
   args = [a.replace("FILE", str(tmp_path / "file")).replace("WD", str(tmp_path / "run")) for a in args]
@@ -515,6 +521,7 @@ def test_config_help_shows_the_presets_values():
   assert "vcpo.policy_loss: str = None -> 'icepop' (preset 'icepop')" in common.help_text(c)
 
 
+@pytest.mark.slow
 def test_main_refuses_a_resume_with_other_trajectory_fields_on_one_line(tmp_path):
   """A workdir whose newest checkpoint was trained with another optim.lr: one line, exit 2, before jax starts
   (no backend log line) and with config.json untouched. The checkpoint is faked: only its JSON meta is read."""

@@ -124,6 +124,7 @@ def _per_example_grads(graphdef, params, batch):
 
 @pytest.mark.parametrize("preset", ["vcpo", "seq_tis", "vcpo_applied_opob"])
 @pytest.mark.parametrize("grad_path", ["ghost", "vmap"])
+@pytest.mark.slow
 def test_step_telemetry_equals_brute_force(tiny, preset, grad_path):
   graphdef, params, batch = tiny
   pg = estimator.pg_config_from_preset(preset)
@@ -268,6 +269,7 @@ def test_cosine():
 # ----------------------------------------------------------------------------- in a run
 
 
+@pytest.mark.slow
 def test_run_logs_grad_metrics_and_the_reference_cosine_without_changing_the_run(tmp_path):
   import json
 
