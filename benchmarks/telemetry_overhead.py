@@ -1,19 +1,23 @@
 """The gradient-variance telemetry's cost per learner step: the CPU default's step with it and without, interleaved.
 
-    python -m benchmarks.telemetry_overhead [--rounds=9] [--steps=10] [--method=vcpo]
+    python -m benchmarks.telemetry_overhead [--rounds=9] [--steps=10] [--method=vcpo] [--telemetry=True]
+    python -m benchmarks.telemetry_overhead --method=none        # the plain GRPO step (no OPOB, no norms needed)
+    python -m benchmarks.telemetry_overhead --method=none --telemetry=norms   # what asking for its norms costs
 
-One process, one CPU device, the CPU default's learner (configs/countdown.py: VCPO, ghost norms, N = P x G = 64
-rows x T = 24 + 16 tokens) on one fixed batch (numpy seed 0: random tokens, 1/0 rewards, a stale behaviour
-log-prob, so the baseline part of the telemetry runs too). Two train steps are built from the same
-`learner.make_train_step`, jitted the same way (the state donated, as `trainer.run` does): "on" is the step
-as it ships (`vcpo_jax.telemetry.step_telemetry` adds the grad/ metrics), "off" is traced with
-`step_telemetry` replaced by `lambda *a: {}` (the step without the telemetry's arithmetic). Both compile and
-warm up first; each round then times `--steps` consecutive steps of each (the order alternates by round),
-and the round's ratio is median(on) / median(off). Reported: XLA's flop count of each compiled step (a
-yardstick the machine's load cannot move), the median and range of the per-round ratios,
-the median step times, the number of backend compiles during the timed rounds (0: nothing compiled
-mid-run), and the load average (`os.getloadavg`) before and after: on a shared machine other jobs' load
-moves both sides, which interleaving spreads over both. The last line is one JSON object.
+One process, one CPU device, the CPU default's learner (configs/countdown.py: ghost norms, N = P x G = 64 rows x
+T = 24 + 16 tokens) with the --method preset on one fixed batch (numpy seed 0: random tokens, 1/0 rewards, a stale
+behaviour log-prob, so the baseline part of the telemetry runs too). Two train steps are built from the same
+`learner.make_train_step`, jitted the same way (the state donated, as `trainer.run` does): "on" with
+learner.grad_telemetry=--telemetry (True: as it ships, the grad/ metrics when the method computes per-example
+norms, i.e. OPOB; "norms": computed for the telemetry in any case), "off" with learner.grad_telemetry=False.
+For VCPO the difference is the telemetry's arithmetic; for a method without norms (none, seq_tis) it is also
+the norms themselves, which XLA drops when nothing reads them. Both compile and warm up first; each round
+then times `--steps` consecutive steps of each (the order alternates by round), and the round's ratio is
+median(on) / median(off). Reported: XLA's flop count of each compiled step (a yardstick the machine's load
+cannot move), the median and range of the per-round ratios, the median step times, the number of backend
+compiles during the timed rounds (0: nothing compiled mid-run), and the load average (`os.getloadavg`)
+before and after: on a shared machine other jobs' load moves both sides, which interleaving spreads over
+both. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -57,13 +61,15 @@ def stale_batch(spec, model_cfg) -> dict:
   return batch
 
 
-def build(method: str):
+def build(method: str, telemetry="True"):
   """(step_on, step_off, state_on, state_off, batch, n, t): the two jitted steps and their inputs."""
+  import dataclasses
+
   import jax
   import jax.numpy as jnp
 
   from configs import countdown
-  from vcpo_jax import learner, run_config, telemetry
+  from vcpo_jax import learner, run_config
   from vcpo_jax.model import tokenizer as tok_lib
   from vcpo_jax.model import transformer
 
@@ -77,17 +83,16 @@ def build(method: str):
   batch = {k: jnp.asarray(v) for k, v in stale_batch(spec, model_cfg).items()}
   n, t = batch["tokens"].shape
   states = [learner.init_state(jax.tree.map(jnp.copy, params), tx) for _ in range(2)]
-  step_on = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
-  step_off = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
-  real = telemetry.step_telemetry
-  states[0], m_on = step_on(states[0], batch)  # traced and compiled with the telemetry
-  telemetry.step_telemetry = lambda *a, **k: {}
-  try:
-    states[1], m_off = step_off(states[1], batch)  # traced and compiled without it
-  finally:
-    telemetry.step_telemetry = real
+  on = {"True": True, "norms": "norms"}[telemetry]
+  cfg_on = dataclasses.replace(spec.learner, grad_telemetry=on)
+  cfg_off = dataclasses.replace(spec.learner, grad_telemetry=False)
+  step_on = jax.jit(learner.make_train_step(graphdef, tx, cfg_on), donate_argnums=0)
+  step_off = jax.jit(learner.make_train_step(graphdef, tx, cfg_off), donate_argnums=0)
+  states[0], m_on = step_on(states[0], batch)
+  states[1], m_off = step_off(states[1], batch)
   jax.block_until_ready((states, m_on, m_off))
-  assert any(k.startswith("grad/") for k in m_on) and not any(k.startswith("grad/") for k in m_off)
+  assert any(k.startswith("grad/") for k in m_on) == cfg_on.telemetry_norms
+  assert not any(k.startswith("grad/") for k in m_off)
   return step_on, step_off, states[0], states[1], batch, n, t
 
 
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--rounds", type=int, default=9)
   p.add_argument("--steps", type=int, default=10, help="consecutive steps timed per side per round")
-  p.add_argument("--method", default="vcpo", help="estimator preset (a ghost-norm one: vcpo, seq_tis, ...)")
+  p.add_argument("--method", default="vcpo", help="estimator preset (vcpo; none / seq_tis: a step without norms)")
+  p.add_argument("--telemetry", default="True", choices=("True", "norms"), help="learner.grad_telemetry of 'on'")
   args = p.parse_args(argv)
   for name, v in (("--rounds", args.rounds), ("--steps", args.steps)):
     if v < 1:
@@ -130,18 +136,11 @@ def main(argv=None) -> int:
 
   load_before = os.getloadavg()
   t0 = time.perf_counter()
-  step_on, step_off, s_on, s_off, batch, n, t = build(args.method)
+  step_on, step_off, s_on, s_off, batch, n, t = build(args.method, args.telemetry)
   compile_s = time.perf_counter() - t0
   flops = {}  # XLA's own count of each compiled step's floating-point work: a load-free yardstick
-  from vcpo_jax import telemetry
-
-  real = telemetry.step_telemetry
   for side, fn, st in (("on", step_on, s_on), ("off", step_off, s_off)):
-    telemetry.step_telemetry = real if side == "on" else (lambda *a, **k: {})
-    try:
-      cost = fn.lower(st, batch).compile().cost_analysis()
-    finally:
-      telemetry.step_telemetry = real
+    cost = fn.lower(st, batch).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops[side] = float(cost.get("flops", float("nan")))
   sides = {"on": [step_on, s_on], "off": [step_off, s_off]}
@@ -163,6 +162,7 @@ def main(argv=None) -> int:
   load_after = os.getloadavg()
   res = {
     "method": args.method,
+    "telemetry": args.telemetry,
     "n": n,
     "t": t,
     "rounds": args.rounds,
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     "loadavg_after": [round(x, 2) for x in load_after],
     "cpus": os.cpu_count(),
   }
-  print(f"telemetry on / off, {args.method}, N = {n}, T = {t}, {args.rounds} rounds x {args.steps} steps")
+  print(f"telemetry {args.telemetry} / off, {args.method}, N = {n}, T = {t}, {args.rounds} rounds x {args.steps} steps")
   print(f"  step (median): on {res['step_on_ms']:.1f} ms, off {res['step_off_ms']:.1f} ms")
   print(
     f"  per-round ratio on/off: median {res['ratio_median']:.4f}, range {res['ratio_min']:.4f} .. {res['ratio_max']:.4f}"

@@ -84,6 +84,7 @@ def _assert_removed(paths):
   assert not left, f"shared-memory objects left behind: {left}"
 
 
+@pytest.mark.slow
 def test_async_run_bounded_lag_and_clean_exit(tmp_path, monkeypatch):
   """trainer.run in async mode: every row's version in [step - k, step], metrics logged, nothing leaked."""
   k, steps = 2, 5
@@ -113,6 +114,7 @@ class _Signal(Exception):
 
 
 @pytest.mark.exclusive  # a dead owner's leftovers: another xdist worker's async run would remove them
+@pytest.mark.slow
 def test_staleness_bound_pauses_the_sampler_then_kill_is_reported_and_nothing_leaks(tmp_path):
   """With only version 0 published the worker makes batches 0..k and then waits (a learner wait times out
   with a clear message, or ends with the interrupt's exception); after SIGKILL of the worker the learner
@@ -168,6 +170,7 @@ def test_staleness_bound_pauses_the_sampler_then_kill_is_reported_and_nothing_le
   src.close()  # idempotent
 
 
+@pytest.mark.slow
 def test_worker_exception_reaches_the_learner_with_its_traceback():
   """A failure inside the sampler (here: prompts longer than the bucket) surfaces in next() with the cause."""
   src, params = _source(_tiny(**{"task.max_prompt_len": 4, "async_.max_sampler_restarts": 0}))
@@ -183,6 +186,7 @@ def test_worker_exception_reaches_the_learner_with_its_traceback():
   _assert_removed(paths)
 
 
+@pytest.mark.slow
 def test_bad_async_settings_raise_value_errors():
   with pytest.raises(ValueError, match="sampler_cpus"):
     async_.parse_cpus("1,x")
@@ -198,12 +202,13 @@ def test_bad_async_settings_raise_value_errors():
   src.close()
 
 
+@pytest.mark.slow
 def test_resume_consumes_queued_batches_exactly_once(tmp_path, monkeypatch):
   """SIGINT after step 3 with batches waiting in the queue: the checkpoint keeps them, and the resumed run
   consumes exactly those (same producer tag, same tokens) first, then new ones from its own sampler from the
   next step on; no batch consumed before the interrupt is consumed again, and every step is trained once."""
   steps, stop_after = 8, 3
-  config = _tiny(steps=steps, checkpoint_every=100, **{"lag.k": 2, "async_.queue_slots": 4})
+  config = _tiny(steps=steps, **{"checkpoint.every": 100, "lag.k": 2, "async_.queue_slots": 4})
   workdir = str(tmp_path / "run")
   built, consumed, saved = [], [], []  # sources; (step, tokens, info) per consumed batch; queued_state() results
   build = rollout.build_source
@@ -272,6 +277,7 @@ def test_resume_consumes_queued_batches_exactly_once(tmp_path, monkeypatch):
   assert [r["step"] for r in recs] == list(range(1, steps + 1))
 
 
+@pytest.mark.slow
 def test_sigint_during_startup_exits_130_and_reclaims_the_sampler(tmp_path, monkeypatch):
   """SIGINT while the first publish() starts the sampler (before any step): the handlers are installed
   already, so the trainer closes the source (worker gone, /dev/shm clean) and exits 130 without a checkpoint."""
@@ -302,6 +308,7 @@ def test_sigint_during_startup_exits_130_and_reclaims_the_sampler(tmp_path, monk
   assert Checkpointer(str(tmp_path / "run" / "checkpoints")).latest_step() is None
 
 
+@pytest.mark.slow
 def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum():
   """publish() returns before the copy (background thread); the on-device snapshot survives donation of the
   published params right after; each batch echoes the checksum of exactly the version it was made from."""
@@ -396,6 +403,7 @@ def versions_and_batches(source_cls, over, steps=4, keep=lambda src: src):
     src.close()
 
 
+@pytest.mark.slow
 def test_checksum_and_one_copy_leave_the_synchronous_paths_batches_unchanged():
   """Versions fixed by the protocol (k = 1, one queue slot: batches 0 and 1 from version 0, batch b >= 2 from
   version b - 1): the default synchronous path (one parameter copy, checksum on), the path as it was before
@@ -490,6 +498,7 @@ def test_device_checksum_is_a_hand_checkable_position_weighted_sum_independent_o
   assert np.asarray(device_checksum([x])).dtype == np.uint32
 
 
+@pytest.mark.slow
 def test_device_path_puts_the_learners_parameters_on_the_sampler_devices_and_echoes_version_and_checksum():
   """async_.publish_path='device' on fake CPU devices (conftest: 8): learner on devices 0-1, sampler thread on
   2-3. After an update the sampler's copy equals the learner's parameters (even once the learner's buffers are
@@ -532,6 +541,7 @@ def test_device_path_puts_the_learners_parameters_on_the_sampler_devices_and_ech
   assert src.proc.exitcode == 0  # the sampler thread stopped on close()
 
 
+@pytest.mark.slow
 def test_background_publish_auto_is_synchronous_on_cpu_and_background_on_accelerators():
   """The choice of async_.background_publish (no timing): auto follows the backend, true / false override."""
   assert async_.background_for("auto", "cpu") is False
@@ -586,6 +596,7 @@ def _train_rows(workdir) -> int:
     return sum("train/lag_max" in line for line in f)
 
 
+@pytest.mark.slow
 def test_sigint_while_the_sampler_is_stopped_checkpoints_and_exits_130(tmp_path):
   """The sampler frozen by SIGSTOP, the learner waiting for its next batch: SIGINT to the learner (main.train,
   as main.py runs it) saves a checkpoint at the last completed step (the process's first save) and exits
@@ -685,6 +696,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_script_without_main_guard_fails_clearly_instead_of_hanging(tmp_path):
   """Spawn re-imports the main script in the child; without a __main__ guard the child dies in bootstrap.
   The learner must report it (and Process.start must not block on a large spawn payload)."""
@@ -719,6 +731,7 @@ def _check_token_versions(step, batch, k):
   return (np.where(resp, tv, -1).max(1) > np.where(resp, tv, 1 << 30).min(1)).mean()
 
 
+@pytest.mark.slow
 def test_inflight_updates_switch_versions_between_chunks_within_the_lag_bound():
   """The learner publishes version s + 1 right after consuming batch s (as trainer.run does, without the
   training in between): the worker, making batches up to k ahead, picks newer versions up between decode
@@ -749,6 +762,7 @@ def test_inflight_updates_switch_versions_between_chunks_within_the_lag_bound():
   assert max(multi) > 0, multi  # some trajectories were sampled by several versions
 
 
+@pytest.mark.slow
 def test_inflight_off_keeps_the_learners_sampler_config_and_one_version_per_row(tmp_path, monkeypatch):
   """Default (off): the worker gets the learner's sampler config unchanged (the static one-loop decode, so
   today's tokens); trainer.run with in-flight updates on trains and logs the token-lag metrics."""
@@ -802,6 +816,7 @@ def test_token_lag_stats_hand_checked():
   }
 
 
+@pytest.mark.slow
 def test_background_eval_is_tagged_with_its_version_and_equals_the_synchronous_eval(tmp_path, monkeypatch):
   """eval.background: the sampler process evaluates steps 0 and 2 while the learner trains on (records tagged
   policy_version = step, written to eval.jsonl and to metrics.jsonl at their own step; the learner's step rows

@@ -103,6 +103,7 @@ def test_decode_reads_only_filled_blocks(slot):
 
 
 @pytest.mark.parametrize("s, block", [(48, 16), (40, 512)])
+@pytest.mark.slow
 def test_decode_attention_of_a_prefill_chunk_at_a_static_slot(s, block):
   """T = 8 queries at static slots 16..23 (a later prefill chunk): blockwise (48 / 16) and one block (40)."""
   q, k, v = _qkv(seed=5, t=24, s=s)
@@ -170,6 +171,7 @@ def test_model_logprobs_equal_dense_reference(impl):
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_splash_kernel_in_interpret_mode():
   """The TPU splash path (segment ids: valid 1 / pad 0, causal), run by the Pallas interpreter on CPU.
 

@@ -101,6 +101,7 @@ def test_a_reused_pid_does_not_keep_a_dead_owner_alive():
 
 
 @pytest.mark.exclusive  # a dead owner's leftovers: another xdist worker's async run would remove them
+@pytest.mark.slow
 def test_group_sigkill_leftovers_are_removed_and_a_live_owners_kept(tmp_path):
   """SIGKILL of the whole process group leaves 2 segments, 3 semaphores and the argument file; the CLI's
   --dry-run lists them and removes nothing; cleanup removes them, and not this live process's queue."""

@@ -71,6 +71,7 @@ def test_smooth_is_a_trailing_mean():
   np.testing.assert_array_equal(compare.smooth(y, 1), y)
 
 
+@pytest.mark.slow
 def test_compare_cli_draws_runs_and_refuses_non_runs(tmp_path, capsys):
   runs = [
     _write_run(tmp_path / "sync", mode="sync", k=0, ess=(1.0, 1.0, 1.0)),

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from configs import common
-from vcpo_jax import estimator, run_config, trainer
+from vcpo_jax import estimator, run_config, run_spec, schema, trainer
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.model import hf_io, policy, transformer
 
@@ -68,6 +68,38 @@ def test_config_parses(name, variant, tiny_ckpt):
   if variant == "smoke":
     assert not c.model.checkpoint and not c.task.data_path  # random preset + shipped fixtures
     assert c.mode in ("sync", "lag") and c.steps <= 3
+
+
+VARIANTS = {"countdown": ("", "smoke", "study13"), "gsm8k": ("", "smoke"), "math": ("", "smoke", "qwen3_8b")}
+VARIANTS["multiturn"] = ("", "smoke")
+
+
+def test_every_variant_of_every_config_has_only_known_keys():
+  """Each shipped run config's variants (configs/*.py but the study's own) model every key they set."""
+  assert set(VARIANTS) == set(NAMES) - {"stability"}
+  for name, variants in VARIANTS.items():
+    for variant in variants:
+      schema.check_keys(run_spec.RunConfig, _load(name, variant))
+  with pytest.raises(ValueError, match="unknown variant"):
+    _load("countdown", "nope")
+
+
+@pytest.mark.slow
+def test_the_studys_run_configs_have_only_known_keys():
+  """Every run of configs/stability.py's trainer studies (methods x k x lr x tuning knobs) models its keys."""
+  from configs import stability as study_config
+  from vcpo_jax.experiments import stability
+
+  n = 0
+  for arg in ("countdown", "countdown_quick", "claim", "corrections"):
+    c = study_config.get_config(arg)
+    for method in c.methods:
+      knob = c.tuning.knobs.get(method) if c.tuning.enabled else None
+      for trial in [None, *((knob[0], v) for v in knob[1])] if knob else [None]:
+        for k in c.ks:
+          schema.check_keys(run_spec.RunConfig, stability.trainer_run_config(c, method, k, 0, c.lrs[0], trial))
+          n += 1
+  assert n > 100
 
 
 @pytest.mark.parametrize("name", sorted(RELEASED))
@@ -133,6 +165,7 @@ def test_smoke_variants_run(tmp_path):
     ("sync", "vcpo_tis_ess", {"vcpo.tis_ess_target": 0.99}),  # VCPO with the ESS-targeted cap, logged as tis_c
   ],
 )
+@pytest.mark.slow
 def test_issue13_methods_run(tmp_path, mode, method, extra):
   """Issue 13's methods through the real run() (every preset's learner step: tests/test_learner.py; the
   27-run matrix of presets x modes: by hand, see the issue's report)."""
@@ -382,6 +415,7 @@ def test_every_pgconfig_field_has_a_comment():
 
 
 @pytest.mark.parametrize("name,variant", [(n, "") for n in NAMES] + [(n, "smoke") for n in SMOKE if n in NAMES])
+@pytest.mark.slow
 def test_config_help_lists_every_field_with_a_comment(name, variant):
   c = _load(name, variant)
   path = os.path.join(CONFIG_DIR, f"{name}.py")
@@ -398,7 +432,9 @@ def test_config_help_lists_every_field_with_a_comment(name, variant):
   "path,guess", [("optim.b3", "optim.b2"), ("sed", "seed"), ("vcpo.tis", "vcpo.tis_c"), ("optimm.lr", "optim.lr")]
 )
 def test_unknown_field_suggests_the_closest_name(path, guess):
-  with pytest.raises(run_config.ConfigError, match=rf"config.{path}='1': unknown field; did you mean config.{guess}\?"):
+  with pytest.raises(
+    run_config.ConfigError, match=rf"config.{path}='1': unknown field; did you mean config.{guess}( or [^?]+)?\?"
+  ):
     run_config.check_override_paths(common.get_base_config(), {"seed": "0", path: "1"})
   run_config.check_override_paths(common.get_base_config(), {"vcpo.std": "sample", "task.multiturn.max_turns": "2"})
 
@@ -415,6 +451,7 @@ def _main(*args):
   )
 
 
+@pytest.mark.slow
 def test_main_reports_an_unknown_field_on_one_line(tmp_path):
   r = _main("--config=configs/countdown.py:smoke", "--config.foo=1", f"--workdir={tmp_path / 'run'}")
   assert r.returncode == 2, r.stderr
@@ -423,6 +460,27 @@ def test_main_reports_an_unknown_field_on_one_line(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+  "line,needle",
+  [
+    ("c.model.lora_rnak = 8", "config.model.lora_rnak=8: unknown field; did you mean config.model.lora_rank"),
+    ("c.task.multiturn.max_turn = 2", "config.task.multiturn.max_turn=2: unknown field; did you mean config.task."),
+  ],
+)
+def test_main_reports_an_unknown_key_of_a_config_file_on_one_line(tmp_path, line, needle):
+  """A misspelled key in a config file fails like one on the command line: one line, exit 2, nothing built."""
+  path = tmp_path / "typo.py"
+  path.write_text(
+    f"from configs import countdown\n\n\ndef get_config():\n  c = countdown.get_config('smoke')\n  {line}\n  return c\n"
+  )
+  r = _main(f"--config={path}", f"--workdir={tmp_path / 'run'}")
+  assert r.returncode == 2, r.stderr
+  assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr  # one line, no traceback
+  assert needle in r.stderr, r.stderr
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
 def test_main_config_help(tmp_path):
   r = _main("--config=configs/countdown.py", "--config_help")
   assert r.returncode == 0, r.stderr
@@ -442,6 +500,7 @@ def test_main_config_help(tmp_path):
     (["--config=configs/countdown.py:smoke", "--config.method=ppo_clp", "--workdir=WD"], "did you mean 'ppo_clip'"),
   ],
 )
+@pytest.mark.slow
 def test_main_bad_command_line_or_workdir_is_one_line_exit_2(tmp_path, args, needle):
   (tmp_path / "file").write_text("x")
   args = [a.replace("FILE", str(tmp_path / "file")).replace("WD", str(tmp_path / "run")) for a in args]
@@ -462,6 +521,7 @@ def test_config_help_shows_the_presets_values():
   assert "vcpo.policy_loss: str = None -> 'icepop' (preset 'icepop')" in common.help_text(c)
 
 
+@pytest.mark.slow
 def test_main_refuses_a_resume_with_other_trajectory_fields_on_one_line(tmp_path):
   """A workdir whose newest checkpoint was trained with another optim.lr: one line, exit 2, before jax starts
   (no backend log line) and with config.json untouched. The checkpoint is faked: only its JSON meta is read."""

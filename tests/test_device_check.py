@@ -29,6 +29,7 @@ def report(tmp_path_factory):
   return rep
 
 
+@pytest.mark.slow
 def test_report_fields(report):
   assert report["errors"] == {}, report.get("tracebacks")
   assert report["tiny"] and report["platform"] == "cpu"  # automatic on CPU
@@ -118,6 +119,7 @@ def test_decode_bytes_by_hand():
   assert got["total_bytes"] == got["weight_bytes"] + got["kv_bytes"]
 
 
+@pytest.mark.slow
 def test_a_failing_part_is_recorded_and_the_next_still_runs():
   report = {"errors": {}}
   saves = []

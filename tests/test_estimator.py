@@ -31,6 +31,7 @@ def test_sequence_log_ratio_hand_numbers_and_stop_gradient():
   assert np.all(np.asarray(g) == 0.0)  # l is a coefficient: never differentiated
 
 
+@pytest.mark.slow
 def test_ess_hand_numbers():
   assert float(E.ess(jnp.zeros(4))) == pytest.approx(4.0)
   assert float(E.ess(jnp.log(jnp.array([1.0, 2.0])))) == pytest.approx(9.0 / 5.0, rel=1e-6)
@@ -147,6 +148,7 @@ def test_clamp_matches_reference_and_weights_are_stop_gradient():
     elements=st.one_of(st.floats(width=32, allow_nan=False), st.sampled_from([np.inf, -np.inf, 1e4, -1e4])),
   )
 )
+@pytest.mark.slow
 def test_weight_variants_are_finite_for_extreme_log_ratios(l):
   for v, spec in E.WEIGHT_VARIANTS.items():
     x = l[None, :] if spec.level == "token" else l
@@ -207,6 +209,7 @@ def test_advantages_layout_ids_zero_std_and_validity():
   st.sampled_from(sorted(E.ADVANTAGE_ESTIMATORS)),
   st.randoms(use_true_random=False),
 )
+@pytest.mark.slow
 def test_advantages_permutation_equivariant(r, g, est, rnd):
   perm = np.arange(12)
   rnd.shuffle(perm)
@@ -248,6 +251,7 @@ _opob_j = jax.jit(E.opob_baseline, static_argnums=4)
   hnp.arrays(np.int32, 10, elements=st.integers(0, 2)),
   st.booleans(),
 )
+@pytest.mark.slow
 def test_opob_within_reward_range_of_its_set(r, w, s, g, loo):
   b = np.asarray(_opob_j(r, w, s, g, loo))
   assert np.all(np.isfinite(b))
@@ -494,6 +498,7 @@ ALL_CONFIGS["geo_mask"] = ALL_CONFIGS["geo_mask"].replace(geo_lower=0.6, geo_upp
 
 
 @pytest.mark.parametrize("name", [n for n in ALL_CONFIGS if ALL_CONFIGS[n].opob_scope == "group"])
+@pytest.mark.slow
 def test_coefficients_match_numpy_reference(problem, name):
   params, batch, logp, sq = problem
   cfg = ALL_CONFIGS[name]
@@ -520,6 +525,7 @@ def test_coefficients_match_numpy_reference(problem, name):
 
 
 @pytest.mark.parametrize("name", sorted(ALL_CONFIGS))
+@pytest.mark.slow
 def test_policy_gradient_equals_brute_force(problem, name):
   params, batch, logp, sq = problem
   cfg = ALL_CONFIGS[name]
@@ -686,6 +692,7 @@ def test_grpo_std_is_explicit_per_preset():
     ("seq-mean-token-sum-norm", "kept", [0.866 / 4, -0.866 * 1.5 / 4, 0, 0]),  # no count: unchanged
   ],
 )
+@pytest.mark.slow
 def test_mask_normalizer_and_aggregations_hand_numbers(loss_agg, normalizer, expected):
   L = np.array([2, 4, 2, 4])
   l_n = np.log([1.0, 1.5, 4.0, 0.25])
@@ -852,6 +859,7 @@ def _bandit_updates(cfg, theta, mu_logits, p_reward, key, n_batches, g):
   return jax.jit(jax.vmap(one))(jax.random.split(key, n_batches))
 
 
+@pytest.mark.slow
 def test_bandit_loo_opob_is_unbiased_and_plugin_bias_is_reported():
   theta = jnp.array([0.5, -0.3, 1.0, 0.0, -1.0])
   mu_logits = jnp.array([-0.5, 0.4, 0.0, 0.6, 0.2])  # behavior policy differs from the target

@@ -66,6 +66,7 @@ def _project_greedy(graphdef, cfg, params, prompts, tokenizer, max_new):
   return [list(map(int, toks[i][resp[i]])) for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_the_runs_logits_and_greedy_answers(run, tmp_path):
   workdir, saved = run
   out = str(tmp_path / "hf")
@@ -156,6 +157,7 @@ def test_export_step_choice_and_errors(run, tmp_path):
     export.export(str(tmp_path), str(tmp_path / "x"))
 
 
+@pytest.mark.slow
 def test_export_command_line(run, tmp_path):
   workdir, _ = run
   env = dict(os.environ, PYTHONPATH=ROOT)

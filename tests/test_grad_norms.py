@@ -148,6 +148,7 @@ def _vmap_policy_gradient(name, preset, **kw):
   return jax.jit(learner.policy_gradient("vmap"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
 
 
+@pytest.mark.slow
 def test_cases_cover_the_head_paths():
   """The CASES really exercise chunked head scans and blocked direct (plans read off the shapes)."""
   logp_fn, params, batch, _ = _setup("qwen2")
@@ -162,6 +163,7 @@ def test_cases_cover_the_head_paths():
 
 
 @pytest.mark.parametrize("name,method,budget", CASES)
+@pytest.mark.slow
 def test_ghost_norms_equal_vmap_reference(name, method, budget):
   _, _, batch, ref = _setup(name)
   res = _ghost(name, method, budget)
@@ -172,6 +174,7 @@ def test_ghost_norms_equal_vmap_reference(name, method, budget):
 
 
 @pytest.mark.parametrize("name,method,budget", CASES)
+@pytest.mark.slow
 def test_fast_gradient_equals_jax_grad_of_surrogate(name, method, budget):
   _, params, _, _ = _setup(name)
   res = _ghost(name, method, budget)
@@ -193,6 +196,7 @@ def test_taps_grad_equals_jax_grad_of_surrogate(name):
 
 
 @pytest.mark.parametrize("name,method", [("qwen2", "direct"), ("llama", "materialize"), ("qwen3", "gram")])
+@pytest.mark.slow
 def test_ghost_on_a_mesh_equals_reference(name, method):
   """Under a 2-device FSDP mesh (3 rows per device): per-device blocks of one row (the direct form's
   regrouped map), gradients constrained to their parameters' layouts; same norms and gradient."""
@@ -237,6 +241,7 @@ def _two_pass(name, method, budget, remat):
     ("qwen3", "direct", 0, "block"),
   ],
 )
+@pytest.mark.slow
 def test_two_pass_equals_vmap_reference_and_jax_grad(name, method, budget, remat):
   """passes=2 (norm sinks inside the first backward, then the update's backward): 2 layers, remat on and off,
   left-padded prompts and right-padded responses; tied (qwen2: the cross term) and untied heads."""
@@ -250,6 +255,7 @@ def test_two_pass_equals_vmap_reference_and_jax_grad(name, method, budget, remat
   np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_pass_on_a_mesh_equals_reference():
   """passes=2 under a 2-device FSDP mesh, direct norms one row per device at a time (the regrouped map)."""
   from vcpo_jax import mesh as mesh_lib
@@ -279,6 +285,7 @@ def test_two_pass_bad_choices_raise():
     learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), ghost_passes=0)
 
 
+@pytest.mark.slow
 def test_one_pass_bytes_and_auto_passes():
   """one_pass_bytes: the (A, D) of the body taps, by hand for a 1-layer model (distinct inputs once), linear
   in rows, per layer and split over batch shards; passes="auto" takes 1 under the budget, 2 above, and gives
@@ -353,6 +360,7 @@ def test_loop_reference_equals_vmap():
   assert _rel(loop, ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_tied_cross_term_is_material():
   """The tied table's S_n = ||B_n||^2 + ||C_n||^2 + 2<B_n, C_n>; the cross term is not negligible here.
 
@@ -391,6 +399,7 @@ def test_ghost_path_equals_vmap_path(preset, passes):
 
 
 @pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.slow
 def test_token_tis_weights_as_function_of_logp(passes):
   """tokw given as a function of logp (token-TIS): norms use those weights; gradient matches."""
   logp_fn, params, batch, _ = _setup("llama")
@@ -519,6 +528,7 @@ def _attention(params, ex):
 
 
 @pytest.mark.parametrize("model", ["mlp", "attention"])
+@pytest.mark.slow
 def test_per_example_sq_grad_norms_equals_loop(model):
   k = iter(jax.random.split(jax.random.PRNGKey(0), 8))
   if model == "mlp":

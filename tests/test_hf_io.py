@@ -172,6 +172,7 @@ def _device_buffers() -> set[int]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_sharded_load_holds_one_block_at_a_time(tmp_path, family):
   """Loading onto a mesh never holds a whole tensor on the host. Every read is one device block, no larger
   than the tensor's device shard; the blocks a host reads partition each tensor (each element read once,
@@ -462,6 +463,7 @@ def _byte_level_bpe():
 
 @pytest.mark.parametrize("family", fixtures.FAMILIES)
 @pytest.mark.parametrize("kind", ["char", "bpe"])
+@pytest.mark.slow
 def test_exported_tokenizer_gives_the_training_ids(tmp_path, family, kind):
   """AutoTokenizer (with and without trust_remote_code) and load_tokenizer on an export give the ids of the
   tokenizer the run trained with, on 1,000 random strings; decode(encode(s)) == s where s is representable.

@@ -49,6 +49,7 @@ def _same(a, b):
   return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+@pytest.mark.slow
 def test_finite_step_updates_and_reports(setup):
   params, tx, step, batch, _ = setup
   state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
@@ -193,6 +194,7 @@ def _lcfg(pg, mbs, grad_path="ghost", passes=1):
 
 
 @pytest.mark.parametrize("name", sorted(MB_CONFIGS))
+@pytest.mark.slow
 def test_microbatched_step_equals_single_pass(mb_setup, name):
   # Every preset (and the other whole-batch normalisers): 2 micro-batches of 2 groups == 1 pass, to 1e-5.
   # Run op by op (jax.disable_jit: the scan is a Python loop over the same body) so that the 16 configs
@@ -207,6 +209,7 @@ def test_microbatched_step_equals_single_pass(mb_setup, name):
   _assert_same_step(out[None], out[4], params)
 
 
+@pytest.mark.slow
 def test_microbatched_step_compiled_and_smaller(mb_setup):
   # The jitted lax.scan gives the single-pass step too, and holds one micro-batch's activations:
   # its compiled temporary memory is below the single pass's (deterministic, not a timing).
@@ -224,6 +227,7 @@ def test_microbatched_step_compiled_and_smaller(mb_setup):
 
 
 @pytest.mark.parametrize("name", ["vcpo", "vcpo_loo_opob"])  # OPOB: the coefficients read the norms
+@pytest.mark.slow
 def test_two_pass_ghost_step_equals_one_pass(mb_setup, name):
   """learner.ghost_passes=2 (norms block by block, then the update), micro-batched or not, == the one-pass step."""
   params, tx, batch, graphdef = mb_setup
@@ -238,6 +242,7 @@ def test_two_pass_ghost_step_equals_one_pass(mb_setup, name):
 
 
 @pytest.mark.parametrize("name", ["vcpo"])  # the vmap path differs from ghost only in the norms: OPOB
+@pytest.mark.slow
 def test_microbatched_vmap_path_equals_single_pass(mb_setup, name):
   # Jitted: one config, two compiles (28 CPU s) cost less than op by op (81 CPU s), whose primitives the
   # ghost-path sweep above does not share.
@@ -338,6 +343,7 @@ def _assert_close_trees(got, want, rtol=2e-4):
 
 
 @pytest.mark.parametrize("name", POLICY_LOSS_PRESETS)
+@pytest.mark.slow
 def test_policy_loss_preset_update_equals_numpy_loss_gradient(mb_setup, name):
   # One update per step (the default): new params - params = -grad of the transcribed loss (pi_old = pi_theta).
   # Op by op (jax.disable_jit), so that the presets share compiled primitives with the sweep above.
@@ -422,6 +428,7 @@ def test_one_epoch_one_minibatch_is_the_single_update(mb_setup):
       assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-6, abs=1e-7), (name, k)
 
 
+@pytest.mark.slow
 def test_decoupled_ppo_loglinear_uses_the_step_version(mb_setup):
   # decoupled_prox="loglinear": pi_prox = mu + alpha (pi_theta - mu), alpha = (v - v_mu) / (v + 1 - v_mu) with
   # v = state.step (the parameters at the start of the step; the update produces v + 1). Rows sampled with

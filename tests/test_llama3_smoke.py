@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_llama3_checkpoint_trains_samples_and_exports(tmp_path, monkeypatch):
   ckpt, final = train_checkpoint(tmp_path, monkeypatch, "llama", "llama3", seed=11)
   cfg, start = hf_io.load_hf(ckpt)

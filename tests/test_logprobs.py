@@ -33,6 +33,7 @@ def _dense(h, w_dv, tokens):
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("chunk,vocab_chunk", [(4, 0), (3, 16), (0, 7), (1, 49)])
+@pytest.mark.slow
 def test_chunked_values_and_grads_equal_dense(tied, chunk, vocab_chunk):
   h, w_dv, tokens, cot = _inputs()
   w = w_dv.T if tied else w_dv

@@ -68,6 +68,7 @@ def test_lora_off_is_todays_model_and_base_bits_do_not_move():
   assert all(np.any(v != 0) for k, v in _flat(ad).items() if "lora_a" in k)
 
 
+@pytest.mark.slow
 def test_step_zero_equals_the_base_model_and_adapters_change_it():
   cfg = config.tiny_llama(vocab_size=V, num_layers=1)
   tok = jnp.asarray(np.random.default_rng(0).integers(0, V, (2, 9)), jnp.int32)
@@ -80,6 +81,7 @@ def test_step_zero_equals_the_base_model_and_adapters_change_it():
   assert float(jnp.max(jnp.abs(moved - base))) > 1e-3  # the adapters are really on the forward path
 
 
+@pytest.mark.slow
 def test_merged_weights_equal_the_unmerged_adapters():
   """merge_into_base: W + alpha / r A B by hand, and the plain model on it gives the LoRA model's log-probs."""
   graphdef, params, _, batch, _ = _setup("qwen2")
@@ -107,6 +109,7 @@ def test_merged_weights_equal_the_unmerged_adapters():
     ("qwen3", "direct", gn.DEFAULT_BUDGET_BYTES, 2),
   ],
 )
+@pytest.mark.slow
 def test_ghost_norms_over_adapters_equal_brute_force(name, method, budget, passes):
   """S_n = sum over adapters ||g_A||^2 + ||g_B||^2 from (x, u = xA, dL/dy): ghost == vmap(jax.grad), and the
   update equals jax.grad of the surrogate over the adapters only."""
@@ -126,6 +129,7 @@ def test_ghost_norms_over_adapters_equal_brute_force(name, method, budget, passe
   assert jax.tree.structure(res.grads) == jax.tree.structure(adapters)  # adapters only: nothing else trains
 
 
+@pytest.mark.slow
 def test_norms_split_into_the_a_and_b_halves():
   """Brute force per factor: both halves are material, and the sum is the adapters' S_n (not the model's)."""
   _, params, logp_fn, batch, ref = _setup("llama")
@@ -203,6 +207,7 @@ def test_lora_targets_from_a_saved_config_list():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_peft_adapter_and_merged_export_give_the_same_logits(family, tmp_path):
   """The run's frozen base as a HF checkpoint + our PEFT adapter dir, loaded by peft (torch CPU): equal logits;
   the merged export loaded by transformers: equal logits too."""
@@ -234,6 +239,7 @@ def test_peft_adapter_and_merged_export_give_the_same_logits(family, tmp_path):
   np.testing.assert_allclose(hf_logits(m, np.asarray(batch["tokens"][:2]), valid)[valid], ours[valid], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_sharded_lora_step_equals_the_single_device_step():
   """fsdp = 2 x tensor = 2 (4 fake devices): adapters laid out by the LoRA partition rules (split, not
   replicated), the VCPO ghost step equals the single-device one."""

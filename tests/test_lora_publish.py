@@ -64,6 +64,7 @@ def _graphdef(src):
   return worker_lib.abstract_params(src.model_cfg)[0]
 
 
+@pytest.mark.slow
 def test_lag_ring_keeps_adapter_versions_and_samples_with_the_learners_adapters():
   """k = 2: the ring holds adapters (+ one base copy); after the learner's buffers are donated a version
   still gives the learner's log-probs of that version."""
@@ -94,6 +95,7 @@ def test_lag_ring_keeps_adapter_versions_and_samples_with_the_learners_adapters(
   assert len({float(np.sum(x)) for x in want.values()}) == 3  # the versions really differ
 
 
+@pytest.mark.slow
 def test_shm_slot_carries_only_adapters_and_the_worker_applies_them(monkeypatch):
   src, params = _source(_tiny(**LORA))
   params = _trained(params)
@@ -109,6 +111,7 @@ def test_shm_slot_carries_only_adapters_and_the_worker_applies_them(monkeypatch)
   np.testing.assert_allclose(got, _logp(_graphdef(src), params), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_device_slot_carries_only_adapters_and_the_worker_applies_them(monkeypatch):
   over = {**LORA, "lag.k": 1, "async_.publish_path": "device", "async_.sampler_devices": "2,3"}
   src, params = _source(_tiny(**over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
@@ -131,6 +134,7 @@ def _transfer_child(args, slot, out):
   out.close()
 
 
+@pytest.mark.slow
 def test_transfer_path_pulls_only_adapters_and_the_worker_applies_them():
   src, params = _source(_tiny(**LORA, **{"lag.k": 1, "async_.publish_path": "transfer"}), TransferAsyncSource)
   params = _trained(params)
@@ -188,6 +192,7 @@ def _spawned_child(args_path, queue, slot, conn, *rest):
   conn.recv()  # "stop"
 
 
+@pytest.mark.slow
 def test_spawned_sampler_gets_the_base_once_through_shared_memory_not_its_arguments(monkeypatch):
   """The frozen base reaches a spawned sampler through a one-shot slot: the pickled WorkerArgs are a fraction
   of the base's bytes (before: the whole base rode in them), the slot is gone from /dev/shm once the sampler

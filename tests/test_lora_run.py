@@ -14,6 +14,7 @@ from vcpo_jax.model import transformer as tf
 LORA = {"model.lora_rank": 4, "model.lora_alpha": 8.0, "model.lora_targets": "q_proj,v_proj,down_proj"}
 
 
+@pytest.mark.slow
 def test_lora_lag_run_resumes_bit_for_bit_and_exports_merged_and_peft(tmp_path, dense_reward, monkeypatch):  # noqa: F811
   """k = 2, VCPO (OPOB over the adapters' exact norms): a clean 4-step run equals one crashed after update 3
   and resumed from its step-2 checkpoint (adapters, their optimizer state and the ring's adapter versions
@@ -65,6 +66,7 @@ def test_lora_lag_run_resumes_bit_for_bit_and_exports_merged_and_peft(tmp_path, 
   assert float(jnp.max(jnp.abs(tf.sequence_logprobs(graphdef, params, tokens, valid) - ours))) > 1e-4
 
 
+@pytest.mark.slow
 def test_lora_warm_start_is_the_plain_models_with_fresh_adapters(tmp_path, monkeypatch):
   """With sft.steps > 0 the LoRA run's base is the plain model's warm start (the same cache entry as a full
   fine-tuning run of that seed: no training on the second call) and its adapters are the initializer's (B = 0),

@@ -17,6 +17,8 @@ import pytest
 from benchmarks import memory
 from tests import xla_flags
 
+pytestmark = pytest.mark.slow  # compile-only sizing of whole steps: long compiles
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny widths and vocabulary: the activations [N, T, D] still dominate what grows with the batch.
 TINY = "hidden_size=64,intermediate_size=128,num_heads=4,num_kv_heads=2,head_dim=16,vocab_size=512"

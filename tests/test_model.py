@@ -168,6 +168,7 @@ def test_padded_positions_and_mask_hand_checked():
 # ----------------------------------------------------------------------------- invariances
 
 
+@pytest.mark.slow
 def test_causal(model):
   _, graphdef, params = model
   tokens = _tokens(2, 8, seed=1)
@@ -192,6 +193,7 @@ def test_left_padding_is_invisible(model):
   np.testing.assert_allclose(padded[1], alone[1], atol=2e-5)
 
 
+@pytest.mark.slow
 def test_kv_cache_matches_full_pass(model):
   """Chunked prefill (static slots: prefix-only attention), then traced decode steps (blockwise)."""
   cfg, graphdef, params = model

@@ -13,6 +13,7 @@ import json
 import sys
 
 import numpy as np
+import pytest
 
 from tests import multiproc
 
@@ -94,6 +95,7 @@ def _host(process_id: int, port: int) -> dict:
     src.close()
 
 
+@pytest.mark.slow
 def test_two_hosts_publish_only_adapters_and_the_samplers_apply_them():
   procs = multiproc.launch(__file__)
   try:

@@ -254,6 +254,7 @@ def test_smoke_run(tmp_path):
     assert json.load(f)["task"]["multiturn"]["enabled"] is True
 
 
+@pytest.mark.slow
 def test_smoke_run_async(tmp_path, monkeypatch):
   """configs/multiturn.py:smoke with mode="async", k = 1: the spawned sampler builds tool-use episodes
   (its sandbox runs `python -I -S` subprocesses), rows' versions lie in [step - k, step], and the maker's
@@ -310,6 +311,7 @@ def _sandbox_in_sampler_like_process(conn):
   conn.close()
 
 
+@pytest.mark.slow
 def test_sandbox_runs_from_a_spawned_sampler_process():
   from vcpo_jax.rollout.process.shm_queue import SPAWN
 

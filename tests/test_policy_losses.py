@@ -260,6 +260,7 @@ PER_TOKEN_CASES = [(n, {}, {}) for n in sorted(REFS) if n != "m2po_released"]  #
 @pytest.mark.parametrize(
   "name,hp,ref_kw,per_token", [(*c, False) for c in CASES] + [(*c, True) for c in PER_TOKEN_CASES]
 )
+@pytest.mark.slow
 def test_value_and_gradient_match_numpy_transcription(name, hp, ref_kw, per_token):
   lp, old, beh, A, mask = random_batch(1 if per_token else 0, per_token_adv=per_token)
   A_nt = np.broadcast_to(A[:, None], lp.shape) if A.ndim == 1 else A
@@ -296,6 +297,7 @@ def test_decoupled_ppo_approximate_prox_matches_transcription():
   np.testing.assert_allclose(grad, fd_grad(ref_decoupled, lp, old, beh, A_nt, mask, **kw), rtol=2e-3, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_loglinear_prox_hand_numbers():
   # alpha = (v_theta - 1 - v_mu) / (v_theta - v_mu): v_mu = 3 -> 0, 2 -> 1/2, 4 (on-policy) -> 0, 0 -> 3/4
   beh = jnp.zeros((4, 1))
@@ -323,6 +325,7 @@ def one_token(name, r, A, old=None, beh=None, **hp):
   return float(loss), float(grad[0, 0]), metrics
 
 
+@pytest.mark.slow
 def test_ppo_clip_hand_numbers():
   loss, grad, m = one_token("ppo_clip", 1.5, 1.0)  # min(1.5, 1.2) = 1.2: clipped, no gradient
   assert loss == pytest.approx(-1.2, rel=1e-6) and grad == 0.0 and float(m["clip_frac"]) == 1.0
@@ -356,6 +359,7 @@ def test_cispo_hand_numbers():
   assert grad == pytest.approx(-0.01, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_gspo_hand_numbers():
   mask = jnp.ones((1, 2))
   old = jnp.log(jnp.array([[0.5, 0.5]]))
@@ -384,6 +388,7 @@ def test_icepop_hand_numbers():
   assert float(m["frac_masked"]) == 0.0
 
 
+@pytest.mark.slow
 def test_ipo_hand_numbers():
   # q = 0.5; p = 0.55: |p - q| = 0.05 <= 0.1, kept: loss = -A r = -1.1, d/dlogp = -A r = -1.1
   loss, grad, m = one_token("ipo", 1.0, 1.0, old=math.log(0.55), beh=math.log(0.5), kl_tau=0.0)
@@ -507,6 +512,7 @@ def test_dppo_tv_hand_numbers():
   assert float(m["frac_masked"]) == 0.0 and grad == pytest.approx(-2.0, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_m2po_mask_hand_numbers():
   m2 = jnp.array([[1.0, 0.01, 0.01, 0.01]])
   mask = jnp.ones((1, 4))
@@ -521,6 +527,7 @@ def test_m2po_mask_hand_numbers():
   np.testing.assert_array_equal(np.asarray(P.m2po_mask(m2 * 0.01, jnp.ones((1, 4)), 0.04)), [[1, 1, 1, 1]])
 
 
+@pytest.mark.slow
 def test_m2po_tau_hand_numbers():
   d2 = jnp.array([0.01, 0.04, 0.25, 1.0, 9.0])
   harmful = jnp.array([True, True, True, True, False])
@@ -537,6 +544,7 @@ def test_m2po_tau_hand_numbers():
   assert not bool(need)
 
 
+@pytest.mark.slow
 def test_m2po_released_bounds_match_transcription_and_floors():
   lp, old, beh, A, mask = random_batch(4, spread=0.6)
   A_nt = np.broadcast_to(A[:, None], lp.shape)
@@ -555,6 +563,7 @@ def test_m2po_released_bounds_match_transcription_and_floors():
 
 
 @pytest.mark.parametrize("name", sorted(P.POLICY_LOSSES))
+@pytest.mark.slow
 def test_stop_gradients_policy_gradient_reduction_and_masked_garbage(name):
   lp, old, beh, A, mask = (f32(x) for x in random_batch(5))
   fn = P.make_policy_loss(name)
@@ -634,6 +643,7 @@ def test_ess_truncation_log_space_invalid_rows_and_weights():
     P.ess_target_truncation(lw, 1.5)
 
 
+@pytest.mark.slow
 def test_ess_truncation_monotone_and_meets_target_on_random_weights():
   rng = np.random.default_rng(0)
   lw = rng.normal(0.0, 2.0, 64)
@@ -658,6 +668,7 @@ def test_ess_truncation_monotone_and_meets_target_on_random_weights():
 
 
 @pytest.mark.parametrize("name", ["gspo", "dppo_tv"])
+@pytest.mark.slow
 def test_loss_gradient_through_a_model_equals_autodiff(name):
   rng = np.random.default_rng(9)
   N, T, D = 4, 5, 3
@@ -737,6 +748,7 @@ def test_bad_hyper_parameters_fail_at_build_time(name, hp, match):
     P.make_policy_loss(name, **hp)
 
 
+@pytest.mark.slow
 def test_building_the_presets_starts_no_backend():
   # Config parsing builds every policy loss (its values are checked by an abstract trace) BEFORE
   # jax.distributed.initialize, which fails once a backend exists: building must not start one.

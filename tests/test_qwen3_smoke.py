@@ -40,6 +40,7 @@ def train_checkpoint(tmp_path, monkeypatch, model_type: str, rope: str, seed: in
   return ckpt, saved[2]
 
 
+@pytest.mark.slow
 def test_qwen3_checkpoint_trains_a_few_steps(tmp_path, monkeypatch):
   ckpt, final = train_checkpoint(tmp_path, monkeypatch, "qwen3", "yarn", seed=7)
   _, start = hf_io.load_hf(ckpt)

@@ -74,6 +74,7 @@ def _killing_sources(monkeypatch, kill_at, sig=signal.SIGKILL):
 
 
 @pytest.mark.exclusive  # shared-memory leak checks
+@pytest.mark.slow
 def test_two_sigkills_replace_the_sampler_and_the_run_finishes(tmp_path):
   k, steps = 2, 12
   with pytest.MonkeyPatch.context() as mp:  # 8: the replacement has made batches by then
@@ -104,6 +105,7 @@ def test_two_sigkills_replace_the_sampler_and_the_run_finishes(tmp_path):
 
 
 @pytest.mark.exclusive
+@pytest.mark.slow
 def test_a_sigkilled_sampler_with_inflight_updates_refill_decode_and_background_eval_is_replaced(tmp_path):
   """The shm path with in-flight updates, async_.decode='refill' (the static decode: the tests above) and
   eval.background: SIGKILL before step 3 -> every step once, no batch twice, every token's version in
@@ -134,6 +136,7 @@ def test_a_sigkilled_sampler_with_inflight_updates_refill_decode_and_background_
 
 
 @pytest.mark.exclusive
+@pytest.mark.slow
 def test_a_background_eval_the_killed_sampler_had_not_returned_comes_back_from_its_replacement():
   """request_eval(0), then SIGKILL of the sampler before it can evaluate (it is still starting up): its
   replacement evaluates version 0 and eval_results(wait=True) hands over that record, once."""
@@ -164,6 +167,7 @@ def test_a_background_eval_the_killed_sampler_had_not_returned_comes_back_from_i
 
 
 @pytest.mark.exclusive
+@pytest.mark.slow
 def test_the_transfer_path_replaces_a_sigkilled_sampler_and_the_run_finishes(tmp_path):
   # publish_path='transfer': the replacement pulls the newest offer from the learner's same transfer server
   # over a fresh request pipe; every step once, no batch twice, lags in [0, k], nothing left in /dev/shm.
@@ -193,6 +197,7 @@ def test_the_transfer_path_replaces_a_sigkilled_sampler_and_the_run_finishes(tmp
     print(f"[transfer] kill before step {s} (pid {pid}): first batch of the replacement consumed after {dt:.1f} s")
 
 
+@pytest.mark.slow
 def test_the_device_path_replaces_a_crashed_sampler_thread_and_the_run_finishes(tmp_path):
   """publish_path='device': the sampler thread raises while making batch 3 -> a fresh thread on the same devices,
   from the newest published version, makes batch 3 again; every step once, no batch twice, lags in [0, k]."""
@@ -230,6 +235,7 @@ def test_the_device_path_replaces_a_crashed_sampler_thread_and_the_run_finishes(
   assert src.proc.exitcode == 0  # the replacement thread stopped cleanly at close()
 
 
+@pytest.mark.slow
 def test_the_device_path_does_not_replace_a_hung_sampler_thread():
   """A sampler thread that stops beating (here: blocked before putting batch 2) cannot be stopped: no replacement
   (a second sampler on the same devices), the learner's wait ends with TimeoutError as without the budget."""
@@ -266,6 +272,7 @@ def test_the_device_path_does_not_replace_a_hung_sampler_thread():
 
 
 @pytest.mark.exclusive
+@pytest.mark.slow
 def test_a_kill_past_the_restart_budget_ends_the_run_with_a_checkpoint(tmp_path):
   over = {"lag.k": 2, "async_.max_sampler_restarts": 1, "checkpoint.every": 100}
   with pytest.MonkeyPatch.context() as mp:
@@ -285,6 +292,7 @@ def test_a_kill_past_the_restart_budget_ends_the_run_with_a_checkpoint(tmp_path)
 
 
 @pytest.mark.exclusive
+@pytest.mark.slow
 def test_a_run_that_spent_its_restart_budget_resumes_from_its_checkpoint_and_finishes(tmp_path):
   """Past the budget the run checkpoints and exits; rerun in the same workdir, it resumes at the saved step,
   consumes the batches the checkpoint kept (first, once), then makes the rest: every step trained and logged
@@ -327,6 +335,7 @@ def test_a_run_that_spent_its_restart_budget_resumes_from_its_checkpoint_and_fin
 
 
 @pytest.mark.exclusive
+@pytest.mark.slow
 def test_a_stopped_sampler_is_replaced_after_timeout_s():
   """SIGSTOP: no batch within async_.timeout_s (the bound allows one) -> killed and replaced."""
   k = 2
@@ -349,6 +358,7 @@ def test_a_stopped_sampler_is_replaced_after_timeout_s():
 
 
 @pytest.mark.exclusive
+@pytest.mark.slow
 def test_a_stopped_sampler_is_replaced_once_its_heartbeat_goes_stale():
   """SIGSTOP: its heartbeat stops, and after async_.heartbeat_timeout_s (far below timeout_s, the batch timeout,
   which would otherwise replace it) the learner replaces it, naming the heartbeat and the stop."""
@@ -388,6 +398,7 @@ trainer.run(fixtures.tiny_countdown_config(**json.loads(sys.argv[2])), sys.argv[
 
 
 @pytest.mark.exclusive
+@pytest.mark.slow
 def test_sigkill_of_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path):
   """The sampler has attached and steps are training: SIGKILL to every process of the run at once (the OOM
   killer, `kill -9 -PGID`) leaves no object of the run in /dev/shm or the temp dir (every name was removed once

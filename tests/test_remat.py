@@ -17,6 +17,8 @@ import pytest
 from vcpo_jax import grad_norms as gn
 from vcpo_jax.model import config, transformer as tf
 
+pytestmark = pytest.mark.slow  # whole-model remat equivalences and compiled-memory checks: long compiles
+
 N, T = 4, 10
 
 

@@ -21,6 +21,7 @@ def lag_run(tmp_path_factory):
   return wd
 
 
+@pytest.mark.slow
 def test_stale_batch_is_the_runs_batch_of_that_step(lag_run):
   data = replay.load_step(lag_run, 4)
   assert (data.step, data.version) == (4, 2)  # k = 2: step 4 samples with version 2 (from the ring)
@@ -47,6 +48,7 @@ def _token_rewards(data):
   return data
 
 
+@pytest.mark.slow
 def test_replay_is_deterministic_and_the_cli_writes(lag_run, tmp_path):
   data = _token_rewards(replay.load_step(lag_run, 4))
   kw = dict(batches=2, fresh=2, bootstrap=3, seed=1, log=lambda *_: None)

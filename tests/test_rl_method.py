@@ -65,6 +65,7 @@ def test_every_preset_is_a_method_with_the_same_pg_config():
 
 
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
+@pytest.mark.slow
 def test_each_preset_method_gives_the_learners_loss_and_gradient(name):
   loss_ref, grad_ref = _learner_path(estimator.pg_config_from_preset(name))
   loss, grad = _method_path(method.PRESETS[name])

@@ -112,6 +112,7 @@ def test_config_and_q_k_norm_weights_load(ckpt):
     np.testing.assert_array_equal(np.asarray(ours.layers.self_attn.k_norm.scale[...][1]), theirs)
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_past_the_original_context(ckpt):
   (_, rope, _), path, model = ckpt
   tokens = _tokens(2, T_LONG, seed=1)
@@ -129,6 +130,7 @@ def test_logits_match_transformers_past_the_original_context(ckpt):
     assert np.abs(plain - theirs).max() > 1e-2 * theirs.std()
 
 
+@pytest.mark.slow
 def test_greedy_kv_cache_generation_matches_transformers(ckpt):
   _, path, model = ckpt
   cfg, ours = load_hf(path)
@@ -149,6 +151,7 @@ def test_greedy_kv_cache_generation_matches_transformers(ckpt):
   assert gen[:, 8:].tolist() == mine
 
 
+@pytest.mark.slow
 def test_export_reloads_in_transformers_with_equal_logits(ckpt, tmp_path):
   (family, _, _), path, model = ckpt
   cfg, ours = load_hf(path)
@@ -215,6 +218,7 @@ FULL_WIDTH = {
 
 
 @pytest.mark.parametrize("name", sorted(FULL_WIDTH))
+@pytest.mark.slow
 def test_one_full_width_8b_layer_matches_transformers(name, tmp_path):
   cls, shape, rope = FULL_WIDTH[name]
   hf = cls(

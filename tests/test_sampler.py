@@ -84,6 +84,7 @@ def test_config_validation():
     smp.generate(params, [[1], []], jax.random.key(0), max_new_tokens=4)
 
 
+@pytest.mark.slow
 def test_greedy_equals_stepwise_argmax_of_full_forward_and_layout():
   gd, params, _ = _model()
   r = _sampler(temperature=0.0).generate(params, PROMPTS, jax.random.key(0), max_new_tokens=10)
@@ -103,6 +104,7 @@ def test_greedy_equals_stepwise_argmax_of_full_forward_and_layout():
   np.testing.assert_array_equal(r.group_id, [0, 1, 2])
 
 
+@pytest.mark.slow
 def test_top_k_1_equals_greedy():
   _, params, _ = _model()
   greedy = _sampler(temperature=0.0).generate(params, PROMPTS, jax.random.key(0), max_new_tokens=10)
@@ -150,6 +152,7 @@ def _nucleus(logits, temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.6), (12, 0.8)])
+@pytest.mark.slow
 def test_filtered_tokens_lie_in_nucleus_and_logp_is_renormalized(top_k, top_p):
   _, _, sharp = _model()
   smp = _sampler(temperature=0.8, top_k=top_k, top_p=top_p)
@@ -183,6 +186,7 @@ def test_filter_logits_hand_checked():
   np.testing.assert_array_equal(kept, [[True, False, False, False]])
 
 
+@pytest.mark.slow
 def test_deterministic_for_a_key():
   _, params, _ = _model()
   smp = _sampler(temperature=1.0)
@@ -209,6 +213,7 @@ def test_eos_and_stop_ids_end_rows_and_mask_after():
   assert r.finished[0] and r.lengths[0] <= 5
 
 
+@pytest.mark.slow
 def test_generate_continuations_matches_generate():
   gd, params, _ = _model()
   smp = _sampler(temperature=1.0, eos_id=7)
@@ -224,6 +229,7 @@ def test_generate_continuations_matches_generate():
   assert cut.tolist() == out[0][0][: list(out[0][0]).index(first) + 1].tolist()
 
 
+@pytest.mark.slow
 def test_chunking_over_the_largest_batch_bucket_gives_the_same_rows():
   _, params, _ = _model()
   one = S.Sampler(_model()[0], CFG, S.SamplerConfig(**{**SMALL, "batch_buckets": (4,)}))
@@ -233,6 +239,7 @@ def test_chunking_over_the_largest_batch_bucket_gives_the_same_rows():
   np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_max_batch_caps_the_buckets_and_runs_sequential_calls_of_the_same_rows():
   """max_batch = 4: buckets above 4 become 4 (also through dataclasses.replace), 6 rows run as calls of 4 + 2
   rows (static) or 4 slots (refill), and every row is the uncapped sampler's (per-row keys)."""
@@ -259,6 +266,7 @@ def test_max_batch_caps_the_buckets_and_runs_sequential_calls_of_the_same_rows()
     assert calls == [4, 2] if decode == "static" else max(calls) == 4, (decode, calls)  # refill: 4 slots
 
 
+@pytest.mark.slow
 def test_row_offset_draws_the_rows_of_the_whole_batch():
   """A host sampling prompts [1, 3) of 3 with row_offset = 1 * G draws the whole batch's rows 2..5 (static and
   refill decode): what makes a multi-host async run's samples a single-host run's."""
@@ -275,6 +283,7 @@ def test_row_offset_draws_the_rows_of_the_whole_batch():
   assert not np.array_equal(shifted.tokens, ref.tokens[2:])  # without the offset: rows 0..3's draws
 
 
+@pytest.mark.slow
 def test_no_recompile_after_warmup_within_buckets():
   # jax's C++ dispatch cache is one LRU for the whole process (8192 entries); late in the full
   # suite it is full, so this function's entry can be evicted between calls. Empty it first so
@@ -308,6 +317,7 @@ def test_filter_logits_matches_sort_based_nucleus_on_random_rows():
 # ----------------------------------------------------------------------------- at scale: chunked prefill, mesh, bf16
 
 
+@pytest.mark.slow
 def test_chunked_prefill_gives_the_same_rows():
   """Prefill in chunks of 3 tokens (the 8- and 16-token prompt buckets: uneven last chunks) = one pass."""
   _, params, _ = _model()
@@ -319,6 +329,7 @@ def test_chunked_prefill_gives_the_same_rows():
   np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_prefill_temp_memory_does_not_grow_with_the_chunk_count():
   """Compiled prefill temporaries at 8 chunks <= at 2 chunks (2 layers, bf16, one KV cache layer = 4 MiB).
 
@@ -341,6 +352,7 @@ def test_prefill_temp_memory_does_not_grow_with_the_chunk_count():
   assert temp[8] <= temp[2], temp
 
 
+@pytest.mark.slow
 def test_tensor_parallel_sampler_compiles_and_matches_one_device():
   """The sampler on its own 2-device ("tensor") mesh: compiles, splits weights and cache, same rows."""
   gd, params, _ = _model()
@@ -357,6 +369,7 @@ def test_tensor_parallel_sampler_compiles_and_matches_one_device():
   np.testing.assert_allclose(r.behavior_logp, ref.behavior_logp, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_params_and_cache():
   gd_bf, _ = tf.split(tf.init(CFG.replace(dtype="bfloat16"), seed=0))
   _, params, _ = _model()
@@ -381,6 +394,7 @@ def _chi2(counts, probs):
 
 
 @pytest.mark.parametrize("v,block", [(12, 4), (50, 8), (50, None)])
+@pytest.mark.slow
 def test_inverse_cdf_draws_the_exact_distribution(v, block):
   """200k draws from one row (some tokens removed, -inf): chi-square within 5 sigma of its mean (fixed seed),
   removed tokens never drawn, recorded logp = the exact log-probability. V=50 with blocks of 8 pads the last."""
@@ -425,6 +439,7 @@ def _step_keys(n):
     ("gumbel", 0, 0.7),
   ],
 )
+@pytest.mark.slow
 def test_choose_samples_the_filtered_distribution_and_records_its_logp(draw, top_k, top_p):
   """The token choice of a decode step (per-row keys as in generate) on one row of 40 logits: the support is
   exactly the reference nucleus (top-k, then top-p), the draws follow its renormalized probabilities (chi-square),
@@ -477,6 +492,7 @@ def test_param_dtype_auto_and_config_fields():
   assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
 
 
+@pytest.mark.slow
 def test_unprepared_params_are_cast_inside_the_call():
   """param_dtype=bfloat16 with float32 params passed as they are = the same rows as prepared bf16 params."""
   gd, params, _ = _model()
@@ -493,6 +509,7 @@ def test_unprepared_params_are_cast_inside_the_call():
 CHUNKED = dict(batch_buckets=(1, 2, 4), chunk_tokens=3, stop_ids=tuple(range(0, 256, 16)))
 
 
+@pytest.mark.slow
 def test_chunked_and_refill_decode_give_the_static_rows():
   """Same key per (row, token index) in every mode: the refilling engine (4 slots, 12 rows, stop ids ending
   rows at varied lengths) gives the static rows, in the static (prompt-major) order."""
@@ -528,6 +545,7 @@ def _slot_schedule(budgets, b, chunk, refill):
   return steps
 
 
+@pytest.mark.slow
 def test_refill_runs_fewer_decode_steps_with_long_tailed_budgets():
   """Budgets 1,1,1,12 per 4 rows: static batching runs every batch for 11 decode steps (44); refilling
   slots as rows end needs far fewer (the reference schedule's count). Rows keep their budgets (no stop ids),
@@ -546,6 +564,7 @@ def test_refill_runs_fewer_decode_steps_with_long_tailed_budgets():
   assert _slot_schedule(budgets, 4, 2, refill=True) == 23
 
 
+@pytest.mark.slow
 def test_inflight_update_records_versions_and_logp_of_the_version_that_sampled():
   """on_chunk swaps in version 1 after the first chunk: tokens 0..3 (prefill + 3 decode steps) are version 0,
   the rest version 1. With recompute_kv the behaviour log-prob of every token equals the full-forward

@@ -39,6 +39,7 @@ def test_sys_exit_status():
   assert (r.kind, r.exit_code) == ("exception", 3)
 
 
+@pytest.mark.slow
 def test_infinite_loop_hits_cpu_limit():
   r = run_code("while True:\n    pass\n", CFG)
   assert r.kind == "timeout"
@@ -151,6 +152,7 @@ def test_run_many_keeps_order():
 
 @hypothesis.settings(max_examples=12, deadline=None)
 @hypothesis.given(st.text(max_size=200))
+@pytest.mark.slow
 def test_arbitrary_text_never_raises(code):
   r = run_code(code, CFG)
   assert r.kind in KINDS

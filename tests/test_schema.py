@@ -14,6 +14,7 @@ import sys
 import textwrap
 import typing
 
+import ml_collections
 import pytest
 
 from configs import common
@@ -143,6 +144,48 @@ def test_round_trip_and_errors_name_the_field():
   c.optim.b1 = 1.5
   with pytest.raises(schema.ConfigError, match=r"^config\.optim\.b1=1\.5: Adam's moment decay"):
     schema.from_config_dict(run_spec.RunConfig, c)
+
+
+@pytest.mark.parametrize(
+  "path,value,guess",
+  [
+    ("model.lora_rnak", 8, "model.lora_rank"),  # a section's field
+    ("optim.learning_rate", 1e-3, "optim.lr"),  # no close sibling: the nearest one
+    ("task.multiturn.max_turn", 2, "task.multiturn.max_turns"),  # a nested section
+    ("vcpo.tis", 4.0, "vcpo.tis_c"),  # the method's overrides
+    ("model.shape.num_layer", 28, "model.shape.num_layers"),  # the checkpoint's architecture block
+    ("optimm", {"lr": 1.0}, "optim"),  # a whole section misspelled
+  ],
+)
+def test_an_unknown_key_anywhere_names_it_its_value_and_the_nearest_names(path, value, guess):
+  """A key the tree does not model (what a config file can add) is an error, not silently dropped."""
+  c = common.get_base_config()
+  *parents, leaf = path.split(".")
+  node = c
+  for name in parents:
+    if name not in node:
+      node[name] = ml_collections.ConfigDict()
+    node = node[name]
+  node[leaf] = value
+  shown = " ".join(repr(value).split())
+  with pytest.raises(schema.ConfigError) as e:
+    schema.from_config_dict(run_spec.RunConfig, c)
+  msg = str(e.value)
+  assert msg.startswith(f"config.{path}={shown}: unknown field; did you mean ") and "\n" not in msg, msg
+  assert f"config.{guess}" in msg.split("did you mean ")[1].split("?")[0], msg
+
+
+def test_open_sub_dicts_and_the_shape_block_parse():
+  """task.gen and distributed's extra keys stay open; model.shape is declared (absent from the default dict, so
+  the study's run configs are unchanged) and reaches ModelSection.shape when a config file sets it."""
+  c = common.get_base_config()
+  assert "shape" not in c.model
+  c.task.gen = {"num_numbers": (2, 2)}
+  c.distributed.local_device_ids = "0"
+  c.model.shape = ml_collections.ConfigDict({"num_layers": 28, "qkv_bias": True})
+  run = schema.from_config_dict(run_spec.RunConfig, c)
+  assert run.model.shape == {"num_layers": 28, "qkv_bias": True}
+  assert run.distributed.extra == {"local_device_ids": "0"}
 
 
 def test_config_dict_types_come_from_the_annotations():

@@ -130,6 +130,7 @@ def flat(g):
 
 
 @pytest.mark.parametrize("C", [None, 1.5])
+@pytest.mark.slow
 def test_brute_force_expected_score_and_drift_cancellation(C):
   """Per position: grad corr == sum_v c_v grad log p_v, and sum_v q_v w_v grad log p_v - grad corr == 0."""
   x, params, beh = tiny(1)
@@ -151,6 +152,7 @@ def test_brute_force_expected_score_and_drift_cancellation(C):
   assert np.all(np.asarray(jax.tree.leaves(corr_grad)[0])[:, 0] == 0.0)  # position 0 predicts nothing
 
 
+@pytest.mark.slow
 def test_p_equals_q_gives_the_plain_update():
   x, params, _ = tiny(2)
   rng = np.random.default_rng(3)
@@ -180,6 +182,7 @@ def test_p_equals_q_gives_the_plain_update():
   np.testing.assert_allclose(np.asarray(diag["kl_qp"]), 0.0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_topk_converges_to_exact_as_k_grows_to_v():
   x, params, beh = tiny(4)
   lq = jnp.concatenate([jnp.zeros((B, 1, V)), full_logp(beh, x)], 1)  # row 0 is a placeholder
@@ -203,6 +206,7 @@ def test_topk_converges_to_exact_as_k_grows_to_v():
 
 
 @pytest.mark.parametrize("chunk,vocab_chunk", [(2, 0), (0, 3), (2, 3), (1, 7)])
+@pytest.mark.slow
 def test_chunked_exact_equals_dense(chunk, vocab_chunk):
   x, params, beh = tiny(5)
   spec = lpm.HeadSpec(tied=False, chunk=chunk, vocab_chunk=vocab_chunk)
@@ -278,6 +282,7 @@ def model_setup():
   return graphdef, params, beh, batch
 
 
+@pytest.mark.slow
 def test_model_p_equals_q_is_the_learner_gradient(model_setup):
   from vcpo_jax import estimator, learner
 
@@ -293,6 +298,7 @@ def test_model_p_equals_q_is_the_learner_gradient(model_setup):
 
 
 @pytest.mark.parametrize("preset,overrides", [("vcpo", {}), ("token_tis", dict(token_tis_c=1.01))])
+@pytest.mark.slow
 def test_model_centered_gradient_and_norms_by_brute_force(model_setup, preset, overrides):
   """VCPO (OPOB norms of the centered score) and TIS+SC, against per-row jax.grad of the centered score."""
   from vcpo_jax import estimator
@@ -345,6 +351,7 @@ def test_model_centered_gradient_and_norms_by_brute_force(model_setup, preset, o
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pure_lag_run_with_exact_centering():
   from vcpo_jax import estimator
   from vcpo_jax.experiments import pure_lag as pl
@@ -372,6 +379,7 @@ def test_pure_lag_run_with_exact_centering():
     pl.make_run_fn(cfg, pg, 2, score_centering_topk=4)
 
 
+@pytest.mark.slow
 def test_topk_centered_logp_fn_with_k_equal_v_is_exact(model_setup):
   graphdef, params, beh, batch = model_setup
   exact = S.make_centered_logp_fn(graphdef)
@@ -406,6 +414,7 @@ def test_exact_correction_chunked_memory_stays_below_one_nt_v():
   assert chunked < nt_v / 4, (chunked, nt_v)
 
 
+@pytest.mark.slow
 def test_study_smoke(tmp_path):
   """The study's main end to end on one tiny cell (10 steps, one seed), then again from the saved cell."""
   import json

@@ -61,6 +61,7 @@ def _model(tied: bool, vocab_chunk: int = 0, chunk: int = 0):
   "tied,vocab_chunk,preset",
   [(False, 0, "vcpo_sc"), (True, 0, "vcpo_sc"), (True, 5, "vcpo_sc"), (False, 5, "tis_sc"), (True, 0, "tis_sc")],
 )
+@pytest.mark.slow
 def test_ghost_centered_norms_and_gradient_by_brute_force(tied, vocab_chunk, preset):
   graphdef, params, beh, batch = _model(tied, vocab_chunk)
   pg = estimator.pg_config_from_preset(preset, **({"token_tis_c": 1.01} if preset == "tis_sc" else {}))
@@ -160,6 +161,7 @@ def dense_reward(monkeypatch):
   monkeypatch.setattr(rollout_common.tasks, "score_problems", score)
 
 
+@pytest.mark.slow
 def test_lag_run_with_exact_centering_logs_drift_and_k0_equals_plain(tmp_path, dense_reward):
   """trainer.run in lag mode (k = 2) with vcpo_sc: each step re-reads the behaviour version from the lag ring,
   the drift diagnostics are logged and grow once the data is stale; with k = 0 the run equals plain VCPO's
@@ -204,6 +206,7 @@ def test_exact_centering_refused_where_q_is_unavailable(kw, match):
 TOPK_V = {"vcpo.score_centering": "topk", "vcpo.sc_topk": 256}  # the tiny config's whole vocabulary
 
 
+@pytest.mark.slow
 def test_lag_run_with_topk_of_the_whole_vocabulary_equals_exact_centering(tmp_path, dense_reward):
   """trainer.run in lag mode (k = 2): VCPO centered from the sampler's recorded top-k with k = V (the record
   travels sampler -> Batch -> lag source -> ghost learner step) equals VCPO centered exactly from the lag ring's
@@ -217,6 +220,7 @@ def test_lag_run_with_topk_of_the_whole_vocabulary_equals_exact_centering(tmp_pa
   assert topk[2]["train/drift/coef_l1"] > 1e-4
 
 
+@pytest.mark.slow
 def test_async_run_with_inflight_updates_centers_from_the_queued_topk(tmp_path, monkeypatch):
   """Async mode with in-flight updates (the sampler process's refill engine, per-token versions): the top-k
   record crosses the shared-memory queue with its batch intact (with k = V every sampled token is in it, at its
@@ -277,6 +281,7 @@ def _behaviour_topk(graphdef, beh, batch, k):
 
 
 @pytest.mark.parametrize("preset", ["vcpo_sc", "tis_sc"])
+@pytest.mark.slow
 def test_topk_centering_with_k_equal_v_is_exact_in_the_learner(preset):
   graphdef, params, beh, batch = _model(tied=True)
   ids, lq = _behaviour_topk(graphdef, beh, batch, V)
@@ -322,6 +327,7 @@ def test_topk_centering_needs_the_recorded_head():
     (True, 3, "tis_sc", V),
   ],
 )
+@pytest.mark.slow
 def test_ghost_topk_centering_norms_and_gradient_by_brute_force(tied, vocab_chunk, preset, k):
   """The ghost path with the sampler's top-k (k < V: the tail modelled; vocabulary chunks that split the ids;
   tied heads' cross term): per-example norms of the centered score equal per-row jax.grad of it, and the

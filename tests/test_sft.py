@@ -197,6 +197,7 @@ def test_sft_loss_decreases(tok, model):
   assert jax.tree.structure(new_params) == jax.tree.structure(params)
 
 
+@pytest.mark.slow
 def test_optimizer_is_optim_builder_with_the_old_chain_updates(model):
   """sft builds through optim.make_optimizer; its updates equal the former clip -> adamw(schedule) chain."""
   import optax

@@ -138,6 +138,7 @@ def _reference(name):
 
 
 @pytest.mark.parametrize("name,shape", CASES, ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c)))
+@pytest.mark.slow
 def test_sharded_equals_single_device(name, shape):
   cfg, batch, ref_params, ref_state, ref = _reference(name)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(shape))

@@ -219,6 +219,7 @@ def test_roundtrip_property(ts, nslots):
 @pytest.mark.parametrize(
   "producer_sleep,consumer_sleep", [(0.0, 0.003), (0.003, 0.0)], ids=["producer_faster", "producer_slower"]
 )
+@pytest.mark.slow
 def test_no_loss_no_duplication_across_processes(producer_sleep, consumer_sleep):
   n, seed = 60, 7
   rng = random.Random(1)
@@ -281,6 +282,7 @@ def test_producer_sigkill_is_detected_and_segments_removed():
   assert not [x for x in paths if os.path.exists(x)]
 
 
+@pytest.mark.slow
 def test_producer_dying_before_first_put_is_detected_with_watch():
   with ShmQueue(SCHEMA, nslots=2) as q:
     p = _start(_crash_at_start, q)
@@ -325,6 +327,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("creator_dies", [False, True], ids=["child_killed", "creator_killed"])
+@pytest.mark.slow
 def test_no_leaks_or_tracker_warnings_in_a_fresh_interpreter(creator_dies):
   """Child crash: the owner closes cleanly, with no resource-tracker warnings.
 
@@ -378,6 +381,7 @@ def test_param_slot_publish_and_latest():
 
 
 @pytest.mark.parametrize("nbuf", [2, 1])
+@pytest.mark.slow
 def test_param_slot_never_torn_and_monotone_under_concurrent_writes(nbuf):
   """nbuf=2: double-buffered seqlock; nbuf=1: one copy (half the memory), the writer waits for the reader."""
   n = 400

@@ -213,6 +213,7 @@ def test_select_lr_rule():
 # ----------------------------------------------------------------------------- the trainer backend
 
 
+@pytest.mark.slow
 def test_trainer_backend_end_to_end_tunes_and_resumes_per_run(tmp_path):
   """configs/stability.py:countdown_quick through run_study: tuning stage, grid, report, run-level resume,
   and the same metrics from cache-loaded programs as from freshly compiled ones."""

@@ -620,6 +620,7 @@ def peer_agreement() -> tuple[float, list]:
   return 1 - len(wrong) / len(rows), wrong
 
 
+@pytest.mark.slow
 def test_peer_grading_agreement(monkeypatch):
   # Answer-only cases of Math-Verify, hendrycks MATH, MARIO and Qwen2.5-Math's own
   # tests (tests/data/grading_cases.jsonl, each with its source). Before issue 12

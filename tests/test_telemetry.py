@@ -124,6 +124,7 @@ def _per_example_grads(graphdef, params, batch):
 
 @pytest.mark.parametrize("preset", ["vcpo", "seq_tis", "vcpo_applied_opob"])
 @pytest.mark.parametrize("grad_path", ["ghost", "vmap"])
+@pytest.mark.slow
 def test_step_telemetry_equals_brute_force(tiny, preset, grad_path):
   graphdef, params, batch = tiny
   pg = estimator.pg_config_from_preset(preset)
@@ -202,6 +203,62 @@ def test_grad_telemetry_off_logs_no_grad_metrics_and_trains_the_same(tiny):
     assert f(m_off[k]) == pytest.approx(f(m_on[k]), rel=1e-5, abs=1e-8), k
 
 
+def _compiled_step(graphdef, params, batch, lcfg):
+  """(XLA's flop count of the compiled train step, its metrics after one step)."""
+  tx = optim.make_optimizer(1e-3, weight_decay=0.0)
+  step = jax.jit(learner.make_train_step(graphdef, tx, lcfg))
+  state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
+  cost = step.lower(state, batch).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost["flops"]), {k: f(v) for k, v in step(state, batch)[1].items()}
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 4])
+def test_a_method_without_norms_does_not_compute_them_under_the_default_telemetry(tiny, microbatch_size):
+  """grad_telemetry=True (the default) for seq_tis (no OPOB): no grad/ metrics and the compiled step's flops are
+  those of grad_telemetry=False (XLA drops the ghost path's unused norms); "norms" computes them (more flops) and
+  logs the norm telemetry. A bug that hands the norms to the telemetry under the default fails the flop check."""
+  graphdef, params, batch = tiny
+  pg = estimator.pg_config_from_preset("seq_tis")
+  assert not estimator.needs_sq_norms(pg)
+  cfgs = {
+    t: learner.LearnerConfig(pg=pg, grad_telemetry=t, microbatch_size=microbatch_size) for t in (True, False, "norms")
+  }
+  runs = {t: _compiled_step(graphdef, params, batch, lcfg) for t, lcfg in cfgs.items()}
+  (flops_on, m_on), (flops_off, m_off), (flops_norms, m_norms) = runs[True], runs[False], runs["norms"]
+  assert flops_on == pytest.approx(flops_off, rel=1e-6)
+  assert flops_norms > flops_off * 1.01  # the per-example norms: >= 1% of this tiny step's flops
+  assert not any(k.startswith("grad/") for k in m_on) and set(m_on) == set(m_off)
+  assert {"grad/top1_share", "grad/cov_trace", "grad/var_ratio"} <= set(m_norms)
+
+
+def test_vcpo_still_computes_its_norms_and_their_telemetry_by_default(tiny):
+  """VCPO's OPOB needs S_n: under the default its grad/ metrics are logged, equal to those of "norms"."""
+  graphdef, params, batch = tiny
+  pg = estimator.pg_config_from_preset("vcpo")
+  assert learner.LearnerConfig(pg=pg).telemetry_norms
+  _, m_on = _compiled_step(graphdef, params, batch, learner.LearnerConfig(pg=pg))
+  _, m_norms = _compiled_step(graphdef, params, batch, learner.LearnerConfig(pg=pg, grad_telemetry="norms"))
+  assert {"grad/top1_share", "grad/cov_trace", "grad/var_ratio"} <= set(m_on)
+  for k in m_norms:
+    assert m_on[k] == pytest.approx(m_norms[k], rel=1e-5, abs=1e-9), k
+
+
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    ({"grad_telemetry": "yes"}, "choose True"),
+    ({"grad_telemetry": "norms", "grad_path": "vmap"}, "only the ghost path"),
+    ({"grad_telemetry": "norms", "preset": "ppo_clip"}, "only the ghost path"),
+  ],
+)
+def test_grad_telemetry_values_are_checked(kw, match):
+  kw = dict(kw)
+  pg = estimator.pg_config_from_preset(kw.pop("preset", "seq_tis"))
+  with pytest.raises(ValueError, match=match):
+    learner.LearnerConfig(pg=pg, **kw)
+
+
 def test_cosine():
   a = {"x": jnp.array([1.0, 0.0]), "y": jnp.array([[0.0]])}
   b = {"x": jnp.array([1.0, 1.0]), "y": jnp.array([[0.0]])}
@@ -212,6 +269,7 @@ def test_cosine():
 # ----------------------------------------------------------------------------- in a run
 
 
+@pytest.mark.slow
 def test_run_logs_grad_metrics_and_the_reference_cosine_without_changing_the_run(tmp_path):
   import json
 

@@ -96,6 +96,7 @@ def _log_rows(workdir):
   return metrics_rows, evals
 
 
+@pytest.mark.slow
 def test_lag_run_resumes_bit_for_bit_and_logs_each_step_once(tmp_path, dense_reward, monkeypatch):
   """A clean 6-step lag run (file:// workdir) against the same run crashed and rerun in a memory:// workdir:
 
@@ -236,6 +237,7 @@ def _read(path):
     return f.read()
 
 
+@pytest.mark.slow
 def test_resume_with_changed_trajectory_fields_is_refused_unless_allowed(tmp_path, monkeypatch):
   """The checkpoint stores the config's fingerprint; a rerun with another learning rate is refused before
   anything is built (config.json untouched), one changing only eval / log fields and `steps` is not, and

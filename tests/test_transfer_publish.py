@@ -95,6 +95,7 @@ def test_the_sampler_process_pulls_the_learners_parameters_after_a_step_even_onc
     src.close()
 
 
+@pytest.mark.slow
 def test_transfer_batches_equal_the_shm_paths_and_echo_version_and_checksum():
   """The real worker over both paths, versions fixed by the protocol: every batch equals the shm path's field
   for field (same parameters, keys and sampler programs); each echoes its version's device checksum; the
@@ -111,6 +112,7 @@ def test_transfer_batches_equal_the_shm_paths_and_echo_version_and_checksum():
     assert isinstance(i_tr["params_checksum"], int)  # next() checked it against the published one
 
 
+@pytest.mark.slow
 def test_killed_sampler_is_reported_and_close_stops_the_transfer_path():
   """SIGKILL of the sampler process: next() and publish() raise SamplerDiedError, as on the shm path; the
   server thread ends; close() is idempotent."""
@@ -138,6 +140,7 @@ def test_killed_sampler_is_reported_and_close_stops_the_transfer_path():
   src.close()
 
 
+@pytest.mark.slow
 def test_async_run_over_the_transfer_path_matches_the_shm_runs_first_steps(tmp_path, monkeypatch):
   """trainer.run with publish_path='transfer': lags bounded, checksums checked every step, clean exit; the
   steps whose batches came from the same versions as the shm run's (at least step 1: batch 0 from version 0)

@@ -89,13 +89,18 @@ class LearnerConfig:
   ppo_epochs, minibatches: ppo_epochs * minibatches optimizer updates per trainer step, each on N /
     minibatches rows of whole groups, with pi_old recomputed once per step (_multi_update_step); only for
     a policy loss (pg.policy_loss != "pg"). 1 and 1: today's single update, the same computation.
+  grad_telemetry: the grad/ metrics of vcpo_jax.telemetry, which read the step's per-example norms S_n. True:
+    when the method computes them anyway (estimator.needs_sq_norms: OPOB), else none, so that a method
+    without norms pays nothing (XLA drops the ghost path's unused norms); "norms": also for such a method,
+    which then computes them for the telemetry (the plain ghost step's cost, ~1% of its flops on the CPU
+    default); False: no grad/ metrics.
   """
 
   pg: estimator.PGConfig
   grad_path: str = "ghost"
   ghost_passes: int | str = 1  # 1: one backward, all layers' (A, D) kept; 2: norms block by block; "auto"
   one_pass_budget_gib: float = 24.0  # ghost_passes="auto": per-device GiB the one-pass (A, D) may take
-  grad_telemetry: bool = True  # the grad/ metrics of vcpo_jax.telemetry, from the step's per-example norms
+  grad_telemetry: bool | str = True  # grad/ metrics (vcpo_jax.telemetry): True | "norms" | False, see below
   microbatch_size: int | None = None  # rows per micro-batch (whole groups); None / 0: one pass
   group_size: int | None = None  # G, only for the config-time check of microbatch_size
   batch_size: int | None = None  # N = P * G, only for the config-time check of microbatch_size
@@ -117,6 +122,7 @@ class LearnerConfig:
         f"learner.one_pass_budget_gib={self.one_pass_budget_gib!r}: give a positive number of GiB per device."
       )
     self._check_updates()
+    self._check_telemetry()
     if self.pg.score_centering != "off" and self.grad_path == "ghost" and self.ghost_passes != 1:
       raise ValueError(
         f"learner.ghost_passes={self.ghost_passes!r} with vcpo.score_centering={self.pg.score_centering!r}: the "
@@ -184,6 +190,24 @@ class LearnerConfig:
       raise ValueError(f"learner.microbatch_size={mb} does not divide the batch size N={n}; use a divisor of {n}.")
     return n // mb
 
+  @property
+  def telemetry_norms(self) -> bool:
+    """Whether the step's telemetry reads the per-example norms (see grad_telemetry)."""
+    return self.grad_telemetry == "norms" or (self.grad_telemetry is True and estimator.needs_sq_norms(self.pg))
+
+  def _check_telemetry(self):
+    t = self.grad_telemetry
+    if not (isinstance(t, bool) or t == "norms"):
+      raise ValueError(
+        f"learner.grad_telemetry={t!r}: choose True (the grad/ metrics when the method computes per-example "
+        "norms), 'norms' (compute them for the telemetry too) or False."
+      )
+    if t == "norms" and (self.grad_path != "ghost" or self.pg.policy_loss != "pg"):
+      raise ValueError(
+        f"learner.grad_telemetry='norms' with learner.grad_path={self.grad_path!r} and a {self.pg.policy_loss!r} "
+        "loss: only the ghost path of the surrogate (policy_loss 'pg') has per-example norms to add; use True."
+      )
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerSection:
@@ -193,7 +217,9 @@ class LearnerSection:
   # ghost backward passes: 1 (all layers' (A, D) kept) | 2 (norms block by block, long T) | "auto" (by memory)
   ghost_passes: int | str = LearnerConfig.ghost_passes  # int 1 | 2, or the str "auto"
   one_pass_budget_gib: float = LearnerConfig.one_pass_budget_gib  # "auto": per-device GiB one pass may keep
-  grad_telemetry: bool = LearnerConfig.grad_telemetry  # grad/ metrics every step; False: math learner -1.8 GiB
+  # grad/ metrics every step. True: when the method computes per-example norms (OPOB), else none (no cost);
+  # "norms": computes them for the telemetry (the plain ghost step pays for them); False: off (math learner -1.8 GiB)
+  grad_telemetry: bool | str = LearnerConfig.grad_telemetry  # True (if the method has norms: OPOB) | "norms" | False
   microbatch_size: int = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
   ppo_epochs: int = LearnerConfig.ppo_epochs  # passes over each batch per step (policy-loss methods only)
   minibatches: int = LearnerConfig.minibatches  # updates per pass, each on whole groups; pi_old once per step
@@ -594,10 +620,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     new_state = TrainState(lora.combine(params, frozen), opt_state, state.step + 1)
     metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
     metrics.update(upd)
-    # gradient-variance telemetry ("grad/..."): [N]-array arithmetic on the norms the step already has
+    # gradient-variance telemetry ("grad/..."): [N]-array arithmetic on the norms the step already has; a method
+    # that does not need them does not hand them over, so XLA drops the ghost path's norm computation
     if cfg.grad_telemetry:
       t, g2 = batch["tokens"].shape[1], upd["grad_norm"] ** 2
-      metrics.update(telemetry.step_telemetry(aux, g2, batch["rewards"], batch["group_id"], cfg.pg, t))
+      rows = aux if cfg.telemetry_norms else {k: v for k, v in aux.items() if k != "sq_norm_n"}
+      metrics.update(telemetry.step_telemetry(rows, g2, batch["rewards"], batch["group_id"], cfg.pg, t))
     return new_state, metrics
 
   return train_step

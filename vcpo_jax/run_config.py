@@ -168,13 +168,11 @@ def field_paths(config, prefix: str = "") -> list[str]:
 
 
 def check_override_paths(config, overrides: dict[str, str]):
-  """ConfigError for the first `--config.PATH=VALUE` whose PATH is not a field, with the closest name."""
+  """ConfigError for the first `--config.PATH=VALUE` whose PATH is not a field, with the closest names."""
   known = field_paths(config)
   for path, value in overrides.items():
     if path in known:
       continue
     parent = path.rpartition(".")[0]  # compare with the siblings first: optim.b3 -> optim.b1, sed -> seed
     pool = [p for p in known if p.rpartition(".")[0] == parent] if parent in known or not parent else known
-    guess = difflib.get_close_matches(path, pool, n=1, cutoff=0.0) or difflib.get_close_matches(path, known, n=1)
-    hint = f"did you mean config.{guess[0]}? " if guess else ""
-    raise ConfigError(f"config.{path}={value!r}: unknown field; {hint}--config_help lists every field.")
+    schema.unknown_field(path, value, pool, known)

@@ -11,8 +11,11 @@ The field's type and default make the ConfigDict entry (`to_config_dict`), the c
 sub-section (`section(Cls)`); a `dict` field an open sub-dict (task.gen); `int | None = None` a typed
 placeholder (None = "the preset's value"); a union of two types (`int | str`) takes either; `overrides(Cls)`
 is a section of one None placeholder per field of Cls (config.vcpo over the method preset's PGConfig);
-metadata {"config": False} keeps a field out of the ConfigDict. `from_config_dict` builds the tree back and names
-the config field in every error (`config_errors`). This module imports no vcpo_jax module.
+metadata {"config": False} keeps a field out of the ConfigDict; {"when_set": True} keeps a `dict` field out of the
+default ConfigDict (a config file adds the block: model.shape) and {"keys": Cls} limits its keys to Cls's fields.
+`from_config_dict` builds the tree back, refuses a key the tree does not model (`unknown_field`: a misspelled
+`c.model.lora_rnak = 8` in a config file fails like `--config.model.lora_rnak=8`) and names the config field in
+every error (`config_errors`). This module imports no vcpo_jax module.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import difflib
 import inspect
 import io
 import math
@@ -107,6 +111,8 @@ def to_config_dict(cls) -> ml_collections.ConfigDict:
   hints, c = typing.get_type_hints(cls), ml_collections.ConfigDict()
   for f in _config_fields(cls):
     t = hints[f.name]
+    if f.metadata.get("when_set"):
+      continue
     if "overrides" in f.metadata:
       c[f.name] = to_overrides(f.metadata["overrides"])
     elif dataclasses.is_dataclass(t):
@@ -134,9 +140,12 @@ def to_overrides(cls) -> ml_collections.ConfigDict:
 
 
 def from_config_dict(cls, d, section: str = ""):
-  """cls built from ConfigDict (or dict) `d`, sub-sections first; a missing key keeps the default, a key
-  cls does not model goes to its `extra` dict if it has one, else is ignored (configs/math.py's model.shape);
-  an error names the config field (`config.optim.b1=1.5: ...`)."""
+  """cls built from ConfigDict (or dict) `d`, sub-sections first; a missing key keeps the default, a key cls
+  does not model goes to its `extra` dict if it has one (config.distributed), else is a ConfigError naming it
+  (checked over the whole tree before anything is built: `check_keys`); an error names the config field
+  (`config.optim.b1=1.5: ...`)."""
+  if not section:
+    check_keys(cls, d)
   hints, kw = typing.get_type_hints(cls), {}
   for f in _config_fields(cls):
     if f.name not in d:
@@ -154,6 +163,56 @@ def from_config_dict(cls, d, section: str = ""):
     kw["extra"] = {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in d.items() if k not in names}
   with config_errors(section.rstrip("."), cls):
     return cls(**kw)
+
+
+def check_keys(cls, d, prefix: str = ""):
+  """ConfigError (`unknown_field`) for the first key of ConfigDict (or dict) `d` that the dataclass tree `cls`
+  does not model, at any depth: sections, vcpo.* overrides and dict fields with {"keys": Cls}; a section with
+  an `extra` field and the other dict fields (task.gen) are open."""
+  hints = typing.get_type_hints(cls)
+  fields = {f.name: f for f in _config_fields(cls)}
+  if "extra" not in {f.name for f in dataclasses.fields(cls)}:
+    for k in d:
+      if k not in fields:
+        unknown_field(f"{prefix}{k}", d[k], [f"{prefix}{n}" for n in fields])
+  for name, f in fields.items():
+    if name not in d or not hasattr(d[name], "items"):
+      continue
+    allowed = f.metadata.get("overrides") or f.metadata.get("keys")
+    if dataclasses.is_dataclass(hints[name]):
+      check_keys(hints[name], d[name], f"{prefix}{name}.")
+    elif allowed is not None:
+      names = [f"{prefix}{name}.{g.name}" for g in dataclasses.fields(allowed)]
+      for k in d[name]:
+        if f"{prefix}{name}.{k}" not in names:
+          unknown_field(f"{prefix}{name}.{k}", d[name][k], names)
+
+
+def unknown_field(path: str, value, siblings: list[str], known: list[str] | tuple = ()):
+  """Raises the one-line ConfigError for config.PATH=VALUE, a field the config does not have, naming the
+  nearest valid names: its siblings' first (optim.b3 -> optim.b1 / optim.b2), else any of `known`."""
+  close = nearest(path, siblings) or difflib.get_close_matches(path, list(known), n=1)
+  hint = f"did you mean {' or '.join(f'config.{c}' for c in close)}? " if close else ""
+  shown = " ".join(repr(value.to_dict() if hasattr(value, "to_dict") else value).split())
+  shown = shown if len(shown) <= 80 else shown[:77] + "..."
+  raise ConfigError(f"config.{path}={shown}: unknown field; {hint}--config_help lists every field.")
+
+
+def nearest(path: str, siblings: list[str]) -> list[str]:
+  """Up to 3 of `siblings` (dotted paths) whose last name is nearest `path`'s: an abbreviation of it
+  (learning_rate -> lr) or a prefix either way first, then difflib's close matches, else the closest one."""
+  parent, _, leaf = path.rpartition(".")
+  if any(p.rpartition(".")[0] != parent for p in siblings):  # not one section's fields: compare whole paths
+    return difflib.get_close_matches(path, siblings, n=1, cutoff=0.0)
+  by_leaf = {p.rpartition(".")[2]: p for p in siblings}
+  initials = "".join(w[0] for w in leaf.split("_") if w)
+  short = [n for n in by_leaf if len(leaf.split("_")) > 1 and n == initials]
+  short += [
+    n for n in by_leaf if n not in short and min(len(n), len(leaf)) >= 3 and (n.startswith(leaf) or leaf.startswith(n))
+  ]
+  close = short + [n for n in difflib.get_close_matches(leaf, list(by_leaf), n=3, cutoff=0.6) if n not in short]
+  close = close or difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.0)
+  return [by_leaf[n] for n in close[:3]]
 
 
 # ----------------------------------------------------------------------------- --config_help

@@ -184,7 +184,8 @@ def has_baseline_telemetry(pg: estimator.PGConfig) -> bool:
 def step_telemetry(aux: Mapping[str, jax.Array], grad_sq_norm, rewards_n, group_id_n, pg, num_tokens) -> dict:
   """The "grad/..." metrics of one step from its aux (needs coef_n, sq_norm_n, valid_n; see module doc).
 
-  Returns {} when the step has no per-example norms (vmap path without OPOB, policy losses).
+  Returns {} when the step has no per-example norms (vmap path without OPOB, policy losses), or hands none over:
+  the learner passes sq_norm_n only when the method needs the norms (OPOB) or learner.grad_telemetry="norms".
 
   Keys: grad/top1_share, grad/top5pct_share, grad/ess, grad/ess_ratio, grad/cov_trace, grad/sq_norm
   (||G||^2), grad/snr; with has_baseline_telemetry(pg): grad/var_b_used (V of the applied baseline),

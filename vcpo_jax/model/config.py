@@ -273,6 +273,11 @@ class ModelSection:
   lora_alpha: float = ModelConfig.lora_alpha  # LoRA alpha: the adapter path is scaled by alpha / r
   lora_targets: tuple | str = ModelConfig.lora_targets  # projections that get adapters (or "q_proj,v_proj")
   tokenizer: str = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
+  # A checkpoint's architecture for sizing without weights (benchmarks/memory.py; a run reads the checkpoint's
+  # config.json): only in the ConfigDict when a config file sets it, its keys ModelConfig's fields.
+  shape: dict = dataclasses.field(
+    default_factory=dict, metadata={"when_set": True, "keys": ModelConfig}
+  )  # checkpoint's config.json architecture (ModelConfig fields) for benchmarks/memory.py
 
 
 def tiny_qwen2(vocab_size: int = 256, **kw) -> ModelConfig:
