@@ -1,11 +1,11 @@
-"""The stability study (issues 6, 13): methods x lag k x seeds x learning rates.
+"""The stability study: methods x lag k x seeds x learning rates.
 
 Launch (writes docs/results/stability.md and PNGs; resumes finished cells):
 
   python -m vcpo_jax.experiments.stability --out=docs/results
   python -m vcpo_jax.experiments.stability --out=/tmp/stab --config=configs/stability.py:quick   # minutes, smoke
   python -m vcpo_jax.experiments.stability --out=docs/results --config.seeds="(0,1,2)"
-  # issue 13 on the real trainer: 19 methods, 73 tuning runs + 760 grid runs (~40 s each on an idle 2-core CPU,
+  # on the real trainer: 19 methods, 73 tuning runs + 760 grid runs (~40 s each on an idle 2-core CPU,
   # ~9 h; far longer on a shared machine), into runs/ until complete; resumable at run granularity:
   nice -n 10 python -m vcpo_jax.experiments.stability --config=configs/stability.py:countdown --config.workers=1 \
     --out=runs/stability_countdown
@@ -13,7 +13,7 @@ Launch (writes docs/results/stability.md and PNGs; resumes finished cells):
 Backend "pure_lag" (vcpo_jax/experiments/pure_lag.py): a tiny transformer on the
 synthetic stride-counting task, one fully jitted exact-lag run per (seed, lr),
 compiled once per method and vmapped. The selection rule and the collapse and
-alarm definitions below are fixed BEFORE the study runs (review #10). Backend
+alarm definitions below are fixed BEFORE the study runs. Backend
 "trainer" (variant countdown): every run is vcpo_jax.trainer.run; with `tuning`
 each method first gets the same number of trials of its own knob (KNOBS) on a
 separate seed (vcpo_jax/experiments/tuning.py) and is reported at its best value.
@@ -52,7 +52,7 @@ STABILIZERS = (
   "vcpo_tis_ess",
 )
 
-# The countdown study of issue 13: the old ten and the nine new presets, ordered so that an interrupted grid
+# The countdown study: the old ten and the nine new presets, ordered so that an interrupted grid
 # has the headline comparison (no correction, VCPO, the plain TIS cap and the most used peers) first.
 STUDY_METHODS = (
   "none",
@@ -119,7 +119,7 @@ HORIZON_METHODS = ("none", "vcpo", "seq_tis_c4")  # + the attribution's best arm
 PROTOCOL_METHODS = CLAIM_METHODS + tuple(m for m in CORRECTION_METHODS if m not in CLAIM_METHODS)
 PROTOCOL_LEDGER = "docs/results/stability_ledger/claim_protocol"  # one npz per run, with its commit and machine
 
-# The equal tuning budget (review #10): every method gets the same number of trials (4) of its OWN main knob,
+# The equal tuning budget: every method gets the same number of trials (4) of its OWN main knob,
 # on the tuning seed only, and is then reported at its best value. A knob name is one of
 # vcpo_jax.experiments.stability.KNOBS (which run-config fields a value sets); the values include the preset's
 # default (marked *). "none" has nothing to tune (plain GRPO on stale data): it runs once per tuning cell.
@@ -158,7 +158,7 @@ def get_config(arg: str | None = None):
   c.methods = METHODS  # estimator.PRESETS names; seq_tis uses c = 8
   c.ks = (0, 8, 32, 128)  # exact lag k (0 = synchronous)
   c.seeds = (0, 1, 2, 3, 4)  # one PRNG key per seed: init, sampling and evaluation streams
-  c.lrs = (1e-3, 3e-3, 1e-2)  # the SAME grid for every method (equal tuning budget, review #10)
+  c.lrs = (1e-3, 3e-3, 1e-2)  # the SAME grid for every method (equal tuning budget)
   c.workers = 2  # processes; methods are split between them so each compiles a method once
 
   c.task = ml_collections.ConfigDict()
@@ -203,7 +203,7 @@ def get_config(arg: str | None = None):
   c.trainer.policy_loss_minibatches = 2  # learner.minibatches: updates per pass (each on half the prompts)
 
   c.tuning = ml_collections.ConfigDict()
-  c.tuning.enabled = False  # trainer backend: tune each method's own knob first (review #10; issue 13)
+  c.tuning.enabled = False  # trainer backend: tune each method's own knob first
   c.tuning.knobs = {}  # method -> (knob name, trial values) or None (no knob); countdown: KNOBS
   c.tuning.seeds = (100,)  # tuning seeds: disjoint from c.seeds, so the reported runs never chose their knob
   c.tuning.cells = ((32, 3e-4),)  # (k, lr) cells the trials run at; score: mean final accuracy over them
@@ -211,7 +211,7 @@ def get_config(arg: str | None = None):
   c.tuning.score = "final"  # a trial's score: "final" accuracy, or "auc" (mean over the evaluations after step 0)
   c.method_ks = {}  # method -> the subset of ks it runs at (default: all of ks)
 
-  if arg in ("countdown", "countdown_quick"):  # the real trainer on the CPU countdown config (issues 6, 13)
+  if arg in ("countdown", "countdown_quick"):  # the real trainer on the CPU countdown config
     c.backend = "trainer"
     c.methods = STUDY_METHODS
     c.seeds = (0, 1, 2, 3, 4)
@@ -248,7 +248,7 @@ def get_config(arg: str | None = None):
     c.trainer.ledger = "docs/results/stability_ledger/claim"
     c.trainer.runs = "runs/claim"
     c.trainer.report = "claim_study"  # <out>/claim_study.md (the study's own report, under --out); claim.md: claim.py
-  if arg == "corrections":  # issue 28: the claim's runs (ledger, tuning cell, lr, seeds) for the newer corrections
+  if arg == "corrections":  # the claim's runs (ledger, tuning cell, lr, seeds) for the newer corrections
     c.methods = CORRECTION_METHODS
     c.ks = (8, 32, 128)  # one lr, so no selection at k = 0; the synchronous reference is the claim's (none, k = 0)
     c.tuning.knobs = {m: KNOBS[m] for m in CORRECTION_METHODS}

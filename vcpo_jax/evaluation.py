@@ -302,7 +302,7 @@ def evaluate(
   problems: if protocol.size is set, the first `size` are used (fewer is an error).
   writer: anything with add_scalar(name, value, step) (tensorboardX SummaryWriter).
   jsonl_path: append the record there as one json line (a local path or a URL, through vcpo_jax.fs).
-  tag: None, "best" or "final" (for best-vs-final reporting, review #6).
+  tag: None, "best" or "final" (for best-vs-final reporting).
   extra: additional json-serializable fields to store (e.g. wall-clock, GPU-hours).
 
   Returns the record: {"kind": "eval", "step", "tag", "protocol", "num_problems",
@@ -374,7 +374,7 @@ def evaluate(
 
 
 def best_and_final(jsonl_path: str, dataset: str | None = None, metric: str = "mean_at_n") -> dict:
-  """Best and final eval records from a jsonl file (review #6).
+  """Best and final eval records from a jsonl file.
 
   Among "eval" records (optionally of one dataset): "final" is the record
   tagged "final" if any, else the one with the largest step; "best" is the

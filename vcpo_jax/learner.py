@@ -30,7 +30,7 @@ whose coefficients read rows outside the group (`estimator.
 batch_wide_coefficients`: the REINFORCE batch-mean baseline, minibatch-scope
 OPOB) are rejected with micro-batching; no preset is one.
 
-The stabilizers of issue 13 (`pg.policy_loss` != "pg": PPO clip, decoupled PPO, GSPO, CISPO, M2PO,
+The peers' stabilizers (`pg.policy_loss` != "pg": PPO clip, decoupled PPO, GSPO, CISPO, M2PO,
 IcePop, DPPO-TV; vcpo_jax/policy_losses.py) replace the surrogate by their own loss of (log pi_theta,
 log pi_old, log mu, A, mask): one forward, the loss's cotangent d loss / d logp_nt, one backward
 (`_policy_loss_gradient`; no norms, so both gradient paths are the same). With
@@ -104,7 +104,7 @@ class LearnerConfig:
   microbatch_size: int | None = None  # rows per micro-batch (whole groups); None / 0: one pass
   group_size: int | None = None  # G, only for the config-time check of microbatch_size
   batch_size: int | None = None  # N = P * G, only for the config-time check of microbatch_size
-  ppo_epochs: int = 1  # passes over the batch per trainer step (issue 13; 1: today's single update)
+  ppo_epochs: int = 1  # passes over the batch per trainer step (1: one update per step)
   minibatches: int = 1  # optimizer updates per pass, each on N / minibatches rows of whole groups
 
   def __post_init__(self):
@@ -149,7 +149,7 @@ class LearnerConfig:
       )
 
   def _check_updates(self):
-    """ppo_epochs / minibatches (issue 13): ints >= 1; several updates need a policy loss and whole groups."""
+    """ppo_epochs / minibatches: ints >= 1; several updates need a policy loss and whole groups."""
     for f in ("ppo_epochs", "minibatches"):
       v = getattr(self, f)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -46,7 +46,7 @@ def scale_by_ess(max_scale: float = 1.0) -> optax.GradientTransformationExtraArg
 
   Args:
     max_scale: cap on the multiplier (1.0: the step never exceeds the base
-      rate, review #4).
+      rate).
   Returns:
     A GradientTransformationExtraArgs with empty state.
   """

@@ -22,7 +22,7 @@ the applied multiplier k_n = w~_n per_row(L_n) / (Z sigma_n) so that coef_n = k_
 
 logged as V(b used) (= sum_n m_n^2), V(b_min), V(group mean), their ratio and the RMS gap b_used - b_min.
 OPOB (the paper) weighs by w_n^2 S_n with the UNCLIPPED w and the token-sum score; the update applies
-w~_n / L_n: b_min is the baseline that is minimum-variance for the update actually applied (review #1).
+w~_n / L_n: b_min is the baseline that is minimum-variance for the update actually applied.
 
 Everything here is pure jnp on [N] arrays (a sort and an N x N group mask at most): negligible next to
 the step. `step_telemetry` is the learner's entry point; metrics come back keyed "grad/...".

@@ -586,7 +586,7 @@ def _build_learner(spec, graphdef, params, mesh):
     out_shardings=(state_sh, sharding.replicated(mesh)),
     donate_argnums=0,
   )
-  # Opt-in yardstick for "per-example norms cost little" (review #9): a plain gradient step, compiled at
+  # Opt-in yardstick for "per-example norms cost little": a plain gradient step, compiled at
   # the first step (not when first timed), so that the timing adds no compile in the middle of the run.
   plain_jit = None
   if spec.log.norm_overhead_every:

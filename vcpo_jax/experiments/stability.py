@@ -1,7 +1,7 @@
 """The stability study: methods x lag k x seeds x learning rates, resumable, one command.
 
   python -m vcpo_jax.experiments.stability [--config=configs/stability.py:quick]  # synthetic (pure_lag), into runs/stability
-  python -m vcpo_jax.experiments.stability --config=configs/stability.py:countdown  # the real trainer (issue 13: ~9 h)
+  python -m vcpo_jax.experiments.stability --config=configs/stability.py:countdown  # the real trainer (~9 h)
   ... --config.seeds="(0,1,2)"                                    # any field: absl + ml_collections config_flags
 
 Finished cells in --out are reused (the grid is resumable), so `--out=docs/results` does not train: it
@@ -13,7 +13,7 @@ synthetic stride-counting task, each cell's (lr, seed) runs vmapped in one
 compile. `trainer`: every run is `vcpo_jax.trainer.run` on a run config
 (configs/countdown.py) in `lag` mode, one run at a time, each in its own
 directory (resumable at run granularity); report stability_<config>.md. With
-`tuning` (the countdown variant, review #10 / issue 13) the trainer backend first
+`tuning` (the countdown variant) the trainer backend first
 runs every method's knob trials on the tuning seeds (stage 1, tuning.py, saved as
 stability_raw/trainer/tune_<method>.npz), then the grid with each method at its
 chosen knob (stage 2; the knob is part of the cell's fingerprint and run names).
@@ -1203,7 +1203,7 @@ def tuning_section(c, summary: dict) -> list[str]:
   from vcpo_jax.experiments import tuning
 
   t, trials = c.tuning, summary.get("trials", {})
-  L = ["\n## Equal tuning budget (review #10)\n"]
+  L = ["\n## Equal tuning budget\n"]
   L.append(
     f"Before the grid, every method gets the same {t.trials} trials of its own main knob "
     "(configs/stability.py `KNOBS`; `none` has no knob and runs once), on tuning seed(s) "

@@ -1,4 +1,4 @@
-"""The equal tuning budget of the stability study (review #10): each method's own knob, tuned alike.
+"""The equal tuning budget of the stability study: each method's own knob, tuned alike.
 
 Every method gets the same number of trials (configs/stability.py `tuning.trials`) of ITS OWN main knob (eps
 for the clip family, the budget for M2PO, the interval for IcePop, c or the target ESS for TIS, rho_on for
