@@ -153,7 +153,7 @@ class EvalSection:
   num_problems: int = 64  # evaluation set size (held-out split)
   temperature: float = EvalProtocol.temperature  # reference validation protocol
   top_p: float = EvalProtocol.top_p  # reference validation nucleus
-  n: int | None = None  # samples per problem (None = the task's protocol, Task.eval_n: 5 for AIME, else 3)
+  n: int | None = EvalProtocol.n  # samples per problem (None = the task's protocol, Task.eval_n: 5 for AIME, else 3)
   greedy: bool = EvalProtocol.greedy  # argmax decoding instead (then n = 1)
   pass_at_k: tuple = EvalProtocol.pass_at_k  # pass@k list
   background: bool = False  # mode=async: the sampler process evaluates, tagged with the version; no learner stop

@@ -63,7 +63,7 @@ from vcpo_jax.sharding import path_str  # dotted parameter names, shared with th
 log = logging.getLogger("vcpo_jax")
 
 # Bump when the training recipe or the target format changes: old caches stop matching.
-CACHE_VERSION = 2  # 2: leaves named by sharding.path_str (1: jax keystr)
+CACHE_VERSION = 3  # 3: the decoder layers stacked [L, ...] (2: per-layer leaves named by sharding.path_str; 1: jax keystr)
 # Held out of the SFT examples to report the accuracy reached (capped by the pool size).
 NUM_REPORT_PROBLEMS = 64
 
@@ -370,6 +370,7 @@ def _model_key(model_cfg) -> dict:
   if not model_cfg.lora_rank:
     for f in model_config.LORA_FIELDS:
       fields.pop(f)
+  fields.pop("scan_layers")  # scanned or unrolled: the same stacked parameters and equal results
   return fields
 
 

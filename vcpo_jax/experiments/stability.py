@@ -429,6 +429,7 @@ LATER_FIELDS = {
   ("vcpo", "score_centering"): None,
   ("vcpo", "sc_topk"): None,
   ("learner", "grad_telemetry"): True,
+  ("model", "scan_layers"): True,  # the execution layout only: scanned and unrolled layers give equal results
 }
 
 
