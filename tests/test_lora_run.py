@@ -48,10 +48,11 @@ def test_lora_lag_run_resumes_bit_for_bit_and_exports_merged_and_peft(tmp_path, 
   ad, base = lora.split(params)
   flat = {}
   for path, (x, y) in lora.lora_kernels(params).items():
-    name = f"base_model.model.model.{path}"
+    # stacked layers [L, ...]: PEFT names layer i model.layers.{i}.*, a [r, in] / [out, r] matrix each
+    name = f"base_model.model.model.{path}".replace("model.layers.", "model.layers.{i}.")
     flat[path + ".lora_a.kernel"], flat[path + ".lora_b.kernel"] = (
-      peft[name + ".lora_A.weight"].T,
-      peft[name + ".lora_B.weight"].T,
+      np.stack([peft[name.format(i=i) + ".lora_A.weight"].T for i in range(x.shape[0])]),
+      np.stack([peft[name.format(i=i) + ".lora_B.weight"].T for i in range(x.shape[0])]),
     )
   from vcpo_jax.sharding import path_str
 
