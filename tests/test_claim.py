@@ -93,6 +93,8 @@ def test_the_attribution_rule_names_the_part_that_closes_the_gap():
   assert "the ESS brake (removed): vcpo_no_esslr - vcpo = +0.180 +- 0.000: **explains the gap**" in text
   assert "the TIS cap (8 -> 4): vcpo_cap4 - vcpo = +0.020" in text and "does not explain it" in text
   assert "the OPOB baseline (removed): arm vcpo_no_opob not finished" in text
+  assert claim.best_arm(cells) == "vcpo_no_esslr"  # +0.18 against vcpo_cap4's +0.02
+  assert claim.best_arm({("vcpo_cap4", 128): cap}) is None  # no vcpo yet: no choice
 
 
 def _write_record(c, method, k, seed, acc, knob=None, stage="", commit=COMMIT):
@@ -140,6 +142,7 @@ def test_report_from_hand_made_ledger_records(tmp_path):
   text = (out / "claim.md").read_text()
   assert "| vcpo | 128 | 0.420 +- 0.016 | -0.200 +- 0.000 | below |" in text
   assert "the ESS brake (removed): vcpo_no_esslr - vcpo = +0.180 +- 0.000: **explains the gap**" in text
+  assert "the attribution's best arm by the protocol's rule: **vcpo_no_esslr**" in text
   assert f"| vcpo | rho_on | 0.25: 0.300, 0.5: 0.300, 0.75: 0.500, 1: 0.300 | {values[2]:g} |" in text
   assert f"| vcpo | rho_on={values[2]:g} | 8 | 0.620 +- 0.016 | +0.000 +- 0.000 | matches |" in text
   assert "- vcpo (attribution: fixed settings): k = 128: does not match (below, d -0.200)." in text

@@ -260,6 +260,23 @@ def explain(rows: dict, vcpo: Cell | None, ref: Cell | None) -> list[str]:
   return L
 
 
+HORIZON_FIXED = ("none", "vcpo", "seq_tis_c4")  # the horizon's fixed arms; the fourth is best_arm's
+
+
+def best_arm(cells: dict) -> str | None:
+  """The protocol's fourth horizon arm: the attribution arm (not a fixed one) with the highest mean paired
+  difference to vcpo at k = 128; ties: fewer collapses, then the one listed first. None until all are in."""
+  vcpo = cells.get(("vcpo", 128))
+  if vcpo is None:
+    return None
+  scored = [
+    (-paired(x.final, vcpo.final)[0], collapses(x), i, m)
+    for i, ((m, k), x) in enumerate(cells.items())
+    if k == 128 and m not in HORIZON_FIXED
+  ]
+  return min(scored)[3] if scored else None
+
+
 def grid_section(c, cells: dict, ref: Cell | None, knobs: dict) -> list[str]:
   L = [
     "| method | knob | k | final (mean +- sd) | vs sync (d +- SE) | match test | vs vcpo (d +- SE) | steps to 90% | "
@@ -442,6 +459,9 @@ def write(root: Path, out: Path, command: str, allow_mixed: bool = False) -> Pat
     *attribution_section(attr, ref),
     "",
     f"## Horizon: 800 steps at k = 128 (seeds {list(hc.seeds)}; {len(hor)} cells)",
+    "",
+    f"Arms: sync, {', '.join(HORIZON_FIXED[1:])} and the attribution's best arm by the protocol's rule: "
+    f"**{best_arm(attr) or 'not decided (the attribution is not finished)'}**.",
     "",
     *(attribution_section(hor, href)[:-1] if hor else ["Not started."]),
     "",
