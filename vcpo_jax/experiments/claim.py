@@ -257,7 +257,24 @@ def explain(rows: dict, vcpo: Cell | None, ref: Cell | None) -> list[str]:
     )
   if movers:
     L.append(f"- largest movers: {', '.join(a for _, a in sorted(movers, reverse=True)[:2])}.")
+  L.append(
+    f"- offered as a preset (95% interval of the paired difference to vcpo above 0, no more collapses): {offers(rows, vcpo) or 'none'}."
+  )
   return L
+
+
+def offers(rows: dict, vcpo: Cell) -> list[str]:
+  """The arms the protocol offers as their own preset: beat vcpo with a 95% interval above 0, no more collapses."""
+  from scipy import stats
+
+  out = []
+  for (arm, k), r in rows.items():
+    if "_vs" not in r or k != 128:
+      continue
+    e, se, n = r["_vs"]
+    if n > 1 and e - stats.t.ppf(0.975, n - 1) * se > 0 and int(r["collapsed"].split("/")[0]) <= collapses(vcpo):
+      out.append(arm)
+  return out
 
 
 HORIZON_FIXED = ("none", "vcpo", "seq_tis_c4")  # the horizon's fixed arms; the fourth is best_arm's
