@@ -63,7 +63,8 @@ from vcpo_jax.sharding import path_str  # dotted parameter names, shared with th
 log = logging.getLogger("vcpo_jax")
 
 # Bump when the training recipe or the target format changes: old caches stop matching.
-CACHE_VERSION = 3  # 3: the decoder layers stacked [L, ...] (2: per-layer leaves named by sharding.path_str; 1: jax keystr)
+# 3: the decoder layers stacked [L, ...]; 2: per-layer leaves named by sharding.path_str; 1: jax keystr
+CACHE_VERSION = 3
 # Held out of the SFT examples to report the accuracy reached (capped by the pool size).
 NUM_REPORT_PROBLEMS = 64
 
