@@ -61,3 +61,26 @@ def _exclusive_under_xdist(request, _run_locks):
     fcntl.flock(room, fcntl.LOCK_UN)
     if exclusive:
       fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+_CACHE_OPTIONS = (
+  "jax_compilation_cache_dir",
+  "jax_persistent_cache_min_compile_time_secs",
+  "jax_persistent_cache_min_entry_size_bytes",
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_cache_leaks():
+  """A test that turns jax's persistent compilation cache on (a study's run_study, compile_cache.apply, main.py's
+  --compile_cache) leaves it on in this process, pointing at its tmp_path, and jax decides once whether to use it:
+  every later test would compile through a cache in a deleted folder (a segfault in XLA's compile was seen there).
+  Restore the options and reset jax's decision after any test that changed them."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+
+  old = {n: getattr(jax.config, n) for n in _CACHE_OPTIONS}
+  yield
+  if any(getattr(jax.config, n) != v for n, v in old.items()):
+    for n, v in old.items():
+      jax.config.update(n, v)
+    cc.reset_cache()
