@@ -38,7 +38,8 @@ if [ "$STAGE" = attribution ] || [ "$STAGE" = all ]; then
     --config.trainer.ledger="$LEDGER"
 fi
 if [ "$STAGE" = horizon ] || [ "$STAGE" = all ]; then
-  arms="('none','vcpo','seq_tis_c4'${HORIZON_ARM:+,\'$HORIZON_ARM\'})"
+  arms="('none','vcpo','seq_tis_c4')"
+  if [ -n "${HORIZON_ARM:-}" ]; then arms="('none','vcpo','seq_tis_c4','$HORIZON_ARM')"; fi
   study --config=configs/stability.py:protocol_horizon --out=runs/claim_horizon \
     --config.trainer.ledger="${LEDGER}_horizon" --config.methods="$arms"
 fi
