@@ -204,6 +204,11 @@ def persistent_compilation_cache(path):
   import jax
   from jax.experimental.compilation_cache import compilation_cache as cc
 
+  # Off unless asked for (VCPO_TEST_COMPILE_CACHE=1): under xdist, XLA:CPU's compile segfaulted inside jax's
+  # cache path (compiler._compile_and_write_cache) in 3 of 4 full runs on the merged tree with the scanned layers.
+  if os.environ.get("VCPO_TEST_COMPILE_CACHE") != "1":
+    yield
+    return
   names = (
     "jax_compilation_cache_dir",
     "jax_persistent_cache_min_compile_time_secs",
