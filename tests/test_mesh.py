@@ -141,6 +141,7 @@ def test_the_async_source_spawns_its_sampler_with_its_share_and_the_learners_cac
   from tests.test_async import _source, _tiny
 
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setenv("VCPO_TEST_COMPILE_CACHE", "1")  # this test checks that the cache setting reaches the sampler
   monkeypatch.setattr(async_.jax, "default_backend", lambda: "gpu")  # the learner's platform, as AsyncSource sees it
   with fixtures.persistent_compilation_cache(tmp_path / "cache"):
     src, _ = _source(_tiny(steps=2, **{"async_.sampler_env": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}}))
