@@ -164,7 +164,7 @@ def test_lag_run_resumes_bit_for_bit_and_logs_each_step_once(tmp_path, dense_rew
   prov = recorded["provenance"]  # and what ran it (vcpo_jax.provenance; its test checks the values)
   assert prov["versions"]["jax"] == jax.__version__ and prov["devices"]["count"] == len(jax.devices())
   assert set(prov) >= {"git", "cpu_model", "xla_flags", "versions", "devices"}
-  assert sorted(os.listdir(tmp_path)) == ["full", "jax_cache", "part"]  # no ./memory:/... directory
+  assert set(os.listdir(tmp_path)) - {"jax_cache"} == {"full", "part"}  # no ./memory:/ directory
   assert sorted(os.listdir(tmp_path / "part" / "checkpoints")) == ["3", "6"]
 
 
