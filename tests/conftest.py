@@ -71,21 +71,16 @@ _CACHE_OPTIONS = (
 
 
 @pytest.fixture(autouse=True)
-def _no_persistent_cache_leaks(request):
+def _no_persistent_cache_leaks():
   """A test that turns jax's persistent compilation cache on (a study's run_study, compile_cache.apply, main.py's
   --compile_cache) leaves it on in this process, pointing at its tmp_path, and jax decides once whether to use it:
-  every later test would compile through a cache in a deleted folder (XLA:CPU segfaulted in a later test's compile
-  there, in CI). After every test: restore the options if they changed, and reset jax's once-made decision if
-  it says "use the cache" (also when the test put the options back itself but left the decision standing)."""
-  from jax._src import compilation_cache as cc_state  # the decision's flags: no public accessor
-
+  every later test would compile through a cache in a deleted folder (a segfault in XLA's compile was seen there).
+  Restore the options and reset jax's decision after any test that changed them."""
   from jax.experimental.compilation_cache import compilation_cache as cc
 
   old = {n: getattr(jax.config, n) for n in _CACHE_OPTIONS}
   yield
-  changed = any(getattr(jax.config, n) != v for n, v in old.items())
-  for n, v in old.items():
-    if getattr(jax.config, n) != v:
+  if any(getattr(jax.config, n) != v for n, v in old.items()):
+    for n, v in old.items():
       jax.config.update(n, v)
-  if changed or cc_state._cache_used or cc_state._cache_initialized:
     cc.reset_cache()
