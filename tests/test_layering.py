@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("vcpo_jax.rl", "vcpo_jax.rl.*"),  # the math, jnp only
   ("vcpo_jax.estimator", "vcpo_jax.policy_losses"),  # the notebook face of the math
   ("vcpo_jax.optim",),
+  ("vcpo_jax.model.quant",),  # int8 sampler weights: QArray, quantize, the dequantizing matmul
   ("vcpo_jax.model.rope",),  # RoPE frequencies and scaling rules (transformers' rope types)
   ("vcpo_jax.model.config", "vcpo_jax.model.attention", "vcpo_jax.model.taps", "vcpo_jax.model.tokenizer"),
   ("vcpo_jax.model.logprobs", "vcpo_jax.model.moe"),  # the MoE block (the transformer's layers call it)

@@ -73,12 +73,12 @@ from flax import nnx
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import sharding as sh
 from vcpo_jax.schema import check_field, finite
-from vcpo_jax.model import transformer
+from vcpo_jax.model import quant, transformer
 from vcpo_jax.model.config import ModelConfig
 
 LOGP_MODES = ("sampled", "tempered")
 DRAWS = ("inverse_cdf", "gumbel")
-PARAM_DTYPES = ("", "auto", "float32", "bfloat16")
+PARAM_DTYPES = ("", "auto", "float32", "bfloat16", "int8")
 DECODE_MODES = ("static", "chunked", "refill")
 LOWER_PARTS = ("generate", "prefill", "decode")  # Sampler.lower: what is compiled
 
@@ -111,8 +111,10 @@ class SamplerConfig:
     prefill_chunk: prompt tokens per prefill pass (0: the whole prompt bucket in one pass). Chunk c
       attends to the cache prefix written so far, so prefill holds [B, heads, chunk, c * chunk]
       scores instead of [B, heads, Tp, Tp] (and [B, chunk, V] logits).
-    param_dtype: "" (use the parameters as given), "float32", "bfloat16", or "auto" (bfloat16 when the
-      sampler's devices are accelerators, the parameters as given on CPU). `Sampler.prepare_params`
+    param_dtype: "" (use the parameters as given), "float32", "bfloat16", "auto" (bfloat16 when the
+      sampler's devices are accelerators, the parameters as given on CPU), or "int8" (the blocks' projection
+      kernels int8 with per-output-channel scales, dequantized inside the matmul, `vcpo_jax.model.quant`;
+      the other floats as "auto"; the behaviour log-probs are then the int8 model's). `Sampler.prepare_params`
       casts (and places) a published version once (half the weight memory and bandwidth per decode
       step); parameters passed unprepared are cast inside the jitted call, once per call, not per
       step. The KV cache is always in the model's compute dtype (ModelConfig.dtype).
@@ -239,7 +241,7 @@ class SamplingConfig:
   top_p: float = SamplerConfig.top_p  # 1.0 = off (keeps behavior log-probs equal to the policy's)
   top_k: int = SamplerConfig.top_k  # 0 = off
   draw: str = SamplerConfig.draw  # token draw: inverse_cdf (2 uniforms/row) | gumbel (earlier runs' stream)
-  param_dtype: str = "auto"  # sampler weights: auto (bf16 on accelerators, as given on CPU) | float32 | bfloat16
+  param_dtype: str = "auto"  # sampler weights: auto (bf16 on accelerators, as given on CPU) | float32 | bfloat16 | int8
   mesh_shape: tuple = SamplerConfig.mesh_shape  # async sampler's (data, fsdp, tensor) mesh (sync/lag: learner's)
   prefill_chunk: int = SamplerConfig.prefill_chunk  # prompt tokens per prefill pass; 0 = one pass (bounds memory)
   max_batch: int = SamplerConfig.max_batch  # rows per sampler call (whole groups); 0 = all; more: sequential calls
@@ -262,7 +264,7 @@ class SamplingConfig:
       self.param_dtype in PARAM_DTYPES,
       "sampler.param_dtype",
       self.param_dtype,
-      "use auto (bf16 on accelerators), float32 or bfloat16.",
+      "use auto (bf16 on accelerators), float32, bfloat16 or int8 (per-channel int8 projection kernels).",
     )
     try:
       object.__setattr__(self, "mesh_shape", mesh_lib.MeshConfig(tuple(self.mesh_shape)).shape)
@@ -794,17 +796,23 @@ def resolve_param_dtype(name: str, platform: str):
   """SamplerConfig.param_dtype on `platform` ("cpu", "gpu", "tpu"): a jnp dtype, or None (as given).
 
   "auto" is bfloat16 on accelerators and None on CPU, where bf16 matmuls are emulated (slower than
-  float32) and the CPU default keeps its float32 results.
+  float32) and the CPU default keeps its float32 results. "int8": the dtype of the floats it does not
+  quantize, as "auto" (`_sampler_weights` quantizes the projection kernels).
   """
-  if name == "auto":
+  if name in ("auto", "int8"):
     return None if platform == "cpu" else jnp.dtype(jnp.bfloat16)
   return jnp.dtype(name) if name else None
 
 
-def _cast_floats(params, dtype):
-  if dtype is None:
-    return params
-  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+def _sampler_weights(params, dtype, int8: bool):
+  """The weights as the sampler computes with them: floats cast to `dtype`, then with int8 the projection
+  kernels quantized from those values (`quant.quantize_params`; as `Sampler.prepare_params` does, and as the
+  async sampler sees them, published in its publish dtype). A no-op on prepared parameters."""
+  is_q = lambda x: isinstance(x, quant.QArray)
+  if dtype is not None:
+    cast = lambda x: x if is_q(x) or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+    params = jax.tree.map(cast, params, is_leaf=is_q)
+  return quant.quantize_params(params) if int8 else params
 
 
 def sampler_mesh(cfg: SamplerConfig, devices=None):
@@ -874,12 +882,13 @@ class Sampler:
     self.num_traces = 0  # incremented at trace time: the compile-count test reads it
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     self.param_dtype = resolve_param_dtype(sampler_cfg.param_dtype, platform)
+    self.int8 = sampler_cfg.param_dtype == "int8"
     self.last_decode_steps = 0
     self.last_topk = None  # record_topk: (ids [N, Tn, K], logp [N, Tn, K]) of the last run
 
     def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
-      params = _cast_floats(params, self.param_dtype)  # a no-op on prepared parameters
+      params = _sampler_weights(params, self.param_dtype, self.int8)  # a no-op on prepared parameters
       return _generate_device(
         graphdef,
         cfg_model,
@@ -925,15 +934,16 @@ class Sampler:
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def prepare_params(self, params):
-    """The parameters as the sampler keeps them: cast to `param_dtype`, placed on the sampler mesh.
+    """The parameters as the sampler keeps them: cast to `param_dtype`, placed on the sampler mesh, and with
+    int8 the projection kernels quantized there (q and its scales keep the kernel's sharding).
 
     Call once per published parameter version (not per generate call): the cast and the
-    transfer then happen once, and bf16 halves the weight memory and per-step bandwidth.
+    transfer then happen once, and bf16 halves the weight memory and per-step bandwidth (int8 quarters it).
     """
-    params = _cast_floats(params, self.param_dtype)
+    params = _sampler_weights(params, self.param_dtype, False)
     if self.mesh is not None:
       params = jax.device_put(params, sh.param_shardings(params, self.rules, self.mesh))
-    return params
+    return quant.quantize_params(params) if self.int8 else params
 
   def lower(self, params, batch: int, prompt_len: int, num_new: int, part: str = "generate"):
     """One jitted program of the (B, Tp, Tn) bucket, lowered (not run): `.compile().memory_analysis()`.
@@ -972,7 +982,7 @@ class Sampler:
           rng,
         )
         return self._device_fn.lower(*args, num_new=num_new)
-      cast = lambda p: _cast_floats(p, self.param_dtype)  # as device_fn: a no-op when prepared
+      cast = lambda p: _sampler_weights(p, self.param_dtype, self.int8)  # as device_fn: a no-op when prepared
       g, cm, cfg = self.graphdef, self.cfg_model, self.cfg
       if part == "prefill":
         fn = jax.jit(lambda p, tok, valid: _prefill(g, cm, cfg, cast(p), tok, valid, num_new))

@@ -605,6 +605,12 @@ def _behaviour_args(spec, source, step: int) -> tuple:
   return (source.behavior_params(step),) if _ring_centering(spec) else ()
 
 
+def _eval_param_dtype(spec) -> str:
+  """The evaluation's sampler weights: those of the rollouts, except int8 (a rollout precision whose mismatch the
+  run measures), where the eval decodes the learner's policy in float ("auto")."""
+  return "auto" if spec.sampling.param_dtype == "int8" else spec.sampling.param_dtype
+
+
 def _build_eval(spec, tokenizer, make_sampler, buckets: dict, maker):
   """(EvalSampling, problems, protocol) of the run's evaluations.
 
@@ -618,7 +624,9 @@ def _build_eval(spec, tokenizer, make_sampler, buckets: dict, maker):
     tokenizer,
     max_new_tokens=spec.eval.max_new_tokens,
     **buckets,
-    **spec.sampling.sampler_kwargs(temperature=spec.eval.temperature, top_p=spec.eval.top_p, top_k=0),
+    **spec.sampling.sampler_kwargs(
+      temperature=spec.eval.temperature, top_p=spec.eval.top_p, top_k=0, param_dtype=_eval_param_dtype(spec)
+    ),
   )
   episodes = None
   if spec.multiturn is not None:

@@ -25,7 +25,7 @@ from flax import nnx
 
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import attention as attn
-from vcpo_jax.model import logprobs, taps
+from vcpo_jax.model import logprobs, quant, taps
 from vcpo_jax.model import rope as rope_lib
 from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.model.taps import TapInfo, forbid, tap, tap_head
@@ -76,7 +76,7 @@ class Linear(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x, kernel = sh.tie(x.astype(self.dtype), self.kernel[...])  # gather the kernel here, not hoisted
-    y = jnp.einsum("...i,io->...o", x, kernel.astype(self.dtype))
+    y = quant.matmul(x, kernel, self.dtype)  # an int8 sampler's QArray kernel: dequantized inside the matmul
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     if not self.frozen:
