@@ -82,6 +82,7 @@ def _config(size: str, steps: int, background: str):
   elif background == "transfer":  # async_.publish_path='transfer': a sampler process pulling from this one
     c.async_.publish_path = "transfer"
     c.async_.max_sampler_restarts = 0  # replacement needs the shm path
+    c.async_.publish_delta = delta or "off"  # "transfer:0:true:auto": delta pulls
     if os.environ.get("BENCH_PUBLISH_DEVICES"):
       c.async_.sampler_devices = "1"
   else:
@@ -329,8 +330,131 @@ def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0, shape: str =
   )
 
 
+def transfer_delta_costs(
+  layers: int, lr: float, rounds: int, seed: int = 0, shape: str = "1.5B", dtype: str = "bfloat16"
+):
+  """Full against delta pulls of the transfer path (rollout/transfer_publish.py) at `shape`, both ends in this
+  process: two jax.experimental.transfer servers on its CPU device, one connected to the other over loopback.
+  Each round the master moves as in `delta_costs`; "full" is the learner's device snapshot pulled whole (await_pull
+  + pull: the path without delta), "delta" is what the delta path does per publish: the learner's answer (the
+  snapshot to host, packed, `delta.encode` against the version the sampler holds, the record put on the device),
+  the record's pull, and the sampler's rebuild (`delta.decode` into its held copy, the arrays put on the device).
+  Order alternating by round; the rebuilt arrays' device checksum must equal the published one's. Seconds of the
+  learner's side (write_s: snapshot + answer), the pull (pull_s) and the sampler's side (read_s: pull + rebuild)."""
+  import itertools
+
+  import jax
+  import ml_dtypes
+  from jax.experimental import transfer
+
+  from vcpo_jax.rollout.device_publish import device_checksum
+  from vcpo_jax.rollout.process import delta as delta_lib
+
+  np_dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+  rng = np.random.default_rng(seed)
+  shapes = qwen_1p5b_shapes(layers) if shape == "1.5B" else testbed_shapes(shape)
+  master = {
+    n: (np.ones(s, np.float32) if len(s) < 2 else 0.02 * rng.standard_normal(s, np.float32)) for n, s in shapes.items()
+  }
+  device = jax.devices()[0]
+  one = jax.sharding.SingleDeviceSharding(device)
+  learner = transfer.start_transfer_server(device.client, "127.0.0.1:0", ["127.0.0.1:0"])
+  sampler = transfer.start_transfer_server(device.client, "127.0.0.1:0", ["127.0.0.1:0"])
+  conn, uuids = sampler.connect(learner.address()), itertools.count(1)
+  layout = delta_lib.Layout({n: (s, np_dt) for n, s in shapes.items()})
+  specs = [jax.ShapeDtypeStruct(s, np_dt, sharding=one) for s in shapes.values()]
+  snapshot = lambda: [jax.device_put(m.astype(np_dt), one) for m in master.values()]
+  snap = jax.block_until_ready(snapshot())
+  base = layout.pack(dict(zip(shapes, jax.device_get(snap))))  # the version both ends hold (the learner's copy)
+  held = base.copy()  # the sampler's
+
+  def full(snap):
+    t0 = time.perf_counter()
+    uuid = next(uuids)
+    learner.await_pull(uuid, snap)
+    t1 = time.perf_counter()
+    got = jax.block_until_ready(conn.pull(uuid, specs))
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, t2 - t1, layout.nbytes, got
+
+  def delta(snap):
+    nonlocal base, held
+    t0 = time.perf_counter()
+    new = layout.pack(dict(zip(shapes, jax.device_get(snap))))
+    record = delta_lib.encode(new, base, layout.blocks, layout.nbytes)
+    uuid = next(uuids)
+    learner.await_pull(uuid, [jax.device_put(np.frombuffer(record, np.uint8), one)])
+    base = new
+    t1 = time.perf_counter()
+    rec = np.asarray(
+      jax.block_until_ready(conn.pull(uuid, [jax.ShapeDtypeStruct((len(record),), np.uint8, sharding=one)]))[0]
+    )
+    t2 = time.perf_counter()
+    held = delta_lib.decode(rec, held, np.empty(layout.nbytes, np.uint8), layout.blocks)
+    got = jax.block_until_ready([jax.device_put(a, one) for a in layout.views(held).values()])
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t1, len(record), got
+
+  ways = {"full": full, "delta": delta}
+  per = {k: {"write_s": [], "pull_s": [], "read_s": [], "bytes": []} for k in ways}
+  changed_b = []
+  for r in range(rounds):
+    for m in master.values():
+      m -= np.float32(lr) * rng.standard_normal(m.shape, np.float32)
+    prev_base = base
+    snap = jax.block_until_ready(snapshot())
+    want = int(device_checksum(snap))
+    for k in list(ways) if r % 2 == 0 else list(ways)[::-1]:
+      w, p, rd, nb, got = ways[k](snap)
+      assert int(device_checksum(got)) == want, k  # bit for bit
+      for f, v in zip(("write_s", "pull_s", "read_s", "bytes"), (w, p, rd, nb)):
+        per[k][f].append(v)
+      del got
+    changed_b.append(float((base != prev_base).mean()))
+    print(
+      f"[publish --delta --path=transfer] round {r}: "
+      + ", ".join(
+        f"{k} write {per[k]['write_s'][-1]:.2f} s read {per[k]['read_s'][-1]:.2f} s {per[k]['bytes'][-1] / 1e6:.1f} MB"
+        for k in ways
+      )
+      + f", {100 * changed_b[-1]:.2f}% bytes changed (load {os.getloadavg()[0]:.1f})",
+      flush=True,
+    )
+  rng3 = lambda xs: [float(np.median(xs)), float(np.min(xs)), float(np.max(xs))]
+  ratio = lambda f: np.asarray(per["full"][f]) / np.asarray(per["delta"][f])
+  return dict(
+    path="transfer",
+    shape=shape,
+    dtype=dtype,
+    layers=layers,
+    lr=lr,
+    params=int(sum(int(np.prod(s)) for s in shapes.values())),
+    **{f"{k}_{f}": rng3(per[k][f]) for k in ways for f in per[k]},
+    full_over_delta={f: rng3(ratio(f)) for f in ("write_s", "read_s", "bytes")},
+    changed_bytes=rng3(changed_b),
+  )
+
+
 def main_delta(a):
   load0 = os.getloadavg()
+  if a.path == "transfer":
+    x = transfer_delta_costs(a.layers, a.lr, a.rounds, shape=a.shape, dtype=a.dtype)
+    x["load_before"], x["load_after"] = list(load0), list(os.getloadavg())
+    fmt = lambda v, m=1.0: "{:.2f} ({:.2f}-{:.2f})".format(*(m * t for t in v))
+    print(
+      "| setting | learner s | pull s | sampler s (pull + rebuild) | MB per publish | full / delta (learner, sampler, bytes) |"
+    )
+    print("|---|---:|---:|---:|---:|---|")
+    for k in ("full", "delta"):
+      rat = "" if k == "full" else ", ".join(fmt(x["full_over_delta"][f]) for f in ("write_s", "read_s", "bytes"))
+      print(
+        f"| {k} | {fmt(x[f'{k}_write_s'])} | {fmt(x[f'{k}_pull_s'])} | {fmt(x[f'{k}_read_s'])} | {fmt(x[f'{k}_bytes'], 1e-6)} | {rat} |"
+      )
+    print(
+      f"changed per step: {fmt(x['changed_bytes'], 100)} % of bytes; load {x['load_before'][0]:.1f} -> {x['load_after'][0]:.1f}"
+    )
+    print(json.dumps({"benchmark": "publish_delta_transfer", "args": vars(a), "result": x}))
+    return
   x = delta_costs(a.layers, a.lr, a.rounds, shape=a.shape, dtype=a.dtype)
   x["load_before"], x["load_after"] = list(load0), list(os.getloadavg())
   scale = QWEN25_1P5B["layers"] / a.layers if a.shape == "1.5B" else 1.0
@@ -368,6 +492,7 @@ def main(argv=None):
   p.add_argument("--lr", type=float, default=1e-6, help="--delta: the update's size per element (AdamW lr)")
   p.add_argument("--shape", default="1.5B", help="--delta: 1.5B (Qwen2.5-1.5B widths) or a SIZES model")
   p.add_argument("--dtype", default="bfloat16", help="--delta: the published dtype (bfloat16 | float32)")
+  p.add_argument("--path", default="shm", help="--delta: shm (ParamSlot) | transfer (jax.experimental.transfer pulls)")
   a = p.parse_args(argv)
   if a.checksum:
     return main_checksum(a)

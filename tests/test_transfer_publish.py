@@ -185,3 +185,114 @@ def test_async_run_over_the_transfer_path_matches_the_shm_runs_first_steps(tmp_p
 def test_unsupported_transfer_combinations_fail_in_config_parsing(over, match):
   with pytest.raises(ValueError, match=match):
     run_config.parse_config(_tiny(**{**_OVER, **over}), check_prompts=False)
+
+
+def _delta_child(slot, versions, out):
+  """A stand-in sampler with delta pulls: for each version, (version, host arrays, checksum, last_pull)."""
+  for v in versions:
+    got, arrays = slot.latest(min_version=v, timeout=120.0)
+    out.send((got, {n: np.asarray(a) for n, a in arrays.items()}, slot.checksum_of(arrays, slot.names), slot.last_pull))
+  slot.close()
+  out.close()
+
+
+@pytest.mark.slow
+def test_delta_pulls_rebuild_every_version_bit_for_bit_across_a_replacement_and_a_resume():
+  """async_.publish_delta='auto' on the transfer path, the channel alone: the first pull of a sampler (the start, a
+  replacement: a fresh slot holding nothing, a resumed run: a new source) carries the full snapshot, every later
+  one the XOR record against the version that sampler holds; the rebuilt arrays equal the published ones bit for
+  bit and their device checksum is the learner's; a record is a fraction of a full copy."""
+  over = {**_OVER, "async_.publish_delta": "auto"}
+  src, params = _source(_tiny(steps=8, **over), TransferAsyncSource)
+  names = worker_lib.param_names(params)
+  leaves = jax.tree.leaves(params)
+  # version v: one tensor's first 100 entries moved (an "AdamW step" of a few weights), every other bit kept
+  version = lambda v: jax.tree.unflatten(
+    jax.tree.structure(params),
+    [x.reshape(-1).at[:100].add(1e-3 * v).reshape(x.shape) if i == 0 else x for i, x in enumerate(leaves)],
+  )
+  want = lambda v: {n: np.array(a) for n, a in zip(names, jax.tree.leaves(version(v)))}
+
+  def sampler(source, versions, first):
+    """A stand-in sampler (a fresh slot: what a replacement gets) pulling `versions`; publishes them in turn."""
+    recv, send = SPAWN.Pipe(duplex=False)
+
+    def start(arrays, v):
+      source._open_slot(arrays, v)
+      source.proc = SPAWN.Process(target=_delta_child, args=(source.slot, versions, send))
+      source.proc.start()
+      send.close()
+      source._serve_requests()
+
+    source._start, source.replaceable = start, False
+    got = []
+    for v in versions:
+      if v == first and source.proc is not None:  # a replacement: a fresh slot and sampler on the same server
+        start(dict(zip(names, source._snap1(jax.tree.leaves(version(v))))), v)
+      source.publish(version(v), v)
+      got.append(recv.recv() if recv.poll(120.0) else pytest.fail(f"no pull of version {v}"))
+    source.proc.join(30.0)
+    return got
+
+  try:
+    got = sampler(src, [0, 1, 2], 0) + sampler(src, [3, 4], 3)
+    resumed, _ = _source(_tiny(steps=8, **over), TransferAsyncSource)
+    try:
+      got += sampler(resumed, [5, 6], 5)
+      records = list(src.publish_records) + list(resumed.publish_records)
+    finally:
+      resumed.close()
+  finally:
+    src.close()
+  kinds = [p["kind"] for _, _, _, p in got]
+  assert kinds == ["full", "delta", "delta", "full", "delta", "full", "delta"], kinds
+  assert [(v, k) for v, k, _ in records] == list(zip(range(7), kinds))
+  full = sum(np.asarray(x).nbytes for x in leaves)
+  for v, (version_got, arrays, csum, pull) in enumerate(got):
+    assert version_got == v
+    for n in names:
+      np.testing.assert_array_equal(arrays[n], want(v)[n], err_msg=f"{v} {n}")
+    assert csum == int(device_checksum([want(v)[n] for n in names]))  # = the learner's (src._checksums)
+    assert pull["bytes"] < full / 20 if pull["kind"] == "delta" else pull["bytes"] >= full
+
+
+@pytest.mark.slow
+def test_delta_pulls_with_the_real_sampler_across_a_killed_sampler_and_a_resume():
+  """The real worker over the transfer path with delta pulls: every batch echoes the device checksum of its version
+  computed by the sampler over the arrays it rebuilt (next() checks it), equal to the published one's; the first
+  pull of the start, of the replacement of a SIGKILLed sampler and of a resumed run's new source is full, the
+  others are deltas."""
+  over = {"lag.k": 1, "async_.queue_slots": 1, "async_.publish_path": "transfer", "async_.publish_delta": "auto"}
+  src, params = _source(_tiny(steps=8, **over), TransferAsyncSource)
+  names = worker_lib.param_names(params)
+  version = lambda v: jax.tree.map(lambda x: x * (1.0 + 1e-6 * v), params)  # every value moves a few ulps
+  want = lambda v: int(device_checksum([np.asarray(a) for a in jax.tree.leaves(version(v))]))
+
+  def steps(src, first, last, kill_at=None):
+    echoed = {}
+    for step in range(first, last):
+      if step == kill_at:
+        os.kill(src.pid, signal.SIGKILL)
+        src.proc.join(60.0)
+      if step != first + 1:  # versions fixed by the protocol (versions_and_batches)
+        src.publish(version(max(first, step - 1)), max(first, step - 1))
+      batch, info = src.next(step)
+      echoed[int(batch["policy_version"][0])] = info["params_checksum"]
+    return echoed
+
+  try:
+    echoed = steps(src, 0, 6, kill_at=4)
+    assert src.sampler_restarts == 1
+    kinds = [kind for _, kind, _ in src.publish_records]
+  finally:
+    src.close()
+  assert echoed == {v: want(v) for v in range(5)}, echoed  # version 4: made by the replacement
+  assert kinds[0] == "full" and kinds.count("full") == 2 and "delta" in kinds[1 : kinds.index("full", 1)], kinds
+  assert kinds[-1] == "delta", kinds  # the replacement's second pull
+  assert len(names) == len(jax.tree.leaves(params))
+  resumed, _ = _source(_tiny(steps=8, **over), TransferAsyncSource)  # a resumed run: a new source from version 5
+  try:
+    assert steps(resumed, 5, 8) == {v: want(v) for v in (5, 6)}
+    assert [kind for _, kind, _ in resumed.publish_records] == ["full", "delta"]
+  finally:
+    resumed.close()

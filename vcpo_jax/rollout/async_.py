@@ -74,7 +74,8 @@ writes a compressed XOR record against the version the sampler holds instead of 
 the checksum, recorded and echoed as above, is that of the rebuilt weights. A fresh slot (the start, a
 replacement sampler, a resumed run) gets a full copy, and so does a record longer than 3/4 of one. Costs: two
 more host copies of the weights on this side, one on the sampler's, and zlib time on both (benchmarks/README.md
-"Parameter publishing": fewer bytes, more seconds on one host). The transfer and device paths publish full copies.
+"Parameter publishing": fewer bytes, more seconds on one host). The transfer path pulls the same records
+(rollout/transfer_publish.py "Delta publishing"); the device path (one process, no link) publishes full copies.
 
 LoRA (model.lora_rank > 0): every publish moves the adapters only; the frozen base goes to each spawned
 sampler once, through a one-shot ParamSlot (`_base_channel`) that this side closes as soon as the sampler has
@@ -315,7 +316,7 @@ class AsyncConfig:
   publish_dtype: str = "auto"  # slot dtype of floating params: "auto" (bf16 on accelerators, f32 on CPU)
   publish_buffers: int = 1  # parameter copies in the shm slot: 1 | 2 | 0 = 1 with background publish, else 2
   publish_checksum: str = "true"  # shm slot checksum, echoed + checked: true | false | background (thread only)
-  publish_delta: str = "off"  # shm slot: off (full copies) | auto (delta vs the sampler's version, one-copy slot)
+  publish_delta: str = "off"  # off (full copies) | auto (delta vs the sampler's version: one-copy shm slot, transfer)
   decode: str = (
     SamplerConfig.decode
   )  # sampler process: static (one device loop) | chunked | refill (continuous batching)
@@ -416,7 +417,7 @@ class AsyncConfig:
       "async_.publish_delta",
       self.publish_delta,
       "use 'off' (every publish copies all weights into the slot) or 'auto' (a compressed XOR delta against the "
-      "version the sampler holds, when the shm slot holds one copy; full copies elsewhere).",
+      "version the sampler holds, when the shm slot holds one copy and on the transfer path; full copies elsewhere).",
     )
     check_field(
       str(self.background_publish).lower() in ("auto", "true", "false"),

@@ -34,6 +34,18 @@ and the counter write (time/publish_s); on CPU the snapshot copy itself runs ins
 memcpy, as on the shm background path) and the pull's copy competes with the learner for the cores. Nothing
 in publish() waits for the sampler. Measured in benchmarks/README.md ("Parameter publishing").
 
+Delta publishing (`async_.publish_delta="auto"`): the request carries the version the sampler holds (-1: none,
+a fresh or replacement sampler) and the pipe is duplex: the server thread answers each request with (kind,
+version, base, bytes) before the pull. It keeps a host copy of the version it answered last, packed in
+ParamSlot's layout (process/delta.py `Layout`); when the sampler holds exactly that version, the pull carries the
+compressed XOR record of the newest offer against it (process/delta.py `encode`, as a uint8 device array), else
+(nothing held, a failed pull, a new source after a resume, a record over 3/4 of a full copy) the full snapshot.
+The sampler keeps its own packed copy of the version it holds and rebuilds the new one bit for bit (`decode`),
+so the device checksum of its arrays is the learner's. The record goes through the host on both ends (zlib has
+no device kernel): this path then makes a host copy of each answered version on each side, which the full path
+avoids; the bytes that cross between the processes are the record's. `publish_records` lists (version, kind,
+bytes) per answered request.
+
 Checksum: rollout/device_publish.py's `device_checksum` (position-weighted uint32 sum, exact under any
 sharding), computed on the learner's snapshot and, by the sampler, on the arrays it pulled; every batch echoes
 the sampler's and AsyncSource.next compares it with the published version's.
@@ -67,11 +79,13 @@ import numpy as np
 
 from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.device_publish import device_checksum
+from vcpo_jax.rollout.process import delta as delta_lib
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.shm_queue import SPAWN
 
 _ADDRESS = "127.0.0.1:0"  # learner and sampler share the host; port 0: the OS picks a free one
 _SERVE_POLL_S = 0.1  # the server thread's wait slice on the request pipe (it checks close() between slices)
+_DELTA_MAX_FRAC = 0.75  # a delta record longer than this fraction of a full copy is sent as the full copy (ParamSlot's)
 
 
 def _start_server(device):
@@ -86,19 +100,23 @@ class TransferSlot:
   transfer server and connects to the learner's at its first pull.
 
   address: the learner's transfer server; names / shapes / dtypes: the published leaves, in flatten order;
-  published: the shared counter of the newest published version; requests: the send end of the request pipe.
+  published: the shared counter of the newest published version; requests: the sampler's end of the request
+  pipe (duplex: with delta, the learner answers each request with what the pull carries).
+  delta: pull delta records against the version this end holds ("Delta publishing" in the module docstring).
   """
 
-  def __init__(self, address: str, names, shapes, dtypes, published, requests):
+  def __init__(self, address: str, names, shapes, dtypes, published, requests, delta: bool = False):
     self.address, self.names = address, tuple(names)
-    self.shapes, self.dtypes = tuple(tuple(s) for s in shapes), tuple(np.dtype(d).name for d in dtypes)
-    self._published, self._requests = published, requests
+    self.shapes, self.dtypes = tuple(tuple(s) for s in shapes), tuple(jnp.dtype(d).name for d in dtypes)
+    self._published, self._requests, self.delta = published, requests, bool(delta)
     self._server = self._conn = None  # the sampler's, built in its process
     self._uuids = itertools.count(1)
+    self._held = None  # delta: (version, its packed host buffer) of the newest version pulled
+    self.last_pull = None  # {"kind": "full" | "delta", "bytes": bytes pulled} of the last latest()
 
   def __getstate__(self):
     state = dict(self.__dict__)
-    state["_server"] = state["_conn"] = state["_uuids"] = None
+    state["_server"] = state["_conn"] = state["_uuids"] = state["_held"] = None
     return state
 
   def __setstate__(self, state):
@@ -127,10 +145,41 @@ class TransferSlot:
     specs = [jax.ShapeDtypeStruct(s, jnp.dtype(d), sharding=sharding) for s, d in zip(self.shapes, self.dtypes)]
     specs.append(jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding))  # the offer's version
     uuid = next(self._uuids)
+    if self.delta:
+      return self._pull_delta(uuid, specs, sharding, poll)
     self._requests.send(uuid)
     pulled = jax.block_until_ready(self._conn.pull(uuid, specs))
     version = int(pulled[-1])
+    self.last_pull = {"kind": "full", "bytes": sum(x.nbytes for x in pulled[:-1])}
     return version, dict(zip(self.names, pulled[:-1]))
+
+  def layout(self) -> delta_lib.Layout:
+    return delta_lib.Layout({n: (s, jnp.dtype(d)) for n, s, d in zip(self.names, self.shapes, self.dtypes)})
+
+  def _pull_delta(self, uuid: int, specs: list, sharding, poll):
+    """Delta publishing's pull: sends (uuid, the version held or -1), reads the learner's answer (kind, version,
+    base, bytes) and pulls the full arrays or the record, which it applies to the held buffer (bit for bit)."""
+    held = -1 if self._held is None else self._held[0]
+    self._requests.send((uuid, held))
+    while not self._requests.poll(_SERVE_POLL_S):
+      if poll is not None:
+        poll()
+    kind, version, base, nbytes = self._requests.recv()
+    if kind == "full":
+      pulled = jax.block_until_ready(self._conn.pull(uuid, specs))
+      arrays = dict(zip(self.names, pulled[:-1]))
+      self._held = (version, self.layout().pack({n: np.asarray(a) for n, a in arrays.items()}))
+    else:
+      if base != held:
+        raise RuntimeError(f"TransferSlot: a delta record against version {base}, but this end holds {held}")
+      rec_spec = [jax.ShapeDtypeStruct((nbytes,), jnp.uint8, sharding=sharding), specs[-1]]
+      record = np.asarray(jax.block_until_ready(self._conn.pull(uuid, rec_spec))[0])
+      layout = self.layout()
+      new = delta_lib.decode(record, self._held[1], np.empty(layout.nbytes, np.uint8), layout.blocks)
+      self._held = (version, new)
+      arrays = {n: jax.device_put(a, sharding) for n, a in layout.views(new).items()}
+    self.last_pull = {"kind": kind, "bytes": int(nbytes)}
+    return int(version), arrays
 
   def checksum_of(self, arrays: dict, names) -> int:
     return int(device_checksum([arrays[n] for n in names]))
@@ -161,7 +210,11 @@ class TransferAsyncSource(async_.AsyncSource):
     self.background = False  # no host copy: the server thread only registers offers
     self._server = None
     self._offer_lock = threading.Lock()
-    self._offer = None  # (snapshot leaves, version scalar) of the newest version: what the next pull gets
+    self._offer = None  # (snapshot leaves, version scalar, version) of the newest version: what the next pull gets
+    self.delta = cfg.publish_delta == "auto"  # async_.publish_delta: records against the sampler's version
+    self._delta_lock = threading.Lock()  # the server threads' (a replaced sampler's may still be ending) host copies
+    self._bufs: dict[int, np.ndarray] = {}  # delta: packed host copy of the version answered last (the base)
+    self._layout = None
     self._offered = None  # the one registered last (kept alive until the next request: its pull is done then)
     self._requests = None  # the receive end of the request pipe
     self._published_v = SPAWN.Value("q", -1, lock=False)  # 8-byte aligned: one store / load on x86 and arm64
@@ -184,7 +237,7 @@ class TransferAsyncSource(async_.AsyncSource):
       self._snap1 = self._snapshot_fn(leaves)
     snap = self._snap1(leaves)
     csum = device_checksum(snap)
-    offer = (snap, jax.device_put(np.int32(version), self._device))
+    offer = (snap, jax.device_put(np.int32(version), self._device), version)
     if self.proc is None:
       self._offer = offer
       self._start(dict(zip(worker_lib.param_names(params), snap)), version)
@@ -214,8 +267,8 @@ class TransferAsyncSource(async_.AsyncSource):
   def _newest_written(self) -> tuple[int, dict]:
     """The newest offer (device snapshots in the publish dtype) and its version: a replacement's start."""
     with self._offer_lock:
-      snap, ver = self._offer
-    return int(ver), dict(zip(self.slot.names, snap))
+      snap, _, ver = self._offer
+    return ver, dict(zip(self.slot.names, snap))
 
   def _raise_thread_error(self):
     """A pull that failed because its sampler died is the sampler's death (replaceable), not the server's."""
@@ -227,7 +280,7 @@ class TransferAsyncSource(async_.AsyncSource):
   def _open_slot(self, arrays: dict, version: int):
     if self._server is None:  # one server for the run: a replacement sampler connects to the same one
       self._server = _start_server(self._device)
-    self._requests, send = SPAWN.Pipe(duplex=False)
+    self._requests, send = SPAWN.Pipe(duplex=self.delta)  # delta: the learner answers each request
     leaves = list(arrays.values())
     self.slot = TransferSlot(
       self._server.address(),
@@ -236,7 +289,9 @@ class TransferAsyncSource(async_.AsyncSource):
       [x.dtype for x in leaves],
       self._published_v,
       send,
+      delta=self.delta,
     )
+    self._layout = self.slot.layout() if self.delta else None
     self._published_v.value = int(version)
 
   def _spawn(self, arrays: dict, version: int, first: int):
@@ -258,21 +313,47 @@ class TransferAsyncSource(async_.AsyncSource):
       try:
         if not requests.poll(_SERVE_POLL_S):
           continue
-        uuid = requests.recv()
+        request = requests.recv()
       except (EOFError, OSError):
         return  # the sampler closed its end (exited): next() / publish() report a dead one
       t0 = time.perf_counter()
       with self._offer_lock:
         offer = self._offer
-      snap, ver = offer
+      snap, ver, _ = offer
+      payload, answer = ([*snap, ver], None) if not self.delta else self._delta_answer(offer, request[1])
+      uuid = request[0] if self.delta else request
       try:
-        self._server.await_pull(uuid, [*snap, ver])
+        self._server.await_pull(uuid, payload)
+        if answer is not None:
+          requests.send(answer)
+      except (EOFError, OSError, BrokenPipeError):
+        return  # the sampler exited between its request and the answer
       except Exception as e:  # noqa: BLE001 -- re-raised by the next publish() / next()
         self._thread_error = e
         return
-      self._offered = offer
+      self._offered = payload
       self.offers += 1
       self.offer_s.append(time.perf_counter() - t0)
+
+  def _delta_answer(self, offer, held: int) -> tuple[list, tuple]:
+    """(what the pull carries, the answer (kind, version, base, bytes)) for a sampler holding version `held`
+    (-1: none): a delta record against it when this side kept that version's host copy (the one answered last)
+    and the record is under 3/4 of a full copy, else the full snapshot. The answered version becomes the base."""
+    snap, ver, version = offer
+    with self._delta_lock:
+      new = self._bufs.get(version)
+      if new is None:
+        new = self._layout.pack({n: np.asarray(x) for n, x in zip(self._layout.spec, jax.device_get(snap))})
+      base = self._bufs.get(held) if held >= 0 else None
+      limit = int(_DELTA_MAX_FRAC * self._layout.nbytes)
+      record = None if base is None else delta_lib.encode(new, base, self._layout.blocks, limit)
+      self._bufs = {version: new}
+    if record is None:
+      self.publish_records.append((version, "full", self._layout.nbytes))
+      return [*snap, ver], ("full", version, -1, self._layout.nbytes)
+    self.publish_records.append((version, "delta", len(record)))
+    payload = jax.device_put(np.frombuffer(record, np.uint8), self._device)
+    return [payload, ver], ("delta", version, held, len(record))
 
   def close(self):
     super().close()  # the server thread first (close() sets _closing and joins it), then the worker

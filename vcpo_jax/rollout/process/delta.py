@@ -114,3 +114,37 @@ def changed_fraction(new: np.ndarray, base: np.ndarray, itemsize: int = 1) -> tu
   """(fraction of bytes, fraction of `itemsize`-byte elements) that differ between two uint8 buffers."""
   d = new != base
   return float(d.mean()), float(d.reshape(-1, itemsize).any(axis=1).mean())
+
+
+class Layout:
+  """ParamSlot's buffer layout of a spec {name: (shape, dtype)} (each array at the next multiple of 64 bytes, zero
+  padding) for channels that keep their versions as such buffers themselves (the transfer path, the multi-host
+  gather): pack arrays into one, view one as arrays, and the delta blocks of it."""
+
+  def __init__(self, spec: Mapping[str, tuple[tuple[int, ...], np.dtype]]):
+    self.spec = {n: (tuple(int(d) for d in shape), np.dtype(dtype)) for n, (shape, dtype) in spec.items()}
+    self.offsets, off = {}, 0
+    for name, (shape, dtype) in self.spec.items():
+      self.offsets[name] = off
+      off += -(-int(np.prod(shape)) * dtype.itemsize // 64) * 64
+    self.nbytes = off
+    self.blocks = blocks(self.spec, self.offsets, self.nbytes)
+
+  def pack(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A fresh uint8 buffer [nbytes] holding `arrays` (the spec's names, shapes and dtypes)."""
+    buf = np.zeros(self.nbytes, np.uint8)
+    for name, (shape, dtype) in self.spec.items():
+      a = np.ascontiguousarray(arrays[name])
+      if a.shape != shape or a.dtype != dtype:
+        raise ValueError(f"delta layout: {name!r} is {a.dtype}{list(a.shape)}, the layout holds {dtype}{list(shape)}")
+      lo = self.offsets[name]
+      buf[lo : lo + a.nbytes] = a.reshape(-1).view(np.uint8)
+    return buf
+
+  def views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+    """{name: array} views of a packed buffer (no copy)."""
+    out = {}
+    for name, (shape, dtype) in self.spec.items():
+      lo = self.offsets[name]
+      out[name] = buf[lo : lo + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+    return out
