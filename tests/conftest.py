@@ -10,6 +10,7 @@ stream of tests, and the room: shared for a test, exclusive for an `exclusive` o
 """
 
 import fcntl
+import gc
 import os
 
 from tests import xla_flags
@@ -84,3 +85,14 @@ def _no_persistent_cache_leaks():
     for n, v in old.items():
       jax.config.update(n, v)
     cc.reset_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+  """Each XLA:CPU executable holds ~6 memory mappings of JIT code until its jit cache entry goes, and the
+  kernel allows 65,530 per process (vm.max_map_count): a serial run of the whole suite reached that around
+  its 1,050th test, where the next compile's mmap failed inside LLVM and the process died with SIGSEGV (CI,
+  exit 139). Dropping jax's caches after each test file keeps the count to one file's programs."""
+  yield
+  jax.clear_caches()
+  gc.collect()
