@@ -42,7 +42,8 @@ publishing (the table's "MB per publish": bytes written into the slot per publis
 `--delta` instead times full against delta publishing through ParamSlot at Qwen2.5-1.5B's widths (`--layers` of
 its 28 decoder layers, no embedding, bfloat16, random host arrays moved by lr * N(0, 1) per element per round,
 the size of an AdamW step): write and read seconds, bytes per publish, the fraction of elements and bytes changed
-(`delta_costs`).
+(`delta_costs`). `--path=transfer` times the transfer path's full against delta pulls instead, both ends in this
+process over loopback transfer servers (`transfer_delta_costs`).
 """
 
 from __future__ import annotations
