@@ -26,7 +26,8 @@
   background thread then assembles the host copy from the local shards only (no collective off the main
   thread) and writes the slot. Every host publishes the same version after each step; the sampler's
   checksum echo of version v must be equal on every host that sampled with v (checked in next()), and
-  the lag bound k is checked on the global batch. LoRA: the slot carries the adapters only; the frozen base
+  the lag bound k is checked on the global batch. With `async_.publish_delta="auto"` each host's slot carries delta
+  records to its sampler (AsyncSource's); the gather itself moves every weight of the publish dtype. LoRA: the slot carries the adapters only; the frozen base
   is gathered once, at the first publish, and goes to the sampler once (AsyncSource's one-shot base slot).
 - Failures: `distributed.Agreement`. A dead or hung sampler is replaced by its own host, as on one host
   (AsyncSource._replace: its shared memory reclaimed, a fresh sampler on the same devices and prompt block
