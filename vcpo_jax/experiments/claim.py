@@ -405,14 +405,16 @@ def figure(studies: dict, ref: Cell | None, href: Cell | None, commit: str):
   panels.append(("horizon, k = 128 (800 steps)", studies["protocol_horizon"][1], href))
   panels += [(f"every method, k = {k}", {key: x for key, x in grid.items() if key[1] == k}, ref) for k in lagged]
   fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.2), squeeze=False, layout="constrained")
-  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  names = list(dict.fromkeys(m for _, cells, _ in panels for (m, k) in cells if k))
+  cmap = plt.get_cmap("tab20")
+  color = {m: cmap(i % 20) for i, m in enumerate(names)}  # one colour per method in every panel
   for ax, (title, cells, sync) in zip(axes[0], panels):
     if sync is not None:
       ax.plot(sync.eval_step, sync.accuracy.mean(0), "k--", lw=2, label="sync (none, k = 0)")
-    for i, ((m, k), cell) in enumerate(x for x in cells.items() if x[0][1] != 0):
+    for (m, k), cell in ((key, x) for key, x in cells.items() if key[1] != 0):
       mean, sd = cell.accuracy.mean(0), cell.accuracy.std(0, ddof=1)
-      ax.plot(cell.eval_step, mean, color=colors[i % len(colors)], lw=1.4, label=m)
-      ax.fill_between(cell.eval_step, mean - sd, mean + sd, color=colors[i % len(colors)], alpha=0.12)
+      ax.plot(cell.eval_step, mean, color=color[m], lw=1.4, label=m)
+      ax.fill_between(cell.eval_step, mean - sd, mean + sd, color=color[m], alpha=0.12)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("learner step")
     ax.set_ylabel("held-out accuracy (mean, +-1 sd)")
