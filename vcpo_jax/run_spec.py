@@ -155,10 +155,10 @@ class RunConfig:
       "the transfer path serves one learner process; set async_.publish_path='shm' for distributed.enabled runs.",
     )
     check_field(
-      not (self.eval.background and a.publish_path != "shm"),
+      not (self.eval.background and a.publish_path == "device"),
       "eval.background",
       self.eval.background,
-      f"needs async_.publish_path='shm' (have {a.publish_path!r}); set one of them.",
+      "needs a sampler process: async_.publish_path='shm' or 'transfer' (have 'device'); set one of them.",
     )
 
   def _check_layout(self):
