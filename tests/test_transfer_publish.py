@@ -174,16 +174,17 @@ def test_async_run_over_the_transfer_path_matches_the_shm_runs_first_steps(tmp_p
 @pytest.mark.parametrize(
   "over, match",
   [
-    ({"async_.inflight_updates": True}, "async_.inflight_updates"),
-    (
-      {"distributed.enabled": True, "distributed.coordinator_address": "h:1", "distributed.num_processes": 2},
-      "async_.publish_path",
-    ),
+    ({}, r"async_\.publish_path='transfer'"),
+    ({"async_.publish_path": "device", "async_.sampler_devices": "1"}, r"async_\.publish_path='device'"),
   ],
 )
-def test_unsupported_transfer_combinations_fail_in_config_parsing(over, match):
-  with pytest.raises(ValueError, match=match):
-    run_config.parse_config(_tiny(**{**_OVER, **over}), check_prompts=False)
+def test_device_and_transfer_publishers_on_several_hosts_fail_in_config_parsing(over, match):
+  """They serve one learner process (the many-hosts topology gathers to host-complete arrays, which the
+  device_put / offer of a process-local device cannot take): one line naming the field, its value and the fix."""
+  several = {"distributed.enabled": True, "distributed.coordinator_address": "h:1", "distributed.num_processes": 2}
+  with pytest.raises(ValueError, match=match + r".*serve one learner process; set 'shm'") as e:
+    run_config.parse_config(_tiny(**{**_OVER, **several, **over}), check_prompts=False)
+  assert "\n" not in str(e.value)
 
 
 def test_background_eval_needs_a_sampler_process_so_the_device_path_refuses_it():
@@ -253,7 +254,7 @@ def test_delta_pulls_rebuild_every_version_bit_for_bit_across_a_replacement_and_
     got = []
     for v in versions:
       if v == first and source.proc is not None:  # a replacement: a fresh slot and sampler on the same server
-        start(dict(zip(names, source._snap1(jax.tree.leaves(version(v))))), v)
+        start(dict(zip(names, source.publisher._snap1(jax.tree.leaves(version(v))))), v)
       source.publish(version(v), v)
       got.append(recv.recv() if recv.poll(120.0) else pytest.fail(f"no pull of version {v}"))
     source.proc.join(30.0)

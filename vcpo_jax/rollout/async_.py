@@ -387,12 +387,6 @@ class AsyncConfig:
       "'transfer' (a sampler process pulling with jax.experimental.transfer).",
     )
     check_field(
-      not (self.publish_path == "transfer" and self.inflight_updates),
-      "async_.inflight_updates",
-      self.inflight_updates,
-      "in-flight updates are not tested with publish_path='transfer'; set it False or async_.publish_path='shm'.",
-    )
-    check_field(
       self.publish_path != "device" or bool(self.sampler_devices),
       "async_.publish_path",
       self.publish_path,

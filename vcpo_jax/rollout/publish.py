@@ -21,9 +21,9 @@ The interface, in the order AsyncSource.publish calls it:
   quiesce(raise_error), flush(...)      before a replacement; flush: tests and benchmarks
   raise_error(dead, died)               a failure of the publisher's own thread
   stop(), close()                       threads first (before the sampler stops), then the channels
-`record(version, checksum)` keeps the checksums of the versions a batch can still echo: with staleness k a batch
-consumed at step b carries versions >= b - k, and the learner is at most k + 1 steps past the newest
-published version it has not consumed yet, so versions below version - 2k - 2 are dropped.
+`record(version, checksum)` keeps the checksums next() checks each batch's echo against, and drops those below
+version - 2k - 2: a batch consumed after version v's publish is for a step >= v, so it carries versions >= v - k
+(the rule keeps a margin of k + 2 more).
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ class ShmPublisher(Publisher):
       return
     t1 = time.perf_counter()
     arrays = self.host_arrays(payload, names)  # device_get (a view on CPU), one copy with its checksum
-    poll()
+    if not self.eager:  # one host: a signal or a dead sampler ends the publish before the copy (many hosts: only
+      poll()  # in the lock wait, as before; a host's stop is agreed on in next())
     self._write(arrays, version, poll)
     self.copy_s.append(time.perf_counter() - t1)
 
