@@ -451,11 +451,12 @@ def memory_plan(cfg: AsyncConfig, platform: str | None) -> dict:
 
 
 class AsyncSource(RolloutSource):
-  """Rollout source backed by a spawned sampler process; same interface as `LagSource`.
+  """Rollout source backed by a sampler (a spawned process; a thread with the device publisher); same interface as
+  `LagSource`. How versions reach the sampler is its `publisher` (rollout/publish.py, by async_.publish_path).
 
   Args:
     cfg: its own config, AsyncConfig (config.async_: queue_slots, timeout_s, startup_timeout_s,
-      sampler_devices / sampler_cpus / sampler_env, background_publish, publish_dtype, decode, in-flight
+      sampler_devices / sampler_cpus / sampler_env, background_publish, publish_path / dtype, decode, in-flight
       updates; checked there).
     key: the run's RNG key; batch b is sampled with fold_in(key, b), as in the other modes.
     model_cfg, graphdef: the policy; the worker rebuilds graphdef from model_cfg (checked here).
