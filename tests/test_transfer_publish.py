@@ -187,6 +187,12 @@ def test_device_and_transfer_publishers_on_several_hosts_fail_in_config_parsing(
   assert "\n" not in str(e.value)
 
 
+def test_inflight_updates_over_the_transfer_path_fail_in_config_parsing():
+  with pytest.raises(ValueError, match=r"async_\.inflight_updates=True: in-flight updates do not run over") as e:
+    run_config.parse_config(_tiny(**{**_OVER, "async_.inflight_updates": True}), check_prompts=False)
+  assert "\n" not in str(e.value)
+
+
 def test_background_eval_needs_a_sampler_process_so_the_device_path_refuses_it():
   device = {"async_.publish_path": "device", "async_.sampler_devices": "1", "eval.background": True}
   with pytest.raises(ValueError, match=r"eval\.background.*'shm' or 'transfer' \(have 'device'\)"):

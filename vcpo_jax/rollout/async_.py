@@ -387,6 +387,13 @@ class AsyncConfig:
       "'transfer' (a sampler process pulling with jax.experimental.transfer).",
     )
     check_field(
+      not (self.publish_path == "transfer" and self.inflight_updates),
+      "async_.inflight_updates",
+      self.inflight_updates,
+      "in-flight updates do not run over publish_path='transfer' (a pull lands on one device inside the sampler's "
+      "mesh); set it False or async_.publish_path='shm'.",
+    )
+    check_field(
       self.publish_path != "device" or bool(self.sampler_devices),
       "async_.publish_path",
       self.publish_path,
