@@ -52,6 +52,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax import batch as batch_lib
 from vcpo_jax import estimator, grad_norms
 from vcpo_jax.model import logprobs as lpm
 from vcpo_jax.model import transformer
@@ -427,19 +428,24 @@ def exact_head_coefficients(hq_btd, wq, spec: lpm.HeadSpec, loss_mask_nt, max_ra
 
 
 def topk_head_coefficients(
-  h_btd, w, lse_nm, spec: lpm.HeadSpec, topk_ids_ntk, topk_logp_ntk, loss_mask_nt, max_ratio=None
+  h_btd, w, lse_nm, spec: lpm.HeadSpec, topk_ids_nrk, topk_logp_nrk, loss_mask_nt, max_ratio=None
 ):
   """grad_norms.HeadCoefficients of top-k centering: e = -sg[c] at the sampler's K ids of each position, 0 elsewhere.
 
   c = head_coefficients(p_H, q_H), the tail folded into the head as in `topk_correction`; p_H = the learner's
   probabilities at the ids, read from its final hidden states h, head W and logsumexp lse [N, M] (the ghost
   forward's record) in one scan over vocab chunks (never [N, M, V] or [N, M, K, D]); q_H = exp(topk_logp).
-  Position m predicts token m + 1, so its ids are topk_ids[:, m + 1]; e = 0 where loss_mask_nt[:, m + 1] is 0.
+  The record covers the R response columns (Batch.topk_ids [N, R, K]): response token r is token column
+  T - R + r, predicted by position o + r with o = M - R, so only those R positions are read; e = 0 at the
+  positions before o and where the loss mask of the predicted token is 0.
   """
   _check_ratio(max_ratio)
-  h, w = sg(h_btd)[:, :-1], sg(w).astype(spec.dtype)
-  ids = jnp.asarray(topk_ids_ntk, jnp.int32)[:, 1:]  # [N, M, K]
-  keep = jnp.asarray(loss_mask_nt)[:, 1:] != 0
+  ids = jnp.asarray(topk_ids_nrk, jnp.int32)  # [N, R, K]
+  o = h_btd.shape[1] - 1 - ids.shape[1]  # the first position predicting a response token
+  h, w = sg(h_btd)[:, o:-1], sg(w).astype(spec.dtype)  # [N, R, D]
+  lse_nm = lse_nm[:, o:]
+  keep = jnp.asarray(loss_mask_nt)[:, o + 1 :] != 0
+  before = lambda x: jnp.pad(x, ((0, 0), (o, 0)) + ((0, 0),) * (x.ndim - 2))  # [N, R, ...] -> [N, M, ...]
   v = lpm.vocab_size(w, spec)
   vc, nv = lpm.vocab_chunks(v, spec.vocab_chunk)
 
@@ -451,10 +457,10 @@ def topk_head_coefficients(
 
   lp_at, _ = jax.lax.scan(pick, jnp.zeros(ids.shape, _F32), jnp.arange(nv))
   lp_at = jnp.where(keep[..., None], lp_at, 0.0)
-  lq = jnp.where(keep[..., None], jnp.asarray(topk_logp_ntk, _F32)[:, 1:], 0.0)
+  lq = jnp.where(keep[..., None], jnp.asarray(topk_logp_nrk, _F32), 0.0)
   c, _ = head_coefficients(jnp.exp(lp_at), jnp.exp(lq), max_ratio)
   e = _masked_neg(c, keep)  # [N, M, K]
-  n_i, m_i = jnp.arange(ids.shape[0])[:, None, None], jnp.arange(ids.shape[1])[None, :, None]
+  n_i, m_i = jnp.arange(ids.shape[0])[:, None, None], o + jnp.arange(ids.shape[1])[None, :, None]
 
   def chunk(start, size, lp):  # e scattered onto the chunk's columns (the caller masks columns it does not own)
     local = ids - start
@@ -466,11 +472,11 @@ def topk_head_coefficients(
     def body(acc, k):
       return acc + jnp.where(ids[:, :, k, None] == ids_nk[:, None, :], e[:, :, k, None], 0.0), None
 
-    acc, _ = jax.lax.scan(body, jnp.zeros(lp.shape, _F32), jnp.arange(ids.shape[-1]))
-    return acc
+    acc, _ = jax.lax.scan(body, jnp.zeros(lp[:, o:].shape, _F32), jnp.arange(ids.shape[-1]))
+    return before(acc)
 
   masses = dict(p_head_mass=jnp.sum(jnp.exp(lp_at), -1), q_head_mass=jnp.sum(jnp.exp(lq), -1))
-  return grad_norms.HeadCoefficients(chunk, at, {k: jnp.where(keep, v, 0.0) for k, v in masses.items()})
+  return grad_norms.HeadCoefficients(chunk, at, {k: before(jnp.where(keep, v, 0.0)) for k, v in masses.items()})
 
 
 class StepCentering:
@@ -505,8 +511,8 @@ class StepCentering:
 class TopkCentering:
   """Score centering of one learner step from the sampler's top-k (pg.score_centering 'topk'): both paths.
 
-  batch["topk_ids"] int32 [N, T, K] and batch["topk_logp"] float32 [N, T, K]: row t holds the top-k ids of the
-  distribution the sampler drew token t from and their POST-filter log-probs (temperature, top-k / top-p
+  batch["topk_ids"] int32 [N, R, K] and batch["topk_logp"] float32 [N, R, K] (the R response columns, the last R
+  token columns): row r holds the top-k ids of the distribution the sampler drew response token r from and their POST-filter log-probs (temperature, top-k / top-p
   applied; sampler.SamplerConfig.record_topk). The tail outside them is modelled (`topk_correction`).
     logp_fn(params, batch) -> (logp_nt, corr_nt, diag): the vmap path, one forward of the current parameters;
       the learner's log-probs at the ids come from `head_logprobs_at` (dense [N, T, V] logits: small
@@ -526,7 +532,7 @@ class TopkCentering:
     missing = [k for k in self.KEYS if k not in batch]
     if missing:
       raise ValueError(
-        f"vcpo.score_centering='topk': the batch lacks {missing} ([N, T, K] from the sampler, "
+        f"vcpo.score_centering='topk': the batch lacks {missing} ([N, R, K] from the sampler, "
         "SamplerConfig.record_topk = vcpo.sc_topk)"
       )
 
@@ -540,8 +546,10 @@ class TopkCentering:
     h, _ = model(tokens, positions, mask, hidden=True)
     logp = model.head_logprobs(h, tokens)
     w, spec = _head(model)
-    head = head_logprobs_at(h, w, batch["topk_ids"], spec)
-    corr, diag = topk_correction(head, sg(batch["topk_logp"]), self.max_ratio, batch["loss_mask"])
+    t = tokens.shape[1]
+    head = head_logprobs_at(h, w, batch_lib.at_token_columns(batch["topk_ids"], t), spec)
+    lq = batch_lib.at_token_columns(sg(batch["topk_logp"]), t)
+    corr, diag = topk_correction(head, lq, self.max_ratio, batch["loss_mask"])
     return logp, corr, diag
 
   def head_coefs(self, batch):
