@@ -251,6 +251,7 @@ class SamplingConfig:
   mesh_shape: tuple = SamplerConfig.mesh_shape  # async sampler's (data, fsdp, tensor) mesh (sync/lag: learner's)
   prefill_chunk: int = SamplerConfig.prefill_chunk  # prompt tokens per prefill pass; 0 = one pass (bounds memory)
   max_batch: int = SamplerConfig.max_batch  # rows per sampler call (whole groups); 0 = all; more: sequential calls
+  support_replay: str = "auto"  # learner renormalises over the sampler's kept support: auto (= a filter on) | on | off
 
   def __post_init__(self):
     check_field(
@@ -284,10 +285,22 @@ class SamplingConfig:
     )
     check_field(finite(self.top_p) and 0 < self.top_p <= 1, "sampler.top_p", self.top_p, "must be in (0, 1] (1 = off).")
     check_field(self.top_k >= 0, "sampler.top_k", self.top_k, "must be >= 0 (0 = off).")
+    check_field(
+      self.support_replay in ("auto", "on", "off"),
+      "sampler.support_replay",
+      self.support_replay,
+      "use auto (on when top_p < 1 or top_k > 0), on or off.",
+    )
+
+  @property
+  def replays_support(self) -> bool:
+    """Whether training rollouts record their kept support for the learner to replay (model/support.py)."""
+    return self.support_replay == "on" or (self.support_replay == "auto" and (self.top_p < 1.0 or self.top_k > 0))
 
   def sampler_kwargs(self, **override) -> dict:
-    """The SamplerConfig fields these settings give (an evaluation overrides temperature / top_p / top_k)."""
-    return {**dataclasses.asdict(self), **override}
+    """The SamplerConfig fields these settings give (an evaluation overrides temperature / top_p / top_k);
+    support_replay becomes the training sampler's record_support (the trainer sets it)."""
+    return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "support_replay"}, **override}
 
 
 @jax.tree_util.register_dataclass
