@@ -117,7 +117,7 @@ def test_chunked_heads_replay_like_the_dense_reference(vocab_chunk, chunk):
   cfg, graphdef, params = _model()
   ro = _sample(cfg, graphdef, params, record_support=True, **FILTERS)
   b = _batch(ro)
-  c_cfg, c_graphdef, _ = _model(vocab_chunk, chunk)
+  _, c_graphdef, _ = _model(vocab_chunk, chunk)
   positions, mask = transformer.padded_positions_and_mask(b["valid_mask"])
   w = jnp.asarray(ro.response_mask, jnp.float32)
 
@@ -202,3 +202,22 @@ def test_support_replay_switch():
     s(support_replay="yes")
   with pytest.raises(ValueError, match="record_support"):
     sampler_lib.SamplerConfig(temperature=0.0, record_support=True)
+
+
+@pytest.mark.slow
+def test_sync_run_with_top_p_is_on_policy_with_replay(tmp_path):
+  """trainer.run in sync mode with top-p 0.9: with the default switch (auto) the training sampler records the
+  support and every step's log-ratios are 0 (ESS ratio 1); with sampler.support_replay='off' they are not."""
+  from tests import fixtures
+  from vcpo_jax import metrics as metrics_lib
+  from vcpo_jax import trainer
+
+  def run(name, **kw):
+    cfg = fixtures.tiny_countdown_config(**{"steps": 2, "sampler.top_p": 0.9, "log.norm_overhead_every": 0, **kw})
+    trainer.run(cfg, str(tmp_path / name))
+    return [r for r in metrics_lib.read_jsonl(str(tmp_path / name / "metrics.jsonl")) if "train/pg_loss" in r]
+
+  on, off = run("replay"), run("full", **{"sampler.support_replay": "off"})
+  spread = lambda r: max(abs(r["train/log_ratio_min"]), abs(r["train/log_ratio_max"]))  # per-row sums over tokens
+  assert len(on) == 2 and all(spread(r) < 1e-4 and r["train/ess_ratio"] == pytest.approx(1.0, abs=1e-6) for r in on)
+  assert spread(off[0]) > 1e-2

@@ -29,9 +29,11 @@ Behavior log-probs (`SamplerConfig.logp_mode`):
   Greedy (temperature = 0) samples from a point mass: "sampled" records 0 and
   "tempered" records the temperature-1 full-softmax log-prob.
   The learner scores log pi(y_t) = log softmax(logits)(y_t) at temperature 1 over the
-  full vocabulary. The two agree with equal weights iff temperature = 1, top_k = 0,
-  top_p = 1 (the RL setting of the paper); otherwise log(pi/mu) != 0 even on-policy,
-  and the importance ratios correct for the sampler's tempering and filtering.
+  full vocabulary, or, with support replay (`record_support`, the training config's
+  sampler.support_replay: on by default with a filter), renormalised over the support the
+  sampler kept for y_t (vcpo_jax/model/support.py). The two agree with equal weights iff
+  temperature = 1 and (top_k = 0 and top_p = 1, or support replay); otherwise log(pi/mu) != 0
+  even on-policy, and the importance ratios correct for the sampler's tempering and filtering.
 
 Recompilation: prompt lengths, batch sizes and new-token counts are padded to fixed
 buckets (configurable lists), so after one call per (B, Tp, Tn) bucket nothing traces
