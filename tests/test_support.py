@@ -155,6 +155,32 @@ def test_ghost_and_vmap_paths_agree_under_replay(tied, vocab_chunk):
   assert np.isfinite(np.asarray(a_ghost["sq_norm_n"])).all()
 
 
+@pytest.mark.parametrize("tied,vocab_chunk", [(True, 0), (False, 48)])
+def test_topk_centering_over_the_replayed_support_agrees_on_both_paths(tied, vocab_chunk):
+  """Top-k score centering with replay: p is the replayed distribution (0 at recorded ids off the support) on the
+  vmap path (dense) and the ghost path (from the head record's cuts): same gradient, norms and drift."""
+  from vcpo_jax import score_centering as S
+
+  cfg, graphdef, params = _model(vocab_chunk, tied=tied)
+  _, _, other = _model(vocab_chunk, tied=tied, seed=1)
+  newer = jax.tree.map(lambda a, b: a + 0.2 * (b - a), params, other)
+  ro = _sample(cfg, graphdef, params, record_support=True, record_topk=64, **FILTERS)  # K > |S|: ids off S too
+  b = {k: jnp.asarray(v) for k, v in dict(_batch(ro), topk_ids=ro.topk_ids, topk_logp=ro.topk_logp).items()}
+  pg = estimator.pg_config_from_preset("vcpo", score_centering="topk", sc_topk=64)
+  cent, lf = S.TopkCentering(graphdef, pg), learner.make_logp_fn(graphdef)
+  g_ghost, a_ghost = learner.policy_gradient("ghost")(lf, newer, b, pg, centering=cent)
+  g_vmap, a_vmap = learner.policy_gradient("vmap")(lf, newer, b, pg, centering=cent)
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+  scale = np.abs(flat(g_vmap)).max()
+  np.testing.assert_allclose(flat(g_ghost), flat(g_vmap), rtol=2e-4, atol=1e-6 * scale)
+  np.testing.assert_allclose(np.asarray(a_ghost["sq_norm_n"]), np.asarray(a_vmap["sq_norm_n"]), rtol=2e-4)
+  for k in ("drift_coef_l1_n", "drift_p_head_mass_n"):
+    np.testing.assert_allclose(a_ghost[k], a_vmap[k], rtol=1e-4, atol=1e-6)
+  # on-policy the replayed p puts all its mass on the sampler's support, which the K = 64 > 50 recorded ids cover
+  _, a_on = learner.policy_gradient("ghost")(lf, params, b, pg, centering=cent)
+  np.testing.assert_allclose(np.asarray(a_on["drift_p_head_mass_n"]), np.asarray(a_on["drift_tokens_n"]), rtol=1e-4)
+
+
 def test_the_record_survives_the_queue_and_a_checkpoint(tmp_path):
   """A Batch with the support record (and -inf off the response) crosses the shared-memory queue and a checkpoint
   of queued batches (restored into the queue schema's template) bit for bit."""

@@ -122,8 +122,10 @@ def topk_correction(head_logp, q_head_logp, max_ratio=None, mask=None):
   lq = jnp.where(m[..., None], lq, 0.0)
   p, q = jnp.exp(sg(lp)), jnp.exp(lq)
   c, _ = head_coefficients(p, q, max_ratio)
-  c = jnp.where(m[..., None], c, 0.0)
-  corr = jnp.sum(sg(c) * lp, axis=-1)
+  # An id with p = 0 (off the learner's replayed support, model/support.py) adds no term; its q stays in the head.
+  off = jnp.isneginf(sg(lp))
+  c = jnp.where(m[..., None] & ~off, c, 0.0)
+  corr = jnp.sum(sg(c) * jnp.where(off, 0.0, lp), axis=-1)
   zero = lambda x: jnp.where(m, x, 0.0)
   return corr, dict(
     p_head_mass=zero(jnp.sum(p, -1)), q_head_mass=zero(jnp.sum(q, -1)), coef_l1=zero(jnp.sum(jnp.abs(c), -1))
@@ -483,6 +485,7 @@ def topk_head_coefficients(
   lp_at = jnp.where(keep[..., None], lp_at, 0.0)
   lq = jnp.where(keep[..., None], jnp.asarray(topk_logp_nrk, _F32), 0.0)
   c, _ = head_coefficients(jnp.exp(lp_at), jnp.exp(lq), max_ratio)
+  c = jnp.where(jnp.isneginf(lp_at), 0.0, c)  # support replay: an id off the learner's support adds no term
   e = _masked_neg(c, keep)  # [N, M, K]
   n_i, m_i = jnp.arange(ids.shape[0])[:, None, None], o + jnp.arange(ids.shape[1])[None, :, None]
 
