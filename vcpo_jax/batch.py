@@ -14,10 +14,14 @@ budget columns; shapes are fixed per run, so the jitted step compiles once.
   policy_version  [N]     int32    parameter version that sampled the row's OLDEST token (the lag bound applies to it)
   token_version   [N, T]  int32    parameter version that sampled each response token (-1 elsewhere; in-flight updates)
 
-and, only in runs with top-k score centering (vcpo.score_centering='topk', K = vcpo.sc_topk; None otherwise):
+and per-token records of the sampler over the response columns only (R = the response budget; response
+column r is token column T - R + r, since prompts are left-padded to the prompt bucket T - R):
 
-  topk_ids        [N, T, K] int32   the K most likely ids of the distribution token t was drawn from (0 elsewhere)
-  topk_logp       [N, T, K] float32 their post-filter log-probs (temperature, top-k / top-p applied)
+  only in runs with top-k score centering (vcpo.score_centering='topk', K = vcpo.sc_topk; None otherwise):
+  topk_ids        [N, R, K] int32   the K most likely ids of the distribution token r was drawn from (0 elsewhere)
+  topk_logp       [N, R, K] float32 their post-filter log-probs (temperature, top-k / top-p applied)
+  only in runs that replay the sampler's top-k / top-p support (vcpo_jax/model/support.py; None otherwise):
+  support_thr     [N, R]    float32 the kept support's cut-off: the learner keeps {v : logit_v >= thr} (-inf: all)
 
 Every consumer derives its key set from here: the learner's device input
 (`DEVICE_KEYS`, `Batch.device()`), the estimator's required keys (`PG_KEYS`)
@@ -39,7 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
-# name -> (dtype, dimensions): "NT" for [N, T], "N" for [N], "NTK" for [N, T, K].
+# name -> (dtype, dimensions): "NT" for [N, T], "N" for [N], "NRK" for [N, R, K], "NR" for [N, R].
 FIELDS: dict[str, tuple[Any, str]] = {
   "tokens": (np.int32, "NT"),
   "valid_mask": (np.bool_, "NT"),
@@ -52,8 +56,11 @@ FIELDS: dict[str, tuple[Any, str]] = {
   "token_version": (np.int32, "NT"),
 }
 # Present together or not at all (the sampler's SamplerConfig.record_topk = K > 0).
-TOPK_FIELDS: dict[str, tuple[Any, str]] = {"topk_ids": (np.int32, "NTK"), "topk_logp": (np.float32, "NTK")}
-ALL_FIELDS = {**FIELDS, **TOPK_FIELDS}
+TOPK_FIELDS: dict[str, tuple[Any, str]] = {"topk_ids": (np.int32, "NRK"), "topk_logp": (np.float32, "NRK")}
+# Present when the sampler records its kept support (SamplerConfig.record_support).
+SUPPORT_FIELDS: dict[str, tuple[Any, str]] = {"support_thr": (np.float32, "NR")}
+ALL_FIELDS = {**FIELDS, **TOPK_FIELDS, **SUPPORT_FIELDS}
+_WANT = {"NT": "[N, T]", "N": "[N]", "NRK": "[N, R, K >= 1]", "NR": "[N, R]"}
 
 # What the jitted learner step consumes (correct stays on the host). policy_version: the version-aware
 # policy losses (decoupled PPO's log-linear proximal policy) read it.
@@ -63,19 +70,38 @@ DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", 
 PG_KEYS = ("tokens", "behavior_logp", "loss_mask", "rewards", "group_id")
 
 
-def shape(name: str, n: int, t: int, k: int = 0) -> tuple[int, ...]:
-  """The shape of field `name` in a batch of n rows, t columns (and k top-k ids per token)."""
-  return {"NT": (n, t), "N": (n,), "NTK": (n, t, k)}[ALL_FIELDS[name][1]]
+def shape(name: str, n: int, t: int, k: int = 0, r: int = 0) -> tuple[int, ...]:
+  """The shape of field `name` in a batch of n rows, t columns (r of them response columns, k top-k ids per
+  token)."""
+  return {"NT": (n, t), "N": (n,), "NRK": (n, r, k), "NR": (n, r)}[ALL_FIELDS[name][1]]
 
 
-def fields(k: int = 0) -> dict[str, tuple[Any, str]]:
-  """The fields of a batch with k recorded top-k ids per token (k = 0: none)."""
-  return ALL_FIELDS if k else FIELDS
+def fields(k: int = 0, support: bool = False) -> dict[str, tuple[Any, str]]:
+  """The fields of a batch with k recorded top-k ids per token (k = 0: none) and, with support, the record of
+  the sampler's kept support."""
+  return {**FIELDS, **(TOPK_FIELDS if k else {}), **(SUPPORT_FIELDS if support else {})}
 
 
-def schema(n: int, t: int, k: int = 0) -> dict[str, tuple[Any, tuple[int, ...]]]:
-  """{field: (dtype, shape)} of a batch of n rows, t columns and k top-k ids (the async queue is built from this)."""
-  return {name: (dtype, shape(name, n, t, k)) for name, (dtype, _) in fields(k).items()}
+def schema(n: int, t: int, k: int = 0, r: int = 0, support: bool = False) -> dict[str, tuple[Any, tuple[int, ...]]]:
+  """{field: (dtype, shape)} of a batch of n rows, t columns, r response columns, k top-k ids and (support) the
+  support record (the async queue is built from this). r is needed only with a record (k > 0 or support)."""
+  if (k or support) and not 0 < r < t:
+    raise ValueError(f"batch schema: r={r} response columns must be in [1, t - 1 = {t - 1}] with a per-token record.")
+  return {name: (dtype, shape(name, n, t, k, r)) for name, (dtype, _) in fields(k, support).items()}
+
+
+def nbytes(schema_: Mapping[str, tuple[Any, tuple[int, ...]]], names=None) -> int:
+  """Bytes of the fields `names` (default: all) of a `schema(...)`."""
+  names = schema_ if names is None else names
+  return sum(int(np.prod(schema_[f][1])) * np.dtype(schema_[f][0]).itemsize for f in names)
+
+
+def at_token_columns(record_nr, t: int, fill=0):
+  """A response-column record [N, R, ...] placed on the token columns [N, T, ...] (the last R; `fill` before
+  them): for consumers that index by token column. jnp or np, as given."""
+  xp = np if isinstance(record_nr, np.ndarray) else jax.numpy
+  pad = ((0, 0), (t - record_nr.shape[1], 0)) + ((0, 0),) * (record_nr.ndim - 2)
+  return xp.pad(record_nr, pad, constant_values=fill)
 
 
 @jax.tree_util.register_dataclass
@@ -94,25 +120,31 @@ class Batch(Mapping):
   token_version: Any
   topk_ids: Any = None
   topk_logp: Any = None
+  support_thr: Any = None
 
   @classmethod
   def from_arrays(cls, arrays: Mapping[str, Any]) -> Batch:
-    """A Batch from a mapping holding exactly FIELDS (and both or neither of TOPK_FIELDS), each cast to its dtype
-    and checked against [N] / [N, T] / [N, T, K]."""
-    names = fields(k=int("topk_ids" in arrays or "topk_logp" in arrays))
+    """A Batch from a mapping holding exactly FIELDS (and both or neither of TOPK_FIELDS, and optionally
+    SUPPORT_FIELDS), each cast to its dtype and checked against [N] / [N, T] / [N, R, K] / [N, R] (R <= T, one R
+    for every record; a prompt has a token, so R < T)."""
+    names = fields(k=int("topk_ids" in arrays or "topk_logp" in arrays), support="support_thr" in arrays)
     missing, extra = sorted(set(names) - set(arrays)), sorted(set(arrays) - set(names))
     if missing or extra:
       raise ValueError(
         f"Batch: missing fields {missing}, unknown fields {extra}; a Batch holds {list(FIELDS)} "
-        f"(and, with top-k centering, both of {list(TOPK_FIELDS)})."
+        f"(and, with top-k centering, both of {list(TOPK_FIELDS)}; with support replay {list(SUPPORT_FIELDS)})."
       )
     out = {k: np.asarray(arrays[k], names[k][0]) for k in names}
     n, t = out["tokens"].shape if out["tokens"].ndim == 2 else (None, None)
     k_top = out["topk_ids"].shape[-1] if "topk_ids" in out and out["topk_ids"].ndim == 3 else 0
+    rec = [out[k] for k in names if names[k][1] in ("NRK", "NR") and out[k].ndim >= 2]
+    r = rec[0].shape[1] if rec else 0
     for k, a in out.items():
-      if n is None or a.shape != shape(k, n, t, k_top) or (names[k][1] == "NTK" and not k_top):
-        want = {"NT": "[N, T]", "N": "[N]", "NTK": "[N, T, K >= 1]"}[names[k][1]]
-        raise ValueError(f"Batch.{k}: shape {a.shape}, want {want} with N, T = tokens.shape {out['tokens'].shape}.")
+      if n is None or a.shape != shape(k, n, t, k_top, r) or (names[k][1] == "NRK" and not k_top) or r >= t:
+        raise ValueError(
+          f"Batch.{k}: shape {a.shape}, want {_WANT[names[k][1]]} with N, T = tokens.shape {out['tokens'].shape}"
+          " (R < T, the same for every record)."
+        )
     return cls(**out)
 
   @property
@@ -128,19 +160,34 @@ class Batch(Mapping):
     """K, the top-k ids recorded per token (0: none)."""
     return 0 if self.topk_ids is None else int(self.topk_ids.shape[-1])
 
+  @property
+  def support(self) -> bool:
+    """Whether the batch carries the sampler's kept support (support_thr)."""
+    return self.support_thr is not None
+
+  @property
+  def r(self) -> int:
+    """R, the response columns the per-token records cover (0: no record)."""
+    rec = self.topk_ids if self.topk_ids is not None else self.support_thr
+    return 0 if rec is None else int(rec.shape[1])
+
+  def _fields(self) -> dict[str, tuple[Any, str]]:
+    return fields(self.topk, self.support)
+
   def device(self) -> dict[str, Any]:
-    """The learner step's input: the DEVICE_KEYS arrays (and the top-k record), as a dict (the jitted step's
-    pytree)."""
-    return {k: getattr(self, k) for k in DEVICE_KEYS + (tuple(TOPK_FIELDS) if self.topk else ())}
+    """The learner step's input: the DEVICE_KEYS arrays (and the records it carries), as a dict (the jitted
+    step's pytree)."""
+    records = (tuple(TOPK_FIELDS) if self.topk else ()) + (tuple(SUPPORT_FIELDS) if self.support else ())
+    return {k: getattr(self, k) for k in DEVICE_KEYS + records}
 
   # Mapping access: batch["rewards"], dict(batch), batch.items() (host code, the queue, checkpoints).
   def __getitem__(self, key: str):
-    if key not in fields(self.topk):
+    if key not in self._fields():
       raise KeyError(key)
     return getattr(self, key)
 
   def __iter__(self) -> Iterator[str]:
-    return iter(fields(self.topk))
+    return iter(self._fields())
 
   def __len__(self) -> int:
-    return len(fields(self.topk))
+    return len(self._fields())

@@ -231,14 +231,18 @@ class LearnerSection:
 
 
 def make_logp_fn(graphdef, frozen=None) -> Callable:
-  """logp_fn(params, batch) -> logp_nt [N, T] of batch["tokens"] under the policy.
+  """logp_fn(params, batch) -> logp_nt [N, T] of batch["tokens"] under the policy (renormalised over the
+  sampler's recorded support where the batch carries one, Batch.support_thr).
 
   frozen: the frozen base (LoRA, `lora.split`): then params are the adapters only, and the gradient paths
   differentiate (and take per-example norms over) nothing else."""
 
   def logp_fn(params, batch):
     params = lora.combine(params, frozen)
-    return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"])
+    # Support replay (model/support.py): a batch carrying the sampler's kept support (Batch.support_thr) is
+    # scored renormalised over it, so on-policy log(pi / mu) = 0 with top-k / top-p sampling.
+    thr = batch.get("support_thr")
+    return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"], thr)
 
   return logp_fn
 
