@@ -17,6 +17,7 @@ from vcpo_jax.experiments import pure_lag as pl
 from vcpo_jax.experiments import stability as st
 from vcpo_jax.experiments import tuning
 from vcpo_jax.model import transformer
+from vcpo_jax.rl import losses
 
 CFG = pl.PureLagConfig(
   alphabet=4,
@@ -406,7 +407,7 @@ def test_countdown_study_config_matches_issue():
   rc = st.trainer_run_config(c, "ppo_clip", 8, 1, 1e-3, ("eps", 0.28))
   assert (rc.learner.ppo_epochs, rc.learner.minibatches) == (1, 2)
   assert rc.vcpo.policy_loss_kw == "eps_low=0.28,eps_high=0.28"
-  assert run_config.parse_config(rc).learner.method.loss.kwargs == {"eps_low": 0.28, "eps_high": 0.28}
+  assert run_config.parse_config(rc).learner.method.loss == losses.ppo_clip(eps_low=0.28, eps_high=0.28)
   rc = st.trainer_run_config(c, "vcpo", 8, 1, 1e-3, ("rho_on", 0.5))
   assert (rc.learner.minibatches, rc.vcpo.rho_on) == (1, 0.5)
 

@@ -224,8 +224,8 @@ class Advantage:
   """An advantage estimator with its options bound: a hashable value. Calling it is `advantages(...)`."""
 
   estimator: str
-  std: str = "population"
-  std_eps: float = 1e-6
+  std: str = "sample"  # GRPO's group std: "sample" (ddof 1, the reference's GRPO) | "population" (ddof 0, its OPOB)
+  std_eps: float = 1e-6  # groups with std <= std_eps contribute nothing
 
   def __post_init__(self):
     if self.estimator not in ADVANTAGE_ESTIMATORS:
@@ -239,9 +239,9 @@ class Advantage:
     return advantages(rewards, group_ids, self.estimator, valid_n=valid_n, std=self.std, std_eps=self.std_eps)
 
 
-def grpo(std: str = "sample", std_eps: float = 1e-6) -> Advantage:
-  """A = (R - group mean) / group std; std "sample" (ddof 1, the reference's GRPO) or "population" (ddof 0)."""
-  return Advantage("grpo", std, std_eps)
+def grpo(**options) -> Advantage:
+  """A = (R - group mean) / group std; options: Advantage's std ("sample", the default, or "population"), std_eps."""
+  return Advantage("grpo", **options)
 
 
 def rloo() -> Advantage:
@@ -284,8 +284,8 @@ class Opob:
       )
 
 
-def opob(weights="unclipped", leave_one_out=False, scope="group", length_normalize_norms=False, reference_mode=False):
-  """The off-policy optimal baseline b* (VCPO): weights "unclipped" (the paper) or "applied"; scope "group"
-  (raw rewards per prompt) or "minibatch" (advantages over the batch); reference_mode reproduces the
-  reference's two inconsistencies."""
-  return Opob(weights, leave_one_out, scope, length_normalize_norms, reference_mode)
+def opob(**options) -> Opob:
+  """The off-policy optimal baseline b* (VCPO) with Opob's options (defaults there): weights "unclipped" (the
+  paper) or "applied"; scope "group" (raw rewards per prompt) or "minibatch" (advantages over the batch);
+  reference_mode reproduces the reference's two inconsistencies."""
+  return Opob(**options)

@@ -284,6 +284,6 @@ class EssLr:
     return ess_lr_scale(ess_ratio, self.rho_on, self.rule)
 
 
-def ess_lr(rule: str = "sqrt", rho_on: float = 1.0) -> EssLr:
-  """Scale the step's learning rate by rule(min(1, rho / rho_on)) (VCPO: "sqrt", rho_on = 1)."""
-  return EssLr(rule, rho_on)
+def ess_lr(*args, **options) -> EssLr:
+  """Scale the step's learning rate by rule(min(1, rho / rho_on)); EssLr's rule, rho_on (VCPO: "sqrt", 1)."""
+  return EssLr(*args, **options)
