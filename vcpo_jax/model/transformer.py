@@ -42,8 +42,8 @@ def _INIT(key, shape, dtype):
 
 AttentionMask = attn.AttentionMask  # the mask type `forward` takes (re-exported for callers)
 
-# A KV cache (k [B, K, H, S], v [B, K, S, H]) in the compute dtype (the layout: attention.py): one layer's
-# inside the scanned blocks; the model's is stacked over layers, (k [L, B, K, H, S], v [L, B, K, S, H]).
+# The KV cache in the compute dtype (the layout: attention.py), stacked over layers: (k [L, B, K, H, S],
+# v [L, B, K, S, H]). The scanned blocks carry it whole and each writes its own layer in place.
 LayerCache = tuple[jax.Array, jax.Array]
 
 
