@@ -42,8 +42,8 @@ def _INIT(key, shape, dtype):
 
 AttentionMask = attn.AttentionMask  # the mask type `forward` takes (re-exported for callers)
 
-# A KV cache (k [B, K, H, S], v [B, K, S, H]) in the compute dtype (the layout: attention.py): one layer's
-# inside the scanned blocks; the model's is stacked over layers, (k [L, B, K, H, S], v [L, B, K, S, H]).
+# The KV cache in the compute dtype (the layout: attention.py), stacked over layers: (k [L, B, K, H, S],
+# v [L, B, K, S, H]). The scanned blocks carry it whole and each writes its own layer in place.
 LayerCache = tuple[jax.Array, jax.Array]
 
 
@@ -177,7 +177,10 @@ class Attention(nnx.Module):
     self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
     self.implementation, self.chunk = cfg.attention, cfg.attention_chunk
 
-  def __call__(self, x_btd, positions_bt, mask, cache: LayerCache | None, cache_index):
+  def __call__(self, x_btd, positions_bt, mask, cache: LayerCache | None, cache_index, layer=None):
+    """cache: None, or the stacked cache of every layer (k [L, B, K, H, S], v [L, B, K, S, H]) of which this
+    block is layer `layer` (an int32 scalar: the scan's index); the keys go in at (layer, cache_index) in
+    place and the stacked cache is returned (see `_run_layers`)."""
     b, t, _ = x_btd.shape
     n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
     q = self.q_proj(x_btd).reshape(b, t, n, h)
@@ -192,12 +195,16 @@ class Attention(nnx.Module):
     if cache is None:
       out = attn.attention(q, kk, vv, mask, **kw)
     else:
-      ck, cv = cache  # keys [B, K, H, S], values [B, K, S, H] (the cache layout, attention.py)
-      kk, vv = kk.astype(ck.dtype), vv.astype(cv.dtype)
-      ck = jax.lax.dynamic_update_slice(ck, jnp.transpose(kk, (0, 2, 3, 1)), (0, 0, 0, cache_index))
-      cv = jax.lax.dynamic_update_slice(cv, jnp.transpose(vv, (0, 2, 1, 3)), (0, 0, cache_index, 0))
-      ck, cv = sh.constrain(ck, sh.CACHE_BK), sh.constrain(cv, sh.CACHE_BK)
-      cache = (ck, cv)
+      ck_all, cv_all = cache  # keys [L, B, K, H, S], values [L, B, K, S, H] (the cache layout, attention.py)
+      kk, vv = kk.astype(ck_all.dtype), vv.astype(cv_all.dtype)
+      ck_all = jax.lax.dynamic_update_slice(
+        ck_all, jnp.transpose(kk, (0, 2, 3, 1))[None], (layer, 0, 0, 0, cache_index)
+      )
+      cv_all = jax.lax.dynamic_update_slice(
+        cv_all, jnp.transpose(vv, (0, 2, 1, 3))[None], (layer, 0, 0, cache_index, 0)
+      )
+      cache = (sh.constrain(ck_all, sh.CACHE_LBK), sh.constrain(cv_all, sh.CACHE_LBK))
+      ck, cv = (sh.constrain(jax.lax.dynamic_index_in_dim(c, layer, 0, False), sh.CACHE_BK) for c in cache)
       first = isinstance(cache_index, int) and cache_index == 0  # static slot 0: this call's keys are the prefix
       if not isinstance(mask, attn.AttentionMask):  # an explicit [B, T, S] mask over the whole cache
         if first and t == ck.shape[3]:  # the whole cache written now (recompute_kv)
@@ -240,8 +247,8 @@ class Block(nnx.Module):
     )
     self.mlp = MLP(cfg, name=f"{name}.mlp", rngs=rngs)
 
-  def __call__(self, x, positions_bt, mask, cache, cache_index):
-    a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask, cache, cache_index)
+  def __call__(self, x, positions_bt, mask, cache, cache_index, layer=None):
+    a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask, cache, cache_index, layer)
     x = sh.constrain(x + a, sh.RESIDUAL_BTD)
     x = x + self.mlp(self.post_attention_layernorm(x))
     return sh.constrain(x, sh.RESIDUAL_BTD), cache
@@ -296,14 +303,14 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
   sink_s = None if tape is None or tape.sink is None else tape.sink.s
   meta = {}
 
-  def run(state, x, perts, sink_s, cache):
+  def run(state, x, perts, sink_s, cache, layer):
     block = nnx.merge(graphdef, state)
     if tape is None:
-      y, c = block(x, positions_bt, mask, cache, cache_index)
+      y, c = block(x, positions_bt, mask, cache, cache_index, layer)
       return y, c, []
     sink = None if sink_s is None else taps.Sink(sink_s, tape.sink.norm)
     with taps.recording(perts, sink) as inner:
-      y, c = block(x, positions_bt, mask, cache, cache_index)
+      y, c = block(x, positions_bt, mask, cache, cache_index, layer)
     # Each distinct input once (q / k / v share theirs, as do gate / up): one stacked output per array.
     uniq = {id(a): a for a in inner.inputs.values()}
     slot = {name: list(uniq).index(id(a)) for name, a in inner.inputs.items()}
@@ -314,12 +321,17 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
   if cache is None and policy is not None:
     run = jax.checkpoint(run, policy=policy)
 
-  def step(x, xs):
-    state_l, perts_l, cache_l = xs
-    y, c, inputs = run(state_l, x, perts_l, sink_s, cache_l)
-    return y, (c, inputs)
+  # The stacked cache rides in the carry, each layer writing its new keys into it in place. As a scanned input
+  # and output (one layer's slice per step) XLA:CPU copied every layer's slice in, then out, then the whole
+  # cache once more per call: ~5 cache-sized copies per decode step, more memory traffic than the weights.
+  def step(carry, xs):
+    x, cache = carry
+    state_l, perts_l, layer = xs
+    y, cache, inputs = run(state_l, x, perts_l, sink_s, cache, layer)
+    return (y, cache), inputs
 
-  x, (new_cache, inputs) = _loop(step, x, (state, perts, cache), cfg.scan_layers)
+  layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+  (x, new_cache), inputs = _loop(step, (x, cache), (state, perts, layer_ids), cfg.scan_layers)
   if tape is not None:
     n = cfg.num_layers
     # The tapped inputs first (sorted names, as the unrolled step recorded them), then the sunk taps.
