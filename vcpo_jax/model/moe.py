@@ -35,6 +35,8 @@ and whose output [R, Dout] is the matmul's output before the gate (so D already 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import NamedTuple
 
@@ -95,8 +97,8 @@ class MoESpec:
 
 
 # A tiny Qwen3-MoE for CPU tests: `ModelConfig` fields (tiny_qwen3's shape, 2 layers) plus "moe", a MoESpec
-# (every layer sparse, 8 experts, 2 per token, normalised top-k as Qwen3-30B-A3B). The integration builds
-# `config.tiny_qwen3(**{k: v for k, v in TINY_QWEN3_MOE.items() if k != "moe"})` with the spec attached.
+# (every layer sparse, 8 experts, 2 per token, normalised top-k as Qwen3-30B-A3B): the same model as
+# `config.tiny_qwen3_moe()`, whose ModelConfig carries the spec's fields flat.
 TINY_QWEN3_MOE = {
   "hidden_size": 64,
   "intermediate_size": 128,  # the dense MLP of mlp_only_layers (none here)
@@ -113,6 +115,45 @@ TINY_QWEN3_MOE = {
 
 
 # ----------------------------------------------------------------------------- routing
+
+
+@dataclasses.dataclass
+class RoutingRecord:
+  """What a model forward's MoE layers replay and what they chose (the routing hook of `routing`).
+
+  recorded: [L, B, T, K] int expert ids to replay (None: every token takes its own top-K).
+  replay: [B, T] bool, the tokens that replay (None: all of them when recorded is given).
+  expert_ids: after the forward, the experts each layer used, [L, B, T, K] int32 (the recorded ones where
+    replayed); router_logits: [L, B, T, E] float32 (for the load-balancing loss and the mismatch metric).
+  """
+
+  recorded: jax.Array | None = None
+  replay: jax.Array | None = None
+  expert_ids: jax.Array | None = None
+  router_logits: jax.Array | None = None
+
+
+_ROUTING: contextvars.ContextVar[RoutingRecord | None] = contextvars.ContextVar("vcpo_moe_routing", default=None)
+
+
+@contextlib.contextmanager
+def routing(recorded=None, replay=None):
+  """Within this context a model forward replays `recorded` (see RoutingRecord) and reports its routing.
+
+  Read at trace time (as `taps.recording`): wrap the traced call, and return the record's arrays from it.
+  A dense model ignores the context (expert_ids stays None).
+  """
+  rec = RoutingRecord(recorded, replay)
+  token = _ROUTING.set(rec)
+  try:
+    yield rec
+  finally:
+    _ROUTING.reset(token)
+
+
+def active_routing() -> RoutingRecord | None:
+  """The RoutingRecord of the enclosing `routing` context, or None."""
+  return _ROUTING.get()
 
 
 class Routing(NamedTuple):

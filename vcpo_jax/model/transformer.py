@@ -1,4 +1,4 @@
-"""Decoder-only transformer policy in Flax NNX (Qwen2/Qwen2.5, Qwen3 dense and Llama families).
+"""Decoder-only transformer policy in Flax NNX (Qwen2/Qwen2.5, Qwen3 dense and MoE, and Llama families).
 
 Shape legend: B batch, T query tokens, S key tokens (T without a cache, the cache
 length with one), D model width, F MLP width, N query heads, K key/value heads,
@@ -8,6 +8,10 @@ Module and parameter names mirror the Hugging Face checkpoints, with the decoder
 (`layers.self_attn.q_proj.kernel[3]` <-> `model.layers.3.self_attn.q_proj.weight`: every block
 parameter has a leading layer axis L and the blocks run as one scan, `_run_layers`), with kernels
 stored [in, out] (the transpose of torch's [out, in]).
+
+Qwen3-MoE (cfg.moe set): every layer's `mlp` is a `moe.MoEBlock` (parameters `layers.mlp.gate.kernel`
+[L, D, E], `layers.mlp.experts.{gate,up,down}_proj` [L, E, D, F] / [L, E, F, D]) inside the same scan;
+a `moe.routing` context replays recorded experts and reports each layer's routing.
 
 The functional entry points (`forward`, `token_logprobs`, `sequence_logprobs`)
 take (graphdef, params) so that they can be jitted, vmapped and sharded like
@@ -25,7 +29,7 @@ from flax import nnx
 
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import attention as attn
-from vcpo_jax.model import logprobs, quant, taps
+from vcpo_jax.model import logprobs, moe, quant, taps
 from vcpo_jax.model import rope as rope_lib
 from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.model.taps import TapInfo, forbid, tap, tap_head
@@ -238,13 +242,26 @@ class Block(nnx.Module):
     self.post_attention_layernorm = RMSNorm(
       cfg.hidden_size, cfg.rms_eps, name=f"{name}.post_attention_layernorm", dtype=dt, frozen=cfg.lora
     )
-    self.mlp = MLP(cfg, name=f"{name}.mlp", rngs=rngs)
+    spec = cfg.moe
+    if spec is None:
+      self.mlp = MLP(cfg, name=f"{name}.mlp", rngs=rngs)
+    else:
+      self.mlp = moe.MoEBlock(cfg.hidden_size, spec, name=f"{name}.mlp", dtype=dt, rngs=rngs)
+    self.sparse = spec is not None
 
-  def __call__(self, x, positions_bt, mask, cache, cache_index):
+  def __call__(self, x, positions_bt, mask, cache, cache_index, recorded=None, replay=None):
+    """(x, cache, routing): routing is None for a dense block, else (expert_ids [B, T, K], router_logits
+    [B, T, E]) of its MoE block, which replays `recorded` [B, T, K] where `replay` [B, T] (moe.MoEBlock)."""
     a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask, cache, cache_index)
     x = sh.constrain(x + a, sh.RESIDUAL_BTD)
-    x = x + self.mlp(self.post_attention_layernorm(x))
-    return sh.constrain(x, sh.RESIDUAL_BTD), cache
+    h = self.post_attention_layernorm(x)
+    if self.sparse:
+      out = self.mlp(h, recorded, replay)
+      y, routed = out.y, (out.expert_ids, out.router_logits)
+    else:
+      y, routed = self.mlp(h), None
+    x = x + y
+    return sh.constrain(x, sh.RESIDUAL_BTD), cache, routed
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -295,31 +312,37 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
     perts = {k: v for k, v in tape.perturbations.items() if k.startswith(layers.name + ".")}
   sink_s = None if tape is None or tape.sink is None else tape.sink.s
   meta = {}
+  # MoE routing hook (moe.routing): the recorded experts go in per layer, each layer's routing comes out.
+  routing = moe.active_routing() if cfg.moe is not None else None
+  recorded = None if routing is None else routing.recorded
+  replay = None if routing is None else routing.replay
 
-  def run(state, x, perts, sink_s, cache):
+  def run(state, x, perts, sink_s, cache, rec):
     block = nnx.merge(graphdef, state)
     if tape is None:
-      y, c = block(x, positions_bt, mask, cache, cache_index)
-      return y, c, []
+      y, c, routed = block(x, positions_bt, mask, cache, cache_index, rec, replay)
+      return y, c, routed, []
     sink = None if sink_s is None else taps.Sink(sink_s, tape.sink.norm)
     with taps.recording(perts, sink) as inner:
-      y, c = block(x, positions_bt, mask, cache, cache_index)
+      y, c, routed = block(x, positions_bt, mask, cache, cache_index, rec, replay)
     # Each distinct input once (q / k / v share theirs, as do gate / up): one stacked output per array.
     uniq = {id(a): a for a in inner.inputs.values()}
     slot = {name: list(uniq).index(id(a)) for name, a in inner.inputs.items()}
     meta.update(info=dict(inner.info), out_shapes=dict(inner.out_shapes), slot=slot)  # static metadata only
-    return y, c, list(uniq.values())
+    return y, c, routed, list(uniq.values())
 
   policy = cfg.remat_policy
   if cache is None and policy is not None:
     run = jax.checkpoint(run, policy=policy)
 
   def step(x, xs):
-    state_l, perts_l, cache_l = xs
-    y, c, inputs = run(state_l, x, perts_l, sink_s, cache_l)
-    return y, (c, inputs)
+    state_l, perts_l, cache_l, rec_l = xs
+    y, c, routed, inputs = run(state_l, x, perts_l, sink_s, cache_l, rec_l)
+    return y, (c, routed, inputs)
 
-  x, (new_cache, inputs) = _loop(step, x, (state, perts, cache), cfg.scan_layers)
+  x, (new_cache, routed, inputs) = _loop(step, x, (state, perts, cache, recorded), cfg.scan_layers)
+  if routing is not None:
+    routing.expert_ids, routing.router_logits = routed  # [L, B, T, K], [L, B, T, E]
   if tape is not None:
     n = cfg.num_layers
     # The tapped inputs first (sorted names, as the unrolled step recorded them), then the sunk taps.
