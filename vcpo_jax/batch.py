@@ -19,6 +19,14 @@ and, only in runs with top-k score centering (vcpo.score_centering='topk', K = v
   topk_ids        [N, T, K] int32   the K most likely ids of the distribution token t was drawn from (0 elsewhere)
   topk_logp       [N, T, K] float32 their post-filter log-probs (temperature, top-k / top-p applied)
 
+and, only in runs whose sampler records MoE routing (sampler.record_routing; R = L K, MoE layers x experts per
+token; None otherwise):
+
+  expert_ids      [N, T, R] int16   the experts token t went through in each MoE layer when the sampler fed it,
+                                    layer-major (K per layer); -1 where nothing was recorded (prompt columns,
+                                    the last response token, padding). The learner replays them
+                                    (model.routing_replay).
+
 Every consumer derives its key set from here: the learner's device input
 (`DEVICE_KEYS`, `Batch.device()`), the estimator's required keys (`PG_KEYS`)
 and the async queue's schema (`schema(n, t)`). Host-side metadata (texts,
@@ -53,7 +61,9 @@ FIELDS: dict[str, tuple[Any, str]] = {
 }
 # Present together or not at all (the sampler's SamplerConfig.record_topk = K > 0).
 TOPK_FIELDS: dict[str, tuple[Any, str]] = {"topk_ids": (np.int32, "NTK"), "topk_logp": (np.float32, "NTK")}
-ALL_FIELDS = {**FIELDS, **TOPK_FIELDS}
+# Present or not (the sampler's SamplerConfig.record_routing on an MoE model): the routing record.
+ROUTING_FIELDS: dict[str, tuple[Any, str]] = {"expert_ids": (np.int16, "NTR")}
+ALL_FIELDS = {**FIELDS, **TOPK_FIELDS, **ROUTING_FIELDS}
 
 # What the jitted learner step consumes (correct stays on the host). policy_version: the version-aware
 # policy losses (decoupled PPO's log-linear proximal policy) read it.
@@ -63,19 +73,20 @@ DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", 
 PG_KEYS = ("tokens", "behavior_logp", "loss_mask", "rewards", "group_id")
 
 
-def shape(name: str, n: int, t: int, k: int = 0) -> tuple[int, ...]:
-  """The shape of field `name` in a batch of n rows, t columns (and k top-k ids per token)."""
-  return {"NT": (n, t), "N": (n,), "NTK": (n, t, k)}[ALL_FIELDS[name][1]]
+def shape(name: str, n: int, t: int, k: int = 0, r: int = 0) -> tuple[int, ...]:
+  """The shape of field `name` in a batch of n rows, t columns (k top-k ids, r routing entries per token)."""
+  return {"NT": (n, t), "N": (n,), "NTK": (n, t, k), "NTR": (n, t, r)}[ALL_FIELDS[name][1]]
 
 
-def fields(k: int = 0) -> dict[str, tuple[Any, str]]:
-  """The fields of a batch with k recorded top-k ids per token (k = 0: none)."""
-  return ALL_FIELDS if k else FIELDS
+def fields(k: int = 0, r: int = 0) -> dict[str, tuple[Any, str]]:
+  """The fields of a batch with k recorded top-k ids and r routing entries per token (0: none)."""
+  return {**FIELDS, **(TOPK_FIELDS if k else {}), **(ROUTING_FIELDS if r else {})}
 
 
-def schema(n: int, t: int, k: int = 0) -> dict[str, tuple[Any, tuple[int, ...]]]:
-  """{field: (dtype, shape)} of a batch of n rows, t columns and k top-k ids (the async queue is built from this)."""
-  return {name: (dtype, shape(name, n, t, k)) for name, (dtype, _) in fields(k).items()}
+def schema(n: int, t: int, k: int = 0, r: int = 0) -> dict[str, tuple[Any, tuple[int, ...]]]:
+  """{field: (dtype, shape)} of a batch of n rows, t columns, k top-k ids and r routing entries (the async queue
+  is built from this)."""
+  return {name: (dtype, shape(name, n, t, k, r)) for name, (dtype, _) in fields(k, r).items()}
 
 
 @jax.tree_util.register_dataclass
@@ -94,12 +105,13 @@ class Batch(Mapping):
   token_version: Any
   topk_ids: Any = None
   topk_logp: Any = None
+  expert_ids: Any = None
 
   @classmethod
   def from_arrays(cls, arrays: Mapping[str, Any]) -> Batch:
     """A Batch from a mapping holding exactly FIELDS (and both or neither of TOPK_FIELDS), each cast to its dtype
     and checked against [N] / [N, T] / [N, T, K]."""
-    names = fields(k=int("topk_ids" in arrays or "topk_logp" in arrays))
+    names = fields(k=int("topk_ids" in arrays or "topk_logp" in arrays), r=int("expert_ids" in arrays))
     missing, extra = sorted(set(names) - set(arrays)), sorted(set(arrays) - set(names))
     if missing or extra:
       raise ValueError(
@@ -109,9 +121,11 @@ class Batch(Mapping):
     out = {k: np.asarray(arrays[k], names[k][0]) for k in names}
     n, t = out["tokens"].shape if out["tokens"].ndim == 2 else (None, None)
     k_top = out["topk_ids"].shape[-1] if "topk_ids" in out and out["topk_ids"].ndim == 3 else 0
+    r = out["expert_ids"].shape[-1] if "expert_ids" in out and out["expert_ids"].ndim == 3 else 0
     for k, a in out.items():
-      if n is None or a.shape != shape(k, n, t, k_top) or (names[k][1] == "NTK" and not k_top):
-        want = {"NT": "[N, T]", "N": "[N]", "NTK": "[N, T, K >= 1]"}[names[k][1]]
+      empty = (names[k][1] == "NTK" and not k_top) or (names[k][1] == "NTR" and not r)
+      if n is None or a.shape != shape(k, n, t, k_top, r) or empty:
+        want = {"NT": "[N, T]", "N": "[N]", "NTK": "[N, T, K >= 1]", "NTR": "[N, T, R >= 1]"}[names[k][1]]
         raise ValueError(f"Batch.{k}: shape {a.shape}, want {want} with N, T = tokens.shape {out['tokens'].shape}.")
     return cls(**out)
 
@@ -128,19 +142,25 @@ class Batch(Mapping):
     """K, the top-k ids recorded per token (0: none)."""
     return 0 if self.topk_ids is None else int(self.topk_ids.shape[-1])
 
+  @property
+  def routing(self) -> int:
+    """R, the routing entries recorded per token (MoE layers x experts per token; 0: none)."""
+    return 0 if self.expert_ids is None else int(self.expert_ids.shape[-1])
+
   def device(self) -> dict[str, Any]:
-    """The learner step's input: the DEVICE_KEYS arrays (and the top-k record), as a dict (the jitted step's
-    pytree)."""
-    return {k: getattr(self, k) for k in DEVICE_KEYS + (tuple(TOPK_FIELDS) if self.topk else ())}
+    """The learner step's input: the DEVICE_KEYS arrays (and the top-k and routing records), as a dict (the
+    jitted step's pytree)."""
+    extra = (tuple(TOPK_FIELDS) if self.topk else ()) + (tuple(ROUTING_FIELDS) if self.routing else ())
+    return {k: getattr(self, k) for k in DEVICE_KEYS + extra}
 
   # Mapping access: batch["rewards"], dict(batch), batch.items() (host code, the queue, checkpoints).
   def __getitem__(self, key: str):
-    if key not in fields(self.topk):
+    if key not in fields(self.topk, self.routing):
       raise KeyError(key)
     return getattr(self, key)
 
   def __iter__(self) -> Iterator[str]:
-    return iter(fields(self.topk))
+    return iter(fields(self.topk, self.routing))
 
   def __len__(self) -> int:
-    return len(fields(self.topk))
+    return len(fields(self.topk, self.routing))

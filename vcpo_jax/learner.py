@@ -57,11 +57,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import estimator, grad_norms, sharding, telemetry
 from vcpo_jax import score_centering as sc_lib
-from vcpo_jax.model import lora, transformer
+from vcpo_jax.model import lora, moe, transformer
 from vcpo_jax.rl import losses as policy_losses
 from vcpo_jax.schema import check_field
 
@@ -238,7 +239,9 @@ def make_logp_fn(graphdef, frozen=None) -> Callable:
 
   def logp_fn(params, batch):
     params = lora.combine(params, frozen)
-    return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"])
+    # MoE routing replay: the sampler's recorded experts, when the batch carries them (model.routing_replay)
+    experts = batch.get("expert_ids")
+    return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"], experts)
 
   return logp_fn
 
@@ -620,6 +623,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     new_state = TrainState(lora.combine(params, frozen), opt_state, state.step + 1)
     metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
     metrics.update(upd)
+    metrics.update(routing_replay_metrics(graphdef, state.params, batch))  # MoE routing record: moe/ metrics
     # gradient-variance telemetry ("grad/..."): [N]-array arithmetic on the norms the step already has; a method
     # that does not need them does not hand them over, so XLA drops the ghost path's norm computation
     if cfg.grad_telemetry:
@@ -629,6 +633,44 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     return new_state, metrics
 
   return train_step
+
+
+# --------------------------------------------------------------------------- MoE routing replay
+
+
+def routing_replay_metrics(graphdef, params, batch) -> dict:
+  """moe/ metrics of a batch carrying the sampler's MoE routing record (Batch.expert_ids); {} without one.
+
+  The same batch and parameters through the learner's own routing and through the replayed one (two extra
+  forwards, only in runs that record routing, SamplerConfig.record_routing):
+    moe/route_mismatch      fraction of recorded (token, MoE layer) pairs whose own top-K set differs from the
+                            recorded set (order ignored; `moe.routing_mismatch`)
+    moe/log_ratio_std       std over loss tokens of log pi - log mu with the learner's own routing
+    moe/log_ratio_std_replay  the same with the recorded experts replayed
+    moe/ess, moe/ess_replay   ESS / N of the sequence weights, own routing / replayed
+  """
+  model_cfg = getattr(nnx.merge(graphdef, params), "cfg", None)
+  experts = batch.get("expert_ids")
+  if experts is None or model_cfg is None or model_cfg.moe is None:
+    return {}
+  params = sg(params)
+  tokens, valid = batch["tokens"], batch["valid_mask"]
+  mask, mu = batch["loss_mask"], batch["behavior_logp"]
+  positions, attn_mask = transformer.padded_positions_and_mask(valid)
+  with moe.routing() as own:
+    transformer.forward(graphdef, params, tokens, positions, attn_mask)
+  b, t, _ = experts.shape
+  rec = jnp.moveaxis(experts.reshape(b, t, model_cfg.num_layers, -1), 2, 0)  # [L, N, T, K]
+  out = {"moe/route_mismatch": moe.routing_mismatch(own.expert_ids, rec, rec[..., 0] >= 0)}
+  for suffix, force in (("", False), ("_replay", True)):
+    with transformer.replay_routing(model_cfg, experts, force=force):
+      logp = transformer.sequence_logprobs(graphdef, params, tokens, valid)
+    m = mask.astype(jnp.float32)
+    d = (logp - mu) * m
+    mean = jnp.sum(d) / jnp.maximum(jnp.sum(m), 1.0)
+    out[f"moe/log_ratio_std{suffix}"] = jnp.sqrt(jnp.sum(m * (d - mean) ** 2) / jnp.maximum(jnp.sum(m), 1.0))
+    out[f"moe/ess{suffix}"] = estimator.ess_ratio(estimator.sequence_log_ratio(logp, mu, mask))
+  return out
 
 
 def make_plain_grad_fn(graphdef):

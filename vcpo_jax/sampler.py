@@ -73,7 +73,7 @@ from flax import nnx
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import sharding as sh
 from vcpo_jax.schema import check_field, finite
-from vcpo_jax.model import quant, transformer
+from vcpo_jax.model import moe, quant, transformer
 from vcpo_jax.model.config import ModelConfig
 
 LOGP_MODES = ("sampled", "tempered")
@@ -147,6 +147,7 @@ class SamplerConfig:
   decode: str = "static"
   chunk_tokens: int = 32
   record_topk: int = 0  # K > 0: record each token's top-K ids and post-filter log-probs (top-k score centering)
+  record_routing: bool = False  # MoE: record the experts each response token went through (Batch.expert_ids)
 
   def __post_init__(self):
     if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -313,6 +314,29 @@ class Rollout:
   token_version: np.ndarray | None = None
   topk_ids: np.ndarray | None = None  # int32 [N, T, K] (record_topk): row t, the top-K ids token t was drawn among
   topk_logp: np.ndarray | None = None  # float32 [N, T, K]: their post-filter log-probs (0 off the response)
+  expert_ids: np.ndarray | None = None  # int16 [N, T, L K] (record_routing): routing_width's record, -1 unrecorded
+
+
+# ----------------------------------------------------------------------------- MoE routing record
+
+
+def routing_width(cfg_model: ModelConfig, cfg: SamplerConfig) -> int:
+  """R = L K, the routing entries recorded per token (record_routing on an MoE model), else 0.
+
+  Column t of the record holds the experts token t went through in each layer (layer-major, K per layer) when
+  the sampler fed it to draw token t + 1: every response token but the last (which is never fed); -1 elsewhere.
+  The learner replays them (transformer.replay_routing)."""
+  return cfg_model.num_layers * cfg_model.num_experts_per_tok if cfg.record_routing and cfg_model.moe else 0
+
+
+def _forward_routed(graphdef, params, *args, route: bool = False):
+  """(logits, cache, ids): transformer.forward, with route the experts of the fed tokens [B, T, L K] int16."""
+  if not route:
+    return (*transformer.forward(graphdef, params, *args), None)
+  with moe.routing() as rec:
+    logits, cache = transformer.forward(graphdef, params, *args)
+  ids = jnp.moveaxis(rec.expert_ids, 0, 2)  # [L, B, T, K] -> [B, T, L, K]
+  return logits, cache, ids.reshape(*ids.shape[:2], -1).astype(jnp.int16)
 
 
 # ----------------------------------------------------------------------------- token choice
@@ -559,6 +583,8 @@ def _generate_device(
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
 
   kk = cfg.record_topk
+  rr = routing_width(cfg_model, cfg)
+  ri = 4 + 2 * bool(kk)  # the routing record's slot in the loop state
 
   def emit(i, tok, logp, state, rec=None):  # response column i: pad / 0 for finished rows; a stop token finishes a row
     toks, logps, lengths, done = state[:4]
@@ -572,12 +598,14 @@ def _generate_device(
       extra += (state[5].at[:, i].set(jnp.where(done[:, None], 0.0, rec[1])),)
     lengths = lengths + (~done).astype(jnp.int32)
     stopped = ~done & stop_v[tok]
-    return (toks, logps, lengths, done | stopped, *extra), stopped
+    return (toks, logps, lengths, done | stopped, *extra, *state[ri:]), stopped  # the routing record passes
 
   toks0 = jnp.full((b, num_new), pad, jnp.int32)
   state = (toks0, jnp.zeros((b, num_new), jnp.float32), jnp.zeros((b,), jnp.int32), ~active_b)
   if kk:
     state += (jnp.zeros((b, num_new, kk), jnp.int32), jnp.zeros((b, num_new, kk), jnp.float32))
+  if rr:
+    state += (jnp.full((b, num_new, rr), -1, jnp.int16),)
   rec0 = sampled_topk(last_logits, cfg) if kk else None
   state, finished = emit(0, *_choose(last_logits, step_keys(0), cfg), state, rec0)
 
@@ -588,8 +616,13 @@ def _generate_device(
   def body(carry):  # feeds token i - 1 at cache slot Tp + i - 1, draws token i
     i, cache, kv_valid, state, finished = carry
     prev, pos, idx = state[0][:, i - 1], prompt_len + i - 1, tp + i - 1
-    out = _decode_step(graphdef, cfg, params, cache, kv_valid, prev, pos, idx, step_keys(i), record=bool(kk))
+    out = _decode_step(
+      graphdef, cfg, params, cache, kv_valid, prev, pos, idx, step_keys(i), record=bool(kk), route=bool(rr)
+    )
     tok, logp, cache, kv_valid = out[:4]
+    if rr:  # the experts of token i - 1 (a response token of rows still running when it was emitted)
+      fed = (i - 1 < state[2])[:, None]
+      state = (*state[:ri], state[ri].at[:, i - 1].set(jnp.where(fed, out[-1], -1)), *state[ri + 1 :])
     state, stopped = emit(i, tok, logp, state, out[4] if kk else None)
     return i + 1, cache, kv_valid, state, finished | stopped
 
@@ -641,6 +674,7 @@ class _Slots:
   j: jax.Array
   topk_ids: jax.Array  # [B, Tn, K] (K = SamplerConfig.record_topk, 0: empty): sampled_topk of each column
   topk_logp: jax.Array  # [B, Tn, K] float32
+  expert_ids: jax.Array  # [B, Tn, R] int16 (R = routing_width, 0: empty): the experts of each fed column, -1 else
 
 
 def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn: int) -> _Slots:
@@ -664,6 +698,7 @@ def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn
     j=jnp.int32(0),
     topk_ids=zi(b, tn, cfg.record_topk),
     topk_logp=jnp.zeros((b, tn, cfg.record_topk), jnp.float32),
+    expert_ids=jnp.full((b, tn, routing_width(cfg_model, cfg)), -1, jnp.int16),
   )
 
 
@@ -721,6 +756,7 @@ def _refill_device(
     j=st.j,
     topk_ids=put(st.topk_ids, jnp.zeros((r, tn, kk), jnp.int32).at[:, 0].set(top_ids)),
     topk_logp=put(st.topk_logp, jnp.zeros((r, tn, kk), jnp.float32).at[:, 0].set(top_lp)),
+    expert_ids=put(st.expert_ids, jnp.full((r, *st.expert_ids.shape[1:]), -1, jnp.int16)),
   )
 
 
@@ -739,13 +775,17 @@ def _chunk_device(graphdef, cfg, num_steps: int, params, st: _Slots, stop_v, ver
     prev = jnp.take_along_axis(st.toks, last[:, None], axis=1)  # [B, 1]
     pos = (st.prompt_len + last)[:, None]
     kv_valid = jax.lax.dynamic_update_slice(st.kv_valid, jnp.ones((b, 1), bool), (0, col))
-    logits, cache = transformer.forward(graphdef, params, prev, pos, kv_valid[:, None, :], st.cache, col)
+    route = st.expert_ids.shape[-1] > 0
+    logits, cache, ids = _forward_routed(graphdef, params, prev, pos, kv_valid[:, None, :], st.cache, col, route=route)
     keys = token_keys(rng, st.row_id, st.lengths)
     tok, logp = _choose(logits[:, -1], keys, cfg)
     live = ~st.done
     at = jnp.where(live, st.lengths, tn)  # out of range: dropped
     stopped = live & stop_v[tok]
     lengths = st.lengths + live.astype(jnp.int32)
+    if route:  # the experts of the fed token (column `last`) of the rows still running
+      fed = jnp.where(live, last, tn)
+      st = dataclasses.replace(st, expert_ids=st.expert_ids.at[rows, fed].set(ids[:, 0], mode="drop"))
     if cfg.record_topk:
       top_ids, top_lp = sampled_topk(logits[:, -1], cfg)
       st = dataclasses.replace(
@@ -832,22 +872,26 @@ def _layout_sharding(mesh, shape: tuple[int, ...], entries: tuple):
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def _decode_step(graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, keys_b, record=False):
+def _decode_step(
+  graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, keys_b, record=False, route=False
+):
   """One decode step: the body of `_generate_device`'s loop (and `Sampler.lower(part="decode")`'s program).
 
   Feeds token prev_b [B] at position pos_b [B] into cache slot idx (the cache: per-layer (k [B, K, H, S],
   v [B, K, S, H]); kv_valid: bool [B, S], the slot marked valid here), attends over the cache blocks up to
   it, draws the next token of row n with keys_b[n] (the loop's fold_in(fold_in(rng, row), i));
-  returns (tokens [B], logp [B], cache, kv_valid), and with record the drawn distribution's `sampled_topk`.
+  returns (tokens [B], logp [B], cache, kv_valid), with record the drawn distribution's `sampled_topk`, and
+  last with route the fed tokens' experts [B, L K] int16 (`routing_width`).
   """
   b = prev_b.shape[0]
   kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
   mask = transformer.AttentionMask(kv_valid)  # decode reads only the cache blocks up to slot idx
-  logits, cache = transformer.forward(graphdef, params, prev_b[:, None], pos_b[:, None], mask, cache, idx)
+  logits, cache, ids = _forward_routed(graphdef, params, prev_b[:, None], pos_b[:, None], mask, cache, idx, route=route)
   tok, logp = _choose(logits[:, -1], keys_b, cfg)
+  out = (tok, logp, cache, kv_valid)
   if record:
-    return tok, logp, cache, kv_valid, sampled_topk(logits[:, -1], cfg)
-  return tok, logp, cache, kv_valid
+    out += (sampled_topk(logits[:, -1], cfg),)
+  return out + ((ids[:, 0],) if route else ())
 
 
 class Sampler:
@@ -885,6 +929,7 @@ class Sampler:
     self.int8 = sampler_cfg.param_dtype == "int8"
     self.last_decode_steps = 0
     self.last_topk = None  # record_topk: (ids [N, Tn, K], logp [N, Tn, K]) of the last run
+    self.last_routing = None  # record_routing on an MoE model: expert ids [N, Tn, L K] int16 of the last run
 
     def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
@@ -1058,7 +1103,9 @@ class Sampler:
         out = self._device_fn(params, pb, vb, active, row_ids, stop_v, np.int32(max_new_tokens), rng, num_new=tn)
       outs.append([np.asarray(o)[:m] for o in jax.device_get(out)])
     cols = [np.concatenate(x) for x in zip(*outs)]  # toks, logps, lengths, finished (+ top-k ids, logps)
-    self.last_topk = tuple(cols[4:]) if self.cfg.record_topk else None
+    kk = bool(self.cfg.record_topk)
+    self.last_topk = tuple(cols[4:6]) if kk else None
+    self.last_routing = cols[4 + 2 * kk] if routing_width(self.cfg_model, self.cfg) else None
     return prompt, valid, *cols[:4]
 
   def _run_chunked(
@@ -1100,6 +1147,7 @@ class Sampler:
     out_fin = np.zeros((n,), bool)
     kk = self.cfg.record_topk
     out_top = (np.zeros((n, tn, kk), np.int32), np.zeros((n, tn, kk), np.float32))
+    out_route = np.full((n, tn, routing_width(self.cfg_model, self.cfg)), -1, np.int16)
     waiting = collections.deque(range(n))
     slot_row = np.full((b,), -1, np.int64)  # row each slot runs (-1: free)
     with self._mesh_context():
@@ -1134,6 +1182,8 @@ class Sampler:
           if kk:
             top_ids, top_lp = jax.device_get((st.topk_ids, st.topk_logp))
             out_top[0][rr], out_top[1][rr] = top_ids[ended], top_lp[ended]
+          if out_route.shape[-1]:
+            out_route[rr] = jax.device_get(st.expert_ids)[ended]
           slot_row[ended] = -1
         if on_chunk is not None and (slot_row >= 0).any() | bool(waiting):
           update = on_chunk(self.cfg.chunk_tokens)
@@ -1146,6 +1196,7 @@ class Sampler:
           st = start(st, free)
     self.last_decode_steps = int(jax.device_get(st.j))  # decode steps of the last chunked run (tests, benchmarks)
     self.last_topk = out_top if kk else None
+    self.last_routing = out_route if out_route.shape[-1] else None
     return prompt, valid, out_toks, out_logps, out_vers, out_len, out_fin
 
   def generate(
@@ -1219,6 +1270,8 @@ class Sampler:
         logps, vers = np.pad(logps, ((0, 0), (0, pad))), np.pad(vers, ((0, 0), (0, pad)), constant_values=-1)
         if self.last_topk is not None:
           self.last_topk = tuple(np.pad(x, ((0, 0), (0, pad), (0, 0))) for x in self.last_topk)
+        if self.last_routing is not None:
+          self.last_routing = np.pad(self.last_routing, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
     tn = toks.shape[1]
     resp_mask = np.arange(tn)[None, :] < lengths[:, None]
     return Rollout(
@@ -1232,7 +1285,15 @@ class Sampler:
       group_id=np.repeat(np.arange(len(prompt_token_lists), dtype=np.int32), num_samples),
       token_version=np.concatenate([np.full(valid.shape, -1, np.int32), vers.astype(np.int32)], axis=1),
       **self._topk_fields(valid.shape),
+      **self._routing_fields(valid.shape),
     )
+
+  def _routing_fields(self, prompt_shape) -> dict:
+    """Rollout.expert_ids [N, T, L K] int16 of the last run (prompt columns -1), or {} without it."""
+    if self.last_routing is None:
+      return {}
+    z = np.full(prompt_shape + (self.last_routing.shape[-1],), -1, np.int16)
+    return {"expert_ids": np.concatenate([z, self.last_routing], 1)}
 
   def _topk_fields(self, prompt_shape) -> dict:
     """Rollout.topk_ids / topk_logp [N, T, K] of the last run (prompt columns 0), or {} without them."""

@@ -326,6 +326,7 @@ def _build_maker(spec, tokenizer, make_sampler, train_problems):
     **_buckets(spec),
     **spec.sampling.sampler_kwargs(),
     record_topk=spec.learner.pg.sc_topk,  # vcpo.score_centering='topk': the learner centers from this record
+    record_routing=spec.model_cfg.routing_replay,  # MoE routing replay: the learner replays this record
   )
   return rollout.build_maker(spec.rollout, spec.multiturn, tokenizer, make_sampler, train_cfg, train_problems)
 

@@ -23,7 +23,15 @@ DEFAULT_ROPE = RopeScaling()  # plain RoPE (frozen, shared as the dataclass defa
 ATTENTION_IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn", "splash")  # see vcpo_jax.model.attention
 # How the model is computed, not what it is: set from the run config for presets AND checkpoints
 # (a checkpoint's config.json gives the architecture, never these).
-EXECUTION_FIELDS = ("attention", "attention_chunk", "remat", "scan_layers", "logprob_chunk", "logprob_vocab_chunk")
+EXECUTION_FIELDS = (
+  "attention",
+  "attention_chunk",
+  "remat",
+  "scan_layers",
+  "logprob_chunk",
+  "logprob_vocab_chunk",
+  "routing_replay",
+)
 REMAT_CHOICES = ("none", "block")
 # jax.checkpoint_policies that are policies themselves (the others are factories taking names).
 REMAT_POLICIES = (
@@ -87,6 +95,10 @@ class ModelConfig:
       rule). The layers run as one scan, so they must be all sparse (step 1, no mlp_only_layers) or all dense.
     router_aux_loss_coef: weight of the router's load-balancing loss in the training loss (0 = off, RL's
       default; transformers applies its 0.001 only with output_router_logits).
+    routing_replay: the learner's log-probs route each token through the experts the sampler recorded for it
+      (the Batch's expert_ids; R3, `moe` module docstring), gates from the learner's router; off (default),
+      or a dense model, or a batch without the record: the learner's own top-K. How the model is computed
+      (an execution field), but it changes the trajectory.
   """
 
   vocab_size: int
@@ -121,6 +133,7 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = 0.0
+  routing_replay: bool = False
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):  # from dataclasses.asdict (a saved config)
@@ -335,6 +348,7 @@ class ModelSection:
   lora_rank: int = ModelConfig.lora_rank  # LoRA adapters' rank r (0 = off: full fine-tuning); > 0 freezes the base
   lora_alpha: float = ModelConfig.lora_alpha  # LoRA alpha: the adapter path is scaled by alpha / r
   lora_targets: tuple | str = ModelConfig.lora_targets  # projections that get adapters (or "q_proj,v_proj")
+  routing_replay: bool = ModelConfig.routing_replay  # MoE: the learner replays the sampler's recorded experts
   tokenizer: str = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
   # A checkpoint's architecture for sizing without weights (benchmarks/memory.py; a run reads the checkpoint's
   # config.json): only in the ConfigDict when a config file sets it, its keys ModelConfig's fields.

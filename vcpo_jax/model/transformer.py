@@ -20,6 +20,7 @@ any pure JAX function; see `split`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -464,12 +465,31 @@ def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
   return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
-def sequence_logprobs(graphdef, params, tokens_bt, valid_bt):
+def sequence_logprobs(graphdef, params, tokens_bt, valid_bt, expert_ids=None):
   """Per-token log-probs [B, T] of full sequences (prompt + response) under the policy.
 
   Equals token_logprobs(forward(...)[0], tokens_bt) (to float32 rounding when chunked), without
-  the [B, T, V] logits: see Transformer.head_logprobs."""
+  the [B, T, V] logits: see Transformer.head_logprobs.
+
+  expert_ids: an MoE model's routing record [B, T, L K] int (the Batch's, `replay_routing`), replayed when
+  cfg.routing_replay; ignored otherwise."""
   positions, mask = padded_positions_and_mask(valid_bt)
   model = nnx.merge(graphdef, params)
-  h, _ = model(tokens_bt, positions, mask, hidden=True)
+  with replay_routing(model.cfg, expert_ids):
+    h, _ = model(tokens_bt, positions, mask, hidden=True)
   return model.head_logprobs(h, tokens_bt)
+
+
+def replay_routing(cfg: ModelConfig, expert_ids, force: bool | None = None):
+  """The `moe.routing` context replaying a routing record, or a null context (dense, off, no record).
+
+  expert_ids: [B, T, L K] int, column t: the experts token t went through in each MoE layer as the sampler
+  ran it (layer-major, K per layer), -1 where nothing was recorded (prompt columns, the last response token):
+  those tokens take their own top-K. force: replay (True) or not (False) whatever cfg.routing_replay says.
+  """
+  on = cfg.routing_replay if force is None else force
+  if cfg.moe is None or expert_ids is None or not on:
+    return contextlib.nullcontext()
+  b, t, _ = expert_ids.shape
+  rec = jnp.moveaxis(expert_ids.reshape(b, t, cfg.num_layers, cfg.num_experts_per_tok), 2, 0)  # [L, B, T, K]
+  return moe.routing(rec.astype(jnp.int32), rec[0, :, :, 0] >= 0)

@@ -181,7 +181,7 @@ from vcpo_jax.rollout.common import lag_stats
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.param_slot import ParamSlot
 from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
-from vcpo_jax.sampler import DECODE_MODES, SamplerConfig
+from vcpo_jax.sampler import DECODE_MODES, SamplerConfig, routing_width
 from vcpo_jax.schema import ConfigError, check_field, config_message, finite
 
 _POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
@@ -196,10 +196,15 @@ class SamplerDiedError(SourceFailed):
   """The async sampler process exited while the learner depended on it."""
 
 
-def batch_schema(n: int, t: int, k: int = 0) -> BatchSchema:
+def batch_schema(n: int, t: int, k: int = 0, r: int = 0) -> BatchSchema:
   """The queue schema of one rollout Batch (vcpo_jax/batch.py): N rows, T columns (and the sampler's K top-k ids
-  per token, SamplerConfig.record_topk), fixed shapes."""
-  return BatchSchema({f: Field(dtype, shape) for f, (dtype, shape) in batch_lib.schema(n, t, k).items()}, {})
+  per token, SamplerConfig.record_topk, and its R routing entries, sampler.routing_width), fixed shapes."""
+  return BatchSchema({f: Field(dtype, shape) for f, (dtype, shape) in batch_lib.schema(n, t, k, r).items()}, {})
+
+
+def _recorded_routing(maker) -> int:
+  """R of the maker's training sampler (sampler.routing_width): the queue carries its MoE routing record."""
+  return routing_width(maker.sampler.cfg_model, maker.sampler.cfg)
 
 
 def _recorded_topk(maker) -> int:
@@ -521,7 +526,8 @@ class AsyncSource(RolloutSource):
     self.key_data = np.asarray(jax.random.key_data(key))
     self.key_impl = str(jax.random.key_impl(key))
     n = maker.cfg.batch_size
-    self.schema = batch_schema(n, maker.cfg.max_prompt_len + maker.cfg.max_new_tokens, _recorded_topk(maker))
+    t = maker.cfg.max_prompt_len + maker.cfg.max_new_tokens
+    self.schema = batch_schema(n, t, _recorded_topk(maker), _recorded_routing(maker))
     # JSON metadata: per-row texts (escaped) and problem ids; the worker drops texts that do not fit.
     self.meta_bytes = 16384 + n * (8 * maker.cfg.max_new_tokens + 64)
     self.queue = self.slot = self.proc = self.conn = None

@@ -109,6 +109,7 @@ class RolloutMaker:
         policy_version=np.where(ro.lengths > 0, oldest, version).astype(np.int32),
         token_version=pad(tv, -1),
         **_topk_fields(ro, t_want),
+        **_routing_fields(ro, t_want),
       )
     )
     info = dict(
@@ -137,6 +138,13 @@ def _topk_fields(ro, t: int) -> dict:
     topk_ids=_pad_to(np.where(on, ro.topk_ids, 0).astype(np.int32), t),
     topk_logp=_pad_to(np.where(on, ro.topk_logp, 0.0).astype(np.float32), t),
   )
+
+
+def _routing_fields(ro, t: int) -> dict:
+  """The Batch's expert_ids [N, T, L K] int16 (-1 where not recorded) from the sampler's record, or {}."""
+  if ro.expert_ids is None:
+    return {}
+  return {"expert_ids": _pad_to(ro.expert_ids.astype(np.int16), t, -1)}
 
 
 def lag_stats(step: int, versions: np.ndarray) -> dict:
