@@ -113,3 +113,40 @@ def test_make_tiny_checkpoint_moe(tmp_path):
   tokens = _tokens(2, 8, seed=1)
   theirs = fixtures.hf_logits(hf, tokens)
   np.testing.assert_array_less(np.abs(hf_io.hf_forward(path, tokens) - theirs).max(), PARITY_TOL * theirs.std())
+
+
+def test_load_straight_into_expert_shards_and_sharded_forward(ckpt, monkeypatch):
+  """With a mesh, the experts are born split over the expert axis (E over sharding.EXPERT_AXIS, D over fsdp), each
+  device block read from the per-expert tensors as slices; the sharded forward equals the host one."""
+  from vcpo_jax import mesh as mesh_lib
+  from vcpo_jax import sharding as sh
+
+  path, _ = ckpt
+  _, host = tf.split(hf_io.load_hf(path)[1])
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 2)), jax.devices()[:4])
+  reads = []
+  read = hf_io._Reader.read
+
+  def spy(self, name, dtype, index=None, transpose=False):
+    out = read(self, name, dtype, index, transpose)
+    reads.append((name, out.shape))
+    return out
+
+  with monkeypatch.context() as m, pytest.warns(UserWarning, match="not divisible"):  # V = 101 on 2 devices
+    m.setattr(hf_io._Reader, "read", spy)
+    cfg, model = hf_io.load_hf(path, mesh=mesh)
+  graphdef, params = tf.split(model)
+  gate = params["layers"]["mlp"]["experts"]["gate_proj"].value
+  assert gate.sharding.spec == jax.sharding.PartitionSpec(None, sh.EXPERT_AXIS, "fsdp")
+  assert gate.sharding.shard_shape(gate.shape) == (2, 4, 32, 32)  # [L, E / 2, D / 2, F]
+  assert all(shape == (32, 32) for n, shape in reads if ".experts." in n and "gate_proj" in n)  # [D / 2, F] slices
+  for x, y in zip(jax.tree.leaves(host), jax.tree.leaves(params), strict=True):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+  tokens = jnp.asarray(_tokens(4, 8, seed=7))
+  pos, mask = tf.padded_positions_and_mask(jnp.ones(tokens.shape, bool))
+  want = tf.forward(graphdef, host, tokens, pos, mask)[0]
+  with jax.set_mesh(mesh):
+    got = jax.jit(tf.forward, static_argnums=0)(
+      graphdef, params, jax.device_put(tokens, sh.batch_sharding(mesh)), pos, mask
+    )[0]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

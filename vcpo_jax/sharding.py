@@ -43,6 +43,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# The mesh axis the MoE experts are split over (TRANSFORMER_RULES' mlp.experts.*): expert parallelism shares the
+# tensor axis, so a mesh (data, fsdp, tensor = EP) holds E / tensor experts per device with no fourth axis.
+EXPERT_AXIS = "tensor"
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 
 Rules = Sequence[tuple[str, P]]
@@ -62,6 +65,11 @@ TRANSFORMER_RULES: tuple[tuple[str, P], ...] = (
   (r"mlp\.down_proj\.kernel$", P(None, "tensor", "fsdp")),  # [L, F, D]
   (r"(input_layernorm|post_attention_layernorm|norm)\.scale$", P()),  # [L, D] / [L, H] / [D]
   (r"lm_head\.kernel$", P("fsdp", "tensor")),  # [D, V]
+  # Qwen3-MoE (vcpo_jax.model.moe): the expert axis E split over EXPERT_AXIS (expert parallelism folded into the
+  # tensor axis), the model width over fsdp; the router [L, D, E] is small: D over fsdp only.
+  (r"mlp\.experts\.(gate|up)_proj$", P(None, EXPERT_AXIS, "fsdp", None)),  # [L, E, D, F]
+  (r"mlp\.experts\.down_proj$", P(None, EXPERT_AXIS, None, "fsdp")),  # [L, E, F, D]
+  (r"mlp\.gate\.kernel$", P(None, "fsdp")),  # [L, D, E] router
   # LoRA factors (vcpo_jax.model.lora): the wide dimension split over fsdp (and tensor where the projection's
   # is), r never split; replicated factors and their AdamW moments would cost every device the whole adapter.
   (r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_a\.kernel$", P(None, "fsdp")),  # A [L, D, r]
