@@ -112,6 +112,10 @@ ARCH_FIELDS = (
   "qk_norm",
   "tie_embeddings",
   "model_type",
+  "num_experts",  # Qwen3-MoE (vcpo_jax.model.moe)
+  "num_experts_per_tok",
+  "moe_intermediate_size",
+  "norm_topk_prob",
 )
 # --model may also set the LoRA fields (e.g. --model=lora_rank=64: adapters on every projection, base frozen).
 OVERRIDE_FIELDS = ARCH_FIELDS + ("lora_rank", "lora_alpha")
@@ -231,6 +235,8 @@ def load_setting(
   # spec.model_cfg carries the config's model options (dtype and whatever else parse_config sets);
   # only the architecture is replaced by the checkpoint's.
   model_cfg = spec.model_cfg.replace(**{k: v for k, v in shape.items() if k in OVERRIDE_FIELDS}, max_position=need)
+  if model_cfg.moe is not None:  # XLA:CPU expands ragged_dot into a dense masked product; compile the scan over
+    model_cfg = model_cfg.replace(moe_matmul="scan")  # experts, a grouped GEMM's memory (moe.grouped_matmul)
   scfg = SamplerConfig.from_tokenizer(
     _FakeTokenizer(model_cfg.vocab_size),
     max_prompt_len=spec.rollout.max_prompt_len,

@@ -71,3 +71,17 @@ def test_ghost_norms_and_update_through_experts_equal_brute_force(replay, passes
     for k, (k1, k2) in {"router": ("gate", "kernel"), "down": ("experts", "down_proj")}.items()
   }
   assert min(expert_share.values()) > 0
+
+
+def test_scan_grouped_matmul_equals_ragged_and_norms_agree():
+  """moe_matmul="scan" (the CPU-sizing stand-in for ragged_dot) gives the same log-probs, norms and update."""
+  logp_fn, params, batch, ref, coef, grads = _setup(True)
+  graphdef_scan, _ = tf.split(tf.init(CFG.replace(moe_matmul="scan"), seed=1))
+  logp_scan = learner.make_logp_fn(graphdef_scan)
+  np.testing.assert_allclose(logp_scan(params, batch), logp_fn(params, batch), rtol=1e-5, atol=1e-5)
+  res = jax.jit(
+    lambda p, b: gn.ghost_sq_norms_and_grad(logp_scan, p, b, b["loss_mask"], lambda lp, sq: (coef, {}), passes=2)
+  )(params, batch)
+  np.testing.assert_allclose(res.sq_norms_n, ref, rtol=2e-4)
+  for g, mine in zip(jax.tree.leaves(grads), jax.tree.leaves(res.grads), strict=True):
+    assert _rel(mine, g) < 1e-4

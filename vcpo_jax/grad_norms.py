@@ -662,7 +662,8 @@ def _param_sq_norms(infos, owners, acts, outgrads, plans, param_shapes, kept, c_
         sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v), shards=batch_shards)
       elif info.kind == "expert":
         e = param_shapes[p].shape[-3]
-        sq_n += _over_layers(info, lambda a, d, e=e: (_expert_sq_norm(a, d, n, e), None), a, d)[0]
+        impl = info.spec or "ragged"
+        sq_n += _over_layers(info, lambda a, d, e=e: (_expert_sq_norm(a, d, n, e, impl), None), a, d)[0]
       else:
         raise ValueError(f"Unsupported tap kind {info.kind!r} for parameter {p!r}.")
     elif kinds == ["embed", "head"]:  # tied embeddings: lookup + LM head share the table
@@ -685,13 +686,13 @@ def _param_sq_norms(infos, owners, acts, outgrads, plans, param_shapes, kept, c_
   return sq_n
 
 
-def _expert_sq_norm(a: dict, d: jax.Array, n: int, num_experts: int) -> jax.Array:
+def _expert_sq_norm(a: dict, d: jax.Array, n: int, num_experts: int, impl: str = "ragged") -> jax.Array:
   """One expert matmul's S_n [N] (`moe_norms.expert_sq_norms`): the gram form while an example's rows r = R / N
   cost fewer flops than its experts' gradients (r (Din + Dout) <= Din Dout, as for a linear layer), else the
   direct form one example at a time (E Din Dout floats transient)."""
   r, din, dout = a["a"].shape[0] // n, a["a"].shape[-1], d.shape[-1]
   method = "gram" if r * (din + dout) <= din * dout else "direct"
-  kw = dict(n=n, num_experts=num_experts, method=method, block=1 if method == "direct" else 0)
+  kw = dict(n=n, num_experts=num_experts, method=method, block=1 if method == "direct" else 0, impl=impl)
   return moe_norms.expert_sq_norms(a["a"], d, a["expert"], a["example"], **kw)
 
 
@@ -744,7 +745,8 @@ def _update_grads(infos, acts, outgrads, plans, param_shapes, kept, grads_by_pat
       add(info.param + ".scale", _per_layer(info, scale_g, a, d))
     elif info.kind == "expert":  # sum_r w_{n_r} a_r^T d_r per expert
       e = param_shapes[info.param].shape[-3]
-      grad = lambda a, d, e=e: moe_norms.expert_weighted_grad(a["a"], d, a["expert"], a["example"], w_n, num_experts=e)
+      kw = dict(num_experts=e, impl=info.spec or "ragged")
+      grad = lambda a, d, kw=kw: moe_norms.expert_weighted_grad(a["a"], d, a["expert"], a["example"], w_n, **kw)
       add(info.param, _per_layer(info, grad, a, d))
     elif info.kind == "embed":
       table = param_shapes[info.param + ".embedding"]
@@ -853,7 +855,7 @@ def _sink_norm(plans: dict[str, LayerPlan], batch_shards: int, n_rows: int = 0, 
 
   def norm(name, info, a, d):
     if info.kind == "expert":
-      return _expert_sq_norm(a, d, n_rows, param_shapes[info.param].shape[-3])
+      return _expert_sq_norm(a, d, n_rows, param_shapes[info.param].shape[-3], info.spec or "ragged")
     n = a.shape[0]
     a_nt, d_nt = _flat(a, n), _flat(d, n)
     if info.kind == "scale":

@@ -14,7 +14,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from vcpo_jax.model.moe import MoESpec
+from vcpo_jax.model.moe import GROUPED_MATMULS, MoESpec
 from vcpo_jax.model.rope import RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
@@ -31,6 +31,7 @@ EXECUTION_FIELDS = (
   "logprob_chunk",
   "logprob_vocab_chunk",
   "routing_replay",
+  "moe_matmul",
 )
 REMAT_CHOICES = ("none", "block")
 # jax.checkpoint_policies that are policies themselves (the others are factories taking names).
@@ -99,6 +100,8 @@ class ModelConfig:
       (the Batch's expert_ids; R3, `moe` module docstring), gates from the learner's router; off (default),
       or a dense model, or a batch without the record: the learner's own top-K. How the model is computed
       (an execution field), but it changes the trajectory.
+    moe_matmul: the experts' grouped matmul (`moe.grouped_matmul`): "ragged" (jax.lax.ragged_dot, the default)
+      or "scan" (a scan over the experts: exact, E x the flops, a grouped GEMM's memory; for CPU sizing).
   """
 
   vocab_size: int
@@ -134,6 +137,7 @@ class ModelConfig:
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = 0.0
   routing_replay: bool = False
+  moe_matmul: str = "ragged"
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):  # from dataclasses.asdict (a saved config)
@@ -208,6 +212,8 @@ class ModelConfig:
         )
       if self.lora:
         raise ValueError("ModelConfig: LoRA adapters on MoE models are not supported (set lora_rank=0).")
+    if self.moe_matmul not in GROUPED_MATMULS:
+      raise ValueError(f"ModelConfig.moe_matmul must be one of {GROUPED_MATMULS}, got {self.moe_matmul!r}.")
 
   @property
   def moe(self) -> MoESpec | None:
@@ -349,6 +355,7 @@ class ModelSection:
   lora_alpha: float = ModelConfig.lora_alpha  # LoRA alpha: the adapter path is scaled by alpha / r
   lora_targets: tuple | str = ModelConfig.lora_targets  # projections that get adapters (or "q_proj,v_proj")
   routing_replay: bool = ModelConfig.routing_replay  # MoE: the learner replays the sampler's recorded experts
+  moe_matmul: str = ModelConfig.moe_matmul  # MoE grouped matmul: ragged (ragged_dot) | scan (CPU sizing stand-in)
   tokenizer: str = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
   # A checkpoint's architecture for sizing without weights (benchmarks/memory.py; a run reads the checkpoint's
   # config.json): only in the ConfigDict when a config file sets it, its keys ModelConfig's fields.

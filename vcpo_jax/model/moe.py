@@ -213,28 +213,64 @@ def combine(out_rd: jax.Array, gates_mk: jax.Array, disp: Dispatch) -> jax.Array
   return jnp.einsum("mkd,mk->md", out_mkd, gates_mk.astype(out_rd.dtype))
 
 
-def _grouped(name: str | None, a_ri, w_eio, disp: Dispatch, example_r, dtype):
-  """rows a_ri [R, Din] @ their expert's w [E, Din, Dout] by one ragged_dot, [R, Dout]; tapped if named."""
-  y = jax.lax.ragged_dot(a_ri, w_eio.astype(dtype), disp.group_sizes_e)
+GROUPED_MATMULS = ("ragged", "scan")
+
+
+def group_bounds(group_sizes_g) -> tuple[jax.Array, jax.Array]:
+  """(start, end) [G] int32 of each group's consecutive rows."""
+  ends = jnp.cumsum(group_sizes_g.astype(jnp.int32))
+  return ends - group_sizes_g.astype(jnp.int32), ends
+
+
+def grouped_matmul(a_ri, w_eio, group_sizes_e, impl: str = "ragged") -> jax.Array:
+  """y_r = a_r @ w_{e_r} for rows sorted by expert (expert e: group_sizes_e[e] consecutive rows), [R, Dout].
+
+  "ragged": one `jax.lax.ragged_dot`, a grouped GEMM on TPU / GPU (XLA:CPU expands it into a masked dense product
+  over [R, E Din] values). "scan": a lax.scan over the experts, every row times W_e, kept on expert e's rows:
+  exact on any backend at E times the flops, with a grouped GEMM's memory (one [R, Dout] product at a time); the
+  stand-in benchmarks/memory.py compiles on fake CPU devices (ModelConfig.moe_matmul).
+  """
+  if impl == "ragged":
+    return jax.lax.ragged_dot(a_ri, w_eio, group_sizes_e)
+  if impl != "scan":
+    raise ValueError(f"grouped matmul impl {impl!r}: choose one of {GROUPED_MATMULS}.")
+  rows = jnp.arange(a_ri.shape[0], dtype=jnp.int32)[:, None]
+  starts, ends = group_bounds(group_sizes_e)
+
+  def body(y, x):
+    w, lo, hi = x
+    return y + jnp.where((rows >= lo) & (rows < hi), a_ri @ w, 0).astype(y.dtype), None
+
+  y0 = jnp.zeros((a_ri.shape[0], w_eio.shape[-1]), jnp.result_type(a_ri, w_eio))
+  return jax.lax.scan(body, y0, (w_eio, starts, ends))[0]
+
+
+def _grouped(name: str | None, a_ri, w_eio, disp: Dispatch, example_r, dtype, impl: str = "ragged"):
+  """rows a_ri [R, Din] @ their expert's w [E, Din, Dout] by `grouped_matmul`, [R, Dout]; tapped if named (the
+  tap's TapInfo.spec: the impl, which the per-example norms' grouped contractions use too)."""
+  y = grouped_matmul(a_ri, w_eio.astype(dtype), disp.group_sizes_e, impl)
   if name is None:
     return y
-  return tap(name, TapInfo("expert", name), {"a": a_ri, "expert": disp.expert_r, "example": example_r}, y)
+  return tap(name, TapInfo("expert", name, spec=impl), {"a": a_ri, "expert": disp.expert_r, "example": example_r}, y)
 
 
-def experts_forward(x_md, gate_edf, up_edf, down_efd, routing: Routing, *, dtype=None, name=None, tokens_per_example=0):
+def experts_forward(
+  x_md, gate_edf, up_edf, down_efd, routing: Routing, *, dtype=None, name=None, tokens_per_example=0, impl="ragged"
+):
   """The experts' weighted sum y [M, D] for the given routing (see the module docstring).
 
   name: tap the three matmuls as "{name}.gate_proj" / "up_proj" / "down_proj" (kind "expert"), with
   example_r = token_r // tokens_per_example (the row's sequence, tokens flattened from [B, T]).
+  impl: the grouped matmul (`grouped_matmul`).
   """
   dtype = dtype or x_md.dtype
   disp = dispatch(routing.expert_ids_mk, gate_edf.shape[0])
   example_r = disp.token_r // max(tokens_per_example, 1)
   nm = (lambda w: None) if name is None else (lambda w: f"{name}.{w}")
   x_rd = x_md.astype(dtype)[disp.token_r]
-  h = jax.nn.silu(_grouped(nm("gate_proj"), x_rd, gate_edf, disp, example_r, dtype))
-  h = h * _grouped(nm("up_proj"), x_rd, up_edf, disp, example_r, dtype)
-  out_rd = _grouped(nm("down_proj"), h, down_efd, disp, example_r, dtype)
+  h = jax.nn.silu(_grouped(nm("gate_proj"), x_rd, gate_edf, disp, example_r, dtype, impl))
+  h = h * _grouped(nm("up_proj"), x_rd, up_edf, disp, example_r, dtype, impl)
+  out_rd = _grouped(nm("down_proj"), h, down_efd, disp, example_r, dtype, impl)
   return combine(out_rd, routing.gates_mk.astype(dtype), disp)
 
 
@@ -337,10 +373,10 @@ class MoEBlock(nnx.Module):
   TapInfo.param is the parameter's own path.
   """
 
-  def __init__(self, d: int, spec: MoESpec, *, name: str, dtype, rngs: nnx.Rngs):
+  def __init__(self, d: int, spec: MoESpec, *, name: str, dtype, rngs: nnx.Rngs, matmul: str = "ragged"):
     self.gate = Router(d, spec.num_experts, rngs)
     self.experts = Experts(spec.num_experts, d, spec.moe_intermediate_size, rngs)
-    self.name, self.dtype = name, dtype
+    self.name, self.dtype, self.matmul = name, dtype, matmul
     self.top_k, self.norm_topk_prob = spec.num_experts_per_tok, spec.norm_topk_prob
 
   def __call__(self, x_btd, recorded=None, replay=None) -> MoEOutput:
@@ -361,6 +397,7 @@ class MoEBlock(nnx.Module):
       dtype=self.dtype,
       name=f"{self.name}.experts",
       tokens_per_example=t,
+      impl=self.matmul,
     )
     ids = routing.expert_ids_mk.reshape(b, t, self.top_k)
     return MoEOutput(y.reshape(b, t, d), logits.astype(jnp.float32), ids)

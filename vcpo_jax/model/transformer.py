@@ -247,7 +247,7 @@ class Block(nnx.Module):
     if spec is None:
       self.mlp = MLP(cfg, name=f"{name}.mlp", rngs=rngs)
     else:
-      self.mlp = moe.MoEBlock(cfg.hidden_size, spec, name=f"{name}.mlp", dtype=dt, rngs=rngs)
+      self.mlp = moe.MoEBlock(cfg.hidden_size, spec, name=f"{name}.mlp", dtype=dt, rngs=rngs, matmul=cfg.moe_matmul)
     self.sparse = spec is not None
 
   def __call__(self, x, positions_bt, mask, cache, cache_index, recorded=None, replay=None):
