@@ -689,11 +689,25 @@ def _param_sq_norms(infos, owners, acts, outgrads, plans, param_shapes, kept, c_
 def _expert_sq_norm(a: dict, d: jax.Array, n: int, num_experts: int, impl: str = "ragged") -> jax.Array:
   """One expert matmul's S_n [N] (`moe_norms.expert_sq_norms`): the gram form while an example's rows r = R / N
   cost fewer flops than its experts' gradients (r (Din + Dout) <= Din Dout, as for a linear layer), else the
-  direct form one example at a time (E Din Dout floats transient)."""
+  direct form one example at a time (E Din Dout floats transient). Each device its own examples' rows (the
+  model dispatches per device: `moe.experts_forward`), `sharding.batch_local`."""
   r, din, dout = a["a"].shape[0] // n, a["a"].shape[-1], d.shape[-1]
   method = "gram" if r * (din + dout) <= din * dout else "direct"
-  kw = dict(n=n, num_experts=num_experts, method=method, block=1 if method == "direct" else 0, impl=impl)
-  return moe_norms.expert_sq_norms(a["a"], d, a["expert"], a["example"], **kw)
+  n_loc = n // sharding.batch_shards(n)
+  kw = dict(n=n_loc, num_experts=num_experts, method=method, block=1 if method == "direct" else 0, impl=impl)
+  fn = lambda _, a_, d_, e_, ex_: moe_norms.expert_sq_norms(a_, d_, e_, ex_, **kw)
+  return sharding.batch_local(fn, (a["a"], d, a["expert"], a["example"]), (1, 1, 1, 1), n)
+
+
+def _expert_grad(a: dict, d: jax.Array, w_n: jax.Array, num_experts: int, impl: str = "ragged") -> jax.Array:
+  """sum_r w_{n_r} a_r^T d_r per expert (`moe_norms.expert_weighted_grad`), each device over its own rows, summed."""
+  n = w_n.shape[0]
+  n_loc = n // sharding.batch_shards(n)
+
+  def fn(index, a_, d_, e_, ex_, w_):
+    return moe_norms.expert_weighted_grad(a_, d_, e_, ex_ - index * n_loc, w_, num_experts=num_experts, impl=impl)
+
+  return sharding.batch_local(fn, (a["a"], d, a["expert"], a["example"], w_n), (1, 1, 1, 1, 1), n, reduce=True)
 
 
 def _update_grads(infos, acts, outgrads, plans, param_shapes, kept, grads_by_path, c_nm, extra, w_n):
@@ -745,8 +759,7 @@ def _update_grads(infos, acts, outgrads, plans, param_shapes, kept, grads_by_pat
       add(info.param + ".scale", _per_layer(info, scale_g, a, d))
     elif info.kind == "expert":  # sum_r w_{n_r} a_r^T d_r per expert
       e = param_shapes[info.param].shape[-3]
-      kw = dict(num_experts=e, impl=info.spec or "ragged")
-      grad = lambda a, d, kw=kw: moe_norms.expert_weighted_grad(a["a"], d, a["expert"], a["example"], w_n, **kw)
+      grad = lambda a, d, e=e, impl=info.spec or "ragged": _expert_grad(a, d, w_n, e, impl)
       add(info.param, _per_layer(info, grad, a, d))
     elif info.kind == "embed":
       table = param_shapes[info.param + ".embedding"]

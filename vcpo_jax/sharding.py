@@ -149,6 +149,33 @@ def batch_shards(n: int | None = None) -> int:
   return 1 if n is not None and n % size else size
 
 
+def batch_local(fn, args: tuple, batched: tuple, n: int, reduce: bool = False):
+  """fn(index, *args) on each device's rows of the batch, or fn(0, *args) without a batch-split mesh.
+
+  Under a mesh whose BATCH_AXES split the n rows (`batch_shards(n)` > 1): a shard_map over the mesh (every axis
+  manual); an argument with batched[i] is split over the batch axes on its leading axis (each device its contiguous
+  block of rows), the others are replicated (a sharded weight is gathered at the boundary); index is the device's
+  linear position along the batch axes (its block is the index-th). Outputs are split on their leading axis,
+  or, with reduce, summed over the devices (psum) and replicated. For work that must stay on a device's own
+  rows: a sort or a grouping of its tokens (the MoE dispatch), which the partitioner would otherwise gather.
+  """
+  shards = batch_shards(n)
+  if shards == 1:
+    return fn(0, *args)
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+
+  def local(*a):
+    out = fn(jax.lax.axis_index(axes), *a)
+    return jax.tree.map(lambda x: jax.lax.psum(x, axes), out) if reduce else out
+
+  specs = tuple(P(axes) if b else P() for b in batched)
+  out_specs = P() if reduce else P(axes)
+  # Every mesh axis manual (a partially manual shard_map inside the layer scan crashes XLA's partitioner); an
+  # argument not split over the batch axes is gathered whole on entry (the tensor axis included).
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
+
+
 def tie(x: jax.Array, w):
   """(x, w) through `lax.optimization_barrier` under the mesh being traced with; as given without one.
 

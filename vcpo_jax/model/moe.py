@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vcpo_jax import sharding as sh
 from vcpo_jax.model.taps import TapInfo, tap
 
 
@@ -245,15 +246,6 @@ def grouped_matmul(a_ri, w_eio, group_sizes_e, impl: str = "ragged") -> jax.Arra
   return jax.lax.scan(body, y0, (w_eio, starts, ends))[0]
 
 
-def _grouped(name: str | None, a_ri, w_eio, disp: Dispatch, example_r, dtype, impl: str = "ragged"):
-  """rows a_ri [R, Din] @ their expert's w [E, Din, Dout] by `grouped_matmul`, [R, Dout]; tapped if named (the
-  tap's TapInfo.spec: the impl, which the per-example norms' grouped contractions use too)."""
-  y = grouped_matmul(a_ri, w_eio.astype(dtype), disp.group_sizes_e, impl)
-  if name is None:
-    return y
-  return tap(name, TapInfo("expert", name, spec=impl), {"a": a_ri, "expert": disp.expert_r, "example": example_r}, y)
-
-
 def experts_forward(
   x_md, gate_edf, up_edf, down_efd, routing: Routing, *, dtype=None, name=None, tokens_per_example=0, impl="ragged"
 ):
@@ -262,16 +254,33 @@ def experts_forward(
   name: tap the three matmuls as "{name}.gate_proj" / "up_proj" / "down_proj" (kind "expert"), with
   example_r = token_r // tokens_per_example (the row's sequence, tokens flattened from [B, T]).
   impl: the grouped matmul (`grouped_matmul`).
+
+  Under a mesh that splits the tokens' batch, every device dispatches its own tokens (`sharding.batch_local`: a
+  sort of its M / shards tokens and grouped matmuls over its rows; a global sort would gather every token on
+  every device): the rows are then device-major, expert-sorted within each device's block.
   """
   dtype = dtype or x_md.dtype
-  disp = dispatch(routing.expert_ids_mk, gate_edf.shape[0])
-  example_r = disp.token_r // max(tokens_per_example, 1)
-  nm = (lambda w: None) if name is None else (lambda w: f"{name}.{w}")
-  x_rd = x_md.astype(dtype)[disp.token_r]
-  h = jax.nn.silu(_grouped(nm("gate_proj"), x_rd, gate_edf, disp, example_r, dtype, impl))
-  h = h * _grouped(nm("up_proj"), x_rd, up_edf, disp, example_r, dtype, impl)
-  out_rd = _grouped(nm("down_proj"), h, down_efd, disp, example_r, dtype, impl)
-  return combine(out_rd, routing.gates_mk.astype(dtype), disp)
+  m, e = x_md.shape[0], gate_edf.shape[0]
+  local = lambda fn, args, batched: sh.batch_local(fn, args, batched, m)
+
+  def dispatch_local(index, x, ids):  # this device's tokens sorted by expert; example ids of the whole batch
+    disp = dispatch(ids, e)
+    example = (index * x.shape[0] + disp.token_r) // max(tokens_per_example, 1)
+    return x[disp.token_r], disp.order_r, disp.expert_r, disp.group_sizes_e[None], example
+
+  x_rd, order_r, expert_r, sizes, example_r = local(dispatch_local, (x_md.astype(dtype), routing.expert_ids_mk), (1, 1))
+
+  def grouped(which, a_rd, w):
+    y = local(lambda _, a, s, w: grouped_matmul(a, w, s[0], impl), (a_rd, sizes, w.astype(dtype)), (1, 1, 0))
+    if name is None:
+      return y
+    tname = f"{name}.{which}"
+    return tap(tname, TapInfo("expert", tname, spec=impl), {"a": a_rd, "expert": expert_r, "example": example_r}, y)
+
+  h = jax.nn.silu(grouped("gate_proj", x_rd, gate_edf)) * grouped("up_proj", x_rd, up_edf)
+  out_rd = grouped("down_proj", h, down_efd)
+  combine_local = lambda _, out, g, order: combine(out, g, Dispatch(order, None, None, None))
+  return local(combine_local, (out_rd, routing.gates_mk.astype(dtype), order_r), (1, 1, 1))
 
 
 class MoEOutput(NamedTuple):
