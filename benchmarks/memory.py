@@ -36,6 +36,10 @@ Parts (what is compiled, per config):
   own mesh over its devices, e.g. `--devices=4 --sampler_mesh=config` for math's launch line, whose
   sampler gets 4 devices), `--sampler_mesh=1,1,4` a given shape.
 
+MoE models (Qwen3-MoE shapes, e.g. math:qwen3_30b_a3b) compile their experts with ModelConfig.moe_matmul="scan"
+(a scan over the experts with a grouped GEMM's memory): XLA:CPU lowers `jax.lax.ragged_dot` to a masked dense
+product over [rows, experts x width], which no accelerator program holds.
+
 Every setting the configs give (method preset, learner options such as a micro-batch size, model
 options such as remat) reaches the compiled step through `run_config.parse_config`, so improvements of
 the learner, model and sharding code show up here without changes to this file.
