@@ -124,11 +124,13 @@ def run_one(size: str, steps: int, background: str) -> dict:
     copy=med([r["time/publish_copy_s"] for r in rows if "time/publish_copy_s" in r]),
     step=med([r["time/learn_s"] + r["time/publish_s"] for r in rows]),
     # transfer: the server thread's await_pull registration per pull request (off the learner's thread)
-    offer=med(getattr(built[0], "offer_s", [])),
+    offer=med(getattr(built[0].publisher, "offer_s", [])),
     # delta publishing: bytes written into the slot per publish after the first (a full copy: the slot's size)
-    bytes=med([b for _, _, b in list(built[0].publish_records)[1:]]) if built[0].publish_records else float("nan"),
-    full_bytes=float(built[0].publish_records[0][2]) if built[0].publish_records else float("nan"),
-    delta_frac=float(np.mean([k == "delta" for _, k, _ in list(built[0].publish_records)[1:]] or [0.0])),
+    bytes=med([b for _, _, b in list(built[0].publisher.publish_records)[1:]])
+    if built[0].publisher.publish_records
+    else float("nan"),
+    full_bytes=float(built[0].publisher.publish_records[0][2]) if built[0].publisher.publish_records else float("nan"),
+    delta_frac=float(np.mean([k == "delta" for _, k, _ in list(built[0].publisher.publish_records)[1:]] or [0.0])),
   )
 
 

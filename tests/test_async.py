@@ -333,7 +333,7 @@ def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum
     src.publish(params1, 1)  # background: returns before the copy
     jax.jit(lambda p: jax.tree.map(lambda x: x * 0.0, p), donate_argnums=0)(params1)  # what train_step does
     src.flush()
-    assert src._checksums[1] == want[1]  # the snapshot, not the donated (zeroed) buffers, was written
+    assert src.publisher.checksums[1] == want[1]  # the snapshot, not the donated (zeroed) buffers, was written
     versions = []
     for step in range(1, k + 2):  # batch k + 1 needs version >= 1
       batch, info = src.next(step)
@@ -342,7 +342,7 @@ def test_background_publish_is_donation_safe_and_the_sampler_echoes_the_checksum
       versions.append(v)
     assert versions[-1] == 1
     assert len(src.publish_blocking_s) == 2
-    assert len(src._copy_s) == 1 and src.take_copy_s() is not None and src.take_copy_s() is None  # logged once
+    assert len(src.publisher.copy_s) == 1 and src.take_copy_s() is not None and src.take_copy_s() is None  # logged once
   finally:
     src.close()
 
@@ -373,12 +373,12 @@ def test_synchronous_publish_records_the_checksum_and_next_raises_on_a_corrupted
   try:
     assert src.background is False  # auto on CPU
     src.publish(params, 0)
-    assert src._checksums[0] == param_slot.checksum(host(params))
+    assert src.publisher.checksums[0] == param_slot.checksum(host(params))
     batch, info = src.next(0)
-    assert (batch["policy_version"] == 0).all() and info["params_checksum"] == src._checksums[0]
+    assert (batch["policy_version"] == 0).all() and info["params_checksum"] == src.publisher.checksums[0]
     corrupt.append(True)
     src.publish(params1, 1)
-    assert src._checksums[1] == param_slot.checksum(host(params1))  # what was meant, not what the slot holds
+    assert src.publisher.checksums[1] == param_slot.checksum(host(params1))  # what was meant, not what the slot holds
     with pytest.raises(RuntimeError, match="version 1 was published with checksum .* the parameter copy was corrupted"):
       for step in range(1, k + 2):  # batch k + 1 needs version >= 1
         src.next(step)
@@ -412,7 +412,7 @@ def test_checksum_and_one_copy_leave_the_synchronous_paths_batches_unchanged():
   import numpy as np
 
   def run(over):
-    keep = lambda src: (src.slot.nbuf, dict(src._checksums))
+    keep = lambda src: (src.slot.nbuf, dict(src.publisher.checksums))
     out, (nbuf, sums) = versions_and_batches(
       async_.AsyncSource, {"lag.k": 1, "async_.queue_slots": 1, **over}, keep=keep
     )
@@ -466,7 +466,7 @@ def test_delta_publishing_rebuilds_every_version_across_a_sampler_replacement_an
     echoed = steps(src, 0, 6, kill_at=4)
     assert src.slot.delta and src.slot.nbuf == 1  # the replacement's slot
     assert src.sampler_restarts == 1
-    kinds = [(v, kind) for v, kind, _ in src.publish_records]
+    kinds = [(v, kind) for v, kind, _ in src.publisher.publish_records]
   finally:
     src.close()
   assert echoed == {v: want(v) for v in range(5)}, echoed  # version 4: made by the replacement
@@ -476,7 +476,7 @@ def test_delta_publishing_rebuilds_every_version_across_a_sampler_replacement_an
   resumed, _ = _source(_tiny(steps=8, **over))  # a resumed run: a new source whose first version is 5
   try:
     assert steps(resumed, 5, 8) == {v: want(v) for v in (5, 6)}
-    assert [(v, kind) for v, kind, _ in resumed.publish_records] == [(5, "full"), (6, "delta")]
+    assert [(v, kind) for v, kind, _ in resumed.publisher.publish_records] == [(5, "full"), (6, "delta")]
   finally:
     resumed.close()
 
@@ -505,13 +505,12 @@ def test_device_path_puts_the_learners_parameters_on_the_sampler_devices_and_ech
   donated), lives on the sampler's devices only, and every batch echoes its version's checksum."""
   import numpy as np
 
-  from vcpo_jax.rollout import device_publish
   from vcpo_jax.rollout.device_publish import device_checksum
   from vcpo_jax.rollout.process import worker as worker_lib
 
   over = {"lag.k": 1, "async_.publish_path": "device", "async_.sampler_devices": "2,3", "async_.queue_slots": 2}
   over["async_.max_sampler_restarts"] = 0  # the device path does not replace (silences its start-up warning)
-  src, params = _source(_tiny(steps=3, **over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
+  src, params = _source(_tiny(steps=3, **over), devices=jax.devices()[:2])
   names = worker_lib.param_names(params)
   sampler_devices = set(jax.devices()[2:4])
   try:
@@ -556,8 +555,8 @@ def test_background_publish_auto_is_synchronous_on_cpu_and_background_on_acceler
     assert src.cfg.background_publish == "auto" and src.background is False
     src.publish(params, 0)
     src.publish(params, 1)
-    assert src.slot.nbuf == 1 and src._thread is None and src.take_copy_s() is not None
-    assert src._checksums[1] == src.slot.last_checksum is not None  # async_.publish_checksum="true"
+    assert src.slot.nbuf == 1 and src.publisher._thread is None and src.take_copy_s() is not None
+    assert src.publisher.checksums[1] == src.slot.last_checksum is not None  # async_.publish_checksum="true"
   finally:
     src.close()
 

@@ -94,9 +94,12 @@ def test_the_attribution_rule_names_the_part_that_closes_the_gap():
   assert "the TIS cap (8 -> 4): vcpo_cap4 - vcpo = +0.020" in text and "does not explain it" in text
   assert "the OPOB baseline (removed): arm vcpo_no_opob not finished" in text
   assert (
-    "offered as a preset (95% interval of the paired difference to vcpo above 0, no more collapses): ['vcpo_no_esslr', 'vcpo_cap4']"
+    "offered as a preset (95% interval of the paired difference to vcpo above 0, no more collapses): vcpo_no_esslr, vcpo_cap4"
     in text
   )
+  horizon = "\n".join(claim.attribution_section(cells, ref, horizon=True))  # only the arms it ran
+  assert "vcpo_no_esslr - vcpo = +0.180" in horizon and "not finished" not in horizon
+  assert "offered as a preset" not in horizon
   assert claim.best_arm(cells) == "vcpo_no_esslr"  # +0.18 against vcpo_cap4's +0.02
   assert claim.best_arm({("vcpo_cap4", 128): cap}) is None  # no vcpo yet: no choice
 

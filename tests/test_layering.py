@@ -60,9 +60,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("vcpo_jax.rollout.base",),  # the RolloutSource contract the trainer uses
   ("vcpo_jax.rollout.lag", "vcpo_jax.rollout.multiturn"),
   ("vcpo_jax.rollout.process.worker",),
-  ("vcpo_jax.rollout.async_",),
-  ("vcpo_jax.rollout.device_publish", "vcpo_jax.rollout.multihost"),
+  ("vcpo_jax.rollout.publish",),  # the publisher interface and the shm slot publisher
+  ("vcpo_jax.rollout.device_publish",),
   ("vcpo_jax.rollout.transfer_publish",),
+  ("vcpo_jax.rollout.async_",),  # the async source: a publisher (above) composed with a topology
+  ("vcpo_jax.rollout.multihost",),
   ("vcpo_jax.rollout.source",),
   ("vcpo_jax.rollout",),
   ("vcpo_jax.run_spec",),  # the run's config tree (RunConfig) and what it builds (RunSpec)

@@ -21,11 +21,10 @@ import pytest
 from tests.test_async import _shm_mapped_by, _source, _subprocesses_share_a_compilation_cache, _tiny  # noqa: F401
 from vcpo_jax.model import lora
 from vcpo_jax.model import transformer as tf
-from vcpo_jax.rollout import async_, device_publish
+from vcpo_jax.rollout import async_
 from vcpo_jax.rollout.lag import LagSource
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.shm_queue import SPAWN
-from vcpo_jax.rollout.transfer_publish import TransferAsyncSource
 
 LORA = {"model.lora_rank": 2, "model.lora_alpha": 4.0}
 TOKENS = np.random.default_rng(0).integers(3, 30, (2, 7)).astype(np.int32)
@@ -55,7 +54,7 @@ def _worker_logp(src, arrays_version, **fields):
   w = worker_lib._Worker(args, None, src.slot, None, os.getpid())
   w._build()
   w._load(*arrays_version)
-  want = src._checksums.get(arrays_version[0])
+  want = src.publisher.checksums.get(arrays_version[0])
   assert want is None or int(w._checksum) == int(want)  # the checksum covers exactly the adapters read
   return _logp(w.sampler.graphdef, w._params)
 
@@ -114,13 +113,13 @@ def test_shm_slot_carries_only_adapters_and_the_worker_applies_them(monkeypatch)
 @pytest.mark.slow
 def test_device_slot_carries_only_adapters_and_the_worker_applies_them(monkeypatch):
   over = {**LORA, "lag.k": 1, "async_.publish_path": "device", "async_.sampler_devices": "2,3"}
-  src, params = _source(_tiny(**over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
+  src, params = _source(_tiny(**over), devices=jax.devices()[:2])
   params = _trained(params)
-  monkeypatch.setattr(src, "_start", lambda arrays, version: setattr(src, "slot", device_publish.DeviceSlot()))
+  monkeypatch.setattr(src, "_start", lambda arrays, version: src._open_slot(arrays, version))
   src.publish(params, 0)
   version, arrays = src.slot.latest(min_version=0, timeout=10.0)
   _check_only_adapters(arrays, params)
-  got = _worker_logp(src, (version, arrays), devices=tuple(src.sampler_devices))
+  got = _worker_logp(src, (version, arrays), devices=tuple(src.publisher.sampler_devices))
   np.testing.assert_allclose(got, _logp(_graphdef(src), params), rtol=1e-6, atol=1e-6)
 
 
@@ -136,7 +135,7 @@ def _transfer_child(args, slot, out):
 
 @pytest.mark.slow
 def test_transfer_path_pulls_only_adapters_and_the_worker_applies_them():
-  src, params = _source(_tiny(**LORA, **{"lag.k": 1, "async_.publish_path": "transfer"}), TransferAsyncSource)
+  src, params = _source(_tiny(**LORA, **{"lag.k": 1, "async_.publish_path": "transfer"}))
   params = _trained(params)
   recv, send = SPAWN.Pipe(duplex=False)
 
@@ -146,14 +145,14 @@ def test_transfer_path_pulls_only_adapters_and_the_worker_applies_them():
     src.proc = SPAWN.Process(target=_transfer_child, args=(args, src.slot, send))
     src.proc.start()
     send.close()
-    src._serve_requests()
+    src.publisher.started()
 
   src._start = start
   try:
     src.publish(params, 0)
     names, csum, got = recv.recv() if recv.poll(240.0) else pytest.fail("no pull of version 0")
     assert set(names) == set(worker_lib.param_names(lora.split(params)[0]))
-    assert csum == int(src._checksums[0])
+    assert csum == int(src.publisher.checksums[0])
     src.proc.join(30.0)
   finally:
     src.close()
@@ -218,7 +217,7 @@ def test_spawned_sampler_gets_the_base_once_through_shared_memory_not_its_argume
       assert no_base and size < base_bytes / 4, (size, base_bytes)
       first_base = src.base_slot.resource_paths()
       assert left == []  # read once and closed: the sampler no longer maps it
-      assert csum == int(src._checksums[0])
+      assert csum == int(src.publisher.checksums[0])
       np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
       src._poll_error()  # "attached": this side closes (and unlinks) the base slot
       assert src.base_slot is None and not [p for p in first_base if os.path.exists(p)]

@@ -141,7 +141,7 @@ def _recording_build_source(emit):
       return arrays, metas
 
     def close_():
-      emit("PUBLISHED", {str(v): c for v, c in src._checksums.items()})
+      emit("PUBLISHED", {str(v): c for v, c in src.publisher.checksums.items()})
       emit("SHM", src.resource_paths())
       close()
 

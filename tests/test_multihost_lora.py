@@ -86,7 +86,7 @@ def _host(process_id: int, port: int) -> dict:
       "bytes": int(sum(a.nbytes for a in arrays.values())),
       "adapter_bytes": lora.num_bytes(adapters),
       "model_bytes": lora.num_bytes(whole),
-      "checksum": int(src._checksums[0]),
+      "checksum": int(src.publisher.checksums[0]),
       "worker_checksum": int(w._checksum),
       "max_diff": float(np.max(np.abs(got - want))),
       "adapters_matter": float(np.max(np.abs(base_only - want))),

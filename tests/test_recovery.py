@@ -171,7 +171,7 @@ def test_a_background_eval_the_killed_sampler_had_not_returned_comes_back_from_i
 def test_the_transfer_path_replaces_a_sigkilled_sampler_and_the_run_finishes(tmp_path):
   # publish_path='transfer': the replacement pulls the newest offer from the learner's same transfer server
   # over a fresh request pipe; every step once, no batch twice, lags in [0, k], nothing left in /dev/shm.
-  from vcpo_jax.rollout.transfer_publish import TransferAsyncSource
+  from vcpo_jax.rollout.transfer_publish import TransferPublisher
 
   k, steps = 1, 8
   over = {"lag.k": k, "async_.publish_path": "transfer", "async_.queue_slots": 1}
@@ -181,7 +181,7 @@ def test_the_transfer_path_replaces_a_sigkilled_sampler_and_the_run_finishes(tmp
     summary = trainer.run(_tiny(steps=steps, **over), workdir)
   assert summary["step"] == steps
   (src,) = built
-  assert isinstance(src, TransferAsyncSource)
+  assert isinstance(src.publisher, TransferPublisher)
   assert [s for s, _, _ in seen] == list(range(steps))
   producers = [info["producer"] for _, _, info in seen]
   assert len(set(producers)) == steps and len({pid for pid, _ in producers}) == 2
@@ -222,7 +222,7 @@ def test_the_device_path_replaces_a_crashed_sampler_thread_and_the_run_finishes(
     summary = trainer.run(_tiny(steps=steps, **over), workdir)
   assert summary["step"] == steps and crashed == [3]
   (src,) = built
-  assert isinstance(src, device_publish.DeviceAsyncSource)
+  assert isinstance(src.publisher, device_publish.DevicePublisher)
   assert [s for s, _, _ in seen] == list(range(steps))  # every step once, in order
   producers = [info["producer"] for _, _, info in seen]  # (pid, seq, thread): the pid is the learner's
   assert len(set(producers)) == steps and [t for _, _, t in producers] == [1, 1, 1, 2, 2, 2], producers
@@ -243,7 +243,6 @@ def test_the_device_path_does_not_replace_a_hung_sampler_thread():
 
   import jax
 
-  from vcpo_jax.rollout import device_publish
   from vcpo_jax.rollout.process import worker as worker_lib
 
   over = {"lag.k": 1, "async_.publish_path": "device", "async_.sampler_devices": "2,3", "async_.queue_slots": 1}
@@ -257,7 +256,7 @@ def test_the_device_path_does_not_replace_a_hung_sampler_thread():
 
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(worker_lib._Worker, "_put", hanging_put)
-    src, params = _source(_tiny(steps=4, **over), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
+    src, params = _source(_tiny(steps=4, **over), devices=jax.devices()[:2])
     try:
       for step in (0, 1):
         src.publish(params, step)
@@ -454,11 +453,10 @@ def test_the_device_path_says_at_start_up_that_a_hung_sampler_thread_is_not_repl
   import jax
 
   from tests.test_async import _source
-  from vcpo_jax.rollout import device_publish
 
   device = {"async_.publish_path": "device", "async_.sampler_devices": "2,3"}
   with caplog.at_level("INFO", logger="vcpo_jax"):
-    src, _ = _source(_tiny(**device), device_publish.DeviceAsyncSource, devices=jax.devices()[:2])
+    src, _ = _source(_tiny(**device), devices=jax.devices()[:2])
     src.close()
   assert any("a sampler thread that crashes is replaced" in r.message for r in caplog.records)
   assert any("one that hangs cannot be stopped, and ends the run" in r.message for r in caplog.records)

@@ -41,7 +41,7 @@ def test_build_maker_single_and_multi_turn():
 
 def test_every_source_has_the_members_the_trainer_uses_with_no_op_defaults():
   """The trainer calls these on any source (no hasattr): a lag source answers with the base class's defaults."""
-  from vcpo_jax.rollout import async_, device_publish, multihost, transfer_publish
+  from vcpo_jax.rollout import async_, device_publish, multihost, publish, transfer_publish
 
   lag = rollout.build_source("lag", object(), jax.random.key(0), k=1)
   assert isinstance(lag, rollout.RolloutSource)
@@ -52,10 +52,11 @@ def test_every_source_has_the_members_the_trainer_uses_with_no_op_defaults():
     lag.queued_template(2)
   with pytest.raises(ValueError, match=r"eval\.background=True needs mode='async'"):
     lag.enable_background_eval(None)
-  for cls in (async_.AsyncSource, device_publish.DeviceAsyncSource, transfer_publish.TransferAsyncSource):
-    assert issubclass(cls, rollout.RolloutSource) and cls.agreed_stops is False
+  # Two source classes (topologies); the publish path is a part either composes (rollout/publish.py).
+  assert issubclass(async_.AsyncSource, rollout.RolloutSource) and async_.AsyncSource.agreed_stops is False
   assert multihost.MultiHostAsyncSource.agreed_stops is True
+  for cls in (device_publish.DevicePublisher, transfer_publish.TransferPublisher, publish.ShmPublisher):
+    assert issubclass(cls, publish.Publisher) and not issubclass(cls, rollout.RolloutSource)
   # Every path replaces a failed sampler (the device path a crashed thread only; tests/test_recovery.py).
-  assert async_.AsyncSource.replaceable and transfer_publish.TransferAsyncSource.replaceable
-  assert multihost.MultiHostAsyncSource.replaceable and device_publish.DeviceAsyncSource.replaceable
+  assert async_.AsyncSource.replaceable and multihost.MultiHostAsyncSource.replaceable
   assert issubclass(async_.SamplerDiedError, rollout.SourceFailed)

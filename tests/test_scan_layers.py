@@ -160,3 +160,42 @@ def test_hf_names_map_to_layer_slices(tmp_path):
   np.testing.assert_array_equal(np.asarray(back.layers.self_attn.q_proj.kernel[...]), q)
   norm = np.asarray(back.layers.post_attention_layernorm.scale[...])
   assert norm.shape == (L, cfg.hidden_size)
+
+
+@pytest.mark.slow  # four learner-step compiles at T = 512 (~30 s)
+def test_scanned_step_memory_grows_by_the_saved_block_input_per_layer():
+  """The cause of the multiturn learner's 59.8 GiB per device (16K-token rows, unrolled blocks), pinned small.
+
+  The two-pass ghost step with remat="block" needs, per extra layer, only the block input the remat saves
+  (2 rows x 512 tokens x 64 floats = 0.26 MB). Unrolled, XLA:CPU's default scheduler keeps the temporaries of
+  several blocks alive at once (12.8 MB per layer at this shape), so the step's memory grows with depth x the
+  per-block attention and MLP buffers; the scan runs one block's body at a time and its memory stays flat.
+  """
+  n, t = 2, 512
+  sds = jax.ShapeDtypeStruct
+  batch = {"tokens": sds((n, t), jnp.int32), "valid_mask": sds((n, t), bool), "loss_mask": sds((n, t), jnp.float32)}
+
+  def temp_bytes(layers, scan):
+    cfg = config.tiny_llama(vocab_size=256, num_layers=layers, hidden_size=64, intermediate_size=256, logprob_chunk=64,
+                            remat="block", attention="chunked", attention_chunk=128, scan_layers=scan)  # fmt: skip
+    graphdef, abstract = tf.split(jax.eval_shape(lambda: tf.init(cfg)))
+    coef = lambda lp, sq: (sq, None)
+    fn = lambda p, b: (
+      gn.ghost_sq_norms_and_grad(
+        gn.sequence_logp_fn(graphdef),
+        p,
+        b,
+        b["loss_mask"],
+        coef,
+        method="direct",
+        memory_budget_bytes=1 << 20,
+        passes=2,
+      ).grads
+    )
+    return jax.jit(fn).lower(abstract, batch).compile().memory_analysis().temp_size_in_bytes
+
+  saved_input = n * t * 64 * 4
+  scanned = (temp_bytes(6, True) - temp_bytes(2, True)) / 4
+  unrolled = (temp_bytes(6, False) - temp_bytes(2, False)) / 4
+  assert scanned <= 2 * saved_input, (scanned, saved_input)
+  assert unrolled > 10 * scanned, (unrolled, scanned)

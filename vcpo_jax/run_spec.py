@@ -149,16 +149,16 @@ class RunConfig:
       "the on-policy reference batch is sampled in the learner's process: mode='sync' or 'lag' only; set 0.",
     )
     check_field(
-      not (mode == "async" and a.publish_path == "transfer" and self.distributed.enabled),
+      not (mode == "async" and a.publish_path != "shm" and self.distributed.enabled),
       "async_.publish_path",
-      "transfer",
-      "the transfer path serves one learner process; set async_.publish_path='shm' for distributed.enabled runs.",
+      a.publish_path,
+      "the device and transfer publishers serve one learner process; set 'shm' for distributed.enabled runs.",
     )
     check_field(
-      not (self.eval.background and a.publish_path != "shm"),
+      not (self.eval.background and a.publish_path == "device"),
       "eval.background",
       self.eval.background,
-      f"needs async_.publish_path='shm' (have {a.publish_path!r}); set one of them.",
+      "needs a sampler process: async_.publish_path='shm' or 'transfer' (have 'device'); set one of them.",
     )
 
   def _check_layout(self):

@@ -208,8 +208,11 @@ def cell_row(cell: Cell, ref: Cell | None, vs: Cell | None = None) -> dict:
   return row
 
 
-def attribution_section(cells: dict, ref: Cell | None) -> list[str]:
-  """The arms at k = 128 against sync and against the paper's VCPO, and which part explains VCPO's gap."""
+def attribution_section(cells: dict, ref: Cell | None, horizon: bool = False) -> list[str]:
+  """The arms at k = 128 against sync and against the paper's VCPO, and which part explains VCPO's gap.
+
+  horizon: the 800-step table, whose arms are a subset: only the parts it ran are explained, and no preset is
+  offered from it (the protocol offers from the attribution)."""
   vcpo = cells.get(("vcpo", 128))
   L = [
     "| arm | k | final (mean +- sd) | vs sync (d +- SE) | match test | vs vcpo (d +- SE) | collapsed | dips | "
@@ -223,7 +226,7 @@ def attribution_section(cells: dict, ref: Cell | None) -> list[str]:
       f"| {m} | {k} | {r['final']} | {r['vs_sync']} | {r['verdict']} | {r.get('vs', '-')} | {r['collapsed']} | "
       f"{r['dips']} | {r['lr_scale']} | {r['reach']} |"
     )
-  L += ["", *explain(rows, vcpo, ref)]
+  L += ["", *explain(rows, vcpo, ref, horizon)]
   return L
 
 
@@ -235,9 +238,9 @@ PARTS = {  # arm -> the part of VCPO its paired difference to vcpo measures
 }
 
 
-def explain(rows: dict, vcpo: Cell | None, ref: Cell | None) -> list[str]:
+def explain(rows: dict, vcpo: Cell | None, ref: Cell | None, horizon: bool = False) -> list[str]:
   """The protocol's attribution rule: a part explains the gap when changing it moves the paired difference to
-  vcpo by > 2 SE towards sync AND closes at least half of VCPO's mean gap to sync."""
+  vcpo by > 2 SE towards sync AND closes at least half of VCPO's mean gap to sync. horizon: only the arms run."""
   if vcpo is None or ref is None or ("vcpo", 128) not in rows:
     return ["Attribution: VCPO or the synchronous reference at k = 128 is not finished; no verdict yet."]
   gap = rows[("vcpo", 128)]["_d"][0]
@@ -245,7 +248,8 @@ def explain(rows: dict, vcpo: Cell | None, ref: Cell | None) -> list[str]:
   movers = []
   for arm, part in PARTS.items():
     if (arm, 128) not in rows:
-      L.append(f"- {part}: arm {arm} not finished.")
+      if not horizon:
+        L.append(f"- {part}: arm {arm} not finished.")
       continue
     e, se, _ = rows[(arm, 128)]["_vs"]
     towards = e * gap < 0  # opposite in sign to the gap: towards sync
@@ -257,8 +261,11 @@ def explain(rows: dict, vcpo: Cell | None, ref: Cell | None) -> list[str]:
     )
   if movers:
     L.append(f"- largest movers: {', '.join(a for _, a in sorted(movers, reverse=True)[:2])}.")
+  if horizon:
+    return L
   L.append(
-    f"- offered as a preset (95% interval of the paired difference to vcpo above 0, no more collapses): {offers(rows, vcpo) or 'none'}."
+    f"- offered as a preset (95% interval of the paired difference to vcpo above 0, no more collapses): "
+    f"{', '.join(offers(rows, vcpo)) or 'none'}."
   )
   return L
 
@@ -398,14 +405,16 @@ def figure(studies: dict, ref: Cell | None, href: Cell | None, commit: str):
   panels.append(("horizon, k = 128 (800 steps)", studies["protocol_horizon"][1], href))
   panels += [(f"every method, k = {k}", {key: x for key, x in grid.items() if key[1] == k}, ref) for k in lagged]
   fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.2), squeeze=False, layout="constrained")
-  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  names = list(dict.fromkeys(m for _, cells, _ in panels for (m, k) in cells if k))
+  cmap = plt.get_cmap("tab20")
+  color = {m: cmap(i % 20) for i, m in enumerate(names)}  # one colour per method in every panel
   for ax, (title, cells, sync) in zip(axes[0], panels):
     if sync is not None:
       ax.plot(sync.eval_step, sync.accuracy.mean(0), "k--", lw=2, label="sync (none, k = 0)")
-    for i, ((m, k), cell) in enumerate(x for x in cells.items() if x[0][1] != 0):
+    for (m, k), cell in ((key, x) for key, x in cells.items() if key[1] != 0):
       mean, sd = cell.accuracy.mean(0), cell.accuracy.std(0, ddof=1)
-      ax.plot(cell.eval_step, mean, color=colors[i % len(colors)], lw=1.4, label=m)
-      ax.fill_between(cell.eval_step, mean - sd, mean + sd, color=colors[i % len(colors)], alpha=0.12)
+      ax.plot(cell.eval_step, mean, color=color[m], lw=1.4, label=m)
+      ax.fill_between(cell.eval_step, mean - sd, mean + sd, color=color[m], alpha=0.12)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("learner step")
     ax.set_ylabel("held-out accuracy (mean, +-1 sd)")
@@ -480,7 +489,7 @@ def write(root: Path, out: Path, command: str, allow_mixed: bool = False) -> Pat
     f"Arms: sync, {', '.join(HORIZON_FIXED[1:])} and the attribution's best arm by the protocol's rule: "
     f"**{best_arm(attr) or 'not decided (the attribution is not finished)'}**.",
     "",
-    *(attribution_section(hor, href)[:-1] if hor else ["Not started."]),
+    *(attribution_section(hor, href, horizon=True) if hor else ["Not started."]),
     "",
     f"## Every method at every lag (200 steps, seeds {list(gc.seeds)}; {len(grid)} of {n_grid} cells)",
     "",

@@ -4,6 +4,14 @@
     publish(params, v) --ParamSlot (v, weights)--> newest params, once v >= b - k
     next(b) <----------ShmQueue (batch b)--------- RolloutMaker.make(params, b, fold_in(key, b), v)
 
+Structure: `AsyncSource` (one host) and its topology subclass `MultiHostAsyncSource` (rollout/multihost.py: one
+sampler per host, a per-step agreement) own the queue, the staleness bound, liveness, replacement and
+checkpoints; how a version reaches the sampler is a part they compose, a Publisher (rollout/publish.py) picked by
+`async_.publish_path`: "shm" (ShmPublisher, the ParamSlot above), "device" (device_publish.DevicePublisher: a
+sampler thread of this process, device_put) or "transfer" (transfer_publish.TransferPublisher: the spawned
+sampler pulls device arrays). Each publisher records the checksum of every version it publishes
+(Publisher.record, which also drops those no batch can echo any more); next() checks each batch's echo.
+
 Staleness is bounded PipelineRL-style: the worker makes batch b only once the
 learner has published version >= b - k, and the learner consumes batch b at
 step b, so every row's lag b - policy_version is in [0, k]. The worker pauses
@@ -62,10 +70,10 @@ synchronous path: time/publish_s 45.4 -> 68.9 ms at 50.8M (+23 ms, 0.5% of learn
 plain copy at 50.8M (zlib.adler32, the previous checksum, 3.9x). Above the 25%-of-the-copy mark but far
 below 1% of a step, so it is on by default; "false" makes plain copies (nothing recorded or checked),
 "background" checksums the background thread's copies only (the behaviour before the field). The device
-path (`async_.publish_path="device"`, rollout/device_publish.py) replaces the sampler process and the
-slot by a sampler thread on its own devices of this process; the transfer path (`"transfer"`,
+publisher (`async_.publish_path="device"`, rollout/device_publish.py) replaces the sampler process and the
+slot by a sampler thread on its own devices of this process; the transfer publisher (`"transfer"`,
 rollout/transfer_publish.py) keeps the sampler process and replaces the slot by pulls of device arrays
-with `jax.experimental.transfer`; both check their own device checksum.
+with `jax.experimental.transfer`; both record their own device checksum.
 
 Delta publishing (`async_.publish_delta`: "off" (default) | "auto"): on the shm slot with one parameter copy
 (publish_buffers resolving to 1; the multi-host path's per-host slot included), each publish after the first
@@ -136,9 +144,11 @@ back on the control pipe; `eval_results()` hands over the records that arrived, 
 policy_version = v (`wait=True`: first wait for the outstanding one, with the usual liveness and
 interrupt checks). At most one request is outstanding: a new one waits for the previous record.
 
-Several hosts (jax.process_count() > 1): rollout/multihost.py's MultiHostAsyncSource, a subclass: one
+Several hosts (jax.process_count() > 1): rollout/multihost.py's MultiHostAsyncSource, the topology: one
 sampler per learner process on that host's share of the prompts, a per-step agreement of all hosts
-through jax.distributed's coordination service, and a publish that gathers host-complete parameters.
+through jax.distributed's coordination service, and a publish snapshot gathered to host-complete parameters
+(the snapshot function its publisher is given). It composes the shm publisher; the device and transfer
+publishers serve one learner process (a one-line error names async_.publish_path).
 
 Leftovers: every segment, semaphore and the spawn-argument file are named with
 the run id (a hash of the workdir) and the learner's pid (`vcpo_jax.cleanup`).
@@ -164,7 +174,6 @@ import pickle
 import queue as queue_lib
 import signal
 import tempfile
-import threading
 import time
 import weakref
 
@@ -176,11 +185,14 @@ from vcpo_jax import batch as batch_lib
 from vcpo_jax import cleanup, compile_cache
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax.model import lora
+from vcpo_jax.rollout import device_publish, transfer_publish
+from vcpo_jax.rollout import publish as publish_lib
 from vcpo_jax.rollout.base import RolloutSource, SourceFailed
 from vcpo_jax.rollout.common import lag_stats
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.param_slot import ParamSlot
 from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
+from vcpo_jax.rollout.publish import background_for, snapshot_leaf  # noqa: F401 (re-exported)
 from vcpo_jax.sampler import DECODE_MODES, SamplerConfig, routing_width
 from vcpo_jax.schema import ConfigError, check_field, config_message, finite
 
@@ -231,18 +243,6 @@ def token_lag_stats(step: int, token_version: np.ndarray) -> dict:
     "train/token_lag_max": float(lag.max()),
     "train/multi_version_frac": float(np.mean(hi[rows] > lo[rows])),
   }
-
-
-def background_for(setting, backend: str) -> bool:
-  """async_.background_publish ("auto" | "true" | "false"; Python bools too) -> whether publish() hands the
-  copy to a thread. "auto": not on the "cpu" backend (the synchronous copy is cheaper there, see the module
-  docstring), yes on accelerators."""
-  text = str(setting).lower()
-  if text == "auto":
-    return backend != "cpu"
-  if text not in ("true", "false"):
-    raise ValueError(f"async_.background_publish={setting!r}: use 'auto', 'true' or 'false'.")
-  return text == "true"
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -395,7 +395,8 @@ class AsyncConfig:
       not (self.publish_path == "transfer" and self.inflight_updates),
       "async_.inflight_updates",
       self.inflight_updates,
-      "in-flight updates are not tested with publish_path='transfer'; set it False or async_.publish_path='shm'.",
+      "in-flight updates do not run over publish_path='transfer' (a pull lands on one device inside the sampler's "
+      "mesh); set it False or async_.publish_path='shm'.",
     )
     check_field(
       self.publish_path != "device" or bool(self.sampler_devices),
@@ -462,11 +463,12 @@ def memory_plan(cfg: AsyncConfig, platform: str | None) -> dict:
 
 
 class AsyncSource(RolloutSource):
-  """Rollout source backed by a spawned sampler process; same interface as `LagSource`.
+  """Rollout source backed by a sampler (a spawned process; a thread with the device publisher); same interface as
+  `LagSource`. How versions reach the sampler is its `publisher` (rollout/publish.py, by async_.publish_path).
 
   Args:
     cfg: its own config, AsyncConfig (config.async_: queue_slots, timeout_s, startup_timeout_s,
-      sampler_devices / sampler_cpus / sampler_env, background_publish, publish_dtype, decode, in-flight
+      sampler_devices / sampler_cpus / sampler_env, background_publish, publish_path / dtype, decode, in-flight
       updates; checked there).
     key: the run's RNG key; batch b is sampled with fold_in(key, b), as in the other modes.
     model_cfg, graphdef: the policy; the worker rebuilds graphdef from model_cfg (checked here).
@@ -494,7 +496,6 @@ class AsyncSource(RolloutSource):
     self.startup_timeout_s = float(cfg.startup_timeout_s)
     self.nslots = int(cfg.queue_slots)
     self.cpus = parse_cpus(cfg.sampler_cpus)
-    self.background = background_for(cfg.background_publish, jax.default_backend())
     # Of floating parameters in the slot; integer leaves keep theirs.
     self.publish_dtype = resolve_publish_dtype(cfg.publish_dtype, jax.default_backend())
     # Decoding of the sampler process; in-flight updates (between decode chunks, per-token versions).
@@ -530,7 +531,7 @@ class AsyncSource(RolloutSource):
     self.schema = batch_schema(n, t, _recorded_topk(maker), _recorded_routing(maker))
     # JSON metadata: per-row texts (escaped) and problem ids; the worker drops texts that do not fit.
     self.meta_bytes = 16384 + n * (8 * maker.cfg.max_new_tokens + 64)
-    self.queue = self.slot = self.proc = self.conn = None
+    self.queue = self.proc = self.conn = None
     self._error: str | None = None
     self._prev_idle = (0.0, 0.0)  # the worker's (idle_s_total, elapsed_s_total) at the previous batch
     self._published = -1
@@ -544,19 +545,11 @@ class AsyncSource(RolloutSource):
     # (arrays, meta, restored) with restored=True for those of an earlier run (their idle totals are its own).
     self._pending: collections.deque = collections.deque()
     self._finalizer = None
-    self._checksums: dict[int, int] = {}  # version -> checksum of what was written into the slot (recent ones)
-    self._snap = jax.jit(lambda leaves: [_snapshot_leaf(x, self.publish_dtype) for x in leaves])
+    self._child_conn = None  # an in-process sampler's end of the control pipe (device path), closed with it
+    self._snap = jax.jit(lambda leaves: [snapshot_leaf(x, self.publish_dtype) for x in leaves])
     self._base: dict | None = None  # LoRA: the frozen base's host arrays, kept for every sampler spawned
     self.base_slot = None  # LoRA: the one-shot ParamSlot of the base, from a spawn until that sampler attaches
-    # The background publisher (async_.background_publish): publish() hands it the newest snapshot and returns.
-    self._cv = threading.Condition()
-    self._todo = None  # (snapshot leaves, version) not yet taken by the thread; a newer one replaces it
-    self._busy = self._closing = False
-    self._thread_error: BaseException | None = None
-    self._thread = None
     self.publish_blocking_s: list[float] = []  # learner-side time inside publish(), per call (perf_counter)
-    self.publish_records: collections.deque = collections.deque(maxlen=4096)  # shm slot writes: kind, bytes
-    self._copy_s: collections.deque = collections.deque()  # host copy seconds of versions written, not logged yet
     # Background evaluation (eval.background): the worker's EvalArgs, the eval slot, records that arrived.
     self.eval_args = None
     self.eval_slot = None
@@ -564,6 +557,30 @@ class AsyncSource(RolloutSource):
     self._evals: collections.deque = collections.deque()  # records received, not handed over yet
     self._eval_outstanding: int | None = None  # the version requested and not yet returned
     self.eval_request_s: list[float] = []  # learner-side time inside request_eval(), per call
+    self.publisher = self._build_publisher(cfg)
+
+  def _build_publisher(self, cfg) -> publish_lib.Publisher:
+    """The part that moves the parameters to the sampler, by async_.publish_path (rollout/publish.py); it sees
+    the topology through `_snapshot` and `_host_arrays` (many hosts: a gather to host-complete arrays)."""
+    args = (cfg, self.k, self.publish_dtype, self.run_id)
+    kw = {"snap": self._snapshot, "host_arrays": self._host_arrays}
+    if cfg.publish_path == "device":
+      return device_publish.DevicePublisher(*args, mesh_shape=self._worker_sampler_cfg().mesh_shape, **kw)
+    if cfg.publish_path == "transfer":
+      return transfer_publish.TransferPublisher(*args, **kw)
+    background = publish_lib.background_for(cfg.background_publish, jax.default_backend())
+    return publish_lib.ShmPublisher(*args, background=background, eager=self.gathers, **kw)
+
+  gathers = False  # True (many hosts): the publish snapshot is a collective, dispatched at every publish
+
+  @property
+  def slot(self):
+    """The current sampler's parameter channel (ParamSlot, DeviceSlot or TransferSlot)."""
+    return self.publisher.slot
+
+  @property
+  def background(self) -> bool:
+    return self.publisher.background
 
   # ------------------------------------------------------------------ learner side
 
@@ -617,10 +634,18 @@ class AsyncSource(RolloutSource):
     self._spawn(arrays, version, first)
 
   def _spawn(self, arrays: dict, version: int, first: int):
-    """Fresh shared memory holding version `version`, and a sampler that makes batches first, ..., steps - 1."""
+    """A fresh channel holding version `version`, and a sampler that makes batches first, ..., steps - 1."""
     self._open_slot(arrays, version)
-    self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
     self._beat = (-1, 0.0)
+    if self.publisher.in_process:
+      self._start_thread(arrays, first)
+    else:
+      self._start_process(arrays, first)
+    self.publisher.started()
+
+  def _start_process(self, arrays: dict, first: int):
+    """A spawned sampler process with fresh shared memory (batch queue, evaluation slot, LoRA base)."""
+    self.queue = ShmQueue(self.schema, nslots=self.nslots, meta_bytes=self.meta_bytes, run=self.run_id)
     if self.eval_args is not None:  # one copy: the worker reads a request once, the learner writes rarely
       self.eval_slot = ParamSlot(self._eval_spec, run=self.run_id, nbuf=1)
     log.debug("async: shared memory of run %s: %s", self.run_id, " ".join(self.resource_paths()))
@@ -655,6 +680,17 @@ class AsyncSource(RolloutSource):
     # Interpreter exit without close() (an uncaught error far away) still stops the worker.
     self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self._args_path)
 
+  def _start_thread(self, arrays: dict, first: int):
+    """An in-process sampler (the device path): a thread on the publisher's devices with its own queue and
+    control pipe (rollout/device_publish.py); close() or garbage collection sends "stop" and waits for it."""
+    if self._child_conn is not None:
+      self._child_conn.close()  # a replaced thread's end of its pipe
+    self.conn, self._child_conn = SPAWN.Pipe(duplex=True)
+    args = self._worker_args(arrays, first, **self.publisher.worker_fields())
+    self.queue, self.proc = self.publisher.start_sampler(args, self.schema, self.nslots, self._child_conn)
+    self._args_path = ""
+    self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self._args_path)
+
   def _base_channel(self, args: worker_lib.WorkerArgs) -> worker_lib.WorkerArgs:
     """LoRA: `args` without the frozen base, which goes through a one-shot ParamSlot instead of the pickled
     arguments (14 GiB at 7B in bf16): written here once per spawned sampler (a replacement gets a fresh one from
@@ -671,16 +707,7 @@ class AsyncSource(RolloutSource):
 
   def _open_slot(self, arrays: dict, version: int):
     """The parameter channel the worker reads (`self.slot`), holding version `version` before the worker starts."""
-    # async_.publish_buffers: 1 = one parameter copy in /dev/shm (a write waits for a sampler read in progress),
-    # 2 = double buffer (a write never waits); 0 = 1 with background publishing (the thread waits, never the
-    # learner), else 2.
-    nbuf = int(self.cfg.publish_buffers) or (1 if self.background else 2)
-    # async_.publish_checksum: computed during the slot's copies; "background": on the background path only.
-    csum = {"true": True, "false": False, "background": self.background}[self.cfg.publish_checksum]
-    # async_.publish_delta: "auto" = delta records on a one-copy slot (ParamSlot's "Delta publishing").
-    delta = self.cfg.publish_delta == "auto" and nbuf == 1
-    self.slot = ParamSlot(arrays, run=self.run_id, nbuf=nbuf, checksum=csum, delta=delta)
-    self._write(arrays, version, None)  # before the start: the worker's first wait succeeds at once
+    self.publisher.open(arrays, version)
 
   def _worker_sampler_cfg(self):
     """The learner's sampler config, with the sampler process's decode mode (unchanged for the defaults)."""
@@ -697,116 +724,56 @@ class AsyncSource(RolloutSource):
   def publish(self, params, version: int):
     """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time.
 
-    Off the critical path (async_.background_publish, default): an on-device snapshot in the publish dtype is
-    dispatched (fresh buffers, so the next step may donate `params`) and handed to a background thread, which
-    does the device_get and the copy into the slot and records the checksum; this call returns without waiting
-    for either. A snapshot the thread has not taken yet is replaced by a newer one (the sampler only ever
-    takes the newest; the staleness bound needs no intermediate version). Without it (or the first time,
-    which starts the sampler) the copy happens here, as before.
+    The publisher (rollout/publish.py) does the medium's work: the shm path's synchronous copy into the slot, or
+    (async_.background_publish) an on-device snapshot handed to a thread, the device path's device_put, the
+    transfer path's offer. A failed sampler is replaced first (within the restart budget), and one that dies
+    during the write's lock wait is replaced and the version written into its replacement's channel.
     """
     t0 = time.perf_counter()
     version = int(version)
     params = self._travelling(params)
+    names = worker_lib.param_names(params)
+    payload = self.publisher.prepare(jax.tree.leaves(params), version)  # device-side: dispatched, every publish
     if self.proc is None:
       if self.eval_args is not None:
-        names, leaves = worker_lib.param_names(params), jax.tree.leaves(params)
-        self._eval_spec = {n: (tuple(x.shape), np.dtype(x.dtype)) for n, x in zip(names, leaves)}
-      self._start(self._host_arrays(self._snap(jax.tree.leaves(params)), params), version)
-    elif not self.background:  # device_get (a view on CPU), one copy into the slot with its checksum
-      self._replace_if_dead()
-      t1 = time.perf_counter()
-      arrays = self._host_arrays(jax.tree.leaves(params), params)
-      try:
-        self._poll_publish()
-        self._write(arrays, version, self._poll_publish)
-      except SamplerDiedError as e:  # it died during the write's lock wait: the new sampler's slot gets it
-        if not self._replace(e):
-          raise
-        self._write(arrays, version, self._poll_publish)
-      self._copy_s.append(time.perf_counter() - t1)
+        self._eval_spec = {n: (tuple(x.shape), np.dtype(x.dtype)) for n, x in zip(names, jax.tree.leaves(params))}
+      self._start(self.publisher.first(payload, names), version)
     else:
-      self._replace_if_dead()
-      self._raise_thread_error()
-      self._hand_over(self._snap(jax.tree.leaves(params)), version, params)  # dispatched, not waited for
+      self._publish_next(payload, names, version)
+    self.publisher.published(payload, version)
     self._published = version
     self.publish_blocking_s.append(time.perf_counter() - t0)
 
+  def _publish_next(self, payload, names, version: int):
+    """A version after the first into the running sampler's channel (a failed sampler replaced first)."""
+    self._replace_if_dead()
+    self._raise_thread_error()
+    try:
+      self.publisher.write(payload, names, version, self._poll_publish)
+    except SamplerDiedError as e:  # it died during the write's lock wait: the new sampler's slot gets it
+      if not self._replace(e):
+        raise
+      self.publisher.write(payload, names, version, self._poll_publish)
+
   def take_copy_s(self) -> float | None:
     """time/publish_copy_s: seconds of the newest host copy written since the last call (None: none)."""
-    last = None
-    while self._copy_s:
-      last = self._copy_s.popleft()
-    return last
+    return self.publisher.take_copy_s()
 
-  def _hand_over(self, snap: list, version: int, params, names=None):
-    """Gives the background publisher the newest snapshot (replacing one it has not taken yet)."""
-    with self._cv:
-      self._todo = (snap, version, names or worker_lib.param_names(params))
-      self._cv.notify_all()
-    if self._thread is None:
-      self._thread = threading.Thread(target=self._publisher, name="vcpo-async-publish", daemon=True)
-      self._thread.start()
+  def _snapshot(self, leaves: list) -> list:
+    """Fresh on-device copies of `leaves` in the publish dtype (many hosts: gathered to host-complete arrays)."""
+    return self._snap(leaves)
 
-  def _host_arrays(self, snap: list, params=None, names=None) -> dict:
-    names = names or worker_lib.param_names(params)
-    out = {n: np.asarray(a) for n, a in zip(names, jax.device_get(snap))}
-    for n, a in out.items():  # a snapshot is cast already; the synchronous path casts here
-      if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != self.publish_dtype:  # jnp: knows bfloat16
-        out[n] = a.astype(self.publish_dtype)
-    return out
-
-  def _write(self, arrays: dict, version: int, poll):
-    """Writes version `version` into the slot and records its checksum (computed during the copy)."""
-    self.slot.publish(arrays, version, poll=poll)
-    if self.slot.last_publish is not None:  # (version, "full" | "delta", bytes written into the slot)
-      self.publish_records.append((version, self.slot.last_publish["kind"], self.slot.last_publish["bytes"]))
-    self._checksums[version] = self.slot.last_checksum  # None: async_.publish_checksum off, not checked
-    for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
-      del self._checksums[v]  # older versions can no longer arrive in a batch
-
-  def _publisher(self):
-    """Background thread: the newest pending snapshot -> host -> slot, until close()."""
-    while True:
-      with self._cv:
-        while self._todo is None and not self._closing:
-          self._cv.wait()
-        if self._closing:
-          return
-        (snap, version, names), self._todo = self._todo, None
-        self._busy = True
-      try:
-        t0 = time.perf_counter()
-        self._write(self._host_arrays(snap, names=names), version, self._thread_poll)
-        self._copy_s.append(time.perf_counter() - t0)  # deque.append: safe against the learner's popleft
-      except _Closing:
-        return
-      except Exception as e:  # noqa: BLE001 -- any failure is re-raised by the next publish() / next()
-        self._thread_error = e
-        return
-      finally:
-        with self._cv:
-          self._busy = False
-          self._cv.notify_all()
-
-  def _thread_poll(self):
-    if self._closing:
-      raise _Closing()
+  def _host_arrays(self, leaves: list, names) -> dict:
+    """{name: numpy array in the publish dtype} of device `leaves` (many hosts: from this host's shards)."""
+    return publish_lib.host_arrays(leaves, names, self.publish_dtype)
 
   def _raise_thread_error(self):
-    if self._thread_error is not None:
-      e, self._thread_error = self._thread_error, None
-      if isinstance(e, PeerDiedError):
-        raise self._died_error(f"while publishing in the background: {e}")
-      raise RuntimeError(f"async source: the background publisher failed: {e!r}") from e
+    dead = self.proc is not None and self.proc.exitcode is not None
+    self.publisher.raise_error(dead, self._died_error)
 
   def flush(self, timeout: float = 60.0):
     """Waits until the background publisher has written the newest version (tests, benchmarks)."""
-    deadline = time.monotonic() + timeout
-    with self._cv:
-      while (self._todo is not None or self._busy) and self._thread_error is None:
-        if not self._cv.wait(timeout=max(0.0, deadline - time.monotonic())):
-          raise TimeoutError(f"async source: the background publisher did not finish within {timeout} s")
-    self._raise_thread_error()
+    self.publisher.flush(timeout, self._raise_thread_error)
 
   def _poll_publish(self):
     """Before and between lock-wait slices of publish(): a signal (first) or a dead worker ends the wait."""
@@ -902,7 +869,7 @@ class AsyncSource(RolloutSource):
     echoed = {int(v): c for v, c in (meta.get("params_checksums") or {}).items()}
     echoed.setdefault(int(meta["version"]), meta.get("params_checksum"))
     for v, got in sorted(echoed.items()):
-      want = self._checksums.get(v) if not restored else None
+      want = self.publisher.checksums.get(v) if not restored else None
       if want is not None and got != int(want):  # int: the device path records a device scalar
         raise RuntimeError(
           f"async source: batch {step} was made from parameters with checksum {got}, "
@@ -935,6 +902,8 @@ class AsyncSource(RolloutSource):
       restored=restored,  # True: queued when the checkpoint this run resumed from was saved
       grading_failures=int(meta.get("grading_failures", 0)),  # the sampler process's count for this batch
     )  # the maker's scalars (multi-turn: rollout/turns_mean, ...)
+    if "sampler_thread" in meta:  # an in-process sampler (device path): the pid is this process's, + the thread
+      info["producer"] = (*info["producer"], meta["sampler_thread"])
     return batch_lib.Batch.from_arrays(batch), info
 
   # -- replacing a failed sampler
@@ -990,6 +959,8 @@ class AsyncSource(RolloutSource):
     written into the old slot, and the staleness bound is the worker's as before: batch b once v >= b - k.
     A background evaluation the old sampler had not returned is requested from the new one.
     """
+    if self.publisher.in_process and self.proc.exitcode is None:
+      return False  # a hung sampler thread cannot be stopped (rollout/device_publish.py, "Failures")
     now = time.monotonic()
     while self._restart_times and now - self._restart_times[0] > float(self.cfg.restart_window_s):
       self._restart_times.popleft()
@@ -1001,10 +972,11 @@ class AsyncSource(RolloutSource):
     version, arrays = self._newest_written()
     redo = self._unanswered_eval()
     self._finalizer()  # stops the old sampler (SIGKILL at once if stopped), reaps it
-    for x in (self.queue, self.slot, self.eval_slot, self.conn):
+    for x in (self.queue, self.eval_slot, self.conn):
       if x is not None:
         x.close()
-    self.queue = self.slot = self.eval_slot = self.conn = None
+    self.publisher.close_slot()
+    self.queue = self.eval_slot = self.conn = None
     self._error, self._prev_idle, self._fresh = None, (0.0, 0.0), True
     self._eval_outstanding = None
     first = self._pending[-1][1]["step"] + 1 if self._pending else self._next_step
@@ -1030,8 +1002,6 @@ class AsyncSource(RolloutSource):
       first,
       version,
     )
-    if self._thread is None and self._todo is not None:  # a snapshot the failed thread had not taken
-      self._hand_over(self._todo[0], self._todo[1], None, names=self._todo[2])
     return True
 
   def _unanswered_eval(self) -> tuple[int, dict] | None:
@@ -1044,18 +1014,14 @@ class AsyncSource(RolloutSource):
   def _newest_written(self) -> tuple[int, dict]:
     """(version, {name: array}) of the newest version the sampler could read, in the publish dtype: what a
     replacement sampler starts from."""
-    return self.slot.latest(timeout=60.0)
+    return self.publisher.newest()
 
   def _quiesce_publisher(self):
     """Lets the background publisher finish its copy into the old slot; a thread that failed is restarted later."""
-    if self._thread is None:
-      return
     try:
-      self.flush(timeout=60.0)
+      self.publisher.quiesce(self._raise_thread_error)
     except (SamplerDiedError, RuntimeError, TimeoutError) as e:
       log.warning("async: the background publisher stopped with the sampler: %s", e)
-    if not self._thread.is_alive():
-      self._thread = None
 
   # -- failure reporting
 
@@ -1136,6 +1102,11 @@ class AsyncSource(RolloutSource):
     """eval.background: the sampler process evaluates the versions request_eval() hands it.
 
     eval_args: worker.EvalArgs (held-out problems, protocol, eval sampler config); before the first publish()."""
+    if not self.publisher.eval_ok:
+      raise ValueError(
+        "eval.background=True needs a sampler process: async_.publish_path='shm' or 'transfer' "
+        f"(have {self.cfg.publish_path!r}); set one of them."
+      )
     if self.proc is not None:
       raise RuntimeError("async source: enable_background_eval() must come before the first publish().")
     if jax.process_count() > 1:
@@ -1244,7 +1215,7 @@ class AsyncSource(RolloutSource):
 
   def resource_paths(self) -> list[str]:
     """/dev/shm paths this source owns (segments and semaphores), for leak checks."""
-    chans = (self.queue, self.slot, self.eval_slot, self.base_slot)
+    chans = (self.queue, self.publisher, self.eval_slot, self.base_slot)
     return [p for x in chans if x is not None for p in x.resource_paths()]
 
   @property
@@ -1252,37 +1223,21 @@ class AsyncSource(RolloutSource):
     return self.proc.pid if self.proc is not None else None
 
   def close(self):
-    """Stops the publisher thread and the worker; removes every shared-memory segment. Idempotent."""
-    with self._cv:
-      self._closing = True
-      self._cv.notify_all()
-    if self._thread is not None:
-      self._thread.join(30.0)  # a copy in progress finishes (it cannot be cut short); a lock wait ends at once
-      self._thread = None
+    """Stops the publisher's thread and the worker; removes every shared-memory segment. Idempotent."""
+    self.publisher.stop()  # a copy in progress finishes (it cannot be cut short); a lock wait ends at once
     if self._finalizer is not None:
       self._finalizer()  # runs _shutdown once
     if self.queue is not None:
       self.queue.close()
-    if self.slot is not None:
-      self.slot.close()
+    self.publisher.close()
     if self.eval_slot is not None:
       self.eval_slot.close()
     if self.base_slot is not None:
       self.base_slot.close()
-    if self.conn is not None:
-      self.conn.close()
-    self.queue = self.slot = self.eval_slot = self.base_slot = self.conn = None
-
-
-class _Closing(Exception):
-  """close() ended the background publisher's wait."""
-
-
-def _snapshot_leaf(x, dtype):
-  """Inside jit: a fresh copy of `x` (floating leaves cast to `dtype`), never an alias of the (donated) input."""
-  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-    return x.astype(dtype)
-  return jnp.copy(x)
+    for conn in (self.conn, self._child_conn):
+      if conn is not None:
+        conn.close()
+    self.queue = self.eval_slot = self.base_slot = self.conn = self._child_conn = None
 
 
 def _stopped(pid: int | None) -> bool:

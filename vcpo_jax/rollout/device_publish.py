@@ -47,16 +47,15 @@ import queue as queue_lib
 import threading
 import time
 import traceback
-import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax import mesh as mesh_lib
-from vcpo_jax.rollout import async_
+from vcpo_jax.rollout import publish as publish_lib
 from vcpo_jax.rollout.process import worker as worker_lib
-from vcpo_jax.rollout.process.shm_queue import SPAWN, QueueFinished
+from vcpo_jax.rollout.process.shm_queue import QueueFinished
 
 log = logging.getLogger("vcpo_jax")
 
@@ -217,14 +216,13 @@ def _thread_main(args, batch_queue, slot, conn) -> int:
   return 0
 
 
-class DeviceAsyncSource(async_.AsyncSource):
-  """AsyncSource whose sampler is a thread on async_.sampler_devices of this process; publish() is a
-  device-to-device `jax.device_put` (see the module docstring). Same arguments as AsyncSource."""
+class DevicePublisher(publish_lib.Publisher):
+  """async_.publish_path="device": the sampler is a thread on async_.sampler_devices of this process (it starts
+  it: `start_sampler`) and each version is one device-to-device `jax.device_put` (see the module docstring)."""
 
-  # A crashed sampler thread is replaced; a hung one is not (it cannot be killed: module docstring, "Failures").
-  replaceable = True
+  in_process = True
 
-  def __init__(self, cfg, *a, **kw):
+  def __init__(self, cfg, *a, mesh_shape, **kw):
     check_device_path(cfg, jax.process_count(), jax.device_count())
     super().__init__(cfg, *a, **kw)
     self._threads = 0  # sampler threads started so far
@@ -234,85 +232,42 @@ class DeviceAsyncSource(async_.AsyncSource):
         "one that hangs cannot be stopped, and ends the run (checkpoint, exit 1).",
         int(cfg.max_sampler_restarts),
       )
-    self.background = False  # no publisher thread: the transfer is dispatched, not copied on the host
-    devices = jax.devices()
-    self.sampler_devices = mesh_lib.split_devices(cfg.sampler_devices, devices)[0]
-    mesh_shape = self._worker_sampler_cfg().mesh_shape
+    self.sampler_devices = mesh_lib.split_devices(cfg.sampler_devices, jax.devices())[0]
     self.sampler_mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(mesh_shape), devices=self.sampler_devices)
     self._replicated = jax.sharding.NamedSharding(self.sampler_mesh, jax.sharding.PartitionSpec())
-    self._args_path = ""
 
-  def enable_background_eval(self, eval_args):
-    raise ValueError("eval.background=True needs async_.publish_path='shm' (a sampler process); set one of them.")
-
-  def publish(self, params, version: int):
-    """Dispatches the device-to-device copy of `params` (cast to the publish dtype on the learner's devices
-    if it differs) onto the sampler's devices and makes it the newest version; starts the sampler the first
-    time. Returns without waiting for the copy (the learner's next step may still donate `params`: the
-    runtime orders the donation after the copy's read)."""
-    t0 = time.perf_counter()
-    version = int(version)
-    params = self._travelling(params)  # LoRA: the adapters only (the base went once, in WorkerArgs)
-    leaves = jax.tree.leaves(params)
+  def prepare(self, leaves, version):
+    """Dispatches the copy of `leaves` (cast to the publish dtype on the learner's devices if it differs) onto
+    the sampler's devices, and its device checksum; nothing waits for either (the learner's next step may still
+    donate the leaves: the runtime orders the donation after the copy's read)."""
     if any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.publish_dtype for x in leaves):
-      leaves = self._snap(leaves)
-    csum = device_checksum(leaves)
-    moved = jax.device_put(leaves, self._replicated)
-    arrays = dict(zip(worker_lib.param_names(params), moved))
-    if self.proc is None:
-      self._start(arrays, version)
-    else:
-      self._replace_if_dead()  # a crashed thread: replaced, its slot holding the previous version (this one next)
-    self.slot.publish(arrays, version)
-    self._checksums[version] = csum  # fetched (int) when a batch of this version is checked
-    for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
-      del self._checksums[v]
-    self._published = version
-    self.publish_blocking_s.append(time.perf_counter() - t0)
+      leaves = self.snap(leaves)
+    return jax.device_put(leaves, self._replicated), device_checksum(leaves)
 
-  def _start(self, arrays: dict, version: int):
-    """The first sampler thread, making batches from `version` on; publish() then makes `version` the newest."""
-    self._next_step = int(version)
-    self._launch(arrays, int(version) + len(self._pending))
+  def first(self, payload, names):
+    return dict(zip(names, payload[0]))
 
-  def _spawn(self, arrays: dict, version: int, first: int):
-    """A replacement (AsyncSource._replace): a fresh thread whose fresh slot holds version `version`."""
-    self._launch(arrays, first)
-    self.slot.publish(arrays, version)
-
-  def _replace(self, failure: BaseException) -> bool:
-    if self.proc.exitcode is None:  # alive (hung, or slower than the timeout): a thread cannot be stopped
-      return False
-    return super()._replace(failure)
-
-  def _launch(self, arrays: dict, first: int):
-    """A sampler thread with its own slot, queue and control pipe, making batches first, ..., steps - 1."""
-    old, self._child_conn = getattr(self, "_child_conn", None), None
-    if old is not None:
-      old.close()  # a replaced thread's end of its pipe
-    self._threads += 1
+  def open(self, arrays, version):
     self.slot = DeviceSlot()
-    self.queue = ThreadQueue(self.schema, self.nslots, thread=self._threads)
-    self._beat = (-1, 0.0)
-    self.conn, child_conn = SPAWN.Pipe(duplex=True)
-    args = self._worker_args(arrays, first, devices=tuple(self.sampler_devices))
-    queue, slot = self.queue, self.slot  # this thread's own: a replacement's are new objects
-    self.proc = _ThreadProc(lambda: _thread_main(args, queue, slot, child_conn))
-    self.proc.start()
-    self._child_conn = child_conn  # the thread's end: closed with the source
-    # close() (or garbage collection) sends "stop" and waits for the thread (a batch in progress finishes).
-    self._finalizer = weakref.finalize(self, async_._shutdown, self.proc, self.conn, self._args_path)
+    self.slot.publish(arrays, version)
+    return self.slot
 
-  def _info(self, step, batch, meta, wait_s, restored=False):
-    out, info = super()._info(step, batch, meta, wait_s, restored=restored)
-    info["producer"] = (*info["producer"], meta.get("sampler_thread"))  # the pid is this process's: + the thread
-    return out, info
+  def write(self, payload, names, version, poll):
+    self.slot.publish(dict(zip(names, payload[0])), version)
 
-  def close(self):
-    super().close()
-    conn, self._child_conn = getattr(self, "_child_conn", None), None
-    if conn is not None:
-      conn.close()
+  def published(self, payload, version):
+    self.record(version, payload[1])  # a device scalar, fetched (int) when a batch of this version is checked
+
+  def worker_fields(self) -> dict:
+    return {"devices": tuple(self.sampler_devices)}
+
+  def start_sampler(self, args, schema, nslots: int, conn):
+    """(queue, proc): a sampler thread with its own queue, reading the current slot, making args' batches."""
+    self._threads += 1
+    queue, slot = ThreadQueue(schema, nslots, thread=self._threads), self.slot  # a replacement's are new objects
+    proc = _ThreadProc(lambda: _thread_main(args, queue, slot, conn))
+    proc.start()
+    return queue, proc
 
 
 def check_device_path(cfg, process_count: int, device_count: int):

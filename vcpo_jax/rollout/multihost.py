@@ -69,6 +69,7 @@ from vcpo_jax import batch as batch_lib
 from vcpo_jax import distributed
 from vcpo_jax.model import lora
 from vcpo_jax.rollout import async_
+from vcpo_jax.rollout import publish as publish_lib
 from vcpo_jax.rollout.common import lag_stats
 
 log = logging.getLogger("vcpo_jax")
@@ -181,53 +182,31 @@ class MultiHostAsyncSource(async_.AsyncSource):
     self._interrupt = self._interrupt_or_peer
     self._waiting: int | None = None
     self._gather = None  # jit: cast + reshard to host-complete arrays, built at the first publish
-    self._snap = self._host_snap  # replaces AsyncSource's snapshot (same cast, plus the gather)
     self._deferred: Exception | None = None  # a sampler failure seen at publish(), reported at the next step
 
   # -- weights
 
-  def _host_snap(self, leaves):
+  gathers = True  # the publish snapshot (a collective) is dispatched by every host at every publish
+
+  def _snapshot(self, leaves):
+    """AsyncSource's snapshot (the same cast) resharded so that each host's devices hold whole arrays."""
     if self._gather is None:
       out = [host_complete_sharding(x) for x in leaves]
       dtype = self.publish_dtype
-      self._gather = jax.jit(lambda ls: [async_._snapshot_leaf(x, dtype) for x in ls], out_shardings=out)
+      self._gather = jax.jit(lambda ls: [publish_lib.snapshot_leaf(x, dtype) for x in ls], out_shardings=out)
     return self._gather(leaves)
 
-  def publish(self, params, version: int):
-    """As AsyncSource.publish, but the gather is dispatched by every host at every publish (it is a
-    collective: a host that skipped it would leave the others' copies waiting), and a failure of this
-    host's sampler is kept for the next agreement instead of raised here, alone."""
-    t0 = time.perf_counter()
-    version = int(version)
-    params = self._travelling(params)  # LoRA: the adapters only (the base goes to the sampler once)
-    snap = self._host_snap(jax.tree.leaves(params))  # every host, every publish: before any replacement
-    if self.proc is None:
-      self._start(self._host_arrays(snap, params), version)
-    elif self._deferred is None:
-      try:
-        self._publish_local(snap, version, params)
-      except (async_.SamplerDiedError, RuntimeError) as e:
-        self._deferred = e
-    self._published = version
-    self.publish_blocking_s.append(time.perf_counter() - t0)
-
-  def _publish_local(self, snap: list, version: int, params):
-    """This host's copy of a gathered version into its sampler's slot. A failed sampler is replaced first, within
-    this host's budget (AsyncSource._replace: host-local, no collective); past it SamplerDiedError."""
-    self._replace_if_dead()
-    self._raise_thread_error()
-    if self.background:
-      self._hand_over(snap, version, params)
+  def _publish_next(self, payload, names, version: int):
+    """As AsyncSource's, but the gather was dispatched before (prepare(), every host, every publish: a host that
+    skipped it would leave the others' copies waiting), and a failure of this host's sampler is kept for the next
+    agreement instead of raised here, alone. A failed sampler is replaced first, within this host's budget
+    (AsyncSource._replace: host-local, no collective)."""
+    if self._deferred is not None:
       return
-    arrays = self._host_arrays(snap, params)
-    t1 = time.perf_counter()
     try:
-      self._write(arrays, version, self._poll_publish)
-    except async_.SamplerDiedError as e:  # it died during the write's lock wait: the new sampler's slot gets it
-      if not self._replace(e):
-        raise
-      self._write(arrays, version, self._poll_publish)
-    self._copy_s.append(time.perf_counter() - t1)
+      super()._publish_next(payload, names, version)
+    except (async_.SamplerDiedError, RuntimeError) as e:
+      self._deferred = e
 
   def _travelling(self, params):
     """As AsyncSource's (LoRA: the adapters travel, the base once), the base gathered to host-complete arrays
@@ -240,10 +219,9 @@ class MultiHostAsyncSource(async_.AsyncSource):
       self._base = {n: local_copy(x) for n, x in zip(names, gather(leaves))}
     return params
 
-  def _host_arrays(self, snap: list, params=None, names=None) -> dict:
+  def _host_arrays(self, snap: list, names) -> dict:
     if not all(_host_complete(x) for x in snap):
-      snap = self._host_snap(snap)  # raw parameters (the synchronous publish path): gather first
-    names = names or async_.worker_lib.param_names(params)
+      snap = self._snapshot(snap)  # raw parameters: gather first
     return {n: local_copy(a) for n, a in zip(names, snap)}
 
   def _worker_args_extra(self) -> dict:

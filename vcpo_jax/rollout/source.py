@@ -79,11 +79,9 @@ def build_source(
     from vcpo_jax.rollout.lag import LagSource
 
     return LagSource(maker, k if mode == "lag" else 0, key)
-  if async_cfg.publish_path == "device":  # a sampler thread on its own devices (rollout/device_publish.py)
-    from vcpo_jax.rollout.device_publish import DeviceAsyncSource as source_cls
-  elif async_cfg.publish_path == "transfer":  # a sampler process pulling from this one's devices
-    from vcpo_jax.rollout.transfer_publish import TransferAsyncSource as source_cls
-  elif jax.process_count() > 1:  # one sampler per host, a per-step agreement (rollout/multihost.py)
+  # The publish path (async_.publish_path: shm, device, transfer) is a part the async source composes
+  # (rollout/publish.py); the topology picks the class: one sampler per host, a per-step agreement.
+  if jax.process_count() > 1:
     from vcpo_jax.rollout.multihost import MultiHostAsyncSource as source_cls
   else:
     from vcpo_jax.rollout.async_ import AsyncSource as source_cls

@@ -63,8 +63,9 @@ batch equals the shm path's field for field and echoes its checksum; trainer.run
 same values (timings aside) for every step whose batches came from the same versions (4 of 4 steps when
 written); a SIGKILLed sampler raises SamplerDiedError from next() and publish(); the sampler maps no /dev/shm
 file but the batch queue's and the counter's page. Not tested: accelerators (GPU / TPU transfer servers; no
-accelerator run), multi-turn makers and resume over this path. Unsupported (one-line config errors,
-run_spec): several processes (distributed.enabled), in-flight updates, background evaluation.
+accelerator run), multi-turn makers and resume over this path. Background evaluation works as on the shm path
+(its own ParamSlot; tests/test_transfer_publish.py). Unsupported (one-line config errors, run_spec): several
+processes (distributed.enabled), in-flight updates.
 """
 
 from __future__ import annotations
@@ -77,10 +78,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vcpo_jax.rollout import async_
+from vcpo_jax.rollout import publish as publish_lib
 from vcpo_jax.rollout.device_publish import device_checksum
 from vcpo_jax.rollout.process import delta as delta_lib
-from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.shm_queue import SPAWN
 
 _ADDRESS = "127.0.0.1:0"  # learner and sampler share the host; port 0: the OS picks a free one
@@ -197,17 +197,17 @@ class TransferSlot:
     return []  # no named segment: the counter is a page of multiprocessing's heap, unlinked at creation
 
 
-class TransferAsyncSource(async_.AsyncSource):
-  """AsyncSource whose spawned sampler pulls each version it takes from this process's devices with
-  `jax.experimental.transfer` (see the module docstring). Same arguments as AsyncSource."""
+class TransferPublisher(publish_lib.Publisher):
+  """async_.publish_path="transfer": the spawned sampler pulls each version it takes from this process's devices
+  with `jax.experimental.transfer` (see the module docstring). A failed sampler is replaced (AsyncSource._replace):
+  the new one pulls the newest offer from the same transfer server over a fresh request pipe, answered by a
+  fresh server thread (this publisher's thread)."""
 
-  # A failed sampler is replaced (AsyncSource._replace): the new one pulls the newest offer from the same
-  # transfer server over a fresh request pipe, answered by a fresh server thread.
+  eval_ok = True  # a spawned sampler: background evaluation reads its own ParamSlot, as on the shm path
 
   def __init__(self, cfg, *a, **kw):
     check_transfer_path(cfg, jax.process_count())
     super().__init__(cfg, *a, **kw)
-    self.background = False  # no host copy: the server thread only registers offers
     self._server = None
     self._offer_lock = threading.Lock()
     self._offer = None  # (snapshot leaves, version scalar, version) of the newest version: what the next pull gets
@@ -222,36 +222,25 @@ class TransferAsyncSource(async_.AsyncSource):
     self.offers = 0  # requests answered
     self.offer_s: list[float] = []  # the server thread's await_pull registration time, per request
 
-  def enable_background_eval(self, eval_args):
-    raise ValueError("eval.background=True needs async_.publish_path='shm'; set one of them.")
-
-  def publish(self, params, version: int):
-    """Dispatches a snapshot of `params` on the learner's first device (publish dtype) and its checksum, makes
-    it the newest offer and publishes `version` on the counter; starts the sampler the first time. Never waits
-    for the sampler (the pull is answered by the server thread)."""
-    t0 = time.perf_counter()
-    version = int(version)
-    params = self._travelling(params)  # LoRA: the adapters only (the base went once, in WorkerArgs)
-    leaves = jax.tree.leaves(params)
+  def prepare(self, leaves, version):
+    """Dispatches a snapshot of `leaves` on the learner's first device (publish dtype), its checksum and the
+    version scalar: the offer. No host copy; nothing waits for the sampler (the server thread answers pulls)."""
     if self._snap1 is None:
       self._snap1 = self._snapshot_fn(leaves)
     snap = self._snap1(leaves)
-    csum = device_checksum(snap)
-    offer = (snap, jax.device_put(np.int32(version), self._device), version)
-    if self.proc is None:
-      self._offer = offer
-      self._start(dict(zip(worker_lib.param_names(params), snap)), version)
-    else:
-      self._replace_if_dead()  # the replacement starts from the previous offer; this one follows
-      self._raise_thread_error()
-      with self._offer_lock:
-        self._offer = offer
+    return (snap, jax.device_put(np.int32(version), self._device), version), device_checksum(snap)
+
+  def first(self, payload, names):
+    self._offer = payload[0]
+    return dict(zip(names, payload[0][0]))
+
+  def write(self, payload, names, version, poll):
+    with self._offer_lock:
+      self._offer = payload[0]
+
+  def published(self, payload, version):
     self._published_v.value = version  # after the offer: a request that sees v gets v or newer
-    self._checksums[version] = csum  # fetched (int) when a batch of this version is checked
-    for v in [v for v in self._checksums if v < version - 2 * self.k - 2]:
-      del self._checksums[v]
-    self._published = version
-    self.publish_blocking_s.append(time.perf_counter() - t0)
+    self.record(version, payload[1])  # fetched (int) when a batch of this version is checked
 
   def _snapshot_fn(self, leaves):
     """leaves -> fresh copies (floating ones in the publish dtype) on the learner's first device: one jitted copy
@@ -261,23 +250,24 @@ class TransferAsyncSource(async_.AsyncSource):
     self._device = min(devices, key=lambda d: d.id)
     one = jax.sharding.SingleDeviceSharding(self._device)
     if devices == {self._device}:
-      return jax.jit(lambda xs: [async_._snapshot_leaf(x, self.publish_dtype) for x in xs], out_shardings=one)
-    return lambda xs: jax.device_put(self._snap(xs), one)
+      dtype = self.publish_dtype
+      return jax.jit(lambda xs: [publish_lib.snapshot_leaf(x, dtype) for x in xs], out_shardings=one)
+    return lambda xs: jax.device_put(self.snap(xs), one)
 
-  def _newest_written(self) -> tuple[int, dict]:
+  def newest(self) -> tuple[int, dict]:
     """The newest offer (device snapshots in the publish dtype) and its version: a replacement's start."""
     with self._offer_lock:
       snap, _, ver = self._offer
     return ver, dict(zip(self.slot.names, snap))
 
-  def _raise_thread_error(self):
+  def raise_error(self, dead, died):
     """A pull that failed because its sampler died is the sampler's death (replaceable), not the server's."""
-    if self._thread_error is not None and self.proc is not None and self.proc.exitcode is not None:
+    if self._thread_error is not None and dead:
       self._thread_error = None
-      raise self._died_error("during a parameter pull")
-    super()._raise_thread_error()
+      raise died("during a parameter pull")
+    super().raise_error(dead, died)
 
-  def _open_slot(self, arrays: dict, version: int):
+  def open(self, arrays, version):
     if self._server is None:  # one server for the run: a replacement sampler connects to the same one
       self._server = _start_server(self._device)
     self._requests, send = SPAWN.Pipe(duplex=self.delta)  # delta: the learner answers each request
@@ -293,12 +283,9 @@ class TransferAsyncSource(async_.AsyncSource):
     )
     self._layout = self.slot.layout() if self.delta else None
     self._published_v.value = int(version)
+    return self.slot
 
-  def _spawn(self, arrays: dict, version: int, first: int):
-    super()._spawn(arrays, version, first)
-    self._serve_requests()
-
-  def _serve_requests(self):
+  def started(self):
     """Once the sampler holds the slot: closes this process's send end of the request pipe (the sampler's is
     then the only one, so its exit ends the server thread's wait) and starts the server thread on that pipe
     (a replaced sampler's thread keeps its own pipe and ends at its EOF)."""
@@ -356,7 +343,8 @@ class TransferAsyncSource(async_.AsyncSource):
     return [payload, ver], ("delta", version, held, len(record))
 
   def close(self):
-    super().close()  # the server thread first (close() sets _closing and joins it), then the worker
+    """After stop() (the server thread) and the sampler's end: the request pipe, the server, the offers."""
+    super().close()
     if self._requests is not None:
       self._requests.close()
     self._requests = None
@@ -365,7 +353,7 @@ class TransferAsyncSource(async_.AsyncSource):
 
 def check_transfer_path(cfg, process_count: int):
   """One-line error for async_.publish_path='transfer' on several processes (run_spec checks the config earlier:
-  distributed.enabled, in-flight updates, background evaluation)."""
+  distributed.enabled, in-flight updates)."""
   if process_count > 1:
     raise ValueError(
       f"async_.publish_path='transfer' runs on one learner process (have {process_count}); "
