@@ -87,7 +87,8 @@ def build(names):
       ids, lq = jax.vmap(functools.partial(sampler.sampled_topk, cfg=cfg))(logits)
       pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1)  # row t: drawn at t - 1
       on = batch["loss_mask"][..., None] != 0
-      b.update(topk_ids=jnp.where(on, pad(ids), 0), topk_logp=jnp.where(on, pad(lq), 0.0))
+      resp = lambda x: x[:, 1:]  # the Batch's records cover response columns: here every column but the first
+      b.update(topk_ids=resp(jnp.where(on, pad(ids), 0)), topk_logp=resp(jnp.where(on, pad(lq), 0.0)))
     args = (b, behaviour) if spec.learner.pg.score_centering == "exact" else (b,)
     step = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
     state = learner.init_state(jax.tree.map(jnp.copy, params), tx)

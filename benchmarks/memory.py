@@ -345,10 +345,11 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   # The learner's device batch, from the one Batch definition (vcpo_jax/batch.py).
   k_top = spec.learner.pg.sc_topk
   keys = batch_lib.DEVICE_KEYS + (tuple(batch_lib.TOPK_FIELDS) if k_top else ())
-  # MoE routing replay: the sampler's record [N, T, L K] int16 rides in the batch (and the moe/ metrics run)
-  r = model_cfg.num_layers * model_cfg.num_experts_per_tok if model_cfg.moe and model_cfg.routing_replay else 0
-  keys += tuple(batch_lib.ROUTING_FIELDS) if r else ()
-  abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t, k_top, r).items() if k in keys}
+  r = spec.rollout.max_new_tokens  # the records cover the response columns only
+  # MoE routing replay: the sampler's record [N, R, L K] int16 rides in the batch (and the moe/ metrics run)
+  e = model_cfg.num_layers * model_cfg.num_experts_per_tok if model_cfg.moe and model_cfg.routing_replay else 0
+  keys += tuple(batch_lib.ROUTING_FIELDS) if e else ()
+  abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t, k_top, r, e=e).items() if k in keys}
   # exact score centering: the behaviour version (laid out as the parameters) is an input too, as trainer.run jits it
   behaviour = (abs_state.params,) if spec.learner.pg.score_centering == "exact" else ()
   behaviour_sh = (state_sh.params,) if behaviour else ()

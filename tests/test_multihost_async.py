@@ -390,6 +390,9 @@ def _host_batch(step: int, host: int, prompts: int = 2, g: int = 2):
     "group_id": np.repeat(np.arange(prompts, dtype=np.int32), g),
     "policy_version": np.full((n,), step - 1, np.int32),
     "loss_mask": np.arange(n * 3).reshape(n, 3) % 2 == 0,
+    # per-token records over the R = 2 response columns (the top-k ids, the support threshold, -inf = no cut)
+    "topk_ids": (10 * step + host + np.arange(n * 2 * 3)).reshape(n, 2, 3).astype(np.int32),
+    "support_thr": np.where(np.arange(n * 2).reshape(n, 2) % 3 == 0, -np.inf, -0.5 * host - step).astype(np.float32),
   }
   meta = {
     "step": step,

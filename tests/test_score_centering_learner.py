@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from vcpo_jax import batch as batch_lib
 from vcpo_jax import estimator, learner
 from vcpo_jax import score_centering as S
 
@@ -242,11 +243,13 @@ def test_async_run_with_inflight_updates_centers_from_the_queued_topk(tmp_path, 
   rows = _run(tmp_path, "async", mode="async", method="tis_sc", **over)
   assert [r["step"] for r in rows] == [1, 2, 3] and len(got) == 3
   for batch, _ in got:
-    m = np.asarray(batch["loss_mask"])
+    resp = lambda x, r=batch.r: np.asarray(x)[:, -r:]  # the record covers the R response columns only
+    m = resp(batch["loss_mask"])
+    assert batch.r < batch.t and not np.asarray(batch["loss_mask"])[:, : -batch.r].any()
     ids, lq = batch["topk_ids"][m], batch["topk_logp"][m]  # [tokens, K]
-    hit = ids == batch["tokens"][m][:, None]
+    hit = ids == resp(batch["tokens"])[m][:, None]
     assert batch.topk == 256 and np.all(hit.sum(-1) == 1)
-    np.testing.assert_allclose(lq[hit], batch["behavior_logp"][m], atol=1e-5)
+    np.testing.assert_allclose(lq[hit], resp(batch["behavior_logp"])[m], atol=1e-5)
     np.testing.assert_allclose(np.logaddexp.reduce(lq, axis=-1), 0.0, atol=1e-4)
     assert np.all(batch["topk_ids"][~m] == 0) and np.all(batch["topk_logp"][~m] == 0)
   for r in rows:
@@ -266,8 +269,8 @@ def test_centering_config_checks():
 
 
 def _behaviour_topk(graphdef, beh, batch, k):
-  """[N, T, K] top-k ids and log-probs of the behaviour version's temperature-1 distribution, row t for token t
-  (what a sampler without filters records; row 0 unused)."""
+  """[N, T - 1, K] top-k ids and log-probs of the behaviour version's temperature-1 distribution, row r for token
+  r + 1 (what a sampler without filters records over response columns 1 .. T - 1)."""
   from flax import nnx
 
   from vcpo_jax.model import transformer
@@ -276,8 +279,7 @@ def _behaviour_topk(graphdef, beh, batch, k):
   logits, _ = nnx.merge(graphdef, beh)(batch["tokens"], positions, mask)
   lq = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
   vals, ids = jax.lax.top_k(lq, k)
-  pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], 1)
-  return np.asarray(pad(ids)).astype(np.int32), np.asarray(pad(vals)).astype(np.float32)
+  return np.asarray(ids).astype(np.int32), np.asarray(vals).astype(np.float32)
 
 
 @pytest.mark.parametrize("preset", ["vcpo_sc", "tis_sc"])
@@ -360,7 +362,7 @@ def test_ghost_topk_centering_norms_and_gradient_by_brute_force(tied, vocab_chun
   # the head masses: the same on both paths; q's is the recorded mass, 1 per token when k = V
   for m in ("p_head_mass", "q_head_mass"):
     np.testing.assert_allclose(a_ghost[f"drift_{m}_n"], a_vmap[f"drift_{m}_n"], rtol=1e-5)
-  q_mass = np.where(batch["loss_mask"], np.exp(lq).sum(-1), 0).sum(1)
+  q_mass = np.where(batch["loss_mask"][:, 1:], np.exp(lq).sum(-1), 0).sum(1)  # lq: columns 1 .. T - 1
   np.testing.assert_allclose(a_ghost["drift_q_head_mass_n"], q_mass, rtol=1e-5)
   if k == V:
     np.testing.assert_allclose(a_ghost["drift_p_head_mass_n"], batch["loss_mask"].sum(1), rtol=1e-5)
@@ -386,6 +388,17 @@ def _model_cfg():
   )
 
 
+def _prompt_cols(ro) -> int:
+  """Tp: the prompt bucket of a rollout (its records cover the other Tn = T - Tp columns)."""
+  return int(np.flatnonzero(ro.response_mask.any(0))[0])
+
+
+def _at_tokens(ro):
+  """The rollout's top-k record placed on its token columns ([N, T, K], 0 on the prompt)."""
+  t = ro.tokens.shape[1]
+  return batch_lib.at_token_columns(ro.topk_ids, t), batch_lib.at_token_columns(ro.topk_logp, t)
+
+
 def test_recorded_topk_is_the_top_k_of_the_filtered_distribution():
   """Each response token's recorded top-k = top-k of log softmax(filter_logits(logits / T, top_k, top_p)) of the
   sampling parameters, recomputed by a full forward (post-filter: removed tokens are never recorded with a
@@ -398,20 +411,22 @@ def test_recorded_topk_is_the_top_k_of_the_filtered_distribution():
   graphdef, params = transformer.split(transformer.init(_model_cfg(), seed=0))
   kw = dict(temperature=0.7, top_k=6, top_p=0.9, record_topk=4)
   ro = _sample(graphdef, _model_cfg(), params, **kw)
-  assert ro.topk_ids.shape == ro.tokens.shape + (4,) and ro.topk_logp.dtype == np.float32
+  tn = ro.tokens.shape[1] - _prompt_cols(ro)
+  assert ro.topk_ids.shape == (ro.tokens.shape[0], tn, 4) and ro.topk_logp.dtype == np.float32  # response columns
+  top_ids, top_lp = _at_tokens(ro)
   positions, mask = transformer.padded_positions_and_mask(ro.prompt_mask | ro.response_mask)
   logits, _ = nnx.merge(graphdef, params)(ro.tokens, positions, mask)
   cfg = sampler_lib.SamplerConfig(**kw)
   for n, t in zip(*np.nonzero(ro.response_mask)):
     ids, vals = sampler_lib.sampled_topk(logits[n, t - 1][None], cfg)
     fin = np.isfinite(np.asarray(vals[0]))
-    np.testing.assert_array_equal(ro.topk_ids[n, t][fin], np.asarray(ids[0])[fin])
-    np.testing.assert_allclose(ro.topk_logp[n, t][fin], np.asarray(vals[0])[fin], rtol=1e-4, atol=1e-5)
-    assert np.all(np.isneginf(ro.topk_logp[n, t][~fin]))  # filtered out: -inf, not the unfiltered log-prob
-    hit = ro.topk_ids[n, t] == ro.tokens[n, t]
+    np.testing.assert_array_equal(top_ids[n, t][fin], np.asarray(ids[0])[fin])
+    np.testing.assert_allclose(top_lp[n, t][fin], np.asarray(vals[0])[fin], rtol=1e-4, atol=1e-5)
+    assert np.all(np.isneginf(top_lp[n, t][~fin]))  # filtered out: -inf, not the unfiltered log-prob
+    hit = top_ids[n, t] == ro.tokens[n, t]
     if hit.any():
-      assert ro.topk_logp[n, t][hit][0] == pytest.approx(ro.behavior_logp[n, t], abs=1e-5)
-  assert np.all(ro.topk_logp[~ro.response_mask] == 0) and np.all(ro.topk_ids[~ro.response_mask] == 0)
+      assert top_lp[n, t][hit][0] == pytest.approx(ro.behavior_logp[n, t], abs=1e-5)
+  assert np.all(top_lp[~ro.response_mask] == 0) and np.all(top_ids[~ro.response_mask] == 0)
 
 
 def test_an_inflight_update_records_the_topk_of_the_version_that_drew_each_token():
@@ -441,11 +456,12 @@ def test_an_inflight_update_records_the_topk_of_the_version_that_drew_each_token
   assert {0, 1} <= set(np.unique(ro.token_version[ro.response_mask]))
   positions, mask = transformer.padded_positions_and_mask(ro.prompt_mask | ro.response_mask)
   logits = {v: nnx.merge(graphdef, p)(ro.tokens, positions, mask)[0] for v, p in ((0, params), (1, other))}
+  top_ids, top_lp = _at_tokens(ro)
   for n, t in zip(*np.nonzero(ro.response_mask)):
     ids, vals = sampler_lib.sampled_topk(logits[int(ro.token_version[n, t])][n, t - 1][None], cfg)
     fin = np.isfinite(np.asarray(vals[0]))
-    np.testing.assert_array_equal(ro.topk_ids[n, t][fin], np.asarray(ids[0])[fin])
-    np.testing.assert_allclose(ro.topk_logp[n, t][fin], np.asarray(vals[0])[fin], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(top_ids[n, t][fin], np.asarray(ids[0])[fin])
+    np.testing.assert_allclose(top_lp[n, t][fin], np.asarray(vals[0])[fin], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("decode", ["chunked", "refill"])
@@ -461,7 +477,7 @@ def test_the_chunked_engines_record_the_static_loops_topk(decode):
   np.testing.assert_array_equal(ro.tokens, ref.tokens)
   np.testing.assert_array_equal(ro.topk_ids, ref.topk_ids)
   np.testing.assert_allclose(ro.topk_logp, ref.topk_logp, rtol=1e-5, atol=1e-6)
-  assert ro.topk_ids.shape == ro.tokens.shape + (4,)
+  assert ro.topk_ids.shape == (ro.tokens.shape[0], ro.tokens.shape[1] - _prompt_cols(ro), 4)  # response columns
 
 
 def test_sampler_topk_with_k_equal_v_centering_equals_exact():

@@ -95,7 +95,7 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax import sharding
-from vcpo_jax.model import logprobs, moe_norms, taps
+from vcpo_jax.model import logprobs, moe_norms, support, taps
 from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
 
 # logp_fn(params, batch) -> logp_nt [N, T] float32; built from tapped layers.
@@ -493,14 +493,24 @@ def _head_extra_sums(rec, spec, head_coefs: HeadCoefficients, block: int) -> dic
 
   def body(carry, i):
     start, live = logprobs.chunk_columns(i, v, vc)
-    lp = logprobs.logits(h_m, logprobs.vocab_slice(w, spec, start, vc), spec) - lse[..., None]
+    lp = _head_logp_chunk(rec, h_m, logprobs.vocab_slice(w, spec, start, vc), spec, start, vc)
     e = jnp.where(live, head_coefs.chunk(start, vc, lp), 0.0)
-    lp = jnp.where(live, lp, 0.0)
+    lp = jnp.where(live & jnp.isfinite(lp), lp, 0.0)  # off the replayed support p = 0 (and e = 0)
     return tuple(a + b for a, b in zip(carry, (jnp.sum(e, -1), jnp.sum(e * lp, -1), jnp.sum(jnp.abs(e), -1)))), None
 
   z = jnp.zeros(lse.shape, _F32)
   (tot, elp, eabs), _ = jax.lax.scan(body, (z, z, z), jnp.arange(nv))
   return {"e_total": tot, "e_logp": elp, "e_abs": eabs}
+
+
+def _head_logp_chunk(rec, h_m, w_c, spec, start, vc: int):
+  """log p [N, M, Vc] of a vocab chunk from the head's record: logits - lse, and with support replay (the record's
+  "cut", model/support.py) -inf off each position's replayed support, so p = 0 there."""
+  lg = logprobs.logits(h_m, w_c, spec)
+  lp = lg - rec["lse"][..., None]
+  if "cut" not in rec:
+    return lp
+  return jnp.where(support.keep(lg, start + jnp.arange(vc), rec["tokens"][:, 1:], rec["cut"]), lp, -jnp.inf)
 
 
 def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool, w_n=None, path: str = "", extra=None):
@@ -516,7 +526,7 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
     partition-rule layout (`sharding.constrain_param`), so they stay sharded like the weights.
   Returns (dh or None, sq_n or None, kept or None, grad_w or None).
   """
-  h, w, lse, y = rec["h"], rec["w"], rec["lse"], rec["tokens"][:, 1:]
+  h, w, y = rec["h"], rec["w"], rec["tokens"][:, 1:]
   h, w = sharding.tie(h, w)  # the head's gather stays here, not hoisted out of a micro-batch loop
   w = w.astype(spec.dtype)  # once: an FSDP-sharded head is all-gathered in the compute dtype
   n, t, d = h.shape
@@ -546,7 +556,7 @@ def _head_scan(rec, spec, c_nm, plan: LayerPlan, *, want_dh: bool, want_sq: bool
     dh, sq, kept, gw = carry
     start, live = logprobs.chunk_columns(i, v, vc)
     w_c = logprobs.vocab_slice(w, spec, start, vc)
-    lp = logprobs.logits(h_m, w_c, spec) - lse[..., None]
+    lp = _head_logp_chunk(rec, h_m, w_c, spec, start, vc)
     p = jnp.exp(lp)
     onehot = (start + jnp.arange(vc)) == y[..., None]
     d_c = c_nm[..., None] * (onehot.astype(_F32) - p)
@@ -582,6 +592,8 @@ def _tied_cross_term(rec, spec, c_nm, tok_nt, d_emb, extra=None) -> jax.Array:
   e_tok = jnp.take(w, tok_nt, axis=0)  # [N, T, D]: the table rows of the looked-up tokens
   lg = jnp.einsum("nsd,ntd->nst", h_m.astype(spec.dtype), e_tok.astype(spec.dtype)).astype(_F32)
   p_st = jnp.exp(lg - lse[..., None])
+  if "cut" in rec:  # support replay: p = 0 at looked-up tokens off position s's replayed support
+    p_st = jnp.where(support.keep(lg, tok_nt[:, None, :], y, rec["cut"]), p_st, 0.0)
   d_st = c_nm[..., None] * ((y[..., None] == tok_nt[:, None, :]).astype(_F32) - p_st)
   if extra is not None:
     if extra[0].at is None:
@@ -809,7 +821,7 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   head_sums = {}
   if head_coefs is not None and not isinstance(head_coefs, HeadCoefficients):  # built from the head's record
     rec = acts[heads[0]]
-    head_coefs = head_coefs(rec["h"], rec["w"], rec["lse"], infos[heads[0]].spec)
+    head_coefs = head_coefs(rec["h"], rec["w"], rec["lse"], infos[heads[0]].spec, cut=rec.get("cut"))
   if head_coefs is not None:
     head_sums = {
       k: {**_head_extra_sums(acts[k], infos[k].spec, head_coefs, plans[k].block), **(head_coefs.diag or {})}

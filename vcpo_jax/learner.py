@@ -232,18 +232,29 @@ class LearnerSection:
 
 
 def make_logp_fn(graphdef, frozen=None) -> Callable:
-  """logp_fn(params, batch) -> logp_nt [N, T] of batch["tokens"] under the policy.
+  """logp_fn(params, batch) -> logp_nt [N, T] of batch["tokens"] under the policy (renormalised over the
+  sampler's recorded support where the batch carries one, Batch.support_thr).
 
   frozen: the frozen base (LoRA, `lora.split`): then params are the adapters only, and the gradient paths
   differentiate (and take per-example norms over) nothing else."""
 
   def logp_fn(params, batch):
     params = lora.combine(params, frozen)
-    # MoE routing replay: the sampler's recorded experts, when the batch carries them (model.routing_replay)
-    experts = batch.get("expert_ids")
-    return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"], experts)
+    # Support replay (model/support.py): a batch carrying the sampler's kept support (Batch.support_thr) is
+    # scored renormalised over it, so on-policy log(pi / mu) = 0 with top-k / top-p sampling.
+    thr = batch.get("support_thr")
+    # MoE routing replay: the sampler's recorded experts, when the batch carries them (model.routing_replay),
+    # placed on the token columns (prompt columns -1: the learner routes them itself)
+    experts = _token_experts(batch)
+    return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"], thr, experts)
 
   return logp_fn
+
+
+def _token_experts(batch):
+  """Batch.expert_ids [N, R, E] on the token columns [N, T, E] (-1 on the prompt columns), or None."""
+  experts = batch.get("expert_ids")
+  return None if experts is None else batch_lib.at_token_columns(experts, batch["tokens"].shape[1], fill=-1)
 
 
 # ---------------------------------------------------------------------------
@@ -650,7 +661,7 @@ def routing_replay_metrics(graphdef, params, batch) -> dict:
     moe/ess, moe/ess_replay   ESS / N of the sequence weights, own routing / replayed
   """
   model_cfg = getattr(nnx.merge(graphdef, params), "cfg", None)
-  experts = batch.get("expert_ids")
+  experts = _token_experts(batch)  # [N, T, E]
   if experts is None or model_cfg is None or model_cfg.moe is None:
     return {}
   params = sg(params)
@@ -664,7 +675,7 @@ def routing_replay_metrics(graphdef, params, batch) -> dict:
   out = {"moe/route_mismatch": moe.routing_mismatch(own.expert_ids, rec, rec[..., 0] >= 0)}
   for suffix, force in (("", False), ("_replay", True)):
     with transformer.replay_routing(model_cfg, experts, force=force):
-      logp = transformer.sequence_logprobs(graphdef, params, tokens, valid)
+      logp = transformer.sequence_logprobs(graphdef, params, tokens, valid, batch.get("support_thr"))
     m = mask.astype(jnp.float32)
     d = (logp - mu) * m
     mean = jnp.sum(d) / jnp.maximum(jnp.sum(m), 1.0)

@@ -290,6 +290,13 @@ class RunSpec:
         True,
         f"task.name={self.rollout.task!r} has no tool-use protocol; use a text data set (gsm8k, math, math500, aime).",
       )
+    check_field(
+      self.multiturn is None or self.sampling.support_replay != "on",
+      "sampler.support_replay",
+      "on",
+      "tool-use episodes' continuations do not record the sampler's kept support; use single-turn rollouts "
+      "or sampler.support_replay='auto' (off for tool use) / 'off'.",
+    )
     pg = self.learner.pg
     self._check_centering(pg)
     check_field(

@@ -29,9 +29,11 @@ Behavior log-probs (`SamplerConfig.logp_mode`):
   Greedy (temperature = 0) samples from a point mass: "sampled" records 0 and
   "tempered" records the temperature-1 full-softmax log-prob.
   The learner scores log pi(y_t) = log softmax(logits)(y_t) at temperature 1 over the
-  full vocabulary. The two agree with equal weights iff temperature = 1, top_k = 0,
-  top_p = 1 (the RL setting of the paper); otherwise log(pi/mu) != 0 even on-policy,
-  and the importance ratios correct for the sampler's tempering and filtering.
+  full vocabulary, or, with support replay (`record_support`, the training config's
+  sampler.support_replay: on by default with a filter), renormalised over the support the
+  sampler kept for y_t (vcpo_jax/model/support.py). The two agree with equal weights iff
+  temperature = 1 and (top_k = 0 and top_p = 1, or support replay); otherwise log(pi/mu) != 0
+  even on-policy, and the importance ratios correct for the sampler's tempering and filtering.
 
 Recompilation: prompt lengths, batch sizes and new-token counts are padded to fixed
 buckets (configurable lists), so after one call per (B, Tp, Tn) bucket nothing traces
@@ -73,7 +75,7 @@ from flax import nnx
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import sharding as sh
 from vcpo_jax.schema import check_field, finite
-from vcpo_jax.model import moe, quant, transformer
+from vcpo_jax.model import moe, quant, support, transformer
 from vcpo_jax.model.config import ModelConfig
 
 LOGP_MODES = ("sampled", "tempered")
@@ -147,6 +149,7 @@ class SamplerConfig:
   decode: str = "static"
   chunk_tokens: int = 32
   record_topk: int = 0  # K > 0: record each token's top-K ids and post-filter log-probs (top-k score centering)
+  record_support: bool = False  # record each token's kept support (model/support.py: the learner replays it)
   record_routing: bool = False  # MoE: record the experts each response token went through (Batch.expert_ids)
 
   def __post_init__(self):
@@ -160,6 +163,11 @@ class SamplerConfig:
       )
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"SamplerConfig.top_p must be in (0, 1] (1 disables), got {self.top_p}.")
+    if self.record_support and (self.greedy or self.logp_mode != "sampled"):
+      raise ValueError(
+        "SamplerConfig.record_support: the kept support of a sampled token needs temperature > 0 and "
+        f"logp_mode='sampled' (have temperature={self.temperature}, logp_mode={self.logp_mode!r})."
+      )
     if self.logp_mode not in LOGP_MODES:
       raise ValueError(f"SamplerConfig.logp_mode must be one of {LOGP_MODES}, got {self.logp_mode!r}.")
     if self.draw not in DRAWS:
@@ -246,6 +254,7 @@ class SamplingConfig:
   mesh_shape: tuple = SamplerConfig.mesh_shape  # async sampler's (data, fsdp, tensor) mesh (sync/lag: learner's)
   prefill_chunk: int = SamplerConfig.prefill_chunk  # prompt tokens per prefill pass; 0 = one pass (bounds memory)
   max_batch: int = SamplerConfig.max_batch  # rows per sampler call (whole groups); 0 = all; more: sequential calls
+  support_replay: str = "auto"  # learner renormalises over the sampler's kept support: auto (= a filter on) | on | off
 
   def __post_init__(self):
     check_field(
@@ -279,10 +288,22 @@ class SamplingConfig:
     )
     check_field(finite(self.top_p) and 0 < self.top_p <= 1, "sampler.top_p", self.top_p, "must be in (0, 1] (1 = off).")
     check_field(self.top_k >= 0, "sampler.top_k", self.top_k, "must be >= 0 (0 = off).")
+    check_field(
+      self.support_replay in ("auto", "on", "off"),
+      "sampler.support_replay",
+      self.support_replay,
+      "use auto (on when top_p < 1 or top_k > 0), on or off.",
+    )
+
+  @property
+  def replays_support(self) -> bool:
+    """Whether training rollouts record their kept support for the learner to replay (model/support.py)."""
+    return self.support_replay == "on" or (self.support_replay == "auto" and (self.top_p < 1.0 or self.top_k > 0))
 
   def sampler_kwargs(self, **override) -> dict:
-    """The SamplerConfig fields these settings give (an evaluation overrides temperature / top_p / top_k)."""
-    return {**dataclasses.asdict(self), **override}
+    """The SamplerConfig fields these settings give (an evaluation overrides temperature / top_p / top_k);
+    support_replay becomes the training sampler's record_support (the trainer sets it)."""
+    return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "support_replay"}, **override}
 
 
 @jax.tree_util.register_dataclass
@@ -312,20 +333,24 @@ class Rollout:
   finished: np.ndarray
   group_id: np.ndarray
   token_version: np.ndarray | None = None
-  topk_ids: np.ndarray | None = None  # int32 [N, T, K] (record_topk): row t, the top-K ids token t was drawn among
-  topk_logp: np.ndarray | None = None  # float32 [N, T, K]: their post-filter log-probs (0 off the response)
-  expert_ids: np.ndarray | None = None  # int16 [N, T, L K] (record_routing): routing_width's record, -1 unrecorded
+  # Per-token records over the Tn response columns only (column r is token column Tp + r); None when not recorded:
+  topk_ids: np.ndarray | None = None  # int32 [N, Tn, K] (record_topk): the top-K ids response token r was drawn among
+  topk_logp: np.ndarray | None = None  # float32 [N, Tn, K]: their post-filter log-probs (0 off the response)
+  support_thr: np.ndarray | None = None  # float32 [N, Tn] (record_support): model/support.py (-inf off the response)
+  expert_ids: np.ndarray | None = None  # int16 [N, Tn, L K] (record_routing): routing_width's record, -1 unrecorded
 
 
 # ----------------------------------------------------------------------------- MoE routing record
 
 
 def routing_width(cfg_model: ModelConfig, cfg: SamplerConfig) -> int:
-  """R = L K, the routing entries recorded per token (record_routing on an MoE model), else 0.
+  """E = L K, the routing entries recorded per token (record_routing on an MoE model), else 0.
 
-  Column t of the record holds the experts token t went through in each layer (layer-major, K per layer) when
-  the sampler fed it to draw token t + 1: every response token but the last (which is never fed); -1 elsewhere.
-  The learner replays them (transformer.replay_routing)."""
+  Response column r of the record (Rollout / Batch.expert_ids [N, R, E]) holds the experts response token r
+  went through in each layer (layer-major, K per layer) when the sampler fed it to draw token r + 1: every
+  response token but the last (which is never fed); -1 elsewhere. It is known one decode step after the
+  column's other records (`column_records`, known when the token is drawn). The learner replays it on the
+  token columns (batch.at_token_columns, -1 on the prompt: the learner's own routing there)."""
   return cfg_model.num_layers * cfg_model.num_experts_per_tok if cfg.record_routing and cfg_model.moe else 0
 
 
@@ -349,6 +374,37 @@ def sampled_topk(logits_bv, cfg: SamplerConfig):
   lp = jax.nn.log_softmax(filter_logits(logits_bv, cfg.temperature, cfg.top_k, cfg.top_p), axis=-1)
   vals, ids = jax.lax.top_k(lp, cfg.record_topk)
   return ids.astype(jnp.int32), vals
+
+
+def record_fields(cfg: SamplerConfig, e: int = 0) -> dict[str, tuple]:
+  """{name: (dtype, trailing shape, fill)} of the per-column records cfg asks for (Rollout / Batch fields):
+  the top-K ids and log-probs (record_topk), the kept support's threshold (record_support) and, with e > 0
+  (`routing_width`), the MoE routing record. fill: the value of columns no token was drawn (or fed) in."""
+  k = cfg.record_topk
+  out = {"topk_ids": (jnp.int32, (k,), 0), "topk_logp": (jnp.float32, (k,), 0.0)} if k else {}
+  if cfg.record_support:
+    out["support_thr"] = (jnp.float32, (), support.NO_CUT)
+  if e:
+    out["expert_ids"] = (jnp.int16, (e,), -1)
+  return out
+
+
+def column_records(logits_bv, tok_b, cfg: SamplerConfig) -> dict:
+  """The records of one decode column ({name: [B, ...]}, `record_fields`) for tokens tok_b drawn from logits_bv
+  (all but the routing record, which the next decode step gives: `routing_width`)."""
+  out = {}
+  if cfg.record_topk:
+    out["topk_ids"], out["topk_logp"] = sampled_topk(logits_bv, cfg)
+  if cfg.record_support:
+    x = logits_bv.astype(jnp.float32) / jnp.float32(cfg.temperature)
+    x_f = filter_logits(logits_bv, cfg.temperature, cfg.top_k, cfg.top_p)
+    out["support_thr"] = support.record_threshold(x, x_f, tok_b, cfg.temperature)
+  return out
+
+
+def empty_records(cfg: SamplerConfig, b: int, tn: int, e: int = 0) -> dict:
+  """{name: [b, tn, ...]} of the records (e: `routing_width`), every column at its fill."""
+  return {k: jnp.full((b, tn) + shp, fill, dt) for k, (dt, shp, fill) in record_fields(cfg, e).items()}
 
 
 def filter_logits(logits_bv: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -571,7 +627,8 @@ def _generate_device(
     max_new: int32 scalar <= Tn, response budget.
     rng: PRNG key.
   Returns:
-    (resp_tokens [B, Tn] int32, resp_logp [B, Tn] f32, lengths [B] int32, finished [B] bool).
+    (resp_tokens [B, Tn] int32, resp_logp [B, Tn] f32, lengths [B] int32, finished [B] bool, records: the
+    `record_fields` {name: [B, Tn, ...]}, empty when none are recorded).
   The loop exits as soon as every row is finished or max_new tokens were drawn.
   """
   b, tp = prompt_bt.shape
@@ -582,32 +639,27 @@ def _generate_device(
   last_logits, cache, kv_valid = _prefill(graphdef, cfg_model, cfg, params, prompt_bt, prompt_valid_bt, num_new)
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
 
-  kk = cfg.record_topk
-  rr = routing_width(cfg_model, cfg)
-  ri = 4 + 2 * bool(kk)  # the routing record's slot in the loop state
+  e = routing_width(cfg_model, cfg)
+  fields = record_fields(cfg, e)
+  record = bool(record_fields(cfg))  # the records known when a token is drawn (column_records)
 
-  def emit(i, tok, logp, state, rec=None):  # response column i: pad / 0 for finished rows; a stop token finishes a row
-    toks, logps, lengths, done = state[:4]
+  def emit(i, tok, logp, state, rec):  # response column i: pad / 0 for finished rows; a stop token finishes a row
+    toks, logps, lengths, done, recs = state
     tok = jnp.where(done, pad, tok)
     logp = jnp.where(done, 0.0, logp)
     toks = toks.at[:, i].set(tok)
     logps = logps.at[:, i].set(logp)
-    extra = ()
-    if kk:  # the recorded top-k of this column (0 for finished rows)
-      extra = (state[4].at[:, i].set(jnp.where(done[:, None], 0, rec[0])),)
-      extra += (state[5].at[:, i].set(jnp.where(done[:, None], 0.0, rec[1])),)
+    fin = lambda x: done.reshape(done.shape + (1,) * (x.ndim - 1))
+    recs = {**recs, **{k: recs[k].at[:, i].set(jnp.where(fin(x), fields[k][2], x)) for k, x in rec.items()}}
     lengths = lengths + (~done).astype(jnp.int32)
     stopped = ~done & stop_v[tok]
-    return (toks, logps, lengths, done | stopped, *extra, *state[ri:]), stopped  # the routing record passes
+    return (toks, logps, lengths, done | stopped, recs), stopped
 
   toks0 = jnp.full((b, num_new), pad, jnp.int32)
   state = (toks0, jnp.zeros((b, num_new), jnp.float32), jnp.zeros((b,), jnp.int32), ~active_b)
-  if kk:
-    state += (jnp.zeros((b, num_new, kk), jnp.int32), jnp.zeros((b, num_new, kk), jnp.float32))
-  if rr:
-    state += (jnp.full((b, num_new, rr), -1, jnp.int16),)
-  rec0 = sampled_topk(last_logits, cfg) if kk else None
-  state, finished = emit(0, *_choose(last_logits, step_keys(0), cfg), state, rec0)
+  state += (empty_records(cfg, b, num_new, e),)
+  tok0, logp0 = _choose(last_logits, step_keys(0), cfg)
+  state, finished = emit(0, tok0, logp0, state, column_records(last_logits, tok0, cfg))
 
   def cond(carry):
     i, _, _, state, _ = carry
@@ -616,20 +668,19 @@ def _generate_device(
   def body(carry):  # feeds token i - 1 at cache slot Tp + i - 1, draws token i
     i, cache, kv_valid, state, finished = carry
     prev, pos, idx = state[0][:, i - 1], prompt_len + i - 1, tp + i - 1
-    out = _decode_step(
-      graphdef, cfg, params, cache, kv_valid, prev, pos, idx, step_keys(i), record=bool(kk), route=bool(rr)
-    )
+    keys = step_keys(i)
+    out = _decode_step(graphdef, cfg, params, cache, kv_valid, prev, pos, idx, keys, record=record, route=bool(e))
     tok, logp, cache, kv_valid = out[:4]
-    if rr:  # the experts of token i - 1 (a response token of rows still running when it was emitted)
-      fed = (i - 1 < state[2])[:, None]
-      state = (*state[:ri], state[ri].at[:, i - 1].set(jnp.where(fed, out[-1], -1)), *state[ri + 1 :])
-    state, stopped = emit(i, tok, logp, state, out[4] if kk else None)
+    if e:  # the experts of token i - 1 (a response token of rows still running when it was emitted): column i - 1
+      fed, recs = (i - 1 < state[2])[:, None], state[4]
+      state = (*state[:4], {**recs, "expert_ids": recs["expert_ids"].at[:, i - 1].set(jnp.where(fed, out[-1], -1))})
+    state, stopped = emit(i, tok, logp, state, out[4] if record else {})
     return i + 1, cache, kv_valid, state, finished | stopped
 
   carry = (jnp.int32(1), cache, kv_valid, state, finished)
   _, _, _, state, finished = jax.lax.while_loop(cond, body, carry)
-  toks, logps, lengths = state[:3]
-  return (toks, logps, lengths, finished, *state[4:])
+  toks, logps, lengths, _, recs = state
+  return toks, logps, lengths, finished, recs
 
 
 # ----------------------------------------------------------------------------- chunked decode, continuous batching
@@ -672,9 +723,7 @@ class _Slots:
   row_id: jax.Array
   budget: jax.Array
   j: jax.Array
-  topk_ids: jax.Array  # [B, Tn, K] (K = SamplerConfig.record_topk, 0: empty): sampled_topk of each column
-  topk_logp: jax.Array  # [B, Tn, K] float32
-  expert_ids: jax.Array  # [B, Tn, R] int16 (R = routing_width, 0: empty): the experts of each fed column, -1 else
+  recs: dict  # record_fields {name: [B, Tn, ...]} (top-k, support, routing records) of each column; {} if none
 
 
 def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn: int) -> _Slots:
@@ -696,9 +745,7 @@ def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn
     row_id=zi(b),
     budget=zi(b),
     j=jnp.int32(0),
-    topk_ids=zi(b, tn, cfg.record_topk),
-    topk_logp=jnp.zeros((b, tn, cfg.record_topk), jnp.float32),
-    expert_ids=jnp.full((b, tn, routing_width(cfg_model, cfg)), -1, jnp.int16),
+    recs=empty_records(cfg, b, tn, routing_width(cfg_model, cfg)),
   )
 
 
@@ -737,8 +784,7 @@ def _refill_device(
   positions, _ = transformer.padded_positions_and_mask(valid_rt)
   put = lambda full, part: full.at[slots_r].set(part.astype(full.dtype), mode="drop")
   toks_r = jnp.full((r, tn), cfg.pad_id, jnp.int32).at[:, 0].set(tok)
-  kk = cfg.record_topk
-  top_ids, top_lp = sampled_topk(last_logits, cfg) if kk else (jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0)))
+  rec0 = column_records(last_logits, tok, cfg)
   return _Slots(
     cache=tuple(full.at[:, slots_r].set(part.astype(full.dtype), mode="drop") for full, part in zip(st.cache, cache_r)),
     kv_valid=put(st.kv_valid, kv_valid_r),
@@ -754,9 +800,10 @@ def _refill_device(
     row_id=put(st.row_id, row_ids_r),
     budget=put(st.budget, budget_r),
     j=st.j,
-    topk_ids=put(st.topk_ids, jnp.zeros((r, tn, kk), jnp.int32).at[:, 0].set(top_ids)),
-    topk_logp=put(st.topk_logp, jnp.zeros((r, tn, kk), jnp.float32).at[:, 0].set(top_lp)),
-    expert_ids=put(st.expert_ids, jnp.full((r, *st.expert_ids.shape[1:]), -1, jnp.int16)),
+    recs={
+      k: put(st.recs[k], x.at[:, 0].set(rec0[k]) if k in rec0 else x)  # the routing record starts empty
+      for k, x in empty_records(cfg, r, tn, routing_width(cfg_model, cfg)).items()
+    },
   )
 
 
@@ -775,7 +822,7 @@ def _chunk_device(graphdef, cfg, num_steps: int, params, st: _Slots, stop_v, ver
     prev = jnp.take_along_axis(st.toks, last[:, None], axis=1)  # [B, 1]
     pos = (st.prompt_len + last)[:, None]
     kv_valid = jax.lax.dynamic_update_slice(st.kv_valid, jnp.ones((b, 1), bool), (0, col))
-    route = st.expert_ids.shape[-1] > 0
+    route = "expert_ids" in st.recs
     logits, cache, ids = _forward_routed(graphdef, params, prev, pos, kv_valid[:, None, :], st.cache, col, route=route)
     keys = token_keys(rng, st.row_id, st.lengths)
     tok, logp = _choose(logits[:, -1], keys, cfg)
@@ -783,16 +830,11 @@ def _chunk_device(graphdef, cfg, num_steps: int, params, st: _Slots, stop_v, ver
     at = jnp.where(live, st.lengths, tn)  # out of range: dropped
     stopped = live & stop_v[tok]
     lengths = st.lengths + live.astype(jnp.int32)
+    rec = column_records(logits[:, -1], tok, cfg)
+    recs = {**st.recs, **{k: st.recs[k].at[rows, at].set(x, mode="drop") for k, x in rec.items()}}
     if route:  # the experts of the fed token (column `last`) of the rows still running
-      fed = jnp.where(live, last, tn)
-      st = dataclasses.replace(st, expert_ids=st.expert_ids.at[rows, fed].set(ids[:, 0], mode="drop"))
-    if cfg.record_topk:
-      top_ids, top_lp = sampled_topk(logits[:, -1], cfg)
-      st = dataclasses.replace(
-        st,
-        topk_ids=st.topk_ids.at[rows, at].set(top_ids, mode="drop"),
-        topk_logp=st.topk_logp.at[rows, at].set(top_lp, mode="drop"),
-      )
+      recs["expert_ids"] = recs["expert_ids"].at[rows, jnp.where(live, last, tn)].set(ids[:, 0], mode="drop")
+    st = dataclasses.replace(st, recs=recs)
     st = dataclasses.replace(
       st,
       cache=cache,
@@ -880,8 +922,8 @@ def _decode_step(
   Feeds token prev_b [B] at position pos_b [B] into cache slot idx (the cache: per-layer (k [B, K, H, S],
   v [B, K, S, H]); kv_valid: bool [B, S], the slot marked valid here), attends over the cache blocks up to
   it, draws the next token of row n with keys_b[n] (the loop's fold_in(fold_in(rng, row), i));
-  returns (tokens [B], logp [B], cache, kv_valid), with record the drawn distribution's `sampled_topk`, and
-  last with route the fed tokens' experts [B, L K] int16 (`routing_width`).
+  returns (tokens [B], logp [B], cache, kv_valid), with record the column's `column_records`, and last with
+  route the fed tokens' experts [B, L K] int16 (`routing_width`).
   """
   b = prev_b.shape[0]
   kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
@@ -890,7 +932,7 @@ def _decode_step(
   tok, logp = _choose(logits[:, -1], keys_b, cfg)
   out = (tok, logp, cache, kv_valid)
   if record:
-    out += (sampled_topk(logits[:, -1], cfg),)
+    out += (column_records(logits[:, -1], tok, cfg),)
   return out + ((ids[:, 0],) if route else ())
 
 
@@ -928,8 +970,8 @@ class Sampler:
     self.param_dtype = resolve_param_dtype(sampler_cfg.param_dtype, platform)
     self.int8 = sampler_cfg.param_dtype == "int8"
     self.last_decode_steps = 0
-    self.last_topk = None  # record_topk: (ids [N, Tn, K], logp [N, Tn, K]) of the last run
-    self.last_routing = None  # record_routing on an MoE model: expert ids [N, Tn, L K] int16 of the last run
+    self.last_records = {}  # record_fields {name: [N, Tn, ...]} of the last run (top-k, support, routing records)
+    self.routing = routing_width(cfg_model, sampler_cfg)  # E of the routing record (0: none)
 
     def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
@@ -1101,11 +1143,9 @@ class Sampler:
       row_ids = np.arange(row_offset + start, row_offset + start + b, dtype=np.int32)
       with self._mesh_context():
         out = self._device_fn(params, pb, vb, active, row_ids, stop_v, np.int32(max_new_tokens), rng, num_new=tn)
-      outs.append([np.asarray(o)[:m] for o in jax.device_get(out)])
-    cols = [np.concatenate(x) for x in zip(*outs)]  # toks, logps, lengths, finished (+ top-k ids, logps)
-    kk = bool(self.cfg.record_topk)
-    self.last_topk = tuple(cols[4:6]) if kk else None
-    self.last_routing = cols[4 + 2 * kk] if routing_width(self.cfg_model, self.cfg) else None
+      outs.append(jax.tree.map(lambda o: np.asarray(o)[:m], jax.device_get(out)))
+    cols = jax.tree.map(lambda *x: np.concatenate(x), *outs)  # toks, logps, lengths, finished, records
+    self.last_records = cols[4]
     return prompt, valid, *cols[:4]
 
   def _run_chunked(
@@ -1145,9 +1185,9 @@ class Sampler:
     out_vers = np.full((n, tn), -1, np.int32)
     out_len = np.zeros((n,), np.int32)
     out_fin = np.zeros((n,), bool)
-    kk = self.cfg.record_topk
-    out_top = (np.zeros((n, tn, kk), np.int32), np.zeros((n, tn, kk), np.float32))
-    out_route = np.full((n, tn, routing_width(self.cfg_model, self.cfg)), -1, np.int16)
+    out_rec = {
+      k: np.full((n, tn) + shp, fill, dt) for k, (dt, shp, fill) in record_fields(self.cfg, self.routing).items()
+    }
     waiting = collections.deque(range(n))
     slot_row = np.full((b,), -1, np.int64)  # row each slot runs (-1: free)
     with self._mesh_context():
@@ -1179,11 +1219,8 @@ class Sampler:
           rr = slot_row[ended]
           out_toks[rr], out_logps[rr], out_vers[rr] = toks[ended], logps[ended], vers[ended]
           out_len[rr], out_fin[rr] = lengths[ended], fin[ended]
-          if kk:
-            top_ids, top_lp = jax.device_get((st.topk_ids, st.topk_logp))
-            out_top[0][rr], out_top[1][rr] = top_ids[ended], top_lp[ended]
-          if out_route.shape[-1]:
-            out_route[rr] = jax.device_get(st.expert_ids)[ended]
+          for k, x in jax.device_get(st.recs).items():
+            out_rec[k][rr] = x[ended]
           slot_row[ended] = -1
         if on_chunk is not None and (slot_row >= 0).any() | bool(waiting):
           update = on_chunk(self.cfg.chunk_tokens)
@@ -1195,8 +1232,7 @@ class Sampler:
         if waiting and free.size and (refill or free.size == b):
           st = start(st, free)
     self.last_decode_steps = int(jax.device_get(st.j))  # decode steps of the last chunked run (tests, benchmarks)
-    self.last_topk = out_top if kk else None
-    self.last_routing = out_route if out_route.shape[-1] else None
+    self.last_records = out_rec
     return prompt, valid, out_toks, out_logps, out_vers, out_len, out_fin
 
   def generate(
@@ -1268,10 +1304,9 @@ class Sampler:
         pad = _bucket(max_new, self.cfg.new_token_buckets, "max_new_tokens") - toks.shape[1]
         toks = np.pad(toks, ((0, 0), (0, pad)), constant_values=self.cfg.pad_id)
         logps, vers = np.pad(logps, ((0, 0), (0, pad))), np.pad(vers, ((0, 0), (0, pad)), constant_values=-1)
-        if self.last_topk is not None:
-          self.last_topk = tuple(np.pad(x, ((0, 0), (0, pad), (0, 0))) for x in self.last_topk)
-        if self.last_routing is not None:
-          self.last_routing = np.pad(self.last_routing, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+        fills = {k: f[2] for k, f in record_fields(self.cfg, self.routing).items()}
+        widen = lambda k, x: np.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=fills[k])
+        self.last_records = {k: widen(k, x) for k, x in self.last_records.items()}
     tn = toks.shape[1]
     resp_mask = np.arange(tn)[None, :] < lengths[:, None]
     return Rollout(
@@ -1284,24 +1319,8 @@ class Sampler:
       finished=finished.astype(bool),
       group_id=np.repeat(np.arange(len(prompt_token_lists), dtype=np.int32), num_samples),
       token_version=np.concatenate([np.full(valid.shape, -1, np.int32), vers.astype(np.int32)], axis=1),
-      **self._topk_fields(valid.shape),
-      **self._routing_fields(valid.shape),
+      **self.last_records,  # [N, Tn, ...]: response columns only
     )
-
-  def _routing_fields(self, prompt_shape) -> dict:
-    """Rollout.expert_ids [N, T, L K] int16 of the last run (prompt columns -1), or {} without it."""
-    if self.last_routing is None:
-      return {}
-    z = np.full(prompt_shape + (self.last_routing.shape[-1],), -1, np.int16)
-    return {"expert_ids": np.concatenate([z, self.last_routing], 1)}
-
-  def _topk_fields(self, prompt_shape) -> dict:
-    """Rollout.topk_ids / topk_logp [N, T, K] of the last run (prompt columns 0), or {} without them."""
-    if not self.cfg.record_topk:
-      return {}
-    ids, lps = self.last_topk
-    z = np.zeros(prompt_shape + (self.cfg.record_topk,), np.int32)
-    return dict(topk_ids=np.concatenate([z, ids], 1), topk_logp=np.concatenate([z.astype(np.float32), lps], 1))
 
   def generate_continuations(
     self, params, token_id_lists: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int] | None, rng

@@ -52,9 +52,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax import batch as batch_lib
 from vcpo_jax import estimator, grad_norms
 from vcpo_jax.model import logprobs as lpm
-from vcpo_jax.model import transformer
+from vcpo_jax.model import support, transformer
 
 sg = jax.lax.stop_gradient
 _F32 = jnp.float32
@@ -121,8 +122,10 @@ def topk_correction(head_logp, q_head_logp, max_ratio=None, mask=None):
   lq = jnp.where(m[..., None], lq, 0.0)
   p, q = jnp.exp(sg(lp)), jnp.exp(lq)
   c, _ = head_coefficients(p, q, max_ratio)
-  c = jnp.where(m[..., None], c, 0.0)
-  corr = jnp.sum(sg(c) * lp, axis=-1)
+  # An id with p = 0 (off the learner's replayed support, model/support.py) adds no term; its q stays in the head.
+  off = jnp.isneginf(sg(lp))
+  c = jnp.where(m[..., None] & ~off, c, 0.0)
+  corr = jnp.sum(sg(c) * jnp.where(off, 0.0, lp), axis=-1)
   zero = lambda x: jnp.where(m, x, 0.0)
   return corr, dict(
     p_head_mass=zero(jnp.sum(p, -1)), q_head_mass=zero(jnp.sum(q, -1)), coef_l1=zero(jnp.sum(jnp.abs(c), -1))
@@ -228,15 +231,23 @@ def exact_correction(h_btd, hq_btd, w, wq, spec: lpm.HeadSpec, max_ratio=None):
   return jnp.concatenate([z, corr], 1), dict(coef_l1=jnp.concatenate([z, l1], 1), kl_qp=jnp.concatenate([z, kl], 1))
 
 
-def head_logprobs_at(h_btd, w, ids_btk, spec: lpm.HeadSpec):
+def head_logprobs_at(h_btd, w, ids_btk, spec: lpm.HeadSpec, tokens_bt=None, support_thr=None):
   """The learner's log-probs at given ids per position: [B, T, K], row t from h[:, t-1] (row 0 = 0).
 
   Dense per token chunk ([B, C, V] logits at a time with spec.chunk; no vocab chunking): what
   `topk_correction` differentiates. ids_btk[:, t] are the sampler's top-k ids for the token at t.
+  support_thr [B, R] (with tokens_bt [B, T]): support replay, the distribution renormalised over each
+  position's replayed support (model/support.py; -inf at ids off it).
   """
   h = h_btd[:, :-1]
   ids = ids_btk[:, 1:]
-  lg = jax.nn.log_softmax(lpm.logits(h, w, spec), axis=-1)
+  lg = lpm.logits(h, w, spec)
+  if support_thr is not None:
+    y = tokens_bt[:, 1:]
+    z_y = jnp.take_along_axis(lg, y[..., None], axis=-1)[..., 0]
+    c = sg(support.cut(z_y, support.position_thresholds(support_thr, tokens_bt.shape[1])))
+    lg = support.masked(lg, jnp.arange(lg.shape[-1]), y, c)
+  lg = jax.nn.log_softmax(lg, axis=-1)
   out = jnp.take_along_axis(lg, ids.astype(jnp.int32), axis=-1)
   return jnp.concatenate([jnp.zeros_like(out[:, :1]), out], 1)
 
@@ -427,34 +438,56 @@ def exact_head_coefficients(hq_btd, wq, spec: lpm.HeadSpec, loss_mask_nt, max_ra
 
 
 def topk_head_coefficients(
-  h_btd, w, lse_nm, spec: lpm.HeadSpec, topk_ids_ntk, topk_logp_ntk, loss_mask_nt, max_ratio=None
+  h_btd,
+  w,
+  lse_nm,
+  spec: lpm.HeadSpec,
+  topk_ids_nrk,
+  topk_logp_nrk,
+  loss_mask_nt,
+  max_ratio=None,
+  cut_nm=None,
+  tokens_nt=None,
 ):
   """grad_norms.HeadCoefficients of top-k centering: e = -sg[c] at the sampler's K ids of each position, 0 elsewhere.
 
   c = head_coefficients(p_H, q_H), the tail folded into the head as in `topk_correction`; p_H = the learner's
   probabilities at the ids, read from its final hidden states h, head W and logsumexp lse [N, M] (the ghost
   forward's record) in one scan over vocab chunks (never [N, M, V] or [N, M, K, D]); q_H = exp(topk_logp).
-  Position m predicts token m + 1, so its ids are topk_ids[:, m + 1]; e = 0 where loss_mask_nt[:, m + 1] is 0.
+  The record covers the R response columns (Batch.topk_ids [N, R, K]): response token r is token column
+  T - R + r, predicted by position o + r with o = M - R, so only those R positions are read; e = 0 at the
+  positions before o and where the loss mask of the predicted token is 0. cut_nm [N, M] (support replay, the
+  head record's cuts, model/support.py; with the tokens tokens_nt): p_H = 0 at ids below a position's cut
+  (other than its token).
   """
   _check_ratio(max_ratio)
-  h, w = sg(h_btd)[:, :-1], sg(w).astype(spec.dtype)
-  ids = jnp.asarray(topk_ids_ntk, jnp.int32)[:, 1:]  # [N, M, K]
-  keep = jnp.asarray(loss_mask_nt)[:, 1:] != 0
+  ids = jnp.asarray(topk_ids_nrk, jnp.int32)  # [N, R, K]
+  o = h_btd.shape[1] - 1 - ids.shape[1]  # the first position predicting a response token
+  h, w = sg(h_btd)[:, o:-1], sg(w).astype(spec.dtype)  # [N, R, D]
+  lse_nm = lse_nm[:, o:]
+  if cut_nm is not None:
+    y_r, cut_r = jnp.asarray(tokens_nt, jnp.int32)[:, o + 1 :], sg(cut_nm)[:, o:]
+  keep = jnp.asarray(loss_mask_nt)[:, o + 1 :] != 0
+  before = lambda x: jnp.pad(x, ((0, 0), (o, 0)) + ((0, 0),) * (x.ndim - 2))  # [N, R, ...] -> [N, M, ...]
   v = lpm.vocab_size(w, spec)
   vc, nv = lpm.vocab_chunks(v, spec.vocab_chunk)
 
   def pick(lp_at, i):  # the learner's log-probs at the ids that fall in vocab chunk i
     start, _ = lpm.chunk_columns(i, v, vc)
-    lp = lpm.logits(h, lpm.vocab_slice(w, spec, start, vc), spec) - lse_nm[..., None]
-    got = jnp.take_along_axis(lp, jnp.clip(ids - start, 0, vc - 1), axis=-1)
+    lg = lpm.logits(h, lpm.vocab_slice(w, spec, start, vc), spec)
+    got_lg = jnp.take_along_axis(lg, jnp.clip(ids - start, 0, vc - 1), axis=-1)
+    got = got_lg - lse_nm[..., None]
+    if cut_nm is not None:  # support replay: p = 0 off the replayed support
+      got = jnp.where(support.keep(got_lg, ids, y_r, cut_r), got, -jnp.inf)
     return jnp.where((ids >= i * vc) & (ids < start + vc), got, lp_at), None
 
   lp_at, _ = jax.lax.scan(pick, jnp.zeros(ids.shape, _F32), jnp.arange(nv))
   lp_at = jnp.where(keep[..., None], lp_at, 0.0)
-  lq = jnp.where(keep[..., None], jnp.asarray(topk_logp_ntk, _F32)[:, 1:], 0.0)
+  lq = jnp.where(keep[..., None], jnp.asarray(topk_logp_nrk, _F32), 0.0)
   c, _ = head_coefficients(jnp.exp(lp_at), jnp.exp(lq), max_ratio)
+  c = jnp.where(jnp.isneginf(lp_at), 0.0, c)  # support replay: an id off the learner's support adds no term
   e = _masked_neg(c, keep)  # [N, M, K]
-  n_i, m_i = jnp.arange(ids.shape[0])[:, None, None], jnp.arange(ids.shape[1])[None, :, None]
+  n_i, m_i = jnp.arange(ids.shape[0])[:, None, None], o + jnp.arange(ids.shape[1])[None, :, None]
 
   def chunk(start, size, lp):  # e scattered onto the chunk's columns (the caller masks columns it does not own)
     local = ids - start
@@ -466,11 +499,11 @@ def topk_head_coefficients(
     def body(acc, k):
       return acc + jnp.where(ids[:, :, k, None] == ids_nk[:, None, :], e[:, :, k, None], 0.0), None
 
-    acc, _ = jax.lax.scan(body, jnp.zeros(lp.shape, _F32), jnp.arange(ids.shape[-1]))
-    return acc
+    acc, _ = jax.lax.scan(body, jnp.zeros(lp[:, o:].shape, _F32), jnp.arange(ids.shape[-1]))
+    return before(acc)
 
   masses = dict(p_head_mass=jnp.sum(jnp.exp(lp_at), -1), q_head_mass=jnp.sum(jnp.exp(lq), -1))
-  return grad_norms.HeadCoefficients(chunk, at, {k: jnp.where(keep, v, 0.0) for k, v in masses.items()})
+  return grad_norms.HeadCoefficients(chunk, at, {k: before(jnp.where(keep, v, 0.0)) for k, v in masses.items()})
 
 
 class StepCentering:
@@ -505,8 +538,8 @@ class StepCentering:
 class TopkCentering:
   """Score centering of one learner step from the sampler's top-k (pg.score_centering 'topk'): both paths.
 
-  batch["topk_ids"] int32 [N, T, K] and batch["topk_logp"] float32 [N, T, K]: row t holds the top-k ids of the
-  distribution the sampler drew token t from and their POST-filter log-probs (temperature, top-k / top-p
+  batch["topk_ids"] int32 [N, R, K] and batch["topk_logp"] float32 [N, R, K] (the R response columns, the last R
+  token columns): row r holds the top-k ids of the distribution the sampler drew response token r from and their POST-filter log-probs (temperature, top-k / top-p
   applied; sampler.SamplerConfig.record_topk). The tail outside them is modelled (`topk_correction`).
     logp_fn(params, batch) -> (logp_nt, corr_nt, diag): the vmap path, one forward of the current parameters;
       the learner's log-probs at the ids come from `head_logprobs_at` (dense [N, T, V] logits: small
@@ -526,7 +559,7 @@ class TopkCentering:
     missing = [k for k in self.KEYS if k not in batch]
     if missing:
       raise ValueError(
-        f"vcpo.score_centering='topk': the batch lacks {missing} ([N, T, K] from the sampler, "
+        f"vcpo.score_centering='topk': the batch lacks {missing} ([N, R, K] from the sampler, "
         "SamplerConfig.record_topk = vcpo.sc_topk)"
       )
 
@@ -538,16 +571,19 @@ class TopkCentering:
     positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
     model = nnx.merge(self.graphdef, params)
     h, _ = model(tokens, positions, mask, hidden=True)
-    logp = model.head_logprobs(h, tokens)
+    thr = batch.get("support_thr")  # support replay: p over the sampler's recorded support
+    logp = model.head_logprobs(h, tokens, thr)
     w, spec = _head(model)
-    head = head_logprobs_at(h, w, batch["topk_ids"], spec)
-    corr, diag = topk_correction(head, sg(batch["topk_logp"]), self.max_ratio, batch["loss_mask"])
+    t = tokens.shape[1]
+    head = head_logprobs_at(h, w, batch_lib.at_token_columns(batch["topk_ids"], t), spec, tokens, thr)
+    lq = batch_lib.at_token_columns(sg(batch["topk_logp"]), t)
+    corr, diag = topk_correction(head, lq, self.max_ratio, batch["loss_mask"])
     return logp, corr, diag
 
   def head_coefs(self, batch):
     self._check(batch)
-    ids, lq, mask, cap = batch["topk_ids"], batch["topk_logp"], batch["loss_mask"], self.max_ratio
-    return lambda h, w, lse, spec: topk_head_coefficients(h, w, lse, spec, ids, lq, mask, cap)
+    ids, lq, mask, cap, tok = batch["topk_ids"], batch["topk_logp"], batch["loss_mask"], self.max_ratio, batch["tokens"]
+    return lambda h, w, lse, spec, cut=None: topk_head_coefficients(h, w, lse, spec, ids, lq, mask, cap, cut, tok)
 
 
 def drift_rows(logp_nt, behavior_logp_nt, mask_nt, coef_abs_nt, kl_qp_nt=None, **head_masses_nt) -> dict:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax import sharding
+from vcpo_jax.model import support
 
 _F32 = jnp.float32
 
@@ -95,28 +96,51 @@ def _picked(lg: jax.Array, cols: jax.Array, y: jax.Array, live=None) -> jax.Arra
   return jnp.sum(jnp.where(hit, lg, 0.0), axis=-1)
 
 
-def _chunk_lse_and_target(h_c: jax.Array, y_c: jax.Array, w: jax.Array, spec: HeadSpec):
-  """(logsumexp [..., C], target logit [..., C]) of one token chunk, float32."""
+def _target_logit(h_c: jax.Array, y_c: jax.Array, w: jax.Array, spec: HeadSpec, v: int, vc: int, nv: int):
+  """The target logit [..., C] alone: one scan over the vocab chunks (support replay needs it before the lse)."""
+
+  @jax.checkpoint
+  def body(tgt, i):
+    start, live = chunk_columns(i, v, vc)
+    return tgt + _picked(logits(h_c, vocab_slice(w, spec, start, vc), spec), start + jnp.arange(vc), y_c, live), None
+
+  return jax.lax.scan(body, jnp.zeros(y_c.shape, _F32), jnp.arange(nv))[0]
+
+
+def _chunk_lse_and_target(h_c: jax.Array, y_c: jax.Array, w: jax.Array, spec: HeadSpec, thr_c=None):
+  """(logsumexp [..., C], target logit [..., C], cut [..., C] or None) of one token chunk, float32.
+
+  thr_c [..., C]: support replay (model/support.py): the logsumexp runs over S' = {v : logit_v >= cut} U {y},
+  cut = target logit + thr_c (with vocab chunks, the target logit takes a scan of its own first)."""
   v = vocab_size(w, spec)
   vc, nv = vocab_chunks(v, spec.vocab_chunk)
   if nv == 1:
     lg = logits(h_c, w, spec)
-    return jax.nn.logsumexp(lg, axis=-1), _picked(lg, jnp.arange(v), y_c)
+    tgt = _picked(lg, jnp.arange(v), y_c)
+    cut = None if thr_c is None else jax.lax.stop_gradient(support.cut(tgt, thr_c))
+    return jax.nn.logsumexp(support.masked(lg, jnp.arange(v), y_c, cut), axis=-1), tgt, cut
+  cut = None
+  if thr_c is not None:  # the support is fixed (no gradient through which tokens it holds)
+    cut = jax.lax.stop_gradient(support.cut(_target_logit(h_c, y_c, w, spec, v, vc, nv), thr_c))
 
   @jax.checkpoint
   def body(carry, i):
     m, s, tgt = carry
     start, live = chunk_columns(i, v, vc)
     lg = jnp.where(live, logits(h_c, vocab_slice(w, spec, start, vc), spec), -jnp.inf)
+    lg = support.masked(lg, start + jnp.arange(vc), y_c, cut)
     # Any m gives lse = m + log sum exp(l - m) exactly, so the running max carries no gradient.
     m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(lg, axis=-1)))
-    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(lg - m_new[..., None]), axis=-1)
+    shift = m_new
+    if cut is not None:  # chunks wholly outside the support leave m = -inf (and s = 0): shift those by 0
+      shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(lg - shift[..., None]), axis=-1)
     tgt = tgt + _picked(lg, start + jnp.arange(vc), y_c, live)
     return (m_new, s, tgt), None
 
   init = (jnp.full(y_c.shape, -jnp.inf, _F32), jnp.zeros(y_c.shape, _F32), jnp.zeros(y_c.shape, _F32))
   (m, s, tgt), _ = jax.lax.scan(body, init, jnp.arange(nv))
-  return m + jnp.log(s), tgt
+  return m + jnp.log(s), tgt, cut
 
 
 def is_dense(spec: HeadSpec, t: int, v: int) -> bool:
@@ -124,7 +148,9 @@ def is_dense(spec: HeadSpec, t: int, v: int) -> bool:
   return (spec.chunk <= 0 or spec.chunk >= t - 1) and vocab_chunks(v, spec.vocab_chunk)[1] == 1
 
 
-def head_logprobs(h_btd: jax.Array, w: jax.Array, tokens_bt: jax.Array, spec: HeadSpec, return_lse: bool = False):
+def head_logprobs(
+  h_btd: jax.Array, w: jax.Array, tokens_bt: jax.Array, spec: HeadSpec, return_lse: bool = False, support_thr=None
+):
   """Per-token log-probs [B, T] (logp[:, 0] = 0) of tokens under the head w applied to h.
 
   Args:
@@ -134,9 +160,12 @@ def head_logprobs(h_btd: jax.Array, w: jax.Array, tokens_bt: jax.Array, spec: He
     spec: chunking and dtype (HeadSpec).
     return_lse: also return the float32 logsumexp [B, T - 1] of each predicting position (what
       the ghost-norm head pass needs to rebuild softmax chunks).
+    support_thr: support replay (model/support.py): float32 [B, T - 1] thresholds per predicting position
+      (`support.position_thresholds` of the Batch's record); the softmax is renormalised over each position's
+      S' (lse is then S''s) and the absolute cuts [B, T - 1] come back too. None: the full softmax.
 
   Returns:
-    logp [B, T] float32, or (logp, lse) with return_lse.
+    logp [B, T] float32, or (logp, lse) with return_lse, or (logp, lse, cut) with return_lse and support_thr.
   """
   b, t, _ = h_btd.shape
   v = vocab_size(w, spec)
@@ -145,7 +174,11 @@ def head_logprobs(h_btd: jax.Array, w: jax.Array, tokens_bt: jax.Array, spec: He
   h_btd, w = sharding.tie(h_btd, w)
   w = w.astype(spec.dtype)
   h_m, y_m = h_btd[:, :-1], tokens_bt[:, 1:]
-  if is_dense(spec, t, v):
+  cut = None
+  if is_dense(spec, t, v) and support_thr is not None:
+    lse, tgt, cut = _chunk_lse_and_target(h_m, y_m, w, dataclasses.replace(spec, vocab_chunk=0), support_thr)
+    logp = tgt - lse
+  elif is_dense(spec, t, v):
     lg = logits(h_m, w, spec)  # [B, M, V]: today's path
     logp = jnp.take_along_axis(jax.nn.log_softmax(lg, axis=-1), y_m[..., None], axis=-1)[..., 0]
     lse = jax.nn.logsumexp(lg, axis=-1) if return_lse else None
@@ -156,14 +189,18 @@ def head_logprobs(h_btd: jax.Array, w: jax.Array, tokens_bt: jax.Array, spec: He
     pad = nc * c - m  # padded positions compute junk that is sliced off
     h_c = jnp.pad(h_m, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, c, -1).swapaxes(0, 1)  # [nC, B, C, D]
     y_c = jnp.pad(y_m, ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)  # [nC, B, C]
+    chunks = lambda x: jnp.pad(x, ((0, 0), (0, pad))).reshape(b, nc, c).swapaxes(0, 1)
+    thr_c = jnp.zeros(y_c.shape, _F32) if support_thr is None else chunks(jnp.asarray(support_thr, _F32))
 
     @jax.checkpoint
     def body(_, xs):
-      lse_c, tgt_c = _chunk_lse_and_target(xs[0], xs[1], w, spec)
-      return None, (tgt_c - lse_c, lse_c)
+      lse_c, tgt_c, cut_c = _chunk_lse_and_target(xs[0], xs[1], w, spec, None if support_thr is None else xs[2])
+      return None, (tgt_c - lse_c, lse_c, lse_c if cut_c is None else cut_c)
 
-    _, (logp, lse) = jax.lax.scan(body, None, (h_c, y_c))
-    logp = logp.swapaxes(0, 1).reshape(b, nc * c)[:, :m]
-    lse = lse.swapaxes(0, 1).reshape(b, nc * c)[:, :m]
+    _, (logp, lse, cut) = jax.lax.scan(body, None, (h_c, y_c, thr_c))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, nc * c)[:, :m]
+    logp, lse, cut = unchunk(logp), unchunk(lse), None if support_thr is None else unchunk(cut)
   logp = jnp.pad(logp, ((0, 0), (1, 0)))
-  return (logp, lse) if return_lse else logp
+  if not return_lse:
+    return logp
+  return (logp, lse) if support_thr is None else (logp, lse, cut)

@@ -153,20 +153,21 @@ def tap(name: str, info: TapInfo, a: Any, y: jax.Array) -> jax.Array:
 
 
 def tap_head(name: str, info: TapInfo, h: jax.Array, tokens: jax.Array, w: jax.Array, head_fn) -> jax.Array:
-  """The LM head's log-probs, head_fn(h, w, tokens, return_lse) -> logp [B, T] or (logp, lse).
+  """The LM head's log-probs, head_fn(h, w, tokens, return_lse) -> logp [B, T] or (logp, lse[, cut]).
 
-  Outside a recording: head_fn(h, w, tokens). While recording: stores {h, tokens, w, lse}; with
+  Outside a recording: head_fn(h, w, tokens). While recording: stores {h, tokens, w, lse[, cut]}; with
   perturbations, the log-probs come from stop_gradient(h) (see the module docstring, "head").
   """
   tape = _ACTIVE.get()
   if tape is None:
     return head_fn(h, w, tokens, False)
   if tape.perturbations is None or tape.sink is not None:  # shapes only, or the sink's differentiable head
-    logp, lse = head_fn(h, w, tokens, True)
+    logp, lse, *cut = head_fn(h, w, tokens, True)
     lse = jax.lax.stop_gradient(lse)
   else:
-    logp, lse = head_fn(jax.lax.stop_gradient(h), w, tokens, True)
-  _record(tape, name, info, {"h": h, "tokens": tokens, "w": w, "lse": lse})
+    logp, lse, *cut = head_fn(jax.lax.stop_gradient(h), w, tokens, True)
+  # cut: support replay's absolute logit cuts [B, T - 1] (model/support.py), when the head renormalises
+  _record(tape, name, info, {"h": h, "tokens": tokens, "w": w, "lse": lse, **({"cut": cut[0]} if cut else {})})
   return logp
 
 

@@ -30,7 +30,7 @@ from flax import nnx
 
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import attention as attn
-from vcpo_jax.model import logprobs, moe, quant, taps
+from vcpo_jax.model import logprobs, moe, quant, support, taps
 from vcpo_jax.model import rope as rope_lib
 from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.model.taps import TapInfo, forbid, tap, tap_head
@@ -401,15 +401,18 @@ class Transformer(nnx.Module):
     logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
     return logits.astype(jnp.float32), new_cache
 
-  def head_logprobs(self, h_btd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+  def head_logprobs(self, h_btd: jax.Array, tokens_bt: jax.Array, support_thr=None) -> jax.Array:
     """logp [B, T] of tokens from the final hidden states: the LM head + float32 log-softmax in
     chunks of `cfg.logprob_chunk` positions (and `cfg.logprob_vocab_chunk` vocab entries), never
-    [B, T, V] when chunked (vcpo_jax.model.logprobs). Tapped as kind "head" for ghost norms."""
+    [B, T, V] when chunked (vcpo_jax.model.logprobs). Tapped as kind "head" for ghost norms.
+    support_thr: None, or the sampler's support record [B, R] (Batch.support_thr): the softmax is renormalised
+    over each response token's recorded support (model/support.py)."""
     tied = self.lm_head is None
     w = self.embed_tokens.embedding[...] if tied else self.lm_head.kernel[...]
     param = self.embed_tokens.name if tied else self.lm_head.name
     spec = logprobs.HeadSpec(tied, self.cfg.logprob_chunk, self.cfg.logprob_vocab_chunk, self.cfg.compute_dtype)
-    fn = lambda h, w, tok, lse: logprobs.head_logprobs(h, w, tok, spec, return_lse=lse)
+    thr = None if support_thr is None else support.position_thresholds(support_thr, tokens_bt.shape[1])
+    fn = lambda h, w, tok, lse: logprobs.head_logprobs(h, w, tok, spec, return_lse=lse, support_thr=thr)
     if self.cfg.lora:  # a frozen head: not tapped, its dL/dh comes from plain autodiff
       return fn(h_btd, w, tokens_bt, False)
     return tap_head(param + "@head", TapInfo("head", param, spec=spec), h_btd, tokens_bt, w, fn)
@@ -465,27 +468,29 @@ def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
   return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
-def sequence_logprobs(graphdef, params, tokens_bt, valid_bt, expert_ids=None):
+def sequence_logprobs(graphdef, params, tokens_bt, valid_bt, support_thr=None, expert_ids=None):
   """Per-token log-probs [B, T] of full sequences (prompt + response) under the policy.
 
   Equals token_logprobs(forward(...)[0], tokens_bt) (to float32 rounding when chunked), without
-  the [B, T, V] logits: see Transformer.head_logprobs.
+  the [B, T, V] logits: see Transformer.head_logprobs (support_thr [B, R]: support replay).
 
-  expert_ids: an MoE model's routing record [B, T, L K] int (the Batch's, `replay_routing`), replayed when
-  cfg.routing_replay; ignored otherwise."""
+  expert_ids: an MoE model's routing record on the token columns [B, T, L K] int (the Batch's response-column
+  record placed by batch.at_token_columns, `replay_routing`), replayed when cfg.routing_replay; ignored
+  otherwise."""
   positions, mask = padded_positions_and_mask(valid_bt)
   model = nnx.merge(graphdef, params)
   with replay_routing(model.cfg, expert_ids):
     h, _ = model(tokens_bt, positions, mask, hidden=True)
-  return model.head_logprobs(h, tokens_bt)
+  return model.head_logprobs(h, tokens_bt, support_thr)
 
 
 def replay_routing(cfg: ModelConfig, expert_ids, force: bool | None = None):
   """The `moe.routing` context replaying a routing record, or a null context (dense, off, no record).
 
-  expert_ids: [B, T, L K] int, column t: the experts token t went through in each MoE layer as the sampler
-  ran it (layer-major, K per layer), -1 where nothing was recorded (prompt columns, the last response token):
-  those tokens take their own top-K. force: replay (True) or not (False) whatever cfg.routing_replay says.
+  expert_ids: [B, T, L K] int on the token columns (batch.at_token_columns of Batch.expert_ids [B, R, L K]),
+  column t: the experts token t went through in each MoE layer as the sampler ran it (layer-major, K per
+  layer), -1 where nothing was recorded (prompt columns, the last response token): those tokens take their own
+  top-K. force: replay (True) or not (False) whatever cfg.routing_replay says.
   """
   on = cfg.routing_replay if force is None else force
   if cfg.moe is None or expert_ids is None or not on:

@@ -208,20 +208,20 @@ class SamplerDiedError(SourceFailed):
   """The async sampler process exited while the learner depended on it."""
 
 
-def batch_schema(n: int, t: int, k: int = 0, r: int = 0) -> BatchSchema:
-  """The queue schema of one rollout Batch (vcpo_jax/batch.py): N rows, T columns (and the sampler's K top-k ids
-  per token, SamplerConfig.record_topk, and its R routing entries, sampler.routing_width), fixed shapes."""
-  return BatchSchema({f: Field(dtype, shape) for f, (dtype, shape) in batch_lib.schema(n, t, k, r).items()}, {})
+def batch_schema(n: int, t: int, k: int = 0, r: int = 0, support: bool = False, e: int = 0) -> BatchSchema:
+  """The queue schema of one rollout Batch (vcpo_jax/batch.py): N rows, T columns (and the sampler's per-token
+  records over the R response columns: K top-k ids, SamplerConfig.record_topk; the kept support,
+  SamplerConfig.record_support; E routing entries, sampler.routing_width), fixed shapes."""
+  fields = batch_lib.schema(n, t, k, r, support, e)
+  return BatchSchema({f: Field(dtype, shape) for f, (dtype, shape) in fields.items()}, {})
 
 
-def _recorded_routing(maker) -> int:
-  """R of the maker's training sampler (sampler.routing_width): the queue carries its MoE routing record."""
-  return routing_width(maker.sampler.cfg_model, maker.sampler.cfg)
-
-
-def _recorded_topk(maker) -> int:
-  """K of the maker's training sampler (SamplerConfig.record_topk): the queue carries its top-k record."""
-  return int(maker.sampler.cfg.record_topk)
+def maker_schema(maker, n: int) -> BatchSchema:
+  """`batch_schema` of n rows of the maker's batches: its T columns and its training sampler's records."""
+  cfg, scfg = maker.cfg, maker.sampler.cfg
+  t, r = cfg.max_prompt_len + cfg.max_new_tokens, cfg.max_new_tokens
+  e = routing_width(maker.sampler.cfg_model, scfg)  # the MoE routing record's entries per token (0: none)
+  return batch_schema(n, t, int(scfg.record_topk), r, bool(scfg.record_support), e=e)
 
 
 def token_lag_stats(step: int, token_version: np.ndarray) -> dict:
@@ -527,8 +527,7 @@ class AsyncSource(RolloutSource):
     self.key_data = np.asarray(jax.random.key_data(key))
     self.key_impl = str(jax.random.key_impl(key))
     n = maker.cfg.batch_size
-    t = maker.cfg.max_prompt_len + maker.cfg.max_new_tokens
-    self.schema = batch_schema(n, t, _recorded_topk(maker), _recorded_routing(maker))
+    self.schema = maker_schema(maker, n)
     # JSON metadata: per-row texts (escaped) and problem ids; the worker drops texts that do not fit.
     self.meta_bytes = 16384 + n * (8 * maker.cfg.max_new_tokens + 64)
     self.queue = self.proc = self.conn = None

@@ -108,8 +108,7 @@ class RolloutMaker:
         group_id=np.asarray(ro.group_id, np.int32),
         policy_version=np.where(ro.lengths > 0, oldest, version).astype(np.int32),
         token_version=pad(tv, -1),
-        **_topk_fields(ro, t_want),
-        **_routing_fields(ro, t_want),
+        **record_fields(ro, cfg.max_new_tokens),
       )
     )
     info = dict(
@@ -129,22 +128,28 @@ def _pad_to(a: np.ndarray, t: int, value=0) -> np.ndarray:
   return np.pad(a, ((0, 0), (0, t - a.shape[1])) + ((0, 0),) * (a.ndim - 2), constant_values=value)
 
 
-def _topk_fields(ro, t: int) -> dict:
-  """The Batch's topk_ids / topk_logp [N, T, K] (0 off the response) from the sampler's record, or {}."""
-  if ro.topk_ids is None:
-    return {}
-  on = ro.response_mask[..., None]
-  return dict(
-    topk_ids=_pad_to(np.where(on, ro.topk_ids, 0).astype(np.int32), t),
-    topk_logp=_pad_to(np.where(on, ro.topk_logp, 0.0).astype(np.float32), t),
-  )
+# The sampler's per-token records (sampler.record_fields) the Batch carries, and their value off the response.
+_RECORDS = (
+  ("topk_ids", np.int32, 0),
+  ("topk_logp", np.float32, 0.0),
+  ("support_thr", np.float32, -np.inf),
+  ("expert_ids", np.int16, -1),  # MoE routing (-1: the learner routes that token itself)
+)
 
 
-def _routing_fields(ro, t: int) -> dict:
-  """The Batch's expert_ids [N, T, L K] int16 (-1 where not recorded) from the sampler's record, or {}."""
-  if ro.expert_ids is None:
-    return {}
-  return {"expert_ids": _pad_to(ro.expert_ids.astype(np.int16), t, -1)}
+def record_fields(ro, r: int) -> dict:
+  """The Batch's per-token records over its R = r response columns (batch.TOPK_FIELDS, SUPPORT_FIELDS,
+  ROUTING_FIELDS) from the sampler's (Rollout fields [N, Tn, ...], Tn <= R: the last Tn token columns), each at
+  its fill off the response; {} without records."""
+  out = {}
+  for name, dtype, fill in _RECORDS:
+    x = getattr(ro, name)
+    if x is None:
+      continue
+    resp = ro.response_mask[:, ro.response_mask.shape[1] - x.shape[1] :]  # [N, Tn]
+    on = resp.reshape(resp.shape + (1,) * (x.ndim - 2))
+    out[name] = _pad_to(np.where(on, x, fill).astype(dtype), r, fill)
+  return out
 
 
 def lag_stats(step: int, versions: np.ndarray) -> dict:

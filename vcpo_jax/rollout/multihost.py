@@ -169,8 +169,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
     self.block = self.blocks[self.host]
     n_local = (self.block[1] - self.block[0]) * maker.cfg.group_size
     self.global_schema = self.schema  # AsyncSource's: N rows
-    t = maker.cfg.max_prompt_len + maker.cfg.max_new_tokens
-    self.schema = async_.batch_schema(n_local, t, async_._recorded_topk(maker), async_._recorded_routing(maker))
+    self.schema = async_.maker_schema(maker, n_local)
     self.meta_bytes = 16384 + n_local * (8 * maker.cfg.max_new_tokens + 64)
     for name, v in sampler_platform_env(cfg.sampler_devices, jax.default_backend()).items():
       self.env.setdefault(name, v)  # async_.sampler_env wins
