@@ -29,10 +29,10 @@ def _batch(replay: bool, seed=0):
     valid_mask=jnp.asarray(valid),
     loss_mask=jnp.asarray(resp, jnp.float32),
   )
-  if replay:  # other experts than the router's, on the response columns
+  if replay:  # other experts than the router's, on the response columns (the Batch's layout: [N, R, L K])
     L, K, E = CFG.num_layers, CFG.num_experts_per_tok, CFG.num_experts
     forced = np.stack([rng.permutation(E)[:K] for _ in range(N * T * L)]).reshape(N, T, L * K)
-    out["expert_ids"] = jnp.asarray(np.where(resp[..., None], forced, -1), jnp.int16)
+    out["expert_ids"] = jnp.asarray(np.where(resp[..., None], forced, -1)[:, P_LEN:], jnp.int16)
   return out
 
 

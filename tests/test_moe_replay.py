@@ -46,18 +46,20 @@ def test_sampler_records_routing_and_cache_equals_full_forward(decode):
   smp = S.Sampler(gd, CFG, S.SamplerConfig(**SMALL, record_routing=True, decode=decode, chunk_tokens=4))
   r = smp.generate(params, PROMPTS, jax.random.key(1), num_samples=2)
   n, t = r.tokens.shape
-  assert r.expert_ids.shape == (n, t, CFG.num_layers * 2) and r.expert_ids.dtype == np.int16
+  tn = SMALL["max_new_tokens"]  # the record covers the response columns only: [N, Tn, L K]
+  assert r.expert_ids.shape == (n, tn, CFG.num_layers * 2) and r.expert_ids.dtype == np.int16
+  experts = batch_lib.at_token_columns(r.expert_ids, t, fill=-1)  # [N, T, L K], prompt columns -1
   valid = r.prompt_mask | r.response_mask
   last = r.response_mask & ~np.pad(r.response_mask[:, 1:], ((0, 0), (0, 1)))  # each row's last response token
-  rec = r.expert_ids[..., 0] >= 0
+  rec = experts[..., 0] >= 0
   np.testing.assert_array_equal(rec, r.response_mask & ~last)
-  assert (r.expert_ids[~rec] == -1).all()
+  assert (experts[~rec] == -1).all()
   with moe.routing() as own:
     tf.sequence_logprobs(gd, params, jnp.asarray(r.tokens), jnp.asarray(valid))
   full = np.moveaxis(np.asarray(own.expert_ids), 0, 2).reshape(n, t, -1)  # [N, T, L K]
-  np.testing.assert_array_equal(np.sort(r.expert_ids[rec].reshape(-1, 2), -1), np.sort(full[rec].reshape(-1, 2), -1))
+  np.testing.assert_array_equal(np.sort(experts[rec].reshape(-1, 2), -1), np.sort(full[rec].reshape(-1, 2), -1))
   for replay in (False, True):
-    logp = _logp(params, r.tokens, valid, jnp.asarray(r.expert_ids), replay)
+    logp = _logp(params, r.tokens, valid, jnp.asarray(experts), replay)
     np.testing.assert_allclose(np.where(r.response_mask, logp, 0.0), r.behavior_logp, atol=2e-5)
 
 
@@ -76,8 +78,10 @@ def test_replay_equals_behaviour_where_own_routing_differs():
   mu = _logp(params, tokens, valid, jnp.asarray(experts), replay=True)  # the "sampler's" run
   replayed = _logp(params, tokens, valid, jnp.asarray(experts), replay=True)
   own = _logp(params, tokens, valid, jnp.asarray(experts), replay=False)
-  # The learner's own step: make_logp_fn reads the batch's record (model.routing_replay on in CFG).
-  batch = {"tokens": jnp.asarray(tokens), "valid_mask": jnp.asarray(valid), "expert_ids": jnp.asarray(experts)}
+  # The learner's own step: make_logp_fn reads the batch's record over the R = 7 response columns [N, R, L K]
+  # (model.routing_replay on in CFG) and places it on the token columns.
+  experts_nre = experts[:, 5:]
+  batch = {"tokens": jnp.asarray(tokens), "valid_mask": jnp.asarray(valid), "expert_ids": jnp.asarray(experts_nre)}
   step_logp = np.asarray(learner.make_logp_fn(gd)(params, batch))
   loss = np.pad(resp[:, 1:], ((0, 0), (1, 0))) & resp  # tokens whose prediction saw replayed positions
   np.testing.assert_allclose(replayed[loss], mu[loss], atol=1e-6)
@@ -88,7 +92,7 @@ def test_replay_equals_behaviour_where_own_routing_differs():
     "valid_mask": valid,
     "loss_mask": loss,
     "behavior_logp": np.where(loss, mu, 0.0),
-    "expert_ids": experts,
+    "expert_ids": experts_nre,
   }
   m = jax.jit(learner.routing_replay_metrics, static_argnums=0)(gd, params, full)
   assert float(m["moe/route_mismatch"]) > 0.5  # random expert sets: most differ from the router's top-2
@@ -102,20 +106,24 @@ def test_dense_model_ignores_the_record_and_metrics_are_empty():
   tokens = jnp.ones((2, 6), jnp.int32)
   valid = jnp.ones((2, 6), bool)
   experts = jnp.zeros((2, 6, 4), jnp.int16)
-  a = tf.sequence_logprobs(gd, params, tokens, valid, experts)
+  a = tf.sequence_logprobs(gd, params, tokens, valid, expert_ids=experts)
   np.testing.assert_array_equal(a, tf.sequence_logprobs(gd, params, tokens, valid))
-  assert learner.routing_replay_metrics(gd, params, {"tokens": tokens, "expert_ids": experts}) == {}
+  batch = {"tokens": tokens, "expert_ids": experts[:, 3:]}  # the Batch's layout: response columns [N, R, E]
+  assert learner.routing_replay_metrics(gd, params, batch) == {}
 
 
 def test_batch_carries_the_routing_record():
-  n, t, r = 4, 6, 6
+  n, t, r, e = 4, 6, 4, 6  # E routing entries per token over the R response columns
   arrays = {k: np.zeros(batch_lib.shape(k, n, t), d) for k, (d, _) in batch_lib.FIELDS.items()}
-  arrays["expert_ids"] = np.full((n, t, r), -1, np.int32)
+  arrays["expert_ids"] = np.full((n, r, e), -1, np.int32)
   b = batch_lib.Batch.from_arrays(arrays)
-  assert b.routing == r and b.expert_ids.dtype == np.int16 and "expert_ids" in b.device() and "expert_ids" in dict(b)
-  assert batch_lib.schema(n, t, r=r)["expert_ids"] == (np.int16, (n, t, r))
+  assert b.routing == e and b.r == r and b.expert_ids.dtype == np.int16
+  assert "expert_ids" in b.device() and "expert_ids" in dict(b)
+  assert batch_lib.schema(n, t, r=r, e=e)["expert_ids"] == (np.int16, (n, r, e))
   assert "expert_ids" not in batch_lib.schema(n, t)
-  with pytest.raises(ValueError, match="R >= 1"):
-    batch_lib.Batch.from_arrays({**arrays, "expert_ids": np.zeros((n, t, 0), np.int16)})
+  with pytest.raises(ValueError, match="E >= 1"):
+    batch_lib.Batch.from_arrays({**arrays, "expert_ids": np.zeros((n, r, 0), np.int16)})
+  with pytest.raises(ValueError, match="R < T"):  # the record covers the response columns only
+    batch_lib.Batch.from_arrays({**arrays, "expert_ids": np.zeros((n, t, e), np.int16)})
   leaves = jax.tree.leaves(b)
   assert any(x.dtype == np.int16 for x in leaves)  # a pytree leaf: it travels wherever the Batch goes
