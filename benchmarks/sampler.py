@@ -12,7 +12,9 @@ tokens + attention (4 x layers x heads x head_dim x context per token) and bytes
 parameters plus the KV cache read (and written) per pass; `roofline` = that time / the
 measured time (1.0 = as fast as the machine allows).
 
-Both sides get the same tiny Qwen2 config and weights (a random transformers
+Our sampler holds the weights as a run does (`--param_dtype`, default "auto": bf16 on accelerators, float32
+on CPU, where XLA computes bf16 dots in float32 and a run keeps float32), and the roofline counts the bytes
+of the weights as held. Both sides get the same tiny Qwen2 config and weights (a random transformers
 Qwen2ForCausalLM, copied into our model with `hf_io.params_from_hf`; the logits
 difference is printed), the same prompts (no padding), the same sampling settings,
 and always generate exactly `--new` tokens (no EOS). `--draws` also times the
@@ -129,15 +131,19 @@ def measure_roofline(dim: int = 2048, copy_mib: int = 256, repeats: int = 5) -> 
   return dict(peak_flops=2 * dim**3 / t_dot, bandwidth=2 * src.nbytes / t_copy)
 
 
-def roofline_seconds(cfg, batch: int, prompt: int, new: int, peak_flops: float, bandwidth: float, param_bytes=4):
-  """Lower bound on one generate call: per pass max(FLOPs / peak, bytes / bandwidth), summed (see docstring)."""
+def roofline_seconds(cfg, batch: int, prompt: int, new: int, peak_flops: float, bandwidth: float, weight_bytes=None):
+  """Lower bound on one generate call: per pass max(FLOPs / peak, bytes / bandwidth), summed (see docstring).
+
+  weight_bytes: the parameters as the sampler holds them (default: float32, 4 bytes each); the KV cache is in
+  the model's compute dtype."""
   n, l, kvh = cfg.num_params, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim
   qh = cfg.num_heads * cfg.head_dim
-  kv_bytes_per_token = 2 * l * kvh * 4  # k and v, float32 cache
+  kv_bytes_per_token = 2 * l * kvh * jnp.dtype(cfg.compute_dtype).itemsize  # k and v
+  weight_bytes = 4 * n if weight_bytes is None else weight_bytes
 
   def one_pass(tokens_per_row: int, context: int) -> float:
     flops = batch * tokens_per_row * (2 * n + 4 * l * qh * context)
-    data = n * param_bytes + batch * kv_bytes_per_token * (context + tokens_per_row)
+    data = weight_bytes + batch * kv_bytes_per_token * (context + tokens_per_row)
     return max(flops / peak_flops, data / bandwidth)
 
   t = one_pass(prompt, prompt // 2)  # prefill: causal, mean context prompt / 2
@@ -199,6 +205,11 @@ def main(argv=None):
   ap.add_argument("--settings", default="temp1.0")
   ap.add_argument("--draws", default="inverse_cdf", help="SamplerConfig.draw values to time (e.g. inverse_cdf,gumbel)")
   ap.add_argument("--threads", type=int, default=os.cpu_count(), help="cores (and torch threads) for BOTH sides")
+  ap.add_argument(
+    "--param_dtype",
+    default="auto",
+    help="SamplerConfig.param_dtype of our sampler: auto (as a run: bf16 on accelerators, float32 on CPU)",
+  )
   ap.add_argument("--choice", action="store_true", help="only time the token choice (batch x the model's vocab)")
   ap.add_argument(
     "--devices",
@@ -258,10 +269,13 @@ def main(argv=None):
           new_token_buckets=(tn,),
           batch_buckets=(b,),
           mesh_shape=(args.devices, 1, 1),
+          param_dtype=args.param_dtype,
         ),
         mesh=mesh,
       )
-      ours_params = smp.prepare_params(params)  # placed (replicated) on the sampler's mesh once, as a sampler does
+      # Cast and placed (replicated) on the sampler's mesh once, as a sampler does with a published version.
+      ours_params = smp.prepare_params(params)
+      weight_bytes = sum(x.nbytes for x in jax.tree.leaves(ours_params))
       prompt_lists = prompts.tolist()
       key = jax.random.key(0)
       t0 = time.perf_counter()
@@ -293,7 +307,7 @@ def main(argv=None):
       t_ours, t_hf = interleaved(lambda: smp.generate(ours_params, prompt_lists, key), hf_generate, args.rounds)
       ratios = [h / o for o, h in zip(t_ours, t_hf)]
       ours, theirs = float(np.median(t_ours)), float(np.median(t_hf))
-      t_roof = roofline_seconds(cfg, b, tp, tn, roof["peak_flops"], roof["bandwidth"])
+      t_roof = roofline_seconds(cfg, b, tp, tn, roof["peak_flops"], roof["bandwidth"], weight_bytes)
       rows.append(
         dict(
           model=model_name,
@@ -314,6 +328,7 @@ def main(argv=None):
           hf_tok_s=b * tn / theirs,
           threads=args.threads,
           devices=args.devices,
+          param_dtype=str(jax.tree.leaves(ours_params)[0].dtype),
           ours_round_s=t_ours,
           hf_round_s=t_hf,
           speedup=float(np.median(ratios)),

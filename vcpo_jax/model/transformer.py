@@ -47,8 +47,8 @@ def _INIT(key, shape, dtype):
 
 AttentionMask = attn.AttentionMask  # the mask type `forward` takes (re-exported for callers)
 
-# A KV cache (k [B, K, H, S], v [B, K, S, H]) in the compute dtype (the layout: attention.py): one layer's
-# inside the scanned blocks; the model's is stacked over layers, (k [L, B, K, H, S], v [L, B, K, S, H]).
+# The KV cache in the compute dtype (the layout: attention.py), stacked over layers: (k [L, B, K, H, S],
+# v [L, B, K, S, H]). The scanned blocks carry it whole and each writes its own layer in place.
 LayerCache = tuple[jax.Array, jax.Array]
 
 
@@ -182,7 +182,10 @@ class Attention(nnx.Module):
     self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
     self.implementation, self.chunk = cfg.attention, cfg.attention_chunk
 
-  def __call__(self, x_btd, positions_bt, mask, cache: LayerCache | None, cache_index):
+  def __call__(self, x_btd, positions_bt, mask, cache: LayerCache | None, cache_index, layer=None):
+    """cache: None, or the stacked cache of every layer (k [L, B, K, H, S], v [L, B, K, S, H]) of which this
+    block is layer `layer` (an int32 scalar: the scan's index); the keys go in at (layer, cache_index) in
+    place and the stacked cache is returned (see `_run_layers`)."""
     b, t, _ = x_btd.shape
     n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
     q = self.q_proj(x_btd).reshape(b, t, n, h)
@@ -197,12 +200,16 @@ class Attention(nnx.Module):
     if cache is None:
       out = attn.attention(q, kk, vv, mask, **kw)
     else:
-      ck, cv = cache  # keys [B, K, H, S], values [B, K, S, H] (the cache layout, attention.py)
-      kk, vv = kk.astype(ck.dtype), vv.astype(cv.dtype)
-      ck = jax.lax.dynamic_update_slice(ck, jnp.transpose(kk, (0, 2, 3, 1)), (0, 0, 0, cache_index))
-      cv = jax.lax.dynamic_update_slice(cv, jnp.transpose(vv, (0, 2, 1, 3)), (0, 0, cache_index, 0))
-      ck, cv = sh.constrain(ck, sh.CACHE_BK), sh.constrain(cv, sh.CACHE_BK)
-      cache = (ck, cv)
+      ck_all, cv_all = cache  # keys [L, B, K, H, S], values [L, B, K, S, H] (the cache layout, attention.py)
+      kk, vv = kk.astype(ck_all.dtype), vv.astype(cv_all.dtype)
+      ck_all = jax.lax.dynamic_update_slice(
+        ck_all, jnp.transpose(kk, (0, 2, 3, 1))[None], (layer, 0, 0, 0, cache_index)
+      )
+      cv_all = jax.lax.dynamic_update_slice(
+        cv_all, jnp.transpose(vv, (0, 2, 1, 3))[None], (layer, 0, 0, cache_index, 0)
+      )
+      cache = (sh.constrain(ck_all, sh.CACHE_LBK), sh.constrain(cv_all, sh.CACHE_LBK))
+      ck, cv = (sh.constrain(jax.lax.dynamic_index_in_dim(c, layer, 0, False), sh.CACHE_BK) for c in cache)
       first = isinstance(cache_index, int) and cache_index == 0  # static slot 0: this call's keys are the prefix
       if not isinstance(mask, attn.AttentionMask):  # an explicit [B, T, S] mask over the whole cache
         if first and t == ck.shape[3]:  # the whole cache written now (recompute_kv)
@@ -250,10 +257,11 @@ class Block(nnx.Module):
       self.mlp = moe.MoEBlock(cfg.hidden_size, spec, name=f"{name}.mlp", dtype=dt, rngs=rngs, matmul=cfg.moe_matmul)
     self.sparse = spec is not None
 
-  def __call__(self, x, positions_bt, mask, cache, cache_index, recorded=None, replay=None):
+  def __call__(self, x, positions_bt, mask, cache, cache_index, layer=None, recorded=None, replay=None):
     """(x, cache, routing): routing is None for a dense block, else (expert_ids [B, T, K], router_logits
-    [B, T, E]) of its MoE block, which replays `recorded` [B, T, K] where `replay` [B, T] (moe.MoEBlock)."""
-    a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask, cache, cache_index)
+    [B, T, E]) of its MoE block, which replays `recorded` [B, T, K] where `replay` [B, T] (moe.MoEBlock).
+    cache, layer: the stacked cache and this block's layer in it (Attention)."""
+    a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask, cache, cache_index, layer)
     x = sh.constrain(x + a, sh.RESIDUAL_BTD)
     h = self.post_attention_layernorm(x)
     if self.sparse:
@@ -318,14 +326,14 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
   recorded = None if routing is None else routing.recorded
   replay = None if routing is None else routing.replay
 
-  def run(state, x, perts, sink_s, cache, rec):
+  def run(state, x, perts, sink_s, cache, layer, rec):
     block = nnx.merge(graphdef, state)
     if tape is None:
-      y, c, routed = block(x, positions_bt, mask, cache, cache_index, rec, replay)
+      y, c, routed = block(x, positions_bt, mask, cache, cache_index, layer, rec, replay)
       return y, c, routed, []
     sink = None if sink_s is None else taps.Sink(sink_s, tape.sink.norm)
     with taps.recording(perts, sink) as inner:
-      y, c, routed = block(x, positions_bt, mask, cache, cache_index, rec, replay)
+      y, c, routed = block(x, positions_bt, mask, cache, cache_index, layer, rec, replay)
     # Each distinct input once (q / k / v share theirs, as do gate / up): one stacked output per array.
     uniq = {id(a): a for a in inner.inputs.values()}
     slot = {name: list(uniq).index(id(a)) for name, a in inner.inputs.items()}
@@ -336,12 +344,18 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
   if cache is None and policy is not None:
     run = jax.checkpoint(run, policy=policy)
 
-  def step(x, xs):
-    state_l, perts_l, cache_l, rec_l = xs
-    y, c, routed, inputs = run(state_l, x, perts_l, sink_s, cache_l, rec_l)
-    return y, (c, routed, inputs)
+  # The stacked cache rides in the carry, each layer writing its new keys into it in place. As a scanned input
+  # and output (one layer's slice per step) XLA:CPU copied every layer's slice in, then out, then the whole
+  # cache once more per call: ~5 cache-sized copies per decode step, more memory traffic than the weights.
+  def step(carry, xs):
+    x, cache = carry
+    state_l, perts_l, layer, rec_l = xs
+    y, cache, routed, inputs = run(state_l, x, perts_l, sink_s, cache, layer, rec_l)
+    return (y, cache), (routed, inputs)
 
-  x, (new_cache, routed, inputs) = _loop(step, x, (state, perts, cache, recorded), cfg.scan_layers)
+  layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+  xs = (state, perts, layer_ids, recorded)
+  (x, new_cache), (routed, inputs) = _loop(step, (x, cache), xs, cfg.scan_layers)
   if routing is not None:
     routing.expert_ids, routing.router_logits = routed  # [L, B, T, K], [L, B, T, E]
   if tape is not None:

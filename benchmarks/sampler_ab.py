@@ -1,0 +1,197 @@
+"""`Sampler.generate` of this tree against an older tree, interleaved: the decode loop's before / after.
+
+    python -m benchmarks.sampler_ab --base=ef5c2fb                  # 10M model, batch 64, prompt 32, new 128
+    python -m benchmarks.sampler_ab --base=ef5c2fb --rounds=7 --calls=2 --threads=2
+
+Each tree runs in its own worker process (`git archive <base>` unpacked into a temporary directory, as
+`benchmarks.learner_step` does), pinned to the same `--threads` cores, with the same model (the tree's own
+`benchmarks.sampler.MODELS[--model]`, random weights of `transformer.init(seed 0)`), the same prompts, key and
+`SamplerConfig` as `benchmarks.sampler` builds (temperature 1, no EOS: every row draws all `--new` tokens,
+param_dtype `--param_dtype`). Both compile and warm up first; each round then asks every worker in turn (the
+order rotates) to time `--calls` generate calls, and the round's ratio is median(base) / median(this) (> 1:
+this tree is faster). The roofline (`benchmarks.sampler.measure_roofline`, `roofline_seconds`) is measured
+once in the driver before the rounds, so each tree's fraction of it uses the same yardstick. Both trees must
+draw the same tokens (checked: same seed, logits equal up to float rounding). Reported: median and range of
+the per-round ratios, each tree's roofline fraction, the load average before and after. The last line is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- worker (one tree)
+
+
+def _worker(args):
+  if hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
+  sys.path.insert(0, args.tree)
+  os.chdir(args.tree)
+  import jax
+  import numpy as np
+
+  from benchmarks import sampler as bench
+  from vcpo_jax import sampler as S
+  from vcpo_jax.model import transformer
+
+  cfg = bench.MODELS[args.model]()
+  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  b, tp, tn = args.batch, args.prompt, args.new
+  scfg = S.SamplerConfig(
+    temperature=1.0,
+    eos_id=None,
+    max_new_tokens=tn,
+    prompt_buckets=(tp,),
+    new_token_buckets=(tn,),
+    batch_buckets=(b,),
+    param_dtype=args.param_dtype,
+  )
+  smp = S.Sampler(graphdef, cfg, scfg)
+  params = smp.prepare_params(params)
+  prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (b, tp)).tolist()
+  key = jax.random.key(0)
+  t0 = time.perf_counter()
+  out = smp.generate(params, prompts, key)
+  first = time.perf_counter() - t0
+  smp.generate(params, prompts, key)  # warm-up
+  ready = {"ready": True, "first_call_s": first, "tokens": out.tokens.tolist(), "logp": out.behavior_logp.tolist()}
+  print(json.dumps(ready), flush=True)
+  for line in sys.stdin:
+    times = []
+    for _ in range(int(line.split()[1])):
+      t0 = time.perf_counter()
+      smp.generate(params, prompts, key)  # returns host arrays: the call has ended
+      times.append(time.perf_counter() - t0)
+    print(json.dumps({"times_s": times}), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _start(tree: str, args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=tree)
+  env.pop("XLA_FLAGS", None)  # one CPU device, as benchmarks.sampler runs without --devices
+  flags = [f"--{k}={getattr(args, k)}" for k in ("model", "batch", "prompt", "new", "threads", "param_dtype")]
+  cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--tree={tree}", *flags]
+  return subprocess.Popen(cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _read(proc) -> dict:
+  for line in proc.stdout:
+    if line.startswith("{"):
+      return json.loads(line)
+  raise RuntimeError(f"worker exited with {proc.wait()} (see its stderr above)")
+
+
+def _parser():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--base", default="ef5c2fb", help="git commit of the older tree")
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--calls", type=int, default=2, help="generate calls timed per worker per round")
+  p.add_argument("--model", default="10m")
+  p.add_argument("--batch", type=int, default=64)
+  p.add_argument("--prompt", type=int, default=32)
+  p.add_argument("--new", type=int, default=128)
+  p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores of each worker (the same ones)")
+  p.add_argument("--param_dtype", default="auto", help="SamplerConfig.param_dtype (auto: as a run; CPU float32)")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--tree", default="", help=argparse.SUPPRESS)
+  return p
+
+
+def _rounds(procs: dict, rounds: int, calls: int) -> dict:
+  times = {k: [] for k in procs}
+  names = list(procs)
+  for r in range(rounds):
+    for k in names[r % 2 :] + names[: r % 2]:
+      procs[k].stdin.write(f"run {calls}\n")
+      procs[k].stdin.flush()
+      times[k].append(_read(procs[k])["times_s"])
+  return times
+
+
+def main(argv=None):
+  args = _parser().parse_args(argv)
+  if args.worker:
+    return _worker(args)
+  if hasattr(os, "sched_setaffinity"):  # the roofline on the workers' cores
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
+  import numpy as np
+
+  from benchmarks import sampler as bench
+
+  git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+  base, head = git("rev-parse", "--short", args.base), git("rev-parse", "--short", "HEAD")
+  cfg = bench.MODELS[args.model]()
+  load_start = os.getloadavg()
+  roof = bench.measure_roofline()
+  t_roof = bench.roofline_seconds(cfg, args.batch, args.prompt, args.new, roof["peak_flops"], roof["bandwidth"])
+  with tempfile.TemporaryDirectory(prefix="sampler_ab_") as tmp:
+    old_tree = os.path.join(tmp, base)
+    os.makedirs(old_tree)
+    archive = subprocess.run(["git", "archive", base], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", old_tree], input=archive, check=True)
+    procs = {"this": _start(ROOT, args), "base": _start(old_tree, args)}
+    try:
+      info = {k: _read(pr) for k, pr in procs.items()}  # both compiled and warm
+      load_before = os.getloadavg()
+      times = _rounds(procs, args.rounds, args.calls)
+      load_after = os.getloadavg()
+    finally:
+      for pr in procs.values():
+        pr.stdin.close()
+        pr.wait(timeout=60)
+  med = {k: [statistics.median(x) for x in v] for k, v in times.items()}
+  ratios = [b / t for t, b in zip(med["this"], med["base"])]
+  frac = {k: [t_roof / x for x in v] for k, v in med.items()}
+  tok = {k: np.asarray(v["tokens"]) for k, v in info.items()}
+  dlogp = float(np.abs(np.asarray(info["this"]["logp"]) - np.asarray(info["base"]["logp"])).max())
+  out = {
+    "benchmark": "sampler_ab",
+    "this": head,
+    "base": base,
+    "model": args.model,
+    "batch": args.batch,
+    "prompt": args.prompt,
+    "new": args.new,
+    "threads": args.threads,
+    "param_dtype": args.param_dtype,
+    "rounds": args.rounds,
+    "calls": args.calls,
+    "peak_flops": roof["peak_flops"],
+    "bandwidth": roof["bandwidth"],
+    "roofline_s": t_roof,
+    "median_generate_s": {k: statistics.median(v) for k, v in med.items()},
+    "roofline_fraction": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in frac.items()},
+    "speedup_base_over_this": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+    "per_round_ratios": ratios,
+    "same_tokens": bool(np.array_equal(tok["this"], tok["base"])),
+    "behavior_logp_max_abs_diff": dlogp,
+    "first_call_s": {k: v["first_call_s"] for k, v in info.items()},
+    "load_avg": [load_start[0], load_before[0], load_after[0]],
+  }
+  f, s = out["roofline_fraction"], out["speedup_base_over_this"]
+  print(
+    f"generate B={args.batch} Tp={args.prompt} Tn={args.new} ({args.model}, {args.threads} threads): this {head} "
+    f"{out['median_generate_s']['this']:.2f} s, roofline {f['this']['median']:.2f} ({f['this']['min']:.2f}-"
+    f"{f['this']['max']:.2f}); base {base} {out['median_generate_s']['base']:.2f} s, roofline "
+    f"{f['base']['median']:.2f} ({f['base']['min']:.2f}-{f['base']['max']:.2f}); speedup {s['median']:.2f}x "
+    f"({s['min']:.2f}-{s['max']:.2f}) over {args.rounds} rounds; same tokens {out['same_tokens']}, "
+    f"|dlogp| {dlogp:.1e}; load {load_start[0]:.1f} -> {load_after[0]:.1f}"
+  )
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()
