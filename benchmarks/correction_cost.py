@@ -82,14 +82,14 @@ def build(names):
     spec = _spec(preset, fields)
     tx = spec.optim.build(total_steps=spec.steps)  # as trainer.run builds it
     b = dict(batch)
-    if k := spec.learner.pg.sc_topk:  # the record a temperature-1 sampler of the behaviour version makes
+    if k := spec.learner.method.record_topk:  # the record a temperature-1 sampler of the behaviour version makes
       cfg = sampler.SamplerConfig(record_topk=k)
       ids, lq = jax.vmap(functools.partial(sampler.sampled_topk, cfg=cfg))(logits)
       pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1)  # row t: drawn at t - 1
       on = batch["loss_mask"][..., None] != 0
       resp = lambda x: x[:, 1:]  # the Batch's records cover response columns: here every column but the first
       b.update(topk_ids=resp(jnp.where(on, pad(ids), 0)), topk_logp=resp(jnp.where(on, pad(lq), 0.0)))
-    args = (b, behaviour) if spec.learner.pg.score_centering == "exact" else (b,)
+    args = (b, behaviour) if (spec.learner.method.centering or ("",))[0] == "exact" else (b,)
     step = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
     state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
     cost = step.lower(state, *args).compile().cost_analysis()

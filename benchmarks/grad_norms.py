@@ -215,7 +215,7 @@ def run_t(graphdef, params, logp_fn, cfg, t, n, group, rounds, method, extra):
       b["rewards"],
       b["group_id"],
       None,
-      estimator.pg_config_from_preset("seq_tis"),
+      estimator.method_from_preset("seq_tis"),
     )
   )(params, batch)
   steps = {
@@ -279,7 +279,7 @@ def run_t(graphdef, params, logp_fn, cfg, t, n, group, rounds, method, extra):
 
 def memory_table(args):
   """Compiled temp bytes (no run) of the VCPO step and value_and_grad, 1 layer, dense vs chunked head."""
-  cfg = estimator.pg_config_from_preset("vcpo")
+  cfg = estimator.method_from_preset("vcpo")
   # The budget steers the plan (kept gradients, vocab chunks of the head); older trees lack it.
   has_budget = "memory_budget_bytes" in inspect.signature(learner.policy_gradient("ghost")).parameters
   budget = dict(memory_budget_bytes=args.memory_budget) if has_budget else {}
@@ -373,7 +373,7 @@ def main(argv=None):
   graphdef, params = tf.split(tf.init(cfg_m, seed=0))
   n_params = sum(x.size for x in jax.tree.leaves(params))
   logp_fn = gn.sequence_logp_fn(graphdef)
-  cfg = estimator.pg_config_from_preset("vcpo")
+  cfg = estimator.method_from_preset("vcpo")
   extra = {x for x in args.extra.split(",") if x}
   if args.cost:
     return cost_table(args, graphdef, params, logp_fn, cfg)

@@ -343,7 +343,7 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   batch_sh = sharding.batch_sharding(mesh)
   t = setting.t
   # The learner's device batch, from the one Batch definition (vcpo_jax/batch.py).
-  k_top = spec.learner.pg.sc_topk
+  k_top = spec.learner.method.record_topk
   keys = batch_lib.DEVICE_KEYS + (tuple(batch_lib.TOPK_FIELDS) if k_top else ())
   r = spec.rollout.max_new_tokens  # the records cover the response columns only
   # MoE routing replay: the sampler's record [N, R, L K] int16 rides in the batch (and the moe/ metrics run)
@@ -351,7 +351,7 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   keys += tuple(batch_lib.ROUTING_FIELDS) if e else ()
   abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t, k_top, r, e=e).items() if k in keys}
   # exact score centering: the behaviour version (laid out as the parameters) is an input too, as trainer.run jits it
-  behaviour = (abs_state.params,) if spec.learner.pg.score_centering == "exact" else ()
+  behaviour = (abs_state.params,) if (spec.learner.method.centering or ("",))[0] == "exact" else ()
   behaviour_sh = (state_sh.params,) if behaviour else ()
   step = jax.jit(
     learner.make_train_step(graphdef, tx, learner_config(spec, mesh, n, setting.model_cfg, setting.t)),

@@ -16,13 +16,13 @@ import ml_collections
 
 from vcpo_jax import estimator, schema
 from vcpo_jax.model import config as model_config
-from vcpo_jax.rl.surrogate import PGConfig
+from vcpo_jax.rl import flat
 from vcpo_jax.run_spec import RunConfig
 
 __all__ = ["VCPO_COMMENTS", "field_comments", "get_base_config", "help_text", "leaves", "vcpo_comments"]
 
 leaves = schema.leaves
-VCPO_COMMENTS = schema.field_comment_lines(PGConfig)  # the comment on each PGConfig field's line
+VCPO_COMMENTS = schema.field_comment_lines(flat.Overrides)  # the comment on each flat vcpo.* name's line
 
 # Fields chosen by name from an estimator registry: --config_help lists the registry's current names.
 VCPO_CHOICES = {
@@ -43,7 +43,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
 
 def vcpo_comments() -> dict[str, str]:
-  """{PGConfig field: one-line comment}: the comment on its line in PGConfig, followed by the registry's names
+  """{vcpo.* name: one-line comment}: the comment on its line in rl.flat.Overrides, then the registry's names
   for a field chosen by name (VCPO_CHOICES)."""
   out = {}
   for name, text in schema.comments(RunConfig).items():
@@ -86,12 +86,12 @@ def field_comments(config_file: str | None = None) -> dict[str, str]:
 
 
 def _effective(c: ml_collections.ConfigDict) -> dict[str, tuple]:
-  """{placeholder path: (the value in effect, its source)}: the method preset's PGConfig fields, and the model
-  preset's sizes when no checkpoint is given."""
+  """{placeholder path: (the value in effect, its source)}: the method preset's live vcpo.* names (rl.flat.live:
+  those that mean something for it), and the model preset's sizes when no checkpoint is given."""
   out = {}
   if c.get("method") in estimator.PRESETS:
-    pg = estimator.pg_config_from_preset(c.method)
-    out.update({f"vcpo.{k}": (getattr(pg, k), c.method) for k in c.vcpo})
+    method = estimator.method_from_preset(c.method, **{k: v for k, v in c.vcpo.items() if v is not None})
+    out.update({f"vcpo.{k}": (v, c.method) for k, v in flat.live(method).items()})
   m = c.get("model")
   if m is not None and not m.get("checkpoint") and m.get("preset") in model_config.PRESETS:
     base = model_config.PRESETS[m.preset]()
@@ -103,10 +103,13 @@ def help_text(c: ml_collections.ConfigDict, config_file: str | None = None) -> s
   """Every field of `c` with its value and one-line comment (what `python main.py --config_help` prints).
 
   A placeholder (None: the preset's value) shows the value in effect, e.g.
-  `vcpo.tis_c: float = None -> 8.0 (preset 'vcpo')`."""
+  `vcpo.tis_c: float = None -> 8.0 (preset 'vcpo')`; a vcpo.* name that means nothing for the chosen method
+  (tis_c under ppo_clip) is left out."""
   comments, effective = field_comments(config_file), _effective(c)
   lines = [f"Fields of {config_file or os.path.relpath(__file__)} (set with --config.FIELD=VALUE; None = preset):"]
   for path, value, type_name in leaves(c):
+    if path.startswith("vcpo.") and value is None and effective and path not in effective:
+      continue  # inert for this method
     shown = repr(value)
     if value is None and path in effective:
       shown = f"None -> {effective[path][0]!r} (preset {effective[path][1]!r})"

@@ -217,15 +217,17 @@ ax.legend(fontsize=7, ncol=2)
 plt.show()
 
 # %% [markdown]
-# ## 5. The whole update: `pg_coefficients` with a preset
+# ## 5. The whole update: `pg_coefficients` of a method (a preset)
 #
 # The surrogate loss is `-sum_n coef_n * sum_t tokw_nt * logp_nt`; `coef_n`
 # holds advantage, applied IS weight and the aggregation normalizer, all
 # stop-gradient. `aux` carries the metrics a learner logs, and `lr_scale` is
 # what `vcpo_jax.optim.make_optimizer(...).update(..., ess_scale=...)` takes.
+# A method is one value (`E.Method`: advantage, weights, baseline, loss, lr
+# rule), each part built by a factory of its own options.
 
 # %%
-cfg = E.pg_config_from_preset("vcpo")
+cfg = E.method_from_preset("vcpo")
 print(cfg)
 coef_n, aux = E.pg_coefficients(logp, beh, mask, rewards, group, sq, cfg)
 for k, v in aux.items():
@@ -244,21 +246,18 @@ for k, v in aux.items():
 # (r = pi_theta / pi_old = 1 at its first update; see learner.ppo_epochs).
 
 # %%
-from vcpo_jax import policy_losses as PL
-
-
 def loss_gradient(cfg):
   """d loss / d logp_nt [N, T] of a preset on this batch."""
   c, a = E.pg_coefficients(logp, beh, mask, rewards, group, sq, cfg)
-  if cfg.policy_loss == "pg":
+  if cfg.peer_loss is None:
     return -c[:, None] * E.pg_token_weights(logp, beh, mask, cfg), a
-  fn = PL.make_policy_loss(cfg.policy_loss, **E.policy_loss_kwargs(cfg))
+  fn = cfg.bind_loss({})
   return jax.grad(lambda x: fn(x, logp, beh, a["advantage_n"], mask)[0])(logp), a
 
 
-g_none, _ = loss_gradient(E.pg_config_from_preset("none"))
+g_none, _ = loss_gradient(E.method_from_preset("none"))
 for name in E.PRESETS:
-  g, a = loss_gradient(E.pg_config_from_preset(name))
+  g, a = loss_gradient(E.method_from_preset(name))
   cos = float(jnp.sum(g * g_none) / (jnp.linalg.norm(g) * jnp.linalg.norm(g_none) + 1e-30))
   print(
     f"{name:18s} |dL/dlogp|_1 = {float(jnp.abs(g).sum()):.4f}  cos(none) = {cos:+.3f}"

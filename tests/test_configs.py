@@ -1,7 +1,6 @@
 """Every config loads and parses; the released configs hold the paper's released values; smoke variants run;
 every bad value fails at parse time on one line naming the field; every field is on the command line."""
 
-import dataclasses
 import glob
 import importlib
 import json
@@ -15,6 +14,8 @@ from configs import common
 from vcpo_jax import estimator, run_config, run_spec, schema, trainer
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.model import hf_io, policy, transformer
+from vcpo_jax.rl import flat
+from vcpo_jax.rl import method as method_lib
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 NAMES = sorted(
@@ -123,9 +124,9 @@ def test_released_hyperparameters(name, tiny_ckpt):
   assert c.task.multiturn.enabled == (name == "multiturn")
   # What the learner actually receives: VCPO on sequence TIS c = 8, ESS-scaled lr with this rho_on.
   spec = run_config.parse_config(_localize(c, tiny_ckpt))
-  pg = spec.learner.pg
-  assert spec.method == "vcpo" and pg.is_variant == "tis" and pg.tis_c == 8.0
-  assert pg.ess_lr and pg.opob and pg.rho_on == rho_on
+  pg = spec.learner.method
+  assert spec.method == "vcpo" and pg.weights == method_lib.tis(8.0)
+  assert pg.lr is not None and pg.baseline is not None and pg.lr.rho_on == rho_on
   assert spec.k == k and spec.rollout.batch_size == P * G and spec.lr == 1e-6
   assert (spec.eval.temperature, spec.eval.top_p, spec.eval.n) == (0.8, 0.7, eval_n)
   assert spec.temperature == 1.0 and spec.schedule == "constant"
@@ -379,8 +380,8 @@ def _parse_cli(*args):
   return fv.config
 
 
-def test_every_pgconfig_field_is_settable_from_the_command_line():
-  fields = [f.name for f in dataclasses.fields(estimator.PGConfig)]
+def test_every_flat_vcpo_name_is_settable_from_the_command_line():
+  fields = list(flat.NAMES)
   base = common.get_base_config()
   assert sorted(fields) == sorted(base.vcpo)  # generated: no field is missing, none is stale
   # A command-line value of each field's type (the test checks that it arrives, not that it is sensible).
@@ -392,29 +393,32 @@ def test_every_pgconfig_field_is_settable_from_the_command_line():
   assert {n: c.vcpo[n] for n in fields} == {n: v for n, (_, v) in values.items()}
 
 
-def test_every_vcpo_override_reaches_pgconfig(monkeypatch):
-  """parse_config forwards each set c.vcpo field to the preset (set every field to its PGConfig default)."""
+def test_every_vcpo_override_reaches_the_method(monkeypatch):
+  """parse_config forwards each set c.vcpo field to the preset (every live name of ppo_clip / vcpo at its value),
+  and the Method it builds is the preset's."""
   seen = {}
-  real = estimator.pg_config_from_preset
+  real = estimator.method_from_preset
 
   def spy(name, **overrides):
     seen.update(overrides)
     return real(name, **overrides)
 
-  monkeypatch.setattr(estimator, "pg_config_from_preset", spy)
-  c = _load("countdown", "smoke")
-  c.method = "sync"
-  defaults = {f.name: f.default for f in dataclasses.fields(estimator.PGConfig) if f.default is not None}
-  for name, v in defaults.items():
-    c.vcpo[name] = v
-  pg = run_config.parse_config(c, check_prompts=False).learner.pg
-  assert seen == defaults
-  assert pg == estimator.PGConfig()
+  monkeypatch.setattr(estimator, "method_from_preset", spy)
+  for preset in ("vcpo", "ppo_clip"):
+    c = _load("countdown", "smoke")
+    c.method = preset
+    live = flat.live(method_lib.PRESETS[preset])
+    for name, v in live.items():
+      c.vcpo[name] = v
+    seen.clear()
+    pg = run_config.parse_config(c, check_prompts=False).learner.method
+    assert seen == live
+    assert pg == method_lib.PRESETS[preset]
 
 
-def test_every_pgconfig_field_has_a_comment():
+def test_every_flat_vcpo_name_has_a_comment():
   comments = common.vcpo_comments()
-  assert set(common.VCPO_COMMENTS) <= set(comments)  # no entry for a field PGConfig no longer has
+  assert set(common.VCPO_COMMENTS) <= set(comments)  # no entry for a name rl.flat no longer has
   assert not [n for n, t in comments.items() if not t]
 
 
@@ -425,10 +429,14 @@ def test_config_help_lists_every_field_with_a_comment(name, variant):
   path = os.path.join(CONFIG_DIR, f"{name}.py")
   text = common.help_text(c, path)
   rows = text.splitlines()[1:]
-  assert len(rows) == len(list(common.leaves(c)))
+  live = {}
+  if "vcpo" in c:  # a vcpo.* name that means nothing for the chosen method is not listed
+    live = flat.live(estimator.method_from_preset(c.method, **{k: v for k, v in c.vcpo.items() if v is not None}))
+  shown = [p for p, v, _ in common.leaves(c) if not p.startswith("vcpo.") or v is not None or p[5:] in live]
+  assert len(rows) == len(shown)
   assert not [r for r in rows if r.endswith("(no comment)")], "add a one-line comment to these fields"
   if "vcpo" in c:
-    assert f"  vcpo.geo_lower: float = None -> 0.99 (preset {c.method!r})  # " in text  # the preset's value
+    assert f"  vcpo.log_ratio_clamp: float = None -> 20.0 (preset {c.method!r})  # " in text  # the preset's value
     assert "  optim.b1: float = 0.9  # Adam" in text
 
 
@@ -523,6 +531,13 @@ def test_config_help_shows_the_presets_values():
   c = _load("countdown", None)
   c.method = "icepop"
   assert "vcpo.policy_loss: str = None -> 'icepop' (preset 'icepop')" in common.help_text(c)
+  c.method = "ppo_clip"  # its own fields (eps_low / eps_high), none of the surrogate's, weights' or OPOB's
+  text = common.help_text(c)
+  kw = next(r for r in text.splitlines() if r.startswith("  vcpo.policy_loss_kw:"))
+  assert "eps_low=0.2,eps_high=0.2" in kw and "dual_clip_c=None" in kw and "loss_agg=token-mean" in kw
+  for inert in ("tis_c", "opob_weights", "rho_on", "loss_agg", "mask_normalizer", "score_centering", "geo_lower"):
+    assert f"vcpo.{inert}:" not in text, inert
+  assert sum(r.startswith("  vcpo.") for r in text.splitlines()) == 9  # of 31 names
 
 
 @pytest.mark.slow

@@ -144,7 +144,7 @@ def _surrogate_value_and_grad(name):
 def _vmap_policy_gradient(name, preset, **kw):
   """learner.policy_gradient("vmap") (the brute-force reference) of a preset: one compile for both `passes`."""
   logp_fn, params, batch, _ = _setup(name)
-  cfg = estimator.pg_config_from_preset(preset, **kw)
+  cfg = estimator.method_from_preset(preset, **kw)
   return jax.jit(learner.policy_gradient("vmap"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
 
 
@@ -282,7 +282,7 @@ def test_two_pass_bad_choices_raise():
   with pytest.raises(ValueError, match="materialize"):
     gn.ghost_sq_norms_and_grad(logp_fn, params, batch, batch["loss_mask"], _random_coef, method="materialize", passes=2)
   with pytest.raises(ValueError, match="learner.ghost_passes=0"):
-    learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), ghost_passes=0)
+    learner.LearnerConfig(method=estimator.method_from_preset("vcpo"), ghost_passes=0)
 
 
 @pytest.mark.slow
@@ -325,8 +325,8 @@ def test_one_pass_bytes_and_auto_passes():
   auto2, explicit2 = run("auto", need - 1), run(2, None)
   assert _rel(auto2.sq_norms_n, explicit2.sq_norms_n) == 0 and _tree_rel(auto2.grads, explicit2.grads) == 0
   with pytest.raises(ValueError, match="learner.one_pass_budget_gib=0"):
-    learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), ghost_passes="auto", one_pass_budget_gib=0)
-  assert learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), ghost_passes="auto").ghost_passes == "auto"
+    learner.LearnerConfig(method=estimator.method_from_preset("vcpo"), ghost_passes="auto", one_pass_budget_gib=0)
+  assert learner.LearnerConfig(method=estimator.method_from_preset("vcpo"), ghost_passes="auto").ghost_passes == "auto"
 
 
 def test_tie_is_the_identity_and_only_barriers_under_fsdp():
@@ -387,7 +387,7 @@ def test_tied_cross_term_is_material():
 def test_ghost_path_equals_vmap_path(preset, passes):
   """OPOB coefficients that depend on S_n: the one-backward path (and the two-pass one) equals brute force."""
   logp_fn, params, batch, _ = _setup("qwen2")
-  cfg = estimator.pg_config_from_preset(preset)
+  cfg = estimator.method_from_preset(preset)
   g_ref, m_ref = _vmap_policy_gradient("qwen2", preset)
   ghost = functools.partial(learner.policy_gradient("ghost"), passes=passes)
   g, m = jax.jit(ghost, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
@@ -403,7 +403,7 @@ def test_ghost_path_equals_vmap_path(preset, passes):
 def test_token_tis_weights_as_function_of_logp(passes):
   """tokw given as a function of logp (token-TIS): norms use those weights; gradient matches."""
   logp_fn, params, batch, _ = _setup("llama")
-  cfg = estimator.pg_config_from_preset("token_tis", token_tis_c=1.05)
+  cfg = estimator.method_from_preset("token_tis", token_tis_c=1.05)
   g_ref, m_ref = _vmap_policy_gradient("llama", "token_tis", token_tis_c=1.05)
   ghost = functools.partial(learner.policy_gradient("ghost"), passes=passes)
   g, m = jax.jit(ghost, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
@@ -415,7 +415,7 @@ def test_token_tis_weights_as_function_of_logp(passes):
 def _token_tis_sq_norms():
   """vmap_sq_norms with token-TIS weights tokw(logp) (llama): the brute-force norms, shared by both `passes`."""
   logp_fn, params, batch, _ = _setup("llama")
-  cfg = estimator.pg_config_from_preset("token_tis", token_tis_c=1.05)
+  cfg = estimator.method_from_preset("token_tis", token_tis_c=1.05)
   tokw = lambda logp: estimator.pg_token_weights(logp, batch["behavior_logp"], batch["loss_mask"], cfg)
   return jax.jit(gn.vmap_sq_norms, static_argnums=(0, 3))(logp_fn, params, batch, tokw)
 

@@ -11,6 +11,7 @@ import pytest
 from tests import test_policy_losses as TPL
 from vcpo_jax import estimator, learner, optim, policy_losses
 from vcpo_jax.model import config, transformer
+from vcpo_jax.rl.advantages import opob, reinforce
 
 N, T = 8, 12
 
@@ -41,8 +42,8 @@ def setup():
 
 
 def _step(graphdef, tx, preset, **lkw):
-  pg = estimator.pg_config_from_preset(preset)
-  return jax.jit(learner.make_train_step(graphdef, tx, learner.LearnerConfig(pg=pg, grad_path="ghost", **lkw)))
+  pg = estimator.method_from_preset(preset)
+  return jax.jit(learner.make_train_step(graphdef, tx, learner.LearnerConfig(method=pg, grad_path="ghost", **lkw)))
 
 
 def _same(a, b):
@@ -127,7 +128,7 @@ def test_ess_brake_scales_the_update_exactly(setup):
 
 # The presets micro-batching accepts (the policy losses and tis_ess are rejected: test_microbatch_config_errors).
 MB_CONFIGS = {
-  **{n: {} for n in estimator.PRESETS if not estimator.batch_wide_coefficients(estimator.pg_config_from_preset(n))},
+  **{n: {} for n in estimator.PRESETS if not estimator.batch_wide_coefficients(estimator.method_from_preset(n))},
   "geo_mask": dict(preset="geo_mask", geo_lower=0.8, geo_upper=1.25),  # its default interval rejects this batch
   # the whole-batch normalisers in their other forms: kept-row counts, token counts, a constant T
   "mask_kept_token_mean": dict(preset="mask", mask_normalizer="kept", loss_agg="token-mean"),
@@ -160,7 +161,7 @@ def mb_setup(setup):
 
 def _mb_pg(name):
   kw = dict(MB_CONFIGS[name])
-  return estimator.pg_config_from_preset(kw.pop("preset", name), **kw)
+  return estimator.method_from_preset(kw.pop("preset", name), **kw)
 
 
 def _assert_same_step(out1, out4, params):
@@ -189,7 +190,7 @@ def _assert_same_step(out1, out4, params):
 
 def _lcfg(pg, mbs, grad_path="ghost", passes=1):
   return learner.LearnerConfig(
-    pg=pg, grad_path=grad_path, microbatch_size=mbs, group_size=2, batch_size=N, ghost_passes=passes
+    method=pg, grad_path=grad_path, microbatch_size=mbs, group_size=2, batch_size=N, ghost_passes=passes
   )
 
 
@@ -214,7 +215,7 @@ def test_microbatched_step_compiled_and_smaller(mb_setup):
   # The jitted lax.scan gives the single-pass step too, and holds one micro-batch's activations:
   # its compiled temporary memory is below the single pass's (deterministic, not a timing).
   params, tx, batch, graphdef = mb_setup
-  pg = estimator.pg_config_from_preset("vcpo")
+  pg = estimator.method_from_preset("vcpo")
   out, temp = {}, {}
   for mbs in (None, 2):
     state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
@@ -261,25 +262,25 @@ def test_microbatched_vmap_path_equals_single_pass(mb_setup, name):
     (dict(microbatch_size=3, group_size=2), r"learner\.microbatch_size=3 is not a multiple of the group size 2"),
     (dict(microbatch_size=4, group_size=2, batch_size=6), r"learner\.microbatch_size=4 does not divide .*N=6"),
     (dict(microbatch_size=-1), r"learner\.microbatch_size=-1"),
-    (dict(microbatch_size=4, pg=estimator.PGConfig(advantage="reinforce")), r"microbatch_size=4 with vcpo\.advantage"),
-    (dict(microbatch_size=4, pg=estimator.PGConfig(opob=True, opob_scope="minibatch")), "opob_scope"),
-    (dict(microbatch_size=4, pg=estimator.pg_config_from_preset("ppo_clip")), r"vcpo\.policy_loss='ppo_clip'"),
-    (dict(microbatch_size=4, pg=estimator.pg_config_from_preset("vcpo_tis_ess")), r"is_variant='tis_ess'"),
+    (dict(microbatch_size=4, method=estimator.Method(advantage=reinforce())), r"microbatch_size=4 with .*'reinforce'"),
+    (dict(microbatch_size=4, method=estimator.Method(baseline=opob(scope="minibatch"))), "OPOB scope 'minibatch'"),
+    (dict(microbatch_size=4, method=estimator.method_from_preset("ppo_clip")), r"loss 'ppo_clip'"),
+    (dict(microbatch_size=4, method=estimator.method_from_preset("vcpo_tis_ess")), r"weights 'tis_ess'"),
   ],
 )
 def test_microbatch_config_errors(kw, match):
-  kw = {"pg": estimator.pg_config_from_preset("vcpo"), **kw}
+  kw = {"method": estimator.method_from_preset("vcpo"), **kw}
   with pytest.raises(ValueError, match=match):
     learner.LearnerConfig(**kw)
 
 
 def test_microbatch_off_is_the_single_pass():
-  pg = estimator.pg_config_from_preset("vcpo")
+  pg = estimator.method_from_preset("vcpo")
   for mbs in (None, 0, 8, 16):
-    assert learner.LearnerConfig(pg=pg, microbatch_size=mbs).microbatches(8) == 1
-  assert learner.LearnerConfig(pg=pg, microbatch_size=2).microbatches(8) == 4
+    assert learner.LearnerConfig(method=pg, microbatch_size=mbs).microbatches(8) == 1
+  assert learner.LearnerConfig(method=pg, microbatch_size=2).microbatches(8) == 4
   with pytest.raises(ValueError, match="microbatch_size=3 does not divide"):
-    learner.LearnerConfig(pg=pg, microbatch_size=3).microbatches(8)
+    learner.LearnerConfig(method=pg, microbatch_size=3).microbatches(8)
 
 
 # ---------------------------------------------------------------------------
@@ -349,7 +350,7 @@ def test_policy_loss_preset_update_equals_numpy_loss_gradient(mb_setup, name):
   # Op by op (jax.disable_jit), so that the presets share compiled primitives with the sweep above.
   params, _, batch, graphdef = mb_setup
   tx = _sgd_tx()
-  cfg = learner.LearnerConfig(pg=estimator.pg_config_from_preset(name), group_size=2, batch_size=N)
+  cfg = learner.LearnerConfig(method=estimator.method_from_preset(name), group_size=2, batch_size=N)
   with jax.disable_jit():
     new, m = learner.make_train_step(graphdef, tx, cfg)(learner.init_state(params, tx), batch)
     want = _np_loss_grad(graphdef, params, batch, name)
@@ -368,7 +369,7 @@ def test_ppo_epochs_and_minibatches_equal_sequential_updates_with_one_pi_old(mb_
   tx = _sgd_tx()
   name = "ppo_clip"
   cfg = learner.LearnerConfig(
-    pg=estimator.pg_config_from_preset(name), group_size=2, batch_size=N, ppo_epochs=2, minibatches=2
+    method=estimator.method_from_preset(name), group_size=2, batch_size=N, ppo_epochs=2, minibatches=2
   )
   new, m = jax.jit(learner.make_train_step(graphdef, tx, cfg))(learner.init_state(params, tx), batch)
   old = learner.make_logp_fn(graphdef)(params, batch)
@@ -401,7 +402,7 @@ def test_a_nonfinite_minibatch_update_is_skipped_and_the_others_apply(mb_setup, 
   tx = _sgd_tx()
   name = "ppo_clip"
   cfg = learner.LearnerConfig(
-    pg=estimator.pg_config_from_preset(name), group_size=2, batch_size=N, ppo_epochs=1, minibatches=2
+    method=estimator.method_from_preset(name), group_size=2, batch_size=N, ppo_epochs=1, minibatches=2
   )
   state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
   new, m = jax.jit(learner.make_train_step(graphdef, tx, cfg))(state, batch)
@@ -418,7 +419,7 @@ def test_one_epoch_one_minibatch_is_the_single_update(mb_setup):
   params, _, batch, graphdef = mb_setup
   tx = _sgd_tx()
   for name in ("ppo_clip", "m2po_paper"):
-    cfg = learner.LearnerConfig(pg=estimator.pg_config_from_preset(name), group_size=2, batch_size=N)
+    cfg = learner.LearnerConfig(method=estimator.method_from_preset(name), group_size=2, batch_size=N)
     with jax.disable_jit():
       s1, m1 = learner.make_train_step(graphdef, tx, cfg)(learner.init_state(params, tx), batch)
       s2, m2 = learner._multi_update_step(graphdef, tx, cfg, learner.init_state(params, tx), batch)
@@ -437,8 +438,8 @@ def test_decoupled_ppo_loglinear_uses_the_step_version(mb_setup):
   tx = _sgd_tx()
   v = 5
   vb = dict(batch, policy_version=np.array([5, 5, 3, 3, 5, 5, 3, 3], np.int32))
-  pg = estimator.pg_config_from_preset("decoupled_ppo", decoupled_prox="loglinear")
-  cfg = learner.LearnerConfig(pg=pg, group_size=2, batch_size=N)
+  pg = estimator.method_from_preset("decoupled_ppo", decoupled_prox="loglinear")
+  cfg = learner.LearnerConfig(method=pg, group_size=2, batch_size=N)
   with jax.disable_jit():
     state = learner.init_state(params, tx)._replace(step=jnp.int32(v))
     new, m = learner.make_train_step(graphdef, tx, cfg)(state, vb)
@@ -462,9 +463,11 @@ def test_tis_ess_learner_step_logs_its_cap(mb_setup):
   # weights' ESS ratio meets the target while the unclipped one (VCPO's brake) is below it.
   params, _, batch, graphdef = mb_setup
   tx = _sgd_tx()
-  pg = estimator.pg_config_from_preset("vcpo_tis_ess", tis_ess_target=0.85)
+  pg = estimator.method_from_preset("vcpo_tis_ess", tis_ess_target=0.85)
   with jax.disable_jit():
-    _, m = learner.make_train_step(graphdef, tx, learner.LearnerConfig(pg=pg))(learner.init_state(params, tx), batch)
+    _, m = learner.make_train_step(graphdef, tx, learner.LearnerConfig(method=pg))(
+      learner.init_state(params, tx), batch
+    )
   assert float(m["ess_ratio"]) < 0.85 <= float(m["ess_ratio_applied"]) + 1e-5
   assert float(m["ess_ratio_applied"]) == pytest.approx(0.85, abs=1e-3)  # the largest cap meeting the target
   assert float(m["tis_c"]) == pytest.approx(np.exp(float(m["tis_log_c"])), rel=1e-6)
@@ -480,12 +483,12 @@ def test_tis_ess_learner_step_logs_its_cap(mb_setup):
     (dict(minibatches=8, batch_size=8, group_size=2), r"learner\.minibatches=8: .* not whole groups of G=2"),
     (dict(ppo_epochs=2, microbatch_size=4), r"learner\.microbatch_size=4 with ppo_epochs"),
     (
-      dict(ppo_epochs=2, pg=estimator.pg_config_from_preset("vcpo")),
+      dict(ppo_epochs=2, method=estimator.method_from_preset("vcpo")),
       r"learner\.ppo_epochs=2: several updates per step need a policy-loss method",
     ),
   ],
 )
 def test_ppo_epochs_minibatches_config_errors(kw, match):
-  kw = {"pg": estimator.pg_config_from_preset("ppo_clip"), **kw}
+  kw = {"method": estimator.method_from_preset("ppo_clip"), **kw}
   with pytest.raises(ValueError, match=match):
     learner.LearnerConfig(**kw)

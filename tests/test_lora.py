@@ -149,11 +149,11 @@ def test_learner_step_trains_only_the_adapters_and_ghost_equals_vmap():
   """VCPO (OPOB: the norms matter): base bits unchanged, adapters moved, optimizer state over adapters only;
   the ghost step equals the vmap reference step."""
   graphdef, params, _, batch, _ = _setup("qwen2")
-  pg = estimator.pg_config_from_preset("vcpo_reference")
+  pg = estimator.method_from_preset("vcpo_reference")
   tx = optim.make_optimizer(1e-2, weight_decay=0.1)
   out = {}
   for path in ("ghost", "vmap"):
-    step = jax.jit(learner.make_train_step(graphdef, tx, learner.LearnerConfig(pg=pg, grad_path=path)))
+    step = jax.jit(learner.make_train_step(graphdef, tx, learner.LearnerConfig(method=pg, grad_path=path)))
     state0 = learner.init_state(params, tx)
     out[path] = step(state0, batch)
   (s_g, m_g), (s_v, m_v) = out["ghost"], out["vmap"]
@@ -247,9 +247,9 @@ def test_sharded_lora_step_equals_the_single_device_step():
   from vcpo_jax import sharding
 
   graphdef, params, _, batch, _ = _setup("qwen2")
-  pg = estimator.pg_config_from_preset("vcpo_reference")
+  pg = estimator.method_from_preset("vcpo_reference")
   tx = optim.make_optimizer(1e-2)
-  step = learner.make_train_step(graphdef, tx, learner.LearnerConfig(pg=pg))
+  step = learner.make_train_step(graphdef, tx, learner.LearnerConfig(method=pg))
   state = learner.init_state(params, tx)
   want, m_want = jax.jit(step)(state, batch)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 2, 2)), jax.devices()[:4])

@@ -758,7 +758,7 @@ def test_building_the_presets_starts_no_backend():
   code = (
     "from jax._src import xla_bridge as xb\n"
     "from vcpo_jax import estimator as E\n"
-    "for n in E.PRESETS: E.pg_config_from_preset(n)\n"
+    "for n in E.PRESETS: E.method_from_preset(n)\n"
     "assert not xb._backends, xb._backends\n"
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -769,5 +769,5 @@ def test_every_policy_loss_has_its_preset():
   from vcpo_jax import estimator
 
   for name in P.POLICY_LOSSES:
-    assert estimator.pg_config_from_preset(name).policy_loss == name
-  assert estimator.pg_config_from_preset("vcpo_tis_ess").is_variant == "tis_ess"
+    assert estimator.method_from_preset(name).peer_loss.name == name
+  assert estimator.method_from_preset("vcpo_tis_ess").weights.variant == "tis_ess"

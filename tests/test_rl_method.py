@@ -1,5 +1,6 @@
-"""Tests of vcpo_jax.rl.method: a Method value is its preset's PGConfig, and gives the learner's loss and
-gradient on a hand-made batch; adding a peer loss is one registered function plus one preset line."""
+"""Tests of vcpo_jax.rl.method: a Method value gives the learner's loss and gradient on a hand-made batch;
+adding a weight variant is one decorated function, a peer loss one registered function plus one preset line;
+the flat vcpo.* names map onto the Method's parts (rl.flat), each checked at a non-default value."""
 
 import dataclasses
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from vcpo_jax import estimator, learner
-from vcpo_jax.rl import advantages, losses, method, presets, weights
+from vcpo_jax.rl import advantages, flat, losses, method, presets, weights
 
 # N = 6 rows in 3 groups of 2, T = 4 tokens; row 5 is padding (empty mask). The learner's logp_fn is the
 # identity on params = logp_nt, so its gradient w.r.t. params is d loss / d logp_nt and the squared
@@ -46,8 +47,8 @@ BATCH = {
 }
 
 
-def _learner_path(cfg):
-  grads, aux = learner.policy_gradient("vmap")(lambda p, b: p, jnp.asarray(LOGP), BATCH, cfg)
+def _learner_path(m):
+  grads, aux = learner.policy_gradient("vmap")(lambda p, b: p, jnp.asarray(LOGP), BATCH, m)
   return float(aux["pg_loss"]), np.asarray(grads)
 
 
@@ -57,48 +58,53 @@ def _method_path(m):
   return float(loss), np.asarray(grad)
 
 
-def test_every_preset_is_a_method_with_the_same_pg_config():
-  assert set(method.PRESETS) == set(presets.PRESETS)
+def test_every_preset_is_a_hashable_method():
+  assert presets.PRESETS is method.PRESETS and estimator.PRESETS is method.PRESETS
   for name, m in method.PRESETS.items():
-    assert m.pg_config() == estimator.pg_config_from_preset(name), name
+    assert isinstance(m, method.Method) and estimator.method_from_preset(name) == m, name
     hash(m)  # a value: jit-static
 
 
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
 @pytest.mark.slow
 def test_each_preset_method_gives_the_learners_loss_and_gradient(name):
-  loss_ref, grad_ref = _learner_path(estimator.pg_config_from_preset(name))
+  loss_ref, grad_ref = _learner_path(method.PRESETS[name])
   loss, grad = _method_path(method.PRESETS[name])
   np.testing.assert_allclose(grad, grad_ref, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-6, atol=1e-7)
   assert np.any(grad != 0), name  # the batch exercises every method
 
 
-def test_a_peer_loss_with_hyper_parameters_is_the_policy_loss_kw_string():
+def test_a_peer_loss_with_hyper_parameters_is_the_flat_kw_string():
   m = method.Method(loss=losses.ppo_clip(eps_high=0.28, dual_clip_c=3.0))
-  cfg = m.pg_config()
-  assert (cfg.policy_loss, cfg.policy_loss_kw) == ("ppo_clip", "dual_clip_c=3.0,eps_high=0.28")
-  ref = estimator.pg_config_from_preset("ppo_clip", policy_loss_kw="eps_high=0.28,dual_clip_c=3")
-  assert estimator.policy_loss_kwargs(cfg) == estimator.policy_loss_kwargs(ref)
-  np.testing.assert_allclose(_method_path(m)[1], _learner_path(ref)[1], rtol=1e-6, atol=1e-7)
+  assert m.loss.kwargs == dict(losses.ppo_clip().kwargs, dual_clip_c=3.0, eps_high=0.28)  # the others: defaults
+  assert flat.apply(method.PRESETS["ppo_clip"], policy_loss_kw="eps_high=0.28,dual_clip_c=3") == m
+  assert "eps_high=0.28" in flat.live(m)["policy_loss_kw"] and "dual_clip_c=3.0" in flat.live(m)["policy_loss_kw"]
+  np.testing.assert_allclose(_method_path(m)[1], _learner_path(m)[1], rtol=1e-6, atol=1e-7)
 
 
 def test_factories_take_only_their_own_arguments_and_check_them():
-  assert weights.tis(4.0).pg_fields() == {"is_variant": "tis", "tis_c": 4.0}
-  assert weights.geo_mask(0.9, 1.1).pg_fields() == {"is_variant": "geo_mask", "geo_lower": 0.9, "geo_upper": 1.1}
-  assert weights.tis_ess(0.3).pg_fields() == {"is_variant": "tis_ess", "tis_ess_target": 0.3}
+  assert weights.tis(4.0) == weights.Weights("tis", (("c", 4.0),)) == weights.tis(c=4.0)
+  assert weights.geo_mask(0.9, 1.1).params == (("lower", 0.9), ("upper", 1.1))
+  assert weights.tis_ess().params == (("target", 0.5),)  # the default, written once: the function's signature
   assert isinstance(losses.ppo_clip(), losses.PeerLoss)  # keyword arguments only: the factory
   args = (LOGP, LOGP - 0.1, BEHAVIOR, np.linspace(-1.0, 1.0, 6, dtype=np.float32), MASK)
   loss, _ = losses.ppo_clip(*args, eps_high=0.28)  # with the arrays: the loss itself
   assert float(loss) == float(losses.make_policy_loss("ppo_clip", eps_high=0.28)(*args)[0])
   with pytest.raises(ValueError, match=r"unknown hyper-parameters \['budget'\]"):
     losses.ppo_clip(budget=0.04)
+  with pytest.raises(ValueError, match=r"unknown parameters \['upper'\]"):
+    weights.tis(upper=2.0)
   with pytest.raises(ValueError, match=r"c=0\.0: variant 'tis' needs a truncation level c > 0"):
     weights.tis(0.0)
   with pytest.raises(ValueError, match=r"std='ddof2'"):
     advantages.grpo(std="ddof2")
-  with pytest.raises(ValueError, match=r"PGConfig.policy_loss='gspo' with is_variant='tis'"):
-    method.Method(weights=weights.tis(8.0), loss=losses.gspo()).pg_config()
+  with pytest.raises(ValueError, match=r"loss='gspo' with weights='tis'"):
+    method.Method(weights=weights.tis(8.0), loss=losses.gspo())
+  with pytest.raises(ValueError, match=r"OPOB is derived for sequence-level weights"):
+    method.Method(weights=weights.token_tis(), baseline=advantages.opob())
+  with pytest.raises(ValueError, match=r"needs \['pi_prox'\]"):
+    losses.PeerLoss("ppo_clip", needs=("pi_prox",))
 
 
 def test_weights_value_is_importance_weights():
@@ -107,14 +113,125 @@ def test_weights_value_is_importance_weights():
   np.testing.assert_allclose(weights.clip(0.5, 2.0)(l_n), [0.5, 1.0, 2.0, 2.0], rtol=1e-6)
 
 
+# Every variant at a NON-default parameter value against a numpy transcription of its definition.
+L_N = np.array([-3.0, -0.5, 0.0, 0.2, 1.0, 2.5], np.float32)
+LEN_N = np.array([4.0, 1.0, 2.0, 5.0, 2.0, 10.0], np.float32)
+NUMPY_WEIGHTS = {
+  "tis": (dict(c=3.0), lambda: np.minimum(np.exp(L_N), 3.0)),
+  "clip": (dict(lower=0.3, upper=1.5), lambda: np.clip(np.exp(L_N), 0.3, 1.5)),
+  "mask": (dict(lower=0.3, upper=1.5), lambda: np.where((np.exp(L_N) >= 0.3) & (np.exp(L_N) <= 1.5), np.exp(L_N), 0)),
+  "geo_mask": (dict(lower=0.9, upper=1.2), lambda: ((np.exp(L_N / LEN_N) >= 0.9) & (np.exp(L_N / LEN_N) <= 1.2)) * 1.0),
+  "token_tis": (dict(c=1.5), lambda: np.minimum(np.exp(L_N), 1.5)),
+  "is": ({}, lambda: np.exp(L_N)),
+  "none": ({}, lambda: np.ones_like(L_N)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NUMPY_WEIGHTS))
+def test_each_weight_variant_at_a_non_default_value_matches_numpy(name):
+  params, want = NUMPY_WEIGHTS[name]
+  w = weights.WEIGHT_VARIANTS[name](**params)
+  assert all(dict(w.params)[k] != d for k, d in weights.WEIGHT_VARIANTS[name].defaults.items())  # non-default
+  np.testing.assert_allclose(w(L_N, lengths_n=LEN_N), want(), rtol=1e-6)
+
+
+def test_tis_ess_at_a_non_default_target_reaches_it():
+  # the cap c_t is solved so that ESS(w) / n = target: at target 0.8 (default 0.5) check it with numpy
+  w = np.asarray(weights.tis_ess(0.8)(L_N, lengths_n=LEN_N), np.float64)
+  assert np.isclose(w.sum() ** 2 / (w**2).sum() / len(w), 0.8, atol=2e-3)
+  np.testing.assert_allclose(w, np.minimum(np.exp(L_N), w.max()), rtol=1e-5)  # a truncation at one cap
+
+
+def test_flat_names_map_onto_the_parts_at_non_default_values():
+  """Each flat vcpo.* name changes exactly its part's field (the hand-written expectation), from VCPO / ppo_clip."""
+  vcpo, ppo = method.PRESETS["vcpo"], method.PRESETS["ppo_clip"]
+  R = dataclasses.replace
+  cases = {
+    "tis_c": (vcpo, 3.0, R(vcpo, weights=weights.tis(3.0))),
+    "is_variant": (vcpo, "clip", R(vcpo, weights=weights.clip(0.5, 2.0))),
+    "log_ratio_clamp": (vcpo, 5.0, R(vcpo, log_ratio_clamp=5.0)),
+    "advantage": (vcpo, "rloo", R(vcpo, advantage=advantages.Advantage("rloo", "population"))),
+    "std": (vcpo, "sample", R(vcpo, advantage=advantages.grpo(std="sample"))),
+    "std_eps": (vcpo, 0.1, R(vcpo, advantage=advantages.grpo(std="population", std_eps=0.1))),
+    "opob": (vcpo, False, R(vcpo, baseline=None)),
+    "opob_weights": (vcpo, "applied", R(vcpo, baseline=advantages.opob(weights="applied"))),
+    "opob_leave_one_out": (vcpo, True, R(vcpo, baseline=advantages.opob(leave_one_out=True))),
+    "opob_scope": (vcpo, "minibatch", R(vcpo, baseline=advantages.opob(scope="minibatch"))),
+    "length_normalize_norms": (vcpo, True, R(vcpo, baseline=advantages.opob(length_normalize_norms=True))),
+    "reference_mode": (vcpo, True, R(vcpo, baseline=advantages.opob(reference_mode=True))),
+    "ess_lr": (vcpo, False, R(vcpo, lr=None)),
+    "ess_rule": (vcpo, "linear", R(vcpo, lr=method.ess_lr("linear", 1.0))),
+    "rho_on": (vcpo, 0.55, R(vcpo, lr=method.ess_lr("sqrt", 0.55))),
+    "loss_agg": (vcpo, "token-mean", R(vcpo, loss=method.surrogate(loss_agg="token-mean"))),
+    "mask_normalizer": (vcpo, "kept", R(vcpo, loss=method.surrogate(mask_normalizer="kept"))),
+    "loss_norm_tokens": (vcpo, 7, R(vcpo, loss=method.surrogate(loss_norm_tokens=7))),
+    "score_centering": (vcpo, "exact", R(vcpo, loss=method.surrogate(score_centering="exact"))),
+    "policy_loss": (ppo, "gspo", R(ppo, loss=losses.gspo())),
+    "policy_loss_kw": (ppo, "eps_low=0.1", R(ppo, loss=losses.ppo_clip(eps_low=0.1))),
+    "decoupled_prox": (method.PRESETS["decoupled_ppo"], "loglinear", R(ppo, loss=losses.decoupled_ppo_loglinear())),
+  }
+  for name, (base, value, want) in cases.items():
+    assert flat.apply(base, **{name: value}) == want, name
+  assert flat.apply(vcpo, is_variant="geo_mask", geo_lower=0.8, geo_upper=1.3).weights == weights.geo_mask(0.8, 1.3)
+  assert flat.apply(vcpo, is_variant="mask", mask_lower=0.2, mask_upper=3.0).weights == weights.mask(0.2, 3.0)
+  assert flat.apply(vcpo, is_variant="clip", clip_lower=0.2, clip_upper=3.0).weights == weights.clip(0.2, 3.0)
+  assert flat.apply(method.PRESETS["tis_sc"], token_tis_c=1.5).weights == weights.token_tis(1.5)
+  assert flat.apply(method.PRESETS["vcpo_tis_ess"], tis_ess_target=0.8).weights == weights.tis_ess(0.8)
+  topk = flat.apply(vcpo, score_centering="topk", sc_topk=8)
+  assert topk.loss == method.surrogate(score_centering="topk", sc_topk=8) and topk.record_topk == 8
+  assert set(cases) | {"geo_lower", "geo_upper", "mask_lower", "mask_upper", "clip_lower", "clip_upper"} | {
+    "token_tis_c",
+    "tis_ess_target",
+    "sc_topk",
+  } == set(flat.NAMES)  # every flat name is exercised here
+  with pytest.raises(ValueError, match=r"tis_c=-1\.0: variant 'tis' needs a truncation level c > 0"):
+    flat.apply(vcpo, tis_c=-1.0)  # the error names the flat field
+  with pytest.raises(ValueError, match=r"policy_loss_kw='eps_high=0\.28': only with a policy_loss other than 'pg'"):
+    flat.apply(vcpo, policy_loss_kw="eps_high=0.28")
+
+
+def test_a_loss_declares_the_step_inputs_the_learner_binds():
+  """decoupled PPO's log-linear pi_prox needs the rows' versions and the learner's: declared, bound by name."""
+  m = dataclasses.replace(method.PRESETS["decoupled_ppo"], loss=losses.decoupled_ppo_loglinear())
+  assert m.loss.needs == ("behavior_version", "current_version")
+  batch = dict(BATCH, policy_version=np.array([3, 3, 2, 2, 3, 3], np.int32))
+  grads, _ = learner.policy_gradient("vmap")(lambda p, b: p, jnp.asarray(LOGP), batch, m, current_version=4)
+  assert np.all(np.isfinite(np.asarray(grads))) and np.any(np.asarray(grads) != 0)
+  with pytest.raises(ValueError, match=r"needs the step inputs \['behavior_version'\]"):
+    learner.policy_gradient("vmap")(lambda p, b: p, jnp.asarray(LOGP), BATCH, m, current_version=4)
+
+
 @pytest.fixture
 def scratch_registries():
-  """Restores POLICY_LOSSES and method.PRESETS (in place: other modules hold the same dicts)."""
-  saved = [(d, dict(d)) for d in (losses.POLICY_LOSSES, method.PRESETS)]
+  """Restores POLICY_LOSSES, WEIGHT_VARIANTS and method.PRESETS (in place: other modules hold the same dicts)."""
+  saved = [(d, dict(d)) for d in (losses.POLICY_LOSSES, weights.WEIGHT_VARIANTS, method.PRESETS)]
   yield
   for d, before in saved:
     d.clear()
     d.update(before)
+
+
+def test_adding_a_weight_variant_is_one_decorated_function(scratch_registries):
+  """The whole diff of a new IS-weight variant: one function, registered by its decorator (its factory)."""
+
+  # --- the diff
+  @weights.variant("sequence")
+  def power(lc, raw, L, *, alpha=0.5):
+    """w = exp(alpha l) (a tempered IS weight)"""
+    return jnp.exp(alpha * lc)
+
+  # --- end of the diff
+
+  m = method.Method(weights=power(alpha=0.25))
+  assert m.weights == weights.Weights("power", (("alpha", 0.25),))
+  loss, grad = _method_path(m)
+  loss_ref, grad_ref = _learner_path(m)  # the learner runs it unchanged
+  np.testing.assert_allclose([loss, *grad.ravel()], [loss_ref, *grad_ref.ravel()], rtol=1e-6, atol=1e-7)
+  # numpy: coef_n = A_n w_n / (n L_n) with l_n = sum_t mask (logp - mu), GRPO sample std, n = 5 valid rows
+  l_n = ((LOGP - BEHAVIOR) * MASK).sum(-1)
+  a = np.array([0.70711, -0.70711, -0.70711, 0.70711, 0.0, 0.0])
+  L = np.maximum(MASK.sum(-1), 1.0)
+  np.testing.assert_allclose(grad, -(a * np.exp(0.25 * l_n) / (5 * L))[:, None] * MASK, atol=1e-5)
 
 
 def test_adding_a_peer_loss_is_one_factory_and_one_preset_line(scratch_registries):
@@ -133,13 +250,13 @@ def test_adding_a_peer_loss_is_one_factory_and_one_preset_line(scratch_registrie
   # --- end of the diff
 
   m = method.PRESETS["plain_pg"]
-  cfg = m.pg_config()
-  assert (cfg.policy_loss, cfg.policy_loss_kw) == ("plain_pg", "scale=2.0")
+  assert m.loss == losses.PeerLoss("plain_pg", (("loss_agg", "token-mean"), ("scale", 2.0)))
+  assert presets.preset_doc("plain_pg").startswith("plain_pg: Plain policy gradient")
   loss, grad = _method_path(m)
-  loss_ref, grad_ref = _learner_path(cfg)  # the learner runs it unchanged
+  loss_ref, grad_ref = _learner_path(m)  # the learner runs it unchanged
   np.testing.assert_allclose([loss, *grad.ravel()], [loss_ref, *grad_ref.ravel()], rtol=1e-6, atol=1e-7)
   # Hand check: token-mean over 14 loss tokens, GRPO sample-std advantages +-1/sqrt(1/2) = +-0.7071 in each
   # group of two with different rewards (group 2 has one valid row: A = 0), times scale 2.
   a = np.array([0.70711, -0.70711, -0.70711, 0.70711, 0.0, 0.0])
   np.testing.assert_allclose(grad, -2.0 * a[:, None] * MASK / 14.0, atol=1e-5)
-  assert dataclasses.replace(m, loss=plain_pg()).pg_config().policy_loss_kw == ""
+  assert plain_pg().kwargs == {"scale": 1.0, "loss_agg": "token-mean"}  # the defaults, from the signature

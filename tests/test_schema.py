@@ -90,7 +90,7 @@ def test_every_leaf_default_is_one_literal_and_matches_the_config_dict():
   base = {p: v for p, v, _ in schema.leaves(common.get_base_config())}
   for path, (_, _, value) in defs.items():
     assert base[path] == value, path
-  generated = {p for p in base if not p.startswith("vcpo.")}  # vcpo.*: PGConfig's fields, None = the preset's
+  generated = {p for p in base if not p.startswith("vcpo.")}  # vcpo.*: rl.flat's names, None = the preset's
   dict_fields = {"task.gen", "async_.sampler_env"}  # open sub-dicts, empty by default
   assert generated == set(defs) | dict_fields
 
@@ -193,18 +193,17 @@ def test_config_dict_types_come_from_the_annotations():
   assert c.model.get_type("hidden_size") is int and c.model.hidden_size is None  # `int | None = None`
   c.learner.ghost_passes = "auto"  # `int | str`: either
   c.async_.background_publish = True  # `str | bool`
-  assert c.vcpo.get_type("tis_c") is float and c.vcpo.tis_c is None  # overrides(PGConfig)
+  assert c.vcpo.get_type("tis_c") is float and c.vcpo.tis_c is None  # overrides(flat.Overrides)
   with pytest.raises(TypeError):
     c.optim.lr = "fast"
 
 
 def test_presets_are_written_once_as_methods():
-  """estimator.PRESETS (PGConfig fields) is a view of rl.method.PRESETS: a preset added there is a config
-  method at once."""
+  """estimator.PRESETS is rl.method.PRESETS: a preset added there is a config method at once."""
   assert list(estimator.PRESETS) == list(method.PRESETS)
   method.PRESETS["_test_tis4"] = dataclasses.replace(method.PRESETS["seq_tis"], weights=method.tis(4.0))
   try:
-    assert estimator.pg_config_from_preset("_test_tis4").tis_c == 4.0
+    assert estimator.method_from_preset("_test_tis4").weights == method.tis(4.0)
   finally:
     del method.PRESETS["_test_tis4"]
   assert "_test_tis4" not in estimator.PRESETS

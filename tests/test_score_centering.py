@@ -287,8 +287,8 @@ def test_model_p_equals_q_is_the_learner_gradient(model_setup):
   from vcpo_jax import estimator, learner
 
   graphdef, params, _, batch = model_setup
-  pg = estimator.pg_config_from_preset("vcpo")
-  fn = S.make_centered_logp_fn(graphdef, S.centering_cap(pg))
+  pg = estimator.method_from_preset("vcpo")
+  fn = S.make_centered_logp_fn(graphdef, pg.weights.token_cap)
   got, aux = S.centered_gradient(fn, params, params, batch, pg)
   # the ghost path: the plain gradient and exact norms from an independent computation
   want, waux = learner.policy_gradient("ghost")(learner.make_logp_fn(graphdef), params, batch, pg)
@@ -304,8 +304,8 @@ def test_model_centered_gradient_and_norms_by_brute_force(model_setup, preset, o
   from vcpo_jax import estimator
 
   graphdef, params, beh, batch = model_setup
-  pg = estimator.pg_config_from_preset(preset, **overrides)
-  C = S.centering_cap(pg)
+  pg = estimator.method_from_preset(preset, **overrides)
+  C = pg.weights.token_cap
   assert C == (1.01 if preset == "token_tis" else None)
   fn = S.make_centered_logp_fn(graphdef, C)
   got, aux = S.centered_gradient(fn, params, beh, batch, pg)
@@ -322,7 +322,7 @@ def test_model_centered_gradient_and_norms_by_brute_force(model_setup, preset, o
 
   sq = np.array([np.sum(flat(jax.grad(centered_score)(params, r)) ** 2) for r in rows])
   plain = np.array([np.sum(flat(jax.grad(plain_score)(params, r)) ** 2) for r in rows])
-  if pg.opob:
+  if pg.baseline is not None:
     np.testing.assert_allclose(np.asarray(aux["sq_norm_n"]), sq, rtol=1e-4)
     assert np.abs(sq - plain).max() > 1e-3 * plain.max()  # the correction is in the norm
   lp0, _, _ = fn(params, beh, batch)
@@ -332,7 +332,7 @@ def test_model_centered_gradient_and_norms_by_brute_force(model_setup, preset, o
     mask,
     batch["rewards"],
     batch["group_id"],
-    f32(sq) if pg.opob else None,
+    f32(sq) if pg.baseline is not None else None,
     pg,
   )
   tokw = estimator.pg_token_weights(jax.lax.stop_gradient(lp0), batch["behavior_logp"], mask, pg)
@@ -361,7 +361,7 @@ def test_pure_lag_run_with_exact_centering():
   from tests.test_stability import CFG
 
   cfg = dataclasses.replace(CFG, debug_trace=False)  # test_stability's tiny pure-lag run
-  pg = estimator.pg_config_from_preset("vcpo")
+  pg = estimator.method_from_preset("vcpo")
   key, lr = jax.random.key(3), jnp.float32(3e-2)
   plain = jax.device_get(jax.jit(pl.make_run_fn(cfg, pg, 2))(key, lr, 0))
   centered_fn = jax.jit(pl.make_run_fn(cfg, pg, 2, score_centering_exact=True))
@@ -374,7 +374,7 @@ def test_pure_lag_run_with_exact_centering():
   assert np.all(lag["drift_coef_l1"][3:] > 1e-4) and np.all(lag["drift_kl_qp"][3:] > 0)  # stale from step 3
   assert all(np.all(np.isfinite(v)) for v in lag.values())
   with pytest.raises(ValueError, match="centers the surrogate only"):
-    pl.make_run_fn(cfg, estimator.pg_config_from_preset("ipo"), 2, score_centering_exact=True)
+    pl.make_run_fn(cfg, estimator.method_from_preset("ipo"), 2, score_centering_exact=True)
   with pytest.raises(ValueError, match="needs score_centering_exact=True"):
     pl.make_run_fn(cfg, pg, 2, score_centering_topk=4)
 

@@ -65,9 +65,9 @@ def _model(tied: bool, vocab_chunk: int = 0, chunk: int = 0):
 @pytest.mark.slow
 def test_ghost_centered_norms_and_gradient_by_brute_force(tied, vocab_chunk, preset):
   graphdef, params, beh, batch = _model(tied, vocab_chunk)
-  pg = estimator.pg_config_from_preset(preset, **({"token_tis_c": 1.01} if preset == "tis_sc" else {}))
-  cent = S.StepCentering(graphdef, pg, beh)
-  fn = S.make_centered_logp_fn(graphdef, S.centering_cap(pg))
+  pg = estimator.method_from_preset(preset, **({"token_tis_c": 1.01} if preset == "tis_sc" else {}))
+  cent = S.StepCentering(graphdef, pg.weights.token_cap, beh)
+  fn = S.make_centered_logp_fn(graphdef, pg.weights.token_cap)
   lf = learner.make_logp_fn(graphdef)
   g_ghost, a_ghost = learner.policy_gradient("ghost")(lf, params, batch, pg, centering=cent)
   g_vmap, a_vmap = learner.policy_gradient("vmap")(lf, params, batch, pg, centering=cent)
@@ -88,11 +88,11 @@ def test_ghost_centered_norms_and_gradient_by_brute_force(tied, vocab_chunk, pre
   plain = np.array([np.sum(flat(jax.grad(plain_score)(params, *r)) ** 2) for r in rows])
   np.testing.assert_allclose(np.asarray(a_ghost["sq_norm_n"]), sq, rtol=2e-4)
   assert np.abs(sq - plain).max() > 1e-4 * plain.max()  # the correction term is in the norm (ghost: to ~1e-7)
-  if pg.opob:
+  if pg.baseline is not None:
     np.testing.assert_allclose(np.asarray(a_vmap["sq_norm_n"]), sq, rtol=2e-4)
 
   args = (batch["behavior_logp"], mask, batch["rewards"], batch["group_id"])
-  coef, _ = estimator.pg_coefficients(lp0, *args, jnp.asarray(sq, jnp.float32) if pg.opob else None, pg)
+  coef, _ = estimator.pg_coefficients(lp0, *args, jnp.asarray(sq, jnp.float32) if pg.baseline is not None else None, pg)
 
   def surrogate(p):
     lp, corr, _ = fn(p, beh, batch)
@@ -130,7 +130,7 @@ def test_train_step_exact_centering_with_q_equal_p_is_the_plain_step():
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0), optim.scale_by_ess())
   out = {}
   for name in ("vcpo", "vcpo_sc"):
-    cfg = learner.LearnerConfig(pg=estimator.pg_config_from_preset(name))
+    cfg = learner.LearnerConfig(method=estimator.method_from_preset(name))
     state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
     out[name] = jax.jit(learner.make_train_step(graphdef, tx, cfg))(state, batch)
   (s0, m0), (s1, m1) = out["vcpo"], out["vcpo_sc"]
@@ -258,14 +258,14 @@ def test_async_run_with_inflight_updates_centers_from_the_queued_topk(tmp_path, 
 
 
 def test_centering_config_checks():
-  with pytest.raises(ValueError, match=r"PGConfig.score_centering='full'"):
-    estimator.pg_config_from_preset("vcpo", score_centering="full")
-  with pytest.raises(ValueError, match=r"PGConfig.sc_topk=0: score_centering='topk' needs"):
-    estimator.pg_config_from_preset("vcpo", score_centering="topk")
-  with pytest.raises(ValueError, match=r"PGConfig.sc_topk=8: only with score_centering='topk'"):
-    estimator.pg_config_from_preset("vcpo_sc", sc_topk=8)
+  with pytest.raises(ValueError, match=r"score_centering='full'"):
+    estimator.method_from_preset("vcpo", score_centering="full")
+  with pytest.raises(ValueError, match=r"sc_topk=0: score_centering='topk' needs"):
+    estimator.method_from_preset("vcpo", score_centering="topk")
+  with pytest.raises(ValueError, match=r"sc_topk=8: only with score_centering='topk'"):
+    estimator.method_from_preset("vcpo_sc", sc_topk=8)
   with pytest.raises(ValueError, match=r"with policy_loss='ipo'"):
-    estimator.pg_config_from_preset("ipo", score_centering="exact")
+    estimator.method_from_preset("ipo", score_centering="exact")
 
 
 def _behaviour_topk(graphdef, beh, batch, k):
@@ -288,34 +288,40 @@ def test_topk_centering_with_k_equal_v_is_exact_in_the_learner(preset):
   graphdef, params, beh, batch = _model(tied=True)
   ids, lq = _behaviour_topk(graphdef, beh, batch, V)
   over = {"token_tis_c": 1.01} if preset == "tis_sc" else {}
-  pg_exact = estimator.pg_config_from_preset(preset, **over)
-  pg_topk = estimator.pg_config_from_preset(preset, score_centering="topk", sc_topk=V, **over)
+  pg_exact = estimator.method_from_preset(preset, **over)
+  pg_topk = estimator.method_from_preset(preset, score_centering="topk", sc_topk=V, **over)
   lf = learner.make_logp_fn(graphdef)
   vmap = learner.policy_gradient("vmap")
-  g_e, a_e = vmap(lf, params, batch, pg_exact, centering=S.StepCentering(graphdef, pg_exact, beh))
+  g_e, a_e = vmap(lf, params, batch, pg_exact, centering=S.StepCentering(graphdef, pg_exact.weights.token_cap, beh))
   tb = dict(batch, topk_ids=ids, topk_logp=lq)
-  g_t, a_t = vmap(lf, params, tb, pg_topk, centering=S.TopkCentering(graphdef, pg_topk))
+  g_t, a_t = vmap(lf, params, tb, pg_topk, centering=S.TopkCentering(graphdef, pg_topk.weights.token_cap))
   np.testing.assert_allclose(flat(g_t), flat(g_e), rtol=1e-4, atol=1e-6 * np.abs(flat(g_e)).max())
-  if pg_exact.opob:
+  if pg_exact.baseline is not None:
     np.testing.assert_allclose(np.asarray(a_t["sq_norm_n"]), np.asarray(a_e["sq_norm_n"]), rtol=1e-4)
   np.testing.assert_allclose(a_t["drift_coef_l1_n"], a_e["drift_coef_l1_n"], rtol=1e-4)
   # k < V models the tail: a different (non-zero) correction
   ids4, lq4 = _behaviour_topk(graphdef, beh, batch, 4)
-  pg4 = estimator.pg_config_from_preset(preset, score_centering="topk", sc_topk=4, **over)
-  g_4, _ = vmap(lf, params, dict(batch, topk_ids=ids4, topk_logp=lq4), pg4, centering=S.TopkCentering(graphdef, pg4))
+  pg4 = estimator.method_from_preset(preset, score_centering="topk", sc_topk=4, **over)
+  g_4, _ = vmap(
+    lf,
+    params,
+    dict(batch, topk_ids=ids4, topk_logp=lq4),
+    pg4,
+    centering=S.TopkCentering(graphdef, pg4.weights.token_cap),
+  )
   assert np.abs(flat(g_4) - flat(g_e)).max() > 1e-6 * np.abs(flat(g_e)).max()
 
 
 def test_topk_centering_needs_the_recorded_head():
   graphdef, params, _, batch = _model(tied=True)
-  pg = estimator.pg_config_from_preset("vcpo", score_centering="topk", sc_topk=4)
+  pg = estimator.method_from_preset("vcpo", score_centering="topk", sc_topk=4)
   with pytest.raises(ValueError, match=r"the batch lacks \['topk_ids', 'topk_logp'\]"):
     learner.policy_gradient("vmap")(
-      learner.make_logp_fn(graphdef), params, batch, pg, centering=S.TopkCentering(graphdef, pg)
+      learner.make_logp_fn(graphdef), params, batch, pg, centering=S.TopkCentering(graphdef, pg.weights.token_cap)
     )
   with pytest.raises(ValueError, match=r"the batch lacks \['topk_ids', 'topk_logp'\]"):
     learner.policy_gradient("ghost")(
-      learner.make_logp_fn(graphdef), params, batch, pg, centering=S.TopkCentering(graphdef, pg)
+      learner.make_logp_fn(graphdef), params, batch, pg, centering=S.TopkCentering(graphdef, pg.weights.token_cap)
     )
 
 
@@ -337,9 +343,9 @@ def test_ghost_topk_centering_norms_and_gradient_by_brute_force(tied, vocab_chun
   graphdef, params, beh, batch = _model(tied, vocab_chunk)
   ids, lq = _behaviour_topk(graphdef, beh, batch, k)
   over = {"token_tis_c": 1.01} if preset == "tis_sc" else {}
-  pg = estimator.pg_config_from_preset(preset, score_centering="topk", sc_topk=k, **over)
+  pg = estimator.method_from_preset(preset, score_centering="topk", sc_topk=k, **over)
   tb = dict(batch, topk_ids=ids, topk_logp=lq)
-  cent, lf = S.TopkCentering(graphdef, pg), learner.make_logp_fn(graphdef)
+  cent, lf = S.TopkCentering(graphdef, pg.weights.token_cap), learner.make_logp_fn(graphdef)
   g_ghost, a_ghost = learner.policy_gradient("ghost")(lf, params, tb, pg, centering=cent)
   g_vmap, a_vmap = learner.policy_gradient("vmap")(lf, params, tb, pg, centering=cent)
 
@@ -497,11 +503,11 @@ def test_sampler_topk_with_k_equal_v_centering_equals_exact():
     rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32),
     group_id=np.array([0, 0, 1, 1], np.int32),
   )
-  pg_e = estimator.pg_config_from_preset("vcpo_sc")
-  pg_t = estimator.pg_config_from_preset("vcpo", score_centering="topk", sc_topk=V)
+  pg_e = estimator.method_from_preset("vcpo_sc")
+  pg_t = estimator.method_from_preset("vcpo", score_centering="topk", sc_topk=V)
   lf, vmap = learner.make_logp_fn(graphdef), learner.policy_gradient("vmap")
-  g_e, a_e = vmap(lf, params, batch, pg_e, centering=S.StepCentering(graphdef, pg_e, beh))
+  g_e, a_e = vmap(lf, params, batch, pg_e, centering=S.StepCentering(graphdef, pg_e.weights.token_cap, beh))
   tb = dict(batch, topk_ids=ro.topk_ids, topk_logp=ro.topk_logp)
-  g_t, a_t = vmap(lf, params, tb, pg_t, centering=S.TopkCentering(graphdef, pg_t))
+  g_t, a_t = vmap(lf, params, tb, pg_t, centering=S.TopkCentering(graphdef, pg_t.weights.token_cap))
   np.testing.assert_allclose(flat(g_t), flat(g_e), rtol=1e-3, atol=1e-5 * np.abs(flat(g_e)).max())
   np.testing.assert_allclose(np.asarray(a_t["sq_norm_n"]), np.asarray(a_e["sq_norm_n"]), rtol=1e-3)

@@ -36,7 +36,7 @@ TOL = 1e-5
 # 1e-9 gradient moves the update by 10% of lr). eps = 1e-6 bounds that
 # amplification so that the comparison tests the sharding, not float noise.
 TX = optim.make_optimizer(1e-3, weight_decay=0.01, clip_norm=1.0, eps=1e-6)
-LEARNER_CFG = learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), grad_path="ghost")
+LEARNER_CFG = learner.LearnerConfig(method=estimator.method_from_preset("vcpo"), grad_path="ghost")
 
 
 def _batch(cfg, seed=0):

@@ -17,6 +17,7 @@ from vcpo_jax.experiments import pure_lag as pl
 from vcpo_jax.experiments import stability as st
 from vcpo_jax.experiments import tuning
 from vcpo_jax.model import transformer
+from vcpo_jax.rl import losses
 
 CFG = pl.PureLagConfig(
   alphabet=4,
@@ -39,7 +40,7 @@ MAX_K = 2
 @pytest.fixture(scope="module")
 def run():
   # One compile (k is traced) shared by every pure_lag test; vcpo exercises OPOB and the ESS rate.
-  return jax.jit(pl.make_run_fn(CFG, estimator.pg_config_from_preset("vcpo"), MAX_K))
+  return jax.jit(pl.make_run_fn(CFG, estimator.method_from_preset("vcpo"), MAX_K))
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_config_errors():
   with pytest.raises(ValueError, match="grad_path"):
     pl.PureLagConfig(grad_path="loop")
   with pytest.raises(ValueError, match="max_k"):
-    pl.run_grid(CFG, estimator.pg_config_from_preset("none"), 3, [0], [1e-2], max_k=2)
+    pl.run_grid(CFG, estimator.method_from_preset("none"), 3, [0], [1e-2], max_k=2)
 
 
 # ----------------------------------------------------------------------------- bookkeeping
@@ -406,7 +407,7 @@ def test_countdown_study_config_matches_issue():
   rc = st.trainer_run_config(c, "ppo_clip", 8, 1, 1e-3, ("eps", 0.28))
   assert (rc.learner.ppo_epochs, rc.learner.minibatches) == (1, 2)
   assert rc.vcpo.policy_loss_kw == "eps_low=0.28,eps_high=0.28"
-  assert run_config.parse_config(rc).learner.pg.policy_loss_kw == "eps_low=0.28,eps_high=0.28"
+  assert run_config.parse_config(rc).learner.method.loss == losses.ppo_clip(eps_low=0.28, eps_high=0.28)
   rc = st.trainer_run_config(c, "vcpo", 8, 1, 1e-3, ("rho_on", 0.5))
   assert (rc.learner.minibatches, rc.vcpo.rho_on) == (1, 0.5)
 

@@ -127,10 +127,10 @@ def _per_example_grads(graphdef, params, batch):
 @pytest.mark.slow
 def test_step_telemetry_equals_brute_force(tiny, preset, grad_path):
   graphdef, params, batch = tiny
-  pg = estimator.pg_config_from_preset(preset)
-  lcfg = learner.LearnerConfig(pg=pg, grad_path=grad_path)
+  pg = estimator.method_from_preset(preset)
+  lcfg = learner.LearnerConfig(method=pg, grad_path=grad_path)
   grads, aux = jax.jit(lambda p, b: learner._gradient(graphdef, p, b, lcfg))(params, batch)
-  if grad_path == "vmap" and not pg.opob:
+  if grad_path == "vmap" and pg.baseline is None:
     assert telemetry.step_telemetry(aux, 1.0, batch["rewards"], batch["group_id"], pg, T) == {}
     return
   g2 = float(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(grads)))
@@ -172,11 +172,11 @@ def test_step_telemetry_equals_brute_force(tiny, preset, grad_path):
 
 def test_microbatched_telemetry_equals_single_pass(tiny):
   graphdef, params, batch = tiny
-  pg = estimator.pg_config_from_preset("vcpo")
+  pg = estimator.method_from_preset("vcpo")
   tx = optim.make_optimizer(1e-3, weight_decay=0.0)
   outs = []
   for mbs in (None, 4):
-    lcfg = learner.LearnerConfig(pg=pg, grad_path="ghost", microbatch_size=mbs)
+    lcfg = learner.LearnerConfig(method=pg, grad_path="ghost", microbatch_size=mbs)
     step = jax.jit(learner.make_train_step(graphdef, tx, lcfg))
     _, m = step(learner.init_state(jax.tree.map(jnp.copy, params), tx), batch)
     outs.append({k: f(v) for k, v in m.items() if k.startswith("grad/")})
@@ -188,11 +188,11 @@ def test_microbatched_telemetry_equals_single_pass(tiny):
 def test_grad_telemetry_off_logs_no_grad_metrics_and_trains_the_same(tiny):
   # learner.grad_telemetry=False drops the grad/ metrics only: same parameters, same other metrics.
   graphdef, params, batch = tiny
-  pg = estimator.pg_config_from_preset("vcpo")
+  pg = estimator.method_from_preset("vcpo")
   tx = optim.make_optimizer(1e-3, weight_decay=0.0)
   runs = []
   for on in (True, False):
-    step = jax.jit(learner.make_train_step(graphdef, tx, learner.LearnerConfig(pg=pg, grad_telemetry=on)))
+    step = jax.jit(learner.make_train_step(graphdef, tx, learner.LearnerConfig(method=pg, grad_telemetry=on)))
     runs.append(step(learner.init_state(jax.tree.map(jnp.copy, params), tx), batch))
   (s_on, m_on), (s_off, m_off) = runs
   assert any(k.startswith("grad/") for k in m_on) and not any(k.startswith("grad/") for k in m_off)
@@ -219,10 +219,11 @@ def test_a_method_without_norms_does_not_compute_them_under_the_default_telemetr
   those of grad_telemetry=False (XLA drops the ghost path's unused norms); "norms" computes them (more flops) and
   logs the norm telemetry. A bug that hands the norms to the telemetry under the default fails the flop check."""
   graphdef, params, batch = tiny
-  pg = estimator.pg_config_from_preset("seq_tis")
+  pg = estimator.method_from_preset("seq_tis")
   assert not estimator.needs_sq_norms(pg)
   cfgs = {
-    t: learner.LearnerConfig(pg=pg, grad_telemetry=t, microbatch_size=microbatch_size) for t in (True, False, "norms")
+    t: learner.LearnerConfig(method=pg, grad_telemetry=t, microbatch_size=microbatch_size)
+    for t in (True, False, "norms")
   }
   runs = {t: _compiled_step(graphdef, params, batch, lcfg) for t, lcfg in cfgs.items()}
   (flops_on, m_on), (flops_off, m_off), (flops_norms, m_norms) = runs[True], runs[False], runs["norms"]
@@ -235,10 +236,10 @@ def test_a_method_without_norms_does_not_compute_them_under_the_default_telemetr
 def test_vcpo_still_computes_its_norms_and_their_telemetry_by_default(tiny):
   """VCPO's OPOB needs S_n: under the default its grad/ metrics are logged, equal to those of "norms"."""
   graphdef, params, batch = tiny
-  pg = estimator.pg_config_from_preset("vcpo")
-  assert learner.LearnerConfig(pg=pg).telemetry_norms
-  _, m_on = _compiled_step(graphdef, params, batch, learner.LearnerConfig(pg=pg))
-  _, m_norms = _compiled_step(graphdef, params, batch, learner.LearnerConfig(pg=pg, grad_telemetry="norms"))
+  pg = estimator.method_from_preset("vcpo")
+  assert learner.LearnerConfig(method=pg).telemetry_norms
+  _, m_on = _compiled_step(graphdef, params, batch, learner.LearnerConfig(method=pg))
+  _, m_norms = _compiled_step(graphdef, params, batch, learner.LearnerConfig(method=pg, grad_telemetry="norms"))
   assert {"grad/top1_share", "grad/cov_trace", "grad/var_ratio"} <= set(m_on)
   for k in m_norms:
     assert m_on[k] == pytest.approx(m_norms[k], rel=1e-5, abs=1e-9), k
@@ -254,9 +255,9 @@ def test_vcpo_still_computes_its_norms_and_their_telemetry_by_default(tiny):
 )
 def test_grad_telemetry_values_are_checked(kw, match):
   kw = dict(kw)
-  pg = estimator.pg_config_from_preset(kw.pop("preset", "seq_tis"))
+  pg = estimator.method_from_preset(kw.pop("preset", "seq_tis"))
   with pytest.raises(ValueError, match=match):
-    learner.LearnerConfig(pg=pg, **kw)
+    learner.LearnerConfig(method=pg, **kw)
 
 
 def test_cosine():
@@ -314,7 +315,7 @@ def test_nothing_is_compiled_after_the_first_step_with_telemetry_on(tiny):
   """The grad/ metrics are part of the one compiled step: later steps (new values, same shapes) reuse it."""
   graphdef, params, batch = tiny
   tx = optim.make_optimizer(1e-3, weight_decay=0.0)
-  lcfg = learner.LearnerConfig(pg=estimator.pg_config_from_preset("vcpo"), grad_path="ghost")
+  lcfg = learner.LearnerConfig(method=estimator.method_from_preset("vcpo"), grad_path="ghost")
   step = jax.jit(learner.make_train_step(graphdef, tx, lcfg), donate_argnums=0)
   state, m = step(learner.init_state(jax.tree.map(jnp.copy, params), tx), batch)
   assert "grad/var_ratio" in m and "grad/cov_trace" in m

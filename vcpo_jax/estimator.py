@@ -1,9 +1,9 @@
 """The coefficients of VCPO and of the methods it is compared against: pure, jittable, no gradients.
 
 The notebook face of `vcpo_jax.rl`: it re-exports the math of rl.ess (log-ratios, ESS, the lr rule, the
-ESS-targeted truncation), rl.weights, rl.advantages (and OPOB), rl.aggregation, rl.surrogate (PGConfig,
-pg_coefficients) and rl.presets, so `from vcpo_jax import estimator; estimator.X` reaches all of it.
-The method as one value (`Method`, its presets as Python values) is rl.method.
+ESS-targeted truncation), rl.weights, rl.advantages (and OPOB), rl.aggregation, rl.surrogate
+(pg_coefficients of a Method), rl.method (Method, PRESETS) and rl.presets, so `from vcpo_jax import estimator; estimator.X` reaches all of it.
+Every coefficient function takes the method as one value (`Method`, its presets as Python values).
 
 This module turns per-token log-probs, rewards and (for OPOB) per-example squared
 score norms into stop-gradient numbers: ratios, weights, ESS, advantages, baselines
@@ -54,7 +54,7 @@ Departures from the paper / reference implementation (each is an option):
     +-log_ratio_clamp (20) clamp only enters the applied weights, which the
     reference defines with it. (Clamping the baseline weights would make every
     row with l > 20 weigh the same: exactly the high-lag regime VCPO is for.)
-  * GRPO's group std is a per-preset choice (`PGConfig.std`): the reference's
+  * GRPO's group std is a per-preset choice (`Advantage.std`): the reference's
     GRPO uses the sample std (torch.std, ddof 1), its OPOB path the population
     std (ddof 0); the presets follow the reference accordingly (see PRESETS).
 """
@@ -82,21 +82,22 @@ from vcpo_jax.rl.ess import (
   tis_ess_log_weights,
   token_log_ratio,
 )
-from vcpo_jax.rl.presets import PRESET_DOCS, PRESETS, pg_config_from_preset
+from vcpo_jax.rl.flat import DECOUPLED_PROX
+from vcpo_jax.rl.method import Method
+from vcpo_jax.rl.presets import PRESET_DOCS, PRESETS, method_from_preset
 from vcpo_jax.rl.surrogate import (
-  DECOUPLED_PROX,
   MASK_NORMALIZERS,
   OPOB_SCOPES,
   OPOB_WEIGHTS,
-  PGConfig,
   batch_wide_coefficients,
   loss_divisor,
   needs_sq_norms,
   pg_coefficients,
   pg_metrics,
   pg_token_weights,
-  policy_loss_kwargs,
 )
+
+pg_config_from_preset = method_from_preset  # the earlier name of method_from_preset (notebooks use it)
 from vcpo_jax.rl.weights import WEIGHT_VARIANTS, WeightVariant, importance_weights
 
 __all__ = [
@@ -114,7 +115,7 @@ __all__ = [
   "WEIGHT_VARIANTS",
   "AdvantageEstimator",
   "LossAggregation",
-  "PGConfig",
+  "Method",
   "WeightVariant",
   "advantages",
   "baseline_and_scale",
@@ -126,13 +127,13 @@ __all__ = [
   "importance_weights",
   "log_mean_weight",
   "loss_divisor",
+  "method_from_preset",
   "needs_sq_norms",
   "opob_baseline",
   "pg_coefficients",
   "pg_config_from_preset",
   "pg_metrics",
   "pg_token_weights",
-  "policy_loss_kwargs",
   "rho_on_statistics",
   "sequence_log_ratio",
   "sg",

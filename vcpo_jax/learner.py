@@ -1,7 +1,7 @@
 """One jitted learner step: Batch -> log-probs -> VCPO coefficients -> gradients -> update.
 
     logp_nt      = policy log-probs of the batch's tokens (one forward pass)
-    coef_n, aux  = estimator.pg_coefficients(...)      (ratios, ESS, advantages, OPOB)
+    coef_n, aux  = method.coefficients(...)            (ratios, ESS, advantages, OPOB)
     grads        = d/dparams [ -sum_n coef_n sum_t tokw_nt logp_nt ]
     update       = clip -> AdamW -> x lr_scale (ESS rule, this step only)
 
@@ -18,22 +18,23 @@ Micro-batching (`microbatch_size` rows, whole groups each) is exact: the step
 equals the single-pass step. Inside a `lax.scan` over micro-batches, each one
 runs the gradient path (so the ghost path holds one micro-batch's activations
 and (A, D) pairs) with its coefficients WITHOUT the loss aggregation's
-whole-batch count Z (`estimator.pg_coefficients(..., divisor=1.0)`); float32
+whole-batch count Z (`method.coefficients(..., divisor=1.0)`); float32
 gradients and the per-row arrays are accumulated. Every coefficient term is
 per row or per group (advantages, group std, OPOB from the group's own norms),
 so it is the same in a micro-batch of whole groups; the whole-batch terms are
 scalar factors taken from the stacked rows after the scan: Z
-(`estimator.loss_divisor`: valid or kept rows / tokens) divides the
-accumulated gradient, the ESS and its lr scale (`estimator.pg_metrics`) reach
+(`method.loss_divisor`: valid or kept rows / tokens) divides the
+accumulated gradient, the ESS and its lr scale (`method.metrics`) reach
 the optimizer, whose global-norm clip runs once, after accumulation. Methods
-whose coefficients read rows outside the group (`estimator.
-batch_wide_coefficients`: the REINFORCE batch-mean baseline, minibatch-scope
-OPOB) are rejected with micro-batching; no preset is one.
+whose coefficients read rows outside the group (`method.batch_wide`: the
+REINFORCE batch-mean baseline, minibatch-scope OPOB, tis_ess, a peer loss) are
+rejected with micro-batching.
 
-The peers' stabilizers (`pg.policy_loss` != "pg": PPO clip, decoupled PPO, GSPO, CISPO, M2PO,
-IcePop, DPPO-TV; vcpo_jax/policy_losses.py) replace the surrogate by their own loss of (log pi_theta,
-log pi_old, log mu, A, mask): one forward, the loss's cotangent d loss / d logp_nt, one backward
-(`_policy_loss_gradient`; no norms, so both gradient paths are the same). With
+The peers' stabilizers (a method whose `peer_loss` is set: PPO clip, decoupled PPO, GSPO, CISPO, M2PO,
+IcePop, DPPO-TV, ...; vcpo_jax/rl/losses.py) replace the surrogate by their own loss of (log pi_theta,
+log pi_old, log mu, A, mask), with the step inputs the loss declares (PeerLoss.needs) bound by name: one
+forward, the loss's cotangent d loss / d logp_nt, one backward (`_policy_loss_gradient`; no norms, so both
+gradient paths are the same). With
 `ppo_epochs * minibatches` > 1 a trainer step makes that many optimizer updates on minibatches of whole
 groups, with pi_old recomputed once at the start (`_multi_update_step`); 1 x 1, the default, is the single
 update above. Neither combines with micro-batching (rejected at config time).
@@ -60,10 +61,11 @@ import optax
 from flax import nnx
 
 from vcpo_jax import batch as batch_lib
-from vcpo_jax import estimator, grad_norms, sharding, telemetry
+from vcpo_jax import grad_norms, sharding, telemetry
 from vcpo_jax import score_centering as sc_lib
 from vcpo_jax.model import lora, moe, transformer
 from vcpo_jax.rl import losses as policy_losses
+from vcpo_jax.rl.method import Method
 from vcpo_jax.schema import check_field
 
 sg = jax.lax.stop_gradient
@@ -89,15 +91,15 @@ class LearnerConfig:
     fits one_pass_budget_gib, else two (chosen at trace time from the shapes, logged).
   ppo_epochs, minibatches: ppo_epochs * minibatches optimizer updates per trainer step, each on N /
     minibatches rows of whole groups, with pi_old recomputed once per step (_multi_update_step); only for
-    a policy loss (pg.policy_loss != "pg"). 1 and 1: today's single update, the same computation.
+    a peer loss (method.peer_loss). 1 and 1: today's single update, the same computation.
   grad_telemetry: the grad/ metrics of vcpo_jax.telemetry, which read the step's per-example norms S_n. True:
-    when the method computes them anyway (estimator.needs_sq_norms: OPOB), else none, so that a method
+    when the method computes them anyway (method.needs_sq_norms: OPOB), else none, so that a method
     without norms pays nothing (XLA drops the ghost path's unused norms); "norms": also for such a method,
     which then computes them for the telemetry (the plain ghost step's cost, ~1% of its flops on the CPU
     default); False: no grad/ metrics.
   """
 
-  pg: estimator.PGConfig
+  method: Method
   grad_path: str = "ghost"
   ghost_passes: int | str = 1  # 1: one backward, all layers' (A, D) kept; 2: norms block by block; "auto"
   one_pass_budget_gib: float = 24.0  # ghost_passes="auto": per-device GiB the one-pass (A, D) may take
@@ -124,9 +126,9 @@ class LearnerConfig:
       )
     self._check_updates()
     self._check_telemetry()
-    if self.pg.score_centering != "off" and self.grad_path == "ghost" and self.ghost_passes != 1:
+    if self.method.centering is not None and self.grad_path == "ghost" and self.ghost_passes != 1:
       raise ValueError(
-        f"learner.ghost_passes={self.ghost_passes!r} with vcpo.score_centering={self.pg.score_centering!r}: the "
+        f"learner.ghost_passes={self.ghost_passes!r} with vcpo.score_centering={self.method.centering[0]!r}: the "
         "centered score's dense head term runs in the one-pass ghost step only; set learner.ghost_passes=1."
       )
     mb = self.microbatch_size
@@ -142,10 +144,10 @@ class LearnerConfig:
       )
     if n and n % mb:
       raise ValueError(f"learner.microbatch_size={mb} does not divide the batch size N={n}; use a divisor of {n}.")
-    why = estimator.batch_wide_coefficients(self.pg)
+    why = self.method.batch_wide
     if why:
       raise ValueError(
-        f"learner.microbatch_size={mb} with {why}: micro-batches of whole groups cannot be exact; "
+        f"learner.microbatch_size={mb} with the method's {why}: micro-batches of whole groups cannot be exact; "
         "set learner.microbatch_size=0."
       )
 
@@ -157,7 +159,7 @@ class LearnerConfig:
         raise ValueError(f"learner.{f}={v!r}: must be an int >= 1 (1: one update per trainer step).")
     if self.updates_per_step == 1:
       return
-    if self.pg.policy_loss == "pg":
+    if self.method.peer_loss is None:
       f = "minibatches" if self.minibatches > 1 else "ppo_epochs"
       raise ValueError(
         f"learner.{f}={getattr(self, f)}: several updates per step need a policy-loss method (ppo_clip, gspo, ...); "
@@ -194,7 +196,7 @@ class LearnerConfig:
   @property
   def telemetry_norms(self) -> bool:
     """Whether the step's telemetry reads the per-example norms (see grad_telemetry)."""
-    return self.grad_telemetry == "norms" or (self.grad_telemetry is True and estimator.needs_sq_norms(self.pg))
+    return self.grad_telemetry == "norms" or (self.grad_telemetry is True and self.method.needs_sq_norms)
 
   def _check_telemetry(self):
     t = self.grad_telemetry
@@ -203,10 +205,12 @@ class LearnerConfig:
         f"learner.grad_telemetry={t!r}: choose True (the grad/ metrics when the method computes per-example "
         "norms), 'norms' (compute them for the telemetry too) or False."
       )
-    if t == "norms" and (self.grad_path != "ghost" or self.pg.policy_loss != "pg"):
+    peer = self.method.peer_loss
+    if t == "norms" and (self.grad_path != "ghost" or peer is not None):
+      loss = "surrogate" if peer is None else repr(peer.name)
       raise ValueError(
-        f"learner.grad_telemetry='norms' with learner.grad_path={self.grad_path!r} and a {self.pg.policy_loss!r} "
-        "loss: only the ghost path of the surrogate (policy_loss 'pg') has per-example norms to add; use True."
+        f"learner.grad_telemetry='norms' with learner.grad_path={self.grad_path!r} and the {loss} loss: only the "
+        "ghost path of the surrogate has per-example norms to add; use True."
       )
 
 
@@ -258,7 +262,7 @@ def _token_experts(batch):
 
 
 # ---------------------------------------------------------------------------
-# Gradient paths: f(logp_fn, params, batch, pg) -> (grads, aux), one per name
+# Gradient paths: f(logp_fn, params, batch, method) -> (grads, aux), one per name
 # ---------------------------------------------------------------------------
 
 
@@ -268,40 +272,38 @@ def _check_batch(batch) -> None:
     raise ValueError(f"batch: missing keys {missing}; need {list(batch_lib.PG_KEYS)}")
 
 
-def _coefficients(logp_nt, batch, pg: estimator.PGConfig, sq_n, divisor):
-  return estimator.pg_coefficients(
-    logp_nt, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq_n, pg, divisor=divisor
+def _coefficients(logp_nt, batch, method: Method, sq_n, divisor):
+  return method.coefficients(
+    logp_nt, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq_n, divisor=divisor
   )
 
 
-def _vmap_gradient(
-  logp_fn, params, batch, pg: estimator.PGConfig, *, divisor=None, current_version=None, centering=None
-):
+def _vmap_gradient(logp_fn, params, batch, method: Method, *, divisor=None, current_version=None, centering=None):
   """The reference path: one forward (jax.vjp), norms by vmap of per-example grads, one backward.
 
   logp_nt, vjp = jax.vjp(logp_fn(., batch), params)
   S_n          = ||grad_params sum_t mask_nt logp_nt||^2      (grad_norms.per_example_sq_grad_norms; OPOB only)
-  coef_n, aux  = estimator.pg_coefficients(sg(logp_nt), ..., S_n)
-  grads        = vjp(-coef_n tokw_nt)                       (tokw_nt = estimator.pg_token_weights)
+  coef_n, aux  = method.coefficients(sg(logp_nt), ..., S_n)
+  grads        = vjp(-coef_n tokw_nt)                       (tokw_nt = method.token_weights)
 
   centering (a score_centering.StepCentering, or None): every score is centered (`_centered_vmap_gradient`).
   """
   _check_batch(batch)
-  if pg.policy_loss != "pg":
-    return _policy_loss_gradient(logp_fn, params, batch, pg, current_version=current_version)
+  if method.peer_loss is not None:
+    return _policy_loss_gradient(logp_fn, params, batch, method, current_version=current_version)
   if centering is not None:
-    return _centered_vmap_gradient(centering, params, batch, pg, divisor)
+    return _centered_vmap_gradient(centering, params, batch, method, divisor)
   logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
   sq = None
-  if estimator.needs_sq_norms(pg):
+  if method.needs_sq_norms:
 
     def score(p, example):
       ex1 = jax.tree_util.tree_map(lambda x: x[None], example)
       return jnp.sum(logp_fn(p, ex1)[0].astype(jnp.float32) * ex1["loss_mask"][0].astype(jnp.float32))
 
     sq = grad_norms.per_example_sq_grad_norms(score, params, dict(batch))
-  coef_n, aux = _coefficients(logp_nt, batch, pg, sq, divisor)
-  tokw_nt = estimator.pg_token_weights(logp_nt, batch["behavior_logp"], batch["loss_mask"], pg)
+  coef_n, aux = _coefficients(logp_nt, batch, method, sq, divisor)
+  tokw_nt = method.token_weights(logp_nt, batch["behavior_logp"], batch["loss_mask"])
   cot_nt = -coef_n[:, None] * tokw_nt  # d loss / d logp_nt
   (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
   # where(): masked-out positions may hold logp = -inf; their cotangent is 0 and must not give nan.
@@ -310,7 +312,7 @@ def _vmap_gradient(
   return grads, dict(aux, pg_loss=pg_loss, **rows)
 
 
-def _centered_vmap_gradient(centering, params, batch, pg: estimator.PGConfig, divisor):
+def _centered_vmap_gradient(centering, params, batch, method: Method, divisor):
   """The vmap path with centered scores: score_t = tokw_t log p(y_t) - corr_t, corr_t = sum_v sg[c_tv] log p_tv.
 
     (logp_nt, corr_nt), vjp = jax.vjp(centering.logp_fn(., batch), params)
@@ -322,7 +324,7 @@ def _centered_vmap_gradient(centering, params, batch, pg: estimator.PGConfig, di
   mask = jnp.asarray(batch["loss_mask"], jnp.float32)
   (logp_nt, corr_nt, diag), vjp = jax.vjp(lambda p: centering.logp_fn(p, batch), params)
   sq = None
-  if estimator.needs_sq_norms(pg):
+  if method.needs_sq_norms:
 
     def score(p, example):
       ex1 = jax.tree_util.tree_map(lambda x: x[None], example)
@@ -330,8 +332,8 @@ def _centered_vmap_gradient(centering, params, batch, pg: estimator.PGConfig, di
       return jnp.sum((lp[0].astype(jnp.float32) - corr[0]) * ex1["loss_mask"][0].astype(jnp.float32))
 
     sq = grad_norms.per_example_sq_grad_norms(score, params, dict(batch))
-  coef_n, aux = _coefficients(sg(logp_nt), batch, pg, sq, divisor)
-  tokw_nt = estimator.pg_token_weights(sg(logp_nt), batch["behavior_logp"], mask, pg)
+  coef_n, aux = _coefficients(sg(logp_nt), batch, method, sq, divisor)
+  tokw_nt = method.token_weights(sg(logp_nt), batch["behavior_logp"], mask)
   cot_lp = -coef_n[:, None] * tokw_nt
   cot_corr = coef_n[:, None] * mask
   (grads,) = vjp((cot_lp.astype(logp_nt.dtype), cot_corr, jax.tree.map(jnp.zeros_like, diag)))
@@ -349,11 +351,11 @@ def _ghost_gradient(
   logp_fn,
   params,
   batch,
-  pg: estimator.PGConfig,
+  method: Method,
   *,
   divisor=None,
   current_version=None,
-  method: str = "auto",
+  norm_method: str = "auto",
   memory_budget_bytes: int | None = None,
   batch_shards: int | None = None,
   passes: int | str = 1,
@@ -362,31 +364,31 @@ def _ghost_gradient(
 ):
   """The fast path: exact S_n and the gradient from one forward and one backward to the layer outputs.
 
-    tokw_nt     = estimator.pg_token_weights(sg(logp_nt), ...)
-    coef_n, aux = estimator.pg_coefficients(sg(logp_nt), ..., S_n)   S_n: the ghost norms of the
+    tokw_nt     = method.token_weights(sg(logp_nt), ...)
+    coef_n, aux = method.coefficients(sg(logp_nt), ..., S_n)         S_n: the ghost norms of the
                                                                        tokw-weighted score
     grads       = -sum_n coef_n sum_t tokw_nt grad logp_nt            from the same (A, D) pairs
 
   (grad_norms.ghost_sq_norms_and_grad). OPOB only runs with sequence-level weights, where tokw_nt =
   loss_mask, so S_n is the norm it needs. aux also holds sq_norm_n [N] (the exact S_n, whether or not
-  pg uses it). method / memory_budget_bytes / batch_shards: the norms' plan (grad_norms.plan_layers),
+  the method uses it). norm_method / memory_budget_bytes / batch_shards: the norms' plan (grad_norms.plan_layers),
   chosen from this (micro-)batch's shapes; passes / one_pass_budget_bytes: 1, 2 or "auto"
   (grad_norms.ghost_sq_norms_and_grad). centering (a score_centering.StepCentering, or None): the scores are
   centered, the head's per-token output gradient gains the dense term of `centering.head_coefs(batch)`
   (one stop-gradient forward of the behaviour parameters), and aux the per-row drift sums.
   """
   _check_batch(batch)
-  if pg.policy_loss != "pg":
-    return _policy_loss_gradient(logp_fn, params, batch, pg, current_version=current_version)
+  if method.peer_loss is not None:
+    return _policy_loss_gradient(logp_fn, params, batch, method, current_version=current_version)
   beh, mask = batch["behavior_logp"], batch["loss_mask"]
   head_coefs = None if centering is None else centering.head_coefs(batch)
   res = grad_norms.ghost_sq_norms_and_grad(
     logp_fn,
     params,
     batch,
-    lambda logp_nt: estimator.pg_token_weights(logp_nt, beh, mask, pg),
-    lambda logp_nt, sq_n: _coefficients(logp_nt, batch, pg, sq_n, divisor),
-    method=method,
+    lambda logp_nt: method.token_weights(logp_nt, beh, mask),
+    lambda logp_nt, sq_n: _coefficients(logp_nt, batch, method, sq_n, divisor),
+    method=norm_method,
     memory_budget_bytes=memory_budget_bytes,
     batch_shards=batch_shards,
     passes=passes,
@@ -401,22 +403,20 @@ def _ghost_gradient(
   return res.grads, out
 
 
-def _bound_policy_loss(pg: estimator.PGConfig, batch, current_version=None):
-  """pg's policy loss with its hyper-parameters (and, for decoupled_prox='loglinear', the versions) bound.
+def _bound_policy_loss(method: Method, batch, current_version=None):
+  """The method's peer loss with the step inputs it declares (PeerLoss.needs, rl.losses.STEP_INPUTS) bound.
 
   current_version: the version the update produces (the learner's step + 1), so that AReaL's proximal
   version current_version - 1 is the learner's parameters at the start of the step (what "exact" uses).
   """
-  kw = estimator.policy_loss_kwargs(pg)
-  if pg.policy_loss == "decoupled_ppo" and pg.decoupled_prox == "loglinear":
-    if current_version is None or "policy_version" not in batch:
-      raise ValueError("vcpo.decoupled_prox='loglinear' needs batch['policy_version'] and the learner's version")
-    kw.update(behavior_version=batch["policy_version"], current_version=current_version)
-  return policy_losses.make_policy_loss(pg.policy_loss, **kw)
+  inputs = {} if current_version is None else {"current_version": current_version}
+  if "policy_version" in batch:
+    inputs["behavior_version"] = batch["policy_version"]
+  return method.bind_loss(inputs)
 
 
-def _policy_loss_gradient(logp_fn, params, batch, pg: estimator.PGConfig, *, current_version=None):
-  """Gradient of a policy_losses loss (pg.policy_loss != "pg") in one update: one forward, one backward.
+def _policy_loss_gradient(logp_fn, params, batch, method: Method, *, current_version=None):
+  """Gradient of the method's peer loss in one update: one forward, one backward.
 
     logp_nt, vjp = jax.vjp(logp_fn(., batch), params)
     pi_old       = sg(logp_nt)          (the step's single update starts at pi_old: r_t = 1 in value)
@@ -430,9 +430,9 @@ def _policy_loss_gradient(logp_fn, params, batch, pg: estimator.PGConfig, *, cur
   """
   logp_nt, vjp = jax.vjp(lambda p: logp_fn(p, batch), params)
   old = sg(logp_nt)
-  _, aux = _coefficients(old, batch, pg, None, None)
+  _, aux = _coefficients(old, batch, method, None, None)
   mask = jnp.where(aux["valid_n"][:, None], jnp.asarray(batch["loss_mask"], jnp.float32), 0.0)
-  fn = _bound_policy_loss(pg, batch, current_version)
+  fn = _bound_policy_loss(method, batch, current_version)
   args = (old, batch["behavior_logp"], aux["advantage_n"], mask)
   (loss, m), cot_nt = jax.value_and_grad(lambda lp: fn(lp, *args), has_aux=True)(logp_nt)
   (grads,) = vjp(cot_nt.astype(logp_nt.dtype))
@@ -444,22 +444,22 @@ GRAD_PATHS = tuple(_GRAD_PATHS)
 
 
 def policy_gradient(path: str) -> Callable:
-  """The gradient path by name: f(logp_fn, params, batch, pg, *, divisor=None, current_version=None).
+  """The gradient path by name: f(logp_fn, params, batch, method, *, divisor=None, current_version=None).
 
   f returns (grads, aux): grads of the configured loss with the structure of params, aux the dict of
-  estimator.pg_coefficients (scalar metrics and "_n" rows) plus pg_loss (the loss's value). For the
-  surrogate (pg.policy_loss == "pg")
+  method.coefficients (scalar metrics and "_n" rows) plus pg_loss (the loss's value). For the
+  surrogate (method.peer_loss None)
 
-    loss(params) = -sum_n coef_n * sum_t tokw_nt * logp_nt(params),   coef_n = estimator.pg_coefficients
+    loss(params) = -sum_n coef_n * sum_t tokw_nt * logp_nt(params),   coef_n = method.coefficients
 
   "ghost": exact per-example norms and the gradient from one backward pass to the layer outputs
-           (vcpo_jax.grad_norms); also takes method / memory_budget_bytes / batch_shards / passes;
+           (vcpo_jax.grad_norms); also takes norm_method / memory_budget_bytes / batch_shards / passes;
   "vmap":  the reference: norms by vmap of per-example grads, then the surrogate's backward.
-  Both also take centering= (a score_centering.StepCentering): pg.score_centering is applied only through
+  Both also take centering= (a score_centering.StepCentering): the method's score centering is applied only through
   it (`_gradient` builds it; without it f is the uncentered surrogate, which Method.loss_fn matches).
-  Both give the same gradient (tested). A policy_losses loss (pg.policy_loss != "pg") needs no norms:
+  Both give the same gradient (tested). A peer loss (method.peer_loss) needs no norms:
   on either path one forward and the loss's own cotangent; current_version (the version the update
-  produces) is read only by decoupled_ppo's log-linear pi_prox.
+  produces) is bound when the loss declares it (PeerLoss.needs: decoupled_ppo's log-linear pi_prox).
 
   Args (of f):
     logp_fn: logp_fn(params, batch) -> [N, T] log-probs of batch["tokens"] (aligned with loss_mask);
@@ -467,8 +467,8 @@ def policy_gradient(path: str) -> Callable:
     params: parameter pytree.
     batch: has batch.PG_KEYS (tokens, behavior_logp, loss_mask [N, T], rewards, group_id [N]) plus
       what logp_fn reads; every leaf has a leading N axis.
-    pg: estimator.PGConfig (static under jit).
-    divisor: the loss aggregation's Z (see estimator.pg_coefficients); a micro-batch passes 1.0.
+    method: rl.method.Method (static under jit).
+    divisor: the loss aggregation's Z (see surrogate.pg_coefficients); a micro-batch passes 1.0.
 
   References:
     Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs, arXiv 2602.17616.
@@ -479,19 +479,20 @@ def policy_gradient(path: str) -> Callable:
 
 
 def _step_centering(graphdef, params, cfg: LearnerConfig, behavior_params):
-  """The step's score centering (score_centering.StepCentering) or None (pg.score_centering 'off')."""
-  if cfg.pg.score_centering == "off":
+  """The step's score centering (score_centering.StepCentering / TopkCentering) or None (the method's is off)."""
+  if cfg.method.centering is None:
     return None
-  if cfg.pg.score_centering == "topk":
-    return sc_lib.TopkCentering(graphdef, cfg.pg)
-  return sc_lib.StepCentering(graphdef, cfg.pg, params if behavior_params is None else behavior_params)
+  source, cap = cfg.method.centering
+  if source == "topk":
+    return sc_lib.TopkCentering(graphdef, cap)
+  return sc_lib.StepCentering(graphdef, cap, params if behavior_params is None else behavior_params)
 
 
 def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None, behavior_params=None, frozen=None):
   """(grads, aux) of the whole batch: one pass, or a scan over micro-batches (same result).
 
   step: the learner's step (state.step), read only by decoupled_ppo's log-linear pi_prox.
-  behavior_params: pg.score_centering='exact' only: the parameters that sampled the batch (lag mode's
+  behavior_params: 'exact' score centering only: the parameters that sampled the batch (lag mode's
   version step - k); None: `params` (sync, k = 0: p = q and every centering coefficient is 0). The drift
   diagnostics come back as `drift/*` scalars (score_centering.drift_scalars).
   frozen: the frozen base with LoRA (params = the adapters), else None.
@@ -516,7 +517,7 @@ def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_p
   k = cfg.microbatches(n)
   if k == 1:
     version = None if step is None else step + 1  # the version this update produces
-    return grad_fn(logp_fn, params, batch, cfg.pg, current_version=version)
+    return grad_fn(logp_fn, params, batch, cfg.method, current_version=version)
 
   # [K, N / K, ...]: whole groups; each micro-batch's rows stay split over the mesh's batch axes (under a
   # mesh; a no-op without one), so per-device activation memory falls with data x fsdp.
@@ -525,7 +526,7 @@ def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_p
   )
 
   def body(acc, mb):
-    grads, aux = grad_fn(logp_fn, params, mb, cfg.pg, divisor=1.0)
+    grads, aux = grad_fn(logp_fn, params, mb, cfg.method, divisor=1.0)
     acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
     rows = {key: v for key, v in aux.items() if key.endswith("_n")}
     return acc, (rows, aux["pg_loss"])
@@ -533,11 +534,11 @@ def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_p
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   acc, (rows, losses) = jax.lax.scan(body, zeros, mbs)
   rows = {key: v.reshape((n,) + v.shape[2:]) for key, v in rows.items()}
-  z = estimator.loss_divisor(rows, cfg.pg)  # the whole batch's count, a scalar factor
+  z = cfg.method.loss_divisor(rows)  # the whole batch's count, a scalar factor
   if "coef_n" in rows:  # the micro-batches' coefficients were made with Z = 1
     rows["coef_n"] = rows["coef_n"] / z
   grads = jax.tree.map(lambda a, p: (a / z).astype(p.dtype), acc, params)
-  return grads, dict(estimator.pg_metrics(rows, cfg.pg), **rows, pg_loss=jnp.sum(losses) / z)
+  return grads, dict(cfg.method.metrics(rows), **rows, pg_loss=jnp.sum(losses) / z)
 
 
 def _guarded_update(tx, params, opt_state, grads, loss, lr_scale):
@@ -580,8 +581,8 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
   trainable, frozen = lora.split(state.params)
   logp_fn = make_logp_fn(graphdef, frozen)
   old_logp = jax.lax.stop_gradient(logp_fn(trainable, batch))
-  _, aux0 = estimator.pg_coefficients(
-    old_logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], None, cfg.pg
+  _, aux0 = cfg.method.coefficients(
+    old_logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], None
   )
   mask = jnp.where(aux0["valid_n"][:, None], jnp.asarray(batch["loss_mask"], jnp.float32), 0.0)
   full = dict(batch, loss_mask=mask, old_logp=old_logp, advantage=aux0["advantage_n"])
@@ -595,7 +596,7 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
 
   def update(carry, mb):
     params, opt_state = carry
-    fn = _bound_policy_loss(cfg.pg, mb, version)
+    fn = _bound_policy_loss(cfg.method, mb, version)
     grads, loss, lm = policy_losses.loss_gradient(fn, logp_fn, params, mb, mb["advantage"], mb["old_logp"])
     params, opt_state, out = _guarded_update(tx, params, opt_state, grads, loss, lr_scale)
     out.update({f"loss/{k}": v for k, v in lm.items()}, pg_loss=loss)
@@ -617,7 +618,7 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
 
 def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: LearnerConfig):
   """Returns train_step(state, batch, behavior_params=None) -> (state, metrics); jit it under its mesh:
-  sharding.MeshJit (donate state). behavior_params: pg.score_centering='exact' in lag mode, the version that
+  sharding.MeshJit (donate state). behavior_params: 'exact' score centering in lag mode, the version that
   sampled the batch (see `_gradient`); None otherwise.
 
   Traced without a mesh while its inputs live on a multi-device mesh it raises (sharding.require_mesh).
@@ -640,7 +641,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     if cfg.grad_telemetry:
       t, g2 = batch["tokens"].shape[1], upd["grad_norm"] ** 2
       rows = aux if cfg.telemetry_norms else {k: v for k, v in aux.items() if k != "sq_norm_n"}
-      metrics.update(telemetry.step_telemetry(rows, g2, batch["rewards"], batch["group_id"], cfg.pg, t))
+      metrics.update(telemetry.step_telemetry(rows, g2, batch["rewards"], batch["group_id"], cfg.method, t))
     return new_state, metrics
 
   return train_step

@@ -23,6 +23,7 @@ from vcpo_jax import estimator, schema, tasks
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.model import config as model_config
+from vcpo_jax.rl.flat import Overrides
 from vcpo_jax.rollout.common import RolloutConfig
 from vcpo_jax.run_spec import RunConfig, RunSpec, check_prompt_lengths
 from vcpo_jax.schema import ConfigError, check_field, config_errors, config_message
@@ -30,17 +31,15 @@ from vcpo_jax.schema import ConfigError, check_field, config_errors, config_mess
 __all__ = ["ConfigError", "RunSpec", "check_override_paths", "field_paths", "parse_config"]
 
 
-def _pg_config(run: RunConfig) -> estimator.PGConfig:
+def _method(run: RunConfig) -> estimator.Method:
   close = difflib.get_close_matches(str(run.method), list(estimator.PRESETS), n=3, cutoff=0.5)
   hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
   fix = f"unknown preset; {hint}choose one of {sorted(estimator.PRESETS)}."
   check_field(run.method in estimator.PRESETS, "method", run.method, fix)
   try:
-    return estimator.pg_config_from_preset(run.method, **run.vcpo)
+    return estimator.method_from_preset(run.method, **run.vcpo)
   except (TypeError, ValueError) as e:
-    raise ConfigError(
-      f"{config_message(str(e), 'vcpo', estimator.PGConfig, {})} (config.method={run.method!r})"
-    ) from None
+    raise ConfigError(f"{config_message(str(e), 'vcpo', Overrides, {})} (config.method={run.method!r})") from None
 
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
@@ -121,7 +120,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
   every prompt fits task.max_prompt_len; the result is cached per data setting within a process.
   """
   run = schema.from_config_dict(RunConfig, config)
-  pg, t = _pg_config(run), run.task
+  method, t = _method(run), run.task
   check_field(t.name in tasks.TASKS, "task.name", t.name, f"unknown task; choose one of {sorted(tasks.TASKS)}.")
   fix = "does not exist; point it at a local parquet/jsonl file ('' = the shipped fixture)."
   for field, path in (("task.data_path", t.data_path), ("eval.data_path", run.eval.data_path)):
@@ -147,7 +146,9 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
   learner_kw = {k: v for k, v in learner_kw.items() if k in _LEARNER_FIELDS}
   learner_kw["microbatch_size"] = run.learner.microbatch_size or None
   with config_errors("learner", LearnerConfig):
-    learner_cfg = LearnerConfig(pg=pg, group_size=rollout.group_size, batch_size=rollout.batch_size, **learner_kw)
+    learner_cfg = LearnerConfig(
+      method=method, group_size=rollout.group_size, batch_size=rollout.batch_size, **learner_kw
+    )
   spec = RunSpec(run, rollout, model_cfg, learner_cfg, _eval_protocol(run), multiturn, **_tasks(run))
   if check_prompts:
     check_prompt_lengths(spec)

@@ -14,8 +14,8 @@ Adding a knob is one line, `name: type = default  # --config_help text`, plus it
 `__post_init__`; it is then `--config.SECTION.name=`, listed by `--config_help`, in every run's fingerprint:
   - a section that is a component's config (optim, sampler, async_, checkpoint, log, mesh, distributed,
     task.multiturn): the line goes into that dataclass, which is all;
-  - vcpo.*: a new PGConfig field is a vcpo.* override by itself (overrides(PGConfig)); a preset is one
-    Method line in rl/method.py PRESETS;
+  - method / vcpo.*: a preset is one Method line in rl/method.py PRESETS; the vcpo.* overrides are the flat
+    names of rl/flat.py (mapped there, once, onto the Method's parts);
   - model.* / learner.*: the field goes into ModelConfig / LearnerConfig (the component) and a line pointing
     at its default into ModelSection / LearnerSection (`lora_rank: int = ModelConfig.lora_rank  # ...`):
     parse_config passes every field of the section that the component has, by name;
@@ -27,7 +27,7 @@ committed ledger stays valid (tests/test_stability.py fails otherwise). A new se
 one RunConfig field `name: Cls = section(Cls)`.
 
 RunConfig.__post_init__ holds the checks across sections; RunSpec adds what is built from the tree (the
-method's PGConfig, the model's config, the tasks, the evaluation protocol) and the checks that need those.
+method (rl.method.Method), the model's config, the tasks, the evaluation protocol) and the checks that need those.
 run_config.parse_config is the one path from a ConfigDict to a RunSpec.
 """
 
@@ -39,7 +39,6 @@ import os
 
 from vcpo_jax import sft, tasks
 from vcpo_jax.checkpoint import CheckpointConfig
-from vcpo_jax.estimator import PGConfig
 from vcpo_jax.evaluation import EvalProtocol, EvalSection
 from vcpo_jax.learner import LearnerConfig, LearnerSection
 from vcpo_jax.mesh import DistributedConfig, MeshConfig
@@ -47,6 +46,7 @@ from vcpo_jax.metrics import LogConfig
 from vcpo_jax.model.config import ModelConfig, ModelSection
 from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.optim import OptimConfig
+from vcpo_jax.rl.flat import Overrides
 from vcpo_jax.rollout.async_ import AsyncConfig
 from vcpo_jax.rollout.common import RolloutConfig
 from vcpo_jax.rollout.multiturn import MultiTurnConfig, MultiTurnSection
@@ -100,7 +100,7 @@ class RunConfig:
   task: TaskSection = section(TaskSection)
   model: ModelSection = section(ModelSection)
   sampler: SamplingConfig = section(SamplingConfig)
-  vcpo: dict = overrides(PGConfig)  # one None placeholder (= the preset's value) per PGConfig field
+  vcpo: dict = overrides(Overrides)  # one None placeholder (= the preset's value) per flat vcpo.* name (rl/flat.py)
   optim: OptimConfig = section(OptimConfig)
   learner: LearnerSection = section(LearnerSection)
   lag: LagSection = section(LagSection)
@@ -237,20 +237,21 @@ class RunSpec:
   task: tasks.Task | None = None
   eval_task: tasks.Task | None = None
 
-  def _check_centering(self, pg):
+  def _check_centering(self, method):
     """vcpo.score_centering='exact' needs the behaviour parameters (sync / lag) and q = softmax(logits); 'topk'
     needs single-turn rollouts (the training sampler records the top-k, SamplerConfig.record_topk = sc_topk,
     and the Batch carries it to the learner in every mode); neither takes LoRA adapters."""
-    if pg.score_centering == "off":
+    if method.centering is None:
       return
+    source = method.centering[0]
     check_field(
       not self.model_cfg.lora_rank,
       "vcpo.score_centering",
-      pg.score_centering,
+      source,
       f"the centered score's forward takes a whole model, not LoRA adapters (model.lora_rank="
       f"{self.model_cfg.lora_rank}); set vcpo.score_centering='off' or model.lora_rank=0.",
     )
-    if pg.score_centering == "topk":
+    if source == "topk":
       check_field(
         self.multiturn is None,
         "vcpo.score_centering",
@@ -297,13 +298,14 @@ class RunSpec:
       "tool-use episodes' continuations do not record the sampler's kept support; use single-turn rollouts "
       "or sampler.support_replay='auto' (off for tool use) / 'off'.",
     )
-    pg = self.learner.pg
-    self._check_centering(pg)
+    method = self.learner.method
+    self._check_centering(method)
+    estimator = method.advantage.estimator
     check_field(
-      self.rollout.group_size >= 2 or pg.advantage not in ("grpo", "rloo", "drgrpo"),
+      self.rollout.group_size >= 2 or estimator not in ("grpo", "rloo", "drgrpo"),
       "task.group_size",
       self.rollout.group_size,
-      f"advantage estimator {pg.advantage!r} compares responses within a group; use group_size >= 2 "
+      f"advantage estimator {estimator!r} compares responses within a group; use group_size >= 2 "
       "(or vcpo.advantage='reinforce').",
     )
 

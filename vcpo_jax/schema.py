@@ -10,7 +10,7 @@ The field's type and default make the ConfigDict entry (`to_config_dict`), the c
 `--config_help` text (`comments`), `__post_init__` checks it. A field that is another dataclass is a
 sub-section (`section(Cls)`); a `dict` field an open sub-dict (task.gen); `int | None = None` a typed
 placeholder (None = "the preset's value"); a union of two types (`int | str`) takes either; `overrides(Cls)`
-is a section of one None placeholder per field of Cls (config.vcpo over the method preset's PGConfig);
+is a section of one None placeholder per field of Cls (config.vcpo: the method preset's flat overrides, rl/flat.py);
 metadata {"config": False} keeps a field out of the ConfigDict; {"when_set": True} keeps a `dict` field out of the
 default ConfigDict (a config file adds the block: model.shape) and {"keys": Cls} limits its keys to Cls's fields.
 `from_config_dict` builds the tree back, refuses a key the tree does not model (`unknown_field`: a misspelled

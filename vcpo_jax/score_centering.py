@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax import batch as batch_lib
-from vcpo_jax import estimator, grad_norms
+from vcpo_jax import grad_norms
 from vcpo_jax.model import logprobs as lpm
 from vcpo_jax.model import support, transformer
 
@@ -348,22 +348,16 @@ def make_topk_centered_logp_fn(graphdef, topk: int, max_ratio=None):
   return fn
 
 
-def centering_cap(pg) -> float | None:
-  """The token-weight cap C that matches the estimator's token weight: token_tis_c for is_variant
-  'token_tis' (the paper's TIS+SC), else None (sequence-level variants weigh tokens by 1)."""
-  return pg.token_tis_c if pg.is_variant == "token_tis" else None
-
-
-def centered_gradient(centered_logp_fn, params, behavior_params, batch, pg, *, divisor=None):
+def centered_gradient(centered_logp_fn, params, behavior_params, batch, method, *, divisor=None):
   """Gradient of the estimator's surrogate with exactly centered scores (the vmap reference path).
 
     (logp_nt, corr_nt), vjp = jax.vjp(centered_logp_fn(., behavior_params, batch), params)
     S_n         = ||grad_params sum_t mask_nt (logp_nt - corr_nt)||^2    (OPOB only: the CENTERED score)
-    coef_n, aux = estimator.pg_coefficients(sg(logp_nt), ..., S_n)       (A, TIS, OPOB; lr_scale from ESS)
-    tokw_nt     = estimator.pg_token_weights(...)
+    coef_n, aux = method.coefficients(sg(logp_nt), ..., S_n)             (A, TIS, OPOB; lr_scale from ESS)
+    tokw_nt     = method.token_weights(...)
     grads       = vjp(-coef_n tokw_nt, +coef_n mask_nt)  =  grad of -sum coef_n (tokw log p - corr)
 
-  centered_logp_fn: `make_centered_logp_fn(graphdef, centering_cap(pg))`. The ESS, its lr scale and the
+  method: an rl.method.Method. centered_logp_fn: `make_centered_logp_fn(graphdef, method.centering[1])`. The ESS, its lr scale and the
   sequence weights are those of the estimator (the ratios p / q of the sampled tokens); centering changes
   only the score each weight multiplies. With behavior_params = params, corr = 0 and this is the plain
   estimator gradient (tested against learner's vmap path). Returns (grads, aux): aux = the estimator's
@@ -372,7 +366,7 @@ def centered_gradient(centered_logp_fn, params, behavior_params, batch, pg, *, d
   mask = jnp.asarray(batch["loss_mask"], _F32)
   (logp_nt, corr_nt, diag), vjp = jax.vjp(lambda p: centered_logp_fn(p, behavior_params, batch), params)
   sq = None
-  if estimator.needs_sq_norms(pg):
+  if method.needs_sq_norms:
 
     def score(p, example):
       ex1 = jax.tree.map(lambda x: x[None], example)
@@ -380,10 +374,10 @@ def centered_gradient(centered_logp_fn, params, behavior_params, batch, pg, *, d
       return jnp.sum((lp[0].astype(_F32) - corr[0]) * ex1["loss_mask"][0].astype(_F32))
 
     sq = grad_norms.per_example_sq_grad_norms(score, params, dict(batch))
-  coef_n, aux = estimator.pg_coefficients(
-    sg(logp_nt), batch["behavior_logp"], mask, batch["rewards"], batch["group_id"], sq, pg, divisor=divisor
+  coef_n, aux = method.coefficients(
+    sg(logp_nt), batch["behavior_logp"], mask, batch["rewards"], batch["group_id"], sq, divisor=divisor
   )
-  tokw = estimator.pg_token_weights(sg(logp_nt), batch["behavior_logp"], mask, pg)
+  tokw = method.token_weights(sg(logp_nt), batch["behavior_logp"], mask)
   cot_lp = -coef_n[:, None] * tokw
   cot_corr = coef_n[:, None] * mask
   zero_diag = jax.tree.map(jnp.zeros_like, diag)
@@ -507,19 +501,18 @@ def topk_head_coefficients(
 
 
 class StepCentering:
-  """Score centering of one learner step (pg.score_centering 'exact'), built by the learner per step.
+  """Score centering of one learner step ('exact': q recomputed from the behaviour version), built per step.
 
-  behavior_params: the version that sampled the batch (lag mode: the ring's version step - k; sync / k = 0:
-  the learner's own parameters, where every c_v is 0). max_ratio: `centering_cap(pg)`.
-    logp_fn(params, batch) -> (logp_nt, corr_nt, diag): the vmap path (`make_centered_logp_fn`);
-    head_coefs(batch) -> grad_norms.HeadCoefficients: the ghost path, one stop-gradient forward of the
-      behaviour parameters on the batch (`exact_head_coefficients`).
+    behavior_params: the version that sampled the batch (lag mode: the ring's version step - k; sync / k = 0:
+    the learner's own parameters, where every c_v is 0). max_ratio: the cap C of the method's token weight
+  (Method.centering: token_tis's c for the paper's TIS+SC), or None (w = 1).
+      logp_fn(params, batch) -> (logp_nt, corr_nt, diag): the vmap path (`make_centered_logp_fn`);
+      head_coefs(batch) -> grad_norms.HeadCoefficients: the ghost path, one stop-gradient forward of the
+        behaviour parameters on the batch (`exact_head_coefficients`).
   """
 
-  def __init__(self, graphdef, pg, behavior_params):
-    if pg.score_centering != "exact":
-      raise ValueError(f"StepCentering: pg.score_centering={pg.score_centering!r}, this class centers 'exact'")
-    self.graphdef, self.behavior_params, self.max_ratio = graphdef, behavior_params, centering_cap(pg)
+  def __init__(self, graphdef, max_ratio, behavior_params):
+    self.graphdef, self.behavior_params, self.max_ratio = graphdef, behavior_params, max_ratio
     self._fn = make_centered_logp_fn(graphdef, self.max_ratio)
 
   def logp_fn(self, params, batch):
@@ -536,7 +529,7 @@ class StepCentering:
 
 
 class TopkCentering:
-  """Score centering of one learner step from the sampler's top-k (pg.score_centering 'topk'): both paths.
+  """Score centering of one learner step from the sampler's top-k ('topk'): both paths; max_ratio as StepCentering.
 
   batch["topk_ids"] int32 [N, R, K] and batch["topk_logp"] float32 [N, R, K] (the R response columns, the last R
   token columns): row r holds the top-k ids of the distribution the sampler drew response token r from and their POST-filter log-probs (temperature, top-k / top-p
@@ -550,10 +543,8 @@ class TopkCentering:
 
   KEYS = ("topk_ids", "topk_logp")
 
-  def __init__(self, graphdef, pg):
-    if pg.score_centering != "topk":
-      raise ValueError(f"TopkCentering: pg.score_centering={pg.score_centering!r}, this class centers 'topk'")
-    self.graphdef, self.max_ratio = graphdef, centering_cap(pg)
+  def __init__(self, graphdef, max_ratio):
+    self.graphdef, self.max_ratio = graphdef, max_ratio
 
   def _check(self, batch):
     missing = [k for k in self.KEYS if k not in batch]

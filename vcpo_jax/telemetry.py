@@ -149,7 +149,7 @@ def baseline_variance(rewards_n, baseline_n, k_n, sq_norm_n, valid_n=None):
   return jnp.sum(v)
 
 
-def applied_multiplier(aux_n: Mapping[str, jax.Array], rewards_n, group_id_n, pg: estimator.PGConfig, num_tokens):
+def applied_multiplier(aux_n: Mapping[str, jax.Array], rewards_n, group_id_n, method, num_tokens):
   """k_n [N] with coef_n = k_n (R_n - b_n): w~_n per_row(L_n, T) / (Z sigma_n), 0 where the row counts nothing.
 
   w~_n is the applied sequence weight (1 for token-level variants: theirs is inside s_n), sigma_n the
@@ -159,36 +159,38 @@ def applied_multiplier(aux_n: Mapping[str, jax.Array], rewards_n, group_id_n, pg
 
   Args:
     aux_n: the learner's per-row arrays of the whole batch (valid_n, kept_n, length_n, weight_n).
-    num_tokens: T of the batch (the token axis), used when pg.loss_norm_tokens is 0.
+    method: the step's rl.method.Method (its advantage's scale, weights' level, the surrogate's aggregation).
+    num_tokens: T of the batch (the token axis), used when the surrogate's loss_norm_tokens is 0.
   """
   valid = jnp.asarray(aux_n["valid_n"], bool)
+  a, agg = method.advantage, method.loss
   _, scale = estimator.baseline_and_scale(
-    rewards_n, group_id_n, pg.advantage, valid_n=valid, std=pg.std, std_eps=pg.std_eps
+    rewards_n, group_id_n, a.estimator, valid_n=valid, std=a.std, std_eps=a.std_eps
   )
-  if estimator.WEIGHT_VARIANTS[pg.is_variant].level == "token":
+  if method.weights.level == "token":
     w = jnp.where(valid, 1.0, 0.0)
   else:
     w = jnp.asarray(aux_n["weight_n"], _F32)
   L = jnp.asarray(aux_n["length_n"], _F32)
-  per_row = estimator.LOSS_AGGREGATIONS[pg.loss_agg].per_row(L, jnp.float32(pg.loss_norm_tokens or num_tokens))
-  z = estimator.loss_divisor(aux_n, pg)
+  per_row = estimator.LOSS_AGGREGATIONS[agg.loss_agg].per_row(L, jnp.float32(agg.loss_norm_tokens or num_tokens))
+  z = method.loss_divisor(aux_n)
   ok = valid & (scale > 0)
   return sg(jnp.where(ok, w * per_row / (z * jnp.where(ok, scale, 1.0)), 0.0))
 
 
-def has_baseline_telemetry(pg: estimator.PGConfig) -> bool:
+def has_baseline_telemetry(method) -> bool:
   """Whether the baseline comparison applies: the surrogate with a per-group baseline of raw rewards."""
-  return pg.policy_loss == "pg" and not (pg.opob and pg.opob_scope == "minibatch")
+  return method.peer_loss is None and not (method.baseline is not None and method.baseline.scope == "minibatch")
 
 
-def step_telemetry(aux: Mapping[str, jax.Array], grad_sq_norm, rewards_n, group_id_n, pg, num_tokens) -> dict:
+def step_telemetry(aux: Mapping[str, jax.Array], grad_sq_norm, rewards_n, group_id_n, method, num_tokens) -> dict:
   """The "grad/..." metrics of one step from its aux (needs coef_n, sq_norm_n, valid_n; see module doc).
 
   Returns {} when the step has no per-example norms (vmap path without OPOB, policy losses), or hands none over:
   the learner passes sq_norm_n only when the method needs the norms (OPOB) or learner.grad_telemetry="norms".
 
   Keys: grad/top1_share, grad/top5pct_share, grad/ess, grad/ess_ratio, grad/cov_trace, grad/sq_norm
-  (||G||^2), grad/snr; with has_baseline_telemetry(pg): grad/var_b_used (V of the applied baseline),
+  (||G||^2), grad/snr; with has_baseline_telemetry(method): grad/var_b_used (V of the applied baseline),
   grad/var_b_min, grad/var_b_mean (the group mean reward as baseline), grad/var_ratio (used / min, >= 1
   for a per-group constant baseline; a per-row one, leave-one-out, can fall below it in-sample),
   grad/baseline_gap_rms (RMS of b_used - b_min over counted rows, reward units).
@@ -210,10 +212,10 @@ def step_telemetry(aux: Mapping[str, jax.Array], grad_sq_norm, rewards_n, group_
     "grad/sq_norm": g2,
     "grad/snr": jnp.where(tr > 0, g2 / jnp.where(tr > 0, tr, 1.0), 0.0),
   }
-  if not has_baseline_telemetry(pg):
+  if not has_baseline_telemetry(method):
     return out
   r = jnp.asarray(rewards_n, _F32)
-  k = applied_multiplier(aux, r, group_id_n, pg, num_tokens)
+  k = applied_multiplier(aux, r, group_id_n, method, num_tokens)
   s = aux["sq_norm_n"]
   b_used = aux["baseline_n"]
   b_min = min_variance_baseline(r, k, s, group_id_n, valid)

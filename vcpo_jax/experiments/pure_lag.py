@@ -245,7 +245,7 @@ def evaluate(cfg: PureLagConfig, graphdef, params, key):
 
 def make_run_fn(
   cfg: PureLagConfig,
-  pg: estimator.PGConfig,
+  pg: estimator.Method,
   max_k: int,
   score_centering_exact: bool = False,
   score_centering_topk: int = 0,
@@ -254,7 +254,7 @@ def make_run_fn(
 
   score_centering_exact: center every token's score exactly with the behaviour version read from the ring
   (vcpo_jax.score_centering.centered_gradient, the vmap reference path; the token-weight cap is
-  score_centering.centering_cap(pg)); the drift metrics drift_kl_qp (exact KL(q || p) per token),
+  the cap of the method's token weight, Weights.token_cap); the drift metrics drift_kl_qp (exact KL(q || p) per token),
   drift_k1 and drift_coef_l1 are then recorded per step. score_centering_topk > 0 (with
   score_centering_exact): q known only on the behaviour version's top-k ids, the tail modelled
   (score_centering.make_topk_centered_logp_fn); drift_kl_qp is then the mean head mass of q instead.
@@ -272,9 +272,9 @@ def make_run_fn(
   grad_fn = learner.policy_gradient("ghost" if cfg.grad_path == "ghost" else "vmap")
   if score_centering_topk and not score_centering_exact:
     raise ValueError(f"score_centering_topk={score_centering_topk} needs score_centering_exact=True")
-  if score_centering_exact and pg.policy_loss != "pg":
-    raise ValueError(f"score_centering_exact with policy_loss={pg.policy_loss!r}: it centers the surrogate only")
-  cap = score_centering.centering_cap(pg)
+  if score_centering_exact and pg.peer_loss is not None:
+    raise ValueError(f"score_centering_exact with the loss {pg.peer_loss.name!r}: it centers the surrogate only")
+  cap = pg.weights.token_cap
   if score_centering_topk:
     centered_fn = score_centering.make_topk_centered_logp_fn(graphdef, score_centering_topk, cap)
   else:
@@ -342,14 +342,14 @@ def make_run_fn(
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_grid(cfg: PureLagConfig, pg: estimator.PGConfig, max_k: int, score_centering_exact: bool = False):
+def _compiled_grid(cfg: PureLagConfig, pg: estimator.Method, max_k: int, score_centering_exact: bool = False):
   # vmap over the flattened (lr, seed) runs; k is traced: one compile per (cfg, pg, max_k).
   return jax.jit(jax.vmap(make_run_fn(cfg, pg, max_k, score_centering_exact), in_axes=(0, 0, None)))
 
 
 def run_grid(
   cfg: PureLagConfig,
-  pg: estimator.PGConfig,
+  pg: estimator.Method,
   k: int,
   seeds,
   lrs,

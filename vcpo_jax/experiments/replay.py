@@ -123,8 +123,8 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
 
 def _grad_fn(data: StepData, preset: str):
   """jit(params, batch) -> (grads, scalars): the preset's whole-batch gradient (one update, no micro-batches)."""
-  pg = estimator.pg_config_from_preset(preset)
-  lcfg = dataclasses.replace(data.spec.learner, pg=pg, microbatch_size=0, ppo_epochs=1, minibatches=1)
+  pg = estimator.method_from_preset(preset)
+  lcfg = dataclasses.replace(data.spec.learner, method=pg, microbatch_size=0, ppo_epochs=1, minibatches=1)
 
   def f(params, batch):
     grads, aux = learner._gradient(data.graphdef, params, batch, lcfg)

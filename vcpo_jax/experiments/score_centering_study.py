@@ -53,7 +53,7 @@ METHODS = {
 def compiled_method(cfg, method: str, n_seeds: int, max_k: int):
   """The vmapped (over seeds) run of one method, compiled once (k and lr are traced)."""
   preset, over, sc = METHODS[method]
-  pg = estimator.pg_config_from_preset(preset, **over)
+  pg = estimator.method_from_preset(preset, **over)
   if method == "vcpo_ref":
     cfg = dataclasses.replace(cfg, grad_path="reference")
   topk = sc if isinstance(sc, int) else 0

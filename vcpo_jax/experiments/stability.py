@@ -286,7 +286,7 @@ def pure_lag_cell_fn(c) -> Callable[[str, int], dict]:
   cfg = pure_lag_config(c)
 
   def fn(method, k):
-    pg = estimator.pg_config_from_preset(method)
+    pg = estimator.method_from_preset(method)
     return pure_lag.run_grid(cfg, pg, k, c.seeds, c.lrs, max_k=max(c.ks))
 
   return fn
@@ -320,7 +320,7 @@ def trainer_run_config(c, method: str, k: int, seed: int, lr: float, knob: tuple
   base.log.progress = False
   base.log.plots = False
   base.log.norm_overhead_every = 0
-  if estimator.PRESETS.get(preset, {}).get("policy_loss", "pg") != "pg":
+  if preset in estimator.PRESETS and estimator.PRESETS[preset].peer_loss is not None:
     base.learner.ppo_epochs, base.learner.minibatches = policy_loss_updates(c)
   for path, value in [*variant_fields, *(tuning.knob_overrides(*knob).items() if knob is not None else ())]:
     *parents, leaf = path.split(".")
@@ -1259,7 +1259,7 @@ def time_section(c, summary: dict) -> list[str]:
   L.append("|---|---|---|---|---|---|")
   ref = rows.get("none", {}).get("learn_s")
   for m, r in rows.items():
-    ups = ep * mb if estimator.PRESETS[tuning.method_variant(c, m)[0]].get("policy_loss", "pg") != "pg" else 1
+    ups = ep * mb if estimator.PRESETS[tuning.method_variant(c, m)[0]].peer_loss is not None else 1
     rel = f"{r['learn_s'] / ref:.2f}x" if ref else "-"
     run_s = "-" if math.isnan(r["run_s"]) else f"{r['run_s']:.0f}"
     L.append(f"| {m} | {ups} | {run_s} | {r['learn_s']:.3f} | {r['rollout_s']:.3f} | {rel} |")

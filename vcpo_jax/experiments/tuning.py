@@ -15,11 +15,13 @@ in <out>/stability_raw/trainer/tune_<method>.npz with the fingerprint of everyth
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from vcpo_jax.rl import flat
 
 
 def _g(v) -> str:
@@ -31,8 +33,8 @@ def _pair(v) -> tuple[float, float]:
   return lo, hi
 
 
-# knob name -> value -> {run-config path: value}. Policy-loss knobs go through vcpo.policy_loss_kw, the
-# loss's own hyper-parameters (vcpo_jax/policy_losses.py signatures).
+# knob name -> value -> {run-config path: value}. Policy-loss knobs are the loss's own hyper-parameters
+# (vcpo_jax/rl/losses.py signatures), as one run-config override (rl.flat.loss_knobs).
 KNOBS: dict[str, Callable[[Any], dict[str, Any]]] = {
   "tis_c": lambda v: {"vcpo.tis_c": float(v)},  # sequence TIS truncation c
   "clip_c": lambda v: {"vcpo.clip_lower": 1.0 / float(v), "vcpo.clip_upper": float(v)},  # clip to [1/c, c]
@@ -40,17 +42,17 @@ KNOBS: dict[str, Callable[[Any], dict[str, Any]]] = {
   "token_tis_c": lambda v: {"vcpo.token_tis_c": float(v)},  # per-token truncation c
   "rho_on": lambda v: {"vcpo.rho_on": float(v)},  # VCPO's on-policy reference ESS ratio
   "tis_ess_target": lambda v: {"vcpo.tis_ess_target": float(v)},  # vcpo_tis_ess: target ESS ratio
-  "eps": lambda v: {"vcpo.policy_loss_kw": f"eps_low={_g(v)},eps_high={_g(v)}"},  # symmetric PPO clip
-  "eps_high": lambda v: {"vcpo.policy_loss_kw": f"eps_high={_g(v)}"},  # CISPO's upper IS-weight clip
+  "eps": lambda v: flat.loss_knobs(eps_low=float(v), eps_high=float(v)),  # symmetric PPO clip
+  "eps_high": lambda v: flat.loss_knobs(eps_high=float(v)),  # CISPO's upper IS-weight clip
   # GSPO's sequence-ratio clip, as a multiple of verl's (3e-4, 4e-4)
-  "gspo_eps_x": lambda v: {"vcpo.policy_loss_kw": f"eps_low={_g(3e-4 * v)},eps_high={_g(4e-4 * v)}"},
-  "budget": lambda v: {"vcpo.policy_loss_kw": f"budget={_g(v)}"},  # M2PO second-moment budget
-  "icepop_interval": lambda v: {"vcpo.policy_loss_kw": "lower={},upper={}".format(*map(_g, _pair(v)))},
-  "tv": lambda v: {"vcpo.policy_loss_kw": f"mask_low={_g(v)},mask_high={_g(v)}"},  # DPPO-TV bound
-  "ipo_threshold": lambda v: {"vcpo.policy_loss_kw": f"ipo_threshold={_g(v)}"},  # IPO |p - q| bound
+  "gspo_eps_x": lambda v: flat.loss_knobs(eps_low=3e-4 * float(v), eps_high=4e-4 * float(v)),
+  "budget": lambda v: flat.loss_knobs(budget=float(v)),  # M2PO second-moment budget
+  "icepop_interval": lambda v: flat.loss_knobs(**dict(zip(("lower", "upper"), _pair(v)))),
+  "tv": lambda v: flat.loss_knobs(mask_low=float(v), mask_high=float(v)),  # DPPO-TV bound
+  "ipo_threshold": lambda v: flat.loss_knobs(ipo_threshold=float(v)),  # IPO |p - q| bound
   # KPop binary-KL bound; the normaliser named, so that the records made with the earlier kept-token default
   # (docs/results/stability_ledger/corrections' kpop runs) are not reused under AReaL's all-token one
-  "kpop_phi": lambda v: {"vcpo.policy_loss_kw": f"phi={_g(v)},normalizer=loss_tokens"},
+  "kpop_phi": lambda v: flat.loss_knobs(phi=float(v), normalizer="loss_tokens"),
 }
 
 
@@ -139,7 +141,7 @@ def check(c):
       preset, fields = method_variant(c, method)
       over = {**{p: x for p, x in fields if p.startswith("vcpo.")}, **over}
       try:
-        estimator.pg_config_from_preset(preset, **{p[len("vcpo.") :]: x for p, x in over.items()})
+        estimator.method_from_preset(preset, **{p[len("vcpo.") :]: x for p, x in over.items()})
       except ValueError as e:
         raise ValueError(f"config.tuning.knobs[{method!r}] = ({name!r}, {value_str(v)}): {e}") from None
 

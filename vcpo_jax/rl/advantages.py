@@ -224,8 +224,8 @@ class Advantage:
   """An advantage estimator with its options bound: a hashable value. Calling it is `advantages(...)`."""
 
   estimator: str
-  std: str = "population"
-  std_eps: float = 1e-6
+  std: str = "sample"  # GRPO's group std: "sample" (ddof 1, the reference's GRPO) | "population" (ddof 0, its OPOB)
+  std_eps: float = 1e-6  # groups with std <= std_eps contribute nothing
 
   def __post_init__(self):
     if self.estimator not in ADVANTAGE_ESTIMATORS:
@@ -238,14 +238,10 @@ class Advantage:
   def __call__(self, rewards, group_ids=None, *, valid_n=None):
     return advantages(rewards, group_ids, self.estimator, valid_n=valid_n, std=self.std, std_eps=self.std_eps)
 
-  def pg_fields(self) -> dict[str, object]:
-    """The PGConfig fields of this choice."""
-    return {"advantage": self.estimator, "std": self.std, "std_eps": self.std_eps}
 
-
-def grpo(std: str = "sample", std_eps: float = 1e-6) -> Advantage:
-  """A = (R - group mean) / group std; std "sample" (ddof 1, the reference's GRPO) or "population" (ddof 0)."""
-  return Advantage("grpo", std, std_eps)
+def grpo(**options) -> Advantage:
+  """A = (R - group mean) / group std; options: Advantage's std ("sample", the default, or "population"), std_eps."""
+  return Advantage("grpo", **options)
 
 
 def rloo() -> Advantage:
@@ -269,7 +265,7 @@ OPOB_SCOPE_KINDS = ("group", "minibatch")
 
 @dataclasses.dataclass(frozen=True)
 class Opob:
-  """The OPOB baseline's options (see `opob_baseline` and surrogate.PGConfig): a hashable value."""
+  """The OPOB baseline's options (see `opob_baseline` and surrogate.pg_coefficients): a hashable value."""
 
   weights: str = "unclipped"
   leave_one_out: bool = False
@@ -282,21 +278,14 @@ class Opob:
       raise ValueError(f"weights={self.weights!r}: choose one of {OPOB_WEIGHT_KINDS}")
     if self.scope not in OPOB_SCOPE_KINDS:
       raise ValueError(f"scope={self.scope!r}: choose one of {OPOB_SCOPE_KINDS}")
-
-  def pg_fields(self) -> dict[str, object]:
-    """The PGConfig fields of this choice."""
-    return {
-      "opob": True,
-      "opob_weights": self.weights,
-      "opob_leave_one_out": self.leave_one_out,
-      "opob_scope": self.scope,
-      "length_normalize_norms": self.length_normalize_norms,
-      "reference_mode": self.reference_mode,
-    }
+    if self.reference_mode and (self.weights != "unclipped" or self.length_normalize_norms):
+      raise ValueError(
+        "reference_mode=True fixes weights='unclipped' and length_normalize_norms=False (the reference's choices)"
+      )
 
 
-def opob(weights="unclipped", leave_one_out=False, scope="group", length_normalize_norms=False, reference_mode=False):
-  """The off-policy optimal baseline b* (VCPO): weights "unclipped" (the paper) or "applied"; scope "group"
-  (raw rewards per prompt) or "minibatch" (advantages over the batch); reference_mode reproduces the
-  reference's two inconsistencies."""
-  return Opob(weights, leave_one_out, scope, length_normalize_norms, reference_mode)
+def opob(**options) -> Opob:
+  """The off-policy optimal baseline b* (VCPO) with Opob's options (defaults there): weights "unclipped" (the
+  paper) or "applied"; scope "group" (raw rewards per prompt) or "minibatch" (advantages over the batch);
+  reference_mode reproduces the reference's two inconsistencies."""
+  return Opob(**options)

@@ -1,7 +1,7 @@
 """Loss aggregations: the one registry both the surrogate and the peer losses use.
 
 With L_n = sum_t mask_nt, a row's token sum is multiplied by norm_n = per_row(L_n, T) / Z, where Z is a
-whole-batch count (rows or tokens, over the valid or the kept rows: see PGConfig.mask_normalizer) or 1:
+whole-batch count (rows or tokens, over the valid or the kept rows: see rl.surrogate.Surrogate.mask_normalizer) or 1:
 
   "token-mean"              1 / sum_n L_n                (verl / AReaL / prime-rl default)
   "seq-mean-token-mean"     1 / (n L_n)                  (the VCPO paper's update; GSPO; slime's per-sample mean)
@@ -49,7 +49,7 @@ LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
       "seq-mean-token-sum-norm",
       lambda L, T: jnp.full_like(L, 1.0) / T,
       "none",
-      "1 / T: SUM of token-sums over a constant T (the reference's Dr. GRPO mode; PGConfig.loss_norm_tokens)",
+      "1 / T: SUM of token-sums over a constant T (the reference's Dr. GRPO mode; Surrogate.loss_norm_tokens)",
     ),
   ]
 }

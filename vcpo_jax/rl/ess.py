@@ -283,11 +283,7 @@ class EssLr:
   def __call__(self, ess_ratio):
     return ess_lr_scale(ess_ratio, self.rho_on, self.rule)
 
-  def pg_fields(self) -> dict[str, object]:
-    """The PGConfig fields of this choice."""
-    return {"ess_lr": True, "ess_rule": self.rule, "rho_on": self.rho_on}
 
-
-def ess_lr(rule: str = "sqrt", rho_on: float = 1.0) -> EssLr:
-  """Scale the step's learning rate by rule(min(1, rho / rho_on)) (VCPO: "sqrt", rho_on = 1)."""
-  return EssLr(rule, rho_on)
+def ess_lr(*args, **options) -> EssLr:
+  """Scale the step's learning rate by rule(min(1, rho / rho_on)); EssLr's rule, rho_on (VCPO: "sqrt", 1)."""
+  return EssLr(*args, **options)

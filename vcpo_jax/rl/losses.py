@@ -84,7 +84,8 @@ class PolicyLoss:
   def __call__(self, *arrays, **hyper_parameters):
     if arrays:
       return self.fn(*arrays, **hyper_parameters)
-    return PeerLoss(self.name, tuple(sorted(hyper_parameters.items())))
+    own = {k: v for k, v in self.defaults.items() if k not in STEP_INPUTS}  # every default, so equal losses are ==
+    return PeerLoss(self.name, tuple(sorted({**own, **hyper_parameters}.items())))
 
   @property
   def doc(self) -> str:
@@ -120,26 +121,45 @@ def register(source: str) -> Callable[[Callable[..., tuple[jax.Array, dict]]], P
 class PeerLoss:
   """A registered policy loss with its hyper-parameters bound: a hashable value (jit-static).
 
-  hyper_parameters: sorted (name, value) pairs; checked at construction (`make_policy_loss`).
+  hyper_parameters: sorted (name, value) pairs, every one of the loss's (the factory fills in the defaults);
+  checked at construction (`make_policy_loss`).
   """
 
   name: str
   hyper_parameters: tuple[tuple[str, Any], ...] = ()
+  needs: tuple[str, ...] = ()  # step inputs the learner binds by name at each update (STEP_INPUTS)
 
   def __post_init__(self):
+    unknown = sorted(set(self.needs) - set(STEP_INPUTS))
+    if unknown:
+      raise ValueError(f"{self.name}: needs {unknown}; the learner provides {sorted(STEP_INPUTS)}")
     make_policy_loss(self.name, **self.kwargs)
 
   @property
   def kwargs(self) -> dict[str, Any]:
     return dict(self.hyper_parameters)
 
-  def bind(self, **extra) -> Callable[..., tuple[jax.Array, dict]]:
-    """f(logp_nt, old_logp_nt, behavior_logp_nt, advantages, mask_nt) -> (loss, metrics), jittable."""
-    return make_policy_loss(self.name, **self.kwargs, **extra)
+  def bind(self, **inputs) -> Callable[..., tuple[jax.Array, dict]]:
+    """f(logp_nt, old_logp_nt, behavior_logp_nt, advantages, mask_nt) -> (loss, metrics), jittable.
 
-  def pg_fields(self) -> dict[str, Any]:
-    """The PGConfig fields of this choice: policy_loss and its "name=value,..." string."""
-    return {"policy_loss": self.name, "policy_loss_kw": ",".join(f"{k}={v}" for k, v in self.hyper_parameters)}
+    inputs: the step inputs this loss needs (`needs`), by name; the others are ignored."""
+    missing = sorted(set(self.needs) - set(inputs))
+    if missing:
+      raise ValueError(f"{self.name}: needs the step inputs {missing} ({STEP_INPUTS})")
+    return make_policy_loss(self.name, **self.kwargs, **{k: inputs[k] for k in self.needs})
+
+
+# What a loss may declare in PeerLoss.needs, and what the learner passes under each name.
+STEP_INPUTS = {
+  "behavior_version": "batch['policy_version'] [N]: the policy version that sampled each row",
+  "current_version": "the version the update produces (the learner's step + 1)",
+}
+
+
+def decoupled_ppo_loglinear(**hyper_parameters) -> PeerLoss:
+  """decoupled_ppo with AReaL's log-linear approximate pi_prox (`loglinear_prox_logp`): it needs the rows'
+  behaviour versions and the learner's version, which the learner binds at each update."""
+  return dataclasses.replace(decoupled_ppo(**hyper_parameters), needs=("behavior_version", "current_version"))
 
 
 def _inputs(logp_nt, old_logp_nt, behavior_logp_nt, advantages, mask_nt):
@@ -255,7 +275,7 @@ def ppo_clip(
   Departure from verl: the dual clip is off by default (dual_clip_c=None); verl always applies it with
   clip_ratio_c = 3.0. They differ on tokens with A < 0 and r_t > 3: e.g. N = T = 1, log pi_theta = -0.00531,
   log pi_old = -2.16321, A = -0.44721 has d loss / d logp = -r A = 3.87 here and 0 in verl. Pass
-  dual_clip_c=3.0 (--config.vcpo.policy_loss_kw=dual_clip_c=3) for verl's loss. The default stays
+  dual_clip_c=3.0 (`ppo_clip(dual_clip_c=3.0)`) for verl's loss. The default stays
   off because the countdown stability study's ppo_clip runs were made without it.
 
   Metrics: clip_frac (tokens whose clipped term is the active one, verl pg_clipfrac), dual_clip_frac

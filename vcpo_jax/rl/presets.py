@@ -1,32 +1,12 @@
-"""The named methods as PGConfig fields (a view of rl.method.PRESETS), one documentation line each."""
+"""The named methods (rl.method.PRESETS, Method values), one documentation line each, and a preset by name."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from vcpo_jax.rl import flat
+from vcpo_jax.rl.losses import POLICY_LOSSES
+from vcpo_jax.rl.method import PRESETS, Method
 
-from vcpo_jax.rl import method
-from vcpo_jax.rl.surrogate import PGConfig
-
-
-class _PresetFields(Mapping):
-  """{name: the PGConfig fields of rl.method.PRESETS[name]}, read live (a preset added there is here too)."""
-
-  def __getitem__(self, name: str) -> dict[str, Any]:
-    return method.PRESETS[name].pg_fields()
-
-  def __iter__(self):
-    return iter(method.PRESETS)
-
-  def __len__(self) -> int:
-    return len(method.PRESETS)
-
-
-# The named methods are written once, as values in rl.method.PRESETS; this is their PGConfig-field view.
-PRESETS: Mapping[str, dict[str, Any]] = _PresetFields()
-
-
-# One line per preset (tests/test_estimator.py checks that every PRESETS name has one).
+# One line per preset where its values do not say it all (`preset_doc` derives the others).
 PRESET_DOCS: dict[str, str] = {
   "sync": "synchronous GRPO (sample std advantage, no correction); run with k = 0",
   "none": "GRPO on stale data with no correction (the baseline every correction is compared with)",
@@ -57,8 +37,18 @@ PRESET_DOCS: dict[str, str] = {
 }
 
 
-def pg_config_from_preset(name: str, **overrides) -> PGConfig:
-  """PGConfig(**PRESETS[name], **overrides)."""
+def method_from_preset(name: str, **overrides) -> Method:
+  """PRESETS[name] with the flat `vcpo.*` overrides set (rl.flat.apply; e.g. rho_on=0.55)."""
   if name not in PRESETS:
     raise ValueError(f"preset={name!r}: choose one of {sorted(PRESETS)}")
-  return PGConfig(**{**PRESETS[name], **overrides})
+  return flat.apply(PRESETS[name], **overrides)
+
+
+def preset_doc(name: str) -> str:
+  """PRESET_DOCS[name], or for a preset without a line (a new peer loss's) the first line of its loss's doc."""
+  if name in PRESET_DOCS:
+    return PRESET_DOCS[name]
+  m = PRESETS[name]
+  if m.peer_loss is not None:
+    return f"{m.peer_loss.name}: {POLICY_LOSSES[m.peer_loss.name].doc} ({POLICY_LOSSES[m.peer_loss.name].source})"
+  return repr(m)
