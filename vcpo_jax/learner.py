@@ -64,6 +64,7 @@ from vcpo_jax import batch as batch_lib
 from vcpo_jax import grad_norms, sharding, telemetry
 from vcpo_jax import score_centering as sc_lib
 from vcpo_jax.model import lora, moe, transformer
+from vcpo_jax.rl import ess as ess_lib
 from vcpo_jax.rl import losses as policy_losses
 from vcpo_jax.rl.method import Method
 from vcpo_jax.schema import check_field
@@ -681,7 +682,7 @@ def routing_replay_metrics(graphdef, params, batch) -> dict:
     d = (logp - mu) * m
     mean = jnp.sum(d) / jnp.maximum(jnp.sum(m), 1.0)
     out[f"moe/log_ratio_std{suffix}"] = jnp.sqrt(jnp.sum(m * (d - mean) ** 2) / jnp.maximum(jnp.sum(m), 1.0))
-    out[f"moe/ess{suffix}"] = estimator.ess_ratio(estimator.sequence_log_ratio(logp, mu, mask))
+    out[f"moe/ess{suffix}"] = ess_lib.ess_ratio(ess_lib.sequence_log_ratio(logp, mu, mask))
   return out
 
 
