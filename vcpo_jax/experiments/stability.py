@@ -444,6 +444,9 @@ def run_fingerprint(c, method: str, k: int, seed: int, lr: float, knob=None, sta
   for (block, name), old in LATER_FIELDS.items():
     if name in run_cfg.get(block, {}) and run_cfg[block][name] == old:
       del run_cfg[block][name]
+  sampler = run_cfg.get("sampler", {})
+  if sampler.get("support_replay") in ("auto", "off") and sampler.get("top_p") == 1.0 and sampler.get("top_k") == 0:
+    del sampler["support_replay"]  # a later field that changes nothing without a sampling filter (as before it)
   return fingerprint(dict(backend="trainer", run_config=run_cfg, steps=c.task.steps, stage=stage))
 
 
