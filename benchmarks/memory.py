@@ -36,6 +36,10 @@ Parts (what is compiled, per config):
   own mesh over its devices, e.g. `--devices=4 --sampler_mesh=config` for math's launch line, whose
   sampler gets 4 devices), `--sampler_mesh=1,1,4` a given shape.
 
+MoE models (Qwen3-MoE shapes, e.g. math:qwen3_30b_a3b) compile their experts with ModelConfig.moe_matmul="scan"
+(a scan over the experts with a grouped GEMM's memory): XLA:CPU lowers `jax.lax.ragged_dot` to a masked dense
+product over [rows, experts x width], which no accelerator program holds.
+
 Every setting the configs give (method preset, learner options such as a micro-batch size, model
 options such as remat) reaches the compiled step through `run_config.parse_config`, so improvements of
 the learner, model and sharding code show up here without changes to this file.
@@ -112,6 +116,10 @@ ARCH_FIELDS = (
   "qk_norm",
   "tie_embeddings",
   "model_type",
+  "num_experts",  # Qwen3-MoE (vcpo_jax.model.moe)
+  "num_experts_per_tok",
+  "moe_intermediate_size",
+  "norm_topk_prob",
 )
 # --model may also set the LoRA fields (e.g. --model=lora_rank=64: adapters on every projection, base frozen).
 OVERRIDE_FIELDS = ARCH_FIELDS + ("lora_rank", "lora_alpha")
@@ -231,6 +239,8 @@ def load_setting(
   # spec.model_cfg carries the config's model options (dtype and whatever else parse_config sets);
   # only the architecture is replaced by the checkpoint's.
   model_cfg = spec.model_cfg.replace(**{k: v for k, v in shape.items() if k in OVERRIDE_FIELDS}, max_position=need)
+  if model_cfg.moe is not None:  # XLA:CPU expands ragged_dot into a dense masked product; compile the scan over
+    model_cfg = model_cfg.replace(moe_matmul="scan")  # experts, a grouped GEMM's memory (moe.grouped_matmul)
   scfg = SamplerConfig.from_tokenizer(
     _FakeTokenizer(model_cfg.vocab_size),
     max_prompt_len=spec.rollout.max_prompt_len,
@@ -336,7 +346,10 @@ def compile_learner(setting: Setting, model_cfg, mesh, n: int):
   k_top = spec.learner.method.record_topk
   keys = batch_lib.DEVICE_KEYS + (tuple(batch_lib.TOPK_FIELDS) if k_top else ())
   r = spec.rollout.max_new_tokens  # the records cover the response columns only
-  abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t, k_top, r).items() if k in keys}
+  # MoE routing replay: the sampler's record [N, R, L K] int16 rides in the batch (and the moe/ metrics run)
+  e = model_cfg.num_layers * model_cfg.num_experts_per_tok if model_cfg.moe and model_cfg.routing_replay else 0
+  keys += tuple(batch_lib.ROUTING_FIELDS) if e else ()
+  abs_batch = {k: _sds(s, d, batch_sh) for k, (d, s) in batch_lib.schema(n, t, k_top, r, e=e).items() if k in keys}
   # exact score centering: the behaviour version (laid out as the parameters) is an input too, as trainer.run jits it
   behaviour = (abs_state.params,) if (spec.learner.method.centering or ("",))[0] == "exact" else ()
   behaviour_sh = (state_sh.params,) if behaviour else ()

@@ -15,6 +15,7 @@ Launch:
       --config.method=sync                                                         # synchronous baseline
   python main.py --config=configs/math.py:smoke --workdir=/tmp/math_smoke   # CPU, tiny random model
   python main.py --config=configs/math.py:qwen3_8b --workdir=/tmp/math_qwen3  # Qwen3-8B (Base) instead
+  python main.py --config=configs/math.py:qwen3_30b_a3b --workdir=/tmp/math_moe  # Qwen3-30B-A3B (MoE), R3 replay
 
 Released values (the VCPO paper, arXiv 2602.17616, and its released scripts): P x G = 32 x 16, max prompt / response
 1024 / 2048, k = 10 (stress runs 16..128: use mode=lag), rho_on = 1.0, AdamW lr
@@ -32,6 +33,9 @@ from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B")  # local HF checkpoint (download as above)
 QWEN3_8B_DIR = os.path.expanduser("~/models/Qwen3-8B-Base")  # huggingface-cli download Qwen/Qwen3-8B-Base
+QWEN3_30B_A3B_DIR = os.path.expanduser(
+  "~/models/Qwen3-30B-A3B-Base"
+)  # huggingface-cli download Qwen/Qwen3-30B-A3B-Base
 DATA_PATH = os.path.expanduser("~/data/math/train.jsonl")  # MATH train split (problem, solution)
 EVAL_PATH = os.path.expanduser("~/data/math500/test.jsonl")  # MATH-500 (problem, answer)
 
@@ -94,12 +98,14 @@ def get_config(arg: str | None = None):
   c.mesh.shape = (1, -1, 1)  # FSDP over the learner's devices
   if arg == "qwen3_8b":  # the same recipe on Qwen3-8B: q/k norms, no q/k/v bias, 36 layers, GQA 32/8
     _qwen3_8b(c)
+  elif arg == "qwen3_30b_a3b":  # the same recipe on Qwen3-30B-A3B: 48 MoE layers, 128 experts, 8 per token
+    _qwen3_30b_a3b(c)
   elif arg == "smoke":  # tiny random model, shipped fixture, a few lag steps on CPU (tests)
     _smoke(c)
     c.mode = "lag"  # exact staleness in one process
     c.lag.k = 1  # one step stale
   elif arg:
-    raise ValueError(f"configs/math.py: unknown variant {arg!r}; use '', 'qwen3_8b' or 'smoke'.")
+    raise ValueError(f"configs/math.py: unknown variant {arg!r}; use '', 'qwen3_8b', 'qwen3_30b_a3b' or 'smoke'.")
   return c
 
 
@@ -124,3 +130,30 @@ def _qwen3_8b(c):
   # the kv heads (tensor 4) and take 128 rows per call (benchmarks/memory.py --configs=math:qwen3_8b).
   c.sampler.mesh_shape = (-1, 1, 4)  # (data, fsdp, tensor) of the async sampler over its 4 devices
   c.sampler.max_batch = 128  # rows per sampler call (8 groups of 16); 512 rows run as 4 calls
+
+
+def _qwen3_30b_a3b(c):
+  """Qwen/Qwen3-30B-A3B-Base: the values of its config.json; the learner replays the sampler's expert routing."""
+  c.model.checkpoint = QWEN3_30B_A3B_DIR  # local directory with config.json + safetensors
+  c.model.routing_replay = True  # R3: the learner routes each response token through the sampler's experts
+  s = c.model.shape
+  s.vocab_size = 151936  # config.json vocab_size
+  s.hidden_size = 2048  # hidden_size (D)
+  s.intermediate_size = 6144  # intermediate_size (a dense MLP's F; every layer is sparse here)
+  s.num_layers = 48  # num_hidden_layers
+  s.num_heads = 32  # num_attention_heads
+  s.num_kv_heads = 4  # num_key_value_heads
+  s.head_dim = 128  # head_dim
+  s.rope_theta = 1000000.0  # rope_theta
+  s.rms_eps = 1e-6  # rms_norm_eps
+  s.tie_embeddings = False  # tie_word_embeddings
+  s.qkv_bias = False  # Qwen3: no q/k/v bias
+  s.qk_norm = True  # q_norm / k_norm
+  s.model_type = "qwen3_moe"  # model_type
+  s.num_experts = 128  # num_experts (E)
+  s.num_experts_per_tok = 8  # num_experts_per_tok (K)
+  s.moe_intermediate_size = 768  # moe_intermediate_size (each expert's F)
+  s.norm_topk_prob = True  # norm_topk_prob
+  # Sampler: bf16 weights are 61 GB; its 4 chips split the kv heads and the experts (tensor 4), 128 rows per call.
+  c.sampler.mesh_shape = (-1, 1, 4)  # (data, fsdp, tensor) of the async sampler over its 4 devices
+  c.sampler.max_batch = 128  # rows per sampler call

@@ -50,6 +50,20 @@ def hf_config(family: str, vocab_size: int = 101):
       tie_word_embeddings=False,
       **common,
     )
+  if family == "qwen3_moe":  # not in FAMILIES: tests/test_moe_model.py runs it
+    return transformers.Qwen3MoeConfig(
+      intermediate_size=128,
+      num_key_value_heads=2,
+      head_dim=32,
+      rms_norm_eps=1e-6,
+      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+      tie_word_embeddings=False,
+      num_experts=8,
+      num_experts_per_tok=2,
+      moe_intermediate_size=32,
+      norm_topk_prob=True,
+      **common,
+    )
   raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
 
 

@@ -71,7 +71,11 @@ def test_config_parses(name, variant, tiny_ckpt):
     assert c.mode in ("sync", "lag") and c.steps <= 3
 
 
-VARIANTS = {"countdown": ("", "smoke", "study13"), "gsm8k": ("", "smoke"), "math": ("", "smoke", "qwen3_8b")}
+VARIANTS = {
+  "countdown": ("", "smoke", "study13"),
+  "gsm8k": ("", "smoke"),
+  "math": ("", "smoke", "qwen3_8b", "qwen3_30b_a3b"),
+}
 VARIANTS["multiturn"] = ("", "smoke")
 
 

@@ -34,9 +34,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("vcpo_jax.optim",),
   ("vcpo_jax.model.quant",),  # int8 sampler weights: QArray, quantize, the dequantizing matmul
   ("vcpo_jax.model.rope",),  # RoPE frequencies and scaling rules (transformers' rope types)
-  ("vcpo_jax.model.config", "vcpo_jax.model.attention", "vcpo_jax.model.taps", "vcpo_jax.model.tokenizer"),
+  ("vcpo_jax.model.attention", "vcpo_jax.model.taps", "vcpo_jax.model.tokenizer"),
+  ("vcpo_jax.model.moe",),  # the MoE block (the transformer's layers call it; the config holds its MoESpec)
+  ("vcpo_jax.model.config",),
   ("vcpo_jax.model.support",),  # sampling-support replay: the record and its rebuild (jnp only)
-  ("vcpo_jax.model.logprobs", "vcpo_jax.model.moe"),  # the MoE block (the transformer's layers call it)
+  ("vcpo_jax.model.logprobs",),
   ("vcpo_jax.model.moe_norms",),  # per-example norms through the experts (grad_norms calls them)
   ("vcpo_jax.model.transformer",),
   ("vcpo_jax.model.lora",),  # which parameters train (adapters), merge into the base

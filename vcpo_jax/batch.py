@@ -22,6 +22,10 @@ column r is token column T - R + r, since prompts are left-padded to the prompt 
   topk_logp       [N, R, K] float32 their post-filter log-probs (temperature, top-k / top-p applied)
   only in runs that replay the sampler's top-k / top-p support (vcpo_jax/model/support.py; None otherwise):
   support_thr     [N, R]    float32 the kept support's cut-off: the learner keeps {v : logit_v >= thr} (-inf: all)
+  only in runs whose sampler records MoE routing (sampler.record_routing; E = L K, MoE layers x experts per token):
+  expert_ids      [N, R, E] int16   the experts response token r went through in each MoE layer when the sampler
+                                    fed it, layer-major (K per layer); -1 where nothing was recorded (the last
+                                    response token, padding). The learner replays them (model.routing_replay).
 
 Every consumer derives its key set from here: the learner's device input
 (`DEVICE_KEYS`, `Batch.device()`), the estimator's required keys (`PG_KEYS`)
@@ -59,8 +63,11 @@ FIELDS: dict[str, tuple[Any, str]] = {
 TOPK_FIELDS: dict[str, tuple[Any, str]] = {"topk_ids": (np.int32, "NRK"), "topk_logp": (np.float32, "NRK")}
 # Present when the sampler records its kept support (SamplerConfig.record_support).
 SUPPORT_FIELDS: dict[str, tuple[Any, str]] = {"support_thr": (np.float32, "NR")}
-ALL_FIELDS = {**FIELDS, **TOPK_FIELDS, **SUPPORT_FIELDS}
-_WANT = {"NT": "[N, T]", "N": "[N]", "NRK": "[N, R, K >= 1]", "NR": "[N, R]"}
+# Present when the sampler records MoE routing (SamplerConfig.record_routing on an MoE model).
+ROUTING_FIELDS: dict[str, tuple[Any, str]] = {"expert_ids": (np.int16, "NRE")}
+ALL_FIELDS = {**FIELDS, **TOPK_FIELDS, **SUPPORT_FIELDS, **ROUTING_FIELDS}
+_WANT = {"NT": "[N, T]", "N": "[N]", "NRK": "[N, R, K >= 1]", "NR": "[N, R]", "NRE": "[N, R, E >= 1]"}
+_RECORDS = ("NRK", "NR", "NRE")  # the response-column layouts
 
 # What the jitted learner step consumes (correct stays on the host). policy_version: the version-aware
 # policy losses (decoupled PPO's log-linear proximal policy) read it.
@@ -70,24 +77,32 @@ DEVICE_KEYS = ("tokens", "valid_mask", "loss_mask", "behavior_logp", "rewards", 
 PG_KEYS = ("tokens", "behavior_logp", "loss_mask", "rewards", "group_id")
 
 
-def shape(name: str, n: int, t: int, k: int = 0, r: int = 0) -> tuple[int, ...]:
-  """The shape of field `name` in a batch of n rows, t columns (r of them response columns, k top-k ids per
-  token)."""
-  return {"NT": (n, t), "N": (n,), "NRK": (n, r, k), "NR": (n, r)}[ALL_FIELDS[name][1]]
+def shape(name: str, n: int, t: int, k: int = 0, r: int = 0, e: int = 0) -> tuple[int, ...]:
+  """The shape of field `name` in a batch of n rows, t columns (r of them response columns, k top-k ids and e
+  routing entries per token)."""
+  return {"NT": (n, t), "N": (n,), "NRK": (n, r, k), "NR": (n, r), "NRE": (n, r, e)}[ALL_FIELDS[name][1]]
 
 
-def fields(k: int = 0, support: bool = False) -> dict[str, tuple[Any, str]]:
-  """The fields of a batch with k recorded top-k ids per token (k = 0: none) and, with support, the record of
-  the sampler's kept support."""
-  return {**FIELDS, **(TOPK_FIELDS if k else {}), **(SUPPORT_FIELDS if support else {})}
+def fields(k: int = 0, support: bool = False, e: int = 0) -> dict[str, tuple[Any, str]]:
+  """The fields of a batch with k recorded top-k ids per token (k = 0: none), with support the record of the
+  sampler's kept support, and e routing entries per token (e = 0: none)."""
+  return {
+    **FIELDS,
+    **(TOPK_FIELDS if k else {}),
+    **(SUPPORT_FIELDS if support else {}),
+    **(ROUTING_FIELDS if e else {}),
+  }
 
 
-def schema(n: int, t: int, k: int = 0, r: int = 0, support: bool = False) -> dict[str, tuple[Any, tuple[int, ...]]]:
-  """{field: (dtype, shape)} of a batch of n rows, t columns, r response columns, k top-k ids and (support) the
-  support record (the async queue is built from this). r is needed only with a record (k > 0 or support)."""
-  if (k or support) and not 0 < r < t:
+def schema(
+  n: int, t: int, k: int = 0, r: int = 0, support: bool = False, e: int = 0
+) -> dict[str, tuple[Any, tuple[int, ...]]]:
+  """{field: (dtype, shape)} of a batch of n rows, t columns, r response columns, k top-k ids, (support) the
+  support record and e routing entries per token (the async queue is built from this). r is needed only with a
+  record (k > 0, support or e > 0)."""
+  if (k or support or e) and not 0 < r < t:
     raise ValueError(f"batch schema: r={r} response columns must be in [1, t - 1 = {t - 1}] with a per-token record.")
-  return {name: (dtype, shape(name, n, t, k, r)) for name, (dtype, _) in fields(k, support).items()}
+  return {name: (dtype, shape(name, n, t, k, r, e)) for name, (dtype, _) in fields(k, support, e).items()}
 
 
 def nbytes(schema_: Mapping[str, tuple[Any, tuple[int, ...]]], names=None) -> int:
@@ -121,26 +136,34 @@ class Batch(Mapping):
   topk_ids: Any = None
   topk_logp: Any = None
   support_thr: Any = None
+  expert_ids: Any = None
 
   @classmethod
   def from_arrays(cls, arrays: Mapping[str, Any]) -> Batch:
     """A Batch from a mapping holding exactly FIELDS (and both or neither of TOPK_FIELDS, and optionally
     SUPPORT_FIELDS), each cast to its dtype and checked against [N] / [N, T] / [N, R, K] / [N, R] (R <= T, one R
     for every record; a prompt has a token, so R < T)."""
-    names = fields(k=int("topk_ids" in arrays or "topk_logp" in arrays), support="support_thr" in arrays)
+    names = fields(
+      k=int("topk_ids" in arrays or "topk_logp" in arrays),
+      support="support_thr" in arrays,
+      e=int("expert_ids" in arrays),
+    )
     missing, extra = sorted(set(names) - set(arrays)), sorted(set(arrays) - set(names))
     if missing or extra:
       raise ValueError(
         f"Batch: missing fields {missing}, unknown fields {extra}; a Batch holds {list(FIELDS)} "
-        f"(and, with top-k centering, both of {list(TOPK_FIELDS)}; with support replay {list(SUPPORT_FIELDS)})."
+        f"(and, with top-k centering, both of {list(TOPK_FIELDS)}; with support replay {list(SUPPORT_FIELDS)}; "
+        f"with routing replay {list(ROUTING_FIELDS)})."
       )
     out = {k: np.asarray(arrays[k], names[k][0]) for k in names}
     n, t = out["tokens"].shape if out["tokens"].ndim == 2 else (None, None)
     k_top = out["topk_ids"].shape[-1] if "topk_ids" in out and out["topk_ids"].ndim == 3 else 0
-    rec = [out[k] for k in names if names[k][1] in ("NRK", "NR") and out[k].ndim >= 2]
+    e = out["expert_ids"].shape[-1] if "expert_ids" in out and out["expert_ids"].ndim == 3 else 0
+    rec = [out[k] for k in names if names[k][1] in _RECORDS and out[k].ndim >= 2]
     r = rec[0].shape[1] if rec else 0
     for k, a in out.items():
-      if n is None or a.shape != shape(k, n, t, k_top, r) or (names[k][1] == "NRK" and not k_top) or r >= t:
+      empty = (names[k][1] == "NRK" and not k_top) or (names[k][1] == "NRE" and not e)
+      if n is None or a.shape != shape(k, n, t, k_top, r, e) or empty or r >= t:
         raise ValueError(
           f"Batch.{k}: shape {a.shape}, want {_WANT[names[k][1]]} with N, T = tokens.shape {out['tokens'].shape}"
           " (R < T, the same for every record)."
@@ -166,18 +189,24 @@ class Batch(Mapping):
     return self.support_thr is not None
 
   @property
+  def routing(self) -> int:
+    """E, the routing entries recorded per token (MoE layers x experts per token; 0: none)."""
+    return 0 if self.expert_ids is None else int(self.expert_ids.shape[-1])
+
+  @property
   def r(self) -> int:
     """R, the response columns the per-token records cover (0: no record)."""
-    rec = self.topk_ids if self.topk_ids is not None else self.support_thr
+    rec = next((x for x in (self.topk_ids, self.support_thr, self.expert_ids) if x is not None), None)
     return 0 if rec is None else int(rec.shape[1])
 
   def _fields(self) -> dict[str, tuple[Any, str]]:
-    return fields(self.topk, self.support)
+    return fields(self.topk, self.support, self.routing)
 
   def device(self) -> dict[str, Any]:
     """The learner step's input: the DEVICE_KEYS arrays (and the records it carries), as a dict (the jitted
     step's pytree)."""
     records = (tuple(TOPK_FIELDS) if self.topk else ()) + (tuple(SUPPORT_FIELDS) if self.support else ())
+    records += tuple(ROUTING_FIELDS) if self.routing else ()
     return {k: getattr(self, k) for k in DEVICE_KEYS + records}
 
   # Mapping access: batch["rewards"], dict(batch), batch.items() (host code, the queue, checkpoints).

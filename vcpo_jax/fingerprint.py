@@ -33,6 +33,7 @@ EXCLUDED = (
   "model.scan_layers",
   "model.logprob_chunk",
   "model.logprob_vocab_chunk",
+  "model.moe_matmul",
   "sampler.prefill_chunk",
   "sampler.max_batch",
   "async_.timeout_s",

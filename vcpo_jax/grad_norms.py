@@ -95,7 +95,7 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax import sharding
-from vcpo_jax.model import logprobs, support, taps
+from vcpo_jax.model import logprobs, moe_norms, support, taps
 from vcpo_jax.sharding import path_str  # dotted parameter names, shared with the partition rules
 
 # logp_fn(params, batch) -> logp_nt [N, T] float32; built from tapped layers.
@@ -224,6 +224,8 @@ def _tap_params(info: taps.TapInfo) -> list[str]:
     return [info.param + (".embedding" if info.spec.tied else ".kernel")]
   if info.kind == "scale":
     return [info.param + ".scale"]
+  if info.kind == "expert":  # the stacked expert weights [(L,) E, Din, Dout] themselves
+    return [info.param]
   raise ValueError(f"Unknown tap kind {info.kind!r} for {info.param!r}.")
 
 
@@ -381,7 +383,8 @@ def _tapped_forward(logp_fn: LogpFn, params, batch):
       in_shapes[name], out_shapes[name] = inputs[name]["h"].shape, (logprobs.vocab_size(w, info.spec),)
     else:  # a tap inside the stacked blocks: one layer's shapes (its arrays are [L, ...])
       lead = 1 if info.layers else 0
-      in_shapes[name], out_shapes[name] = inputs[name].shape[lead:], tape.out_shapes[name].shape[lead:]
+      a = inputs[name]["a"] if info.kind == "expert" else inputs[name]
+      in_shapes[name], out_shapes[name] = a.shape[lead:], tape.out_shapes[name].shape[lead:]
   return tape.info, in_shapes, tape.out_shapes, out_shapes
 
 
@@ -669,6 +672,10 @@ def _param_sq_norms(infos, owners, acts, outgrads, plans, param_shapes, kept, c_
       elif info.kind == "embed":
         v = param_shapes[p].shape[0]
         sq_n += _embed_sq_norm(a.reshape(n, -1), _flat(d, n), v, embed_block(a, d, v), shards=batch_shards)
+      elif info.kind == "expert":
+        e = param_shapes[p].shape[-3]
+        impl = info.spec or "ragged"
+        sq_n += _over_layers(info, lambda a, d, e=e: (_expert_sq_norm(a, d, n, e, impl), None), a, d)[0]
       else:
         raise ValueError(f"Unsupported tap kind {info.kind!r} for parameter {p!r}.")
     elif kinds == ["embed", "head"]:  # tied embeddings: lookup + LM head share the table
@@ -689,6 +696,30 @@ def _param_sq_norms(infos, owners, acts, outgrads, plans, param_shapes, kept, c_
       )
 
   return sq_n
+
+
+def _expert_sq_norm(a: dict, d: jax.Array, n: int, num_experts: int, impl: str = "ragged") -> jax.Array:
+  """One expert matmul's S_n [N] (`moe_norms.expert_sq_norms`): the gram form while an example's rows r = R / N
+  cost fewer flops than its experts' gradients (r (Din + Dout) <= Din Dout, as for a linear layer), else the
+  direct form one example at a time (E Din Dout floats transient). Each device its own examples' rows (the
+  model dispatches per device: `moe.experts_forward`), `sharding.batch_local`."""
+  r, din, dout = a["a"].shape[0] // n, a["a"].shape[-1], d.shape[-1]
+  method = "gram" if r * (din + dout) <= din * dout else "direct"
+  n_loc = n // sharding.batch_shards(n)
+  kw = dict(n=n_loc, num_experts=num_experts, method=method, block=1 if method == "direct" else 0, impl=impl)
+  fn = lambda _, a_, d_, e_, ex_: moe_norms.expert_sq_norms(a_, d_, e_, ex_, **kw)
+  return sharding.batch_local(fn, (a["a"], d, a["expert"], a["example"]), (1, 1, 1, 1), n)
+
+
+def _expert_grad(a: dict, d: jax.Array, w_n: jax.Array, num_experts: int, impl: str = "ragged") -> jax.Array:
+  """sum_r w_{n_r} a_r^T d_r per expert (`moe_norms.expert_weighted_grad`), each device over its own rows, summed."""
+  n = w_n.shape[0]
+  n_loc = n // sharding.batch_shards(n)
+
+  def fn(index, a_, d_, e_, ex_, w_):
+    return moe_norms.expert_weighted_grad(a_, d_, e_, ex_ - index * n_loc, w_, num_experts=num_experts, impl=impl)
+
+  return sharding.batch_local(fn, (a["a"], d, a["expert"], a["example"], w_n), (1, 1, 1, 1, 1), n, reduce=True)
 
 
 def _update_grads(infos, acts, outgrads, plans, param_shapes, kept, grads_by_path, c_nm, extra, w_n):
@@ -738,6 +769,10 @@ def _update_grads(infos, acts, outgrads, plans, param_shapes, kept, grads_by_pat
     elif info.kind == "scale":
       scale_g = lambda a, d: jnp.einsum("n,ntd->d", w_n, _flat(a, n) * _flat(d, n))
       add(info.param + ".scale", _per_layer(info, scale_g, a, d))
+    elif info.kind == "expert":  # sum_r w_{n_r} a_r^T d_r per expert
+      e = param_shapes[info.param].shape[-3]
+      grad = lambda a, d, e=e, impl=info.spec or "ragged": _expert_grad(a, d, w_n, e, impl)
+      add(info.param, _per_layer(info, grad, a, d))
     elif info.kind == "embed":
       table = param_shapes[info.param + ".embedding"]
       rows = (
@@ -839,10 +874,13 @@ def _ghost(logp_fn, params, batch, tokw, coef_fn, coef_n, method, memory_budget_
   )
 
 
-def _sink_norm(plans: dict[str, LayerPlan], batch_shards: int):
-  """taps.Sink's norm(name, info, a, d) -> [N]: one "linear" (kernel + bias) or "scale" tap's S_n part."""
+def _sink_norm(plans: dict[str, LayerPlan], batch_shards: int, n_rows: int = 0, param_shapes=None):
+  """taps.Sink's norm(name, info, a, d) -> [N]: one "linear" (kernel + bias), "scale" or "expert" tap's S_n part
+  (an expert tap's examples: n_rows, its experts: from param_shapes)."""
 
   def norm(name, info, a, d):
+    if info.kind == "expert":
+      return _expert_sq_norm(a, d, n_rows, param_shapes[info.param].shape[-3], info.spec or "ragged")
     n = a.shape[0]
     a_nt, d_nt = _flat(a, n), _flat(d, n)
     if info.kind == "scale":
@@ -882,7 +920,7 @@ def _ghost_two_pass(logp_fn, params, batch, tokw, coef_fn, method, memory_budget
   embeds = [k for k, info in infos.items() if info.kind == "embed"]
   n = jax.tree.leaves(batch)[0].shape[0]
   zeros = {k: jnp.zeros(pert_shapes[k].shape, pert_shapes[k].dtype) for k in embeds}
-  norm = _sink_norm(plans, batch_shards)
+  norm = _sink_norm(plans, batch_shards, n, param_shapes)
 
   def tapped(p, s, perts):
     with taps.recording(perts, taps.Sink(s, norm)) as tape:
@@ -942,7 +980,8 @@ def one_pass_bytes(logp_fn: LogpFn, params, batch, batch_shards: int | None = No
 
   inputs = jax.eval_shape(forward, params, batch)  # concrete or abstract (ShapeDtypeStruct) inputs
   nbytes = lambda x: x.size * jnp.dtype(x.dtype).itemsize
-  return int(sum(nbytes(a) for a in inputs) + sum(nbytes(d) for d in out.values())) // max(1, batch_shards)
+  nb = sum(nbytes(a) for a in jax.tree.leaves(inputs)) + sum(nbytes(d) for d in out.values())
+  return int(nb) // max(1, batch_shards)
 
 
 def choose_passes(

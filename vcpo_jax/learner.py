@@ -58,11 +58,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import grad_norms, sharding, telemetry
 from vcpo_jax import score_centering as sc_lib
-from vcpo_jax.model import lora, transformer
+from vcpo_jax.model import lora, moe, transformer
+from vcpo_jax.rl import ess as ess_lib
 from vcpo_jax.rl import losses as policy_losses
 from vcpo_jax.rl.method import Method
 from vcpo_jax.schema import check_field
@@ -246,9 +248,18 @@ def make_logp_fn(graphdef, frozen=None) -> Callable:
     # Support replay (model/support.py): a batch carrying the sampler's kept support (Batch.support_thr) is
     # scored renormalised over it, so on-policy log(pi / mu) = 0 with top-k / top-p sampling.
     thr = batch.get("support_thr")
-    return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"], thr)
+    # MoE routing replay: the sampler's recorded experts, when the batch carries them (model.routing_replay),
+    # placed on the token columns (prompt columns -1: the learner routes them itself)
+    experts = _token_experts(batch)
+    return transformer.sequence_logprobs(graphdef, params, batch["tokens"], batch["valid_mask"], thr, experts)
 
   return logp_fn
+
+
+def _token_experts(batch):
+  """Batch.expert_ids [N, R, E] on the token columns [N, T, E] (-1 on the prompt columns), or None."""
+  experts = batch.get("expert_ids")
+  return None if experts is None else batch_lib.at_token_columns(experts, batch["tokens"].shape[1], fill=-1)
 
 
 # ---------------------------------------------------------------------------
@@ -625,6 +636,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     new_state = TrainState(lora.combine(params, frozen), opt_state, state.step + 1)
     metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
     metrics.update(upd)
+    metrics.update(routing_replay_metrics(graphdef, state.params, batch))  # MoE routing record: moe/ metrics
     # gradient-variance telemetry ("grad/..."): [N]-array arithmetic on the norms the step already has; a method
     # that does not need them does not hand them over, so XLA drops the ghost path's norm computation
     if cfg.grad_telemetry:
@@ -634,6 +646,44 @@ def make_train_step(graphdef, tx: optax.GradientTransformationExtraArgs, cfg: Le
     return new_state, metrics
 
   return train_step
+
+
+# --------------------------------------------------------------------------- MoE routing replay
+
+
+def routing_replay_metrics(graphdef, params, batch) -> dict:
+  """moe/ metrics of a batch carrying the sampler's MoE routing record (Batch.expert_ids); {} without one.
+
+  The same batch and parameters through the learner's own routing and through the replayed one (two extra
+  forwards, only in runs that record routing, SamplerConfig.record_routing):
+    moe/route_mismatch      fraction of recorded (token, MoE layer) pairs whose own top-K set differs from the
+                            recorded set (order ignored; `moe.routing_mismatch`)
+    moe/log_ratio_std       std over loss tokens of log pi - log mu with the learner's own routing
+    moe/log_ratio_std_replay  the same with the recorded experts replayed
+    moe/ess, moe/ess_replay   ESS / N of the sequence weights, own routing / replayed
+  """
+  model_cfg = getattr(nnx.merge(graphdef, params), "cfg", None)
+  experts = _token_experts(batch)  # [N, T, E]
+  if experts is None or model_cfg is None or model_cfg.moe is None:
+    return {}
+  params = sg(params)
+  tokens, valid = batch["tokens"], batch["valid_mask"]
+  mask, mu = batch["loss_mask"], batch["behavior_logp"]
+  positions, attn_mask = transformer.padded_positions_and_mask(valid)
+  with moe.routing() as own:
+    transformer.forward(graphdef, params, tokens, positions, attn_mask)
+  b, t, _ = experts.shape
+  rec = jnp.moveaxis(experts.reshape(b, t, model_cfg.num_layers, -1), 2, 0)  # [L, N, T, K]
+  out = {"moe/route_mismatch": moe.routing_mismatch(own.expert_ids, rec, rec[..., 0] >= 0)}
+  for suffix, force in (("", False), ("_replay", True)):
+    with transformer.replay_routing(model_cfg, experts, force=force):
+      logp = transformer.sequence_logprobs(graphdef, params, tokens, valid, batch.get("support_thr"))
+    m = mask.astype(jnp.float32)
+    d = (logp - mu) * m
+    mean = jnp.sum(d) / jnp.maximum(jnp.sum(m), 1.0)
+    out[f"moe/log_ratio_std{suffix}"] = jnp.sqrt(jnp.sum(m * (d - mean) ** 2) / jnp.maximum(jnp.sum(m), 1.0))
+    out[f"moe/ess{suffix}"] = ess_lib.ess_ratio(ess_lib.sequence_log_ratio(logp, mu, mask))
+  return out
 
 
 def make_plain_grad_fn(graphdef):

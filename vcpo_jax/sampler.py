@@ -75,7 +75,7 @@ from flax import nnx
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import sharding as sh
 from vcpo_jax.schema import check_field, finite
-from vcpo_jax.model import quant, support, transformer
+from vcpo_jax.model import moe, quant, support, transformer
 from vcpo_jax.model.config import ModelConfig
 
 LOGP_MODES = ("sampled", "tempered")
@@ -150,6 +150,7 @@ class SamplerConfig:
   chunk_tokens: int = 32
   record_topk: int = 0  # K > 0: record each token's top-K ids and post-filter log-probs (top-k score centering)
   record_support: bool = False  # record each token's kept support (model/support.py: the learner replays it)
+  record_routing: bool = False  # MoE: record the experts each response token went through (Batch.expert_ids)
 
   def __post_init__(self):
     if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -336,6 +337,31 @@ class Rollout:
   topk_ids: np.ndarray | None = None  # int32 [N, Tn, K] (record_topk): the top-K ids response token r was drawn among
   topk_logp: np.ndarray | None = None  # float32 [N, Tn, K]: their post-filter log-probs (0 off the response)
   support_thr: np.ndarray | None = None  # float32 [N, Tn] (record_support): model/support.py (-inf off the response)
+  expert_ids: np.ndarray | None = None  # int16 [N, Tn, L K] (record_routing): routing_width's record, -1 unrecorded
+
+
+# ----------------------------------------------------------------------------- MoE routing record
+
+
+def routing_width(cfg_model: ModelConfig, cfg: SamplerConfig) -> int:
+  """E = L K, the routing entries recorded per token (record_routing on an MoE model), else 0.
+
+  Response column r of the record (Rollout / Batch.expert_ids [N, R, E]) holds the experts response token r
+  went through in each layer (layer-major, K per layer) when the sampler fed it to draw token r + 1: every
+  response token but the last (which is never fed); -1 elsewhere. It is known one decode step after the
+  column's other records (`column_records`, known when the token is drawn). The learner replays it on the
+  token columns (batch.at_token_columns, -1 on the prompt: the learner's own routing there)."""
+  return cfg_model.num_layers * cfg_model.num_experts_per_tok if cfg.record_routing and cfg_model.moe else 0
+
+
+def _forward_routed(graphdef, params, *args, route: bool = False):
+  """(logits, cache, ids): transformer.forward, with route the experts of the fed tokens [B, T, L K] int16."""
+  if not route:
+    return (*transformer.forward(graphdef, params, *args), None)
+  with moe.routing() as rec:
+    logits, cache = transformer.forward(graphdef, params, *args)
+  ids = jnp.moveaxis(rec.expert_ids, 0, 2)  # [L, B, T, K] -> [B, T, L, K]
+  return logits, cache, ids.reshape(*ids.shape[:2], -1).astype(jnp.int16)
 
 
 # ----------------------------------------------------------------------------- token choice
@@ -350,19 +376,22 @@ def sampled_topk(logits_bv, cfg: SamplerConfig):
   return ids.astype(jnp.int32), vals
 
 
-def record_fields(cfg: SamplerConfig) -> dict[str, tuple]:
+def record_fields(cfg: SamplerConfig, e: int = 0) -> dict[str, tuple]:
   """{name: (dtype, trailing shape, fill)} of the per-column records cfg asks for (Rollout / Batch fields):
-  the top-K ids and log-probs (record_topk) and the kept support's threshold (record_support). fill: the
-  value of columns no token was drawn in."""
+  the top-K ids and log-probs (record_topk), the kept support's threshold (record_support) and, with e > 0
+  (`routing_width`), the MoE routing record. fill: the value of columns no token was drawn (or fed) in."""
   k = cfg.record_topk
   out = {"topk_ids": (jnp.int32, (k,), 0), "topk_logp": (jnp.float32, (k,), 0.0)} if k else {}
   if cfg.record_support:
     out["support_thr"] = (jnp.float32, (), support.NO_CUT)
+  if e:
+    out["expert_ids"] = (jnp.int16, (e,), -1)
   return out
 
 
 def column_records(logits_bv, tok_b, cfg: SamplerConfig) -> dict:
-  """The records of one decode column ({name: [B, ...]}, `record_fields`) for tokens tok_b drawn from logits_bv."""
+  """The records of one decode column ({name: [B, ...]}, `record_fields`) for tokens tok_b drawn from logits_bv
+  (all but the routing record, which the next decode step gives: `routing_width`)."""
   out = {}
   if cfg.record_topk:
     out["topk_ids"], out["topk_logp"] = sampled_topk(logits_bv, cfg)
@@ -373,9 +402,9 @@ def column_records(logits_bv, tok_b, cfg: SamplerConfig) -> dict:
   return out
 
 
-def empty_records(cfg: SamplerConfig, b: int, tn: int) -> dict:
-  """{name: [b, tn, ...]} of the records, every column at its fill."""
-  return {k: jnp.full((b, tn) + shp, fill, dt) for k, (dt, shp, fill) in record_fields(cfg).items()}
+def empty_records(cfg: SamplerConfig, b: int, tn: int, e: int = 0) -> dict:
+  """{name: [b, tn, ...]} of the records (e: `routing_width`), every column at its fill."""
+  return {k: jnp.full((b, tn) + shp, fill, dt) for k, (dt, shp, fill) in record_fields(cfg, e).items()}
 
 
 def filter_logits(logits_bv: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -610,7 +639,9 @@ def _generate_device(
   last_logits, cache, kv_valid = _prefill(graphdef, cfg_model, cfg, params, prompt_bt, prompt_valid_bt, num_new)
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
 
-  fields = record_fields(cfg)
+  e = routing_width(cfg_model, cfg)
+  fields = record_fields(cfg, e)
+  record = bool(record_fields(cfg))  # the records known when a token is drawn (column_records)
 
   def emit(i, tok, logp, state, rec):  # response column i: pad / 0 for finished rows; a stop token finishes a row
     toks, logps, lengths, done, recs = state
@@ -619,14 +650,14 @@ def _generate_device(
     toks = toks.at[:, i].set(tok)
     logps = logps.at[:, i].set(logp)
     fin = lambda x: done.reshape(done.shape + (1,) * (x.ndim - 1))
-    recs = {k: recs[k].at[:, i].set(jnp.where(fin(x), fields[k][2], x)) for k, x in rec.items()}  # fill if finished
+    recs = {**recs, **{k: recs[k].at[:, i].set(jnp.where(fin(x), fields[k][2], x)) for k, x in rec.items()}}
     lengths = lengths + (~done).astype(jnp.int32)
     stopped = ~done & stop_v[tok]
     return (toks, logps, lengths, done | stopped, recs), stopped
 
   toks0 = jnp.full((b, num_new), pad, jnp.int32)
   state = (toks0, jnp.zeros((b, num_new), jnp.float32), jnp.zeros((b,), jnp.int32), ~active_b)
-  state += (empty_records(cfg, b, num_new),)
+  state += (empty_records(cfg, b, num_new, e),)
   tok0, logp0 = _choose(last_logits, step_keys(0), cfg)
   state, finished = emit(0, tok0, logp0, state, column_records(last_logits, tok0, cfg))
 
@@ -637,9 +668,13 @@ def _generate_device(
   def body(carry):  # feeds token i - 1 at cache slot Tp + i - 1, draws token i
     i, cache, kv_valid, state, finished = carry
     prev, pos, idx = state[0][:, i - 1], prompt_len + i - 1, tp + i - 1
-    out = _decode_step(graphdef, cfg, params, cache, kv_valid, prev, pos, idx, step_keys(i), record=bool(fields))
+    keys = step_keys(i)
+    out = _decode_step(graphdef, cfg, params, cache, kv_valid, prev, pos, idx, keys, record=record, route=bool(e))
     tok, logp, cache, kv_valid = out[:4]
-    state, stopped = emit(i, tok, logp, state, out[4] if fields else {})
+    if e:  # the experts of token i - 1 (a response token of rows still running when it was emitted): column i - 1
+      fed, recs = (i - 1 < state[2])[:, None], state[4]
+      state = (*state[:4], {**recs, "expert_ids": recs["expert_ids"].at[:, i - 1].set(jnp.where(fed, out[-1], -1))})
+    state, stopped = emit(i, tok, logp, state, out[4] if record else {})
     return i + 1, cache, kv_valid, state, finished | stopped
 
   carry = (jnp.int32(1), cache, kv_valid, state, finished)
@@ -688,7 +723,7 @@ class _Slots:
   row_id: jax.Array
   budget: jax.Array
   j: jax.Array
-  recs: dict  # record_fields {name: [B, Tn, ...]} (top-k record, support threshold) of each column; {} if none
+  recs: dict  # record_fields {name: [B, Tn, ...]} (top-k, support, routing records) of each column; {} if none
 
 
 def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn: int) -> _Slots:
@@ -710,7 +745,7 @@ def _empty_slots(cfg_model: ModelConfig, cfg: SamplerConfig, b: int, tp: int, tn
     row_id=zi(b),
     budget=zi(b),
     j=jnp.int32(0),
-    recs=empty_records(cfg, b, tn),
+    recs=empty_records(cfg, b, tn, routing_width(cfg_model, cfg)),
   )
 
 
@@ -765,7 +800,10 @@ def _refill_device(
     row_id=put(st.row_id, row_ids_r),
     budget=put(st.budget, budget_r),
     j=st.j,
-    recs={k: put(st.recs[k], x.at[:, 0].set(rec0[k])) for k, x in empty_records(cfg, r, tn).items()},
+    recs={
+      k: put(st.recs[k], x.at[:, 0].set(rec0[k]) if k in rec0 else x)  # the routing record starts empty
+      for k, x in empty_records(cfg, r, tn, routing_width(cfg_model, cfg)).items()
+    },
   )
 
 
@@ -784,7 +822,8 @@ def _chunk_device(graphdef, cfg, num_steps: int, params, st: _Slots, stop_v, ver
     prev = jnp.take_along_axis(st.toks, last[:, None], axis=1)  # [B, 1]
     pos = (st.prompt_len + last)[:, None]
     kv_valid = jax.lax.dynamic_update_slice(st.kv_valid, jnp.ones((b, 1), bool), (0, col))
-    logits, cache = transformer.forward(graphdef, params, prev, pos, kv_valid[:, None, :], st.cache, col)
+    route = "expert_ids" in st.recs
+    logits, cache, ids = _forward_routed(graphdef, params, prev, pos, kv_valid[:, None, :], st.cache, col, route=route)
     keys = token_keys(rng, st.row_id, st.lengths)
     tok, logp = _choose(logits[:, -1], keys, cfg)
     live = ~st.done
@@ -792,7 +831,10 @@ def _chunk_device(graphdef, cfg, num_steps: int, params, st: _Slots, stop_v, ver
     stopped = live & stop_v[tok]
     lengths = st.lengths + live.astype(jnp.int32)
     rec = column_records(logits[:, -1], tok, cfg)
-    st = dataclasses.replace(st, recs={k: st.recs[k].at[rows, at].set(x, mode="drop") for k, x in rec.items()})
+    recs = {**st.recs, **{k: st.recs[k].at[rows, at].set(x, mode="drop") for k, x in rec.items()}}
+    if route:  # the experts of the fed token (column `last`) of the rows still running
+      recs["expert_ids"] = recs["expert_ids"].at[rows, jnp.where(live, last, tn)].set(ids[:, 0], mode="drop")
+    st = dataclasses.replace(st, recs=recs)
     st = dataclasses.replace(
       st,
       cache=cache,
@@ -872,22 +914,26 @@ def _layout_sharding(mesh, shape: tuple[int, ...], entries: tuple):
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def _decode_step(graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, keys_b, record=False):
+def _decode_step(
+  graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, keys_b, record=False, route=False
+):
   """One decode step: the body of `_generate_device`'s loop (and `Sampler.lower(part="decode")`'s program).
 
   Feeds token prev_b [B] at position pos_b [B] into cache slot idx (the cache: per-layer (k [B, K, H, S],
   v [B, K, S, H]); kv_valid: bool [B, S], the slot marked valid here), attends over the cache blocks up to
   it, draws the next token of row n with keys_b[n] (the loop's fold_in(fold_in(rng, row), i));
-  returns (tokens [B], logp [B], cache, kv_valid), and with record the column's `column_records`.
+  returns (tokens [B], logp [B], cache, kv_valid), with record the column's `column_records`, and last with
+  route the fed tokens' experts [B, L K] int16 (`routing_width`).
   """
   b = prev_b.shape[0]
   kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
   mask = transformer.AttentionMask(kv_valid)  # decode reads only the cache blocks up to slot idx
-  logits, cache = transformer.forward(graphdef, params, prev_b[:, None], pos_b[:, None], mask, cache, idx)
+  logits, cache, ids = _forward_routed(graphdef, params, prev_b[:, None], pos_b[:, None], mask, cache, idx, route=route)
   tok, logp = _choose(logits[:, -1], keys_b, cfg)
+  out = (tok, logp, cache, kv_valid)
   if record:
-    return tok, logp, cache, kv_valid, column_records(logits[:, -1], tok, cfg)
-  return tok, logp, cache, kv_valid
+    out += (column_records(logits[:, -1], tok, cfg),)
+  return out + ((ids[:, 0],) if route else ())
 
 
 class Sampler:
@@ -924,7 +970,8 @@ class Sampler:
     self.param_dtype = resolve_param_dtype(sampler_cfg.param_dtype, platform)
     self.int8 = sampler_cfg.param_dtype == "int8"
     self.last_decode_steps = 0
-    self.last_records = {}  # record_fields {name: [N, Tn, ...]} of the last run (top-k record, support threshold)
+    self.last_records = {}  # record_fields {name: [N, Tn, ...]} of the last run (top-k, support, routing records)
+    self.routing = routing_width(cfg_model, sampler_cfg)  # E of the routing record (0: none)
 
     def device_fn(params, prompt_bt, prompt_valid_bt, active_b, row_ids_b, stop_v, max_new, rng, *, num_new):
       self.num_traces += 1
@@ -1138,7 +1185,9 @@ class Sampler:
     out_vers = np.full((n, tn), -1, np.int32)
     out_len = np.zeros((n,), np.int32)
     out_fin = np.zeros((n,), bool)
-    out_rec = {k: np.full((n, tn) + shp, fill, dt) for k, (dt, shp, fill) in record_fields(self.cfg).items()}
+    out_rec = {
+      k: np.full((n, tn) + shp, fill, dt) for k, (dt, shp, fill) in record_fields(self.cfg, self.routing).items()
+    }
     waiting = collections.deque(range(n))
     slot_row = np.full((b,), -1, np.int64)  # row each slot runs (-1: free)
     with self._mesh_context():
@@ -1255,7 +1304,7 @@ class Sampler:
         pad = _bucket(max_new, self.cfg.new_token_buckets, "max_new_tokens") - toks.shape[1]
         toks = np.pad(toks, ((0, 0), (0, pad)), constant_values=self.cfg.pad_id)
         logps, vers = np.pad(logps, ((0, 0), (0, pad))), np.pad(vers, ((0, 0), (0, pad)), constant_values=-1)
-        fills = {k: f[2] for k, f in record_fields(self.cfg).items()}
+        fills = {k: f[2] for k, f in record_fields(self.cfg, self.routing).items()}
         widen = lambda k, x: np.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=fills[k])
         self.last_records = {k: widen(k, x) for k, x in self.last_records.items()}
     tn = toks.shape[1]

@@ -43,6 +43,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# The mesh axis the MoE experts are split over (TRANSFORMER_RULES' mlp.experts.*): expert parallelism shares the
+# tensor axis, so a mesh (data, fsdp, tensor = EP) holds E / tensor experts per device with no fourth axis.
+EXPERT_AXIS = "tensor"
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 
 Rules = Sequence[tuple[str, P]]
@@ -62,6 +65,11 @@ TRANSFORMER_RULES: tuple[tuple[str, P], ...] = (
   (r"mlp\.down_proj\.kernel$", P(None, "tensor", "fsdp")),  # [L, F, D]
   (r"(input_layernorm|post_attention_layernorm|norm)\.scale$", P()),  # [L, D] / [L, H] / [D]
   (r"lm_head\.kernel$", P("fsdp", "tensor")),  # [D, V]
+  # Qwen3-MoE (vcpo_jax.model.moe): the expert axis E split over EXPERT_AXIS (expert parallelism folded into the
+  # tensor axis), the model width over fsdp; the router [L, D, E] is small: D over fsdp only.
+  (r"mlp\.experts\.(gate|up)_proj$", P(None, EXPERT_AXIS, "fsdp", None)),  # [L, E, D, F]
+  (r"mlp\.experts\.down_proj$", P(None, EXPERT_AXIS, None, "fsdp")),  # [L, E, F, D]
+  (r"mlp\.gate\.kernel$", P(None, "fsdp")),  # [L, D, E] router
   # LoRA factors (vcpo_jax.model.lora): the wide dimension split over fsdp (and tensor where the projection's
   # is), r never split; replicated factors and their AdamW moments would cost every device the whole adapter.
   (r"(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.lora_a\.kernel$", P(None, "fsdp")),  # A [L, D, r]
@@ -139,6 +147,33 @@ def batch_shards(n: int | None = None) -> int:
   kinds = dict(zip(mesh.axis_names, mesh.axis_types))
   size = math.prod(mesh.shape[a] for a in BATCH_AXES if a in kinds and kinds[a] != AxisType.Manual)
   return 1 if n is not None and n % size else size
+
+
+def batch_local(fn, args: tuple, batched: tuple, n: int, reduce: bool = False):
+  """fn(index, *args) on each device's rows of the batch, or fn(0, *args) without a batch-split mesh.
+
+  Under a mesh whose BATCH_AXES split the n rows (`batch_shards(n)` > 1): a shard_map over the mesh (every axis
+  manual); an argument with batched[i] is split over the batch axes on its leading axis (each device its contiguous
+  block of rows), the others are replicated (a sharded weight is gathered at the boundary); index is the device's
+  linear position along the batch axes (its block is the index-th). Outputs are split on their leading axis,
+  or, with reduce, summed over the devices (psum) and replicated. For work that must stay on a device's own
+  rows: a sort or a grouping of its tokens (the MoE dispatch), which the partitioner would otherwise gather.
+  """
+  shards = batch_shards(n)
+  if shards == 1:
+    return fn(0, *args)
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+
+  def local(*a):
+    out = fn(jax.lax.axis_index(axes), *a)
+    return jax.tree.map(lambda x: jax.lax.psum(x, axes), out) if reduce else out
+
+  specs = tuple(P(axes) if b else P() for b in batched)
+  out_specs = P() if reduce else P(axes)
+  # Every mesh axis manual (a partially manual shard_map inside the layer scan crashes XLA's partitioner); an
+  # argument not split over the batch axes is gathered whole on entry (the tensor axis included).
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 def tie(x: jax.Array, w):

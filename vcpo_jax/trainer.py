@@ -326,6 +326,7 @@ def _build_maker(spec, tokenizer, make_sampler, train_problems):
     **_buckets(spec),
     **spec.sampling.sampler_kwargs(),
     record_topk=spec.learner.method.record_topk,  # vcpo.score_centering='topk': the learner centers from this record
+    record_routing=spec.model_cfg.routing_replay,  # MoE routing replay: the learner replays this record
     # sampler.support_replay: the learner renormalises over each token's recorded support (single-turn rollouts)
     record_support=spec.sampling.replays_support and spec.multiturn is None,
   )

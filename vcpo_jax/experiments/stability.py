@@ -430,6 +430,8 @@ LATER_FIELDS = {
   ("vcpo", "sc_topk"): None,
   ("learner", "grad_telemetry"): True,
   ("model", "scan_layers"): True,  # the execution layout only: scanned and unrolled layers give equal results
+  ("model", "routing_replay"): False,  # MoE routing replay (h41): a dense model ignores it
+  ("model", "moe_matmul"): "ragged",  # the MoE experts' matmul implementation (h41): dense models have none
 }
 
 

@@ -1,4 +1,4 @@
-"""Architecture settings of the decoder-only policy (Qwen2/Qwen2.5, Qwen3 dense and Llama families).
+"""Architecture settings of the decoder-only policy (Qwen2/Qwen2.5, Qwen3 dense and MoE, and Llama families).
 
 `ModelConfig` is the one place architecture crosses into the model code. It is
 built from a Hugging Face `config.json` (read with transformers' config classes,
@@ -14,15 +14,25 @@ import os
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax.model.moe import GROUPED_MATMULS, MoESpec
 from vcpo_jax.model.rope import RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_ROPE = RopeScaling()  # plain RoPE (frozen, shared as the dataclass default)
 ATTENTION_IMPLEMENTATIONS = ("dense", "xla", "chunked", "cudnn", "splash")  # see vcpo_jax.model.attention
 # How the model is computed, not what it is: set from the run config for presets AND checkpoints
 # (a checkpoint's config.json gives the architecture, never these).
-EXECUTION_FIELDS = ("attention", "attention_chunk", "remat", "scan_layers", "logprob_chunk", "logprob_vocab_chunk")
+EXECUTION_FIELDS = (
+  "attention",
+  "attention_chunk",
+  "remat",
+  "scan_layers",
+  "logprob_chunk",
+  "logprob_vocab_chunk",
+  "routing_replay",
+  "moe_matmul",
+)
 REMAT_CHOICES = ("none", "block")
 # jax.checkpoint_policies that are policies themselves (the others are factories taking names).
 REMAT_POLICIES = (
@@ -78,6 +88,20 @@ class ModelConfig:
       and only the float32 adapters train.
     lora_alpha: LoRA's alpha; the adapter path is scaled by lora_alpha / lora_rank (PEFT's convention).
     lora_targets: the projections that get adapters, names from LORA_TARGETS (default: all seven).
+    num_experts: E, experts per MoE block (Qwen3-MoE); 0 = a dense model (every other MoE field unused).
+    num_experts_per_tok: K, experts each token is routed to.
+    moe_intermediate_size: each expert's SwiGLU width.
+    norm_topk_prob: the K gates are renormalised to sum to 1 (Qwen3-30B-A3B: True).
+    decoder_sparse_step, mlp_only_layers: which layers are MoE blocks (`MoESpec.is_sparse`, transformers'
+      rule). The layers run as one scan, so they must be all sparse (step 1, no mlp_only_layers) or all dense.
+    router_aux_loss_coef: weight of the router's load-balancing loss in the training loss (0 = off, RL's
+      default; transformers applies its 0.001 only with output_router_logits).
+    routing_replay: the learner's log-probs route each token through the experts the sampler recorded for it
+      (the Batch's expert_ids; R3, `moe` module docstring), gates from the learner's router; off (default),
+      or a dense model, or a batch without the record: the learner's own top-K. How the model is computed
+      (an execution field), but it changes the trajectory.
+    moe_matmul: the experts' grouped matmul (`moe.grouped_matmul`): "ragged" (jax.lax.ragged_dot, the default)
+      or "scan" (a scan over the experts: exact, E x the flops, a grouped GEMM's memory; for CPU sizing).
   """
 
   vocab_size: int
@@ -105,6 +129,15 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = LORA_TARGETS
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  router_aux_loss_coef: float = 0.0
+  routing_replay: bool = False
+  moe_matmul: str = "ragged"
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):  # from dataclasses.asdict (a saved config)
@@ -113,6 +146,7 @@ class ModelConfig:
       targets = self.lora_targets.split(",") if isinstance(self.lora_targets, str) else self.lora_targets
       object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets))
     self._check_lora()
+    self._check_moe()
     for name in (
       "vocab_size",
       "hidden_size",
@@ -160,6 +194,42 @@ class ModelConfig:
         f"ModelConfig.lora_targets={self.lora_targets!r}: give distinct names from {LORA_TARGETS} (unknown: {bad})."
       )
 
+  def _check_moe(self):
+    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+    if (self.model_type == "qwen3_moe") != (self.num_experts > 0):
+      raise ValueError(
+        f"ModelConfig.num_experts={self.num_experts} with model_type={self.model_type!r}: MoE blocks are "
+        "Qwen3-MoE's (model_type='qwen3_moe' iff num_experts > 0)."
+      )
+    spec = self.moe  # MoESpec validates K, the widths and the aux coef
+    if spec is not None:
+      sparse = spec.sparse_layers(self.num_layers)
+      if sparse and len(sparse) != self.num_layers:
+        raise ValueError(
+          f"ModelConfig: layers {sparse} of {self.num_layers} are MoE blocks (decoder_sparse_step="
+          f"{self.decoder_sparse_step}, mlp_only_layers={self.mlp_only_layers}); the layers run as one scan of "
+          "one block, so mixed dense/sparse stacks are not supported: make every layer sparse (Qwen3-MoE's default)."
+        )
+      if self.lora:
+        raise ValueError("ModelConfig: LoRA adapters on MoE models are not supported (set lora_rank=0).")
+    if self.moe_matmul not in GROUPED_MATMULS:
+      raise ValueError(f"ModelConfig.moe_matmul must be one of {GROUPED_MATMULS}, got {self.moe_matmul!r}.")
+
+  @property
+  def moe(self) -> MoESpec | None:
+    """The MoE fields as a `MoESpec` when num_experts > 0 (every layer an MoE block), else None (dense)."""
+    if self.num_experts <= 0:
+      return None
+    return MoESpec(
+      num_experts=self.num_experts,
+      num_experts_per_tok=self.num_experts_per_tok,
+      moe_intermediate_size=self.moe_intermediate_size,
+      norm_topk_prob=self.norm_topk_prob,
+      decoder_sparse_step=self.decoder_sparse_step,
+      mlp_only_layers=self.mlp_only_layers,
+      router_aux_loss_coef=self.router_aux_loss_coef,
+    )
+
   @property
   def lora(self) -> bool:
     """LoRA adapters on (lora_rank > 0): the base is frozen, only the adapters train."""
@@ -191,7 +261,10 @@ class ModelConfig:
     d, f, h, v = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
     q, kv = self.num_heads * h, self.num_kv_heads * h
     attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
-    block = attn + 3 * d * f + 2 * d + (2 * h if self.qk_norm else 0)
+    mlp = (
+      3 * d * f if self.moe is None else self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+    )
+    block = attn + mlp + 2 * d + (2 * h if self.qk_norm else 0)
     return v * d * (1 if self.tie_embeddings else 2) + self.num_layers * block + d
 
   @classmethod
@@ -213,7 +286,7 @@ class ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(
         f"Unsupported architecture model_type={model_type!r} in config.json; supported: "
-        f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5, Qwen3 dense and Llama families)."
+        f"{SUPPORTED_MODEL_TYPES} (Qwen2/Qwen2.5, Qwen3 dense and MoE, and Llama families)."
       )
     # transformers 5 keeps theta and the scaling in rope_parameters (legacy rope_scaling folded in)
     rope_params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
@@ -225,7 +298,7 @@ class ModelConfig:
     if rope_theta is None:
       rope_theta = rope_params.get("rope_theta", 10000.0)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if model_type in ("llama", "qwen3") and getattr(hf, "attention_bias", False):
+    if model_type in ("llama", "qwen3", "qwen3_moe") and getattr(hf, "attention_bias", False):
       raise ValueError(
         f"{model_type} checkpoints with attention_bias=True (biases on q/k/v/o) are not supported; "
         "set attention_bias=false."
@@ -244,13 +317,22 @@ class ModelConfig:
       rope_theta=float(rope_theta),
       rms_eps=float(hf.rms_norm_eps),
       qkv_bias=qkv_bias,
-      qk_norm=model_type == "qwen3",
+      qk_norm=model_type in ("qwen3", "qwen3_moe"),
       rope_scaling=rope_scaling,
       tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
       max_position=max_position,
       dtype=dtype,
       model_type=model_type,
+      **_moe_fields(hf),
     )
+
+
+def _moe_fields(hf) -> dict:
+  """ModelConfig's MoE fields of a transformers config (none for a dense one)."""
+  if getattr(hf, "model_type", None) != "qwen3_moe":
+    return {}
+  spec = MoESpec.from_hf(hf)
+  return {f.name: getattr(spec, f.name) for f in dataclasses.fields(MoESpec)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +354,8 @@ class ModelSection:
   lora_rank: int = ModelConfig.lora_rank  # LoRA adapters' rank r (0 = off: full fine-tuning); > 0 freezes the base
   lora_alpha: float = ModelConfig.lora_alpha  # LoRA alpha: the adapter path is scaled by alpha / r
   lora_targets: tuple | str = ModelConfig.lora_targets  # projections that get adapters (or "q_proj,v_proj")
+  routing_replay: bool = ModelConfig.routing_replay  # MoE: the learner replays the sampler's recorded experts
+  moe_matmul: str = ModelConfig.moe_matmul  # MoE grouped matmul: ragged (ragged_dot) | scan (CPU sizing stand-in)
   tokenizer: str = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
   # A checkpoint's architecture for sizing without weights (benchmarks/memory.py; a run reads the checkpoint's
   # config.json): only in the ConfigDict when a config file sets it, its keys ModelConfig's fields.
@@ -328,4 +412,23 @@ def tiny_qwen3(vocab_size: int = 256, **kw) -> ModelConfig:
   return tiny_qwen2(vocab_size, **{**qwen3, **kw})
 
 
-PRESETS = {"tiny_qwen2": tiny_qwen2, "tiny_qwen3": tiny_qwen3, "tiny_llama": tiny_llama}
+def tiny_qwen3_moe(vocab_size: int = 256, **kw) -> ModelConfig:
+  """A few-layer Qwen3-MoE config (tiny_qwen3's attention, untied; every layer 8 experts, 2 per token,
+  normalised top-k as Qwen3-30B-A3B) for tests."""
+  moe = dict(
+    model_type="qwen3_moe",
+    tie_embeddings=False,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+  )
+  return tiny_qwen3(vocab_size, **{**moe, **kw})
+
+
+PRESETS = {
+  "tiny_qwen2": tiny_qwen2,
+  "tiny_qwen3": tiny_qwen3,
+  "tiny_llama": tiny_llama,
+  "tiny_qwen3_moe": tiny_qwen3_moe,
+}

@@ -2,7 +2,7 @@
 
 Loading reads `config.json` with transformers' config classes (`ModelConfig.from_hf`)
 and the weights with the `safetensors` library into numpy: no torch at run time.
-Export writes `model.safetensors` + `config.json` (Qwen2Config / Qwen3Config / LlamaConfig) that
+Export writes `model.safetensors` + `config.json` (Qwen2Config / Qwen3Config / Qwen3MoeConfig / LlamaConfig) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
 Name mapping (HF torch Linear weights are [out, in]; our kernels are [in, out]; the decoder's blocks are
@@ -13,6 +13,9 @@ stacked, so model.layers.i.* is index i of our layers.* [L, ...]):
   model.layers.i.self_attn.{q,k}_norm.weight [H]    <-> layers.self_attn.{q,k}_norm.scale[i] (Qwen3)
   model.layers.i.mlp.{gate,up,down}_proj.weight     <-> layers.mlp.{gate,up,down}_proj.kernel[i] (transposed)
   model.layers.i.{input,post_attention}_layernorm.weight <-> layers.{...}_layernorm.scale[i]
+  model.layers.i.mlp.gate.weight [E, D]             <-> layers.mlp.gate.kernel[i] [D, E] (Qwen3-MoE router)
+  model.layers.i.mlp.experts.j.{gate,up,down}_proj.weight <-> layers.mlp.experts.{...}_proj[i, j] (transposed;
+                                                        save_pretrained writes experts unfused, one tensor each)
   model.norm.weight                                 <-> norm.scale
   lm_head.weight [V, D]                             <-> lm_head.kernel [D, V] (untied models only)
 Tied checkpoints may or may not store lm_head.weight; if they do it must equal the embedding.
@@ -43,7 +46,7 @@ from flax import nnx
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import lora
 from vcpo_jax.model import transformer as tf
-from vcpo_jax.model.config import EXECUTION_FIELDS, ModelConfig, tiny_llama, tiny_qwen2, tiny_qwen3
+from vcpo_jax.model.config import EXECUTION_FIELDS, ModelConfig, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that hold no parameters of the architecture (recomputed buffers).
@@ -57,10 +60,16 @@ class _Entry:
   path: Path
   transpose: bool  # HF [out, in] <-> our [in, out]
   layer: int | None = None  # a decoder block's tensor: index `layer` of the stacked parameter [L, ...]
+  expert: int | None = None  # an MoE expert's tensor: index [layer, expert] of the parameter [L, E, ...]
+
+  @property
+  def lead(self) -> int:
+    """Leading stacked axes of our parameter that the HF tensor indexes away (0, 1: layers, 2: + experts)."""
+    return 0 if self.layer is None else (1 if self.expert is None else 2)
 
   def shape(self, var) -> tuple[int, ...]:
-    """The HF tensor's shape, from our parameter `var` (its layer slice for a stacked one)."""
-    shape = tuple(var.shape)[1:] if self.layer is not None else tuple(var.shape)
+    """The HF tensor's shape, from our parameter `var` (its layer (and expert) slice for a stacked one)."""
+    shape = tuple(var.shape)[self.lead :]
     return shape[::-1] if self.transpose else shape
 
 
@@ -80,8 +89,14 @@ def hf_name_map(cfg: ModelConfig) -> dict[str, _Entry]:
     if cfg.qk_norm:
       for p in ("q_norm", "k_norm"):
         m[f"{hf}.self_attn.{p}.weight"] = _Entry(ours + ("self_attn", p, "scale"), False, i)
-    for p in ("gate_proj", "up_proj", "down_proj"):
-      m[f"{hf}.mlp.{p}.weight"] = _Entry(ours + ("mlp", p, "kernel"), True, i)
+    if cfg.moe is None:
+      for p in ("gate_proj", "up_proj", "down_proj"):
+        m[f"{hf}.mlp.{p}.weight"] = _Entry(ours + ("mlp", p, "kernel"), True, i)
+    else:  # Qwen3-MoE: the router and E experts per layer (experts layer-major, expert-minor: [L, E, ...])
+      m[f"{hf}.mlp.gate.weight"] = _Entry(ours + ("mlp", "gate", "kernel"), True, i)
+      for j in range(cfg.num_experts):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+          m[f"{hf}.mlp.experts.{j}.{p}.weight"] = _Entry(ours + ("mlp", "experts", p), True, i, j)
     for p in ("input_layernorm", "post_attention_layernorm"):
       m[f"{hf}.{p}.weight"] = _Entry(ours + (p, "scale"), False, i)
   if not cfg.tie_embeddings:
@@ -251,7 +266,8 @@ def params_from_hf(
   flat = []
   for path, parts in arrays.items():
     stacked = path[0] == "layers"
-    flat.append((path, abstract[path].replace(jnp.asarray(np.stack(parts) if stacked else parts[0]))))
+    value = np.stack(parts).reshape(abstract[path].shape) if stacked else parts[0]  # [L (, E), ...]
+    flat.append((path, abstract[path].replace(jnp.asarray(value))))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -317,13 +333,20 @@ def _blocks(sharding, shape: tuple[int, ...], addressable: bool = True) -> list[
 
 def _read_block(reader: _Reader, names: list[str], dtypes: Mapping[str, str], entries: list[_Entry], index=None):
   """Block `index` (our layout) of one parameter: a single tensor's, or for a stacked parameter (names: its
-  layers' HF tensors, in order) the layer slice index[0] of those tensors' blocks index[1:], stacked."""
-  if entries[0].layer is None:
+  layers' HF tensors, in order; an expert parameter's: layer-major, expert-minor) the slice of the leading
+  stacked axes index[:lead] of those tensors' blocks index[lead:], stacked."""
+  lead = entries[0].lead
+  if lead == 0:
     return reader.read(names[0], dtypes[names[0]], index, transpose=entries[0].transpose)
-  index = tuple(index) if index is not None else (slice(None),)
-  rest = index[1:] or None
-  layers = range(*index[0].indices(len(names)))
-  return np.stack([reader.read(names[i], dtypes[names[i]], rest, transpose=entries[i].transpose) for i in layers])
+  n_exp = len(names) // (entries[-1].layer + 1) if lead == 2 else 1
+  index = tuple(index) if index is not None else ()
+  index = index + (slice(None),) * (lead - len(index))
+  rest = index[lead:] or None
+  layers = range(*index[0].indices(len(names) // n_exp))
+  experts = range(*index[1].indices(n_exp)) if lead == 2 else [0]
+  read = lambda i: reader.read(names[i], dtypes[names[i]], rest, transpose=entries[i].transpose)
+  out = np.stack([np.stack([read(li * n_exp + e) for e in experts]) for li in layers])
+  return out if lead == 2 else out[:, 0]
 
 
 def _place(reader: _Reader, names: list[str], dtypes, entries: list[_Entry], var, sharding) -> jax.Array:
@@ -434,7 +457,7 @@ def _check_supported(checkpoint_dir: str) -> None:
     raw = json.load(f)
   if raw.get("use_sliding_window"):
     raise ValueError(f"{path}: use_sliding_window=true is not supported (full attention only).")
-  if raw.get("model_type") in ("llama", "qwen3") and raw.get("attention_bias"):
+  if raw.get("model_type") in ("llama", "qwen3", "qwen3_moe") and raw.get("attention_bias"):
     raise ValueError(
       f"{path}: {raw['model_type']} attention_bias=true (biases on q/k/v and o_proj) is not "
       "supported; only Qwen2-style q/k/v biases are."
@@ -489,12 +512,13 @@ def params_to_hf(model_or_params, cfg: ModelConfig) -> dict[str, np.ndarray]:
         f"Parameter {'.'.join(map(str, e.path))} has shape {arr.shape}, cfg implies {tuple(abstract[e.path].shape)}."
       )
     arr = arr[e.layer] if e.layer is not None else arr  # a block's tensor: its layer of the stacked parameter
+    arr = arr[e.expert] if e.expert is not None else arr  # an expert's: its slot of the layer's [E, ...]
     out[name] = np.ascontiguousarray(arr.T if e.transpose else arr)
   return out
 
 
 def hf_config(cfg: ModelConfig, tokenizer=None):
-  """A transformers Qwen2Config / Qwen3Config / LlamaConfig describing `cfg` (float32 weights)."""
+  """A transformers Qwen2Config / Qwen3Config / Qwen3MoeConfig / LlamaConfig describing `cfg` (float32 weights)."""
   import transformers
 
   common = dict(
@@ -519,12 +543,30 @@ def hf_config(cfg: ModelConfig, tokenizer=None):
     common.update(
       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-  if (cfg.model_type == "qwen3") != cfg.qk_norm:
+  if (cfg.model_type in ("qwen3", "qwen3_moe")) != cfg.qk_norm:
     raise ValueError(
       f"ModelConfig.qk_norm={cfg.qk_norm} cannot be exported as model_type={cfg.model_type!r} "
       "(HF Qwen3 always has q/k norms, Qwen2 and Llama never); set model_type='qwen3' iff qk_norm."
     )
-  if cfg.model_type == "qwen3":
+  if cfg.model_type == "qwen3_moe":
+    if cfg.qkv_bias:
+      raise ValueError("ModelConfig.qkv_bias=True cannot be exported as model_type='qwen3_moe'.")
+    spec = cfg.moe
+    hf = transformers.Qwen3MoeConfig(
+      attention_bias=False,
+      use_sliding_window=False,
+      num_experts=spec.num_experts,
+      num_experts_per_tok=spec.num_experts_per_tok,
+      moe_intermediate_size=spec.moe_intermediate_size,
+      norm_topk_prob=spec.norm_topk_prob,
+      decoder_sparse_step=spec.decoder_sparse_step,
+      mlp_only_layers=list(spec.mlp_only_layers),
+      output_router_logits=spec.router_aux_loss_coef > 0,
+      router_aux_loss_coef=spec.router_aux_loss_coef or 0.001,
+      **common,
+    )
+    hf.architectures = ["Qwen3MoeForCausalLM"]
+  elif cfg.model_type == "qwen3":
     if cfg.qkv_bias:
       raise ValueError("ModelConfig.qkv_bias=True cannot be exported as model_type='qwen3'; use 'qwen2'.")
     hf = transformers.Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
@@ -644,8 +686,8 @@ def make_tiny_checkpoint(
 
   Args:
     out_dir: where to write config.json, model.safetensors and tokenizer files.
-    family: "qwen2" (GQA, q/k/v bias, tied), "qwen3" (q/k norms, no bias, tied) or "llama"
-      (untied, no bias); the `tiny_qwen2` / `tiny_qwen3` / `tiny_llama` presets.
+    family: "qwen2" (GQA, q/k/v bias, tied), "qwen3" (q/k norms, no bias, tied), "qwen3_moe" (Qwen3's
+      attention, 8 experts, 2 per token, untied) or "llama" (untied, no bias); the `tiny_*` presets.
     vocab_size: defaults to the tokenizer's size (len(tokenizer)), or 256 without one.
     seed: numpy seed of the init (N(0, 0.02^2) weights, zero biases, unit scales,
       as `Transformer` initializes them).
@@ -657,7 +699,7 @@ def make_tiny_checkpoint(
   """
   from vcpo_jax.model.tokenizer import build_char_tokenizer
 
-  presets = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "llama": tiny_llama}
+  presets = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe, "llama": tiny_llama}
   if family not in presets:
     raise ValueError(f"family must be one of {sorted(presets)}, got {family!r}.")
   tok = build_char_tokenizer() if tokenizer else None

@@ -35,6 +35,8 @@ and whose output [R, Dout] is the matmul's output before the gate (so D already 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import NamedTuple
 
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vcpo_jax import sharding as sh
 from vcpo_jax.model.taps import TapInfo, tap
 
 
@@ -95,8 +98,8 @@ class MoESpec:
 
 
 # A tiny Qwen3-MoE for CPU tests: `ModelConfig` fields (tiny_qwen3's shape, 2 layers) plus "moe", a MoESpec
-# (every layer sparse, 8 experts, 2 per token, normalised top-k as Qwen3-30B-A3B). The integration builds
-# `config.tiny_qwen3(**{k: v for k, v in TINY_QWEN3_MOE.items() if k != "moe"})` with the spec attached.
+# (every layer sparse, 8 experts, 2 per token, normalised top-k as Qwen3-30B-A3B): the same model as
+# `config.tiny_qwen3_moe()`, whose ModelConfig carries the spec's fields flat.
 TINY_QWEN3_MOE = {
   "hidden_size": 64,
   "intermediate_size": 128,  # the dense MLP of mlp_only_layers (none here)
@@ -113,6 +116,45 @@ TINY_QWEN3_MOE = {
 
 
 # ----------------------------------------------------------------------------- routing
+
+
+@dataclasses.dataclass
+class RoutingRecord:
+  """What a model forward's MoE layers replay and what they chose (the routing hook of `routing`).
+
+  recorded: [L, B, T, K] int expert ids to replay (None: every token takes its own top-K).
+  replay: [B, T] bool, the tokens that replay (None: all of them when recorded is given).
+  expert_ids: after the forward, the experts each layer used, [L, B, T, K] int32 (the recorded ones where
+    replayed); router_logits: [L, B, T, E] float32 (for the load-balancing loss and the mismatch metric).
+  """
+
+  recorded: jax.Array | None = None
+  replay: jax.Array | None = None
+  expert_ids: jax.Array | None = None
+  router_logits: jax.Array | None = None
+
+
+_ROUTING: contextvars.ContextVar[RoutingRecord | None] = contextvars.ContextVar("vcpo_moe_routing", default=None)
+
+
+@contextlib.contextmanager
+def routing(recorded=None, replay=None):
+  """Within this context a model forward replays `recorded` (see RoutingRecord) and reports its routing.
+
+  Read at trace time (as `taps.recording`): wrap the traced call, and return the record's arrays from it.
+  A dense model ignores the context (expert_ids stays None).
+  """
+  rec = RoutingRecord(recorded, replay)
+  token = _ROUTING.set(rec)
+  try:
+    yield rec
+  finally:
+    _ROUTING.reset(token)
+
+
+def active_routing() -> RoutingRecord | None:
+  """The RoutingRecord of the enclosing `routing` context, or None."""
+  return _ROUTING.get()
 
 
 class Routing(NamedTuple):
@@ -172,29 +214,73 @@ def combine(out_rd: jax.Array, gates_mk: jax.Array, disp: Dispatch) -> jax.Array
   return jnp.einsum("mkd,mk->md", out_mkd, gates_mk.astype(out_rd.dtype))
 
 
-def _grouped(name: str | None, a_ri, w_eio, disp: Dispatch, example_r, dtype):
-  """rows a_ri [R, Din] @ their expert's w [E, Din, Dout] by one ragged_dot, [R, Dout]; tapped if named."""
-  y = jax.lax.ragged_dot(a_ri, w_eio.astype(dtype), disp.group_sizes_e)
-  if name is None:
-    return y
-  return tap(name, TapInfo("expert", name), {"a": a_ri, "expert": disp.expert_r, "example": example_r}, y)
+GROUPED_MATMULS = ("ragged", "scan")
 
 
-def experts_forward(x_md, gate_edf, up_edf, down_efd, routing: Routing, *, dtype=None, name=None, tokens_per_example=0):
+def group_bounds(group_sizes_g) -> tuple[jax.Array, jax.Array]:
+  """(start, end) [G] int32 of each group's consecutive rows."""
+  ends = jnp.cumsum(group_sizes_g.astype(jnp.int32))
+  return ends - group_sizes_g.astype(jnp.int32), ends
+
+
+def grouped_matmul(a_ri, w_eio, group_sizes_e, impl: str = "ragged") -> jax.Array:
+  """y_r = a_r @ w_{e_r} for rows sorted by expert (expert e: group_sizes_e[e] consecutive rows), [R, Dout].
+
+  "ragged": one `jax.lax.ragged_dot`, a grouped GEMM on TPU / GPU (XLA:CPU expands it into a masked dense product
+  over [R, E Din] values). "scan": a lax.scan over the experts, every row times W_e, kept on expert e's rows:
+  exact on any backend at E times the flops, with a grouped GEMM's memory (one [R, Dout] product at a time); the
+  stand-in benchmarks/memory.py compiles on fake CPU devices (ModelConfig.moe_matmul).
+  """
+  if impl == "ragged":
+    return jax.lax.ragged_dot(a_ri, w_eio, group_sizes_e)
+  if impl != "scan":
+    raise ValueError(f"grouped matmul impl {impl!r}: choose one of {GROUPED_MATMULS}.")
+  rows = jnp.arange(a_ri.shape[0], dtype=jnp.int32)[:, None]
+  starts, ends = group_bounds(group_sizes_e)
+
+  def body(y, x):
+    w, lo, hi = x
+    return y + jnp.where((rows >= lo) & (rows < hi), a_ri @ w, 0).astype(y.dtype), None
+
+  y0 = jnp.zeros((a_ri.shape[0], w_eio.shape[-1]), jnp.result_type(a_ri, w_eio))
+  return jax.lax.scan(body, y0, (w_eio, starts, ends))[0]
+
+
+def experts_forward(
+  x_md, gate_edf, up_edf, down_efd, routing: Routing, *, dtype=None, name=None, tokens_per_example=0, impl="ragged"
+):
   """The experts' weighted sum y [M, D] for the given routing (see the module docstring).
 
   name: tap the three matmuls as "{name}.gate_proj" / "up_proj" / "down_proj" (kind "expert"), with
   example_r = token_r // tokens_per_example (the row's sequence, tokens flattened from [B, T]).
+  impl: the grouped matmul (`grouped_matmul`).
+
+  Under a mesh that splits the tokens' batch, every device dispatches its own tokens (`sharding.batch_local`: a
+  sort of its M / shards tokens and grouped matmuls over its rows; a global sort would gather every token on
+  every device): the rows are then device-major, expert-sorted within each device's block.
   """
   dtype = dtype or x_md.dtype
-  disp = dispatch(routing.expert_ids_mk, gate_edf.shape[0])
-  example_r = disp.token_r // max(tokens_per_example, 1)
-  nm = (lambda w: None) if name is None else (lambda w: f"{name}.{w}")
-  x_rd = x_md.astype(dtype)[disp.token_r]
-  h = jax.nn.silu(_grouped(nm("gate_proj"), x_rd, gate_edf, disp, example_r, dtype))
-  h = h * _grouped(nm("up_proj"), x_rd, up_edf, disp, example_r, dtype)
-  out_rd = _grouped(nm("down_proj"), h, down_efd, disp, example_r, dtype)
-  return combine(out_rd, routing.gates_mk.astype(dtype), disp)
+  m, e = x_md.shape[0], gate_edf.shape[0]
+  local = lambda fn, args, batched: sh.batch_local(fn, args, batched, m)
+
+  def dispatch_local(index, x, ids):  # this device's tokens sorted by expert; example ids of the whole batch
+    disp = dispatch(ids, e)
+    example = (index * x.shape[0] + disp.token_r) // max(tokens_per_example, 1)
+    return x[disp.token_r], disp.order_r, disp.expert_r, disp.group_sizes_e[None], example
+
+  x_rd, order_r, expert_r, sizes, example_r = local(dispatch_local, (x_md.astype(dtype), routing.expert_ids_mk), (1, 1))
+
+  def grouped(which, a_rd, w):
+    y = local(lambda _, a, s, w: grouped_matmul(a, w, s[0], impl), (a_rd, sizes, w.astype(dtype)), (1, 1, 0))
+    if name is None:
+      return y
+    tname = f"{name}.{which}"
+    return tap(tname, TapInfo("expert", tname, spec=impl), {"a": a_rd, "expert": expert_r, "example": example_r}, y)
+
+  h = jax.nn.silu(grouped("gate_proj", x_rd, gate_edf)) * grouped("up_proj", x_rd, up_edf)
+  out_rd = grouped("down_proj", h, down_efd)
+  combine_local = lambda _, out, g, order: combine(out, g, Dispatch(order, None, None, None))
+  return local(combine_local, (out_rd, routing.gates_mk.astype(dtype), order_r), (1, 1, 1))
 
 
 class MoEOutput(NamedTuple):
@@ -296,10 +382,10 @@ class MoEBlock(nnx.Module):
   TapInfo.param is the parameter's own path.
   """
 
-  def __init__(self, d: int, spec: MoESpec, *, name: str, dtype, rngs: nnx.Rngs):
+  def __init__(self, d: int, spec: MoESpec, *, name: str, dtype, rngs: nnx.Rngs, matmul: str = "ragged"):
     self.gate = Router(d, spec.num_experts, rngs)
     self.experts = Experts(spec.num_experts, d, spec.moe_intermediate_size, rngs)
-    self.name, self.dtype = name, dtype
+    self.name, self.dtype, self.matmul = name, dtype, matmul
     self.top_k, self.norm_topk_prob = spec.num_experts_per_tok, spec.norm_topk_prob
 
   def __call__(self, x_btd, recorded=None, replay=None) -> MoEOutput:
@@ -320,6 +406,7 @@ class MoEBlock(nnx.Module):
       dtype=self.dtype,
       name=f"{self.name}.experts",
       tokens_per_example=t,
+      impl=self.matmul,
     )
     ids = routing.expert_ids_mk.reshape(b, t, self.top_k)
     return MoEOutput(y.reshape(b, t, d), logits.astype(jnp.float32), ids)

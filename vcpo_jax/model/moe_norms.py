@@ -26,15 +26,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax.model.moe import group_bounds
+
 _F32 = jnp.float32
 _RAGGED_CONTRACT = jax.lax.RaggedDotDimensionNumbers(
   dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
 )  # [R, Din] x [R, Dout] -> [G, Din, Dout]: one a^T d per group of consecutive rows
 
 
-def _grouped_outer(a_ri, d_ro, group_sizes_g) -> jax.Array:
-  """sum_{r in group g} a_r^T d_r for consecutive row groups, [G, Din, Dout] float32."""
-  return jax.lax.ragged_dot_general(a_ri, d_ro, group_sizes_g, _RAGGED_CONTRACT, preferred_element_type=_F32)
+def _grouped_outer(a_ri, d_ro, group_sizes_g, impl: str = "ragged") -> jax.Array:
+  """sum_{r in group g} a_r^T d_r for consecutive row groups, [G, Din, Dout] float32.
+
+  impl: "ragged", one ragged_dot_general; "scan", one masked contraction per group (lax.map: the memory of
+  one [Din, Dout] at a time; `moe.grouped_matmul`'s CPU-sizing stand-in)."""
+  if impl == "ragged":
+    return jax.lax.ragged_dot_general(a_ri, d_ro, group_sizes_g, _RAGGED_CONTRACT, preferred_element_type=_F32)
+  rows = jnp.arange(a_ri.shape[0], dtype=jnp.int32)[:, None]
+
+  def one(bounds):
+    lo, hi = bounds
+    return jnp.einsum("ri,ro->io", jnp.where((rows >= lo) & (rows < hi), a_ri, 0), d_ro, preferred_element_type=_F32)
+
+  return jax.lax.map(one, group_bounds(group_sizes_g))
 
 
 def _by_example(x, example_r, n: int):
@@ -47,7 +60,7 @@ def _by_example(x, example_r, n: int):
 
 
 def expert_sq_norms(
-  a_ri, d_ro, expert_r, example_r, *, n: int, num_experts: int, method: str = "gram", block: int = 0
+  a_ri, d_ro, expert_r, example_r, *, n: int, num_experts: int, method: str = "gram", block: int = 0, impl="ragged"
 ) -> jax.Array:
   """S_n = sum_e ||G_{n,e}||_F^2 of one expert matmul's weights [E, Din, Dout], [N] float32.
 
@@ -56,6 +69,7 @@ def expert_sq_norms(
     expert_r, example_r: [R] int, each row's expert and example (0 <= example < n, R / n rows each).
     method: "gram" (sum_{r,s} [e_r = e_s] (a_r . a_s)(d_r . d_s) per example) or "direct" (form G_{n,e}).
     block: "direct": examples per step of a lax.map (0 = all at once); must divide n.
+    impl: the grouped contraction of "direct" (`_grouped_outer`).
   """
   rows = _by_example({"a": a_ri.astype(_F32), "d": d_ro.astype(_F32), "e": expert_r.astype(jnp.int32)}, example_r, n)
   if method == "gram":
@@ -73,19 +87,20 @@ def expert_sq_norms(
     key = (jnp.arange(b, dtype=jnp.int32)[:, None] * num_experts + x["e"]).reshape(-1)
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=b * num_experts).astype(jnp.int32)
-    g = _grouped_outer(x["a"].reshape(-1, x["a"].shape[-1])[order], x["d"].reshape(-1, x["d"].shape[-1])[order], sizes)
+    a, d = x["a"].reshape(-1, x["a"].shape[-1])[order], x["d"].reshape(-1, x["d"].shape[-1])[order]
+    g = _grouped_outer(a, d, sizes, impl)
     return jnp.sum(g * g, axis=(1, 2)).reshape(b, num_experts).sum(-1)
 
   blocks = jax.tree.map(lambda v: v.reshape(n // b, b, *v.shape[1:]), rows)
   return jax.lax.map(one_block, blocks).reshape(n)
 
 
-def expert_weighted_grad(a_ri, d_ro, expert_r, example_r, w_n, *, num_experts: int) -> jax.Array:
+def expert_weighted_grad(a_ri, d_ro, expert_r, example_r, w_n, *, num_experts: int, impl="ragged") -> jax.Array:
   """sum_n w_n G_{n,e} = sum_r w_{n_r} a_r^T d_r for every expert: the update of [E, Din, Dout], float32."""
   order = jnp.argsort(expert_r, stable=True)
   sizes = jnp.bincount(expert_r.astype(jnp.int32), length=num_experts).astype(jnp.int32)
   d_w = d_ro.astype(_F32) * jnp.asarray(w_n, _F32)[example_r][:, None]
-  return _grouped_outer(a_ri.astype(_F32)[order], d_w[order], sizes)
+  return _grouped_outer(a_ri.astype(_F32)[order], d_w[order], sizes, impl)
 
 
 def linear_sq_norms(a_nti, d_nto) -> jax.Array:

@@ -17,6 +17,8 @@ Tap kinds (what A is, and which parameter the pair (A, D) belongs to):
   "linear":  Y = A @ kernel (+ bias); A [B, T, Din], D [B, T, Dout].
   "embed":   Y = embedding[A]; A int32 token ids [B, T], D [B, T, D].
   "scale":   Y = A * scale (RMSNorm); A = normalized input [B, T, D], D [B, T, D].
+  "expert":  an MoE expert matmul (`vcpo_jax.model.moe`), rows r of the expert-sorted layout y_r = a_r W_{e_r};
+             A = {"a": [R, Din], "expert": [R] int32, "example": [R] int32}, D [R, Dout] (`model.moe_norms`).
   "head":    logp = log-softmax(A @ W)[next token], the (chunked) LM head and its log-probs
              (`vcpo_jax.model.logprobs`); W = lm_head.kernel [D, V] or the tied embedding [V, D].
              No perturbation: its output gradient D = dlogp/dlogits = e_y - softmax would be
@@ -45,18 +47,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
 class TapInfo:
-  kind: str  # "linear" | "embed" | "scale" | "head"
+  kind: str  # "linear" | "embed" | "scale" | "head" | "expert"
   param: str  # dotted path of the parameter's module, e.g. "layers.mlp.up_proj" (stacked over layers)
   has_bias: bool = False
   spec: Any = None  # "head": its logprobs.HeadSpec (tied or not, chunking, dtype)
   layers: int = 0  # > 0: a tap inside the scanned blocks, A and D stacked [L, ...] (the parameter [L, ...] too)
 
 
-SINK_KINDS = ("linear", "scale")  # the tap kinds a Sink absorbs
+SINK_KINDS = ("linear", "scale", "expert")  # the tap kinds a Sink absorbs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +110,14 @@ def _record(tape: Tape, name: str, info: TapInfo, a: Any, keep: bool = True) -> 
   tape.info[name] = info
 
 
-def _sink(norm, name: str, info: TapInfo, a: jax.Array, y: jax.Array, s: jax.Array) -> jax.Array:
+def _zero_cotangent(x):
+  """The zero cotangent of x: zeros of its dtype, float0 for integers (an expert tap's ids)."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _sink(norm, name: str, info: TapInfo, a: Any, y: jax.Array, s: jax.Array) -> jax.Array:
   """y, with the backward rule dL/ds += norm(name, info, a, dL/dy) (and dL/da += 0: y does not depend on a)."""
 
   @jax.custom_vjp
@@ -119,7 +129,7 @@ def _sink(norm, name: str, info: TapInfo, a: jax.Array, y: jax.Array, s: jax.Arr
 
   def bwd(res, dy):
     a, s = res
-    return dy, jnp.zeros_like(a), norm(name, info, a, dy).astype(s.dtype)
+    return dy, jax.tree.map(_zero_cotangent, a), norm(name, info, a, dy).astype(s.dtype)
 
   f.defvjp(fwd, bwd)
   return f(y, a, s)

@@ -1,4 +1,4 @@
-"""Decoder-only transformer policy in Flax NNX (Qwen2/Qwen2.5, Qwen3 dense and Llama families).
+"""Decoder-only transformer policy in Flax NNX (Qwen2/Qwen2.5, Qwen3 dense and MoE, and Llama families).
 
 Shape legend: B batch, T query tokens, S key tokens (T without a cache, the cache
 length with one), D model width, F MLP width, N query heads, K key/value heads,
@@ -9,6 +9,10 @@ Module and parameter names mirror the Hugging Face checkpoints, with the decoder
 parameter has a leading layer axis L and the blocks run as one scan, `_run_layers`), with kernels
 stored [in, out] (the transpose of torch's [out, in]).
 
+Qwen3-MoE (cfg.moe set): every layer's `mlp` is a `moe.MoEBlock` (parameters `layers.mlp.gate.kernel`
+[L, D, E], `layers.mlp.experts.{gate,up,down}_proj` [L, E, D, F] / [L, E, F, D]) inside the same scan;
+a `moe.routing` context replays recorded experts and reports each layer's routing.
+
 The functional entry points (`forward`, `token_logprobs`, `sequence_logprobs`)
 take (graphdef, params) so that they can be jitted, vmapped and sharded like
 any pure JAX function; see `split`.
@@ -16,6 +20,7 @@ any pure JAX function; see `split`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -25,7 +30,7 @@ from flax import nnx
 
 from vcpo_jax import sharding as sh
 from vcpo_jax.model import attention as attn
-from vcpo_jax.model import logprobs, quant, support, taps
+from vcpo_jax.model import logprobs, moe, quant, support, taps
 from vcpo_jax.model import rope as rope_lib
 from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.model.taps import TapInfo, forbid, tap, tap_head
@@ -245,13 +250,27 @@ class Block(nnx.Module):
     self.post_attention_layernorm = RMSNorm(
       cfg.hidden_size, cfg.rms_eps, name=f"{name}.post_attention_layernorm", dtype=dt, frozen=cfg.lora
     )
-    self.mlp = MLP(cfg, name=f"{name}.mlp", rngs=rngs)
+    spec = cfg.moe
+    if spec is None:
+      self.mlp = MLP(cfg, name=f"{name}.mlp", rngs=rngs)
+    else:
+      self.mlp = moe.MoEBlock(cfg.hidden_size, spec, name=f"{name}.mlp", dtype=dt, rngs=rngs, matmul=cfg.moe_matmul)
+    self.sparse = spec is not None
 
-  def __call__(self, x, positions_bt, mask, cache, cache_index, layer=None):
+  def __call__(self, x, positions_bt, mask, cache, cache_index, layer=None, recorded=None, replay=None):
+    """(x, cache, routing): routing is None for a dense block, else (expert_ids [B, T, K], router_logits
+    [B, T, E]) of its MoE block, which replays `recorded` [B, T, K] where `replay` [B, T] (moe.MoEBlock).
+    cache, layer: the stacked cache and this block's layer in it (Attention)."""
     a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask, cache, cache_index, layer)
     x = sh.constrain(x + a, sh.RESIDUAL_BTD)
-    x = x + self.mlp(self.post_attention_layernorm(x))
-    return sh.constrain(x, sh.RESIDUAL_BTD), cache
+    h = self.post_attention_layernorm(x)
+    if self.sparse:
+      out = self.mlp(h, recorded, replay)
+      y, routed = out.y, (out.expert_ids, out.router_logits)
+    else:
+      y, routed = self.mlp(h), None
+    x = x + y
+    return sh.constrain(x, sh.RESIDUAL_BTD), cache, routed
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -302,20 +321,24 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
     perts = {k: v for k, v in tape.perturbations.items() if k.startswith(layers.name + ".")}
   sink_s = None if tape is None or tape.sink is None else tape.sink.s
   meta = {}
+  # MoE routing hook (moe.routing): the recorded experts go in per layer, each layer's routing comes out.
+  routing = moe.active_routing() if cfg.moe is not None else None
+  recorded = None if routing is None else routing.recorded
+  replay = None if routing is None else routing.replay
 
-  def run(state, x, perts, sink_s, cache, layer):
+  def run(state, x, perts, sink_s, cache, layer, rec):
     block = nnx.merge(graphdef, state)
     if tape is None:
-      y, c = block(x, positions_bt, mask, cache, cache_index, layer)
-      return y, c, []
+      y, c, routed = block(x, positions_bt, mask, cache, cache_index, layer, rec, replay)
+      return y, c, routed, []
     sink = None if sink_s is None else taps.Sink(sink_s, tape.sink.norm)
     with taps.recording(perts, sink) as inner:
-      y, c = block(x, positions_bt, mask, cache, cache_index, layer)
+      y, c, routed = block(x, positions_bt, mask, cache, cache_index, layer, rec, replay)
     # Each distinct input once (q / k / v share theirs, as do gate / up): one stacked output per array.
     uniq = {id(a): a for a in inner.inputs.values()}
     slot = {name: list(uniq).index(id(a)) for name, a in inner.inputs.items()}
     meta.update(info=dict(inner.info), out_shapes=dict(inner.out_shapes), slot=slot)  # static metadata only
-    return y, c, list(uniq.values())
+    return y, c, routed, list(uniq.values())
 
   policy = cfg.remat_policy
   if cache is None and policy is not None:
@@ -326,12 +349,15 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
   # cache once more per call: ~5 cache-sized copies per decode step, more memory traffic than the weights.
   def step(carry, xs):
     x, cache = carry
-    state_l, perts_l, layer = xs
-    y, cache, inputs = run(state_l, x, perts_l, sink_s, cache, layer)
-    return (y, cache), inputs
+    state_l, perts_l, layer, rec_l = xs
+    y, cache, routed, inputs = run(state_l, x, perts_l, sink_s, cache, layer, rec_l)
+    return (y, cache), (routed, inputs)
 
   layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-  (x, new_cache), inputs = _loop(step, (x, cache), (state, perts, layer_ids), cfg.scan_layers)
+  xs = (state, perts, layer_ids, recorded)
+  (x, new_cache), (routed, inputs) = _loop(step, (x, cache), xs, cfg.scan_layers)
+  if routing is not None:
+    routing.expert_ids, routing.router_logits = routed  # [L, B, T, K], [L, B, T, E]
   if tape is not None:
     n = cfg.num_layers
     # The tapped inputs first (sorted names, as the unrolled step recorded them), then the sunk taps.
@@ -456,12 +482,33 @@ def token_logprobs(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
   return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
-def sequence_logprobs(graphdef, params, tokens_bt, valid_bt, support_thr=None):
+def sequence_logprobs(graphdef, params, tokens_bt, valid_bt, support_thr=None, expert_ids=None):
   """Per-token log-probs [B, T] of full sequences (prompt + response) under the policy.
 
   Equals token_logprobs(forward(...)[0], tokens_bt) (to float32 rounding when chunked), without
-  the [B, T, V] logits: see Transformer.head_logprobs (support_thr [B, R]: support replay)."""
+  the [B, T, V] logits: see Transformer.head_logprobs (support_thr [B, R]: support replay).
+
+  expert_ids: an MoE model's routing record on the token columns [B, T, L K] int (the Batch's response-column
+  record placed by batch.at_token_columns, `replay_routing`), replayed when cfg.routing_replay; ignored
+  otherwise."""
   positions, mask = padded_positions_and_mask(valid_bt)
   model = nnx.merge(graphdef, params)
-  h, _ = model(tokens_bt, positions, mask, hidden=True)
+  with replay_routing(model.cfg, expert_ids):
+    h, _ = model(tokens_bt, positions, mask, hidden=True)
   return model.head_logprobs(h, tokens_bt, support_thr)
+
+
+def replay_routing(cfg: ModelConfig, expert_ids, force: bool | None = None):
+  """The `moe.routing` context replaying a routing record, or a null context (dense, off, no record).
+
+  expert_ids: [B, T, L K] int on the token columns (batch.at_token_columns of Batch.expert_ids [B, R, L K]),
+  column t: the experts token t went through in each MoE layer as the sampler ran it (layer-major, K per
+  layer), -1 where nothing was recorded (prompt columns, the last response token): those tokens take their own
+  top-K. force: replay (True) or not (False) whatever cfg.routing_replay says.
+  """
+  on = cfg.routing_replay if force is None else force
+  if cfg.moe is None or expert_ids is None or not on:
+    return contextlib.nullcontext()
+  b, t, _ = expert_ids.shape
+  rec = jnp.moveaxis(expert_ids.reshape(b, t, cfg.num_layers, cfg.num_experts_per_tok), 2, 0)  # [L, B, T, K]
+  return moe.routing(rec.astype(jnp.int32), rec[0, :, :, 0] >= 0)

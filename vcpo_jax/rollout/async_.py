@@ -193,7 +193,7 @@ from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.param_slot import ParamSlot
 from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
 from vcpo_jax.rollout.publish import background_for, snapshot_leaf  # noqa: F401 (re-exported)
-from vcpo_jax.sampler import DECODE_MODES, SamplerConfig
+from vcpo_jax.sampler import DECODE_MODES, SamplerConfig, routing_width
 from vcpo_jax.schema import ConfigError, check_field, config_message, finite
 
 _POLL_S = 0.25  # learner-side wait slice: between slices it checks interrupt(), the worker and the deadline
@@ -208,11 +208,11 @@ class SamplerDiedError(SourceFailed):
   """The async sampler process exited while the learner depended on it."""
 
 
-def batch_schema(n: int, t: int, k: int = 0, r: int = 0, support: bool = False) -> BatchSchema:
+def batch_schema(n: int, t: int, k: int = 0, r: int = 0, support: bool = False, e: int = 0) -> BatchSchema:
   """The queue schema of one rollout Batch (vcpo_jax/batch.py): N rows, T columns (and the sampler's per-token
   records over the R response columns: K top-k ids, SamplerConfig.record_topk; the kept support,
-  SamplerConfig.record_support), fixed shapes."""
-  fields = batch_lib.schema(n, t, k, r, support)
+  SamplerConfig.record_support; E routing entries, sampler.routing_width), fixed shapes."""
+  fields = batch_lib.schema(n, t, k, r, support, e)
   return BatchSchema({f: Field(dtype, shape) for f, (dtype, shape) in fields.items()}, {})
 
 
@@ -220,7 +220,8 @@ def maker_schema(maker, n: int) -> BatchSchema:
   """`batch_schema` of n rows of the maker's batches: its T columns and its training sampler's records."""
   cfg, scfg = maker.cfg, maker.sampler.cfg
   t, r = cfg.max_prompt_len + cfg.max_new_tokens, cfg.max_new_tokens
-  return batch_schema(n, t, int(scfg.record_topk), r, bool(scfg.record_support))
+  e = routing_width(maker.sampler.cfg_model, scfg)  # the MoE routing record's entries per token (0: none)
+  return batch_schema(n, t, int(scfg.record_topk), r, bool(scfg.record_support), e=e)
 
 
 def token_lag_stats(step: int, token_version: np.ndarray) -> dict:

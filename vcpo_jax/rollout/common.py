@@ -129,13 +129,18 @@ def _pad_to(a: np.ndarray, t: int, value=0) -> np.ndarray:
 
 
 # The sampler's per-token records (sampler.record_fields) the Batch carries, and their value off the response.
-_RECORDS = (("topk_ids", np.int32, 0), ("topk_logp", np.float32, 0.0), ("support_thr", np.float32, -np.inf))
+_RECORDS = (
+  ("topk_ids", np.int32, 0),
+  ("topk_logp", np.float32, 0.0),
+  ("support_thr", np.float32, -np.inf),
+  ("expert_ids", np.int16, -1),  # MoE routing (-1: the learner routes that token itself)
+)
 
 
 def record_fields(ro, r: int) -> dict:
-  """The Batch's per-token records over its R = r response columns (batch.TOPK_FIELDS, SUPPORT_FIELDS) from the
-  sampler's (Rollout fields [N, Tn, ...], Tn <= R: the last Tn token columns), each at its fill off the
-  response; {} without records."""
+  """The Batch's per-token records over its R = r response columns (batch.TOPK_FIELDS, SUPPORT_FIELDS,
+  ROUTING_FIELDS) from the sampler's (Rollout fields [N, Tn, ...], Tn <= R: the last Tn token columns), each at
+  its fill off the response; {} without records."""
   out = {}
   for name, dtype, fill in _RECORDS:
     x = getattr(ro, name)
