@@ -373,8 +373,7 @@ def _model_key(model_cfg) -> dict:
       fields.pop(f)
   fields.pop("scan_layers")  # scanned or unrolled: the same stacked parameters and equal results
   if not model_cfg.num_experts:  # a dense model: the MoE fields (added later) are absent from its key
-    for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-              "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "routing_replay", "moe_matmul"):  # fmt: skip
+    for f in (*(x.name for x in dataclasses.fields(model_config.MoESpec)), "routing_replay", "moe_matmul"):
       fields.pop(f)
   return fields
 
