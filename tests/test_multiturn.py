@@ -37,12 +37,23 @@ def _logp(tok_id, pos):
 
 
 class ScriptedSampler:
-  """Plays PLANS like the real sampler: stops after EOS, after any stop id, or at the budget."""
+  """Plays PLANS like the real sampler: stops after EOS, after any stop id, or at the budget.
 
-  def __init__(self):
+  routing > 0: records an MoE routing record of that width (SamplerConfig.record_routing) as the real sampler
+  lays it out (last_records [n, Tn, E], response column r = continuation token r, -1 on each continuation's
+  last token, which it never fed), every entry the token's position in its episode, so a misplaced record shows;
+  `lasts` keeps, per prompt, the positions of the continuations' last tokens."""
+
+  def __init__(self, routing: int = 0):
     self.cfg = SamplerConfig(
-      eos_id=EOS, pad_id=TOK.pad_token_id, max_new_tokens=32, prompt_buckets=(16, 128), new_token_buckets=(32,)
+      eos_id=EOS,
+      pad_id=TOK.pad_token_id,
+      max_new_tokens=32,
+      prompt_buckets=(16, 128),
+      new_token_buckets=(32,),
+      record_routing=routing > 0,
     )
+    self.routing, self.last_records, self.lasts = routing, {}, {}
     self.calls = []
 
   def generate_continuations(self, params, contexts, max_new, stop_ids, rng):
@@ -64,6 +75,12 @@ class ScriptedSampler:
       out.append(
         (np.asarray(new, np.int32), np.asarray([_logp(t, len(ctx) + i) for i, t in enumerate(new)], np.float32))
       )
+      self.lasts.setdefault(prompt, set()).add(len(ctx) + len(new) - 1)
+    if self.routing:
+      rec = np.full((len(contexts), max_new, self.routing), -1, np.int16)
+      for n, (ctx, (new, _)) in enumerate(zip(contexts, out)):
+        rec[n, : len(new) - 1] = (len(ctx) + np.arange(len(new) - 1))[:, None]
+      self.last_records = {"expert_ids": rec}
     return out
 
 
@@ -154,6 +171,40 @@ def _eval_sampling(maker, built):
     return s
 
   return evaluation.EvalSampling(make_sampler, ScriptedSampler().cfg, TOK, episodes=maker.eval_episodes)
+
+
+def test_routing_record_follows_policy_tokens_across_turns():
+  """MoE routing replay in tool use: each policy token's record is the one the sampler call that drew it made
+  (as many calls per episode as turns and resumes), -1 on tool tokens and on each call's last token (never fed
+  in that call: the learner's own routing there, as on the prompt), over the response columns only."""
+  sampler = ScriptedSampler(routing=3)
+  batch, _ = _maker(sampler).make(None, 0, np.zeros((2,), np.uint32), version=0)
+  tp, r = 24, 72
+  assert batch["expert_ids"].shape == (4, r, 3) and batch["expert_ids"].dtype == np.int16
+  for row, prompt in enumerate(p for p in PLANS for _ in range(2)):
+    start = tp - len(ENC(prompt))  # the episode's position 0 in the row
+    loss, rec = batch["loss_mask"][row, tp:], batch["expert_ids"][row]
+    pos = np.arange(tp, tp + r) - start  # each response column's position in its episode
+    want = np.where(loss & ~np.isin(pos, list(sampler.lasts[prompt])), pos, -1)
+    np.testing.assert_array_equal(rec, np.repeat(want[:, None], 3, axis=1))
+    assert (rec[~loss] == -1).all() and (rec[loss] >= 0).sum() > 10  # tool tokens unrecorded; policy mostly
+  if len(PLANS["Q: six times seven?"]) > 1:  # the tool-call episode resumed: more calls than turns
+    assert len(sampler.lasts["Q: six times seven?"]) > 2
+
+
+def test_smoke_run_moe_routing_replay(tmp_path):
+  """configs/multiturn.py:smoke on a tiny Qwen3-MoE with routing replay: the tool-use batch carries the
+  sampler's routing record, and at step 0 (the learner's own parameters) it is the learner's own routing
+  (mismatch 0; a record shifted by a column would not be) and replay keeps the ratios at 1."""
+  c = _smoke_config()
+  c.model.preset, c.model.routing_replay = "tiny_qwen3_moe", True
+  workdir = str(tmp_path / "mt_moe")
+  summary = trainer.run(c, workdir)
+  assert summary["step"] == 2 and summary["nonfinite_steps"] == []
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/pg_loss" in r]
+  assert "train/moe/route_mismatch" in recs[0], sorted(recs[0])
+  assert recs[0]["train/moe/route_mismatch"] < 1e-3
+  assert recs[0]["train/moe/ess_replay"] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_eval_generate_returns_final_turns():

@@ -19,6 +19,9 @@ counting policy AND tool tokens. What is particular to episodes:
                  enter neither the policy loss nor the importance ratios l_i
   behavior_logp  sampler log-prob on policy tokens, 0 elsewhere
   rewards        the configured task's score of the final model turn against the reference
+  records        the sampler's per-token records (MoE routing `expert_ids`, top-k) over the response
+                 columns, as the single-turn Batch's: each policy token's record from the sampler call
+                 that drew it; the fill on tool tokens (the learner's own routing there, as on a prompt)
 
 Tool tokens stay in `valid_mask` because the policy conditions on them: they are
 scored in the forward pass as context but never as actions.
@@ -42,7 +45,7 @@ from vcpo_jax import tasks
 from vcpo_jax.batch import Batch
 from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.rollout.common import RolloutConfig, RolloutMaker
-from vcpo_jax.sampler import SamplerConfig
+from vcpo_jax.sampler import SamplerConfig, record_fields
 from vcpo_jax.tasks import sandbox, tool_env
 
 
@@ -227,9 +230,12 @@ class MultiTurnRolloutMaker(RolloutMaker):
       # A fresh key per round: row n of round r draws from fold_in(fold_in(rng, r), n).
       key = jax.random.fold_in(rng, rounds[0])
       rounds[0] += 1
-      return sampler.generate_continuations(params, ctx, max_new, self.stop_ids, key)
+      outs = sampler.generate_continuations(params, ctx, max_new, self.stop_ids, key)
+      recs = sampler.last_records  # {name: [n, Tn, ...]}: continuation n's token r in column r
+      return [(ids, lps, {k: v[n] for k, v in recs.items()}) for n, (ids, lps) in enumerate(outs)]
 
-    episodes = tool_env.run_episodes(generate, self._encode, self._decode, contexts, references, env_cfg)
+    fields = record_fields(sampler.cfg, sampler.routing)
+    episodes = tool_env.run_episodes(generate, self._encode, self._decode, contexts, references, env_cfg, fields)
     return episodes, rounds[0]
 
   def eval_episodes(self, sampler, params, contexts, max_new_tokens: int, rng) -> list[str]:
@@ -258,17 +264,22 @@ class MultiTurnRolloutMaker(RolloutMaker):
     n, tp, t = cfg.batch_size, cfg.max_prompt_len, cfg.max_prompt_len + cfg.max_new_tokens
     if len(episodes) != n:
       raise ValueError(f"got {len(episodes)} episodes for a batch of N = P * G = {n}.")
-    pe = tool_env.pad_episodes(episodes, length=t, pad_id=self.sampler.cfg.pad_id)
+    fields = record_fields(self.sampler.cfg, self.sampler.routing)
+    pe = tool_env.pad_episodes(episodes, length=t, pad_id=self.sampler.cfg.pad_id, record_fields=fields)
     valid = (pe["prompt_mask"] > 0) | (pe["response_mask"] > 0)
     arrays = dict(
-      tokens=pe["tokens"], valid_mask=valid, loss_mask=pe["loss_mask"] > 0, behavior_logp=pe["behavior_logp"]
+      tokens=pe["tokens"],
+      valid_mask=valid,
+      loss_mask=pe["loss_mask"] > 0,
+      behavior_logp=pe["behavior_logp"],
+      **{k: pe[k] for k in fields},
     )
     # pad_episodes right-pads; shift each row so the response starts at column Tp, as the sampler
     # lays out single-turn rows. Only padding wraps around: the response is <= T - Tp tokens.
     for i, e in enumerate(episodes):
       shift = tp - e.prompt_len
       for k in arrays:
-        arrays[k][i] = np.roll(arrays[k][i], shift)
+        arrays[k][i] = np.roll(arrays[k][i], shift, axis=0)
     rewards = pe["rewards"].astype(np.float32)
     batch = Batch.from_arrays(
       dict(
@@ -281,6 +292,7 @@ class MultiTurnRolloutMaker(RolloutMaker):
         group_id=np.repeat(np.arange(cfg.prompts_per_step, dtype=np.int32), cfg.group_size),
         policy_version=np.full((n,), version, np.int32),
         token_version=np.where(arrays["loss_mask"], version, -1).astype(np.int32),
+        **{k: arrays[k][:, tp:] for k in fields},  # records: the response columns only
       )
     )
     resp_len = [len(e.tokens) - e.prompt_len for e in episodes]

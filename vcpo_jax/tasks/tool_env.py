@@ -24,6 +24,8 @@ Masks (per episode, length T_i = prompt + response):
                  whose log-probs are not the policy's: they must enter neither
                  the policy loss nor the importance ratios l_i.
   behavior_logp: the sampler's log-prob of each policy token, 0 elsewhere.
+  records:       the sampler's per-token records (`record_fields`: MoE routing, top-k) on policy tokens,
+                 each record's fill on prompt and tool tokens (the learner's own routing there, as on a prompt).
 
 Host-side only: ``generate_fn`` is the sampler (or a deterministic fake in
 tests); nothing here is jitted. ``pad_episodes`` turns episodes into the fixed
@@ -33,14 +35,17 @@ tests); nothing here is jitted. ``pad_episodes`` turns episodes into the fixed
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from vcpo_jax.tasks import sandbox
 
-# generate_fn(contexts, max_new_tokens) -> [(new_ids [R_n], new_logps [R_n])]
-GenerateFn = Callable[[list[list[int]], int], Sequence[tuple[Sequence[int], Sequence[float]]]]
+# generate_fn(contexts, max_new_tokens) -> [(new_ids [R_n], new_logps [R_n])] or, with per-token records,
+# [(new_ids, new_logps, {name: [R_n, ...]})]
+GenerateFn = Callable[[list[list[int]], int], Sequence[tuple]]
+# {name: (dtype, trailing shape, fill)}: the per-token records episodes carry (sampler.record_fields)
+RecordFields = Mapping[str, tuple[Any, tuple[int, ...], Any]]
 TRUNCATION_NOTE = "\n[output truncated]\n"
 
 
@@ -106,6 +111,7 @@ class Episode:
     final_text: text of the last model turn (what the reward saw).
     response_text: decoded response, tool output included (for logs).
     finish_reason: "answer" | "max_turns" | "max_tokens".
+    records: {name: [T_i, ...]}, the sampler's record of each policy token, the record's fill elsewhere.
   """
 
   tokens: np.ndarray
@@ -119,6 +125,7 @@ class Episode:
   final_text: str
   response_text: str
   finish_reason: str
+  records: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
   @property
   def num_tool_errors(self) -> int:
@@ -153,6 +160,8 @@ class _State:
   loss: list[float]
   logp: list[float]
   turn_start: int  # index in tokens where the current model turn began
+  fields: RecordFields  # the records carried (run_episodes' record_fields)
+  recs: dict[str, list[np.ndarray]]  # per record, its [n, ...] pieces in token order
   turns: int = 1  # model turns started
   kinds: list[str] = dataclasses.field(default_factory=list)
   final_text: str = ""
@@ -161,6 +170,12 @@ class _State:
   @property
   def response_len(self) -> int:
     return len(self.tokens) - self.prompt_len
+
+  def add_records(self, n: int, recs: Mapping[str, np.ndarray] | None = None):
+    """Appends n tokens' records: recs[name][:n] where given, the record's fill otherwise."""
+    for name, (dtype, shape, fill) in self.fields.items():
+      x = np.full((n, *shape), fill, dtype) if recs is None or name not in recs else np.asarray(recs[name][:n], dtype)
+      self.recs[name].append(x)
 
 
 def _first_block_cut(ids: list[int], decode, cfg: ToolEnvConfig) -> int:
@@ -193,6 +208,7 @@ def run_episodes(
   prompts: Sequence[str | Sequence[int]],
   references: Sequence[Any],
   env_cfg: ToolEnvConfig,
+  record_fields: RecordFields | None = None,
 ) -> list[Episode]:
   """Rolls out one multi-turn tool-use episode per prompt, batched per round.
 
@@ -208,6 +224,8 @@ def run_episodes(
     prompts: P prompts, as text (encoded here) or token ids.
     references: P references handed to ``env_cfg.reward_fn``.
     env_cfg: limits and protocol.
+    record_fields: {name: (dtype, trailing shape, fill)} of the per-token records generate_fn returns as a
+      third element (its token r's record in row r); kept on the policy tokens, fill elsewhere.
   Returns:
     P Episodes, in prompt order.
   """
@@ -215,12 +233,13 @@ def run_episodes(
     raise ValueError(f"prompts ({len(prompts)}) and references ({len(references)}) must have equal length")
   cfg = env_cfg
   eos = frozenset(cfg.eos_token_ids)
+  fields = dict(record_fields or {})
   states = []
   for p in prompts:
     ids = [int(t) for t in (tokenizer_encode(p) if isinstance(p, str) else p)]
-    states.append(
-      _State(tokens=ids, prompt_len=len(ids), loss=[0.0] * len(ids), logp=[0.0] * len(ids), turn_start=len(ids))
-    )
+    s = _State(ids, len(ids), [0.0] * len(ids), [0.0] * len(ids), len(ids), fields, {k: [] for k in fields})
+    s.add_records(len(ids))
+    states.append(s)
   # Episodes whose current model turn is still open.
   generating = list(range(len(states)))
   while generating:
@@ -235,8 +254,8 @@ def run_episodes(
       raise ValueError(f"generate_fn returned {len(outs)} continuations for {len(generating)} contexts")
     to_run: list[tuple[int, str]] = []
     still = []
-    for i, budget, (new_ids, new_logps) in zip(generating, budgets, outs):
-      step = _model_turn(states[i], budget, new_ids, new_logps, tokenizer_decode, cfg, eos)
+    for i, budget, (new_ids, new_logps, *recs) in zip(generating, budgets, outs):
+      step = _model_turn(states[i], budget, new_ids, new_logps, tokenizer_decode, cfg, eos, *recs)
       if step is _RESUME:
         still.append(i)
       elif step is not None:
@@ -252,11 +271,11 @@ def run_episodes(
 _RESUME = object()  # _model_turn: the turn stopped on a non-final stop id and goes on next round
 
 
-def _model_turn(s: _State, budget: int, new_ids, new_logps, decode, cfg: ToolEnvConfig, eos: frozenset):
+def _model_turn(s: _State, budget: int, new_ids, new_logps, decode, cfg: ToolEnvConfig, eos: frozenset, recs=None):
   """Appends one round's continuation to episode `s`; returns the code to run, _RESUME, or None (finished).
 
   The continuation is cut at the row's budget, after an EOS, and after the turn's first complete code
-  block (tokens past it are dropped with their log-probs). A finished episode gets its final_text and
+  block (tokens past it are dropped with their log-probs and records). A finished episode gets its final_text and
   finish reason ("answer", "max_tokens" or "max_turns").
   """
   new_ids = [int(t) for t in new_ids]
@@ -278,6 +297,7 @@ def _model_turn(s: _State, budget: int, new_ids, new_logps, decode, cfg: ToolEnv
   s.tokens += new_ids
   s.loss += [1.0] * len(new_ids)
   s.logp += new_logps
+  s.add_records(len(new_ids), recs)
   turn_full = len(s.tokens) - s.turn_start >= cfg.max_new_tokens
   out_of_tokens = s.response_len >= cfg.max_response_tokens
   if code is None and not hit_eos and not turn_full and not out_of_tokens and stopped_early and eos and new_ids:
@@ -302,6 +322,7 @@ def _tool_turn(s: _State, result, encode, cfg: ToolEnvConfig) -> bool:
   s.tokens += tool[:room]
   s.loss += [0.0] * min(len(tool), room)
   s.logp += [0.0] * min(len(tool), room)
+  s.add_records(min(len(tool), room))
   if len(tool) >= room:
     s.finish = "max_tokens"  # no room left for another model turn
     return False
@@ -327,16 +348,20 @@ def _episode(s: _State, ref, decode, cfg: ToolEnvConfig) -> Episode:
     final_text=s.final_text,
     response_text=decode(s.tokens[s.prompt_len :]),
     finish_reason=s.finish,
+    records={k: np.concatenate(v) for k, v in s.recs.items()},
   )
 
 
-def pad_episodes(episodes: Sequence[Episode], length: int | None = None, pad_id: int = 0) -> dict[str, np.ndarray]:
+def pad_episodes(
+  episodes: Sequence[Episode], length: int | None = None, pad_id: int = 0, record_fields: RecordFields | None = None
+) -> dict[str, np.ndarray]:
   """Right-pads episodes into fixed-shape arrays for the learner.
 
   Returns:
     tokens [N, T] int32, prompt_mask / response_mask / loss_mask [N, T]
-    float32, behavior_logp [N, T] float32, rewards [N] float32. Padding has
-    all masks 0. T = ``length`` or the longest episode.
+    float32, behavior_logp [N, T] float32, rewards [N] float32, and each of
+    record_fields' records [N, T, ...] (the episodes', its fill on padding).
+    Padding has all masks 0. T = ``length`` or the longest episode.
   """
   if not episodes:
     raise ValueError("episodes is empty")
@@ -353,6 +378,8 @@ def pad_episodes(episodes: Sequence[Episode], length: int | None = None, pad_id:
     behavior_logp=np.zeros((n, t), np.float32),
     rewards=np.asarray([e.reward for e in episodes], np.float32),
   )
+  for name, (dtype, shape, fill) in (record_fields or {}).items():
+    out[name] = np.full((n, t, *shape), fill, dtype)
   for i, e in enumerate(episodes):
     L = len(e.tokens)
     out["tokens"][i, :L] = e.tokens
@@ -360,4 +387,6 @@ def pad_episodes(episodes: Sequence[Episode], length: int | None = None, pad_id:
     out["response_mask"][i, :L] = e.response_mask
     out["loss_mask"][i, :L] = e.loss_mask
     out["behavior_logp"][i, :L] = e.behavior_logp
+    for name in record_fields or {}:
+      out[name][i, :L] = e.records[name]
   return out
