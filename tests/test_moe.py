@@ -117,11 +117,43 @@ def test_leading_shape_and_jit():
 def test_grouped_matmul_is_ragged_dot_without_one_hot():
   """The jaxpr holds ragged_dot and no [M, E, F]-sized intermediate (no dense one-hot product)."""
   p, x = _params(), _x(40)
-  jaxpr = jax.make_jaxpr(lambda p, x: _moe(p, x).y)(p, x)
-  prims = {e.primitive.name for e in jaxpr.jaxpr.eqns}
+  eqns = _all_eqns(jax.make_jaxpr(lambda p, x: _moe(p, x).y)(p, x).jaxpr)
+  prims = {e.primitive.name for e in eqns}
   assert "ragged_dot_general" in prims or "ragged_dot" in prims, prims
-  sizes = [np.prod(v.aval.shape) for e in jaxpr.jaxpr.eqns for v in e.outvars]
+  sizes = [np.prod(v.aval.shape) for e in eqns for v in e.outvars]
   assert max(sizes) < 40 * E * F
+
+
+def _all_eqns(jaxpr) -> list:
+  """Every equation of a jaxpr and of the jaxprs inside its equations (custom_vjp / custom_vmap calls, scans)."""
+  out = []
+  for e in jaxpr.eqns:
+    out.append(e)
+    for v in e.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          out += _all_eqns(sub)
+  return out
+
+
+def test_ragged_dot_vmaps_with_gradients():
+  """moe.ragged_dot under vmap over rows AND group sizes (per-example gradients), values and gradients equal to
+  jax.lax.ragged_dot example by example."""
+  a = jax.random.normal(jax.random.key(0), (3, 6, 4))
+  w = jax.random.normal(jax.random.key(1), (2, 4, 5))
+  g = jnp.asarray([[2, 4], [3, 3], [6, 0]], jnp.int32)
+  np.testing.assert_allclose(
+    jax.vmap(moe.ragged_dot, in_axes=(0, None, 0))(a, w, g),
+    np.stack([jax.lax.ragged_dot(a[i], w, g[i]) for i in range(3)]),
+    atol=1e-6,
+  )
+  loss = lambda dot: lambda w, a, g: jnp.sum(jnp.sin(dot(a, w, g)))
+  got = jax.jit(jax.vmap(jax.grad(loss(moe.ragged_dot), argnums=(0, 1)), in_axes=(None, 0, 0)))(w, a, g)
+  for i in range(3):
+    want = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(w, a[i], g[i])
+    np.testing.assert_allclose(got[0][i], want[0], atol=1e-5)
+    np.testing.assert_allclose(got[1][i], want[1], atol=1e-5)
 
 
 def test_parity_with_transformers_block():

@@ -1,6 +1,7 @@
 """Exact per-example norms through the MoE experts and router of the full model (grad_norms' ghost path, one and
-two passes), against brute-force per-example jax.grad (grad_norms.loop_sq_norms: ragged_dot has no batching rule off dim 0, so not vmap_sq_norms), with and without routing
-replay (the learner's log-prob function reads the batch's expert_ids)."""
+two passes), against brute-force per-example jax.grad (grad_norms.loop_sq_norms, one backward per row; the vmap
+reference path agrees), with and without routing replay (the learner's log-prob function reads the batch's
+expert_ids)."""
 
 import functools
 
@@ -42,7 +43,7 @@ def _setup(replay: bool):
   params["layers"]["mlp"]["gate"]["kernel"].value = params["layers"]["mlp"]["gate"]["kernel"].value * 5.0
   logp_fn = learner.make_logp_fn(graphdef)
   batch = _batch(replay)
-  ref = jax.jit(gn.loop_sq_norms, static_argnums=0)(logp_fn, params, batch, batch["loss_mask"])  # ragged_dot: no vmap
+  ref = jax.jit(gn.loop_sq_norms, static_argnums=0)(logp_fn, params, batch, batch["loss_mask"])  # one grad per row
   coef = jnp.asarray(np.random.default_rng(3).normal(size=N), jnp.float32)
   surrogate = lambda p: -jnp.sum(coef * jnp.sum(batch["loss_mask"] * logp_fn(p, batch), axis=1))
   grads = jax.jit(jax.grad(surrogate))(params)
@@ -106,3 +107,12 @@ def test_on_a_mesh_each_device_dispatches_its_rows_and_norms_equal(passes):
   np.testing.assert_allclose(res.sq_norms_n, ref, rtol=2e-4)
   for g, mine in zip(jax.tree.leaves(grads), jax.tree.leaves(res.grads), strict=True):
     assert _rel(mine, g) < 1e-4
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_vmap_reference_norms_equal_the_loop_on_moe(replay):
+  """The vmap reference path (grad_norms.vmap_sq_norms, learner.grad_path='vmap') runs on MoE models (moe.ragged_dot
+  maps itself over the examples) and gives the loop's per-example norms."""
+  logp_fn, params, batch, ref, _, _ = _setup(replay)
+  got = jax.jit(gn.vmap_sq_norms, static_argnums=0)(logp_fn, params, batch, batch["loss_mask"])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-4)

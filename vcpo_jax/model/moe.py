@@ -223,16 +223,55 @@ def group_bounds(group_sizes_g) -> tuple[jax.Array, jax.Array]:
   return ends - group_sizes_g.astype(jnp.int32), ends
 
 
+def _per_example(fn):
+  """fn with a batching rule that maps it over the batch (lax.map): `jax.lax.ragged_dot` has no vmap rule off
+  the leading axis (jax 0.10), and per-example gradients (learner.grad_path='vmap', grad_norms.vmap_sq_norms)
+  vmap the model over examples, each with its own group sizes."""
+  mapped = jax.custom_batching.custom_vmap(fn)
+
+  @mapped.def_vmap
+  def rule(axis_size, in_batched, *args):
+    args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
+    out = jax.lax.map(lambda xs: fn(*xs), args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return mapped
+
+
+_ragged_forward = _per_example(lambda a, w, g: jax.lax.ragged_dot(a, w, g))
+_ragged_backward = _per_example(lambda a, w, g, dy: jax.vjp(lambda a, w: jax.lax.ragged_dot(a, w, g), a, w)[1](dy))
+
+
+@jax.custom_vjp
+def ragged_dot(a_ri, w_eio, group_sizes_e) -> jax.Array:
+  """`jax.lax.ragged_dot` that also vmaps (over any batch of rows and group sizes) under reverse-mode autodiff:
+  the forward and its vjp (ragged_dot's own) each carry a lax.map batching rule; custom_vmap alone does not
+  differentiate, so the vjp is given here."""
+  return _ragged_forward(a_ri, w_eio, group_sizes_e)
+
+
+def _ragged_dot_fwd(a_ri, w_eio, group_sizes_e):
+  return _ragged_forward(a_ri, w_eio, group_sizes_e), (a_ri, w_eio, group_sizes_e)
+
+
+def _ragged_dot_bwd(res, dy):
+  da, dw = _ragged_backward(*res, dy)
+  return da, dw, None
+
+
+ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
 def grouped_matmul(a_ri, w_eio, group_sizes_e, impl: str = "ragged") -> jax.Array:
   """y_r = a_r @ w_{e_r} for rows sorted by expert (expert e: group_sizes_e[e] consecutive rows), [R, Dout].
 
-  "ragged": one `jax.lax.ragged_dot`, a grouped GEMM on TPU / GPU (XLA:CPU expands it into a masked dense product
+  "ragged": one `jax.lax.ragged_dot` (`ragged_dot`: vmappable), a grouped GEMM on TPU / GPU (XLA:CPU expands it into a masked dense product
   over [R, E Din] values). "scan": a lax.scan over the experts, every row times W_e, kept on expert e's rows:
   exact on any backend at E times the flops, with a grouped GEMM's memory (one [R, Dout] product at a time); the
   stand-in benchmarks/memory.py compiles on fake CPU devices (ModelConfig.moe_matmul).
   """
   if impl == "ragged":
-    return jax.lax.ragged_dot(a_ri, w_eio, group_sizes_e)
+    return ragged_dot(a_ri, w_eio, group_sizes_e)
   if impl != "scan":
     raise ValueError(f"grouped matmul impl {impl!r}: choose one of {GROUPED_MATMULS}.")
   rows = jnp.arange(a_ri.shape[0], dtype=jnp.int32)[:, None]
