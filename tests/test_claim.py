@@ -151,7 +151,7 @@ def test_report_from_hand_made_ledger_records(tmp_path):
   assert "the ESS brake (removed): vcpo_no_esslr - vcpo = +0.180 +- 0.000: **explains the gap**" in text
   assert "the attribution's best arm by the protocol's rule: **vcpo_no_esslr**" in text
   assert f"| vcpo | rho_on | 0.25: 0.300, 0.5: 0.300, 0.75: 0.500, 1: 0.300 | {values[2]:g} |" in text
-  assert f"| vcpo | rho_on={values[2]:g} | 8 | 0.620 +- 0.016 | +0.000 +- 0.000 | matches |" in text
+  assert f"| vcpo | rho_on={values[2]:g} | 8 | cpu | 0.620 +- 0.016 | +0.000 +- 0.000 | matches |" in text
   assert "- vcpo (attribution: fixed settings): k = 128: does not match (below, d -0.200)." in text
   assert "- vcpo (tuned): k = 8: **matches**." in text
   assert (out / "claim.png").stat().st_size > 0
@@ -160,3 +160,31 @@ def test_report_from_hand_made_ledger_records(tmp_path):
     _write_record(a, "vcpo_cap4", 128, s, [0.2, 0.4])
   assert claim.main(["--root", str(tmp_path), "--out", str(out)]) == 2
   assert claim.main(["--root", str(tmp_path), "--out", str(out), "--allow_mixed"]) == 0
+
+
+def test_every_method_table_pairs_each_cell_with_its_own_machines_reference():
+  """Two CPU models give different runs from step 0 (claim_protocol.md's deviation): a cell is compared with the
+  sync reference of the machine it ran on, a cell spanning machines or without a reference there is refused."""
+  amd, intel = ("AMD EPYC",), ("Intel(R) Xeon(R) Processor",)
+  refs = {amd[0]: _cell([[0.2, 0.5, 0.6]] * 3, machines=amd), intel[0]: _cell([[0.2, 0.6, 0.7]] * 3, machines=intel)}
+  a = _cell([[0.2, 0.5, 0.55]] * 3, machines=amd)  # -0.05 against the AMD reference
+  b = _cell([[0.2, 0.6, 0.68]] * 3, machines=intel)  # -0.02 against the Intel one (would be +0.08 against AMD's)
+  b.method = "b"
+  assert claim.check_per_machine([a, b], refs, "t", False) == COMMIT[:10]
+  text = "\n".join(claim.grid_section(_grid_config(("m", "b")), {("m", 128): a, ("b", 128): b}, refs, {}))
+  assert "| m | - | 128 | AMD | 0.550 +- 0.000 | -0.050 +- 0.000 |" in text
+  assert "| b | - | 128 | Intel | 0.680 +- 0.000 | -0.020 +- 0.000 |" in text
+  assert "| - |" in text.split("| b |")[1]  # b vs vcpo: no vcpo on its machine, so no pair
+  both = _cell([[0.2, 0.5, 0.55]] * 3, machines=amd + intel)
+  with pytest.raises(claim.MixedRecords, match="m k = 128 hold records of several machines"):
+    claim.check_per_machine([both], refs, "t", False)
+  with pytest.raises(claim.MixedRecords, match="no synchronous reference on"):
+    claim.check_per_machine([b], {amd[0]: refs[amd[0]]}, "t", False)
+  verdicts = claim.plain_verdicts(_grid_config(("m", "b")), {("m", 128): a, ("b", 128): b}, {amd[0]: refs[amd[0]]}, "x")
+  assert "no reference on its machine (Intel)" in "\n".join(verdicts)
+
+
+def _grid_config(methods):
+  import ml_collections
+
+  return ml_collections.ConfigDict(dict(methods=methods, ks=(128,)))

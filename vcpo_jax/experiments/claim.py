@@ -15,7 +15,9 @@ This module reads those records only (a missing seed leaves its cell out) and ap
 - collapses (final < half of the run's best) and dips (an evaluation below half of the step-0 accuracy);
 - the collapse signal: the first step whose trailing median of log_mean_weight is below SIGNAL_LOG.
 
-Records of different commits or machines in one table are refused (exit 2) unless --allow_mixed.
+Records of different commits or machines in one table are refused (exit 2) unless --allow_mixed; the every-method
+table may span machines when each cell ran on one and is paired with the synchronous reference of its own machine
+(claim_protocol.md's deviation of 2026-12-06: the same run differs between CPU models from step 0).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ SIGNAL_LOG = math.log(0.1)  # the collapse signal: mean unnormalized weight belo
 SIGNAL_WINDOW = 10  # ... as a trailing median over this many steps
 REFERENCE = ("none", 0)  # (method, k) of the synchronous reference
 STUDIES = ("protocol_attribution", "protocol_horizon", "protocol")  # configs/stability.py variants
+MACHINE_LEDGER = "docs/results/stability_ledger/claim_protocol_machines"  # sync references rerun on other CPUs
 
 
 class MixedRecords(ValueError):
@@ -176,6 +179,35 @@ def check_one_source(cells, what: str, allow_mixed: bool) -> str:
   return ", ".join(sorted(x[:10] for x in commits)) or "none"
 
 
+def check_per_machine(cells, refs: dict, what: str, allow_mixed: bool) -> str:
+  """The every-method table's source rule (the protocol's deviation of 2026-12-06): one commit, and each cell's
+  records from ONE machine with a synchronous reference run on that machine (`refs`: {machine: Cell}), so every
+  pair stays within a machine; the table may then hold several machines. Raises MixedRecords otherwise unless
+  allow_mixed. Returns the commit (short)."""
+  commit = check_one_source([*cells, *refs.values()], what, allow_mixed=True)
+  if allow_mixed:
+    return commit
+  if "," in commit:
+    check_one_source([*cells, *refs.values()], what, allow_mixed=False)  # raises: two commits
+  spans = sorted(f"{x.method} k = {x.k}" for x in cells if len(x.machines) > 1)
+  if spans:
+    raise MixedRecords(f"{what}: {', '.join(spans)} hold records of several machines; rerun them on one")
+  orphans = sorted({m for x in cells for m in x.machines if m not in refs})
+  if orphans:
+    raise MixedRecords(f"{what}: no synchronous reference on {orphans}; run `none` k = 0 there (claim_protocol.md)")
+  return commit
+
+
+def machine_label(machines: frozenset) -> str:
+  """A cell's machine(s), short: "AMD EPYC" -> "AMD", "Intel(R) Xeon(R) Processor" -> "Intel"."""
+  return "+".join(sorted(m.split()[0].replace("(R)", "") for m in machines)) or "-"
+
+
+def ref_on(refs: dict, cell: Cell) -> Cell | None:
+  """The synchronous reference of the machine the cell ran on (None: several machines, or none there)."""
+  return refs.get(next(iter(cell.machines))) if len(cell.machines) == 1 else None
+
+
 # ----------------------------------------------------------------------------- tables
 
 
@@ -301,23 +333,27 @@ def best_arm(cells: dict) -> str | None:
   return min(scored)[3] if scored else None
 
 
-def grid_section(c, cells: dict, ref: Cell | None, knobs: dict) -> list[str]:
+def grid_section(c, cells: dict, refs: dict, knobs: dict) -> list[str]:
+  """The every-method table: each cell against the synchronous reference of its own machine (`refs`), and
+  against vcpo at the same k where both ran on one machine."""
   L = [
-    "| method | knob | k | final (mean +- sd) | vs sync (d +- SE) | match test | vs vcpo (d +- SE) | steps to 90% | "
-    "collapsed | dips |",
-    "|---|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    "| method | knob | k | machine | final (mean +- sd) | vs sync (d +- SE) | match test | vs vcpo (d +- SE) | "
+    "steps to 90% | collapsed | dips |",
+    "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|",
   ]
   for m in c.methods:
     for k in c.ks:
       if (m, k) not in cells:
         continue
+      cell = cells[(m, k)]
       vs = cells.get(("vcpo", k)) if m != "vcpo" else None
-      r = cell_row(cells[(m, k)], ref, vs)
+      vs = vs if vs is not None and vs.machines == cell.machines else None
+      r = cell_row(cell, ref_on(refs, cell), vs)
       knob = knobs.get(m)
       knob_s = "-" if knob is None else f"{knob[0]}={_value(knob[1])}"
       L.append(
-        f"| {m} | {knob_s} | {k} | {r['final']} | {r['vs_sync']} | {r['verdict']} | {r.get('vs', '-')} | "
-        f"{r['reach']} | {r['collapsed']} | {r['dips']} |"
+        f"| {m} | {knob_s} | {k} | {machine_label(cell.machines)} | {r['final']} | {r['vs_sync']} | "
+        f"{r['verdict']} | {r.get('vs', '-')} | {r['reach']} | {r['collapsed']} | {r['dips']} |"
       )
   return L
 
@@ -370,10 +406,11 @@ def tuning_section(c, scores: dict, knobs: dict) -> list[str]:
   return L
 
 
-def plain_verdicts(c, cells: dict, ref: Cell | None, label: str) -> list[str]:
+def plain_verdicts(c, cells: dict, refs: dict, label: str) -> list[str]:
   """Per method and k, the protocol's "matches synchronous training" in words: the match test says matches,
-  no run collapsed, and the cell reaches 90% of the sync plateau."""
-  if ref is None:
+  no run collapsed, and the cell reaches 90% of the sync plateau. refs: {machine: the synchronous reference
+  run there}; a cell is judged against its own machine's."""
+  if not refs:
     return ["The synchronous reference is not finished: no verdict."]
   L = []
   for m in c.methods:
@@ -382,6 +419,10 @@ def plain_verdicts(c, cells: dict, ref: Cell | None, label: str) -> list[str]:
       if k == 0 or (m, k) not in cells:
         continue
       cell = cells[(m, k)]
+      ref = ref_on(refs, cell)
+      if ref is None:
+        words.append(f"k = {k}: no reference on its machine ({machine_label(cell.machines)}) yet")
+        continue
       d = paired(cell.final, ref.final)
       v = verdict(*d)
       reach = _reach(cell, float(ref.final.mean())) != "never"
@@ -452,17 +493,30 @@ def load_studies(root: Path) -> dict:
   return out
 
 
+def machine_references(root: Path, cells: dict) -> dict:
+  """{machine: Cell}: the synchronous reference (`none` k = 0, the protocol's seeds) of each machine, from the
+  studies' cells and from the ledger of references rerun on another machine (MACHINE_LEDGER)."""
+  refs = {}
+  c = stability.load_config("protocol_attribution")
+  c.trainer.ledger = str(root / MACHINE_LEDGER)
+  for cell in (cells.get(REFERENCE), load_cell(c, *REFERENCE)):
+    if cell is not None and len(cell.machines) == 1:
+      refs.setdefault(next(iter(cell.machines)), cell)
+  return refs
+
+
 def write(root: Path, out: Path, command: str, allow_mixed: bool = False) -> Path:
   studies = load_studies(root)
   knobs, scores = studies.pop("_tuning")
   (ac, attr), (hc, hor), (gc, grid) = (studies[v] for v in STUDIES)
   ref, href = attr.get(REFERENCE) or grid.get(REFERENCE), hor.get(REFERENCE)
+  refs = machine_references(root, {REFERENCE: ref} if ref is not None else {})
+  one = lambda x: {next(iter(x.machines)): x} if x is not None and len(x.machines) == 1 else {}
   commits = {
     "attribution": check_one_source(list(attr.values()), "attribution table", allow_mixed),
     "horizon": check_one_source(list(hor.values()), "horizon table", allow_mixed),
-    "grid": check_one_source(list(grid.values()), "every-method table", allow_mixed),
+    "grid": check_per_machine(list(grid.values()), refs, "every-method table", allow_mixed),
   }
-  check_one_source([*attr.values(), *hor.values(), *grid.values()], "claim.md", allow_mixed)
   out.mkdir(parents=True, exist_ok=True)
   fig = figure(studies, ref, href, next(iter(commits.values())))
   fig.savefig(out / "claim.png", dpi=100)
@@ -498,7 +552,10 @@ def write(root: Path, out: Path, command: str, allow_mixed: bool = False) -> Pat
     "",
     *tuning_section(gc, scores, knobs),
     "",
-    *grid_section(gc, grid, ref, knobs),
+    f"Machines: {', '.join(machine_label(frozenset([m])) for m in sorted(refs)) or '-'}; each cell is paired with "
+    "the synchronous reference run on its own machine (claim_protocol.md, deviation of 2026-12-06).",
+    "",
+    *grid_section(gc, grid, refs, knobs),
     "",
     "## A collapse signal the ESS misses",
     "",
@@ -506,9 +563,9 @@ def write(root: Path, out: Path, command: str, allow_mixed: bool = False) -> Pat
     "",
     "## Verdicts (the protocol's rule: the match test says matches, no run collapsed, 90% of the sync plateau reached)",
     "",
-    *plain_verdicts(ac, attr, ref, "attribution: fixed settings"),
-    *plain_verdicts(hc, hor, href, "800 steps"),
-    *plain_verdicts(gc, grid, ref, "tuned"),
+    *plain_verdicts(ac, attr, one(ref), "attribution: fixed settings"),
+    *plain_verdicts(hc, hor, one(href), "800 steps"),
+    *plain_verdicts(gc, grid, refs, "tuned"),
   ]
   path = out / "claim.md"
   path.write_text("\n".join(L) + "\n")
