@@ -85,7 +85,9 @@ import gc
 import importlib
 import inspect
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -123,7 +125,7 @@ ARCH_FIELDS = (
 )
 # --model may also set the LoRA fields (e.g. --model=lora_rank=64: adapters on every projection, base frozen).
 OVERRIDE_FIELDS = ARCH_FIELDS + ("lora_rank", "lora_alpha")
-STAT_KEYS = ("argument", "temp", "output", "alias")
+STAT_KEYS = ("argument", "temp", "output", "alias", "widened")
 TINY_TOKENS = 64  # T0 of batch_gib: prompt 32 + response 32 tokens
 
 
@@ -401,14 +403,40 @@ def compile_sampler(setting: Setting, model_cfg, mesh, b: int, part: str = "samp
 
 
 def memory_stats(compiled) -> dict:
-  """Per-device byte counts of a compiled program (see the module docstring)."""
+  """Per-device byte counts of a compiled program (see the module docstring; "widened": `widened_parameter_bytes`)."""
   m = compiled.memory_analysis()
   return {
     "argument": int(m.argument_size_in_bytes),
     "temp": int(m.temp_size_in_bytes),
     "output": int(m.output_size_in_bytes),
     "alias": int(m.alias_size_in_bytes),
+    "widened": widened_parameter_bytes(compiled.as_text()),
   }
+
+
+# An entry-computation fusion that only converts one entry parameter, and the computation it calls.
+_ENTRY_CONVERT = re.compile(r"%([\w.]+) = f32\[([\d,]*)\][^ ]* fusion\(%param[\w.]*\),.* calls=%([\w.]+)")
+_CONVERT_COMPUTATION = re.compile(r"^%([\w.]+) \(\w[\w.]*: (?:bf16|f16)\[[\d,]*\]\) -> f32\[[\d,]*\] \{$")
+
+
+def widened_parameter_bytes(hlo_text: str) -> int:
+  """Bytes of the float32 copies XLA:CPU makes of whole 16-bit parameters for a loop, from the optimized HLO text.
+
+  XLA:CPU computes 16-bit float data movement (the layer scan's dynamic-slice of a stacked weight, copies) in
+  float32, and the convert of the whole stacked [L, ...] parameter it inserts is loop-invariant, so it is hoisted
+  out of the layer loop and stays alive through it: 2 x the parameter's bytes that an accelerator program (native
+  bfloat16) does not hold. Counted: ENTRY fusions that are one convert of an entry parameter from bf16 / f16 to
+  f32 and enter a loop (an operand of an ENTRY tuple: a while loop's state), so alive through it
+  (`peak_gib - widened_gib` is the estimate for an accelerator; both are reported).
+  """
+  converts = {m.group(1) for m in map(_CONVERT_COMPUTATION.match, hlo_text.splitlines()) if m}
+  entry = hlo_text[hlo_text.find("\nENTRY ") :]
+  tuples = " ".join(line for line in entry.splitlines() if " tuple(" in line)
+  total = 0
+  for m in _ENTRY_CONVERT.finditer(entry):
+    if m.group(3) in converts and re.search(rf"%{re.escape(m.group(1))}[,)]", tuples):
+      total += 4 * math.prod(int(d) for d in m.group(2).split(",") if d)
+  return total
 
 
 # ----------------------------------------------------------------------------- one device count (worker)
@@ -504,6 +532,7 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     temp_gib=stats["temp"] / GIB,
     output_gib=out_new / GIB,
     peak_gib=(stats["argument"] + stats["temp"] + out_new) / GIB,
+    widened_gib=stats["widened"] / GIB,  # part of temp: XLA:CPU's float32 copies of 16-bit parameters
     compile_s=compile_s,
   )
   budget = BUDGET_GIB.get(setting.name.partition(":")[0])
@@ -601,6 +630,7 @@ def _fmt(x, spec=".1f"):
 
 def print_table(results: list[dict]):
   head = ("config", "dev", "part", "mesh", "rows", "T", "layers", "arg", "temp", "peak", "batch@L", "budget", "fits")
+  head = (*head, "f32 copies")  # widened_gib: XLA:CPU's float32 copies of 16-bit parameters (part of temp)
   print(" | ".join(head))
   print(" | ".join("---" for _ in head))
   for r in results:
@@ -622,6 +652,7 @@ def print_table(results: list[dict]):
       _fmt(r.get("batch_gib")) + (f"@{r['batch_layers']}" if "batch_layers" in r else ""),
       _fmt(r.get("budget_gib"), ".0f"),
       {True: "yes", False: "no"}.get(r.get("fits"), "-"),
+      _fmt(r.get("widened_gib")),
     )
     print(" | ".join(cells))
 
