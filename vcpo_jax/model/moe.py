@@ -53,8 +53,8 @@ from vcpo_jax.model.taps import TapInfo, tap
 class MoESpec:
   """The MoE fields of a Qwen3-MoE config (transformers' Qwen3MoeConfig names and defaults, except the aux coef).
 
-  router_aux_loss_coef: weight of `load_balancing_loss` in the training loss; 0 = off (RL's default;
-  transformers' default is 0.001 and applies only with output_router_logits).
+  router_aux_loss_coef: the checkpoint's weight of `load_balancing_loss` (transformers' default 0.001, applied by
+  it only with output_router_logits; 0 here otherwise); the learner applies learner.router_aux_loss_coef instead.
   """
 
   num_experts: int
@@ -390,7 +390,7 @@ def load_balancing_loss(router_logits_lme, top_k: int, mask_m=None, expert_ids_l
 
   pooled over the L MoE layers (not a mean of per-layer losses); S_lm = top-K of p_lm = softmax(logits)
   unless expert_ids_lmk [L, M, K] gives them (the replayed experts). Gradient through P only.
-  Scaled by MoESpec.router_aux_loss_coef by the caller (off by default).
+  Scaled by learner.router_aux_loss_coef in the learner's loss (`learner.router_aux_loss`; off by default).
   """
   logits = jnp.asarray(router_logits_lme, jnp.float32)
   if logits.ndim == 2:
