@@ -63,6 +63,9 @@ Numbers, per device, GiB = 2^30 bytes:
   temp_gib      XLA temporaries (activations, gradients, all-gathered weights, ...)
   output_gib    outputs not aliased to a donated input (the donated state is counted once, as argument)
   peak_gib      argument + temp + output (for the learner: argument + temp, the metrics are bytes)
+  widened_gib   the part of temp that is XLA:CPU's float32 copies of whole bf16 arrays entering a loop (the
+                stacked layer weights, hoisted out of the layer scan: `widened_parameter_bytes`); an accelerator
+                computes in bf16 and holds none: peak_gib - widened_gib estimates its peak
   batch_gib     (with --batch_dependent; not for sampler_decode, whose temporaries hardly depend on T)
                 the part of temp that grows with the batch's rows x tokens:
                 temp(N, T) - temp(N, T0), the same step (same rows N or B, same config) compiled again with
@@ -414,28 +417,28 @@ def memory_stats(compiled) -> dict:
   }
 
 
-# An entry-computation fusion that only converts one entry parameter, and the computation it calls.
-_ENTRY_CONVERT = re.compile(r"%([\w.]+) = f32\[([\d,]*)\][^ ]* fusion\(%param[\w.]*\),.* calls=%([\w.]+)")
-_CONVERT_COMPUTATION = re.compile(r"^%([\w.]+) \(\w[\w.]*: (?:bf16|f16)\[[\d,]*\]\) -> f32\[[\d,]*\] \{$")
+# A fusion that only converts one value to float32, and the computations that are one 16-bit -> float32 convert.
+_F32_FUSION = re.compile(r"%([\w.-]+) = f32\[([\d,]*)\][^ ]* fusion\(%[\w.-]+\), kind=kLoop, calls=%([\w.-]+)")
+_CONVERT_COMPUTATION = re.compile(r"^%([\w.-]+) \(\w[\w.-]*: (?:bf16|f16)\[[\d,]*\]\) -> f32\[[\d,]*\] \{$")
 
 
 def widened_parameter_bytes(hlo_text: str) -> int:
-  """Bytes of the float32 copies XLA:CPU makes of whole 16-bit parameters for a loop, from the optimized HLO text.
+  """Bytes of the float32 copies XLA:CPU makes of whole 16-bit arrays for a loop, from the optimized HLO text.
 
   XLA:CPU computes 16-bit float data movement (the layer scan's dynamic-slice of a stacked weight, copies) in
-  float32, and the convert of the whole stacked [L, ...] parameter it inserts is loop-invariant, so it is hoisted
-  out of the layer loop and stays alive through it: 2 x the parameter's bytes that an accelerator program (native
-  bfloat16) does not hold. Counted: ENTRY fusions that are one convert of an entry parameter from bf16 / f16 to
-  f32 and enter a loop (an operand of an ENTRY tuple: a while loop's state), so alive through it
+  float32, and the convert of the whole stacked [L, ...] weight it inserts is loop-invariant, so it is hoisted
+  out of the layer loop and stays alive through it: 2 x the weight's bytes that an accelerator program (native
+  bfloat16) does not hold. Counted: fusions that are one convert of a bf16 / f16 array to float32 and enter a
+  loop (an operand of a tuple of the same computation: a while loop's state), so are alive through it
   (`peak_gib - widened_gib` is the estimate for an accelerator; both are reported).
   """
   converts = {m.group(1) for m in map(_CONVERT_COMPUTATION.match, hlo_text.splitlines()) if m}
-  entry = hlo_text[hlo_text.find("\nENTRY ") :]
-  tuples = " ".join(line for line in entry.splitlines() if " tuple(" in line)
   total = 0
-  for m in _ENTRY_CONVERT.finditer(entry):
-    if m.group(3) in converts and re.search(rf"%{re.escape(m.group(1))}[,)]", tuples):
-      total += 4 * math.prod(int(d) for d in m.group(2).split(",") if d)
+  for comp in re.split(r"\n(?=%|ENTRY )", hlo_text):  # one computation per block
+    tuples = " ".join(line for line in comp.splitlines() if " tuple(" in line)
+    for m in _F32_FUSION.finditer(comp):
+      if m.group(3) in converts and re.search(rf"%{re.escape(m.group(1))}[,)]", tuples):
+        total += 4 * math.prod(int(d) for d in m.group(2).split(",") if d)
   return total
 
 
