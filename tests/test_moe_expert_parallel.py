@@ -53,7 +53,7 @@ def _shard_map_in_specs(jaxpr) -> list:
   return found
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 2), (2, 1, 2), (1, 1, 4), (1, 2, 4)])
+@pytest.mark.parametrize("shape", [(1, 2, 2), (2, 1, 2), (1, 1, 4), (1, 2, 4), (2, 2, 2)])
 @pytest.mark.parametrize("replayed", [False, True])
 def test_expert_parallel_block_equals_single_device_with_gradients(shape, replayed):
   x, ws, recorded, replay = _inputs()
