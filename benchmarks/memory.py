@@ -419,6 +419,7 @@ def memory_stats(compiled) -> dict:
 
 # A fusion that only converts one value to float32, and the computations that are one 16-bit -> float32 convert.
 _F32_FUSION = re.compile(r"%([\w.-]+) = f32\[([\d,]*)\][^ ]* fusion\(%[\w.-]+\), kind=kLoop, calls=%([\w.-]+)")
+_F32_CONVERT = re.compile(r"%([\w.-]+) = f32\[([\d,]*)\][^ ]* convert\(%([\w.-]+)\)")  # an unfused one
 _CONVERT_COMPUTATION = re.compile(r"^%([\w.-]+) \(\w[\w.-]*: (?:bf16|f16)\[[\d,]*\]\) -> f32\[[\d,]*\] \{$")
 
 
@@ -428,9 +429,9 @@ def widened_parameter_bytes(hlo_text: str) -> int:
   XLA:CPU computes 16-bit float data movement (the layer scan's dynamic-slice of a stacked weight, copies) in
   float32, and the convert of the whole stacked [L, ...] weight it inserts is loop-invariant, so it is hoisted
   out of the layer loop and stays alive through it: 2 x the weight's bytes that an accelerator program (native
-  bfloat16) does not hold. Counted: fusions that are one convert of a bf16 / f16 array to float32 and enter a
-  loop (an operand of a tuple of the same computation: a while loop's state), so are alive through it
-  (`peak_gib - widened_gib` is the estimate for an accelerator; both are reported).
+  bfloat16) does not hold. Counted: converts (or fusions that are one convert) of a bf16 / f16 array to float32
+  that enter a loop (an operand of a tuple of the same computation: a while loop's state), so are alive through
+  it (`peak_gib - widened_gib` is the estimate for an accelerator; both are reported).
   """
   converts = {m.group(1) for m in map(_CONVERT_COMPUTATION.match, hlo_text.splitlines()) if m}
   total = 0
@@ -438,6 +439,10 @@ def widened_parameter_bytes(hlo_text: str) -> int:
     tuples = " ".join(line for line in comp.splitlines() if " tuple(" in line)
     for m in _F32_FUSION.finditer(comp):
       if m.group(3) in converts and re.search(rf"%{re.escape(m.group(1))}[,)]", tuples):
+        total += 4 * math.prod(int(d) for d in m.group(2).split(",") if d)
+    for m in _F32_CONVERT.finditer(comp):  # XLA:CPU's older emitters leave the convert unfused
+      narrow = re.search(rf"%{re.escape(m.group(3))} = (?:bf16|f16)\[", comp)
+      if narrow and re.search(rf"%{re.escape(m.group(1))}[,)]", tuples):
         total += 4 * math.prod(int(d) for d in m.group(2).split(",") if d)
   return total
 
@@ -465,7 +470,7 @@ def _compile_part(setting, part, layers, mesh, n_or_b):
 def _extrapolate(by_layers: dict, depth: int) -> dict:
   """Linear per-layer model through the 1- and 2-layer compiles (exact for the parameter bytes)."""
   m1, m2 = by_layers[1], by_layers[2]
-  return {k: m1[k] + (depth - 1) * (m2[k] - m1[k]) for k in STAT_KEYS}
+  return {k: m1[k] + (depth - 1) * (m2[k] - m1[k]) for k in STAT_KEYS if k in m1}
 
 
 def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh, tiny: Setting | None = None) -> dict:
@@ -535,7 +540,7 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     temp_gib=stats["temp"] / GIB,
     output_gib=out_new / GIB,
     peak_gib=(stats["argument"] + stats["temp"] + out_new) / GIB,
-    widened_gib=stats["widened"] / GIB,  # part of temp: XLA:CPU's float32 copies of 16-bit parameters
+    widened_gib=stats.get("widened", 0) / GIB,  # part of temp: XLA:CPU's float32 copies of 16-bit parameters
     compile_s=compile_s,
   )
   budget = BUDGET_GIB.get(setting.name.partition(":")[0])
