@@ -16,6 +16,10 @@ Dispatch sorts the M K assignments by expert (`dispatch`) and runs each expert m
 `jax.lax.ragged_dot` over the sorted rows with per-expert group sizes, so no [M, E, F] one-hot
 product is formed; `combine` gathers the rows back to token order and sums over k.
 
+Expert parallelism: under a mesh whose expert axis (`sharding.EXPERT_AXIS`) divides E, each device holds and runs
+E / S experts on its tokens and the partial outputs are summed over the axis (`_expert_parallel`); the tokens are
+whole on every device of that axis, so no all-to-all is needed. Selected automatically (`sharding.expert_shards`).
+
 Routing replay (R3): given recorded expert ids S*_mk (the sampler's), the block uses them instead
 of its own top-K, with the gates recomputed from the learner's router: g_mk = p_m[S*_mk]
 (renormalised over the recorded set if norm_topk_prob). The experts are then the sampler's, and
