@@ -63,6 +63,9 @@ Numbers, per device, GiB = 2^30 bytes:
   temp_gib      XLA temporaries (activations, gradients, all-gathered weights, ...)
   output_gib    outputs not aliased to a donated input (the donated state is counted once, as argument)
   peak_gib      argument + temp + output (for the learner: argument + temp, the metrics are bytes)
+  widened_gib   the part of temp that is XLA:CPU's float32 copies of whole bf16 arrays entering a loop (the
+                stacked layer weights, hoisted out of the layer scan: `widened_parameter_bytes`); an accelerator
+                computes in bf16 and holds none: peak_gib - widened_gib estimates its peak
   batch_gib     (with --batch_dependent; not for sampler_decode, whose temporaries hardly depend on T)
                 the part of temp that grows with the batch's rows x tokens:
                 temp(N, T) - temp(N, T0), the same step (same rows N or B, same config) compiled again with
@@ -85,7 +88,9 @@ import gc
 import importlib
 import inspect
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -123,7 +128,7 @@ ARCH_FIELDS = (
 )
 # --model may also set the LoRA fields (e.g. --model=lora_rank=64: adapters on every projection, base frozen).
 OVERRIDE_FIELDS = ARCH_FIELDS + ("lora_rank", "lora_alpha")
-STAT_KEYS = ("argument", "temp", "output", "alias")
+STAT_KEYS = ("argument", "temp", "output", "alias", "widened")
 TINY_TOKENS = 64  # T0 of batch_gib: prompt 32 + response 32 tokens
 
 
@@ -401,14 +406,45 @@ def compile_sampler(setting: Setting, model_cfg, mesh, b: int, part: str = "samp
 
 
 def memory_stats(compiled) -> dict:
-  """Per-device byte counts of a compiled program (see the module docstring)."""
+  """Per-device byte counts of a compiled program (see the module docstring; "widened": `widened_parameter_bytes`)."""
   m = compiled.memory_analysis()
   return {
     "argument": int(m.argument_size_in_bytes),
     "temp": int(m.temp_size_in_bytes),
     "output": int(m.output_size_in_bytes),
     "alias": int(m.alias_size_in_bytes),
+    "widened": widened_parameter_bytes(compiled.as_text()),
   }
+
+
+# A fusion that only converts one value to float32, and the computations that are one 16-bit -> float32 convert.
+_F32_FUSION = re.compile(r"%([\w.-]+) = f32\[([\d,]*)\][^ ]* fusion\(%[\w.-]+\), kind=kLoop, calls=%([\w.-]+)")
+_F32_CONVERT = re.compile(r"%([\w.-]+) = f32\[([\d,]*)\][^ ]* convert\(%([\w.-]+)\)")  # an unfused one
+_CONVERT_COMPUTATION = re.compile(r"^%([\w.-]+) \(\w[\w.-]*: (?:bf16|f16)\[[\d,]*\]\) -> f32\[[\d,]*\] \{$")
+
+
+def widened_parameter_bytes(hlo_text: str) -> int:
+  """Bytes of the float32 copies XLA:CPU makes of whole 16-bit arrays for a loop, from the optimized HLO text.
+
+  XLA:CPU computes 16-bit float data movement (the layer scan's dynamic-slice of a stacked weight, copies) in
+  float32, and the convert of the whole stacked [L, ...] weight it inserts is loop-invariant, so it is hoisted
+  out of the layer loop and stays alive through it: 2 x the weight's bytes that an accelerator program (native
+  bfloat16) does not hold. Counted: converts (or fusions that are one convert) of a bf16 / f16 array to float32
+  that enter a loop (an operand of a tuple of the same computation: a while loop's state), so are alive through
+  it (`peak_gib - widened_gib` is the estimate for an accelerator; both are reported).
+  """
+  converts = {m.group(1) for m in map(_CONVERT_COMPUTATION.match, hlo_text.splitlines()) if m}
+  total = 0
+  for comp in re.split(r"\n(?=%|ENTRY )", hlo_text):  # one computation per block
+    tuples = " ".join(line for line in comp.splitlines() if " tuple(" in line)
+    for m in _F32_FUSION.finditer(comp):
+      if m.group(3) in converts and re.search(rf"%{re.escape(m.group(1))}[,)]", tuples):
+        total += 4 * math.prod(int(d) for d in m.group(2).split(",") if d)
+    for m in _F32_CONVERT.finditer(comp):  # XLA:CPU's older emitters leave the convert unfused
+      narrow = re.search(rf"%{re.escape(m.group(3))} = (?:bf16|f16)\[", comp)
+      if narrow and re.search(rf"%{re.escape(m.group(1))}[,)]", tuples):
+        total += 4 * math.prod(int(d) for d in m.group(2).split(",") if d)
+  return total
 
 
 # ----------------------------------------------------------------------------- one device count (worker)
@@ -434,7 +470,7 @@ def _compile_part(setting, part, layers, mesh, n_or_b):
 def _extrapolate(by_layers: dict, depth: int) -> dict:
   """Linear per-layer model through the 1- and 2-layer compiles (exact for the parameter bytes)."""
   m1, m2 = by_layers[1], by_layers[2]
-  return {k: m1[k] + (depth - 1) * (m2[k] - m1[k]) for k in STAT_KEYS}
+  return {k: m1[k] + (depth - 1) * (m2[k] - m1[k]) for k in STAT_KEYS if k in m1}
 
 
 def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh, tiny: Setting | None = None) -> dict:
@@ -504,6 +540,7 @@ def measure(setting: Setting, part: str, devices, layer_mode: str, sampler_mesh,
     temp_gib=stats["temp"] / GIB,
     output_gib=out_new / GIB,
     peak_gib=(stats["argument"] + stats["temp"] + out_new) / GIB,
+    widened_gib=stats.get("widened", 0) / GIB,  # part of temp: XLA:CPU's float32 copies of 16-bit parameters
     compile_s=compile_s,
   )
   budget = BUDGET_GIB.get(setting.name.partition(":")[0])
@@ -601,6 +638,7 @@ def _fmt(x, spec=".1f"):
 
 def print_table(results: list[dict]):
   head = ("config", "dev", "part", "mesh", "rows", "T", "layers", "arg", "temp", "peak", "batch@L", "budget", "fits")
+  head = (*head, "f32 copies")  # widened_gib: XLA:CPU's float32 copies of 16-bit parameters (part of temp)
   print(" | ".join(head))
   print(" | ".join("---" for _ in head))
   for r in results:
@@ -622,6 +660,7 @@ def print_table(results: list[dict]):
       _fmt(r.get("batch_gib")) + (f"@{r['batch_layers']}" if "batch_layers" in r else ""),
       _fmt(r.get("budget_gib"), ".0f"),
       {True: "yes", False: "no"}.get(r.get("fits"), "-"),
+      _fmt(r.get("widened_gib")),
     )
     print(" | ".join(cells))
 

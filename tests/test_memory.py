@@ -177,3 +177,21 @@ def test_bad_flags_are_one_line_errors():
     memory._parse_overrides("hiden_size=3")
   with pytest.raises(ValueError, match="multiple of the group size"):
     memory.load_setting("gsm8k", batch=12)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_widened_bytes_are_the_float32_copy_of_a_stacked_bf16_weight(dtype):
+  """A layer scan over a stacked bf16 weight [L, D, F]: XLA:CPU hoists one float32 copy of the whole stack out of
+  the loop (4 bytes an entry), which `widened_parameter_bytes` reads off the optimized HLO; a float32 stack has none."""
+  import jax
+  import jax.numpy as jnp
+
+  w = jax.ShapeDtypeStruct((6, 64, 96), jnp.dtype(dtype))
+  x = jax.ShapeDtypeStruct((8, 64), jnp.dtype(dtype))
+
+  def f(ws, h):
+    body = lambda h, w: (jnp.tanh(h @ w)[:, :64], None)
+    return jax.lax.scan(body, h, ws)[0]
+
+  text = jax.jit(f).lower(w, x).compile().as_text()
+  assert memory.widened_parameter_bytes(text) == (4 * 6 * 64 * 96 if dtype == "bfloat16" else 0)

@@ -50,6 +50,7 @@ according to its config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -98,6 +99,10 @@ class LearnerConfig:
     without norms pays nothing (XLA drops the ghost path's unused norms); "norms": also for such a method,
     which then computes them for the telemetry (the plain ghost step's cost, ~1% of its flops on the CPU
     default); False: no grad/ metrics.
+  router_aux_loss_coef: an MoE model's loss gains router_aux_loss_coef x `router_aux_loss` (transformers'
+    load-balancing loss, Qwen3MoeForCausalLM's aux_loss; `_add_router_aux`); 0, RL's default, leaves it out.
+    A checkpoint's own router_aux_loss_coef (ModelConfig's, read from its config.json) is never applied by itself:
+    set this field (e.g. to that value) to train with it.
   """
 
   method: Method
@@ -110,6 +115,7 @@ class LearnerConfig:
   batch_size: int | None = None  # N = P * G, only for the config-time check of microbatch_size
   ppo_epochs: int = 1  # passes over the batch per trainer step (1: one update per step)
   minibatches: int = 1  # optimizer updates per pass, each on N / minibatches rows of whole groups
+  router_aux_loss_coef: float = 0.0  # MoE: weight of the router's load-balancing loss in the loss (0: off)
 
   def __post_init__(self):
     if self.grad_path not in GRAD_PATHS:
@@ -127,6 +133,11 @@ class LearnerConfig:
       )
     self._check_updates()
     self._check_telemetry()
+    c = self.router_aux_loss_coef
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 0:
+      raise ValueError(
+        f"learner.router_aux_loss_coef={c!r}: give a number >= 0 (0: off; transformers' default weight is 0.001)."
+      )
     if self.method.centering is not None and self.grad_path == "ghost" and self.ghost_passes != 1:
       raise ValueError(
         f"learner.ghost_passes={self.ghost_passes!r} with vcpo.score_centering={self.method.centering[0]!r}: the "
@@ -229,6 +240,7 @@ class LearnerSection:
   microbatch_size: int = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
   ppo_epochs: int = LearnerConfig.ppo_epochs  # passes over each batch per step (policy-loss methods only)
   minibatches: int = LearnerConfig.minibatches  # updates per pass, each on whole groups; pi_old once per step
+  router_aux_loss_coef: float = LearnerConfig.router_aux_loss_coef  # MoE: weight of the router balance loss (0: off)
   on_nonfinite: str = "skip"  # skip the update and log | abort with the step range
 
   def __post_init__(self):
@@ -501,7 +513,7 @@ def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None, behavior_p
   grads, aux = _gradient_rows(graphdef, params, batch, cfg, step, behavior_params, frozen)
   if "drift_tokens_n" in aux:
     aux = dict(aux, **sc_lib.drift_scalars(aux))
-  return grads, aux
+  return _add_router_aux(graphdef, params, batch, cfg, grads, aux, frozen, cfg.microbatches(batch["tokens"].shape[0]))
 
 
 def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_params, frozen):
@@ -540,6 +552,48 @@ def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_p
     rows["coef_n"] = rows["coef_n"] / z
   grads = jax.tree.map(lambda a, p: (a / z).astype(p.dtype), acc, params)
   return grads, dict(cfg.method.metrics(rows), **rows, pg_loss=jnp.sum(losses) / z)
+
+
+def router_aux_loss(graphdef, params, batch) -> jax.Array:
+  """transformers' load-balancing loss of an MoE model on the batch (`moe.load_balancing_loss`), a float32 scalar.
+
+  Over every MoE layer and the batch's valid tokens (batch["valid_mask"], transformers' attention_mask), the
+  router logits of the forward the learner's log-probs make: with model.routing_replay and a routing record,
+  the replayed experts are the ones counted (its gradient flows through the router probabilities only).
+  """
+  model = nnx.merge(graphdef, params)
+  cfg = model.cfg
+  if cfg.moe is None:
+    raise ValueError("learner.router_aux_loss_coef > 0 on a dense model: it has no router; set it to 0.")
+  positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
+  replay = transformer.replay_routing(cfg, _token_experts(batch))
+  with moe.routing() if isinstance(replay, contextlib.nullcontext) else replay as rec:
+    model(batch["tokens"], positions, mask, hidden=True)
+  n_layers, b, t, e = rec.router_logits.shape
+  logits, ids = rec.router_logits.reshape(n_layers, b * t, e), rec.expert_ids.reshape(n_layers, b * t, -1)
+  return moe.load_balancing_loss(logits, cfg.num_experts_per_tok, batch["valid_mask"].reshape(-1), ids)
+
+
+def _add_router_aux(graphdef, params, batch, cfg: LearnerConfig, grads, aux, frozen, k: int):
+  """grads + c grad(router_aux_loss) and aux["router_aux_loss"], c = cfg.router_aux_loss_coef; as given when c = 0.
+
+  k > 1 micro-batches (whole groups, as `_gradient_rows` splits them): the mean over them of each one's loss
+  (transformers computes it per forward call), one forward and backward of a micro-batch at a time.
+  """
+  c = cfg.router_aux_loss_coef
+  if not c:
+    return grads, aux
+  value_grad = jax.value_and_grad(lambda p, b: router_aux_loss(graphdef, lora.combine(p, frozen), b))
+  n = batch["tokens"].shape[0]
+  if k == 1:
+    value, g = value_grad(params, batch)
+  else:
+    mbs = jax.tree.map(lambda x: x.reshape((k, n // k) + x.shape[1:]), batch)
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    body = lambda acc, mb: (jax.tree.map(lambda a, x: a + x.astype(jnp.float32) / k, acc, value_grad(params, mb)), None)
+    value, g = jax.lax.scan(body, zeros, mbs)[0]
+  grads = jax.tree.map(lambda a, x: (a + c * x).astype(a.dtype), grads, g)
+  return grads, dict(aux, router_aux_loss=value)
 
 
 def _guarded_update(tx, params, opt_state, grads, loss, lr_scale):
@@ -599,6 +653,7 @@ def _multi_update_step(graphdef, tx, cfg: LearnerConfig, state: TrainState, batc
     params, opt_state = carry
     fn = _bound_policy_loss(cfg.method, mb, version)
     grads, loss, lm = policy_losses.loss_gradient(fn, logp_fn, params, mb, mb["advantage"], mb["old_logp"])
+    grads, lm = _add_router_aux(graphdef, params, mb, cfg, grads, lm, frozen, 1)
     params, opt_state, out = _guarded_update(tx, params, opt_state, grads, loss, lr_scale)
     out.update({f"loss/{k}": v for k, v in lm.items()}, pg_loss=loss)
     return (params, opt_state), out

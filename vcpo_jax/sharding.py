@@ -176,6 +176,58 @@ def batch_local(fn, args: tuple, batched: tuple, n: int, reduce: bool = False):
   return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
 
 
+def expert_shards(num_experts: int) -> int:
+  """Devices the MoE experts are split over under the mesh being traced with: EXPERT_AXIS's size, or 1.
+
+  1 without a mesh, when the axis is 1, Manual, or does not divide num_experts (`spec_for` then replicates the
+  experts, and each device runs them all: `batch_local`).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+    return 1
+  if dict(zip(mesh.axis_names, mesh.axis_types))[EXPERT_AXIS] == AxisType.Manual:
+    return 1
+  size = mesh.shape[EXPERT_AXIS]
+  return size if size > 1 and num_experts % size == 0 else 1
+
+
+# How `expert_local` splits an argument or an output over the mesh (leading axis; other axes whole):
+#   "batch"    split over the batch axes (when they split the n rows), replicated over the expert axis: a token array
+#   "rows"     split over the batch axes and the expert axis: each device its own block (expert-sorted rows)
+#   "experts"  split over the expert axis: each device its E / shards experts (an expert weight [E, ...])
+#   "partial"  an output only: [shards, ...] stacked over the expert axis, the batch axes on its second axis; sum
+#              over axis 0 for the total (each device's contribution from its own experts)
+EXPERT_LOCAL_KINDS = ("batch", "rows", "experts", "partial")
+
+
+def expert_local(fn, args: tuple, kinds: tuple, n: int, out_kinds):
+  """fn(batch_index, expert_index, *args) on each device of a mesh whose EXPERT_AXIS splits the experts.
+
+  Expert parallelism (`expert_shards` > 1): a shard_map over the mesh (every axis manual), arguments and outputs laid
+  out by kind (EXPERT_LOCAL_KINDS); batch_index is the device's position along the batch axes (0 when they do not
+  split the n rows: the tokens are then whole on every device), expert_index its position along EXPERT_AXIS. The
+  body holds no collective: a "partial" output is summed by the caller outside (an all-reduce over the expert axis,
+  whose gradient the compiler transposes), and a "batch" input's cotangents are summed over the expert axis by
+  shard_map's transpose.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1) if batch_shards(n) > 1 else ()
+  batch = axes or None
+  spec = {
+    "batch": P(batch),
+    "rows": P(axes + (EXPERT_AXIS,)),
+    "experts": P(EXPERT_AXIS),
+    "partial": P(EXPERT_AXIS, batch),
+  }
+
+  def local(*a):
+    return fn(jax.lax.axis_index(axes) if axes else 0, jax.lax.axis_index(EXPERT_AXIS), *a)
+
+  out_specs = jax.tree.map(spec.__getitem__, out_kinds)
+  in_specs = tuple(spec[k] for k in kinds)
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
 def tie(x: jax.Array, w):
   """(x, w) through `lax.optimization_barrier` under the mesh being traced with; as given without one.
 

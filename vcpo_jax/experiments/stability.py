@@ -432,6 +432,7 @@ LATER_FIELDS = {
   ("model", "scan_layers"): True,  # the execution layout only: scanned and unrolled layers give equal results
   ("model", "routing_replay"): False,  # MoE routing replay (h41): a dense model ignores it
   ("model", "moe_matmul"): "ragged",  # the MoE experts' matmul implementation (h41): dense models have none
+  ("learner", "router_aux_loss_coef"): 0.0,  # the MoE router's load-balancing loss weight (h41e): off
 }
 
 

@@ -94,8 +94,9 @@ class ModelConfig:
     norm_topk_prob: the K gates are renormalised to sum to 1 (Qwen3-30B-A3B: True).
     decoder_sparse_step, mlp_only_layers: which layers are MoE blocks (`MoESpec.is_sparse`, transformers'
       rule). The layers run as one scan, so they must be all sparse (step 1, no mlp_only_layers) or all dense.
-    router_aux_loss_coef: weight of the router's load-balancing loss in the training loss (0 = off, RL's
-      default; transformers applies its 0.001 only with output_router_logits).
+    router_aux_loss_coef: the checkpoint's weight of the router's load-balancing loss (transformers applies its
+      0.001 only with output_router_logits; 0 otherwise). Never applied by itself: the learner's loss gains the
+      aux only with learner.router_aux_loss_coef > 0 (RL's default is 0).
     routing_replay: the learner's log-probs route each token through the experts the sampler recorded for it
       (the Batch's expert_ids; R3, `moe` module docstring), gates from the learner's router; off (default),
       or a dense model, or a batch without the record: the learner's own top-K. How the model is computed

@@ -16,6 +16,10 @@ Dispatch sorts the M K assignments by expert (`dispatch`) and runs each expert m
 `jax.lax.ragged_dot` over the sorted rows with per-expert group sizes, so no [M, E, F] one-hot
 product is formed; `combine` gathers the rows back to token order and sums over k.
 
+Expert parallelism: under a mesh whose expert axis (`sharding.EXPERT_AXIS`) divides E, each device holds and runs
+E / S experts on its tokens and the partial outputs are summed over the axis (`_expert_parallel`); the tokens are
+whole on every device of that axis, so no all-to-all is needed. Selected automatically (`sharding.expert_shards`).
+
 Routing replay (R3): given recorded expert ids S*_mk (the sampler's), the block uses them instead
 of its own top-K, with the gates recomputed from the learner's router: g_mk = p_m[S*_mk]
 (renormalised over the recorded set if norm_topk_prob). The experts are then the sampler's, and
@@ -53,8 +57,8 @@ from vcpo_jax.model.taps import TapInfo, tap
 class MoESpec:
   """The MoE fields of a Qwen3-MoE config (transformers' Qwen3MoeConfig names and defaults, except the aux coef).
 
-  router_aux_loss_coef: weight of `load_balancing_loss` in the training loss; 0 = off (RL's default;
-  transformers' default is 0.001 and applies only with output_router_logits).
+  router_aux_loss_coef: the checkpoint's weight of `load_balancing_loss` (transformers' default 0.001, applied by
+  it only with output_router_logits; 0 here otherwise); the learner applies learner.router_aux_loss_coef instead.
   """
 
   num_experts: int
@@ -294,12 +298,17 @@ def experts_forward(
   example_r = token_r // tokens_per_example (the row's sequence, tokens flattened from [B, T]).
   impl: the grouped matmul (`grouped_matmul`).
 
-  Under a mesh that splits the tokens' batch, every device dispatches its own tokens (`sharding.batch_local`: a
-  sort of its M / shards tokens and grouped matmuls over its rows; a global sort would gather every token on
-  every device): the rows are then device-major, expert-sorted within each device's block.
+  Under a mesh whose expert axis splits the experts (`sharding.expert_shards` > 1) the experts run expert-parallel
+  (`_expert_parallel`). Otherwise, under a mesh that splits the tokens' batch, every device dispatches its own
+  tokens (`sharding.batch_local`: a sort of its M / shards tokens and grouped matmuls over its rows, with every
+  expert; a global sort would gather every token on every device): the rows are then device-major,
+  expert-sorted within each device's block.
   """
   dtype = dtype or x_md.dtype
   m, e = x_md.shape[0], gate_edf.shape[0]
+  shards = sh.expert_shards(e)
+  if shards > 1:
+    return _expert_parallel(x_md, (gate_edf, up_edf, down_efd), routing, shards, dtype, name, tokens_per_example, impl)
   local = lambda fn, args, batched: sh.batch_local(fn, args, batched, m)
 
   def dispatch_local(index, x, ids):  # this device's tokens sorted by expert; example ids of the whole batch
@@ -311,15 +320,75 @@ def experts_forward(
 
   def grouped(which, a_rd, w):
     y = local(lambda _, a, s, w: grouped_matmul(a, w, s[0], impl), (a_rd, sizes, w.astype(dtype)), (1, 1, 0))
-    if name is None:
-      return y
-    tname = f"{name}.{which}"
-    return tap(tname, TapInfo("expert", tname, spec=impl), {"a": a_rd, "expert": expert_r, "example": example_r}, y)
+    return _tap_expert(name, which, impl, a_rd, expert_r, example_r, y)
 
   h = jax.nn.silu(grouped("gate_proj", x_rd, gate_edf)) * grouped("up_proj", x_rd, up_edf)
   out_rd = grouped("down_proj", h, down_efd)
   combine_local = lambda _, out, g, order: combine(out, g, Dispatch(order, None, None, None))
   return local(combine_local, (out_rd, routing.gates_mk.astype(dtype), order_r), (1, 1, 1))
+
+
+def _tap_expert(name, which, impl, a_rd, expert_r, example_r, y):
+  """y tapped as the "expert" matmul "{name}.{which}" (the identity when name is None)."""
+  if name is None:
+    return y
+  tname = f"{name}.{which}"
+  return tap(tname, TapInfo("expert", tname, spec=impl), {"a": a_rd, "expert": expert_r, "example": example_r}, y)
+
+
+def _expert_parallel(x_md, weights, routing: Routing, shards: int, dtype, name, tokens_per_example, impl):
+  """Expert parallelism: device j of the expert axis holds experts [j E / S, (j + 1) E / S) and runs them only.
+
+  S = shards. The tokens are whole on every device of the expert axis (the residual stream is replicated over it,
+  split over the batch axes), so routing a token to the device of its expert needs no all-to-all: each device
+  sorts its tokens' assignments to its own experts first (the others last, zero rows that no group covers),
+  runs the grouped matmuls over its E / S experts' weights (never gathered: `sharding.expert_local`), and combines
+  its gated rows into a partial y; the partials are summed over the expert axis (an all-reduce of [M, D] float32,
+  as a tensor-parallel MLP's). Rows per device: its M K assignments (dropless; the local ones first).
+  Tapped rows are the devices' blocks (batch-major, then expert axis), expert ids global; a row another device
+  runs has a = 0 and d = 0 here, so it adds nothing to any norm or update.
+  """
+  m, k = routing.expert_ids_mk.shape
+  e = weights[0].shape[0]
+  el = e // shards
+  local = lambda fn, args, kinds, out: sh.expert_local(fn, args, kinds, m, out)
+
+  def mine(t, ids):  # [M, K] bool, this device holds the expert; the local expert index
+    lid = ids - t * el
+    return (lid >= 0) & (lid < el), lid
+
+  def dispatch_local(b, t, x, ids):
+    own, lid = mine(t, ids)
+    disp = dispatch(jnp.where(own, lid, el), el + 1)  # group el: the other devices' assignments, sorted last
+    kept = disp.expert_r < el
+    example = (b * x.shape[0] + disp.token_r) // max(tokens_per_example, 1)
+    rows = jnp.where(kept[:, None], x[disp.token_r], 0)
+    expert = jnp.minimum(disp.expert_r, el - 1) + t * el  # global ids; a foreign row takes the last local id
+    return rows, disp.order_r, expert, disp.group_sizes_e[None, :el], example
+
+  kinds = ("batch", "batch")
+  x_rd, order_r, expert_r, sizes, example_r = local(
+    dispatch_local, (x_md.astype(dtype), routing.expert_ids_mk), kinds, ("rows",) * 5
+  )
+
+  def grouped(which, a_rd, w):
+    mm = lambda _b, _t, a, s, w: grouped_matmul(a, w, s[0], impl)
+    y = local(mm, (a_rd, sizes, w.astype(dtype)), ("rows", "rows", "experts"), "rows")
+    return _tap_expert(name, which, impl, a_rd, expert_r, example_r, y)
+
+  gate_edf, up_edf, down_efd = weights
+  h = jax.nn.silu(grouped("gate_proj", x_rd, gate_edf)) * grouped("up_proj", x_rd, up_edf)
+  out_rd = grouped("down_proj", h, down_efd)
+
+  def combine_local(_b, t, out, g, ids, order):
+    own, _ = mine(t, ids)
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(g.shape[0] * k, dtype=jnp.int32))
+    out_mkd = jnp.where(own[..., None], out[inv].reshape(*own.shape, -1), 0)
+    return jnp.einsum("mkd,mk->md", out_mkd, jnp.where(own, g, 0), preferred_element_type=jnp.float32)[None]
+
+  args = (out_rd, routing.gates_mk.astype(dtype), routing.expert_ids_mk, order_r)
+  partial = local(combine_local, args, ("rows", "batch", "batch", "rows"), "partial")
+  return jnp.sum(partial, axis=0).astype(dtype)
 
 
 class MoEOutput(NamedTuple):
@@ -364,7 +433,7 @@ def load_balancing_loss(router_logits_lme, top_k: int, mask_m=None, expert_ids_l
 
   pooled over the L MoE layers (not a mean of per-layer losses); S_lm = top-K of p_lm = softmax(logits)
   unless expert_ids_lmk [L, M, K] gives them (the replayed experts). Gradient through P only.
-  Scaled by MoESpec.router_aux_loss_coef by the caller (off by default).
+  Scaled by learner.router_aux_loss_coef in the learner's loss (`learner.router_aux_loss`; off by default).
   """
   logits = jnp.asarray(router_logits_lme, jnp.float32)
   if logits.ndim == 2:
