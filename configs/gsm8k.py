@@ -27,6 +27,7 @@ import os
 import ml_collections
 
 from configs import common
+from vcpo_jax.rl import choices
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2-1.5B")  # local HF checkpoint (download as above)
 DATA_PATH = os.path.expanduser("~/data/gsm8k/main/train-00000-of-00001.parquet")  # GSM8K train split
@@ -37,7 +38,7 @@ def get_config(arg: str | None = None):
   c = common.get_base_config()
   c.steps = 500  # learner steps (not in the released table)
   c.mode = "async"  # released runs are asynchronous (sampler process + shared-memory queue)
-  c.method = "vcpo"  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
+  c.method = choices.preset("vcpo")  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
   c.lag.k = 12  # released staleness budget for GSM8K
   c.task.name = "gsm8k"  # scored on the "#### N" answer (boxed / "answer is" as fallbacks)
   c.task.data_path = DATA_PATH  # local parquet/jsonl in the GSM8K schema

@@ -32,6 +32,7 @@ import os
 import ml_collections
 
 from configs import common
+from vcpo_jax.rl import choices
 from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B-Instruct")  # local HF checkpoint (download as above)
@@ -47,7 +48,7 @@ def get_config(arg: str | None = None):
   c = common.get_base_config()
   c.steps = 300  # learner steps (not in the released table)
   c.mode = "async"  # released: a sampler process at most lag.k versions ahead (see docstring)
-  c.method = "vcpo"  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
+  c.method = choices.preset("vcpo")  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
   c.lag.k = 2  # released staleness budget for tool use
   c.task.name = "aime"  # integer answers, graded like AIME (boxed / "answer is")
   c.task.data_path = DATA_PATH  # local parquet/jsonl in the AIME schema (problem, answer)
