@@ -102,8 +102,8 @@ def get_config(arg: str | None = None):
   # One sampler process with 4 chips and 128 rows: 44.4 / 41.1; on 2 chips per worker use (-1, 1, 2): 47.5 / 44.6.
   c.sampler.mesh_shape = (-1, 1, 4)  # (data, fsdp, tensor) of the async sampler: tensor 4 = the 4 KV heads
   c.sampler.max_batch = 0  # rows per sampler call: all 2048 in one (fits 64 devices on this mesh); 1024 halves it
-  c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
-  c.vcpo.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented)
+  c.method.weights.c = 8.0  # sequence TIS truncation c (released)
+  c.method.lr.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented)
   c.optim.lr = 1e-6  # released AdamW learning rate
   c.optim.weight_decay = 0.1  # released
   c.optim.clip_norm = 1.0  # released global-norm clip

@@ -169,7 +169,10 @@ def check_keys(cls, d, prefix: str = ""):
       if k not in fields:
         unknown_field(f"{prefix}{k}", d[k], [f"{prefix}{n}" for n in fields])
   for name, f in fields.items():
-    if name not in d or not hasattr(d[name], "items") or "tree" in f.metadata:  # a tree's build checks it
+    if name not in d or not hasattr(d[name], "items"):
+      continue
+    if "tree" in f.metadata:  # a tree's build checks its keys (and values)
+      f.metadata["tree"][1](d[name])
       continue
     allowed = f.metadata.get("keys")
     if dataclasses.is_dataclass(hints[name]):

@@ -144,7 +144,7 @@ def _make(path: str, name: str | None, make):
   except (TypeError, ValueError) as e:
     msg = " ".join(str(e).split())
     m = re.match(r"(?:\w+: )?([a-z_]\w*)=(.*)", msg)
-    if m and name is not None:
+    if m and (name is not None or m.group(1) in SCALARS):
       return _raise(f"config.{path}.{m.group(1)}={m.group(2)}")
     what = f" {name!r}" if name else ""
     return _raise(f"config.{path}{what}: {msg}")
@@ -209,15 +209,16 @@ def set_paths(config: ml_collections.ConfigDict, items) -> None:
   """Sets each (path, value) on config.method (path "method[.PART[.FIELD]]"; a str value is parsed to the field's
   type, as schema.split_args gives them): presets first, then parts' choices, then fields, each in its given order.
 
-  A part switched to another choice gets that choice's defaults (the old one's fields are gone); a field that the
-  chosen choice does not have is a ConfigError naming the nearest fields."""
+  A part switched to another choice gets that choice's defaults (the old one's fields are gone; the same choice
+  again keeps them); a field that the chosen choice does not have is a ConfigError naming the nearest fields."""
   with config.unlocked():
     for path, value in sorted(items, key=lambda a: _rank(a[0])):
       keys = path.split(".")[1:]
       if not keys:
         config[ROOT] = preset(value)
       elif _rank(path) == 1:
-        config[ROOT][keys[0]] = choice(keys[0], value)
+        if config[ROOT].get(keys[0], {}).get(NAME) != value:  # the same choice again keeps its fields
+          config[ROOT][keys[0]] = choice(keys[0], value)
       elif len(keys) == 1 and keys[0] in SCALARS:
         config[ROOT][keys[0]] = _typed(path, value, config[ROOT].get(keys[0], SCALARS[keys[0]]))
       elif len(keys) == 2 and keys[0] in PARTS:
