@@ -12,9 +12,11 @@ signature or its dataclass: `tis()` -> c = 8.0), so no default is written here. 
 as that ConfigDict (`preset("ppo_clip")` is tree(PRESETS["ppo_clip"])); `build(tree)` makes the Method back,
 refusing an unknown choice or a field the chosen choice does not have with one line that names the nearest
 names. On the command line (main.py: schema.split_args, then `set_paths`): `--config.method=PRESET` replaces the tree,
-`--config.method.PART=NAME` replaces a part by that choice at its defaults, `--config.method.PART.FIELD=VALUE`
-sets one field; presets first, then parts, then fields, whatever their order. A config file writes
-`c.method = choices.preset("ppo_clip")`, `c.method.weights = choices.choice("weights", "tis", c=4.0)`.
+`--config.method.PART=NAME` replaces a part by that choice at its defaults (the same name keeps its fields),
+`--config.method.PART.FIELD=VALUE` sets one field; presets first, then parts, then fields, whatever their order.
+A config file writes `c.method = choices.preset("ppo_clip")`, `c.method.weights = choices.choice("weights", "tis",
+c=4.0)` or `c.method.lr.rho_on = 0.9`. The choices are the registries themselves (WEIGHT_VARIANTS, POLICY_LOSSES,
+the advantage factories), so a new weight variant or peer loss is a choice here with no edit to this file.
 """
 
 from __future__ import annotations
