@@ -997,4 +997,4 @@ def test_every_registry_entry_has_a_doc_string():
     assert not empty, empty
   assert set(E.PRESET_DOCS) <= set(E.PRESETS)  # a line for a preset that exists
   assert all(presets.preset_doc(name).strip() for name in E.PRESETS)
-  assert "geo_lower" in E.PRESET_DOCS["geo_mask"]
+  assert "weights.lower" in E.PRESET_DOCS["geo_mask"]  # names its fields by their config path
