@@ -42,6 +42,13 @@ if not any(re.fullmatch(r"--?(?:verbosity|v)=[1-9]\d*", a) for a in sys.argv):
 from absl import app, flags
 from ml_collections import config_flags
 
+from vcpo_jax import schema
+
+# --config.method[.PART[.FIELD]]=VALUE: a method part is a named choice whose fields change with its name, which
+# ml_collections' override flags (read from sys.argv when the flag is defined) cannot express: they are taken out
+# here and main() sets them on the loaded config (rl.choices.set_paths), presets, then choices, then fields.
+sys.argv[:], _METHOD_ARGS = schema.split_args(sys.argv, "method")
+
 config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py[:variant]).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, plots. Reused to resume.")
 flags.DEFINE_bool(
@@ -94,6 +101,7 @@ def _overrides(argv) -> dict[str, str]:
 
 def parse_flags(argv):
   """absl's flag parsing, with an unknown --config.FIELD or a bad flag value reported on one line."""
+  argv = schema.split_args(argv, "method")[0]  # taken out of sys.argv too, above: main() sets them
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
@@ -167,13 +175,20 @@ def main(argv):
       FLAGS.config.keys()  # a config file that could not be loaded raises its error here
   except (OSError, ImportError, SyntaxError) as e:
     _die(e, sys.argv, f"--config: {e}")
-  if FLAGS.config_help:
+  config = FLAGS.config
+  if FLAGS.config_help or _METHOD_ARGS:
     from configs import common
 
-    if FLAGS.config is None:
-      print(common.help_text(common.get_base_config()))
-    else:
-      print(common.help_text(FLAGS.config, FLAGS["config"].config_filename.split(":")[0]))
+    config = common.get_base_config() if config is None and FLAGS.config_help else config
+  if _METHOD_ARGS and config is not None:
+    from vcpo_jax.rl import choices
+
+    try:
+      choices.set_paths(config, _METHOD_ARGS)
+    except ValueError as e:
+      _die(e, sys.argv)
+  if FLAGS.config_help:
+    print(common.help_text(config, FLAGS["config"].config_filename.split(":")[0] if FLAGS.config is not None else None))
     return
   for name in ("config", "workdir"):
     if FLAGS[name].value is None:
@@ -186,7 +201,7 @@ def main(argv):
   from vcpo_jax import run_config  # after flag parsing: keeps --help fast
 
   try:
-    summary = train(FLAGS.config, FLAGS.workdir, FLAGS.allow_config_change, FLAGS.compile_cache)
+    summary = train(config, FLAGS.workdir, FLAGS.allow_config_change, FLAGS.compile_cache)
   except run_config.ConfigError as e:
     _die(e, sys.argv)
   logging.getLogger("vcpo_jax").debug("done: %s", summary)

@@ -32,8 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = {
   "vcpo": ("vcpo", {}),
   "vcpo_sc": ("vcpo_sc", {}),
-  "vcpo_sc_top8": ("vcpo", {"vcpo.score_centering": "topk", "vcpo.sc_topk": 8}),
-  "vcpo_sc_top64": ("vcpo", {"vcpo.score_centering": "topk", "vcpo.sc_topk": 64}),
+  "vcpo_sc_top8": ("vcpo", {"method.loss.score_centering": "topk", "method.loss.sc_topk": 8}),
+  "vcpo_sc_top64": ("vcpo", {"method.loss.score_centering": "topk", "method.loss.sc_topk": 64}),
   "tis_sc": ("tis_sc", {}),
   "ipo": ("ipo", {"learner.minibatches": 2}),
   "kpop": ("kpop", {"learner.minibatches": 2}),
@@ -43,10 +43,12 @@ METHODS = {
 def _spec(preset: str, fields: dict):
   from configs import countdown
   from vcpo_jax import run_config
+  from vcpo_jax.rl import choices
 
   c = countdown.get_config(None)
-  c.method, c.mode = preset, "lag"
-  for path, value in fields.items():
+  c.method, c.mode = choices.preset(preset), "lag"
+  choices.set_paths(c, [(p, v) for p, v in fields.items() if p.startswith("method.")])
+  for path, value in ((p, v) for p, v in fields.items() if not p.startswith("method.")):
     *parents, leaf = path.split(".")
     node = c
     for name in parents:

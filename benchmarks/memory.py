@@ -199,7 +199,7 @@ def load_setting(
   The config goes through `run_config.parse_config` like a real run (its data paths and checkpoint
   cleared: nothing is read), so every learner / model option it sets reaches the compiled step.
   batch / prompt_len / new_tokens (0 = the config's) shrink the run for quick checks and tests.
-  score_centering="exact": the config's method with exact score centering (vcpo.score_centering), run in
+  score_centering="exact": the config's method with exact score centering (method.loss.score_centering), run in
   mode='lag' (where the behaviour version exists; the config's lag.k): the learner step then also reads the
   behaviour parameters and runs their forward (`compile_learner`), on the one-pass ghost step.
   grad_telemetry=False: learner.grad_telemetry off (the step without the grad/ metrics).
@@ -226,9 +226,9 @@ def load_setting(
   if prompt_len:
     c.task.max_prompt_len = prompt_len
   if score_centering:
-    c.vcpo.score_centering = score_centering
+    c.method.loss.score_centering = score_centering
     if score_centering == "topk":  # the sampler's record, K = 64 (the learner reads [N, T, 64] ids and log-probs)
-      c.vcpo.sc_topk = TOPK
+      c.method.loss.sc_topk = TOPK
     else:
       c.mode = "lag"
     c.learner.ghost_passes = 1  # the centered score's dense head term runs in the one-pass ghost step only

@@ -72,9 +72,10 @@ def build(method: str, telemetry="True"):
   from vcpo_jax import learner, run_config
   from vcpo_jax.model import tokenizer as tok_lib
   from vcpo_jax.model import transformer
+  from vcpo_jax.rl import choices
 
   c = countdown.get_config(None)
-  c.method = method
+  c.method = choices.preset(method)
   spec = run_config.parse_config(c)
   tok = tok_lib.build_char_tokenizer()
   model_cfg = spec.model_cfg.replace(vocab_size=max(spec.model_cfg.vocab_size, len(tok)))

@@ -18,6 +18,7 @@ steps where they do (measured numbers: docs/results/cpu_default.md). Launch:
 """
 
 from configs import common
+from vcpo_jax.rl import choices
 
 
 def get_config(arg: str | None = None):
@@ -25,7 +26,7 @@ def get_config(arg: str | None = None):
   c.steps = 200  # RL steps; eval accuracy plateaus after ~150 at this lr
   c.mode = "async"  # sampler process + shared-memory queue (sync: k = 0 in one process; lag: exact staleness k)
   c.lag.k = 4  # lag bound: rollouts are at most 4 learner steps old, so the ESS falls below 1 and the brake acts
-  c.method = "vcpo"  # ESS-scaled lr + OPOB + sequence TIS c = 8 on GRPO advantages
+  c.method = choices.preset("vcpo")  # ESS-scaled lr + OPOB + sequence TIS c = 8 on GRPO advantages
   c.task.name = "countdown"  # generated, solver-checked instances; exact-fraction verifier
   c.task.template = "{numbers}>{target}:"  # short prompt for a char-level model
   c.task.gen.num_numbers = (2, 2)  # 2 numbers: a 0.4M model learns the arithmetic (3: ~30% after any warm start)

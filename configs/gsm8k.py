@@ -27,6 +27,7 @@ import os
 import ml_collections
 
 from configs import common
+from vcpo_jax.rl import choices
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2-1.5B")  # local HF checkpoint (download as above)
 DATA_PATH = os.path.expanduser("~/data/gsm8k/main/train-00000-of-00001.parquet")  # GSM8K train split
@@ -37,7 +38,7 @@ def get_config(arg: str | None = None):
   c = common.get_base_config()
   c.steps = 500  # learner steps (not in the released table)
   c.mode = "async"  # released runs are asynchronous (sampler process + shared-memory queue)
-  c.method = "vcpo"  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
+  c.method = choices.preset("vcpo")  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
   c.lag.k = 12  # released staleness budget for GSM8K
   c.task.name = "gsm8k"  # scored on the "#### N" answer (boxed / "answer is" as fallbacks)
   c.task.data_path = DATA_PATH  # local parquet/jsonl in the GSM8K schema
@@ -72,8 +73,8 @@ def get_config(arg: str | None = None):
   c.model.shape.model_type = "qwen2"  # model_type
   c.sampler.temperature = 1.0  # released training temperature
   c.sampler.prefill_chunk = 512  # prompt tokens per prefill pass: prefill memory flat in depth
-  c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
-  c.vcpo.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for GSM8K)
+  c.method.weights.c = 8.0  # sequence TIS truncation c (released)
+  c.method.lr.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for GSM8K)
   c.optim.lr = 1e-6  # released AdamW learning rate
   c.optim.weight_decay = 0.1  # released
   c.optim.clip_norm = 1.0  # released global-norm clip

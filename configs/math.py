@@ -29,6 +29,7 @@ import os
 import ml_collections
 
 from configs import common
+from vcpo_jax.rl import choices
 from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B")  # local HF checkpoint (download as above)
@@ -44,7 +45,7 @@ def get_config(arg: str | None = None):
   c = common.get_base_config()
   c.steps = 400  # learner steps (not in the released table)
   c.mode = "async"  # released runs are asynchronous
-  c.method = "vcpo"  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
+  c.method = choices.preset("vcpo")  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
   c.lag.k = 10  # released staleness budget for MATH (stress: 16..128 with mode=lag)
   c.task.name = "math"  # reference = last \boxed{} of the solution; math-verify equivalence
   c.task.data_path = DATA_PATH  # local parquet/jsonl in the MATH schema
@@ -81,8 +82,8 @@ def get_config(arg: str | None = None):
   c.model.shape.model_type = "qwen2"  # model_type
   c.sampler.temperature = 1.0  # released training temperature
   c.sampler.prefill_chunk = 512  # prompt tokens per prefill pass: prefill memory flat in depth
-  c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
-  c.vcpo.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for MATH)
+  c.method.weights.c = 8.0  # sequence TIS truncation c (released)
+  c.method.lr.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for MATH)
   c.optim.lr = 1e-6  # released AdamW learning rate
   c.optim.weight_decay = 0.1  # released
   c.optim.clip_norm = 1.0  # released global-norm clip

@@ -32,6 +32,7 @@ import os
 import ml_collections
 
 from configs import common
+from vcpo_jax.rl import choices
 from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B-Instruct")  # local HF checkpoint (download as above)
@@ -47,7 +48,7 @@ def get_config(arg: str | None = None):
   c = common.get_base_config()
   c.steps = 300  # learner steps (not in the released table)
   c.mode = "async"  # released: a sampler process at most lag.k versions ahead (see docstring)
-  c.method = "vcpo"  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
+  c.method = choices.preset("vcpo")  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
   c.lag.k = 2  # released staleness budget for tool use
   c.task.name = "aime"  # integer answers, graded like AIME (boxed / "answer is")
   c.task.data_path = DATA_PATH  # local parquet/jsonl in the AIME schema (problem, answer)
@@ -101,8 +102,8 @@ def get_config(arg: str | None = None):
   # One sampler process with 4 chips and 128 rows: 44.4 / 41.1; on 2 chips per worker use (-1, 1, 2): 47.5 / 44.6.
   c.sampler.mesh_shape = (-1, 1, 4)  # (data, fsdp, tensor) of the async sampler: tensor 4 = the 4 KV heads
   c.sampler.max_batch = 0  # rows per sampler call: all 2048 in one (fits 64 devices on this mesh); 1024 halves it
-  c.vcpo.tis_c = 8.0  # sequence TIS truncation c (released)
-  c.vcpo.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented)
+  c.method.weights.c = 8.0  # sequence TIS truncation c (released)
+  c.method.lr.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented)
   c.optim.lr = 1e-6  # released AdamW learning rate
   c.optim.weight_decay = 0.1  # released
   c.optim.clip_norm = 1.0  # released global-norm clip

@@ -111,9 +111,9 @@ ATTRIBUTION_METHODS = (
   "vcpo_loo_opob",  # VCPO with the leave-one-out OPOB
 )
 ATTRIBUTION_VARIANTS = {  # name -> (preset, ((run-config path, value), ...)): one part changed, no new flag
-  "seq_tis_c4": ("seq_tis", (("vcpo.tis_c", 4.0),)),
-  "seq_tis_c8": ("seq_tis", (("vcpo.tis_c", 8.0),)),
-  "vcpo_cap4": ("vcpo", (("vcpo.tis_c", 4.0),)),
+  "seq_tis_c4": ("seq_tis", (("method.weights.c", 4.0),)),
+  "seq_tis_c8": ("seq_tis", (("method.weights.c", 8.0),)),
+  "vcpo_cap4": ("vcpo", (("method.weights.c", 4.0),)),
 }
 HORIZON_METHODS = ("none", "vcpo", "seq_tis_c4")  # + the attribution's best arm (--config.methods, the protocol's rule)
 PROTOCOL_METHODS = CLAIM_METHODS + tuple(m for m in CORRECTION_METHODS if m not in CLAIM_METHODS)
@@ -254,7 +254,8 @@ def get_config(arg: str | None = None):
     c.tuning.knobs = {m: KNOBS[m] for m in CORRECTION_METHODS}
     c.trainer.report = "corrections"  # docs/results/corrections.md
     c.trainer.method_variants = {  # VCPO centered from the sampler's recorded top-k (the tail modelled)
-      f"vcpo_sc_top{k}": ("vcpo", (("vcpo.score_centering", "topk"), ("vcpo.sc_topk", k))) for k in (8, 64)
+      f"vcpo_sc_top{k}": ("vcpo", (("method.loss.score_centering", "topk"), ("method.loss.sc_topk", k)))
+      for k in (8, 64)
     }
   if arg in ("protocol", "protocol_attribution", "protocol_horizon"):  # docs/results/claim_protocol.md
     c.backend = "trainer"
@@ -271,7 +272,10 @@ def get_config(arg: str | None = None):
     c.trainer.runs = "runs/claim_protocol"
     c.trainer.method_variants = {
       **ATTRIBUTION_VARIANTS,
-      **{f"vcpo_sc_top{k}": ("vcpo", (("vcpo.score_centering", "topk"), ("vcpo.sc_topk", k))) for k in (8, 64)},
+      **{
+        f"vcpo_sc_top{k}": ("vcpo", (("method.loss.score_centering", "topk"), ("method.loss.sc_topk", k)))
+        for k in (8, 64)
+      },
     }
     c.tuning.enabled = False
   if arg == "protocol":  # every method at every k, each at the knob the protocol's tuning rule picks

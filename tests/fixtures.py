@@ -141,6 +141,7 @@ def hf_logits(model, tokens_bt: np.ndarray, mask_bt: np.ndarray | None = None) -
 def tiny_countdown_config(**overrides):
   """configs/countdown.py:smoke shrunk to a 1-layer D=32 policy; overrides by dotted path ("lag.k": 2)."""
   from configs import countdown
+  from vcpo_jax.rl import choices
 
   c = countdown.get_config("smoke")
   c.model.hidden_size = 32
@@ -148,7 +149,9 @@ def tiny_countdown_config(**overrides):
   c.model.num_layers = 1
   c.task.max_new_tokens = 8
   c.eval.num_problems = 2
-  for key, value in overrides.items():
+  method = [(k, v) for k, v in overrides.items() if k.split(".")[0] == "method"]
+  choices.set_paths(c, method)  # a preset name, a part's choice or a field of the method tree (rl/choices.py)
+  for key, value in ((k, v) for k, v in overrides.items() if k.split(".")[0] != "method"):
     node = c
     *path, last = key.split(".")
     for p in path:

@@ -46,6 +46,14 @@ def test_identity_labels_the_run_from_its_config(tmp_path):
   assert ident["label"] == "seq_tis lag k=32 lr=0.0003 seed=2"
   sync = compare.identity(_write_run(tmp_path / "b", mode="sync", k=0))
   assert sync["label"] == "vcpo sync lr=0.0002 seed=0"  # no k in sync mode
+  # a run's config.json holds its method's tree (rl/choices.py): labelled by the preset and what differs from it
+  from vcpo_jax.rl import choices, presets
+
+  tree = choices.tree(presets.method_from_preset("vcpo", {"lr.rho_on": 0.5})).to_dict()
+  assert (
+    compare.identity(_write_run(tmp_path / "c", method=tree))["label"]
+    == "vcpo (lr.rho_on=0.5) async k=4 lr=0.0002 seed=0"
+  )
 
 
 def test_summary_numbers_by_hand(tmp_path):
@@ -155,9 +163,10 @@ def test_default_config_runs_async_and_prints_its_summary(tmp_path):
   import sys
 
   from configs import countdown
+  from vcpo_jax.rl import choices
 
   c = countdown.get_config()
-  assert (c.mode, c.lag.k, c.method) == ("async", 4, "vcpo")  # what README's first command runs
+  assert (c.mode, c.lag.k, c.method) == ("async", 4, choices.preset("vcpo"))  # what README's first command runs
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   work = tmp_path / "run"
   shrink = {

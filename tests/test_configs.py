@@ -1,5 +1,6 @@
 """Every config loads and parses; the released configs hold the paper's released values; smoke variants run;
-every bad value fails at parse time on one line naming the field; every field is on the command line."""
+every bad value fails at parse time on one line naming the field; every field is on the command line
+(the method's tree through main.py's own pass, rl/choices.py)."""
 
 import glob
 import importlib
@@ -11,10 +12,10 @@ import sys
 import pytest
 
 from configs import common
-from vcpo_jax import estimator, run_config, run_spec, schema, trainer
+from vcpo_jax import run_config, run_spec, schema, trainer
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.model import hf_io, policy, transformer
-from vcpo_jax.rl import flat
+from vcpo_jax.rl import choices
 from vcpo_jax.rl import method as method_lib
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -113,7 +114,7 @@ def test_released_hyperparameters(name, tiny_ckpt):
   c = _load(name)
   assert (c.task.prompts_per_step, c.task.group_size) == (P, G)
   assert (c.task.max_prompt_len, c.task.max_new_tokens) == (prompt_len, resp_len)
-  assert c.lag.k == k and c.vcpo.rho_on == rho_on
+  assert c.lag.k == k and c.method.lr.rho_on == rho_on
   assert c.optim.lr == 1e-6 and c.optim.weight_decay == 0.1 and c.optim.clip_norm == 1.0
   assert c.optim.schedule == "constant"
   assert c.sampler.temperature == 1.0 and c.sampler.top_p == 1.0
@@ -125,7 +126,7 @@ def test_released_hyperparameters(name, tiny_ckpt):
   # What the learner actually receives: VCPO on sequence TIS c = 8, ESS-scaled lr with this rho_on.
   spec = run_config.parse_config(_localize(c, tiny_ckpt))
   pg = spec.learner.method
-  assert spec.method == "vcpo" and pg.weights == method_lib.tis(8.0)
+  assert spec.method == pg and pg.weights == method_lib.tis(8.0)
   assert pg.lr is not None and pg.baseline is not None and pg.lr.rho_on == rho_on
   assert spec.k == k and spec.rollout.batch_size == P * G and spec.lr == 1e-6
   assert (spec.eval.temperature, spec.eval.top_p, spec.eval.n) == (0.8, 0.7, eval_n)
@@ -166,8 +167,12 @@ def test_smoke_variants_run(tmp_path):
   "mode,method,extra",
   [
     # decoupled PPO with its log-linear pi_prox (reads each row's policy_version) and 2 x 2 updates per step
-    ("lag", "decoupled_ppo", {"vcpo.decoupled_prox": "loglinear", "learner.ppo_epochs": 2, "learner.minibatches": 2}),
-    ("sync", "vcpo_tis_ess", {"vcpo.tis_ess_target": 0.99}),  # VCPO with the ESS-targeted cap, logged as tis_c
+    (
+      "lag",
+      "decoupled_ppo",
+      {"method.loss": "decoupled_ppo_loglinear", "learner.ppo_epochs": 2, "learner.minibatches": 2},
+    ),
+    ("sync", "vcpo_tis_ess", {"method.weights.target": 0.99}),  # VCPO with the ESS-targeted cap, logged as tis_c
   ],
 )
 @pytest.mark.slow
@@ -177,7 +182,8 @@ def test_issue13_methods_run(tmp_path, mode, method, extra):
   c = _load("countdown", "smoke")
   c.model.hidden_size, c.model.intermediate_size, c.model.num_layers = 32, 64, 1
   c.steps, c.checkpoint.every, c.log.norm_overhead_every = 2, 100, 0
-  c.mode, c.method = mode, method
+  c.mode = mode
+  _set(c, "method", method)
   if mode == "lag":
     c.lag.k = 1
   for k, v in extra.items():
@@ -239,19 +245,19 @@ BAD = [
   ("task.data_path", "/nonexistent/train.jsonl", "countdown"),
   ("task.gen.num_numbers", (0, 0), "countdown"),
   ("task.gen.foo", 1, "countdown"),
-  ("vcpo.tis_c", -1.0, "countdown"),
-  ("vcpo.geo_lower", 2.0, "countdown"),
-  ("vcpo.log_ratio_clamp", 0.0, "countdown"),
-  ("vcpo.opob_scope", "world", "countdown"),
-  ("vcpo.std", "biased", "countdown"),
-  ("vcpo.std_eps", -1.0, "countdown"),
+  ("method.weights.c", -1.0, "countdown"),
+  ("method.weights.cc", 4.0, "countdown"),  # a field the chosen weights (tis) do not have
+  ("method.weights", "geo", "countdown"),  # not a weight variant
+  ("method.log_ratio_clamp", 0.0, "countdown"),
+  ("method.baseline.scope", "world", "countdown"),
+  ("method.advantage.std", "biased", "countdown"),
+  ("method.advantage.std_eps", -1.0, "countdown"),
   ("learner.grad_path", "loop", "countdown"),
   ("learner.ghost_passes", 3, "countdown"),
   ("learner.ppo_epochs", 0, "countdown"),
   ("learner.minibatches", 2, "countdown"),  # countdown's method (vcpo) is a single-update method
-  ("vcpo.policy_loss", "trpo", "countdown"),
-  ("vcpo.tis_ess_target", 1.5, "countdown"),
-  ("vcpo.decoupled_prox", "linear", "countdown"),
+  ("method.loss", "trpo", "countdown"),
+  ("method.lr.rho_on", 0.0, "countdown"),
   ("learner.on_nonfinite", "ignore", "countdown"),
   ("eval.num_problems", 0, "countdown"),
   ("eval.n", 0, "countdown"),
@@ -272,6 +278,8 @@ BAD = [
 
 
 def _set(c, path, value):
+  if path.split(".")[0] == "method":  # as the command line sets it: a preset, a part's choice or a field
+    return choices.set_paths(c, [(path, value)])
   *parents, name = path.split(".")
   for p in parents:
     c = c[p]
@@ -294,9 +302,9 @@ def nothing_built(monkeypatch):
 @pytest.mark.parametrize("field,value,name", BAD, ids=[f"{f}={v}" for f, v, _ in BAD])
 def test_bad_value_fails_in_parsing_naming_the_field(field, value, name, tmp_path, nothing_built):
   c = _load(name, "smoke")
-  _set(c, field, value)
   workdir = tmp_path / "run"
   with pytest.raises(run_config.ConfigError) as e:
+    _set(c, field, value)  # a method tree's unknown name fails here, as on main.py's command line
     trainer.run(c, str(workdir))
   msg = str(e.value)
   assert "\n" not in msg and msg.startswith("config."), msg
@@ -313,18 +321,20 @@ def test_bad_value_fails_in_parsing_naming_the_field(field, value, name, tmp_pat
   [
     ({"learner.minibatches": 3}, r"config\.learner\.minibatches=3 does not divide the batch size N=8"),
     ({"learner.minibatches": 4}, r"config\.learner\.minibatches=4: a minibatch of N / 4 = 2 rows is not whole groups"),
-    ({"vcpo.policy_loss_kw": "eps_low=-1"}, r"config\.vcpo\.policy_loss_kw='eps_low=-1': eps_low=-1\.0: must be >= 0"),
-    ({"vcpo.policy_loss_kw": "eps"}, r"config\.vcpo\.policy_loss_kw='eps': 'eps' is not name=value"),
-    ({"vcpo.policy_loss_kw": "foo=1"}, r"config\.vcpo\.policy_loss_kw='foo=1': .*unknown hyper-parameters \['foo'\]"),
+    ({"method.loss.eps_low": -1.0}, r"^config\.method\.loss\.eps_low=-1\.0: "),
+    (
+      {"method.loss.eps": 0.2},
+      r"^config\.method\.loss\.eps=0\.2: unknown field; did you mean config\.method\.loss\.eps_",
+    ),
   ],
 )
 def test_policy_loss_method_errors_name_the_field(overrides, match, nothing_built, tmp_path):
   # issue 13: a policy-loss method (ppo_clip) with minibatches that split groups, or bad loss keywords
   c = _load("countdown", "smoke")
-  c.method = "ppo_clip"
-  for k, v in overrides.items():
-    _set(c, k, v)
+  c.method = choices.preset("ppo_clip")  # as a config file sets it
   with pytest.raises(run_config.ConfigError, match=match) as e:
+    for k, v in overrides.items():
+      _set(c, k, v)
     trainer.run(c, str(tmp_path / "run"))
   assert "\n" not in str(e.value)
 
@@ -380,46 +390,25 @@ def _parse_cli(*args):
   return fv.config
 
 
-def test_every_flat_vcpo_name_is_settable_from_the_command_line():
-  fields = list(flat.NAMES)
-  base = common.get_base_config()
-  assert sorted(fields) == sorted(base.vcpo)  # generated: no field is missing, none is stale
-  # A command-line value of each field's type (the test checks that it arrives, not that it is sensible).
-  by_type = {bool: ("true", True), int: ("3", 3), float: ("0.25", 0.25), str: ("x", "x")}
-  values = {n: by_type[base.vcpo.get_type(n)] for n in fields}
-  c = _parse_cli(
-    f"--config={CONFIG_DIR}/countdown.py:smoke", *[f"--config.vcpo.{n}={s}" for n, (s, _) in values.items()]
-  )
-  assert {n: c.vcpo[n] for n in fields} == {n: v for n, (_, v) in values.items()}
+def _cli_spec(*args):
+  """The method main.py's command line gives the learner: the --config.method... flags taken out of argv
+  (schema.split_args), the rest parsed by ml_collections, then the method flags set (rl.choices.set_paths)."""
+  rest, method = schema.split_args(["main.py", *args], "method")
+  c = _parse_cli(*rest[1:])
+  choices.set_paths(c, method)
+  return run_config.parse_config(c, check_prompts=False)
 
 
-def test_every_vcpo_override_reaches_the_method(monkeypatch):
-  """parse_config forwards each set c.vcpo field to the preset (every live name of ppo_clip / vcpo at its value),
-  and the Method it builds is the preset's."""
-  seen = {}
-  real = estimator.method_from_preset
-
-  def spy(name, **overrides):
-    seen.update(overrides)
-    return real(name, **overrides)
-
-  monkeypatch.setattr(estimator, "method_from_preset", spy)
-  for preset in ("vcpo", "ppo_clip"):
-    c = _load("countdown", "smoke")
-    c.method = preset
-    live = flat.live(method_lib.PRESETS[preset])
-    for name, v in live.items():
-      c.vcpo[name] = v
-    seen.clear()
-    pg = run_config.parse_config(c, check_prompts=False).learner.method
-    assert seen == live
-    assert pg == method_lib.PRESETS[preset]
-
-
-def test_every_flat_vcpo_name_has_a_comment():
-  comments = common.vcpo_comments()
-  assert set(common.VCPO_COMMENTS) <= set(comments)  # no entry for a name rl.flat no longer has
-  assert not [n for n, t in comments.items() if not t]
+def test_method_fields_on_the_command_line_reach_the_learner():
+  smoke = f"--config={CONFIG_DIR}/countdown.py:smoke"
+  spec = _cli_spec(smoke, "--config.method=ppo_clip", "--config.method.loss.eps_high=0.28", "--config.seed=3")
+  assert spec.learner.method.loss.kwargs["eps_high"] == 0.28 and spec.learner.method.peer_loss.name == "ppo_clip"
+  assert spec.seed == 3  # the other flags still reach ml_collections
+  spec = _cli_spec(smoke, "--config.method.weights.c", "4", "--config.method.lr.rho_on=0.9")  # vcpo's parts
+  assert spec.learner.method.weights == method_lib.tis(4.0) and spec.learner.method.lr.rho_on == 0.9
+  assert spec.learner.method.baseline == method_lib.PRESETS["vcpo"].baseline  # the rest: the preset's
+  spec = _cli_spec(smoke, "--config.method.weights=clip", "--config.method.weights.upper=3")  # a switched part
+  assert spec.learner.method.weights == method_lib.clip(0.5, 3.0)
 
 
 @pytest.mark.parametrize("name,variant", [(n, "") for n in NAMES] + [(n, "smoke") for n in SMOKE if n in NAMES])
@@ -429,26 +418,22 @@ def test_config_help_lists_every_field_with_a_comment(name, variant):
   path = os.path.join(CONFIG_DIR, f"{name}.py")
   text = common.help_text(c, path)
   rows = text.splitlines()[1:]
-  live = {}
-  if "vcpo" in c:  # a vcpo.* name that means nothing for the chosen method is not listed
-    live = flat.live(estimator.method_from_preset(c.method, **{k: v for k, v in c.vcpo.items() if v is not None}))
-  shown = [p for p, v, _ in common.leaves(c) if not p.startswith("vcpo.") or v is not None or p[5:] in live]
-  assert len(rows) == len(shown)
+  shown = [p for p, v, _ in common.leaves(c) if not p.startswith("method.")]
+  method_rows = 1 + len(choices.help_lines(c.method)) if "method" in c else 0  # its name, then its choices' fields
+  assert len(rows) == len(shown) + method_rows
   assert not [r for r in rows if r.endswith("(no comment)")], "add a one-line comment to these fields"
-  if "vcpo" in c:
-    assert f"  vcpo.log_ratio_clamp: float = None -> 20.0 (preset {c.method!r})  # " in text  # the preset's value
+  if "method" in c:
+    assert "  method.log_ratio_clamp: float = 20.0  # " in text
     assert "  optim.b1: float = 0.9  # Adam" in text
 
 
-@pytest.mark.parametrize(
-  "path,guess", [("optim.b3", "optim.b2"), ("sed", "seed"), ("vcpo.tis", "vcpo.tis_c"), ("optimm.lr", "optim.lr")]
-)
+@pytest.mark.parametrize("path,guess", [("optim.b3", "optim.b2"), ("sed", "seed"), ("optimm.lr", "optim.lr")])
 def test_unknown_field_suggests_the_closest_name(path, guess):
   with pytest.raises(
     run_config.ConfigError, match=rf"config.{path}='1': unknown field; did you mean config.{guess}( or [^?]+)?\?"
   ):
     run_config.check_override_paths(common.get_base_config(), {"seed": "0", path: "1"})
-  run_config.check_override_paths(common.get_base_config(), {"vcpo.std": "sample", "task.multiturn.max_turns": "2"})
+  run_config.check_override_paths(common.get_base_config(), {"optim.b1": "0.8", "task.multiturn.max_turns": "2"})
 
 
 def _main(*args):
@@ -477,6 +462,8 @@ def test_main_reports_an_unknown_field_on_one_line(tmp_path):
   [
     ("c.model.lora_rnak = 8", "config.model.lora_rnak=8: unknown field; did you mean config.model.lora_rank"),
     ("c.task.multiturn.max_turn = 2", "config.task.multiturn.max_turn=2: unknown field; did you mean config.task."),
+    ("c.method.weights.cc = 4.0", "config.method.weights.cc=4.0: unknown field; did you mean config.method.weights.c?"),
+    ("c.method.loss.name = 'ppo_clp'", "config.method.loss='ppo_clp': unknown surrogate or a peer loss"),
   ],
 )
 def test_main_reports_an_unknown_key_of_a_config_file_on_one_line(tmp_path, line, needle):
@@ -510,6 +497,16 @@ def test_main_config_help(tmp_path):
     (["--config=configs/countdown.py:smoke", "--workdir=/proc/self/run"], "--workdir='/proc/self/run': cannot write"),
     (["--config=configs/countdown.py:smoke", "--config.method=vcpoo", "--workdir=WD"], "did you mean 'vcpo'"),
     (["--config=configs/countdown.py:smoke", "--config.method=ppo_clp", "--workdir=WD"], "did you mean 'ppo_clip'"),
+    (
+      [
+        "--config=configs/countdown.py:smoke",
+        "--config.method=ppo_clip",
+        "--config.method.loss.eps_hgih=0.3",
+        "--workdir=WD",
+      ],
+      "config.method.loss.eps_hgih='0.3': unknown field; did you mean config.method.loss.eps_high?",
+    ),
+    (["--config=configs/countdown.py:smoke", "--config.method.weights=tiss", "--workdir=WD"], "did you mean 'tis'"),
   ],
 )
 @pytest.mark.slow
@@ -523,21 +520,23 @@ def test_main_bad_command_line_or_workdir_is_one_line_exit_2(tmp_path, args, nee
   assert not (tmp_path / "run").exists()
 
 
-def test_config_help_shows_the_presets_values():
-  """A vcpo.* placeholder shows the value the method preset gives it (it used to print only None)."""
-  text = common.help_text(_load("countdown", None), "configs/countdown.py")
-  assert "vcpo.tis_c: float = None -> 8.0 (preset 'vcpo')" in text
-  assert "vcpo.rho_on: float = None -> 1.0 (preset 'vcpo')" in text
-  c = _load("countdown", None)
-  c.method = "icepop"
-  assert "vcpo.policy_loss: str = None -> 'icepop' (preset 'icepop')" in common.help_text(c)
-  c.method = "ppo_clip"  # its own fields (eps_low / eps_high), none of the surrogate's, weights' or OPOB's
-  text = common.help_text(c)
-  kw = next(r for r in text.splitlines() if r.startswith("  vcpo.policy_loss_kw:"))
-  assert "eps_low=0.2,eps_high=0.2" in kw and "dual_clip_c=None" in kw and "loss_agg=token-mean" in kw
-  for inert in ("tis_c", "opob_weights", "rho_on", "loss_agg", "mask_normalizer", "score_centering", "geo_lower"):
-    assert f"vcpo.{inert}:" not in text, inert
-  assert sum(r.startswith("  vcpo.") for r in text.splitlines()) == 9  # of 31 names
+def test_config_help_shows_only_the_chosen_choices_fields():
+  """`--config_help --config.method=ppo_clip`: PPO's own fields (eps_low / eps_high ...) with their values, none of
+  the TIS weights', OPOB's, the ESS lr's or the surrogate's."""
+  r = _main(
+    "--config=configs/countdown.py", "--config_help", "--config.method=ppo_clip", "--config.method.loss.eps_high=0.28"
+  )
+  assert r.returncode == 0, r.stderr
+  rows = [row for row in r.stdout.splitlines() if row.startswith("  method")]
+  assert rows[0].startswith("  method: ppo_clip (loss.eps_high=0.28)  # ")
+  assert "  method.loss.eps_low: float = 0.2  # ppo_clip's eps_low" in rows
+  assert "  method.loss.eps_high: float = 0.28  # ppo_clip's eps_high" in rows
+  assert any(row.startswith("  method.loss: str = 'ppo_clip'  # Token-level PPO clip") for row in rows)
+  for inert in ("weights.c", "baseline.scope", "lr.rho_on", "loss.mask_normalizer", "loss.score_centering"):
+    assert not any(row.startswith(f"  method.{inert}:") for row in rows), inert
+  text = common.help_text(_load("countdown", None), "configs/countdown.py")  # vcpo: TIS c, OPOB, the ESS lr
+  for row in ("method.weights.c: float = 8.0", "method.lr.rho_on: float = 1.0", "method.baseline: str = 'opob'"):
+    assert f"  {row}  # " in text, row
 
 
 @pytest.mark.slow

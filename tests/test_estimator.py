@@ -1,11 +1,13 @@
 """Tests of vcpo_jax.estimator: hand-checked numbers, a numpy reference,
 brute-force gradients, hypothesis properties, and two Monte Carlo checks."""
 
+import dataclasses
 import math
 
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from tests import test_policy_losses as TPL
 from vcpo_jax import estimator as E
 from vcpo_jax import learner
 from vcpo_jax.rl import advantages as advantages_lib
-from vcpo_jax.rl import flat, presets
+from vcpo_jax.rl import choices, presets
 
 HYP = settings(max_examples=60, deadline=None, derandomize=True)
 
@@ -266,24 +268,44 @@ def test_opob_within_reward_range_of_its_set(r, w, s, g, loo):
 
 
 # ---------------------------------------------------------------------------
-# Methods (rl.method) and presets; the flat vcpo.* names (rl.flat)
+# Methods (rl.method) and presets, read by the numpy transcriptions through flat names (_Flat)
 # ---------------------------------------------------------------------------
 
-# The flat names' values where a method does not use them (the numpy reference reads every one by name).
+# The numpy reference below reads a Method through flat names (one attribute per option): their values where a
+# method does not use them, and each part's own fields under their flat name.
 FLAT_OFF = dict(opob=False, opob_scope="group", ess_lr=False, policy_loss="pg", loss_agg="seq-mean-token-mean")
 FLAT_OFF.update(mask_normalizer="all", loss_norm_tokens=0, rho_on=1.0, reference_mode=False)
 
 
+WEIGHT_FLAT = {"tis": "tis_", "token_tis": "token_tis_", "tis_ess": "tis_ess_", "clip": "clip_", "mask": "mask_"}
+WEIGHT_FLAT["geo_mask"] = "geo_"
+
+
 class _Flat:
-  """A Method read through its flat names (rl.flat.live), for the numpy transcriptions below."""
+  """A Method read through flat names (tis_c, opob_scope, rho_on, ...), for the numpy transcriptions below."""
 
-  def __init__(self, method):
-    self.__dict__.update({**FLAT_OFF, **flat.live(method)})
+  def __init__(self, m):
+    a, w, b, lr = m.advantage, m.weights, m.baseline, m.lr
+    d = dict(FLAT_OFF, advantage=a.estimator, std=a.std, std_eps=a.std_eps, log_ratio_clamp=m.log_ratio_clamp)
+    d.update(is_variant=w.variant, **{WEIGHT_FLAT.get(w.variant, "") + k: v for k, v in w.params})
+    if b is not None:
+      d.update(opob=True, opob_weights=b.weights, opob_leave_one_out=b.leave_one_out, opob_scope=b.scope)
+      d.update(length_normalize_norms=b.length_normalize_norms, reference_mode=b.reference_mode)
+    if lr is not None:
+      d.update(ess_lr=True, ess_rule=lr.rule, rho_on=lr.rho_on)
+    if m.peer_loss is None:
+      d.update(dataclasses.asdict(m.loss))
+    else:
+      d.update(policy_loss=m.peer_loss.name)
+    self.__dict__.update(d)
 
 
-def _pg(**kw):
-  """A Method from flat names over plain GRPO with the population std (what the tests below were written for)."""
-  return flat.apply(E.Method(advantage=advantages_lib.grpo(std="population")), **kw)
+def _pg(overrides=None):
+  """Plain GRPO with the population std (what the tests below were written for), with config.method-tree
+  overrides ({"weights": "clip", "weights.upper": 3.0}) set as on the command line."""
+  c = ml_collections.ConfigDict({"method": choices.tree(E.Method(advantage=advantages_lib.grpo(std="population")))})
+  choices.set_paths(c, [(f"method.{p}", v) for p, v in (overrides or {}).items()])
+  return choices.build(c.method)
 
 
 def test_presets_build_and_name_the_base_algorithm():
@@ -293,29 +315,30 @@ def test_presets_build_and_name_the_base_algorithm():
   v = _Flat(E.method_from_preset("vcpo"))
   assert (v.advantage, v.is_variant, v.tis_c, v.opob, v.ess_lr) == ("grpo", "tis", 8.0, True, True)
   assert E.needs_sq_norms(E.method_from_preset("vcpo")) and not E.needs_sq_norms(E.method_from_preset("seq_tis"))
-  assert E.method_from_preset("vcpo", rho_on=0.55).lr.rho_on == 0.55
+  assert E.method_from_preset("vcpo", {"lr.rho_on": 0.55}).lr.rho_on == 0.55
   hash(E.method_from_preset("vcpo"))  # jit-static
 
 
 @pytest.mark.parametrize(
   "kw,field",
   [
-    (dict(advantage="ppo"), "advantage"),
-    (dict(is_variant="gspo"), "is_variant"),
-    (dict(loss_agg="sum"), "loss_agg"),
-    (dict(tis_c=0.0), "tis_c"),
-    (dict(rho_on=-1.0), "rho_on"),
-    (dict(clip_lower=3.0), "clip_lower"),
-    (dict(opob=True, is_variant="token_tis"), "OPOB"),
-    (dict(opob=True, reference_mode=True, opob_weights="applied"), "reference_mode"),
-    (dict(opob_scope="batch"), "opob_scope"),
-    (dict(std="biased"), "std"),
-    (dict(ess_rule="log"), "ess_rule"),
+    ({"advantage": "ppo"}, "advantage"),
+    ({"weights": "gspo"}, "method.weights='gspo'"),
+    ({"loss.loss_agg": "sum"}, "loss_agg"),
+    ({"weights": "tis", "weights.c": 0.0}, r"method\.weights\.c=0\.0"),
+    ({"lr": "ess_lr", "lr.rho_on": -1.0}, r"method\.lr\.rho_on=-1\.0"),
+    ({"weights": "clip", "weights.lower": 3.0}, r"method\.weights\.lower=3\.0"),
+    ({"baseline": "opob", "weights": "token_tis"}, "OPOB"),
+    ({"baseline": "opob", "baseline.reference_mode": True, "baseline.weights": "applied"}, "reference_mode"),
+    ({"baseline": "opob", "baseline.scope": "batch"}, r"method\.baseline\.scope='batch'"),
+    ({"advantage.std": "biased"}, "std"),
+    ({"lr": "ess_lr", "lr.rule": "log"}, r"method\.lr\.rule='log'"),
+    ({"weights.c": 4.0}, r"method\.weights\.c=4\.0: unknown field"),  # the plain method's weights have no c
   ],
 )
-def test_flat_names_reject_bad_values(kw, field):
+def test_method_tree_rejects_bad_values(kw, field):
   with pytest.raises(ValueError, match=field):
-    _pg(**kw)
+    _pg(kw)
   with pytest.raises(ValueError, match="preset"):
     E.method_from_preset("vcpo2")
 
@@ -382,7 +405,7 @@ def _np_reference(logp, beh, mask, r, gid, sq, cfg, out=None):
   UNCLIPPED, UNCLAMPED weights exp(l_n) over the finite rows, lr_scale the
   paper's sqrt(min(1, rho / rho_on)) (or 1 without ESS scaling). A dict `out`
   receives the advantages A_n and the valid rows (what a policy loss reads). cfg: a Method, read by its flat
-  names (rl.flat.live).
+  names (_Flat).
   """
   cfg = _Flat(cfg)
   logp, beh, mask, r, sq = (np.asarray(x, np.float64) for x in (logp, beh, mask, r, sq))
@@ -498,30 +521,59 @@ _tokw_jit = jax.jit(E.pg_token_weights, static_argnums=3)
 
 VCPO_CFG = E.method_from_preset("vcpo")
 EXTRA_CONFIGS = {
-  "rloo_opob_minibatch_token_mean": dict(
-    advantage="rloo", is_variant="clip", opob=True, opob_scope="minibatch", loss_agg="token-mean"
-  ),
-  "reinforce_lennorm_seqsum": dict(
-    advantage="reinforce", is_variant="mask", opob=True, length_normalize_norms=True, loss_agg="seq-mean-token-sum"
-  ),
-  "drgrpo_token_tis": dict(advantage="drgrpo", is_variant="token_tis", loss_agg="seq-mean-token-sum"),
-  "mask_kept_token_mean": dict(is_variant="mask", mask_normalizer="kept", loss_agg="token-mean", std="sample"),
-  "geo_mask_kept": dict(is_variant="geo_mask", geo_lower=0.6, geo_upper=1.6, mask_normalizer="kept"),
-  "drgrpo_token_sum_norm": dict(advantage="drgrpo", is_variant="tis", loss_agg="seq-mean-token-sum-norm"),
-  "rloo_token_sum_norm_fixed_t": dict(advantage="rloo", loss_agg="seq-mean-token-sum-norm", loss_norm_tokens=64),
+  "rloo_opob_minibatch_token_mean": {
+    "advantage": "rloo",
+    "weights": "clip",
+    "baseline": "opob",
+    "baseline.scope": "minibatch",
+    "loss.loss_agg": "token-mean",
+  },
+  "reinforce_lennorm_seqsum": {
+    "advantage": "reinforce",
+    "weights": "mask",
+    "baseline": "opob",
+    "baseline.length_normalize_norms": True,
+    "loss.loss_agg": "seq-mean-token-sum",
+  },
+  "drgrpo_token_tis": {"advantage": "drgrpo", "weights": "token_tis", "loss.loss_agg": "seq-mean-token-sum"},
+  "mask_kept_token_mean": {
+    "weights": "mask",
+    "loss.mask_normalizer": "kept",
+    "loss.loss_agg": "token-mean",
+    "advantage.std": "sample",
+  },
+  "geo_mask_kept": {"weights": "geo_mask", "weights.lower": 0.6, "weights.upper": 1.6, "loss.mask_normalizer": "kept"},
+  "drgrpo_token_sum_norm": {"advantage": "drgrpo", "weights": "tis", "loss.loss_agg": "seq-mean-token-sum-norm"},
+  "rloo_token_sum_norm_fixed_t": {
+    "advantage": "rloo",
+    "loss.loss_agg": "seq-mean-token-sum-norm",
+    "loss.loss_norm_tokens": 64,
+  },
   # the lr rule, its rho_on, the clamp, the truncation and std_eps at non-default values
-  "tis3_linear_rho06_clamp2": dict(
-    is_variant="tis", tis_c=3.0, opob=True, ess_lr=True, ess_rule="linear", rho_on=0.6, log_ratio_clamp=2.0
-  ),
-  "clip_wide_std_eps": dict(is_variant="clip", clip_lower=0.2, clip_upper=5.0, std="sample", std_eps=0.3),
+  "tis3_linear_rho06_clamp2": {
+    "weights": "tis",
+    "weights.c": 3.0,
+    "baseline": "opob",
+    "lr": "ess_lr",
+    "lr.rule": "linear",
+    "lr.rho_on": 0.6,
+    "log_ratio_clamp": 2.0,
+  },
+  "clip_wide_std_eps": {
+    "weights": "clip",
+    "weights.lower": 0.2,
+    "weights.upper": 5.0,
+    "advantage.std": "sample",
+    "advantage.std_eps": 0.3,
+  },
 }
 ALL_CONFIGS = {
   **{k: E.method_from_preset(k) for k in E.PRESETS},
-  **{k: _pg(**v) for k, v in EXTRA_CONFIGS.items()},
+  **{k: _pg(v) for k, v in EXTRA_CONFIGS.items()},
 }
 # this synthetic batch is far more stale per token than an LLM's: widen the
 # geometric-mean interval so that some sequences survive
-ALL_CONFIGS["geo_mask"] = flat.apply(ALL_CONFIGS["geo_mask"], geo_lower=0.6, geo_upper=1.6)
+ALL_CONFIGS["geo_mask"] = E.method_from_preset("geo_mask", {"weights.lower": 0.6, "weights.upper": 1.6})
 
 
 @pytest.mark.parametrize("name", [n for n in ALL_CONFIGS if _Flat(ALL_CONFIGS[n]).opob_scope == "group"])
@@ -684,7 +736,7 @@ def test_grpo_group_with_std_below_eps_contributes_nothing():
   np.testing.assert_allclose(E.advantages(r2, jnp.zeros(2, jnp.int32), "grpo"), [0.0, 0.0])
   # through pg_coefficients: that group's coefficients are 0, the other group's are not
   logp, beh, mask = _seq_batch(np.zeros(4))
-  coef, _ = _coef_jit(logp, beh, mask, r, g, None, E.method_from_preset("sync", std_eps=0.1))
+  coef, _ = _coef_jit(logp, beh, mask, r, g, None, E.method_from_preset("sync", {"advantage.std_eps": 0.1}))
   assert np.all(np.asarray(coef)[:2] == 0) and np.all(np.asarray(coef)[2:] != 0)
 
 
@@ -722,7 +774,7 @@ def test_mask_normalizer_and_aggregations_hand_numbers(loss_agg, normalizer, exp
   l_n = np.log([1.0, 1.5, 4.0, 0.25])
   logp = np.where(np.arange(4)[None] < L[:, None], (l_n / L)[:, None], 0.0).astype(np.float32)
   mask = (np.arange(4)[None] < L[:, None]).astype(np.float32)
-  cfg = E.method_from_preset("mask", loss_agg=loss_agg, mask_normalizer=normalizer)
+  cfg = E.method_from_preset("mask", {"loss.loss_agg": loss_agg, "loss.mask_normalizer": normalizer})
   r = jnp.array([1.0, 0.0, 1.0, 0.0])
   coef, _ = _coef_jit(jnp.asarray(logp), jnp.zeros((4, 4)), jnp.asarray(mask), r, jnp.zeros(4, jnp.int32), None, cfg)
   a = 0.5 / np.std([1.0, 0, 1, 0], ddof=1)
@@ -732,9 +784,9 @@ def test_mask_normalizer_and_aggregations_hand_numbers(loss_agg, normalizer, exp
 
 def test_surrogate_fields_bad_values():
   with pytest.raises(ValueError, match="mask_normalizer"):
-    _pg(mask_normalizer="rejected")
+    _pg({"loss.mask_normalizer": "rejected"})
   with pytest.raises(ValueError, match="loss_norm_tokens"):
-    _pg(loss_norm_tokens=-1)
+    _pg({"loss.loss_norm_tokens": -1})
 
 
 def test_nonfinite_log_ratios_are_masked_out_and_counted():
@@ -811,11 +863,11 @@ def test_on_policy_invariants(problem):
   # k = 0: every IS variant is the identity; VCPO equals GRPO with the OPOB baseline
   for n in ("none", "seq_tis", "clip", "mask", "token_tis", "vcpo_no_opob"):
     np.testing.assert_allclose(c[n], c["sync"], rtol=1e-6, atol=1e-9)
-  grpo_opob = _coefs(on, logp, sq, _pg(advantage="grpo", opob=True, std="population"))
+  grpo_opob = _coefs(on, logp, sq, _pg({"advantage": "grpo", "baseline": "opob", "advantage.std": "population"}))
   for n in ("vcpo", "vcpo_no_esslr", "vcpo_applied_opob", "vcpo_reference"):
     np.testing.assert_allclose(c[n], grpo_opob, rtol=1e-6, atol=1e-9)
   # OPOB with equal norms and unit weights is the group mean: VCPO == GRPO with VCPO's (population) std
-  sync_pop = _coefs(on, logp, sq, E.method_from_preset("sync", std="population"))
+  sync_pop = _coefs(on, logp, sq, E.method_from_preset("sync", {"advantage.std": "population"}))
   np.testing.assert_allclose(_coefs(on, logp, np.ones(N), E.method_from_preset("vcpo")), sync_pop, rtol=1e-5, atol=1e-8)
   assert np.abs(c["vcpo"] - sync_pop).max() > 1e-4  # unequal norms do change the baseline
 
@@ -823,7 +875,7 @@ def test_on_policy_invariants(problem):
 def test_vcpo_knobs_off_equals_base_estimator(problem):
   _, batch, logp, sq = problem
   seq_tis = _coefs(batch, logp, sq, E.method_from_preset("seq_tis"))
-  off = E.method_from_preset("vcpo", opob=False, ess_lr=False, std="sample")
+  off = E.method_from_preset("vcpo", {"baseline": "none", "lr": "constant", "advantage.std": "sample"})
   np.testing.assert_allclose(_coefs(batch, logp, sq, off), seq_tis)
   # the preset without OPOB runs the reference's GRPO advantage (sample std): seq_tis + the ESS brake
   np.testing.assert_allclose(_coefs(batch, logp, sq, E.method_from_preset("vcpo_no_opob")), seq_tis)
@@ -887,12 +939,14 @@ def test_bandit_loo_opob_is_unbiased_and_plugin_bias_is_reported():
   mu_logits = jnp.array([-0.5, 0.4, 0.0, 0.6, 0.2])  # behavior policy differs from the target
   p = jnp.array([0.9, 0.2, 0.6, 0.4, 0.1])
   exact = np.asarray(jax.grad(lambda t: jnp.sum(jax.nn.softmax(t) * p))(theta))
-  base = dict(advantage="drgrpo", is_variant="is", opob=True, loss_agg="seq-mean-token-sum")
+  base = {"advantage": "drgrpo", "weights": "is", "baseline": "opob", "loss.loss_agg": "seq-mean-token-sum"}
   m = 20000
   key = jax.random.PRNGKey(7)
   results = {}
   for name, loo in (("loo", True), ("plugin", False)):
-    u = np.asarray(_bandit_updates(_pg(**base, opob_leave_one_out=loo), theta, mu_logits, p, key, m, 8), np.float64)
+    u = np.asarray(
+      _bandit_updates(_pg({**base, "baseline.leave_one_out": loo}), theta, mu_logits, p, key, m, 8), np.float64
+    )
     mean, se = u.mean(0), u.std(0, ddof=1) / math.sqrt(m)
     results[name] = (mean - exact) / se
     print(f"{name:7s} OPOB: mean-exact = {np.round(mean - exact, 5)}, z = {np.round(results[name], 2)}")
@@ -903,11 +957,14 @@ def test_heavy_tailed_variance_applied_opob_not_worse_than_group_mean():
   theta = jnp.array([2.0, 0.0, -1.0, 1.0, -2.0, 0.5])
   mu_logits = jnp.array([-2.0, 1.0, 1.0, -1.0, 2.0, 0.0])  # rare-under-mu arms carry big weights
   p = jnp.array([0.8, 0.3, 0.5, 0.7, 0.1, 0.4])
-  base = dict(advantage="drgrpo", is_variant="tis", tis_c=8.0, loss_agg="seq-mean-token-sum")
+  base = {"advantage": "drgrpo", "weights": "tis", "weights.c": 8.0, "loss.loss_agg": "seq-mean-token-sum"}
   key = jax.random.PRNGKey(3)
   var = {}
-  for name, extra in (("group_mean", dict(opob=False)), ("opob_applied", dict(opob=True, opob_weights="applied"))):
-    u = np.asarray(_bandit_updates(_pg(**base, **extra), theta, mu_logits, p, key, 8000, 8), np.float64)
+  for name, extra in (
+    ("group_mean", {"baseline": "none"}),
+    ("opob_applied", {"baseline": "opob", "baseline.weights": "applied"}),
+  ):
+    u = np.asarray(_bandit_updates(_pg({**base, **extra}), theta, mu_logits, p, key, 8000, 8), np.float64)
     var[name] = float(np.sum(u.var(0)))
   print("total update variance:", var)
   assert var["opob_applied"] <= var["group_mean"]
@@ -926,7 +983,7 @@ def test_policy_gradient_compiles_once_per_config(problem):
   new = dict(batch, rewards=1.0 - batch["rewards"])
   pg(logp_fn, params, new, E.method_from_preset("vcpo"))  # equal config by value: cache hit
   assert len(traces) == 1
-  pg(logp_fn, params, new, E.method_from_preset("vcpo", rho_on=0.5))
+  pg(logp_fn, params, new, E.method_from_preset("vcpo", {"lr.rho_on": 0.5}))
   assert len(traces) == 2
 
 
@@ -940,4 +997,4 @@ def test_every_registry_entry_has_a_doc_string():
     assert not empty, empty
   assert set(E.PRESET_DOCS) <= set(E.PRESETS)  # a line for a preset that exists
   assert all(presets.preset_doc(name).strip() for name in E.PRESETS)
-  assert "geo_lower" in E.PRESET_DOCS["geo_mask"]
+  assert "weights.lower" in E.PRESET_DOCS["geo_mask"]  # names its fields by their config path

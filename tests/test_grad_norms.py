@@ -141,10 +141,10 @@ def _surrogate_value_and_grad(name):
 
 
 @functools.lru_cache(maxsize=None)
-def _vmap_policy_gradient(name, preset, **kw):
+def _vmap_policy_gradient(name, preset, overrides=()):
   """learner.policy_gradient("vmap") (the brute-force reference) of a preset: one compile for both `passes`."""
   logp_fn, params, batch, _ = _setup(name)
-  cfg = estimator.method_from_preset(preset, **kw)
+  cfg = estimator.method_from_preset(preset, dict(overrides))
   return jax.jit(learner.policy_gradient("vmap"), static_argnums=(0, 3))(logp_fn, params, batch, cfg)
 
 
@@ -403,8 +403,8 @@ def test_ghost_path_equals_vmap_path(preset, passes):
 def test_token_tis_weights_as_function_of_logp(passes):
   """tokw given as a function of logp (token-TIS): norms use those weights; gradient matches."""
   logp_fn, params, batch, _ = _setup("llama")
-  cfg = estimator.method_from_preset("token_tis", token_tis_c=1.05)
-  g_ref, m_ref = _vmap_policy_gradient("llama", "token_tis", token_tis_c=1.05)
+  cfg = estimator.method_from_preset("token_tis", {"weights.c": 1.05})
+  g_ref, m_ref = _vmap_policy_gradient("llama", "token_tis", (("weights.c", 1.05),))
   ghost = functools.partial(learner.policy_gradient("ghost"), passes=passes)
   g, m = jax.jit(ghost, static_argnums=(0, 3))(logp_fn, params, batch, cfg)
   assert _tree_rel(g, g_ref) < 1e-5
@@ -415,7 +415,7 @@ def test_token_tis_weights_as_function_of_logp(passes):
 def _token_tis_sq_norms():
   """vmap_sq_norms with token-TIS weights tokw(logp) (llama): the brute-force norms, shared by both `passes`."""
   logp_fn, params, batch, _ = _setup("llama")
-  cfg = estimator.method_from_preset("token_tis", token_tis_c=1.05)
+  cfg = estimator.method_from_preset("token_tis", {"weights.c": 1.05})
   tokw = lambda logp: estimator.pg_token_weights(logp, batch["behavior_logp"], batch["loss_mask"], cfg)
   return jax.jit(gn.vmap_sq_norms, static_argnums=(0, 3))(logp_fn, params, batch, tokw)
 

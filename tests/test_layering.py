@@ -73,7 +73,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("vcpo_jax.run_config",),
   ("vcpo_jax.export",),
   ("vcpo_jax.trainer",),
-  ("vcpo_jax.experiments", "vcpo_jax.experiments.tuning"),
+  ("vcpo_jax.experiments", "vcpo_jax.experiments.tuning", "vcpo_jax.experiments.legacy_method"),
   ("vcpo_jax.experiments.pure_lag",),
   ("vcpo_jax.experiments.stability",),
   ("vcpo_jax.experiments.*",),

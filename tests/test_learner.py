@@ -129,11 +129,12 @@ def test_ess_brake_scales_the_update_exactly(setup):
 # The presets micro-batching accepts (the policy losses and tis_ess are rejected: test_microbatch_config_errors).
 MB_CONFIGS = {
   **{n: {} for n in estimator.PRESETS if not estimator.batch_wide_coefficients(estimator.method_from_preset(n))},
-  "geo_mask": dict(preset="geo_mask", geo_lower=0.8, geo_upper=1.25),  # its default interval rejects this batch
+  # geo_mask's default interval rejects this batch
+  "geo_mask": {"preset": "geo_mask", "weights.lower": 0.8, "weights.upper": 1.25},
   # the whole-batch normalisers in their other forms: kept-row counts, token counts, a constant T
-  "mask_kept_token_mean": dict(preset="mask", mask_normalizer="kept", loss_agg="token-mean"),
-  "geo_mask_kept": dict(preset="geo_mask", mask_normalizer="kept", geo_lower=0.8, geo_upper=1.25),
-  "vcpo_token_sum_norm": dict(preset="vcpo", loss_agg="seq-mean-token-sum-norm"),
+  "mask_kept_token_mean": {"preset": "mask", "loss.mask_normalizer": "kept", "loss.loss_agg": "token-mean"},
+  "geo_mask_kept": {"preset": "geo_mask", "loss.mask_normalizer": "kept", "weights.lower": 0.8, "weights.upper": 1.25},
+  "vcpo_token_sum_norm": {"preset": "vcpo", "loss.loss_agg": "seq-mean-token-sum-norm"},
 }
 
 
@@ -161,7 +162,7 @@ def mb_setup(setup):
 
 def _mb_pg(name):
   kw = dict(MB_CONFIGS[name])
-  return estimator.method_from_preset(kw.pop("preset", name), **kw)
+  return estimator.method_from_preset(kw.pop("preset", name), kw)
 
 
 def _assert_same_step(out1, out4, params):
@@ -438,7 +439,7 @@ def test_decoupled_ppo_loglinear_uses_the_step_version(mb_setup):
   tx = _sgd_tx()
   v = 5
   vb = dict(batch, policy_version=np.array([5, 5, 3, 3, 5, 5, 3, 3], np.int32))
-  pg = estimator.method_from_preset("decoupled_ppo", decoupled_prox="loglinear")
+  pg = estimator.method_from_preset("decoupled_ppo", {"loss": "decoupled_ppo_loglinear"})
   cfg = learner.LearnerConfig(method=pg, group_size=2, batch_size=N)
   with jax.disable_jit():
     state = learner.init_state(params, tx)._replace(step=jnp.int32(v))
@@ -463,7 +464,7 @@ def test_tis_ess_learner_step_logs_its_cap(mb_setup):
   # weights' ESS ratio meets the target while the unclipped one (VCPO's brake) is below it.
   params, _, batch, graphdef = mb_setup
   tx = _sgd_tx()
-  pg = estimator.method_from_preset("vcpo_tis_ess", tis_ess_target=0.85)
+  pg = estimator.method_from_preset("vcpo_tis_ess", {"weights.target": 0.85})
   with jax.disable_jit():
     _, m = learner.make_train_step(graphdef, tx, learner.LearnerConfig(method=pg))(
       learner.init_state(params, tx), batch

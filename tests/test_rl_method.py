@@ -1,6 +1,6 @@
 """Tests of vcpo_jax.rl.method: a Method value gives the learner's loss and gradient on a hand-made batch;
 adding a weight variant is one decorated function, a peer loss one registered function plus one preset line;
-the flat vcpo.* names map onto the Method's parts (rl.flat), each checked at a non-default value."""
+the config's method tree maps onto the Method's parts: tests/test_rl_choices.py."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vcpo_jax import estimator, learner
-from vcpo_jax.rl import advantages, flat, losses, method, presets, weights
+from vcpo_jax.rl import advantages, losses, method, presets, weights
 
 # N = 6 rows in 3 groups of 2, T = 4 tokens; row 5 is padding (empty mask). The learner's logp_fn is the
 # identity on params = logp_nt, so its gradient w.r.t. params is d loss / d logp_nt and the squared
@@ -75,11 +75,10 @@ def test_each_preset_method_gives_the_learners_loss_and_gradient(name):
   assert np.any(grad != 0), name  # the batch exercises every method
 
 
-def test_a_peer_loss_with_hyper_parameters_is_the_flat_kw_string():
+def test_a_peer_loss_with_hyper_parameters_is_its_config_tree():
   m = method.Method(loss=losses.ppo_clip(eps_high=0.28, dual_clip_c=3.0))
   assert m.loss.kwargs == dict(losses.ppo_clip().kwargs, dual_clip_c=3.0, eps_high=0.28)  # the others: defaults
-  assert flat.apply(method.PRESETS["ppo_clip"], policy_loss_kw="eps_high=0.28,dual_clip_c=3") == m
-  assert "eps_high=0.28" in flat.live(m)["policy_loss_kw"] and "dual_clip_c=3.0" in flat.live(m)["policy_loss_kw"]
+  assert presets.method_from_preset("ppo_clip", {"loss.eps_high": 0.28, "loss.dual_clip_c": 3.0}) == m
   np.testing.assert_allclose(_method_path(m)[1], _learner_path(m)[1], rtol=1e-6, atol=1e-7)
 
 
@@ -140,54 +139,6 @@ def test_tis_ess_at_a_non_default_target_reaches_it():
   w = np.asarray(weights.tis_ess(0.8)(L_N, lengths_n=LEN_N), np.float64)
   assert np.isclose(w.sum() ** 2 / (w**2).sum() / len(w), 0.8, atol=2e-3)
   np.testing.assert_allclose(w, np.minimum(np.exp(L_N), w.max()), rtol=1e-5)  # a truncation at one cap
-
-
-def test_flat_names_map_onto_the_parts_at_non_default_values():
-  """Each flat vcpo.* name changes exactly its part's field (the hand-written expectation), from VCPO / ppo_clip."""
-  vcpo, ppo = method.PRESETS["vcpo"], method.PRESETS["ppo_clip"]
-  R = dataclasses.replace
-  cases = {
-    "tis_c": (vcpo, 3.0, R(vcpo, weights=weights.tis(3.0))),
-    "is_variant": (vcpo, "clip", R(vcpo, weights=weights.clip(0.5, 2.0))),
-    "log_ratio_clamp": (vcpo, 5.0, R(vcpo, log_ratio_clamp=5.0)),
-    "advantage": (vcpo, "rloo", R(vcpo, advantage=advantages.Advantage("rloo", "population"))),
-    "std": (vcpo, "sample", R(vcpo, advantage=advantages.grpo(std="sample"))),
-    "std_eps": (vcpo, 0.1, R(vcpo, advantage=advantages.grpo(std="population", std_eps=0.1))),
-    "opob": (vcpo, False, R(vcpo, baseline=None)),
-    "opob_weights": (vcpo, "applied", R(vcpo, baseline=advantages.opob(weights="applied"))),
-    "opob_leave_one_out": (vcpo, True, R(vcpo, baseline=advantages.opob(leave_one_out=True))),
-    "opob_scope": (vcpo, "minibatch", R(vcpo, baseline=advantages.opob(scope="minibatch"))),
-    "length_normalize_norms": (vcpo, True, R(vcpo, baseline=advantages.opob(length_normalize_norms=True))),
-    "reference_mode": (vcpo, True, R(vcpo, baseline=advantages.opob(reference_mode=True))),
-    "ess_lr": (vcpo, False, R(vcpo, lr=None)),
-    "ess_rule": (vcpo, "linear", R(vcpo, lr=method.ess_lr("linear", 1.0))),
-    "rho_on": (vcpo, 0.55, R(vcpo, lr=method.ess_lr("sqrt", 0.55))),
-    "loss_agg": (vcpo, "token-mean", R(vcpo, loss=method.surrogate(loss_agg="token-mean"))),
-    "mask_normalizer": (vcpo, "kept", R(vcpo, loss=method.surrogate(mask_normalizer="kept"))),
-    "loss_norm_tokens": (vcpo, 7, R(vcpo, loss=method.surrogate(loss_norm_tokens=7))),
-    "score_centering": (vcpo, "exact", R(vcpo, loss=method.surrogate(score_centering="exact"))),
-    "policy_loss": (ppo, "gspo", R(ppo, loss=losses.gspo())),
-    "policy_loss_kw": (ppo, "eps_low=0.1", R(ppo, loss=losses.ppo_clip(eps_low=0.1))),
-    "decoupled_prox": (method.PRESETS["decoupled_ppo"], "loglinear", R(ppo, loss=losses.decoupled_ppo_loglinear())),
-  }
-  for name, (base, value, want) in cases.items():
-    assert flat.apply(base, **{name: value}) == want, name
-  assert flat.apply(vcpo, is_variant="geo_mask", geo_lower=0.8, geo_upper=1.3).weights == weights.geo_mask(0.8, 1.3)
-  assert flat.apply(vcpo, is_variant="mask", mask_lower=0.2, mask_upper=3.0).weights == weights.mask(0.2, 3.0)
-  assert flat.apply(vcpo, is_variant="clip", clip_lower=0.2, clip_upper=3.0).weights == weights.clip(0.2, 3.0)
-  assert flat.apply(method.PRESETS["tis_sc"], token_tis_c=1.5).weights == weights.token_tis(1.5)
-  assert flat.apply(method.PRESETS["vcpo_tis_ess"], tis_ess_target=0.8).weights == weights.tis_ess(0.8)
-  topk = flat.apply(vcpo, score_centering="topk", sc_topk=8)
-  assert topk.loss == method.surrogate(score_centering="topk", sc_topk=8) and topk.record_topk == 8
-  assert set(cases) | {"geo_lower", "geo_upper", "mask_lower", "mask_upper", "clip_lower", "clip_upper"} | {
-    "token_tis_c",
-    "tis_ess_target",
-    "sc_topk",
-  } == set(flat.NAMES)  # every flat name is exercised here
-  with pytest.raises(ValueError, match=r"tis_c=-1\.0: variant 'tis' needs a truncation level c > 0"):
-    flat.apply(vcpo, tis_c=-1.0)  # the error names the flat field
-  with pytest.raises(ValueError, match=r"policy_loss_kw='eps_high=0\.28': only with a policy_loss other than 'pg'"):
-    flat.apply(vcpo, policy_loss_kw="eps_high=0.28")
 
 
 def test_a_loss_declares_the_step_inputs_the_learner_binds():

@@ -22,7 +22,7 @@ from vcpo_jax import estimator, run_config, run_spec, schema
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.model.config import ModelConfig
-from vcpo_jax.rl import method
+from vcpo_jax.rl import choices, method
 from vcpo_jax.rollout.common import RolloutConfig
 from vcpo_jax.sampler import SamplerConfig
 from vcpo_jax.sft import SFTConfig
@@ -76,7 +76,7 @@ def _leaf_definitions(cls=run_spec.RunConfig, prefix=""):
   """{dotted leaf path: (class, field, value)} over the tree (sub-sections and dict fields have no default)."""
   hints, out = typing.get_type_hints(cls), {}
   for f in dataclasses.fields(cls):
-    if not f.metadata.get("config", True) or "overrides" in f.metadata:
+    if not f.metadata.get("config", True) or "tree" in f.metadata:
       continue
     if dataclasses.is_dataclass(hints[f.name]):
       out.update(_leaf_definitions(hints[f.name], f"{prefix}{f.name}."))
@@ -90,9 +90,13 @@ def test_every_leaf_default_is_one_literal_and_matches_the_config_dict():
   base = {p: v for p, v, _ in schema.leaves(common.get_base_config())}
   for path, (_, _, value) in defs.items():
     assert base[path] == value, path
-  generated = {p for p in base if not p.startswith("vcpo.")}  # vcpo.*: rl.flat's names, None = the preset's
+  # method.*: the tree of the default preset's choices, their defaults read off the factories (rl/choices.py)
+  generated = {p for p in base if not p.startswith("method.")}
   dict_fields = {"task.gen", "async_.sampler_env"}  # open sub-dicts, empty by default
   assert generated == set(defs) | dict_fields
+  assert {p: v for p, v in base.items() if p.startswith("method.")} == {
+    f"method.{p}": v for p, v, _ in schema.leaves(choices.tree(method.PRESETS["vcpo"]))
+  }
 
 
 def test_no_config_dataclass_repeats_a_knobs_default():
@@ -152,7 +156,8 @@ def test_round_trip_and_errors_name_the_field():
     ("model.lora_rnak", 8, "model.lora_rank"),  # a section's field
     ("optim.learning_rate", 1e-3, "optim.lr"),  # no close sibling: the nearest one
     ("task.multiturn.max_turn", 2, "task.multiturn.max_turns"),  # a nested section
-    ("vcpo.tis", 4.0, "vcpo.tis_c"),  # the method's overrides
+    ("method.weights.cc", 4.0, "method.weights.c"),  # a field the method's chosen weights do not have
+    ("method.los", {"name": "ppo_clip"}, "method.loss"),  # a part of the method misspelled
     ("model.shape.num_layer", 28, "model.shape.num_layers"),  # the checkpoint's architecture block
     ("optimm", {"lr": 1.0}, "optim"),  # a whole section misspelled
   ],
@@ -193,7 +198,7 @@ def test_config_dict_types_come_from_the_annotations():
   assert c.model.get_type("hidden_size") is int and c.model.hidden_size is None  # `int | None = None`
   c.learner.ghost_passes = "auto"  # `int | str`: either
   c.async_.background_publish = True  # `str | bool`
-  assert c.vcpo.get_type("tis_c") is float and c.vcpo.tis_c is None  # overrides(flat.Overrides)
+  assert c.method.weights.get_type("c") is float and c.method.weights.c == 8.0  # the tree of choices
   with pytest.raises(TypeError):
     c.optim.lr = "fast"
 

@@ -297,14 +297,14 @@ def test_model_p_equals_q_is_the_learner_gradient(model_setup):
   assert float(aux["drift/coef_l1"]) < 1e-5 and float(aux["lr_scale"]) == pytest.approx(float(waux["lr_scale"]))
 
 
-@pytest.mark.parametrize("preset,overrides", [("vcpo", {}), ("token_tis", dict(token_tis_c=1.01))])
+@pytest.mark.parametrize("preset,overrides", [("vcpo", {}), ("token_tis", {"weights.c": 1.01})])
 @pytest.mark.slow
 def test_model_centered_gradient_and_norms_by_brute_force(model_setup, preset, overrides):
   """VCPO (OPOB norms of the centered score) and TIS+SC, against per-row jax.grad of the centered score."""
   from vcpo_jax import estimator
 
   graphdef, params, beh, batch = model_setup
-  pg = estimator.method_from_preset(preset, **overrides)
+  pg = estimator.method_from_preset(preset, overrides)
   C = pg.weights.token_cap
   assert C == (1.01 if preset == "token_tis" else None)
   fn = S.make_centered_logp_fn(graphdef, C)

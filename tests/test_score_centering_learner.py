@@ -65,7 +65,7 @@ def _model(tied: bool, vocab_chunk: int = 0, chunk: int = 0):
 @pytest.mark.slow
 def test_ghost_centered_norms_and_gradient_by_brute_force(tied, vocab_chunk, preset):
   graphdef, params, beh, batch = _model(tied, vocab_chunk)
-  pg = estimator.method_from_preset(preset, **({"token_tis_c": 1.01} if preset == "tis_sc" else {}))
+  pg = estimator.method_from_preset(preset, {"weights.c": 1.01} if preset == "tis_sc" else None)
   cent = S.StepCentering(graphdef, pg.weights.token_cap, beh)
   fn = S.make_centered_logp_fn(graphdef, pg.weights.token_cap)
   lf = learner.make_logp_fn(graphdef)
@@ -186,12 +186,12 @@ def test_lag_run_with_exact_centering_logs_drift_and_k0_equals_plain(tmp_path, d
 @pytest.mark.parametrize(
   "kw,match",
   [
-    (dict(mode="async", **{"lag.k": 2}), r"vcpo.score_centering='exact': needs the behaviour parameters"),
-    ({"sampler.temperature": 0.7}, r"vcpo.score_centering='exact': recomputes q"),
-    ({"learner.ghost_passes": 2}, r"learner.ghost_passes=2 with vcpo.score_centering='exact'"),
+    (dict(mode="async", **{"lag.k": 2}), r"method.loss.score_centering='exact': needs the behaviour parameters"),
+    ({"sampler.temperature": 0.7}, r"method.loss.score_centering='exact': recomputes q"),
+    ({"learner.ghost_passes": 2}, r"learner.ghost_passes=2 with method.loss.score_centering='exact'"),
     (
-      {"vcpo.score_centering": "topk", "vcpo.sc_topk": 8, "model.lora_rank": 4},
-      r"vcpo.score_centering='topk': the centered score's forward takes a whole model",
+      {"method.loss.score_centering": "topk", "method.loss.sc_topk": 8, "model.lora_rank": 4},
+      r"method.loss.score_centering='topk': the centered score's forward takes a whole model",
     ),
   ],
 )
@@ -199,12 +199,12 @@ def test_exact_centering_refused_where_q_is_unavailable(kw, match):
   from tests import fixtures
   from vcpo_jax import run_config
 
-  method = "vcpo" if kw.get("vcpo.score_centering") == "topk" else "vcpo_sc"
+  method = "vcpo" if kw.get("method.loss.score_centering") == "topk" else "vcpo_sc"
   with pytest.raises(run_config.ConfigError, match=match):
     run_config.parse_config(fixtures.tiny_countdown_config(method=method, **kw))
 
 
-TOPK_V = {"vcpo.score_centering": "topk", "vcpo.sc_topk": 256}  # the tiny config's whole vocabulary
+TOPK_V = {"method.loss.score_centering": "topk", "method.loss.sc_topk": 256}  # the tiny config's whole vocabulary
 
 
 @pytest.mark.slow
@@ -259,13 +259,15 @@ def test_async_run_with_inflight_updates_centers_from_the_queued_topk(tmp_path, 
 
 def test_centering_config_checks():
   with pytest.raises(ValueError, match=r"score_centering='full'"):
-    estimator.method_from_preset("vcpo", score_centering="full")
+    estimator.method_from_preset("vcpo", {"loss.score_centering": "full"})
   with pytest.raises(ValueError, match=r"sc_topk=0: score_centering='topk' needs"):
-    estimator.method_from_preset("vcpo", score_centering="topk")
+    estimator.method_from_preset("vcpo", {"loss.score_centering": "topk"})
   with pytest.raises(ValueError, match=r"sc_topk=8: only with score_centering='topk'"):
-    estimator.method_from_preset("vcpo_sc", sc_topk=8)
-  with pytest.raises(ValueError, match=r"with policy_loss='ipo'"):
-    estimator.method_from_preset("ipo", score_centering="exact")
+    estimator.method_from_preset("vcpo_sc", {"loss.sc_topk": 8})
+  with pytest.raises(
+    ValueError, match=r"score_centering='exact': unknown field; .* loss 'ipo' has"
+  ):  # a field of the surrogate only
+    estimator.method_from_preset("ipo", {"loss.score_centering": "exact"})
 
 
 def _behaviour_topk(graphdef, beh, batch, k):
@@ -287,9 +289,9 @@ def _behaviour_topk(graphdef, beh, batch, k):
 def test_topk_centering_with_k_equal_v_is_exact_in_the_learner(preset):
   graphdef, params, beh, batch = _model(tied=True)
   ids, lq = _behaviour_topk(graphdef, beh, batch, V)
-  over = {"token_tis_c": 1.01} if preset == "tis_sc" else {}
-  pg_exact = estimator.method_from_preset(preset, **over)
-  pg_topk = estimator.method_from_preset(preset, score_centering="topk", sc_topk=V, **over)
+  over = {"weights.c": 1.01} if preset == "tis_sc" else {}
+  pg_exact = estimator.method_from_preset(preset, over)
+  pg_topk = estimator.method_from_preset(preset, {"loss.score_centering": "topk", "loss.sc_topk": V, **over})
   lf = learner.make_logp_fn(graphdef)
   vmap = learner.policy_gradient("vmap")
   g_e, a_e = vmap(lf, params, batch, pg_exact, centering=S.StepCentering(graphdef, pg_exact.weights.token_cap, beh))
@@ -301,7 +303,7 @@ def test_topk_centering_with_k_equal_v_is_exact_in_the_learner(preset):
   np.testing.assert_allclose(a_t["drift_coef_l1_n"], a_e["drift_coef_l1_n"], rtol=1e-4)
   # k < V models the tail: a different (non-zero) correction
   ids4, lq4 = _behaviour_topk(graphdef, beh, batch, 4)
-  pg4 = estimator.method_from_preset(preset, score_centering="topk", sc_topk=4, **over)
+  pg4 = estimator.method_from_preset(preset, {"loss.score_centering": "topk", "loss.sc_topk": 4, **over})
   g_4, _ = vmap(
     lf,
     params,
@@ -314,7 +316,7 @@ def test_topk_centering_with_k_equal_v_is_exact_in_the_learner(preset):
 
 def test_topk_centering_needs_the_recorded_head():
   graphdef, params, _, batch = _model(tied=True)
-  pg = estimator.method_from_preset("vcpo", score_centering="topk", sc_topk=4)
+  pg = estimator.method_from_preset("vcpo", {"loss.score_centering": "topk", "loss.sc_topk": 4})
   with pytest.raises(ValueError, match=r"the batch lacks \['topk_ids', 'topk_logp'\]"):
     learner.policy_gradient("vmap")(
       learner.make_logp_fn(graphdef), params, batch, pg, centering=S.TopkCentering(graphdef, pg.weights.token_cap)
@@ -342,8 +344,8 @@ def test_ghost_topk_centering_norms_and_gradient_by_brute_force(tied, vocab_chun
   gradient, loss and coefficient L1 equal the vmap reference path's."""
   graphdef, params, beh, batch = _model(tied, vocab_chunk)
   ids, lq = _behaviour_topk(graphdef, beh, batch, k)
-  over = {"token_tis_c": 1.01} if preset == "tis_sc" else {}
-  pg = estimator.method_from_preset(preset, score_centering="topk", sc_topk=k, **over)
+  over = {"weights.c": 1.01} if preset == "tis_sc" else {}
+  pg = estimator.method_from_preset(preset, {"loss.score_centering": "topk", "loss.sc_topk": k, **over})
   tb = dict(batch, topk_ids=ids, topk_logp=lq)
   cent, lf = S.TopkCentering(graphdef, pg.weights.token_cap), learner.make_logp_fn(graphdef)
   g_ghost, a_ghost = learner.policy_gradient("ghost")(lf, params, tb, pg, centering=cent)
@@ -504,7 +506,7 @@ def test_sampler_topk_with_k_equal_v_centering_equals_exact():
     group_id=np.array([0, 0, 1, 1], np.int32),
   )
   pg_e = estimator.method_from_preset("vcpo_sc")
-  pg_t = estimator.method_from_preset("vcpo", score_centering="topk", sc_topk=V)
+  pg_t = estimator.method_from_preset("vcpo", {"loss.score_centering": "topk", "loss.sc_topk": V})
   lf, vmap = learner.make_logp_fn(graphdef), learner.policy_gradient("vmap")
   g_e, a_e = vmap(lf, params, batch, pg_e, centering=S.StepCentering(graphdef, pg_e.weights.token_cap, beh))
   tb = dict(batch, topk_ids=ro.topk_ids, topk_logp=ro.topk_logp)

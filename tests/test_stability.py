@@ -13,11 +13,12 @@ import pytest
 from tests import fixtures
 from vcpo_jax import estimator, run_config, trainer
 from vcpo_jax import metrics as metrics_lib
+from vcpo_jax.experiments import legacy_method
 from vcpo_jax.experiments import pure_lag as pl
 from vcpo_jax.experiments import stability as st
 from vcpo_jax.experiments import tuning
 from vcpo_jax.model import transformer
-from vcpo_jax.rl import losses
+from vcpo_jax.rl import choices, losses
 
 CFG = pl.PureLagConfig(
   alphabet=4,
@@ -351,6 +352,20 @@ def test_committed_ledger_records_keep_their_fingerprints(monkeypatch):
     rec = ledger / f"{method}_k{k}_lr{lr:g}_seed{seed}.npz"
     with np.load(rec) as z:
       assert str(z["fingerprint"]) == st.run_fingerprint(c, method, k, seed, lr)
+  # runs with a tuned knob: the method's fields were flat vcpo.* names then (experiments/legacy_method.py)
+  claim = st.load_config("claim")
+  for cfg, method, knob, k, seed, lr in [
+    (claim, "ppo_clip", ("eps", 0.28), 8, 1, 2e-4),  # a peer loss's hyper-parameters: one policy_loss_kw text
+    (claim, "seq_tis", ("tis_c", 4.0), 32, 1, 2e-4),  # tis's c: tis_c
+    (c, "token_tis", ("token_tis_c", 8.0), 32, 0, 3e-4),  # token_tis's c: token_tis_c
+    (c, "clip", ("clip_c", 8.0), 32, 0, 3e-4),  # clip's lower, upper: clip_lower, clip_upper
+    (c, "vcpo_tis_ess", ("tis_ess_target", 0.5), 32, 0, 3e-4),  # tis_ess's target
+    (c, "gspo", ("gspo_eps_x", 4.0), 32, 0, 3e-4),  # products written at %g
+    (c, "icepop", ("icepop_interval", (0.1, 10.0)), 32, 0, 3e-4),  # a pair of floats
+  ]:
+    name = f"{method}_{knob[0]}{tuning.value_str(knob[1])}_k{k}_lr{lr:g}_seed{seed}.npz"
+    with np.load(ledger.parent / Path(cfg.trainer.ledger).name / name) as z:
+      assert str(z["fingerprint"]) == st.run_fingerprint(cfg, method, k, seed, lr, knob), name
   # A later field is in the run config; at its old value it is left out, at any other it counts.
   (block, name), old = next(iter(st.LATER_FIELDS.items()))
   assert json.loads(st.trainer_run_config(c, "none", 0, 0, 3e-4).to_json())[block][name] == old
@@ -406,21 +421,45 @@ def test_countdown_study_config_matches_issue():
   # Policy-loss presets run 1 x 2 updates per step (the trust region acts), the others one update.
   rc = st.trainer_run_config(c, "ppo_clip", 8, 1, 1e-3, ("eps", 0.28))
   assert (rc.learner.ppo_epochs, rc.learner.minibatches) == (1, 2)
-  assert rc.vcpo.policy_loss_kw == "eps_low=0.28,eps_high=0.28"
+  assert (rc.method.loss.name, rc.method.loss.eps_low, rc.method.loss.eps_high) == ("ppo_clip", 0.28, 0.28)
   assert run_config.parse_config(rc).learner.method.loss == losses.ppo_clip(eps_low=0.28, eps_high=0.28)
   rc = st.trainer_run_config(c, "vcpo", 8, 1, 1e-3, ("rho_on", 0.5))
-  assert (rc.learner.minibatches, rc.vcpo.rho_on) == (1, 0.5)
+  assert (rc.learner.minibatches, rc.method.lr.rho_on) == (1, 0.5)
+
+
+def test_the_ledgers_flat_names_of_a_runs_method_hand_checked():
+  """legacy_method: the method.* overrides of a study run written as the flat names the ledger's records hold."""
+  f = legacy_method.flat_overrides
+  m = estimator.method_from_preset
+  assert f(m("seq_tis"), [("method.weights.c", 4.0)]) == {"tis_c": 4.0}
+  assert f(m("tis_sc"), [("method.weights.c", 1.5)]) == {"token_tis_c": 1.5}
+  assert f(m("clip"), [("method.weights.lower", 0.25), ("method.weights.upper", 4.0)]) == {
+    "clip_lower": 0.25,
+    "clip_upper": 4.0,
+  }
+  assert f(m("vcpo"), [("method.lr.rho_on", 0.5), ("method.loss.sc_topk", 8)]) == {"rho_on": 0.5, "sc_topk": 8}
+  ppo = [("method.loss.eps_low", 0.28), ("method.loss.eps_high", 0.28)]
+  assert f(m("ppo_clip"), ppo) == {"policy_loss_kw": "eps_low=0.28,eps_high=0.28"}
+  kpop = [("method.loss.phi", 0.05), ("method.loss.normalizer", "loss_tokens")]
+  assert f(m("kpop"), kpop) == {"policy_loss_kw": "phi=0.05,normalizer=loss_tokens"}
+  run = {"method": choices.tree(m("seq_tis", {"weights.c": 4.0})).to_dict(), "seed": 0}
+  old = legacy_method.run_config(run, "seq_tis", [("method.weights.c", 4.0)])
+  assert old["method"] == "seq_tis" and old["seed"] == 0 and len(old["vcpo"]) == 31
+  assert {k: v for k, v in old["vcpo"].items() if v is not None} == {"tis_c": 4.0}
+  with pytest.raises(ValueError, match="is not preset 'seq_tis'"):
+    legacy_method.run_config(run, "seq_tis", [])  # its tree says c = 4: the old form must say it too
 
 
 def test_knob_overrides_hand_checked():
-  assert tuning.knob_overrides("clip_c", 4.0) == {"vcpo.clip_lower": 0.25, "vcpo.clip_upper": 4.0}
-  assert tuning.knob_overrides("mask_c", 2.0) == {"vcpo.mask_lower": 0.5, "vcpo.mask_upper": 2.0}
-  assert tuning.knob_overrides("gspo_eps_x", 2.0) == {"vcpo.policy_loss_kw": "eps_low=0.0006,eps_high=0.0008"}
-  assert tuning.knob_overrides("icepop_interval", (0.2, 5.0)) == {"vcpo.policy_loss_kw": "lower=0.2,upper=5"}
-  assert tuning.knob_overrides("tv", 0.3) == {"vcpo.policy_loss_kw": "mask_low=0.3,mask_high=0.3"}
-  assert tuning.knob_overrides("budget", 0.04) == {"vcpo.policy_loss_kw": "budget=0.04"}
-  assert tuning.knob_overrides("ipo_threshold", 0.2) == {"vcpo.policy_loss_kw": "ipo_threshold=0.2"}
-  assert tuning.knob_overrides("kpop_phi", 0.05) == {"vcpo.policy_loss_kw": "phi=0.05,normalizer=loss_tokens"}
+  assert tuning.knob_overrides("clip_c", 4.0) == {"method.weights.lower": 0.25, "method.weights.upper": 4.0}
+  assert tuning.knob_overrides("mask_c", 2.0) == {"method.weights.lower": 0.5, "method.weights.upper": 2.0}
+  assert tuning.knob_overrides("gspo_eps_x", 3.0) == {"method.loss.eps_low": 0.0009, "method.loss.eps_high": 0.0012}
+  assert 4e-4 * 3.0 != 0.0012  # the %g rounding the records' values went through is kept
+  assert tuning.knob_overrides("icepop_interval", (0.2, 5.0)) == {"method.loss.lower": 0.2, "method.loss.upper": 5.0}
+  assert tuning.knob_overrides("tv", 0.3) == {"method.loss.mask_low": 0.3, "method.loss.mask_high": 0.3}
+  assert tuning.knob_overrides("budget", 0.04) == {"method.loss.budget": 0.04}
+  assert tuning.knob_overrides("ipo_threshold", 0.2) == {"method.loss.ipo_threshold": 0.2}
+  assert tuning.knob_overrides("kpop_phi", 0.05) == {"method.loss.phi": 0.05, "method.loss.normalizer": "loss_tokens"}
   assert tuning.value_str((0.5, 5.0)) == "0.5-5" and tuning.value_str(8.0) == "8" and tuning.value_str(None) == "-"
   with pytest.raises(ValueError, match="tuning knob 'eps_lo'"):
     tuning.knob_overrides("eps_lo", 0.1)
@@ -479,8 +518,9 @@ def test_protocol_studies_run_each_arm_only_at_its_own_lags():
     "none": (0, 128),
     **{m: (128,) for m in c.methods if m != "none"},
   }
-  assert st.trainer_run_config(c, "vcpo_cap4", 128, 0, 2e-4).vcpo.tis_c == 4.0  # VCPO with one part changed
-  assert st.trainer_run_config(c, "seq_tis_c4", 128, 0, 2e-4).method == "seq_tis"
+  assert st.trainer_run_config(c, "vcpo_cap4", 128, 0, 2e-4).method.weights.c == 4.0  # VCPO with one part changed
+  rc = st.trainer_run_config(c, "seq_tis_c4", 128, 0, 2e-4)
+  assert choices.describe(choices.build(rc.method)) == "seq_tis (weights.c=4.0)"
   h = st.load_config("protocol_horizon", {"methods": ("none", "vcpo", "seq_tis_c4", "vcpo_no_esslr")})
   assert h.task.steps == 800 and [st.ks_of(h, m) for m in h.methods] == [(0,), (128,), (128,), (128,)]
   assert Path(h.trainer.ledger) != Path(c.trainer.ledger)  # 800-step records never share a file with 200-step ones
@@ -493,7 +533,9 @@ def test_tuning_config_errors():
     st.load_config("countdown_quick", {"tuning.seeds": (0,)})
   with pytest.raises(ValueError, match=r"knobs\['vcpo'\]: 2 values, but tuning.trials=3"):
     st.load_config("countdown_quick", {"tuning.trials": 3})
-  with pytest.raises(ValueError, match=r"knobs\['vcpo'\] = \('eps', 0.1\).*policy_loss_kw"):
+  with pytest.raises(
+    ValueError, match=r"knobs\['vcpo'\] = \('eps', 0.1\).*config\.method\.loss\.eps_low=0\.1: unknown field"
+  ):
     st.load_config("countdown_quick", {"tuning.knobs.vcpo": ("eps", (0.1, 0.2))})
   with pytest.raises(ValueError, match="no entry for method 'seq_tis'"):
     st.load_config("countdown_quick", {"methods": ("none", "seq_tis")})

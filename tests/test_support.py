@@ -166,7 +166,7 @@ def test_topk_centering_over_the_replayed_support_agrees_on_both_paths(tied, voc
   newer = jax.tree.map(lambda a, b: a + 0.2 * (b - a), params, other)
   ro = _sample(cfg, graphdef, params, record_support=True, record_topk=64, **FILTERS)  # K > |S|: ids off S too
   b = {k: jnp.asarray(v) for k, v in dict(_batch(ro), topk_ids=ro.topk_ids, topk_logp=ro.topk_logp).items()}
-  pg = estimator.method_from_preset("vcpo", score_centering="topk", sc_topk=64)
+  pg = estimator.method_from_preset("vcpo", {"loss.score_centering": "topk", "loss.sc_topk": 64})
   cent, lf = S.TopkCentering(graphdef, pg.weights.token_cap), learner.make_logp_fn(graphdef)
   g_ghost, a_ghost = learner.policy_gradient("ghost")(lf, newer, b, pg, centering=cent)
   g_vmap, a_vmap = learner.policy_gradient("vmap")(lf, newer, b, pg, centering=cent)

@@ -200,11 +200,11 @@ def test_lag_source_copies_only_when_lagged():
 BAD_CONFIGS = [
   ({"lag.k": -1, "mode": "lag"}, "lag.k"),
   ({"method": "ppo_magic"}, "config.method"),
-  ({"vcpo.advantage": "foo"}, "advantage"),
+  ({"method.advantage": "foo"}, "config.method.advantage='foo': unknown advantage estimator"),
   ({"task.group_size": 1}, "task.group_size"),
   ({"mesh.shape": (3, 1, 1)}, "divisible"),
   ({"model.checkpoint": "/nonexistent/ckpt"}, "model.checkpoint"),
-  ({"method": "clip", "vcpo.clip_lower": 3.0, "vcpo.clip_upper": 2.0}, "clip_lower"),
+  ({"method": "clip", "method.weights.lower": 3.0, "method.weights.upper": 2.0}, "config.method.weights.lower=3.0"),
   ({"mode": "turbo"}, "config.mode"),
   ({"mode": "sync", "lag.k": 4}, "mode='lag'"),
   ({"mode": "async", "lag.k": 0}, "k >= 1"),

@@ -17,7 +17,7 @@ budget columns; shapes are fixed per run, so the jitted step compiles once.
 and per-token records of the sampler over the response columns only (R = the response budget; response
 column r is token column T - R + r, since prompts are left-padded to the prompt bucket T - R):
 
-  only in runs with top-k score centering (vcpo.score_centering='topk', K = vcpo.sc_topk; None otherwise):
+  only in runs with top-k score centering (method.loss.score_centering='topk', K = method.loss.sc_topk; None otherwise):
   topk_ids        [N, R, K] int32   the K most likely ids of the distribution token r was drawn from (0 elsewhere)
   topk_logp       [N, R, K] float32 their post-filter log-probs (temperature, top-k / top-p applied)
   only in runs that replay the sampler's top-k / top-p support (vcpo_jax/model/support.py; None otherwise):

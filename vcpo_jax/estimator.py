@@ -82,7 +82,6 @@ from vcpo_jax.rl.ess import (
   tis_ess_log_weights,
   token_log_ratio,
 )
-from vcpo_jax.rl.flat import DECOUPLED_PROX
 from vcpo_jax.rl.method import Method
 from vcpo_jax.rl.presets import PRESET_DOCS, PRESETS, method_from_preset
 from vcpo_jax.rl.surrogate import (
@@ -102,7 +101,6 @@ from vcpo_jax.rl.weights import WEIGHT_VARIANTS, WeightVariant, importance_weigh
 
 __all__ = [
   "ADVANTAGE_ESTIMATORS",
-  "DECOUPLED_PROX",
   "DEFAULT_LOG_RATIO_CLAMP",
   "ESS_LR_RULES",
   "LOSS_AGGREGATIONS",

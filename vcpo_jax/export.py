@@ -29,6 +29,8 @@ import json
 import os
 import sys
 
+from vcpo_jax.rl import choices
+
 RUN_RECORD_KEYS = ("provenance", "config_history", "from_step")  # config.json entries that are not config
 
 
@@ -184,17 +186,18 @@ def _write_model_card(out: str, workdir: str, step: int, asked, spec, prompt: st
   with open(os.path.join(out, "vcpo_config.json"), "w") as f:
     f.write(record)
   c = spec.config
+  method = choices.describe(c.method)
   which = {None: "the newest", "": "the newest", "best": "the best-ranked"}.get(asked, "the requested")
   s, e = spec.sampling, spec.eval
   eval_sampling = "greedy" if e.greedy else f"temperature {e.temperature}, top_p {e.top_p}"
   template = c.task.template or "(the task's default template)"
   model = c.model.checkpoint or f"{c.model.preset} (random init)"
   lines = [
-    f"# {c.method} on {c.task.name}: a vcpo_jax export",
+    f"# {method} on {c.task.name}: a vcpo_jax export",
     "",
     f"- Source run: `{os.path.abspath(workdir) if '://' not in workdir else workdir}`, {which} checkpoint,",
     f"  step {step} of {c.steps}; the run's full config is `vcpo_config.json` (config.json of the run).",
-    f"- Config: method `{c.method}`, mode `{c.mode}` (k = {c.lag.k}), task `{c.task.name}`, model {model},",
+    f"- Config: method `{method}`, mode `{c.mode}` (k = {c.lag.k}), task `{c.task.name}`, model {model},",
     f"  seed {c.seed}, lr {c.optim.lr}.",
     f"- Prompt format: the task's template `{template}` filled per problem"
     + (", wrapped in the tokenizer's chat template (one user turn)" if spec.rollout.chat_template else "")

@@ -140,7 +140,7 @@ class LearnerConfig:
       )
     if self.method.centering is not None and self.grad_path == "ghost" and self.ghost_passes != 1:
       raise ValueError(
-        f"learner.ghost_passes={self.ghost_passes!r} with vcpo.score_centering={self.method.centering[0]!r}: the "
+        f"learner.ghost_passes={self.ghost_passes!r} with method.loss.score_centering={self.method.centering[0]!r}: the "
         "centered score's dense head term runs in the one-pass ghost step only; set learner.ghost_passes=1."
       )
     mb = self.microbatch_size

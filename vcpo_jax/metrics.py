@@ -342,12 +342,25 @@ def run_config(workdir: str) -> dict:
   return json.loads(fs.read_text(path)) if fs.exists(path) else {}
 
 
+def _method_label(method) -> str:
+  """A config.json's method in a few words: its tree's preset (rl.choices.describe), or a run's older preset name."""
+  if not isinstance(method, dict):
+    return str(method or "?")
+  from vcpo_jax.rl import choices  # imports jax: only to label a tree; this module is numpy only
+
+  try:
+    return choices.describe(choices.build(method))
+  except ValueError:
+    return "?"
+
+
 def identity(workdir: str) -> dict:
   """{method, mode, k, lr, seed, label} of a run, from its config.json (k = 0 in sync mode)."""
   c = run_config(workdir)
   mode = c.get("mode", "?")
   k = 0 if mode == "sync" else int((c.get("lag") or {}).get("k", 0))
-  out = dict(method=c.get("method", "?"), mode=mode, k=k, lr=(c.get("optim") or {}).get("lr"), seed=c.get("seed"))
+  out = dict(method=_method_label(c.get("method")), mode=mode, k=k, lr=(c.get("optim") or {}).get("lr"))
+  out["seed"] = c.get("seed")
   lag = "" if mode == "sync" else f" k={k}"
   lr = f" lr={out['lr']:g}" if isinstance(out["lr"], (int, float)) else ""
   out["label"] = f"{out['method']} {mode}{lag}{lr} seed={out['seed']}"

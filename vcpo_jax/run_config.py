@@ -2,7 +2,7 @@
 
 `parse_config` builds the RunConfig tree from the ConfigDict (schema.from_config_dict: each section's
 dataclass checks its own fields, RunConfig the constraints between them), then what the tree names: the
-method preset with its config.vcpo overrides, the model, the tasks, the evaluation protocol. Every error is
+model, the tasks, the evaluation protocol. Every error is
 one ConfigError line that names the config field, its value and the fix, e.g.
 
   config.optim.b1=1.5: Adam's moment decay must be in [0, 1) (usual: 0.9)
@@ -15,31 +15,18 @@ model needed). `check_override_paths` names the closest field for an unknown `--
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 
-from vcpo_jax import estimator, schema, tasks
+from vcpo_jax import schema, tasks
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.model import config as model_config
-from vcpo_jax.rl.flat import Overrides
 from vcpo_jax.rollout.common import RolloutConfig
 from vcpo_jax.run_spec import RunConfig, RunSpec, check_prompt_lengths
-from vcpo_jax.schema import ConfigError, check_field, config_errors, config_message
+from vcpo_jax.schema import ConfigError, check_field, config_errors
 
 __all__ = ["ConfigError", "RunSpec", "check_override_paths", "field_paths", "parse_config"]
-
-
-def _method(run: RunConfig) -> estimator.Method:
-  close = difflib.get_close_matches(str(run.method), list(estimator.PRESETS), n=3, cutoff=0.5)
-  hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
-  fix = f"unknown preset; {hint}choose one of {sorted(estimator.PRESETS)}."
-  check_field(run.method in estimator.PRESETS, "method", run.method, fix)
-  try:
-    return estimator.method_from_preset(run.method, **run.vcpo)
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f"{config_message(str(e), 'vcpo', Overrides, {})} (config.method={run.method!r})") from None
 
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
@@ -120,7 +107,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
   every prompt fits task.max_prompt_len; the result is cached per data setting within a process.
   """
   run = schema.from_config_dict(RunConfig, config)
-  method, t = _method(run), run.task
+  method, t = run.method, run.task
   check_field(t.name in tasks.TASKS, "task.name", t.name, f"unknown task; choose one of {sorted(tasks.TASKS)}.")
   fix = "does not exist; point it at a local parquet/jsonl file ('' = the shipped fixture)."
   for field, path in (("task.data_path", t.data_path), ("eval.data_path", run.eval.data_path)):

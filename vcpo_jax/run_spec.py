@@ -14,8 +14,8 @@ Adding a knob is one line, `name: type = default  # --config_help text`, plus it
 `__post_init__`; it is then `--config.SECTION.name=`, listed by `--config_help`, in every run's fingerprint:
   - a section that is a component's config (optim, sampler, async_, checkpoint, log, mesh, distributed,
     task.multiturn): the line goes into that dataclass, which is all;
-  - method / vcpo.*: a preset is one Method line in rl/method.py PRESETS; the vcpo.* overrides are the flat
-    names of rl/flat.py (mapped there, once, onto the Method's parts);
+  - method.*: the tree of the Method's parts (rl/choices.py), each a named choice with its own fields, read off
+    its factory: a new weight variant, peer loss or option of one is a field there with no line here;
   - model.* / learner.*: the field goes into ModelConfig / LearnerConfig (the component) and a line pointing
     at its default into ModelSection / LearnerSection (`lora_rank: int = ModelConfig.lora_rank  # ...`):
     parse_config passes every field of the section that the component has, by name;
@@ -46,12 +46,13 @@ from vcpo_jax.metrics import LogConfig
 from vcpo_jax.model.config import ModelConfig, ModelSection
 from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.optim import OptimConfig
-from vcpo_jax.rl.flat import Overrides
+from vcpo_jax.rl import choices
+from vcpo_jax.rl.method import PRESETS, Method
 from vcpo_jax.rollout.async_ import AsyncConfig
 from vcpo_jax.rollout.common import RolloutConfig
 from vcpo_jax.rollout.multiturn import MultiTurnConfig, MultiTurnSection
 from vcpo_jax.sampler import SamplingConfig
-from vcpo_jax.schema import ConfigError, check_field, config_errors, overrides, section
+from vcpo_jax.schema import ConfigError, check_field, config_errors, section, tree
 
 __all__ = ["ConfigError", "RunConfig", "RunSpec", "SamplingConfig", "check_prompt_lengths"]
 
@@ -96,11 +97,11 @@ class RunConfig:
   seed: int = 0  # master seed: model init, problem order, sampling (fold_in(key, step))
   steps: int = 100  # learner steps (optimizer updates)
   mode: str = "sync"  # "sync" (k = 0) | "lag" (exact staleness k, one process) | "async" (sampler process)
-  method: str = "vcpo"  # method preset (rl.method.PRESETS): vcpo, seq_tis, ppo_clip, gspo, vcpo_tis_ess, ...
+  # the method's parts, each a named choice with its own fields (rl/choices.py); --config.method=PRESET sets them all
+  method: Method = tree(lambda: PRESETS["vcpo"], choices.tree, choices.build)
   task: TaskSection = section(TaskSection)
   model: ModelSection = section(ModelSection)
   sampler: SamplingConfig = section(SamplingConfig)
-  vcpo: dict = overrides(Overrides)  # one None placeholder (= the preset's value) per flat vcpo.* name (rl/flat.py)
   optim: OptimConfig = section(OptimConfig)
   learner: LearnerSection = section(LearnerSection)
   lag: LagSection = section(LagSection)
@@ -238,7 +239,7 @@ class RunSpec:
   eval_task: tasks.Task | None = None
 
   def _check_centering(self, method):
-    """vcpo.score_centering='exact' needs the behaviour parameters (sync / lag) and q = softmax(logits); 'topk'
+    """method.loss.score_centering='exact' needs the behaviour parameters (sync / lag) and q = softmax(logits); 'topk'
     needs single-turn rollouts (the training sampler records the top-k, SamplerConfig.record_topk = sc_topk,
     and the Batch carries it to the learner in every mode); neither takes LoRA adapters."""
     if method.centering is None:
@@ -246,34 +247,34 @@ class RunSpec:
     source = method.centering[0]
     check_field(
       not self.model_cfg.lora_rank,
-      "vcpo.score_centering",
+      "method.loss.score_centering",
       source,
       f"the centered score's forward takes a whole model, not LoRA adapters (model.lora_rank="
-      f"{self.model_cfg.lora_rank}); set vcpo.score_centering='off' or model.lora_rank=0.",
+      f"{self.model_cfg.lora_rank}); set method.loss.score_centering='off' or model.lora_rank=0.",
     )
     if source == "topk":
       check_field(
         self.multiturn is None,
-        "vcpo.score_centering",
+        "method.loss.score_centering",
         "topk",
         "tool-use episodes' continuations do not record the sampler's top-k; use single-turn rollouts "
-        "(multiturn.enabled=False) or vcpo.score_centering='off'.",
+        "(multiturn.enabled=False) or method.loss.score_centering='off'.",
       )
       return
     check_field(
       self.mode in ("sync", "lag"),
-      "vcpo.score_centering",
+      "method.loss.score_centering",
       "exact",
       f"needs the behaviour parameters, kept only in mode='sync' / 'lag' (have {self.mode!r}); "
-      "use vcpo.score_centering='topk' (with vcpo.sc_topk) or mode='lag'.",
+      "use method.loss.score_centering='topk' (with method.loss.sc_topk) or mode='lag'.",
     )
     s = self.sampling
     check_field(
       s.temperature == 1.0 and s.top_p >= 1.0 and not s.top_k,
-      "vcpo.score_centering",
+      "method.loss.score_centering",
       "exact",
       f"recomputes q = softmax(logits) of the behaviour version; sampler.temperature={s.temperature}, "
-      f"top_p={s.top_p}, top_k={s.top_k} change q: set them to 1.0, 1.0, 0 or use vcpo.score_centering='topk'.",
+      f"top_p={s.top_p}, top_k={s.top_k} change q: set them to 1.0, 1.0, 0 or use method.loss.score_centering='topk'.",
     )
 
   def __post_init__(self):
@@ -306,7 +307,7 @@ class RunSpec:
       "task.group_size",
       self.rollout.group_size,
       f"advantage estimator {estimator!r} compares responses within a group; use group_size >= 2 "
-      "(or vcpo.advantage='reinforce').",
+      "(or method.advantage=reinforce).",
     )
 
   distributed = property(lambda self: self.config.distributed.as_dict())

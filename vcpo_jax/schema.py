@@ -9,8 +9,8 @@ A config section is a frozen dataclass whose fields are its knobs, each written 
 The field's type and default make the ConfigDict entry (`to_config_dict`), the comment on its line is its
 `--config_help` text (`comments`), `__post_init__` checks it. A field that is another dataclass is a
 sub-section (`section(Cls)`); a `dict` field an open sub-dict (task.gen); `int | None = None` a typed
-placeholder (None = "the preset's value"); a union of two types (`int | str`) takes either; `overrides(Cls)`
-is a section of one None placeholder per field of Cls (config.vcpo: the method preset's flat overrides, rl/flat.py);
+placeholder (None = "the preset's value"); a union of two types (`int | str`) takes either; `tree(default,
+to_tree, build)` a value kept in the ConfigDict as a tree of its own (config.method: rl/choices.py), checked by build;
 metadata {"config": False} keeps a field out of the ConfigDict; {"when_set": True} keeps a `dict` field out of the
 default ConfigDict (a config file adds the block: model.shape) and {"keys": Cls} limits its keys to Cls's fields.
 `from_config_dict` builds the tree back, refuses a key the tree does not model (`unknown_field`: a misspelled
@@ -90,9 +90,10 @@ def section(cls):
   return dataclasses.field(default_factory=cls)
 
 
-def overrides(cls):
-  """A section of one None placeholder per field of `cls` (typed like it): None = keep the base value."""
-  return dataclasses.field(default_factory=dict, metadata={"overrides": cls})
+def tree(default, to_tree, build):
+  """A field whose value (`default()`) the ConfigDict holds as the tree `to_tree(value)`, made back by
+  `build(tree)`, which checks the tree's keys itself (config.method: rl.choices.tree / rl.choices.build)."""
+  return dataclasses.field(default_factory=default, metadata={"tree": (to_tree, build)})
 
 
 def _config_fields(cls):
@@ -113,8 +114,8 @@ def to_config_dict(cls) -> ml_collections.ConfigDict:
     t = hints[f.name]
     if f.metadata.get("when_set"):
       continue
-    if "overrides" in f.metadata:
-      c[f.name] = to_overrides(f.metadata["overrides"])
+    if "tree" in f.metadata:
+      c[f.name] = f.metadata["tree"][0](f.default_factory())
     elif dataclasses.is_dataclass(t):
       c[f.name] = to_config_dict(t)
     else:
@@ -131,14 +132,6 @@ def to_config_dict(cls) -> ml_collections.ConfigDict:
   return c
 
 
-def to_overrides(cls) -> ml_collections.ConfigDict:
-  """One None placeholder per field of dataclass `cls`, typed like the field."""
-  hints, v = typing.get_type_hints(cls), ml_collections.ConfigDict()
-  for f in dataclasses.fields(cls):
-    v[f.name] = config_dict.placeholder(_types(hints[f.name])[0])
-  return v
-
-
 def from_config_dict(cls, d, section: str = ""):
   """cls built from ConfigDict (or dict) `d`, sub-sections first; a missing key keeps the default, a key cls
   does not model goes to its `extra` dict if it has one (config.distributed), else is a ConfigError naming it
@@ -151,8 +144,8 @@ def from_config_dict(cls, d, section: str = ""):
     if f.name not in d:
       continue
     v, t = d[f.name], hints[f.name]
-    if "overrides" in f.metadata:
-      v = {k: x for k, x in v.items() if x is not None}
+    if "tree" in f.metadata:
+      v = f.metadata["tree"][1](v)
     elif dataclasses.is_dataclass(t):
       v = from_config_dict(t, v, f"{section}{f.name}.")
     elif hasattr(v, "to_dict"):
@@ -167,7 +160,7 @@ def from_config_dict(cls, d, section: str = ""):
 
 def check_keys(cls, d, prefix: str = ""):
   """ConfigError (`unknown_field`) for the first key of ConfigDict (or dict) `d` that the dataclass tree `cls`
-  does not model, at any depth: sections, vcpo.* overrides and dict fields with {"keys": Cls}; a section with
+  does not model, at any depth: sections and dict fields with {"keys": Cls}; a section with
   an `extra` field and the other dict fields (task.gen) are open."""
   hints = typing.get_type_hints(cls)
   fields = {f.name: f for f in _config_fields(cls)}
@@ -178,7 +171,10 @@ def check_keys(cls, d, prefix: str = ""):
   for name, f in fields.items():
     if name not in d or not hasattr(d[name], "items"):
       continue
-    allowed = f.metadata.get("overrides") or f.metadata.get("keys")
+    if "tree" in f.metadata:  # a tree's build checks its keys (and values)
+      f.metadata["tree"][1](d[name])
+      continue
+    allowed = f.metadata.get("keys")
     if dataclasses.is_dataclass(hints[name]):
       check_keys(hints[name], d[name], f"{prefix}{name}.")
     elif allowed is not None:
@@ -215,6 +211,27 @@ def nearest(path: str, siblings: list[str]) -> list[str]:
   return [by_leaf[n] for n in close[:3]]
 
 
+def split_args(argv: list[str], root: str) -> tuple[list[str], list[tuple[str, str]]]:
+  """(argv without its --config.ROOT[.A[.B]]=VALUE flags, [(path, text)] of those flags in order).
+
+  For a `tree` field whose keys change with a choice's name (config.method: --config.method.weights=clip
+  replaces the weights' fields), which ml_collections' override flags cannot express: main.py takes them out
+  before ml_collections reads argv and sets them on the loaded config itself (rl.choices.set_paths)."""
+  pattern = re.compile(rf"--?config\.({re.escape(root)}(?:\.\w+)*)(?:=(.*))?$")
+  rest, found, i = [], [], 0
+  while i < len(argv):
+    m = pattern.match(argv[i])
+    if m is None:
+      rest.append(argv[i])
+    elif m.group(2) is not None:
+      found.append((m.group(1), m.group(2)))
+    else:  # --config.method.lr.rho_on 0.9
+      found.append((m.group(1), argv[i + 1] if i + 1 < len(argv) else ""))
+      i += 1
+    i += 1
+  return rest, found
+
+
 # ----------------------------------------------------------------------------- --config_help
 
 
@@ -242,9 +259,7 @@ def comments(cls, prefix: str = "") -> dict[str, str]:
   hints, own, out = typing.get_type_hints(cls), field_comment_lines(cls), {}
   for f in _config_fields(cls):
     t = hints[f.name]
-    if "overrides" in f.metadata:
-      out.update({f"{prefix}{f.name}.{k}": v for k, v in field_comment_lines(f.metadata["overrides"]).items()})
-    elif dataclasses.is_dataclass(t):
+    if dataclasses.is_dataclass(t):
       out.update(comments(t, f"{prefix}{f.name}."))
     if f.name in own:
       out[prefix + f.name] = own[f.name]

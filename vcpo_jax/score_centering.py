@@ -550,8 +550,8 @@ class TopkCentering:
     missing = [k for k in self.KEYS if k not in batch]
     if missing:
       raise ValueError(
-        f"vcpo.score_centering='topk': the batch lacks {missing} ([N, R, K] from the sampler, "
-        "SamplerConfig.record_topk = vcpo.sc_topk)"
+        f"method.loss.score_centering='topk': the batch lacks {missing} ([N, R, K] from the sampler, "
+        "SamplerConfig.record_topk = method.loss.sc_topk)"
       )
 
   def logp_fn(self, params, batch):

@@ -325,7 +325,7 @@ def _build_maker(spec, tokenizer, make_sampler, train_problems):
     max_new_tokens=spec.rollout.max_new_tokens,
     **_buckets(spec),
     **spec.sampling.sampler_kwargs(),
-    record_topk=spec.learner.method.record_topk,  # vcpo.score_centering='topk': the learner centers from this record
+    record_topk=spec.learner.method.record_topk,  # method.loss.score_centering='topk': the learner centers from this record
     record_routing=spec.model_cfg.routing_replay,  # MoE routing replay: the learner replays this record
     # sampler.support_replay: the learner renormalises over each token's recorded support (single-turn rollouts)
     record_support=spec.sampling.replays_support and spec.multiturn is None,
@@ -598,7 +598,7 @@ def _build_learner(spec, graphdef, params, mesh):
 
 
 def _ring_centering(spec) -> bool:
-  """Whether the step reads the behaviour version: exact score centering (vcpo.score_centering='exact') in lag
+  """Whether the step reads the behaviour version: exact score centering (method.loss.score_centering='exact') in lag
   mode with k > 0 (RunSpec refuses it where no ring exists; with k = 0, q = p and the step uses its params)."""
   return spec.learner.method.centering is not None and spec.learner.method.centering[0] == "exact" and spec.k > 0
 

@@ -31,6 +31,7 @@ from vcpo_jax import run_config as run_config_lib
 from vcpo_jax import trainer
 from vcpo_jax.model import lora as lora_lib
 from vcpo_jax.model import policy
+from vcpo_jax.rl import choices
 
 LAST_EVALS = 3  # the selection score: mean eval accuracy over the last 3 evaluations (steps 150, 175, 200)
 
@@ -43,7 +44,7 @@ def run_config(a, lora: bool, seed: int, lr: float):
   from configs import countdown
 
   c = countdown.get_config()
-  c.seed, c.method, c.mode, c.lag.k, c.optim.lr = seed, "vcpo", "lag", a.k, lr
+  c.seed, c.method, c.mode, c.lag.k, c.optim.lr = seed, choices.preset("vcpo"), "lag", a.k, lr
   c.checkpoint.every = c.steps  # the study keeps metrics only
   c.log.progress, c.log.plots = False, False
   if lora:

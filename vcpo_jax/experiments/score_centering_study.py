@@ -36,13 +36,13 @@ import numpy as np
 from vcpo_jax import estimator
 from vcpo_jax.experiments import pure_lag, stability
 
-# name -> (preset, preset overrides, centering: None | "exact" | top-k size)
+# name -> (preset, its method.* overrides, centering: None | "exact" | top-k size)
 METHODS = {
   "vcpo": ("vcpo", {}, None),
   "vcpo_ref": ("vcpo", {}, None),  # the same, on the vmap reference gradient path (the centered runs' path)
   "vcpo_sc": ("vcpo", {}, "exact"),
-  "token_tis": ("token_tis", dict(token_tis_c=2.0), None),  # the control of tis_sc: the same, uncentered
-  "tis_sc": ("token_tis", dict(token_tis_c=2.0), "exact"),
+  "token_tis": ("token_tis", {"weights.c": 2.0}, None),  # the control of tis_sc: the same, uncentered
+  "tis_sc": ("token_tis", {"weights.c": 2.0}, "exact"),
   "sc_top8": ("vcpo", {}, 8),
   "ipo": ("ipo", {}, None),
   "kpop": ("kpop", {}, None),
@@ -53,7 +53,7 @@ METHODS = {
 def compiled_method(cfg, method: str, n_seeds: int, max_k: int):
   """The vmapped (over seeds) run of one method, compiled once (k and lr are traced)."""
   preset, over, sc = METHODS[method]
-  pg = estimator.method_from_preset(preset, **over)
+  pg = estimator.method_from_preset(preset, over)
   if method == "vcpo_ref":
     cfg = dataclasses.replace(cfg, grad_path="reference")
   topk = sc if isinstance(sc, int) else 0

@@ -304,14 +304,14 @@ def trainer_run_config(c, method: str, k: int, seed: int, lr: float, knob: tuple
   import importlib
 
   from vcpo_jax import estimator
-  from vcpo_jax.experiments import tuning
+  from vcpo_jax.rl import choices
 
   root = str(Path(__file__).resolve().parents[2])  # configs/ lives at the repository root
   if root not in sys.path:
     sys.path.insert(0, root)
   base = importlib.import_module(f"configs.{c.trainer.config}").get_config(c.trainer.variant or None)
-  preset, variant_fields = tuning.method_variant(c, method)
-  base.seed, base.steps, base.method = seed, c.task.steps, preset
+  preset, fields = _run_fields(c, method, knob)
+  base.seed, base.steps, base.method = seed, c.task.steps, choices.preset(preset)
   base.mode = "lag" if k else "sync"  # k = 0: the synchronous reference (same batches as lag with k = 0)
   base.lag.k = k
   base.optim.lr = lr
@@ -322,13 +322,32 @@ def trainer_run_config(c, method: str, k: int, seed: int, lr: float, knob: tuple
   base.log.norm_overhead_every = 0
   if preset in estimator.PRESETS and estimator.PRESETS[preset].peer_loss is not None:
     base.learner.ppo_epochs, base.learner.minibatches = policy_loss_updates(c)
-  for path, value in [*variant_fields, *(tuning.knob_overrides(*knob).items() if knob is not None else ())]:
+  choices.set_paths(base, [(p, v) for p, v in fields if p.startswith(f"{choices.ROOT}.")])
+  for path, value in [(p, v) for p, v in fields if not p.startswith(f"{choices.ROOT}.")]:
     *parents, leaf = path.split(".")
     node = base
     for name in parents:
       node = node[name]
     node[leaf] = value
   return base
+
+
+def _run_fields(c, method: str, knob: tuple | None) -> tuple[str, list[tuple[str, object]]]:
+  """(preset, [(run-config path, value)]) of a study method's run: its variant's fields, then its knob's."""
+  from vcpo_jax.experiments import tuning
+
+  preset, variant_fields = tuning.method_variant(c, method)
+  return preset, [*variant_fields, *(tuning.knob_overrides(*knob).items() if knob is not None else ())]
+
+
+def _ledger_json(c, method: str, k: int, seed: int, lr: float, knob=None) -> dict:
+  """The run config's JSON with its method as the ledger's records hold it (legacy_method.run_config): the
+  committed records keep their fingerprints."""
+  from vcpo_jax.experiments import legacy_method
+
+  preset, fields = _run_fields(c, method, knob)
+  run_cfg = json.loads(trainer_run_config(c, method, k, seed, lr, knob).to_json())
+  return legacy_method.run_config(run_cfg, preset, [(p, v) for p, v in fields if p.startswith("method.")])
 
 
 def policy_loss_updates(c) -> tuple[int, int]:
@@ -339,7 +358,7 @@ def policy_loss_updates(c) -> tuple[int, int]:
 def trainer_settings(c) -> dict:
   out = dict(
     backend="trainer",
-    run_config=json.loads(trainer_run_config(c, "none", 0, 0, 0.0).to_json()),  # everything but the grid
+    run_config=_ledger_json(c, "none", 0, 0, 0.0),  # everything but the grid
     seeds=list(c.seeds),
     lrs=list(c.lrs),
   )
@@ -441,7 +460,7 @@ def run_fingerprint(c, method: str, k: int, seed: int, lr: float, knob=None, sta
   policy-loss updates included; it holds no paths) and the study's step count. Adding seeds, lrs or methods to
   the study leaves the other runs' fingerprints unchanged, and so do the async_ settings of a run that is not
   async (the study's runs are sync or lag; they never read them) and the LATER_FIELDS at their old values."""
-  run_cfg = json.loads(trainer_run_config(c, method, k, seed, lr, knob).to_json())
+  run_cfg = _ledger_json(c, method, k, seed, lr, knob)
   if run_cfg.get("mode") != "async":
     run_cfg.pop("async_", None)
   for (block, name), old in LATER_FIELDS.items():

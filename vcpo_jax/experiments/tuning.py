@@ -8,7 +8,7 @@ method's knob in every run of the grid, so each method is reported at its own be
 chances than another. A method without a knob ("none") runs once per tuning cell, as a reference.
 
 A knob is a name in `KNOBS`: a function from the trial value to the run-config fields it sets
-(`{"vcpo.tis_c": 4.0}`); the config names the knob and its values per method. Each trial is one
+(`{"method.weights.c": 4.0}`); the config names the knob and its values per method. Each trial is one
 `vcpo_jax.trainer.run` in its own directory (resumable per run), and a method's trials are saved together
 in <out>/stability_raw/trainer/tune_<method>.npz with the fingerprint of everything that made them.
 """
@@ -21,8 +21,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vcpo_jax.rl import flat
-
 
 def _g(v) -> str:
   return f"{float(v):g}"
@@ -33,26 +31,32 @@ def _pair(v) -> tuple[float, float]:
   return lo, hi
 
 
+def _loss(**hyper_parameters) -> dict[str, Any]:
+  """{"method.loss.NAME": value}: a peer loss's hyper-parameters, floats at %g's 6 digits (the values the study's
+  records were trained with, when they travelled as text)."""
+  return {f"method.loss.{k}": float(_g(v)) if isinstance(v, float) else v for k, v in hyper_parameters.items()}
+
+
 # knob name -> value -> {run-config path: value}. Policy-loss knobs are the loss's own hyper-parameters
-# (vcpo_jax/rl/losses.py signatures), as one run-config override (rl.flat.loss_knobs).
+# (vcpo_jax/rl/losses.py signatures). The ledger's fingerprints name them by the old flat names (legacy_method).
 KNOBS: dict[str, Callable[[Any], dict[str, Any]]] = {
-  "tis_c": lambda v: {"vcpo.tis_c": float(v)},  # sequence TIS truncation c
-  "clip_c": lambda v: {"vcpo.clip_lower": 1.0 / float(v), "vcpo.clip_upper": float(v)},  # clip to [1/c, c]
-  "mask_c": lambda v: {"vcpo.mask_lower": 1.0 / float(v), "vcpo.mask_upper": float(v)},  # keep if in [1/c, c]
-  "token_tis_c": lambda v: {"vcpo.token_tis_c": float(v)},  # per-token truncation c
-  "rho_on": lambda v: {"vcpo.rho_on": float(v)},  # VCPO's on-policy reference ESS ratio
-  "tis_ess_target": lambda v: {"vcpo.tis_ess_target": float(v)},  # vcpo_tis_ess: target ESS ratio
-  "eps": lambda v: flat.loss_knobs(eps_low=float(v), eps_high=float(v)),  # symmetric PPO clip
-  "eps_high": lambda v: flat.loss_knobs(eps_high=float(v)),  # CISPO's upper IS-weight clip
+  "tis_c": lambda v: {"method.weights.c": float(v)},  # sequence TIS truncation c
+  "clip_c": lambda v: {"method.weights.lower": 1.0 / float(v), "method.weights.upper": float(v)},  # clip to [1/c, c]
+  "mask_c": lambda v: {"method.weights.lower": 1.0 / float(v), "method.weights.upper": float(v)},  # keep in [1/c, c]
+  "token_tis_c": lambda v: {"method.weights.c": float(v)},  # per-token truncation c
+  "rho_on": lambda v: {"method.lr.rho_on": float(v)},  # VCPO's on-policy reference ESS ratio
+  "tis_ess_target": lambda v: {"method.weights.target": float(v)},  # vcpo_tis_ess: target ESS ratio
+  "eps": lambda v: _loss(eps_low=float(v), eps_high=float(v)),  # symmetric PPO clip
+  "eps_high": lambda v: _loss(eps_high=float(v)),  # CISPO's upper IS-weight clip
   # GSPO's sequence-ratio clip, as a multiple of verl's (3e-4, 4e-4)
-  "gspo_eps_x": lambda v: flat.loss_knobs(eps_low=3e-4 * float(v), eps_high=4e-4 * float(v)),
-  "budget": lambda v: flat.loss_knobs(budget=float(v)),  # M2PO second-moment budget
-  "icepop_interval": lambda v: flat.loss_knobs(**dict(zip(("lower", "upper"), _pair(v)))),
-  "tv": lambda v: flat.loss_knobs(mask_low=float(v), mask_high=float(v)),  # DPPO-TV bound
-  "ipo_threshold": lambda v: flat.loss_knobs(ipo_threshold=float(v)),  # IPO |p - q| bound
+  "gspo_eps_x": lambda v: _loss(eps_low=3e-4 * float(v), eps_high=4e-4 * float(v)),
+  "budget": lambda v: _loss(budget=float(v)),  # M2PO second-moment budget
+  "icepop_interval": lambda v: _loss(**dict(zip(("lower", "upper"), _pair(v)))),
+  "tv": lambda v: _loss(mask_low=float(v), mask_high=float(v)),  # DPPO-TV bound
+  "ipo_threshold": lambda v: _loss(ipo_threshold=float(v)),  # IPO |p - q| bound
   # KPop binary-KL bound; the normaliser named, so that the records made with the earlier kept-token default
   # (docs/results/stability_ledger/corrections' kpop runs) are not reused under AReaL's all-token one
-  "kpop_phi": lambda v: flat.loss_knobs(phi=float(v), normalizer="loss_tokens"),
+  "kpop_phi": lambda v: _loss(phi=float(v), normalizer="loss_tokens"),
 }
 
 
@@ -135,13 +139,13 @@ def check(c):
       raise ValueError(f"config.tuning.knobs[{method!r}]: repeated values {values}")
     for v in values:
       over = knob_overrides(name, v)
-      bad = [p for p in over if not p.startswith("vcpo.")]
+      bad = [p for p in over if not p.startswith("method.")]
       if bad:
-        raise ValueError(f"tuning knob {name!r} sets {bad}: only vcpo.* fields are checked here")
+        raise ValueError(f"tuning knob {name!r} sets {bad}: only method.* fields are checked here")
       preset, fields = method_variant(c, method)
-      over = {**{p: x for p, x in fields if p.startswith("vcpo.")}, **over}
+      over = {**{p: x for p, x in fields if p.startswith("method.")}, **over}
       try:
-        estimator.method_from_preset(preset, **{p[len("vcpo.") :]: x for p, x in over.items()})
+        estimator.method_from_preset(preset, {p[len("method.") :]: x for p, x in over.items()})
       except ValueError as e:
         raise ValueError(f"config.tuning.knobs[{method!r}] = ({name!r}, {value_str(v)}): {e}") from None
 

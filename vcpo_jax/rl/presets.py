@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from vcpo_jax.rl import flat
+from collections.abc import Mapping
+from typing import Any
+
+from vcpo_jax.rl import choices
 from vcpo_jax.rl.losses import POLICY_LOSSES
 from vcpo_jax.rl.method import PRESETS, Method
 
@@ -11,10 +14,10 @@ PRESET_DOCS: dict[str, str] = {
   "sync": "synchronous GRPO (sample std advantage, no correction); run with k = 0",
   "none": "GRPO on stale data with no correction (the baseline every correction is compared with)",
   "seq_tis": "GRPO with sequence-level truncated IS, w = min(exp(l), 8)",
-  "clip": "GRPO with a two-sided clipped sequence IS weight, w = clip(exp(l), clip_lower, clip_upper)",
-  "mask": "GRPO with masked sequence IS: w = exp(l) inside [mask_lower, mask_upper], else 0 (kept in the normalizer)",
-  "token_tis": "GRPO with per-token truncated IS, w_nt = min(exp(d_nt), token_tis_c)",
-  "geo_mask": "GRPO with geometric-mean rejection: a row is kept (w = 1) iff geo_lower <= exp(l / L) <= geo_upper",
+  "clip": "GRPO with a two-sided clipped sequence IS weight, w = clip(exp(l), lower, upper) (weights.lower, weights.upper)",
+  "mask": "GRPO with masked sequence IS: w = exp(l) inside [weights.lower, weights.upper], else 0 (kept in the normalizer)",
+  "token_tis": "GRPO with per-token truncated IS, w_nt = min(exp(d_nt), c) (weights.c)",
+  "geo_mask": "GRPO with geometric-mean rejection: a row is kept (w = 1) iff lower <= exp(l / L) <= upper (weights.lower, .upper)",
   "vcpo": "VCPO: sequence TIS c = 8 + the OPOB baseline + the ESS-scaled learning rate (sqrt rule, rho_on = 1)",
   "vcpo_no_esslr": "VCPO without the ESS-scaled learning rate",
   "vcpo_no_opob": "VCPO without the OPOB baseline (the reference's GRPO advantage, sample std)",
@@ -33,15 +36,14 @@ PRESET_DOCS: dict[str, str] = {
   "kpop": "AReaL's KPop: decoupled PPO on tokens within a binary-KL band phi = 0.1 (policy_losses.kpop)",
   "vcpo_tis_ess": "VCPO with the ESS-targeted truncation: the cap c_t solved per step so that ESS / n = 0.5",
   "vcpo_sc": "VCPO with exact score centering: q recomputed from the behaviour version (lag / sync modes)",
-  "tis_sc": "the paper's TIS+SC: token TIS (C = token_tis_c) with exact score centering, capped coefficients",
+  "tis_sc": "the paper's TIS+SC: token TIS (C = weights.c) with exact score centering, capped coefficients",
 }
 
 
-def method_from_preset(name: str, **overrides) -> Method:
-  """PRESETS[name] with the flat `vcpo.*` overrides set (rl.flat.apply; e.g. rho_on=0.55)."""
-  if name not in PRESETS:
-    raise ValueError(f"preset={name!r}: choose one of {sorted(PRESETS)}")
-  return flat.apply(PRESETS[name], **overrides)
+def method_from_preset(name: str, overrides: Mapping[str, Any] | None = None) -> Method:
+  """PRESETS[name] with {path under config.method: value} set as on the command line (rl.choices.from_preset),
+  e.g. method_from_preset("vcpo", {"lr.rho_on": 0.55}); a ConfigError (a ValueError) names a bad field."""
+  return choices.from_preset(name, overrides)
 
 
 def preset_doc(name: str) -> str:
