@@ -540,7 +540,11 @@ class AsyncSource(RolloutSource):
     self._evals: collections.deque = collections.deque()  # records received, not handed over yet
     self._eval_outstanding: int | None = None  # the version requested and not yet returned
     self.eval_request_s: list[float] = []  # learner-side time inside request_eval(), per call
-    self.publisher = self._build_publisher(cfg)
+    try:
+      self.publisher = self._build_publisher(cfg)
+    except BaseException:
+      self.topology.close()  # many hosts: the agreement's heartbeat thread
+      raise
 
   def _build_topology(self, cfg, maker) -> topology_lib.Topology:
     """The part that says where the learner processes are, by jax.process_count() (rollout/topology.py)."""
