@@ -22,7 +22,7 @@ from vcpo_jax import mesh as mesh_lib
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import BEST_METRIC, Checkpointer
 from vcpo_jax.model import policy
-from vcpo_jax.rollout import async_
+from vcpo_jax.rollout import async_, topology
 from vcpo_jax.rollout.common import RolloutMaker
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
@@ -94,6 +94,7 @@ def test_async_run_bounded_lag_and_clean_exit(tmp_path, monkeypatch):
   assert summary["step"] == steps
   (src,) = built
   assert isinstance(src, async_.AsyncSource)
+  assert isinstance(src.topology, topology.OneHost) and src.agreed_stops is False  # one process: one host
   assert [s for s, _, _ in seen] == list(range(steps))
   for step, versions, info in seen:
     assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)

@@ -65,8 +65,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("vcpo_jax.rollout.publish",),  # the publisher interface and the shm slot publisher
   ("vcpo_jax.rollout.device_publish",),
   ("vcpo_jax.rollout.transfer_publish",),
-  ("vcpo_jax.rollout.async_",),  # the async source: a publisher (above) composed with a topology
-  ("vcpo_jax.rollout.multihost",),
+  ("vcpo_jax.rollout.topology",),  # the topology interface and one host
+  ("vcpo_jax.rollout.multihost",),  # many hosts
+  ("vcpo_jax.rollout.async_",),  # the async source: a publisher composed with a topology (both above)
   ("vcpo_jax.rollout.source",),
   ("vcpo_jax.rollout",),
   ("vcpo_jax.run_spec",),  # the run's config tree (RunConfig) and what it builds (RunSpec)

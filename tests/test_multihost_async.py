@@ -324,16 +324,15 @@ def test_the_agreement_waits_for_every_replacement_a_peers_budget_allows():
 
   from vcpo_jax.rollout import multihost
 
-  src = types.SimpleNamespace(
-    startup_timeout_s=600.0,
-    timeout_s=120.0,
-    heartbeat_timeout_s=300.0,
-    cfg=types.SimpleNamespace(max_sampler_restarts=3),
+  cfg = types.SimpleNamespace(
+    startup_timeout_s=600.0, timeout_s=120.0, heartbeat_timeout_s=300.0, max_sampler_restarts=3
   )
   # per attempt: the failure noticed (the longer of timeout_s, heartbeat_timeout_s), the new sampler's first batch
-  assert multihost.MultiHostAsyncSource._agreement_timeout_s(src) == 4 * (600.0 + 300.0) + 60.0
-  src.cfg.max_sampler_restarts = 0  # no replacement: one attempt
-  assert multihost.MultiHostAsyncSource._agreement_timeout_s(src) == 600.0 + 300.0 + 60.0
+  assert multihost.agreement_timeout_s(cfg) == 4 * (600.0 + 300.0) + 60.0
+  cfg.max_sampler_restarts = 0  # no replacement: one attempt
+  assert multihost.agreement_timeout_s(cfg) == 600.0 + 300.0 + 60.0
+  cfg.heartbeat_timeout_s = 0.0  # 0 = async_.timeout_s
+  assert multihost.agreement_timeout_s(cfg) == 600.0 + 120.0 + 60.0
 
 
 def test_host_local_sampler_devices_and_platform_env(monkeypatch):
@@ -414,7 +413,7 @@ def test_queued_batches_come_back_per_host_or_whole_on_another_host_count():
 
   import numpy as np
 
-  from vcpo_jax.rollout import async_, multihost
+  from vcpo_jax.rollout import async_, multihost, topology
 
   blocks2 = [(0, 2), (2, 4)]
   per_host = [[_host_batch(s, 0) for s in (5, 6, 7)], [_host_batch(5, 1)]]
@@ -447,8 +446,8 @@ def test_queued_batches_come_back_per_host_or_whole_on_another_host_count():
   np.testing.assert_array_equal(a["tokens"], whole["tokens"][4:])
   assert a["group_id"].tolist() == [0, 0, 1, 1] and m["problem_ids"] == whole_meta["problem_ids"][2:]
   assert m["texts"] == ["t"] * 4 and m["step"] == 9
-  # AsyncSource (one process) restoring the 2-host checkpoint keeps the whole batch 5 only
-  src = types.SimpleNamespace(proc=None, _pending=__import__("collections").deque())
+  # AsyncSource (one process, its OneHost topology) restoring the 2-host checkpoint keeps the whole batch 5 only
+  src = types.SimpleNamespace(proc=None, _pending=__import__("collections").deque(), topology=topology.OneHost(None))
   async_.AsyncSource.load_queued(src, arrays, metas)
   assert [m["step"] for _, m, _ in src._pending] == [5]
 

@@ -2,11 +2,11 @@
 
 2 local processes x 2 fake CPU devices, one global (2, 2, 1) learner mesh (jax.distributed + gloo, the
 launcher of tests/multiproc.py); the LoRA policy's parameters are born sharded over both processes. Each
-process builds rollout/multihost.py's MultiHostAsyncSource and publishes trained-looking adapters (B != 0):
-the base is gathered to host-complete arrays once (a collective) and the slot holds the adapters only; the
-sampler side is the real worker code (_Worker._build takes the base from the one-shot base slot, _load
-applies the adapters), run in the learner's process on one local device (its generation loop left out, as in
-tests/test_lora_publish.py). Its log-probs must equal those of the learner's whole model, gathered.
+process builds an AsyncSource (its ManyHosts topology: rollout/multihost.py) and publishes trained-looking
+adapters (B != 0): the base is gathered to host-complete arrays once (a collective) and the slot holds the
+adapters only; the sampler side is the real worker code (_Worker._build takes the base from the one-shot base
+slot, _load applies the adapters), run in the learner's process on one local device (its generation loop left
+out, as in tests/test_lora_publish.py). Its log-probs must equal those of the learner's whole model, gathered.
 """
 
 import json
@@ -38,7 +38,8 @@ def _host(process_id: int, port: int) -> dict:
   from vcpo_jax.model import lora, policy
   from vcpo_jax.model import transformer as tf
   from vcpo_jax.rollout.common import RolloutMaker
-  from vcpo_jax.rollout.multihost import MultiHostAsyncSource
+  from vcpo_jax.rollout.async_ import AsyncSource
+  from vcpo_jax.rollout.multihost import ManyHosts
   from vcpo_jax.rollout.process import worker as worker_lib
   from vcpo_jax.sampler import Sampler, SamplerConfig
 
@@ -56,14 +57,15 @@ def _host(process_id: int, port: int) -> dict:
     **spec.sampling.sampler_kwargs(),
   )
   maker = RolloutMaker(spec.rollout, tokenizer, Sampler(graphdef, model_cfg, sampler_cfg, mesh=mesh), problems)
-  src = MultiHostAsyncSource(
+  src = AsyncSource(
     spec.async_, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker, k=spec.k, steps=spec.steps
   )
+  assert isinstance(src.topology, ManyHosts) and src.agreed_stops  # picked by jax.process_count() == 2
   src._start = lambda arrays, version: src._open_slot(arrays, version)  # no sampler process: its code below
   try:
     src.publish(params, 0)
     version, arrays = src.slot.latest(min_version=0, timeout=30.0)
-    args = src._worker_args(arrays, version, devices=tuple(jax.local_devices()[:1]), **src._worker_args_extra())
+    args = src._worker_args(arrays, version, devices=tuple(jax.local_devices()[:1]), **src.topology.worker_fields())
     args = src._base_channel(args)
     w = worker_lib._Worker(args, None, src.slot, None, os.getpid(), None, src.base_slot)
     w._build()

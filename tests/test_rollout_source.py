@@ -41,7 +41,7 @@ def test_build_maker_single_and_multi_turn():
 
 def test_every_source_has_the_members_the_trainer_uses_with_no_op_defaults():
   """The trainer calls these on any source (no hasattr): a lag source answers with the base class's defaults."""
-  from vcpo_jax.rollout import async_, device_publish, multihost, publish, transfer_publish
+  from vcpo_jax.rollout import async_, device_publish, multihost, publish, topology, transfer_publish
 
   lag = rollout.build_source("lag", object(), jax.random.key(0), k=1)
   assert isinstance(lag, rollout.RolloutSource)
@@ -52,11 +52,13 @@ def test_every_source_has_the_members_the_trainer_uses_with_no_op_defaults():
     lag.queued_template(2)
   with pytest.raises(ValueError, match=r"eval\.background=True needs mode='async'"):
     lag.enable_background_eval(None)
-  # Two source classes (topologies); the publish path is a part either composes (rollout/publish.py).
-  assert issubclass(async_.AsyncSource, rollout.RolloutSource) and async_.AsyncSource.agreed_stops is False
-  assert multihost.MultiHostAsyncSource.agreed_stops is True
+  # One async source class; the publish path and the topology are parts it composes (publish.py, topology.py).
+  assert issubclass(async_.AsyncSource, rollout.RolloutSource)
+  assert topology.OneHost.agreed_stops is False and multihost.ManyHosts.agreed_stops is True
   for cls in (device_publish.DevicePublisher, transfer_publish.TransferPublisher, publish.ShmPublisher):
     assert issubclass(cls, publish.Publisher) and not issubclass(cls, rollout.RolloutSource)
+  for cls in (topology.OneHost, multihost.ManyHosts):
+    assert issubclass(cls, topology.Topology) and not issubclass(cls, rollout.RolloutSource)
   # Every path replaces a failed sampler (the device path a crashed thread only; tests/test_recovery.py).
-  assert async_.AsyncSource.replaceable and multihost.MultiHostAsyncSource.replaceable
+  assert async_.AsyncSource.replaceable
   assert issubclass(async_.SamplerDiedError, rollout.SourceFailed)

@@ -4,9 +4,10 @@
     publish(params, v) --ParamSlot (v, weights)--> newest params, once v >= b - k
     next(b) <----------ShmQueue (batch b)--------- RolloutMaker.make(params, b, fold_in(key, b), v)
 
-Structure: `AsyncSource` (one host) and its topology subclass `MultiHostAsyncSource` (rollout/multihost.py: one
-sampler per host, a per-step agreement) own the queue, the staleness bound, liveness, replacement and
-checkpoints; how a version reaches the sampler is a part they compose, a Publisher (rollout/publish.py) picked by
+Structure: `AsyncSource` owns the queue, the staleness bound, liveness, replacement and checkpoints, and composes
+two parts. Where the learner processes are is a Topology (rollout/topology.py) picked by jax.process_count():
+OneHost, or ManyHosts (rollout/multihost.py: one sampler per host, a per-step agreement, the global batch
+gathered). How a version reaches the sampler is a Publisher (rollout/publish.py) picked by
 `async_.publish_path`: "shm" (ShmPublisher, the ParamSlot above), "device" (device_publish.DevicePublisher: a
 sampler thread of this process, device_put) or "transfer" (transfer_publish.TransferPublisher: the spawned
 sampler pulls device arrays). Each publisher records the checksum of every version it publishes
@@ -144,10 +145,10 @@ back on the control pipe; `eval_results()` hands over the records that arrived, 
 policy_version = v (`wait=True`: first wait for the outstanding one, with the usual liveness and
 interrupt checks). At most one request is outstanding: a new one waits for the previous record.
 
-Several hosts (jax.process_count() > 1): rollout/multihost.py's MultiHostAsyncSource, the topology: one
-sampler per learner process on that host's share of the prompts, a per-step agreement of all hosts
-through jax.distributed's coordination service, and a publish snapshot gathered to host-complete parameters
-(the snapshot function its publisher is given). It composes the shm publisher; the device and transfer
+Several hosts (jax.process_count() > 1): the ManyHosts topology (rollout/multihost.py): one sampler per
+learner process on that host's share of the prompts, a per-step agreement of all hosts through
+jax.distributed's coordination service, and a publish snapshot gathered to host-complete parameters (the
+snapshot function the publisher is given). It runs with the shm publisher; the device and transfer
 publishers serve one learner process (a one-line error names async_.publish_path).
 
 Leftovers: every segment, semaphore and the spawn-argument file are named with
@@ -185,10 +186,11 @@ from vcpo_jax import batch as batch_lib
 from vcpo_jax import cleanup, compile_cache
 from vcpo_jax import mesh as mesh_lib
 from vcpo_jax.model import lora
-from vcpo_jax.rollout import device_publish, transfer_publish
+from vcpo_jax.rollout import device_publish, multihost, transfer_publish
 from vcpo_jax.rollout import publish as publish_lib
+from vcpo_jax.rollout import topology as topology_lib
 from vcpo_jax.rollout.base import RolloutSource, SourceFailed
-from vcpo_jax.rollout.common import lag_stats
+from vcpo_jax.rollout.common import lag_stats, token_lag_stats
 from vcpo_jax.rollout.process import worker as worker_lib
 from vcpo_jax.rollout.process.param_slot import ParamSlot
 from vcpo_jax.rollout.process.shm_queue import SPAWN, BatchSchema, Field, PeerDiedError, QueueFinished, ShmQueue
@@ -222,27 +224,6 @@ def maker_schema(maker, n: int) -> BatchSchema:
   t, r = cfg.max_prompt_len + cfg.max_new_tokens, cfg.max_new_tokens
   e = routing_width(maker.sampler.cfg_model, scfg)  # the MoE routing record's entries per token (0: none)
   return batch_schema(n, t, int(scfg.record_topk), r, bool(scfg.record_support), e=e)
-
-
-def token_lag_stats(step: int, token_version: np.ndarray) -> dict:
-  """Per-token staleness of a batch consumed at `step`: token_version int [N, T] (-1 outside the responses).
-
-  train/token_lag_{min,mean,max} over response tokens; train/multi_version_frac: fraction of rows whose
-  tokens come from more than one parameter version (in-flight updates)."""
-  tv = np.asarray(token_version)
-  resp = tv >= 0
-  if not resp.any():
-    return {}
-  lag = step - tv[resp]
-  hi = np.where(resp, tv, -1).max(axis=1)
-  lo = np.where(resp, tv, np.iinfo(np.int32).max).min(axis=1)
-  rows = resp.any(axis=1)
-  return {
-    "train/token_lag_min": float(lag.min()),
-    "train/token_lag_mean": float(lag.mean()),
-    "train/token_lag_max": float(lag.max()),
-    "train/multi_version_frac": float(np.mean(hi[rows] > lo[rows])),
-  }
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -514,7 +495,6 @@ class AsyncSource(RolloutSource):
       env.setdefault(name, value)  # async_.sampler_env wins
     for name, value in compile_cache.child_env().items():  # the learner's persistent compilation cache
       env.setdefault(name, value)
-    self.env = env
     rebuilt, _ = worker_lib.abstract_params(model_cfg)
     if rebuilt != graphdef:
       raise ValueError(
@@ -523,11 +503,15 @@ class AsyncSource(RolloutSource):
       )
     self.model_cfg, self.tokenizer, self.maker = model_cfg, tokenizer, maker
     self.run_id = cleanup.run_id(workdir)
-    self._interrupt = interrupt
+    self.topology = self._build_topology(cfg, maker)
+    self.env = self.topology.sampler_env(env)
+    self._interrupt = self.topology.interrupt(interrupt)
     self.key_data = np.asarray(jax.random.key_data(key))
     self.key_impl = str(jax.random.key_impl(key))
-    n = maker.cfg.batch_size
-    self.schema = maker_schema(maker, n)
+    # The step's batch (N rows, what checkpoints store) and this process's (many hosts: its prompt block's rows).
+    self.global_schema = maker_schema(maker, maker.cfg.batch_size)
+    n = self.topology.rows(maker.cfg.batch_size)
+    self.schema = maker_schema(maker, n) if n != maker.cfg.batch_size else self.global_schema
     # JSON metadata: per-row texts (escaped) and problem ids; the worker drops texts that do not fit.
     self.meta_bytes = 16384 + n * (8 * maker.cfg.max_new_tokens + 64)
     self.queue = self.proc = self.conn = None
@@ -543,9 +527,9 @@ class AsyncSource(RolloutSource):
     # Batches received (drained at a checkpoint, or restored from one) but not consumed yet, oldest first:
     # (arrays, meta, restored) with restored=True for those of an earlier run (their idle totals are its own).
     self._pending: collections.deque = collections.deque()
+    self._last = None  # the last batch next() received (arrays, meta, restored), for _requeue
     self._finalizer = None
     self._child_conn = None  # an in-process sampler's end of the control pipe (device path), closed with it
-    self._snap = jax.jit(lambda leaves: [snapshot_leaf(x, self.publish_dtype) for x in leaves])
     self._base: dict | None = None  # LoRA: the frozen base's host arrays, kept for every sampler spawned
     self.base_slot = None  # LoRA: the one-shot ParamSlot of the base, from a spawn until that sampler attaches
     self.publish_blocking_s: list[float] = []  # learner-side time inside publish(), per call (perf_counter)
@@ -556,21 +540,34 @@ class AsyncSource(RolloutSource):
     self._evals: collections.deque = collections.deque()  # records received, not handed over yet
     self._eval_outstanding: int | None = None  # the version requested and not yet returned
     self.eval_request_s: list[float] = []  # learner-side time inside request_eval(), per call
-    self.publisher = self._build_publisher(cfg)
+    try:
+      self.publisher = self._build_publisher(cfg)
+    except BaseException:
+      self.topology.close()  # many hosts: the agreement's heartbeat thread
+      raise
+
+  def _build_topology(self, cfg, maker) -> topology_lib.Topology:
+    """The part that says where the learner processes are, by jax.process_count() (rollout/topology.py)."""
+    if jax.process_count() > 1:
+      return multihost.ManyHosts(cfg, maker.cfg, self.k, self.publish_dtype, self.run_id)
+    return topology_lib.OneHost(self.publish_dtype)
 
   def _build_publisher(self, cfg) -> publish_lib.Publisher:
     """The part that moves the parameters to the sampler, by async_.publish_path (rollout/publish.py); it sees
-    the topology through `_snapshot` and `_host_arrays` (many hosts: a gather to host-complete arrays)."""
+    the topology through its `snapshot` and `host_arrays` (many hosts: a gather to host-complete arrays)."""
     args = (cfg, self.k, self.publish_dtype, self.run_id)
-    kw = {"snap": self._snapshot, "host_arrays": self._host_arrays}
+    kw = {"snap": self.topology.snapshot, "host_arrays": self.topology.host_arrays}
     if cfg.publish_path == "device":
       return device_publish.DevicePublisher(*args, mesh_shape=self._worker_sampler_cfg().mesh_shape, **kw)
     if cfg.publish_path == "transfer":
       return transfer_publish.TransferPublisher(*args, **kw)
     background = publish_lib.background_for(cfg.background_publish, jax.default_backend())
-    return publish_lib.ShmPublisher(*args, background=background, eager=self.gathers, **kw)
+    return publish_lib.ShmPublisher(*args, background=background, eager=self.topology.gathers, **kw)
 
-  gathers = False  # True (many hosts): the publish snapshot is a collective, dispatched at every publish
+  @property
+  def agreed_stops(self) -> bool:
+    """True on many hosts: next() agrees on every stop with the other hosts (the trainer then saves jointly)."""
+    return self.topology.agreed_stops
 
   @property
   def slot(self):
@@ -609,9 +606,9 @@ class AsyncSource(RolloutSource):
     """What a publish moves: the trainable part of `params`. With LoRA that is the adapters only (the slot, its
     checksum, every version); the frozen base (it never changes) goes to each sampler once (`_base_channel`)."""
     params, frozen = lora.split(params)
-    if frozen is not None and self._base is None:
+    if frozen is not None and self._base is None:  # many hosts: gathered first, a collective of every host
       names = worker_lib.param_names(frozen)
-      self._base = {n: np.asarray(x) for n, x in zip(names, jax.device_get(jax.tree.leaves(frozen)))}
+      self._base = dict(zip(names, self.topology.host_copy(jax.tree.leaves(frozen))))
     return params
 
   def _start(self, arrays: dict, version: int):
@@ -655,7 +652,7 @@ class AsyncSource(RolloutSource):
       cpus=self.cpus,
       multiturn=getattr(self.maker, "mt", None),
       eval=self.eval_args,
-      **self._worker_args_extra(),
+      **self.topology.worker_fields(),
     )
     args = self._base_channel(args)
     # The spawn payload stays small: the arguments (problems, tokenizer: can be MBs) go through a file.
@@ -716,10 +713,6 @@ class AsyncSource(RolloutSource):
       return cfg
     return dataclasses.replace(cfg, decode=decode, chunk_tokens=self.chunk_tokens)
 
-  def _worker_args_extra(self) -> dict:
-    """More WorkerArgs fields (rollout/multihost.py: the host's prompt block); none on one host."""
-    return {}
-
   def publish(self, params, version: int):
     """Makes `params` (after `version` updates) the newest policy for the sampler; starts it the first time.
 
@@ -737,8 +730,8 @@ class AsyncSource(RolloutSource):
       if self.eval_args is not None:
         self._eval_spec = {n: (tuple(x.shape), np.dtype(x.dtype)) for n, x in zip(names, jax.tree.leaves(params))}
       self._start(self.publisher.first(payload, names), version)
-    else:
-      self._publish_next(payload, names, version)
+    else:  # many hosts: a failure is kept for the next agreement
+      self.topology.publish(lambda: self._publish_next(payload, names, version))
     self.publisher.published(payload, version)
     self._published = version
     self.publish_blocking_s.append(time.perf_counter() - t0)
@@ -758,14 +751,6 @@ class AsyncSource(RolloutSource):
     """time/publish_copy_s: seconds of the newest host copy written since the last call (None: none)."""
     return self.publisher.take_copy_s()
 
-  def _snapshot(self, leaves: list) -> list:
-    """Fresh on-device copies of `leaves` in the publish dtype (many hosts: gathered to host-complete arrays)."""
-    return self._snap(leaves)
-
-  def _host_arrays(self, leaves: list, names) -> dict:
-    """{name: numpy array in the publish dtype} of device `leaves` (many hosts: from this host's shards)."""
-    return publish_lib.host_arrays(leaves, names, self.publish_dtype)
-
   def _raise_thread_error(self):
     dead = self.proc is not None and self.proc.exitcode is not None
     self.publisher.raise_error(dead, self._died_error)
@@ -781,7 +766,15 @@ class AsyncSource(RolloutSource):
     self._raise_if_dead()
 
   def next(self, step: int) -> tuple[batch_lib.Batch, dict]:
-    """Batch `step` from the queue; raises SamplerDiedError / TimeoutError instead of hanging."""
+    """Batch `step`: this process's from the queue, made the step's by the topology (many hosts: agreed on with
+    every host, gathered); raises SamplerDiedError / TimeoutError instead of hanging."""
+    return self.topology.next(step, self._next_local, self._requeue)
+
+  def _requeue(self):
+    """Puts the last host batch received back at the front (many hosts: the hosts agreed to stop at its step)."""
+    self._pending.appendleft(self._last)
+
+  def _next_local(self, step: int) -> tuple[batch_lib.Batch, dict]:
     if self.proc is None:
       raise RuntimeError(
         f"AsyncSource.next({step}) before any publish(): the sampler starts at the first published version. "
@@ -848,6 +841,7 @@ class AsyncSource(RolloutSource):
     self, step: int, batch: dict, meta: dict, wait_s: float, restored: bool = False
   ) -> tuple[batch_lib.Batch, dict]:
     """Checks batch `step` (order, lag bound) and builds next()'s info dict."""
+    self._last = (batch, meta, restored)  # as received (queue or restored), for _requeue
     if meta["step"] != step:
       raise RuntimeError(
         f"async source: received batch {meta['step']} at learner step {step}; the learner must "
@@ -1191,11 +1185,11 @@ class AsyncSource(RolloutSource):
     arrays[i] = {field: array of batch_schema's shape}; metas[i] = the worker's JSON metadata (step, ...).
     """
     self._drain()
-    return [dict(a) for a, _, _ in self._pending], [dict(m) for _, m, _ in self._pending]
+    return self.topology.pack([(a, m) for a, m, _ in self._pending], self.schema)
 
   def queued_template(self, count: int) -> list[dict]:
-    """Restore template of `count` queued batches (zeros of the queue schema's shapes and dtypes)."""
-    return [{n: np.zeros(f.shape, f.dtype) for n, f in self.schema.fields.items()} for _ in range(count)]
+    """Restore template of `count` queued batches (zeros of the step's batch schema: N rows on any topology)."""
+    return [{n: np.zeros(f.shape, f.dtype) for n, f in self.global_schema.fields.items()} for _ in range(count)]
 
   def load_queued(self, arrays: list[dict], metas: list[dict]):
     """Restores queued_state()'s batches (before the first publish); next() serves them first."""
@@ -1203,14 +1197,13 @@ class AsyncSource(RolloutSource):
       raise RuntimeError("async source: load_queued() must come before the first publish() starts the sampler.")
     if len(arrays) != len(metas):
       raise ValueError(f"async source: {len(arrays)} queued batches but {len(metas)} metadata records.")
-    # A multi-host checkpoint (rollout/multihost.py pack_queued) also holds batches that only some hosts had
-    # received: one process takes the batches complete on every host; its sampler makes the rest again.
-    whole = next((i for i, m in enumerate(metas) if None in (m.get("hosts") or ())), len(metas))
-    arrays, metas = arrays[:whole], metas[:whole]
-    steps = [int(m["step"]) for m in metas]
+    # This process's share (rollout/topology.py): one host takes the batches complete on every host of a
+    # multi-host checkpoint, several hosts each its own rows; the sampler makes the rest again.
+    local = self.topology.unpack(arrays, metas)
+    steps = [int(m["step"]) for _, m in local]
     if steps and steps != list(range(steps[0], steps[0] + len(steps))):
       raise ValueError(f"async source: restored queued batches have steps {steps}; expected consecutive steps.")
-    self._pending.extend((dict(a), dict(m), True) for a, m in zip(arrays, metas))
+    self._pending.extend((dict(a), dict(m), True) for a, m in local)
 
   def resource_paths(self) -> list[str]:
     """/dev/shm paths this source owns (segments and semaphores), for leak checks."""
@@ -1237,6 +1230,7 @@ class AsyncSource(RolloutSource):
       if conn is not None:
         conn.close()
     self.queue = self.eval_slot = self.base_slot = self.conn = self._child_conn = None
+    self.topology.close()
 
 
 def _stopped(pid: int | None) -> bool:

@@ -15,7 +15,7 @@ class SourceFailed(RuntimeError):
 
 
 class RolloutSource:
-  """Every member the trainer uses of a source (LagSource, AsyncSource and its subclasses); no-op defaults.
+  """Every member the trainer uses of a source (LagSource, AsyncSource); no-op defaults.
 
   A subclass implements next / publish and overrides what its mode has: kept versions (lag), queued batches
   and the host copy's time (async), background evaluation (async, one host), a per-step agreement of hosts.

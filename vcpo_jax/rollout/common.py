@@ -156,3 +156,24 @@ def lag_stats(step: int, versions: np.ndarray) -> dict:
   """Min / mean / max staleness (learner steps) of a batch consumed at `step`."""
   lag = step - np.asarray(versions)
   return dict(lag_min=int(lag.min()), lag_mean=float(lag.mean()), lag_max=int(lag.max()))
+
+
+def token_lag_stats(step: int, token_version: np.ndarray) -> dict:
+  """Per-token staleness of a batch consumed at `step`: token_version int [N, T] (-1 outside the responses).
+
+  train/token_lag_{min,mean,max} over response tokens; train/multi_version_frac: fraction of rows whose
+  tokens come from more than one parameter version (in-flight updates)."""
+  tv = np.asarray(token_version)
+  resp = tv >= 0
+  if not resp.any():
+    return {}
+  lag = step - tv[resp]
+  hi = np.where(resp, tv, -1).max(axis=1)
+  lo = np.where(resp, tv, np.iinfo(np.int32).max).min(axis=1)
+  rows = resp.any(axis=1)
+  return {
+    "train/token_lag_min": float(lag.min()),
+    "train/token_lag_mean": float(lag.mean()),
+    "train/token_lag_max": float(lag.max()),
+    "train/multi_version_frac": float(np.mean(hi[rows] > lo[rows])),
+  }

@@ -6,8 +6,9 @@
              -> Agreement: every host posts ok / stop for step b (coordination-service key-value store)
              -> process_allgather: every host holds the global batch [N, T] (host order = prompt order)
 
-`MultiHostAsyncSource` is `AsyncSource` (async_.py) with four changes; rollout.build_source picks it when
-`jax.process_count() > 1`:
+`ManyHosts` is the topology (rollout/topology.py) AsyncSource (async_.py) composes when
+`jax.process_count() > 1`; it changes four things, whatever the source's publisher (only the shm one runs on
+several hosts: the device and transfer publishers refuse several processes with a one-line error):
 
 - Prompts: host h's sampler makes whole groups for prompts [h P/H, (h + 1) P/H) of each step's P
   (`distributed.prompt_block`), taken from the same seeded stream as a single-host run, so the global
@@ -37,7 +38,7 @@
   so every host dispatches the same collectives at every publish. Meanwhile the host keeps checking the
   agreement (a peer's stop, a lost peer) and its heartbeat thread beats, so the other hosts, which posted
   for the step, wait in the agreement, whose timeout covers every replacement a budget allows
-  (`_agreement_timeout_s`). `async/sampler_restarts` is the sum over hosts, `info["hosts"][h]["restarts"]`
+  (`agreement_timeout_s`). `async/sampler_restarts` is the sum over hosts, `info["hosts"][h]["restarts"]`
   host h's. A failure past a host's budget (SamplerDiedError, TimeoutError) or a signal on any host makes
   that host post a stop for the step; every host then raises `distributed.JobStopped` at that same step
   and the trainer writes the joint checkpoint and exits (130 for signals, 1 for failures). A learner process
@@ -59,6 +60,7 @@ queued batches resume on several hosts the same way.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -67,10 +69,9 @@ import numpy as np
 
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import distributed
-from vcpo_jax.model import lora
-from vcpo_jax.rollout import async_
 from vcpo_jax.rollout import publish as publish_lib
-from vcpo_jax.rollout.common import lag_stats
+from vcpo_jax.rollout import topology
+from vcpo_jax.rollout.common import lag_stats, token_lag_stats
 
 log = logging.getLogger("vcpo_jax")
 
@@ -152,81 +153,89 @@ def local_copy(x) -> np.ndarray:
   return out
 
 
-class MultiHostAsyncSource(async_.AsyncSource):
-  """AsyncSource for one process of a multi-host job (same arguments; also reads `cfg.peer_lost_s`)."""
+class ManyHosts(topology.Topology):
+  """The topology of one process of a multi-host job (module docstring).
+
+  Args:
+    cfg: AsyncConfig (sampler_devices, peer_lost_s, the timeouts and restart budget the agreement waits for).
+    rollout: the RolloutConfig (prompts per step, group size). k: the staleness budget (checked on the global
+      batch). publish_dtype: of floating leaves. run_id: names the agreement's keys.
+    host, hosts, agreement, allgather: this process's index, the process count, a distributed.Agreement and
+      multihost_utils.process_allgather's stand-in (tests: several hosts in one process); jax's by default.
+  """
 
   agreed_stops = True  # next() agrees on every stop (signal, failure) with the other hosts
-  # A failed (dead or silent) sampler is replaced by its own host, within that host's budget, between the
-  # agreements (see "Failures" in the module docstring); past the budget it is that host's stop at the next one.
-  replaceable = True
+  gathers = True  # the publish snapshot (a collective) is dispatched by every host at every publish
 
-  def __init__(self, cfg, key, model_cfg, graphdef, tokenizer, maker, *, k, steps, workdir=None, interrupt=None):
-    super().__init__(
-      cfg, key, model_cfg, graphdef, tokenizer, maker, k=k, steps=steps, workdir=workdir, interrupt=interrupt
-    )
-    self.host, self.hosts = jax.process_index(), jax.process_count()
-    self.blocks = [distributed.prompt_block(maker.cfg.prompts_per_step, h, self.hosts) for h in range(self.hosts)]
+  def __init__(
+    self, cfg, rollout, k: int, publish_dtype, run_id: str, *, host=None, hosts=None, agreement=None, allgather=None
+  ):
+    self.cfg, self.k, self.publish_dtype = cfg, int(k), publish_dtype
+    self.host = jax.process_index() if host is None else int(host)
+    self.hosts = jax.process_count() if hosts is None else int(hosts)
+    self.group_size = int(rollout.group_size)
+    self.blocks = [distributed.prompt_block(rollout.prompts_per_step, h, self.hosts) for h in range(self.hosts)]
     self.block = self.blocks[self.host]
-    n_local = (self.block[1] - self.block[0]) * maker.cfg.group_size
-    self.global_schema = self.schema  # AsyncSource's: N rows
-    self.schema = async_.maker_schema(maker, n_local)
-    self.meta_bytes = 16384 + n_local * (8 * maker.cfg.max_new_tokens + 64)
-    for name, v in sampler_platform_env(cfg.sampler_devices, jax.default_backend()).items():
-      self.env.setdefault(name, v)  # async_.sampler_env wins
-    if jax.default_backend() == "tpu":
-      self.env.pop("CUDA_VISIBLE_DEVICES", None)
-    self.peer_lost_s = float(cfg.peer_lost_s)
-    self.agreement = distributed.Agreement(self.run_id, lost_after_s=self.peer_lost_s)
-    self._outer_interrupt = interrupt
-    self._interrupt = self._interrupt_or_peer
-    self._waiting: int | None = None
+    if agreement is None:
+      agreement = distributed.Agreement(run_id, lost_after_s=float(cfg.peer_lost_s))
+    self.agreement = agreement
+    self.allgather = _process_allgather if allgather is None else allgather
+    self._outer_interrupt = None
+    self._waiting: int | None = None  # the step next() agrees on, while it waits for this host's batch
     self._gather = None  # jit: cast + reshard to host-complete arrays, built at the first publish
     self._deferred: Exception | None = None  # a sampler failure seen at publish(), reported at the next step
 
+  def rows(self, batch_size):
+    return (self.block[1] - self.block[0]) * self.group_size
+
+  def sampler_env(self, env):
+    for name, v in sampler_platform_env(self.cfg.sampler_devices, jax.default_backend()).items():
+      env.setdefault(name, v)  # async_.sampler_env wins
+    if jax.default_backend() == "tpu":
+      env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+  def worker_fields(self):
+    return {"prompt_block": self.block, "host": self.host}
+
   # -- weights
 
-  gathers = True  # the publish snapshot (a collective) is dispatched by every host at every publish
-
-  def _snapshot(self, leaves):
-    """AsyncSource's snapshot (the same cast) resharded so that each host's devices hold whole arrays."""
+  def snapshot(self, leaves):
+    """The one-host snapshot (the same cast) resharded so that each host's devices hold whole arrays."""
     if self._gather is None:
       out = [host_complete_sharding(x) for x in leaves]
       dtype = self.publish_dtype
       self._gather = jax.jit(lambda ls: [publish_lib.snapshot_leaf(x, dtype) for x in ls], out_shardings=out)
     return self._gather(leaves)
 
-  def _publish_next(self, payload, names, version: int):
-    """As AsyncSource's, but the gather was dispatched before (prepare(), every host, every publish: a host that
-    skipped it would leave the others' copies waiting), and a failure of this host's sampler is kept for the next
-    agreement instead of raised here, alone. A failed sampler is replaced first, within this host's budget
-    (AsyncSource._replace: host-local, no collective)."""
+  def host_arrays(self, leaves, names):
+    if not all(_host_complete(x) for x in leaves):
+      leaves = self.snapshot(leaves)  # raw parameters: gather first
+    return {n: local_copy(a) for n, a in zip(names, leaves)}
+
+  def host_copy(self, leaves):
+    """Gathered to host-complete arrays first (LoRA's base: a collective, dispatched by every host at its first
+    publish), then copied from this host's shards."""
+    gather = jax.jit(lambda ls: list(ls), out_shardings=[host_complete_sharding(x) for x in leaves])
+    return [local_copy(x) for x in gather(leaves)]
+
+  def publish(self, write):
+    """Runs `write`, but a failure of this host's sampler is kept for the next agreement instead of raised here,
+    alone (AsyncSource replaces a failed sampler first, within this host's budget: host-local, no collective).
+    The gather was dispatched before (Publisher.prepare, every host, every publish: a host that skipped it
+    would leave the others' copies waiting)."""
     if self._deferred is not None:
       return
     try:
-      super()._publish_next(payload, names, version)
-    except (async_.SamplerDiedError, RuntimeError) as e:
+      write()
+    except RuntimeError as e:  # async_.SamplerDiedError included
       self._deferred = e
 
-  def _travelling(self, params):
-    """As AsyncSource's (LoRA: the adapters travel, the base once), the base gathered to host-complete arrays
-    first: a collective, dispatched by every host at its first publish."""
-    params, frozen = lora.split(params)
-    if frozen is not None and self._base is None:
-      leaves = jax.tree.leaves(frozen)
-      gather = jax.jit(lambda ls: list(ls), out_shardings=[host_complete_sharding(x) for x in leaves])
-      names = async_.worker_lib.param_names(frozen)
-      self._base = {n: local_copy(x) for n, x in zip(names, gather(leaves))}
-    return params
-
-  def _host_arrays(self, snap: list, names) -> dict:
-    if not all(_host_complete(x) for x in snap):
-      snap = self._snapshot(snap)  # raw parameters: gather first
-    return {n: local_copy(a) for n, a in zip(names, snap)}
-
-  def _worker_args_extra(self) -> dict:
-    return {"prompt_block": self.block, "host": self.host}
-
   # -- batches
+
+  def interrupt(self, outer):
+    self._outer_interrupt = outer
+    return self._interrupt_or_peer
 
   def _interrupt_or_peer(self):
     if self._outer_interrupt is not None and self._waiting is None:
@@ -239,18 +248,19 @@ class MultiHostAsyncSource(async_.AsyncSource):
     if self._waiting is not None:
       self.agreement.check(self._waiting)
 
-  def next(self, step: int) -> tuple[dict, dict]:
-    """This host's batch `step`, agreed on with every host, gathered into the global batch."""
+  def next(self, step, local, requeue):
+    """This host's batch `step` (`local(step)`), agreed on with every host, gathered into the global batch;
+    `requeue()` puts the host batch back for the joint checkpoint when the hosts agree to stop."""
     t0 = time.monotonic()
-    local = None
+    got = None
     self._waiting = step
     try:
       if self._deferred is not None:
         e, self._deferred = self._deferred, None
         raise e
-      self._interrupt()  # a signal or a peer's stop, also when the batch is in host memory (no queue wait)
-      local = super().next(step)
-      batch, info = local
+      self._interrupt_or_peer()  # a signal or a peer's stop, also when the batch is in host memory (no queue wait)
+      got = local(step)
+      batch, info = got
       payload = {
         "ok": True,
         "version": int(batch["policy_version"][0]),  # one version per host batch
@@ -262,7 +272,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
         "finished_frac": info["finished_frac"],
         "gen_s": info["sampler_gen_s"],
         "idle_frac": info["sampler_idle_frac"],
-        "restarts": self.sampler_restarts,  # this host's replacements so far
+        "restarts": info["metrics"]["async/sampler_restarts"],  # this host's replacements so far
       }
     except _Signalled as e:
       payload = {"ok": False, "signal": True, "reason": f"interrupted ({e})"}
@@ -270,12 +280,12 @@ class MultiHostAsyncSource(async_.AsyncSource):
       payload = {"ok": False, "follow": True, "signal": True, "reason": str(e)}
     except distributed.PeerLostError as e:
       payload = {"ok": False, "lost": True, "reason": str(e)}
-    except (async_.SamplerDiedError, TimeoutError, RuntimeError) as e:
+    except (TimeoutError, RuntimeError) as e:  # async_.SamplerDiedError included
       log.error("multi-host: the sampler of host %d failed at step %d: %s", self.host, step, e)
       payload = {"ok": False, "reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     finally:
       self._waiting = None
-    payloads = self.agreement.exchange(step, payload, timeout_s=self._agreement_timeout_s())
+    payloads = self.agreement.exchange(step, payload, timeout_s=agreement_timeout_s(self.cfg))
     self.agreement.forget(step - 2)
     lost = [p["reason"] for p in payloads if p.get("lost")]
     if lost:
@@ -283,25 +293,12 @@ class MultiHostAsyncSource(async_.AsyncSource):
     try:
       distributed.decide(payloads, step)
     except distributed.JobStopped:
-      if local is not None:  # received, not consumed: back to the front, so the joint checkpoint keeps it
-        self._pending.appendleft(self._raw)
+      if got is not None:  # received, not consumed: back to the front, so the joint checkpoint keeps it
+        requeue()
       raise
     return self._global(step, batch, info, payloads, time.monotonic() - t0)
 
-  def _agreement_timeout_s(self) -> float:
-    """How long a host that posted waits for the others (their heartbeats say they are alive): a peer may find
-    its sampler failed (within the longer of timeout_s and heartbeat_timeout_s) and wait for a replacement's
-    first batch (startup_timeout_s), once per replacement its budget allows, and once more past it."""
-    attempt = self.startup_timeout_s + max(self.timeout_s, self.heartbeat_timeout_s)
-    return (int(self.cfg.max_sampler_restarts) + 1) * attempt + 60.0
-
-  def _info(self, step, batch, meta, wait_s, restored=False):
-    self._raw = (batch, meta, restored)  # the host batch as received (queue or restored), for next()'s stop
-    return super()._info(step, batch, meta, wait_s, restored=restored)
-
   def _global(self, step, batch, info, payloads, wait_s):
-    from jax.experimental import multihost_utils
-
     by_version: dict[int, set] = {}
     for p in payloads:
       if p["checksum"] is not None:
@@ -309,9 +306,9 @@ class MultiHostAsyncSource(async_.AsyncSource):
     split = {v: c for v, c in by_version.items() if len(c) > 1}
     if split:
       raise RuntimeError(f"multi-host: hosts sampled step {step} from different parameters of one version: {split}")
-    local = {f: np.asarray(batch[f]) for f in self.schema.fields}
+    local = {f: np.asarray(batch[f]) for f in batch}
     local["group_id"] = local["group_id"] + self.block[0]  # the host's prompts are [lo, hi) of the step's P
-    full = {f: np.asarray(a) for f, a in multihost_utils.process_allgather(local, tiled=True).items()}
+    full = {f: np.asarray(a) for f, a in self.allgather(local, tiled=True).items()}
     lag = step - full["policy_version"]
     if lag.min() < 0 or lag.max() > self.k:
       raise RuntimeError(f"async source: batch {step} has lags [{lag.min()}, {lag.max()}] outside [0, {self.k}].")
@@ -327,7 +324,7 @@ class MultiHostAsyncSource(async_.AsyncSource):
       hosts=payloads,
       **lag_stats(step, full["policy_version"]),
       metrics={
-        **async_.token_lag_stats(step, full["token_version"]),
+        **token_lag_stats(step, full["token_version"]),
         "async/sampler_restarts": sum(int(p.get("restarts", 0)) for p in payloads),  # every host's
       },
     )
@@ -335,25 +332,32 @@ class MultiHostAsyncSource(async_.AsyncSource):
 
   # -- checkpointing, lifetime
 
-  def queued_state(self) -> tuple[list[dict], list[dict]]:
+  def pack(self, local, schema):
     """Every host's received-but-unconsumed batches as global batches (`pack_queued`); a collective: every
     process calls it at the same save (the trainer's _save)."""
-    self._drain()
-    local = [(a, m) for a, m, _ in self._pending]
-    return pack_queued(_allgather_queued(local, self.schema), self.blocks, self.maker.cfg.group_size)
+    return pack_queued(_allgather_queued(local, schema, self.allgather), self.blocks, self.group_size)
 
-  def queued_template(self, count: int) -> list[dict]:
-    """Restore template of `count` queued global batches (N rows each, as pack_queued writes them)."""
-    return [{n: np.zeros(f.shape, f.dtype) for n, f in self.global_schema.fields.items()} for _ in range(count)]
-
-  def load_queued(self, arrays: list[dict], metas: list[dict]):
-    """This host's rows of a checkpoint's queued global batches (`unpack_queued`); next() serves them first."""
-    local = unpack_queued(arrays, metas, self.host, self.hosts, self.maker.cfg.group_size, self.blocks)
-    super().load_queued([a for a, _ in local], [m for _, m in local])
+  def unpack(self, arrays, metas):
+    """This host's rows of a checkpoint's queued global batches (`unpack_queued`)."""
+    return unpack_queued(arrays, metas, self.host, self.hosts, self.group_size, self.blocks)
 
   def close(self):
-    super().close()
     self.agreement.close()
+
+
+def agreement_timeout_s(cfg) -> float:
+  """How long a host that posted waits for the others (their heartbeats say they are alive): a peer may find
+  its sampler failed (within the longer of timeout_s and heartbeat_timeout_s) and wait for a replacement's
+  first batch (startup_timeout_s), once per replacement its budget allows, and once more past it. cfg: AsyncConfig."""
+  timeout = float(cfg.timeout_s)
+  attempt = float(cfg.startup_timeout_s) + max(timeout, float(cfg.heartbeat_timeout_s) or timeout)
+  return (int(cfg.max_sampler_restarts) + 1) * attempt + 60.0
+
+
+def _process_allgather(x, tiled: bool):
+  from jax.experimental import multihost_utils  # jax's multi-process helpers: loaded on several hosts only
+
+  return multihost_utils.process_allgather(x, tiled=tiled)
 
 
 def _host_complete(x) -> bool:
@@ -450,13 +454,9 @@ def unpack_queued(arrays, metas, host: int, hosts: int, group_size: int, blocks)
   return out
 
 
-def _allgather_queued(local: list[tuple[dict, dict]], schema) -> list[list[tuple[dict, dict]]]:
+def _allgather_queued(local: list[tuple[dict, dict]], schema, allgather) -> list[list[tuple[dict, dict]]]:
   """Every host's `local` list of batches of `schema` (a collective: counts, the stacked arrays, the JSON)."""
-  import json
-
-  from jax.experimental import multihost_utils
-
-  gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=False))
+  gather = lambda x: np.asarray(allgather(x, tiled=False))
   counts = gather(np.int32(len(local))).reshape(-1).tolist()
   hosts, count = len(counts), max(counts)
   if count == 0:

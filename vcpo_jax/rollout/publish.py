@@ -5,9 +5,9 @@
         "shm"       ShmPublisher (this file): a spawned sampler reads a ParamSlot in /dev/shm
         "device"    DevicePublisher (device_publish.py): a sampler thread on its own devices, jax.device_put
         "transfer"  TransferPublisher (transfer_publish.py): a spawned sampler pulls device arrays
-      and a topology: one host (AsyncSource), or many (rollout/multihost.py: per-host prompt blocks, agreement,
-      a publish snapshot gathered to host-complete arrays). The publisher sees the topology only through the
-      snapshot function it is given.
+      and a Topology (rollout/topology.py): OneHost, or ManyHosts (rollout/multihost.py: per-host prompt blocks,
+      agreement, a publish snapshot gathered to host-complete arrays). The publisher sees the topology only
+      through the `snap` and `host_arrays` functions it is given.
 
 The interface, in the order AsyncSource.publish calls it:
   prepare(leaves, version) -> payload   device-side work dispatched at every publish (snapshot, cast, checksum)

@@ -79,12 +79,10 @@ def build_source(
     from vcpo_jax.rollout.lag import LagSource
 
     return LagSource(maker, k if mode == "lag" else 0, key)
-  # The publish path (async_.publish_path: shm, device, transfer) is a part the async source composes
-  # (rollout/publish.py); the topology picks the class: one sampler per host, a per-step agreement.
-  if jax.process_count() > 1:
-    from vcpo_jax.rollout.multihost import MultiHostAsyncSource as source_cls
-  else:
-    from vcpo_jax.rollout.async_ import AsyncSource as source_cls
-  return source_cls(
+  # The publish path (async_.publish_path: shm, device, transfer) and the topology (one host, many: one sampler
+  # per host, a per-step agreement) are parts the async source composes (rollout/publish.py, topology.py).
+  from vcpo_jax.rollout.async_ import AsyncSource  # the process machinery loads for mode='async' only
+
+  return AsyncSource(
     async_cfg, key, model_cfg, graphdef, tokenizer, maker, k=k, steps=steps, workdir=workdir, interrupt=interrupt
   )
