@@ -951,7 +951,8 @@ def _decode_step(
   v [B, K, S, H]); kv_valid: bool [B, S], the slot marked valid here), attends over the cache blocks up to
   it, draws the next token of row n with keys_b[n] (the loop's fold_in(fold_in(rng, row), i));
   returns (tokens [B], logp [B], cache, kv_valid), with record the column's `column_records`, and last with
-  route the fed tokens' experts [B, L K] int16 (`routing_width`).
+  route the fed tokens' experts [B, L K] int16 (`routing_width`). With decode_layers="unrolled" the cache is
+  per layer (`transformer.split_cache`) and layers each layer's parameters (`transformer.layer_params`).
   """
   b = prev_b.shape[0]
   kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))

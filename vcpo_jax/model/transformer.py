@@ -51,7 +51,7 @@ AttentionMask = attn.AttentionMask  # the mask type `forward` takes (re-exported
 # v [L, B, K, S, H]). The scanned blocks carry it whole and each writes its own layer in place.
 LayerCache = tuple[jax.Array, jax.Array]
 # The sampler's unrolled decode (SamplerConfig.decode_layers="unrolled"): one (k [B, K, H, S], v [B, K, S, H])
-# buffer pair per layer, a list, run by `_run_layers_unrolled` (`split_cache` / `stack_cache` convert).
+# buffer pair per layer, a list (`split_cache`), run by `_run_layers_unrolled`.
 PerLayerCache = list[tuple[jax.Array, jax.Array]]
 
 
@@ -387,10 +387,10 @@ def _run_layers_unrolled(
   The sampler's unrolled decode step (SamplerConfig.decode_layers="unrolled"). XLA:CPU hands a matmul only a
   whole buffer: in the scan (`_run_layers`) every layer's slice of the stacked cache, and of the stacked
   weights, is copied out before its dot (dynamic-slice; a static slice of the stacked cache is copied too).
-  Separate per-layer cache buffers are read and written in place (Attention with layer None). layer_params: each layer's block parameters
-  (`layer_params`), sliced once outside the sampler's while_loop (XLA does not hoist the slices out of it:
-  sliced here, inside the step, they are copied every step); None slices them here. The program grows with
-  depth (no scan): a decode-only path, without taps, remat or MoE routing."""
+  Separate per-layer cache buffers are read and written in place (Attention with layer None).
+  layer_params: each layer's block parameters (`layer_params`), sliced once outside the sampler's while_loop
+  (XLA does not hoist the slices out of it: sliced inside the step, they are copied every step); None slices
+  them here. The program grows with depth (no scan): a decode-only path, without taps, remat or MoE routing."""
   if taps.active_tape() is not None or cfg.moe is not None:
     raise ValueError("per-layer caches (the sampler's unrolled decode) take a dense model and no taps.")
   if len(caches) != cfg.num_layers:
@@ -408,7 +408,7 @@ def _run_layers_unrolled(
 
 def layer_params(graphdef, params) -> list:
   """Each decoder layer's block parameters (static slices of the stacked [L, ...] ones: copies), for
-  `forward(..., layer_params=...)` with a per-layer cache."""
+  `forward(..., layers=...)` with a per-layer cache."""
   _, state = nnx.split(nnx.merge(graphdef, params).layers)
   return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(jax.tree.leaves(state)[0].shape[0])]
 
@@ -416,11 +416,6 @@ def layer_params(graphdef, params) -> list:
 def split_cache(cache: LayerCache) -> PerLayerCache:
   """The stacked cache (k [L, B, K, H, S], v [L, B, K, S, H]) as one buffer pair per layer (copies)."""
   return [(cache[0][i], cache[1][i]) for i in range(cache[0].shape[0])]
-
-
-def stack_cache(caches: PerLayerCache) -> LayerCache:
-  """The inverse of `split_cache`."""
-  return jnp.stack([c[0] for c in caches]), jnp.stack([c[1] for c in caches])
 
 
 class Transformer(nnx.Module):
