@@ -3,6 +3,7 @@
     python -m benchmarks.sampler                      # 10M-parameter model, batch 64, prompt 32, new 128, 3 rounds
     python -m benchmarks.sampler --batch 64 --prompt 32 --new 128 --rounds 3 --models 10m --threads 2
     python -m benchmarks.sampler --threads 2 --devices 2  # our sampler on 2 host devices of the 2 cores
+    python -m benchmarks.sampler --threads 2 --decode_layers unrolled  # per-layer cache buffers in the decode step
 
 Roofline (issue 14 item 2), measured in the same process before the timings: peak matmul
 FLOP/s (best of a large jitted float32 dot) and copy bandwidth (best numpy copy of 256 MiB,
@@ -210,6 +211,11 @@ def main(argv=None):
     default="auto",
     help="SamplerConfig.param_dtype of our sampler: auto (as a run: bf16 on accelerators, float32 on CPU)",
   )
+  ap.add_argument(
+    "--decode_layers",
+    default="scan",
+    help="SamplerConfig.decode_layers of our sampler: scan (default) or unrolled (per-layer cache buffers)",
+  )
   ap.add_argument("--choice", action="store_true", help="only time the token choice (batch x the model's vocab)")
   ap.add_argument(
     "--devices",
@@ -270,6 +276,7 @@ def main(argv=None):
           batch_buckets=(b,),
           mesh_shape=(args.devices, 1, 1),
           param_dtype=args.param_dtype,
+          decode_layers=args.decode_layers,
         ),
         mesh=mesh,
       )
@@ -329,6 +336,7 @@ def main(argv=None):
           threads=args.threads,
           devices=args.devices,
           param_dtype=str(jax.tree.leaves(ours_params)[0].dtype),
+          decode_layers=args.decode_layers,
           ours_round_s=t_ours,
           hf_round_s=t_hf,
           speedup=float(np.median(ratios)),

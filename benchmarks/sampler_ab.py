@@ -2,6 +2,7 @@
 
     python -m benchmarks.sampler_ab --base=ef5c2fb                  # 10M model, batch 64, prompt 32, new 128
     python -m benchmarks.sampler_ab --base=ef5c2fb --rounds=7 --calls=2 --threads=2
+    python -m benchmarks.sampler_ab --base=HEAD --decode_layers=unrolled   # unrolled decode layers vs the scan
 
 Each tree runs in its own worker process (`git archive <base>` unpacked into a temporary directory, as
 `benchmarks.learner_step` does), pinned to the same `--threads` cores, with the same model (the tree's own
@@ -56,6 +57,7 @@ def _worker(args):
     new_token_buckets=(tn,),
     batch_buckets=(b,),
     param_dtype=args.param_dtype,
+    **({"decode_layers": args.decode_layers} if args.decode_layers else {}),  # this tree only (_start)
   )
   smp = S.Sampler(graphdef, cfg, scfg)
   params = smp.prepare_params(params)
@@ -79,11 +81,11 @@ def _worker(args):
 # ----------------------------------------------------------------------------- driver
 
 
-def _start(tree: str, args):
+def _start(tree: str, args, extra=()):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=tree)
   env.pop("XLA_FLAGS", None)  # one CPU device, as benchmarks.sampler runs without --devices
   flags = [f"--{k}={getattr(args, k)}" for k in ("model", "batch", "prompt", "new", "threads", "param_dtype")]
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--tree={tree}", *flags]
+  cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--tree={tree}", *flags, *extra]
   return subprocess.Popen(cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -105,6 +107,12 @@ def _parser():
   p.add_argument("--new", type=int, default=128)
   p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores of each worker (the same ones)")
   p.add_argument("--param_dtype", default="auto", help="SamplerConfig.param_dtype (auto: as a run; CPU float32)")
+  p.add_argument(
+    "--decode_layers",
+    default="",
+    help="SamplerConfig.decode_layers of THIS tree's sampler (scan | unrolled; empty: its default); the base keeps "
+    "its own default (with --base=HEAD: this tree's decode layers against its committed default)",
+  )
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--tree", default="", help=argparse.SUPPRESS)
   return p
@@ -142,7 +150,8 @@ def main(argv=None):
     os.makedirs(old_tree)
     archive = subprocess.run(["git", "archive", base], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", old_tree], input=archive, check=True)
-    procs = {"this": _start(ROOT, args), "base": _start(old_tree, args)}
+    this_flags = [f"--decode_layers={args.decode_layers}"] if args.decode_layers else []
+    procs = {"this": _start(ROOT, args, this_flags), "base": _start(old_tree, args)}
     try:
       info = {k: _read(pr) for k, pr in procs.items()}  # both compiled and warm
       load_before = os.getloadavg()
@@ -167,6 +176,7 @@ def main(argv=None):
     "new": args.new,
     "threads": args.threads,
     "param_dtype": args.param_dtype,
+    "decode_layers": args.decode_layers or "default",
     "rounds": args.rounds,
     "calls": args.calls,
     "peak_flops": roof["peak_flops"],
@@ -184,6 +194,7 @@ def main(argv=None):
   f, s = out["roofline_fraction"], out["speedup_base_over_this"]
   print(
     f"generate B={args.batch} Tp={args.prompt} Tn={args.new} ({args.model}, {args.threads} threads): this {head} "
+    f"(decode_layers {args.decode_layers or 'default'}) "
     f"{out['median_generate_s']['this']:.2f} s, roofline {f['this']['median']:.2f} ({f['this']['min']:.2f}-"
     f"{f['this']['max']:.2f}); base {base} {out['median_generate_s']['base']:.2f} s, roofline "
     f"{f['base']['median']:.2f} ({f['base']['min']:.2f}-{f['base']['max']:.2f}); speedup {s['median']:.2f}x "

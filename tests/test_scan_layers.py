@@ -199,3 +199,52 @@ def test_scanned_step_memory_grows_by_the_saved_block_input_per_layer():
   unrolled = (temp_bytes(6, False) - temp_bytes(2, False)) / 4
   assert scanned <= 2 * saved_input, (scanned, saved_input)
   assert unrolled > 10 * scanned, (unrolled, scanned)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_unrolled_decode_layers_draw_the_same_tokens_as_the_scan(name):
+  """SamplerConfig.decode_layers="unrolled" (one cache buffer pair per layer, a Python loop over the layers in
+  the decode step) draws the same tokens with the same behaviour log-probs as the scanned decode, stop tokens
+  included; the prompt bucket is prefilled in chunks (the scan over chunks) as before."""
+  _, _, params = _models(name)
+  cfg = CFGS[name]
+  graphdef, _ = tf.split(tf.init(cfg, seed=3))
+  base = dict(prompt_buckets=(8,), new_token_buckets=(8,), batch_buckets=(4,), max_new_tokens=8, prefill_chunk=2)
+  prompts = [[3, 17, 42], [7, 8, 9, 10, 11], [5]]
+  outs = []
+  for layers in ("scan", "unrolled"):
+    scfg = S.SamplerConfig(**base, eos_id=11, decode_layers=layers)
+    outs.append(S.Sampler(graphdef, cfg, scfg).generate(params, prompts, jax.random.key(2), num_samples=2))
+  a, b = outs
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.lengths, b.lengths)
+  np.testing.assert_allclose(a.behavior_logp, b.behavior_logp, atol=1e-6)
+
+
+def test_unrolled_decode_step_reads_each_layer_cache_in_place():
+  """The compiled unrolled decode step holds no cache-sized copy or slice (the scanned one copies each layer's
+  slice of the stacked cache before its matmul: the reason for the unrolled path, XLA:CPU)."""
+  cfg = CFGS["qwen2"]
+  graphdef, params = tf.split(tf.init(cfg, seed=3))
+  b, tp, tn = 4, 8, 8
+
+  def cache_copies(layers):
+    scfg = S.SamplerConfig(
+      prompt_buckets=(tp,), new_token_buckets=(tn,), batch_buckets=(b,), max_new_tokens=tn, decode_layers=layers
+    )
+    text = S.Sampler(graphdef, cfg, scfg).lower(params, b, tp, tn, part="decode").compile().as_text()
+    k_shape = f"f32[{b},{cfg.num_kv_heads},{cfg.head_dim},{tp + tn}]"  # one layer's keys [B, K, H, S]
+    # a copy, or a fusion that slices (an in-place dynamic-update-slice fusion writes the new keys: not a copy)
+    out = lambda line: line.split("=")[0]
+    copied = lambda line: "copy(" in line or ("fusion(" in line and "slice" in out(line).replace("update-slice", ""))
+    return [line for line in text.splitlines() if f"= {k_shape}" in line and copied(line)]
+
+  assert cache_copies("scan")  # the scan's per-layer dynamic-slice of the stacked cache, materialised
+  assert not cache_copies("unrolled")
+
+
+def test_unrolled_decode_layers_config_errors():
+  with pytest.raises(ValueError, match="decode_layers"):
+    S.SamplerConfig(decode_layers="loop")
+  with pytest.raises(ValueError, match="decode_layers"):
+    S.SamplerConfig(decode_layers="unrolled", decode="refill")

@@ -82,6 +82,7 @@ LOGP_MODES = ("sampled", "tempered")
 DRAWS = ("inverse_cdf", "gumbel")
 PARAM_DTYPES = ("", "auto", "float32", "bfloat16", "int8")
 DECODE_MODES = ("static", "chunked", "refill")
+DECODE_LAYERS = ("scan", "unrolled")  # SamplerConfig.decode_layers
 LOWER_PARTS = ("generate", "prefill", "decode")  # Sampler.lower: what is compiled
 
 
@@ -147,6 +148,11 @@ class SamplerConfig:
   param_dtype: str = ""
   mesh_shape: tuple[int, int, int] = (-1, 1, 1)
   decode: str = "static"
+  # The static decode step's layer loop: "scan" (the stacked cache and weights, one scanned block: compile time
+  # flat in depth) or "unrolled" (one cache buffer pair per layer and a Python loop over the layers: XLA:CPU then
+  # reads each layer's cache and weights in place instead of copying its slice before every matmul, at a compile
+  # time that grows with depth; transformer._run_layers_unrolled). Same tokens and log-probs.
+  decode_layers: str = "scan"
   chunk_tokens: int = 32
   record_topk: int = 0  # K > 0: record each token's top-K ids and post-filter log-probs (top-k score centering)
   record_support: bool = False  # record each token's kept support (model/support.py: the learner replays it)
@@ -182,6 +188,11 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.mesh_shape: {e}") from None
     if self.decode not in DECODE_MODES:
       raise ValueError(f"SamplerConfig.decode must be one of {DECODE_MODES}, got {self.decode!r}.")
+    if self.decode_layers not in DECODE_LAYERS or (self.decode_layers == "unrolled" and self.decode != "static"):
+      raise ValueError(
+        f"SamplerConfig.decode_layers must be one of {DECODE_LAYERS} ('unrolled' with decode='static'), "
+        f"got {self.decode_layers!r} (decode={self.decode!r})."
+      )
     if self.chunk_tokens <= 0:
       raise ValueError(
         f"SamplerConfig.chunk_tokens must be positive (decode steps per chunk), got {self.chunk_tokens}."
@@ -354,10 +365,11 @@ def routing_width(cfg_model: ModelConfig, cfg: SamplerConfig) -> int:
   return cfg_model.num_layers * cfg_model.num_experts_per_tok if cfg.record_routing and cfg_model.moe else 0
 
 
-def _forward_routed(graphdef, params, *args, route: bool = False):
-  """(logits, cache, ids): transformer.forward, with route the experts of the fed tokens [B, T, L K] int16."""
+def _forward_routed(graphdef, params, *args, route: bool = False, layers=None):
+  """(logits, cache, ids): transformer.forward, with route the experts of the fed tokens [B, T, L K] int16.
+  layers: per-layer block parameters with a per-layer cache (decode_layers="unrolled", dense only)."""
   if not route:
-    return (*transformer.forward(graphdef, params, *args), None)
+    return (*transformer.forward(graphdef, params, *args, layers=layers), None)
   with moe.routing() as rec:
     logits, cache = transformer.forward(graphdef, params, *args)
   ids = jnp.moveaxis(rec.expert_ids, 0, 2)  # [L, B, T, K] -> [B, T, L, K]
@@ -637,6 +649,9 @@ def _generate_device(
   step_keys = lambda i: _step_keys(row_keys, i)
 
   last_logits, cache, kv_valid = _prefill(graphdef, cfg_model, cfg, params, prompt_bt, prompt_valid_bt, num_new)
+  layers = None
+  if cfg.decode_layers == "unrolled":  # per-layer cache buffers and weights (copied once per call), read in place
+    cache, layers = transformer.split_cache(cache), transformer.layer_params(graphdef, params)
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
 
   e = routing_width(cfg_model, cfg)
@@ -669,7 +684,9 @@ def _generate_device(
     i, cache, kv_valid, state, finished = carry
     prev, pos, idx = state[0][:, i - 1], prompt_len + i - 1, tp + i - 1
     keys = step_keys(i)
-    out = _decode_step(graphdef, cfg, params, cache, kv_valid, prev, pos, idx, keys, record=record, route=bool(e))
+    out = _decode_step(
+      graphdef, cfg, params, cache, kv_valid, prev, pos, idx, keys, record=record, route=bool(e), layers=layers
+    )
     tok, logp, cache, kv_valid = out[:4]
     if e:  # the experts of token i - 1 (a response token of rows still running when it was emitted): column i - 1
       fed, recs = (i - 1 < state[2])[:, None], state[4]
@@ -915,7 +932,18 @@ def _layout_sharding(mesh, shape: tuple[int, ...], entries: tuple):
 
 
 def _decode_step(
-  graphdef, cfg: SamplerConfig, params, cache, kv_valid, prev_b, pos_b, idx, keys_b, record=False, route=False
+  graphdef,
+  cfg: SamplerConfig,
+  params,
+  cache,
+  kv_valid,
+  prev_b,
+  pos_b,
+  idx,
+  keys_b,
+  record=False,
+  route=False,
+  layers=None,
 ):
   """One decode step: the body of `_generate_device`'s loop (and `Sampler.lower(part="decode")`'s program).
 
@@ -923,12 +951,14 @@ def _decode_step(
   v [B, K, S, H]); kv_valid: bool [B, S], the slot marked valid here), attends over the cache blocks up to
   it, draws the next token of row n with keys_b[n] (the loop's fold_in(fold_in(rng, row), i));
   returns (tokens [B], logp [B], cache, kv_valid), with record the column's `column_records`, and last with
-  route the fed tokens' experts [B, L K] int16 (`routing_width`).
+  route the fed tokens' experts [B, L K] int16 (`routing_width`). With decode_layers="unrolled" the cache is
+  per layer (`transformer.split_cache`) and layers each layer's parameters (`transformer.layer_params`).
   """
   b = prev_b.shape[0]
   kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
   mask = transformer.AttentionMask(kv_valid)  # decode reads only the cache blocks up to slot idx
-  logits, cache, ids = _forward_routed(graphdef, params, prev_b[:, None], pos_b[:, None], mask, cache, idx, route=route)
+  args = (prev_b[:, None], pos_b[:, None], mask, cache, idx)
+  logits, cache, ids = _forward_routed(graphdef, params, *args, route=route, layers=layers)
   tok, logp = _choose(logits[:, -1], keys_b, cfg)
   out = (tok, logp, cache, kv_valid)
   if record:
@@ -964,6 +994,8 @@ class Sampler:
           f"SamplerConfig token id {sid} (eos_id/stop_ids/pad_id) is outside the "
           f"vocabulary [0, {cfg_model.vocab_size})."
         )
+    if sampler_cfg.decode_layers == "unrolled" and cfg_model.moe is not None:
+      raise ValueError("SamplerConfig.decode_layers='unrolled' takes a dense model; use 'scan' for MoE.")
     self.graphdef, self.cfg_model, self.cfg = graphdef, cfg_model, sampler_cfg
     self.num_traces = 0  # incremented at trace time: the compile-count test reads it
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
@@ -1079,6 +1111,9 @@ class Sampler:
       k = sds((n, b, cm.num_kv_heads, cm.head_dim, s), cm.compute_dtype, sh.CACHE_LBK)
       v = sds((n, b, cm.num_kv_heads, s, cm.head_dim), cm.compute_dtype, sh.CACHE_LBK)
       cache = (k, v)
+      if cfg.decode_layers == "unrolled":
+        k1 = sds(k.shape[1:], k.dtype, sh.CACHE_BK)
+        cache = [(k1, sds(v.shape[1:], v.dtype, sh.CACHE_BK)) for _ in range(n)]
       fn = jax.jit(lambda p, *a: _decode_step(g, cfg, cast(p), *a), donate_argnums=(1, 2))
       scalar = jax.ShapeDtypeStruct((), jnp.int32)
       keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))  # one key per row

@@ -50,6 +50,9 @@ AttentionMask = attn.AttentionMask  # the mask type `forward` takes (re-exported
 # The KV cache in the compute dtype (the layout: attention.py), stacked over layers: (k [L, B, K, H, S],
 # v [L, B, K, S, H]). The scanned blocks carry it whole and each writes its own layer in place.
 LayerCache = tuple[jax.Array, jax.Array]
+# The sampler's unrolled decode (SamplerConfig.decode_layers="unrolled"): one (k [B, K, H, S], v [B, K, S, H])
+# buffer pair per layer, a list (`split_cache`), run by `_run_layers_unrolled`.
+PerLayerCache = list[tuple[jax.Array, jax.Array]]
 
 
 class Linear(nnx.Module):
@@ -185,7 +188,8 @@ class Attention(nnx.Module):
   def __call__(self, x_btd, positions_bt, mask, cache: LayerCache | None, cache_index, layer=None):
     """cache: None, or the stacked cache of every layer (k [L, B, K, H, S], v [L, B, K, S, H]) of which this
     block is layer `layer` (an int32 scalar: the scan's index); the keys go in at (layer, cache_index) in
-    place and the stacked cache is returned (see `_run_layers`)."""
+    place and the stacked cache is returned (see `_run_layers`). layer None: cache is this layer's own
+    (k [B, K, H, S], v [B, K, S, H]) (a per-layer cache, `_run_layers_unrolled`), updated and returned."""
     b, t, _ = x_btd.shape
     n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
     q = self.q_proj(x_btd).reshape(b, t, n, h)
@@ -202,14 +206,16 @@ class Attention(nnx.Module):
     else:
       ck_all, cv_all = cache  # keys [L, B, K, H, S], values [L, B, K, S, H] (the cache layout, attention.py)
       kk, vv = kk.astype(ck_all.dtype), vv.astype(cv_all.dtype)
-      ck_all = jax.lax.dynamic_update_slice(
-        ck_all, jnp.transpose(kk, (0, 2, 3, 1))[None], (layer, 0, 0, 0, cache_index)
-      )
-      cv_all = jax.lax.dynamic_update_slice(
-        cv_all, jnp.transpose(vv, (0, 2, 1, 3))[None], (layer, 0, 0, cache_index, 0)
-      )
-      cache = (sh.constrain(ck_all, sh.CACHE_LBK), sh.constrain(cv_all, sh.CACHE_LBK))
-      ck, cv = (sh.constrain(jax.lax.dynamic_index_in_dim(c, layer, 0, False), sh.CACHE_BK) for c in cache)
+      k_new, v_new = jnp.transpose(kk, (0, 2, 3, 1)), jnp.transpose(vv, (0, 2, 1, 3))
+      if layer is None:  # this layer's own buffers (k [B, K, H, S], v [B, K, S, H]: a per-layer cache)
+        ck = jax.lax.dynamic_update_slice(ck_all, k_new, (0, 0, 0, cache_index))
+        cv = jax.lax.dynamic_update_slice(cv_all, v_new, (0, 0, cache_index, 0))
+        ck, cv = cache = (sh.constrain(ck, sh.CACHE_BK), sh.constrain(cv, sh.CACHE_BK))
+      else:
+        ck_all = jax.lax.dynamic_update_slice(ck_all, k_new[None], (layer, 0, 0, 0, cache_index))
+        cv_all = jax.lax.dynamic_update_slice(cv_all, v_new[None], (layer, 0, 0, cache_index, 0))
+        cache = (sh.constrain(ck_all, sh.CACHE_LBK), sh.constrain(cv_all, sh.CACHE_LBK))
+        ck, cv = (sh.constrain(jax.lax.dynamic_index_in_dim(c, layer, 0, False), sh.CACHE_BK) for c in cache)
       first = isinstance(cache_index, int) and cache_index == 0  # static slot 0: this call's keys are the prefix
       if not isinstance(mask, attn.AttentionMask):  # an explicit [B, T, S] mask over the whole cache
         if first and t == ck.shape[3]:  # the whole cache written now (recompute_kv)
@@ -373,6 +379,45 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
   return x, new_cache
 
 
+def _run_layers_unrolled(
+  layers: Block, cfg: ModelConfig, x, positions_bt, mask, caches: PerLayerCache, cache_index, layer_params=None
+):
+  """x through the blocks one layer at a time in Python, each with its own cache buffers; (x, new caches).
+
+  The sampler's unrolled decode step (SamplerConfig.decode_layers="unrolled"). XLA:CPU hands a matmul only a
+  whole buffer: in the scan (`_run_layers`) every layer's slice of the stacked cache, and of the stacked
+  weights, is copied out before its dot (dynamic-slice; a static slice of the stacked cache is copied too).
+  Separate per-layer cache buffers are read and written in place (Attention with layer None).
+  layer_params: each layer's block parameters (`layer_params`), sliced once outside the sampler's while_loop
+  (XLA does not hoist the slices out of it: sliced inside the step, they are copied every step); None slices
+  them here. The program grows with depth (no scan): a decode-only path, without taps, remat or MoE routing."""
+  if taps.active_tape() is not None or cfg.moe is not None:
+    raise ValueError("per-layer caches (the sampler's unrolled decode) take a dense model and no taps.")
+  if len(caches) != cfg.num_layers:
+    raise ValueError(f"per-layer cache of {len(caches)} layers for a model of {cfg.num_layers}.")
+  graphdef, state = nnx.split(layers)
+  if layer_params is None:
+    layer_params = [jax.tree.map(lambda a, i=i: a[i], state) for i in range(cfg.num_layers)]
+  new = []
+  for (ck, cv), p in zip(caches, layer_params, strict=True):
+    block = nnx.merge(graphdef, p)
+    x, layer_cache, _ = block(x, positions_bt, mask, (ck, cv), cache_index, None)
+    new.append(layer_cache)
+  return x, new
+
+
+def layer_params(graphdef, params) -> list:
+  """Each decoder layer's block parameters (static slices of the stacked [L, ...] ones: copies), for
+  `forward(..., layers=...)` with a per-layer cache."""
+  _, state = nnx.split(nnx.merge(graphdef, params).layers)
+  return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(jax.tree.leaves(state)[0].shape[0])]
+
+
+def split_cache(cache: LayerCache) -> PerLayerCache:
+  """The stacked cache (k [L, B, K, H, S], v [L, B, K, S, H]) as one buffer pair per layer (copies)."""
+  return [(cache[0][i], cache[1][i]) for i in range(cache[0].shape[0])]
+
+
 class Transformer(nnx.Module):
   """The policy: tokens -> next-token logits (float32)."""
 
@@ -390,7 +435,9 @@ class Transformer(nnx.Module):
       else Linear(cfg.hidden_size, cfg.vocab_size, name="lm_head", use_bias=False, dtype=dt, rngs=rngs, frozen=cfg.lora)
     )
 
-  def __call__(self, tokens_bt, positions_bt, mask, cache: LayerCache | None = None, cache_index=None, *, hidden=False):
+  def __call__(
+    self, tokens_bt, positions_bt, mask, cache: LayerCache | None = None, cache_index=None, *, hidden=False, layers=None
+  ):
     """Returns (logits [B, T, V] float32, new cache or None); with hidden=True the final normed
     hidden states [B, T, D] instead of the logits (for `head_logprobs`).
 
@@ -401,14 +448,20 @@ class Transformer(nnx.Module):
         keys, see `vcpo_jax.model.attention`), or an explicit bool [B, T, S] mask (run
         densely). S = T without a cache, the cache length with one (keys written at
         cache_index..cache_index+T-1).
-      cache: the stacked cache (k [L, B, K, H, S], v [L, B, K, S, H]) (`init_cache`) or None.
+      cache: the stacked cache (k [L, B, K, H, S], v [L, B, K, S, H]) (`init_cache`) or None; or a list of
+        per-layer (k [B, K, H, S], v [B, K, S, H]) (`split_cache`): the layers then run unrolled
+        (`_run_layers_unrolled`, the sampler's decode_layers="unrolled").
+      layers: with a per-layer cache, each layer's block parameters (`layer_params`), or None (sliced here).
       cache_index: where this call's keys go in the cache: a Python int (static: at 0 the call
         attends to its own keys with the configured implementation; later, a prefill chunk, to the
         filled blocks of the cache), or an int32 scalar (traced: the decode path, blockwise over
         the filled blocks).
     """
     x = sh.constrain(self.embed_tokens(tokens_bt), sh.RESIDUAL_BTD)
-    x, new_cache = _run_layers(self.layers, self.cfg, x, positions_bt, mask, cache, cache_index)
+    if isinstance(cache, list):
+      x, new_cache = _run_layers_unrolled(self.layers, self.cfg, x, positions_bt, mask, cache, cache_index, layers)
+    else:
+      x, new_cache = _run_layers(self.layers, self.cfg, x, positions_bt, mask, cache, cache_index)
     x = self.norm(x)
     if hidden:
       return x, new_cache
@@ -453,10 +506,10 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> LayerCa
   return jnp.zeros((n, batch, k, h, length), dtype), jnp.zeros((n, batch, k, length, h), dtype)
 
 
-def forward(graphdef, params, tokens_bt, positions_bt, mask, cache=None, cache_index=None):
+def forward(graphdef, params, tokens_bt, positions_bt, mask, cache=None, cache_index=None, layers=None):
   """Pure forward pass: see Transformer.__call__."""
   model = nnx.merge(graphdef, params)
-  return model(tokens_bt, positions_bt, mask, cache, cache_index)
+  return model(tokens_bt, positions_bt, mask, cache, cache_index, layers=layers)
 
 
 def padded_positions_and_mask(valid_bt: jax.Array) -> tuple[jax.Array, attn.AttentionMask]:
