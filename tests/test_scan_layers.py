@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from vcpo_jax import grad_norms as gn
+from vcpo_jax import schema
 from vcpo_jax import sampler as S
 from vcpo_jax.model import config, hf_io
 from vcpo_jax.model import transformer as tf
@@ -248,3 +249,6 @@ def test_unrolled_decode_layers_config_errors():
     S.SamplerConfig(decode_layers="loop")
   with pytest.raises(ValueError, match="decode_layers"):
     S.SamplerConfig(decode_layers="unrolled", decode="refill")
+  with pytest.raises(schema.ConfigError, match=r"config.sampler.decode_layers='loop'"):
+    S.SamplingConfig(decode_layers="loop")
+  assert S.SamplerConfig(**S.SamplingConfig(decode_layers="unrolled").sampler_kwargs()).decode_layers == "unrolled"

@@ -11,7 +11,8 @@ What is left out (changing it on resume is allowed):
   - `steps` (training on to a larger step count) while the learning-rate schedule does not depend on
     it (optim.schedule "constant" or "warmup_constant"; "warmup_cosine" decays over `steps`);
   - execution layout with the same math: model.attention / attention_chunk / remat / scan_layers /
-    logprob_chunk / logprob_vocab_chunk (model.config.EXECUTION_FIELDS), mesh.shape, sampler.prefill_chunk / max_batch;
+    logprob_chunk / logprob_vocab_chunk (model.config.EXECUTION_FIELDS), mesh.shape, sampler.prefill_chunk /
+    max_batch / decode_layers;
   - the job's plumbing: async_ timeouts, CPU pinning and memory shares, the distributed.* job layout (a run
     may resume on another number of hosts), sft.cache_dir.
 """
@@ -36,6 +37,7 @@ EXCLUDED = (
   "model.moe_matmul",
   "sampler.prefill_chunk",
   "sampler.max_batch",
+  "sampler.decode_layers",
   "async_.timeout_s",
   "async_.startup_timeout_s",
   "async_.peer_lost_s",

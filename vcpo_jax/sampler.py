@@ -266,6 +266,7 @@ class SamplingConfig:
   prefill_chunk: int = SamplerConfig.prefill_chunk  # prompt tokens per prefill pass; 0 = one pass (bounds memory)
   max_batch: int = SamplerConfig.max_batch  # rows per sampler call (whole groups); 0 = all; more: sequential calls
   support_replay: str = "auto"  # learner renormalises over the sampler's kept support: auto (= a filter on) | on | off
+  decode_layers: str = SamplerConfig.decode_layers  # decode's layer loop: scan | unrolled (dense; faster on CPU)
 
   def __post_init__(self):
     check_field(
@@ -281,6 +282,9 @@ class SamplingConfig:
       "must be an int >= 0 (0 = the whole prompt bucket in one pass; e.g. 512 bounds prefill memory).",
     )
     check_field(self.draw in ("inverse_cdf", "gumbel"), "sampler.draw", self.draw, "use inverse_cdf or gumbel.")
+    check_field(
+      self.decode_layers in DECODE_LAYERS, "sampler.decode_layers", self.decode_layers, f"use {DECODE_LAYERS}."
+    )
     check_field(
       self.param_dtype in PARAM_DTYPES,
       "sampler.param_dtype",

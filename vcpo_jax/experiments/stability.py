@@ -436,6 +436,7 @@ def _run_seconds(workdir: Path) -> float:
 # added stay valid; any other value is part of it. Add a field here when adding it to run_spec.RunConfig.
 LATER_FIELDS = {
   ("sampler", "max_batch"): 0,
+  ("sampler", "decode_layers"): "scan",
   ("async_", "publish_buffers"): 0,
   ("async_", "publish_checksum"): "background",
   ("async_", "publish_delta"): "off",
