@@ -462,22 +462,17 @@ def _check_single_host_samples(records):
   import jax
   import numpy as np
 
+  from tests import fixtures
   from vcpo_jax import mesh as mesh_lib
   from vcpo_jax import run_config
   from vcpo_jax.model import policy
   from vcpo_jax.rollout.common import RolloutMaker
-  from vcpo_jax.sampler import Sampler, SamplerConfig
+  from vcpo_jax.sampler import Sampler
 
   spec = run_config.parse_config(_config(0, 1, 10_000))
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])  # born-sharded == host init
   model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, mesh, seed=spec.seed)
-  cfg = SamplerConfig.from_tokenizer(
-    tokenizer,
-    max_prompt_len=spec.rollout.max_prompt_len,
-    max_new_tokens=spec.rollout.max_new_tokens,
-    batch_sizes=(1, spec.rollout.batch_size, spec.eval_batch_size),
-    **spec.sampling.sampler_kwargs(),
-  )
+  cfg = fixtures.sampler_config(spec, tokenizer)
   maker = RolloutMaker(spec.rollout, tokenizer, Sampler(graphdef, model_cfg, cfg), spec.make_train_problems())
   initial = [r for r in records if "tokens" in r]
   assert initial and initial[0]["step"] == 0, [r["step"] for r in initial]

@@ -15,24 +15,12 @@ import time
 
 import pytest
 
-from tests.test_async import _assert_removed, _source, _tiny
-from vcpo_jax import cleanup, rollout, trainer
+from tests import fixtures
+from tests.test_async import _assert_removed, _source, _subprocesses_share_a_compilation_cache, _tiny  # noqa: F401
+from vcpo_jax import cleanup, trainer
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.rollout import async_
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _compilation_cache(tmp_path_factory):
-  """Every replacement sampler loads the programs the first one compiled (jax's persistent cache)."""
-  with pytest.MonkeyPatch.context() as mp:
-    for var, value in (
-      ("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache"))),
-      ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
-      ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0"),
-    ):
-      mp.setenv(var, value)
-    yield
 
 
 def _killing_sources(monkeypatch, kill_at, sig=signal.SIGKILL):
@@ -41,36 +29,26 @@ def _killing_sources(monkeypatch, kill_at, sig=signal.SIGKILL):
   Returns (built, seen, paths, kills): the sources, (step, policy_version, info) per consumed batch, every
   /dev/shm path any of the run's samplers used, and per kill (step, pid, seconds until the first batch made by
   the next sampler was consumed)."""
-  built, seen, paths, kills = [], [], set(), []
-  build = rollout.build_source
+  seen, paths, kills = [], set(), []
 
-  def recording_build_source(*a, **kw):
-    src = build(*a, **kw)
-    nxt = src.next
-
-    def next_(step):
-      if src.proc is not None:
-        paths.update(src.resource_paths())
-      if step in kill_at:
-        kills.append([step, src.pid, time.monotonic(), None])
-        os.kill(src.pid, sig)
-        if sig == signal.SIGKILL:
-          # Until it has exited the learner may not see the death (on a loaded machine a JAX process takes
-          # seconds to go): the next kill would hit the same, dead, sampler instead of its replacement.
-          src.proc.join(60.0)
-      batch, info = nxt(step)
+  def next_(src, step, nxt):
+    if src.proc is not None:
       paths.update(src.resource_paths())
-      if kills and kills[-1][3] is None and info["producer"][0] != kills[-1][1]:
-        kills[-1][3] = time.monotonic() - kills[-1][2]  # kill -> first batch of the replacement consumed
-      seen.append((step, batch["policy_version"].copy(), info))
-      return batch, info
+    if step in kill_at:
+      kills.append([step, src.pid, time.monotonic(), None])
+      os.kill(src.pid, sig)
+      if sig == signal.SIGKILL:
+        # Until it has exited the learner may not see the death (on a loaded machine a JAX process takes
+        # seconds to go): the next kill would hit the same, dead, sampler instead of its replacement.
+        src.proc.join(60.0)
+    batch, info = nxt(step)
+    paths.update(src.resource_paths())
+    if kills and kills[-1][3] is None and info["producer"][0] != kills[-1][1]:
+      kills[-1][3] = time.monotonic() - kills[-1][2]  # kill -> first batch of the replacement consumed
+    seen.append((step, batch["policy_version"].copy(), info))
+    return batch, info
 
-    src.next = next_
-    built.append(src)
-    return src
-
-  monkeypatch.setattr(rollout, "build_source", recording_build_source)
-  return built, seen, paths, kills
+  return fixtures.wrap_sources(monkeypatch, next_), seen, paths, kills
 
 
 @pytest.mark.exclusive  # shared-memory leak checks

@@ -386,24 +386,10 @@ def tiny_qwen2(vocab_size: int = 256, **kw) -> ModelConfig:
 
 
 def tiny_llama(vocab_size: int = 256, **kw) -> ModelConfig:
-  """A few-layer Llama-style config (GQA, no bias, untied head) for tests."""
-  base = dict(
-    vocab_size=vocab_size,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=16,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-    qkv_bias=False,
-    tie_embeddings=False,
-    max_position=512,
-    model_type="llama",
-  )
-  base.update(kw)
-  return ModelConfig(**base)
+  """A few-layer Llama-style config (GQA 4/1, no bias, untied head, MLP 160) for tests: tiny_qwen2's other widths."""
+  llama = {"intermediate_size": 160, "num_kv_heads": 1, "rope_theta": 10000.0, "rms_eps": 1e-5}
+  llama.update(qkv_bias=False, tie_embeddings=False, model_type="llama")
+  return tiny_qwen2(vocab_size, **{**llama, **kw})
 
 
 def tiny_qwen3(vocab_size: int = 256, **kw) -> ModelConfig:
