@@ -209,6 +209,15 @@ def _kill_all(procs):
     log.close()
 
 
+def _assert_stopped_together(procs, logs, code: int, host: int, reason: str) -> list[str]:
+  """Every process exited with `code` and host `host`'s log says why all stopped (`reason`); returns the logs."""
+  out = [f.read_text() for f in logs]
+  for i, (p, _) in enumerate(procs):
+    assert p.returncode == code, f"process {i} exited {p.returncode}:\n{out[i][-3000:]}"
+  assert "every process stops at step" in out[host] and reason in out[host], out[host][-3000:]
+  return out
+
+
 def _wait_for(pred, timeout: float, what: str, procs):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
@@ -534,10 +543,7 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog, monkey
     print(f"both learner processes ended {elapsed:.1f} s after the SIGKILL of host 1's replacement sampler")
   finally:
     _kill_all(procs)
-  out = [f.read_text() for f in logs]
-  for i, (p, _) in enumerate(procs):
-    assert p.returncode == 1, f"process {i} exited {p.returncode}:\n{out[i][-3000:]}"
-  assert "every process stops at step" in out[0] and "host 1: SamplerDiedError" in out[0], out[0][-3000:]
+  out = _assert_stopped_together(procs, logs, 1, 0, "host 1: SamplerDiedError")
 
   steps = [_records(f, "STEP") for f in logs]
   n = min(len(s) for s in steps)
@@ -593,10 +599,7 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog, monkey
     print(f"both learner processes ended {_wait_all(procs, 30.0):.1f} s after SIGTERM to host 0")
   finally:
     _kill_all(procs)
-  out = [f.read_text() for f in logs]
-  for i, (p, _) in enumerate(procs):
-    assert p.returncode == 130, f"resumed process {i} exited {p.returncode}:\n{out[i][-3000:]}"
-  assert "every process stops at step" in out[1] and "host 0: interrupted" in out[1], out[1][-3000:]
+  out = _assert_stopped_together(procs, logs, 130, 1, "host 0: interrupted")
   resumed = [_records(f, "STEP") for f in logs]
   assert resumed[0][0]["step"] == stopped == resumed[1][0]["step"]  # the first step not in the checkpoint
   new_pids = [resumed[0][-1]["sampler_pid"], resumed[1][-1]["sampler_pid"]]

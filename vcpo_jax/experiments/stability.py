@@ -770,11 +770,16 @@ def _plot_selected_lr(c, summary: dict, out: Path, plt, colors, dash) -> list[st
         ax.set_ylim(0.5 / batch_size(c), 1.2)
     axes[0, 0].set_ylabel(ylabel)
     _legend(axes)
-    fig.tight_layout()
-    fig.savefig(out / fname, dpi=110)
-    plt.close(fig)
-    names.append(fname)
+    names.append(_save(fig, out / fname, plt, dpi=110))
   return names
+
+
+def _save(fig, path: Path, plt, dpi: int) -> str:
+  """Lays out `fig`, writes it to `path` and closes it; returns the file's name."""
+  fig.tight_layout()
+  fig.savefig(path, dpi=dpi)
+  plt.close(fig)
+  return path.name
 
 
 def _plot_all_lrs(c, summary: dict, out: Path, plt, colors, dash) -> str:
@@ -796,10 +801,7 @@ def _plot_all_lrs(c, summary: dict, out: Path, plt, colors, dash) -> str:
       if j == 0:
         ax.set_ylabel("eval accuracy\n(mean +- std over seeds)")
   _legend(axes)
-  fig.tight_layout()
-  fig.savefig(out / f"{stem}_accuracy_all_lrs.png", dpi=90)
-  plt.close(fig)
-  return f"{stem}_accuracy_all_lrs.png"
+  return _save(fig, out / f"{stem}_accuracy_all_lrs.png", plt, dpi=90)
 
 
 def _plot_seed_grid(c, summary: dict, out: Path, plt, colors, dash) -> str | None:
@@ -832,10 +834,7 @@ def _plot_seed_grid(c, summary: dict, out: Path, plt, colors, dash) -> str | Non
     fig.suptitle("accuracy per method and k: mean (thick), each seed (thin), min-max band", fontsize=9)
     fig.supxlabel("learner step", fontsize=8)
     fig.supylabel("eval accuracy (row: method, its selected lr)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / f"{stem}_accuracy_grid.png", dpi=90)
-    plt.close(fig)
-    return f"{stem}_accuracy_grid.png"
+    return _save(fig, out / f"{stem}_accuracy_grid.png", plt, dpi=90)
   return None
 
 
@@ -851,10 +850,7 @@ def _plot_learner_time(c, summary: dict, out: Path, plt, colors, dash) -> str | 
     ax.set_ylabel("learner step, wall ms\n(median over steps 2.., mean over runs)")
     ax.set_xlabel("method")
     ax.set_title("learner time per trainer step (policy-loss methods: pi_old pass + several updates)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / f"{stem}_time.png", dpi=100)
-    plt.close(fig)
-    return f"{stem}_time.png"
+    return _save(fig, out / f"{stem}_time.png", plt, dpi=100)
   return None
 
 
@@ -886,11 +882,7 @@ def plot_tuning(c, summary: dict, out: Path, plt) -> str:
     f"{[tuple(x) for x in c.tuning.cells]}; red = chosen",
     fontsize=8,
   )
-  fig.tight_layout()
-  name = f"{report_name(c)}_tuning.png"
-  fig.savefig(out / name, dpi=100)
-  plt.close(fig)
-  return name
+  return _save(fig, out / f"{report_name(c)}_tuning.png", plt, dpi=100)
 
 
 def _method_time(c, summary: dict, method: str) -> dict | None:

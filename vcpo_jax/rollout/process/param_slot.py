@@ -68,6 +68,7 @@ from vcpo_jax.rollout.process.shm_queue import (
   Segment,
   _align,
   _unlink_semaphore,
+  check_sendable,
   pid_alive,
 )
 
@@ -248,10 +249,7 @@ class ParamSlot:
     ]
 
   def __getstate__(self):
-    if self._seg is None:
-      raise ValueError("cannot send a closed ParamSlot to another process")
-    if self._unlinked:
-      raise ValueError("cannot send an unlinked ParamSlot to another process: its names are gone")
+    check_sendable(self)
     return {
       "spec": self.spec,
       "nbuf": self.nbuf,

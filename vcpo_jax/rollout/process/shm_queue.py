@@ -346,6 +346,16 @@ def _unlink_semaphore(sem) -> None:
       return
 
 
+def check_sendable(owner) -> None:
+  """Raises ValueError if a segment owner (ShmQueue, ParamSlot) cannot be pickled to another process: it is
+  closed (no segment) or its names are unlinked (a spawned child could not attach them)."""
+  kind = type(owner).__name__
+  if owner._seg is None:
+    raise ValueError(f"cannot send a closed {kind} to another process")
+  if owner._unlinked:
+    raise ValueError(f"cannot send an unlinked {kind} to another process: its names are gone")
+
+
 class ShmQueue:
   """Bounded SPSC FIFO of schema-shaped batches in shared memory.
 
@@ -407,10 +417,7 @@ class ShmQueue:
 
   # Spawned children receive the semaphores by inheritance and attach the segment.
   def __getstate__(self):
-    if self._seg is None:
-      raise ValueError("cannot send a closed ShmQueue to another process")
-    if self._unlinked:
-      raise ValueError("cannot send an unlinked ShmQueue to another process: its names are gone")
+    check_sendable(self)
     return {
       "schema": self.schema,
       "nslots": self.nslots,
