@@ -8,25 +8,16 @@ Finished cells in --out are reused (the grid is resumable), so `--out=docs/resul
 rebuilds the committed report and plots from the committed cells in seconds. The default --out
 (runs/stability, not tracked) recomputes every run.
 
-Two backends share the grid, the bookkeeping and the report. `pure_lag`: the
-synthetic stride-counting task, each cell's (lr, seed) runs vmapped in one
-compile. `trainer`: every run is `vcpo_jax.trainer.run` on a run config
-(configs/countdown.py) in `lag` mode, one run at a time, each in its own
-directory (resumable at run granularity); report stability_<config>.md. With
-`tuning` (the countdown variant) the trainer backend first
-runs every method's knob trials on the tuning seeds (stage 1, tuning.py, saved as
-stability_raw/trainer/tune_<method>.npz), then the grid with each method at its
-chosen knob (stage 2; the knob is part of the cell's fingerprint and run names).
+Two backends share the grid, the bookkeeping and the report: `pure_lag` (the synthetic stride-counting task,
+each cell's (lr, seed) runs vmapped in one compile) and `trainer` (every run is `vcpo_jax.trainer.run` in `lag`
+mode on configs/countdown.py, one run at a time in its own directory; report stability_<config>.md). With
+`tuning` the trainer backend first runs every method's knob trials on the tuning seeds (stage 1, tuning.py),
+then the grid with each method at its chosen knob (stage 2; the knob is part of the cell's fingerprint).
 
-Each cell (method, k) runs every (lr, seed) of the grid and is saved to
-<out>/stability_raw/<backend>/<method>_k<k>.npz as soon as it finishes,
-together with the fingerprint of the settings that produced it; a rerun skips
-cells whose file exists with the same fingerprint, so an interrupted study
-resumes where it stopped. With workers > 1, methods are split between
-subprocesses (each compiles its methods once; XLA's compile is mostly serial,
-so two processes overlap one's compile with the other's run). At the end the
-report (<out>/stability.md or stability_<config>.md, and PNGs) is written from
-whatever cells exist.
+Each cell (method, k) runs every (lr, seed) and is saved to <out>/stability_raw/<backend>/<method>_k<k>.npz with
+the fingerprint of its settings; a rerun skips cells whose file has the same fingerprint. With workers > 1
+methods are split between subprocesses. The report (<out>/stability.md or stability_<config>.md, and PNGs) is
+written from whatever cells exist.
 
 Definitions (fixed before the study; configs/stability.py `analysis`):
   final      mean accuracy over the evaluations in the last final_frac of steps.
