@@ -20,6 +20,20 @@ from vcpo_jax.model.tokenizer import build_char_tokenizer
 FAMILIES = ("qwen2", "llama")
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(args, timeout: float):
+  """`python *args` run from the repository root with this tree's vcpo_jax importable (PYTHONPATH=ROOT): its
+  CompletedProcess, stdout and stderr captured as text, the exit code not checked."""
+  import subprocess
+  import sys
+
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  cmd = [sys.executable, *args]
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
 def hf_config(family: str, vocab_size: int = 101):
   """A tiny transformers config: Qwen2 (GQA 4/2, q/k/v bias, tied) or Llama (GQA 4/1, untied)."""
   import transformers
