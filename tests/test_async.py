@@ -560,21 +560,16 @@ def test_background_publish_auto_is_synchronous_on_cpu_and_background_on_acceler
 
 _SIGNAL_SCRIPT = r"""
 import json, sys
+import pytest
+from tests import fixtures
 from tests.test_async import _tiny
-from vcpo_jax import rollout
 out, workdir = sys.argv[1], sys.argv[2]
-build = rollout.build_source
-def recording_build_source(*a, **kw):
-  src = build(*a, **kw)
-  nxt = src.next
-  def next_(step):
-    batch, info = nxt(step)
-    if step == 0:
-      json.dump({"pid": src.pid, "paths": src.resource_paths(), "args": src._args_path}, open(out, "w"))
-    return batch, info
-  src.next = next_
-  return src
-rollout.build_source = recording_build_source
+def next_(src, step, nxt):
+  batch, info = nxt(step)
+  if step == 0:
+    json.dump({"pid": src.pid, "paths": src.resource_paths(), "args": src._args_path}, open(out, "w"))
+  return batch, info
+fixtures.wrap_sources(pytest.MonkeyPatch(), next_)
 # queue_slots=1: once the sampler is stopped the learner drains at most one batch, then waits; timeout_s: a
 # wait that ignored the signal would last far longer than the test allows. checkpoint.every: no periodic
 # save, so the interrupted save is the process's first (a cold orbax). main.train is what main.py runs.
