@@ -12,8 +12,8 @@ pytest.importorskip("torch")
 
 
 def train_checkpoint(tmp_path, monkeypatch, model_type: str, rope: str, seed: int):
-  """Writes a transformers checkpoint (hf_model(model_type, rope, untied)), trains it 2 steps through
-  trainer.run with a dense reward (fixtures.train_hf_checkpoint); returns (the checkpoint dir, the step-2 parameters)."""
+  """Writes a transformers checkpoint (hf_model(model_type, rope, untied)), trains it 2 steps through trainer.run
+  with a dense reward (fixtures.train_hf_checkpoint); returns (the checkpoint dir, the step-2 parameters)."""
   return fixtures.train_hf_checkpoint(tmp_path, monkeypatch, hf_model(model_type, rope, False, seed=seed), model_type)
 
 
