@@ -254,6 +254,23 @@ def testbed_shapes(size: str) -> dict:
   return {n: tuple(x.shape) for n, x in zip(worker_lib.param_names(abstract), jax.tree.leaves(abstract))}
 
 
+def _rng3(xs) -> list[float]:
+  return [float(np.median(xs)), float(np.min(xs)), float(np.max(xs))]
+
+
+def _delta_summary(setting: dict, shapes: dict, per: dict, **changed) -> dict:
+  """A delta study's result: the setting, the parameter count, [median, min, max] over rounds of each way's
+  ("full", "delta") fields, the full / delta ratio of write_s, read_s and bytes, and the changed fractions."""
+  ratio = lambda f: np.asarray(per["full"][f]) / np.asarray(per["delta"][f])
+  return dict(
+    **setting,
+    params=int(sum(int(np.prod(s)) for s in shapes.values())),
+    **{f"{k}_{f}": _rng3(per[k][f]) for k in per for f in per[k]},
+    full_over_delta={f: _rng3(ratio(f)) for f in ("write_s", "read_s", "bytes")},
+    **changed,
+  )
+
+
 def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0, shape: str = "1.5B", dtype: str = "bfloat16"):
   """Full against delta publishing through ParamSlot (bfloat16, one copy, checksum on), writer and reader in this
   process (the reader takes every version before the next publish, as the sampler does at one batch per step).
@@ -318,19 +335,8 @@ def delta_costs(layers: int, lr: float, rounds: int, seed: int = 0, shape: str =
   finally:
     for x in (*readers.values(), *slots.values()):
       x.close()
-  rng3 = lambda xs: [float(np.median(xs)), float(np.min(xs)), float(np.max(xs))]
-  ratio = lambda f: np.asarray(per["full"][f]) / np.asarray(per["delta"][f])
-  return dict(
-    shape=shape,
-    dtype=dtype,
-    layers=layers,
-    lr=lr,
-    params=int(sum(int(np.prod(s)) for s in shapes.values())),
-    **{f"{k}_{f}": rng3(per[k][f]) for k in slots for f in per[k]},
-    full_over_delta={f: rng3(ratio(f)) for f in ("write_s", "read_s", "bytes")},
-    changed_elements=rng3(changed_el),
-    changed_bytes=rng3(changed_b),
-  )
+  setting = dict(shape=shape, dtype=dtype, layers=layers, lr=lr)
+  return _delta_summary(setting, shapes, per, changed_elements=_rng3(changed_el), changed_bytes=_rng3(changed_b))
 
 
 def transfer_delta_costs(
@@ -423,19 +429,8 @@ def transfer_delta_costs(
       + f", {100 * changed_b[-1]:.2f}% bytes changed (load {os.getloadavg()[0]:.1f})",
       flush=True,
     )
-  rng3 = lambda xs: [float(np.median(xs)), float(np.min(xs)), float(np.max(xs))]
-  ratio = lambda f: np.asarray(per["full"][f]) / np.asarray(per["delta"][f])
-  return dict(
-    path="transfer",
-    shape=shape,
-    dtype=dtype,
-    layers=layers,
-    lr=lr,
-    params=int(sum(int(np.prod(s)) for s in shapes.values())),
-    **{f"{k}_{f}": rng3(per[k][f]) for k in ways for f in per[k]},
-    full_over_delta={f: rng3(ratio(f)) for f in ("write_s", "read_s", "bytes")},
-    changed_bytes=rng3(changed_b),
-  )
+  setting = dict(path="transfer", shape=shape, dtype=dtype, layers=layers, lr=lr)
+  return _delta_summary(setting, shapes, per, changed_bytes=_rng3(changed_b))
 
 
 def main_delta(a):

@@ -20,6 +20,20 @@ from vcpo_jax.model.tokenizer import build_char_tokenizer
 FAMILIES = ("qwen2", "llama")
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(args, timeout: float):
+  """`python *args` run from the repository root with this tree's vcpo_jax importable (PYTHONPATH=ROOT): its
+  CompletedProcess, stdout and stderr captured as text, the exit code not checked."""
+  import subprocess
+  import sys
+
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  cmd = [sys.executable, *args]
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
 def hf_config(family: str, vocab_size: int = 101):
   """A tiny transformers config: Qwen2 (GQA 4/2, q/k/v bias, tied) or Llama (GQA 4/1, untied)."""
   import transformers
@@ -69,11 +83,16 @@ def hf_config(family: str, vocab_size: int = 101):
 
 def make_hf_model(family: str, vocab_size: int = 101, seed: int = 0):
   """A transformers CausalLM (eval mode, float32) with every parameter randomized."""
+  return randomized_hf_model(hf_config(family, vocab_size), seed)
+
+
+def randomized_hf_model(config, seed: int = 0):
+  """The transformers CausalLM of `config` (eval mode, float32) with every parameter randomized."""
   import torch
   import transformers
 
   torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(hf_config(family, vocab_size), dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
   gen = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -160,34 +179,73 @@ def tiny_countdown_config(**overrides):
   return c
 
 
+def train_hf_checkpoint(tmp_path, monkeypatch, model, name: str, **overrides):
+  """Saves the transformers `model` as the checkpoint tmp_path/name (with the char tokenizer) and trains it 2 steps
+  through trainer.run in tmp_path/"run": tiny_countdown_config with the checkpoint's architecture, lr 1e-2, and a
+  dense reward (the fraction of digits, so that every step moves a random policy's weights); `overrides` by dotted
+  path. Returns (the checkpoint dir, the parameters saved at step 2)."""
+  import jax
+
+  from vcpo_jax import trainer
+  from vcpo_jax.rollout import common as rollout_common
+
+  ckpt = str(tmp_path / name)
+  model.save_pretrained(ckpt)
+  build_char_tokenizer(ckpt)
+  saved = {}
+  real_save = trainer._save
+
+  def recording_save(c, step, state, *a, **k):
+    saved[step] = jax.tree.map(lambda x: np.array(x, copy=True), state.params)
+    return real_save(c, step, state, *a, **k)
+
+  monkeypatch.setattr(trainer, "_save", recording_save)
+  dense = lambda problems, outputs, extraction=None: ([sum(map(str.isdigit, o)) / max(len(o), 1) for o in outputs], 0)
+  monkeypatch.setattr(rollout_common.tasks, "score_problems", dense)
+  over = {"model.checkpoint": ckpt, "optim.lr": 1e-2, "checkpoint.every": 2, "eval.every": 2, "log.plots": False}
+  c = tiny_countdown_config(steps=2, **over, **overrides)
+  for field in ("hidden_size", "intermediate_size", "num_layers"):  # the checkpoint's architecture, not a preset's
+    c.model[field] = None
+  trainer.run(c, str(tmp_path / "run"))
+  return ckpt, saved[2]
+
+
+def wrap_sources(monkeypatch, around_next):
+  """Wraps rollout.build_source: each source built answers next(step) with around_next(src, step, its own next).
+
+  Returns the list of the sources built (appended as they are built)."""
+  from vcpo_jax import rollout
+
+  built = []
+  build = rollout.build_source
+
+  def recording_build_source(*a, **kw):
+    src = build(*a, **kw)
+    nxt = src.next
+    src.next = lambda step: around_next(src, step, nxt)
+    built.append(src)
+    return src
+
+  monkeypatch.setattr(rollout, "build_source", recording_build_source)
+  return built
+
+
 def record_sources(monkeypatch):
   """Wraps rollout.build_source so a test sees every (step, policy_version, info) the trainer consumed.
 
   Returns (built, seen, paths): the sources built, the per-step records, and the first source's
   shared-memory resource paths (async sources only), captured before the run closes them.
   """
-  from vcpo_jax import rollout
+  seen, paths = [], []
 
-  built, seen, paths = [], [], []
-  build = rollout.build_source
+  def next_(src, step, nxt):
+    if not paths and hasattr(src, "resource_paths"):
+      paths.extend(src.resource_paths())
+    batch, info = nxt(step)
+    seen.append((step, batch["policy_version"].copy(), info))
+    return batch, info
 
-  def recording_build_source(*a, **kw):
-    src = build(*a, **kw)
-    nxt = src.next
-
-    def next_(step):
-      if not paths and hasattr(src, "resource_paths"):
-        paths.extend(src.resource_paths())
-      batch, info = nxt(step)
-      seen.append((step, batch["policy_version"].copy(), info))
-      return batch, info
-
-    src.next = next_
-    built.append(src)
-    return src
-
-  monkeypatch.setattr(rollout, "build_source", recording_build_source)
-  return built, seen, paths
+  return wrap_sources(monkeypatch, next_), seen, paths
 
 
 def tiny_char_policy(tokenizer, seed: int = 0):
@@ -207,6 +265,56 @@ def tiny_char_policy(tokenizer, seed: int = 0):
   )
   graphdef, params = transformer.split(transformer.init(cfg, seed=seed))
   return cfg, graphdef, params
+
+
+def sampler_config(spec, tokenizer):
+  """The training sampler's config as trainer.run builds it from a RunSpec: its buckets (trainer._buckets), the
+  rollout's max_new_tokens and config.sampler's settings (no top-k, routing or support records)."""
+  from vcpo_jax import trainer
+  from vcpo_jax.sampler import SamplerConfig
+
+  kw = {"max_new_tokens": spec.rollout.max_new_tokens, **trainer._buckets(spec), **spec.sampling.sampler_kwargs()}
+  return SamplerConfig.from_tokenizer(tokenizer, **kw)
+
+
+def micro_config(vocab_size: int, tied: bool = False, **kw):
+  """The learner tests' one-layer model (D 16, MLP 32, 2 query heads over 1 KV head of width 8): tiny_qwen2's
+  layout (q/k/v bias, tied head) when `tied`, tiny_llama's (no bias, untied) otherwise; `kw` overrides fields."""
+  from vcpo_jax.model import config as model_config
+
+  make = model_config.tiny_qwen2 if tied else model_config.tiny_llama
+  widths = dict(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+  return make(vocab_size, **{**widths, **kw})
+
+
+def learner_batch(tokens, valid, loss_mask, logp, rewards, group_id) -> dict:
+  """The learner's batch dict: behavior_logp is `logp` [N, T] zeroed off the loss mask, in float32."""
+  behavior_logp = np.where(loss_mask, logp, 0).astype(np.float32)
+  return dict(
+    tokens=tokens,
+    valid_mask=valid,
+    loss_mask=loss_mask,
+    behavior_logp=behavior_logp,
+    rewards=rewards,
+    group_id=group_id,
+  )
+
+
+def stale_policy_batch(cfg, valid, loss_mask):
+  """(graphdef, params, beh, batch): the policy at seed 0, a behaviour policy 30% of the way to seed 1's (a nearby
+  stale version, as a few lagged updates would give), and a batch of random tokens [N, T] (the masks' shape)
+  scored by the behaviour policy; rewards [1, 0, 0, 1] in groups [0, 0, 1, 1] (N = 4)."""
+  import jax
+
+  from vcpo_jax.model import transformer
+
+  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  _, other = transformer.split(transformer.init(cfg, seed=1))
+  beh = jax.tree.map(lambda a, b: a + 0.3 * (b - a), params, other)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, valid.shape).astype(np.int32)
+  blogp = np.asarray(transformer.sequence_logprobs(graphdef, beh, tokens, valid))
+  rewards, group_id = np.array([1.0, 0.0, 0.0, 1.0], np.float32), np.array([0, 0, 1, 1], np.int32)
+  return graphdef, params, beh, learner_batch(tokens, valid, loss_mask, blogp, rewards, group_id)
 
 
 @contextlib.contextmanager

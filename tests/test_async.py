@@ -24,7 +24,7 @@ from vcpo_jax.checkpoint import BEST_METRIC, Checkpointer
 from vcpo_jax.model import policy
 from vcpo_jax.rollout import async_, topology
 from vcpo_jax.rollout.common import RolloutMaker
-from vcpo_jax.sampler import Sampler, SamplerConfig
+from vcpo_jax.sampler import Sampler
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,13 +57,7 @@ def _source(config, source_cls=async_.AsyncSource, devices=None, **kw) -> async_
   learner_mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((len(devices), 1, 1)), devices=devices)
   model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, learner_mesh, seed=spec.seed)
   problems = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
-  sampler_cfg = SamplerConfig.from_tokenizer(
-    tokenizer,
-    max_prompt_len=spec.rollout.max_prompt_len,
-    max_new_tokens=spec.rollout.max_new_tokens,
-    batch_sizes=(1, spec.rollout.batch_size, spec.eval_batch_size),
-    **spec.sampling.sampler_kwargs(),
-  )
+  sampler_cfg = fixtures.sampler_config(spec, tokenizer)
   sampler = Sampler(graphdef, model_cfg, sampler_cfg)
   maker = RolloutMaker(spec.rollout, tokenizer, sampler, problems)
   src = source_cls(
@@ -404,6 +398,21 @@ def versions_and_batches(source_cls, over, steps=4, keep=lambda src: src):
     src.close()
 
 
+def echoed_checksums(src, version, first, last, kill_at=None):
+  """{policy_version: the params_checksum its batch echoed} over steps [first, last) of an open source, publishing
+  version(v) as in versions_and_batches (none before step first + 1); SIGKILLs its sampler before step `kill_at`."""
+  echoed = {}
+  for step in range(first, last):
+    if step == kill_at:
+      os.kill(src.pid, signal.SIGKILL)
+      src.proc.join(60.0)
+    if step != first + 1:
+      src.publish(version(max(first, step - 1)), max(first, step - 1))
+    batch, info = src.next(step)
+    echoed[int(batch["policy_version"][0])] = info["params_checksum"]
+  return echoed
+
+
 @pytest.mark.slow
 def test_checksum_and_one_copy_leave_the_synchronous_paths_batches_unchanged():
   """Versions fixed by the protocol (k = 1, one queue slot: batches 0 and 1 from version 0, batch b >= 2 from
@@ -451,20 +460,8 @@ def test_delta_publishing_rebuilds_every_version_across_a_sampler_replacement_an
   version = lambda v: jax.tree.map(lambda x: x * (1.0 + 1e-6 * v), params)  # every value moves a few ulps
   want = lambda v: param_slot.checksum({n: np.asarray(a) for n, a in zip(names, jax.tree.leaves(version(v)))})
 
-  def steps(src, first, last, kill_at=None):
-    echoed = {}
-    for step in range(first, last):
-      if step == kill_at:
-        os.kill(src.pid, signal.SIGKILL)
-        src.proc.join(60.0)
-      if step != first + 1:  # versions fixed by the protocol (versions_and_batches)
-        src.publish(version(max(first, step - 1)), max(first, step - 1))
-      batch, info = src.next(step)
-      echoed[int(batch["policy_version"][0])] = info["params_checksum"]
-    return echoed
-
   try:
-    echoed = steps(src, 0, 6, kill_at=4)
+    echoed = echoed_checksums(src, version, 0, 6, kill_at=4)
     assert src.slot.delta and src.slot.nbuf == 1  # the replacement's slot
     assert src.sampler_restarts == 1
     kinds = [(v, kind) for v, kind, _ in src.publisher.publish_records]
@@ -476,7 +473,7 @@ def test_delta_publishing_rebuilds_every_version_across_a_sampler_replacement_an
   assert kinds == [(0, "full"), (1, "delta"), (2, "delta"), (2, "full"), (3, "full"), (4, "delta")], kinds
   resumed, _ = _source(_tiny(steps=8, **over))  # a resumed run: a new source whose first version is 5
   try:
-    assert steps(resumed, 5, 8) == {v: want(v) for v in (5, 6)}
+    assert echoed_checksums(resumed, version, 5, 8) == {v: want(v) for v in (5, 6)}
     assert [(v, kind) for v, kind, _ in resumed.publisher.publish_records] == [(5, "full"), (6, "delta")]
   finally:
     resumed.close()
@@ -564,21 +561,16 @@ def test_background_publish_auto_is_synchronous_on_cpu_and_background_on_acceler
 
 _SIGNAL_SCRIPT = r"""
 import json, sys
+import pytest
+from tests import fixtures
 from tests.test_async import _tiny
-from vcpo_jax import rollout
 out, workdir = sys.argv[1], sys.argv[2]
-build = rollout.build_source
-def recording_build_source(*a, **kw):
-  src = build(*a, **kw)
-  nxt = src.next
-  def next_(step):
-    batch, info = nxt(step)
-    if step == 0:
-      json.dump({"pid": src.pid, "paths": src.resource_paths(), "args": src._args_path}, open(out, "w"))
-    return batch, info
-  src.next = next_
-  return src
-rollout.build_source = recording_build_source
+def next_(src, step, nxt):
+  batch, info = nxt(step)
+  if step == 0:
+    json.dump({"pid": src.pid, "paths": src.resource_paths(), "args": src._args_path}, open(out, "w"))
+  return batch, info
+fixtures.wrap_sources(pytest.MonkeyPatch(), next_)
 # queue_slots=1: once the sampler is stopped the learner drains at most one batch, then waits; timeout_s: a
 # wait that ignored the signal would last far longer than the test allows. checkpoint.every: no periodic
 # save, so the interrupted save is the process's first (a cold orbax). main.train is what main.py runs.

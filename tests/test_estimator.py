@@ -576,20 +576,19 @@ ALL_CONFIGS = {
 ALL_CONFIGS["geo_mask"] = E.method_from_preset("geo_mask", {"weights.lower": 0.6, "weights.upper": 1.6})
 
 
+def _coefficients(batch, logp, sq, cfg):
+  """(coef [N], aux) of the jitted estimator on `batch` with the current log-probs `logp` [N, T], the exact
+  per-example squared norms `sq` [N] and the method `cfg`."""
+  b = batch
+  return _coef_jit(logp, b["behavior_logp"], b["loss_mask"], b["rewards"], b["group_id"], jnp.asarray(sq), cfg)
+
+
 @pytest.mark.parametrize("name", [n for n in ALL_CONFIGS if _Flat(ALL_CONFIGS[n]).opob_scope == "group"])
 @pytest.mark.slow
 def test_coefficients_match_numpy_reference(problem, name):
   params, batch, logp, sq = problem
   cfg = ALL_CONFIGS[name]
-  coef, aux = _coef_jit(
-    logp,
-    batch["behavior_logp"],
-    batch["loss_mask"],
-    batch["rewards"],
-    batch["group_id"],
-    jnp.asarray(sq, jnp.float32),
-    cfg,
-  )
+  coef, aux = _coefficients(batch, logp, sq, cfg)
   ref, tokw, rho, lr_scale = _np_reference(
     logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], sq, cfg
   )
@@ -613,15 +612,7 @@ def test_policy_gradient_equals_brute_force(problem, name):
     _assert_policy_loss_gradient(problem, cfg, grads, metrics)
     return
   # coefficients from exact loop norms (not the vmap path), then one example at a time
-  coef, _ = _coef_jit(
-    logp,
-    batch["behavior_logp"],
-    batch["loss_mask"],
-    batch["rewards"],
-    batch["group_id"],
-    jnp.asarray(sq, jnp.float32),
-    cfg,
-  )
+  coef, _ = _coefficients(batch, logp, sq, cfg)
   tokw = _tokw_jit(logp, batch["behavior_logp"], batch["loss_mask"], cfg)
   brute = jax.tree_util.tree_map(lambda p: np.zeros(p.shape, np.float64), params)
   for i in range(N):
@@ -662,9 +653,7 @@ def _assert_policy_loss_gradient(problem, cfg, grads, metrics):
     np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-4 * scale)
   assert float(metrics["pg_loss"]) == pytest.approx(ref(lp, lp, lp, beh, adv, mask), rel=1e-4, abs=1e-6)
   # every method reports the ESS of its log-ratio l_n = sum_t log pi_theta - log mu, like VCPO
-  vcpo_aux = _coef_jit(
-    logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], jnp.asarray(sq), VCPO_CFG
-  )[1]
+  vcpo_aux = _coefficients(batch, logp, sq, VCPO_CFG)[1]
   assert float(metrics["ess_ratio"]) == pytest.approx(float(vcpo_aux["ess_ratio"]), rel=1e-6)
   assert float(metrics["loss/ess_ratio"]) == pytest.approx(float(vcpo_aux["ess_ratio"]), rel=1e-5)
 
@@ -818,18 +807,7 @@ def test_nonfinite_log_ratios_are_masked_out_and_counted():
 
 def test_problem_exercises_the_weight_variants(problem):
   _, batch, logp, sq = problem
-  aux = {
-    n: _coef_jit(
-      logp,
-      batch["behavior_logp"],
-      batch["loss_mask"],
-      batch["rewards"],
-      batch["group_id"],
-      jnp.asarray(sq, jnp.float32),
-      ALL_CONFIGS[n],
-    )[1]
-    for n in ("seq_tis", "mask", "clip", "token_tis", "vcpo")
-  }
+  aux = {n: _coefficients(batch, logp, sq, ALL_CONFIGS[n])[1] for n in ("seq_tis", "mask", "clip", "token_tis", "vcpo")}
   assert float(aux["seq_tis"]["frac_clipped"]) > 0  # some w > 8 on this stale batch
   assert 0 < float(aux["mask"]["frac_masked"]) < 1
   assert float(aux["clip"]["frac_clipped"]) > 0 and float(aux["token_tis"]["frac_clipped"]) > 0
@@ -839,26 +817,14 @@ def test_problem_exercises_the_weight_variants(problem):
 
 
 def _coefs(batch, logp, sq, cfg):
-  return np.asarray(
-    _coef_jit(
-      logp, batch["behavior_logp"], batch["loss_mask"], batch["rewards"], batch["group_id"], jnp.asarray(sq), cfg
-    )[0]
-  )
+  return np.asarray(_coefficients(batch, logp, sq, cfg)[0])
 
 
 def test_on_policy_invariants(problem):
   params, batch, logp, sq = problem
   on = dict(batch, behavior_logp=logp)
   c = {n: _coefs(on, logp, sq, E.method_from_preset(n)) for n in E.PRESETS if n != "geo_mask"}
-  _, aux = _coef_jit(
-    logp,
-    logp,
-    batch["loss_mask"],
-    batch["rewards"],
-    batch["group_id"],
-    jnp.asarray(sq),
-    E.method_from_preset("vcpo"),
-  )
+  _, aux = _coefficients(on, logp, sq, E.method_from_preset("vcpo"))
   assert float(aux["ess_ratio"]) == pytest.approx(1.0) and float(aux["lr_scale"]) == 1.0
   # k = 0: every IS variant is the identity; VCPO equals GRPO with the OPOB baseline
   for n in ("none", "seq_tis", "clip", "mask", "token_tis", "vcpo_no_opob"):

@@ -6,8 +6,6 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -24,7 +22,6 @@ from vcpo_jax.sampler import Sampler, SamplerConfig
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -160,22 +157,13 @@ def test_export_step_choice_and_errors(run, tmp_path):
 @pytest.mark.slow
 def test_export_command_line(run, tmp_path):
   workdir, _ = run
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  cmd = [sys.executable, "-m", "vcpo_jax.export"]
-  r = subprocess.run(
-    [*cmd, f"--workdir={workdir}", f"--out={tmp_path / 'hf'}", "--step=2"],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
+  cmd = ["-m", "vcpo_jax.export"]
+  r = fixtures.run_python([*cmd, f"--workdir={workdir}", f"--out={tmp_path / 'hf'}", "--step=2"], timeout=300)
   assert r.returncode == 0, r.stderr
   assert f"exported step 2 of {workdir}" in r.stdout
   with open(tmp_path / "hf" / "README.md") as f:
     card_snippet = f.read().split("```python\n")[1].split("```")[0].strip()
   assert r.stdout.strip().splitlines()[-3:] == card_snippet.splitlines()  # the command ends with the snippet
   for args, needle in [([f"--workdir={workdir}"], "--out"), ([f"--workdir={tmp_path}", "--out=x"], "no config.json")]:
-    r = subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    r = fixtures.run_python([*cmd, *args], timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr

@@ -11,7 +11,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests import fixtures
-from vcpo_jax.model import ModelConfig, hf_forward, hf_io, load_hf, save_hf
+from vcpo_jax.model import hf_forward, hf_io, load_hf, save_hf
 from vcpo_jax.model import config as mconfig
 from vcpo_jax.model import tokenizer as tk
 from vcpo_jax.model import transformer as tf
@@ -86,22 +86,7 @@ def test_sharded_and_config(ckpts):
   assert os.path.isfile(os.path.join(path, hf_io.INDEX_FILE))
   assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 1
   cfg, model = load_hf(path)
-  assert cfg == ModelConfig(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=16,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-    qkv_bias=False,
-    tie_embeddings=False,
-    max_position=256,
-    dtype="float32",
-    model_type="llama",
-  )
+  assert cfg == mconfig.tiny_llama(V, max_position=256, dtype="float32")  # fixtures.hf_config("llama")
   # Kernels are the transposes of torch's [out, in] weights.
   want = ref.model.layers[1].self_attn.k_proj.weight.detach().numpy().T
   np.testing.assert_array_equal(np.asarray(model.layers.self_attn.k_proj.kernel[...][1]), want)

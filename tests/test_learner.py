@@ -8,9 +8,10 @@ import numpy as np
 import optax
 import pytest
 
+from tests import fixtures
 from tests import test_policy_losses as TPL
 from vcpo_jax import estimator, learner, optim, policy_losses
-from vcpo_jax.model import config, transformer
+from vcpo_jax.model import transformer
 from vcpo_jax.rl.advantages import opob, reinforce
 
 N, T = 8, 12
@@ -18,10 +19,7 @@ N, T = 8, 12
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = config.tiny_llama(
-    vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
-  )
-  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  graphdef, params = transformer.split(transformer.init(fixtures.micro_config(32), seed=0))
   tx = optim.make_optimizer(1e-2, weight_decay=0.0)
   step = _step(graphdef, tx, "vcpo")
   rng = np.random.default_rng(0)
@@ -30,14 +28,9 @@ def setup():
   loss_mask = np.zeros((N, T), bool)
   loss_mask[:, 4:] = True
   logp = np.asarray(transformer.sequence_logprobs(graphdef, params, tokens, valid))
-  batch = dict(
-    tokens=tokens,
-    valid_mask=valid,
-    loss_mask=loss_mask,
-    behavior_logp=np.where(loss_mask, logp - 0.05 * rng.standard_normal((N, T)), 0).astype(np.float32),
-    rewards=rng.integers(0, 2, N).astype(np.float32),
-    group_id=np.repeat(np.arange(2), 4).astype(np.int32),
-  )
+  blogp = logp - 0.05 * rng.standard_normal((N, T))
+  rewards = rng.integers(0, 2, N).astype(np.float32)
+  batch = fixtures.learner_batch(tokens, valid, loss_mask, blogp, rewards, np.repeat(np.arange(2), 4).astype(np.int32))
   return params, tx, step, batch, graphdef
 
 

@@ -209,6 +209,15 @@ def _kill_all(procs):
     log.close()
 
 
+def _assert_stopped_together(procs, logs, code: int, host: int, reason: str) -> list[str]:
+  """Every process exited with `code` and host `host`'s log says why all stopped (`reason`); returns the logs."""
+  out = [f.read_text() for f in logs]
+  for i, (p, _) in enumerate(procs):
+    assert p.returncode == code, f"process {i} exited {p.returncode}:\n{out[i][-3000:]}"
+  assert "every process stops at step" in out[host] and reason in out[host], out[host][-3000:]
+  return out
+
+
 def _wait_for(pred, timeout: float, what: str, procs):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
@@ -461,22 +470,17 @@ def _check_single_host_samples(records):
   import jax
   import numpy as np
 
+  from tests import fixtures
   from vcpo_jax import mesh as mesh_lib
   from vcpo_jax import run_config
   from vcpo_jax.model import policy
   from vcpo_jax.rollout.common import RolloutMaker
-  from vcpo_jax.sampler import Sampler, SamplerConfig
+  from vcpo_jax.sampler import Sampler
 
   spec = run_config.parse_config(_config(0, 1, 10_000))
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig((1, 1, 1)), devices=jax.devices()[:1])  # born-sharded == host init
   model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, mesh, seed=spec.seed)
-  cfg = SamplerConfig.from_tokenizer(
-    tokenizer,
-    max_prompt_len=spec.rollout.max_prompt_len,
-    max_new_tokens=spec.rollout.max_new_tokens,
-    batch_sizes=(1, spec.rollout.batch_size, spec.eval_batch_size),
-    **spec.sampling.sampler_kwargs(),
-  )
+  cfg = fixtures.sampler_config(spec, tokenizer)
   maker = RolloutMaker(spec.rollout, tokenizer, Sampler(graphdef, model_cfg, cfg), spec.make_train_problems())
   initial = [r for r in records if "tokens" in r]
   assert initial and initial[0]["step"] == 0, [r["step"] for r in initial]
@@ -538,10 +542,7 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog, monkey
     print(f"both learner processes ended {elapsed:.1f} s after the SIGKILL of host 1's replacement sampler")
   finally:
     _kill_all(procs)
-  out = [f.read_text() for f in logs]
-  for i, (p, _) in enumerate(procs):
-    assert p.returncode == 1, f"process {i} exited {p.returncode}:\n{out[i][-3000:]}"
-  assert "every process stops at step" in out[0] and "host 1: SamplerDiedError" in out[0], out[0][-3000:]
+  out = _assert_stopped_together(procs, logs, 1, 0, "host 1: SamplerDiedError")
 
   steps = [_records(f, "STEP") for f in logs]
   n = min(len(s) for s in steps)
@@ -597,10 +598,7 @@ def test_two_hosts_train_agree_stop_together_and_resume(tmp_path, caplog, monkey
     print(f"both learner processes ended {_wait_all(procs, 30.0):.1f} s after SIGTERM to host 0")
   finally:
     _kill_all(procs)
-  out = [f.read_text() for f in logs]
-  for i, (p, _) in enumerate(procs):
-    assert p.returncode == 130, f"resumed process {i} exited {p.returncode}:\n{out[i][-3000:]}"
-  assert "every process stops at step" in out[1] and "host 0: interrupted" in out[1], out[1][-3000:]
+  out = _assert_stopped_together(procs, logs, 130, 1, "host 0: interrupted")
   resumed = [_records(f, "STEP") for f in logs]
   assert resumed[0][0]["step"] == stopped == resumed[1][0]["step"]  # the first step not in the checkpoint
   new_pids = [resumed[0][-1]["sampler_pid"], resumed[1][-1]["sampler_pid"]]

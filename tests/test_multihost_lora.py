@@ -41,7 +41,7 @@ def _host(process_id: int, port: int) -> dict:
   from vcpo_jax.rollout.async_ import AsyncSource
   from vcpo_jax.rollout.multihost import ManyHosts
   from vcpo_jax.rollout.process import worker as worker_lib
-  from vcpo_jax.sampler import Sampler, SamplerConfig
+  from vcpo_jax.sampler import Sampler
 
   config = fixtures.tiny_countdown_config(**{"mode": "async", "lag.k": 1, "mesh.shape": (2, 2, 1), **LORA})
   spec = run_config.parse_config(config, check_prompts=False)
@@ -49,13 +49,7 @@ def _host(process_id: int, port: int) -> dict:
   model_cfg, tokenizer, graphdef, params = policy.build_policy(spec.model_cfg, mesh, seed=spec.seed)
   params = jax.jit(_trained)(params)  # sharded over both processes, as the learner's state is
   problems = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
-  sampler_cfg = SamplerConfig.from_tokenizer(
-    tokenizer,
-    max_prompt_len=spec.rollout.max_prompt_len,
-    max_new_tokens=spec.rollout.max_new_tokens,
-    batch_sizes=(1, spec.rollout.batch_size, spec.eval_batch_size),
-    **spec.sampling.sampler_kwargs(),
-  )
+  sampler_cfg = fixtures.sampler_config(spec, tokenizer)
   maker = RolloutMaker(spec.rollout, tokenizer, Sampler(graphdef, model_cfg, sampler_cfg, mesh=mesh), problems)
   src = AsyncSource(
     spec.async_, jax.random.key(spec.seed), model_cfg, graphdef, tokenizer, maker, k=spec.k, steps=spec.steps

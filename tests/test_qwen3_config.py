@@ -3,6 +3,7 @@
 import pytest
 
 from benchmarks import memory
+from vcpo_jax.model import hf_io
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -12,16 +13,8 @@ def test_qwen3_8b_shape_has_the_published_parameter_count():
   s = memory.load_setting("math:qwen3_8b")
   cfg = s.model_cfg
   assert (cfg.model_type, cfg.qk_norm, cfg.qkv_bias, cfg.num_layers) == ("qwen3", True, False, 36)
-  hf = transformers.Qwen3Config(
-    vocab_size=cfg.vocab_size,
-    hidden_size=cfg.hidden_size,
-    intermediate_size=cfg.intermediate_size,
-    num_hidden_layers=cfg.num_layers,
-    num_attention_heads=cfg.num_heads,
-    num_key_value_heads=cfg.num_kv_heads,
-    head_dim=cfg.head_dim,
-    tie_word_embeddings=False,
-  )
+  hf = hf_io.hf_config(cfg)  # the exporter's transformers.Qwen3Config; the model card anchors the count below
+  assert type(hf) is transformers.Qwen3Config and not hf.tie_word_embeddings
   with torch.device("meta"):
     theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf).parameters())
   assert cfg.num_params == theirs

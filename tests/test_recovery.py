@@ -6,6 +6,7 @@ once, no batch used twice, lags in [0, k], async/sampler_restarts counting the r
 last completed step. A stopped (SIGSTOP) sampler is replaced once async_.timeout_s passes without a batch.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -15,24 +16,23 @@ import time
 
 import pytest
 
-from tests.test_async import _assert_removed, _source, _tiny
-from vcpo_jax import cleanup, rollout, trainer
+from tests import fixtures
+from tests.test_async import _assert_removed, _source, _subprocesses_share_a_compilation_cache, _tiny  # noqa: F401
+from vcpo_jax import cleanup, trainer
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax.checkpoint import Checkpointer
 from vcpo_jax.rollout import async_
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compilation_cache(tmp_path_factory):
-  """Every replacement sampler loads the programs the first one compiled (jax's persistent cache)."""
-  with pytest.MonkeyPatch.context() as mp:
-    for var, value in (
-      ("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache"))),
-      ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
-      ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0"),
-    ):
-      mp.setenv(var, value)
+@contextlib.contextmanager
+def _closed_clean(src):
+  """Runs the block on an open source, then closes it; if the block passed, its shared-memory objects are gone."""
+  try:
     yield
+    paths = src.resource_paths()
+  finally:
+    src.close()
+  _assert_removed(paths)
 
 
 def _killing_sources(monkeypatch, kill_at, sig=signal.SIGKILL):
@@ -41,65 +41,64 @@ def _killing_sources(monkeypatch, kill_at, sig=signal.SIGKILL):
   Returns (built, seen, paths, kills): the sources, (step, policy_version, info) per consumed batch, every
   /dev/shm path any of the run's samplers used, and per kill (step, pid, seconds until the first batch made by
   the next sampler was consumed)."""
-  built, seen, paths, kills = [], [], set(), []
-  build = rollout.build_source
+  seen, paths, kills = [], set(), []
 
-  def recording_build_source(*a, **kw):
-    src = build(*a, **kw)
-    nxt = src.next
-
-    def next_(step):
-      if src.proc is not None:
-        paths.update(src.resource_paths())
-      if step in kill_at:
-        kills.append([step, src.pid, time.monotonic(), None])
-        os.kill(src.pid, sig)
-        if sig == signal.SIGKILL:
-          # Until it has exited the learner may not see the death (on a loaded machine a JAX process takes
-          # seconds to go): the next kill would hit the same, dead, sampler instead of its replacement.
-          src.proc.join(60.0)
-      batch, info = nxt(step)
+  def next_(src, step, nxt):
+    if src.proc is not None:
       paths.update(src.resource_paths())
-      if kills and kills[-1][3] is None and info["producer"][0] != kills[-1][1]:
-        kills[-1][3] = time.monotonic() - kills[-1][2]  # kill -> first batch of the replacement consumed
-      seen.append((step, batch["policy_version"].copy(), info))
-      return batch, info
+    if step in kill_at:
+      kills.append([step, src.pid, time.monotonic(), None])
+      os.kill(src.pid, sig)
+      if sig == signal.SIGKILL:
+        # Until it has exited the learner may not see the death (on a loaded machine a JAX process takes
+        # seconds to go): the next kill would hit the same, dead, sampler instead of its replacement.
+        src.proc.join(60.0)
+    batch, info = nxt(step)
+    paths.update(src.resource_paths())
+    if kills and kills[-1][3] is None and info["producer"][0] != kills[-1][1]:
+      kills[-1][3] = time.monotonic() - kills[-1][2]  # kill -> first batch of the replacement consumed
+    seen.append((step, batch["policy_version"].copy(), info))
+    return batch, info
 
-    src.next = next_
-    built.append(src)
-    return src
+  return fixtures.wrap_sources(monkeypatch, next_), seen, paths, kills
 
-  monkeypatch.setattr(rollout, "build_source", recording_build_source)
-  return built, seen, paths, kills
+
+def _run_with_kills(tmp_path, steps, over, kill_at):
+  """trainer.run of _tiny(steps, **over) with a SIGKILL to the current sampler before each step in `kill_at`, and
+  the checks every such run passes: each step once, in order, from a batch no other step used; every token's
+  version in [step - k, step]; one sampler more per kill; each step logged once; a clean exit, nothing left in
+  /dev/shm. Returns (the source, the (step, versions, info) records, the kills, the metrics rows, the workdir)."""
+  k = over["lag.k"]
+  with pytest.MonkeyPatch.context() as mp:
+    built, seen, paths, kills = _killing_sources(mp, kill_at=kill_at)
+    workdir = str(tmp_path / "run")
+    summary = trainer.run(_tiny(steps=steps, **over), workdir)
+  assert summary["step"] == steps
+  (src,) = built
+  assert [s for s, _, _ in seen] == list(range(steps))
+  producers = [info["producer"] for _, _, info in seen]
+  assert len(set(producers)) == steps  # no batch (sampler pid, its n-th batch) used twice
+  assert len({pid for pid, _ in producers}) == 1 + len(kill_at) and src.sampler_restarts == len(kill_at)
+  for step, versions, _ in seen:
+    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
+  assert [r["step"] for r in recs] == list(range(1, steps + 1))
+  assert recs[-1]["async/sampler_restarts"] == len(kill_at)
+  assert src.proc.exitcode == 0
+  _assert_removed(sorted(paths))  # the eval slots too
+  return src, seen, kills, recs, workdir
 
 
 @pytest.mark.exclusive  # shared-memory leak checks
 @pytest.mark.slow
 def test_two_sigkills_replace_the_sampler_and_the_run_finishes(tmp_path):
-  k, steps = 2, 12
-  with pytest.MonkeyPatch.context() as mp:  # 8: the replacement has made batches by then
-    built, seen, paths, kills = _killing_sources(mp, kill_at={3, 8})
-    workdir = str(tmp_path / "run")
-    summary = trainer.run(_tiny(steps=steps, **{"lag.k": k}), workdir)
-  assert summary["step"] == steps
-  (src,) = built
-  assert [s for s, _, _ in seen] == list(range(steps))  # every step once, in order
-  producers = [info["producer"] for _, _, info in seen]
-  assert len(set(producers)) == steps  # no batch (sampler pid, its n-th batch) used twice
-  assert len({pid for pid, _ in producers}) == 3  # the first sampler and two replacements
-  assert src.sampler_restarts == 2
-  for step, versions, info in seen:
-    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
-  pids = [pid for pid, _ in producers]
+  src, seen, kills, recs, _ = _run_with_kills(tmp_path, 12, {"lag.k": 2}, kill_at={3, 8})  # 8: after new batches
+  pids = [info["producer"][0] for _, _, info in seen]
   for s, pid, _, _ in kills:  # the killed sampler's queued batches first, then only the replacement's
     after = pids[s:]
     assert pid not in after[next(i for i, p in enumerate(after) if p != pid) :]
-  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
-  assert [r["step"] for r in recs] == list(range(1, steps + 1))  # each step logged once
   restarts = [r["async/sampler_restarts"] for r in recs]
-  assert restarts == sorted(restarts) and restarts[0] == 0 and restarts[-1] == 2
-  assert src.proc.exitcode == 0
-  _assert_removed(sorted(paths))
+  assert restarts == sorted(restarts) and restarts[0] == 0
   for s, pid, _, dt in kills:
     print(f"kill before step {s} (pid {pid}): first batch of the replacement consumed after {dt:.1f} s")
 
@@ -111,27 +110,12 @@ def test_a_sigkilled_sampler_with_inflight_updates_refill_decode_and_background_
   eval.background: SIGKILL before step 3 -> every step once, no batch twice, every token's version in
   [step - k, step] (next() checks it), and every requested background evaluation (steps 0, 2, 4) comes back,
   the one the killed sampler had not returned made by the replacement."""
-  k, steps = 2, 6
-  over = {"lag.k": k, "async_.inflight_updates": True, "async_.decode": "refill", "async_.chunk_tokens": 2}
+  over = {"lag.k": 2, "async_.inflight_updates": True, "async_.decode": "refill", "async_.chunk_tokens": 2}
   over.update({"async_.update_every_tokens": 2, "eval.every": 2, "eval.background": True})
-  with pytest.MonkeyPatch.context() as mp:
-    built, seen, paths, kills = _killing_sources(mp, kill_at={3})
-    workdir = str(tmp_path / "run")
-    summary = trainer.run(_tiny(steps=steps, **over), workdir)
-  assert summary["step"] == steps
-  (src,) = built
-  assert [s for s, _, _ in seen] == list(range(steps))
-  producers = [info["producer"] for _, _, info in seen]
-  assert len(set(producers)) == steps and len({pid for pid, _ in producers}) == 2
-  assert src.sampler_restarts == 1 and src._worker_sampler_cfg().decode == "refill"
-  for step, versions, _ in seen:
-    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
+  src, _, kills, _, workdir = _run_with_kills(tmp_path, 6, over, kill_at={3})
+  assert src._worker_sampler_cfg().decode == "refill"
   bg = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "eval.jsonl")) if r.get("background")]
   assert sorted(r["step"] for r in bg) == [0, 2, 4] and bg[-1]["sampler_pid"] == src.pid, bg
-  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
-  assert [r["step"] for r in recs] == list(range(1, steps + 1)) and recs[-1]["async/sampler_restarts"] == 1
-  assert src.proc.exitcode == 0
-  _assert_removed(sorted(paths))  # the eval slots too
   print(f"[inflight, refill, eval.background] kill before step 3: replacement's first batch after {kills[0][3]:.1f} s")
 
 
@@ -146,7 +130,7 @@ def test_a_background_eval_the_killed_sampler_had_not_returned_comes_back_from_i
   cfg = _tiny(steps=4, **{"eval.background": True})
   spec = run_config.parse_config(cfg, check_prompts=False)
   src, params = _source(cfg)
-  try:
+  with _closed_clean(src):
     sampling, problems, protocol = trainer._build_eval(spec, src.tokenizer, None, trainer._buckets(spec), src.maker)
     eval_args = worker_lib.EvalArgs(tuple(problems), protocol, sampling.base, spec.rollout.chat_template)
     src.enable_background_eval(eval_args)
@@ -160,10 +144,6 @@ def test_a_background_eval_the_killed_sampler_had_not_returned_comes_back_from_i
     (rec,) = src.eval_results(wait=True)
     assert rec["policy_version"] == 0 and rec["background"] and rec["sampler_pid"] == src.pid
     assert src.eval_results(wait=True) == []
-    paths = src.resource_paths()
-  finally:
-    src.close()
-  _assert_removed(paths)
 
 
 @pytest.mark.exclusive
@@ -173,26 +153,9 @@ def test_the_transfer_path_replaces_a_sigkilled_sampler_and_the_run_finishes(tmp
   # over a fresh request pipe; every step once, no batch twice, lags in [0, k], nothing left in /dev/shm.
   from vcpo_jax.rollout.transfer_publish import TransferPublisher
 
-  k, steps = 1, 8
-  over = {"lag.k": k, "async_.publish_path": "transfer", "async_.queue_slots": 1}
-  with pytest.MonkeyPatch.context() as mp:
-    built, seen, paths, kills = _killing_sources(mp, kill_at={3})
-    workdir = str(tmp_path / "run")
-    summary = trainer.run(_tiny(steps=steps, **over), workdir)
-  assert summary["step"] == steps
-  (src,) = built
+  over = {"lag.k": 1, "async_.publish_path": "transfer", "async_.queue_slots": 1}
+  src, _, kills, _, _ = _run_with_kills(tmp_path, 8, over, kill_at={3})
   assert isinstance(src.publisher, TransferPublisher)
-  assert [s for s, _, _ in seen] == list(range(steps))
-  producers = [info["producer"] for _, _, info in seen]
-  assert len(set(producers)) == steps and len({pid for pid, _ in producers}) == 2
-  assert src.sampler_restarts == 1
-  for step, versions, _ in seen:
-    assert ((step - k <= versions) & (versions <= step)).all(), (step, versions)
-  recs = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/lag_max" in r]
-  assert [r["step"] for r in recs] == list(range(1, steps + 1))
-  assert recs[-1]["async/sampler_restarts"] == 1
-  assert src.proc.exitcode == 0
-  _assert_removed(sorted(paths))
   for s, pid, _, dt in kills:
     print(f"[transfer] kill before step {s} (pid {pid}): first batch of the replacement consumed after {dt:.1f} s")
 
@@ -339,7 +302,7 @@ def test_a_stopped_sampler_is_replaced_after_timeout_s():
   """SIGSTOP: no batch within async_.timeout_s (the bound allows one) -> killed and replaced."""
   k = 2
   src, params = _source(_tiny(steps=8, **{"lag.k": k, "async_.timeout_s": 3.0, "async_.queue_slots": 1}))
-  try:
+  with _closed_clean(src):
     src.publish(params, 0)
     src.next(0)
     first = src.pid
@@ -350,10 +313,6 @@ def test_a_stopped_sampler_is_replaced_after_timeout_s():
       assert (step - k <= batch["policy_version"]).all() and (batch["policy_version"] <= step).all()
     assert src.sampler_restarts == 1 and src.pid != first
     assert info["producer"][0] == src.pid
-    paths = src.resource_paths()
-  finally:
-    src.close()
-  _assert_removed(paths)
 
 
 @pytest.mark.exclusive
@@ -364,7 +323,7 @@ def test_a_stopped_sampler_is_replaced_once_its_heartbeat_goes_stale():
   k = 2
   over = {"lag.k": k, "async_.heartbeat_timeout_s": 5.0, "async_.timeout_s": 120.0, "async_.queue_slots": 1}
   src, params = _source(_tiny(steps=8, **over))
-  try:
+  with _closed_clean(src):
     src.publish(params, 0)
     src.next(0)
     first = src.pid
@@ -380,11 +339,7 @@ def test_a_stopped_sampler_is_replaced_once_its_heartbeat_goes_stale():
     assert [pid for pid, _ in src.restart_causes] == [first]
     cause = src.restart_causes[0][1]
     assert "no heartbeat for 5 s" in cause and "stopped" in cause, cause
-    paths = src.resource_paths()
     print(f"SIGSTOP -> first batch of the replacement consumed after {replaced_s:.1f} s (heartbeat_timeout_s=5)")
-  finally:
-    src.close()
-  _assert_removed(paths)
 
 
 # One async run in a process group of its own (the learner, its sampler, the resource tracker).

@@ -73,14 +73,7 @@ def hf_config(family, rope, tied):
 
 
 def hf_model(family, rope, tied, seed):
-  torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(hf_config(family, rope, tied), dtype=torch.float32)
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      noise = torch.randn(p.shape, generator=gen)
-      p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
-  return model.eval()
+  return fixtures.randomized_hf_model(hf_config(family, rope, tied), seed)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)

@@ -255,31 +255,12 @@ def test_masked_topk_rows_carry_nothing():
 
 @pytest.fixture(scope="module")
 def model_setup():
-  from vcpo_jax.model import config, transformer
+  from tests import fixtures
 
-  cfg = config.tiny_llama(
-    vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
-  )
-  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
-  _, beh = transformer.split(transformer.init(cfg, seed=1))
-  # a behaviour version near the current one (as a few lagged updates would give)
-  beh = jax.tree.map(lambda a, b: a + 0.3 * (b - a), params, beh)
-  rng = np.random.default_rng(0)
   n, t = 4, 6
-  tokens = rng.integers(0, 16, (n, t)).astype(np.int32)
-  valid = np.ones((n, t), bool)
   loss_mask = np.zeros((n, t), bool)
   loss_mask[:, 2:] = True
-  blogp = np.asarray(transformer.sequence_logprobs(graphdef, beh, tokens, valid))
-  batch = dict(
-    tokens=tokens,
-    valid_mask=valid,
-    loss_mask=loss_mask,
-    behavior_logp=np.where(loss_mask, blogp, 0).astype(np.float32),
-    rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32),
-    group_id=np.array([0, 0, 1, 1], np.int32),
-  )
-  return graphdef, params, beh, batch
+  return fixtures.stale_policy_batch(fixtures.micro_config(16), np.ones((n, t), bool), loss_mask)
 
 
 @pytest.mark.slow

@@ -20,42 +20,17 @@ def flat(tree):
 
 
 def _model(tied: bool, vocab_chunk: int = 0, chunk: int = 0):
-  from vcpo_jax.model import config, transformer
+  from tests import fixtures
 
-  make = config.tiny_qwen2 if tied else config.tiny_llama
-  cfg = make(
-    vocab_size=V,
-    hidden_size=16,
-    intermediate_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    logprob_chunk=chunk,
-    logprob_vocab_chunk=vocab_chunk,
-  )
+  cfg = fixtures.micro_config(V, tied, logprob_chunk=chunk, logprob_vocab_chunk=vocab_chunk)
   assert cfg.tie_embeddings == tied
-  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
-  _, other = transformer.split(transformer.init(cfg, seed=1))
-  beh = jax.tree.map(lambda a, b: a + 0.3 * (b - a), params, other)  # a nearby stale version
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, V, (N, T)).astype(np.int32)
   valid = np.ones((N, T), bool)
   valid[2, 5:] = False  # a shorter row (right padding)
   loss_mask = np.zeros((N, T), bool)
   loss_mask[:, 2:] = True
   loss_mask[1, 4:] = False  # ragged
   loss_mask &= valid
-  blogp = np.asarray(transformer.sequence_logprobs(graphdef, beh, tokens, valid))
-  batch = dict(
-    tokens=tokens,
-    valid_mask=valid,
-    loss_mask=loss_mask,
-    behavior_logp=np.where(loss_mask, blogp, 0).astype(np.float32),
-    rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32),
-    group_id=np.array([0, 0, 1, 1], np.int32),
-  )
-  return graphdef, params, beh, batch
+  return fixtures.stale_policy_batch(cfg, valid, loss_mask)
 
 
 @pytest.mark.parametrize(
@@ -389,11 +364,9 @@ def _sample(graphdef, model_cfg, params, **kw):
 
 
 def _model_cfg():
-  from vcpo_jax.model import config
+  from tests import fixtures
 
-  return config.tiny_qwen2(
-    vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
-  )
+  return fixtures.micro_config(V, tied=True)
 
 
 def _prompt_cols(ro) -> int:

@@ -197,6 +197,22 @@ def test_close_unlinks_semaphores_while_references_remain():
   q.close()
 
 
+def test_an_unlinked_or_closed_queue_or_slot_cannot_be_sent_to_another_process():
+  """Pickling (what spawning a child does) refuses a queue or slot whose names are unlinked (a child could not
+  attach them) or that is closed, naming the class."""
+  import pickle
+
+  a = {"w": np.arange(8, dtype=np.float32)}
+  for make, kind in ((lambda: ShmQueue(SCHEMA, nslots=1), "ShmQueue"), (lambda: ParamSlot(a), "ParamSlot")):
+    owner = make()
+    owner.unlink()
+    with pytest.raises(ValueError, match=f"cannot send an unlinked {kind} to another process"):
+      pickle.dumps(owner)
+    owner.close()
+    with pytest.raises(ValueError, match=f"cannot send a closed {kind} to another process"):
+      pickle.dumps(owner)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(1, 32), min_size=1, max_size=6), st.integers(1, 3))
 def test_roundtrip_property(ts, nslots):

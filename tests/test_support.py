@@ -5,28 +5,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import fixtures
 from vcpo_jax import batch as batch_lib
 from vcpo_jax import estimator, learner
 from vcpo_jax import sampler as sampler_lib
-from vcpo_jax.model import config, support, transformer
+from vcpo_jax.model import support, transformer
 
 V = 256  # > top_k = 50, so both filters act
 FILTERS = dict(temperature=1.0, top_p=0.9, top_k=50)
 
 
 def _model(vocab_chunk=0, chunk=0, tied=True, seed=0):
-  make = config.tiny_qwen2 if tied else config.tiny_llama
-  cfg = make(
-    vocab_size=V,
-    hidden_size=16,
-    intermediate_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    logprob_chunk=chunk,
-    logprob_vocab_chunk=vocab_chunk,
-  )
+  cfg = fixtures.micro_config(V, tied, logprob_chunk=chunk, logprob_vocab_chunk=vocab_chunk)
   graphdef, params = transformer.split(transformer.init(cfg, seed=seed))
   # a sharper policy than the random init's near-uniform one, so that top-p keeps a fraction of the vocabulary
   params = jax.tree.map(lambda x: 4.0 * x if x.ndim == 2 and V in x.shape else x, params)

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import fixtures
 from vcpo_jax import estimator, learner, optim, telemetry
-from vcpo_jax.model import config, transformer
+from vcpo_jax.model import transformer
 
 
 def f(x):
@@ -87,10 +88,7 @@ N, T = 8, 10
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = config.tiny_llama(
-    vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
-  )
-  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  graphdef, params = transformer.split(transformer.init(fixtures.micro_config(32), seed=0))
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 32, (N, T)).astype(np.int32)
   valid = np.ones((N, T), bool)
@@ -98,15 +96,10 @@ def tiny():
   loss_mask[:, 3:] = True
   loss_mask[1, 7:] = False  # unequal lengths: the 1 / L_n of the applied update matters
   logp = np.asarray(transformer.sequence_logprobs(graphdef, params, tokens, valid))
-  batch = dict(
-    tokens=tokens,
-    valid_mask=valid,
-    loss_mask=loss_mask,
-    # strongly off-policy on a few rows, so that TIS truncates (w > 8) and OPOB's weights differ from applied
-    behavior_logp=np.where(loss_mask, logp - 0.4 * rng.standard_normal((N, T)), 0).astype(np.float32),
-    rewards=np.array([0, 1, 1, 0, 1, 0, 0, 0], np.float32),
-    group_id=np.repeat(np.arange(2), 4).astype(np.int32),
-  )
+  # strongly off-policy on a few rows, so that TIS truncates (w > 8) and OPOB's weights differ from applied
+  blogp = logp - 0.4 * rng.standard_normal((N, T))
+  rewards = np.array([0, 1, 1, 0, 1, 0, 0, 0], np.float32)
+  batch = fixtures.learner_batch(tokens, valid, loss_mask, blogp, rewards, np.repeat(np.arange(2), 4).astype(np.int32))
   return graphdef, params, batch
 
 

@@ -353,16 +353,7 @@ print("phase over", flush=True)
 def test_the_watchdog_ends_a_start_up_that_does_not_act_on_a_signal_and_never_a_trained_run():
   """_Signals(grace_s): a signal that the run has not acted on within grace_s ends the process (one line, 130)
   while nothing is trained; after trained() the run acts on it itself (here: it never does, and finishes)."""
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  run = lambda phase: subprocess.run(
-    [sys.executable, "-c", _WATCHDOG_SCRIPT, phase],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=120,
-    check=False,
-  )
+  run = lambda phase: fixtures.run_python(["-c", _WATCHDOG_SCRIPT, phase], timeout=120)
   t0 = time.monotonic()
   r = run("start-up")
   assert r.returncode == 130 and r.stdout == "", (r.stdout, r.stderr)

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from tests import fixtures
-from tests.test_async import _source, _subprocesses_share_a_compilation_cache, _tiny, versions_and_batches  # noqa: F401
+from tests.test_async import (  # noqa: F401
+  _source,
+  _subprocesses_share_a_compilation_cache,
+  _tiny,
+  echoed_checksums,
+  versions_and_batches,
+)
 from vcpo_jax import metrics as metrics_lib
 from vcpo_jax import run_config, trainer
 from vcpo_jax.rollout import async_
@@ -300,20 +306,8 @@ def test_delta_pulls_with_the_real_sampler_across_a_killed_sampler_and_a_resume(
   version = lambda v: jax.tree.map(lambda x: x * (1.0 + 1e-6 * v), params)  # every value moves a few ulps
   want = lambda v: int(device_checksum([np.asarray(a) for a in jax.tree.leaves(version(v))]))
 
-  def steps(src, first, last, kill_at=None):
-    echoed = {}
-    for step in range(first, last):
-      if step == kill_at:
-        os.kill(src.pid, signal.SIGKILL)
-        src.proc.join(60.0)
-      if step != first + 1:  # versions fixed by the protocol (versions_and_batches)
-        src.publish(version(max(first, step - 1)), max(first, step - 1))
-      batch, info = src.next(step)
-      echoed[int(batch["policy_version"][0])] = info["params_checksum"]
-    return echoed
-
   try:
-    echoed = steps(src, 0, 6, kill_at=4)
+    echoed = echoed_checksums(src, version, 0, 6, kill_at=4)
     assert src.sampler_restarts == 1
     kinds = [kind for _, kind, _ in src.publisher.publish_records]
   finally:
@@ -324,7 +318,7 @@ def test_delta_pulls_with_the_real_sampler_across_a_killed_sampler_and_a_resume(
   assert len(names) == len(jax.tree.leaves(params))
   resumed, _ = _source(_tiny(steps=8, **over), async_.AsyncSource)  # a resumed run: a new source from version 5
   try:
-    assert steps(resumed, 5, 8) == {v: want(v) for v in (5, 6)}
+    assert echoed_checksums(resumed, version, 5, 8) == {v: want(v) for v in (5, 6)}
     assert [kind for _, kind, _ in resumed.publisher.publish_records] == ["full", "delta"]
   finally:
     resumed.close()

@@ -4,12 +4,9 @@ The notebook face of `vcpo_jax.rl`: it re-exports the math of rl.ess (log-ratios
 ESS-targeted truncation), rl.weights, rl.advantages (and OPOB), rl.aggregation, rl.surrogate
 (pg_coefficients of a Method), rl.method (Method, PRESETS) and rl.presets, so `from vcpo_jax import estimator; estimator.X` reaches all of it.
 Every coefficient function takes the method as one value (`Method`, its presets as Python values).
-
-This module turns per-token log-probs, rewards and (for OPOB) per-example squared
-score norms into stop-gradient numbers: ratios, weights, ESS, advantages, baselines
-and the per-example coefficients coef_n. It never differentiates anything (no
-jax.grad / vjp): the norms come from `vcpo_jax.grad_norms`, the gradient of the
-surrogate from `vcpo_jax.learner.policy_gradient(path)`.
+It turns per-token log-probs, rewards and (for OPOB) per-example squared score norms into stop-gradient
+numbers; it never differentiates anything (the norms come from `vcpo_jax.grad_norms`, the gradient of the
+surrogate from `vcpo_jax.learner.policy_gradient(path)`).
 
 Dimension legend: N trajectories, P prompts, G group size, T tokens.
 
@@ -20,43 +17,26 @@ Notation (VCPO, arXiv 2602.17616):
   s_n   = grad_params sum_t mask_nt * logp_nt                token-SUM score
   b*    = sum_j w_j^2 ||s_j||^2 R_j / sum_j w_j^2 ||s_j||^2  OPOB baseline
 
-Stop-gradient conventions: every ratio, weight, baseline,
-advantage and coefficient computed here is wrapped in `jax.lax.stop_gradient`;
-the only differentiable quantity in the surrogate loss is `logp_nt`:
+Stop-gradient conventions: every ratio, weight, baseline, advantage and coefficient is wrapped in
+`jax.lax.stop_gradient`; the only differentiable quantity in the surrogate is `logp_nt`:
 
   loss(params) = - sum_n coef_n * sum_t tokw_nt * logp_nt(params)
 
-with `coef_n` from `pg_coefficients` and `tokw_nt` from `pg_token_weights`
-(tokw_nt = mask_nt for every sequence-level weight variant).
+with `coef_n` from `pg_coefficients` and `tokw_nt` from `pg_token_weights` (= mask_nt for every
+sequence-level weight variant).
 
-Departures from the paper / reference implementation (each is an option):
-  * ESS is computed from log-weights in log space (exact for any finite l),
-    not from exp(l), which overflows for long sequences and, through
-    Python's min(1.0, nan) == 1.0, silently disables the brake.
-  * The ESS learning-rate scale is capped at 1 and a non-finite
-    ESS ratio brakes fully (scale 0) instead of not at all.
-  * OPOB can use the weights the update applies (`opob_weights="applied"`)
-    and a leave-one-out set (`opob_leave_one_out`, unbiased); `reference_mode` reproduces the reference's two
-    inconsistencies (IS weight counted twice in the baseline weight; token-SUM
-    norms with a token-MEAN update) so they can be compared.
-  * Every importance-weight variant has exactly one definition and
-    every advantage estimator is named; see the registries
-    `WEIGHT_VARIANTS` and `ADVANTAGE_ESTIMATORS`.
-  * Trajectories with an empty loss mask are treated as padding: excluded from
-    ESS, baselines, group statistics and the normalizers.
-  * A trajectory whose log-ratio l_n is not finite (NaN or +-inf: a corrupt
-    behavior log-prob, an overflow) is masked out the same way and counted in
-    the metric `nonfinite_rows` (logged as train/nonfinite_rows); the ESS stays
-    in [1/n, 1] over the finite rows instead of NaN / 0 (the reference's
-    min(1, nan) == 1 disables the brake).
-  * OPOB's baseline weights w_n^2 ||s_n||^2 use the UNCLAMPED ratio, formed in
-    log space (2 l_n + log ||s_n||^2), as the paper and the reference do; the
-    +-log_ratio_clamp (20) clamp only enters the applied weights, which the
-    reference defines with it. (Clamping the baseline weights would make every
-    row with l > 20 weigh the same: exactly the high-lag regime VCPO is for.)
-  * GRPO's group std is a per-preset choice (`Advantage.std`): the reference's
-    GRPO uses the sample std (torch.std, ddof 1), its OPOB path the population
-    std (ddof 0); the presets follow the reference accordingly (see PRESETS).
+Departures from the paper / reference implementation (each an option; the reasons are in
+docs/design_notes.md "estimator.py"):
+  * ESS from log-weights in log space; the ESS lr scale capped at 1, a non-finite ESS ratio brakes fully.
+  * OPOB can use the applied weights (`opob_weights="applied"`) and a leave-one-out set; `reference_mode`
+    reproduces the reference's two inconsistencies so they can be compared.
+  * Each importance-weight variant has one definition, each advantage estimator a name
+    (`WEIGHT_VARIANTS`, `ADVANTAGE_ESTIMATORS`).
+  * Rows with an empty loss mask are padding; rows with a non-finite l_n are masked out the same way and
+    counted in `nonfinite_rows`.
+  * OPOB's baseline weights use the UNCLAMPED ratio (2 l_n + log ||s_n||^2 in log space); the
+    log_ratio_clamp only enters the applied weights.
+  * GRPO's group std is a per-preset choice (`Advantage.std`: sample or population, as the reference).
 """
 
 from vcpo_jax.rl.advantages import (

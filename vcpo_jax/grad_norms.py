@@ -2,81 +2,33 @@
 
 Knows nothing of VCPO: the coefficients come in as a function `coef_fn(logp_nt, S_n)`
 (`learner.policy_gradient("ghost")` passes a closure over `estimator.pg_coefficients`).
+VCPO's OPOB baseline weighs trajectory n by S_n = ||s_n||^2, the squared norm of its token-SUM score
+s_n = grad_params sum_t tokw_nt * logp_nt (tokw_nt: the loss mask, or token-TIS weights). The update is the
+gradient of the surrogate
 
-VCPO's OPOB baseline weighs trajectory n by S_n = ||s_n||^2, the squared norm of
-its token-SUM score s_n = grad_params sum_t tokw_nt * logp_nt (tokw_nt: the loss
-mask, or per-token weights for token-TIS). The update is then the gradient of the
-surrogate
+    loss = -sum_n coef_n * sum_t tokw_nt * logp_nt,      coef_n = coef_fn(logp_nt, S_n) (stop-gradient)
 
-    loss = -sum_n coef_n * sum_t tokw_nt * logp_nt,      coef_n = coef_fn(logp_nt, S_n)
+Methods, all exact:
+* `ghost_sq_norms_and_grad` (the fast path): the layers are tapped (`vcpo_jax.model.taps`: input A, a zero
+  perturbation Z on the output); ONE forward and ONE vjp with respect to the perturbations give each layer's
+  per-example output gradient D_n, and per-example weight gradients are A_n^T D_n:
+    linear kernel [Din, Dout]  ||A_n^T D_n||_F^2 by "gram" sum_{t,s} (a_t . a_s)(d_t . d_s), "direct" (form,
+                               square, discard; b examples at a time) or "materialize" (form and keep it)
+    linear bias                ||sum_t d_t||^2
+    RMSNorm scale              ||sum_t xhat_t * d_t||^2
+    embedding lookup           sum_{t,s: tok_t = tok_s} d_t . d_s, or ||onehot_n^T D_n||^2 (`embed_plan`)
+    LM head (chunked)          d_t = c_t (e_{y_t} - p_t) rebuilt per vocab chunk from h, W and the logsumexp;
+                               tied embeddings add the exact cross term 2 <B_n, C_n> (no [N, T, V])
+  The update is contracted from the same (A, D) with coef_n (no second backward); `plan_layers` picks the
+  method per layer against a per-device memory budget.
+* `ghost_sq_norms_and_grad(..., passes=2)` (`learner.ghost_passes`): norm sinks (`taps.Sink`) form each
+  layer's S_n in a first vjp with one layer's (A, D) alive at a time, then an ordinary backward with
+  -coef_n tokw_nt gives the update; "auto" takes one pass when `one_pass_bytes` fits `one_pass_budget_bytes`.
+* `vmap_sq_norms` / `per_example_sq_grad_norms`: the reference (vmap of a per-example grad).
+* `loop_sq_norms`: the released reference's method, one backward pass per trajectory (lax.map).
+* `taps_grad`: the taps-based backward with fixed coefficients and no norms (the yardstick of the norms' cost).
 
-where coef_n is a stop-gradient scalar per trajectory that depends on all S_n.
-
-Three ways to get S_n, all exact:
-
-* `ghost_sq_norms_and_grad` (the fast path). The model's layers are tapped
-  (`vcpo_jax.model.taps`): every parameterised layer records its input A and adds
-  a zero perturbation Z to its output. ONE forward pass and ONE vjp with respect
-  to the perturbations only, with cotangent tokw_nt on logp_nt, give every
-  layer's per-example output gradient D_n (examples do not interact in the
-  forward pass, so D_n is exactly example n's). The vjp is not taken with
-  respect to the parameters, so the backward pass skips the weight-gradient
-  matmuls. Per-example weight gradients are A_n^T D_n, and:
-
-    linear kernel [Din, Dout]:  ||A_n^T D_n||_F^2, by one of
-        "gram":        sum_{t,s} (a_t . a_s)(d_t . d_s)           T^2 (Din + Dout) flops, 2 N T^2 floats
-        "direct":      form A_n^T D_n, square, discard             T Din Dout flops, b Din Dout floats
-                       (b examples at a time, b <= N, so that it fits the budget)
-        "materialize": form A_n^T D_n and KEEP it, so the update is
-                       sum_n coef_n (A_n^T D_n), a weighted sum     T Din Dout + 2 Din Dout,
-                       instead of another T Din Dout contraction;  N Din Dout floats kept
-    linear bias:        ||sum_t d_t||^2
-    RMSNorm scale:      ||sum_t xhat_t * d_t||^2
-    embedding lookup:   sum_{t,s: tok_t = tok_s} d_t . d_s         T^2 D flops (rows shared by tokens),
-                        or ||B_n||^2 with B_n = onehot_n^T D_n [V, D] by a segment sum (T D + V D flops,
-                        V D floats per example), whichever is cheaper and fits (`embed_plan`)
-
-  The LM head ("head" tap, the chunked log-prob head of `vcpo_jax.model.logprobs`) has
-  no [N, T, V] D: with h_t its input, y_t the next token and c_t = tokw_{t+1}, its output
-  gradient is d_t = c_t (e_{y_t} - p_t), p_t = softmax(h_t W) rebuilt chunk by chunk from
-  h, W and the forward pass's logsumexp. One scan over vocab chunks [Vc] computes
-  dL/dh = sum_v d^v W_v^T (fed into the vjp of the layers below by hand) and the head's
-  norm, by "gram" (sum_{t,s} (h_t . h_s)(d^v_t . d^v_s), summed over chunks v) or
-  "direct"/"materialize" (G^v_n = H_n^T D^v_n [D, Vc] per chunk). A second scan forms
-  the update h^T (coef d) (skipped when materialized). Tied embeddings: the table gets a
-  lookup part B_n = onehot_n^T D^emb_n and a head part C_n = sum_s d_s h_s^T, and
-  ||B_n + C_n||^2 = ||B_n||^2 + ||C_n||^2 + 2<B_n, C_n> with the exact cross term
-  <B_n, C_n> = sum_{t,s} d_s[tok_t] (d^emb_t . h_s), d_s[tok_t] = c_s([y_s = tok_t] - p_s[tok_t]),
-  p_s[tok_t] = exp(h_s . E[tok_t] - lse_s): [N, T, T] values, no [N, T, V]. With the head
-  materialized (C_n kept) and B_n formed by the segment sum, ||B_n + C_n||^2 is summed directly.
-
-  Backprop is linear in the per-example cotangents, so the update gradient is
-  formed from the same (A, D) by contracting with coef_n (e.g. kernel:
-  -sum_n coef_n A_n^T D_n = -einsum('nti,nto->io', A, coef_n D)) -- no second
-  backward pass. `plan_layers` chooses the method per layer from the (micro-)batch's
-  shapes against a per-device memory budget: materialize the layers that fit (most
-  flops saved per byte first), then the cheaper of gram/direct whose temporaries fit
-  what is left (direct in blocks of examples if need be), and for the head the largest
-  vocab chunk that fits.
-
-* `ghost_sq_norms_and_grad(..., passes=2)` (long sequences; `learner.ghost_passes`). The one-pass
-  step above holds every layer's (A, D) until the update is contracted. With passes=2 the
-  linear / scale taps are norm sinks (`taps.Sink`, a custom_vjp identity whose backward forms
-  the layer's S_n part from (A, D) and returns it as the cotangent of a zeros input s [N]):
-  one forward, then the vjp twice, with cotangent tokw_nt (the norms, layer by layer, one
-  layer's (A, D) alive at a time; its parameter cotangent is dead code) and with
-  -coef_n tokw_nt (the update, an ordinary backward). Same values; a second backward's flops.
-  passes="auto" takes one pass when `one_pass_bytes` (what that pass keeps alive together, per
-  device) fits `one_pass_budget_bytes`, else two.
-
-* `vmap_sq_norms`: the reference, `per_example_sq_grad_norms` (vmap of a per-example
-  grad; also usable on any fn(params, example) -> scalar).
-
-* `loop_sq_norms`: the released reference's method, one backward pass per
-  trajectory (lax.map), for benchmarks.
-
-`taps_grad` is the same taps-based backward with fixed coefficients and no norms (the fair
-yardstick of the norms' cost: one forward, the same vjp, the same contractions).
+The derivations (head, tied embeddings, planning order) are in docs/design_notes.md "grad_norms.py".
 
 Shape legend: N trajectories, T tokens, M = T - 1 predicting positions, V vocab, Vc vocab
 entries per chunk, D model width, Din/Dout a linear layer's input/output widths.

@@ -14,38 +14,26 @@ module is the one place that chooses it):
 Both give the same gradient; tests check it. Methods without OPOB need no norms
 and both paths reduce to one forward + one backward.
 
-Micro-batching (`microbatch_size` rows, whole groups each) is exact: the step
-equals the single-pass step. Inside a `lax.scan` over micro-batches, each one
-runs the gradient path (so the ghost path holds one micro-batch's activations
-and (A, D) pairs) with its coefficients WITHOUT the loss aggregation's
-whole-batch count Z (`method.coefficients(..., divisor=1.0)`); float32
-gradients and the per-row arrays are accumulated. Every coefficient term is
-per row or per group (advantages, group std, OPOB from the group's own norms),
-so it is the same in a micro-batch of whole groups; the whole-batch terms are
-scalar factors taken from the stacked rows after the scan: Z
-(`method.loss_divisor`: valid or kept rows / tokens) divides the
-accumulated gradient, the ESS and its lr scale (`method.metrics`) reach
-the optimizer, whose global-norm clip runs once, after accumulation. Methods
-whose coefficients read rows outside the group (`method.batch_wide`: the
-REINFORCE batch-mean baseline, minibatch-scope OPOB, tis_ess, a peer loss) are
-rejected with micro-batching.
+Micro-batching (`microbatch_size` rows, whole groups each) is exact: the step equals the single-pass step.
+A `lax.scan` over micro-batches runs the gradient path on each with the coefficients WITHOUT the whole-batch
+count Z (`method.coefficients(..., divisor=1.0)`) and accumulates float32 gradients and per-row arrays; the
+whole-batch scalars (Z = `method.loss_divisor`, the ESS and its lr scale) are applied after the scan, and the
+global-norm clip runs once. Methods whose coefficients read rows outside the group (`method.batch_wide`) are
+rejected with micro-batching (why this is exact: docs/design_notes.md "learner.py").
 
-The peers' stabilizers (a method whose `peer_loss` is set: PPO clip, decoupled PPO, GSPO, CISPO, M2PO,
-IcePop, DPPO-TV, ...; vcpo_jax/rl/losses.py) replace the surrogate by their own loss of (log pi_theta,
-log pi_old, log mu, A, mask), with the step inputs the loss declares (PeerLoss.needs) bound by name: one
-forward, the loss's cotangent d loss / d logp_nt, one backward (`_policy_loss_gradient`; no norms, so both
-gradient paths are the same). With
-`ppo_epochs * minibatches` > 1 a trainer step makes that many optimizer updates on minibatches of whole
-groups, with pi_old recomputed once at the start (`_multi_update_step`); 1 x 1, the default, is the single
-update above. Neither combines with micro-batching (rejected at config time).
+The peers' stabilizers (a method whose `peer_loss` is set: PPO clip, GSPO, CISPO, ...; vcpo_jax/rl/losses.py)
+replace the surrogate by their own loss of (log pi_theta, log pi_old, log mu, A, mask), with the step inputs
+the loss declares (PeerLoss.needs) bound by name: one forward, the loss's cotangent d loss / d logp_nt, one
+backward (`_policy_loss_gradient`). With `ppo_epochs * minibatches` > 1 a trainer step makes that many
+optimizer updates on minibatches of whole groups, pi_old recomputed once at the start (`_multi_update_step`).
+Neither combines with micro-batching (rejected at config time).
 
 LoRA (model.lora_rank > 0, vcpo_jax.model.lora): state.params is the whole model; the step splits it into the
 adapters (what is differentiated, what the per-example norms cover, what the optimizer updates and holds state
 for) and the frozen base (closed over by logp_fn, returned unchanged): `lora.split` / `lora.combine`.
 
-A step whose loss or gradient is not finite is skipped (parameters and optimizer
-state unchanged, `nonfinite` = 1 in the metrics); the trainer aborts or goes on
-according to its config.
+A step whose loss or gradient is not finite is skipped (parameters and optimizer state unchanged,
+`nonfinite` = 1 in the metrics); the trainer aborts or goes on according to its config.
 """
 
 from __future__ import annotations

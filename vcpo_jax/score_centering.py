@@ -18,27 +18,21 @@ weight w(r) = min(r, C) (TIS, cap C = max_ratio) or w = 1 (max_ratio None), the 
     rho   = q_tail / p_tail,   alpha = rho * w(1 / rho) = min(1, C rho)  (= rho when uncapped)
     c_v   = q_v w(p_v / q_v) - alpha p_v = min(p_v, C q_v) - alpha p_v   (= q_v - rho p_v when uncapped)
 
-The tail outside H is modelled as p rescaled to q's tail mass, so for v outside H the correction is exact
-when q_v = rho p_v there. Then E_{y~q}[w(p_y/q_y) grad log p_y] - sum_v c_v grad log p_v = alpha sum_v p_v
-grad log p_v = 0: the drift is gone, whatever A's mean. When p = q every weight is 1 and every c_v is 0:
-the plain policy gradient. Hand example (K = 2, uncapped): q_H = [0.5, 0.3], p_H = [0.4, 0.4], tails 0.2
-and 0.2, rho = 1, c = [0.1, -0.1].
+The tail outside H is modelled as p rescaled to q's tail mass (exact when q_v = rho p_v there). Then
+E_{y~q}[w(p_y/q_y) grad log p_y] - sum_v c_v grad log p_v = alpha sum_v p_v grad log p_v = 0: the drift is gone,
+whatever A's mean; p = q gives c = 0, the plain policy gradient. Hand example (K = 2, uncapped):
+q_H = [0.5, 0.3], p_H = [0.4, 0.4], tails 0.2 and 0.2, rho = 1, c = [0.1, -0.1].
 
-Two sources of q (the coefficients are the same formula):
-  * exact (`exact_correction`): q's full distribution, recomputed by the learner from the behaviour
-    parameters (the version ring in lag mode): H = the whole vocabulary, no tail (alpha = 1). Chunked over
-    tokens (and optionally over the vocabulary, two passes) like model/logprobs.py: never [B, T, V].
-  * top-k (`topk_correction`): the sampler's recorded top-k ids and log-probs of the distribution it
-    sampled from (post temperature / filters), the learner's log-probs at those ids (`head_logprobs_at`).
-    With K = V it equals the exact form.
+Two sources of q (the same formula): exact (`exact_correction`: q's full distribution from the behaviour
+parameters, H = the vocabulary, alpha = 1, chunked like model/logprobs.py, never [B, T, V]) and top-k
+(`topk_correction`: the sampler's recorded top-k ids and log-probs, post temperature / filters, with the
+learner's log-probs at those ids, `head_logprobs_at`; K = V equals the exact form).
 
-Stop-gradients: c_v and the token weight w are constants (sg); log p_v is differentiated. Since
-sum_v c_v is a constant, the correction's gradient wrt the logits z is c - (sum_H c) p_H (on the head).
+Stop-gradients: c_v, w constant (sg), log p_v differentiated: the gradient wrt the head's logits is c - (sum_H c) p_H.
 
-Composition (`centered_surrogate`): a row coefficient coef_n (the estimator's A_n times the applied
-sequence weight and 1 / divisor: VCPO's TIS, OPOB baseline and the ESS-scaled rate act on it unchanged)
-multiplies the centered score, loss = -sum_nt mask coef_n (tokw_nt log p_nt - corr_nt). Departure from the
-peers: they put the centering on a token-mean REINFORCE loss only; here it is a term of the VCPO surrogate.
+Composition (`centered_surrogate`): a row coefficient coef_n (A_n x the applied sequence weight / divisor: VCPO's
+TIS, OPOB and ESS rate act unchanged) multiplies the centered score, loss = -sum_nt mask coef_n (tokw_nt log p_nt
+- corr_nt). Departure from the peers: they center a token-mean REINFORCE loss; here it is a VCPO surrogate term.
 
 Sources: torchtitan torchtitan/rl/losses/score_centering.py `ScoreCenteringLoss` (max_ratio, the 1e-6 tail
 floor, the metrics); the reference in github.com/martin-marek/score-centering (README); verl

@@ -8,25 +8,16 @@ Finished cells in --out are reused (the grid is resumable), so `--out=docs/resul
 rebuilds the committed report and plots from the committed cells in seconds. The default --out
 (runs/stability, not tracked) recomputes every run.
 
-Two backends share the grid, the bookkeeping and the report. `pure_lag`: the
-synthetic stride-counting task, each cell's (lr, seed) runs vmapped in one
-compile. `trainer`: every run is `vcpo_jax.trainer.run` on a run config
-(configs/countdown.py) in `lag` mode, one run at a time, each in its own
-directory (resumable at run granularity); report stability_<config>.md. With
-`tuning` (the countdown variant) the trainer backend first
-runs every method's knob trials on the tuning seeds (stage 1, tuning.py, saved as
-stability_raw/trainer/tune_<method>.npz), then the grid with each method at its
-chosen knob (stage 2; the knob is part of the cell's fingerprint and run names).
+Two backends share the grid, the bookkeeping and the report: `pure_lag` (the synthetic stride-counting task,
+each cell's (lr, seed) runs vmapped in one compile) and `trainer` (every run is `vcpo_jax.trainer.run` in `lag`
+mode on configs/countdown.py, one run at a time in its own directory; report stability_<config>.md). With
+`tuning` the trainer backend first runs every method's knob trials on the tuning seeds (stage 1, tuning.py),
+then the grid with each method at its chosen knob (stage 2; the knob is part of the cell's fingerprint).
 
-Each cell (method, k) runs every (lr, seed) of the grid and is saved to
-<out>/stability_raw/<backend>/<method>_k<k>.npz as soon as it finishes,
-together with the fingerprint of the settings that produced it; a rerun skips
-cells whose file exists with the same fingerprint, so an interrupted study
-resumes where it stopped. With workers > 1, methods are split between
-subprocesses (each compiles its methods once; XLA's compile is mostly serial,
-so two processes overlap one's compile with the other's run). At the end the
-report (<out>/stability.md or stability_<config>.md, and PNGs) is written from
-whatever cells exist.
+Each cell (method, k) runs every (lr, seed) and is saved to <out>/stability_raw/<backend>/<method>_k<k>.npz with
+the fingerprint of its settings; a rerun skips cells whose file has the same fingerprint. With workers > 1
+methods are split between subprocesses. The report (<out>/stability.md or stability_<config>.md, and PNGs) is
+written from whatever cells exist.
 
 Definitions (fixed before the study; configs/stability.py `analysis`):
   final      mean accuracy over the evaluations in the last final_frac of steps.
@@ -791,11 +782,16 @@ def _plot_selected_lr(c, summary: dict, out: Path, plt, colors, dash) -> list[st
         ax.set_ylim(0.5 / batch_size(c), 1.2)
     axes[0, 0].set_ylabel(ylabel)
     _legend(axes)
-    fig.tight_layout()
-    fig.savefig(out / fname, dpi=110)
-    plt.close(fig)
-    names.append(fname)
+    names.append(_save(fig, out / fname, plt, dpi=110))
   return names
+
+
+def _save(fig, path: Path, plt, dpi: int) -> str:
+  """Lays out `fig`, writes it to `path` and closes it; returns the file's name."""
+  fig.tight_layout()
+  fig.savefig(path, dpi=dpi)
+  plt.close(fig)
+  return path.name
 
 
 def _plot_all_lrs(c, summary: dict, out: Path, plt, colors, dash) -> str:
@@ -817,10 +813,7 @@ def _plot_all_lrs(c, summary: dict, out: Path, plt, colors, dash) -> str:
       if j == 0:
         ax.set_ylabel("eval accuracy\n(mean +- std over seeds)")
   _legend(axes)
-  fig.tight_layout()
-  fig.savefig(out / f"{stem}_accuracy_all_lrs.png", dpi=90)
-  plt.close(fig)
-  return f"{stem}_accuracy_all_lrs.png"
+  return _save(fig, out / f"{stem}_accuracy_all_lrs.png", plt, dpi=90)
 
 
 def _plot_seed_grid(c, summary: dict, out: Path, plt, colors, dash) -> str | None:
@@ -853,10 +846,7 @@ def _plot_seed_grid(c, summary: dict, out: Path, plt, colors, dash) -> str | Non
     fig.suptitle("accuracy per method and k: mean (thick), each seed (thin), min-max band", fontsize=9)
     fig.supxlabel("learner step", fontsize=8)
     fig.supylabel("eval accuracy (row: method, its selected lr)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / f"{stem}_accuracy_grid.png", dpi=90)
-    plt.close(fig)
-    return f"{stem}_accuracy_grid.png"
+    return _save(fig, out / f"{stem}_accuracy_grid.png", plt, dpi=90)
   return None
 
 
@@ -872,10 +862,7 @@ def _plot_learner_time(c, summary: dict, out: Path, plt, colors, dash) -> str | 
     ax.set_ylabel("learner step, wall ms\n(median over steps 2.., mean over runs)")
     ax.set_xlabel("method")
     ax.set_title("learner time per trainer step (policy-loss methods: pi_old pass + several updates)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / f"{stem}_time.png", dpi=100)
-    plt.close(fig)
-    return f"{stem}_time.png"
+    return _save(fig, out / f"{stem}_time.png", plt, dpi=100)
   return None
 
 
@@ -907,11 +894,7 @@ def plot_tuning(c, summary: dict, out: Path, plt) -> str:
     f"{[tuple(x) for x in c.tuning.cells]}; red = chosen",
     fontsize=8,
   )
-  fig.tight_layout()
-  name = f"{report_name(c)}_tuning.png"
-  fig.savefig(out / name, dpi=100)
-  plt.close(fig)
-  return name
+  return _save(fig, out / f"{report_name(c)}_tuning.png", plt, dpi=100)
 
 
 def _method_time(c, summary: dict, method: str) -> dict | None:

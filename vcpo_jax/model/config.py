@@ -58,51 +58,39 @@ class ModelConfig:
     hidden_size: D, residual stream width.
     intermediate_size: F, SwiGLU hidden width.
     num_layers: number of transformer blocks.
-    num_heads: query heads.
-    num_kv_heads: key/value heads (grouped-query attention when < num_heads).
+    num_heads, num_kv_heads: query heads; key/value heads (grouped-query attention when fewer).
     head_dim: per-head width H (hidden_size // num_heads unless the checkpoint says otherwise).
-    rope_theta: RoPE base frequency.
-    rms_eps: RMSNorm epsilon.
+    rope_theta, rms_eps: RoPE base frequency; RMSNorm epsilon.
     qkv_bias: q/k/v projections carry a bias (Qwen2) or not (Llama, Qwen3).
     qk_norm: RMSNorm over each head's H of q and k before RoPE (Qwen3's q_norm / k_norm).
     rope_scaling: the RoPE scaling rule (`vcpo_jax.model.rope`; default RoPE when "default").
-    tie_embeddings: the LM head reuses the embedding table.
-    max_position: longest sequence the model is used with (cache size bound).
+    tie_embeddings, max_position: the LM head reuses the embedding table; the longest sequence (cache bound).
     dtype: compute dtype, "float32" or "bfloat16" (parameters stay float32).
     model_type: "qwen2", "qwen3" or "llama" (for export back to Hugging Face format).
-    attention: attention implementation (`vcpo_jax.model.attention`): "dense" (the einsum reference, the
-      default: bitwise the model's attention before the option existed), "xla" (jax.nn.dot_product_attention,
-      dense too), "chunked" (query chunks, never [B, N, T, T]; any backend: the choice for long sequences
-      without a fused kernel), "cudnn" (GPU flash attention), "splash" (TPU Pallas kernel).
+    attention: `vcpo_jax.model.attention`: "dense" (einsum reference, default), "xla" (jax.nn.dot_product_attention),
+      "chunked" (query chunks, never [B, N, T, T]), "cudnn" (GPU flash attention), "splash" (TPU Pallas kernel).
     attention_chunk: query chunk of "chunked" and key block of the cached decode attention, in tokens.
     remat: rematerialization of each block in the backward pass: "none", "block" (save only the block
       inputs) or the name of a `jax.checkpoint_policies` policy (e.g. "dots_with_no_batch_dims_saveable").
-    scan_layers: run the stacked blocks as one `jax.lax.scan` (compile time flat in depth); False unrolls
-      them in Python (for debugging: the same values, a program that grows with depth).
-    logprob_chunk: positions along T per chunk of the log-prob head (0 = all at once); sequences of
-      at most logprob_chunk + 1 tokens take the dense path (today's numerics).
-    logprob_vocab_chunk: vocabulary entries per chunk inside a token chunk (0 = whole vocabulary;
-      keep 0 when a "tensor" axis shards the vocabulary).
-    lora_rank: r of the LoRA adapters (vcpo_jax.model.lora); 0 (default) = no adapters: today's model,
-      the same parameter tree. With r > 0 every base parameter is frozen (stored in the compute dtype)
-      and only the float32 adapters train.
-    lora_alpha: LoRA's alpha; the adapter path is scaled by lora_alpha / lora_rank (PEFT's convention).
-    lora_targets: the projections that get adapters, names from LORA_TARGETS (default: all seven).
+    scan_layers: run the blocks as one `jax.lax.scan` (compile time flat in depth); False unrolls them.
+    logprob_chunk: positions along T per chunk of the log-prob head (0 = all at once, as is T <= chunk + 1).
+    logprob_vocab_chunk: vocabulary entries per chunk (0 = whole vocabulary; keep 0 with a "tensor" axis).
+    lora_rank: r of the LoRA adapters (vcpo_jax.model.lora); 0 = none. With r > 0 every base parameter is
+      frozen (stored in the compute dtype) and only the float32 adapters train.
+    lora_alpha, lora_targets: the adapter path is scaled by lora_alpha / lora_rank (PEFT's convention); the
+      projections that get adapters, names from LORA_TARGETS (default: all seven).
     num_experts: E, experts per MoE block (Qwen3-MoE); 0 = a dense model (every other MoE field unused).
-    num_experts_per_tok: K, experts each token is routed to.
-    moe_intermediate_size: each expert's SwiGLU width.
+    num_experts_per_tok, moe_intermediate_size: K, experts each token is routed to; each expert's SwiGLU width.
     norm_topk_prob: the K gates are renormalised to sum to 1 (Qwen3-30B-A3B: True).
     decoder_sparse_step, mlp_only_layers: which layers are MoE blocks (`MoESpec.is_sparse`, transformers'
       rule). The layers run as one scan, so they must be all sparse (step 1, no mlp_only_layers) or all dense.
-    router_aux_loss_coef: the checkpoint's weight of the router's load-balancing loss (transformers applies its
-      0.001 only with output_router_logits; 0 otherwise). Never applied by itself: the learner's loss gains the
-      aux only with learner.router_aux_loss_coef > 0 (RL's default is 0).
-    routing_replay: the learner's log-probs route each token through the experts the sampler recorded for it
-      (the Batch's expert_ids; R3, `moe` module docstring), gates from the learner's router; off (default),
-      or a dense model, or a batch without the record: the learner's own top-K. How the model is computed
-      (an execution field), but it changes the trajectory.
-    moe_matmul: the experts' grouped matmul (`moe.grouped_matmul`): "ragged" (jax.lax.ragged_dot, the default)
-      or "scan" (a scan over the experts: exact, E x the flops, a grouped GEMM's memory; for CPU sizing).
+    router_aux_loss_coef: the checkpoint's weight of the router's load-balancing loss; never applied by itself
+      (the learner's loss gains it only with learner.router_aux_loss_coef > 0, RL's default 0).
+    routing_replay: the learner routes each token through the experts the sampler recorded (the Batch's
+      expert_ids; R3, `moe` module docstring), gates from its own router; off, a dense model or a batch
+      without the record: the learner's own top-K.
+    moe_matmul: the experts' grouped matmul (`moe.grouped_matmul`): "ragged" (jax.lax.ragged_dot, default)
+      or "scan" (over the experts: exact, E x the flops; for CPU sizing).
   """
 
   vocab_size: int
@@ -387,24 +375,10 @@ def tiny_qwen2(vocab_size: int = 256, **kw) -> ModelConfig:
 
 
 def tiny_llama(vocab_size: int = 256, **kw) -> ModelConfig:
-  """A few-layer Llama-style config (GQA, no bias, untied head) for tests."""
-  base = dict(
-    vocab_size=vocab_size,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=16,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-    qkv_bias=False,
-    tie_embeddings=False,
-    max_position=512,
-    model_type="llama",
-  )
-  base.update(kw)
-  return ModelConfig(**base)
+  """A few-layer Llama-style config (GQA 4/1, no bias, untied head, MLP 160) for tests: tiny_qwen2's other widths."""
+  llama = {"intermediate_size": 160, "num_kv_heads": 1, "rope_theta": 10000.0, "rms_eps": 1e-5}
+  llama.update(qkv_bias=False, tie_embeddings=False, model_type="llama")
+  return tiny_qwen2(vocab_size, **{**llama, **kw})
 
 
 def tiny_qwen3(vocab_size: int = 256, **kw) -> ModelConfig:

@@ -13,155 +13,31 @@ sampler thread of this process, device_put) or "transfer" (transfer_publish.Tran
 sampler pulls device arrays). Each publisher records the checksum of every version it publishes
 (Publisher.record, which also drops those no batch can echo any more); next() checks each batch's echo.
 
-Staleness is bounded PipelineRL-style: the worker makes batch b only once the
-learner has published version >= b - k, and the learner consumes batch b at
-step b, so every row's lag b - policy_version is in [0, k]. The worker pauses
-rather than produce a staler batch; nothing is generated and then discarded.
-Unlike `lag` mode the lag is not exact (the worker takes the newest version it
-finds), so runs are not bit-for-bit reproducible; `state()` keeps no versions.
+Contract:
+- Staleness (PipelineRL-style): the worker makes batch b only once version >= b - k is published and the
+  learner consumes batch b at step b, so every row's lag b - policy_version is in [0, k]; nothing is
+  generated and discarded. The worker takes the newest version it finds, so runs are not bit-for-bit
+  reproducible. With `async_.inflight_updates` rows carry per-token versions (token_version [N, T]),
+  policy_version is the oldest token's, and every token's version is checked against [step - k, step].
+- Resume: `queued_state()` (every checkpoint save) drains batches received but not consumed into the
+  checkpoint; `load_queued()` serves them first and the new worker starts at the first step not covered, so
+  each batch is consumed exactly once across a resume.
+- Publishing: one parameter copy in shared memory with a version counter and a 64-bit checksum
+  (`async_.publish_buffers`, `publish_checksum`, `background_publish`, `publish_delta`; a LoRA run
+  publishes the adapters only). Metrics: time/publish_s (learner-side blocking time of publish() per step),
+  time/publish_copy_s (the host copy of the newest version written since the previous row).
+- Devices: `async_.sampler_devices` / `sampler_env` / `sampler_cpus` / `memory_share` place the sampler.
+- Failures: every learner wait runs in slices of `_POLL_S`, calling the trainer's `interrupt()` and checking
+  the worker (exit code, error pipe, heartbeat). A dead, silent (`heartbeat_timeout_s`) or stuck
+  (`timeout_s`) sampler is replaced (`restart_causes` says why); past `max_sampler_restarts` within
+  `restart_window_s` a death raises `SamplerDiedError` with the worker's traceback, and no batch in
+  `timeout_s` (`startup_timeout_s` for the first) raises TimeoutError. `close()` stops the worker and
+  removes every segment and semaphore; names carry the run id and pid (`vcpo_jax.cleanup`).
+- Background evaluation (eval.background, one host): `enable_background_eval`, `request_eval(v, params)`,
+  `eval_results()`; at most one request outstanding.
 
-In-flight updates (`async_.inflight_updates`, default off = one version per batch, the
-sampler's static decode): the worker switches to newer parameters between decode chunks
-(process/worker.py); rows then carry per-token versions (queue field token_version [N, T]) and
-policy_version = the oldest token's, which the bound [step - k, step] is checked on; every
-token version is checked to lie in it too. Each batch's info["metrics"] carries
-train/token_lag_{min,mean,max} and train/multi_version_frac (`token_lag_stats`), logged by
-the trainer with the other per-step metrics. `async_.decode` ("static" | "chunked" |
-"refill") picks the sampler process's decode loop (sampler.py); in-flight updates need a
-chunked one ("static" then runs "chunked").
-
-Resume keeps queued rollouts: `queued_state()` (called by every checkpoint save:
-periodic, final, SIGINT / SIGTERM) drains the shared-memory queue into a host
-list of batches the learner has received but not consumed (arrays + metadata:
-step, version, the producing sampler's pid and sequence number) and returns
-them; the trainer stores the arrays in the checkpoint tree and the metadata in
-its JSON, so they are written atomically with the step. `next()` serves that
-host list first. After a resume, `load_queued()` refills it and the new worker
-starts at the first step not covered (restored step + number restored), so a
-batch produced before the checkpoint and not consumed is consumed exactly once
-after the resume, and a batch consumed before it never again. A batch the
-sampler was still generating at save time is not saved: it is made again.
-
-Publishing (`async_.background_publish`: "auto" (default), "true" or "false"; `background_for`).
-"true" takes it off the learner's critical path: publish() dispatches an on-device snapshot (fresh
-buffers in the publish dtype: bfloat16 on accelerators, float32 on CPU, so the CPU numerics are
-today's; `async_.publish_dtype` overrides) and hands it to a thread that does the device_get and the
-copy into the slot. "false": publish() itself does the device_get (a view of the buffers on CPU) and
-the copy into the slot. "auto" = "false" on the CPU backend, "true" elsewhere. Why (measured,
-docs/results/benchmarks_history.md "Parameter publishing"): on CPU the snapshot is not a device-local copy that
-overlaps the next step but a full memory copy made on the caller's thread (73 ms at 50.8M parameters,
-against 20 ms for the synchronous copy into the slot, whose device_get is free), and the thread's copy
-then competes with the learner's step for the same cores; on accelerators the snapshot is a device-local
-copy and the host transfer overlaps the next step (not measured here: no accelerator run).
-
-One parameter copy in shared memory, a version counter and a checksum, on both paths. The slot
-(process/param_slot.py) holds `async_.publish_buffers` copies, 1 by default (ParamSlot nbuf=1: a write
-waits for a sampler read in progress, a read for the write in progress); 2 = double buffer (a write never
-waits), 0 = the rule before the field (1 with background publishing, 2 with the synchronous one). On the
-synchronous path a write can wait for at most one sampler copy, which happens right after a publish,
-so rarely: time/publish_s at 50.8M parameters, median over 3 rounds (load 4-5 on 2 cores), 67.5 ms with
-one copy against 68.9 ms with two (per round 58.5 / 68.9, 67.5 / 68.9, 70.5 / 51.9 ms). The checksum
-(`async_.publish_checksum`, default "true"; param_slot.checksum, 64 bits: position-weighted sums of
-uint64 words, exact integer arithmetic) is computed by the slot during the learner's copy into it, block
-by block while each block is in cache, and recorded per version; the sampler's slot computes it of what
-it copies out, during that copy, and echoes it in each batch's metadata; next() checks the echo against
-the published version's and raises if they differ (the parameter copy was corrupted). Its cost on the
-synchronous path: time/publish_s 45.4 -> 68.9 ms at 50.8M (+23 ms, 0.5% of learn + publish, 4.3 s) and
-1.6 -> 2.3 ms at the CPU default (0.2% of a 0.3 s step); the write alone, timed in isolation, 1.28x the
-plain copy at 50.8M (zlib.adler32, the previous checksum, 3.9x). Above the 25%-of-the-copy mark but far
-below 1% of a step, so it is on by default; "false" makes plain copies (nothing recorded or checked),
-"background" checksums the background thread's copies only (the behaviour before the field). The device
-publisher (`async_.publish_path="device"`, rollout/device_publish.py) replaces the sampler process and the
-slot by a sampler thread on its own devices of this process; the transfer publisher (`"transfer"`,
-rollout/transfer_publish.py) keeps the sampler process and replaces the slot by pulls of device arrays
-with `jax.experimental.transfer`; both record their own device checksum.
-
-Delta publishing (`async_.publish_delta`: "off" (default) | "auto"): on the shm slot with one parameter copy
-(publish_buffers resolving to 1; the multi-host path's per-host slot included), each publish after the first
-writes a compressed XOR record against the version the sampler holds instead of every weight
-(process/param_slot.py "Delta publishing", process/delta.py), and the sampler rebuilds the version bit for bit;
-the checksum, recorded and echoed as above, is that of the rebuilt weights. A fresh slot (the start, a
-replacement sampler, a resumed run) gets a full copy, and so does a record longer than 3/4 of one. Costs: two
-more host copies of the weights on this side, one on the sampler's, and zlib time on both (benchmarks/README.md
-"Parameter publishing": fewer bytes, more seconds on one host). The transfer path pulls the same records
-(rollout/transfer_publish.py "Delta publishing"); the device path (one process, no link) publishes full copies.
-
-LoRA (model.lora_rank > 0): every publish moves the adapters only; the frozen base goes to each spawned
-sampler once, through a one-shot ParamSlot (`_base_channel`) that this side closes as soon as the sampler has
-attached and the sampler closes once it has read it, so it neither rides in the pickled arguments nor stays in
-/dev/shm; the learner keeps its host copy for a replacement sampler.
-
-Metrics (trainer rows): time/publish_s is the learner-side blocking time of publish(), per step;
-time/publish_copy_s is the host copy's own time (device_get, slot write, checksum) of the newest
-version written since the previous row: the thread's on the background path (overlapping the learner),
-inside time/publish_s on the synchronous one; absent when no copy completed since the previous row.
-
-Devices: `async_.sampler_devices` (e.g. "2,3") is written to the child's
-CUDA_VISIBLE_DEVICES before it imports JAX, so on a multi-GPU host the sampler
-runs on its own GPUs (the learner should then be given the others). On TPU and
-elsewhere pass platform variables through `async_.sampler_env` (a dict,
-e.g. {"TPU_VISIBLE_CHIPS": "3"}). On CPU the sampler is simply another process;
-`async_.sampler_cpus` (e.g. "1" or "2-3") pins it to those cores with
-sched_setaffinity (XLA's CPU thread pools follow XLA_FLAGS, inherited).
-GPU memory (`async_.memory_share`, `memory_plan` -> mesh.memory_plan): on one GPU shared by both
-processes each gets its XLA_PYTHON_CLIENT_MEM_FRACTION (0.6 learner, 0.3 sampler by default), the
-sampler's written into its environment here like CUDA_VISIBLE_DEVICES, the learner's set by trainer.run
-before jax starts; the child also gets the learner's persistent compilation cache (compile_cache.child_env).
-
-Failures: every learner wait (the queue in `next`, the parameter slot's lock in
-`publish`) runs in slices of at most `_POLL_S`; between slices it calls the
-trainer's `interrupt()` (which raises once SIGINT / SIGTERM has arrived, so the
-trainer checkpoints and exits 130 even while the sampler hangs or is stopped)
-and checks the worker (exit code, error pipe, heartbeat). A dead worker, one whose
-heartbeat (a counter in the queue's header it bumps at every loop point, process/worker.py)
-has not moved for `async_.heartbeat_timeout_s` (0: `timeout_s`; before its first batch
-`startup_timeout_s`) - checked in next(), also while it serves batches already received, and in
-publish() - or one that makes no batch within `async_.timeout_s` although the staleness bound
-allows one (hung, SIGSTOP), is replaced (`_replace`; `restart_causes` keeps why): the batches it completed are kept and served first, the one it
-was making is dropped and made again by a fresh sampler (new shared memory holding the
-newest version written) that starts at the first step not covered; async/sampler_restarts
-counts the replacements in every row. Every publish path replaces: the transfer path's new
-sampler pulls from the same transfer server; the device path replaces a crashed sampler thread but
-not a hung one (a thread cannot be killed: rollout/device_publish.py); on several hosts each host
-replaces its own, between the hosts' per-step agreements (rollout/multihost.py). Past
-`async_.max_sampler_restarts` replacements within `async_.restart_window_s` (a hung sampler thread of the
-device path: at once) a dead worker raises
-`SamplerDiedError` naming the exit code or signal and the worker's traceback
-within a fraction of a second (the trainer checkpoints, then exits 1), and no batch within `async_.timeout_s`
-(the first batch, which includes the worker's start-up and compilation:
-`async_.startup_timeout_s`, 600 s by default) raises TimeoutError saying what the
-worker is waiting for (and whether it is stopped, e.g. by SIGSTOP). `close()`
-(normal exit, exception, or the trainer's signal handling) stops the worker
-within about `2 * _STOP_GRACE_S` (stop message, then SIGTERM, then SIGKILL; a
-stopped worker gets SIGKILL at once) and removes every shared-memory segment
-and semaphore. If the learner itself is killed the worker gets SIGKILL from the
-kernel (PR_SET_PDEATHSIG) and the resource tracker unlinks the segments.
-
-Background evaluation (eval.background, one host; off by default: the trainer evaluates itself):
-`enable_background_eval(worker.EvalArgs)` before the first publish, then `request_eval(v, params)`
-writes version v's parameters (host copy in the learner's own dtype, float32) into a second, one-copy
-ParamSlot and returns; the worker evaluates them between batches / in its waits and sends the record
-back on the control pipe; `eval_results()` hands over the records that arrived, each tagged with
-policy_version = v (`wait=True`: first wait for the outstanding one, with the usual liveness and
-interrupt checks). At most one request is outstanding: a new one waits for the previous record.
-
-Several hosts (jax.process_count() > 1): the ManyHosts topology (rollout/multihost.py): one sampler per
-learner process on that host's share of the prompts, a per-step agreement of all hosts through
-jax.distributed's coordination service, and a publish snapshot gathered to host-complete parameters (the
-snapshot function the publisher is given). It runs with the shm publisher; the device and transfer
-publishers serve one learner process (a one-line error names async_.publish_path).
-
-Leftovers: every segment, semaphore and the spawn-argument file are named with
-the run id (a hash of the workdir) and the learner's pid (`vcpo_jax.cleanup`).
-The worker's first message says it has attached every channel (unpickling its
-arguments opened them); the learner then removes all their names (`unlink()`:
-both sides keep their mappings and semaphores), and the worker deletes the
-argument file as soon as it has read it. So a SIGKILL of the whole process group
-(OOM killer, container stop; the resource tracker dies too) leaves nothing in
-/dev/shm or the temp dir, except in the second or so between creating a sampler's
-channels and its attach; what such a kill left is removed by the next async run
-(`cleanup.remove_stale()`, logged) and by `python -m vcpo_jax.cleanup`. A
-replacement sampler gets fresh channels.
+The design notes (publishing paths and their costs, delta records, LoRA's base channel, device placement,
+failure handling and /dev/shm hygiene in detail) are in docs/design_notes.md "rollout/async_.py".
 """
 
 from __future__ import annotations

@@ -11,51 +11,25 @@
 several hosts: the device and transfer publishers refuse several processes with a one-line error):
 
 - Prompts: host h's sampler makes whole groups for prompts [h P/H, (h + 1) P/H) of each step's P
-  (`distributed.prompt_block`), taken from the same seeded stream as a single-host run, so the global
-  batch's problems are the single-host run's, in its order, none twice. The samples are the single-host
-  run's too, given the same parameters: each host seeds its rows as rows [h N/H, (h + 1) N/H) of the
-  whole batch (row n of step b draws from fold_in(fold_in(key, b), n); worker.py passes the row
-  offset). Which version each batch is sampled with is up to timing, as in any async run.
-- The global batch: after the agreement, `multihost_utils.process_allgather` concatenates every host's
-  rows in process order (group ids offset by the host's first prompt), so every learner process holds
-  the same global batch, as in sync mode, and the trainer's `_global_batch` feeds its own rows. Metrics
-  are global (rewards, lag statistics over all N rows); `info["hosts"]` holds each host's version,
-  checksum, sampler pid and problem ids.
-- Weights: publish() dispatches, on the learner's critical path but asynchronously, one program that
-  casts to the publish dtype and reshards every leaf so that each host's learner devices hold the whole
-  array (split over that host's devices, replicated across hosts): an all-gather over the mesh. The
-  background thread then assembles the host copy from the local shards only (no collective off the main
-  thread) and writes the slot. Every host publishes the same version after each step; the sampler's
-  checksum echo of version v must be equal on every host that sampled with v (checked in next()), and
-  the lag bound k is checked on the global batch. With `async_.publish_delta="auto"` each host's slot carries delta
-  records to its sampler (AsyncSource's); the gather itself moves every weight of the publish dtype. LoRA: the slot carries the adapters only; the frozen base
-  is gathered once, at the first publish, and goes to the sampler once (AsyncSource's one-shot base slot).
-- Failures: `distributed.Agreement`. A dead or hung sampler is replaced by its own host, as on one host
-  (AsyncSource._replace: its shared memory reclaimed, a fresh sampler on the same devices and prompt block
-  from the newest version its slot holds, its completed batches kept, the one in progress made again), within
-  that host's own budget (async_.max_sampler_restarts per async_.restart_window_s). The replacement is
-  host-local, inside next() or publish(), and has no collective: publish() dispatches the gather before it,
-  so every host dispatches the same collectives at every publish. Meanwhile the host keeps checking the
-  agreement (a peer's stop, a lost peer) and its heartbeat thread beats, so the other hosts, which posted
-  for the step, wait in the agreement, whose timeout covers every replacement a budget allows
-  (`agreement_timeout_s`). `async/sampler_restarts` is the sum over hosts, `info["hosts"][h]["restarts"]`
-  host h's. A failure past a host's budget (SamplerDiedError, TimeoutError) or a signal on any host makes
-  that host post a stop for the step; every host then raises `distributed.JobStopped` at that same step
-  and the trainer writes the joint checkpoint and exits (130 for signals, 1 for failures). A learner process
-  that dies or stops is noticed through its heartbeat (async_.peer_lost_s) and the others raise PeerLostError
-  without a checkpoint (main.train then ends them without jax's shutdown barrier, `distributed.end_alone`);
-  one stuck inside a collective with the lost process is ended by the heartbeat thread's watchdog
-  (1.5 x peer_lost_s). close() removes the host's shared memory,
-  as in single-host mode; a process that ends without it leaves that to its resource tracker.
+  (`distributed.prompt_block`) from the single-host run's seeded stream, its rows seeded as rows
+  [h N/H, (h + 1) N/H) of the whole batch, so with the same parameters the samples are the single-host run's.
+- The global batch: after the agreement `multihost_utils.process_allgather` concatenates every host's rows in
+  process order (group ids offset by the host's first prompt); metrics are global; `info["hosts"]` holds
+  each host's version, checksum, sampler pid and problem ids.
+- Weights: publish() dispatches one program that casts and reshards every leaf so that each host holds the
+  whole array (an all-gather); the background thread writes the host copy from the local shards. The checksum
+  echo of version v must be equal on every host that sampled with v, and the lag bound k is checked on the
+  global batch. Delta records and LoRA's one-shot base channel work per host as in AsyncSource.
+- Failures (`distributed.Agreement`): a dead or hung sampler is replaced by its own host, within that host's
+  budget and with no collective, while the other hosts wait in the agreement (`agreement_timeout_s` covers
+  every replacement a budget allows). A failure past a host's budget or a signal on any host posts a stop;
+  every host then raises `distributed.JobStopped` at that step and the trainer writes the joint checkpoint
+  and exits (130 for signals, 1 for failures). A lost learner process (async_.peer_lost_s) makes the others
+  raise PeerLostError without a checkpoint.
 
-Checkpoints keep each host's queued batches: at every save (periodic, final, agreed stop)
-each host drains its queue and the hosts allgather their unconsumed rows, so process 0 writes them as
-global batches of N rows, host h's rows at its block (zeros where a host had not received that step yet),
-with per-host metadata (`pack_queued`). A resume on the same number of hosts gives each host exactly its
-own rows back (`unpack_queued`), its sampler then starts after them, so nothing received is lost or
-consumed twice; on another number of hosts (or on one) only the batches complete on every host are
-restored, re-split into the new prompt blocks, and the rest is made again. A single-host checkpoint's
-queued batches resume on several hosts the same way.
+Checkpoints keep each host's queued batches (`pack_queued` / `unpack_queued`): a resume on the same number of
+hosts gives each host its own rows back; on another number only the batches complete on every host are
+restored, re-split into the new prompt blocks. The details: docs/design_notes.md "rollout/multihost.py".
 """
 
 from __future__ import annotations

@@ -7,65 +7,29 @@
                    await_pull(u, newest offer) ==transfer==>  conn.pull(u): device arrays on S[0]
     next(b) <-------------------ShmQueue (batch b)----------- the async worker's loop, unchanged
 
-The sampler is the shm path's spawned process (own devices via async_.sampler_devices / sampler_env, its own
-XLA client), but the weights never go through the host or /dev/shm: the learner process runs a transfer server
-(`jax.experimental.transfer.start_transfer_server` on 127.0.0.1), the sampler process runs its own and connects
-to it, and each version the sampler takes is pulled by the runtime straight into device arrays of the sampler
-(on its first device; `Sampler.prepare_params` then places them on its mesh, a device-to-device copy inside the
-sampler, none on a one-device sampler). Only small things cross otherwise: the newest published version (a
-shared int64 counter, `multiprocessing.Value`), the pull requests (a pipe: one uuid per pull) and, as for the
-shm path, the batches (ShmQueue) and the control pipe. (The counter's page is multiprocessing's heap: a
-/dev/shm file unlinked at creation, 4 KiB.)
+The sampler is the shm path's spawned process (own devices and XLA client), but the weights never go through
+the host or /dev/shm: each process runs a transfer server on 127.0.0.1 and the sampler pulls each version it
+takes straight into device arrays. Only small things cross otherwise: the newest published version (a shared
+int64 counter), the pull requests (one uuid per pull on a pipe), the batches (ShmQueue) and the control pipe.
 
-Protocol. publish(params, v) dispatches a snapshot of the parameters onto the learner's first device (fresh
-buffers in the publish dtype: the learner's next step donates `params`, and an offered buffer that is donated
-fails the pull) plus its device checksum, makes it the newest offer and sets the counter to v; it never waits
-for the sampler. The sampler, when it wants a newer version than it holds (before a batch: the ParamSlot interface
-`version()` / `latest()` the worker loop reads), sends a fresh uuid on the
-request pipe and pulls it; the learner's server thread answers each request with `await_pull(uuid, newest
-offer)` (a non-blocking registration; the transfer runs on the runtime's threads, and may start before the
-snapshot is computed: it waits for it). So exactly one pull answers each offer, the sampler never pulls a
-version it skips, and the learner holds at most two snapshots (the newest, and the one being pulled). The
-offer carries its version as an int32 scalar, so the sampler learns which version it got atomically with the
-weights (a newer one than it asked for is fine: the staleness bound wants >= b - k).
+Contract:
+- publish(params, v) dispatches a snapshot onto the learner's first device (fresh buffers in the publish dtype:
+  the next step donates `params`) and its device checksum, makes it the newest offer and sets the counter; it
+  never waits for the sampler. The server thread answers each request with `await_pull(uuid, newest offer)`,
+  so exactly one pull answers each offer and the learner holds at most two snapshots. The offer carries its
+  version (int32), so the sampler learns which version it got atomically with the weights.
+- Delta publishing (`async_.publish_delta="auto"`): the request carries the version the sampler holds; the
+  answer is the compressed XOR record against it (process/delta.py) when the server's last answered version is
+  that one, else the full snapshot; the sampler rebuilds the version bit for bit. `publish_records` lists
+  (version, kind, bytes) per answered request.
+- Checksum: rollout/device_publish.py's `device_checksum` on the learner's snapshot and on the sampler's pulled
+  arrays; every batch echoes the sampler's and AsyncSource.next compares it with the published one's.
+- Failures and shutdown as the shm path: a dead sampler raises SamplerDiedError from next() and publish();
+  close() stops the server thread, then the worker, then drops the server and the offers.
+- Unsupported (one-line config errors, run_spec): several processes (distributed.enabled), in-flight updates.
 
-What blocks the learner: publish() is the snapshot's dispatch, the checksum's dispatch, an int32 scalar put
-and the counter write (time/publish_s); on CPU the snapshot copy itself runs inside the dispatch (a host
-memcpy, as on the shm background path) and the pull's copy competes with the learner for the cores. Nothing
-in publish() waits for the sampler. Measured in benchmarks/README.md ("Parameter publishing").
-
-Delta publishing (`async_.publish_delta="auto"`): the request carries the version the sampler holds (-1: none,
-a fresh or replacement sampler) and the pipe is duplex: the server thread answers each request with (kind,
-version, base, bytes) before the pull. It keeps a host copy of the version it answered last, packed in
-ParamSlot's layout (process/delta.py `Layout`); when the sampler holds exactly that version, the pull carries the
-compressed XOR record of the newest offer against it (process/delta.py `encode`, as a uint8 device array), else
-(nothing held, a failed pull, a new source after a resume, a record over 3/4 of a full copy) the full snapshot.
-The sampler keeps its own packed copy of the version it holds and rebuilds the new one bit for bit (`decode`),
-so the device checksum of its arrays is the learner's. The record goes through the host on both ends (zlib has
-no device kernel): this path then makes a host copy of each answered version on each side, which the full path
-avoids; the bytes that cross between the processes are the record's. `publish_records` lists (version, kind,
-bytes) per answered request.
-
-Checksum: rollout/device_publish.py's `device_checksum` (position-weighted uint32 sum, exact under any
-sharding), computed on the learner's snapshot and, by the sampler, on the arrays it pulled; every batch echoes
-the sampler's and AsyncSource.next compares it with the published version's.
-
-Failures and shutdown: as the shm path (AsyncSource): a dead sampler raises SamplerDiedError from next() and
-publish(); its request pipe closes and the server thread ends. The sampler sees a dead learner in its waits
-(and gets SIGKILL from PR_SET_PDEATHSIG in a pull). close() stops the server thread, then the worker (stop,
-SIGTERM, SIGKILL), then drops the server and the offers.
-
-Tested (tests/test_transfer_publish.py, XLA:CPU, jax 0.10.2, this process and spawned ones on one host): with
-a stand-in sampler process, the pulled copy equals the published parameters bit for bit after an update, also
-once the learner's buffers are donated, lives on the other process's device and carries its version and the
-learner's checksum; with the real worker and versions fixed by the protocol (k = 1, one queue slot), every
-batch equals the shm path's field for field and echoes its checksum; trainer.run over both paths logs the
-same values (timings aside) for every step whose batches came from the same versions (4 of 4 steps when
-written); a SIGKILLed sampler raises SamplerDiedError from next() and publish(); the sampler maps no /dev/shm
-file but the batch queue's and the counter's page. Not tested: accelerators (GPU / TPU transfer servers; no
-accelerator run), multi-turn makers and resume over this path. Background evaluation works as on the shm path
-(its own ParamSlot; tests/test_transfer_publish.py). Unsupported (one-line config errors, run_spec): several
-processes (distributed.enabled), in-flight updates.
+Costs: benchmarks/README.md "Parameter publishing". What blocks the learner, how deltas are kept, and what
+tests/test_transfer_publish.py covers (and does not): docs/design_notes.md "rollout/transfer_publish.py".
 """
 
 from __future__ import annotations

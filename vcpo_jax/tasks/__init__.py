@@ -19,39 +19,19 @@ a task's scorer is a grading bug: the sample grades 0.0, the bug is counted
 (`grading_failures()`, for the trainer's `train/grading_failures`) and its
 first occurrences are logged with a traceback, instead of vanishing.
 
-`task` is a registry name (the registry's default instance) or a task object
-(a `Task`, tasks/base.py; grading needs only its `Grader` part: name,
-uses_extraction, score, check_reference): a run
-with configured task options must grade with its own object, or those options
-(e.g. countdown's format_weight) never reach the reward. Problems remember the
-task object that made them (`Problem.grader`), so the rollout's call is
-`score_problems(problems_per_sample, texts)` (or `score_problem(p, text)`).
+`task` is a registry name (the registry's default instance) or a task object (a `Task`, tasks/base.py; grading
+needs only its `Grader` part: name, uses_extraction, score, check_reference): a run with configured task
+options must grade with its own object, or those options never reach the reward. Problems remember the task
+object that made them (`Problem.grader`), so the rollout's call is `score_problems(problems_per_sample, texts)`.
 
-Cost: every call is bounded by its input size (outputs are read up to
-answers.MAX_OUTPUT_CHARS = 1 MiB from the end; all scans are linear) plus at
-most one math-verify call of bounded time; `score_batch` runs the math-verify
-calls of a batch in parallel in the worker pool.
+Cost: every call is bounded by its input size (outputs are read up to answers.MAX_OUTPUT_CHARS = 1 MiB from
+the end; all scans are linear) plus at most one math-verify call of bounded time; `score_batch` runs a
+batch's math-verify calls in parallel in the worker pool.
 
-Each task owns its knowledge, so no consumer branches on a task's name: how
-its problems are made or its rows read (`make_problems`; a data set's
-`datasets.DataSet`: fields, reference rule, template, extraction), how an
-answer is graded (`score`), what a demonstrator writes for the warm start
-(`demonstrate`, `demonstrate_wrong`, sft.py) and its default eval protocol
-(`eval_n`, which config.eval.n = None takes; AIME's is 5).
-
-Adding a task is one task file (or one registration) plus its test:
-  * a generated task: a class (inherit base.TaskDefaults for the defaults) with
-    `name`, `generated = True`, `uses_extraction = False`, `make_problems`,
-    `score`, `check_reference` and, for a warm start, `demonstrate` (and
-    `demonstrate_wrong` with `can_demonstrate_wrong = True` for sft.noise);
-  * a data set: one `datasets.DataSet(...)` value wrapped as `TextTask(MY_SET)`;
-then one line in TASKS below (in a test or a notebook: `tasks.register(task)`)
-and `--config.task.name=NAME`. tests/test_sft.py and tests/test_evaluation.py
-register a fake task (tests/fixtures.ParityTask) that the warm start and the
-evaluation use through these members alone; tests/test_tasks.py a fake data set.
-
-The multi-turn tool environment (tool_env.py, sandbox.py) lives beside these
-but is not imported here, so that grading stays cheap to import.
+Each task owns its knowledge (problems, grading, warm-start demonstrator, eval protocol `eval_n`), so no
+consumer branches on a task's name. Adding a task is one task file (or one registration: `tasks.register`)
+plus its test, then one line in TASKS below: docs/guide.md section 7. The multi-turn tool environment
+(tool_env.py, sandbox.py) lives beside these but is not imported here, so that grading stays cheap to import.
 """
 
 from __future__ import annotations

@@ -1,56 +1,36 @@
 """Answer extraction, normalization and equivalence for GSM8K, MATH and AIME.
 
-Grading is two-staged so that it is fast, exact where possible, and can never
-hang the trainer:
+Grading is two-staged so that it is fast, exact where possible, and can never hang the trainer:
 
-1. Fast path (pure string work, linear in the output length): extract the final
-   answer (see "Which answer counts" below), parse it into an atom, a bare list
-   (`1, -2`) or a bracketed tuple/interval (`(1, 4]`), normalize each atom
-   (`\\dfrac` -> `\\frac`, thousands separators, signs, `$`, units, degrees,
-   percent, trailing punctuation, `x = ...`, `f(x) = ...`, mixed numbers, clock
-   times), and compare exactly: equal strings, or equal rationals when both
-   sides are numbers (`0.5 == \\frac{1}{2} == 1/2`, but `0.33 != \\frac{1}{3}`:
-   a decimal equals a fraction only when it is exact; this exact-decimal policy
-   is why `0.0833` never matches `\\frac{1}{12}` here although some graders
-   accept it).
-2. Slow path, only when a side is not plain numbers (`2\\sqrt{2}` vs
-   `\\sqrt{8}`): math-verify in a pool of persistent worker *processes*, each
-   with a hard wall-clock timeout and a memory limit. math-verify's own timeout
-   uses `signal.alarm`, which works only in the main thread and cannot interrupt
-   long C-level work (sympy big-integer arithmetic); a separate process that is
-   killed on timeout can. A timeout, crash or error grades as "not equal".
+1. Fast path (pure string work, linear in the output length): extract the final answer (see "Which answer
+   counts"), parse it into an atom, a bare list (`1, -2`) or a bracketed tuple/interval (`(1, 4]`), normalize
+   each atom (`\\dfrac` -> `\\frac`, thousands separators, signs, `$`, units, degrees, percent, trailing
+   punctuation, `x = ...`, `f(x) = ...`, mixed numbers, clock times), and compare exactly: equal strings, or
+   equal rationals when both sides are numbers (`0.5 == \\frac{1}{2} == 1/2`, but `0.33 != \\frac{1}{3}`: a
+   decimal equals a fraction only when it is exact, so `0.0833` never matches `\\frac{1}{12}`).
+2. Slow path, only when a side is not plain numbers (`2\\sqrt{2}` vs `\\sqrt{8}`): math-verify in a pool of
+   persistent worker *processes*, each with a hard wall-clock timeout and a memory limit (why processes:
+   docs/design_notes.md "tasks/answers.py"). A timeout, crash or error grades as "not equal".
 
 Which answer counts (MATH-style outputs, `extract_math`):
-  * The answer is the final `\\boxed{}` group, unless an explicit "final answer
-    is X" / "Final Answer: X" statement comes after it: "... \\boxed{255} ...
-    The final answer is $10,455$." grades 10,455 (a model that boxes
-    intermediate values and then states its answer means the statement), while
-    "The final answer is $\\boxed{5}$" grades 5. A later plain "the answer is
-    correct" / "check the answer: ..." is commentary and does not override a
-    box. Without any box, the last "answer is X" / "answer: X" statement counts.
-  * A box group is the last box together with the boxes just before it that
-    are separated from it only by connectors (whitespace, `$`, `\\[ \\]`,
-    `\\quad`, commas, "and", "or", `\\text{and}`, `x =`):
-    `\\boxed{-2}\\quad\\text{and}\\quad\\boxed{1}` is the answer `-2, 1`, but
-    "first \\boxed{3}, wait, then \\boxed{4}" is 4 (a correction, not a list).
-  * A boxed reference is read the same way (`\\boxed{1}\\boxed{2}` is `1, 2`).
+  * The final `\\boxed{}` group, unless an explicit "final answer is X" / "Final Answer: X" statement comes
+    after it ("... \\boxed{255} ... The final answer is $10,455$." grades 10,455; "The final answer is
+    $\\boxed{5}$" grades 5). A later "the answer is correct" is commentary and does not override a box.
+    Without any box, the last "answer is X" / "answer: X" statement counts.
+  * A box group is the last box with the boxes just before it separated only by connectors (whitespace, `$`,
+    `\\[ \\]`, `\\quad`, commas, "and", "or", `\\text{and}`, `x =`): `\\boxed{-2}\\quad\\text{and}\\quad\\boxed{1}`
+    is `-2, 1`, but "first \\boxed{3}, wait, then \\boxed{4}" is 4. A boxed reference is read the same way.
 
 Lists and numbers:
-  * A bare comma list is unordered (`1, -2` == `-2, 1`, as MATH's "enter all
-    solutions separated by commas"); a bracketed one is ordered and its
-    brackets must agree (`(1, 4) != (4, 1)`, `[-3, 2] != (-3, 2)`); a tuple
-    against a bare list compares in order.
-  * A comma is a thousands separator only in `10{,}000` / `10,\\!000` (LaTeX's
-    thousands idioms) or when the whole answer is one number grouped as
-    `[1-9]\\d{0,2}(,\\d{3})+` with no spaces (`7,425,000`). So `32, 349` is the
-    list (32, 349), `-2,1` is a list, and `1,22` is the list (1, 22), never the
-    European decimal 1.22.
-  * A percent answer `X%` (`\\%`, "percent", "pct") equals both X and X/100
-    (`10%` == `10` == `0.1`); a bare number never equals its 100-fold.
+  * A bare comma list is unordered (`1, -2` == `-2, 1`); a bracketed one is ordered and its brackets must
+    agree (`(1, 4) != (4, 1)`, `[-3, 2] != (-3, 2)`); a tuple against a bare list compares in order.
+  * A comma is a thousands separator only in `10{,}000` / `10,\\!000` or when the whole answer is one number
+    grouped as `[1-9]\\d{0,2}(,\\d{3})+` with no spaces (`7,425,000`): `32, 349` and `1,22` are lists.
+  * A percent answer `X%` (`\\%`, "percent", "pct") equals both X and X/100; a bare number never equals its
+    100-fold.
 
-Nothing here raises on model output; callers get `None` for "no answer found".
-Outputs longer than MAX_OUTPUT_CHARS are graded on their last MAX_OUTPUT_CHARS
-characters (the final answer is at the end), so every call's cost is bounded.
+Nothing here raises on model output; callers get `None` for "no answer found". Outputs longer than
+MAX_OUTPUT_CHARS are graded on their last MAX_OUTPUT_CHARS characters, so every call's cost is bounded.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Shared-memory parameter slot: the learner publishes weights + a version, samplers read the latest.
 
-Layout: one segment holding a header and `nbuf` buffers (2 by default, 1 for one
-parameter copy in shared memory), each with every array of a fixed schema (e.g.
-one flat float32 / bfloat16 vector, or a dict of arrays).
+Layout: one segment holding a header and `nbuf` buffers (2 by default, 1 for one parameter copy in shared
+memory), each with every array of a fixed schema (e.g. one flat float32 / bfloat16 vector, or a dict of arrays).
 
 Consistency (double buffer + per-buffer seqlock, header under a lock):
   writer: b = the buffer not published last
@@ -11,42 +10,28 @@ Consistency (double buffer + per-buffer seqlock, header under a lock):
           seq[b] += 1; version[b] = v; latest = b      (even: complete)
   reader: (v, b, s1) = (version[latest], latest, seq[b]); copy buffer b;
           s2 = seq[b]; accept iff s1 == s2, else retry.
-A reader is only disturbed when the writer laps it (two publishes during one
-copy), so it never sees torn data and rarely retries.
+A reader is only disturbed when the writer laps it (two publishes during one copy), so it never sees torn data.
 
-One buffer (nbuf=1; half the shared memory) adds reader exclusion to the seqlock:
-  reader: under the lock, wait while seq is odd (a write in progress), then
-          record reading = its pid; copy; under the lock clear reading and
-          accept iff seq did not change (it cannot, unless the protocol broke).
-  writer: under the lock, wait while reading names a live process (a dead
-          reader's mark is cleared), then seq += 1 (odd), write, seq += 1.
-So a write waits for at most one reader's copy (AsyncSource's default on both
-publish paths: its sampler reads right after a publish, so a synchronous write
-rarely meets a read; benchmarks/README.md), and readers wait for the write in
-progress instead of reading the other buffer. One reader at a time. The header words are read
-and written under a spawn-context Lock, held for a few microseconds and never
-during a copy: its acquire/release are full memory barriers, which makes the
-seqlock correct on weakly ordered CPUs (ARM hosts) too, where plain numpy loads
-and stores into shared memory could be reordered.
+One buffer (nbuf=1) adds reader exclusion to the seqlock:
+  reader: under the lock, wait while seq is odd (a write in progress), then record reading = its pid; copy;
+          under the lock clear reading and accept iff seq did not change.
+  writer: under the lock, wait while reading names a live process (a dead reader's mark is cleared), then
+          seq += 1 (odd), write, seq += 1.
+So a write waits for at most one reader's copy and readers wait for the write in progress; one reader at a
+time. The header words are read and written under a spawn-context Lock, never held during a copy; its
+acquire/release are full memory barriers, so the seqlock is correct on weakly ordered CPUs too.
 
-Ownership and cleanup are those of `shm_queue.Segment`: the creating process
-(the learner) unlinks the segment and the lock's semaphore on close, on garbage
-collection, at exit, and through the resource tracker if it is killed; both
-names carry the run id and the owner's pid (`vcpo_jax.cleanup` removes them
-when the whole process group was killed). Pass the slot to spawned samplers as
-a `Process` argument (the lock travels by inheritance); `unlink()` removes both
-names once they have attached (they keep their mappings and the lock).
-
-Waits: the lock is taken in short slices; between them an optional `poll()`
-callable runs (the learner's signal flag, the peer's liveness) and may raise
-to abandon the wait, so a peer stopped or killed inside the critical section
-never holds the caller for longer than one slice once `poll` knows.
+Ownership and cleanup are those of `shm_queue.Segment` (the creating process unlinks the segment and the lock;
+names carry the run id and owner pid). Pass the slot to spawned samplers as a `Process` argument; `unlink()`
+removes both names once they have attached. Waits take the lock in short slices, calling an optional `poll()`
+between them (which may raise to abandon the wait).
 
 Checksum (`checksum`, 64 bits, position-weighted sums of uint64 words): publish() computes it over what it
-wrote (`last_checksum`), latest() over what it copied out (`checksum_of`), each fused into its copy, block by
-block while the block is in cache, so it costs a few percent of the copy (not a second pass over memory).
+wrote (`last_checksum`), latest() over what it copied out (`checksum_of`), each fused into its copy block by
+block while the block is in cache (not a second pass over memory).
 
 Single writer; any number of readers (one with delta publishing: the header holds one reader's version).
+Why one buffer is AsyncSource's default: docs/design_notes.md "rollout/process/param_slot.py".
 """
 
 from __future__ import annotations
@@ -68,6 +53,7 @@ from vcpo_jax.rollout.process.shm_queue import (
   Segment,
   _align,
   _unlink_semaphore,
+  check_sendable,
   pid_alive,
 )
 
@@ -248,10 +234,7 @@ class ParamSlot:
     ]
 
   def __getstate__(self):
-    if self._seg is None:
-      raise ValueError("cannot send a closed ParamSlot to another process")
-    if self._unlinked:
-      raise ValueError("cannot send an unlinked ParamSlot to another process: its names are gone")
+    check_sendable(self)
     return {
       "spec": self.spec,
       "nbuf": self.nbuf,

@@ -1,60 +1,31 @@
 """Shared-memory queue that carries rollout batches from the sampler process to the learner.
 
-A batch is a dict of numpy arrays whose shapes follow a declared `BatchSchema`
-(e.g. tokens [N, T] int32 with T taken from a bucket list) plus a small JSON-able
-metadata dict. The queue is a ring of `nslots` fixed-size slots in one
-`multiprocessing.shared_memory` segment; `put` writes the arrays in place into a
-free slot (one memcpy, no pickling of arrays), `get` copies them out (or returns
-read-only views with `copy=False`). Variable lengths go through padded buckets:
-a length L on a bucketed dimension is padded with the field's `fill` up to the
-smallest bucket >= L, so the learner only ever sees a few fixed shapes (one jit
-compile per bucket).
+A batch is a dict of numpy arrays whose shapes follow a declared `BatchSchema` (e.g. tokens [N, T] int32 with
+T taken from a bucket list) plus a small JSON-able metadata dict. The queue is a ring of `nslots` fixed-size
+slots in one `multiprocessing.shared_memory` segment; `put` writes the arrays in place into a free slot (one
+memcpy, no pickling of arrays), `get` copies them out (or returns read-only views with `copy=False`). A length L
+on a bucketed dimension is padded with the field's `fill` up to the smallest bucket >= L, so the learner only
+ever sees a few fixed shapes (one jit compile per bucket).
 
-Synchronization (the choice, and why): two counting semaphores from the spawn
-context, `free` (starts at nslots) and `items` (starts at 0), classic bounded
-buffer. POSIX semaphore post/wait are full memory barriers, so the slot bytes
-written before `items.release()` are visible after `items.acquire()` on any
-architecture; a seqlock in shared memory would rely on numpy stores not being
-reordered, which only x86 guarantees. Semaphores also give blocking waits with
-timeouts (back-pressure without spinning). The cost: they can only be handed to
-a child at spawn time (pass the queue as a `Process` argument).
+Contract:
+- Synchronization: two counting semaphores from the spawn context, `free` (starts at nslots) and `items`
+  (starts at 0), a classic bounded buffer; their post/wait are full memory barriers, so the slot bytes written
+  before `items.release()` are visible after `items.acquire()` on any architecture. They can only be handed
+  to a child at spawn time (pass the queue as a `Process` argument).
+- Liveness: every wait is a loop of short `acquire(timeout=poll)` calls that check the peer between them: the
+  producer's pid (registered at its first `put`) and, if given, a `Process` handle (`watch(proc)`); zombies
+  count as dead. Completed batches are drained before the error is raised. The producer symmetrically
+  detects a dead consumer.
+- Ownership: the constructing process (the learner) creates the segment and the named POSIX semaphores and
+  unlinks them on `close()`, garbage collection and interpreter exit; children attach without registering
+  with the resource tracker. Names carry the run id and the owner's pid and start time (`vcpo_jax.cleanup`
+  removes those of owners that are gone). `unlink()` removes every name once the peer has attached, after
+  which the queue can no longer be sent to another process (`check_sendable`).
+- Heartbeat: `beat()` bumps a counter in the header (the producer's loop); the consumer reads `beats()`.
+- Single producer, single consumer, one thread each. Not thread-safe.
 
-Liveness: every wait is a loop of short `acquire(timeout=poll)` calls; between
-them the waiter checks its peer. The consumer's peer is the producer's pid
-(registered in the shared header at its first `put`) and, if given, a
-`multiprocessing.Process` handle (`watch(proc)`, which also covers a producer
-that dies before its first put). Zombies count as dead: a killed child stays a
-zombie until its parent reaps it, and `os.kill(pid, 0)` still succeeds on it.
-Completed batches are drained before the error is raised, so nothing the
-producer finished is lost. The producer symmetrically detects a dead consumer.
-
-Segment ownership: the process that constructs the queue (the learner) creates
-and owns the segment and unlinks it on `close()`, on garbage collection and at
-interpreter exit (`weakref.finalize`); if the owner itself is SIGKILLed, the
-resource tracker it registered the segment with unlinks it once the children
-have exited. Children attach without registering the segment with the resource
-tracker: on Python < 3.13 `SharedMemory(name)` registers every attachment, and
-because spawned children share the parent's tracker a late registration racing
-with the owner's unlink leaves a stale entry that the tracker later "cleans up"
-with a leaked-object warning. On 3.13+ `track=False` does the same.
-The semaphores are named POSIX semaphores (`/dev/shm/sem.vcpo-*` on Linux) owned
-the same way by the creating process. Every name carries the run id and the
-owner's pid and start time (`vcpo_jax.cleanup`), because when the whole process
-group is SIGKILLed the resource tracker dies too and nothing unlinks them:
-`cleanup.remove_stale()` (run by the next async run, or `python -m
-vcpo_jax.cleanup`) then removes the objects of owners that are gone. Sooner:
-`unlink()` removes every name as soon as the peer has attached (AsyncSource does
-once its sampler says so), after which both sides keep using what they hold open
-and a SIGKILL of everything leaves nothing behind; the queue can then no longer
-be sent to another process.
-
-Heartbeat: `beat()` bumps a counter in the header (the producer calls it from its
-loop); the consumer reads it with `beats()` and judges staleness itself.
-
-Pids are compared without start times, so a pid reused within one poll period
-could hide a death; with Linux's pid space that window is negligible.
-
-Single producer, single consumer, one thread each. Not thread-safe.
+Why semaphores rather than a seqlock, the resource tracker's races, and pid reuse: docs/design_notes.md
+"rollout/process/shm_queue.py".
 """
 
 from __future__ import annotations
@@ -346,6 +317,16 @@ def _unlink_semaphore(sem) -> None:
       return
 
 
+def check_sendable(owner) -> None:
+  """Raises ValueError if a segment owner (ShmQueue, ParamSlot) cannot be pickled to another process: it is
+  closed (no segment) or its names are unlinked (a spawned child could not attach them)."""
+  kind = type(owner).__name__
+  if owner._seg is None:
+    raise ValueError(f"cannot send a closed {kind} to another process")
+  if owner._unlinked:
+    raise ValueError(f"cannot send an unlinked {kind} to another process: its names are gone")
+
+
 class ShmQueue:
   """Bounded SPSC FIFO of schema-shaped batches in shared memory.
 
@@ -407,10 +388,7 @@ class ShmQueue:
 
   # Spawned children receive the semaphores by inheritance and attach the segment.
   def __getstate__(self):
-    if self._seg is None:
-      raise ValueError("cannot send a closed ShmQueue to another process")
-    if self._unlinked:
-      raise ValueError("cannot send an unlinked ShmQueue to another process: its names are gone")
+    check_sendable(self)
     return {
       "schema": self.schema,
       "nslots": self.nslots,

@@ -1,72 +1,34 @@
 """The async sampler process: newest parameters (ParamSlot) -> RolloutMaker.make -> ShmQueue.
 
-`AsyncSource` (async_.py) starts `main` in a process from the multiprocessing
-"spawn" context (a fork of a process that already runs JAX can deadlock), so
-everything the worker needs crosses as picklable pieces (`WorkerArgs`): the
-frozen rollout / model / sampler configs (and, for tool-use rollouts, the
-`MultiTurnConfig`: the worker then builds a `MultiTurnRolloutMaker`, whose
-sandbox runs each code block in a fresh `python -I -S` subprocess of this
-worker), the tokenizer (a pickled
-`PreTrainedTokenizerFast`), the training problems and the raw RNG key data. The
-model graphdef is rebuilt here from the model config with `nnx.eval_shape`
-(no parameter init is computed) and must flatten to the names the learner
-publishes.
+`AsyncSource` (async_.py) starts `main` in a "spawn" process (a fork of a process running JAX can deadlock),
+so everything crosses as picklable pieces (`WorkerArgs`: frozen rollout / model / sampler configs, an optional
+`MultiTurnConfig`, the tokenizer, the training problems, the raw RNG key data). The graphdef is rebuilt here
+with `nnx.eval_shape` and must flatten to the names the learner publishes.
 
-Loop, for b = first_step, first_step + 1, ..., end_step - 1:
+Loop, for b = first_step, ..., end_step - 1:
+  1. staleness bound (PipelineRL-style): wait until the published version v >= b - k (pause rather than
+     make a batch more than k steps stale; nothing is generated and then dropped),
+  2. take the newest parameters (v in [b - k, b]),
+  3. batch = maker.make(params, b, fold_in(key, b), v): every row records policy_version = v, so the
+     learner's lag b - v lies in [0, k]; the maker's scalar info["metrics"] travel in the JSON metadata,
+  4. put it into the queue (blocks while full: back-pressure).
 
-  1. staleness bound (PipelineRL-style): wait until the published version
-     v >= b - k. The worker pauses instead of producing a batch that would be
-     more than k steps stale when the learner consumes it at step b; nothing is
-     ever generated and then dropped.
-  2. take the newest parameters (v may be anything in [b - k, b]),
-  3. batch = maker.make(params, b, fold_in(key, b), v): every row records
-     policy_version = v, so the learner's lag b - v lies in [0, k]; the maker's
-     scalar info["metrics"] (e.g. multi-turn turn counts) travel in the batch's
-     JSON metadata,
-  4. put it into the queue (blocks while the queue is full: back-pressure).
+Options:
+- In-flight updates (`WorkerArgs.inflight`): between decode chunks `_on_chunk` loads a newer version; each
+  token records its version (batch["token_version"]) and policy_version is the row's oldest token's, so
+  the bound of step 1 is the oldest token's lag bound. The metadata echoes every version's checksum.
+- Several hosts: `WorkerArgs.prompt_block` = (lo, hi) samples prompts [lo, hi) of each step's P, seeded as
+  rows [lo G, hi G) of the single-host batch (Sampler.generate's row_offset).
+- Background evaluation (`WorkerArgs.eval`): before each batch and in its waits the worker evaluates a newer
+  version found in the eval slot (the trainer's protocol, RNG fold_in(key, 10**9 + v)) and sends
+  ("eval", record) back; the learner keeps at most one request outstanding.
 
-In-flight updates (`WorkerArgs.inflight`, async_.inflight_updates): during 3 the sampler
-decodes in chunks and, every `update_every_tokens` decode steps, `_on_chunk` looks at the
-slot; a newer version is loaded and samples every later token of the batch (the KV cache
-is kept, or recomputed with `recompute_kv`). Each token records its version
-(batch["token_version"]), its behaviour log-prob is the one of that version, and
-policy_version is the row's OLDEST token's, so the bound of step 1 (on the version a batch
-starts with) is the lag bound of the oldest token; later tokens are fresher. The batch's
-metadata echoes the checksum of every version it used.
-
-On several hosts (rollout/multihost.py) `WorkerArgs.prompt_block` = (lo, hi) makes this worker sample
-only prompts [lo, hi) of each step's P, taken from the single-host stream; its batch has (hi - lo) * G
-rows, seeded as rows [lo G, hi G) of the single-host batch (Sampler.generate's row_offset), so with the
-same parameters they are the single-host run's rows. (Multi-turn makers take no row offset: their host
-folds its index into the key instead.)
-
-Background evaluation (`WorkerArgs.eval`, eval.background): the learner requests an evaluation of
-version v by writing that version's parameters (float32, as the learner holds them) into a second,
-one-copy ParamSlot, the eval slot. Before each batch and in its waits (the staleness bound, a full
-queue) the worker looks at that slot; a newer version is evaluated with `evaluation.EvalSampling` and
-`evaluation.evaluate` (the trainer's protocol, problems, sampler settings and RNG fold_in(key, 10**9 + v),
-so the record is the one a synchronous eval of v would write) and the record, tagged with
-policy_version = v, goes back on the control pipe as ("eval", record). The learner keeps at most one
-request outstanding, so no request is ever overwritten unevaluated.
-
-Idle time = time blocked in 1 (the bound) and 4 (a full queue), less the time spent evaluating there;
-the totals travel with each batch so the learner can report the sampler's idle fraction.
-
-Control and errors travel on one duplex `Pipe`: the learner sends "stop"; the
-worker sends ("attached", pid) first (every shared-memory channel is open: the learner
-removes their names), ("eval", record) for each background evaluation and ("error", traceback)
-before exiting non-zero, so the learner can name the cause.
-
-Heartbeat: the worker bumps the queue's counter (ShmQueue.beat) at every loop point: each
-look for "stop" (every wait slice of at most _POLL_S: the staleness bound, a full queue, the
-end), after each batch, between decode chunks (chunked / refill decode; a static decode is
-one device call without beats) and around each generation call of a background evaluation.
-The learner treats a counter that stops moving as a hung sampler (async_.heartbeat_timeout_s).
-
-The worker ignores SIGINT (Ctrl-C reaches the whole process
-group; the learner decides when the sampler stops) and, on Linux, asks the
-kernel to SIGKILL it if the learner dies (PR_SET_PDEATHSIG), besides noticing a
-dead learner in every wait.
+Idle time (blocked in 1 and 4, less evaluation time there) travels with each batch. Control and errors use
+one duplex `Pipe`: the learner sends "stop"; the worker sends ("attached", pid) first, ("eval", record) and
+("error", traceback) before exiting non-zero. Heartbeat: the worker bumps the queue's counter (ShmQueue.beat)
+at every wait slice, after each batch, between decode chunks and around evaluation calls; a counter that
+stops moving is a hung sampler (async_.heartbeat_timeout_s). The worker ignores SIGINT and asks the kernel
+to SIGKILL it if the learner dies (PR_SET_PDEATHSIG). Details: docs/design_notes.md "rollout/process/worker.py".
 """
 
 from __future__ import annotations
