@@ -129,6 +129,7 @@ def _ledger(tmp_path: Path, variant: str):
   return c
 
 
+@pytest.mark.slow
 def test_report_from_hand_made_ledger_records(tmp_path):
   """claim.write on records laid out as the studies write them: tuning choices by auc, the attribution table,
   the every-method table with VCPO's tuned knob, the verdicts; a second commit makes it refuse (exit 2)."""

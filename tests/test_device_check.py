@@ -62,6 +62,7 @@ def test_report_fields(report):
   assert set(report["memory"][0]) >= {"peak_bytes_in_use", "bytes_limit"}
 
 
+@pytest.mark.slow
 def test_mfu_fields_and_flops_agree(report):
   """The two FLOP counts of a step: 6 x N_params x tokens and XLA's (which adds attention, the log-softmax and
   the optimizer; a factor 0.5-3 apart at the tiny shape, where those weigh more than at 1.5B)."""
@@ -168,6 +169,7 @@ def test_the_json_is_written_after_each_part_even_when_one_raises(tmp_path, monk
   assert not (tmp_path / "check.json.tmp").exists()
 
 
+@pytest.mark.slow
 def test_the_hard_limit_ends_a_part_that_runs_on_and_still_writes_the_json(tmp_path):
   """A part stuck past --limit_s (a compile cannot be interrupted) is recorded as cut off; the process ends at
   the limit with the JSON written, the parts before it kept and the ones after it never started."""

@@ -108,6 +108,7 @@ def test_export_loads_in_transformers_with_the_runs_logits_and_greedy_answers(ru
   assert gen_cfg["max_new_tokens"] == config.task.max_new_tokens
 
 
+@pytest.mark.slow
 def test_model_card_snippet_runs_and_generates_as_the_export_does(run, tmp_path):
   """README.md in the export: the source run, its config, the task's prompt format with an example made by
   the task (countdown: `[12, 7]>19:`), and a 3-line snippet that runs: seeded alike, it prints what
@@ -137,6 +138,7 @@ def test_model_card_snippet_runs_and_generates_as_the_export_does(run, tmp_path)
   assert printed.getvalue() == want + "\n" and len(want) > 0
 
 
+@pytest.mark.slow
 def test_export_step_choice_and_errors(run, tmp_path):
   workdir, saved = run
   assert export.export(workdir, str(tmp_path / "s2"), step="2")["step"] == 2

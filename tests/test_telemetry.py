@@ -206,13 +206,14 @@ def _compiled_step(graphdef, params, batch, lcfg):
   return float(cost["flops"]), {k: f(v) for k, v in step(state, batch)[1].items()}
 
 
-@pytest.mark.parametrize("microbatch_size", [None, 4])
-def test_a_method_without_norms_does_not_compute_them_under_the_default_telemetry(tiny, microbatch_size):
-  """grad_telemetry=True (the default) for seq_tis (no OPOB): no grad/ metrics and the compiled step's flops are
-  those of grad_telemetry=False (XLA drops the ghost path's unused norms); "norms" computes them (more flops) and
-  logs the norm telemetry. A bug that hands the norms to the telemetry under the default fails the flop check."""
+@pytest.mark.parametrize("preset,microbatch_size", [("seq_tis", None), ("seq_tis", 4), ("none", None)])
+def test_a_method_without_norms_does_not_compute_them_under_the_default_telemetry(tiny, preset, microbatch_size):
+  """grad_telemetry=True (the default) for seq_tis and the plain GRPO step (none; no OPOB): no grad/ metrics and
+  the compiled step's flops are those of grad_telemetry=False (XLA drops the ghost path's unused norms); "norms"
+  computes them (more flops) and logs the norm telemetry. A bug that hands the norms to the telemetry under the
+  default fails the flop check."""
   graphdef, params, batch = tiny
-  pg = estimator.method_from_preset("seq_tis")
+  pg = estimator.method_from_preset(preset)
   assert not estimator.needs_sq_norms(pg)
   cfgs = {
     t: learner.LearnerConfig(method=pg, grad_telemetry=t, microbatch_size=microbatch_size)

@@ -59,6 +59,7 @@ def _pull_child(slot, versions, out):
   out.close()
 
 
+@pytest.mark.slow
 def test_the_sampler_process_pulls_the_learners_parameters_after_a_step_even_once_they_are_donated():
   """The channel alone (the worker replaced by _pull_child): the pulled copy equals the published parameters
   bit for bit, lives on the other process's device, and carries its version and the learner's checksum;
