@@ -15,6 +15,7 @@ steps where they do (measured numbers: docs/results/cpu_default.md). Launch:
   python main.py --config=configs/countdown.py --workdir=/tmp/lag32 --config.mode=lag --config.lag.k=32 --config.method=none
   python main.py --config=configs/countdown.py:smoke --workdir=/tmp/smoke                   # a few steps, tests
   python main.py --config=configs/countdown.py:study13 ...   # the earlier, harder testbed (the committed study)
+  python main.py --config=configs/countdown.py:moe ...       # a tiny Qwen3-MoE policy, lag k = 8, routing replay
 """
 
 from configs import common
@@ -76,6 +77,14 @@ def get_config(arg: str | None = None):
     c.log.progress = False  # quiet in tests
     c.log.plots = False  # no PNGs in tests
     c.log.norm_overhead_every = 2  # exercise the overhead timing
-  if arg not in (None, "", "smoke", "study13"):
-    raise ValueError(f"configs/countdown.py: unknown variant {arg!r}; use '', 'smoke' or 'study13'.")
+  if arg == "moe":  # the same testbed on a tiny Qwen3-MoE policy (issue 41's replay evidence, moe_replay_protocol.md)
+    c.model.preset = "tiny_qwen3_moe"  # 8 experts, top-2, normalised gates; hidden / layers as above (0.51M params)
+    c.model.intermediate_size = None  # every layer is an MoE block: each expert's width is moe_intermediate_size
+    c.model.routing_replay = True  # the learner replays the sampler's experts (--config.model.routing_replay=false)
+    c.mode = "lag"  # exact staleness: runs with and without replay see the same lag at every step
+    c.lag.k = 8  # rollouts 8 learner steps old: the learner's routing drifts from the sampler's
+    c.steps = 150  # RL steps (the protocol's budget on the shared CPU)
+    c.eval.every = 50  # evaluations at steps 0, 50, 100, 150
+  if arg not in (None, "", "smoke", "study13", "moe"):
+    raise ValueError(f"configs/countdown.py: unknown variant {arg!r}; use '', 'smoke', 'study13' or 'moe'.")
   return c

@@ -73,7 +73,7 @@ def test_config_parses(name, variant, tiny_ckpt):
 
 
 VARIANTS = {
-  "countdown": ("", "smoke", "study13"),
+  "countdown": ("", "smoke", "study13", "moe"),
   "gsm8k": ("", "smoke"),
   "math": ("", "smoke", "qwen3_8b", "qwen3_30b_a3b"),
 }

@@ -345,3 +345,38 @@ def test_cache_key_is_pinned(tok, model, tmp_path):
   assert fields["problems_sha256"] == "1031237fef154c0e4054e2920f1c671aadfdea4f34e71555241a1ac8e63757a9"
   # 6d7c3e3611b2ec1b1a540e6d at CACHE_VERSION 2 (the same fields); 3: the parameters' leaves are stacked layers
   assert sft.cache_key(fields) == "0160f6092b49a9571747601c"
+
+
+def test_moe_warm_start_trains_and_is_shared_with_and_without_replay(tok, tmp_path, monkeypatch):
+  """A tiny Qwen3-MoE warm-starts like a dense policy (the loss falls, the experts and router move); runs with
+  and without routing replay, or another grouped matmul, hit the same cache file; the MoE shape is keyed."""
+  from vcpo_jax.model import config as model_config
+
+  cfg = model_config.tiny_qwen3_moe(
+    vocab_size=len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, max_position=64
+  )
+  graphdef, params = transformer.split(transformer.init(cfg, seed=0))
+  spec = _spec(tmp_path)
+  probs = spec.task.make_problems("train", spec.rollout.num_train_problems, spec.seed)
+  sft_cfg = spec.sft_config()
+  examples = sft.build_examples(probs, tok, sft_cfg.max_prompt_len, sft_cfg.max_new_tokens)
+  trained, losses = sft.train(graphdef, params, examples, steps=8, lr=3e-3, batch_size=8, seed=0)
+  assert losses[-1] < losses[0]
+  moved = {
+    n: not np.array_equal(np.asarray(a), np.asarray(b))
+    for n, a, b in zip(sft._names(params), jax.tree.leaves(params), jax.tree.leaves(trained))
+  }
+  assert any(v for n, v in moved.items() if "mlp.gate." in n) and any(v for n, v in moved.items() if "expert" in n)
+
+  first = sft.warm_start(graphdef, params, cfg, tok, probs, sft_cfg)
+  monkeypatch.setattr(sft, "train", lambda *a, **k: pytest.fail("a cached warm start must not train"))
+  for other in (cfg.replace(routing_replay=True), cfg.replace(moe_matmul="scan")):
+    again = sft.warm_start(graphdef, params, other, tok, probs, sft_cfg)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  def key(c):
+    return sft.cache_key(sft.key_fields(params, c, tok, probs, sft_cfg))
+
+  assert key(cfg.replace(num_experts_per_tok=1)) != key(cfg) != key(cfg.replace(moe_intermediate_size=16))
+  assert "num_experts" in sft.key_fields(params, cfg, tok, probs, sft_cfg)["model_cfg"]
