@@ -35,6 +35,8 @@ BUILT = (RolloutConfig, LearnerConfig, ModelConfig, EvalProtocol, SFTConfig, Sam
 DUPLICATES_ALLOWED = {
   ("RolloutConfig", "seed"): "a RolloutMaker built by hand (tests, notebooks); parse_config passes config.seed",
   ("EvalProtocol", "seed"): "evaluation.evaluate called by hand; parse_config passes config.seed",
+  ("ModelConfig", "router_aux_loss_coef"): "the checkpoint's own weight (its config.json), never applied; another knob "
+  "than learner.router_aux_loss_coef, the weight the learner applies",
 }
 
 

@@ -247,7 +247,7 @@ def test_trainer_backend_end_to_end_tunes_and_resumes_per_run(tmp_path):
   wd = st.run_dir(c, "vcpo", 2, c.lrs[0], c.seeds[0], knob)
   assert wd.name == "vcpo_rho_on0.5_k2_lr0.0003_seed0"
   assert (wd / "summary.json").exists() and not (wd / "checkpoints").exists()
-  assert json.loads((wd / "config.json").read_text())["vcpo"]["rho_on"] == 0.5
+  assert json.loads((wd / "config.json").read_text())["method"]["lr"]["rho_on"] == 0.5
   # The same run without the cache (every program compiled afresh) logs the same numbers.
   fresh = tmp_path / "fresh"
   trainer.run(st.trainer_run_config(c, "vcpo", 2, c.seeds[0], c.lrs[0], knob), str(fresh))
