@@ -450,6 +450,19 @@ def test_the_ledgers_flat_names_of_a_runs_method_hand_checked():
     legacy_method.run_config(run, "seq_tis", [])  # its tree says c = 4: the old form must say it too
 
 
+def test_the_ledgers_flat_names_file_missing_is_one_clear_error(monkeypatch, tmp_path):
+  """The old names are the ledger's data (legacy_method.NAMES_FILE): without it the error names the file."""
+  names = legacy_method.names()
+  assert len(names["flat_names"]) == 31 and names["peer_loss_text"] == "policy_loss_kw"
+  monkeypatch.setattr(legacy_method, "NAMES_FILE", tmp_path / "legacy_method_names.json")
+  legacy_method.names.cache_clear()
+  try:
+    with pytest.raises(FileNotFoundError, match="legacy_method_names.json is missing"):
+      legacy_method.flat_overrides(estimator.method_from_preset("seq_tis"), [("method.weights.c", 4.0)])
+  finally:
+    legacy_method.names.cache_clear()
+
+
 def test_knob_overrides_hand_checked():
   assert tuning.knob_overrides("clip_c", 4.0) == {"method.weights.lower": 0.25, "method.weights.upper": 4.0}
   assert tuning.knob_overrides("mask_c", 2.0) == {"method.weights.lower": 0.5, "method.weights.upper": 2.0}
