@@ -1,61 +1,42 @@
 """Jitted autoregressive generation with a KV cache: tokens, masks and behavior log-probs.
 
-Shape legend: P prompts, G samples per prompt, N = P * G rows (trajectories), B the
-batch bucket (N rows padded up to a bucket, chunked when N exceeds the largest),
-Tp the prompt-length bucket, Tn the new-token bucket, T = Tp + Tn, S = T the KV-cache
-length, V vocab.
+Shape legend: P prompts, G samples per prompt, N = P * G rows (trajectories), B the batch bucket (N rows
+padded up to a bucket, chunked when N exceeds the largest), Tp the prompt-length bucket, Tn the new-token
+bucket, T = Tp + Tn, S = T the KV-cache length, V vocab.
 
 Layout (what the learner consumes, one row per trajectory):
 
     tokens[n] = [pad ... pad, prompt_0 ... prompt_{L-1}, resp_0 ... resp_{R-1}, pad ... pad]
                  |<--------------- Tp (left-padded) ---->|<-------- Tn (right-padded) ---->|
 
-prompt_mask marks the prompt tokens, response_mask the generated tokens up to and
-including the stop token (EOS or any stop id), behavior_logp[n, t] is the log-prob
-of tokens[n, t] under the distribution it was sampled from (0 outside the response).
-`transformer.sequence_logprobs(graphdef, params, tokens, prompt_mask | response_mask)`
-scores exactly these rows: positions count real tokens, so left padding is invisible.
+prompt_mask marks the prompt tokens, response_mask the generated tokens up to and including the stop token
+(EOS or any stop id), behavior_logp[n, t] is the log-prob of tokens[n, t] under the distribution it was
+sampled from (0 outside the response). `transformer.sequence_logprobs(graphdef, params, tokens,
+prompt_mask | response_mask)` scores exactly these rows (positions count real tokens).
 
 Behavior log-probs (`SamplerConfig.logp_mode`):
-  * "sampled" (default): log mu(y_t) where mu is the distribution the token was
-    actually drawn from: softmax(logits / temperature), then top-k, then top-p
-    (nucleus over the top-k-renormalized distribution), renormalized over the kept
-    tokens. This is the right denominator for importance ratios pi/mu: a token
-    outside the nucleus has mu = 0 and is never drawn, a kept token has mu larger
-    than its unfiltered probability.
-  * "tempered": log softmax(logits / temperature)(y_t), no filtering. This is not a
-    sampling distribution when filtering is on (it sums to < 1 over the kept set);
-    use it only to compare with other systems that record it.
-  Greedy (temperature = 0) samples from a point mass: "sampled" records 0 and
-  "tempered" records the temperature-1 full-softmax log-prob.
-  The learner scores log pi(y_t) = log softmax(logits)(y_t) at temperature 1 over the
-  full vocabulary, or, with support replay (`record_support`, the training config's
-  sampler.support_replay: on by default with a filter), renormalised over the support the
-  sampler kept for y_t (vcpo_jax/model/support.py). The two agree with equal weights iff
-  temperature = 1 and (top_k = 0 and top_p = 1, or support replay); otherwise log(pi/mu) != 0
-  even on-policy, and the importance ratios correct for the sampler's tempering and filtering.
+  * "sampled" (default): log mu(y_t), mu the distribution y_t was drawn from: softmax(logits / temperature),
+    then top-k, then top-p (over the top-k-renormalized distribution), renormalized over the kept tokens:
+    the denominator of the importance ratios pi / mu. Greedy (temperature 0) records 0.
+  * "tempered": log softmax(logits / temperature)(y_t), no filtering (not a sampling distribution when
+    filtering is on; for comparison with systems that record it). Greedy records the temperature-1 log-prob.
+  The learner scores log pi(y_t) = log softmax(logits)(y_t) at temperature 1, over the full vocabulary or,
+  with support replay (`record_support`), over the support the sampler kept for y_t (model/support.py).
+  Equal weights on-policy iff temperature = 1 and (top_k = 0 and top_p = 1, or support replay).
 
-Recompilation: prompt lengths, batch sizes and new-token counts are padded to fixed
-buckets (configurable lists), so after one call per (B, Tp, Tn) bucket nothing traces
-again; max_new_tokens within a bucket and the stop-token set are runtime values.
-Randomness is per row: row n at step i uses fold_in(fold_in(rng, n), i), so a row's
-sample does not depend on which other rows share its batch. The draw (`SamplerConfig.draw`)
-is an exact two-level inverse CDF with two uniforms per row (`inverse_cdf_sample`: no
-[B, V] noise and no sort; 3.7 ms against 80 ms for Gumbel noise at B = 64, V = 8192 on
-one loaded CPU core, `python -m benchmarks.sampler --choice`), or "gumbel" (jax.random.categorical), the draw of earlier versions:
-the same distribution, another random stream, so it reproduces earlier runs per seed.
+Recompilation: prompt lengths, batch sizes and new-token counts are padded to fixed buckets, so after one
+call per (B, Tp, Tn) bucket nothing traces again; max_new_tokens within a bucket and the stop ids are runtime
+values. Randomness is per row: row n's token i uses fold_in(fold_in(rng, n), i), whatever rows share its
+batch. The draw (`SamplerConfig.draw`): "inverse_cdf", an exact two-level inverse CDF with two uniforms per
+row (`inverse_cdf_sample`), or "gumbel" (jax.random.categorical): the same distribution, another stream.
 
-Decode loops (`SamplerConfig.decode`): "static" runs the whole generation of a batch in one
-jitted while_loop (`_generate_device`); "chunked" and "refill" are host-driven
-(`Sampler._run_chunked`): B slots, jitted chunks of `chunk_tokens` decode steps
-(`_chunk_device`), and between chunks the host collects finished rows and, with "refill",
-starts waiting rows (the next prompt or the next sample of a group) in the freed slots
-(`_refill_device`: prefill + first token), so the batch stays full instead of idling until
-its longest row ends. Rows come back in prompt-major order whatever order they finished in.
-Between chunks the parameters may also change (in-flight updates, `generate(on_chunk=...)`):
-each token records the version that sampled it (Rollout.token_version) and its behaviour
-log-prob is that version's; the cache is kept (`recompute_kv` recomputes it). The three modes
-draw the same tokens for the same key (same per-row keys; logits equal up to float rounding).
+Decode loops (`SamplerConfig.decode`): "static" runs a batch's whole generation in one jitted while_loop
+(`_generate_device`); "chunked" and "refill" are host-driven (`Sampler._run_chunked`): B slots, jitted
+chunks of `chunk_tokens` steps (`_chunk_device`); between chunks finished rows are collected and, with
+"refill", waiting rows start in the freed slots (`_refill_device`), and the parameters may change
+(`generate(on_chunk=...)`: each token records its version in Rollout.token_version, its log-prob is that
+version's; the KV cache is kept unless `recompute_kv`). Rows come back in prompt-major order; the three modes
+draw the same tokens for the same key.
 """
 
 from __future__ import annotations
@@ -103,14 +84,12 @@ class SamplerConfig:
     batch_buckets: allowed padded batch sizes B (ascending); larger N is chunked: `_run` runs rows beyond the
       largest bucket as further sequential calls (each row keeps its key, so the rows are the same), the
       chunked / refill engine keeps that many slots and starts the rest as slots free up.
-    max_batch: rows per device call, 0 = no cap. Buckets above it are replaced by it (in `__post_init__`, so
-      every config derived with `dataclasses.replace` is capped too): N rows run as ceil(N / max_batch)
-      sequential calls of max_batch rows, which bounds the KV cache (B rows) and everything else that
-      grows with B, at the cost of more sequential decode loops (each reads all the weights every step).
+    max_batch: rows per device call, 0 = no cap. Buckets above it are replaced by it (`__post_init__`, so a
+      `dataclasses.replace` copy is capped too): N rows run as ceil(N / max_batch) sequential calls, which
+      bounds the KV cache and all else that grows with B, at the cost of more sequential decode loops.
     logp_mode: "sampled" or "tempered", see the module docstring.
-    draw: how a token is drawn from the filtered distribution: "inverse_cdf" (two uniforms per
-      row, `inverse_cdf_sample`) or "gumbel" (Gumbel noise over [B, V], the draw before
-      inverse_cdf: reproduces earlier runs' tokens per seed). Same distribution, other stream.
+    draw: "inverse_cdf" (two uniforms per row, `inverse_cdf_sample`) or "gumbel" (Gumbel noise over [B, V]:
+      earlier runs' tokens per seed). Same distribution, another stream.
     prefill_chunk: prompt tokens per prefill pass (0: the whole prompt bucket in one pass). Chunk c
       attends to the cache prefix written so far, so prefill holds [B, heads, chunk, c * chunk]
       scores instead of [B, heads, Tp, Tp] (and [B, chunk, V] logits).
@@ -118,16 +97,13 @@ class SamplerConfig:
       sampler's devices are accelerators, the parameters as given on CPU), or "int8" (the blocks' projection
       kernels int8 with per-output-channel scales, dequantized inside the matmul, `vcpo_jax.model.quant`;
       the other floats as "auto"; the behaviour log-probs are then the int8 model's). `Sampler.prepare_params`
-      casts (and places) a published version once (half the weight memory and bandwidth per decode
-      step); parameters passed unprepared are cast inside the jitted call, once per call, not per
-      step. The KV cache is always in the model's compute dtype (ModelConfig.dtype).
+      casts (and places) a published version once; unprepared parameters are cast once per jitted call.
+      The KV cache is always in the model's compute dtype (ModelConfig.dtype).
     mesh_shape: (data, fsdp, tensor) shape of the mesh a sampler process builds over its own devices
       (`sampler_mesh`; -1 = all remaining). The sync/lag trainer shares the learner's mesh instead.
-    decode: "static" (default: the whole generation in one on-device loop, every row of a batch
-      runs until the longest ends), "chunked" (host-driven: jitted chunks of `chunk_tokens` decode
-      steps; between chunks the parameters may change, see `generate(on_chunk=...)`) or "refill"
-      (chunked, and a finished row's slot takes the next waiting row: continuous batching).
-      Every mode gives row n's token i the key fold_in(fold_in(rng, n), i).
+    decode: "static" (default: one on-device loop, every row runs until the longest ends), "chunked"
+      (host-driven chunks of `chunk_tokens` steps; the parameters may change between them) or "refill"
+      (chunked, and a finished row's slot takes the next waiting row: continuous batching); module docstring.
     chunk_tokens: decode steps per chunk ("chunked" / "refill").
   """
 

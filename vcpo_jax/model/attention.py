@@ -10,42 +10,32 @@ query t sits in cache slot q_offset + t and may attend key s iff
     (s <= q_offset + t  and  kv_valid[b, s])   or   s == q_offset + t.
 
 Left padding (prompts), right padding (responses) and holes are all described by
-the per-key validity kv_valid [B, S]; nothing of size T x S is stored. The
-diagonal term keeps a padding query's softmax non-empty (it attends to itself;
-its output is ignored), exactly as the dense mask the model used before.
+the per-key validity kv_valid [B, S]; nothing of size T x S is stored. The diagonal
+term keeps a padding query's softmax non-empty (its output is ignored).
 
 Implementations (`ModelConfig.attention`), all exact:
   "dense":   einsum scores [B, K, R, T, S] in float32 and a softmax (the reference;
              also the path for an explicit bool [B, T, S] mask).
   "xla":     `jax.nn.dot_product_attention(implementation="xla")`; dense as well.
   "cudnn":   `jax.nn.dot_product_attention(implementation="cudnn")` (GPU flash
-             attention): causal flag + an additive key bias [B, 1, 1, S] for the
-             padding. Padding queries with no valid key (left padding) see only
-             masked keys (finite, ignored). Self-attention only (a cache offset or
-             T != S falls back to "chunked"). Not run in this repository's tests (no GPU).
-  "chunked": pure-JAX, any backend: queries in chunks of `chunk` tokens, one chunk at a
-             time (lax.map), each rematerialized in the backward pass, so at most
-             [B, N, chunk, S] float32 scores exist at a time (the dense paths hold
-             [B, N, T, S]). Same flops as dense (masked blocks are computed).
+             attention): causal flag + an additive key bias [B, 1, 1, S] for the padding
+             (a query with no valid key sees only masked keys: finite, ignored).
+             Self-attention only (a cache offset or T != S falls back to "chunked").
+  "chunked": pure-JAX, any backend: queries in chunks of `chunk` tokens (lax.map), each
+             rematerialized in the backward pass, so at most [B, N, chunk, S] float32
+             scores exist at a time. Same flops as dense (masked blocks are computed).
   "splash":  the TPU Pallas splash-attention kernel (segment ids: valid = 1, pad = 0,
              causal), imported lazily. Needs TPU, T a multiple of its block (`chunk`), and
-             a shard_map over the mesh when sharded (not wired here: under GSPMD a Pallas
-             call is not partitioned); self-attention only, like "cudnn". Checked against
-             "dense" in the Pallas interpreter on CPU (tests), never run on a TPU here.
+             a shard_map over the mesh when sharded (not wired: GSPMD does not partition
+             a Pallas call); self-attention only, like "cudnn".
 
-The KV cache (`transformer.init_cache`) keeps one layer's keys as [B, K, H, S] and
-its values as [B, K, S, H]: the kv-head axis leads, so the two attention dots are
-batched over (B, K) without a copy, and the keys are stored transposed, so the
-scores are q [R, H] x k [H, S] per (b, k) in the keys' own layout. With the HF-style
-[B, S, K, H] cache, XLA:CPU copied a transposed block of the cache in every decode
-step of every layer (docs/results/benchmarks_history.md, "Decode attention and the cache layout").
+The KV cache (`transformer.init_cache`) keeps one layer's keys as [B, K, H, S] and its
+values as [B, K, S, H] (kv-head axis first, keys transposed: why, docs/design_notes.md).
 Attention over a cache (`cached_attention`: an explicit mask; `decode_attention`: a
 traced or non-zero slot) reads this layout; a call at slot 0 attends to its fresh
-keys [B, T, K, H] through `attention`, whatever the implementation.
-
-Decoding with a KV cache at a traced slot (`decode_attention`) runs blockwise with
-an online softmax over only the filled blocks of the cache (a loop up to the last
-written slot) once the cache is longer than one block, whatever the implementation.
+keys [B, T, K, H] through `attention`, whatever the implementation. `decode_attention`
+runs blockwise with an online softmax over only the filled blocks of the cache once
+the cache is longer than one block.
 """
 
 from __future__ import annotations

@@ -31,14 +31,10 @@ surrogate uses too), with L_n = sum_t mask_nt, n = #rows with L_n > 0:
   "seq-mean-token-mean" (1 / n) sum_n (1 / L_n) sum_t mask l_nt   (GSPO; slime's per-sample mean)
   "seq-mean-token-sum"  (1 / n) sum_n sum_t mask l_nt
 
-The registry `POLICY_LOSSES` maps each name to its function and source (filled by the `register`
-decorator on each loss); calling a registered loss with keyword arguments only is its factory, a
-`PeerLoss` value (e.g. `ppo_clip(eps_high=0.28)`, used by rl.method.Method); `make_policy_loss(name, **hp)`
-binds hyper-parameters (checked once, at build time) and returns a function of the five arrays: no string
-branches inside jitted code. The ESS-targeted truncation (VCPO's `tis_ess`) is a per-step solve for the
-sequence-weight cap, not a loss: `vcpo_jax.rl.ess.ess_target_truncation`.
-
-Departures from the sources are listed in each docstring.
+`POLICY_LOSSES` maps each name to its function and source (the `register` decorator); a registered loss
+called with keyword arguments only is its factory, a `PeerLoss` value (`ppo_clip(eps_high=0.28)`, for
+rl.method.Method); `make_policy_loss(name, **hp)` binds checked hyper-parameters and returns a function of
+the five arrays. Departures from the sources are listed in each docstring.
 """
 
 from __future__ import annotations
