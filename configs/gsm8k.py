@@ -24,10 +24,7 @@ steps, the eval / checkpoint cadence and the mesh are not in the released table.
 
 import os
 
-import ml_collections
-
 from configs import common
-from vcpo_jax.rl import choices
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2-1.5B")  # local HF checkpoint (download as above)
 DATA_PATH = os.path.expanduser("~/data/gsm8k/main/train-00000-of-00001.parquet")  # GSM8K train split
@@ -36,58 +33,27 @@ EVAL_PATH = os.path.expanduser("~/data/gsm8k/main/test-00000-of-00001.parquet") 
 
 def get_config(arg: str | None = None):
   c = common.get_base_config()
+  common.released_recipe(c)  # async VCPO, TIS c = 8, AdamW 1e-6, validation at 0.8 / 0.7, bf16 FSDP
   c.steps = 500  # learner steps (not in the released table)
-  c.mode = "async"  # released runs are asynchronous (sampler process + shared-memory queue)
-  c.method = choices.preset("vcpo")  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
   c.lag.k = 12  # released staleness budget for GSM8K
   c.task.name = "gsm8k"  # scored on the "#### N" answer (boxed / "answer is" as fallbacks)
   c.task.data_path = DATA_PATH  # local parquet/jsonl in the GSM8K schema
   c.task.template = ""  # the task default: "... output the final answer after ####"
-  c.task.chat_template = True  # wrap prompts with the checkpoint's chat template
   c.task.prompts_per_step = 8  # P (released)
   c.task.group_size = 8  # G (released)
   c.task.max_prompt_len = 2048  # released max prompt length
   c.task.max_new_tokens = 2048  # released max response length
   c.model.checkpoint = MODEL_DIR  # Qwen2-1.5B (local directory with config.json + safetensors)
-  c.model.dtype = "bfloat16"  # compute dtype on accelerators
-  c.model.attention = "chunked"  # no [B, H, T, T] (on TPU: "splash", on GPU: "cudnn")
-  c.model.remat = "block"  # keep only block inputs for the backward pass
-  c.model.logprob_chunk = 256  # log-prob head in 256-position chunks (never [N, T, V] logits)
   c.learner.microbatch_size = 16  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
   c.learner.ghost_passes = "auto"  # one ghost backward while its (A, D) fit one_pass_budget_gib per device, else two
-  c.learner.one_pass_budget_gib = 24.0  # per device (a quarter of a 95 GiB chip); see grad_norms.one_pass_bytes
-  # Qwen/Qwen2-1.5B's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
-  # loads the checkpoint's own config.json):
-  c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights
-  c.model.shape.vocab_size = 151936  # config.json vocab_size
-  c.model.shape.hidden_size = 1536  # hidden_size (D)
-  c.model.shape.intermediate_size = 8960  # intermediate_size (F)
-  c.model.shape.num_layers = 28  # num_hidden_layers
-  c.model.shape.num_heads = 12  # num_attention_heads
-  c.model.shape.num_kv_heads = 2  # num_key_value_heads (grouped-query attention)
-  c.model.shape.head_dim = 128  # hidden_size // num_attention_heads
-  c.model.shape.rope_theta = 1000000.0  # rope_theta
-  c.model.shape.rms_eps = 1e-6  # rms_norm_eps
-  c.model.shape.tie_embeddings = True  # tie_word_embeddings
-  c.model.shape.qkv_bias = True  # Qwen2 family: q/k/v projections carry a bias
-  c.model.shape.model_type = "qwen2"  # model_type
-  c.sampler.temperature = 1.0  # released training temperature
-  c.sampler.prefill_chunk = 512  # prompt tokens per prefill pass: prefill memory flat in depth
-  c.method.weights.c = 8.0  # sequence TIS truncation c (released)
+  common.qwen2_shape(c, "Qwen2-1.5B")  # its architecture (config.json), for sizing without weights
   c.method.lr.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for GSM8K)
-  c.optim.lr = 1e-6  # released AdamW learning rate
-  c.optim.weight_decay = 0.1  # released
-  c.optim.clip_norm = 1.0  # released global-norm clip
-  c.optim.schedule = "constant"  # released: no warmup, no decay
   c.eval.every = 20  # evaluation cadence in learner steps (not in the released table)
   c.eval.dataset = "gsm8k"  # held-out GSM8K test split
   c.eval.data_path = EVAL_PATH  # local parquet/jsonl of the test split
   c.eval.num_problems = 1319  # the GSM8K test split size (the loader caps at the file's size)
-  c.eval.temperature = 0.8  # released validation protocol
-  c.eval.top_p = 0.7  # released validation nucleus
   c.eval.n = 3  # released samples per validation problem (mean@3)
   c.checkpoint.every = 50  # save cadence in learner steps
-  c.mesh.shape = (1, -1, 1)  # FSDP over the learner's devices
   if arg == "smoke":  # tiny random model, shipped fixture, a few sync steps on CPU (tests)
     _smoke(c)
   elif arg:

@@ -26,10 +26,7 @@ Steps, cadences and mesh are not in the released table.
 
 import os
 
-import ml_collections
-
 from configs import common
-from vcpo_jax.rl import choices
 from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B")  # local HF checkpoint (download as above)
@@ -43,60 +40,29 @@ EVAL_PATH = os.path.expanduser("~/data/math500/test.jsonl")  # MATH-500 (problem
 
 def get_config(arg: str | None = None):
   c = common.get_base_config()
+  common.released_recipe(c)  # async VCPO, TIS c = 8, AdamW 1e-6, validation at 0.8 / 0.7, bf16 FSDP
   c.steps = 400  # learner steps (not in the released table)
-  c.mode = "async"  # released runs are asynchronous
-  c.method = choices.preset("vcpo")  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
   c.lag.k = 10  # released staleness budget for MATH (stress: 16..128 with mode=lag)
   c.task.name = "math"  # reference = last \boxed{} of the solution; math-verify equivalence
   c.task.data_path = DATA_PATH  # local parquet/jsonl in the MATH schema
   c.task.template = ""  # the task default: "... put your final answer within \boxed{}"
-  c.task.chat_template = True  # wrap prompts with the checkpoint's chat template
   c.task.prompts_per_step = 32  # P (released)
   c.task.group_size = 16  # G (released)
   c.task.max_prompt_len = 1024  # released max prompt length
   c.task.max_new_tokens = 2048  # released max response length
   c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
-  c.model.dtype = "bfloat16"  # compute dtype on accelerators
-  c.model.attention = "chunked"  # no [B, H, T, T] (on TPU: "splash", on GPU: "cudnn")
-  c.model.remat = "block"  # keep only block inputs for the backward pass
-  c.model.logprob_chunk = 256  # log-prob head in 256-position chunks (never [N, T, V] logits)
   c.learner.microbatch_size = 64  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
   # 9.3 GiB per device on 64 chips against 50.4 for one pass with the scanned layers, whose one-pass (A, D)
   # estimate ("auto") is far below what XLA keeps (benchmarks/README.md)
   c.learner.ghost_passes = 2  # two ghost backward passes: the norms layer by layer
-  c.learner.one_pass_budget_gib = 24.0  # ghost_passes="auto" only: per device; see grad_norms.one_pass_bytes
-  # Qwen/Qwen2.5-7B's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
-  # loads the checkpoint's own config.json):
-  c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights
-  c.model.shape.vocab_size = 152064  # config.json vocab_size
-  c.model.shape.hidden_size = 3584  # hidden_size (D)
-  c.model.shape.intermediate_size = 18944  # intermediate_size (F)
-  c.model.shape.num_layers = 28  # num_hidden_layers
-  c.model.shape.num_heads = 28  # num_attention_heads
-  c.model.shape.num_kv_heads = 4  # num_key_value_heads (grouped-query attention)
-  c.model.shape.head_dim = 128  # hidden_size // num_attention_heads
-  c.model.shape.rope_theta = 1000000.0  # rope_theta
-  c.model.shape.rms_eps = 1e-6  # rms_norm_eps
-  c.model.shape.tie_embeddings = False  # tie_word_embeddings
-  c.model.shape.qkv_bias = True  # Qwen2 family: q/k/v projections carry a bias
-  c.model.shape.model_type = "qwen2"  # model_type
-  c.sampler.temperature = 1.0  # released training temperature
-  c.sampler.prefill_chunk = 512  # prompt tokens per prefill pass: prefill memory flat in depth
-  c.method.weights.c = 8.0  # sequence TIS truncation c (released)
+  common.qwen2_shape(c, "Qwen2.5-7B")  # its architecture (config.json), for sizing without weights
   c.method.lr.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for MATH)
-  c.optim.lr = 1e-6  # released AdamW learning rate
-  c.optim.weight_decay = 0.1  # released
-  c.optim.clip_norm = 1.0  # released global-norm clip
-  c.optim.schedule = "constant"  # released: no warmup, no decay
   c.eval.every = 20  # evaluation cadence in learner steps (not in the released table)
   c.eval.dataset = "math500"  # MATH-500 held-out set
   c.eval.data_path = EVAL_PATH  # local parquet/jsonl in the MATH-500 schema
   c.eval.num_problems = 500  # MATH-500 size (the loader caps at the file's size)
-  c.eval.temperature = 0.8  # released validation protocol
-  c.eval.top_p = 0.7  # released validation nucleus
   c.eval.n = 3  # released samples per validation problem (mean@3)
   c.checkpoint.every = 50  # save cadence in learner steps
-  c.mesh.shape = (1, -1, 1)  # FSDP over the learner's devices
   if arg == "qwen3_8b":  # the same recipe on Qwen3-8B: q/k norms, no q/k/v bias, 36 layers, GQA 32/8
     _qwen3_8b(c)
   elif arg == "qwen3_30b_a3b":  # the same recipe on Qwen3-30B-A3B: 48 MoE layers, 128 experts, 8 per token

@@ -29,10 +29,7 @@ table.
 
 import os
 
-import ml_collections
-
 from configs import common
-from vcpo_jax.rl import choices
 from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B-Instruct")  # local HF checkpoint (download as above)
@@ -46,14 +43,12 @@ TEMPLATE = (
 
 def get_config(arg: str | None = None):
   c = common.get_base_config()
+  common.released_recipe(c)  # async VCPO, TIS c = 8, AdamW 1e-6, validation at 0.8 / 0.7, bf16 FSDP
   c.steps = 300  # learner steps (not in the released table)
-  c.mode = "async"  # released: a sampler process at most lag.k versions ahead (see docstring)
-  c.method = choices.preset("vcpo")  # ESS-scaled lr + OPOB on top of GRPO-style seq-TIS
   c.lag.k = 2  # released staleness budget for tool use
   c.task.name = "aime"  # integer answers, graded like AIME (boxed / "answer is")
   c.task.data_path = DATA_PATH  # local parquet/jsonl in the AIME schema (problem, answer)
   c.task.template = TEMPLATE  # states the tool protocol; {problem} is the record's problem
-  c.task.chat_template = True  # wrap prompts with the checkpoint's chat template
   c.task.prompts_per_step = 128  # P (released)
   c.task.group_size = 16  # G (released)
   c.task.max_prompt_len = 4096  # released max prompt length
@@ -70,53 +65,24 @@ def get_config(arg: str | None = None):
   c.task.multiturn.sandbox_wall_seconds = 10.0  # wall-clock limit of one execution
   c.task.multiturn.max_workers = 0  # parallel executions (0 = CPU count)
   c.model.checkpoint = MODEL_DIR  # Qwen2.5-7B (local directory with config.json + safetensors)
-  c.model.dtype = "bfloat16"  # compute dtype on accelerators
-  c.model.attention = "chunked"  # no [B, H, T, T] (on TPU: "splash", on GPU: "cudnn")
-  c.model.remat = "block"  # keep only block inputs for the backward pass
-  c.model.logprob_chunk = 256  # log-prob head in 256-position chunks (never [N, T, V] logits)
   c.learner.microbatch_size = 64  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
   # "auto" takes 2 here: one pass would keep ~89 GiB of (A, D) per device on 64 devices (grad_norms.one_pass_bytes,
   # 28 layers x 16384 tokens, against one_pass_budget_gib = 24); two keep one layer's at a time
   c.learner.ghost_passes = "auto"  # one ghost backward while its (A, D) fit one_pass_budget_gib per device, else two
-  c.learner.one_pass_budget_gib = 24.0  # per device (a quarter of a 95 GiB chip); see grad_norms.one_pass_bytes
-  # Qwen/Qwen2.5-7B-Instruct's architecture, the values of its config.json (what benchmarks/memory.py compiles; a run
-  # loads the checkpoint's own config.json):
-  c.model.shape = ml_collections.ConfigDict()  # the checkpoint's architecture, for sizing without weights
-  c.model.shape.vocab_size = 152064  # config.json vocab_size
-  c.model.shape.hidden_size = 3584  # hidden_size (D)
-  c.model.shape.intermediate_size = 18944  # intermediate_size (F)
-  c.model.shape.num_layers = 28  # num_hidden_layers
-  c.model.shape.num_heads = 28  # num_attention_heads
-  c.model.shape.num_kv_heads = 4  # num_key_value_heads (grouped-query attention)
-  c.model.shape.head_dim = 128  # hidden_size // num_attention_heads
-  c.model.shape.rope_theta = 1000000.0  # rope_theta
-  c.model.shape.rms_eps = 1e-6  # rms_norm_eps
-  c.model.shape.tie_embeddings = False  # tie_word_embeddings
-  c.model.shape.qkv_bias = True  # Qwen2 family: q/k/v projections carry a bias
-  c.model.shape.model_type = "qwen2"  # model_type
-  c.sampler.temperature = 1.0  # released training temperature
-  c.sampler.prefill_chunk = 512  # prompt tokens per prefill pass: prefill memory flat in depth
+  common.qwen2_shape(c, "Qwen2.5-7B")  # the Instruct model's architecture (config.json), for sizing without weights
   # The sampler process's mesh: 4-way tensor parallel (weights / 4), the rows over the rest. On 64 devices
   # (16, 1, 4) the 2048-row prefill / decode compile to 44.0 / 41.1 GiB per device, (64, 1, 1) to 54.2 / 51.7
   # (docs/results/benchmarks_history.md, "Sampler prefill at full depth"); max_batch = 1024 gives 23.8 / 22.3 in 2 calls.
   # One sampler process with 4 chips and 128 rows: 44.4 / 41.1; on 2 chips per worker use (-1, 1, 2): 47.5 / 44.6.
   c.sampler.mesh_shape = (-1, 1, 4)  # (data, fsdp, tensor) of the async sampler: tensor 4 = the 4 KV heads
   c.sampler.max_batch = 0  # rows per sampler call: all 2048 in one (fits 64 devices on this mesh); 1024 halves it
-  c.method.weights.c = 8.0  # sequence TIS truncation c (released)
   c.method.lr.rho_on = 0.55  # released for the long multi-turn task (protocol undocumented)
-  c.optim.lr = 1e-6  # released AdamW learning rate
-  c.optim.weight_decay = 0.1  # released
-  c.optim.clip_norm = 1.0  # released global-norm clip
-  c.optim.schedule = "constant"  # released: no warmup, no decay
   c.eval.every = 10  # evaluation cadence in learner steps (not in the released table)
   c.eval.dataset = "aime"  # AIME, evaluated with tool use
   c.eval.data_path = EVAL_PATH  # local parquet/jsonl in the AIME schema
   c.eval.num_problems = 30  # one AIME year (the loader caps at the file's size)
-  c.eval.temperature = 0.8  # released validation protocol
-  c.eval.top_p = 0.7  # released validation nucleus
   c.eval.n = 5  # released samples per AIME problem (mean@5)
   c.checkpoint.every = 25  # save cadence in learner steps
-  c.mesh.shape = (1, -1, 1)  # FSDP over the learner's devices
   if arg == "smoke":  # tiny random model, shipped AIME fixture, a couple of lag steps on CPU (tests)
     _smoke(c)
     c.mode = "lag"  # exact staleness in one process (tests also run it with mode="async")
