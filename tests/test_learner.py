@@ -168,14 +168,14 @@ def _assert_same_step(out1, out4, params):
     # moves it by ~1e-5 relative while every other metric agrees to ~1e-7.
     tol = {"abs": 2e-6} if k == "pg_loss" else {"rel": 1e-5, "abs": 1e-7}
     assert float(m4[k]) == pytest.approx(float(m1[k]), **tol), k
-  d1 = [
-    np.asarray(a, np.float64) - np.asarray(p, np.float64)
-    for a, p in zip(jax.tree.leaves(s1.params), jax.tree.leaves(params))
-  ]
-  d4 = [
-    np.asarray(a, np.float64) - np.asarray(p, np.float64)
-    for a, p in zip(jax.tree.leaves(s4.params), jax.tree.leaves(params))
-  ]
+
+  def update(state):  # the step's change of every parameter, in float64
+    return [
+      np.asarray(a, np.float64) - np.asarray(p, np.float64)
+      for a, p in zip(*map(jax.tree.leaves, (state.params, params)))
+    ]
+
+  d1, d4 = update(s1), update(s4)
   scale = max(np.abs(d).max() for d in d1)
   assert scale > 0
   for a, b in zip(d4, d1):
@@ -188,20 +188,23 @@ def _lcfg(pg, mbs, grad_path="ghost", passes=1):
   )
 
 
+def _step_from_start(setup, pg, mbs, grad_path="ghost", passes=1, jit=False):
+  """(state, metrics) of one train step from mb_setup's parameters (a fresh copy each call)."""
+  params, tx, batch, graphdef = setup
+  step = learner.make_train_step(graphdef, tx, _lcfg(pg, mbs, grad_path, passes))
+  return (jax.jit(step) if jit else step)(learner.init_state(jax.tree.map(jnp.copy, params), tx), batch)
+
+
 @pytest.mark.parametrize("name", sorted(MB_CONFIGS))
 @pytest.mark.slow
 def test_microbatched_step_equals_single_pass(mb_setup, name):
   # Every preset (and the other whole-batch normalisers): 2 micro-batches of 2 groups == 1 pass, to 1e-5.
   # Run op by op (jax.disable_jit: the scan is a Python loop over the same body) so that the 16 configs
   # share compiled primitives; the compiled scan is checked below.
-  params, tx, batch, graphdef = mb_setup
   pg = _mb_pg(name)
-  out = {}
   with jax.disable_jit():
-    for mbs in (None, 4):
-      state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
-      out[mbs] = learner.make_train_step(graphdef, tx, _lcfg(pg, mbs))(state, batch)
-  _assert_same_step(out[None], out[4], params)
+    out = {mbs: _step_from_start(mb_setup, pg, mbs) for mbs in (None, 4)}
+  _assert_same_step(out[None], out[4], mb_setup[0])
 
 
 @pytest.mark.slow
@@ -225,13 +228,10 @@ def test_microbatched_step_compiled_and_smaller(mb_setup):
 @pytest.mark.slow
 def test_two_pass_ghost_step_equals_one_pass(mb_setup, name):
   """learner.ghost_passes=2 (norms block by block, then the update), micro-batched or not, == the one-pass step."""
-  params, tx, batch, graphdef = mb_setup
+  params = mb_setup[0]
   pg = _mb_pg(name)
-  out = {}
   with jax.disable_jit():
-    for mbs, passes in ((None, 1), (None, 2), (4, 2)):
-      state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
-      out[mbs, passes] = learner.make_train_step(graphdef, tx, _lcfg(pg, mbs, passes=passes))(state, batch)
+    out = {(mbs, p): _step_from_start(mb_setup, pg, mbs, passes=p) for mbs, p in ((None, 1), (None, 2), (4, 2))}
   _assert_same_step(out[None, 1], out[None, 2], params)
   _assert_same_step(out[None, 1], out[4, 2], params)
 
@@ -241,13 +241,9 @@ def test_two_pass_ghost_step_equals_one_pass(mb_setup, name):
 def test_microbatched_vmap_path_equals_single_pass(mb_setup, name):
   # Jitted: one config, two compiles (28 CPU s) cost less than op by op (81 CPU s), whose primitives the
   # ghost-path sweep above does not share.
-  params, tx, batch, graphdef = mb_setup
   pg = _mb_pg(name)
-  out = {}
-  for mbs in (None, 4):
-    state = learner.init_state(jax.tree.map(jnp.copy, params), tx)
-    out[mbs] = jax.jit(learner.make_train_step(graphdef, tx, _lcfg(pg, mbs, "vmap")))(state, batch)
-  _assert_same_step(out[None], out[4], params)
+  out = {mbs: _step_from_start(mb_setup, pg, mbs, "vmap", jit=True) for mbs in (None, 4)}
+  _assert_same_step(out[None], out[4], mb_setup[0])
 
 
 @pytest.mark.parametrize(
