@@ -209,15 +209,7 @@ class ModelConfig:
     """The MoE fields as a `MoESpec` when num_experts > 0 (every layer an MoE block), else None (dense)."""
     if self.num_experts <= 0:
       return None
-    return MoESpec(
-      num_experts=self.num_experts,
-      num_experts_per_tok=self.num_experts_per_tok,
-      moe_intermediate_size=self.moe_intermediate_size,
-      norm_topk_prob=self.norm_topk_prob,
-      decoder_sparse_step=self.decoder_sparse_step,
-      mlp_only_layers=self.mlp_only_layers,
-      router_aux_loss_coef=self.router_aux_loss_coef,
-    )
+    return MoESpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(MoESpec)})  # same-named fields
 
   @property
   def lora(self) -> bool:
