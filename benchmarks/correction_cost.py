@@ -3,7 +3,7 @@
     python -m benchmarks.correction_cost [--rounds=9] [--steps=10]
 
 The CPU default's learner (configs/countdown.py: N = P x G = 64 rows x T = 24 + 16 tokens, ghost norms) on the
-benchmarks' fixed stale batch (`telemetry_overhead.stale_batch`), one CPU device. Each method's train step is
+benchmarks' fixed stale batch (`learner_step.stale_batch`), one CPU device. Each method's train step is
 `learner.make_train_step` of the run config trainer.run would build, jitted as trainer.run jits it (state
 donated): VCPO; VCPO with exact score centering (the step also takes the behaviour version and runs its
 stop-gradient forward); VCPO centered from the sampler's top-k record (k = 8 and 64: the batch carries
@@ -62,7 +62,7 @@ def build(names):
   import jax
   import jax.numpy as jnp
 
-  from benchmarks.telemetry_overhead import stale_batch
+  from benchmarks.learner_step import stale_batch
   from vcpo_jax import learner, sampler
   from vcpo_jax.model import tokenizer as tok_lib
   from vcpo_jax.model import transformer
@@ -73,7 +73,7 @@ def build(names):
   graphdef, params = transformer.split(transformer.init(model_cfg, seed=base.seed))
   _, other = transformer.split(transformer.init(model_cfg, seed=base.seed + 1))
   behaviour = jax.tree.map(lambda a, b: a + 0.05 * (b - a), params, other)  # a nearby stale version
-  batch = {k: jnp.asarray(v) for k, v in stale_batch(base, model_cfg).items()}
+  batch = {k: jnp.asarray(v) for k, v in stale_batch(base, model_cfg.vocab_size).items()}
   positions, mask = transformer.padded_positions_and_mask(batch["valid_mask"])
   from flax import nnx
 
@@ -101,23 +101,18 @@ def build(names):
 
 
 def main(argv=None) -> int:
+  sys.path.insert(0, ROOT)
+  from benchmarks.telemetry_overhead import add_round_args, count_compiles, interleaved_medians, time_steps
+
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--rounds", type=int, default=9)
-  p.add_argument("--steps", type=int, default=10, help="consecutive steps timed per method per round")
+  add_round_args(p, "method")
   p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {list(METHODS)}")
   args = p.parse_args(argv)
   names = [m for m in args.methods.split(",") if m]
-  bad = [m for m in names if m not in METHODS]
-  for name, v in (("--rounds", args.rounds), ("--steps", args.steps)):
-    if v < 1:
-      print(f"error: {name}={v}: must be >= 1.", file=sys.stderr)
-      return 2
-  if bad or "vcpo" not in names:
+  if [m for m in names if m not in METHODS] or "vcpo" not in names:
     print(f"error: --methods={args.methods!r}: choose from {list(METHODS)}, vcpo included.", file=sys.stderr)
     return 2
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  sys.path.insert(0, ROOT)
-  from benchmarks.telemetry_overhead import count_compiles, time_steps
 
   load_before = os.getloadavg()
   t0 = time.perf_counter()
@@ -131,14 +126,8 @@ def main(argv=None) -> int:
   for name in names:  # warm-up
     timed(name, 3)
   compiles = count_compiles()
-  med = {m: [] for m in names}
-  ratios = {m: [] for m in names}
-  for r in range(args.rounds):
-    order = names[r % len(names) :] + names[: r % len(names)]
-    got = {m: statistics.median(timed(m, args.steps)) for m in order}
-    for m in names:
-      med[m].append(got[m])
-      ratios[m].append(got[m] / got["vcpo"])
+  med = interleaved_medians(names, args.rounds, lambda m: timed(m, args.steps))
+  ratios = {m: [a / b for a, b in zip(med[m], med["vcpo"])] for m in names}
   load_after = os.getloadavg()
   rows = {
     m: {

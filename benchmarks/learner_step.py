@@ -28,7 +28,6 @@ import ast
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +67,10 @@ def _same_weights(params, cfg, hf_io):
   return hf_io.params_from_hf(tensors, cfg)
 
 
-def _batch(spec, vocab_size: int) -> dict:
+def stale_batch(spec, vocab_size: int) -> dict:
+  """The benchmarks' fixed learner batch of `spec`'s rollout shapes (numpy seed 0): random tokens in ragged
+  prompts and responses, 1/0 rewards and a stale behaviour log-prob. Written here, not imported: this file's
+  workers run against older trees (telemetry_overhead and correction_cost use it too)."""
   import numpy as np
 
   n, tp, tn = spec.rollout.batch_size, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens
@@ -114,7 +116,12 @@ def _worker(args):
   from vcpo_jax.model import tokenizer as tok_lib
 
   c = countdown.get_config(None)
-  c.method = args.method
+  if isinstance(c.method, str):  # trees before the method tree (rl/choices.py): a preset name
+    c.method = args.method
+  else:
+    from vcpo_jax.rl import choices
+
+    c.method = choices.preset(args.method)
   overrides = dict(SHAPES[args.shape])
   for kv in filter(None, args.overrides.split(";")):  # a variant of the tree: path=value
     path, v = kv.split("=", 1)
@@ -134,7 +141,7 @@ def _worker(args):
   else:  # older trees
     tx = optim.make_optimizer(spec.lr, weight_decay=spec.weight_decay, clip_norm=spec.clip_norm, b1=spec.b1, b2=spec.b2)
   state = learner.init_state(params, tx)
-  batch = {k: jnp.asarray(v) for k, v in _batch(spec, model_cfg.vocab_size).items()}
+  batch = {k: jnp.asarray(v) for k, v in stale_batch(spec, model_cfg.vocab_size).items()}
   step = jax.jit(learner.make_train_step(graphdef, tx, spec.learner), donate_argnums=0)
   cost = _cost(step, state, batch)
   unrolled = cost  # XLA counts a loop body once: the scanned layers' flops are counted on the unrolled step
@@ -180,25 +187,6 @@ def _worker(args):
 # ----------------------------------------------------------------------------- driver
 
 
-def _start(tree: str, overrides: str, method: str, shape: str, threads: int):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=tree)
-  env.pop("XLA_FLAGS", None)  # one CPU device, as the CPU default runs
-  flags = [f"--tree={tree}", f"--overrides={overrides}", f"--method={method}", f"--shape={shape}"]
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", *flags, f"--threads={threads}"]
-  return subprocess.Popen(cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def _read(proc) -> dict:
-  for line in proc.stdout:
-    if line.startswith("{"):
-      return json.loads(line)
-  raise RuntimeError(f"worker exited with {proc.wait()} (see its stderr above)")
-
-
-def _git(*a) -> str:
-  return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--base", default="cf66f88", help="git commits of the older trees, comma-separated")
@@ -216,6 +204,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.worker:
     return _worker(args)
+  from benchmarks import tree_ab  # the driver's side only: a worker runs against an older tree
+
   methods, shapes = args.methods.split(","), args.shapes.split(",")
   for name, v in (("--rounds", args.rounds), ("--steps", args.steps), ("--threads", args.threads)):
     if v < 1:
@@ -224,30 +214,31 @@ def main(argv=None) -> int:
   if bad := [s for s in shapes if s not in SHAPES]:
     print(f"error: --shapes={args.shapes}: unknown {bad}; choose from {sorted(SHAPES)}.", file=sys.stderr)
     return 2
-  bases = [_git("rev-parse", "--short", b) for b in args.base.split(",") if b]
-  head = _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain", "vcpo_jax") else "")
+  bases = [tree_ab.git("rev-parse", "--short", b) for b in args.base.split(",") if b]
+  head = tree_ab.git("rev-parse", "--short", "HEAD") + (
+    "-dirty" if tree_ab.git("status", "--porcelain", "vcpo_jax") else ""
+  )
   load_start = os.getloadavg()
   with tempfile.TemporaryDirectory(prefix="learner_step_") as tmp:
     sides = {"this": (ROOT, "")}  # side -> (tree, overrides)
     sides.update({f"this[{v}]": (ROOT, v) for v in args.variants.split(",") if v})
     for b in bases:
-      sides[b] = (os.path.join(tmp, b), "")
-      os.makedirs(sides[b][0])
-      archive = subprocess.run(["git", "archive", b], cwd=ROOT, capture_output=True, check=True).stdout
-      subprocess.run(["tar", "-x", "-C", sides[b][0]], input=archive, check=True)
+      sides[b] = (tree_ab.unpack(b, os.path.join(tmp, b)), "")
     keys = [(side, m, s) for s in shapes for m in methods for side in sides]
     procs = {}
     try:
       for k in keys:  # compiled side by side; the timed rounds run one worker at a time
-        procs[k] = _start(*sides[k[0]], k[1], k[2], args.threads)
-      info = {k: _read(procs[k]) for k in keys}
+        tree, overrides = sides[k[0]]
+        flags = [f"--tree={tree}", f"--overrides={overrides}", f"--method={k[1]}", f"--shape={k[2]}"]
+        procs[k] = tree_ab.start(__file__, tree, [*flags, f"--threads={args.threads}"])
+      info = {k: tree_ab.reply(procs[k]) for k in keys}
       times = {k: [] for k in keys}
       load_before = os.getloadavg()
       for r in range(args.rounds):
         for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
           procs[k].stdin.write(f"run {args.steps}\n")
           procs[k].stdin.flush()
-          times[k].append(statistics.median(_read(procs[k])["times_s"]))
+          times[k].append(statistics.median(tree_ab.reply(procs[k])["times_s"]))
       load_after = os.getloadavg()
     finally:
       for pr in procs.values():

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -82,18 +81,11 @@ def _worker(args):
 
 
 def _start(tree: str, args, extra=()):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=tree)
-  env.pop("XLA_FLAGS", None)  # one CPU device, as benchmarks.sampler runs without --devices
+  """A worker on `tree` (one CPU device, as benchmarks.sampler runs without --devices)."""
+  from benchmarks import tree_ab  # the driver's side only: a worker runs against an older tree
+
   flags = [f"--{k}={getattr(args, k)}" for k in ("model", "batch", "prompt", "new", "threads", "param_dtype")]
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--tree={tree}", *flags, *extra]
-  return subprocess.Popen(cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def _read(proc) -> dict:
-  for line in proc.stdout:
-    if line.startswith("{"):
-      return json.loads(line)
-  raise RuntimeError(f"worker exited with {proc.wait()} (see its stderr above)")
+  return tree_ab.start(__file__, tree, [f"--tree={tree}", *flags, *extra])
 
 
 def _parser():
@@ -119,13 +111,15 @@ def _parser():
 
 
 def _rounds(procs: dict, rounds: int, calls: int) -> dict:
+  from benchmarks import tree_ab
+
   times = {k: [] for k in procs}
   names = list(procs)
   for r in range(rounds):
     for k in names[r % 2 :] + names[: r % 2]:
       procs[k].stdin.write(f"run {calls}\n")
       procs[k].stdin.flush()
-      times[k].append(_read(procs[k])["times_s"])
+      times[k].append(tree_ab.reply(procs[k])["times_s"])
   return times
 
 
@@ -138,22 +132,19 @@ def main(argv=None):
   import numpy as np
 
   from benchmarks import sampler as bench
+  from benchmarks import tree_ab
 
-  git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-  base, head = git("rev-parse", "--short", args.base), git("rev-parse", "--short", "HEAD")
+  base, head = tree_ab.git("rev-parse", "--short", args.base), tree_ab.git("rev-parse", "--short", "HEAD")
   cfg = bench.MODELS[args.model]()
   load_start = os.getloadavg()
   roof = bench.measure_roofline()
   t_roof = bench.roofline_seconds(cfg, args.batch, args.prompt, args.new, roof["peak_flops"], roof["bandwidth"])
   with tempfile.TemporaryDirectory(prefix="sampler_ab_") as tmp:
-    old_tree = os.path.join(tmp, base)
-    os.makedirs(old_tree)
-    archive = subprocess.run(["git", "archive", base], cwd=ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", old_tree], input=archive, check=True)
+    old_tree = tree_ab.unpack(base, os.path.join(tmp, base))
     this_flags = [f"--decode_layers={args.decode_layers}"] if args.decode_layers else []
     procs = {"this": _start(ROOT, args, this_flags), "base": _start(old_tree, args)}
     try:
-      info = {k: _read(pr) for k, pr in procs.items()}  # both compiled and warm
+      info = {k: tree_ab.reply(pr) for k, pr in procs.items()}  # both compiled and warm
       load_before = os.getloadavg()
       times = _rounds(procs, args.rounds, args.calls)
       load_after = os.getloadavg()

@@ -33,34 +33,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
-def stale_batch(spec, model_cfg) -> dict:
-  """The benchmarks' fixed learner batch of the CPU default's shapes (numpy seed 0): random tokens in ragged
-  prompts and responses, 1/0 rewards and a stale behaviour log-prob."""
-  import numpy as np
-
-  n, tp, tn = spec.rollout.batch_size, spec.rollout.max_prompt_len, spec.rollout.max_new_tokens
-  g = spec.rollout.group_size
-  rng = np.random.default_rng(0)
-  p_len = rng.integers(tp // 2, tp + 1, n)
-  r_len = rng.integers(2, tn + 1, n)
-  prompt = np.arange(tp)[None] >= tp - p_len[:, None]
-  resp = np.arange(tn)[None] < r_len[:, None]
-  valid = np.concatenate([prompt, resp], 1)
-  loss = np.concatenate([np.zeros_like(prompt), resp], 1)
-  batch = {
-    "tokens": np.where(valid, rng.integers(1, model_cfg.vocab_size, valid.shape), 0).astype(np.int32),
-    "valid_mask": valid,
-    "prompt_mask": np.concatenate([prompt, np.zeros_like(resp)], 1),
-    "response_mask": loss.astype(bool),
-    "loss_mask": loss.astype(np.float32),
-    "behavior_logp": ((-2.0 + 0.3 * rng.normal(size=valid.shape)) * loss).astype(np.float32),
-    "rewards": rng.integers(0, 2, n).astype(np.float32),
-    "group_id": np.repeat(np.arange(n // g), g).astype(np.int32),
-    "policy_version": np.zeros(n, np.int32),
-  }
-  return batch
-
-
 def build(method: str, telemetry="True"):
   """(step_on, step_off, state_on, state_off, batch, n, t): the two jitted steps and their inputs."""
   import dataclasses
@@ -68,6 +40,7 @@ def build(method: str, telemetry="True"):
   import jax
   import jax.numpy as jnp
 
+  from benchmarks.learner_step import stale_batch
   from configs import countdown
   from vcpo_jax import learner, run_config
   from vcpo_jax.model import tokenizer as tok_lib
@@ -81,7 +54,7 @@ def build(method: str, telemetry="True"):
   model_cfg = spec.model_cfg.replace(vocab_size=max(spec.model_cfg.vocab_size, len(tok)))
   graphdef, params = transformer.split(transformer.init(model_cfg, seed=spec.seed))
   tx = spec.optim.build(total_steps=spec.steps)  # as trainer.run builds it
-  batch = {k: jnp.asarray(v) for k, v in stale_batch(spec, model_cfg).items()}
+  batch = {k: jnp.asarray(v) for k, v in stale_batch(spec, model_cfg.vocab_size).items()}
   n, t = batch["tokens"].shape
   states = [learner.init_state(jax.tree.map(jnp.copy, params), tx) for _ in range(2)]
   on = {"True": True, "norms": "norms"}[telemetry]
@@ -95,6 +68,29 @@ def build(method: str, telemetry="True"):
   assert any(k.startswith("grad/") for k in m_on) == cfg_on.telemetry_norms
   assert not any(k.startswith("grad/") for k in m_off)
   return step_on, step_off, states[0], states[1], batch, n, t
+
+
+def add_round_args(p: argparse.ArgumentParser, each: str) -> None:
+  """--rounds and --steps (ints >= 1, else exit 2) of an interleaved step benchmark; `each`: what every round
+  times `--steps` consecutive steps of."""
+
+  def at_least_1(text: str) -> int:
+    if int(text) < 1:
+      raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return int(text)
+
+  p.add_argument("--rounds", type=at_least_1, default=9)
+  p.add_argument("--steps", type=at_least_1, default=10, help=f"consecutive steps timed per {each} per round")
+
+
+def interleaved_medians(names: list[str], rounds: int, timed) -> dict[str, list[float]]:
+  """{name: [its median step seconds in each round]}: every round runs `timed(name)` -> [seconds] once per name,
+  in an order that rotates by one name per round (two names alternate), so load changes reach every name."""
+  med = {m: [] for m in names}
+  for r in range(rounds):
+    for m in names[r % len(names) :] + names[: r % len(names)]:
+      med[m].append(statistics.median(timed(m)))
+  return med
 
 
 def time_steps(fn, state, args: tuple, k: int) -> tuple:
@@ -123,15 +119,10 @@ def count_compiles() -> list:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--rounds", type=int, default=9)
-  p.add_argument("--steps", type=int, default=10, help="consecutive steps timed per side per round")
+  add_round_args(p, "side")
   p.add_argument("--method", default="vcpo", help="estimator preset (vcpo; none / seq_tis: a step without norms)")
   p.add_argument("--telemetry", default="True", choices=("True", "norms"), help="learner.grad_telemetry of 'on'")
   args = p.parse_args(argv)
-  for name, v in (("--rounds", args.rounds), ("--steps", args.steps)):
-    if v < 1:
-      print(f"error: {name}={v}: must be >= 1.", file=sys.stderr)
-      return 2
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, ROOT)
 
@@ -153,13 +144,8 @@ def main(argv=None) -> int:
   for side in sides:  # warm-up
     timed(side, 3)
   compiles = count_compiles()
-  ratios, med = [], {"on": [], "off": []}
-  for r in range(args.rounds):
-    order = ("on", "off") if r % 2 == 0 else ("off", "on")
-    got = {side: statistics.median(timed(side, args.steps)) for side in order}
-    for side, v in got.items():
-      med[side].append(v)
-    ratios.append(got["on"] / got["off"])
+  med = interleaved_medians(["on", "off"], args.rounds, lambda side: timed(side, args.steps))
+  ratios = [on / off for on, off in zip(med["on"], med["off"])]
   load_after = os.getloadavg()
   res = {
     "method": args.method,
