@@ -121,9 +121,12 @@ def _per_example_grads(graphdef, params, batch):
 def test_step_telemetry_equals_brute_force(tiny, preset, grad_path):
   graphdef, params, batch = tiny
   pg = estimator.method_from_preset(preset)
-  lcfg = learner.LearnerConfig(method=pg, grad_path=grad_path)
+  # A method without OPOB computes norms only for the "norms" telemetry (only the ghost path has it).
+  tele = "norms" if grad_path == "ghost" else True
+  lcfg = learner.LearnerConfig(method=pg, grad_path=grad_path, grad_telemetry=tele)
   grads, aux = jax.jit(lambda p, b: learner._gradient(graphdef, p, b, lcfg))(params, batch)
-  if grad_path == "vmap" and pg.baseline is None:
+  if not lcfg.computes_norms:
+    assert "sq_norm_n" not in aux
     assert telemetry.step_telemetry(aux, 1.0, batch["rewards"], batch["group_id"], pg, T) == {}
     return
   g2 = float(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(grads)))
@@ -209,7 +212,8 @@ def _compiled_step(graphdef, params, batch, lcfg):
 @pytest.mark.parametrize("preset,microbatch_size", [("seq_tis", None), ("seq_tis", 4), ("none", None)])
 def test_a_method_without_norms_does_not_compute_them_under_the_default_telemetry(tiny, preset, microbatch_size):
   """grad_telemetry=True (the default) for seq_tis and the plain GRPO step (none; no OPOB): no grad/ metrics and
-  the compiled step's flops are those of grad_telemetry=False (XLA drops the ghost path's unused norms); "norms"
+  the compiled step's flops are those of grad_telemetry=False and of the vmap path without norms (the plain
+  gradient: the ghost path's taps and per-example plans are not built); "norms"
   computes them (more flops) and logs the norm telemetry. A bug that hands the norms to the telemetry under the
   default fails the flop check."""
   graphdef, params, batch = tiny
@@ -219,9 +223,11 @@ def test_a_method_without_norms_does_not_compute_them_under_the_default_telemetr
     t: learner.LearnerConfig(method=pg, grad_telemetry=t, microbatch_size=microbatch_size)
     for t in (True, False, "norms")
   }
+  cfgs["plain"] = learner.LearnerConfig(method=pg, grad_path="vmap", microbatch_size=microbatch_size)
   runs = {t: _compiled_step(graphdef, params, batch, lcfg) for t, lcfg in cfgs.items()}
   (flops_on, m_on), (flops_off, m_off), (flops_norms, m_norms) = runs[True], runs[False], runs["norms"]
   assert flops_on == pytest.approx(flops_off, rel=1e-6)
+  assert flops_on == pytest.approx(runs["plain"][0], rel=1e-6)  # one forward + one backward, no ghost taps
   assert flops_norms > flops_off * 1.01  # the per-example norms: >= 1% of this tiny step's flops
   assert not any(k.startswith("grad/") for k in m_on) and set(m_on) == set(m_off)
   assert {"grad/top1_share", "grad/cov_trace", "grad/var_ratio"} <= set(m_norms)

@@ -11,8 +11,8 @@ module is the one place that chooses it):
            backward pass to the layer outputs (vcpo_jax.grad_norms);
   "vmap":  the reference path (vmap of per-example gradients for the norms,
            grad_norms.per_example_sq_grad_norms, then a second backward pass).
-Both give the same gradient; tests check it. Methods without OPOB need no norms
-and both paths reduce to one forward + one backward.
+Both give the same gradient; tests check it. A step that computes no norms (no OPOB, no "norms" telemetry,
+no score centering) takes the plain gradient whatever the path: one forward and one backward.
 
 Micro-batching (`microbatch_size` rows, whole groups each) is exact: the step equals the single-pass step.
 A `lax.scan` over micro-batches runs the gradient path on each with the coefficients WITHOUT the whole-batch
@@ -197,6 +197,13 @@ class LearnerConfig:
   def telemetry_norms(self) -> bool:
     """Whether the step's telemetry reads the per-example norms (see grad_telemetry)."""
     return self.grad_telemetry == "norms" or (self.grad_telemetry is True and self.method.needs_sq_norms)
+
+  @property
+  def computes_norms(self) -> bool:
+    """Whether the step computes per-example norms (the method's OPOB, or the "norms" telemetry). Without them
+    the ghost path's taps and plans buy nothing, and the step takes the plain gradient (one forward, one
+    backward; `_gradient_rows`)."""
+    return self.method.needs_sq_norms or self.telemetry_norms
 
   def _check_telemetry(self):
     t = self.grad_telemetry
@@ -507,8 +514,11 @@ def _gradient(graphdef, params, batch, cfg: LearnerConfig, step=None, behavior_p
 def _gradient_rows(graphdef, params, batch, cfg: LearnerConfig, step, behavior_params, frozen):
   """`_gradient` before the drift scalars: one pass, or a scan over micro-batches."""
   logp_fn = make_logp_fn(graphdef, frozen)
-  grad_fn = policy_gradient(cfg.grad_path)
-  if cfg.grad_path == "ghost" and cfg.ghost_passes != 1:
+  path = cfg.grad_path
+  if path == "ghost" and not cfg.computes_norms and cfg.method.centering is None:
+    path = "vmap"  # no per-example norms wanted: without them "vmap" is one forward and one backward
+  grad_fn = policy_gradient(path)
+  if path == "ghost" and cfg.ghost_passes != 1:
     budget = int(cfg.one_pass_budget_gib * 2**30)
     grad_fn = functools.partial(grad_fn, passes=cfg.ghost_passes, one_pass_budget_bytes=budget)
   centering = _step_centering(graphdef, params, cfg, behavior_params)

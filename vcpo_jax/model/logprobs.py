@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax import sharding
-from vcpo_jax.model import support
+from vcpo_jax.model import quant, support
 
 _F32 = jnp.float32
 
@@ -69,9 +69,7 @@ def vocab_slice(w: jax.Array, spec: HeadSpec, start, size: int) -> jax.Array:
 
 def logits(h: jax.Array, w_part: jax.Array, spec: HeadSpec) -> jax.Array:
   """h [..., D] @ head part -> float32 logits [..., Vc], the matmul in spec.dtype."""
-  h = h.astype(spec.dtype)
-  eq = "...d,vd->...v" if spec.tied else "...d,dv->...v"
-  return jnp.einsum(eq, h, w_part.astype(spec.dtype)).astype(_F32)
+  return quant.dot(h.astype(spec.dtype), w_part.astype(spec.dtype), w_out_first=spec.tied).astype(_F32)
 
 
 def vocab_chunks(v: int, vocab_chunk: int) -> tuple[int, int]:

@@ -68,9 +68,21 @@ def matmul(x: jax.Array, kernel, dtype) -> jax.Array:
   """x [..., Din] @ kernel [Din, Dout] in `dtype`; a QArray kernel is dequantized inside the matmul,
   (x @ q.astype(dtype)) * scale (the scale is per output column, so it commutes out of the sum)."""
   if isinstance(kernel, QArray):
-    y = jnp.einsum("...i,io->...o", x, kernel.q.astype(dtype))
-    return y * kernel.scale.astype(dtype)
-  return jnp.einsum("...i,io->...o", x, kernel.astype(dtype))
+    return dot(x, kernel.q.astype(dtype)) * kernel.scale.astype(dtype)
+  return dot(x, kernel.astype(dtype))
+
+
+def dot(x: jax.Array, w: jax.Array, *, w_out_first: bool = False) -> jax.Array:
+  """x [..., Din] @ w [Din, Dout] (w [Dout, Din] with w_out_first: a tied head) as one 2-D matmul over the
+  leading axes flattened, [..., Dout].
+
+  The values of jnp.einsum("...i,io->...o", x, w); for the batched einsum's backward XLA:CPU lays the weight
+  gradient's operand out transposed (a strided copy fused into the elementwise backward before it), for the
+  2-D form as it is (benchmarks/README.md, "learner step").
+  """
+  dims = (((1,), (1,)), ((), ())) if w_out_first else (((1,), (0,)), ((), ()))
+  y = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), w, dims)
+  return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _path_str(path) -> str:

@@ -116,7 +116,7 @@ class LoRAFactor(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x, kernel = sh.tie(x.astype(self.dtype), self.kernel[...])
-    y = jnp.einsum("...i,io->...o", x, kernel.astype(self.dtype))
+    y = quant.dot(x, kernel.astype(self.dtype))
     return tap(self.name, TapInfo("linear", self.name), x, y)
 
 
@@ -136,7 +136,7 @@ class Embed(nnx.Module):
     # Ghost norms see the tied head only through the log-prob head (Transformer.head_logprobs).
     forbid(self.name, "the tied LM head is tapped only via Transformer.head_logprobs (sequence_logprobs).")
     h_btd = h_btd.astype(self.dtype)
-    return jnp.einsum("btd,vd->btv", h_btd, self.embedding[...].astype(self.dtype))
+    return quant.dot(h_btd, self.embedding[...].astype(self.dtype), w_out_first=True)
 
 
 class RMSNorm(nnx.Module):
