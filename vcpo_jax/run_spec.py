@@ -21,9 +21,9 @@ Adding a knob is one line, `name: type = default  # --config_help text`, plus it
     parse_config passes every field of the section that the component has, by name;
   - task.*, eval.*, sft.*, lag.*, top level: the line goes into that section class (its value reaches the
     component where run_config / RunConfig.sft_config build it).
-Every new field also joins experiments/stability.LATER_FIELDS at the value that gives the old behaviour: the
-study's run fingerprint hashes the whole run config, and at that value the field is left out of it, so the
-committed ledger stays valid (tests/test_stability.py fails otherwise). A new section is one dataclass plus
+The study's run fingerprint hashes the whole run config; a field added since the committed ledger's records
+(experiments/data/ledger_fields.txt) is left out of it at its default, so a new field's default must keep the old
+behaviour (tests/test_stability.py checks the committed records). A new section is one dataclass plus
 one RunConfig field `name: Cls = section(Cls)`.
 
 RunConfig.__post_init__ holds the checks across sections; RunSpec adds what is built from the tree (the
