@@ -123,7 +123,7 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
       num_train_problems=t.num_train_problems,
       seed=run.seed,
     )
-  multiturn = t.multiturn.config()
+  multiturn = t.multiturn if t.multiturn.enabled else None
   # A multi-turn context reaches T - 1 tokens and one call adds up to max_turn_tokens more.
   model_cfg = _model_config(
     run.model, t.max_prompt_len + t.max_new_tokens + (multiturn.max_turn_tokens if multiturn else 0)

@@ -2,10 +2,10 @@
 
 RunConfig is the schema of `--config`. Each section is a frozen dataclass owned by its component: its own
 config where that is what the section holds (optim.OptimConfig, sampler.SamplingConfig, rollout.async_.
-AsyncConfig, checkpoint.CheckpointConfig, metrics.LogConfig, mesh.MeshConfig, mesh.DistributedConfig), else a
-section class beside it whose defaults point at the component's where it has one (model.config.ModelSection:
-`dtype: str = ModelConfig.dtype`; learner.LearnerSection, evaluation.EvalSection, sft.SFTSection,
-rollout.multiturn.MultiTurnSection); TaskSection and LagSection, which no single component owns, are below.
+AsyncConfig, rollout.multiturn.MultiTurnConfig, checkpoint.CheckpointConfig, metrics.LogConfig, mesh.MeshConfig,
+mesh.DistributedConfig), else a section class beside it whose defaults point at the component's where it has one
+(model.config.ModelSection: `dtype: str = ModelConfig.dtype`; learner.LearnerSection, evaluation.EvalSection,
+sft.SFTSection); TaskSection and LagSection, which no single component owns, are below.
 Each field is `name: type = default  # --config_help text`: configs/common.py's ConfigDict is generated from
 this tree (schema.to_config_dict) and built back by schema.from_config_dict, so every default is written
 once (tests/test_schema.py checks it).
@@ -50,7 +50,7 @@ from vcpo_jax.rl import choices
 from vcpo_jax.rl.method import PRESETS, Method
 from vcpo_jax.rollout.async_ import AsyncConfig
 from vcpo_jax.rollout.common import RolloutConfig
-from vcpo_jax.rollout.multiturn import MultiTurnConfig, MultiTurnSection
+from vcpo_jax.rollout.multiturn import MultiTurnConfig
 from vcpo_jax.sampler import SamplingConfig
 from vcpo_jax.schema import ConfigError, check_field, config_errors, section, tree
 
@@ -75,7 +75,7 @@ class TaskSection:
   chat_template: bool = RolloutConfig.chat_template  # wrap prompts with the tokenizer's chat template
   num_train_problems: int = RolloutConfig.num_train_problems  # generated / loaded training pool size
   data_path: str = ""  # local parquet/jsonl for gsm8k/math/aime ("" = shipped fixtures)
-  multiturn: MultiTurnSection = section(MultiTurnSection)
+  multiturn: MultiTurnConfig = section(MultiTurnConfig)
 
 
 @dataclasses.dataclass(frozen=True)
