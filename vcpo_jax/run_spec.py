@@ -40,7 +40,7 @@ import os
 from vcpo_jax import sft, tasks
 from vcpo_jax.checkpoint import CheckpointConfig
 from vcpo_jax.evaluation import EvalProtocol, EvalSection
-from vcpo_jax.learner import LearnerConfig, LearnerSection
+from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.mesh import DistributedConfig, MeshConfig
 from vcpo_jax.metrics import LogConfig
 from vcpo_jax.model.config import ModelConfig, ModelSection
@@ -103,7 +103,7 @@ class RunConfig:
   model: ModelSection = section(ModelSection)
   sampler: SamplingConfig = section(SamplingConfig)
   optim: OptimConfig = section(OptimConfig)
-  learner: LearnerSection = section(LearnerSection)
+  learner: LearnerConfig = section(LearnerConfig)
   lag: LagSection = section(LagSection)
   async_: AsyncConfig = section(AsyncConfig)
   eval: EvalSection = section(EvalSection)
