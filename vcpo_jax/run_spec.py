@@ -108,7 +108,7 @@ class RunConfig:
   async_: AsyncConfig = section(AsyncConfig)
   eval: EvalSection = section(EvalSection)
   checkpoint: CheckpointConfig = section(CheckpointConfig)
-  sft: sft.SFTSection = section(sft.SFTSection)
+  sft: sft.SFTConfig = section(sft.SFTConfig)
   mesh: MeshConfig = section(MeshConfig)
   distributed: DistributedConfig = section(DistributedConfig)
   log: LogConfig = section(LogConfig)
@@ -201,11 +201,9 @@ class RunConfig:
 
   def sft_config(self) -> sft.SFTConfig:
     """The warm start's own config (sft.warm_start): config.sft plus the data setting, seed and sampling."""
-    s, t = self.sft, self.task
-    return sft.SFTConfig(
-      steps=s.steps,
-      lr=s.lr,
-      batch_size=s.batch_size,
+    t = self.task
+    return dataclasses.replace(
+      self.sft,
       max_prompt_len=t.max_prompt_len,
       max_new_tokens=t.max_new_tokens,
       task=t.name,
@@ -213,8 +211,6 @@ class RunConfig:
       task_gen=dict(t.gen),
       chat_template=t.chat_template,
       seed=self.seed,
-      cache_dir=s.cache_dir,
-      noise=s.noise,
       temperature=self.sampler.temperature,
       progress=self.log.progress,
     )
