@@ -276,9 +276,9 @@ class RunSpec:
   def __post_init__(self):
     if self.task is not None:
       check_field(
-        not self.task_template or self.task.generated or "{problem}" in self.task_template,
+        not self.config.task.template or self.task.generated or "{problem}" in self.config.task.template,
         "task.template",
-        self.task_template,
+        self.config.task.template,
         f"a {self.rollout.task} prompt template must contain '{{problem}}'.",
       )
     if self.multiturn is not None:
@@ -305,9 +305,6 @@ class RunSpec:
       f"advantage estimator {estimator!r} compares responses within a group; use group_size >= 2 "
       "(or method.advantage=reinforce).",
     )
-
-  distributed = property(lambda self: self.config.distributed.as_dict())
-  async_cfg = property(lambda self: self.config.async_.as_dict())
 
   @property
   def eval_batch_size(self) -> int:
@@ -336,15 +333,10 @@ class RunSpec:
 # Flat read-only views of RunConfig (read by the trainer, tests and scripts): RunSpec.NAME = config.PATH.
 _VIEWS = dict(
   v.split("=")
-  for v in """seed=seed steps=steps mode=mode method=method k=lag.k task_template=task.template task_gen=task.gen
-  task_data_path=task.data_path eval_data_path=eval.data_path model_checkpoint=model.checkpoint
-  tokenizer_dir=model.tokenizer sampling=sampler optim=optim on_nonfinite=learner.on_nonfinite eval_every=eval.every
-  eval_background=eval.background checkpoint=checkpoint sft_steps=sft.steps sft_lr=sft.lr sft_batch_size=sft.batch_size
-  sft_cache_dir=sft.cache_dir sft_noise=sft.noise mesh_shape=mesh.shape dist=distributed async_=async_ log=log
-  temperature=sampler.temperature top_p=sampler.top_p top_k=sampler.top_k lr=optim.lr weight_decay=optim.weight_decay
-  clip_norm=optim.clip_norm b1=optim.b1 b2=optim.b2 schedule=optim.schedule checkpoint_every=checkpoint.every
-  keep_last=checkpoint.keep_last keep_best=checkpoint.keep_best progress=log.progress plots=log.plots
-  norm_overhead_every=log.norm_overhead_every""".split()
+  for v in """seed=seed steps=steps mode=mode k=lag.k model_checkpoint=model.checkpoint tokenizer_dir=model.tokenizer
+  sampling=sampler optim=optim on_nonfinite=learner.on_nonfinite eval_every=eval.every eval_background=eval.background
+  checkpoint=checkpoint sft_steps=sft.steps mesh_shape=mesh.shape dist=distributed async_=async_ log=log lr=optim.lr
+  weight_decay=optim.weight_decay clip_norm=optim.clip_norm""".split()
 )
 
 
@@ -368,16 +360,17 @@ _TOKENIZERS: dict[tuple, object] = {}  # (model.tokenizer, model.checkpoint) -> 
 
 def check_prompt_lengths(spec: RunSpec):
   """Every training and evaluation prompt fits the prompt bucket task.max_prompt_len (else: one line, the fix)."""
+  t = spec.config.task
   key = repr(
     (
       spec.rollout.task,
-      spec.task_template,
-      sorted(spec.task_gen.items()),
-      spec.task_data_path,
+      t.template,
+      sorted(t.gen.items()),
+      t.data_path,
       spec.rollout.num_train_problems,
       spec.eval.dataset,
       spec.eval.size,
-      spec.eval_data_path,
+      spec.config.eval.data_path,
       spec.seed,
       spec.rollout.chat_template,
       spec.model_checkpoint,
@@ -385,7 +378,7 @@ def check_prompt_lengths(spec: RunSpec):
     )
   )
   if key not in _PROMPT_LENGTHS:
-    with config_errors("task.gen" if spec.task.generated else "task", names=dict.fromkeys(spec.task_gen)):
+    with config_errors("task.gen" if spec.task.generated else "task", names=dict.fromkeys(t.gen)):
       train = spec.make_train_problems()
     with config_errors("eval"):
       held_out = spec.make_eval_problems()
