@@ -346,7 +346,7 @@ def test_read_run_keeps_the_drift_diagnostics_and_stacking_keeps_the_common_keys
 
 def test_committed_ledger_records_keep_their_fingerprints(monkeypatch):
   """The study's records in git are reused only under their run's fingerprint: a config field added since they
-  were made must be in st.LATER_FIELDS (left out at its old value), else every record would train again."""
+  were made (not in st.LEDGER_FIELDS) is left out at its old value, else every record would train again."""
   c = st.load_config("countdown")
   ledger = Path(__file__).resolve().parents[1] / "docs" / "results" / "stability_ledger" / "countdown"
   for method, k, lr, seed in [("none", 0, 3e-4, 0), ("none", 8, 1e-3, 4)]:

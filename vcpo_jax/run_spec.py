@@ -1,30 +1,34 @@
 """The run's config: RunConfig, the tree of the components' own frozen configs, and RunSpec, what it builds.
 
-RunConfig is the schema of `--config`. Each section is a frozen dataclass owned by its component: its own
-config where that is what the section holds (optim.OptimConfig, sampler.SamplingConfig, rollout.async_.
-AsyncConfig, rollout.multiturn.MultiTurnConfig, checkpoint.CheckpointConfig, metrics.LogConfig, mesh.MeshConfig,
-mesh.DistributedConfig), else a section class beside it whose defaults point at the component's where it has one
-(model.config.ModelSection: `dtype: str = ModelConfig.dtype`; learner.LearnerSection, evaluation.EvalSection,
-sft.SFTSection); TaskSection and LagSection, which no single component owns, are below.
-Each field is `name: type = default  # --config_help text`: configs/common.py's ConfigDict is generated from
-this tree (schema.to_config_dict) and built back by schema.from_config_dict, so every default is written
-once (tests/test_schema.py checks it).
+RunConfig is the schema of `--config`. Each section is a frozen dataclass owned by its component, in most cases
+the component's own config: optim.OptimConfig, sampler.SamplingConfig, learner.LearnerConfig, sft.SFTConfig,
+rollout.async_.AsyncConfig, rollout.multiturn.MultiTurnConfig (task.multiturn), checkpoint.CheckpointConfig,
+metrics.LogConfig, mesh.MeshConfig, mesh.DistributedConfig. Fields such a config holds that other sections
+determine (LearnerConfig.method / group_size / batch_size, SFTConfig's data setting) have metadata {"config":
+False}: they are not in the ConfigDict, are None in the section, and are set with dataclasses.replace where
+run_config.parse_config / RunConfig.sft_config build the component's config. Two sections are what the user
+sets for a component whose config is something else, built from them: model.config.ModelSection (a preset or a
+checkpoint, size overrides and how the model is computed -> ModelConfig, the architecture; its compute options'
+defaults point at ModelConfig's, `dtype: str = ModelConfig.dtype`) and evaluation.EvalSection (when and on what
+-> EvalProtocol, the recorded protocol; its sampling defaults point at EvalProtocol's). TaskSection and
+LagSection, which no single component owns, are below. Each field is `name: type = default  # --config_help
+text`: configs/common.py's ConfigDict is generated from this tree (schema.to_config_dict) and built back by
+schema.from_config_dict (tests/test_schema.py checks it).
 
 Adding a knob is one line, `name: type = default  # --config_help text`, plus its check in that class's
 `__post_init__`; it is then `--config.SECTION.name=`, listed by `--config_help`, in every run's fingerprint:
-  - a section that is a component's config (optim, sampler, async_, checkpoint, log, mesh, distributed,
-    task.multiturn): the line goes into that dataclass, which is all;
+  - a section that is a component's config (optim, sampler, learner, sft, async_, checkpoint, log, mesh,
+    distributed, task.multiturn): the line goes into that dataclass, which is all;
   - method.*: the tree of the Method's parts (rl/choices.py), each a named choice with its own fields, read off
     its factory: a new weight variant, peer loss or option of one is a field there with no line here;
-  - model.* / learner.*: the field goes into ModelConfig / LearnerConfig (the component) and a line pointing
-    at its default into ModelSection / LearnerSection (`lora_rank: int = ModelConfig.lora_rank  # ...`):
-    parse_config passes every field of the section that the component has, by name;
-  - task.*, eval.*, sft.*, lag.*, top level: the line goes into that section class (its value reaches the
-    component where run_config / RunConfig.sft_config build it).
-The study's run fingerprint hashes the whole run config; a field added since the committed ledger's records
-(experiments/data/ledger_fields.txt) is left out of it at its default, so a new field's default must keep the old
-behaviour (tests/test_stability.py checks the committed records). A new section is one dataclass plus
-one RunConfig field `name: Cls = section(Cls)`.
+  - model.*: a compute option goes into ModelConfig and a line pointing at its default into ModelSection
+    (`lora_rank: int = ModelConfig.lora_rank  # ...`): run_config passes every ModelSection field ModelConfig has;
+  - task.*, eval.*, lag.*, top level: the line goes into that section class (its value reaches the component
+    where run_config builds it).
+Nothing else lists it: the study's run fingerprint (experiments/stability.run_fingerprint) hashes the whole run
+config and leaves out a field added since the committed ledger's records (experiments/data/ledger_fields.txt)
+while it is at its default, so a new field's default must keep the old behaviour (tests/test_stability.py checks
+the committed records). A new section is one dataclass plus one RunConfig field `name: Cls = section(Cls)`.
 
 RunConfig.__post_init__ holds the checks across sections; RunSpec adds what is built from the tree (the
 method (rl.method.Method), the model's config, the tasks, the evaluation protocol) and the checks that need those.
