@@ -2,6 +2,7 @@
 every bad value fails at parse time on one line naming the field; every field is on the command line
 (the method's tree through main.py's own pass, rl/choices.py)."""
 
+import dataclasses
 import glob
 import importlib
 import json
@@ -354,6 +355,26 @@ def test_async_and_mesh_checks_do_not_depend_on_the_mode():
   c.async_.queue_slots = 0
   with pytest.raises(run_config.ConfigError, match="async_.queue_slots=0"):
     run_config.parse_config(c, check_prompts=False)
+
+
+def test_learner_sft_and_multiturn_sections_are_the_components_configs():
+  """config.learner / config.sft / config.task.multiturn are LearnerConfig / SFTConfig / MultiTurnConfig; the fields
+  other sections determine are not in the ConfigDict and are set by parse_config (checks that need them run then)."""
+  c = common.get_base_config()
+  assert not {"method", "group_size", "batch_size"} & set(c.learner) and not {"task", "seed", "task_gen"} & set(c.sft)
+  spec = run_config.parse_config(_load("countdown", "smoke"), check_prompts=False)
+  assert spec.config.learner.method is None and spec.learner.method == spec.config.method
+  assert (spec.learner.group_size, spec.learner.batch_size) == (4, 8)
+  assert spec.learner == dataclasses.replace(spec.config.learner, method=spec.config.method, group_size=4, batch_size=8)
+  sft_cfg = spec.sft_config()
+  assert spec.config.sft.task is None and (sft_cfg.task, sft_cfg.max_prompt_len, sft_cfg.seed) == ("countdown", 24, 0)
+  assert spec.multiturn is None
+  mt = _load("multiturn", "smoke")
+  assert run_config.parse_config(mt, check_prompts=False).multiturn is not None
+  bad = _load("countdown", "smoke")
+  bad.learner.ppo_epochs = 2  # the method (vcpo) has no policy loss: known only once parse_config sets it
+  with pytest.raises(run_config.ConfigError, match=r"^config.learner.ppo_epochs=2: several updates per step need"):
+    run_config.parse_config(bad, check_prompts=False)
 
 
 def test_flat_views_equal_the_config():
