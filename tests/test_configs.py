@@ -2,6 +2,7 @@
 every bad value fails at parse time on one line naming the field; every field is on the command line
 (the method's tree through main.py's own pass, rl/choices.py)."""
 
+import dataclasses
 import glob
 import importlib
 import json
@@ -126,11 +127,11 @@ def test_released_hyperparameters(name, tiny_ckpt):
   # What the learner actually receives: VCPO on sequence TIS c = 8, ESS-scaled lr with this rho_on.
   spec = run_config.parse_config(_localize(c, tiny_ckpt))
   pg = spec.learner.method
-  assert spec.method == pg and pg.weights == method_lib.tis(8.0)
+  assert spec.config.method == pg and pg.weights == method_lib.tis(8.0)
   assert pg.lr is not None and pg.baseline is not None and pg.lr.rho_on == rho_on
   assert spec.k == k and spec.rollout.batch_size == P * G and spec.lr == 1e-6
   assert (spec.eval.temperature, spec.eval.top_p, spec.eval.n) == (0.8, 0.7, eval_n)
-  assert spec.temperature == 1.0 and spec.schedule == "constant"
+  assert spec.sampling.temperature == 1.0 and spec.optim.schedule == "constant"
 
 
 @pytest.mark.parametrize("name", sorted(RELEASED))
@@ -356,21 +357,36 @@ def test_async_and_mesh_checks_do_not_depend_on_the_mode():
     run_config.parse_config(c, check_prompts=False)
 
 
+def test_learner_sft_and_multiturn_sections_are_the_components_configs():
+  """config.learner / config.sft / config.task.multiturn are LearnerConfig / SFTConfig / MultiTurnConfig; the fields
+  other sections determine are not in the ConfigDict and are set by parse_config (checks that need them run then)."""
+  c = common.get_base_config()
+  assert not {"method", "group_size", "batch_size"} & set(c.learner) and not {"task", "seed", "task_gen"} & set(c.sft)
+  spec = run_config.parse_config(_load("countdown", "smoke"), check_prompts=False)
+  assert spec.config.learner.method is None and spec.learner.method == spec.config.method
+  assert (spec.learner.group_size, spec.learner.batch_size) == (4, 8)
+  assert spec.learner == dataclasses.replace(spec.config.learner, method=spec.config.method, group_size=4, batch_size=8)
+  sft_cfg = spec.sft_config()
+  assert spec.config.sft.task is None and (sft_cfg.task, sft_cfg.max_prompt_len, sft_cfg.seed) == ("countdown", 24, 0)
+  assert spec.multiturn is None
+  mt = _load("multiturn", "smoke")
+  assert run_config.parse_config(mt, check_prompts=False).multiturn is not None
+  bad = _load("countdown", "smoke")
+  bad.learner.ppo_epochs = 2  # the method (vcpo) has no policy loss: known only once parse_config sets it
+  with pytest.raises(run_config.ConfigError, match=r"^config.learner.ppo_epochs=2: several updates per step need"):
+    run_config.parse_config(bad, check_prompts=False)
+
+
 def test_flat_views_equal_the_config():
   c = _load("countdown")
   spec = run_config.parse_config(c, check_prompts=False)
-  assert (spec.lr, spec.weight_decay, spec.clip_norm, spec.b1, spec.b2, spec.schedule) == (
-    2e-4,
-    0.0,
-    1.0,
-    0.9,
-    0.999,
-    "constant",
-  )
-  assert (spec.temperature, spec.top_p, spec.top_k) == (1.0, 1.0, 0)
-  assert (spec.checkpoint_every, spec.keep_last, spec.keep_best) == (50, 2, 1)
-  assert spec.async_cfg == dict(c.async_.to_dict()) and spec.distributed == dict(c.distributed.to_dict())
-  assert (spec.progress, spec.plots, spec.norm_overhead_every) == (True, True, c.log.norm_overhead_every)
+  assert (spec.lr, spec.weight_decay, spec.clip_norm) == (2e-4, 0.0, 1.0)
+  assert (spec.seed, spec.steps, spec.mode, spec.k) == (c.seed, c.steps, c.mode, c.lag.k)
+  assert (spec.model_checkpoint, spec.tokenizer_dir, spec.mesh_shape) == ("", "", tuple(c.mesh.shape))
+  assert (spec.eval_every, spec.eval_background, spec.sft_steps, spec.on_nonfinite) == (25, False, c.sft.steps, "skip")
+  assert spec.sampling is spec.config.sampler and spec.optim is spec.config.optim and spec.log is spec.config.log
+  assert spec.async_ is spec.config.async_ and spec.dist is spec.config.distributed
+  assert spec.checkpoint is spec.config.checkpoint
 
 
 # ----------------------------------------------------------------------------- command line

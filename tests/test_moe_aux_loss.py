@@ -101,7 +101,7 @@ def test_coefficient_adds_exactly_coef_times_the_aux_gradient(microbatch):
 def test_off_by_default_and_bad_values_are_one_line_errors():
   pg = estimator.method_from_preset("vcpo")
   assert learner.LearnerConfig(method=pg).router_aux_loss_coef == 0.0
-  assert learner.LearnerSection().router_aux_loss_coef == 0.0
+  assert learner.LearnerConfig().router_aux_loss_coef == 0.0
   for bad in (-0.1, "0.01", True, float("nan")):
     with pytest.raises(ValueError, match="learner.router_aux_loss_coef"):
       learner.LearnerConfig(method=pg, router_aux_loss_coef=bad)

@@ -1,5 +1,6 @@
 """Tests of the pure exact-lag run (pure_lag.py) and the stability study's bookkeeping (stability.py)."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -345,7 +346,7 @@ def test_read_run_keeps_the_drift_diagnostics_and_stacking_keeps_the_common_keys
 
 def test_committed_ledger_records_keep_their_fingerprints(monkeypatch):
   """The study's records in git are reused only under their run's fingerprint: a config field added since they
-  were made must be in st.LATER_FIELDS (left out at its old value), else every record would train again."""
+  were made (not in st.LEDGER_FIELDS) is left out at its old value, else every record would train again."""
   c = st.load_config("countdown")
   ledger = Path(__file__).resolve().parents[1] / "docs" / "results" / "stability_ledger" / "countdown"
   for method, k, lr, seed in [("none", 0, 3e-4, 0), ("none", 8, 1e-3, 4)]:
@@ -366,19 +367,64 @@ def test_committed_ledger_records_keep_their_fingerprints(monkeypatch):
     name = f"{method}_{knob[0]}{tuning.value_str(knob[1])}_k{k}_lr{lr:g}_seed{seed}.npz"
     with np.load(ledger.parent / Path(cfg.trainer.ledger).name / name) as z:
       assert str(z["fingerprint"]) == st.run_fingerprint(cfg, method, k, seed, lr, knob), name
-  # A later field is in the run config; at its old value it is left out, at any other it counts.
-  (block, name), old = next(iter(st.LATER_FIELDS.items()))
-  assert json.loads(st.trainer_run_config(c, "none", 0, 0, 3e-4).to_json())[block][name] == old
+  # A field added since the records (model.lora_rank) is in the run config; at its old value (its default) it is
+  # left out, at any other it counts; so does one whose default has changed since (OLD_VALUES) at its old value.
+  assert "model.lora_rank" not in st.LEDGER_FIELDS and "model.preset" in st.LEDGER_FIELDS
+  assert set(st.OLD_VALUES) == {"async_.publish_buffers", "async_.publish_checksum"}
+  assert json.loads(st.trainer_run_config(c, "none", 0, 0, 3e-4).to_json())["model"]["lora_rank"] == 0
   fp = st.run_fingerprint(c, "none", 0, 0, 3e-4)
+  assert _fingerprint_with(monkeypatch, c, model__lora_rank=8) != fp
+  assert _fingerprint_with(monkeypatch, c, model__lora_rank=0) == fp
+  cfg = dict(mode="async", async___publish_buffers=0, async___publish_checksum="background")  # the old values
+  fp = _fingerprint_with(monkeypatch, c, **cfg)
+  assert _fingerprint_with(monkeypatch, c, **dict(cfg, async___publish_buffers=1)) != fp  # today's default
+  assert _fingerprint_with(monkeypatch, c, **dict(cfg, async___publish_checksum="true")) != fp
+
+
+def _fingerprint_with(monkeypatch, c, **fields):
+  """st.run_fingerprint(c, "none", 0, 0, 3e-4) of its run config with `fields` set (a__b: a.b; async___x: async_.x)."""
   real = st.trainer_run_config
 
   def changed(*a, **kw):
     cfg = real(*a, **kw)
-    cfg[block][name] = old + 8
+    for key, value in fields.items():
+      *parents, leaf = key.replace("async___", "async_.").replace("__", ".").split(".")
+      node = cfg
+      for name in parents:
+        node = node[name]
+      node[leaf] = value
     return cfg
 
-  monkeypatch.setattr(st, "trainer_run_config", changed)
-  assert st.run_fingerprint(c, "none", 0, 0, 3e-4) != fp
+  with monkeypatch.context() as m:
+    m.setattr(st, "trainer_run_config", changed)
+    return st.run_fingerprint(c, "none", 0, 0, 3e-4)
+
+
+def test_a_new_config_field_needs_no_list_to_keep_the_ledgers_fingerprints(monkeypatch):
+  """A field added to the run config's tree (here sampler.fake_knob = 3, patched in) keeps every run's fingerprint
+  at its default, the old behaviour by convention, and changes it at any other value; nothing lists it."""
+  from configs import common
+  from vcpo_jax import run_spec, sampler, schema
+
+  c = st.load_config("countdown")
+  rec = Path(__file__).resolve().parents[1] / "docs/results/stability_ledger/countdown/none_k0_lr0.0003_seed0.npz"
+  with np.load(rec) as z:
+    stored = str(z["fingerprint"])
+  assert st.run_fingerprint(c, "none", 0, 0, 3e-4) == stored
+  knob = dataclasses.field(default=3)
+  sampling = dataclasses.make_dataclass(
+    "SamplingConfig", [("fake_knob", int, knob)], bases=(sampler.SamplingConfig,), frozen=True
+  )
+  tree = dataclasses.make_dataclass(
+    "RunConfig", [("sampler", sampling, schema.section(sampling))], bases=(run_spec.RunConfig,), frozen=True
+  )
+  monkeypatch.setattr(run_spec, "RunConfig", tree)
+  monkeypatch.setattr(common, "RunConfig", tree)
+  assert json.loads(st.trainer_run_config(c, "none", 0, 0, 3e-4).to_json())["sampler"]["fake_knob"] == 3
+  assert "sampler.fake_knob" not in st.LEDGER_FIELDS
+  assert st.run_fingerprint(c, "none", 0, 0, 3e-4) == stored
+  assert _fingerprint_with(monkeypatch, c, sampler__fake_knob=4) != stored
+  assert _fingerprint_with(monkeypatch, c, sampler__fake_knob=3) == stored
 
 
 def test_countdown_study_config_matches_issue():

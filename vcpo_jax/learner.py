@@ -69,7 +69,8 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
-  """The learner step's static choices.
+  """The learner step's static choices; config.learner is this class (its fields but method, group_size and
+  batch_size, which run_config.parse_config sets: the checks that need them run then).
 
   microbatch_size: rows per micro-batch; None or 0 runs the whole batch in one pass. It must be a
     multiple of the group size G (rows of a group are contiguous in every Batch) and divide the batch
@@ -91,19 +92,25 @@ class LearnerConfig:
     load-balancing loss, Qwen3MoeForCausalLM's aux_loss; `_add_router_aux`); 0, RL's default, leaves it out.
     A checkpoint's own router_aux_loss_coef (ModelConfig's, read from its config.json) is never applied by itself:
     set this field (e.g. to that value) to train with it.
+  on_nonfinite: what the trainer does with a step whose update is not finite: "skip" it (and log) or "abort".
   """
 
-  method: Method
-  grad_path: str = "ghost"
-  ghost_passes: int | str = 1  # 1: one backward, all layers' (A, D) kept; 2: norms block by block; "auto"
-  one_pass_budget_gib: float = 24.0  # ghost_passes="auto": per-device GiB the one-pass (A, D) may take
-  grad_telemetry: bool | str = True  # grad/ metrics (vcpo_jax.telemetry): True | "norms" | False, see below
-  microbatch_size: int | None = None  # rows per micro-batch (whole groups); None / 0: one pass
-  group_size: int | None = None  # G, only for the config-time check of microbatch_size
-  batch_size: int | None = None  # N = P * G, only for the config-time check of microbatch_size
-  ppo_epochs: int = 1  # passes over the batch per trainer step (1: one update per step)
-  minibatches: int = 1  # optimizer updates per pass, each on N / minibatches rows of whole groups
-  router_aux_loss_coef: float = 0.0  # MoE: weight of the router's load-balancing loss in the loss (0: off)
+  # Set by run_config.parse_config (out of config.learner): the method and the batch layout its checks need.
+  method: Method | None = dataclasses.field(default=None, metadata={"config": False})
+  grad_path: str = "ghost"  # ghost (fast exact norms) | vmap (reference path)
+  # ghost backward passes: 1 (all layers' (A, D) kept) | 2 (norms block by block, long T) | "auto" (by memory)
+  ghost_passes: int | str = 1  # int 1 | 2, or the str "auto"
+  one_pass_budget_gib: float = 24.0  # "auto": per-device GiB one pass may keep
+  # grad/ metrics every step. True: when the method computes per-example norms (OPOB), else none (no cost);
+  # "norms": computes them for the telemetry (the plain ghost step pays for them); False: off (math learner -1.8 GiB)
+  grad_telemetry: bool | str = True  # True (if the method has norms: OPOB) | "norms" | False
+  microbatch_size: int | None = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
+  group_size: int | None = dataclasses.field(default=None, metadata={"config": False})  # G
+  batch_size: int | None = dataclasses.field(default=None, metadata={"config": False})  # N = P * G
+  ppo_epochs: int = 1  # passes over each batch per step (policy-loss methods only)
+  minibatches: int = 1  # updates per pass, each on whole groups; pi_old once per step
+  router_aux_loss_coef: float = 0.0  # MoE: weight of the router balance loss (0: off)
+  on_nonfinite: str = "skip"  # skip the update and log | abort with the step range
 
   def __post_init__(self):
     if self.grad_path not in GRAD_PATHS:
@@ -119,6 +126,8 @@ class LearnerConfig:
       raise ValueError(
         f"learner.one_pass_budget_gib={self.one_pass_budget_gib!r}: give a positive number of GiB per device."
       )
+    ok = self.on_nonfinite in ("skip", "abort")
+    check_field(ok, "learner.on_nonfinite", self.on_nonfinite, "choose 'skip' or 'abort'.")
     self._check_updates()
     self._check_telemetry()
     c = self.router_aux_loss_coef
@@ -126,7 +135,12 @@ class LearnerConfig:
       raise ValueError(
         f"learner.router_aux_loss_coef={c!r}: give a number >= 0 (0: off; transformers' default weight is 0.001)."
       )
-    if self.method.centering is not None and self.grad_path == "ghost" and self.ghost_passes != 1:
+    if (
+      self.method is not None
+      and self.method.centering is not None
+      and self.grad_path == "ghost"
+      and self.ghost_passes != 1
+    ):
       raise ValueError(
         f"learner.ghost_passes={self.ghost_passes!r} with method.loss.score_centering={self.method.centering[0]!r}: the "
         "centered score's dense head term runs in the one-pass ghost step only; set learner.ghost_passes=1."
@@ -144,7 +158,7 @@ class LearnerConfig:
       )
     if n and n % mb:
       raise ValueError(f"learner.microbatch_size={mb} does not divide the batch size N={n}; use a divisor of {n}.")
-    why = self.method.batch_wide
+    why = self.method is not None and self.method.batch_wide
     if why:
       raise ValueError(
         f"learner.microbatch_size={mb} with the method's {why}: micro-batches of whole groups cannot be exact; "
@@ -157,7 +171,7 @@ class LearnerConfig:
       v = getattr(self, f)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"learner.{f}={v!r}: must be an int >= 1 (1: one update per trainer step).")
-    if self.updates_per_step == 1:
+    if self.updates_per_step == 1 or self.method is None:
       return
     if self.method.peer_loss is None:
       f = "minibatches" if self.minibatches > 1 else "ppo_epochs"
@@ -212,6 +226,8 @@ class LearnerConfig:
         f"learner.grad_telemetry={t!r}: choose True (the grad/ metrics when the method computes per-example "
         "norms), 'norms' (compute them for the telemetry too) or False."
       )
+    if self.method is None:
+      return
     peer = self.method.peer_loss
     if t == "norms" and (self.grad_path != "ghost" or peer is not None):
       loss = "surrogate" if peer is None else repr(peer.name)
@@ -219,28 +235,6 @@ class LearnerConfig:
         f"learner.grad_telemetry='norms' with learner.grad_path={self.grad_path!r} and the {loss} loss: only the "
         "ghost path of the surrogate has per-example norms to add; use True."
       )
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnerSection:
-  """config.learner: LearnerConfig's fields (parse_config passes them by name) and the non-finite policy."""
-
-  grad_path: str = LearnerConfig.grad_path  # ghost (fast exact norms) | vmap (reference path)
-  # ghost backward passes: 1 (all layers' (A, D) kept) | 2 (norms block by block, long T) | "auto" (by memory)
-  ghost_passes: int | str = LearnerConfig.ghost_passes  # int 1 | 2, or the str "auto"
-  one_pass_budget_gib: float = LearnerConfig.one_pass_budget_gib  # "auto": per-device GiB one pass may keep
-  # grad/ metrics every step. True: when the method computes per-example norms (OPOB), else none (no cost);
-  # "norms": computes them for the telemetry (the plain ghost step pays for them); False: off (math learner -1.8 GiB)
-  grad_telemetry: bool | str = LearnerConfig.grad_telemetry  # True (if the method has norms: OPOB) | "norms" | False
-  microbatch_size: int = 0  # rows per micro-batch, whole groups (a multiple of task.group_size); 0: one pass
-  ppo_epochs: int = LearnerConfig.ppo_epochs  # passes over each batch per step (policy-loss methods only)
-  minibatches: int = LearnerConfig.minibatches  # updates per pass, each on whole groups; pi_old once per step
-  router_aux_loss_coef: float = LearnerConfig.router_aux_loss_coef  # MoE: weight of the router balance loss (0: off)
-  on_nonfinite: str = "skip"  # skip the update and log | abort with the step range
-
-  def __post_init__(self):
-    ok = self.on_nonfinite in ("skip", "abort")
-    check_field(ok, "learner.on_nonfinite", self.on_nonfinite, "choose 'skip' or 'abort'.")
 
 
 def make_logp_fn(graphdef, frozen=None) -> Callable:

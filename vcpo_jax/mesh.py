@@ -92,10 +92,6 @@ class DistributedConfig:
   process_id: int = 0  # this process's index
   extra: dict = dataclasses.field(default_factory=dict, metadata={"config": False})  # keys not modelled here
 
-  def as_dict(self) -> dict:
-    """spec.distributed: every config.distributed key."""
-    return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}, **self.extra}
-
   def __post_init__(self):
     check_field(self.num_processes >= 1, "distributed.num_processes", self.num_processes, "must be >= 1.")
     check_field(

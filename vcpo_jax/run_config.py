@@ -30,7 +30,6 @@ __all__ = ["ConfigError", "RunSpec", "check_override_paths", "field_paths", "par
 
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
-_LEARNER_FIELDS = {f.name for f in dataclasses.fields(LearnerConfig)}
 
 
 def _model_config(m, need_pos: int) -> model_config.ModelConfig:
@@ -123,18 +122,14 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
       num_train_problems=t.num_train_problems,
       seed=run.seed,
     )
-  multiturn = t.multiturn.config()
+  multiturn = t.multiturn if t.multiturn.enabled else None
   # A multi-turn context reaches T - 1 tokens and one call adds up to max_turn_tokens more.
   model_cfg = _model_config(
     run.model, t.max_prompt_len + t.max_new_tokens + (multiturn.max_turn_tokens if multiturn else 0)
   )
-  # Every learner.* field LearnerConfig has, with the batch layout its micro-batch checks need.
-  learner_kw = {f.name: getattr(run.learner, f.name) for f in dataclasses.fields(run.learner)}
-  learner_kw = {k: v for k, v in learner_kw.items() if k in _LEARNER_FIELDS}
-  learner_kw["microbatch_size"] = run.learner.microbatch_size or None
-  with config_errors("learner", LearnerConfig):
-    learner_cfg = LearnerConfig(
-      method=method, group_size=rollout.group_size, batch_size=rollout.batch_size, **learner_kw
+  with config_errors("learner", LearnerConfig):  # config.learner with the method and the batch layout
+    learner_cfg = dataclasses.replace(
+      run.learner, method=method, group_size=rollout.group_size, batch_size=rollout.batch_size
     )
   spec = RunSpec(run, rollout, model_cfg, learner_cfg, _eval_protocol(run), multiturn, **_tasks(run))
   if check_prompts:

@@ -1,30 +1,34 @@
 """The run's config: RunConfig, the tree of the components' own frozen configs, and RunSpec, what it builds.
 
-RunConfig is the schema of `--config`. Each section is a frozen dataclass owned by its component: its own
-config where that is what the section holds (optim.OptimConfig, sampler.SamplingConfig, rollout.async_.
-AsyncConfig, checkpoint.CheckpointConfig, metrics.LogConfig, mesh.MeshConfig, mesh.DistributedConfig), else a
-section class beside it whose defaults point at the component's where it has one (model.config.ModelSection:
-`dtype: str = ModelConfig.dtype`; learner.LearnerSection, evaluation.EvalSection, sft.SFTSection,
-rollout.multiturn.MultiTurnSection); TaskSection and LagSection, which no single component owns, are below.
-Each field is `name: type = default  # --config_help text`: configs/common.py's ConfigDict is generated from
-this tree (schema.to_config_dict) and built back by schema.from_config_dict, so every default is written
-once (tests/test_schema.py checks it).
+RunConfig is the schema of `--config`. Each section is a frozen dataclass owned by its component, in most cases
+the component's own config: optim.OptimConfig, sampler.SamplingConfig, learner.LearnerConfig, sft.SFTConfig,
+rollout.async_.AsyncConfig, rollout.multiturn.MultiTurnConfig (task.multiturn), checkpoint.CheckpointConfig,
+metrics.LogConfig, mesh.MeshConfig, mesh.DistributedConfig. Fields such a config holds that other sections
+determine (LearnerConfig.method / group_size / batch_size, SFTConfig's data setting) have metadata {"config":
+False}: they are not in the ConfigDict, are None in the section, and are set with dataclasses.replace where
+run_config.parse_config / RunConfig.sft_config build the component's config. Two sections are what the user
+sets for a component whose config is something else, built from them: model.config.ModelSection (a preset or a
+checkpoint, size overrides and how the model is computed -> ModelConfig, the architecture; its compute options'
+defaults point at ModelConfig's, `dtype: str = ModelConfig.dtype`) and evaluation.EvalSection (when and on what
+-> EvalProtocol, the recorded protocol; its sampling defaults point at EvalProtocol's). TaskSection and
+LagSection, which no single component owns, are below. Each field is `name: type = default  # --config_help
+text`: configs/common.py's ConfigDict is generated from this tree (schema.to_config_dict) and built back by
+schema.from_config_dict (tests/test_schema.py checks it).
 
 Adding a knob is one line, `name: type = default  # --config_help text`, plus its check in that class's
 `__post_init__`; it is then `--config.SECTION.name=`, listed by `--config_help`, in every run's fingerprint:
-  - a section that is a component's config (optim, sampler, async_, checkpoint, log, mesh, distributed,
-    task.multiturn): the line goes into that dataclass, which is all;
+  - a section that is a component's config (optim, sampler, learner, sft, async_, checkpoint, log, mesh,
+    distributed, task.multiturn): the line goes into that dataclass, which is all;
   - method.*: the tree of the Method's parts (rl/choices.py), each a named choice with its own fields, read off
     its factory: a new weight variant, peer loss or option of one is a field there with no line here;
-  - model.* / learner.*: the field goes into ModelConfig / LearnerConfig (the component) and a line pointing
-    at its default into ModelSection / LearnerSection (`lora_rank: int = ModelConfig.lora_rank  # ...`):
-    parse_config passes every field of the section that the component has, by name;
-  - task.*, eval.*, sft.*, lag.*, top level: the line goes into that section class (its value reaches the
-    component where run_config / RunConfig.sft_config build it).
-Every new field also joins experiments/stability.LATER_FIELDS at the value that gives the old behaviour: the
-study's run fingerprint hashes the whole run config, and at that value the field is left out of it, so the
-committed ledger stays valid (tests/test_stability.py fails otherwise). A new section is one dataclass plus
-one RunConfig field `name: Cls = section(Cls)`.
+  - model.*: a compute option goes into ModelConfig and a line pointing at its default into ModelSection
+    (`lora_rank: int = ModelConfig.lora_rank  # ...`): run_config passes every ModelSection field ModelConfig has;
+  - task.*, eval.*, lag.*, top level: the line goes into that section class (its value reaches the component
+    where run_config builds it).
+Nothing else lists it: the study's run fingerprint (experiments/stability.run_fingerprint) hashes the whole run
+config and leaves out a field added since the committed ledger's records (experiments/data/ledger_fields.txt)
+while it is at its default, so a new field's default must keep the old behaviour (tests/test_stability.py checks
+the committed records). A new section is one dataclass plus one RunConfig field `name: Cls = section(Cls)`.
 
 RunConfig.__post_init__ holds the checks across sections; RunSpec adds what is built from the tree (the
 method (rl.method.Method), the model's config, the tasks, the evaluation protocol) and the checks that need those.
@@ -40,7 +44,7 @@ import os
 from vcpo_jax import sft, tasks
 from vcpo_jax.checkpoint import CheckpointConfig
 from vcpo_jax.evaluation import EvalProtocol, EvalSection
-from vcpo_jax.learner import LearnerConfig, LearnerSection
+from vcpo_jax.learner import LearnerConfig
 from vcpo_jax.mesh import DistributedConfig, MeshConfig
 from vcpo_jax.metrics import LogConfig
 from vcpo_jax.model.config import ModelConfig, ModelSection
@@ -50,7 +54,7 @@ from vcpo_jax.rl import choices
 from vcpo_jax.rl.method import PRESETS, Method
 from vcpo_jax.rollout.async_ import AsyncConfig
 from vcpo_jax.rollout.common import RolloutConfig
-from vcpo_jax.rollout.multiturn import MultiTurnConfig, MultiTurnSection
+from vcpo_jax.rollout.multiturn import MultiTurnConfig
 from vcpo_jax.sampler import SamplingConfig
 from vcpo_jax.schema import ConfigError, check_field, config_errors, section, tree
 
@@ -75,7 +79,7 @@ class TaskSection:
   chat_template: bool = RolloutConfig.chat_template  # wrap prompts with the tokenizer's chat template
   num_train_problems: int = RolloutConfig.num_train_problems  # generated / loaded training pool size
   data_path: str = ""  # local parquet/jsonl for gsm8k/math/aime ("" = shipped fixtures)
-  multiturn: MultiTurnSection = section(MultiTurnSection)
+  multiturn: MultiTurnConfig = section(MultiTurnConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +107,12 @@ class RunConfig:
   model: ModelSection = section(ModelSection)
   sampler: SamplingConfig = section(SamplingConfig)
   optim: OptimConfig = section(OptimConfig)
-  learner: LearnerSection = section(LearnerSection)
+  learner: LearnerConfig = section(LearnerConfig)
   lag: LagSection = section(LagSection)
   async_: AsyncConfig = section(AsyncConfig)
   eval: EvalSection = section(EvalSection)
   checkpoint: CheckpointConfig = section(CheckpointConfig)
-  sft: sft.SFTSection = section(sft.SFTSection)
+  sft: sft.SFTConfig = section(sft.SFTConfig)
   mesh: MeshConfig = section(MeshConfig)
   distributed: DistributedConfig = section(DistributedConfig)
   log: LogConfig = section(LogConfig)
@@ -201,11 +205,9 @@ class RunConfig:
 
   def sft_config(self) -> sft.SFTConfig:
     """The warm start's own config (sft.warm_start): config.sft plus the data setting, seed and sampling."""
-    s, t = self.sft, self.task
-    return sft.SFTConfig(
-      steps=s.steps,
-      lr=s.lr,
-      batch_size=s.batch_size,
+    t = self.task
+    return dataclasses.replace(
+      self.sft,
       max_prompt_len=t.max_prompt_len,
       max_new_tokens=t.max_new_tokens,
       task=t.name,
@@ -213,8 +215,6 @@ class RunConfig:
       task_gen=dict(t.gen),
       chat_template=t.chat_template,
       seed=self.seed,
-      cache_dir=s.cache_dir,
-      noise=s.noise,
       temperature=self.sampler.temperature,
       progress=self.log.progress,
     )
@@ -280,9 +280,9 @@ class RunSpec:
   def __post_init__(self):
     if self.task is not None:
       check_field(
-        not self.task_template or self.task.generated or "{problem}" in self.task_template,
+        not self.config.task.template or self.task.generated or "{problem}" in self.config.task.template,
         "task.template",
-        self.task_template,
+        self.config.task.template,
         f"a {self.rollout.task} prompt template must contain '{{problem}}'.",
       )
     if self.multiturn is not None:
@@ -309,9 +309,6 @@ class RunSpec:
       f"advantage estimator {estimator!r} compares responses within a group; use group_size >= 2 "
       "(or method.advantage=reinforce).",
     )
-
-  distributed = property(lambda self: self.config.distributed.as_dict())
-  async_cfg = property(lambda self: self.config.async_.as_dict())
 
   @property
   def eval_batch_size(self) -> int:
@@ -340,15 +337,10 @@ class RunSpec:
 # Flat read-only views of RunConfig (read by the trainer, tests and scripts): RunSpec.NAME = config.PATH.
 _VIEWS = dict(
   v.split("=")
-  for v in """seed=seed steps=steps mode=mode method=method k=lag.k task_template=task.template task_gen=task.gen
-  task_data_path=task.data_path eval_data_path=eval.data_path model_checkpoint=model.checkpoint
-  tokenizer_dir=model.tokenizer sampling=sampler optim=optim on_nonfinite=learner.on_nonfinite eval_every=eval.every
-  eval_background=eval.background checkpoint=checkpoint sft_steps=sft.steps sft_lr=sft.lr sft_batch_size=sft.batch_size
-  sft_cache_dir=sft.cache_dir sft_noise=sft.noise mesh_shape=mesh.shape dist=distributed async_=async_ log=log
-  temperature=sampler.temperature top_p=sampler.top_p top_k=sampler.top_k lr=optim.lr weight_decay=optim.weight_decay
-  clip_norm=optim.clip_norm b1=optim.b1 b2=optim.b2 schedule=optim.schedule checkpoint_every=checkpoint.every
-  keep_last=checkpoint.keep_last keep_best=checkpoint.keep_best progress=log.progress plots=log.plots
-  norm_overhead_every=log.norm_overhead_every""".split()
+  for v in """seed=seed steps=steps mode=mode k=lag.k model_checkpoint=model.checkpoint tokenizer_dir=model.tokenizer
+  sampling=sampler optim=optim on_nonfinite=learner.on_nonfinite eval_every=eval.every eval_background=eval.background
+  checkpoint=checkpoint sft_steps=sft.steps mesh_shape=mesh.shape dist=distributed async_=async_ log=log lr=optim.lr
+  weight_decay=optim.weight_decay clip_norm=optim.clip_norm""".split()
 )
 
 
@@ -372,16 +364,17 @@ _TOKENIZERS: dict[tuple, object] = {}  # (model.tokenizer, model.checkpoint) -> 
 
 def check_prompt_lengths(spec: RunSpec):
   """Every training and evaluation prompt fits the prompt bucket task.max_prompt_len (else: one line, the fix)."""
+  t = spec.config.task
   key = repr(
     (
       spec.rollout.task,
-      spec.task_template,
-      sorted(spec.task_gen.items()),
-      spec.task_data_path,
+      t.template,
+      sorted(t.gen.items()),
+      t.data_path,
       spec.rollout.num_train_problems,
       spec.eval.dataset,
       spec.eval.size,
-      spec.eval_data_path,
+      spec.config.eval.data_path,
       spec.seed,
       spec.rollout.chat_template,
       spec.model_checkpoint,
@@ -389,7 +382,7 @@ def check_prompt_lengths(spec: RunSpec):
     )
   )
   if key not in _PROMPT_LENGTHS:
-    with config_errors("task.gen" if spec.task.generated else "task", names=dict.fromkeys(spec.task_gen)):
+    with config_errors("task.gen" if spec.task.generated else "task", names=dict.fromkeys(t.gen)):
       train = spec.make_train_problems()
     with config_errors("eval"):
       held_out = spec.make_eval_problems()

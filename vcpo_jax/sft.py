@@ -72,28 +72,32 @@ NUM_REPORT_PROBLEMS = 64
 # ----------------------------------------------------------------------------- config
 
 
+def _derived():
+  return dataclasses.field(default=None, metadata={"config": False})
+
+
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """The warm start's own config: config.sft, plus the data setting, seed and sampling it depends on.
-
-  Built by `RunConfig.sft_config()` (which the trainer calls; no field has a default of its own); every field but
-  `cache_dir`, `temperature` and `progress` enters the cache key (`key_fields`).
+  """The warm start's own config: config.sft is this class (its first five fields); `RunConfig.sft_config()` (which
+  the trainer calls) adds the data setting, seed and sampling it depends on. Every field but `cache_dir`,
+  `temperature` and `progress` enters the cache key (`key_fields`).
   """
 
-  steps: int  # config.sft.steps: AdamW steps (0 = no warm start)
-  lr: float  # config.sft.lr: peak rate of the warmup-cosine schedule
-  batch_size: int  # config.sft.batch_size: examples per step
-  max_prompt_len: int  # config.task.max_prompt_len: the rollout layout's prompt bucket Tp
-  max_new_tokens: int  # config.task.max_new_tokens: its response bucket Tn
-  task: str  # config.task.name
-  template: str  # config.task.template
-  task_gen: dict  # config.task.gen (generator knobs)
-  chat_template: bool  # config.task.chat_template
-  seed: int  # config.seed: the batch permutation and the report's sampling
-  cache_dir: str  # config.sft.cache_dir ("" = ~/.cache/vcpo_jax/sft); not in the key
-  temperature: float  # config.sampler.temperature: the held-out report's sampled accuracy; not in the key
-  progress: bool  # config.log.progress: a tqdm bar while training; not in the key
-  noise: float  # config.sft.noise: fraction of examples whose target is a well-formed wrong answer
+  steps: int = 0  # supervised warm start on solver solutions (0 = off); cached per config
+  lr: float = 3e-3  # warm-start AdamW peak rate (warmup-cosine)
+  batch_size: int = 64  # warm-start examples per step
+  noise: float = 0.0  # fraction of warm-start targets replaced by a well-formed wrong answer (a noisy demonstrator)
+  cache_dir: str = ""  # where warm starts are cached ("" = ~/.cache/vcpo_jax/sft)
+  # Set by RunConfig.sft_config from the other sections (not in config.sft; None until then):
+  max_prompt_len: int | None = _derived()  # config.task.max_prompt_len: the rollout layout's prompt bucket Tp
+  max_new_tokens: int | None = _derived()  # config.task.max_new_tokens: its response bucket Tn
+  task: str | None = _derived()  # config.task.name
+  template: str | None = _derived()  # config.task.template
+  task_gen: dict | None = _derived()  # config.task.gen (generator knobs)
+  chat_template: bool | None = _derived()  # config.task.chat_template
+  seed: int | None = _derived()  # config.seed: the batch permutation and the report's sampling
+  temperature: float | None = _derived()  # config.sampler.temperature: the held-out report's sampled accuracy
+  progress: bool | None = _derived()  # config.log.progress: a tqdm bar while training
 
   def __post_init__(self):
     # `sft.FIELD=VALUE: fix`: RunConfig (schema.config_errors) reports it as config.sft.FIELD, in one line.
@@ -106,7 +110,7 @@ class SFTConfig:
       raise ValueError(f"sft.batch_size={self.batch_size!r}: must be an int >= 1.")
     if not (isinstance(self.noise, (int, float)) and 0.0 <= self.noise < 1.0):
       raise ValueError(f"sft.noise={self.noise!r}: must be a fraction in [0, 1) (0 = every target correct).")
-    if self.noise and not can_write_wrong_answers(self.task):
+    if self.noise and self.task is not None and not can_write_wrong_answers(self.task):
       noisy = sorted(n for n in tasks.TASKS if can_write_wrong_answers(n))
       raise ValueError(
         f"sft.noise={self.noise!r}: task {self.task!r} cannot write wrong answers; use one of {noisy} or set "
@@ -115,17 +119,6 @@ class SFTConfig:
 
 
 # ----------------------------------------------------------------------------- examples
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTSection:
-  """config.sft: the warm start's own knobs (RunConfig.sft_config adds the data setting it depends on)."""
-
-  steps: int = 0  # supervised warm start on solver solutions (0 = off); cached per config
-  lr: float = 3e-3  # warm-start AdamW peak rate (warmup-cosine)
-  batch_size: int = 64  # warm-start examples per step
-  noise: float = 0.0  # fraction of warm-start targets replaced by a well-formed wrong answer (a noisy demonstrator)
-  cache_dir: str = ""  # where warm starts are cached ("" = ~/.cache/vcpo_jax/sft)
 
 
 def target_text(problem: tasks.Problem) -> str:

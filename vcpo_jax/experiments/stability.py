@@ -37,6 +37,7 @@ Definitions (fixed before the study; configs/stability.py `analysis`):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -422,42 +423,58 @@ def _run_seconds(workdir: Path) -> float:
     return math.nan
 
 
-# Run-config fields added after the ledger's first records, each with the value that gives the behaviour from
-# before it existed. At that value a field is left out of a run's fingerprint, so the records made before it was
-# added stay valid; any other value is part of it. Add a field here when adding it to run_spec.RunConfig.
-LATER_FIELDS = {
-  ("sampler", "max_batch"): 0,
-  ("sampler", "decode_layers"): "scan",
-  ("async_", "publish_buffers"): 0,
-  ("async_", "publish_checksum"): "background",
-  ("async_", "publish_delta"): "off",
-  ("sft", "noise"): 0.0,
-  ("log", "ref_grad_every"): 0,
-  ("learner", "one_pass_budget_gib"): 24.0,  # was a fallback in the mapping code, not a config field
-  ("model", "lora_rank"): 0,
-  ("model", "lora_alpha"): 16.0,
-  ("model", "lora_targets"): ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-  ("vcpo", "score_centering"): None,
-  ("vcpo", "sc_topk"): None,
-  ("learner", "grad_telemetry"): True,
-  ("model", "scan_layers"): True,  # the execution layout only: scanned and unrolled layers give equal results
-  ("model", "routing_replay"): False,  # MoE routing replay (h41): a dense model ignores it
-  ("model", "moe_matmul"): "ragged",  # the MoE experts' matmul implementation (h41): dense models have none
-  ("learner", "router_aux_loss_coef"): 0.0,  # the MoE router's load-balancing loss weight (h41e): off
+# The run-config fields of the ledger's committed records (data/ledger_fields.txt, written once). A field added
+# since is left out of a run's fingerprint at its old value, so the records made before it stay valid, and is part
+# of it at any other value. Its old value is its default (a new field's default keeps the old behaviour, by
+# convention), except where the default has changed since the records were made: those fields are listed here.
+# Changing the default of a field that is not in data/ledger_fields.txt: add its old default here.
+LEDGER_FIELDS = frozenset(
+  line for line in (Path(__file__).parent / "data" / "ledger_fields.txt").read_text().split("\n") if line[:1].isalpha()
+)
+OLD_VALUES = {
+  "async_.publish_buffers": 0,  # the records' async_ block (dropped for sync / lag runs) had no publish buffers
+  "async_.publish_checksum": "background",
 }
+
+
+@functools.lru_cache(maxsize=4)
+def _ledger_defaults(run_config_cls) -> dict:
+  """The default run config (run_spec.RunConfig()) as the ledger's records hold a run config (_ledger_json)."""
+  from vcpo_jax import schema
+  from vcpo_jax.experiments import legacy_method
+  from vcpo_jax.rl import choices
+
+  d = json.loads(schema.to_config_dict(run_config_cls).to_json())
+  return legacy_method.run_config(d, choices.describe(choices.build(d[choices.ROOT])), [])
+
+
+def _drop_later_fields(node: dict, defaults: dict, prefix: str = ""):
+  """Deletes from run-config JSON `node` the fields not in LEDGER_FIELDS that hold their old value (OLD_VALUES,
+  else the default in `defaults`); a section added since goes when all its fields went."""
+  for name in list(node):
+    path, value, default = prefix + name, node[name], defaults.get(name, KeyError)
+    if path in LEDGER_FIELDS:
+      continue
+    if isinstance(value, dict) and isinstance(default, dict) and path not in OLD_VALUES:
+      _drop_later_fields(value, default, path + ".")
+      if not value:
+        del node[name]
+    elif value == OLD_VALUES.get(path, default):
+      del node[name]
 
 
 def run_fingerprint(c, method: str, k: int, seed: int, lr: float, knob=None, stage: str = "") -> str:
   """Everything that determines one run's numbers: its own full run config (method, k, seed, lr, knob and the
   policy-loss updates included; it holds no paths) and the study's step count. Adding seeds, lrs or methods to
   the study leaves the other runs' fingerprints unchanged, and so do the async_ settings of a run that is not
-  async (the study's runs are sync or lag; they never read them) and the LATER_FIELDS at their old values."""
+  async (the study's runs are sync or lag; they never read them) and the fields added since the ledger's records
+  at their old values (LEDGER_FIELDS)."""
   run_cfg = _ledger_json(c, method, k, seed, lr, knob)
   if run_cfg.get("mode") != "async":
     run_cfg.pop("async_", None)
-  for (block, name), old in LATER_FIELDS.items():
-    if name in run_cfg.get(block, {}) and run_cfg[block][name] == old:
-      del run_cfg[block][name]
+  from vcpo_jax import run_spec
+
+  _drop_later_fields(run_cfg, _ledger_defaults(run_spec.RunConfig))
   sampler = run_cfg.get("sampler", {})
   if sampler.get("support_replay") in ("auto", "off") and sampler.get("top_p") == 1.0 and sampler.get("top_k") == 0:
     del sampler["support_replay"]  # a later field that changes nothing without a sampling filter (as before it)

@@ -296,10 +296,6 @@ class AsyncConfig:
     except ValueError as e:
       raise ConfigError(config_message(str(e), "async_")) from None
 
-  def as_dict(self) -> dict:
-    """spec.async_cfg: every config.async_ key (this dataclass models them all; AsyncSource reads the fields)."""
-    return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "sampler_env": dict(self.sampler_env)}
-
 
 def resolve_publish_dtype(name: str, platform: str):
   """async_.publish_dtype on `platform`: "auto" is bfloat16 on accelerators and float32 on CPU."""

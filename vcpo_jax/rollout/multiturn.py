@@ -60,6 +60,8 @@ class MultiTurnConfig:
     code_open, code_close, output_open, output_close: protocol tags (tool_env).
     sandbox_cpu_seconds, sandbox_wall_seconds: limits of one execution.
     max_workers: parallel sandbox executions per round (0 = CPU count).
+    enabled: the run's rollouts are these episodes (parse_config: RunSpec.multiturn is this config when True,
+      else None); what runs episodes (MultiTurnRolloutMaker, sampler_config) does not read it.
   """
 
   max_turns: int = 4  # model turns per episode (at most max_turns - 1 tool calls)
@@ -72,6 +74,7 @@ class MultiTurnConfig:
   sandbox_cpu_seconds: int = 2  # CPU-time limit of one execution
   sandbox_wall_seconds: float = 5.0  # wall-clock limit of one execution
   max_workers: int = 0  # parallel sandbox executions (0 = CPU count)
+  enabled: bool = False  # True: rollouts are multi-turn tool-use episodes (code runs in the sandbox)
 
   def __post_init__(self):
     for f in ("max_turns", "max_turn_tokens", "max_tool_output_tokens", "sandbox_cpu_seconds"):
@@ -85,21 +88,6 @@ class MultiTurnConfig:
     for f in ("code_open", "code_close", "output_open", "output_close"):
       if not getattr(self, f):
         raise ValueError(f"task.multiturn.{f} must be a non-empty tag string.")
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnSection(MultiTurnConfig):
-  """config.task.multiturn: tool-use episodes (vcpo_jax/rollout/multiturn.py), checked when enabled."""
-
-  enabled: bool = False  # True: rollouts are multi-turn tool-use episodes (code runs in the sandbox)
-
-  def __post_init__(self):
-    if self.enabled:
-      super().__post_init__()
-
-  def config(self) -> MultiTurnConfig | None:
-    names = [f.name for f in dataclasses.fields(MultiTurnConfig)]
-    return MultiTurnConfig(**{n: getattr(self, n) for n in names}) if self.enabled else None
 
 
 def sampler_config(base: SamplerConfig, rollout: RolloutConfig, mt: MultiTurnConfig) -> SamplerConfig:
