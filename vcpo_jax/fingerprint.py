@@ -66,6 +66,11 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
   return out
 
 
+def keeps_trajectory(path: str) -> bool:
+  """Whether the dotted config field `path` is one whose change keeps the trajectory (EXCLUDED)."""
+  return _excluded(path)
+
+
 def _excluded(path: str) -> bool:
   return any(path.startswith(e) if e.endswith(".") else path == e for e in EXCLUDED)
 

@@ -450,10 +450,16 @@ def _ledger_defaults(run_config_cls) -> dict:
 
 def _drop_later_fields(node: dict, defaults: dict, prefix: str = ""):
   """Deletes from run-config JSON `node` the fields not in LEDGER_FIELDS that hold their old value (OLD_VALUES,
-  else the default in `defaults`); a section added since goes when all its fields went."""
+  else the default in `defaults`) or whose change keeps the trajectory (execution layout, `fingerprint.EXCLUDED`:
+  e.g. model.scan_layers); a section added since goes when all its fields went."""
+  from vcpo_jax import fingerprint as run_fp
+
   for name in list(node):
     path, value, default = prefix + name, node[name], defaults.get(name, KeyError)
     if path in LEDGER_FIELDS:
+      continue
+    if run_fp.keeps_trajectory(path):
+      del node[name]
       continue
     if isinstance(value, dict) and isinstance(default, dict) and path not in OLD_VALUES:
       _drop_later_fields(value, default, path + ".")
