@@ -5,7 +5,10 @@
     python -m benchmarks.sampler --threads 2 --devices 2  # our sampler on 2 host devices of the 2 cores
     python -m benchmarks.sampler --threads 2 --decode_layers unrolled  # per-layer cache buffers in the decode step
 
-Roofline (issue 14 item 2), measured in the same process before the timings: peak matmul
+Roofline (issue 14 item 2), measured in the same process just before and just after each of our timed
+calls (a round's roofline is the mean of the two; the fraction is reported per round, median and range: on a
+shared machine it moves with the load, so one measurement before all rounds mis-stated it), and once at the
+start for the printed header: peak matmul
 FLOP/s (best of a large jitted float32 dot) and copy bandwidth (best numpy copy of 256 MiB,
 read + write bytes). A generate call's roofline time is the sum over its passes (one prefill,
 `new - 1` decode steps) of max(FLOPs / peak, bytes / bandwidth) with FLOPs = 2 x params x
@@ -187,13 +190,17 @@ def _timed(fn) -> float:
   return time.perf_counter() - t0
 
 
-def interleaved(ours, theirs, rounds: int) -> tuple[list[float], list[float]]:
-  """Runs ours and theirs alternately `rounds` times; returns both lists of wall times."""
-  t_ours, t_theirs = [], []
+def interleaved(ours, theirs, rounds: int, yardstick=None):
+  """Runs ours and theirs alternately `rounds` times; returns both lists of wall times, and with a yardstick
+  (e.g. `measure_roofline`) a third list: per round (its result just before ours, just after ours)."""
+  t_ours, t_theirs, sticks = [], [], []
   for _ in range(rounds):
+    before = None if yardstick is None else yardstick()
     t_ours.append(_timed(ours))
+    if yardstick is not None:
+      sticks.append((before, yardstick()))
     t_theirs.append(_timed(theirs))
-  return t_ours, t_theirs
+  return (t_ours, t_theirs) if yardstick is None else (t_ours, t_theirs, sticks)
 
 
 def main(argv=None):
@@ -311,19 +318,26 @@ def main(argv=None):
       torch.manual_seed(0)
       hf_generate()  # warm-up
       load_before = os.getloadavg()[0]
-      t_ours, t_hf = interleaved(lambda: smp.generate(ours_params, prompt_lists, key), hf_generate, args.rounds)
+      t_ours, t_hf, sticks = interleaved(
+        lambda: smp.generate(ours_params, prompt_lists, key), hf_generate, args.rounds, measure_roofline
+      )
       ratios = [h / o for o, h in zip(t_ours, t_hf)]
       ours, theirs = float(np.median(t_ours)), float(np.median(t_hf))
-      t_roof = roofline_seconds(cfg, b, tp, tn, roof["peak_flops"], roof["bandwidth"], weight_bytes)
+      # Each round's roofline: the mean of the two measured just before and just after our call.
+      roof_s = lambda r: roofline_seconds(cfg, b, tp, tn, r["peak_flops"], r["bandwidth"], weight_bytes)
+      t_roofs = [(roof_s(r0) + roof_s(r1)) / 2 for r0, r1 in sticks]
+      fracs = [t / o for t, o in zip(t_roofs, t_ours)]
+      t_roof = float(np.median(t_roofs))
       rows.append(
         dict(
           model=model_name,
           params=cfg.num_params,
           setting=setting,
           draw=draw,
-          roofline=t_roof / ours,
-          roofline_min=t_roof / max(t_ours),
-          roofline_max=t_roof / min(t_ours),
+          roofline=float(np.median(fracs)),
+          roofline_min=min(fracs),
+          roofline_max=max(fracs),
+          roofline_round_s=t_roofs,
           hf_roofline=t_roof / theirs,
           roofline_tok_s=b * tn / t_roof,
           batch=b,

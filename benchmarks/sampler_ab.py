@@ -10,8 +10,11 @@ Each tree runs in its own worker process (`git archive <base>` unpacked into a t
 `SamplerConfig` as `benchmarks.sampler` builds (temperature 1, no EOS: every row draws all `--new` tokens,
 param_dtype `--param_dtype`). Both compile and warm up first; each round then asks every worker in turn (the
 order rotates) to time `--calls` generate calls, and the round's ratio is median(base) / median(this) (> 1:
-this tree is faster). The roofline (`benchmarks.sampler.measure_roofline`, `roofline_seconds`) is measured
-once in the driver before the rounds, so each tree's fraction of it uses the same yardstick. Both trees must
+this tree is faster). The roofline (`benchmarks.sampler.measure_roofline`, `roofline_seconds`) is measured in
+the driver (the workers idle, the same cores) before every round and after the last, and each round's fraction
+of it uses the mean of the two measurements that bracket the round: on a shared machine the roofline moves
+with the load, and one measurement before all rounds gave fractions that moved with the load between it and
+the rounds (benchmarks/README.md). Both trees share each round's yardstick. Both trees must
 draw the same tokens (checked: same seed, logits equal up to float rounding). Reported: median and range of
 the per-round ratios, each tree's roofline fraction, the load average before and after. The last line is
 one JSON object.
@@ -20,6 +23,7 @@ one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -110,17 +114,21 @@ def _parser():
   return p
 
 
-def _rounds(procs: dict, rounds: int, calls: int) -> dict:
+def _rounds(procs: dict, rounds: int, calls: int, roofline=None) -> tuple[dict, list]:
+  """({tree: [[seconds of each call] per round]}, [roofline() before round 0, ..., after the last round])."""
   from benchmarks import tree_ab
 
   times = {k: [] for k in procs}
   names = list(procs)
+  roofs = [] if roofline is None else [roofline()]
   for r in range(rounds):
     for k in names[r % 2 :] + names[: r % 2]:
       procs[k].stdin.write(f"run {calls}\n")
       procs[k].stdin.flush()
       times[k].append(tree_ab.reply(procs[k])["times_s"])
-  return times
+    if roofline is not None:
+      roofs.append(roofline())
+  return times, roofs
 
 
 def main(argv=None):
@@ -137,8 +145,6 @@ def main(argv=None):
   base, head = tree_ab.git("rev-parse", "--short", args.base), tree_ab.git("rev-parse", "--short", "HEAD")
   cfg = bench.MODELS[args.model]()
   load_start = os.getloadavg()
-  roof = bench.measure_roofline()
-  t_roof = bench.roofline_seconds(cfg, args.batch, args.prompt, args.new, roof["peak_flops"], roof["bandwidth"])
   with tempfile.TemporaryDirectory(prefix="sampler_ab_") as tmp:
     old_tree = tree_ab.unpack(base, os.path.join(tmp, base))
     this_flags = [f"--decode_layers={args.decode_layers}"] if args.decode_layers else []
@@ -146,7 +152,7 @@ def main(argv=None):
     try:
       info = {k: tree_ab.reply(pr) for k, pr in procs.items()}  # both compiled and warm
       load_before = os.getloadavg()
-      times = _rounds(procs, args.rounds, args.calls)
+      times, roofs = _rounds(procs, args.rounds, args.calls, bench.measure_roofline)
       load_after = os.getloadavg()
     finally:
       for pr in procs.values():
@@ -154,7 +160,12 @@ def main(argv=None):
         pr.wait(timeout=60)
   med = {k: [statistics.median(x) for x in v] for k, v in times.items()}
   ratios = [b / t for t, b in zip(med["this"], med["base"])]
-  frac = {k: [t_roof / x for x in v] for k, v in med.items()}
+  t_roofs = [
+    bench.roofline_seconds(cfg, args.batch, args.prompt, args.new, r["peak_flops"], r["bandwidth"]) for r in roofs
+  ]
+  t_roof = [(a + b) / 2 for a, b in itertools.pairwise(t_roofs)]  # each round's bracketing measurements
+  frac = {k: [t / x for t, x in zip(t_roof, v)] for k, v in med.items()}
+  roof = {q: statistics.median(r[q] for r in roofs) for q in ("peak_flops", "bandwidth")}
   tok = {k: np.asarray(v["tokens"]) for k, v in info.items()}
   dlogp = float(np.abs(np.asarray(info["this"]["logp"]) - np.asarray(info["base"]["logp"])).max())
   out = {
@@ -172,7 +183,8 @@ def main(argv=None):
     "calls": args.calls,
     "peak_flops": roof["peak_flops"],
     "bandwidth": roof["bandwidth"],
-    "roofline_s": t_roof,
+    "roofline_s": t_roof,  # per round
+    "roofline_per_measurement": roofs,  # before each round and after the last
     "median_generate_s": {k: statistics.median(v) for k, v in med.items()},
     "roofline_fraction": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in frac.items()},
     "speedup_base_over_this": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
@@ -190,7 +202,9 @@ def main(argv=None):
     f"{f['this']['max']:.2f}); base {base} {out['median_generate_s']['base']:.2f} s, roofline "
     f"{f['base']['median']:.2f} ({f['base']['min']:.2f}-{f['base']['max']:.2f}); speedup {s['median']:.2f}x "
     f"({s['min']:.2f}-{s['max']:.2f}) over {args.rounds} rounds; same tokens {out['same_tokens']}, "
-    f"|dlogp| {dlogp:.1e}; load {load_start[0]:.1f} -> {load_after[0]:.1f}"
+    f"|dlogp| {dlogp:.1e}; load {load_start[0]:.1f} -> {load_after[0]:.1f}; roofline per round "
+    f"{min(t_roof):.3g}-{max(t_roof):.3g} s (peak {roof['peak_flops'] / 1e9:.0f} GFLOP/s, {roof['bandwidth'] / 1e9:.1f} GB/s "
+    "median)"
   )
   print(json.dumps(out))
 
