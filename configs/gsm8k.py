@@ -24,7 +24,7 @@ steps, the eval / checkpoint cadence and the mesh are not in the released table.
 
 import os
 
-from configs import common
+from configs import common, released
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2-1.5B")  # local HF checkpoint (download as above)
 DATA_PATH = os.path.expanduser("~/data/gsm8k/main/train-00000-of-00001.parquet")  # GSM8K train split
@@ -33,7 +33,7 @@ EVAL_PATH = os.path.expanduser("~/data/gsm8k/main/test-00000-of-00001.parquet") 
 
 def get_config(arg: str | None = None):
   c = common.get_base_config()
-  common.released_recipe(c)  # async VCPO, TIS c = 8, AdamW 1e-6, validation at 0.8 / 0.7, bf16 FSDP
+  released.released_recipe(c)  # async VCPO, TIS c = 8, AdamW 1e-6, validation at 0.8 / 0.7, bf16 FSDP
   c.steps = 500  # learner steps (not in the released table)
   c.lag.k = 12  # released staleness budget for GSM8K
   c.task.name = "gsm8k"  # scored on the "#### N" answer (boxed / "answer is" as fallbacks)
@@ -46,7 +46,7 @@ def get_config(arg: str | None = None):
   c.model.checkpoint = MODEL_DIR  # Qwen2-1.5B (local directory with config.json + safetensors)
   c.learner.microbatch_size = 16  # rows per exact micro-batch (whole groups); see benchmarks/memory.py
   c.learner.ghost_passes = "auto"  # one ghost backward while its (A, D) fit one_pass_budget_gib per device, else two
-  common.qwen2_shape(c, "Qwen2-1.5B")  # its architecture (config.json), for sizing without weights
+  released.qwen2_shape(c, "Qwen2-1.5B")  # its architecture (config.json), for sizing without weights
   c.method.lr.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for GSM8K)
   c.eval.every = 20  # evaluation cadence in learner steps (not in the released table)
   c.eval.dataset = "gsm8k"  # held-out GSM8K test split

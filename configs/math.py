@@ -26,7 +26,7 @@ Steps, cadences and mesh are not in the released table.
 
 import os
 
-from configs import common
+from configs import common, released
 from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B")  # local HF checkpoint (download as above)
@@ -40,7 +40,7 @@ EVAL_PATH = os.path.expanduser("~/data/math500/test.jsonl")  # MATH-500 (problem
 
 def get_config(arg: str | None = None):
   c = common.get_base_config()
-  common.released_recipe(c)  # async VCPO, TIS c = 8, AdamW 1e-6, validation at 0.8 / 0.7, bf16 FSDP
+  released.released_recipe(c)  # async VCPO, TIS c = 8, AdamW 1e-6, validation at 0.8 / 0.7, bf16 FSDP
   c.steps = 400  # learner steps (not in the released table)
   c.lag.k = 10  # released staleness budget for MATH (stress: 16..128 with mode=lag)
   c.task.name = "math"  # reference = last \boxed{} of the solution; math-verify equivalence
@@ -55,7 +55,7 @@ def get_config(arg: str | None = None):
   # 9.3 GiB per device on 64 chips against 50.4 for one pass with the scanned layers, whose one-pass (A, D)
   # estimate ("auto") is far below what XLA keeps (benchmarks/README.md)
   c.learner.ghost_passes = 2  # two ghost backward passes: the norms layer by layer
-  common.qwen2_shape(c, "Qwen2.5-7B")  # its architecture (config.json), for sizing without weights
+  released.qwen2_shape(c, "Qwen2.5-7B")  # its architecture (config.json), for sizing without weights
   c.method.lr.rho_on = 1.0  # ESS ratio at which the lr is not scaled (released for MATH)
   c.eval.every = 20  # evaluation cadence in learner steps (not in the released table)
   c.eval.dataset = "math500"  # MATH-500 held-out set

@@ -29,7 +29,7 @@ table.
 
 import os
 
-from configs import common
+from configs import common, released
 from configs.gsm8k import _smoke
 
 MODEL_DIR = os.path.expanduser("~/models/Qwen2.5-7B-Instruct")  # local HF checkpoint (download as above)
@@ -43,7 +43,7 @@ TEMPLATE = (
 
 def get_config(arg: str | None = None):
   c = common.get_base_config()
-  common.released_recipe(c)  # async VCPO, TIS c = 8, AdamW 1e-6, validation at 0.8 / 0.7, bf16 FSDP
+  released.released_recipe(c)  # async VCPO, TIS c = 8, AdamW 1e-6, validation at 0.8 / 0.7, bf16 FSDP
   c.steps = 300  # learner steps (not in the released table)
   c.lag.k = 2  # released staleness budget for tool use
   c.task.name = "aime"  # integer answers, graded like AIME (boxed / "answer is")
@@ -69,7 +69,7 @@ def get_config(arg: str | None = None):
   # "auto" takes 2 here: one pass would keep ~89 GiB of (A, D) per device on 64 devices (grad_norms.one_pass_bytes,
   # 28 layers x 16384 tokens, against one_pass_budget_gib = 24); two keep one layer's at a time
   c.learner.ghost_passes = "auto"  # one ghost backward while its (A, D) fit one_pass_budget_gib per device, else two
-  common.qwen2_shape(c, "Qwen2.5-7B")  # the Instruct model's architecture (config.json), for sizing without weights
+  released.qwen2_shape(c, "Qwen2.5-7B")  # the Instruct model's architecture (config.json), for sizing without weights
   # The sampler process's mesh: 4-way tensor parallel (weights / 4), the rows over the rest. On 64 devices
   # (16, 1, 4) the 2048-row prefill / decode compile to 44.0 / 41.1 GiB per device, (64, 1, 1) to 54.2 / 51.7
   # (docs/results/benchmarks_history.md, "Sampler prefill at full depth"); max_batch = 1024 gives 23.8 / 22.3 in 2 calls.

@@ -23,7 +23,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 NAMES = sorted(
   os.path.basename(p)[:-3]
   for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
-  if os.path.basename(p) not in ("__init__.py", "common.py")
+  if os.path.basename(p) not in ("__init__.py", "common.py", "released.py")
 )
 SMOKE = ("countdown", "gsm8k", "math", "multiturn")  # configs with a ':smoke' variant
 

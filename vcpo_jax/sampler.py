@@ -63,7 +63,7 @@ LOGP_MODES = ("sampled", "tempered")
 DRAWS = ("inverse_cdf", "gumbel")
 PARAM_DTYPES = ("", "auto", "float32", "bfloat16", "int8")
 DECODE_MODES = ("static", "chunked", "refill")
-DECODE_LAYERS = ("scan", "unrolled")  # SamplerConfig.decode_layers
+DECODE_LAYERS = ("auto", "scan", "unrolled")  # SamplerConfig.decode_layers
 LOWER_PARTS = ("generate", "prefill", "decode")  # Sampler.lower: what is compiled
 
 
@@ -127,8 +127,9 @@ class SamplerConfig:
   # The static decode step's layer loop: "scan" (the stacked cache and weights, one scanned block: compile time
   # flat in depth) or "unrolled" (one cache buffer pair per layer and a Python loop over the layers: XLA:CPU then
   # reads each layer's cache and weights in place instead of copying its slice before every matmul, at a compile
-  # time that grows with depth; transformer._run_layers_unrolled). Same tokens and log-probs.
-  decode_layers: str = "scan"
+  # time that grows with depth; transformer._run_layers_unrolled). Same tokens and log-probs. "auto" follows the
+  # model's layout: unrolled for a dense model with unrolled layers (ModelConfig.scan_layers False) and static decode.
+  decode_layers: str = "auto"
   chunk_tokens: int = 32
   record_topk: int = 0  # K > 0: record each token's top-K ids and post-filter log-probs (top-k score centering)
   record_support: bool = False  # record each token's kept support (model/support.py: the learner replays it)
@@ -229,6 +230,15 @@ class SamplerConfig:
     return tuple(sorted(set(self.stop_ids) | ({self.eos_id} if self.eos_id is not None else set())))
 
 
+def resolve_decode_layers(cfg: SamplerConfig, cfg_model: ModelConfig) -> SamplerConfig:
+  """`cfg` with decode_layers "auto" resolved: "unrolled" for a dense model whose layers are unrolled
+  (cfg_model.scan_layers False) under static decode, else "scan"."""
+  if cfg.decode_layers != "auto":
+    return cfg
+  unrolled = not cfg_model.scan_layers and cfg_model.moe is None and cfg.decode == "static"
+  return dataclasses.replace(cfg, decode_layers="unrolled" if unrolled else "scan")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """Training-rollout sampling (config.sampler); the evaluation protocol has its own (config.eval)."""
@@ -242,7 +252,7 @@ class SamplingConfig:
   prefill_chunk: int = SamplerConfig.prefill_chunk  # prompt tokens per prefill pass; 0 = one pass (bounds memory)
   max_batch: int = SamplerConfig.max_batch  # rows per sampler call (whole groups); 0 = all; more: sequential calls
   support_replay: str = "auto"  # learner renormalises over the sampler's kept support: auto (= a filter on) | on | off
-  decode_layers: str = SamplerConfig.decode_layers  # decode's layer loop: scan | unrolled (dense; faster on CPU)
+  decode_layers: str = SamplerConfig.decode_layers  # decode's layer loop: auto (as model.scan_layers) | scan | unrolled
 
   def __post_init__(self):
     check_field(
@@ -976,6 +986,7 @@ class Sampler:
         )
     if sampler_cfg.decode_layers == "unrolled" and cfg_model.moe is not None:
       raise ValueError("SamplerConfig.decode_layers='unrolled' takes a dense model; use 'scan' for MoE.")
+    sampler_cfg = resolve_decode_layers(sampler_cfg, cfg_model)
     self.graphdef, self.cfg_model, self.cfg = graphdef, cfg_model, sampler_cfg
     self.num_traces = 0  # incremented at trace time: the compile-count test reads it
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
