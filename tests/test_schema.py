@@ -3,7 +3,8 @@
 The config is one tree of frozen dataclasses (run_spec.RunConfig); configs/common.py's ConfigDict is generated
 from it. "Written once" is checked on the source (ast): every leaf of the generated ConfigDict has exactly one
 literal default, found by following the field's default through references (`temperature: float =
-EvalProtocol.temperature` points at EvalProtocol's literal), and no other config dataclass the run builds holds a
+EvalProtocol.temperature` points at EvalProtocol's literal; a field a section has from another class,
+`schema.fields_from`, is its literal there), and no other config dataclass the run builds holds a
 literal default of the same name and value (a second copy that could drift), apart from DUPLICATES_ALLOWED.
 """
 
@@ -82,8 +83,8 @@ def _leaf_definitions(cls=run_spec.RunConfig, prefix=""):
       continue
     if dataclasses.is_dataclass(hints[f.name]):
       out.update(_leaf_definitions(hints[f.name], f"{prefix}{f.name}."))
-    elif f.default is not dataclasses.MISSING:
-      out[prefix + f.name] = _definition(cls, f.name)
+    elif f.default is not dataclasses.MISSING:  # a field from another class (fields_from): its definition there
+      out[prefix + f.name] = _definition(f.metadata.get("from", cls), f.name)
   return out
 
 
@@ -214,3 +215,42 @@ def test_presets_are_written_once_as_methods():
   finally:
     del method.PRESETS["_test_tis4"]
   assert "_test_tis4" not in estimator.PRESETS
+
+
+def test_fields_from_gives_a_section_the_source_fields_type_default_and_comment():
+  """config.model's compute options are ModelConfig's fields: the same default and type, the comment on
+  ModelConfig's line, none declared in ModelSection; a toy section shows the placement and the refusals."""
+
+  @dataclasses.dataclass(frozen=True)
+  class Source:
+    a: int = 3  # the a knob
+    b: tuple[str, ...] | str = ("x",)  # the b knob
+    c: list = dataclasses.field(default_factory=list)  # the c knob
+
+  @dataclasses.dataclass(frozen=True)
+  @schema.fields_from(Source, ("c", "a"), after="first")
+  class Section:
+    first: str = ""  # first
+    last: bool = False  # last
+
+  assert [f.name for f in dataclasses.fields(Section)] == ["first", "a", "c", "last"]  # source's order
+  assert Section().a == 3 and Section().c == [] and Section().c is not Section().c
+  assert schema.borrowed(Section(a=5)) == {"a": 5, "c": []}
+  assert schema.comments(Section) == {"first": "first", "a": "the a knob", "c": "the c knob", "last": "last"}
+  with pytest.raises(TypeError, match="come from Source"):
+    schema.fields_from(Source, ("a",))(type("Clash", (), {"__annotations__": {"a": int}, "a": 1}))
+  with pytest.raises(TypeError, match="no fields"):
+    schema.fields_from(Source, ("zz",))(type("Unknown", (), {"__annotations__": {}}))
+
+  from vcpo_jax.model import config as model_config
+
+  section, hints = (
+    {f.name: f for f in dataclasses.fields(model_config.ModelSection)},
+    typing.get_type_hints(ModelConfig),
+  )
+  assert {n for n, f in section.items() if f.metadata.get("from") is ModelConfig} == set(model_config.RUN_FIELDS)
+  own = schema.field_comment_lines(ModelConfig)
+  for name in model_config.RUN_FIELDS:
+    assert section[name].default == getattr(ModelConfig, name) and section[name].type == hints[name], name
+    assert common.field_comments()[f"model.{name}"] == own[name], name
+  assert not set(model_config.RUN_FIELDS) & set(_defaults(model_config.ModelSection))  # not written in the section

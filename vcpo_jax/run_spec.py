@@ -8,10 +8,10 @@ determine (LearnerConfig.method / group_size / batch_size, SFTConfig's data sett
 False}: they are not in the ConfigDict, are None in the section, and are set with dataclasses.replace where
 run_config.parse_config / RunConfig.sft_config build the component's config. Two sections are what the user
 sets for a component whose config is something else, built from them: model.config.ModelSection (a preset or a
-checkpoint, size overrides and how the model is computed -> ModelConfig, the architecture; its compute options'
-defaults point at ModelConfig's, `dtype: str = ModelConfig.dtype`) and evaluation.EvalSection (when and on what
--> EvalProtocol, the recorded protocol; its sampling defaults point at EvalProtocol's). TaskSection and
-LagSection, which no single component owns, are below. Each field is `name: type = default  # --config_help
+checkpoint, size overrides and how the model is computed -> ModelConfig, the architecture; its compute options
+are ModelConfig's fields model.config.RUN_FIELDS, with their defaults and comments, `@schema.fields_from`) and
+evaluation.EvalSection (when and on what -> EvalProtocol, the recorded protocol; its sampling defaults point at
+EvalProtocol's). TaskSection and LagSection, which no single component owns, are below. Each field is `name: type = default  # --config_help
 text`: configs/common.py's ConfigDict is generated from this tree (schema.to_config_dict) and built back by
 schema.from_config_dict (tests/test_schema.py checks it).
 
@@ -21,8 +21,9 @@ Adding a knob is one line, `name: type = default  # --config_help text`, plus it
     distributed, task.multiturn): the line goes into that dataclass, which is all;
   - method.*: the tree of the Method's parts (rl/choices.py), each a named choice with its own fields, read off
     its factory: a new weight variant, peer loss or option of one is a field there with no line here;
-  - model.*: a compute option goes into ModelConfig and a line pointing at its default into ModelSection
-    (`lora_rank: int = ModelConfig.lora_rank  # ...`): run_config passes every ModelSection field ModelConfig has;
+  - model.*: a compute option is a ModelConfig field (its line and comment there) named in model.config's
+    EXECUTION_FIELDS (or LORA_FIELDS), which makes it a ModelSection field too (`schema.fields_from`);
+    run_config passes every ModelSection field ModelConfig has;
   - task.*, eval.*, lag.*, top level: the line goes into that section class (its value reaches the component
     where run_config builds it).
 Nothing else lists it: the study's run fingerprint (experiments/stability.run_fingerprint) hashes the whole run
