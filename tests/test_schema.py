@@ -218,8 +218,8 @@ def test_presets_are_written_once_as_methods():
 
 
 def test_fields_from_gives_a_section_the_source_fields_type_default_and_comment():
-  """config.model's compute options are ModelConfig's fields: the same default and type, the comment on
-  ModelConfig's line, none declared in ModelSection; a toy section shows the placement and the refusals."""
+  """schema.fields_from on a toy section: source's order after `after`, defaults (a factory called per
+  instance), comments from source's lines, `borrowed`'s values, and the refusals."""
 
   @dataclasses.dataclass(frozen=True)
   class Source:
@@ -242,15 +242,19 @@ def test_fields_from_gives_a_section_the_source_fields_type_default_and_comment(
   with pytest.raises(TypeError, match="no fields"):
     schema.fields_from(Source, ("zz",))(type("Unknown", (), {"__annotations__": {}}))
 
-  from vcpo_jax.model import config as model_config
 
-  section, hints = (
-    {f.name: f for f in dataclasses.fields(model_config.ModelSection)},
-    typing.get_type_hints(ModelConfig),
-  )
-  assert {n for n, f in section.items() if f.metadata.get("from") is ModelConfig} == set(model_config.RUN_FIELDS)
-  own = schema.field_comment_lines(ModelConfig)
-  for name in model_config.RUN_FIELDS:
-    assert section[name].default == getattr(ModelConfig, name) and section[name].type == hints[name], name
-    assert common.field_comments()[f"model.{name}"] == own[name], name
-  assert not set(model_config.RUN_FIELDS) & set(_defaults(model_config.ModelSection))  # not written in the section
+@pytest.mark.parametrize(
+  "path, source", [("model", "vcpo_jax.model.config.ModelConfig"), ("eval", "vcpo_jax.evaluation.EvalProtocol")]
+)
+def test_a_sections_borrowed_fields_are_written_once_in_their_component(path, source):
+  """config.model's compute options are ModelConfig's fields, config.eval's decoding EvalProtocol's: the same
+  default and type, the comment on the component's line, none of them written in the section's body."""
+  module = sys.modules[source.rpartition(".")[0]]
+  cls, section_cls = getattr(module, source.rpartition(".")[2]), typing.get_type_hints(run_spec.RunConfig)[path]
+  section, hints = {f.name: f for f in dataclasses.fields(section_cls)}, typing.get_type_hints(cls)
+  assert {n for n, f in section.items() if f.metadata.get("from") is cls} == set(module.RUN_FIELDS)
+  own, help_text = schema.field_comment_lines(cls), common.field_comments()
+  for name in module.RUN_FIELDS:
+    assert section[name].default == getattr(cls, name) and section[name].type == hints[name], name
+    assert help_text[f"{path}.{name}"] == own[name], name
+  assert not set(module.RUN_FIELDS) & set(_defaults(section_cls))  # not written in the section

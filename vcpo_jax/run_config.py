@@ -66,15 +66,11 @@ def _eval_protocol(run: RunConfig) -> EvalProtocol:
   check_field(dataset == t.name or not tasks.TASKS[dataset].generated, "eval.dataset", dataset, fix)
   with config_errors("eval", EvalProtocol, {"size": "num_problems"}):
     return EvalProtocol(
+      **{**schema.borrowed(e), "n": 1 if e.greedy else e.n},  # the section's decoding fields are the protocol's
       dataset=dataset,
       split="test",
       size=e.num_problems,
-      temperature=e.temperature,
-      top_p=e.top_p,
-      n=1 if e.greedy else e.n,
       max_new_tokens=t.max_new_tokens,
-      greedy=e.greedy,
-      pass_at_k=tuple(e.pass_at_k),
       prompt_template=t.template or None,
       seed=run.seed,
     )

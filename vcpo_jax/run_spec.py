@@ -10,9 +10,10 @@ run_config.parse_config / RunConfig.sft_config build the component's config. Two
 sets for a component whose config is something else, built from them: model.config.ModelSection (a preset or a
 checkpoint, size overrides and how the model is computed -> ModelConfig, the architecture; its compute options
 are ModelConfig's fields model.config.RUN_FIELDS, with their defaults and comments, `@schema.fields_from`) and
-evaluation.EvalSection (when and on what -> EvalProtocol, the recorded protocol; its sampling defaults point at
-EvalProtocol's). TaskSection and LagSection, which no single component owns, are below. Each field is `name: type = default  # --config_help
-text`: configs/common.py's ConfigDict is generated from this tree (schema.to_config_dict) and built back by
+evaluation.EvalSection (when and on what -> EvalProtocol, the recorded protocol; its decoding knobs are
+EvalProtocol's fields evaluation.RUN_FIELDS; EvalSection's docstring says why it is not EvalProtocol itself).
+TaskSection and LagSection, which no single component owns, are below. Each field is `name: type = default  #
+--config_help text`: configs/common.py's ConfigDict is generated from this tree (schema.to_config_dict) and built back by
 schema.from_config_dict (tests/test_schema.py checks it).
 
 Adding a knob is one line, `name: type = default  # --config_help text`, plus its check in that class's
@@ -24,7 +25,9 @@ Adding a knob is one line, `name: type = default  # --config_help text`, plus it
   - model.*: a compute option is a ModelConfig field (its line and comment there) named in model.config's
     EXECUTION_FIELDS (or LORA_FIELDS), which makes it a ModelSection field too (`schema.fields_from`);
     run_config passes every ModelSection field ModelConfig has;
-  - task.*, eval.*, lag.*, top level: the line goes into that section class (its value reaches the component
+  - eval.*: a decoding knob is an EvalProtocol field named in evaluation.RUN_FIELDS (recorded with every result);
+    when and on what to evaluate is a line in EvalSection;
+  - task.*, lag.*, top level: the line goes into that section class (its value reaches the component
     where run_config builds it).
 Nothing else lists it: the study's run fingerprint (experiments/stability.run_fingerprint) hashes the whole run
 config and leaves out a field added since the committed ledger's records (experiments/data/ledger_fields.txt)
