@@ -19,9 +19,10 @@ import ml_collections
 import pytest
 
 from configs import common
-from vcpo_jax import estimator, run_config, run_spec, schema
+from vcpo_jax import estimator, evaluation, run_config, run_spec, schema
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
+from vcpo_jax.model import config as model_config
 from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.rl import choices, method
 from vcpo_jax.rollout.common import RolloutConfig
@@ -244,17 +245,22 @@ def test_fields_from_gives_a_section_the_source_fields_type_default_and_comment(
 
 
 @pytest.mark.parametrize(
-  "path, source", [("model", "vcpo_jax.model.config.ModelConfig"), ("eval", "vcpo_jax.evaluation.EvalProtocol")]
+  "path, cls, names",
+  [
+    ("model", ModelConfig, model_config.RUN_FIELDS),
+    ("eval", EvalProtocol, evaluation.RUN_FIELDS),
+    ("task", RolloutConfig, run_spec.TASK_ROLLOUT_FIELDS),
+  ],
 )
-def test_a_sections_borrowed_fields_are_written_once_in_their_component(path, source):
-  """config.model's compute options are ModelConfig's fields, config.eval's decoding EvalProtocol's: the same
-  default and type, the comment on the component's line, none of them written in the section's body."""
-  module = sys.modules[source.rpartition(".")[0]]
-  cls, section_cls = getattr(module, source.rpartition(".")[2]), typing.get_type_hints(run_spec.RunConfig)[path]
+def test_a_sections_borrowed_fields_are_written_once_in_their_component(path, cls, names):
+  """config.model's compute options are ModelConfig's fields, config.eval's decoding EvalProtocol's, two of
+  config.task's RolloutConfig's: the same default and type, the comment on the component's line, none of them
+  written in the section's body."""
+  section_cls = typing.get_type_hints(run_spec.RunConfig)[path]
   section, hints = {f.name: f for f in dataclasses.fields(section_cls)}, typing.get_type_hints(cls)
-  assert {n for n, f in section.items() if f.metadata.get("from") is cls} == set(module.RUN_FIELDS)
+  assert {n for n, f in section.items() if f.metadata.get("from") is cls} == set(names)
   own, help_text = schema.field_comment_lines(cls), common.field_comments()
-  for name in module.RUN_FIELDS:
+  for name in names:
     assert section[name].default == getattr(cls, name) and section[name].type == hints[name], name
     assert help_text[f"{path}.{name}"] == own[name], name
-  assert not set(module.RUN_FIELDS) & set(_defaults(section_cls))  # not written in the section
+  assert not set(names) & set(_defaults(section_cls))  # not written in the section

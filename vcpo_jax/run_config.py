@@ -109,13 +109,12 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
     check_field(not path or os.path.exists(path), field, path, fix)
   with config_errors("task", RolloutConfig):
     rollout = RolloutConfig(
+      **schema.borrowed(t),  # chat_template, num_train_problems: RolloutConfig's fields
       task=t.name,
       prompts_per_step=t.prompts_per_step,
       group_size=t.group_size,
       max_prompt_len=t.max_prompt_len,
       max_new_tokens=t.max_new_tokens,
-      chat_template=t.chat_template,
-      num_train_problems=t.num_train_problems,
       seed=run.seed,
     )
   multiturn = t.multiturn if t.multiturn.enabled else None

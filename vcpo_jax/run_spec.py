@@ -27,7 +27,8 @@ Adding a knob is one line, `name: type = default  # --config_help text`, plus it
     run_config passes every ModelSection field ModelConfig has;
   - eval.*: a decoding knob is an EvalProtocol field named in evaluation.RUN_FIELDS (recorded with every result);
     when and on what to evaluate is a line in EvalSection;
-  - task.*, lag.*, top level: the line goes into that section class (its value reaches the component
+  - task.*: a RolloutConfig field config.task sets unchanged is named in TASK_ROLLOUT_FIELDS (schema.fields_from);
+  - task.*, lag.*, top level: otherwise the line goes into that section class (its value reaches the component
     where run_config builds it).
 Nothing else lists it: the study's run fingerprint (experiments/stability.run_fingerprint) hashes the whole run
 config and leaves out a field added since the committed ledger's records (experiments/data/ledger_fields.txt)
@@ -45,7 +46,7 @@ import dataclasses
 import functools
 import os
 
-from vcpo_jax import sft, tasks
+from vcpo_jax import schema, sft, tasks
 from vcpo_jax.checkpoint import CheckpointConfig
 from vcpo_jax.evaluation import EvalProtocol, EvalSection
 from vcpo_jax.learner import LearnerConfig
@@ -70,9 +71,16 @@ MAX_SEED = 2**32 - 1  # numpy's and JAX's seeds are unsigned 32-bit
 
 # ----------------------------------------------------------------------------- sections without a component
 
+TASK_ROLLOUT_FIELDS = ("chat_template", "num_train_problems")  # RolloutConfig's fields config.task sets as they are
+
 
 @dataclasses.dataclass(frozen=True)
+@schema.fields_from(RolloutConfig, TASK_ROLLOUT_FIELDS, after="max_new_tokens")
 class TaskSection:
+  """config.task: the task and the batch layout (-> RolloutConfig, tasks.build); chat_template and
+  num_train_problems are RolloutConfig's fields (schema.fields_from), P, G and the lengths have their defaults here
+  (RolloutConfig requires them)."""
+
   name: str = "countdown"  # vcpo_jax.tasks.TASKS name
   template: str = ""  # prompt template ("" = the task's default)
   gen: dict = dataclasses.field(default_factory=dict)  # generator knobs of countdown/arithmetic (task-specific)
@@ -80,8 +88,6 @@ class TaskSection:
   group_size: int = 8  # G responses per prompt (N = P * G)
   max_prompt_len: int = 64  # prompt bucket in tokens
   max_new_tokens: int = 32  # response budget in tokens
-  chat_template: bool = RolloutConfig.chat_template  # wrap prompts with the tokenizer's chat template
-  num_train_problems: int = RolloutConfig.num_train_problems  # generated / loaded training pool size
   data_path: str = ""  # local parquet/jsonl for gsm8k/math/aime ("" = shipped fixtures)
   multiturn: MultiTurnConfig = section(MultiTurnConfig)
 
