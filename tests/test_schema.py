@@ -3,7 +3,8 @@
 The config is one tree of frozen dataclasses (run_spec.RunConfig); configs/common.py's ConfigDict is generated
 from it. "Written once" is checked on the source (ast): every leaf of the generated ConfigDict has exactly one
 literal default, found by following the field's default through references (`temperature: float =
-EvalProtocol.temperature` points at EvalProtocol's literal), and no other config dataclass the run builds holds a
+EvalProtocol.temperature` points at EvalProtocol's literal; a field a section has from another class,
+`schema.fields_from`, is its literal there), and no other config dataclass the run builds holds a
 literal default of the same name and value (a second copy that could drift), apart from DUPLICATES_ALLOWED.
 """
 
@@ -18,9 +19,10 @@ import ml_collections
 import pytest
 
 from configs import common
-from vcpo_jax import estimator, run_config, run_spec, schema
+from vcpo_jax import estimator, evaluation, run_config, run_spec, schema
 from vcpo_jax.evaluation import EvalProtocol
 from vcpo_jax.learner import LearnerConfig
+from vcpo_jax.model import config as model_config
 from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.rl import choices, method
 from vcpo_jax.rollout.common import RolloutConfig
@@ -82,8 +84,8 @@ def _leaf_definitions(cls=run_spec.RunConfig, prefix=""):
       continue
     if dataclasses.is_dataclass(hints[f.name]):
       out.update(_leaf_definitions(hints[f.name], f"{prefix}{f.name}."))
-    elif f.default is not dataclasses.MISSING:
-      out[prefix + f.name] = _definition(cls, f.name)
+    elif f.default is not dataclasses.MISSING:  # a field from another class (fields_from): its definition there
+      out[prefix + f.name] = _definition(f.metadata.get("from", cls), f.name)
   return out
 
 
@@ -214,3 +216,51 @@ def test_presets_are_written_once_as_methods():
   finally:
     del method.PRESETS["_test_tis4"]
   assert "_test_tis4" not in estimator.PRESETS
+
+
+def test_fields_from_gives_a_section_the_source_fields_type_default_and_comment():
+  """schema.fields_from on a toy section: source's order after `after`, defaults (a factory called per
+  instance), comments from source's lines, `borrowed`'s values, and the refusals."""
+
+  @dataclasses.dataclass(frozen=True)
+  class Source:
+    a: int = 3  # the a knob
+    b: tuple[str, ...] | str = ("x",)  # the b knob
+    c: list = dataclasses.field(default_factory=list)  # the c knob
+
+  @dataclasses.dataclass(frozen=True)
+  @schema.fields_from(Source, ("c", "a"), after="first")
+  class Section:
+    first: str = ""  # first
+    last: bool = False  # last
+
+  assert [f.name for f in dataclasses.fields(Section)] == ["first", "a", "c", "last"]  # source's order
+  assert Section().a == 3 and Section().c == [] and Section().c is not Section().c
+  assert schema.borrowed(Section(a=5)) == {"a": 5, "c": []}
+  assert schema.comments(Section) == {"first": "first", "a": "the a knob", "c": "the c knob", "last": "last"}
+  with pytest.raises(TypeError, match="come from Source"):
+    schema.fields_from(Source, ("a",))(type("Clash", (), {"__annotations__": {"a": int}, "a": 1}))
+  with pytest.raises(TypeError, match="no fields"):
+    schema.fields_from(Source, ("zz",))(type("Unknown", (), {"__annotations__": {}}))
+
+
+@pytest.mark.parametrize(
+  "path, cls, names",
+  [
+    ("model", ModelConfig, model_config.RUN_FIELDS),
+    ("eval", EvalProtocol, evaluation.RUN_FIELDS),
+    ("task", RolloutConfig, run_spec.TASK_ROLLOUT_FIELDS),
+  ],
+)
+def test_a_sections_borrowed_fields_are_written_once_in_their_component(path, cls, names):
+  """config.model's compute options are ModelConfig's fields, config.eval's decoding EvalProtocol's, two of
+  config.task's RolloutConfig's: the same default and type, the comment on the component's line, none of them
+  written in the section's body."""
+  section_cls = typing.get_type_hints(run_spec.RunConfig)[path]
+  section, hints = {f.name: f for f in dataclasses.fields(section_cls)}, typing.get_type_hints(cls)
+  assert {n for n, f in section.items() if f.metadata.get("from") is cls} == set(names)
+  own, help_text = schema.field_comment_lines(cls), common.field_comments()
+  for name in names:
+    assert section[name].default == getattr(cls, name) and section[name].type == hints[name], name
+    assert help_text[f"{path}.{name}"] == own[name], name
+  assert not set(names) & set(_defaults(section_cls))  # not written in the section

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vcpo_jax import fs
+from vcpo_jax import fs, schema
 from vcpo_jax import tasks as tasks_lib
 from vcpo_jax.model.tokenizer import encode_prompts
 from vcpo_jax.schema import check_field
@@ -77,12 +77,12 @@ class EvalProtocol:
   dataset: str
   split: str = "test"
   size: int | None = None
-  temperature: float = 0.8
-  top_p: float = 0.7
-  n: int | None = None
+  temperature: float = 0.8  # reference validation protocol
+  top_p: float = 0.7  # reference validation nucleus
+  n: int | None = None  # samples per problem (None = the task's protocol, Task.eval_n: 5 for AIME, else 3)
   max_new_tokens: int = 1024
-  greedy: bool = False
-  pass_at_k: tuple[int, ...] = (1,)
+  greedy: bool = False  # argmax decoding instead (then n = 1)
+  pass_at_k: tuple[int, ...] = (1,)  # pass@k list
   extraction: str | None = None
   prompt_template: str | None = None
   seed: int = 0
@@ -137,6 +137,9 @@ class EvalProtocol:
     return cls(**d)
 
 
+# EvalProtocol's fields a run config sets (config.eval.*, EvalSection): the decoding.
+RUN_FIELDS = ("temperature", "top_p", "n", "greedy", "pass_at_k")
+
 # ----------------------------------------------------------------------------
 # Generation
 # ----------------------------------------------------------------------------
@@ -144,18 +147,21 @@ class EvalProtocol:
 
 
 @dataclasses.dataclass(frozen=True)
+@schema.fields_from(EvalProtocol, RUN_FIELDS, after="num_problems")
 class EvalSection:
-  """config.eval: what is evaluated and when; parse_config builds the EvalProtocol from it."""
+  """config.eval: what is evaluated and when; parse_config builds the EvalProtocol from it.
+
+  The decoding knobs (RUN_FIELDS) are EvalProtocol's fields, with their defaults and comments
+  (schema.fields_from). The section is not EvalProtocol itself: the protocol is recorded verbatim with every
+  result (`to_dict`), and the section's own knobs are not protocol (data_path, every, background), are named
+  otherwise in the ConfigDict than in the records (num_problems: the protocol's size), or differ in meaning
+  (dataset "" = the training task; the protocol's is required), while the protocol's split, max_new_tokens,
+  prompt_template and seed come from other sections (task, seed)."""
 
   dataset: str = ""  # held-out data set name ("" = the training task), e.g. math500 or aime
   data_path: str = ""  # its local parquet/jsonl ("" = the shipped fixture / the task's own file)
   every: int = 0  # evaluate every this many steps (0 = only at start and end)
   num_problems: int = 64  # evaluation set size (held-out split)
-  temperature: float = EvalProtocol.temperature  # reference validation protocol
-  top_p: float = EvalProtocol.top_p  # reference validation nucleus
-  n: int | None = EvalProtocol.n  # samples per problem (None = the task's protocol, Task.eval_n: 5 for AIME, else 3)
-  greedy: bool = EvalProtocol.greedy  # argmax decoding instead (then n = 1)
-  pass_at_k: tuple = EvalProtocol.pass_at_k  # pass@k list
   background: bool = False  # mode=async: the sampler process evaluates, tagged with the version; no learner stop
 
   def __post_init__(self):

@@ -66,15 +66,11 @@ def _eval_protocol(run: RunConfig) -> EvalProtocol:
   check_field(dataset == t.name or not tasks.TASKS[dataset].generated, "eval.dataset", dataset, fix)
   with config_errors("eval", EvalProtocol, {"size": "num_problems"}):
     return EvalProtocol(
+      **{**schema.borrowed(e), "n": 1 if e.greedy else e.n},  # the section's decoding fields are the protocol's
       dataset=dataset,
       split="test",
       size=e.num_problems,
-      temperature=e.temperature,
-      top_p=e.top_p,
-      n=1 if e.greedy else e.n,
       max_new_tokens=t.max_new_tokens,
-      greedy=e.greedy,
-      pass_at_k=tuple(e.pass_at_k),
       prompt_template=t.template or None,
       seed=run.seed,
     )
@@ -113,13 +109,12 @@ def parse_config(config, *, check_prompts: bool = True) -> RunSpec:
     check_field(not path or os.path.exists(path), field, path, fix)
   with config_errors("task", RolloutConfig):
     rollout = RolloutConfig(
+      **schema.borrowed(t),  # chat_template, num_train_problems: RolloutConfig's fields
       task=t.name,
       prompts_per_step=t.prompts_per_step,
       group_size=t.group_size,
       max_prompt_len=t.max_prompt_len,
       max_new_tokens=t.max_new_tokens,
-      chat_template=t.chat_template,
-      num_train_problems=t.num_train_problems,
       seed=run.seed,
     )
   multiturn = t.multiturn if t.multiturn.enabled else None

@@ -8,11 +8,12 @@ determine (LearnerConfig.method / group_size / batch_size, SFTConfig's data sett
 False}: they are not in the ConfigDict, are None in the section, and are set with dataclasses.replace where
 run_config.parse_config / RunConfig.sft_config build the component's config. Two sections are what the user
 sets for a component whose config is something else, built from them: model.config.ModelSection (a preset or a
-checkpoint, size overrides and how the model is computed -> ModelConfig, the architecture; its compute options'
-defaults point at ModelConfig's, `dtype: str = ModelConfig.dtype`) and evaluation.EvalSection (when and on what
--> EvalProtocol, the recorded protocol; its sampling defaults point at EvalProtocol's). TaskSection and
-LagSection, which no single component owns, are below. Each field is `name: type = default  # --config_help
-text`: configs/common.py's ConfigDict is generated from this tree (schema.to_config_dict) and built back by
+checkpoint, size overrides and how the model is computed -> ModelConfig, the architecture; its compute options
+are ModelConfig's fields model.config.RUN_FIELDS, with their defaults and comments, `@schema.fields_from`) and
+evaluation.EvalSection (when and on what -> EvalProtocol, the recorded protocol; its decoding knobs are
+EvalProtocol's fields evaluation.RUN_FIELDS; EvalSection's docstring says why it is not EvalProtocol itself).
+TaskSection and LagSection, which no single component owns, are below. Each field is `name: type = default  #
+--config_help text`: configs/common.py's ConfigDict is generated from this tree (schema.to_config_dict) and built back by
 schema.from_config_dict (tests/test_schema.py checks it).
 
 Adding a knob is one line, `name: type = default  # --config_help text`, plus its check in that class's
@@ -21,9 +22,13 @@ Adding a knob is one line, `name: type = default  # --config_help text`, plus it
     distributed, task.multiturn): the line goes into that dataclass, which is all;
   - method.*: the tree of the Method's parts (rl/choices.py), each a named choice with its own fields, read off
     its factory: a new weight variant, peer loss or option of one is a field there with no line here;
-  - model.*: a compute option goes into ModelConfig and a line pointing at its default into ModelSection
-    (`lora_rank: int = ModelConfig.lora_rank  # ...`): run_config passes every ModelSection field ModelConfig has;
-  - task.*, eval.*, lag.*, top level: the line goes into that section class (its value reaches the component
+  - model.*: a compute option is a ModelConfig field (its line and comment there) named in model.config's
+    EXECUTION_FIELDS (or LORA_FIELDS), which makes it a ModelSection field too (`schema.fields_from`);
+    run_config passes every ModelSection field ModelConfig has;
+  - eval.*: a decoding knob is an EvalProtocol field named in evaluation.RUN_FIELDS (recorded with every result);
+    when and on what to evaluate is a line in EvalSection;
+  - task.*: a RolloutConfig field config.task sets unchanged is named in TASK_ROLLOUT_FIELDS (schema.fields_from);
+  - task.*, lag.*, top level: otherwise the line goes into that section class (its value reaches the component
     where run_config builds it).
 Nothing else lists it: the study's run fingerprint (experiments/stability.run_fingerprint) hashes the whole run
 config and leaves out a field added since the committed ledger's records (experiments/data/ledger_fields.txt)
@@ -41,7 +46,7 @@ import dataclasses
 import functools
 import os
 
-from vcpo_jax import sft, tasks
+from vcpo_jax import schema, sft, tasks
 from vcpo_jax.checkpoint import CheckpointConfig
 from vcpo_jax.evaluation import EvalProtocol, EvalSection
 from vcpo_jax.learner import LearnerConfig
@@ -66,9 +71,16 @@ MAX_SEED = 2**32 - 1  # numpy's and JAX's seeds are unsigned 32-bit
 
 # ----------------------------------------------------------------------------- sections without a component
 
+TASK_ROLLOUT_FIELDS = ("chat_template", "num_train_problems")  # RolloutConfig's fields config.task sets as they are
+
 
 @dataclasses.dataclass(frozen=True)
+@schema.fields_from(RolloutConfig, TASK_ROLLOUT_FIELDS, after="max_new_tokens")
 class TaskSection:
+  """config.task: the task and the batch layout (-> RolloutConfig, tasks.build); chat_template and
+  num_train_problems are RolloutConfig's fields (schema.fields_from), P, G and the lengths have their defaults here
+  (RolloutConfig requires them)."""
+
   name: str = "countdown"  # vcpo_jax.tasks.TASKS name
   template: str = ""  # prompt template ("" = the task's default)
   gen: dict = dataclasses.field(default_factory=dict)  # generator knobs of countdown/arithmetic (task-specific)
@@ -76,8 +88,6 @@ class TaskSection:
   group_size: int = 8  # G responses per prompt (N = P * G)
   max_prompt_len: int = 64  # prompt bucket in tokens
   max_new_tokens: int = 32  # response budget in tokens
-  chat_template: bool = RolloutConfig.chat_template  # wrap prompts with the tokenizer's chat template
-  num_train_problems: int = RolloutConfig.num_train_problems  # generated / loaded training pool size
   data_path: str = ""  # local parquet/jsonl for gsm8k/math/aime ("" = shipped fixtures)
   multiturn: MultiTurnConfig = section(MultiTurnConfig)
 

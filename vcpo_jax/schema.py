@@ -11,6 +11,8 @@ The field's type and default make the ConfigDict entry (`to_config_dict`), the c
 sub-section (`section(Cls)`); a `dict` field an open sub-dict (task.gen); `int | None = None` a typed
 placeholder (None = "the preset's value"); a union of two types (`int | str`) takes either; `tree(default,
 to_tree, build)` a value kept in the ConfigDict as a tree of its own (config.method: rl/choices.py), checked by build;
+`@fields_from(Cls, names)` gives a section fields of another class, each with the type, default and comment it has
+there (config.model's compute options are ModelConfig's, config.eval's sampling EvalProtocol's);
 metadata {"config": False} keeps a field out of the ConfigDict; {"when_set": True} keeps a `dict` field out of the
 default ConfigDict (a config file adds the block: model.shape) and {"keys": Cls} limits its keys to Cls's fields.
 `from_config_dict` builds the tree back, refuses a key the tree does not model (`unknown_field`: a misspelled
@@ -88,6 +90,39 @@ def config_message(msg: str, section: str, cls=None, names: dict[str, str] | Non
 def section(cls):
   """A sub-section field: an instance of dataclass `cls` at its defaults."""
   return dataclasses.field(default_factory=cls)
+
+
+def fields_from(source, names, after: str | None = None):
+  """Class decorator, under @dataclasses.dataclass: the section gets `source`'s fields `names` (config.model's
+  compute options are ModelConfig's), each with source's type, default and metadata, written once there; its
+  `--config_help` text is the comment on its line in source (`comments`). They come in source's order after
+  field `after` (default: the section's last field); metadata {"from": source} marks them (`borrowed`)."""
+
+  def add(cls):
+    own = inspect.get_annotations(cls)
+    clash = sorted(set(names) & set(own))
+    if clash:
+      raise TypeError(f"{cls.__name__}: {clash} come from {source.__name__} (fields_from); do not declare them")
+    hints, fields = typing.get_type_hints(source), {f.name: f for f in dataclasses.fields(source)}
+    unknown = sorted(set(names) - set(fields))
+    if unknown:
+      raise TypeError(f"{cls.__name__}: {source.__name__} has no fields {unknown}")
+    ordered = [name for name in fields if name in names]
+    at = list(own).index(after) + 1 if after else len(own)
+    keys = list(own)[:at] + ordered + list(own)[at:]
+    cls.__annotations__ = {k: own[k] if k in own else hints[k] for k in keys}
+    for name in ordered:
+      f = fields[name]
+      kw = {"default": f.default} if f.default is not dataclasses.MISSING else {"default_factory": f.default_factory}
+      setattr(cls, name, dataclasses.field(**kw, metadata={**f.metadata, "from": source}))
+    return cls
+
+  return add
+
+
+def borrowed(obj) -> dict:
+  """{name: value} of the fields dataclass instance `obj` has from another class (`fields_from`)."""
+  return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if "from" in f.metadata}
 
 
 def tree(default, to_tree, build):
@@ -261,8 +296,9 @@ def comments(cls, prefix: str = "") -> dict[str, str]:
     t = hints[f.name]
     if dataclasses.is_dataclass(t):
       out.update(comments(t, f"{prefix}{f.name}."))
-    if f.name in own:
-      out[prefix + f.name] = own[f.name]
+    text = field_comment_lines(f.metadata["from"]).get(f.name) if "from" in f.metadata else own.get(f.name)
+    if text:
+      out[prefix + f.name] = text
   return out
 
 

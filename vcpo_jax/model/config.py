@@ -14,6 +14,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax import schema
 from vcpo_jax.model.moe import GROUPED_MATMULS, MoESpec
 from vcpo_jax.model.rope import RopeScaling
 
@@ -47,6 +48,8 @@ REMAT_POLICIES = (
 # fields, come from the run config for presets AND checkpoints (a checkpoint's config.json never has them).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+# ModelConfig's fields a run config sets (config.model.*, ModelSection): the compute dtype, execution and LoRA fields.
+RUN_FIELDS = ("dtype",) + EXECUTION_FIELDS + LORA_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,17 +110,17 @@ class ModelConfig:
   rope_scaling: RopeScaling = DEFAULT_ROPE
   tie_embeddings: bool = False
   max_position: int = 2048
-  dtype: str = "float32"
+  dtype: str = "float32"  # compute dtype: float32 | bfloat16
   model_type: str = "llama"
-  attention: str = "dense"
-  attention_chunk: int = 512
-  remat: str = "none"
-  scan_layers: bool = True
-  logprob_chunk: int = 512
-  logprob_vocab_chunk: int = 0
-  lora_rank: int = 0
-  lora_alpha: float = 16.0
-  lora_targets: tuple[str, ...] = LORA_TARGETS
+  attention: str = "dense"  # kernel: dense (reference) | xla | chunked (no [B,H,T,T]) | cudnn | splash
+  attention_chunk: int = 512  # query chunk of "chunked", key block of the cached decode
+  remat: str = "none"  # per-block rematerialization: none | block | a jax.checkpoint_policies name
+  scan_layers: bool = True  # the blocks as one scan (True) or unrolled (False: debugging)
+  logprob_chunk: int = 512  # positions per chunk of the log-prob head (0 = [N, T, V] logits)
+  logprob_vocab_chunk: int = 0  # vocabulary entries per head chunk (0 = all)
+  lora_rank: int = 0  # LoRA adapters' rank r (0 = off: full fine-tuning); > 0 freezes the base
+  lora_alpha: float = 16.0  # LoRA alpha: the adapter path is scaled by alpha / r
+  lora_targets: tuple[str, ...] | str = LORA_TARGETS  # projections that get adapters (or "q_proj,v_proj")
   num_experts: int = 0
   num_experts_per_tok: int = 0
   moe_intermediate_size: int = 0
@@ -125,8 +128,8 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = 0.0
-  routing_replay: bool = False
-  moe_matmul: str = "ragged"
+  routing_replay: bool = False  # MoE: the learner replays the sampler's recorded experts
+  moe_matmul: str = "ragged"  # MoE grouped matmul: ragged (ragged_dot) | scan (CPU sizing stand-in)
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):  # from dataclasses.asdict (a saved config)
@@ -317,26 +320,16 @@ def _moe_fields(hf) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
+@schema.fields_from(ModelConfig, RUN_FIELDS, after="intermediate_size")
 class ModelSection:
-  """config.model: a random-init preset (with size overrides) or a checkpoint, and how it is computed."""
+  """config.model: a random-init preset (with size overrides) or a checkpoint, and how it is computed: the
+  compute options (RUN_FIELDS) are ModelConfig's fields, with their defaults and comments (schema.fields_from)."""
 
   checkpoint: str = ""  # local Hugging Face directory ("" = random init of model.preset)
   preset: str = "tiny_qwen2"  # vcpo_jax.model.config.PRESETS name when no checkpoint
   hidden_size: int | None = None  # preset overrides (None = preset value)
   num_layers: int | None = None  # transformer blocks (None = preset value)
   intermediate_size: int | None = None  # SwiGLU width (None = preset value)
-  dtype: str = ModelConfig.dtype  # compute dtype: float32 | bfloat16
-  attention: str = ModelConfig.attention  # kernel: dense (reference) | xla | chunked (no [B,H,T,T]) | cudnn | splash
-  attention_chunk: int = ModelConfig.attention_chunk  # query chunk of "chunked", key block of the cached decode
-  remat: str = ModelConfig.remat  # per-block rematerialization: none | block | a jax.checkpoint_policies name
-  scan_layers: bool = ModelConfig.scan_layers  # the blocks as one scan (True) or unrolled (False: debugging)
-  logprob_chunk: int = ModelConfig.logprob_chunk  # positions per chunk of the log-prob head (0 = [N, T, V] logits)
-  logprob_vocab_chunk: int = ModelConfig.logprob_vocab_chunk  # vocabulary entries per head chunk (0 = all)
-  lora_rank: int = ModelConfig.lora_rank  # LoRA adapters' rank r (0 = off: full fine-tuning); > 0 freezes the base
-  lora_alpha: float = ModelConfig.lora_alpha  # LoRA alpha: the adapter path is scaled by alpha / r
-  lora_targets: tuple | str = ModelConfig.lora_targets  # projections that get adapters (or "q_proj,v_proj")
-  routing_replay: bool = ModelConfig.routing_replay  # MoE: the learner replays the sampler's recorded experts
-  moe_matmul: str = ModelConfig.moe_matmul  # MoE grouped matmul: ragged (ragged_dot) | scan (CPU sizing stand-in)
   tokenizer: str = ""  # tokenizer directory ("" = checkpoint dir, or the built-in char tokenizer)
   # A checkpoint's architecture for sizing without weights (benchmarks/memory.py; a run reads the checkpoint's
   # config.json): only in the ConfigDict when a config file sets it, its keys ModelConfig's fields.

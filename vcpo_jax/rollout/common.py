@@ -35,7 +35,7 @@ class RolloutConfig:
   max_prompt_len: int  # prompt bucket (tokens); longer prompts are an error
   max_new_tokens: int  # response budget
   chat_template: bool = False  # wrap prompts with the tokenizer's chat template
-  num_train_problems: int = 4096  # size of the generated / loaded training pool
+  num_train_problems: int = 4096  # generated / loaded training pool size
   seed: int = 0
 
   def __post_init__(self):
