@@ -252,3 +252,19 @@ def test_unrolled_decode_layers_config_errors():
   with pytest.raises(schema.ConfigError, match=r"config.sampler.decode_layers='loop'"):
     S.SamplingConfig(decode_layers="loop")
   assert S.SamplerConfig(**S.SamplingConfig(decode_layers="unrolled").sampler_kwargs()).decode_layers == "unrolled"
+
+
+def test_auto_decode_layers_follow_the_models_layout():
+  """decode_layers="auto" (the default) decodes over per-layer caches exactly for a dense model with unrolled layers
+  under static decode; "scan" / "unrolled" are taken as given."""
+  dense = config.tiny_qwen2()
+  moe = config.tiny_qwen3_moe()
+  auto = S.SamplerConfig()
+  assert auto.decode_layers == "auto"
+  assert S.unrolled_decode(auto, dense.replace(scan_layers=False))
+  assert not S.unrolled_decode(auto, dense.replace(scan_layers=True))
+  assert not S.unrolled_decode(auto, moe.replace(scan_layers=False))
+  for mode in ("chunked", "refill"):
+    assert not S.unrolled_decode(S.SamplerConfig(decode=mode), dense.replace(scan_layers=False))
+  assert S.unrolled_decode(S.SamplerConfig(decode_layers="unrolled"), dense.replace(scan_layers=True))
+  assert not S.unrolled_decode(S.SamplerConfig(decode_layers="scan"), dense.replace(scan_layers=False))

@@ -230,13 +230,12 @@ class SamplerConfig:
     return tuple(sorted(set(self.stop_ids) | ({self.eos_id} if self.eos_id is not None else set())))
 
 
-def resolve_decode_layers(cfg: SamplerConfig, cfg_model: ModelConfig) -> SamplerConfig:
-  """`cfg` with decode_layers "auto" resolved: "unrolled" for a dense model whose layers are unrolled
-  (cfg_model.scan_layers False) under static decode, else "scan"."""
-  if cfg.decode_layers != "auto":
-    return cfg
-  unrolled = not cfg_model.scan_layers and cfg_model.moe is None and cfg.decode == "static"
-  return dataclasses.replace(cfg, decode_layers="unrolled" if unrolled else "scan")
+def unrolled_decode(cfg: SamplerConfig, cfg_model: ModelConfig) -> bool:
+  """Whether the static decode step loops over per-layer caches (decode_layers "unrolled", or "auto" for a dense
+  model whose layers are unrolled, cfg_model.scan_layers False, under static decode)."""
+  if cfg.decode_layers == "auto":
+    return not cfg_model.scan_layers and cfg_model.moe is None and cfg.decode == "static"
+  return cfg.decode_layers == "unrolled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -640,7 +639,7 @@ def _generate_device(
 
   last_logits, cache, kv_valid = _prefill(graphdef, cfg_model, cfg, params, prompt_bt, prompt_valid_bt, num_new)
   layers = None
-  if cfg.decode_layers == "unrolled":  # per-layer cache buffers and weights (copied once per call), read in place
+  if unrolled_decode(cfg, cfg_model):  # per-layer cache buffers and weights (copied once per call), read in place
     cache, layers = transformer.split_cache(cache), transformer.layer_params(graphdef, params)
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
 
@@ -986,7 +985,6 @@ class Sampler:
         )
     if sampler_cfg.decode_layers == "unrolled" and cfg_model.moe is not None:
       raise ValueError("SamplerConfig.decode_layers='unrolled' takes a dense model; use 'scan' for MoE.")
-    sampler_cfg = resolve_decode_layers(sampler_cfg, cfg_model)
     self.graphdef, self.cfg_model, self.cfg = graphdef, cfg_model, sampler_cfg
     self.num_traces = 0  # incremented at trace time: the compile-count test reads it
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
@@ -1102,7 +1100,7 @@ class Sampler:
       k = sds((n, b, cm.num_kv_heads, cm.head_dim, s), cm.compute_dtype, sh.CACHE_LBK)
       v = sds((n, b, cm.num_kv_heads, s, cm.head_dim), cm.compute_dtype, sh.CACHE_LBK)
       cache = (k, v)
-      if cfg.decode_layers == "unrolled":
+      if unrolled_decode(cfg, cm):
         k1 = sds(k.shape[1:], k.dtype, sh.CACHE_BK)
         cache = [(k1, sds(v.shape[1:], v.dtype, sh.CACHE_BK)) for _ in range(n)]
       fn = jax.jit(lambda p, *a: _decode_step(g, cfg, cast(p), *a), donate_argnums=(1, 2))
