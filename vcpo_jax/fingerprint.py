@@ -68,17 +68,13 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def keeps_trajectory(path: str) -> bool:
   """Whether the dotted config field `path` is one whose change keeps the trajectory (EXCLUDED)."""
-  return _excluded(path)
-
-
-def _excluded(path: str) -> bool:
   return any(path.startswith(e) if e.endswith(".") else path == e for e in EXCLUDED)
 
 
 def of(config) -> dict[str, Any]:
   """{dotted path: JSON value} of every trajectory field of `config` (a ConfigDict or its to_dict())."""
   d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-  flat = {p: v for p, v in _flat(d).items() if not _excluded(p)}
+  flat = {p: v for p, v in _flat(d).items() if not keeps_trajectory(p)}
   if flat.get("optim.schedule", "constant") in STEPS_FREE_SCHEDULES:
     flat.pop("steps", None)
   return json.loads(json.dumps(flat, default=str))  # tuples -> lists, as the checkpoint's JSON holds them
