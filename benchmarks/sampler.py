@@ -4,6 +4,7 @@
     python -m benchmarks.sampler --batch 64 --prompt 32 --new 128 --rounds 3 --models 10m --threads 2
     python -m benchmarks.sampler --threads 2 --devices 2  # our sampler on 2 host devices of the 2 cores
     python -m benchmarks.sampler --threads 2 --decode_layers unrolled  # per-layer cache buffers in the decode step
+    python -m benchmarks.sampler --threads 2 --matmul_floor  # the step's matmuls alone: the fraction's ceiling
 
 Roofline (issue 14 item 2), measured in the same process just before and just after each of our timed
 calls (a round's roofline is the mean of the two; the fraction is reported per round, median and range: on a
@@ -184,6 +185,52 @@ def time_choice(batch: int, vocab: int, steps: int = 50, repeats: int = 5) -> li
   return out
 
 
+def matmul_floor(cfg, batch: int, prompt: int, new: int, rounds: int) -> dict:
+  """The fraction of the roofline that the decode step's matmuls alone reach: `new - 1` steps of only the
+  model's dots (per layer q, k, v, o, gate, up, down; the tied head), float32, each layer's weights its own
+  buffer, the hidden state carried through a fori_loop, against the roofline of the whole `generate` call
+  (`roofline_seconds`) measured just before and after each round. No attention, cache, norm or token choice:
+  an upper bound on what `generate` can reach with this machine's dots (the goal 0.5 needs the rest of the
+  step to fit in the difference)."""
+  d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  keys = iter(jax.random.split(jax.random.key(0), 8 * cfg.num_layers + 2))
+  w = lambda *shape: 0.05 * jax.random.normal(next(keys), shape, jnp.float32)
+  layers = [
+    dict(q=w(d, q), k=w(d, kv), v=w(d, kv), o=w(q, d), g=w(d, f), u=w(d, f), dn=w(f, d)) for _ in range(cfg.num_layers)
+  ]
+  embed = w(cfg.vocab_size, d)
+
+  @jax.jit
+  def steps(x0, layers, embed):
+    def body(_, x):
+      for p in layers:
+        a = x @ p["q"] + 1e-3 * ((x @ p["k"]).sum(-1, keepdims=True) + (x @ p["v"]).sum(-1, keepdims=True))
+        x = x + a @ p["o"]
+        x = x + (jax.nn.silu(x @ p["g"]) * (x @ p["u"])) @ p["dn"]
+      return x + 1e-3 * jnp.einsum("bd,vd->bv", x, embed)[:, :d]  # the tied head, as `Embed.attend`
+
+    return jax.lax.fori_loop(0, new - 1, body, x0)
+
+  x0 = jax.random.normal(next(keys), (batch, d), jnp.float32)
+  jax.block_until_ready(steps(x0, layers, embed))
+  roofs, times = [], []
+  for _ in range(rounds):
+    r0 = measure_roofline()
+    times.append(_timed(lambda: jax.block_until_ready(steps(x0, layers, embed))))
+    r1 = measure_roofline()
+    roofs.append(float(np.mean([roofline_seconds(cfg, batch, prompt, new, **r) for r in (r0, r1)])))
+  fracs = [r / t for r, t in zip(roofs, times)]
+  step_ms = [1e3 * t / (new - 1) for t in times]
+  return dict(
+    fraction=float(np.median(fracs)),
+    fraction_min=min(fracs),
+    fraction_max=max(fracs),
+    step_ms=float(np.median(step_ms)),
+    round_s=times,
+    roofline_round_s=roofs,
+  )
+
+
 def _timed(fn) -> float:
   t0 = time.perf_counter()
   fn()
@@ -225,6 +272,11 @@ def main(argv=None):
   )
   ap.add_argument("--choice", action="store_true", help="only time the token choice (batch x the model's vocab)")
   ap.add_argument(
+    "--matmul_floor",
+    action="store_true",
+    help="only time the decode step's matmuls (no attention, cache or sampling) against generate's roofline",
+  )
+  ap.add_argument(
     "--devices",
     type=int,
     default=1,
@@ -245,6 +297,18 @@ def main(argv=None):
     load = os.getloadavg()[0]
     rows = time_choice(b, MODELS[args.models.split(",")[0]]().vocab_size)
     print(json.dumps(dict(benchmark="sampler_choice", load_avg=[load, os.getloadavg()[0]], rows=rows)))
+    return
+  if args.matmul_floor:
+    load = os.getloadavg()[0]
+    rows = []
+    for name in args.models.split(","):
+      rows.append(dict(model=name, batch=b, prompt=tp, new=tn, **matmul_floor(MODELS[name](), b, tp, tn, args.rounds)))
+      r = rows[-1]
+      print(
+        f"{name}: matmuls only {r['step_ms']:.2f} ms/step, {r['fraction']:.2f} ({r['fraction_min']:.2f}-"
+        f"{r['fraction_max']:.2f}) of generate's roofline"
+      )
+    print(json.dumps(dict(benchmark="sampler_matmul_floor", load_avg=[load, os.getloadavg()[0]], rows=rows)))
     return
   load_start = os.getloadavg()
   roof = measure_roofline()

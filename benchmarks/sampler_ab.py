@@ -3,6 +3,7 @@
     python -m benchmarks.sampler_ab --base=ef5c2fb                  # 10M model, batch 64, prompt 32, new 128
     python -m benchmarks.sampler_ab --base=ef5c2fb --rounds=7 --calls=2 --threads=2
     python -m benchmarks.sampler_ab --base=HEAD --decode_layers=unrolled   # unrolled decode layers vs the scan
+    python -m benchmarks.sampler_ab --base=HEAD --decode_layers=unrolled --base_decode_layers=unrolled
 
 Each tree runs in its own worker process (`git archive <base>` unpacked into a temporary directory, as
 `benchmarks.learner_step` does), pinned to the same `--threads` cores, with the same model (the tree's own
@@ -60,7 +61,7 @@ def _worker(args):
     new_token_buckets=(tn,),
     batch_buckets=(b,),
     param_dtype=args.param_dtype,
-    **({"decode_layers": args.decode_layers} if args.decode_layers else {}),  # this tree only (_start)
+    **({"decode_layers": args.decode_layers} if args.decode_layers else {}),  # per tree (_start's flags)
   )
   smp = S.Sampler(graphdef, cfg, scfg)
   params = smp.prepare_params(params)
@@ -109,6 +110,11 @@ def _parser():
     help="SamplerConfig.decode_layers of THIS tree's sampler (scan | unrolled; empty: its default); the base keeps "
     "its own default (with --base=HEAD: this tree's decode layers against its committed default)",
   )
+  p.add_argument(
+    "--base_decode_layers",
+    default="",
+    help="SamplerConfig.decode_layers of the base's sampler (empty: its default), e.g. unrolled on both sides",
+  )
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--tree", default="", help=argparse.SUPPRESS)
   return p
@@ -148,7 +154,8 @@ def main(argv=None):
   with tempfile.TemporaryDirectory(prefix="sampler_ab_") as tmp:
     old_tree = tree_ab.unpack(base, os.path.join(tmp, base))
     this_flags = [f"--decode_layers={args.decode_layers}"] if args.decode_layers else []
-    procs = {"this": _start(ROOT, args, this_flags), "base": _start(old_tree, args)}
+    base_flags = [f"--decode_layers={args.base_decode_layers}"] if args.base_decode_layers else []
+    procs = {"this": _start(ROOT, args, this_flags), "base": _start(old_tree, args, base_flags)}
     try:
       info = {k: tree_ab.reply(pr) for k, pr in procs.items()}  # both compiled and warm
       load_before = os.getloadavg()
@@ -179,6 +186,7 @@ def main(argv=None):
     "threads": args.threads,
     "param_dtype": args.param_dtype,
     "decode_layers": args.decode_layers or "default",
+    "base_decode_layers": args.base_decode_layers or "default",
     "rounds": args.rounds,
     "calls": args.calls,
     "peak_flops": roof["peak_flops"],
@@ -199,7 +207,8 @@ def main(argv=None):
     f"generate B={args.batch} Tp={args.prompt} Tn={args.new} ({args.model}, {args.threads} threads): this {head} "
     f"(decode_layers {args.decode_layers or 'default'}) "
     f"{out['median_generate_s']['this']:.2f} s, roofline {f['this']['median']:.2f} ({f['this']['min']:.2f}-"
-    f"{f['this']['max']:.2f}); base {base} {out['median_generate_s']['base']:.2f} s, roofline "
+    f"{f['this']['max']:.2f}); base {base} (decode_layers {args.base_decode_layers or 'default'}) "
+    f"{out['median_generate_s']['base']:.2f} s, roofline "
     f"{f['base']['median']:.2f} ({f['base']['min']:.2f}-{f['base']['max']:.2f}); speedup {s['median']:.2f}x "
     f"({s['min']:.2f}-{s['max']:.2f}) over {args.rounds} rounds; same tokens {out['same_tokens']}, "
     f"|dlogp| {dlogp:.1e}; load {load_start[0]:.1f} -> {load_after[0]:.1f}; roofline per round "

@@ -7,13 +7,16 @@ scaling matters: full-forward logits, greedy KV-cache generation, and the export
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from tests import fixtures
 from vcpo_jax.model import hf_io, load_hf, save_hf
+from vcpo_jax.model import rope as rope_lib
 from vcpo_jax.model import transformer as tf
+from vcpo_jax.model.config import ModelConfig
 from vcpo_jax.model.rope import RopeScaling, static_inv_freq
 from vcpo_jax.sampler import Sampler, SamplerConfig
 
@@ -173,6 +176,25 @@ def test_inverse_frequencies_equal_transformers(rope):
   ours, m = static_inv_freq(16, 5e5, RopeScaling.from_hf(hf.rope_parameters, hf.max_position_embeddings))
   np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
   assert m == pytest.approx(m_theirs, rel=1e-7)
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rotation_table_reads_what_the_layers_compute(rope):
+  """The sampler's decode loop reads its RoPE from a table made once per call (`rotation_table`); it equals,
+  bit for bit, the rotation a layer computes at those positions (`rope.apply`), and the "dynamic" type (its
+  frequencies depend on the call's largest position) gets no table."""
+  cfg = ModelConfig.from_hf(hf_config("llama", rope, False))
+  table = tf.rotation_table(cfg, 48)
+  if rope == "dynamic":
+    assert table is None
+    return
+  positions = jnp.array([[0, 5, 47], [16, 17, 3]], jnp.int32)
+  rot = tf.rotation_at(table, positions)
+  np.testing.assert_array_equal(np.asarray(rot[0]), np.asarray(tf.rotation(cfg, positions)[0]))
+  np.testing.assert_array_equal(np.asarray(rot[1]), np.asarray(tf.rotation(cfg, positions)[1]))
+  x = jax.random.normal(jax.random.key(0), (2, 3, cfg.num_heads, cfg.head_dim))
+  inv, m = rope_lib.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, positions)
+  np.testing.assert_array_equal(np.asarray(rope_lib.rotate(x, *rot)), np.asarray(rope_lib.apply(x, positions, inv, m)))
 
 
 def test_yarn_attention_factor_and_errors():

@@ -244,6 +244,21 @@ def test_unrolled_decode_step_reads_each_layer_cache_in_place():
   assert not cache_copies("unrolled")
 
 
+@pytest.mark.parametrize("layers", ["scan", "unrolled"])
+def test_decode_step_computes_the_rotation_once(layers):
+  """The decode step reads its RoPE from the call's table (`transformer.rotation_table`): no sin or cos in the
+  compiled step, where each layer's q and k fusions computed their own (XLA:CPU, 2 per layer)."""
+  cfg = CFGS["qwen2"]
+  graphdef, params = tf.split(tf.init(cfg, seed=3))
+  scfg = S.SamplerConfig(
+    prompt_buckets=(8,), new_token_buckets=(8,), batch_buckets=(4,), max_new_tokens=8, decode_layers=layers
+  )
+  text = S.Sampler(graphdef, cfg, scfg).lower(params, 4, 8, 8, part="decode").compile().as_text()
+  assert " cosine(" not in text and " sine(" not in text
+  generate = S.Sampler(graphdef, cfg, scfg).lower(params, 4, 8, 8).compile().as_text()
+  assert 1 <= generate.count(" cosine(") <= 2  # the table (and the prefill's rotation): not one per layer
+
+
 def test_unrolled_decode_layers_config_errors():
   with pytest.raises(ValueError, match="decode_layers"):
     S.SamplerConfig(decode_layers="loop")

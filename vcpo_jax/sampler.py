@@ -354,13 +354,14 @@ def routing_width(cfg_model: ModelConfig, cfg: SamplerConfig) -> int:
   return cfg_model.num_layers * cfg_model.num_experts_per_tok if cfg.record_routing and cfg_model.moe else 0
 
 
-def _forward_routed(graphdef, params, *args, route: bool = False, layers=None):
+def _forward_routed(graphdef, params, *args, route: bool = False, layers=None, rot=None):
   """(logits, cache, ids): transformer.forward, with route the experts of the fed tokens [B, T, L K] int16.
-  layers: per-layer block parameters with a per-layer cache (decode_layers="unrolled", dense only)."""
+  layers: per-layer block parameters with a per-layer cache (decode_layers="unrolled", dense only); rot: the
+  fed tokens' RoPE (`transformer.rotation_at`) or None."""
   if not route:
-    return (*transformer.forward(graphdef, params, *args, layers=layers), None)
+    return (*transformer.forward(graphdef, params, *args, layers=layers, rot=rot), None)
   with moe.routing() as rec:
-    logits, cache = transformer.forward(graphdef, params, *args)
+    logits, cache = transformer.forward(graphdef, params, *args, rot=rot)
   ids = jnp.moveaxis(rec.expert_ids, 0, 2)  # [L, B, T, K] -> [B, T, L, K]
   return logits, cache, ids.reshape(*ids.shape[:2], -1).astype(jnp.int16)
 
@@ -642,6 +643,7 @@ def _generate_device(
   if unrolled_decode(cfg, cfg_model):  # per-layer cache buffers and weights (copied once per call), read in place
     cache, layers = transformer.split_cache(cache), transformer.layer_params(graphdef, params)
   prompt_len = jnp.sum(prompt_valid_bt, axis=1, dtype=jnp.int32)
+  rope = transformer.rotation_table(cfg_model, tp + num_new)  # positions < S: read per step, not recomputed
 
   e = routing_width(cfg_model, cfg)
   fields = record_fields(cfg, e)
@@ -674,7 +676,19 @@ def _generate_device(
     prev, pos, idx = state[0][:, i - 1], prompt_len + i - 1, tp + i - 1
     keys = step_keys(i)
     out = _decode_step(
-      graphdef, cfg, params, cache, kv_valid, prev, pos, idx, keys, record=record, route=bool(e), layers=layers
+      graphdef,
+      cfg,
+      params,
+      cache,
+      kv_valid,
+      prev,
+      pos,
+      idx,
+      keys,
+      record=record,
+      route=bool(e),
+      layers=layers,
+      rope=rope,
     )
     tok, logp, cache, kv_valid = out[:4]
     if e:  # the experts of token i - 1 (a response token of rows still running when it was emitted): column i - 1
@@ -933,6 +947,7 @@ def _decode_step(
   record=False,
   route=False,
   layers=None,
+  rope=None,
 ):
   """One decode step: the body of `_generate_device`'s loop (and `Sampler.lower(part="decode")`'s program).
 
@@ -942,12 +957,14 @@ def _decode_step(
   returns (tokens [B], logp [B], cache, kv_valid), with record the column's `column_records`, and last with
   route the fed tokens' experts [B, L K] int16 (`routing_width`). With decode_layers="unrolled" the cache is
   per layer (`transformer.split_cache`) and layers each layer's parameters (`transformer.layer_params`).
+  rope: the call's `transformer.rotation_table` (read at pos_b), or None (computed from pos_b).
   """
   b = prev_b.shape[0]
   kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((b, 1), bool), (0, idx))
   mask = transformer.AttentionMask(kv_valid)  # decode reads only the cache blocks up to slot idx
   args = (prev_b[:, None], pos_b[:, None], mask, cache, idx)
-  logits, cache, ids = _forward_routed(graphdef, params, *args, route=route, layers=layers)
+  rot = None if rope is None else transformer.rotation_at(rope, pos_b[:, None])
+  logits, cache, ids = _forward_routed(graphdef, params, *args, route=route, layers=layers, rot=rot)
   tok, logp = _choose(logits[:, -1], keys_b, cfg)
   out = (tok, logp, cache, kv_valid)
   if record:
@@ -1103,10 +1120,12 @@ class Sampler:
       if unrolled_decode(cfg, cm):
         k1 = sds(k.shape[1:], k.dtype, sh.CACHE_BK)
         cache = [(k1, sds(v.shape[1:], v.dtype, sh.CACHE_BK)) for _ in range(n)]
-      fn = jax.jit(lambda p, *a: _decode_step(g, cfg, cast(p), *a), donate_argnums=(1, 2))
+      fn = jax.jit(lambda p, *a, rope: _decode_step(g, cfg, cast(p), *a, rope=rope), donate_argnums=(1, 2))
       scalar = jax.ShapeDtypeStruct((), jnp.int32)
       keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))  # one key per row
-      return fn.lower(params, cache, sds((b, s), jnp.bool_), sds((b,), jnp.int32), sds((b,), jnp.int32), scalar, keys)
+      rope = jax.eval_shape(lambda: transformer.rotation_table(cm, s))  # made once per call, as the loop reads it
+      args = (params, cache, sds((b, s), jnp.bool_), sds((b,), jnp.int32), sds((b,), jnp.int32), scalar, keys)
+      return fn.lower(*args, rope=rope)
 
   # -- host side
 

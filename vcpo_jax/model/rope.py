@@ -201,14 +201,24 @@ def inv_freq(h: int, theta: float, s: RopeScaling, positions_bt: jax.Array):
   return 1.0 / (base**exps), 1.0
 
 
-def apply(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: jax.Array, m: float = 1.0) -> jax.Array:
-  """x rotated by positions * inv_freq (rotate-half), times m; computed in float32, returned in x's dtype."""
+def tables(positions_bt: jax.Array, inv_freq_h: jax.Array, m: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin), float32 [B, T, 1, H]: the rotation of tokens at `positions_bt` (rotate-half layout), times m."""
   angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq_h  # [B, T, H/2]
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   if m != 1.0:
     cos, sin = cos * m, sin * m
+  return cos, sin
+
+
+def rotate(x_btnh: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [B, T, N, H] rotated by `tables`' (cos, sin); computed in float32, returned in x's dtype."""
   x32 = x_btnh.astype(jnp.float32)
   x1, x2 = jnp.split(x32, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return (x32 * cos + rotated * sin).astype(x_btnh.dtype)
+
+
+def apply(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: jax.Array, m: float = 1.0) -> jax.Array:
+  """x rotated by positions * inv_freq (rotate-half), times m; computed in float32, returned in x's dtype."""
+  return rotate(x_btnh, *tables(positions_bt, inv_freq_h, m))

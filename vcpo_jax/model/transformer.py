@@ -162,6 +162,32 @@ def _lora_kw(cfg: ModelConfig, proj: str) -> dict:
   return dict(frozen=True, lora_rank=rank, lora_scale=cfg.lora_scale)
 
 
+def rotation(cfg: ModelConfig, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The RoPE (cos, sin) [B, T, 1, H] of a forward's positions under cfg's theta and scaling (`rope_lib.tables`).
+
+  A cached forward (the sampler's) computes it once for all layers, outside the layer scan; a forward without
+  a cache (the learner) leaves it to each layer (no [B, T, H] buffers held across the scan and its backward)."""
+  inv, m = rope_lib.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, positions_bt)
+  return rope_lib.tables(positions_bt, inv, m)
+
+
+def rotation_table(cfg: ModelConfig, num_positions: int) -> tuple[jax.Array, jax.Array] | None:
+  """(cos, sin) [P, 1, H] of positions 0 .. P - 1, for `rotation_at`; None for rope_type "dynamic" (its
+  frequencies depend on the call's largest position).
+
+  The sampler's decode loop makes it once per call: inside the loop XLA:CPU fuses a step's sin and cos into
+  every layer's q and k fusion, once per head (10% of the 10M decode step), where a table is only read."""
+  if cfg.rope_scaling.rope_type == "dynamic":
+    return None
+  cos, sin = rotation(cfg, jnp.arange(num_positions, dtype=jnp.int32)[None])
+  return cos[0], sin[0]
+
+
+def rotation_at(table: tuple[jax.Array, jax.Array], positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`rotation` of positions_bt [B, T] read from `rotation_table` (equal to it: the same float32 ops)."""
+  return tuple(jnp.take(t, positions_bt, axis=0) for t in table)
+
+
 def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
   """Default rotary embedding, rotate-half convention (Hugging Face Llama/Qwen2); see `rope_lib`."""
   inv, _ = rope_lib.inv_freq(x_btnh.shape[-1], theta, rope_lib.RopeScaling(), positions_bt)
@@ -185,8 +211,10 @@ class Attention(nnx.Module):
     self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
     self.implementation, self.chunk = cfg.attention, cfg.attention_chunk
 
-  def __call__(self, x_btd, positions_bt, mask, cache: LayerCache | None, cache_index, layer=None):
-    """cache: None, or the stacked cache of every layer (k [L, B, K, H, S], v [L, B, K, S, H]) of which this
+  def __call__(self, x_btd, positions_bt, mask, cache: LayerCache | None, cache_index, layer=None, rot=None):
+    """rot: the forward's RoPE (cos, sin) (`rotation`), or None: computed here from positions_bt.
+
+    cache: None, or the stacked cache of every layer (k [L, B, K, H, S], v [L, B, K, S, H]) of which this
     block is layer `layer` (an int32 scalar: the scan's index); the keys go in at (layer, cache_index) in
     place and the stacked cache is returned (see `_run_layers`). layer None: cache is this layer's own
     (k [B, K, H, S], v [B, K, S, H]) (a per-layer cache, `_run_layers_unrolled`), updated and returned."""
@@ -196,8 +224,10 @@ class Attention(nnx.Module):
     kk = self.k_proj(x_btd).reshape(b, t, k, h)
     if self.q_norm is not None:  # Qwen3: per-head RMSNorm over H before RoPE
       q, kk = self.q_norm(q), self.k_norm(kk)
-    inv, m = rope_lib.inv_freq(h, self.rope_theta, self.rope_scaling, positions_bt)
-    q, kk = rope_lib.apply(q, positions_bt, inv, m), rope_lib.apply(kk, positions_bt, inv, m)
+    if rot is None:
+      inv, m = rope_lib.inv_freq(h, self.rope_theta, self.rope_scaling, positions_bt)
+      rot = rope_lib.tables(positions_bt, inv, m)
+    q, kk = rope_lib.rotate(q, *rot), rope_lib.rotate(kk, *rot)
     vv = self.v_proj(x_btd).reshape(b, t, k, h)
     q, kk, vv = (sh.constrain(a, sh.HEADS_BTNH) for a in (q, kk, vv))
     kw = {"implementation": self.implementation, "chunk": self.chunk}
@@ -263,11 +293,11 @@ class Block(nnx.Module):
       self.mlp = moe.MoEBlock(cfg.hidden_size, spec, name=f"{name}.mlp", dtype=dt, rngs=rngs, matmul=cfg.moe_matmul)
     self.sparse = spec is not None
 
-  def __call__(self, x, positions_bt, mask, cache, cache_index, layer=None, recorded=None, replay=None):
+  def __call__(self, x, positions_bt, mask, cache, cache_index, layer=None, recorded=None, replay=None, rot=None):
     """(x, cache, routing): routing is None for a dense block, else (expert_ids [B, T, K], router_logits
     [B, T, E]) of its MoE block, which replays `recorded` [B, T, K] where `replay` [B, T] (moe.MoEBlock).
-    cache, layer: the stacked cache and this block's layer in it (Attention)."""
-    a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask, cache, cache_index, layer)
+    cache, layer: the stacked cache and this block's layer in it; rot: the forward's RoPE (Attention)."""
+    a, cache = self.self_attn(self.input_layernorm(x), positions_bt, mask, cache, cache_index, layer, rot)
     x = sh.constrain(x + a, sh.RESIDUAL_BTD)
     h = self.post_attention_layernorm(x)
     if self.sparse:
@@ -305,8 +335,9 @@ def _loop(step, carry, xs, scan: bool):
   return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
-def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, cache_index):
+def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, cache_index, rot=None):
   """x through the stacked blocks (one scan over the layer axis); (x, new stacked cache or None).
+  rot: the forward's RoPE (cos, sin) shared by the layers (`rotation`), or None: each layer computes it.
 
   Remat: without a cache, each block runs under jax.checkpoint(cfg.remat_policy) inside the scan body.
 
@@ -335,11 +366,11 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
   def run(state, x, perts, sink_s, cache, layer, rec):
     block = nnx.merge(graphdef, state)
     if tape is None:
-      y, c, routed = block(x, positions_bt, mask, cache, cache_index, layer, rec, replay)
+      y, c, routed = block(x, positions_bt, mask, cache, cache_index, layer, rec, replay, rot)
       return y, c, routed, []
     sink = None if sink_s is None else taps.Sink(sink_s, tape.sink.norm)
     with taps.recording(perts, sink) as inner:
-      y, c, routed = block(x, positions_bt, mask, cache, cache_index, layer, rec, replay)
+      y, c, routed = block(x, positions_bt, mask, cache, cache_index, layer, rec, replay, rot)
     # Each distinct input once (q / k / v share theirs, as do gate / up): one stacked output per array.
     uniq = {id(a): a for a in inner.inputs.values()}
     slot = {name: list(uniq).index(id(a)) for name, a in inner.inputs.items()}
@@ -380,7 +411,15 @@ def _run_layers(layers: Block, cfg: ModelConfig, x, positions_bt, mask, cache, c
 
 
 def _run_layers_unrolled(
-  layers: Block, cfg: ModelConfig, x, positions_bt, mask, caches: PerLayerCache, cache_index, layer_params=None
+  layers: Block,
+  cfg: ModelConfig,
+  x,
+  positions_bt,
+  mask,
+  caches: PerLayerCache,
+  cache_index,
+  layer_params=None,
+  rot=None,
 ):
   """x through the blocks one layer at a time in Python, each with its own cache buffers; (x, new caches).
 
@@ -401,7 +440,7 @@ def _run_layers_unrolled(
   new = []
   for (ck, cv), p in zip(caches, layer_params, strict=True):
     block = nnx.merge(graphdef, p)
-    x, layer_cache, _ = block(x, positions_bt, mask, (ck, cv), cache_index, None)
+    x, layer_cache, _ = block(x, positions_bt, mask, (ck, cv), cache_index, None, rot=rot)
     new.append(layer_cache)
   return x, new
 
@@ -436,7 +475,16 @@ class Transformer(nnx.Module):
     )
 
   def __call__(
-    self, tokens_bt, positions_bt, mask, cache: LayerCache | None = None, cache_index=None, *, hidden=False, layers=None
+    self,
+    tokens_bt,
+    positions_bt,
+    mask,
+    cache: LayerCache | None = None,
+    cache_index=None,
+    *,
+    hidden=False,
+    layers=None,
+    rot=None,
   ):
     """Returns (logits [B, T, V] float32, new cache or None); with hidden=True the final normed
     hidden states [B, T, D] instead of the logits (for `head_logprobs`).
@@ -452,16 +500,22 @@ class Transformer(nnx.Module):
         per-layer (k [B, K, H, S], v [B, K, S, H]) (`split_cache`): the layers then run unrolled
         (`_run_layers_unrolled`, the sampler's decode_layers="unrolled").
       layers: with a per-layer cache, each layer's block parameters (`layer_params`), or None (sliced here).
+      rot: the RoPE (cos, sin) of positions_bt (`rotation_at`), or None: with a cache computed once here
+        (`rotation`), without one by each layer.
       cache_index: where this call's keys go in the cache: a Python int (static: at 0 the call
         attends to its own keys with the configured implementation; later, a prefill chunk, to the
         filled blocks of the cache), or an int32 scalar (traced: the decode path, blockwise over
         the filled blocks).
     """
     x = sh.constrain(self.embed_tokens(tokens_bt), sh.RESIDUAL_BTD)
+    if rot is None and cache is not None:
+      rot = rotation(self.cfg, positions_bt)  # once for every layer
     if isinstance(cache, list):
-      x, new_cache = _run_layers_unrolled(self.layers, self.cfg, x, positions_bt, mask, cache, cache_index, layers)
+      x, new_cache = _run_layers_unrolled(
+        self.layers, self.cfg, x, positions_bt, mask, cache, cache_index, layers, rot=rot
+      )
     else:
-      x, new_cache = _run_layers(self.layers, self.cfg, x, positions_bt, mask, cache, cache_index)
+      x, new_cache = _run_layers(self.layers, self.cfg, x, positions_bt, mask, cache, cache_index, rot)
     x = self.norm(x)
     if hidden:
       return x, new_cache
@@ -506,10 +560,10 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> LayerCa
   return jnp.zeros((n, batch, k, h, length), dtype), jnp.zeros((n, batch, k, length, h), dtype)
 
 
-def forward(graphdef, params, tokens_bt, positions_bt, mask, cache=None, cache_index=None, layers=None):
+def forward(graphdef, params, tokens_bt, positions_bt, mask, cache=None, cache_index=None, layers=None, rot=None):
   """Pure forward pass: see Transformer.__call__."""
   model = nnx.merge(graphdef, params)
-  return model(tokens_bt, positions_bt, mask, cache, cache_index, layers=layers)
+  return model(tokens_bt, positions_bt, mask, cache, cache_index, layers=layers, rot=rot)
 
 
 def padded_positions_and_mask(valid_bt: jax.Array) -> tuple[jax.Array, attn.AttentionMask]:
