@@ -4,6 +4,7 @@
     python -m benchmarks.sampler_ab --base=ef5c2fb --rounds=7 --calls=2 --threads=2
     python -m benchmarks.sampler_ab --base=HEAD --decode_layers=unrolled   # unrolled decode layers vs the scan
     python -m benchmarks.sampler_ab --base=HEAD --decode_layers=unrolled --base_decode_layers=unrolled
+    python -m benchmarks.sampler_ab --base=HEAD --devices=2   # the batch over 2 host devices vs one device
 
 Each tree runs in its own worker process (`git archive <base>` unpacked into a temporary directory, as
 `benchmarks.learner_step` does), pinned to the same `--threads` cores, with the same model (the tree's own
@@ -43,6 +44,9 @@ def _worker(args):
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
   sys.path.insert(0, args.tree)
   os.chdir(args.tree)
+  if args.devices > 1:  # host devices, before jax starts
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
   import jax
   import numpy as np
 
@@ -62,8 +66,9 @@ def _worker(args):
     batch_buckets=(b,),
     param_dtype=args.param_dtype,
     **({"decode_layers": args.decode_layers} if args.decode_layers else {}),  # per tree (_start's flags)
+    **({"mesh_shape": (args.devices, 1, 1)} if args.devices > 1 else {}),
   )
-  smp = S.Sampler(graphdef, cfg, scfg)
+  smp = S.Sampler(graphdef, cfg, scfg, **({"mesh": S.sampler_mesh(scfg)} if args.devices > 1 else {}))
   params = smp.prepare_params(params)
   prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (b, tp)).tolist()
   key = jax.random.key(0)
@@ -86,7 +91,7 @@ def _worker(args):
 
 
 def _start(tree: str, args, extra=()):
-  """A worker on `tree` (one CPU device, as benchmarks.sampler runs without --devices)."""
+  """A worker on `tree` (one CPU device unless --devices / --base_devices, as benchmarks.sampler)."""
   from benchmarks import tree_ab  # the driver's side only: a worker runs against an older tree
 
   flags = [f"--{k}={getattr(args, k)}" for k in ("model", "batch", "prompt", "new", "threads", "param_dtype")]
@@ -110,6 +115,13 @@ def _parser():
     help="SamplerConfig.decode_layers of THIS tree's sampler (scan | unrolled; empty: its default); the base keeps "
     "its own default (with --base=HEAD: this tree's decode layers against its committed default)",
   )
+  p.add_argument(
+    "--devices",
+    type=int,
+    default=1,
+    help="host devices of THIS tree's sampler (the batch split over a (N, 1, 1) mesh, the same --threads cores)",
+  )
+  p.add_argument("--base_devices", type=int, default=1, help="host devices of the base's sampler")
   p.add_argument(
     "--base_decode_layers",
     default="",
@@ -155,6 +167,8 @@ def main(argv=None):
     old_tree = tree_ab.unpack(base, os.path.join(tmp, base))
     this_flags = [f"--decode_layers={args.decode_layers}"] if args.decode_layers else []
     base_flags = [f"--decode_layers={args.base_decode_layers}"] if args.base_decode_layers else []
+    this_flags += [f"--devices={args.devices}"] if args.devices > 1 else []
+    base_flags += [f"--devices={args.base_devices}"] if args.base_devices > 1 else []
     procs = {"this": _start(ROOT, args, this_flags), "base": _start(old_tree, args, base_flags)}
     try:
       info = {k: tree_ab.reply(pr) for k, pr in procs.items()}  # both compiled and warm
@@ -187,6 +201,8 @@ def main(argv=None):
     "param_dtype": args.param_dtype,
     "decode_layers": args.decode_layers or "default",
     "base_decode_layers": args.base_decode_layers or "default",
+    "devices": args.devices,
+    "base_devices": args.base_devices,
     "rounds": args.rounds,
     "calls": args.calls,
     "peak_flops": roof["peak_flops"],
@@ -205,9 +221,10 @@ def main(argv=None):
   f, s = out["roofline_fraction"], out["speedup_base_over_this"]
   print(
     f"generate B={args.batch} Tp={args.prompt} Tn={args.new} ({args.model}, {args.threads} threads): this {head} "
-    f"(decode_layers {args.decode_layers or 'default'}) "
+    f"(decode_layers {args.decode_layers or 'default'}, {args.devices} device(s)) "
     f"{out['median_generate_s']['this']:.2f} s, roofline {f['this']['median']:.2f} ({f['this']['min']:.2f}-"
-    f"{f['this']['max']:.2f}); base {base} (decode_layers {args.base_decode_layers or 'default'}) "
+    f"{f['this']['max']:.2f}); base {base} (decode_layers {args.base_decode_layers or 'default'}, "
+    f"{args.base_devices} device(s)) "
     f"{out['median_generate_s']['base']:.2f} s, roofline "
     f"{f['base']['median']:.2f} ({f['base']['min']:.2f}-{f['base']['max']:.2f}); speedup {s['median']:.2f}x "
     f"({s['min']:.2f}-{s['max']:.2f}) over {args.rounds} rounds; same tokens {out['same_tokens']}, "
