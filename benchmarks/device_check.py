@@ -136,6 +136,7 @@ class Context:
   start: float  # time.monotonic() at the start
   budget_s: float
   save: Callable[[], None]
+  decode_layers: str = ""  # the sampler's SamplerConfig.decode_layers ("": the run's)
 
   @property
   def deadline(self) -> float:
@@ -553,11 +554,13 @@ def mfu_report(out: dict, tokens: int, device_kind: str, devices: int) -> dict:
 # ----------------------------------------------------------------------------- sampler
 
 
-def _sampler_config(setting, tp: int, tn: int, batches: tuple):
+def _sampler_config(setting, tp: int, tn: int, batches: tuple, decode_layers: str = ""):
   """The run's sampler config (its param_dtype, the async sampler's decode mode) with one (B, Tp, Tn) bucket
-  per batch and no stop token, so that every row draws all Tn tokens."""
+  per batch and no stop token, so that every row draws all Tn tokens; decode_layers: "" keeps the run's."""
   a = setting.spec.async_
   kw = {} if a.decode == "static" else {"decode": a.decode, "chunk_tokens": a.chunk_tokens}
+  if decode_layers:
+    kw["decode_layers"] = decode_layers
   return dataclasses.replace(
     setting.sampler_cfg,
     eos_id=None,
@@ -595,14 +598,14 @@ def sampler_part(ctx: Context, out: dict) -> None:
 
   from benchmarks import memory
   from vcpo_jax.rollout.async_ import resolve_publish_dtype
-  from vcpo_jax.sampler import Sampler, sampler_mesh
+  from vcpo_jax.sampler import Sampler, sampler_mesh, unrolled_decode
 
   setting = memory.load_setting("gsm8k", ctx.overrides)
   cfg = setting.model_cfg
   tp, tn, batches = ctx.shape["s_prompt"], ctx.shape["s_new"], tuple(ctx.shape["batches"])
   cfg = cfg.replace(max_position=max(cfg.max_position, tp + tn))
   device = jax.local_devices()[0]
-  scfg = _sampler_config(setting, tp, tn, batches)
+  scfg = _sampler_config(setting, tp, tn, batches, ctx.decode_layers)
   graphdef, params = random_params(cfg, sampler_mesh(scfg, devices=[device]), ctx.seed)
   sampler = Sampler(graphdef, cfg, scfg, mesh=sampler_mesh(scfg, devices=[device]))  # as the worker builds it
   publish = resolve_publish_dtype(setting.spec.async_.publish_dtype, device.platform)
@@ -615,6 +618,7 @@ def sampler_part(ctx: Context, out: dict) -> None:
     sampler_param_dtype=scfg.param_dtype,
     params_dtype_as_passed=str(jax.tree.leaves(params)[0].dtype),
     decode=scfg.decode,
+    decode_layers="unrolled" if unrolled_decode(scfg, cfg) else "scan",
     batches=[],
   )
   rng = np.random.default_rng(ctx.seed)
@@ -640,7 +644,7 @@ def _sampler_row(sampler, params, prompts, cfg, tp: int, tn: int, ctx: Context, 
     first = time.perf_counter() - t0
   full, full_times, _ = _time(functools.partial(gen, max_new_tokens=tn), ctx.repeats)
   one, _, _ = _time(functools.partial(gen, max_new_tokens=1), ctx.repeats)
-  step_s = max(full - one, 1e-9) / (tn - 1)
+  step_s = (full - one) / (tn - 1)  # <= 0 only where the whole call is noise (tiny shapes on CPU)
   need = decode_bytes(cfg, b, tp + tn / 2, sum(x.nbytes for x in jax.tree.leaves(params)))
   row = {
     "batch": b,
@@ -651,12 +655,14 @@ def _sampler_row(sampler, params, prompts, cfg, tp: int, tn: int, ctx: Context, 
     "generate_s": full,
     "generate_times_s": full_times,
     "prefill_plus_one_token_s": one,
-    "decode_step_s": step_s,
+    "decode_step_s": step_s if step_s > 0 else None,
     "tokens_per_s": b * tn / full,
-    "decode_tokens_per_s": b / step_s,
     **need,
-    "achieved_bytes_per_s": need["total_bytes"] / step_s,
   }
+  if step_s <= 0:
+    row["note"] = "t(Tn tokens) <= t(1 token): the decode steps are within the timing noise; no step figures"
+    return row
+  row.update(decode_tokens_per_s=b / step_s, achieved_bytes_per_s=need["total_bytes"] / step_s)
   if bw:
     row["roofline_fraction"] = row["achieved_bytes_per_s"] / bw
     row["roofline_decode_tokens_per_s"] = b * bw / need["total_bytes"]
@@ -692,6 +698,11 @@ def _parser() -> argparse.ArgumentParser:
     help="hard limit: the process ends at this many seconds, the part in progress recorded as cut off",
   )
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument(
+    "--decode_layers",
+    default="",
+    help="the sampler part's SamplerConfig.decode_layers (scan | unrolled | auto; '' = the run's)",
+  )
   return p
 
 
@@ -713,6 +724,7 @@ def _report(args, argv, devices, tiny: bool, shape: dict, overrides: dict) -> di
     "peak_bf16_flops_per_device": peak_bf16_flops(kind),
     "tiny": tiny,
     "budget_s": args.budget_s,
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
     "shape": {**shape, "model": "tiny" if tiny else "Qwen2.5-1.5B (= configs/gsm8k.py model.shape)", **overrides},
     "errors": {},
   }
@@ -798,7 +810,7 @@ def main(argv=None):
   save()  # a run killed during its first compile still leaves a file
   watchdog = Watchdog(args.limit_s, t_start, report, save).start()
   _log(f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform}); tiny={tiny}; shape {shape}")
-  ctx = Context(shape, overrides, args.repeats, args.seed, t_start, args.budget_s, save)
+  ctx = Context(shape, overrides, args.repeats, args.seed, t_start, args.budget_s, save, args.decode_layers)
   for name in parts:
     run_part(name, functools.partial(PARTS[name], ctx), report, ctx.deadline, save)
   report["memory"] = _memory(devices)
