@@ -98,6 +98,13 @@ def _start(tree: str, args, extra=()):
   return tree_ab.start(__file__, tree, [f"--tree={tree}", *flags, *extra])
 
 
+def _side_flags(decode_layers: str, devices: int) -> list[str]:
+  """One side's worker flags: its decode layers ('' = the tree's default) and host devices."""
+  return ([f"--decode_layers={decode_layers}"] if decode_layers else []) + (
+    [f"--devices={devices}"] if devices > 1 else []
+  )
+
+
 def _parser():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--base", default="ef5c2fb", help="git commit of the older tree")
@@ -165,10 +172,8 @@ def main(argv=None):
   load_start = os.getloadavg()
   with tempfile.TemporaryDirectory(prefix="sampler_ab_") as tmp:
     old_tree = tree_ab.unpack(base, os.path.join(tmp, base))
-    this_flags = [f"--decode_layers={args.decode_layers}"] if args.decode_layers else []
-    base_flags = [f"--decode_layers={args.base_decode_layers}"] if args.base_decode_layers else []
-    this_flags += [f"--devices={args.devices}"] if args.devices > 1 else []
-    base_flags += [f"--devices={args.base_devices}"] if args.base_devices > 1 else []
+    this_flags = _side_flags(args.decode_layers, args.devices)
+    base_flags = _side_flags(args.base_decode_layers, args.base_devices)
     procs = {"this": _start(ROOT, args, this_flags), "base": _start(old_tree, args, base_flags)}
     try:
       info = {k: tree_ab.reply(pr) for k, pr in procs.items()}  # both compiled and warm

@@ -162,13 +162,17 @@ def _lora_kw(cfg: ModelConfig, proj: str) -> dict:
   return dict(frozen=True, lora_rank=rank, lora_scale=cfg.lora_scale)
 
 
+def _rotation(h: int, theta: float, scaling: rope_lib.RopeScaling, positions_bt: jax.Array):
+  inv, m = rope_lib.inv_freq(h, theta, scaling, positions_bt)
+  return rope_lib.tables(positions_bt, inv, m)
+
+
 def rotation(cfg: ModelConfig, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The RoPE (cos, sin) [B, T, 1, H] of a forward's positions under cfg's theta and scaling (`rope_lib.tables`).
 
   A cached forward (the sampler's) computes it once for all layers, outside the layer scan; a forward without
-  a cache (the learner) leaves it to each layer (no [B, T, H] buffers held across the scan and its backward)."""
-  inv, m = rope_lib.inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, positions_bt)
-  return rope_lib.tables(positions_bt, inv, m)
+  a cache (the learner) leaves it to each layer, as before (its programs unchanged)."""
+  return _rotation(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, positions_bt)
 
 
 def rotation_table(cfg: ModelConfig, num_positions: int) -> tuple[jax.Array, jax.Array] | None:
@@ -176,7 +180,7 @@ def rotation_table(cfg: ModelConfig, num_positions: int) -> tuple[jax.Array, jax
   frequencies depend on the call's largest position).
 
   The sampler's decode loop makes it once per call: inside the loop XLA:CPU fuses a step's sin and cos into
-  every layer's q and k fusion, once per head (10% of the 10M decode step), where a table is only read."""
+  every layer's q and k fusion, evaluated once per head, where a table is only read."""
   if cfg.rope_scaling.rope_type == "dynamic":
     return None
   cos, sin = rotation(cfg, jnp.arange(num_positions, dtype=jnp.int32)[None])
@@ -225,8 +229,7 @@ class Attention(nnx.Module):
     if self.q_norm is not None:  # Qwen3: per-head RMSNorm over H before RoPE
       q, kk = self.q_norm(q), self.k_norm(kk)
     if rot is None:
-      inv, m = rope_lib.inv_freq(h, self.rope_theta, self.rope_scaling, positions_bt)
-      rot = rope_lib.tables(positions_bt, inv, m)
+      rot = _rotation(h, self.rope_theta, self.rope_scaling, positions_bt)
     q, kk = rope_lib.rotate(q, *rot), rope_lib.rotate(kk, *rot)
     vv = self.v_proj(x_btd).reshape(b, t, k, h)
     q, kk, vv = (sh.constrain(a, sh.HEADS_BTNH) for a in (q, kk, vv))
