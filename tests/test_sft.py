@@ -288,9 +288,17 @@ def test_warm_start_is_cached_and_reused(tok, model, tmp_path, monkeypatch):
   # who trained the parameters: recorded when they were built, carried through the cache
   assert rec1["provenance"] == rec2["provenance"] and rec1["provenance"]["versions"]["jax"] == jax.__version__
   assert 0.0 <= rec1["greedy_accuracy"] <= 1.0 and np.isfinite(rec1["final_loss"])
-  # A different config misses the cache (and would train).
+  assert rec1["fields"]["numerics"] == rec2["fields"]["numerics"]
+  # A different config misses the cache (and would train); so does another machine's (a cache shared over a
+  # network file system by two kinds of CPU).
   with pytest.raises(AssertionError, match="must not train"):
     sft.warm_start(graphdef, params, cfg, tok, probs, dataclasses.replace(sft_cfg, lr=sft_cfg.lr * 2))
+  from vcpo_jax import provenance
+
+  real = provenance.numerics()
+  monkeypatch.setattr(provenance, "numerics", lambda: {**real, "cpu": {**real["cpu"], "model": "another CPU"}})
+  with pytest.raises(AssertionError, match="must not train"):
+    sft.warm_start(graphdef, params, cfg, tok, probs, sft_cfg)
 
 
 def test_cache_key_changes_with_every_relevant_field(tok, model, tmp_path):
@@ -343,8 +351,57 @@ def test_cache_key_is_pinned(tok, model, tmp_path):
   fixed = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.int32)}
   fields = sft.key_fields(fixed, cfg, tok, probs, spec.sft_config())
   assert fields["problems_sha256"] == "1031237fef154c0e4054e2920f1c671aadfdea4f34e71555241a1ac8e63757a9"
-  # 6d7c3e3611b2ec1b1a540e6d at CACHE_VERSION 2 (the same fields); 3: the parameters' leaves are stacked layers
-  assert sft.cache_key(fields) == "0160f6092b49a9571747601c"
+  # 6d7c3e3611b2ec1b1a540e6d at CACHE_VERSION 2 (the same fields); 0160f6092b49a9571747601c at 3 (the
+  # parameters' leaves are stacked layers); 4: the key holds the numerics as well (`numerics_fields`)
+  assert sft.cache_key(fields) == "239dfe162afe14adf7248858"
+
+
+def test_cache_key_holds_the_numerics(tok, model, tmp_path, monkeypatch):
+  """The train step's program, the rows it reads, the XLA build and the machine enter the key: a change to the
+  step's arithmetic, the examples, jaxlib or the CPU's instruction sets trains anew; the same arithmetic written
+  elsewhere (other source lines) keeps the key, and so does a second call."""
+  import jaxlib
+
+  from vcpo_jax import provenance
+
+  cfg, graphdef, params = model
+  spec = _spec(tmp_path)
+  sft_cfg = spec.sft_config()
+  probs = spec.task.make_problems("train", 32, spec.seed)
+  ex = sft.build_examples(probs, tok, sft_cfg.max_prompt_len, sft_cfg.max_new_tokens)
+
+  def numerics(examples=ex, **over):
+    return sft.numerics_fields(graphdef, params, examples, dataclasses.replace(sft_cfg, **over))
+
+  base = numerics()
+  assert numerics() == base
+  assert base["device"] == f"cpu:{jax.devices()[0].device_kind}" and base["jaxlib"] == jaxlib.__version__
+  assert base["cpu"]["threads"] >= 1 and len(base["train_step_sha256"]) == 64
+  loss = sft.sft_loss
+
+  def same_loss(graphdef, params, tokens_bt, valid_bt, loss_bt):  # the same ops, from another source line
+    return loss(graphdef, params, tokens_bt, valid_bt, loss_bt)
+
+  monkeypatch.setattr(sft, "sft_loss", same_loss)
+  assert numerics() == base
+  monkeypatch.setattr(sft, "sft_loss", lambda *a: 2.0 * loss(*a))  # other arithmetic: another program
+  doubled = numerics()
+  monkeypatch.setattr(sft, "sft_loss", loss)
+  tokens = ex.tokens_mt.copy()
+  tokens[0, -1] += 1
+  variants = {
+    "loss": doubled["train_step_sha256"],
+    "lr": numerics(lr=sft_cfg.lr / 2)["train_step_sha256"],  # the schedule is traced into the step
+    "rows": numerics(batch_size=4)["train_step_sha256"],
+    "examples": numerics(examples=dataclasses.replace(ex, tokens_mt=tokens))["examples_sha256"],
+  }
+  assert all(v != base[k] for k, v in zip(("train_step_sha256",) * 3 + ("examples_sha256",), variants.values()))
+  assert len(set(variants.values())) == len(variants)
+  key = sft.cache_key({"numerics": base})
+  real = provenance.numerics()
+  for change in ({"jaxlib": "0.0.1"}, {"cpu": {**real["cpu"], "flags_sha256": "another"}}, {"xla_flags": "--x"}):
+    monkeypatch.setattr(provenance, "numerics", lambda change=change: {**real, **change})
+    assert sft.cache_key({"numerics": numerics()}) != key, change
 
 
 def test_moe_warm_start_trains_and_is_shared_with_and_without_replay(tok, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ gives None, never an error.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -51,6 +52,41 @@ def cpu_model() -> str | None:
   except OSError:
     pass
   return platform.processor() or None
+
+
+def cpu_flags() -> str | None:
+  """The CPU's instruction-set flags ("flags" in /proc/cpuinfo, sorted), or None where there is none."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.lower().startswith("flags"):
+          return " ".join(sorted(line.split(":", 1)[1].split()))
+  except OSError:
+    pass
+  return None
+
+
+def numerics() -> dict:
+  """What decides the floats of a jitted program besides the program itself: the XLA build, XLA_FLAGS, the
+  device kind and, on a CPU, its model, the instruction sets XLA:CPU emits vector code for and the threads it
+  splits work over. A result cached under a program's text and this record is one this machine would compute
+  again (the SFT warm start's cache key: sft.numerics_fields)."""
+  import jax
+
+  dev = jax.devices()[0]
+  out = {
+    "jaxlib": versions(("jaxlib",))["jaxlib"],
+    "xla_flags": os.environ.get("XLA_FLAGS"),
+    "device": f"{dev.platform}:{dev.device_kind}",
+  }
+  if dev.platform == "cpu":
+    flags = cpu_flags()
+    out["cpu"] = {
+      "model": cpu_model(),
+      "flags_sha256": flags and hashlib.sha256(flags.encode()).hexdigest()[:16],
+      "threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+  return out
 
 
 def versions(packages=PACKAGES) -> dict:

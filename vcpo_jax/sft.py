@@ -23,15 +23,19 @@ task that can (`can_demonstrate_wrong`) writes well-formed wrong answers
 (`demonstrate_wrong`); nothing here knows a task by name.
 
 Cache: the trained parameters are stored as one safetensors file named by a
-SHA-256 over everything that determines them (`cache_key`: model config, a
-digest of the initial parameters, tokenizer vocabulary / EOS / chat template,
-task, template, generator knobs, prompt/response budgets, the training
-problems, SFT steps / lr / batch size, seed, code version), under
-`sft.cache_dir` or ~/.cache/vcpo_jax/sft. Writes are atomic (temporary file
-then rename), so concurrent runs never read half a file. A second run with the
-same config loads the file and trains nothing. Each call writes
-`<workdir>/sft.json` (key, losses, accuracies, wall time, cache hit or not, and
-the provenance of the code that trained the parameters: vcpo_jax.provenance).
+SHA-256 over everything that determines them (`cache_key`): the config and
+inputs (`key_fields`: model config, a digest of the initial parameters,
+tokenizer vocabulary / EOS / chat template, task, template, generator knobs,
+prompt/response budgets, the training problems, SFT steps / lr / batch size,
+seed, cache version) and the numerics (`numerics_fields`: the train step's
+lowered program, the rows it trains on, the XLA build and the machine), under
+`sft.cache_dir` or ~/.cache/vcpo_jax/sft. A code change that alters the
+arithmetic, another jaxlib or another CPU misses the cache and trains again.
+Writes are atomic (temporary file then rename), so concurrent runs never read
+half a file. A second run with the same config, code and machine loads the
+file and trains nothing. Each call writes `<workdir>/sft.json` (key, losses,
+accuracies, wall time, cache hit or not, and the provenance of the code that
+trained the parameters: vcpo_jax.provenance).
 The cache directory and the workdir may be URLs: every file goes through
 vcpo_jax.fs.
 """
@@ -63,8 +67,9 @@ from vcpo_jax.sharding import path_str  # dotted parameter names, shared with th
 log = logging.getLogger("vcpo_jax")
 
 # Bump when the training recipe or the target format changes: old caches stop matching.
-# 3: the decoder layers stacked [L, ...]; 2: per-layer leaves named by sharding.path_str; 1: jax keystr
-CACHE_VERSION = 3
+# 4: the key holds the numerics (numerics_fields); 3: the decoder layers stacked [L, ...]; 2: per-layer leaves
+# named by sharding.path_str; 1: jax keystr
+CACHE_VERSION = 4
 # Held out of the SFT examples to report the accuracy reached (capped by the pool size).
 NUM_REPORT_PROBLEMS = 64
 
@@ -377,10 +382,11 @@ def _model_key(model_cfg) -> dict:
 
 
 def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Problem], cfg: SFTConfig) -> dict:
-  """Everything the warm-start result depends on, as a JSON-able dict (see `cache_key`).
+  """The config and inputs the warm start depends on, as a JSON-able dict (see `cache_key`; the numerics are
+  `numerics_fields`).
 
-  The dict's names and values are those of the RunSpec-based key before SFTConfig existed (existing caches
-  still hit; tests/test_sft.py pins one key): rename a field here only with a CACHE_VERSION bump.
+  The dict's names and values are those of the RunSpec-based key before SFTConfig existed (tests/test_sft.py
+  pins one key): rename a field here only with a CACHE_VERSION bump.
   """
   probs = hashlib.sha256()
   for p in train_problems:
@@ -407,8 +413,29 @@ def key_fields(params, model_cfg, tokenizer, train_problems: Sequence[tasks.Prob
   }
 
 
+def numerics_fields(graphdef, params, examples: Examples, cfg: SFTConfig) -> dict:
+  """What decides the trained floats besides `key_fields`: the train step's lowered StableHLO (no source
+  locations: an edit that changes the arithmetic changes it, an edited comment does not), the rows it trains
+  on (`build_examples`' output) and the compiler and machine (`provenance.numerics`)."""
+  tx = make_optimizer(cfg.lr, cfg.steps)
+  rows = min(cfg.batch_size, len(examples))
+  batch = [
+    jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype)
+    for a in (examples.tokens_mt, examples.valid_mt, examples.loss_mt)
+  ]
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), params
+  )
+  program = make_train_step(graphdef, tx).lower(abstract, jax.eval_shape(tx.init, abstract), *batch).as_text()
+  return {
+    "train_step_sha256": hashlib.sha256(program.encode()).hexdigest(),
+    "examples_sha256": _digest_arrays([examples.tokens_mt, examples.valid_mt, examples.loss_mt]),
+    **provenance.numerics(),
+  }
+
+
 def cache_key(fields: dict) -> str:
-  """SHA-256 (hex, 24 chars) of the canonical JSON of `key_fields`."""
+  """SHA-256 (hex, 24 chars) of the canonical JSON of `key_fields` (with "numerics": `numerics_fields`)."""
   return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -486,7 +513,12 @@ def warm_start(
     params, same structure as the input.
   """
   t0 = time.time()
+  report, fit = _held_out(train_problems)
+  examples = build_examples(
+    fit, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, cfg.chat_template, noise=cfg.noise, seed=cfg.seed
+  )
   fields = key_fields(params, model_cfg, tokenizer, train_problems, cfg)
+  fields["numerics"] = numerics_fields(graphdef, params, examples, cfg)
   key = cache_key(fields)
   path = fs.join(cache_dir(cfg), f"{key}.safetensors")
   hit = load_params(path, params)
@@ -501,7 +533,7 @@ def warm_start(
     )
     record = dict(meta, cached=True, load_s=time.time() - t0, path=path)
   else:
-    record = _build(graphdef, params, model_cfg, tokenizer, train_problems, cfg, key, fields)
+    record = _build(graphdef, params, model_cfg, tokenizer, examples, report, cfg, key, fields)
     params = record.pop("params")
     save_params(path, params, record)
     record.update(cached=False, path=path)
@@ -510,14 +542,15 @@ def warm_start(
   return params
 
 
-def _build(graphdef, params, model_cfg, tokenizer, train_problems, cfg, key, fields) -> dict:
+def _held_out(train_problems) -> tuple[list, list]:
+  """(report, fit): the last few problems, never trained on, report the accuracy reached; the rest train."""
   problems = list(train_problems)
-  # Hold out a few problems (never trained on) to report the accuracy reached.
   n_report = min(NUM_REPORT_PROBLEMS, len(problems) // 4)
-  report, fit = problems[len(problems) - n_report :], problems[: len(problems) - n_report]
-  examples = build_examples(
-    fit, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, cfg.chat_template, noise=cfg.noise, seed=cfg.seed
-  )
+  return problems[len(problems) - n_report :], problems[: len(problems) - n_report]
+
+
+def _build(graphdef, params, model_cfg, tokenizer, examples, report, cfg, key, fields) -> dict:
+  n_report = len(report)
   t0 = time.time()
   params, losses = train(
     graphdef,
