@@ -360,8 +360,9 @@ def _tokenizer_fingerprint(tokenizer) -> dict:
 def _model_key(model_cfg) -> dict:
   """The model config's fields for the cache key; Qwen3's q/k norm, RoPE scaling and the LoRA fields are absent
   at their defaults (off, plain RoPE, no adapters) so that the keys of caches written before those fields existed
-  still hold; so are the MoE fields of a dense model. Fields that do not change the trained parameters
-  (scan_layers, routing_replay, moe_matmul) are absent for every model."""
+  still hold; so are the MoE fields of a dense model. Execution choices with the same math (scan_layers,
+  routing_replay, moe_matmul) are absent for every model: where one rounds differently, its train step's
+  program does too, and `numerics_fields` keys it."""
   fields = dataclasses.asdict(model_cfg)
   if not model_cfg.qk_norm:
     fields.pop("qk_norm")
@@ -370,7 +371,7 @@ def _model_key(model_cfg) -> dict:
   if not model_cfg.lora_rank:
     for f in model_config.LORA_FIELDS:
       fields.pop(f)
-  fields.pop("scan_layers")  # scanned or unrolled: the same stacked parameters and equal results
+  fields.pop("scan_layers")  # scanned or unrolled: the same stacked parameters, the same math
   # MoE: the warm start trains without a routing record, so routing replay (the RL learner's switch) does not
   # change it, and the grouped matmuls are equal; runs with and without replay share one warm start
   fields.pop("routing_replay")
