@@ -54,6 +54,11 @@ def cpu_model() -> str | None:
   return platform.processor() or None
 
 
+def affinity() -> int | None:
+  """How many CPUs this process may run on (its scheduler affinity), or None where the OS does not say."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def cpu_flags() -> str | None:
   """The CPU's instruction-set flags ("flags" in /proc/cpuinfo, sorted), or None where there is none."""
   try:
@@ -84,7 +89,7 @@ def numerics() -> dict:
     out["cpu"] = {
       "model": cpu_model(),
       "flags_sha256": flags and hashlib.sha256(flags.encode()).hexdigest()[:16],
-      "threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+      "threads": affinity() or os.cpu_count(),
     }
   return out
 
@@ -121,7 +126,7 @@ def collect() -> dict:
     "versions": versions(),
     "cpu_model": cpu_model(),
     "cpu_count": os.cpu_count(),
-    "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    "affinity": affinity(),
     "platform": platform.platform(),
     "xla_flags": os.environ.get("XLA_FLAGS"),
     "devices": devices(),
